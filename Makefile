@@ -1,0 +1,23 @@
+# Two commands for a fresh machine: `make demo` and `make test` (each installs what it needs).
+PYTHON ?= python3
+export PYTHON
+
+.PHONY: install install-test demo test lint bench
+
+install:
+	bash scripts/install.sh
+
+install-test:
+	bash scripts/install.sh test
+
+demo: install
+	$(PYTHON) examples/demo.py
+
+lint:
+	$(PYTHON) -m ruff check .
+
+test: install-test lint
+	$(PYTHON) -m pytest -q
+
+bench: install-test
+	$(PYTHON) benchmarks/sim_overhead.py

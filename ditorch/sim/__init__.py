@@ -1,0 +1,95 @@
+"""The simulated accelerator ``sim``: a PyTorch PrivateUse1 backend that computes on the CPU.
+
+It stands in for a vendor device in tests and demos: tensors report ``device='sim:0'``, every aten
+op works on them with the CPU's exact numbers, and faults can be injected (see ``faults``).
+
+>>> import torch, ditorch.sim
+>>> ditorch.sim.register()
+>>> (torch.ones(2, device="sim") * 3).cpu()
+tensor([3., 3.])
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from .fault_injection import (  # noqa: F401 - public API
+    Fault,
+    SimUnsupportedError,
+    clear_faults,
+    faults,
+    inject_fault,
+    parse_faults,
+    set_faults,
+)
+
+NAME = "sim"
+COUNT_VAR = "DITORCH_SIM_DEVICE_COUNT"
+_lock = threading.Lock()
+_libraries: list = []
+
+
+def is_registered() -> bool:
+    return bool(_libraries)
+
+
+def _device_count_from_env() -> int:
+    text = os.environ.get(COUNT_VAR, "1")
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise ValueError(f"{COUNT_VAR}={text!r}: expected a positive integer (the number of sim devices)")
+    return count
+
+
+def register() -> None:
+    """Make ``sim`` a PyTorch device (PrivateUse1 renamed), with ``torch.sim`` as its module.
+
+    Idempotent. Reads ``DITORCH_SIM_DEVICE_COUNT`` and ``DITORCH_SIM_FAULTS``; raises
+    ``ValueError`` naming the variable when either is malformed, and ``RuntimeError`` when
+    PrivateUse1 already belongs to another backend.
+    """
+    with _lock:
+        if _libraries:
+            return
+        import torch
+
+        from . import autocast, device_module, serialization, tensor
+        from .fault_injection import load_from_env
+
+        count = _device_count_from_env()
+        load_from_env()
+        taken = torch._C._get_privateuse1_backend_name()
+        if taken not in ("privateuseone", NAME):
+            raise RuntimeError(f"sim: PrivateUse1 is already the backend {taken!r}; the sim device cannot be registered")
+        from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+        _setup_privateuseone_for_python_backend(NAME, backend_module=device_module)
+        tensor.set_device_count(count)
+        factories = torch.library.Library("_", "IMPL")
+        factories.fallback(_fallback, "PrivateUse1")
+        # Paths that call ops with the Python key excluded (torch.tensor(data, device=...)) reach
+        # per-op kernels only, never the fallback.
+        copies = torch.library.Library("aten", "IMPL")
+        for name in ("_copy_from", "_copy_from_and_resize", "copy_"):
+            copies.impl(name, _per_op(getattr(torch.ops.aten, name).default), "PrivateUse1")
+        _libraries.extend([factories, copies, *autocast.register(NAME)])
+        serialization.install()
+
+
+def _fallback(op, *args, **kwargs):
+    from .tensor import run_op
+
+    return run_op(op, args, kwargs)
+
+
+def _per_op(op):
+    from .tensor import run_op
+
+    def kernel(*args, **kwargs):
+        return run_op(op, args, kwargs)
+
+    return kernel

@@ -1,0 +1,290 @@
+"""``torch.sim``: the device module of the sim device, shaped like ``torch.cuda``.
+
+The sim device computes on the host, synchronously; its random numbers come from the CPU's
+default generator, so a run on sim draws exactly the numbers the same run on CPU draws.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+
+import torch
+
+from .tensor import MEMORY, _Device
+
+_AMP_DTYPES = [torch.float16, torch.bfloat16]
+
+
+def is_available() -> bool:
+    return True
+
+
+def is_initialized() -> bool:
+    return True
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def _lazy_init() -> None:
+    pass
+
+
+def device_count() -> int:
+    return _Device.count
+
+
+def current_device() -> int:
+    return _Device.current()
+
+
+def _index(device) -> int:
+    if device is None:
+        return _Device.current()
+    if isinstance(device, int):
+        return _Device.check(device)
+    device = torch.device(device)
+    if device.type != "sim":
+        raise ValueError(f"sim: expected a sim device, got {device}")
+    return _Device.check(device.index) if device.index is not None else _Device.current()
+
+
+def set_device(device) -> None:
+    _Device.set_current(_index(device))
+
+
+class device:  # noqa: N801 - named as torch.cuda.device
+    """Context manager that makes ``device`` current, and restores the previous one on exit."""
+
+    def __init__(self, device) -> None:
+        self.index = _index(device) if device is not None else None
+        self.previous = None
+
+    def __enter__(self):
+        self.previous = _Device.current()
+        if self.index is not None:
+            _Device.set_current(self.index)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _Device.set_current(self.previous)
+
+
+def synchronize(device=None) -> None:
+    """The sim device runs every op to completion before returning: nothing to wait for."""
+    _index(device)
+
+
+# Random numbers: the CPU default generator is the sim device's generator too.
+def manual_seed(seed: int) -> None:
+    torch.default_generator.manual_seed(int(seed))
+
+
+manual_seed_all = manual_seed
+
+
+def seed() -> None:
+    torch.default_generator.seed()
+
+
+seed_all = seed
+
+
+def initial_seed() -> int:
+    return torch.default_generator.initial_seed()
+
+
+def get_rng_state(device=None) -> torch.Tensor:
+    return torch.default_generator.get_state()
+
+
+def set_rng_state(state: torch.Tensor, device=None) -> None:
+    torch.default_generator.set_state(state)
+
+
+def get_rng_state_all() -> list:
+    return [get_rng_state() for _ in range(device_count())]
+
+
+def set_rng_state_all(states) -> None:
+    for state in states:
+        set_rng_state(state)
+
+
+# Memory statistics: real bytes of the sim device's live storages.
+def memory_allocated(device=None) -> int:
+    return MEMORY.allocated.get(_index(device), 0)
+
+
+def max_memory_allocated(device=None) -> int:
+    return MEMORY.peak.get(_index(device), 0)
+
+
+memory_reserved = memory_allocated
+max_memory_reserved = max_memory_allocated
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    MEMORY.reset_peak(_index(device))
+
+
+reset_max_memory_allocated = reset_peak_memory_stats
+
+
+def empty_cache() -> None:
+    """The sim device keeps no cache."""
+
+
+def memory_stats(device=None) -> dict:
+    return {
+        "allocated_bytes.all.current": memory_allocated(device),
+        "allocated_bytes.all.peak": max_memory_allocated(device),
+        "reserved_bytes.all.current": memory_reserved(device),
+        "reserved_bytes.all.peak": max_memory_reserved(device),
+    }
+
+
+def _host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+def mem_get_info(device=None) -> tuple[int, int]:
+    total = _host_memory()
+    return max(total - memory_allocated(device), 0), total
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProperties:
+    name: str
+    total_memory: int
+    major: int
+    minor: int
+    multi_processor_count: int
+    is_integrated: bool = True
+
+
+def get_device_properties(device=None) -> DeviceProperties:
+    _index(device)
+    return DeviceProperties("sim", _host_memory(), 1, 0, os.cpu_count() or 1)
+
+
+def get_device_name(device=None) -> str:
+    return get_device_properties(device).name
+
+
+def get_device_capability(device=None) -> tuple[int, int]:
+    props = get_device_properties(device)
+    return props.major, props.minor
+
+
+def is_bf16_supported(including_emulation: bool = True) -> bool:
+    return True
+
+
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    return list(_AMP_DTYPES)
+
+
+class Stream:
+    """A sim stream: work is already finished when an op returns, so streams only keep order."""
+
+    def __init__(self, device=None, priority: int = 0, **kwargs) -> None:
+        self.device = torch.device("sim", _index(device))
+        self.priority = priority
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def record_event(self, event=None):
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def __eq__(self, other) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __repr__(self) -> str:
+        return f"<torch.sim.Stream device={self.device}>"
+
+
+_DEFAULT_STREAMS: dict[int, Stream] = {}
+_CURRENT_STREAM: dict[int, Stream] = {}
+
+
+def default_stream(device=None) -> Stream:
+    index = _index(device)
+    if index not in _DEFAULT_STREAMS:
+        _DEFAULT_STREAMS[index] = Stream(index)
+    return _DEFAULT_STREAMS[index]
+
+
+def current_stream(device=None) -> Stream:
+    index = _index(device)
+    return _CURRENT_STREAM.get(index) or default_stream(index)
+
+
+def set_stream(stream: Stream) -> None:
+    _CURRENT_STREAM[stream.device.index] = stream
+
+
+@contextlib.contextmanager
+def stream(s: Stream | None):
+    """Make ``s`` the current stream of its device for the block (``None`` is a no-op)."""
+    if s is None:
+        yield
+        return
+    previous = _CURRENT_STREAM.get(s.device.index)
+    _CURRENT_STREAM[s.device.index] = s
+    try:
+        yield
+    finally:
+        if previous is None:
+            _CURRENT_STREAM.pop(s.device.index, None)
+        else:
+            _CURRENT_STREAM[s.device.index] = previous
+
+
+class Event:
+    """A sim event records the host clock; ``elapsed_time`` is in milliseconds, as for CUDA."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self.enable_timing = enable_timing
+        self._time: float | None = None
+
+    def record(self, stream: Stream | None = None) -> None:
+        self._time = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Stream | None = None) -> None:
+        pass
+
+    def elapsed_time(self, end: Event) -> float:
+        if not (self.enable_timing and end.enable_timing):
+            raise RuntimeError("sim: Events must be created with enable_timing=True to measure elapsed time")
+        if self._time is None or end._time is None:
+            raise RuntimeError("sim: both events must be recorded before elapsed_time()")
+        return (end._time - self._time) * 1000.0

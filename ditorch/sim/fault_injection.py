@@ -1,0 +1,191 @@
+"""Fault injection for the sim device: make chosen aten ops fail, drift, or poison their outputs.
+
+A fault spec is ``pattern[@dtype]:kind`` with ``kind`` one of ``unsupported``, ``nan``, ``inf``,
+``noise=<relative error>`` or ``slow=<milliseconds>``; several specs are joined by ``;``.
+``pattern`` is a regular expression matched against the whole op name, with or without its
+overload (``mm``, ``add.Tensor``, ``aten::rsqrt``, ``.*``).
+
+    DITORCH_SIM_FAULTS="mm:noise=1e-3;.*@float64:unsupported"
+
+    with ditorch.sim.faults("gelu:nan"):
+        ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import threading
+import time
+
+import torch
+
+ENV_VAR = "DITORCH_SIM_FAULTS"
+FORM = "'pattern[@dtype]:kind' joined by ';', kind one of unsupported, nan, inf, noise=<rel>, slow=<ms>"
+KINDS_WITH_VALUE = {"noise", "slow"}
+KINDS = {"unsupported", "nan", "inf"} | KINDS_WITH_VALUE
+
+
+class SimUnsupportedError(RuntimeError):
+    """Raised by an op the sim device was told not to support, as a vendor's missing kernel does."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    pattern: re.Pattern
+    kind: str
+    value: float = 0.0
+    dtype: torch.dtype | None = None
+
+    def matches_name(self, packet: str, full: str) -> bool:
+        return bool(self.pattern.fullmatch(packet) or self.pattern.fullmatch(full))
+
+    def __str__(self) -> str:
+        dtype = f"@{str(self.dtype).removeprefix('torch.')}" if self.dtype else ""
+        value = f"={self.value:g}" if self.kind in KINDS_WITH_VALUE else ""
+        return f"{self.pattern.pattern}{dtype}:{self.kind}{value}"
+
+
+def _bad(source: str, text: str, why: str) -> ValueError:
+    return ValueError(f"{source}={text!r}: {why}; expected {FORM}")
+
+
+def _parse_dtype(name: str, source: str, text: str) -> torch.dtype:
+    dtype = getattr(torch, name.strip().removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise _bad(source, text, f"unknown dtype {name!r}")
+    return dtype
+
+
+def parse_faults(text: str, source: str = ENV_VAR) -> list[Fault]:
+    """Parse a fault spec; a malformed one is a ValueError naming ``source`` and the expected form."""
+    faults = []
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        target, sep, kind_text = entry.rpartition(":")
+        if not sep or not target:
+            raise _bad(source, text, f"entry {entry!r} has no ':kind'")
+        kind, _, value_text = kind_text.strip().partition("=")
+        if kind not in KINDS:
+            raise _bad(source, text, f"unknown fault kind {kind!r}")
+        value = 0.0
+        if kind in KINDS_WITH_VALUE:
+            try:
+                value = float(value_text)
+            except ValueError:
+                raise _bad(source, text, f"{kind} needs a number, got {value_text!r}") from None
+        elif value_text:
+            raise _bad(source, text, f"{kind} takes no value")
+        pattern_text, _, dtype_text = target.partition("@")
+        dtype = _parse_dtype(dtype_text, source, text) if dtype_text else None
+        pattern_text = pattern_text.strip().removeprefix("aten::")
+        try:
+            pattern = re.compile(pattern_text)
+        except re.error as e:
+            raise _bad(source, text, f"invalid regular expression {pattern_text!r} ({e})") from None
+        faults.append(Fault(pattern, kind, value, dtype))
+    return faults
+
+
+class FaultTable:
+    """The active faults, with a per-op cache so that ops without faults cost one dict lookup."""
+
+    def __init__(self) -> None:
+        self._faults: list[Fault] = []
+        self._by_op: dict = {}
+        self._lock = threading.Lock()
+        self.active = False
+        # A private generator: injected noise must not consume the user's random stream.
+        self._noise_gen = torch.Generator().manual_seed(0)
+
+    def set(self, faults: list[Fault]) -> None:
+        with self._lock:
+            self._faults = list(faults)
+            self._by_op = {}
+            self.active = bool(self._faults)
+
+    def current(self) -> list[Fault]:
+        return list(self._faults)
+
+    def for_op(self, func) -> tuple[Fault, ...]:
+        found = self._by_op.get(func)
+        if found is None:
+            packet = func._schema.name.removeprefix("aten::")
+            overload = func._overloadname
+            full = f"{packet}.{overload}" if overload != "default" else packet
+            found = tuple(f for f in self._faults if f.matches_name(packet, full))
+            self._by_op[func] = found
+        return found
+
+    def before(self, func, faults, dtypes) -> None:
+        for fault in faults:
+            if fault.dtype is not None and fault.dtype not in dtypes:
+                continue
+            if fault.kind == "unsupported":
+                dtype = f" for {fault.dtype}" if fault.dtype else ""
+                raise SimUnsupportedError(
+                    f"sim: {func._schema.name}.{func._overloadname} is not supported{dtype} on this device "
+                    f"(injected fault '{fault}')"
+                )
+            if fault.kind == "slow":
+                time.sleep(fault.value / 1000.0)
+
+    def after(self, faults, dtypes, outputs) -> None:
+        for fault in faults:
+            if fault.kind not in ("noise", "nan", "inf"):
+                continue
+            if fault.dtype is not None and fault.dtype not in dtypes:
+                continue
+            for out in outputs:
+                if out.is_floating_point() or out.is_complex():
+                    self._poison(fault, out)
+
+    def _poison(self, fault: Fault, out: torch.Tensor) -> None:
+        if fault.kind == "nan":
+            out.fill_(float("nan"))
+        elif fault.kind == "inf":
+            out.fill_(float("inf"))
+        elif out.numel():
+            # Every element off by exactly the relative error, with a random sign.
+            signs = torch.randint(0, 2, out.shape, generator=self._noise_gen).mul_(2).sub_(1)
+            out.mul_(signs.to(out.dtype).mul_(fault.value).add_(1))
+
+
+TABLE = FaultTable()
+
+
+def load_from_env() -> None:
+    """Install the faults named by ``DITORCH_SIM_FAULTS`` (replacing any set before)."""
+    TABLE.set(parse_faults(os.environ.get(ENV_VAR, "")))
+
+
+def set_faults(spec: str | list[Fault]) -> None:
+    """Replace the active faults with ``spec`` (a spec string or parsed faults)."""
+    TABLE.set(parse_faults(spec, "spec") if isinstance(spec, str) else spec)
+
+
+def clear_faults() -> None:
+    TABLE.set([])
+
+
+@contextlib.contextmanager
+def faults(spec: str):
+    """Add the faults of ``spec`` for the duration of the block, then restore the previous ones.
+
+    >>> with ditorch.sim.faults("mm:noise=1e-3"):
+    ...     y = x @ w   # every element of y is off by 1e-3, relatively
+    """
+    previous = TABLE.current()
+    TABLE.set(previous + parse_faults(spec, "spec"))
+    try:
+        yield
+    finally:
+        TABLE.set(previous)
+
+
+def inject_fault(op: str, kind: str, value: float | None = None, dtype: torch.dtype | None = None) -> None:
+    """Add one fault: ``inject_fault("mm", "noise", 1e-3)``, ``inject_fault(".*", "unsupported", dtype=torch.float64)``."""
+    dtype_text = f"@{str(dtype).removeprefix('torch.')}" if dtype is not None else ""
+    value_text = f"={value}" if value is not None else ""
+    TABLE.set(TABLE.current() + parse_faults(f"{op}{dtype_text}:{kind}{value_text}", "inject_fault"))

@@ -1,0 +1,318 @@
+"""The sim device's tensors and kernels.
+
+A sim tensor is a PrivateUse1 wrapper (``SimTensor``) around a CPU tensor of identical size,
+strides and storage offset (``_data``). Every aten op reaches ``run_op``: through
+``__torch_dispatch__`` for ops with a sim tensor argument, through a PrivateUse1 fallback for
+factories. ``run_op`` swaps each wrapper for its CPU tensor, runs the CPU kernel, and wraps what
+comes back, so views alias, in-place ops mutate and numbers equal the CPU's bit for bit.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+from torch._C import DispatchKey, DispatchKeySet
+
+from . import fault_injection as _faults
+
+_CPU = torch.device("cpu")
+_META_KEYS = DispatchKeySet(DispatchKey.Meta)
+_set_metadata = torch.ops.aten.set_.source_Storage_storage_offset
+
+# Ops that CUDA lets take CPU tensors next to device ones (copies, indices).
+_MIXED_DEVICE_OK = {
+    "aten::copy_", "aten::_copy_from", "aten::_copy_from_and_resize", "aten::_to_copy",
+    "aten::index", "aten::index_put_", "aten::index_put", "aten::_index_put_impl_",
+    "aten::set_", "aten::is_set_to", "aten::_has_same_storage_numel", "aten::is_same_size",
+}
+
+
+class _Device:
+    """Which sim device is current, per thread as torch.cuda does it."""
+
+    count = 1
+    _local = threading.local()
+
+    @classmethod
+    def current(cls) -> int:
+        return getattr(cls._local, "index", 0)
+
+    @classmethod
+    def set_current(cls, index: int) -> None:
+        cls._local.index = cls.check(index)
+
+    @classmethod
+    def check(cls, index: int) -> int:
+        if not 0 <= index < cls.count:
+            raise RuntimeError(
+                f"sim: invalid device ordinal {index}: torch.sim.device_count() is {cls.count} "
+                "(set DITORCH_SIM_DEVICE_COUNT for more)"
+            )
+        return index
+
+
+class _Memory:
+    """Bytes held by live sim storages per device; a storage counts while any sim tensor uses it."""
+
+    def __init__(self) -> None:
+        self.allocated: dict[int, int] = {}
+        self.peak: dict[int, int] = {}
+        self._refs: dict[int, list] = {}  # storage data_ptr -> [tensor count, nbytes, device]
+        self._lock = threading.Lock()
+
+    def track(self, tensor: SimTensor, data: torch.Tensor, index: int) -> None:
+        storage = data.untyped_storage()
+        key = storage.data_ptr()
+        if not key:
+            return
+        with self._lock:
+            ref = self._refs.get(key)
+            if ref is None:
+                self._refs[key] = [1, storage.nbytes(), index]
+                total = self.allocated.get(index, 0) + storage.nbytes()
+                self.allocated[index] = total
+                if total > self.peak.get(index, 0):
+                    self.peak[index] = total
+            else:
+                ref[0] += 1
+        weakref.finalize(tensor, self._release, key)
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            ref = self._refs.get(key)
+            if ref is None:
+                return
+            ref[0] -= 1
+            if ref[0] == 0:
+                del self._refs[key]
+                self.allocated[ref[2]] -= ref[1]
+
+    def reset_peak(self, index: int) -> None:
+        with self._lock:
+            self.peak[index] = self.allocated.get(index, 0)
+
+
+MEMORY = _Memory()
+_DEVICES: list = []  # filled by set_device_count once "sim" is a device name
+
+
+class SimTensor(torch.Tensor):
+    """A tensor on the sim device; ``_data`` is the CPU tensor holding its values."""
+
+    # Without this, Tensor.__torch_function__ would re-wrap plain results (of .cpu()) as SimTensor.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return run_op(func, args, kwargs or {})
+
+    @property
+    def data(self):
+        with torch.no_grad():
+            return self.detach()
+
+    @data.setter
+    def data(self, new):
+        # Tensor.data = x copies only the C++ metadata; the CPU tensor behind it must follow.
+        if not isinstance(new, SimTensor):
+            raise RuntimeError(
+                f"sim: cannot assign a tensor on {new.device} as .data of a tensor on {self.device}"
+            )
+        torch._C.TensorBase.data.__set__(self, new)
+        self._data = new._data
+
+    def __format__(self, spec: str) -> str:
+        # Tensor.__format__ formats 0-dim values only for exact torch.Tensor; repr needs it here too.
+        if self.dim() == 0:
+            return self.detach().item().__format__(spec)
+        return object.__format__(self, spec)
+
+    def tolist(self):
+        return self._data.tolist()
+
+    def data_ptr(self) -> int:
+        return self._data.data_ptr()
+
+    def numpy(self, *, force: bool = False):
+        raise TypeError(
+            f"can't convert {self.device} device type tensor to numpy. "
+            "Use Tensor.cpu() to copy the tensor to host memory first."
+        )
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        # PyTorch prefixes subclasses with their class name; a device tensor prints as tensor(...).
+        text = torch._tensor_str._str(self, tensor_contents=tensor_contents)
+        name = type(self).__name__
+        return "tensor(" + text[len(name) + 1:].replace("\n" + " " * (len(name) + 1), "\n" + " " * 7)
+
+    def __reduce_ex__(self, proto):
+        # Saved as PyTorch saves any storage-less PrivateUse1 tensor (a CPU copy and the device),
+        # never as this class, so that weights_only loading and map_location="cpu" both work.
+        return (
+            torch._utils._rebuild_device_tensor_from_cpu_tensor,
+            (self._data, self.dtype, str(self.device), self.requires_grad),
+        )
+
+
+def wrap(data: torch.Tensor, index: int) -> SimTensor:
+    tensor = torch.Tensor._make_wrapper_subclass(
+        SimTensor, data.size(), strides=data.stride(), storage_offset=data.storage_offset(),
+        dtype=data.dtype, device=_DEVICES[index],
+    )
+    tensor._data = data
+    MEMORY.track(tensor, data, index)
+    return tensor
+
+
+def _sync_metadata(tensor: SimTensor) -> None:
+    """After an op changed a tensor's sizes in place (t_, resize_, out= resizing), mirror them."""
+    data = tensor._data
+    if (tensor.shape != data.shape or tensor.stride() != data.stride()
+            or tensor.storage_offset() != data.storage_offset()):
+        # The Meta kernel of set_ rewrites sizes/strides/offset of any TensorImpl, ours included.
+        storage = torch.Tensor.untyped_storage(tensor)
+        _set_metadata.redispatch(_META_KEYS, tensor, storage, data.storage_offset(), data.shape, data.stride())
+        MEMORY.track(tensor, data, tensor.device.index)
+
+
+class _OpInfo:
+    """What run_op needs to know of an op, computed once from its schema."""
+
+    __slots__ = ("name", "mutated_args", "mutated_kwargs", "is_view", "mixed_ok")
+
+    def __init__(self, func) -> None:
+        schema = func._schema
+        self.name = schema.name
+        self.mixed_ok = schema.name in _MIXED_DEVICE_OK
+        self.mutated_args = []
+        self.mutated_kwargs = []
+        for position, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                (self.mutated_kwargs if arg.kwarg_only else self.mutated_args).append(
+                    arg.name if arg.kwarg_only else position
+                )
+        self.is_view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+_INFO: dict = {}
+
+
+class _Unwrapped:
+    """Arguments with sim tensors swapped for their CPU tensors, and what was seen on the way."""
+
+    __slots__ = ("sim_index", "cpu_tensor", "pairs", "dtypes", "other_index")
+
+    def __init__(self) -> None:
+        self.sim_index = None
+        self.other_index = None
+        self.cpu_tensor = False
+        self.pairs = []  # (cpu tensor, the sim tensor it came from)
+        self.dtypes = set()
+
+    def value(self, x):
+        if isinstance(x, torch.Tensor):
+            if type(x) is SimTensor or isinstance(x, SimTensor):
+                index = x.device.index
+                if self.sim_index is None:
+                    self.sim_index = index
+                elif index != self.sim_index:
+                    self.other_index = index
+                data = x._data
+                self.pairs.append((data, x))
+                self.dtypes.add(x.dtype)
+                return data
+            if x.dim() and x.device.type == "cpu":
+                self.cpu_tensor = True
+            self.dtypes.add(x.dtype)
+            return x
+        if isinstance(x, (list, tuple)):
+            return type(x)(self.value(v) for v in x)
+        if isinstance(x, torch.device) and x.type == "sim":
+            return _CPU
+        return x
+
+
+def _target_index(kwargs: dict, unwrapped: _Unwrapped):
+    """The sim device index outputs go to, or None when they stay where the op put them."""
+    device = kwargs.get("device")
+    if device is not None:
+        device = torch.device(device)
+        if device.type != "sim":
+            return None
+        return _Device.check(device.index) if device.index is not None else _Device.current()
+    if unwrapped.sim_index is not None:
+        return unwrapped.sim_index
+    return _Device.current()
+
+
+def run_op(func, args, kwargs):
+    info = _INFO.get(func)
+    if info is None:
+        info = _INFO[func] = _OpInfo(func)
+    unwrapped = _Unwrapped()
+    cpu_args = [unwrapped.value(a) for a in args]
+    cpu_kwargs = {k: unwrapped.value(v) for k, v in kwargs.items()}
+    if unwrapped.sim_index is not None and not info.mixed_ok:
+        if unwrapped.cpu_tensor or unwrapped.other_index is not None:
+            other = "cpu" if unwrapped.cpu_tensor else f"sim:{unwrapped.other_index}"
+            raise RuntimeError(
+                "Expected all tensors to be on the same device, but found at least two devices, "
+                f"sim:{unwrapped.sim_index} and {other}!"
+            )
+    index = _target_index(kwargs, unwrapped)
+    active_faults = ()
+    if _faults.TABLE.active:
+        active_faults = _faults.TABLE.for_op(func)
+        if active_faults:
+            if "dtype" in kwargs and kwargs["dtype"] is not None:
+                unwrapped.dtypes.add(kwargs["dtype"])
+            _faults.TABLE.before(func, active_faults, unwrapped.dtypes)
+
+    out = func(*cpu_args, **cpu_kwargs)
+
+    for position in info.mutated_args:
+        if position < len(args):
+            _sync_if_sim(args[position])
+    for name in info.mutated_kwargs:
+        _sync_if_sim(kwargs.get(name))
+    if active_faults and not info.is_view:
+        _faults.TABLE.after(active_faults, unwrapped.dtypes, _flat_tensors(out))
+    if index is None:
+        return out
+    return _wrap_outputs(out, unwrapped.pairs, index)
+
+
+def _sync_if_sim(x) -> None:
+    if isinstance(x, SimTensor):
+        _sync_metadata(x)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            _sync_if_sim(v)
+
+
+def _flat_tensors(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _flat_tensors(o)]
+    return []
+
+
+def _wrap_outputs(out, pairs, index):
+    if isinstance(out, torch.Tensor):
+        for data, tensor in pairs:
+            if out is data:  # in-place or out=: hand back the caller's own tensor
+                return tensor
+        if out.device.type != "cpu":
+            return out
+        return wrap(out, index)
+    if isinstance(out, (list, tuple)):
+        return type(out)(_wrap_outputs(o, pairs, index) for o in out)
+    return out
+
+
+def set_device_count(count: int) -> None:
+    _Device.count = count
+    _DEVICES[:] = [torch.device("sim", i) for i in range(count)]
