@@ -1,0 +1,65 @@
+"""Small real models and a training loop shared by the tests (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def tiny_llama(vocab: int = 128, hidden: int = 64, layers: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(config)
+
+
+def tiny_gpt2(vocab: int = 128, hidden: int = 64, layers: int = 2):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=4, n_positions=64)
+    return GPT2LMHeadModel(config)
+
+
+def mlp():
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4)
+    )
+
+
+def train_llama(device: str, steps: int = 3, seed: int = 0, autocast_dtype=None, model_factory=tiny_llama):
+    """Build on CPU with ``seed``, move to ``device``, train ``steps`` AdamW steps; return the losses."""
+    torch.manual_seed(seed)
+    model = model_factory()
+    ids = torch.randint(0, 128, (2, 16))
+    model.to(device)
+    ids = ids.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        with torch.autocast(torch.device(device).type, dtype=autocast_dtype or torch.bfloat16,
+                            enabled=autocast_dtype is not None):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def train_mlp(device: str, steps: int = 5, seed: int = 0):
+    torch.manual_seed(seed)
+    model = mlp()
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    model.to(device)
+    x, y = x.to(device), y.to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
