@@ -1,0 +1,21 @@
+"""op_tools: operator-level debugging tools for PyTorch on any device.
+
+Each tool is a context manager (or ``start()``/``stop()``) over one engine that intercepts torch
+calls whose arguments are on a non-CPU device::
+
+    import op_tools
+    with op_tools.OpCapture():        # OpObserve, OpOverflowCheck, OpFallback, OpDtypeCast
+        train_step()
+
+``op_tools`` does not import ``ditorch``: it works with plain PyTorch on CUDA or any backend.
+"""
+
+from .capture import OpCapture, load_op_args
+from .config import VARIABLES
+from .engine import FEATURES, OpCall, OpTool, OpToolsAbortError, feature, register_backward_hooks, tool_work
+from .observe import OpObserve
+
+__all__ = [
+    "FEATURES", "VARIABLES", "OpCall", "OpCapture", "OpObserve", "OpTool", "OpToolsAbortError", "feature",
+    "load_op_args", "register_backward_hooks", "tool_work",
+]

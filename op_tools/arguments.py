@@ -1,0 +1,95 @@
+"""Walking the arguments and results of a call: tensors inside nested containers, their devices."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Callable
+
+import torch
+
+_CPU = "cpu"
+
+
+def _is_structseq(x) -> bool:
+    return type(x).__module__ == "torch.return_types"
+
+
+def iter_items(obj, path: str = "") -> Iterator[tuple[str, Any]]:
+    """Leaves of ``obj`` with their index path (``[0]``, ``[1][2]``, ``[dim]``)."""
+    if isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from iter_items(v, f"{path}[{i}]")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from iter_items(v, f"{path}[{k}]")
+    else:
+        yield path, obj
+
+
+def iter_tensors(obj) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from iter_tensors(v)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from iter_tensors(v)
+
+
+def map_tensors(obj, fn: Callable[[torch.Tensor], Any]):
+    """``obj`` with every tensor replaced by ``fn(tensor)``; containers rebuilt with their own type."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        items = [map_tensors(v, fn) for v in obj]
+        if _is_structseq(obj):
+            return type(obj)(items)
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            return type(obj)(*items)
+        return type(obj)(items)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def call_device(args, kwargs, name: str = "") -> torch.device | None:
+    """The first non-CPU device among the tensors and devices of a call, or None (the call is on the CPU)."""
+    for obj in (args, kwargs):
+        device = _device_in(obj)
+        if device is not None:
+            return device
+    device = kwargs.get("device")
+    if isinstance(device, (str, int)) and not isinstance(device, bool):
+        return _non_cpu(device)
+    if name.endswith(".to"):  # Tensor.to("sim"), Tensor.to("sim", torch.float16)
+        for arg in args[1:]:
+            if isinstance(arg, str):
+                return _non_cpu(arg)
+    return None
+
+
+def _device_in(obj) -> torch.device | None:
+    if isinstance(obj, torch.Tensor):
+        return obj.device if obj.device.type != _CPU else None
+    if isinstance(obj, torch.device):
+        return obj if obj.type != _CPU else None
+    if isinstance(obj, (list, tuple)):
+        for v in obj:
+            device = _device_in(v)
+            if device is not None:
+                return device
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            device = _device_in(v)
+            if device is not None:
+                return device
+    return None
+
+
+def _non_cpu(text) -> torch.device | None:
+    try:
+        device = torch.device(text)
+    except (RuntimeError, TypeError):
+        return None
+    return device if device.type != _CPU else None

@@ -1,0 +1,312 @@
+"""The one engine behind every tool: a TorchFunctionMode that names each call and hands it to a tool.
+
+A tool is a small subclass of ``OpTool`` that says only what is different about it::
+
+    class OpCountAdds(OpTool):
+        hook_name = "OpCountAddsHook"
+        env_prefix = "OP_COUNT_ADDS"          # reads OP_COUNT_ADDS_LIST / OP_COUNT_ADDS_DISABLE_LIST
+        results_folder = "op_count_adds_results"
+
+        def after(self, call):                # also: before, run, before_backward, after_backward
+            ...
+
+Per call the engine does, for a tool that handles it::
+
+    before(call)                  # in tool work: may replace call.args / call.kwargs, or fill call.state
+    call.result = run(call)       # the op itself (default: call.func(*call.args, **call.kwargs))
+    after(call)                   # in tool work: may replace call.result
+    # if the tool defines before_backward / after_backward: autograd hooks on the outputs' grad_fn nodes
+    before_backward(call, grad_outputs)               # upstream gradients, before the node runs
+    after_backward(call, grad_inputs, grad_outputs)   # gradients of the node's inputs, after it ran
+
+"Tool work" is per thread: torch calls made by a tool itself are never handled by any tool. A
+failure inside a tool is logged once per (tool, op) and the op goes on unchanged, unless
+``OP_TOOLS_STRICT=1``; an exception raised by the op itself propagates as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+from typing import Any, ClassVar
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import reporting
+from .arguments import call_device, iter_tensors
+from .config import CommonConfig, OpFilter
+from .naming import is_metadata_query, resolve_op_name
+
+_thread = threading.local()
+_forward_ids = itertools.count(1)
+_announced: dict[tuple[str, str], None] = {}
+_reported_failures: dict[tuple[str, str], None] = {}
+_announce_lock = threading.Lock()
+
+FEATURES: dict[str, type] = {}
+
+
+def feature(name: str):
+    """Class decorator: make a tool available to ``apply_feature`` under ``name``."""
+
+    def register(cls):
+        cls.feature = name
+        FEATURES[name] = cls
+        return cls
+
+    return register
+
+
+class OpToolsAbortError(RuntimeError):
+    """Raised by a tool on purpose (e.g. OP_OVERFLOW_CHECK_RAISE=1): propagates, never swallowed."""
+
+
+def in_tool_work() -> bool:
+    return getattr(_thread, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def tool_work():
+    """Mark this thread as doing a tool's own work: no tool handles the torch calls made inside."""
+    _thread.depth = getattr(_thread, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _thread.depth -= 1
+
+
+class OpCall:
+    """One handled call: what the tool sees. ``state`` is the tool's scratch space, kept for backward."""
+
+    __slots__ = ("name", "func", "args", "kwargs", "result", "forward_id", "device", "state", "_location",
+                 "_full_stack")
+
+    def __init__(self, name: str, func, args: tuple, kwargs: dict, device: torch.device | None,
+                 full_stack: bool = False) -> None:
+        self.name = name
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.result: Any = None
+        self.forward_id = next(_forward_ids)
+        self.device = device
+        self.state: dict[str, Any] = {}
+        self._location: str | None = None
+        self._full_stack = full_stack
+
+    @property
+    def location(self) -> str:
+        """The user's source line (the whole user stack with OP_TOOLS_PRINT_STACK=1), found on first use."""
+        if self._location is None:
+            self._location = reporting.user_location(self._full_stack)
+        return self._location
+
+    def release(self) -> None:
+        """Drop the arguments and results so that a pending backward hook does not keep them alive."""
+        self.args, self.kwargs, self.result = (), {}, None
+
+
+class _ToolMode(TorchFunctionMode):
+    def __init__(self, tool: OpTool) -> None:
+        super().__init__()
+        self.tool = tool
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self.tool.handle(func, args, kwargs or {})
+
+
+class OpTool:
+    """Base of every tool. Use as ``with Tool():`` or ``tool.start()`` … ``tool.stop()`` (``end()`` too)."""
+
+    hook_name: ClassVar[str] = "OpToolHook"       # the name in `apply <hook_name> on <op>` lines
+    env_prefix: ClassVar[str] = ""                # OP_<TOOL>: its _LIST / _DISABLE_LIST variables
+    results_folder: ClassVar[str] = ""            # subfolder of OP_TOOLS_RESULTS_DIR
+    feature: ClassVar[str] = ""                   # name for apply_feature (set by @feature)
+
+    def __init__(self) -> None:
+        self.common: CommonConfig | None = None
+        self.filter: OpFilter | None = None
+        self._modes: list[_ToolMode] = []
+        self._decisions: dict[str, bool] = {}
+        self._lock = threading.Lock()
+
+    # --- what a tool overrides ---
+
+    def configure(self) -> None:
+        """Read the tool's own variables (called by ``start()`` after the shared ones)."""
+
+    def accepts(self, name: str) -> bool:
+        """Name-level exclusions of this tool beyond its LIST/DISABLE_LIST (views for fallback, …)."""
+        return True
+
+    def before(self, call: OpCall) -> None:
+        """Before the op; may replace ``call.args``/``call.kwargs``."""
+
+    def run(self, call: OpCall):
+        """Run the op; tools that run it elsewhere (fallback, dtype cast) override this."""
+        return call.func(*call.args, **call.kwargs)
+
+    def after(self, call: OpCall) -> None:
+        """After the op; may replace ``call.result``."""
+
+    before_backward = None  # (call, grad_outputs) -> None: defining it makes the engine hook backward
+    after_backward = None   # (call, grad_inputs, grad_outputs) -> None
+
+    def wants_backward(self) -> bool:
+        """Whether the engine hooks this call's backward; by default when a backward step is defined."""
+        return self.before_backward is not None or self.after_backward is not None
+
+    def finish(self) -> None:
+        """Called by ``stop()``: write what the tool aggregated."""
+
+    # --- lifecycle ---
+
+    def start(self) -> OpTool:
+        """Read the configuration (``ValueError`` if malformed) and start handling calls on this thread."""
+        self.common = CommonConfig.from_env()
+        self.filter = OpFilter.from_env(self.env_prefix) if self.env_prefix else OpFilter(None, None)
+        self._decisions = {}
+        self.configure()
+        mode = _ToolMode(self)
+        mode.__enter__()
+        self._modes.append(mode)
+        return self
+
+    def stop(self) -> None:
+        if not self._modes:
+            return
+        _remove_mode(self._modes.pop())
+        self.finish()
+
+    end = stop
+
+    def __enter__(self) -> OpTool:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def ensure_configured(self) -> None:
+        """For use without a mode (apply_feature): read the configuration once."""
+        if self.common is None:
+            self.common = CommonConfig.from_env()
+            self.filter = OpFilter.from_env(self.env_prefix) if self.env_prefix else OpFilter(None, None)
+            self.configure()
+
+    # --- the engine ---
+
+    def handle(self, func, args: tuple, kwargs: dict, name: str | None = None):
+        """Run one call, through this tool if it handles it. Used by the mode and by apply_feature."""
+        if in_tool_work():
+            return func(*args, **kwargs)
+        if name is None:
+            name = resolve_op_name(func)
+        if is_metadata_query(name):
+            return func(*args, **kwargs)
+        device = call_device(args, kwargs, name)
+        if device is None:  # the CPU is taken as correct
+            return func(*args, **kwargs)
+        if not self._decide(name):
+            return func(*args, **kwargs)
+        call = OpCall(name, func, args, kwargs, device, self.common.print_stack)
+        with tool_work():
+            if not self._guarded(self.before, call):
+                call.args, call.kwargs = args, kwargs
+        call.result = self.run(call)
+        with tool_work():
+            self._guarded(self.after, call)
+            result = call.result
+            if self.wants_backward():
+                self._guarded(register_backward_hooks, call, self)
+        return result
+
+    def _decide(self, name: str) -> bool:
+        decision = self._decisions.get(name)
+        if decision is None:
+            decision = self._decisions[name] = self.filter.allows(name) and self.accepts(name)
+            key = (self.hook_name, name)
+            with _announce_lock:
+                first = key not in _announced
+                _announced[key] = None
+            if first:
+                reporting.console(f"{'apply' if decision else 'skip'} {self.hook_name} on {name}")
+        return decision
+
+    def _guarded(self, step, call: OpCall, *extra) -> bool:
+        """Run a tool step; report a failure once per (tool, op) and go on, unless strict."""
+        try:
+            step(call, *extra)
+            return True
+        except OpToolsAbortError:
+            raise
+        except Exception as e:
+            if self.common is not None and self.common.strict:
+                raise
+            self.report_failure(call.name, e)
+            return False
+
+    def report_failure(self, name: str, error: Exception) -> None:
+        key = (self.hook_name, name)
+        with _announce_lock:
+            first = key not in _reported_failures
+            _reported_failures[key] = None
+        if first:
+            reporting.logger.warning("%s failed on %s (reported once; the op ran unchanged): %s: %s",
+                                     self.hook_name, name, type(error).__name__, error,
+                                     exc_info=reporting.logger.isEnabledFor(10))
+
+    @property
+    def pid_folder(self) -> str:
+        return str(os.getpid())
+
+
+def register_backward_hooks(call: OpCall, tool: OpTool) -> None:
+    """Hook the grad_fn nodes of ``call``'s outputs: ``tool.before_backward(call, grad_outputs)`` before each
+    node runs, ``tool.after_backward(call, grad_inputs, grad_outputs)`` after. Hooks never change gradients;
+    they run in tool work, once per node, and only ``call.state``, name, id and location stay alive for them.
+    """
+    nodes = []
+    for t in iter_tensors(call.result):
+        node = t.grad_fn
+        if node is not None and all(node is not n for n in nodes):
+            nodes.append(node)
+    if not nodes:
+        return
+    _ = call.location  # found now, while the user's frames are on the stack
+    call.release()
+    for node in nodes:
+        handles = []
+        if tool.before_backward is not None:
+            def pre_hook(grad_outputs, _handles=handles):
+                with tool_work():
+                    tool._guarded(tool.before_backward, call, tuple(grad_outputs))
+
+            handles.append(node.register_prehook(pre_hook))
+        if tool.after_backward is not None:
+            def post_hook(grad_inputs, grad_outputs, _handles=handles):
+                with tool_work():
+                    tool._guarded(tool.after_backward, call, tuple(grad_inputs), tuple(grad_outputs))
+                for handle in _handles:
+                    handle.remove()
+
+            handles.append(node.register_hook(post_hook))
+
+
+def _remove_mode(mode: TorchFunctionMode) -> None:
+    """Pop ``mode`` from this thread's torch-function mode stack even when others were pushed after it."""
+    from torch.overrides import _get_current_function_mode_stack, _pop_mode, _push_mode
+
+    stack = _get_current_function_mode_stack()
+    if not any(m is mode for m in stack):
+        raise RuntimeError("op_tools: a tool must be stopped on the thread that started it")
+    above = []
+    while True:
+        top = _pop_mode()
+        if top is mode:
+            break
+        above.append(top)
+    for m in reversed(above):
+        _push_mode(m)

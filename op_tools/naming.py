@@ -1,0 +1,110 @@
+"""Names of the functions the engine sees, and what kind of call each name is."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+from torch.overrides import resolve_name
+
+_names: dict[Any, str] = {}
+
+# Calls that only read metadata or host values, or manage autograd: never handled by any tool.
+METADATA_QUERIES = frozenset(
+    "torch.Tensor." + n for n in (
+        "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset", "data_ptr", "element_size",
+        "is_contiguous", "is_floating_point", "is_complex", "is_signed", "is_neg", "is_conj", "is_inference",
+        "is_set_to", "is_shared", "is_pinned", "_is_view", "_is_zerotensor", "has_names", "get_device", "type",
+        "untyped_storage", "storage", "_typed_storage", "dim_order", "__repr__", "__format__", "__str__",
+        "__hash__", "__len__", "__bool__", "__int__", "__float__", "__index__", "__dir__", "__reduce_ex__",
+        "__setstate__", "__deepcopy__", "__array__", "item", "tolist", "backward", "register_hook",
+        "register_post_accumulate_grad_hook", "retain_grad", "requires_grad_", "_version", "__contains__",
+    )
+)
+
+# Ops whose outputs alias their input: falling back or casting them would break the aliasing.
+VIEW_OPS = frozenset(
+    "torch.Tensor." + n for n in (
+        "view", "view_as", "reshape", "reshape_as", "as_strided", "detach", "diagonal", "expand", "expand_as",
+        "movedim", "moveaxis", "narrow", "permute", "select", "squeeze", "unsqueeze", "transpose", "t", "T", "H",
+        "mT", "mH", "real", "imag", "unflatten", "flatten", "unfold", "unbind", "split", "split_with_sizes", "hsplit",
+        "vsplit", "tensor_split", "swapaxes", "swapdims", "chunk", "indices", "values", "__getitem__", "adjoint",
+        "T.__get__", "H.__get__", "mT.__get__", "mH.__get__", "real.__get__", "imag.__get__", "contiguous",
+    )
+) | frozenset(
+    "torch." + n for n in (
+        "reshape", "flatten", "squeeze", "unsqueeze", "transpose", "t", "permute", "narrow", "select", "split",
+        "chunk", "unbind", "movedim", "view_as_real", "view_as_complex", "as_strided", "diagonal", "detach",
+    )
+)
+
+# Ops that move data between devices or convert dtypes on purpose.
+CONVERSIONS = frozenset(
+    "torch.Tensor." + n for n in (
+        "to", "cpu", "cuda", "type", "copy_", "half", "float", "double", "bfloat16", "int", "long", "short", "bool",
+        "char", "byte", "pin_memory", "type_as", "new_tensor", "clone", "__deepcopy__", "contiguous",
+    )
+) | frozenset({"torch.tensor", "torch.as_tensor", "torch.from_numpy", "torch.asarray"})
+
+
+def resolve_op_name(func) -> str:
+    """The public name of ``func`` (``torch.add``, ``torch.Tensor.add``, ``torch.nn.functional.linear``), cached.
+
+    >>> resolve_op_name(torch.Tensor.add)
+    'torch.Tensor.add'
+    """
+    try:
+        name = _names.get(func)
+    except TypeError:  # unhashable callables are rare; name them each time
+        return _name_of(func)
+    if name is None:
+        name = _names[func] = _name_of(func)
+    return name
+
+
+def _name_of(func) -> str:
+    name = resolve_name(func)
+    if name:
+        return name
+    qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or type(func).__name__
+    module = getattr(func, "__module__", None)
+    if "<locals>" in qualname:  # generated methods such as Tensor.<device>()
+        qualname = getattr(func, "__name__", qualname)
+    return f"{module}.{qualname}" if module else qualname
+
+
+@functools.cache
+def is_metadata_query(name: str) -> bool:
+    """Attribute getters/setters and pure metadata queries: tools never handle them."""
+    return name in METADATA_QUERIES or name.endswith(("__get__", "__set__", "__delete__"))
+
+
+@functools.cache
+def is_inplace_op(name: str) -> bool:
+    """``torch.Tensor.add_``, ``__iadd__``, ``__setitem__``: the first argument is written."""
+    short = name.rpartition(".")[2]
+    if name == "torch.Tensor.__setitem__" or (short.startswith("__i") and short.endswith("__")):
+        return True
+    return name.startswith("torch.Tensor.") and short.endswith("_") and not short.endswith("__")
+
+
+def function_from_name(name: str):
+    """``(owner, attribute, function)`` for a dotted name such as ``torch.Tensor.sort`` or ``package.module.func``.
+
+    Raises ValueError when the name does not resolve.
+    """
+    parts = name.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            owner = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[split:-1]:
+                owner = getattr(owner, attr)
+            return owner, parts[-1], getattr(owner, parts[-1])
+        except AttributeError:
+            break
+    raise ValueError(f"cannot resolve {name!r} to a function: expected a dotted name such as 'torch.add', "
+                     "'torch.Tensor.sort', 'torch.nn.functional.linear' or 'package.module.func'")
