@@ -11,7 +11,6 @@ tensor([3., 3.])
 
 from __future__ import annotations
 
-import os
 import threading
 
 from .fault_injection import (  # noqa: F401 - public API
@@ -35,14 +34,9 @@ def is_registered() -> bool:
 
 
 def _device_count_from_env() -> int:
-    text = os.environ.get(COUNT_VAR, "1")
-    try:
-        count = int(text)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise ValueError(f"{COUNT_VAR}={text!r}: expected a positive integer (the number of sim devices)")
-    return count
+    from ..env import read  # declared with every other variable ditorch reads
+
+    return read(COUNT_VAR)
 
 
 def register() -> None:

@@ -34,11 +34,13 @@ WIDEST = (
 
 _KEY = "AutocastPrivateUse1"
 _EXCLUDE = DispatchKeySet(DispatchKey.AutocastPrivateUse1)
+# The real device: ditorch's DITORCH_SHOW_DEVICE_AS_CUDA makes Tensor.device report cuda.
+_real_device = torch._C.TensorBase.device.__get__
 
 
 def _eligible(x, device_type: str) -> bool:
     return (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64
-            and x.device.type == device_type)
+            and _real_device(x).type == device_type)
 
 
 def _cast(x, dtype: torch.dtype, device_type: str):

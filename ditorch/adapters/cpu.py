@@ -1,0 +1,29 @@
+"""The host. Detected when nothing else is (then nothing is patched); forced by DITORCH_BACKEND=cpu,
+CUDA idioms are transferred to the CPU, the reference run to compare a device's run against."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+from ..backends import Backend
+
+logger = logging.getLogger("ditorch")
+
+
+def load() -> Backend:
+    from . import host_module
+
+    return Backend("cpu", "cpu", "cpu", torch, "gloo", host_module, sys.modules[__name__])
+
+
+def activate(backend, config, patches, forced: bool) -> None:
+    if not forced:
+        logger.warning("ditorch: no accelerator found (no vendor package, no CUDA): running on the CPU, "
+                       "nothing patched")
+        return
+    from .. import transfer
+
+    transfer.apply(backend, config, patches)

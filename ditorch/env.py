@@ -1,0 +1,105 @@
+"""Every environment variable the device layer reads, declared once: name, form, default, meaning.
+
+Each variable is parsed when it is read, by its declared parser; a malformed value raises
+``ValueError`` naming the variable, the value and the expected form. ``DeviceLayerConfig``
+holds the parsed values that ``import ditorch`` acts on.
+
+>>> from ditorch.env import VARIABLES, read
+>>> read("DITORCH_QUIET", {"DITORCH_QUIET": "1"})
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any, Callable
+
+BACKEND_NAMES = ("npu", "mlu", "dipu", "musa", "cuda", "sim", "cpu")
+
+
+def parse_flag(text: str) -> bool:
+    if text in ("1", "true", "True", "yes", "on"):
+        return True
+    if text in ("0", "false", "False", "no", "off", ""):
+        return False
+    raise ValueError("not a flag")
+
+
+def parse_backend(text: str) -> str | None:
+    if text == "":
+        return None
+    if text.lower() not in BACKEND_NAMES:
+        raise ValueError("unknown backend")
+    return text.lower()
+
+
+def parse_positive_int(text: str) -> int:
+    value = int(text)  # ValueError on non-integers, reworded by read()
+    if value < 1:
+        raise ValueError("not positive")
+    return value
+
+
+def parse_sim_faults(text: str) -> list:
+    # Delegated: the fault grammar lives with the sim device, and it words its own errors.
+    from .sim.fault_injection import parse_faults
+
+    return parse_faults(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvVar:
+    name: str
+    form: str
+    default: str
+    meaning: str
+    parse: Callable[[str], Any]
+
+
+VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
+    EnvVar("DITORCH_BACKEND", "one of " + ", ".join(BACKEND_NAMES) + " (empty: detect)", "",
+           "Force the backend instead of detecting it; an unavailable backend is an error.", parse_backend),
+    EnvVar("DITORCH_QUIET", "0 or 1", "0", "1 silences the banner line printed by `import ditorch`.", parse_flag),
+    EnvVar("DITORCH_DISABLE_MOCK", "0 or 1", "0",
+           "1 detects the backend but patches nothing (no CUDA-to-device transfer).", parse_flag),
+    EnvVar("DITORCH_SHOW_DEVICE_AS_CUDA", "0 or 1", "1",
+           "1 makes `tensor.device`, `repr(tensor)` and `tensor.is_cuda` report the accelerator as `cuda`.",
+           parse_flag),
+    EnvVar("DITORCH_SIM_DEVICE_COUNT", "a positive integer (the number of sim devices)", "1",
+           "How many sim devices `ditorch.sim.register()` creates.", parse_positive_int),
+    EnvVar("DITORCH_SIM_FAULTS", "'pattern[@dtype]:kind' joined by ';' (see ditorch/sim/fault_injection.py)", "",
+           "Faults the sim device injects into matching aten ops.", parse_sim_faults),
+)}
+
+
+def read(name: str, environ: Mapping[str, str] | None = None):
+    """The parsed value of the declared variable ``name`` (its default when unset)."""
+    var = VARIABLES[name]
+    text = (os.environ if environ is None else environ).get(name, var.default).strip()
+    try:
+        return var.parse(text)
+    except ValueError as error:
+        if name in str(error):  # the parser already named the variable (fault specs do)
+            raise
+        raise ValueError(f"{name}={text!r}: expected {var.form}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceLayerConfig:
+    """What ``import ditorch`` does, parsed once from the environment."""
+
+    backend: str | None
+    quiet: bool
+    disable_mock: bool
+    show_device_as_cuda: bool
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> DeviceLayerConfig:
+        return cls(
+            backend=read("DITORCH_BACKEND", environ),
+            quiet=read("DITORCH_QUIET", environ),
+            disable_mock=read("DITORCH_DISABLE_MOCK", environ),
+            show_device_as_cuda=read("DITORCH_SHOW_DEVICE_AS_CUDA", environ),
+        )

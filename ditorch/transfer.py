@@ -1,0 +1,311 @@
+"""The generic CUDA-to-device transfer: CUDA idioms in a script address the backend's device instead.
+
+One table (``ROWS``) says which torch attributes are rewritten and how; ``apply`` wraps each of
+them through a ``Patches`` record, so ``ditorch.deactivate()`` puts every original back. Device
+arguments are rewritten at the Python boundary (``"cuda:1"`` becomes ``"sim:1"``): no global
+``__torch_function__`` mode, so an op that takes no device argument costs nothing extra.
+
+>>> import torch, ditorch                       # doctest: +SKIP  (DITORCH_BACKEND=sim)
+>>> torch.ones(2, device="cuda").cpu()          # doctest: +SKIP
+tensor([1., 1.])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import logging
+from typing import Callable
+
+import torch
+
+from . import cuda_api
+from .patches import Patches
+
+logger = logging.getLogger("ditorch")
+
+_DEVICE_KEYWORDS = ("device", "device_type")
+
+
+class DeviceMap:
+    """Rewrites CUDA device designations (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda", N)``) to ``target``."""
+
+    def __init__(self, target: str, device_module=None) -> None:
+        self.target = target
+        self.device_module = device_module
+        self._strings: dict[str, str] = {"cuda": target}
+        self._indexed = target != "cpu"  # the host is one device: "cuda:1" means "cpu" there
+
+    def __call__(self, value):
+        cls = value.__class__
+        if cls is str:
+            mapped = self._strings.get(value)
+            if mapped is not None:
+                return mapped
+            if value.startswith("cuda:"):
+                mapped = self._strings[value] = self.target + value[4:] if self._indexed else self.target
+                return mapped
+        elif cls is torch.device and value.type == "cuda":
+            return torch.device(self.target, value.index if self._indexed else None)
+        return value
+
+    def device_keyword(self, fn: Callable) -> Callable:
+        """``fn`` with its ``device=`` keyword rewritten (factories take the device by keyword only)."""
+
+        @functools.wraps(fn)
+        def with_device_keyword(*args, **kwargs):
+            if "device" in kwargs:
+                kwargs["device"] = self(kwargs["device"])
+            return fn(*args, **kwargs)
+
+        return with_device_keyword
+
+    def device_anywhere(self, fn: Callable) -> Callable:
+        """``fn`` with device strings and devices rewritten wherever they appear, positional or keyword."""
+        remap = self
+
+        @functools.wraps(fn)
+        def with_device_arguments(*args, **kwargs):
+            for i, arg in enumerate(args):
+                cls = arg.__class__
+                if cls is str or cls is torch.device:
+                    args = (*args[:i], remap(arg), *args[i + 1:])
+            for key in _DEVICE_KEYWORDS:
+                if key in kwargs:
+                    kwargs[key] = remap(kwargs[key])
+            return fn(*args, **kwargs)
+
+        return with_device_arguments
+
+    def ordinal(self, device) -> str | torch.device:
+        """What ``Tensor.cuda(device)`` means: ``None`` the current device, an int that ordinal."""
+        if isinstance(device, int) and self._indexed:
+            return torch.device(self.target, device)
+        if device is None or isinstance(device, int):
+            index = self.device_module.current_device() if self._indexed else None
+            return torch.device(self.target, index)
+        return self(device)
+
+
+class ForwardingClassMeta(type):
+    """Metaclass of a stand-in for a class: calling it builds ``_target`` from rewritten arguments,
+    and ``isinstance`` answers for ``_target``'s instances (torch's C classes cannot be subclassed)."""
+
+    def __call__(cls, *args, **kwargs):
+        return cls._build(*args, **kwargs)
+
+    def __instancecheck__(cls, instance) -> bool:
+        return isinstance(instance, cls._target)
+
+    def __subclasscheck__(cls, subclass) -> bool:
+        return issubclass(subclass, cls._target)
+
+
+def forwarding_class(name: str, target: type, build: Callable) -> type:
+    return ForwardingClassMeta(name, (), {"_target": target, "_build": staticmethod(build),
+                                          "__doc__": target.__doc__, "__module__": target.__module__})
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One line of the transfer: the attributes ``names`` of ``owner`` are replaced by ``wrap(original, ctx)``."""
+
+    owner: str
+    names: tuple[str, ...]
+    wrap: Callable
+    what: str  # for the docs and for log lines
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    backend: object
+    remap: DeviceMap
+
+
+def _keyword(fn, ctx):
+    return ctx.remap.device_keyword(fn)
+
+
+def _anywhere(fn, ctx):
+    return ctx.remap.device_anywhere(fn)
+
+
+def _tensor_cuda(fn, ctx):
+    ordinal = ctx.remap.ordinal
+
+    def cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+        return self.to(ordinal(device), non_blocking=non_blocking, memory_format=memory_format)
+
+    cuda.__doc__ = fn.__doc__
+    return cuda
+
+
+def _is_cuda(fn, ctx):
+    real_device = torch._C.TensorBase.device.__get__
+    target = ctx.remap.target
+    return property(lambda self: real_device(self).type == target, doc="True for tensors on the backend's device.")
+
+
+def _load(fn, ctx):
+    remap = ctx.remap
+    count = remap.device_module.device_count()
+    # A checkpoint saved on CUDA names its storages "cuda:N": without a map_location they land here.
+    default = {"cuda": remap.target, **{f"cuda:{i}": f"{remap.target}:{i}" for i in range(count)}}
+
+    def remap_location(location):
+        if location is None:
+            return default
+        if isinstance(location, dict):
+            return {key: remap(value) for key, value in location.items()}
+        return remap(location)
+
+    @functools.wraps(fn)
+    def load(f, map_location=None, *args, **kwargs):
+        return fn(f, remap_location(map_location), *args, **kwargs)
+
+    return load
+
+
+def _grad_scaler_init(fn, ctx):
+    remap = ctx.remap
+
+    @functools.wraps(fn)
+    def __init__(self, device="cuda", *args, **kwargs):  # noqa: N807 - replaces GradScaler.__init__
+        fn(self, remap(device), *args, **kwargs)
+
+    return __init__
+
+
+def _generator(cls, ctx):
+    remap = ctx.remap
+    # A backend drawing from the host's generator (the sim device) gets host generators.
+    generator_device = getattr(ctx.backend.adapter, "GENERATOR_DEVICE", None)
+
+    def build(device="cpu"):
+        device = remap(device)
+        if generator_device is not None and torch.device(device).type == remap.target:
+            device = generator_device
+        return cls(device)
+
+    return forwarding_class("Generator", cls, build)
+
+
+def _ccl_name(backend: str | None, ccl: str, remap: DeviceMap) -> str | None:
+    if not isinstance(backend, str):
+        return backend
+    parts = []
+    for part in backend.split(","):
+        device, _, name = part.rpartition(":")
+        name = ccl if name.lower() == "nccl" else name
+        parts.append(f"{remap(device)}:{name}" if device else name)
+    return ",".join(parts)
+
+
+def _process_group(fn, ctx):
+    remap, ccl = ctx.remap, ctx.backend.ccl
+    backend_is_first = fn.__name__ == "init_process_group"  # new_group takes it third, by keyword in practice
+
+    @functools.wraps(fn)
+    def with_backend(*args, **kwargs):
+        if backend_is_first and args:
+            args = (_ccl_name(args[0], ccl, remap), *args[1:])
+        if "backend" in kwargs:
+            kwargs["backend"] = _ccl_name(kwargs["backend"], ccl, remap)
+        if "device_id" in kwargs:
+            kwargs["device_id"] = remap(kwargs["device_id"])
+        return fn(*args, **kwargs)
+
+    return with_backend
+
+
+def _profiler_init(fn, ctx):
+    from torch.profiler import ProfilerActivity
+
+    device_activity = getattr(ProfilerActivity, "PrivateUse1", None)
+    supported = torch.profiler.supported_activities()
+    replacement = device_activity if device_activity in supported else None
+
+    @functools.wraps(fn)
+    def __init__(self, *args, activities=None, use_cuda=None, **kwargs):  # noqa: N807
+        if activities is not None:
+            # CUDA activity means "the accelerator": profile the backend's device, or just the CPU.
+            mapped = [replacement if a == ProfilerActivity.CUDA else a for a in activities]
+            activities = list(dict.fromkeys(a for a in mapped if a is not None))
+        fn(self, *args, activities=activities, **kwargs)
+
+    return __init__
+
+
+_FACTORIES = (
+    "tensor", "as_tensor", "asarray", "empty", "empty_like", "empty_strided", "empty_permuted", "zeros",
+    "zeros_like", "ones", "ones_like", "full", "full_like", "rand", "rand_like", "randn", "randn_like",
+    "randint", "randint_like", "randperm", "arange", "range", "linspace", "logspace", "eye", "normal",
+    "scalar_tensor", "tril_indices", "triu_indices", "sparse_coo_tensor", "sparse_csr_tensor",
+    "bartlett_window", "blackman_window", "hamming_window", "hann_window", "kaiser_window", "from_file",
+)
+
+ROWS: tuple[Row, ...] = (
+    Row("torch", _FACTORIES, _keyword, "factory functions: device=\"cuda\", \"cuda:N\", torch.device(\"cuda\")"),
+    Row("torch.Tensor", ("new_empty", "new_empty_strided", "new_zeros", "new_ones", "new_full", "new_tensor"),
+        _keyword, "Tensor.new_*(device=...)"),
+    Row("torch.Tensor", ("to",), _anywhere, "Tensor.to(\"cuda\")"),
+    Row("torch.Tensor", ("cuda",), _tensor_cuda, "Tensor.cuda(device=None)"),
+    Row("torch.Tensor", ("is_cuda",), _is_cuda, "Tensor.is_cuda"),
+    Row("torch.nn.Module", ("to",), _anywhere, "Module.to(\"cuda\") (Module.cuda goes through Tensor.cuda)"),
+    Row("torch.nn.Module", ("to_empty",), _keyword, "Module.to_empty(device=\"cuda\")"),
+    Row("torch", ("load",), _load, "torch.load(map_location=\"cuda\"), and CUDA-saved checkpoints"),
+    Row("torch.serialization", ("load",), _load, "torch.serialization.load, as torch.load"),
+    Row("torch", ("Generator",), _generator, "torch.Generator(device=\"cuda\")"),
+    Row("torch", ("set_default_device", "get_device_module", "get_autocast_dtype", "set_autocast_dtype",
+                  "is_autocast_enabled", "set_autocast_enabled"), _anywhere,
+        "torch.set_default_device(\"cuda\") and the autocast state queries"),
+    Row("torch.amp", ("is_autocast_available",), _anywhere, "torch.amp.is_autocast_available(\"cuda\")"),
+    Row("torch.utils._device.DeviceContext", ("__init__",), _anywhere, "with torch.device(\"cuda\"):"),
+    Row("torch.amp.autocast_mode.autocast", ("__init__",), _anywhere,
+        "torch.autocast(\"cuda\"), torch.cuda.amp.autocast"),
+    Row("torch.amp.grad_scaler.GradScaler", ("__init__",), _grad_scaler_init,
+        "torch.amp.GradScaler(\"cuda\"), torch.cuda.amp.GradScaler"),
+    Row("torch.distributed", ("init_process_group", "new_group"), _process_group,
+        "init_process_group(\"nccl\") uses the backend's collective library"),
+    Row("torch.distributed.distributed_c10d", ("init_process_group", "new_group"), _process_group,
+        "as above, for callers importing from distributed_c10d"),
+    Row("torch.profiler.profile", ("__init__",), _profiler_init, "ProfilerActivity.CUDA profiles the device"),
+)
+
+
+def _resolve(path: str):
+    """``"torch.nn.Module"`` -> the class; the longest importable prefix is the module."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:]:
+            obj = getattr(obj, part)
+        return obj
+    raise ImportError(path)
+
+
+def apply(backend, config, patches: Patches) -> None:
+    """Rewrite every row of ``ROWS`` and map ``torch.cuda`` to the backend's device module."""
+    ctx = Context(backend, DeviceMap(backend.device_type, backend.device_module))
+    # `with torch.device(...)` recognises factories by identity in a cached set: fill it with the
+    # originals before they are wrapped.
+    importlib.import_module("torch.utils._device")._device_constructors()
+    for row in ROWS:
+        if row.owner.startswith("torch.distributed") and not torch.distributed.is_available():
+            continue
+        owner = _resolve(row.owner)
+        for name in row.names:
+            original = getattr(owner, name, None)
+            if original is None:
+                logger.debug("ditorch: %s.%s does not exist in this torch; not patched", row.owner, name)
+                continue
+            patches.set(owner, name, row.wrap(original, ctx))
+    cuda_api.apply(backend, ctx.remap, patches)
+    if config.show_device_as_cuda:
+        from . import show_as_cuda
+
+        show_as_cuda.apply(backend, patches)
