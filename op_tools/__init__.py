@@ -12,10 +12,15 @@ calls whose arguments are on a non-CPU device::
 
 from .capture import OpCapture, load_op_args
 from .config import VARIABLES
+from .dtype_cast import OpDtypeCast
 from .engine import FEATURES, OpCall, OpTool, OpToolsAbortError, feature, register_backward_hooks, tool_work
+from .fallback import OpFallback
+from .features import apply_feature, remove_feature
 from .observe import OpObserve
+from .overflow_check import OpOverflowCheck, OverflowDetectedError
 
 __all__ = [
-    "FEATURES", "VARIABLES", "OpCall", "OpCapture", "OpObserve", "OpTool", "OpToolsAbortError", "feature",
-    "load_op_args", "register_backward_hooks", "tool_work",
+    "FEATURES", "VARIABLES", "OpCall", "OpCapture", "OpDtypeCast", "OpFallback", "OpObserve", "OpOverflowCheck",
+    "OpTool", "OpToolsAbortError", "OverflowDetectedError", "apply_feature", "feature", "load_op_args",
+    "register_backward_hooks", "remove_feature", "tool_work",
 ]

@@ -28,6 +28,7 @@ from .config import CAPTURE_DEDUP, CAPTURE_MODE
 from .engine import OpCall, OpTool, feature
 
 REF_KEY = "op_tools_ref"
+MEMORY_FORMAT_KEY = "op_tools_memory_format"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +78,9 @@ class TensorStore:
             return items if isinstance(obj, list) else tuple(items)
         if isinstance(obj, dict):
             return {k: self._encode(v, [*where, k], path, fresh, copies) for k, v in obj.items()}
-        if isinstance(obj, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        if isinstance(obj, torch.memory_format):  # not picklable: kept by name, restored by load_op_args
+            return {MEMORY_FORMAT_KEY: str(obj).removeprefix("torch.")}
+        if isinstance(obj, (torch.dtype, torch.device, torch.layout)):
             return obj
         if obj is None or isinstance(obj, (bool, int, float, complex, str, torch.Size)):
             return obj
@@ -128,6 +131,8 @@ def load_op_args(path: str) -> dict:
                 for key in obj["path"]:
                     value = value[key]
                 return value
+            if MEMORY_FORMAT_KEY in obj:
+                return getattr(torch, obj[MEMORY_FORMAT_KEY])
             return {k: resolve(v, file) for k, v in obj.items()}
         if isinstance(obj, list):
             return [resolve(v, file) for v in obj]

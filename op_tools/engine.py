@@ -47,6 +47,7 @@ _reported_failures: dict[tuple[str, str], None] = {}
 _announce_lock = threading.Lock()
 
 FEATURES: dict[str, type] = {}
+_BACKWARD_CALLS = frozenset({"torch.Tensor.backward", "torch.autograd.backward"})
 
 
 def feature(name: str):
@@ -155,6 +156,11 @@ class OpTool:
     before_backward = None  # (call, grad_outputs) -> None: defining it makes the engine hook backward
     after_backward = None   # (call, grad_inputs, grad_outputs) -> None
 
+    def backward_done(self) -> None:
+        """After ``Tensor.backward()``/``torch.autograd.backward()`` returned, on the calling thread: the place to
+        raise about what backward hooks found (an exception raised inside a hook on an autograd device thread
+        can abort some backends)."""
+
     def wants_backward(self) -> bool:
         """Whether the engine hooks this call's backward; by default when a backward step is defined."""
         return self.before_backward is not None or self.after_backward is not None
@@ -204,6 +210,11 @@ class OpTool:
             return func(*args, **kwargs)
         if name is None:
             name = resolve_op_name(func)
+        if name in _BACKWARD_CALLS:
+            result = func(*args, **kwargs)
+            with tool_work():
+                self._guarded(lambda _: self.backward_done(), OpCall(name, func, (), {}, None))
+            return result
         if is_metadata_query(name):
             return func(*args, **kwargs)
         device = call_device(args, kwargs, name)

@@ -21,7 +21,8 @@ METADATA_QUERIES = frozenset(
         "__setstate__", "__deepcopy__", "__array__", "item", "tolist", "backward", "register_hook",
         "register_post_accumulate_grad_hook", "retain_grad", "requires_grad_", "_version", "__contains__",
     )
-)
+) | frozenset({"torch._has_compatible_shallow_copy_type", "torch.is_tensor", "torch.numel", "torch.is_floating_point",
+               "torch.is_complex", "torch.is_nonzero", "torch.result_type", "torch.can_cast", "torch.promote_types"})
 
 # Ops whose outputs alias their input: falling back or casting them would break the aliasing.
 VIEW_OPS = frozenset(
@@ -63,15 +64,35 @@ def resolve_op_name(func) -> str:
     return name
 
 
+_NAMESPACES = (("torch", "torch"), ("torch.Tensor", "torch.Tensor"), ("torch.nn.functional", "torch.nn.functional"),
+               ("torch._C._nn", "torch._C._nn"), ("torch.linalg", "torch.linalg"), ("torch.special", "torch.special"),
+               ("torch.fft", "torch.fft"))
+
+
 def _name_of(func) -> str:
     name = resolve_name(func)
     if name:
         return name
+    short = getattr(func, "__name__", None)
+    if short:  # private functions that resolve_name does not list (torch._foreach_add_, …)
+        for prefix, path in _NAMESPACES:
+            namespace = _import_path(path)
+            if namespace is not None and getattr(namespace, short, None) is func:
+                return f"{prefix}.{short}"
     qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or type(func).__name__
     module = getattr(func, "__module__", None)
     if "<locals>" in qualname:  # generated methods such as Tensor.<device>()
         qualname = getattr(func, "__name__", qualname)
     return f"{module}.{qualname}" if module else qualname
+
+
+def _import_path(path: str):
+    module, _, attr = path.partition(".Tensor")
+    try:
+        namespace = importlib.import_module(module)
+    except ImportError:
+        return None
+    return namespace.Tensor if attr == "" and path.endswith(".Tensor") else namespace
 
 
 @functools.cache
@@ -82,11 +103,11 @@ def is_metadata_query(name: str) -> bool:
 
 @functools.cache
 def is_inplace_op(name: str) -> bool:
-    """``torch.Tensor.add_``, ``__iadd__``, ``__setitem__``: the first argument is written."""
+    """``torch.Tensor.add_``, ``torch._foreach_mul_``, ``__iadd__``, ``__setitem__``: the first argument is written."""
     short = name.rpartition(".")[2]
-    if name == "torch.Tensor.__setitem__" or (short.startswith("__i") and short.endswith("__")):
+    if short == "__setitem__" or (short.startswith("__i") and short.endswith("__")):
         return True
-    return name.startswith("torch.Tensor.") and short.endswith("_") and not short.endswith("__")
+    return short.endswith("_") and not short.endswith("__")
 
 
 def function_from_name(name: str):
