@@ -1,0 +1,50 @@
+"""The declared environment variables and their parsers."""
+
+from __future__ import annotations
+
+import pytest
+
+from ditorch.env import VARIABLES, DeviceLayerConfig, read
+
+
+def test_every_variable_is_declared_with_form_default_and_meaning():
+    assert set(VARIABLES) == {"DITORCH_BACKEND", "DITORCH_QUIET", "DITORCH_DISABLE_MOCK",
+                              "DITORCH_SHOW_DEVICE_AS_CUDA", "DITORCH_SIM_DEVICE_COUNT", "DITORCH_SIM_FAULTS"}
+    for var in VARIABLES.values():
+        assert var.form and var.meaning
+        read(var.name, {})  # the default parses
+
+
+def test_defaults_match_the_original_contract():
+    assert DeviceLayerConfig.from_env({}) == DeviceLayerConfig(
+        backend=None, quiet=False, disable_mock=False, show_device_as_cuda=True)
+
+
+def test_values_are_parsed_into_typed_config():
+    config = DeviceLayerConfig.from_env({"DITORCH_BACKEND": "SIM", "DITORCH_QUIET": "1",
+                                         "DITORCH_DISABLE_MOCK": "true", "DITORCH_SHOW_DEVICE_AS_CUDA": "0"})
+    assert config == DeviceLayerConfig(backend="sim", quiet=True, disable_mock=True, show_device_as_cuda=False)
+    assert read("DITORCH_SIM_DEVICE_COUNT", {"DITORCH_SIM_DEVICE_COUNT": "3"}) == 3
+
+
+@pytest.mark.parametrize("name, value", [
+    ("DITORCH_BACKEND", "tpu"), ("DITORCH_QUIET", "2"), ("DITORCH_DISABLE_MOCK", "y"),
+    ("DITORCH_SHOW_DEVICE_AS_CUDA", "cuda"), ("DITORCH_SIM_DEVICE_COUNT", "two"), ("DITORCH_SIM_DEVICE_COUNT", "-1"),
+])
+def test_malformed_value_names_variable_value_and_form(name, value):
+    with pytest.raises(ValueError) as error:
+        read(name, {name: value})
+    assert str(error.value) == f"{name}={value!r}: expected {VARIABLES[name].form}"
+
+
+def test_forcing_an_uninstalled_vendor_backend_names_what_is_missing():
+    from ditorch.backends import detect
+
+    with pytest.raises(RuntimeError, match=r"DITORCH_BACKEND='npu': that backend needs the package torch_npu"):
+        detect("npu")
+
+
+def test_sim_fault_specs_are_validated_with_the_variable_named():
+    assert read("DITORCH_SIM_FAULTS", {}) == []
+    with pytest.raises(ValueError, match=r"DITORCH_SIM_FAULTS='mm:explode'"):
+        read("DITORCH_SIM_FAULTS", {"DITORCH_SIM_FAULTS": "mm:explode"})

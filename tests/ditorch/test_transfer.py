@@ -1,0 +1,326 @@
+"""The generic CUDA-to-device transfer, row by row, on the sim device (in this process)."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import pytest
+import torch
+
+REAL_DEVICE = torch._C.TensorBase.device.__get__
+CUDA_SPELLINGS = ["cuda", "cuda:0", torch.device("cuda"), torch.device("cuda", 0), 0]
+
+
+def _activate(show_as_cuda: bool):
+    import ditorch
+    from ditorch import activation, backends
+    from ditorch.env import DeviceLayerConfig
+
+    ditorch.deactivate()  # whatever `import ditorch` put in place for this process (nothing, on a host)
+    backend = backends.detect("sim")
+    config = DeviceLayerConfig(backend="sim", quiet=True, disable_mock=False, show_device_as_cuda=show_as_cuda)
+    activation.activate(backend, config, forced=True)
+    return backend
+
+
+@pytest.fixture
+def transfer(sim):
+    """The sim transfer in place, tensors showing their real device; undone afterwards."""
+    from ditorch import activation
+
+    yield _activate(show_as_cuda=False)
+    activation.deactivate()
+
+
+@pytest.fixture
+def shown_as_cuda(sim):
+    from ditorch import activation
+
+    yield _activate(show_as_cuda=True)
+    activation.deactivate()
+
+
+def on_sim(tensor) -> bool:
+    return REAL_DEVICE(tensor).type == "sim"
+
+
+# -- device arguments ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", CUDA_SPELLINGS, ids=str)
+@pytest.mark.parametrize("factory", [
+    lambda d: torch.ones(2, device=d), lambda d: torch.zeros(2, 3, device=d), lambda d: torch.empty(2, device=d),
+    lambda d: torch.full((2,), 1.5, device=d), lambda d: torch.randn(2, device=d),
+    lambda d: torch.randint(0, 5, (3,), device=d), lambda d: torch.arange(4, device=d),
+    lambda d: torch.tensor([1.0, 2.0], device=d), lambda d: torch.eye(2, device=d),
+    lambda d: torch.linspace(0, 1, 3, device=d), lambda d: torch.zeros_like(torch.ones(2), device=d),
+], ids=["ones", "zeros", "empty", "full", "randn", "randint", "arange", "tensor", "eye", "linspace", "zeros_like"])
+def test_factories_put_cuda_tensors_on_the_device(transfer, factory, device):
+    assert on_sim(factory(device))
+
+
+@pytest.mark.parametrize("device", CUDA_SPELLINGS[:4], ids=str)
+def test_tensor_to_and_new_factories_accept_cuda(transfer, device):
+    x = torch.arange(3.0)
+    assert on_sim(x.to(device)) and on_sim(x.to(device=device)) and on_sim(x.to(device, torch.float16))
+    assert x.to(device, torch.float16).dtype == torch.float16
+    for made in (x.new_zeros(2, device=device), x.new_ones(2, device=device), x.new_empty(2, device=device),
+                 x.new_full((2,), 3.0, device=device), x.new_tensor([1.0], device=device)):
+        assert on_sim(made)
+    assert torch.equal(x.to(device).cpu(), x)
+
+
+def test_module_to_to_empty_and_device_keyword(transfer):
+    model = torch.nn.Linear(3, 2).to("cuda")
+    assert all(on_sim(p) for p in model.parameters())
+    empty = torch.nn.Linear(3, 2, device="meta").to_empty(device="cuda")
+    assert all(on_sim(p) for p in empty.parameters())
+    assert on_sim(torch.nn.Linear(3, 2, device="cuda").weight)
+    assert on_sim(torch.nn.Linear(3, 2, device=torch.device("cuda:0")).weight)
+
+
+@pytest.mark.parametrize("location", ["cuda", "cuda:0", torch.device("cuda"), {"cpu": "cuda:0"}], ids=str)
+def test_torch_load_maps_cuda_locations(transfer, location):
+    buffer = io.BytesIO()
+    torch.save({"w": torch.arange(4.0)}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, map_location=location)
+    assert on_sim(loaded["w"]) and torch.equal(loaded["w"].cpu(), torch.arange(4.0))
+
+
+def test_generator_on_cuda_draws_what_the_host_generator_draws(transfer):
+    generator = torch.Generator(device="cuda")
+    assert isinstance(generator, torch.Generator)
+    generator.manual_seed(7)
+    drawn = torch.randn(4, generator=generator, device="cuda")
+    assert on_sim(drawn)
+    assert torch.equal(drawn.cpu(), torch.randn(4, generator=torch.Generator().manual_seed(7)))
+
+
+def test_default_device_and_device_context(transfer):
+    with torch.device("cuda"):
+        assert on_sim(torch.zeros(2)) and on_sim(torch.nn.Linear(2, 2).weight)
+    assert not on_sim(torch.zeros(2))
+    torch.set_default_device("cuda:0")
+    try:
+        assert on_sim(torch.ones(2))
+    finally:
+        torch.set_default_device(None)
+    assert not on_sim(torch.ones(2))
+
+
+# -- .cuda() and is_cuda -----------------------------------------------------------------------
+
+def test_tensor_cuda_module_cuda_and_is_cuda(transfer):
+    x = torch.ones(2)
+    for moved in (x.cuda(), x.cuda(0), x.cuda("cuda:0"), x.cuda(device=torch.device("cuda"))):
+        assert on_sim(moved) and moved.is_cuda
+    assert not x.is_cuda
+    already = x.cuda()
+    assert already.cuda() is already
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2)).cuda()
+    assert all(p.is_cuda and on_sim(p) for p in model.parameters())
+
+
+# -- torch.cuda answered by torch.sim -------------------------------------------------------------
+
+def test_torch_cuda_queries_answer_for_the_device(transfer):
+    assert torch.cuda.is_available() and torch.cuda.is_initialized()
+    assert torch.cuda.device_count() == torch.sim.device_count()
+    assert torch.cuda.current_device() == 0
+    torch.cuda.set_device(0)
+    torch.cuda.set_device("cuda:0")
+    torch.cuda.synchronize()
+    torch.cuda.synchronize("cuda")
+    assert torch.cuda.get_device_name() == "sim" == torch.cuda.get_device_name("cuda:0")
+    assert torch.cuda.get_device_capability(0) == torch.sim.get_device_capability()
+    assert torch.cuda.get_device_properties("cuda").total_memory > 0
+    assert torch.cuda.is_bf16_supported()
+    with torch.cuda.device(0):
+        assert torch.cuda.current_device() == 0
+
+
+def test_torch_cuda_seeds_drive_the_device_random_numbers(transfer):
+    torch.cuda.manual_seed(3)
+    first = torch.rand(3, device="cuda").cpu()
+    torch.cuda.manual_seed_all(3)
+    assert torch.equal(torch.rand(3, device="cuda").cpu(), first)
+    state = torch.cuda.get_rng_state()
+    again = torch.rand(3, device="cuda").cpu()
+    torch.cuda.set_rng_state(state)
+    assert torch.equal(torch.rand(3, device="cuda").cpu(), again)
+    assert torch.cuda.initial_seed() == 3
+
+
+def test_torch_cuda_memory_statistics_count_device_tensors(transfer):
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    block = torch.empty(1024, device="cuda")
+    assert torch.cuda.memory_allocated() - before == block.numel() * 4
+    assert torch.cuda.max_memory_allocated() >= torch.cuda.memory_allocated()
+    assert torch.cuda.memory_stats()["allocated_bytes.all.current"] == torch.cuda.memory_allocated()
+    torch.cuda.empty_cache()
+    del block
+    assert torch.cuda.memory_allocated() == before
+
+
+def test_torch_cuda_streams_and_events(transfer):
+    stream = torch.cuda.Stream()
+    assert isinstance(stream, torch.cuda.Stream) and isinstance(torch.cuda.current_stream(), torch.cuda.Stream)
+    with torch.cuda.stream(stream):
+        assert torch.cuda.current_stream() is stream
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.ones(8, device="cuda").sum()
+    end.record()
+    end.synchronize()
+    assert start.elapsed_time(end) >= 0
+
+
+@pytest.mark.parametrize("call, api", [
+    (lambda: torch.cuda.jiterator._create_jit_fn("template <typename T> T f(T x) { return x; }"),
+     "torch.cuda.jiterator._create_jit_fn"),
+    (lambda: torch.cuda.CUDAGraph(), "torch.cuda.CUDAGraph"),
+    (lambda: torch.cuda.nvtx.range_push("step"), "torch.cuda.nvtx.range_push"),
+    (lambda: torch.cuda.set_per_process_memory_fraction(0.5), "torch.cuda.set_per_process_memory_fraction"),
+    (lambda: torch.cuda.ipc_collect(), "torch.cuda.ipc_collect"),
+], ids=["jiterator", "CUDAGraph", "nvtx", "memory_fraction", "ipc_collect"])
+def test_cuda_api_the_device_lacks_raises_naming_it_and_the_backend(transfer, call, api):
+    with pytest.raises(NotImplementedError, match=rf"{api.replace('.', '[.]')} is not available on the sim backend"):
+        call()
+
+
+# -- autocast, GradScaler ------------------------------------------------------------------------
+
+def test_autocast_cuda_runs_device_autocast(transfer):
+    a, b = torch.randn(4, 4, device="cuda"), torch.randn(4, 4, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert (a @ b).dtype == torch.bfloat16
+        assert torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
+    with torch.autocast(device_type="cuda"):
+        assert (a @ b).dtype == torch.float16
+    with pytest.warns(FutureWarning), torch.cuda.amp.autocast(dtype=torch.bfloat16):
+        assert (a @ b).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.amp.GradScaler("cuda"), lambda: torch.amp.GradScaler(), lambda: torch.cuda.amp.GradScaler(),
+], ids=["amp-cuda", "amp-default", "cuda-amp"])
+def test_grad_scaler_for_cuda_scales_on_the_device(transfer, make):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.cuda.amp.GradScaler is deprecated, still used
+        scaler = make()
+    model = torch.nn.Linear(4, 1).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(torch.ones(2, 4, device="cuda")).sum()
+    scaler.scale(loss).backward()
+    before = model.weight.detach().cpu().clone()
+    scaler.step(optimizer)
+    scaler.update()
+    assert on_sim(scaler._scale) and not torch.equal(model.weight.detach().cpu(), before)
+
+
+# -- distributed, profiler -------------------------------------------------------------------------
+
+def test_init_process_group_nccl_uses_the_sim_collective_library(transfer, tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert dist.get_backend() == "simccl"
+        x = torch.full((3,), 2.0, device="cuda")
+        dist.all_reduce(x)
+        assert on_sim(x) and torch.equal(x.cpu(), torch.full((3,), 2.0))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_profiler_with_cuda_activity_does_not_crash(transfer):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        (torch.ones(4, device="cuda") * 2).sum()
+    assert any("mul" in event.key for event in prof.key_averages())
+
+
+# -- show as cuda ------------------------------------------------------------------------------------
+
+def test_show_device_as_cuda_reports_cuda_without_a_torch_function_mode(shown_as_cuda):
+    x = torch.ones(2, device="cuda")
+    assert x.device == torch.device("cuda", 0) and x.device.type == "cuda"
+    assert "device='cuda:0'" in repr(x) and x.is_cuda and on_sim(x)
+    assert torch.ones(2).device.type == "cpu"
+    assert on_sim(torch.zeros(2, device=x.device))  # the shown device leads back to the real one
+    assert torch._C._len_torch_function_stack() == 0
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        assert (torch.randn(2, 2, device="cuda") @ torch.randn(2, 2, device="cuda")).dtype == torch.bfloat16
+
+
+def test_show_device_as_cuda_trains_a_model(shown_as_cuda):
+    from tiny_models import mlp
+
+    torch.manual_seed(0)
+    model = mlp().cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(8, 16, device="cuda"), torch.randint(0, 4, (8,), device="cuda")
+    for _ in range(2):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert torch.isfinite(loss).item() and all(on_sim(p) for p in model.parameters())
+
+
+# -- deactivate ---------------------------------------------------------------------------------------
+
+def _snapshot():
+    from ditorch import cuda_api, transfer
+
+    owners = {}
+    for row in transfer.ROWS:
+        owner = transfer._resolve(row.owner)
+        for name in row.names:
+            owners[(row.owner, name)] = vars(owner).get(name, "<absent>")
+    for name in cuda_api.mapped_names():
+        owners[("torch.cuda", name)] = vars(torch.cuda).get(name, "<absent>")
+    owners[("torch.Tensor", "device")] = vars(torch.Tensor).get("device", "<absent>")
+    return owners
+
+
+def test_deactivate_restores_every_patched_attribute(sim):
+    import ditorch
+    from ditorch import activation
+
+    ditorch.deactivate()
+    before = _snapshot()
+    _activate(show_as_cuda=True)
+    assert torch.cuda.is_available() and activation.patch_count() > 50
+    assert ditorch.deactivate()
+    after = _snapshot()
+    assert [key for key in before if before[key] is not after[key]] == []
+    assert not torch.cuda.is_available() and not ditorch.deactivate()
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.ones(2, device="cuda")
+    assert torch.ones(2).device.type == "cpu"
+
+
+def test_activating_twice_patches_once(sim):
+    from ditorch import activation
+
+    _activate(show_as_cuda=False)
+    try:
+        count = activation.patch_count()
+        assert _activate_again() is False and activation.patch_count() == count
+        assert on_sim(torch.ones(1, device="cuda").to("cuda"))
+    finally:
+        activation.deactivate()
+
+
+def _activate_again() -> bool:
+    from ditorch import activation, backends
+    from ditorch.env import DeviceLayerConfig
+
+    config = DeviceLayerConfig(backend="sim", quiet=True, disable_mock=False, show_device_as_cuda=False)
+    return activation.activate(backends.detect("sim"), config, forced=True)
