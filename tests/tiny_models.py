@@ -18,7 +18,9 @@ def tiny_llama(vocab: int = 128, hidden: int = 64, layers: int = 2):
 def tiny_gpt2(vocab: int = 128, hidden: int = 64, layers: int = 2):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=4, n_positions=64)
+    # No dropout: on a device PyTorch runs native_dropout, whose rounding differs from the CPU path.
+    config = GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=4, n_positions=64,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(config)
 
 

@@ -58,7 +58,7 @@ def register() -> None:
         load_from_env()
         taken = torch._C._get_privateuse1_backend_name()
         if taken not in ("privateuseone", NAME):
-            raise RuntimeError(f"sim: PrivateUse1 is already the backend {taken!r}; the sim device cannot be registered")
+            raise RuntimeError(f"sim: PrivateUse1 is already the backend {taken!r}; cannot register the sim device")
         from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
         _setup_privateuseone_for_python_backend(NAME, backend_module=device_module)

@@ -184,8 +184,8 @@ def faults(spec: str):
         TABLE.set(previous)
 
 
-def inject_fault(op: str, kind: str, value: float | None = None, dtype: torch.dtype | None = None) -> None:
-    """Add one fault: ``inject_fault("mm", "noise", 1e-3)``, ``inject_fault(".*", "unsupported", dtype=torch.float64)``."""
+def inject_fault(op: str, kind: str, value: float | None = None, *, dtype: torch.dtype | None = None) -> None:
+    """Add one fault: ``inject_fault("mm", "noise", 1e-3)``, ``inject_fault(".*", "unsupported", dtype=torch.half)``."""
     dtype_text = f"@{str(dtype).removeprefix('torch.')}" if dtype is not None else ""
     value_text = f"={value}" if value is not None else ""
     TABLE.set(TABLE.current() + parse_faults(f"{op}{dtype_text}:{kind}{value_text}", "inject_fault"))

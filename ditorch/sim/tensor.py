@@ -10,7 +10,6 @@ comes back, so views alias, in-place ops mutate and numbers equal the CPU's bit 
 from __future__ import annotations
 
 import threading
-import weakref
 
 import torch
 from torch._C import DispatchKey, DispatchKeySet
@@ -65,21 +64,24 @@ class _Memory:
     def track(self, tensor: SimTensor, data: torch.Tensor, index: int) -> None:
         storage = data.untyped_storage()
         key = storage.data_ptr()
+        tensor._storage_key = key
         if not key:
             return
         with self._lock:
             ref = self._refs.get(key)
             if ref is None:
-                self._refs[key] = [1, storage.nbytes(), index]
-                total = self.allocated.get(index, 0) + storage.nbytes()
+                nbytes = storage.nbytes()
+                self._refs[key] = [1, nbytes, index]
+                total = self.allocated.get(index, 0) + nbytes
                 self.allocated[index] = total
                 if total > self.peak.get(index, 0):
                     self.peak[index] = total
             else:
                 ref[0] += 1
-        weakref.finalize(tensor, self._release, key)
 
-    def _release(self, key: int) -> None:
+    def release(self, key: int) -> None:
+        if not key:
+            return
         with self._lock:
             ref = self._refs.get(key)
             if ref is None:
@@ -107,6 +109,21 @@ class SimTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return run_op(func, args, kwargs or {})
+
+    def __del__(self):
+        # Cheaper than a weakref finalizer per tensor; at interpreter exit MEMORY may be gone.
+        memory = MEMORY
+        if memory is not None:
+            memory.release(self.__dict__.get("_storage_key", 0))
+
+    # Being a traceable wrapper subclass makes Module.to() swap tensors in place, as set_data does
+    # for a CUDA move: the same Parameter object moves, so tied weights stay tied.
+    def __tensor_flatten__(self):
+        return ["_data"], self._index
+
+    @staticmethod
+    def __tensor_unflatten__(inner, index, outer_size, outer_stride):
+        return wrap(inner["_data"], index)
 
     @property
     def data(self):
@@ -162,6 +179,7 @@ def wrap(data: torch.Tensor, index: int) -> SimTensor:
         dtype=data.dtype, device=_DEVICES[index],
     )
     tensor._data = data
+    tensor._index = index
     MEMORY.track(tensor, data, index)
     return tensor
 
@@ -174,7 +192,8 @@ def _sync_metadata(tensor: SimTensor) -> None:
         # The Meta kernel of set_ rewrites sizes/strides/offset of any TensorImpl, ours included.
         storage = torch.Tensor.untyped_storage(tensor)
         _set_metadata.redispatch(_META_KEYS, tensor, storage, data.storage_offset(), data.shape, data.stride())
-        MEMORY.track(tensor, data, tensor.device.index)
+        MEMORY.release(tensor.__dict__.get("_storage_key", 0))
+        MEMORY.track(tensor, data, tensor._index)
 
 
 class _OpInfo:
@@ -202,36 +221,40 @@ _INFO: dict = {}
 class _Unwrapped:
     """Arguments with sim tensors swapped for their CPU tensors, and what was seen on the way."""
 
-    __slots__ = ("sim_index", "cpu_tensor", "pairs", "dtypes", "other_index")
+    __slots__ = ("sim_index", "other_device", "pairs")
 
     def __init__(self) -> None:
         self.sim_index = None
-        self.other_index = None
-        self.cpu_tensor = False
-        self.pairs = []  # (cpu tensor, the sim tensor it came from)
-        self.dtypes = set()
+        self.other_device = None  # a CPU tensor of dim > 0, or another sim device, seen beside sim tensors
+        self.pairs = []  # (CPU tensor handed to the kernel, the caller's tensor it stands for)
 
     def value(self, x):
-        if isinstance(x, torch.Tensor):
-            if type(x) is SimTensor or isinstance(x, SimTensor):
-                index = x.device.index
-                if self.sim_index is None:
-                    self.sim_index = index
-                elif index != self.sim_index:
-                    self.other_index = index
-                data = x._data
-                self.pairs.append((data, x))
-                self.dtypes.add(x.dtype)
-                return data
-            if x.dim() and x.device.type == "cpu":
-                self.cpu_tensor = True
-            self.dtypes.add(x.dtype)
+        cls = type(x)
+        if cls is SimTensor or (cls is not torch.Tensor and isinstance(x, SimTensor)):
+            index = x._index
+            if self.sim_index is None:
+                self.sim_index = index
+            elif index != self.sim_index:
+                self.other_device = f"sim:{index}"
+            data = x._data
+            self.pairs.append((data, x))
+            return data
+        if cls is torch.Tensor or isinstance(x, torch.Tensor):
+            if x.device.type == "cpu" and x.dim():
+                self.other_device = "cpu"
+            self.pairs.append((x, x))
             return x
-        if isinstance(x, (list, tuple)):
-            return type(x)(self.value(v) for v in x)
-        if isinstance(x, torch.device) and x.type == "sim":
+        if cls is list or cls is tuple:
+            return cls(self.value(v) for v in x)
+        if cls is torch.device and x.type == "sim":
             return _CPU
         return x
+
+    def dtypes(self, kwargs: dict) -> set:
+        found = {tensor.dtype for _, tensor in self.pairs}
+        if kwargs.get("dtype") is not None:
+            found.add(kwargs["dtype"])
+        return found
 
 
 def _target_index(kwargs: dict, unwrapped: _Unwrapped):
@@ -252,33 +275,34 @@ def run_op(func, args, kwargs):
     if info is None:
         info = _INFO[func] = _OpInfo(func)
     unwrapped = _Unwrapped()
-    cpu_args = [unwrapped.value(a) for a in args]
-    cpu_kwargs = {k: unwrapped.value(v) for k, v in kwargs.items()}
-    if unwrapped.sim_index is not None and not info.mixed_ok:
-        if unwrapped.cpu_tensor or unwrapped.other_index is not None:
-            other = "cpu" if unwrapped.cpu_tensor else f"sim:{unwrapped.other_index}"
-            raise RuntimeError(
-                "Expected all tensors to be on the same device, but found at least two devices, "
-                f"sim:{unwrapped.sim_index} and {other}!"
-            )
-    index = _target_index(kwargs, unwrapped)
+    value = unwrapped.value
+    cpu_args = [value(a) for a in args]
+    cpu_kwargs = {k: value(v) for k, v in kwargs.items()} if kwargs else kwargs
+    if unwrapped.other_device is not None and unwrapped.sim_index is not None and not info.mixed_ok:
+        raise RuntimeError(
+            "Expected all tensors to be on the same device, but found at least two devices, "
+            f"sim:{unwrapped.sim_index} and {unwrapped.other_device}!"
+        )
+    index = _target_index(kwargs, unwrapped) if kwargs else (
+        unwrapped.sim_index if unwrapped.sim_index is not None else _Device.current())
     active_faults = ()
     if _faults.TABLE.active:
         active_faults = _faults.TABLE.for_op(func)
         if active_faults:
-            if "dtype" in kwargs and kwargs["dtype"] is not None:
-                unwrapped.dtypes.add(kwargs["dtype"])
-            _faults.TABLE.before(func, active_faults, unwrapped.dtypes)
+            dtypes = unwrapped.dtypes(kwargs)
+            _faults.TABLE.before(func, active_faults, dtypes)
 
     out = func(*cpu_args, **cpu_kwargs)
 
-    for position in info.mutated_args:
-        if position < len(args):
-            _sync_if_sim(args[position])
-    for name in info.mutated_kwargs:
-        _sync_if_sim(kwargs.get(name))
+    if info.mutated_args:
+        for position in info.mutated_args:
+            if position < len(args):
+                _sync_if_sim(args[position])
+    if info.mutated_kwargs:
+        for name in info.mutated_kwargs:
+            _sync_if_sim(kwargs.get(name))
     if active_faults and not info.is_view:
-        _faults.TABLE.after(active_faults, unwrapped.dtypes, _flat_tensors(out))
+        _faults.TABLE.after(active_faults, dtypes, _flat_tensors(out))
     if index is None:
         return out
     return _wrap_outputs(out, unwrapped.pairs, index)
@@ -305,9 +329,7 @@ def _wrap_outputs(out, pairs, index):
         for data, tensor in pairs:
             if out is data:  # in-place or out=: hand back the caller's own tensor
                 return tensor
-        if out.device.type != "cpu":
-            return out
-        return wrap(out, index)
+        return wrap(out, index) if out.device.type == "cpu" else out
     if isinstance(out, (list, tuple)):
         return type(out)(_wrap_outputs(o, pairs, index) for o in out)
     return out

@@ -1,0 +1,85 @@
+"""torch.sim answers the torch.cuda API with real values."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+
+@pytest.mark.usefixtures("sim")
+def test_device_module_basics():
+    assert torch.sim.is_available() and torch.sim.device_count() == 1
+    assert torch.sim.current_device() == 0
+    assert torch.sim.get_device_name() == "sim"
+    assert torch.sim.get_device_capability() == (1, 0)
+    assert torch.sim.get_device_properties(0).total_memory > 0
+    assert torch.sim.is_bf16_supported()
+    torch.sim.synchronize()
+    with pytest.raises(RuntimeError, match="invalid device ordinal 3"):
+        torch.sim.set_device(3)
+
+
+@pytest.mark.usefixtures("sim")
+def test_memory_statistics_follow_live_tensors():
+    torch.sim.reset_peak_memory_stats()
+    before = torch.sim.memory_allocated()
+    x = torch.empty(1024, 1024, device="sim")  # 4 MiB
+    view = x[:10]
+    assert torch.sim.memory_allocated() - before == 4 * 1024 * 1024
+    del x
+    assert torch.sim.memory_allocated() - before == 4 * 1024 * 1024  # the view keeps the storage
+    del view
+    assert torch.sim.memory_allocated() == before
+    assert torch.sim.max_memory_allocated() >= before + 4 * 1024 * 1024
+    torch.sim.reset_peak_memory_stats()
+    assert torch.sim.max_memory_allocated() == before
+
+
+@pytest.mark.usefixtures("sim")
+def test_events_measure_elapsed_time_in_milliseconds():
+    start, end = torch.sim.Event(enable_timing=True), torch.sim.Event(enable_timing=True)
+    start.record()
+    time.sleep(0.02)
+    end.record()
+    end.synchronize()
+    assert 15 <= start.elapsed_time(end) < 1000
+    stream = torch.sim.Stream()
+    with torch.sim.stream(stream):
+        assert torch.sim.current_stream() is stream
+    assert torch.sim.current_stream() is torch.sim.default_stream()
+
+
+@pytest.mark.usefixtures("sim")
+def test_seeds_drive_the_same_numbers_as_cpu():
+    torch.manual_seed(7)
+    on_sim = torch.randn(4, device="sim").cpu()
+    torch.manual_seed(7)
+    assert torch.equal(on_sim, torch.randn(4))
+    torch.sim.manual_seed(3)
+    assert torch.sim.initial_seed() == 3
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=120)
+
+
+def test_device_count_comes_from_the_environment():
+    code = ("import torch, ditorch.sim; ditorch.sim.register(); "
+            "x = torch.ones(2, device='sim:1'); print(torch.sim.device_count(), x.device, (x + x).device)")
+    result = _run(code, DITORCH_SIM_DEVICE_COUNT="2")
+    assert result.stdout.split() == ["2", "sim:1", "sim:1"], result.stderr
+    mixed = _run("import torch, ditorch.sim; ditorch.sim.register(); "
+                 "torch.ones(2, device='sim:0') + torch.ones(2, device='sim:1')", DITORCH_SIM_DEVICE_COUNT="2")
+    assert "found at least two devices, sim:0 and sim:1" in mixed.stderr
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_malformed_device_count_names_the_variable(value):
+    result = _run("import ditorch.sim; ditorch.sim.register()", DITORCH_SIM_DEVICE_COUNT=value)
+    assert result.returncode != 0
+    assert f"ValueError: DITORCH_SIM_DEVICE_COUNT={value!r}" in result.stderr
+    assert "positive integer" in result.stderr

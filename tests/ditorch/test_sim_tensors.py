@@ -1,0 +1,160 @@
+"""The sim device behaves as a device: factories, moves, views, in-place ops, out=, errors."""
+
+import io
+
+import pytest
+import torch
+
+
+def test_factories_create_sim_tensors(sim):
+    for tensor in (
+        torch.randn(2, 3, device=sim), torch.zeros(4, device="sim:0"), torch.tensor([1.0, 2.0], device=sim),
+        torch.arange(5, device=sim), torch.full((2,), 7, device=sim), torch.empty(3, device=sim),
+    ):
+        assert tensor.device == torch.device("sim", 0)
+    base = torch.ones(2, 2, device=sim)
+    for derived in (torch.zeros_like(base), torch.rand_like(base), base.new_ones(3), base.new_empty(1),
+                    base.new_tensor([1, 2])):
+        assert derived.device.type == "sim"
+    assert torch.tensor([[1, 2]], device=sim).cpu().tolist() == [[1, 2]]
+
+
+def test_values_move_between_cpu_and_sim_unchanged():
+    cpu = torch.randn(5, 7)
+    on_sim = cpu.to("sim")
+    assert on_sim.is_sim and not on_sim.is_cpu
+    assert torch.equal(on_sim.cpu(), cpu)
+    assert torch.equal(on_sim.to("cpu", torch.float64), cpu.double())
+    target = torch.empty(5, 7)
+    target.copy_(on_sim)
+    assert torch.equal(target, cpu)
+    back = torch.empty(5, 7, device="sim").copy_(cpu)
+    assert torch.equal(back.cpu(), cpu)
+
+
+@pytest.mark.usefixtures("sim")
+def test_repr_names_the_device_as_a_device_tensor():
+    text = repr(torch.tensor([[1.5, 2.0], [3.0, 4.0]], device="sim"))
+    assert text.startswith("tensor([[1.5000, 2.0000],\n        [3.0000, 4.0000]]")
+    assert text.endswith("device='sim:0')")
+    assert "grad_fn=<MulBackward0>" in repr(torch.ones(2, device="sim", requires_grad=True) * 2)
+    assert f"{torch.tensor(1.25, device='sim'):.1f}" == "1.2"
+
+
+@pytest.mark.usefixtures("sim")
+def test_numpy_refuses_as_it_does_for_cuda():
+    with pytest.raises(TypeError, match="can't convert sim:0 device type tensor to numpy"):
+        torch.ones(2, device="sim").numpy()
+
+
+@pytest.mark.usefixtures("sim")
+def test_mixing_devices_raises_like_cuda():
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device.*sim:0 and cpu"):
+        torch.ones(3, device="sim") + torch.ones(3)
+    with pytest.raises(RuntimeError, match="same device"):
+        torch.mm(torch.ones(2, 2, device="sim"), torch.ones(2, 2))
+    # As on CUDA, a 0-dim CPU tensor is a scalar, and CPU indices are accepted.
+    assert (torch.ones(3, device="sim") + torch.tensor(2.0)).cpu().tolist() == [3.0, 3.0, 3.0]
+    assert torch.arange(5, device="sim")[torch.tensor([4, 0])].cpu().tolist() == [4, 0]
+
+
+@pytest.mark.usefixtures("sim")
+def test_views_alias_their_base():
+    base = torch.arange(12.0, device="sim").view(3, 4)
+    transposed = base.t()
+    assert transposed.shape == (4, 3) and transposed.stride() == (1, 4)
+    assert base.transpose(0, 1).stride() == (1, 4)
+    narrow = base.narrow(1, 1, 2)
+    assert narrow.storage_offset() == 1 and narrow.stride() == (4, 1)
+    narrow.add_(100)
+    assert base.cpu()[:, 1:3].min() >= 100 and base.cpu()[:, 0].max() < 100
+    strided = base.as_strided((2, 2), (4, 1), 1)
+    assert strided.cpu().tolist() == base.cpu().as_strided((2, 2), (4, 1), 1).tolist()
+    flat = base.t().contiguous().view(-1)
+    assert flat.cpu().tolist() == base.cpu().t().contiguous().view(-1).tolist()
+    assert transposed._base is base._base  # views chain to the root, as on CPU
+
+
+@pytest.mark.usefixtures("sim")
+def test_inplace_ops_return_the_same_tensor_and_track_versions():
+    x = torch.zeros(3, device="sim")
+    version = x._version
+    assert x.add_(1) is x
+    assert x._version > version
+    assert x.cpu().tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.usefixtures("sim")
+def test_inplace_metadata_changes_reach_the_device_tensor():
+    x = torch.arange(6.0, device="sim").view(2, 3)
+    x.t_()
+    assert x.shape == (3, 2) and x.stride() == (1, 3)
+    x.unsqueeze_(0)
+    assert x.shape == (1, 3, 2)
+    y = torch.zeros(2, device="sim")
+    y.resize_(4, 5)
+    assert y.shape == (4, 5) and y._data.shape == (4, 5)
+    y.fill_(2)
+    assert y.sum().item() == 40
+
+
+@pytest.mark.usefixtures("sim")
+def test_out_argument_writes_into_the_given_tensor():
+    a, b = torch.ones(2, 3, device="sim"), torch.full((2, 3), 2.0, device="sim")
+    out = torch.empty(2, 3, device="sim")
+    assert torch.add(a, b, out=out) is out
+    assert out.cpu().tolist() == [[3.0] * 3] * 2
+    grown = torch.empty(0, device="sim")
+    torch.mul(a, b, out=grown)
+    assert grown.shape == (2, 3) and grown.cpu().sum().item() == 12
+    values, indices = torch.empty(0, device="sim"), torch.empty(0, dtype=torch.long, device="sim")
+    torch.max(torch.tensor([[1.0, 5.0], [7.0, 2.0]], device="sim"), 1, out=(values, indices))
+    assert values.cpu().tolist() == [5.0, 7.0] and indices.cpu().tolist() == [1, 0]
+
+
+@pytest.mark.usefixtures("sim")
+def test_type_promotion_matches_cpu():
+    i = torch.arange(3, device="sim")
+    f = torch.ones(3, device="sim", dtype=torch.float16)
+    assert (i + f).dtype == torch.float16
+    assert (i / 2).dtype == torch.float32
+    assert (f + torch.tensor(1.0, dtype=torch.float64)).dtype == torch.float16
+
+
+@pytest.mark.usefixtures("sim")
+def test_autograd_reaches_sim_leaves():
+    w = torch.randn(3, 3, device="sim", requires_grad=True)
+    x = torch.randn(2, 3, device="sim")
+    (x @ w).relu().sum().backward()
+    assert w.grad is not None and w.grad.device.type == "sim"
+    expected_w = w.detach().cpu().requires_grad_()
+    (x.cpu() @ expected_w).relu().sum().backward()
+    assert torch.equal(w.grad.cpu(), expected_w.grad)
+
+
+@pytest.mark.usefixtures("sim")
+def test_data_assignment_replaces_values():
+    p = torch.nn.Parameter(torch.zeros(2, device="sim"))
+    p.data = torch.ones(3, device="sim")
+    assert p.shape == (3,) and p.cpu().tolist() == [1.0, 1.0, 1.0]
+    module = torch.nn.Linear(2, 2).to("sim").to(torch.bfloat16)
+    assert module.weight.dtype == torch.bfloat16 and module.weight._data.dtype == torch.bfloat16
+
+
+@pytest.mark.usefixtures("sim")
+def test_save_and_load_keep_values_and_devices():
+    state = {"w": torch.randn(3, 4, device="sim"), "step": 3}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    for map_location, device in ((None, "sim:0"), ("cpu", "cpu"), ("sim", "sim:0")):
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=True, map_location=map_location)
+        assert str(loaded["w"].device) == device
+        assert torch.equal(loaded["w"].cpu(), state["w"].cpu())
+    cpu_buffer = io.BytesIO()
+    torch.save({"w": torch.arange(4.0)}, cpu_buffer)
+    for map_location in ("sim", torch.device("sim:0"), {"cpu": "sim:0"}):
+        cpu_buffer.seek(0)
+        loaded = torch.load(cpu_buffer, weights_only=True, map_location=map_location)
+        assert loaded["w"].device.type == "sim"
+        assert loaded["w"].cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
