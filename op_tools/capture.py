@@ -15,10 +15,10 @@ resolves, so every file still loads on its own.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import threading
 import time
-import weakref
 
 import torch
 
@@ -29,6 +29,7 @@ from .engine import OpCall, OpTool, feature
 
 REF_KEY = "op_tools_ref"
 MEMORY_FORMAT_KEY = "op_tools_memory_format"
+_KEY_ATTR = "_op_tools_capture_key"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,13 +43,21 @@ class CaptureConfig:
 
 
 class TensorStore:
-    """Writes capture files, storing a tensor seen again unchanged only once."""
+    """Writes capture files, storing a tensor seen again unchanged only once.
+
+    A stored tensor is marked with a private attribute holding a key into this store (no weak
+    reference: those would make ``Module.to()`` fail to swap parameters); a match also needs the
+    same object id, version and data pointer, so a copy or a reused address is never mistaken for it.
+    """
+
+    MAX_ENTRIES = 200_000
 
     def __init__(self, dedup: bool) -> None:
         self.dedup = dedup
         self.bytes_written = 0
         self.files_written = 0
-        self._seen: dict[int, tuple] = {}  # id(tensor) -> (weakref, version, file, path in file)
+        self._seen: dict[int, tuple] = {}  # key -> (id, version, data_ptr, file, path in file)
+        self._keys = itertools.count(1)
         self._lock = threading.Lock()
 
     def save(self, path: str, payload: dict) -> None:
@@ -86,20 +95,36 @@ class TensorStore:
             return obj
         return repr(obj)  # anything else is kept as text so that weights_only loading works
 
+    def _identity(self, tensor: torch.Tensor):
+        version = _version(tensor)
+        if version is None:
+            return None
+        try:
+            data_ptr = tensor.data_ptr()
+        except RuntimeError:
+            return None
+        return id(tensor), version, data_ptr
+
     def _lookup(self, tensor: torch.Tensor, path: str):
         if not self.dedup:
             return None
-        entry = self._seen.get(id(tensor))
-        if entry is None or entry[0]() is not tensor or entry[1] != _version(tensor):
+        entry = self._seen.get(getattr(tensor, _KEY_ATTR, None) or 0)
+        if entry is None or entry[:3] != self._identity(tensor):
             return None
-        return {REF_KEY: os.path.relpath(entry[2], os.path.dirname(path)), "path": entry[3]}
+        return {REF_KEY: os.path.relpath(entry[3], os.path.dirname(path)), "path": entry[4]}
 
     def _remember(self, tensor: torch.Tensor, path: str, where: list) -> None:
-        version = _version(tensor)
-        if version is None:
+        identity = self._identity(tensor)
+        if identity is None:
             return
-        key = id(tensor)
-        self._seen[key] = (weakref.ref(tensor, lambda _, key=key: self._seen.pop(key, None)), version, path, where)
+        key = next(self._keys)
+        try:
+            setattr(tensor, _KEY_ATTR, key)
+        except (AttributeError, TypeError):
+            return
+        self._seen[key] = (*identity, path, where)
+        if len(self._seen) > self.MAX_ENTRIES:  # forget the oldest: they are only stored again
+            del self._seen[next(iter(self._seen))]
 
 
 def _version(tensor: torch.Tensor):

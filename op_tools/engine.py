@@ -216,7 +216,8 @@ class OpTool:
                 self._guarded(lambda _: self.backward_done(), OpCall(name, func, (), {}, None))
             return result
         if is_metadata_query(name):
-            return func(*args, **kwargs)
+            with tool_work():  # torch calls inside a query (e.g. formatting in __repr__) are not ops of the user
+                return func(*args, **kwargs)
         device = call_device(args, kwargs, name)
         if device is None:  # the CPU is taken as correct
             return func(*args, **kwargs)

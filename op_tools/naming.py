@@ -98,7 +98,8 @@ def _import_path(path: str):
 @functools.cache
 def is_metadata_query(name: str) -> bool:
     """Attribute getters/setters and pure metadata queries: tools never handle them."""
-    return name in METADATA_QUERIES or name.endswith(("__get__", "__set__", "__delete__"))
+    return name in METADATA_QUERIES or name.endswith(("__get__", "__set__", "__delete__", ".__repr__", ".__format__",
+                                                      ".__str__"))
 
 
 @functools.cache

@@ -1,0 +1,31 @@
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(autouse=True)
+def _results_in_tmp(tmp_path, monkeypatch):
+    """Every test writes its op_tools results under its own temporary directory."""
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / "results"))
+    monkeypatch.setenv("OP_TOOLS_VERBOSE", "0")
+    for name in list(os.environ):
+        if name.startswith(("OP_CAPTURE", "OP_OBSERVE", "OP_OVERFLOW", "OP_FALLBACK", "OP_DTYPE_CAST")):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def run_script(tmp_path):
+    """``run_script(code, env)``: run ``code`` in a fresh Python (sim registered, ``env`` added) in ``tmp_path``."""
+    return lambda code, env: _run_script(code, env, tmp_path)
+
+
+def _run_script(code: str, env: dict, cwd) -> subprocess.CompletedProcess:
+    prelude = "import sys, torch, ditorch.sim, op_tools\nditorch.sim.register()\n"
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]), **env}
+    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], env=full_env, cwd=cwd,
+                          capture_output=True, text=True, timeout=120)

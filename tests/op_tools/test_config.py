@@ -1,0 +1,62 @@
+import pytest
+import torch
+
+import op_tools
+from op_tools.config import VARIABLES, OpFilter
+
+
+def test_every_variable_is_declared_with_form_default_and_meaning():
+    for prefix in ("OP_CAPTURE", "OP_OBSERVE", "OP_OVERFLOW_CHECK", "OP_FALLBACK", "OP_DTYPE_CAST"):
+        assert f"{prefix}_LIST" in VARIABLES and f"{prefix}_DISABLE_LIST" in VARIABLES
+    for name in ("OP_TOOLS_RESULTS_DIR", "OP_TOOLS_VERBOSE", "OP_TOOLS_PRINT_STACK", "OP_CAPTURE_MODE",
+                 "OP_OVERFLOW_CHECK_RAISE", "OP_DTYPE_CAST_DICT"):
+        var = VARIABLES[name]
+        assert var.form and var.meaning
+
+
+def test_lists_match_exact_names_and_whole_name_regexes(monkeypatch):
+    monkeypatch.setenv("OP_OBSERVE_LIST", "torch.add,torch.nn.functional.*")
+    monkeypatch.setenv("OP_OBSERVE_DISABLE_LIST", "torch.nn.functional.silu")
+    f = OpFilter.from_env("OP_OBSERVE")
+    assert f.allows("torch.add") and f.allows("torch.nn.functional.linear")
+    assert not f.allows("torch.nn.functional.silu")  # DISABLE wins
+    assert not f.allows("torch.addmm")  # a regex must match the whole name
+    monkeypatch.setenv("OP_OBSERVE_LIST", "")
+    assert not OpFilter.from_env("OP_OBSERVE").allows("torch.add")  # empty: none
+    monkeypatch.delenv("OP_OBSERVE_LIST")
+    monkeypatch.delenv("OP_OBSERVE_DISABLE_LIST")
+    assert OpFilter.from_env("OP_OBSERVE").allows("torch.anything")  # unset: all
+
+
+@pytest.mark.parametrize(("name", "value", "tool"), [
+    ("OP_CAPTURE_LIST", "torch.add,(", op_tools.OpCapture),
+    ("OP_FALLBACK_DISABLE_LIST", "[a-", op_tools.OpFallback),
+    ("OP_DTYPE_CAST_DICT", "torch.float16->torch.flot32", op_tools.OpDtypeCast),
+    ("OP_DTYPE_CAST_DICT", "torch.float16", op_tools.OpDtypeCast),
+    ("OP_CAPTURE_MODE", "everything", op_tools.OpCapture),
+    ("OP_OVERFLOW_CHECK_RAISE", "maybe", op_tools.OpOverflowCheck),
+])
+def test_malformed_variable_is_a_value_error_naming_it(monkeypatch, name, value, tool):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name) as info:
+        tool().start()
+    assert repr(value) in str(info.value) and "expected" in str(info.value)
+    assert not torch.overrides._get_current_function_mode_stack()  # nothing left started
+
+
+def test_lists_select_exactly_the_named_ops_in_a_fresh_process(run_script):
+    code = """
+    x = torch.ones(2, 3, device="sim")
+    with op_tools.OpObserve():
+        torch.add(x, 1); x.mul(2); torch.nn.functional.relu(x); torch.nn.functional.silu(x)
+    """
+    env = {"OP_OBSERVE_LIST": "torch.add,torch.nn.functional.*", "OP_OBSERVE_DISABLE_LIST": ".*silu",
+           "OP_TOOLS_VERBOSE": "1"}
+    result = run_script(code, env)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "apply OpObserveHook on torch.add" in out
+    assert "apply OpObserveHook on torch.nn.functional.relu" in out
+    assert "skip OpObserveHook on torch.Tensor.mul" in out
+    assert "skip OpObserveHook on torch.nn.functional.silu" in out
+    assert "torch.add    forward_id:" in out and "torch.Tensor.mul    forward_id:" not in out

@@ -1,0 +1,152 @@
+import threading
+
+import pytest
+import torch
+
+import op_tools
+from op_tools.engine import OpTool
+from op_tools.naming import resolve_op_name
+
+
+class Recorder(OpTool):
+    """A tool that records the names it handles (and can do torch work of its own)."""
+
+    hook_name = "RecorderHook"
+
+    def __init__(self, own_work=False):
+        super().__init__()
+        self.names = []
+        self.own_work = own_work
+        self.backward = []
+
+    def after(self, call):
+        self.names.append(call.name)
+        if self.own_work:
+            (call.result * 2).sum().item()  # a tool's own torch calls
+
+
+class BackwardRecorder(Recorder):
+    def before_backward(self, call, grad_outputs):
+        self.backward.append(("before", call.name, len(grad_outputs)))
+
+    def after_backward(self, call, grad_inputs, grad_outputs):
+        self.backward.append(("after", call.name, [g.shape if g is not None else None for g in grad_inputs]))
+
+
+def test_names_resolve_to_public_paths():
+    assert resolve_op_name(torch.add) == "torch.add"
+    assert resolve_op_name(torch.Tensor.add) == "torch.Tensor.add"
+    assert resolve_op_name(torch.nn.functional.linear) == "torch.nn.functional.linear"
+    assert resolve_op_name(torch._foreach_add_) == "torch._foreach_add_"
+
+
+def test_only_device_calls_are_handled_and_metadata_never(sim):
+    x = torch.ones(2, 3, device=sim)
+    with Recorder() as tool:
+        torch.ones(2) + 1  # CPU: taken as correct
+        x.size(), x.shape, x.dim(), x.numel(), x.data_ptr(), x.dtype, x.requires_grad
+        y = x + 1
+        torch.zeros(2, device=sim)
+    assert tool.names == ["torch.Tensor.add", "torch.zeros"]
+    assert y.device.type == sim
+
+
+def test_tools_nest_and_each_sees_every_op_once(sim):
+    x = torch.ones(4, device=sim)
+    with Recorder(own_work=True) as outer, Recorder(own_work=True) as inner:
+        torch.nn.functional.relu(x * 3)
+    # layer below a tool never sees the tool's own `* 2`, `.sum()`, `.item()`
+    assert outer.names == inner.names == ["torch.Tensor.mul", "torch.nn.functional.relu"]
+
+
+def test_start_stop_end_and_restart(sim):
+    x = torch.ones(2, device=sim)
+    tool = Recorder()
+    tool.start()
+    x + 1
+    tool.stop()
+    x + 2
+    tool.start()
+    x * 2
+    tool.end()
+    assert tool.names == ["torch.Tensor.add", "torch.Tensor.mul"]
+
+
+def test_tools_stopped_out_of_order_leave_the_other_running(sim):
+    x = torch.ones(2, device=sim)
+    first, second = Recorder().start(), Recorder().start()
+    first.stop()
+    x + 1
+    second.stop()
+    x + 1
+    assert first.names == [] and second.names == ["torch.Tensor.add"]
+
+
+def test_threads_do_not_see_each_other(sim):
+    x = torch.ones(2, device=sim)
+    seen = {}
+
+    def work(label, op):
+        with Recorder() as tool:
+            for _ in range(50):
+                op(x)
+        seen[label] = set(tool.names)
+
+    threads = [threading.Thread(target=work, args=(label, op)) for label, op in (("a", torch.sin), ("b", torch.cos))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {"a": {"torch.sin"}, "b": {"torch.cos"}}
+
+
+def test_user_exception_propagates_unchanged(sim):
+    x = torch.ones(2, 3, device=sim)
+    with Recorder(), pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
+        x @ x
+
+
+class Broken(OpTool):
+    hook_name = "BrokenHook"
+
+    def after(self, call):
+        raise KeyError("tool bug")
+
+
+def test_tool_failure_is_reported_once_and_the_run_goes_on(sim, caplog, monkeypatch):
+    x = torch.ones(2, device=sim)
+    with Broken():
+        for _ in range(3):
+            y = x + 1
+    assert torch.equal(y.cpu(), torch.full((2,), 2.0))
+    failures = [r for r in caplog.records if "BrokenHook failed on torch.Tensor.add" in r.getMessage()]
+    assert len(failures) == 1
+    monkeypatch.setenv("OP_TOOLS_STRICT", "1")
+    with Broken(), pytest.raises(KeyError):
+        x + 1
+
+
+def test_backward_hooks_see_upstream_and_input_gradients(sim):
+    w = torch.ones(3, 4, device=sim, requires_grad=True)
+    x = torch.ones(2, 4, device=sim)
+    with BackwardRecorder() as tool:
+        y = torch.nn.functional.linear(x, w)
+    y.sum().backward()
+    assert ("before", "torch.nn.functional.linear", 1) in tool.backward
+    after = [b for b in tool.backward if b[0] == "after"]
+    assert len(after) == 1 and any(shape is not None for shape in after[0][2])
+    assert w.grad.device.type == sim
+
+
+def test_apply_lines_are_printed_once_per_op(sim, capsys):
+    x = torch.ones(2, device=sim)
+
+    class Announcer(OpTool):
+        hook_name = "AnnouncerHook"
+
+    with Announcer():
+        x + 1
+        x + 1
+    out = capsys.readouterr().out
+    assert out.count("apply AnnouncerHook on torch.Tensor.add") == 1
+    assert op_tools.OpObserve.hook_name == "OpObserveHook"
