@@ -1,0 +1,56 @@
+import pytest
+import torch
+
+import op_tools
+
+
+def scale(x, factor):
+    return x * factor
+
+
+def test_feature_runs_only_when_the_condition_holds(sim, capsys, monkeypatch):
+    monkeypatch.setenv("OP_TOOLS_VERBOSE", "1")
+    original = torch.add
+    op_tools.apply_feature("torch.add", "dump_op_args", condition_func=lambda a, b, **kw: a.numel() > 2)
+    try:
+        torch.add(torch.ones(2, device=sim), 1)
+        torch.add(torch.ones(3, device=sim), 1)
+    finally:
+        op_tools.remove_feature("torch.add")
+    assert torch.add is original
+    out = capsys.readouterr().out
+    assert out.count("torch.add    forward_id:") == 1 and "torch.Size([3])" in out
+
+
+def test_methods_functionals_and_module_functions(sim, tmp_path):
+    ops = ["torch.Tensor.sort", torch.nn.functional.linear, f"{__name__}.scale"]
+    originals = [torch.Tensor.sort, torch.nn.functional.linear, scale]
+    op_tools.apply_feature(ops, "op_capture")
+    try:
+        x = torch.randn(2, 3, device=sim)
+        x.sort()
+        torch.nn.functional.linear(x, torch.randn(4, 3, device=sim))
+        globals()["scale"](x, 2)
+    finally:
+        op_tools.remove_feature(ops)
+    assert [torch.Tensor.sort, torch.nn.functional.linear, globals()["scale"]] == originals
+    captured = sorted(p.name for p in (tmp_path / "results" / "op_capture_results").iterdir())
+    assert captured == sorted(["torch.Tensor.sort", "torch.nn.functional.linear", f"{__name__}.scale"])
+
+
+def test_reapplying_replaces_the_feature_with_a_message(sim, capsys):
+    op_tools.apply_feature("torch.sin", "dump_op_args")
+    op_tools.apply_feature("torch.sin", "fallback")
+    try:
+        y = torch.sin(torch.zeros(2, device=sim))
+    finally:
+        op_tools.remove_feature("torch.sin")
+    assert "torch.sin: feature dump_op_args replaced by fallback" in capsys.readouterr().out
+    assert y.device.type == sim and torch.sin.__module__ != __name__
+
+
+def test_unknown_feature_or_name_is_a_value_error_listing_valid_ones():
+    with pytest.raises(ValueError, match="valid features: cast_dtype, dump_op_args, fallback, op_capture"):
+        op_tools.apply_feature("torch.add", "teleport")
+    with pytest.raises(ValueError, match="cannot resolve 'torch.no_such_function'"):
+        op_tools.apply_feature("torch.no_such_function", "fallback")
