@@ -18,9 +18,10 @@ from .fallback import OpFallback
 from .features import apply_feature, remove_feature
 from .observe import OpObserve
 from .overflow_check import OpOverflowCheck, OverflowDetectedError
+from .time_measure import OpTimeMeasure
 
 __all__ = [
     "FEATURES", "VARIABLES", "OpCall", "OpCapture", "OpDtypeCast", "OpFallback", "OpObserve", "OpOverflowCheck",
-    "OpTool", "OpToolsAbortError", "OverflowDetectedError", "apply_feature", "feature", "load_op_args",
+    "OpTimeMeasure", "OpTool", "OpToolsAbortError", "OverflowDetectedError", "apply_feature", "feature", "load_op_args",
     "register_backward_hooks", "remove_feature", "tool_work",
 ]
