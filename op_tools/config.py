@@ -117,7 +117,8 @@ STRICT = declare(
 )
 
 # Tool prefixes in the original's naming; each gets OP_<PREFIX>_LIST and OP_<PREFIX>_DISABLE_LIST.
-TOOL_PREFIXES = ("OP_CAPTURE", "OP_OBSERVE", "OP_OVERFLOW_CHECK", "OP_FALLBACK", "OP_DTYPE_CAST", "OP_TIME_MEASURE")
+TOOL_PREFIXES = ("OP_CAPTURE", "OP_OBSERVE", "OP_OVERFLOW_CHECK", "OP_FALLBACK", "OP_DTYPE_CAST", "OP_TIME_MEASURE",
+                 "OP_AUTOCOMPARE")
 _LIST_FORM = "comma-separated op names or regular expressions matching the whole name, e.g. 'torch.add,.*linear.*'"
 
 
@@ -151,6 +152,29 @@ DTYPE_CAST_DICT = declare(
     "OP_DTYPE_CAST_DICT", "comma-separated 'torch.<dtype>->torch.<dtype>' pairs",
     "torch.float16->torch.float32,torch.bfloat16->torch.float32",
     "Which input dtypes OpDtypeCast widens, and to what.", parse_dtype_map,
+)
+
+# OpAutoCompare. The tolerance variables keep the original's names and priority:
+# <OPNAME>_AUTOCOMPARE_ERROR_TOLERANCE_<DTYPE> > AUTOCOMPARE_ERROR_TOLERANCE_<DTYPE> > AUTOCOMPARE_ERROR_TOLERANCE,
+# OPNAME being the last component of the op name, upper-cased (torch.nn.functional.linear -> LINEAR).
+AUTOCOMPARE_BACKWARD = declare(
+    "OP_AUTOCOMPARE_BACKWARD", "0 or 1", "1",
+    "1 also compares the gradients of each compared op's inputs; 0 compares forward results only "
+    "(use it for double backward, which the backward comparison does not support).", parse_flag,
+)
+_TOLERANCE_FORM = "'atol,rtol', e.g. '1e-3,1e-3'"
+_TOLERANCE_MEANING = ("When any tolerance variable applies to an output, allclose under it decides instead of the "
+                      "comparison with a same-dtype CPU run. Priority: per op and dtype > per dtype > global.")
+AUTOCOMPARE_TOLERANCES = tuple(
+    declare(name, _TOLERANCE_FORM, None, _TOLERANCE_MEANING, parse_text)
+    for name in ("AUTOCOMPARE_ERROR_TOLERANCE", "AUTOCOMPARE_ERROR_TOLERANCE_<DTYPE>",
+                 "<OPNAME>_AUTOCOMPARE_ERROR_TOLERANCE_<DTYPE>")
+)
+AUTOCOMPARE_CAST = declare(
+    "<OPNAME>_OP_DTYPE_CAST_DICT", "comma-separated 'torch.<dtype>->torch.<dtype>' pairs",
+    "torch.float16->torch.float64,torch.bfloat16->torch.float64,torch.float32->torch.float64",
+    "The dtypes OpAutoCompare's CPU reference computes <OPNAME> in (OPNAME as for the tolerances).",
+    parse_dtype_map,
 )
 
 
