@@ -1,0 +1,407 @@
+"""Offline replay of captured calls: find them on disk, load them as data, rerun them on a device.
+
+A captured call is a folder holding ``input.pth`` (and, when they were captured, ``output.pth``,
+``grad_inputs.pth``, ``grad_outputs.pth``), as written by
+
+- OpCapture: ``op_capture_results/<op>/<pid>/<forward_id>/<time>/``;
+- OpAutoCompare for a failing call: ``op_capture_results/<op>/<pid>/autocompare/<forward_id>/<time>/device/``
+  (its ``cpu/`` sibling holds the CPU side and is not replayed on its own).
+
+Files are loaded with ``torch.load(weights_only=True)`` only: a capture is data, and a file that
+asks the unpickler for anything but tensors and plain values is refused without running it. The op
+is looked up by its recorded name, and only torch operators are run unless a third-party package
+is allowed by name (``allowed_modules``): a name in a file must not be able to call ``os.system``.
+
+>>> entries = find_entries("op_tools_results/op_capture_results")
+>>> results = [replay(e, "cuda", ReplayOptions(run_times=10, time=True, acc_check=True)) for e in entries]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import pickle
+import re
+import sys
+import time
+import zipfile
+from typing import Any
+
+import torch
+
+from .arguments import iter_tensors, map_tensors
+from .capture import load_op_args
+from .naming import function_from_name, is_inplace_op
+from .time_measure import device_synchronizer
+
+ENTRY_FILES = ("input.pth", "output.pth", "grad_inputs.pth", "grad_outputs.pth")
+
+# Device result vs reference: |actual - expected| <= atol + rtol * |expected|, by the dtype computed in.
+TOLERANCES = {
+    torch.float64: (1e-7, 1e-7), torch.float32: (1e-4, 1e-5), torch.float16: (1e-2, 1e-3),
+    torch.bfloat16: (4e-2, 1e-2), torch.complex64: (1e-4, 1e-5), torch.complex128: (1e-7, 1e-7),
+}
+
+
+class ReplayError(Exception):
+    """One entry cannot be replayed; the message says why, for the user."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One captured call on disk."""
+
+    directory: str
+    label: str          # the directory relative to the folder searched
+    kind: str           # "capture" or "autocompare"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayOptions:
+    run_times: int = 1
+    backward: bool = True
+    time: bool = False
+    acc_check: bool = False
+    allowed_modules: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class ReplayResult:
+    entry: Entry
+    name: str = ""
+    status: str = "ok"          # ok, mismatch (acc_check failed), error
+    error: str = ""
+    forward_ms: list[float] = dataclasses.field(default_factory=list)
+    backward_ms: list[float] = dataclasses.field(default_factory=list)
+    checks: list[dict] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return self.status != "ok"
+
+
+# --- finding entries ---
+
+def find_entries(root: str) -> list[Entry]:
+    """Every captured call under ``root`` (a folder of captures, or one call's folder), in path order."""
+    if not os.path.isdir(root):
+        raise ReplayError(f"{root}: no such directory")
+    entries = []
+    for directory, subdirs, files in os.walk(root):
+        subdirs.sort(key=_natural_key)
+        if not any(f in ENTRY_FILES for f in files):
+            continue
+        parent, base = os.path.split(directory)
+        if base == "cpu" and os.path.isdir(os.path.join(parent, "device")):
+            continue  # OpAutoCompare's CPU side of a device/ entry
+        parts = os.path.normpath(directory).split(os.sep)
+        kind = "autocompare" if base == "device" and "autocompare" in parts else "capture"
+        label = os.path.relpath(directory, root)
+        entries.append(Entry(directory, "." if label == "." else label, kind))
+    return entries
+
+
+def _natural_key(text: str):
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+# --- loading: data only ---
+
+def load_file(path: str) -> dict:
+    """``load_op_args(path)`` with every way a file can be bad turned into a ReplayError that says which."""
+    if not os.path.exists(path):
+        raise ReplayError(f"missing file {path}")
+    try:
+        return load_op_args(path)
+    except pickle.UnpicklingError as e:
+        wanted = re.search(r"Unsupported (?:global|operand)[^\n]*", str(e))
+        detail = f" ({wanted.group(0).strip()})" if wanted else ""
+        raise ReplayError(
+            f"refused {path}: not plain tensor data{detail}. torch.load(weights_only=True) rejected it, so "
+            "nothing in it ran; OpCapture never writes such a file: it was made or changed by something else"
+        ) from None
+    except (EOFError, zipfile.BadZipFile) as e:
+        raise ReplayError(f"corrupt or truncated file {path} ({type(e).__name__}: {e or 'ends early'})") from None
+    except RuntimeError as e:
+        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ReplayError(f"corrupt or truncated file {path} ({first_line})") from None
+    except (OSError, KeyError, IndexError, TypeError, ValueError) as e:
+        raise ReplayError(f"cannot read {path} ({type(e).__name__}: {e})") from None
+
+
+def _load_optional(path: str) -> dict | None:
+    return load_file(path) if os.path.exists(path) else None
+
+
+# --- resolving names: torch operators only, unless a package is allowed ---
+
+@functools.cache
+def _overridable_names() -> frozenset:
+    from torch.overrides import get_overridable_functions, resolve_name
+
+    names = set()
+    for functions in get_overridable_functions().values():
+        for f in functions:
+            name = resolve_name(f)
+            if name:
+                names.add(name)
+    return frozenset(names)
+
+
+_ATEN_NAMESPACES = {"torch": "_VariableFunctions", "torch._C._nn": "_nn", "torch._C._linalg": "_linalg",
+                    "torch._C._special": "_special", "torch._C._fft": "_fft"}
+
+
+def is_torch_operator(name: str) -> bool:
+    """An op ``torch.overrides`` knows (what OpCapture intercepts) or an aten binding: never ``torch.save``,
+    ``torch.load`` or ``torch.hub.load``, which read files or run code."""
+    if name in _overridable_names() or name.startswith("torch.ops."):
+        return True
+    namespace, _, short = name.rpartition(".")
+    binding = _ATEN_NAMESPACES.get(namespace)
+    return binding is not None and hasattr(getattr(torch._C, binding), short)
+
+
+def resolve_op(name: str, allowed_modules: tuple[str, ...] = ()):
+    """The function a capture names, if it may run: a torch operator, or in a package the user allowed."""
+    if not isinstance(name, str) or not name:
+        raise ReplayError(f"the capture names no op ({name!r})")
+    top = name.split(".")[0]
+    if top == "torch":
+        if not is_torch_operator(name):
+            raise ReplayError(f"refused op name {name!r}: not a torch operator (a capture names operators only)")
+    elif top not in allowed_modules:
+        raise ReplayError(f"refused op name {name!r}: not a torch op; to run a function of package {top!r}, "
+                          f"allow it with --allow_module {top}")
+    try:
+        return function_from_name(name)[2]
+    except ValueError as e:
+        raise ReplayError(f"unknown op {name!r}: {e}") from None
+
+
+# --- running ---
+
+def replay(entry: Entry, device: str | torch.device, options: ReplayOptions) -> ReplayResult:
+    """Load ``entry``, rerun its op on ``device`` ``options.run_times`` times (and backward), check it if asked.
+
+    Never raises for a bad entry: the result's ``status`` and ``error`` say what went wrong.
+    """
+    result = ReplayResult(entry)
+    try:
+        _replay(entry, torch.device(device), options, result)
+    except ReplayError as e:
+        result.status, result.error = "error", str(e)
+    except Exception as e:  # the op itself raised: that is a finding, reported with the op's own words
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        result.status, result.error = "error", f"{result.name or 'op'} raised {type(e).__name__}: {first_line}"
+    return result
+
+
+def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: ReplayResult) -> None:
+    data = load_file(os.path.join(entry.directory, "input.pth"))
+    result.name = name = data.get("name", "")
+    func = resolve_op(name, options.allowed_modules)
+    args, kwargs = tuple(data.get("args", ())), dict(data.get("kwargs") or {})
+    if name.endswith(("__getitem__", "__setitem__")) and len(args) > 1:
+        args = (args[0], decode_index(args[1]), *args[2:])
+    saved_output = _load_optional(os.path.join(entry.directory, "output.pth"))
+    saved_grads = _load_optional(os.path.join(entry.directory, "grad_outputs.pth")) if options.backward else None
+    upstream = tuple(saved_grads["args"]) if saved_grads else ()
+
+    on_device = functools.partial(map_tensors, fn=lambda t: t.to(device))
+    device_args, device_kwargs = on_device(args), on_device(kwargs)
+    device_upstream = on_device(upstream)
+    sync = _synchronizer(device)
+    inplace = is_inplace_op(name)
+    first = None
+    for _ in range(max(options.run_times, 1)):
+        call_args, call_kwargs, leaves = _prepare(device_args, device_kwargs, options.backward, inplace)
+        sync()
+        start = time.perf_counter_ns()
+        output = func(*call_args, **call_kwargs)
+        sync()
+        result.forward_ms.append((time.perf_counter_ns() - start) / 1e6)
+        grads = None
+        if options.backward:
+            roots = [t for t in iter_tensors(output) if t.grad_fn is not None]
+            if roots:
+                upstream_grads = _upstream(roots, device_upstream, result)
+                sync()
+                start = time.perf_counter_ns()
+                torch.autograd.backward(roots, upstream_grads)
+                sync()
+                result.backward_ms.append((time.perf_counter_ns() - start) / 1e6)
+                grads = [leaf.grad for leaf in leaves]
+        if first is None:
+            first = (output, grads)
+    if options.backward and not result.backward_ms:
+        result.notes.append("no backward: no output depends on a floating-point input")
+    if options.acc_check:
+        _check(func, args, kwargs, upstream, inplace, first, saved_output, options, result)
+        if any(not c["ok"] for c in result.checks):
+            result.status = "mismatch"
+
+
+_SLICE_TEXT = re.compile(r"slice\((-?\d+|None), (-?\d+|None), (-?\d+|None)\)")
+
+
+def decode_index(index):
+    """An indexing argument as OpCapture stores it (slices and ``...`` as their repr, since ``weights_only`` loading
+    allows neither) back to Python objects; only those exact forms are decoded, nothing is evaluated."""
+    if isinstance(index, (list, tuple)) and not isinstance(index, torch.Size):
+        items = [decode_index(v) for v in index]
+        return items if isinstance(index, list) else tuple(items)
+    if index == "Ellipsis":
+        return Ellipsis
+    if isinstance(index, str):
+        match = _SLICE_TEXT.fullmatch(index)
+        if match:
+            return slice(*(None if g == "None" else int(g) for g in match.groups()))
+    return index
+
+
+def _synchronizer(device: torch.device):
+    if device.type == "cpu":
+        return lambda: None
+    sync = device_synchronizer(device)
+    return lambda: sync(device)
+
+
+def _prepare(args, kwargs, with_grad: bool, inplace: bool):
+    """Fresh inputs for one run: floating tensors become leaves requiring grad (for backward); an in-place op gets
+    copies, so that every run sees the captured values and a leaf is never written in place."""
+    leaves: list[torch.Tensor] = []
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        if with_grad and (t.is_floating_point() or t.is_complex()):
+            leaf = t.detach().clone().requires_grad_(True)
+            leaves.append(leaf)
+            return leaf.clone() if inplace else leaf
+        return t.clone() if inplace else t
+
+    return map_tensors(args, fresh), map_tensors(kwargs, fresh), leaves
+
+
+def _upstream(roots: list, captured: tuple, result: ReplayResult) -> list:
+    """The captured upstream gradients where they fit the outputs; ones otherwise (noted)."""
+    grads = [g for g in captured if g is None or isinstance(g, torch.Tensor)]
+    if len(grads) == len(roots) and all(g is None or g.shape == r.shape for g, r in zip(grads, roots)):
+        return [torch.zeros_like(r) if g is None else g.to(r.dtype) for g, r in zip(grads, roots)]
+    if not result.notes or "ones" not in result.notes[-1]:
+        result.notes.append("backward with ones as upstream gradients" + (" (captured ones do not fit)"
+                                                                           if captured else ""))
+    return [torch.ones_like(r) for r in roots]
+
+
+# --- accuracy ---
+
+def _check(func, args, kwargs, upstream, inplace, first, saved_output, options, result) -> None:
+    output, grads = first
+    cpu64 = functools.partial(map_tensors, fn=_to_cpu_float64)
+    ref_args, ref_kwargs, ref_leaves = _prepare(cpu64(args), cpu64(kwargs), grads is not None, inplace)
+    try:
+        reference = func(*ref_args, **ref_kwargs)
+    except Exception as e:
+        result.checks.append({"check": "vs cpu float64", "ok": False,
+                              "detail": f"reference raised {type(e).__name__}: {str(e).splitlines()[0]}"})
+        return
+    result.checks.append(compare("outputs vs cpu float64", output, reference))
+    if grads is not None:
+        roots = [t for t in iter_tensors(reference) if t.grad_fn is not None]
+        if roots:
+            ups = _upstream(roots, cpu64(tuple(upstream)), ReplayResult(result.entry))
+            torch.autograd.backward(roots, ups)
+            result.checks.append(compare("grads vs cpu float64", grads, [leaf.grad for leaf in ref_leaves]))
+    if saved_output is not None:
+        saved = tuple(saved_output.get("args", ()))
+        actual = output if isinstance(output, (list, tuple)) else (output,)
+        result.checks.append(compare("outputs vs captured output", tuple(actual), saved))
+
+
+def _to_cpu_float64(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().to("cpu")
+    if t.is_complex():
+        return t.to(torch.complex128)
+    return t.to(torch.float64) if t.is_floating_point() else t
+
+
+def compare(check: str, actual, expected) -> dict:
+    """Verdict on two results, tensor by tensor, with tolerances by ``actual``'s dtype (``TOLERANCES``).
+
+    >>> compare("outputs", torch.ones(3), torch.ones(3, dtype=torch.float64))["ok"]
+    True
+    """
+    pairs = list(zip(_leaves(actual), _leaves(expected)))
+    if len(_leaves(actual)) != len(_leaves(expected)):
+        return {"check": check, "ok": False, "detail": "different number of results"}
+    worst_abs = worst_rel = 0.0
+    for a, e in pairs:
+        if not (isinstance(a, torch.Tensor) and isinstance(e, torch.Tensor)):
+            if a != e and not (a is None or e is None):
+                return {"check": check, "ok": False, "detail": f"{a!r} != {e!r}"}
+            continue
+        if a.shape != e.shape:
+            return {"check": check, "ok": False, "detail": f"shape {tuple(a.shape)} != {tuple(e.shape)}"}
+        rtol, atol = TOLERANCES.get(a.dtype, (0.0, 0.0))
+        a64, e64 = _to_cpu_float64(a), _to_cpu_float64(e)
+        if not (a64.is_floating_point() or a64.is_complex()):
+            if not torch.equal(a64, e64):
+                return {"check": check, "ok": False, "detail": f"{a.dtype} values differ"}
+            continue
+        inf_a, inf_e = torch.isinf(a64), torch.isinf(e64)
+        if (not torch.equal(torch.isnan(a64), torch.isnan(e64)) or not torch.equal(inf_a, inf_e)
+                or not torch.equal(a64[inf_a], e64[inf_e])):
+            return {"check": check, "ok": False, "detail": "inf/nan at other places"}
+        finite = torch.isfinite(a64)
+        if finite.any():
+            diff = (a64[finite] - e64[finite]).abs()
+            scale = e64[finite].abs()
+            worst_abs = max(worst_abs, diff.max().item())
+            worst_rel = max(worst_rel, (diff / scale.clamp_min(1e-30)).max().item())
+            if bool((diff > atol + rtol * scale).any()):
+                return {"check": check, "ok": False,
+                        "detail": f"max abs diff {worst_abs:.3g}, max rel diff {worst_rel:.3g} "
+                                  f"(rtol {rtol:g}, atol {atol:g}, {str(a.dtype)[6:]})"}
+    return {"check": check, "ok": True, "detail": f"max abs diff {worst_abs:.3g}, max rel diff {worst_rel:.3g}"}
+
+
+def _leaves(obj) -> list:
+    if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+        return [x for v in obj for x in _leaves(v)]
+    return [obj]
+
+
+# --- progress ---
+
+class Progress:
+    """``[ 37/120] torch.nn.functional.linear`` on stderr: redrawn in a terminal, every tenth otherwise."""
+
+    def __init__(self, total: int, stream=None) -> None:
+        self.total = total
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.step = max(total // 10, 1)
+        self.done = 0
+
+    def advance(self, label: str) -> None:
+        self.done += 1
+        line = f"[{self.done:>{len(str(self.total))}}/{self.total}] {label}"
+        if self.tty:
+            self.stream.write("\r\033[K" + line + ("\n" if self.done == self.total else ""))
+        elif self.done % self.step == 0 or self.done == self.total:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def summary_row(r: ReplayResult) -> dict[str, Any]:
+    def mean(values):
+        return round(sum(values) / len(values), 6) if values else ""
+
+    failed_check = next((c for c in r.checks if not c["ok"]), None)
+    checks = "; ".join(f"{c['check']}: {'ok' if c['ok'] else 'FAIL'}" for c in r.checks)
+    return {"entry": r.entry.label, "name": r.name, "status": r.status, "runs": len(r.forward_ms),
+            "forward_mean_ms": mean(r.forward_ms), "backward_mean_ms": mean(r.backward_ms), "checks": checks,
+            "detail": r.error or (f"{failed_check['check']}: {failed_check['detail']}" if failed_check else "")
+            or "; ".join(r.notes)}
