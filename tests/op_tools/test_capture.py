@@ -89,3 +89,21 @@ def test_summary_mode_writes_an_aggregated_table_and_operator_input_log(sim, tmp
     assert ("cnt: 5, ((T([8, 32, 64], f32), (64,)), {'weight': T([64], f32), 'bias': T([64], f32), 'eps': 1e-05})"
             in log)
     assert "Operator: torch.nn.functional.scaled_dot_product_attention\ncnt: 2, ((T([8, 4, 32, 16], f32, stride=" in log
+
+
+def test_rank_appears_in_the_path_under_torchrun(sim, tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with op_tools.OpCapture():
+        torch.ones(2, device=sim).sin()
+    assert (tmp_path / "results" / "op_capture_results" / "rank1" / "torch.Tensor.sin").is_dir()
+
+
+def test_op_tools_does_not_import_ditorch(run_script):
+    import subprocess
+    import sys
+
+    code = "import sys, op_tools; assert not any(m.startswith('ditorch') for m in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert result.returncode == 0, result.stderr

@@ -50,7 +50,9 @@ def test_reapplying_replaces_the_feature_with_a_message(sim, capsys):
 
 
 def test_unknown_feature_or_name_is_a_value_error_listing_valid_ones():
-    with pytest.raises(ValueError, match="valid features: cast_dtype, dump_op_args, fallback, op_capture"):
+    with pytest.raises(ValueError, match="valid features: ") as info:
         op_tools.apply_feature("torch.add", "teleport")
+    for name in ("cast_dtype", "dump_op_args", "fallback", "op_capture", "overflow_check"):
+        assert name in str(info.value)
     with pytest.raises(ValueError, match="cannot resolve 'torch.no_such_function'"):
         op_tools.apply_feature("torch.no_such_function", "fallback")
