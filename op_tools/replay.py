@@ -32,17 +32,11 @@ import torch
 
 from .arguments import iter_tensors, map_tensors
 from .capture import load_op_args
+from .comparison import ToleranceSpec, compare_outputs
 from .naming import function_from_name, is_inplace_op
 from .time_measure import device_synchronizer
 
 ENTRY_FILES = ("input.pth", "output.pth", "grad_inputs.pth", "grad_outputs.pth")
-
-# Device result vs reference: |actual - expected| <= atol + rtol * |expected|, by the dtype computed in.
-TOLERANCES = {
-    torch.float64: (1e-7, 1e-7), torch.float32: (1e-4, 1e-5), torch.float16: (1e-2, 1e-3),
-    torch.bfloat16: (4e-2, 1e-2), torch.complex64: (1e-4, 1e-5), torch.complex128: (1e-7, 1e-7),
-}
-
 
 class ReplayError(Exception):
     """One entry cannot be replayed; the message says why, for the user."""
@@ -295,82 +289,59 @@ def _upstream(roots: list, captured: tuple, result: ReplayResult) -> list:
     return [torch.ones_like(r) for r in roots]
 
 
-# --- accuracy ---
+# --- accuracy: OpAutoCompare's verdict ---
 
 def _check(func, args, kwargs, upstream, inplace, first, saved_output, options, result) -> None:
     output, grads = first
-    cpu64 = functools.partial(map_tensors, fn=_to_cpu_float64)
-    ref_args, ref_kwargs, ref_leaves = _prepare(cpu64(args), cpu64(kwargs), grads is not None, inplace)
+    with_grad = grads is not None
+    tolerance = ToleranceSpec.from_env()  # the user's AUTOCOMPARE_ERROR_TOLERANCE* variables, as OpAutoCompare
+    same_dtype = functools.partial(_cpu_run, func, args, kwargs, upstream, inplace, with_grad, None)
     try:
-        reference = func(*ref_args, **ref_kwargs)
+        reference = _cpu_run(func, args, kwargs, upstream, inplace, with_grad, torch.float64)
     except Exception as e:
-        result.checks.append({"check": "vs cpu float64", "ok": False,
-                              "detail": f"reference raised {type(e).__name__}: {str(e).splitlines()[0]}"})
+        detail = f"the float64 CPU reference raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        result.checks.append({"check": "vs cpu float64", "ok": False, "detail": detail})
         return
-    result.checks.append(compare("outputs vs cpu float64", output, reference))
-    if grads is not None:
-        roots = [t for t in iter_tensors(reference) if t.grad_fn is not None]
-        if roots:
-            ups = _upstream(roots, cpu64(tuple(upstream)), ReplayResult(result.entry))
-            torch.autograd.backward(roots, ups)
-            result.checks.append(compare("grads vs cpu float64", grads, [leaf.grad for leaf in ref_leaves]))
+    result.checks.append(_verdict("output vs cpu float64", compare_outputs(
+        output, reference[0], lambda: same_dtype()[0], tolerance, op_name=result.name, prefix="output")))
+    if with_grad:
+        result.checks.append(_verdict("grad vs cpu float64", compare_outputs(
+            grads, reference[1], lambda: same_dtype()[1], tolerance, op_name=result.name, prefix="grad")))
     if saved_output is not None:
         saved = tuple(saved_output.get("args", ()))
-        actual = output if isinstance(output, (list, tuple)) else (output,)
-        result.checks.append(compare("outputs vs captured output", tuple(actual), saved))
+        actual = tuple(output) if isinstance(output, (list, tuple)) else (output,)
+        result.checks.append(_verdict("output vs captured output", compare_outputs(
+            actual, saved, None, tolerance, op_name=result.name, prefix="output")))
 
 
-def _to_cpu_float64(t: torch.Tensor) -> torch.Tensor:
+def _cpu_run(func, args, kwargs, upstream, inplace, with_grad, dtype):
+    """The op on the CPU, its floating inputs in ``dtype`` (``None``: their own): (output, input grads)."""
+    convert = functools.partial(map_tensors, fn=lambda t: _to_cpu(t, dtype))
+    call_args, call_kwargs, leaves = _prepare(convert(args), convert(kwargs), with_grad, inplace)
+    output = func(*call_args, **call_kwargs)
+    if not with_grad:
+        return output, None
+    roots = [t for t in iter_tensors(output) if t.grad_fn is not None]
+    if roots:
+        torch.autograd.backward(roots, _upstream(roots, convert(tuple(upstream)), ReplayResult(Entry("", "", ""))))
+    return output, [leaf.grad for leaf in leaves]
+
+
+def _to_cpu(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     t = t.detach().to("cpu")
-    if t.is_complex():
-        return t.to(torch.complex128)
-    return t.to(torch.float64) if t.is_floating_point() else t
+    if dtype is None or not (t.is_floating_point() or t.is_complex()):
+        return t
+    return t.to(torch.complex128 if t.is_complex() else dtype)
 
 
-def compare(check: str, actual, expected) -> dict:
-    """Verdict on two results, tensor by tensor, with tolerances by ``actual``'s dtype (``TOLERANCES``).
-
-    >>> compare("outputs", torch.ones(3), torch.ones(3, dtype=torch.float64))["ok"]
-    True
-    """
-    pairs = list(zip(_leaves(actual), _leaves(expected)))
-    if len(_leaves(actual)) != len(_leaves(expected)):
-        return {"check": check, "ok": False, "detail": "different number of results"}
-    worst_abs = worst_rel = 0.0
-    for a, e in pairs:
-        if not (isinstance(a, torch.Tensor) and isinstance(e, torch.Tensor)):
-            if a != e and not (a is None or e is None):
-                return {"check": check, "ok": False, "detail": f"{a!r} != {e!r}"}
-            continue
-        if a.shape != e.shape:
-            return {"check": check, "ok": False, "detail": f"shape {tuple(a.shape)} != {tuple(e.shape)}"}
-        rtol, atol = TOLERANCES.get(a.dtype, (0.0, 0.0))
-        a64, e64 = _to_cpu_float64(a), _to_cpu_float64(e)
-        if not (a64.is_floating_point() or a64.is_complex()):
-            if not torch.equal(a64, e64):
-                return {"check": check, "ok": False, "detail": f"{a.dtype} values differ"}
-            continue
-        inf_a, inf_e = torch.isinf(a64), torch.isinf(e64)
-        if (not torch.equal(torch.isnan(a64), torch.isnan(e64)) or not torch.equal(inf_a, inf_e)
-                or not torch.equal(a64[inf_a], e64[inf_e])):
-            return {"check": check, "ok": False, "detail": "inf/nan at other places"}
-        finite = torch.isfinite(a64)
-        if finite.any():
-            diff = (a64[finite] - e64[finite]).abs()
-            scale = e64[finite].abs()
-            worst_abs = max(worst_abs, diff.max().item())
-            worst_rel = max(worst_rel, (diff / scale.clamp_min(1e-30)).max().item())
-            if bool((diff > atol + rtol * scale).any()):
-                return {"check": check, "ok": False,
-                        "detail": f"max abs diff {worst_abs:.3g}, max rel diff {worst_rel:.3g} "
-                                  f"(rtol {rtol:g}, atol {atol:g}, {str(a.dtype)[6:]})"}
-    return {"check": check, "ok": True, "detail": f"max abs diff {worst_abs:.3g}, max rel diff {worst_rel:.3g}"}
-
-
-def _leaves(obj) -> list:
-    if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
-        return [x for v in obj for x in _leaves(v)]
-    return [obj]
+def _verdict(check: str, comparisons: list) -> dict:
+    failed = [c for c in comparisons if not c.passed]
+    worst = max((c.max_relative_diff for c in comparisons if c.max_relative_diff == c.max_relative_diff),
+                default=0.0)
+    if failed:
+        detail = "; ".join(f"{c.name}: {c.error_info or 'differs'}" for c in failed[:3])
+        return {"check": check, "ok": False, "detail": detail}
+    return {"check": check, "ok": True, "detail": f"max relative diff {worst:.3g}"}
 
 
 # --- progress ---
@@ -400,7 +371,7 @@ def summary_row(r: ReplayResult) -> dict[str, Any]:
         return round(sum(values) / len(values), 6) if values else ""
 
     failed_check = next((c for c in r.checks if not c["ok"]), None)
-    checks = "; ".join(f"{c['check']}: {'ok' if c['ok'] else 'FAIL'}" for c in r.checks)
+    checks = "; ".join(f"{c['check']}: {'pass' if c['ok'] else 'FAIL'}" for c in r.checks)
     return {"entry": r.entry.label, "name": r.name, "status": r.status, "runs": len(r.forward_ms),
             "forward_mean_ms": mean(r.forward_ms), "backward_mean_ms": mean(r.backward_ms), "checks": checks,
             "detail": r.error or (f"{failed_check['check']}: {failed_check['detail']}" if failed_check else "")
