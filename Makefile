@@ -21,3 +21,4 @@ test: install-test lint
 
 bench: install-test
 	$(PYTHON) benchmarks/sim_overhead.py
+	$(PYTHON) benchmarks/import_overhead.py

@@ -13,16 +13,15 @@ import torch
 def apply(backend, patches) -> None:
     real_device = torch._C.TensorBase.device.__get__
     target = backend.device_type
-    as_cuda: dict = {}
+    count = backend.device_module.device_count() if backend.device_type != "cpu" else 1
+    # Keyed by the real device: one C-level lookup per read, devices elsewhere pass through.
+    shown = {torch.device(target, i): torch.device("cuda", i) for i in range(count)}
+    if target == "cpu":
+        shown = {torch.device("cpu"): torch.device("cuda", 0)}
 
     def device(self):
         real = real_device(self)
-        if real.type != target:
-            return real
-        shown = as_cuda.get(real.index)
-        if shown is None:
-            shown = as_cuda[real.index] = torch.device("cuda", real.index)
-        return shown
+        return shown.get(real, real)
 
     patches.set(torch.Tensor, "device", property(device, doc=f"The tensor's device; {target} shows as cuda."))
 
