@@ -16,6 +16,7 @@ Timing never changes what a run computes: synchronising only waits.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
@@ -201,6 +202,14 @@ class OpTimeMeasure(OpTool):
         self.measurements = Measurements()
         self.written: dict[str, str] = {}
 
+    def ensure_configured(self) -> None:
+        """Under ``apply_feature`` there is no ``stop()``: the summary and files are written at exit (as the
+        original did for every run)."""
+        first = self.common is None
+        super().ensure_configured()
+        if first:
+            atexit.register(self.finish)
+
     def _sync(self, device: torch.device) -> None:
         with tool_work():  # a backend's synchronize may call into torch; it is never a user op
             device_synchronizer(device)(device)
@@ -269,6 +278,8 @@ class OpTimeMeasure(OpTool):
 
     def finish(self) -> None:
         measurements = self.measurements
+        if measurements.closed:
+            return
         measurements.closed = True  # backward run after stop() is not measured: the files are written now
         if not measurements.totals:
             return
