@@ -48,3 +48,15 @@ def test_sim_fault_specs_are_validated_with_the_variable_named():
     assert read("DITORCH_SIM_FAULTS", {}) == []
     with pytest.raises(ValueError, match=r"DITORCH_SIM_FAULTS='mm:explode'"):
         read("DITORCH_SIM_FAULTS", {"DITORCH_SIM_FAULTS": "mm:explode"})
+
+
+def test_device_layer_doc_lists_every_variable_and_transfer_row():
+    import os
+
+    from ditorch.transfer import ROWS
+
+    doc_path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "device_layer.md")
+    with open(doc_path) as f:
+        doc = f.read()
+    assert [name for name in VARIABLES if f"`{name}`" not in doc] == []
+    assert [row.owner for row in ROWS if f"`{row.owner}" not in doc] == []
