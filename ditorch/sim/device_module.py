@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from .tensor import MEMORY, _Device
+from .tensor import MEMORY, _Device, raise_deferred_errors
 
 _AMP_DTYPES = [torch.float16, torch.bfloat16]
 
@@ -75,8 +75,9 @@ class device:  # noqa: N801 - named as torch.cuda.device
 
 
 def synchronize(device=None) -> None:
-    """The sim device runs every op to completion before returning: nothing to wait for."""
+    """Every op has finished when it returns; raises an error a backward op left to report."""
     _index(device)
+    raise_deferred_errors()
 
 
 # Random numbers: the CPU default generator is the sim device's generator too.

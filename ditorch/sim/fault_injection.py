@@ -112,8 +112,7 @@ class FaultTable:
         found = self._by_op.get(func)
         if found is None:
             packet = func._schema.name.removeprefix("aten::")
-            overload = func._overloadname
-            full = f"{packet}.{overload}" if overload != "default" else packet
+            full = f"{packet}.{func._overloadname}"  # mm.default, add.Tensor
             found = tuple(f for f in self._faults if f.matches_name(packet, full))
             self._by_op[func] = found
         return found

@@ -159,6 +159,9 @@ class SimTensor(torch.Tensor):
         )
 
     def __repr__(self, *, tensor_contents=None) -> str:
+        if torch.overrides.has_torch_function_unary(self):  # a TorchFunctionMode sees one __repr__ call
+            return torch.overrides.handle_torch_function(
+                SimTensor.__repr__, (self,), self, tensor_contents=tensor_contents)
         # PyTorch prefixes subclasses with their class name; a device tensor prints as tensor(...).
         text = torch._tensor_str._str(self, tensor_contents=tensor_contents)
         name = type(self).__name__
@@ -285,14 +288,20 @@ def run_op(func, args, kwargs):
         )
     index = _target_index(kwargs, unwrapped) if kwargs else (
         unwrapped.sim_index if unwrapped.sim_index is not None else _Device.current())
+    if _DEFERRED.errors:
+        _DEFERRED.raise_outside_backward()
     active_faults = ()
-    if _faults.TABLE.active:
-        active_faults = _faults.TABLE.for_op(func)
-        if active_faults:
-            dtypes = unwrapped.dtypes(kwargs)
-            _faults.TABLE.before(func, active_faults, dtypes)
-
-    out = func(*cpu_args, **cpu_kwargs)
+    try:
+        if _faults.TABLE.active:
+            active_faults = _faults.TABLE.for_op(func)
+            if active_faults:
+                dtypes = unwrapped.dtypes(kwargs)
+                _faults.TABLE.before(func, active_faults, dtypes)
+        out = func(*cpu_args, **cpu_kwargs)
+    except Exception as error:
+        if torch._C._current_graph_task_id() == -1:
+            raise
+        out = _DEFERRED.defer(func, error, cpu_args, cpu_kwargs)
 
     if info.mutated_args:
         for position in info.mutated_args:
@@ -306,6 +315,57 @@ def run_op(func, args, kwargs):
     if index is None:
         return out
     return _wrap_outputs(out, unwrapped.pairs, index)
+
+
+class _DeferredErrors:
+    """Errors of ops run by autograd's device thread, raised at the next sim call outside backward.
+
+    An exception unwinding out of a PrivateUse1 backward node aborts the process (PyTorch's Python
+    device guard calls into Python with the error still set), so the sim device reports such errors
+    as CUDA reports kernel errors: asynchronously, at a later call. The failed op's outputs are nan.
+    """
+
+    def __init__(self) -> None:
+        self.errors: list[tuple[str, Exception]] = []
+        self._lock = threading.Lock()
+
+    def defer(self, func, error: Exception, cpu_args, cpu_kwargs):
+        with self._lock:
+            self.errors.append((f"{func._schema.name}.{func._overloadname}", error))
+        try:
+            out = func(*cpu_args, **cpu_kwargs)  # an injected fault stopped the op before it ran
+        except Exception:
+            to_meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
+            meta = func(*torch.utils._pytree.tree_map(to_meta, cpu_args),
+                        **torch.utils._pytree.tree_map(to_meta, cpu_kwargs))
+            out = torch.utils._pytree.tree_map(
+                lambda t: torch.empty_like(t, device="cpu") if isinstance(t, torch.Tensor) else t, meta)
+        for tensor in _flat_tensors(out):
+            if tensor.is_floating_point():
+                tensor.fill_(float("nan"))
+        return out
+
+    def raise_outside_backward(self) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return
+        with self._lock:
+            if not self.errors:
+                return
+            (name, error), *rest = self.errors
+            self.errors = []
+        more = f" ({len(rest)} more after it)" if rest else ""
+        raise type(error)(
+            f"sim: the backward op {name} failed{more}; reported at this later call, as a device reports "
+            f"asynchronous errors: {error}"
+        ) from error
+
+
+_DEFERRED = _DeferredErrors()
+
+
+def raise_deferred_errors() -> None:
+    """Raise the first error of a backward op not yet reported (``torch.sim.synchronize`` calls this)."""
+    _DEFERRED.raise_outside_backward()
 
 
 def _sync_if_sim(x) -> None:

@@ -120,3 +120,16 @@ def test_malformed_fault_variable_fails_registration():
                             capture_output=True, text=True, timeout=120,
                             env={**os.environ, "DITORCH_SIM_FAULTS": "mm:boom"})
     assert result.returncode != 0 and "ValueError: DITORCH_SIM_FAULTS='mm:boom'" in result.stderr
+
+
+@pytest.mark.usefixtures("sim")
+def test_backward_op_errors_are_reported_after_backward_not_fatal():
+    # Raising inside autograd's device thread would abort the process; the sim device reports the
+    # error at its next call outside backward instead, with the failed op's name.
+    x = torch.randn(4, 4, device="sim", requires_grad=True)
+    loss = (x @ x).sum()
+    with ditorch.sim.faults("mm:unsupported"):
+        with pytest.raises(SimUnsupportedError, match="the backward op aten::mm.default failed"):
+            loss.backward()
+            torch.sim.synchronize()
+    assert (x + 1).shape == (4, 4)  # reported once, then the device works again
