@@ -116,6 +116,9 @@ def load_file(path: str) -> dict:
             f"refused {path}: not plain tensor data{detail}. torch.load(weights_only=True) rejected it, so "
             "nothing in it ran; OpCapture never writes such a file: it was made or changed by something else"
         ) from None
+    except FileNotFoundError as e:
+        raise ReplayError(f"{path} refers to a tensor stored once in {e.filename}, which is missing (OpCapture "
+                          "stores a tensor seen again by reference: move or copy the whole capture folder)") from None
     except (EOFError, zipfile.BadZipFile) as e:
         raise ReplayError(f"corrupt or truncated file {path} ({type(e).__name__}: {e or 'ends early'})") from None
     except RuntimeError as e:
@@ -163,16 +166,16 @@ def resolve_op(name: str, allowed_modules: tuple[str, ...] = ()):
     if not isinstance(name, str) or not name:
         raise ReplayError(f"the capture names no op ({name!r})")
     top = name.split(".")[0]
-    if top == "torch":
-        if not is_torch_operator(name):
-            raise ReplayError(f"refused op name {name!r}: not a torch operator (a capture names operators only)")
-    elif top not in allowed_modules:
+    if top != "torch" and top not in allowed_modules:  # refused before importing anything it names
         raise ReplayError(f"refused op name {name!r}: not a torch op; to run a function of package {top!r}, "
                           f"allow it with --allow_module {top}")
     try:
-        return function_from_name(name)[2]
+        func = function_from_name(name)[2]
     except ValueError as e:
         raise ReplayError(f"unknown op {name!r}: {e}") from None
+    if top == "torch" and not is_torch_operator(name):
+        raise ReplayError(f"refused op name {name!r}: not a torch operator (a capture names operators only)")
+    return func
 
 
 # --- running ---

@@ -1,0 +1,229 @@
+import csv
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny_models import tiny_llama
+
+import op_tools
+from op_tools.replay import ReplayError, find_entries, resolve_op
+from op_tools.run_op_from_data import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "op_tools", "run_op_from_data.py")
+
+
+@pytest.fixture(autouse=True)
+def _own_results(tmp_path, monkeypatch):
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / "results"))
+    monkeypatch.setenv("OP_TOOLS_VERBOSE", "0")
+    for name in list(os.environ):
+        if name.startswith(("OP_CAPTURE", "AUTOCOMPARE_ERROR_TOLERANCE")):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture(scope="module")
+def captured_step(tmp_path_factory):
+    """A captured training step of a one-layer tiny Llama on sim (forward, backward, AdamW step)."""
+    import ditorch.sim
+
+    ditorch.sim.register()
+    root = tmp_path_factory.mktemp("capture")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("OP_TOOLS_RESULTS_DIR", str(root))
+    patch.setenv("OP_TOOLS_VERBOSE", "0")
+    try:
+        torch.manual_seed(0)
+        model = tiny_llama(layers=1).to("sim")
+        ids = torch.randint(0, 128, (2, 8)).to("sim")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with op_tools.OpCapture():
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+    finally:
+        patch.undo()
+    return str(root / "op_capture_results")
+
+
+def _summary(tmp_path):
+    (path,) = (tmp_path / "results" / "op_replay_result").glob("replay_summary_pid*.csv")
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _times(tmp_path):
+    (path,) = (tmp_path / "results" / "op_replay_result").glob("replay_times_pid*.csv")
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _run_cli(args, tmp_path, env=None, module=False):
+    command = [sys.executable, "-m", "op_tools.run_op_from_data"] if module else [sys.executable, SCRIPT]
+    full_env = {**os.environ, "PYTHONPATH": ROOT, "DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1",
+                "OP_TOOLS_RESULTS_DIR": str(tmp_path / "results"), **(env or {})}
+    return subprocess.run(command + args, env=full_env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
+def test_replay_of_a_captured_step_reruns_every_call_forward_and_backward(captured_step, tmp_path, sim):
+    entries = find_entries(captured_step)
+    assert len(entries) == sum("input.pth" in files for _, _, files in os.walk(captured_step)) > 50
+    assert main([captured_step, "--device", sim]) == 0
+    rows = _summary(tmp_path)
+    assert len(rows) == len(entries) and {r["status"] for r in rows} == {"ok"}
+    by_name = {r["name"]: r for r in rows}
+    assert "torch.nn.functional.linear" in by_name and "torch.Tensor.addcdiv_" in by_name
+
+
+def test_sync_time_measure_writes_each_run_forward_and_backward(captured_step, tmp_path, sim, capsys):
+    folder = os.path.join(captured_step, "torch.nn.functional.linear")
+    assert main([folder, "--device", sim, "--run_times", "3", "--sync_time_measure"]) == 0
+    times = _times(tmp_path)
+    assert len(times) == 3 * len(find_entries(folder))
+    assert all(float(r["forward_elasped"]) > 0 and float(r["backward_elasped"]) > 0 for r in times)
+    assert "forward_elasped" in capsys.readouterr().out
+
+
+def test_only_run_forward_runs_no_backward(captured_step, tmp_path, sim):
+    folder = os.path.join(captured_step, "torch.nn.functional.silu")
+    assert main([folder, "--device", sim, "--only_run_forward", "--sync_time_measure", "--run_times", "2"]) == 0
+    assert {r["backward_elasped"] for r in _times(tmp_path)} == {""}
+
+
+def test_acc_check_of_the_whole_step_passes_on_a_correct_device(captured_step, tmp_path, sim):
+    assert main([captured_step, "--device", sim, "--acc_check", "true"]) == 0  # the original's `--flag True` form
+    rows = _summary(tmp_path)
+    assert all("FAIL" not in r["checks"] and "output vs cpu float64: pass" in r["checks"] for r in rows)
+    assert all("output vs captured output: pass" in r["checks"] for r in rows)
+
+
+def test_script_reproduces_a_faulty_kernel_and_exits_non_zero(captured_step, tmp_path):
+    folder = os.path.join(captured_step, "torch.nn.functional.linear")
+    done = _run_cli([folder, "--acc_check"], tmp_path, env={"DITORCH_SIM_FAULTS": "mm:noise=1e-3"})
+    assert done.returncode == 1, done.stderr
+    rows = _summary(tmp_path)
+    assert rows and all(r["status"] == "mismatch" and "output vs cpu float64: FAIL" in r["checks"] for r in rows)
+    assert "mismatch" in done.stdout
+
+
+def test_module_form_and_console_script_entry_run_the_same_main(captured_step, tmp_path):
+    folder = os.path.join(captured_step, "torch.nn.functional.embedding")
+    done = _run_cli([folder], tmp_path, module=True)
+    assert done.returncode == 0, done.stderr
+    assert "1 entries: 1 ok" in done.stdout
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+            target = tomllib.load(f)["project"]["scripts"]["op_tools_run_op_from_data"]
+        assert target == "op_tools.run_op_from_data:main"
+    installed = shutil.which("op_tools_run_op_from_data")
+    if installed:
+        done = subprocess.run([installed, "--help"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "--sync_time_measure" in done.stdout
+
+
+def _entry(root, name, *parts):
+    folder = os.path.join(root, name, "1", *parts)
+    os.makedirs(folder)
+    return folder
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_bad_entries_are_each_reported_and_the_run_goes_on(tmp_path):
+    root = str(tmp_path / "captures")
+    marker = tmp_path / "code_ran"
+    good = _entry(root, "torch.add", "1", "t")
+    torch.save({"name": "torch.add", "args": (torch.ones(3), torch.ones(3)), "kwargs": {}}, f"{good}/input.pth")
+    truncated = _entry(root, "torch.mul", "2", "t")
+    torch.save({"name": "torch.mul", "args": (torch.ones(1000), 2.0), "kwargs": {}}, f"{truncated}/input.pth")
+    data = open(f"{truncated}/input.pth", "rb").read()
+    open(f"{truncated}/input.pth", "wb").write(data[: len(data) // 2])
+    malicious = _entry(root, "torch.sub", "3", "t")
+    torch.save({"name": "torch.sub", "args": (_RunsCode(marker),), "kwargs": {}}, f"{malicious}/input.pth")
+    raw_pickle = _entry(root, "torch.div", "4", "t")
+    open(f"{raw_pickle}/input.pth", "wb").write(pickle.dumps({"name": "torch.div", "args": (_RunsCode(marker),)}))
+    system = _entry(root, "os.system", "5", "t")
+    torch.save({"name": "os.system", "args": (f"touch {marker}",), "kwargs": {}}, f"{system}/input.pth")
+    unknown = _entry(root, "torch.no_such_op", "6", "t")
+    torch.save({"name": "torch.no_such_op", "args": (torch.ones(2),), "kwargs": {}}, f"{unknown}/input.pth")
+    raising = _entry(root, "torch.matmul", "7", "t")
+    torch.save({"name": "torch.matmul", "args": (torch.ones(2, 3), torch.ones(2, 3)), "kwargs": {}},
+               f"{raising}/input.pth")
+    missing = _entry(root, "torch.exp", "8", "t")
+    torch.save({"name": "torch.exp", "args": (torch.ones(2),), "kwargs": {}}, f"{missing}/output.pth")
+
+    dangling = _entry(root, "torch.relu", "9", "t")
+    torch.save({"name": "torch.relu", "args": ({"op_tools_ref": "../gone/input.pth", "path": ["args", 0]},),
+                "kwargs": {}}, f"{dangling}/input.pth")
+
+    done = _run_cli([root, "--acc_check"], tmp_path)
+    assert done.returncode == 1
+    assert not marker.exists()  # no file's content ever ran
+    detail = {r["name"] or r["entry"].split(os.sep)[0]: (r["status"], r["detail"]) for r in _summary(tmp_path)}
+    assert detail["torch.add"][0] == "ok"
+    assert detail["torch.mul"] == ("error", detail["torch.mul"][1]) and "corrupt or truncated" in detail["torch.mul"][1]
+    for name in ("torch.sub", "torch.div"):
+        assert detail[name][0] == "error" and "refused" in detail[name][1] and "nothing in it ran" in detail[name][1]
+    assert "refused op name 'os.system'" in detail["os.system"][1]
+    assert "unknown op 'torch.no_such_op'" in detail["torch.no_such_op"][1]
+    assert "torch.matmul raised RuntimeError" in detail["torch.matmul"][1]
+    assert "missing file" in detail["torch.exp"][1]
+    assert "refers to a tensor stored once in" in detail["torch.relu"][1]
+    assert "1 ok, 0 mismatch, 8 error" in done.stdout
+    assert "refused" in done.stderr  # each error is also logged as it happens
+
+
+def test_an_autocompare_failure_folder_is_replayed_from_its_device_side(captured_step, tmp_path, sim):
+    """OpAutoCompare's layout <op>/<pid>/autocompare/<forward_id>/<time>/{device,cpu}/: the device side replays."""
+    source = find_entries(os.path.join(captured_step, "torch.nn.functional.linear"))[0].directory
+    failing = tmp_path / "captures" / "torch.nn.functional.linear" / "1" / "autocompare" / "7" / "t"
+    for side in ("device", "cpu"):  # files that load alone, as OpAutoCompare writes them
+        os.makedirs(failing / side)
+        for file in os.listdir(source):
+            torch.save(op_tools.load_op_args(os.path.join(source, file)), failing / side / file)
+    (entry,) = find_entries(str(tmp_path / "captures"))
+    assert entry.kind == "autocompare" and entry.directory.endswith("device")
+    import ditorch.sim
+
+    with ditorch.sim.faults("mm:noise=1e-3"):
+        assert main([str(tmp_path / "captures"), "--device", sim, "--acc_check"]) == 1
+    assert _summary(tmp_path)[0]["status"] == "mismatch"
+
+
+def test_only_torch_operators_or_allowed_packages_resolve():
+    assert resolve_op("torch.add") is torch.add
+    assert resolve_op("torch.Tensor.add") is torch.Tensor.add
+    assert resolve_op("torch.nn.functional.linear") is torch.nn.functional.linear
+    assert resolve_op("torch._foreach_add_") is torch._foreach_add_
+    for name in ("torch.save", "torch.load", "torch.hub.load", "os.system", "builtins.eval"):
+        with pytest.raises(ReplayError, match="refused"):
+            resolve_op(name)
+    import tiny_models
+
+    assert resolve_op("tiny_models.mlp", allowed_modules=("tiny_models",)) is tiny_models.mlp
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_capture_and_replay_on_cuda(tmp_path, monkeypatch):
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / "capture"))
+    torch.manual_seed(0)
+    model = tiny_llama(layers=1).cuda()
+    ids = torch.randint(0, 128, (2, 8), device="cuda")
+    with op_tools.OpCapture():
+        model(input_ids=ids, labels=ids).loss.backward()
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / "results"))
+    folder = str(tmp_path / "capture" / "op_capture_results")
+    assert main([folder, "--device", "cuda", "--acc_check", "--sync_time_measure", "--run_times", "2"]) == 0
+    assert {r["status"] for r in _summary(tmp_path)} == {"ok"}
