@@ -10,7 +10,9 @@ calls whose arguments are on a non-CPU device::
 ``op_tools`` does not import ``ditorch``: it works with plain PyTorch on CUDA or any backend.
 """
 
+from .autocompare import OpAutoCompare
 from .capture import OpCapture, load_op_args
+from .comparison import ToleranceSpec, compare_outputs
 from .config import VARIABLES
 from .dtype_cast import OpDtypeCast
 from .engine import FEATURES, OpCall, OpTool, OpToolsAbortError, feature, register_backward_hooks, tool_work
@@ -21,7 +23,8 @@ from .overflow_check import OpOverflowCheck, OverflowDetectedError
 from .time_measure import OpTimeMeasure
 
 __all__ = [
-    "FEATURES", "VARIABLES", "OpCall", "OpCapture", "OpDtypeCast", "OpFallback", "OpObserve", "OpOverflowCheck",
+    "FEATURES", "VARIABLES", "OpAutoCompare",
+    "OpCall", "OpCapture", "OpDtypeCast", "OpFallback", "OpObserve", "OpOverflowCheck",
     "OpTimeMeasure", "OpTool", "OpToolsAbortError", "OverflowDetectedError", "apply_feature", "feature", "load_op_args",
-    "register_backward_hooks", "remove_feature", "tool_work",
+    "register_backward_hooks", "remove_feature", "tool_work", "ToleranceSpec", "compare_outputs",
 ]

@@ -34,6 +34,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from .arguments import iter_items
@@ -49,6 +50,7 @@ ORIGINAL_TOLERANCES = {torch.float16: (1e-4, 1e-4), torch.bfloat16: (1e-3, 1e-3)
 _DEFAULT_TOLERANCE = (1e-3, 1e-3)
 _NUMBER_TOLERANCE = 1e-6
 _CPU = torch.device("cpu")
+_TINY = float(np.finfo(np.float64).tiny)
 
 COLUMNS = ("name", "allclose", "cosine_similarity", "max_abs_diff", "max_relative_diff", "atol", "rtol",
            "device_error", "cpu_error", "error_ratio", "verdict", "error_info")
@@ -268,10 +270,10 @@ def _on_cpu(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
-    """float64 (complex: its real view in float64) on the CPU."""
+    """float64 (complex: its real view in float64) on the CPU, detached and contiguous."""
     if t.is_complex():
-        return torch.view_as_real(_on_cpu(t, torch.complex128))
-    return _on_cpu(t, torch.float64)
+        return torch.view_as_real(_on_cpu(t, torch.complex128)).contiguous()
+    return _on_cpu(t, torch.float64).contiguous()
 
 
 def compare_tensors(name: str, d: torch.Tensor, r: torch.Tensor, same: Callable[[], Any] = lambda: None,
@@ -305,11 +307,16 @@ def compare_tensors(name: str, d: torch.Tensor, r: torch.Tensor, same: Callable[
         return Comparison(name, True, True, atol=atol, rtol=rtol, device_error=0.0, cpu_error=0.0)
     dw, rw = _wide(d), _wide(r)
     result = Comparison(name, True, atol=atol, rtol=rtol)
-    result.allclose = bool(torch.allclose(dw, rw, atol=atol, rtol=rtol, equal_nan=True))
-    finite_d, finite_r = torch.isfinite(dw), torch.isfinite(rw)
-    all_finite = bool(finite_d.all()) and bool(finite_r.all())
     infos = []
-    if not all_finite:
+    stats = _finite_stats(dw.numpy(), rw.numpy(), atol, rtol)
+    all_finite = stats is not None
+    finite_d = finite_r = None
+    if all_finite:
+        (result.max_abs_diff, result.max_relative_diff, result.device_error, result.cosine_similarity,
+         result.allclose) = stats
+    else:
+        result.allclose = bool(torch.allclose(dw, rw, atol=atol, rtol=rtol, equal_nan=True))
+        finite_d, finite_r = torch.isfinite(dw), torch.isfinite(rw)
         both = finite_d & finite_r
         agree = (dw == rw) | (torch.isnan(dw) & torch.isnan(rw))
         bad = ~both & ~agree
@@ -323,21 +330,11 @@ def compare_tensors(name: str, d: torch.Tensor, r: torch.Tensor, same: Callable[
             else:
                 infos.append(f"{int(bad.sum())} element(s) overflow in {d.dtype} as in a correct {d.dtype} run")
         dw, rw = dw[both], rw[both]
-    if dw.numel():
-        diff = (dw - rw).abs()
-        magnitude = rw.abs()
-        scale = magnitude.mean()
-        floor_scale = torch.finfo(torch.float64).tiny if d.is_complex() else torch.finfo(d.dtype).tiny
-        stats = torch.stack([
-            diff.max(), (diff / (magnitude + 1e-6)).max(),
-            (diff / (magnitude + scale.clamp_min(floor_scale))).max(),
-            (dw * rw).sum(), dw.norm(), rw.norm(),
-        ]).tolist()
-        result.max_abs_diff, result.max_relative_diff, result.device_error = stats[0], stats[1], stats[2]
-        norms = stats[4] * stats[5]
-        result.cosine_similarity = stats[3] / norms if norms > 0 else (1.0 if stats[4] == stats[5] else 0.0)
-    else:
-        result.device_error = 0.0
+        stats = _finite_stats(dw.numpy(), rw.numpy(), atol, rtol) if dw.numel() else None
+        if stats is not None:
+            result.max_abs_diff, result.max_relative_diff, result.device_error, result.cosine_similarity = stats[:4]
+        else:
+            result.device_error = 0.0
     if user is not None:
         result.passed = result.allclose
         if not result.passed:
@@ -350,6 +347,30 @@ def compare_tensors(name: str, d: torch.Tensor, r: torch.Tensor, same: Callable[
 
 def _dtype_differs(d: torch.Tensor, s) -> bool:
     return isinstance(s, torch.Tensor) and s.dtype != d.dtype and (s.is_floating_point() or s.is_complex())
+
+
+def _finite_stats(dn: np.ndarray, rn: np.ndarray, atol: float, rtol: float):
+    """max_abs_diff, max_relative_diff, normalised error, cosine similarity, allclose; None if not all finite.
+
+    numpy, not torch: for the small tensors of a real model the per-call overhead dominates.
+    """
+    with np.errstate(all="ignore"):
+        diff = np.abs(dn - rn)
+        max_abs = float(diff.max())
+        if not math.isfinite(max_abs):
+            return None
+        magnitude = np.abs(rn)
+        scale = max(float(magnitude.mean()), _TINY)
+        max_rel = float((diff / (magnitude + 1e-6)).max())
+        error = float((diff / (magnitude + scale)).max())
+        allclose = bool((diff <= atol + rtol * magnitude).all())
+        flat_d, flat_r = dn.reshape(-1), rn.reshape(-1)
+        norms = math.sqrt(float(flat_d @ flat_d)) * math.sqrt(float(flat_r @ flat_r))
+        if norms > 0:
+            cosine = float(flat_d @ flat_r) / norms
+        else:
+            cosine = 1.0 if max_abs == 0 else 0.0
+    return max_abs, max_rel, error, cosine, allclose
 
 
 def _default_verdict(result: Comparison, d, r, get_same, lazy, dw, rw, finite_d, finite_r, all_finite,
@@ -372,21 +393,15 @@ def _default_verdict(result: Comparison, d, r, get_same, lazy, dw, rw, finite_d,
         infos.append(f"dtype differs: device {d.dtype}, a correct run in its dtype gives {s.dtype}")
         return
     if isinstance(s, torch.Tensor) and s.shape == d.shape:
-        sw = _wide(s)
+        sn, rn = _wide(s).numpy(), rw.numpy()
         if not all_finite:
-            sw = sw[finite_d & finite_r]
-        sfin = torch.isfinite(sw)
-        if not bool(sfin.all()):
-            sw, dw2, rw2 = sw[sfin], dw[sfin], rw[sfin]
-        else:
-            dw2, rw2 = dw, rw
-        if sw.numel():
-            magnitude = rw2.abs()
-            scale = magnitude.mean().clamp_min(torch.finfo(torch.float64).tiny)
-            result.cpu_error = float(((sw - rw2).abs() / (magnitude + scale)).max())
-        else:
-            result.cpu_error = 0.0
-        del dw2
+            sn = sn[(finite_d & finite_r).numpy()]
+        with np.errstate(all="ignore"):
+            diff = np.abs(sn - rn)
+            magnitude = np.abs(rn)
+            scale = max(float(magnitude.mean()), _TINY) if magnitude.size else _TINY
+            keep = np.isfinite(diff)
+            result.cpu_error = float((diff[keep] / (magnitude[keep] + scale)).max()) if keep.any() else 0.0
     cpu_error = 0.0 if math.isnan(result.cpu_error) else result.cpu_error
     bound = RATIO * cpu_error + floor
     if result.device_error > bound:
