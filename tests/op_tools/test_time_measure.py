@@ -87,10 +87,10 @@ def test_an_op_made_slow_tops_the_summary(sim, tmp_path, capsys):
 
     model = tiny_llama().to(sim)
     ids = torch.randint(0, 128, (2, 16)).to(sim)
-    with ditorch.sim.faults("silu:slow=20"), op_tools.OpTimeMeasure() as timer:
+    with ditorch.sim.faults("silu:slow=100"), op_tools.OpTimeMeasure() as timer:
         model(input_ids=ids, labels=ids).loss.backward()
     top = timer.measurements.summary_rows()[0]
-    assert top["name"] == "torch.nn.functional.silu" and top["forward_mean_ms"] >= 20
+    assert top["name"] == "torch.nn.functional.silu" and top["forward_mean_ms"] >= 100
     printed = capsys.readouterr().out
     assert printed.index("torch.nn.functional.silu") < printed.index("torch.nn.functional.linear")
 
