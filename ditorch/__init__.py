@@ -47,7 +47,8 @@ def deactivate() -> bool:
 
 
 def is_active() -> bool:
-    return _activation.active_backend() is not None
+    """True while the transfer has attributes patched (never on native CUDA or an undetected host)."""
+    return _activation.patch_count() > 0
 
 
 if not _activation.banner_shown:

@@ -53,10 +53,12 @@ class DeviceMap:
     def device_keyword(self, fn: Callable) -> Callable:
         """``fn`` with its ``device=`` keyword rewritten (factories take the device by keyword only)."""
 
+        remap = self
+
         @functools.wraps(fn)
         def with_device_keyword(*args, **kwargs):
             if "device" in kwargs:
-                kwargs["device"] = self(kwargs["device"])
+                kwargs["device"] = remap(kwargs["device"])
             return fn(*args, **kwargs)
 
         return with_device_keyword
@@ -65,15 +67,19 @@ class DeviceMap:
         """``fn`` with device strings and devices rewritten wherever they appear, positional or keyword."""
         remap = self
 
+        device_class = torch.device
+
         @functools.wraps(fn)
         def with_device_arguments(*args, **kwargs):
-            for i, arg in enumerate(args):
+            for arg in args:
                 cls = arg.__class__
-                if cls is str or cls is torch.device:
-                    args = (*args[:i], remap(arg), *args[i + 1:])
-            for key in _DEVICE_KEYWORDS:
-                if key in kwargs:
-                    kwargs[key] = remap(kwargs[key])
+                if cls is str or cls is device_class:
+                    args = tuple(remap(a) for a in args)  # DeviceMap leaves anything else as it is
+                    break
+            if kwargs:
+                for key in _DEVICE_KEYWORDS:
+                    if key in kwargs:
+                        kwargs[key] = remap(kwargs[key])
             return fn(*args, **kwargs)
 
         return with_device_arguments

@@ -21,8 +21,9 @@ def load() -> Backend:
 
 def activate(backend, config, patches, forced: bool) -> None:
     if not forced:
-        logger.warning("ditorch: no accelerator found (no vendor package, no CUDA): running on the CPU, "
-                       "nothing patched")
+        if not config.quiet:
+            logger.warning("ditorch: no accelerator found (no vendor package, no CUDA): running on the CPU, "
+                           "nothing patched")
         return
     from .. import transfer
 
