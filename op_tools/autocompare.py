@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import os
 import re
 import threading
@@ -204,8 +205,7 @@ class _Runner:
             result = call.func(*args, **kwargs)
         with tool_work():
             flat = _unique(iter_tensors(result))
-            storages = {_storage_key(t) for t in inputs}
-            if any(_storage_key(o) in storages for o in flat):
+            if any(_aliases(o, leaves) for o in flat):
                 raise _OutputAliasesInputError
             outs = tuple(o.detach() for o in flat)
             ctx.mark_non_differentiable(*[d for o, d in zip(flat, outs) if not o.requires_grad])
@@ -247,11 +247,10 @@ def _unique(tensors) -> list[torch.Tensor]:
     return out
 
 
-def _storage_key(t: torch.Tensor):
-    try:
-        return t.untyped_storage().data_ptr() or id(t)
-    except (RuntimeError, NotImplementedError):
-        return id(t)
+def _aliases(output: torch.Tensor, leaves: list[torch.Tensor]) -> bool:
+    """Whether ``output`` is one of ``leaves`` or a view of one (autograd tracks views' bases)."""
+    base = output._base if output._is_view() else None
+    return any(output is leaf or base is leaf for leaf in leaves)
 
 
 @feature("autocompare")
@@ -278,6 +277,7 @@ class OpAutoCompare(OpTool):
         self._pending: weakref.WeakValueDictionary[int, _Pending] = weakref.WeakValueDictionary()
         self._stamp = time.strftime("%Y-%m-%d-%H-%M-%S", time.localtime())
         self._order_lock = threading.Lock()
+        self._copies = CpuCopyCache()
 
     # --- forward ---
 
@@ -288,8 +288,8 @@ class OpAutoCompare(OpTool):
             state["skip"] = reason
             return
         with torch.no_grad():
-            state["cpu_args"] = _map_arguments(call.args, _snapshot)
-            state["cpu_kwargs"] = _map_arguments(call.kwargs, _snapshot)
+            state["cpu_args"] = _map_arguments(call.args, self._copies.get)
+            state["cpu_kwargs"] = _map_arguments(call.kwargs, self._copies.get)
         state["inplace"] = is_inplace_op(call.name)
         state["writes"] = state["inplace"] or "out" in call.kwargs
         reason = self._backward_reason(call)
@@ -351,7 +351,7 @@ class OpAutoCompare(OpTool):
         pending: _Pending | None = state.get("pending")
         device_out = call.args[0] if state["inplace"] and call.args else call.result
         with torch.no_grad():
-            device_cpu = map_tensors(device_out, _snapshot)
+            device_cpu = map_tensors(device_out, self._copies.get)
         reference, ref_note = self._reference(call, pending)
         if reference is None:
             self.skipped[f"CPU cannot run it ({ref_note})"] += 1
@@ -360,7 +360,7 @@ class OpAutoCompare(OpTool):
         ref_args, ref_kwargs, ref_result = reference
         ref_out = ref_args[0] if state["inplace"] and ref_args else ref_result
         autocast_cast = self._autocast_cast(call, device_out)
-        same_out = self._same_dtype_forward(call, autocast_cast)
+        same_out = lambda: self._same_dtype_forward(call, autocast_cast)  # run only when an error is above the floor
         comparisons = compare_outputs(device_cpu, ref_out, same_out, self.settings.tolerance, op_name=call.name,
                                       prefix="output")
         if ref_note:
@@ -369,7 +369,8 @@ class OpAutoCompare(OpTool):
         passed = all(c.passed for c in comparisons)
         self.counts["forward compared"] += 1
         self.counts["forward passed" if passed else "forward failed"] += 1
-        location = call.location
+        # Finding the user's source line costs a stack walk: only for what is printed or may fail later.
+        location = call.location if not passed or self.common.verbose or pending is not None else ""
         self._record(call.name, call.forward_id, "forward", location, comparisons)
         if not passed or self.common.verbose:
             self._print_forward(call, ref_args, ref_kwargs, comparisons, location, passed)
@@ -516,8 +517,7 @@ class OpAutoCompare(OpTool):
 
     def _record(self, name: str, forward_id: int, phase: str, location: str, comparisons: list[Comparison]) -> None:
         first_line = location.splitlines()[0] if location else ""
-        rows = [{"op": name, "forward_id": forward_id, "phase": phase, **c.row(), "location": first_line}
-                for c in comparisons]
+        rows = [(name, forward_id, phase, c, first_line) for c in comparisons]  # formatted at stop()
         failed = [c for c in comparisons if not c.passed]
         with self._order_lock:
             self.rows.extend(rows)
@@ -568,12 +568,15 @@ class OpAutoCompare(OpTool):
     def finish(self) -> None:
         for pending in list(self._pending.values()):  # calls whose backward never ran
             pending.state.clear()
+        self._copies = CpuCopyCache()
         self._pending = weakref.WeakValueDictionary()
         reporting.console(self.summary())
         if self.rows:
             path = reporting.results_path(self.common, self.results_folder,
                                           f"op_autocompare_info_pid{os.getpid()}_{self._stamp}.csv")
-            reporting.write_csv(path, [{c: row.get(c, "") for c in CSV_COLUMNS} for row in self.rows])
+            rows = [{"op": op, "forward_id": forward_id, "phase": phase, **c.row(), "location": location}
+                    for op, forward_id, phase, c, location in self.rows]
+            reporting.write_csv(path, [{c: row.get(c, "") for c in CSV_COLUMNS} for row in rows])
             reporting.console(f"OpAutoCompare: {len(self.rows)} comparisons saved in {path}")
 
     def summary(self) -> str:
@@ -605,6 +608,60 @@ def _named_row(op: str, comparison: Comparison) -> dict:
     row = comparison.row()
     row["name"] = f"{op} {row['name']}"
     return row
+
+
+class CpuCopyCache:
+    """CPU copies of device tensors, reused while the tensor is unchanged (same object, same version).
+
+    One op's output is usually the next op's input: its copy, made to compare the output, serves as
+    the next input snapshot. Bounded in entries and bytes; copies are never modified by the tool.
+    """
+
+    MAX_ENTRIES = 64
+    MAX_BYTES = 256 << 20
+    _ATTR = "_op_tools_cpu_copy_key"
+
+    def __init__(self) -> None:
+        self._entries: collections.OrderedDict[int, tuple[int, torch.Tensor]] = collections.OrderedDict()
+        self._keys = itertools.count(1)
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, t: torch.Tensor) -> torch.Tensor:
+        """A CPU copy of ``t`` as it is now (callers hold no_grad)."""
+        if t.device.type == "cpu":
+            return t.detach().clone()
+        version = _version(t)
+        key = getattr(t, self._ATTR, None)
+        with self._lock:
+            entry = self._entries.get(key) if key is not None else None
+        if entry is not None and version is not None and entry[0] == version:
+            return entry[1]
+        copy = _snapshot(t)
+        if version is None:
+            return copy
+        size = copy.numel() * copy.element_size()
+        if size > self.MAX_BYTES // 4:
+            return copy
+        key = next(self._keys)
+        try:
+            setattr(t, self._ATTR, key)
+        except (AttributeError, TypeError, RuntimeError):
+            return copy
+        with self._lock:
+            self._entries[key] = (version, copy)
+            self._bytes += size
+            while len(self._entries) > self.MAX_ENTRIES or self._bytes > self.MAX_BYTES:
+                _, (_, old) = self._entries.popitem(last=False)
+                self._bytes -= old.numel() * old.element_size()
+        return copy
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors
+        return None
 
 
 def _snapshot(t: torch.Tensor) -> torch.Tensor:

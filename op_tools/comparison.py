@@ -354,18 +354,26 @@ def _finite_stats(dn: np.ndarray, rn: np.ndarray, atol: float, rtol: float):
 
     numpy, not torch: for the small tensors of a real model the per-call overhead dominates.
     """
+    dn, rn = dn.reshape(-1), rn.reshape(-1)
     with np.errstate(all="ignore"):
-        diff = np.abs(dn - rn)
+        diff = np.subtract(dn, rn)
+        np.abs(diff, out=diff)
         max_abs = float(diff.max())
         if not math.isfinite(max_abs):
             return None
         magnitude = np.abs(rn)
-        scale = max(float(magnitude.mean()), _TINY)
-        max_rel = float((diff / (magnitude + 1e-6)).max())
-        error = float((diff / (magnitude + scale)).max())
+        scale = max(float(magnitude.sum()) / magnitude.size, _TINY)
         allclose = bool((diff <= atol + rtol * magnitude).all())
-        flat_d, flat_r = dn.reshape(-1), rn.reshape(-1)
-        norms = math.sqrt(float(flat_d @ flat_d)) * math.sqrt(float(flat_r @ flat_r))
+        if max_abs == 0:
+            max_rel = error = 0.0
+        else:
+            magnitude += 1e-6
+            max_rel = float((diff / magnitude).max())
+            magnitude += scale - 1e-6
+            error = float((diff / magnitude).max())
+        flat_d, flat_r = dn, rn
+        dd, rr = float(flat_d @ flat_d), float(flat_r @ flat_r)
+        norms = math.sqrt(dd) * math.sqrt(rr)
         if norms > 0:
             cosine = float(flat_d @ flat_r) / norms
         else:
