@@ -227,3 +227,23 @@ def test_capture_and_replay_on_cuda(tmp_path, monkeypatch):
     folder = str(tmp_path / "capture" / "op_capture_results")
     assert main([folder, "--device", "cuda", "--acc_check", "--sync_time_measure", "--run_times", "2"]) == 0
     assert {r["status"] for r in _summary(tmp_path)} == {"ok"}
+
+
+def test_replay_of_a_real_autocompare_failure_reproduces_it_only_with_the_fault(tmp_path, sim, monkeypatch):
+    import ditorch.sim
+
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / "autocompare"))
+    x = torch.randn(4, 8, device=sim)
+    w = torch.randn(3, 8, device=sim, requires_grad=True)
+    with ditorch.sim.faults("mm:noise=1e-3"), op_tools.OpAutoCompare():
+        torch.nn.functional.linear(x, w).sum().backward()
+    folder = str(tmp_path / "autocompare" / "op_capture_results")
+    (entry,) = [e for e in find_entries(folder) if e.kind == "autocompare"]
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / "results"))
+    with ditorch.sim.faults("mm:noise=1e-3"):
+        assert main([entry.directory, "--device", sim, "--acc_check"]) == 1
+    assert _summary(tmp_path)[0]["status"] == "mismatch"
+    shutil.rmtree(tmp_path / "results")
+    main([entry.directory, "--device", sim, "--acc_check"])
+    checks = _summary(tmp_path)[0]["checks"]  # a correct kernel matches float64, not the faulty captured output
+    assert "output vs cpu float64: pass" in checks and "output vs captured output: FAIL" in checks
