@@ -34,18 +34,21 @@ def _missing_function(api: str, backend):
     return missing
 
 
-class MissingModule(types.ModuleType):
-    """Stands in for a CUDA-only submodule (``torch.cuda.jiterator``): any attribute raises on use."""
+class DeviceSubmodule(types.ModuleType):
+    """Stands in for a submodule of ``torch.cuda`` (``memory``, ``random``, ``jiterator``, ...): a name the
+    device module has is answered by it, any other raises on use."""
 
-    def __init__(self, api: str, backend) -> None:
+    def __init__(self, api: str, backend, remap) -> None:
         super().__init__(api)
         self._api = api
         self._backend = backend
+        self._remap = remap
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
-        return _missing_function(f"{self._api}.{name}", self._backend)
+        return _replacement_for(f"{self._api}.{name}", None, getattr(self._backend.device_module, name, None),
+                                self._backend, self._remap)
 
 
 class _MissingClassMeta(type):
@@ -60,15 +63,14 @@ def _missing_class(api: str, backend) -> type:
     return _MissingClassMeta(api.rsplit(".", 1)[-1], (), {"_api": api, "_backend": backend})
 
 
-def _replacement(name: str, current, provided, backend, remap):
-    api = f"torch.cuda.{name}"
+def _replacement_for(api: str, current, provided, backend, remap):
     if isinstance(current, types.ModuleType):
-        return provided if isinstance(provided, types.ModuleType) else MissingModule(api, backend)
-    if isinstance(current, type):
+        return provided if isinstance(provided, types.ModuleType) else DeviceSubmodule(api, backend, remap)
+    if isinstance(current, type) or (current is None and isinstance(provided, type)):
         if isinstance(provided, type):
             from .transfer import forwarding_class
 
-            return forwarding_class(name, provided, remap.device_anywhere(provided))
+            return forwarding_class(api.rsplit(".", 1)[-1], provided, remap.device_anywhere(provided))
         return _missing_class(api, backend)
     if callable(provided):
         return remap.device_anywhere(provided)
@@ -95,4 +97,4 @@ def apply(backend, remap, patches, names=None) -> None:
     for name in names if names is not None else mapped_names():
         current = getattr(torch.cuda, name, None)
         provided = getattr(module, name, None)
-        patches.set(torch.cuda, name, _replacement(name, current, provided, backend, remap))
+        patches.set(torch.cuda, name, _replacement_for(f"torch.cuda.{name}", current, provided, backend, remap))

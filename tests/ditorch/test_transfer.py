@@ -88,6 +88,19 @@ def test_torch_load_maps_cuda_locations(transfer, location):
     assert on_sim(loaded["w"]) and torch.equal(loaded["w"].cpu(), torch.arange(4.0))
 
 
+def test_checkpoint_saved_on_cuda_loads_on_the_device_without_map_location(transfer, tmp_path):
+    # Stand-in for a checkpoint from a CUDA machine: a save-time tagger that labels storages "cuda:0".
+    registry = torch.serialization._package_registry
+    entry = (0, lambda storage: "cuda:0", lambda storage, location: None)
+    registry.insert(0, entry)
+    try:
+        torch.save({"w": torch.arange(3.0)}, tmp_path / "cuda.pt")
+    finally:
+        registry.remove(entry)
+    loaded = torch.load(tmp_path / "cuda.pt")
+    assert on_sim(loaded["w"]) and torch.equal(loaded["w"].cpu(), torch.arange(3.0))
+
+
 def test_generator_on_cuda_draws_what_the_host_generator_draws(transfer):
     generator = torch.Generator(device="cuda")
     assert isinstance(generator, torch.Generator)
@@ -175,6 +188,14 @@ def test_torch_cuda_streams_and_events(transfer):
     end.record()
     end.synchronize()
     assert start.elapsed_time(end) >= 0
+
+
+def test_torch_cuda_submodules_answer_with_the_device_module(transfer):
+    block = torch.empty(256, device="cuda")
+    assert torch.cuda.memory.memory_allocated() == torch.sim.memory_allocated() >= block.numel() * 4
+    torch.cuda.random.manual_seed(5)
+    assert torch.cuda.random.initial_seed() == 5
+    assert isinstance(torch.cuda.streams.Stream(), torch.sim.Stream)
 
 
 @pytest.mark.parametrize("call, api", [
