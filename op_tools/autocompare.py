@@ -486,7 +486,7 @@ class OpAutoCompare(OpTool):
             rows = [_named_row(pending.name, c) for c in comparisons]
             reporting.console(reporting.header(pending.name, pending.forward_id, pending.location, "backward")
                               + "\n" + reporting.table(rows, COLUMNS).get_string())
-        if not passed:
+        if not passed or state.get("saved_forward"):  # a call saved for its forward gets its gradients too
             self._save(pending.name, pending.forward_id, state, state["device_out_cpu"], state["ref_out"],
                        grads=(device_grads_cpu, upstream_cpu, reference_grads))
         state.clear()

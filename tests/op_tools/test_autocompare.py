@@ -1,0 +1,323 @@
+import csv
+import glob
+import os
+
+import pytest
+import torch
+from tiny_models import mlp, tiny_gpt2, tiny_llama, train_llama
+
+import op_tools
+from op_tools.capture import load_op_args
+from op_tools.comparison import ToleranceSpec, compare_outputs
+
+
+@pytest.fixture(autouse=True)
+def _no_autocompare_variables(monkeypatch):
+    for name in list(os.environ):
+        if "AUTOCOMPARE" in name or name.endswith("_OP_DTYPE_CAST_DICT"):
+            monkeypatch.delenv(name)
+
+
+def llama_step(fault: str = "", phase: str = "forward", model_factory=tiny_llama, autocast=None):
+    """One forward and backward of a tiny model under OpAutoCompare, with ``fault`` in one phase."""
+    import ditorch.sim
+
+    torch.manual_seed(0)
+    model = model_factory().to("sim")
+    ids = torch.randint(0, 128, (2, 16)).to("sim")
+    with op_tools.OpAutoCompare() as tool:
+        with ditorch.sim.faults(fault if phase == "forward" else ""), \
+                torch.autocast("sim", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            loss = model(input_ids=ids, labels=ids).loss
+        with ditorch.sim.faults(fault if phase == "backward" else ""):
+            loss.backward()
+    return tool
+
+
+# --- no false alarms, numerics unchanged ---
+
+@pytest.mark.parametrize("factory", [tiny_llama, tiny_gpt2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["float32", "bf16-autocast"])
+def test_training_step_reports_no_failure_and_keeps_the_losses_bit_identical(sim, factory, autocast):
+    expected = train_llama(sim, steps=2, autocast_dtype=autocast, model_factory=factory)
+    with op_tools.OpAutoCompare() as tool:
+        losses = train_llama(sim, steps=2, autocast_dtype=autocast, model_factory=factory)
+    assert losses == expected
+    assert tool.failures == []
+    assert tool.counts["forward compared"] > 300 and tool.counts["backward compared"] > 50
+    assert tool.counts["forward failed"] == tool.counts["backward failed"] == 0
+
+
+# --- every real error found, and first ---
+
+@pytest.mark.parametrize("fault, op", [
+    ("silu:noise=1e-3", "torch.nn.functional.silu"),          # an activation
+    ("rsqrt:noise=1e-3", "torch.rsqrt"),                      # the normalisation's rsqrt
+    ("mm:noise=1e-3", "torch.nn.functional.linear"),          # the matmul behind linear
+    ("mean:noise=1e-3", "torch.Tensor.mean"),                 # a reduction
+    ("silu:nan", "torch.nn.functional.silu"),
+])
+def test_forward_fault_is_the_first_failure(sim, fault, op):
+    tool = llama_step(fault, "forward")
+    assert tool.failures, "the fault was not found"
+    assert (tool.failures[0]["op"], tool.failures[0]["phase"]) == (op, "forward")
+    assert "modeling_llama.py" in tool.failures[0]["location"] or "activations.py" in tool.failures[0]["location"]
+
+
+@pytest.mark.parametrize("fault, op", [
+    ("mm:noise=1e-3", "torch.nn.functional.linear"),                                 # lm_head's backward comes first
+    ("_softmax_backward_data:noise=1e-3", "torch.nn.functional.scaled_dot_product_attention"),
+    ("mul:nan", "torch.Tensor.mul"),
+])
+def test_backward_fault_is_the_first_failure(sim, fault, op):
+    tool = llama_step(fault, "backward")
+    assert tool.counts["forward failed"] == 0
+    assert (tool.failures[0]["op"], tool.failures[0]["phase"]) == (op, "backward")
+
+
+@pytest.mark.parametrize("fault, op", [("gelu_backward:noise=1e-3", "torch.nn.functional.gelu"),
+                                       ("native_layer_norm_backward:noise=1e-3", "torch.nn.functional.layer_norm")])
+def test_backward_fault_in_an_mlp_names_its_op(sim, fault, op):
+    import ditorch.sim
+
+    torch.manual_seed(0)
+    model = mlp().to(sim)
+    x = torch.randn(8, 16).to(sim)
+    with op_tools.OpAutoCompare() as tool:
+        loss = model(x).square().mean()
+        with ditorch.sim.faults(fault):
+            loss.backward()
+    assert [(f["op"], f["phase"]) for f in tool.failures] == [(op, "backward")]
+
+
+def test_failing_call_is_saved_for_the_offline_replay(sim, tmp_path):
+    tool = llama_step("silu:noise=1e-3", "forward")
+    first = tool.failures[0]
+    pattern = str(tmp_path / "results" / "op_capture_results" / first["op"] / str(os.getpid()) / "autocompare"
+                  / str(first["forward_id"]) / "*")
+    (folder,) = glob.glob(pattern)
+    for side in ("device", "cpu"):
+        for name in ("input", "output", "grad_inputs", "grad_outputs"):
+            assert os.path.exists(os.path.join(folder, side, f"{name}.pth")), (side, name)
+    inputs = load_op_args(os.path.join(folder, "cpu", "input.pth"))
+    output = load_op_args(os.path.join(folder, "cpu", "output.pth"))
+    assert inputs["args"][0].dtype == torch.float64
+    torch.testing.assert_close(torch.nn.functional.silu(*inputs["args"]), output["args"][0])
+    device_output = load_op_args(os.path.join(folder, "device", "output.pth"))["args"][0]
+    assert not torch.allclose(device_output.double(), output["args"][0], rtol=1e-4, atol=0)
+
+
+def test_summary_and_csv(sim, tmp_path, capsys):
+    llama_step("rsqrt:noise=1e-3", "forward")
+    out = capsys.readouterr().out
+    assert "OpAutoCompare summary" in out and "failing ops in execution order" in out
+    assert "torch.rsqrt" in out and "FAIL" in out
+    folder = tmp_path / "results" / "op_autocompare_result"
+    (path,) = glob.glob(str(folder / f"op_autocompare_info_pid{os.getpid()}_*.csv"))
+    rows = list(csv.DictReader(open(path)))
+    for column in ("name", "allclose", "cosine_similarity", "max_abs_diff", "max_relative_diff", "atol", "rtol",
+                   "error_info", "error_ratio", "verdict"):
+        assert column in rows[0]
+    failing = [r for r in rows if r["verdict"] == "FAIL"]
+    assert failing and {r["op"] for r in failing} >= {"torch.rsqrt"}
+
+
+def test_verbose_off_prints_only_failures(sim, capsys):
+    x = torch.randn(8, device=sim)
+    with op_tools.OpAutoCompare():
+        torch.sigmoid(x)
+    out = capsys.readouterr().out
+    assert "torch.sigmoid    forward_id" not in out and "no op failed" in out
+
+
+# --- the verdict ---
+
+def test_bfloat16_matmul_passes_by_default_and_a_tight_tolerance_fails_it(sim, monkeypatch):
+    torch.manual_seed(0)
+    a, b = torch.randn(64, 256).bfloat16().to(sim), torch.randn(256, 64).bfloat16().to(sim)
+    with op_tools.OpAutoCompare() as tool:
+        torch.matmul(a, b)
+    assert tool.failures == []
+    monkeypatch.setenv("AUTOCOMPARE_ERROR_TOLERANCE_BFLOAT16", "1e-4,1e-4")
+    with op_tools.OpAutoCompare() as tool:
+        torch.matmul(a, b)
+    assert [f["op"] for f in tool.failures] == ["torch.matmul"]
+    assert "AUTOCOMPARE_ERROR_TOLERANCE_BFLOAT16" in tool.failures[0]["error_info"]
+
+
+def test_tolerance_priority_op_and_dtype_over_dtype_over_global():
+    env = {"AUTOCOMPARE_ERROR_TOLERANCE": "1,1", "AUTOCOMPARE_ERROR_TOLERANCE_FLOAT32": "2,2",
+           "LINEAR_AUTOCOMPARE_ERROR_TOLERANCE_FLOAT32": "3,3"}
+    spec = ToleranceSpec.from_env(env)
+    assert spec.lookup("torch.nn.functional.linear", torch.float32)[:2] == (3.0, 3.0)
+    assert spec.lookup("torch.add", torch.float32)[:2] == (2.0, 2.0)
+    assert spec.lookup("torch.nn.functional.linear", torch.float16)[:2] == (1.0, 1.0)
+    assert ToleranceSpec.from_env({}).lookup("torch.add", torch.float32) is None
+    with pytest.raises(ValueError, match="AUTOCOMPARE_ERROR_TOLERANCE_FLOAT16='1e-3'.*atol,rtol"):
+        ToleranceSpec.from_env({"AUTOCOMPARE_ERROR_TOLERANCE_FLOAT16": "1e-3"})
+
+
+def test_user_tolerance_decides_even_against_a_real_error(sim, monkeypatch):
+    import ditorch.sim
+
+    monkeypatch.setenv("SIGMOID_AUTOCOMPARE_ERROR_TOLERANCE_FLOAT32", "1e-2,1e-2")
+    x = torch.randn(32, device=sim)
+    with op_tools.OpAutoCompare() as tool, ditorch.sim.faults("sigmoid:noise=1e-3"):
+        torch.sigmoid(x)
+        torch.tanh(x)
+    assert tool.failures == []
+
+
+def test_malformed_tolerance_fails_at_start(sim, monkeypatch):
+    monkeypatch.setenv("AUTOCOMPARE_ERROR_TOLERANCE", "loose")
+    with pytest.raises(ValueError, match="AUTOCOMPARE_ERROR_TOLERANCE='loose'"):
+        op_tools.OpAutoCompare().start()
+
+
+def test_compare_outputs_structure_shape_dtype_and_integers():
+    ref = torch.arange(4.0, dtype=torch.float64)
+    [shape] = compare_outputs(torch.zeros(3), ref)
+    assert not shape.passed and "shape differs" in shape.error_info
+    [structure] = compare_outputs((torch.zeros(4), torch.zeros(4)), ref)
+    assert not structure.passed and "structure differs" in structure.error_info
+    [dtype] = compare_outputs(torch.zeros(4, dtype=torch.int64), ref)
+    assert not dtype.passed and "dtype differs" in dtype.error_info
+    [ints] = compare_outputs(torch.tensor([1, 2, 3]), torch.tensor([1, 2, 4]))
+    assert not ints.passed and "must match exactly" in ints.error_info
+    [same] = compare_outputs(torch.tensor([True, False]), torch.tensor([True, False]))
+    assert same.passed
+    [nan] = compare_outputs(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0], dtype=torch.float64))
+    assert not nan.passed and "nan/inf" in nan.error_info
+    numbers = compare_outputs((3, 2.5, None, "x"), (3, 2.5, None, "x"))
+    assert all(c.passed for c in numbers)
+
+
+def test_device_error_well_above_a_correct_same_dtype_run_fails():
+    torch.manual_seed(0)
+    x = torch.randn(1000, dtype=torch.float64)
+    same = x.float()
+    [good] = compare_outputs(same, x, same)
+    assert good.passed
+    [bad] = compare_outputs(same * (1 + 1e-5), x, same)
+    assert not bad.passed and bad.error_ratio > 4
+
+
+# --- op kinds ---
+
+def test_inplace_op_compares_the_written_tensor(sim):
+    import ditorch.sim
+
+    x = torch.randn(16, device=sim)
+    with op_tools.OpAutoCompare() as tool:
+        x.mul_(3)
+        with ditorch.sim.faults("add_:noise=1e-3"):
+            x.add_(1.5)
+    assert [f["op"] for f in tool.failures] == ["torch.Tensor.add_"]
+
+
+def test_out_argument(sim):
+    import ditorch.sim
+
+    a, b, out = torch.randn(8, device=sim), torch.randn(8, device=sim), torch.empty(8, device=sim)
+    with op_tools.OpAutoCompare() as tool:
+        torch.add(a, b, out=out)
+        with ditorch.sim.faults("mul:noise=1e-3"):
+            torch.mul(a, b, out=out)
+    assert [f["op"] for f in tool.failures] == ["torch.mul"]
+
+
+def test_tuple_outputs_integer_indices_and_non_tensors(sim):
+    import ditorch.sim
+
+    x = torch.randn(6, 5, device=sim, requires_grad=True)
+    with op_tools.OpAutoCompare() as tool:
+        values, indices = torch.max(x, dim=1)
+        values.sum().backward()
+        torch.sort(x.detach(), dim=0)
+        torch.argmax(x.detach())
+        x.detach().tolist()
+        with ditorch.sim.faults("sort:noise=1e-3"):
+            torch.sort(x.detach(), dim=1)
+    assert [f["op"] for f in tool.failures] == ["torch.sort"]
+    assert tool.counts["backward compared"] >= 2  # max's values are differentiable, its indices are not
+
+
+def test_random_and_uninitialised_ops_are_skipped_with_reasons(sim):
+    with op_tools.OpAutoCompare() as tool:
+        torch.rand(4, device=sim)
+        torch.empty(4, device=sim)
+        torch.nn.functional.dropout(torch.ones(4, device=sim), 0.5)
+    assert tool.skipped["random"] == 2 and tool.skipped["uninitialised"] == 1
+    assert tool.failures == []
+
+
+def only_float32(x):
+    """An extension op without a float64 kernel (as vendor ops often are)."""
+    if x.dtype == torch.float64:
+        raise RuntimeError("\"only_float32\" not implemented for 'Double'")
+    return x * 2 + 1
+
+
+def test_op_without_float64_kernel_is_compared_in_float32(sim):
+    import ditorch.sim
+
+    x = torch.randn(8, device=sim)
+    with op_tools.OpAutoCompare() as tool:
+        y = tool.handle(only_float32, (x,), {}, name="test.only_float32")
+        with ditorch.sim.faults("mul:noise=1e-3"):
+            tool.handle(only_float32, (x,), {}, name="test.only_float32")
+    assert torch.equal(y.cpu(), x.cpu() * 2 + 1)
+    outer = [row[3] for row in tool.rows if row[0] == "test.only_float32"]
+    assert len(outer) == 2 and "no float64 kernel" in outer[0].error_info and outer[0].passed
+    # the faulty mul inside it is found first, then the extension op itself
+    assert [f["op"] for f in tool.failures] == ["torch.Tensor.mul", "test.only_float32"]
+
+
+def test_apply_feature_with_a_condition(sim, capsys):
+    import ditorch.sim
+
+    op_tools.apply_feature("torch.add", "autocompare", condition_func=lambda a, b, **kw: a.numel() > 4)
+    try:
+        with ditorch.sim.faults("add:noise=1e-3"):
+            torch.add(torch.ones(2, device=sim), 1.0)  # condition false: not compared
+            torch.add(torch.ones(8, device=sim), 1.0)
+    finally:
+        op_tools.remove_feature("torch.add")
+    out = capsys.readouterr().out
+    assert out.count("torch.add    forward_id") == 1 and "FAIL" in out
+
+
+def test_op_exception_propagates_unchanged(sim):
+    x, y = torch.ones(2, 3, device=sim), torch.ones(4, 5, device=sim)
+    with op_tools.OpAutoCompare(), pytest.raises(RuntimeError, match="cannot be multiplied"):
+        torch.mm(x, y)
+
+
+def test_backward_memory_is_released_after_comparison_and_at_stop(sim):
+    w = torch.randn(8, 8, device=sim, requires_grad=True)
+    tool = op_tools.OpAutoCompare().start()
+    loss = torch.nn.functional.linear(torch.randn(4, 8, device=sim), w).sum()
+    never = torch.nn.functional.silu(w)  # its backward never runs
+    assert len(tool._pending) == 3
+    loss.backward()
+    assert len(tool._pending) == 1
+    tool.stop()
+    assert len(tool._pending) == 0
+    del never
+
+
+def test_tied_parameters_get_the_same_gradient_as_without_the_tool(sim):
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(16, 8).to(sim)
+    ids = torch.randint(0, 16, (2, 5)).to(sim)
+
+    def grad():
+        emb.weight.grad = None
+        h = emb(ids)
+        torch.nn.functional.linear(h, emb.weight).logsumexp(-1).sum().backward()
+        return emb.weight.grad.cpu()
+
+    expected = grad()
+    with op_tools.OpAutoCompare() as tool:
+        got = grad()
+    assert torch.equal(got, expected) and tool.failures == []
