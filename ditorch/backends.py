@@ -33,10 +33,6 @@ class Backend:
     def framework_version(self) -> str:
         return str(getattr(self.framework, "__version__", "unknown"))
 
-    @property
-    def is_private_use1(self) -> bool:
-        return self.device_type not in ("cuda", "cpu")
-
 
 @dataclasses.dataclass(frozen=True)
 class BackendRow:

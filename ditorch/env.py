@@ -61,7 +61,8 @@ class EnvVar:
 VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("DITORCH_BACKEND", "one of " + ", ".join(BACKEND_NAMES) + " (empty: detect)", "",
            "Force the backend instead of detecting it; an unavailable backend is an error.", parse_backend),
-    EnvVar("DITORCH_QUIET", "0 or 1", "0", "1 silences the banner line printed by `import ditorch` (and the no-accelerator line).", parse_flag),
+    EnvVar("DITORCH_QUIET", "0 or 1", "0",
+           "1 silences the banner line printed by `import ditorch` (and the no-accelerator line).", parse_flag),
     EnvVar("DITORCH_DISABLE_MOCK", "0 or 1", "0",
            "1 detects the backend but patches nothing (no CUDA-to-device transfer).", parse_flag),
     EnvVar("DITORCH_SHOW_DEVICE_AS_CUDA", "0 or 1", "1",
