@@ -74,7 +74,7 @@ class DeviceMap:
             for arg in args:
                 cls = arg.__class__
                 if cls is str or cls is device_class:
-                    args = tuple(remap(a) for a in args)  # DeviceMap leaves anything else as it is
+                    args = tuple(map(remap, args))  # DeviceMap leaves anything else as it is
                     break
             if kwargs:
                 for key in _DEVICE_KEYWORDS:
