@@ -321,3 +321,19 @@ def test_tied_parameters_get_the_same_gradient_as_without_the_tool(sim):
     with op_tools.OpAutoCompare() as tool:
         got = grad()
     assert torch.equal(got, expected) and tool.failures == []
+
+
+def half_on_device(x):
+    """A kernel whose device version returns float16 where a correct one returns float32."""
+    y = x * 2
+    return y.half() if x.device.type != "cpu" else y
+
+
+def test_output_in_a_narrower_dtype_fails_even_with_small_errors(sim):
+    x = torch.randn(8, device=sim)
+    with op_tools.OpAutoCompare() as tool:
+        tool.handle(half_on_device, (x,), {}, name="test.half_on_device")
+        tool.handle(half_on_device, (x,), {}, name="test.half_on_device")  # dtype now known: still checked
+    rows = [row[3] for row in tool.rows if row[0] == "test.half_on_device"]
+    assert len(rows) == 2 and not any(r.passed for r in rows)
+    assert all("dtype differs: device torch.float16" in r.error_info for r in rows)
