@@ -1,4 +1,5 @@
-"""A tiny Llama-shaped language model in plain PyTorch, shared by the examples (no download, no transformers).
+"""What the examples share: a tiny Llama-shaped model in plain PyTorch (no download, no transformers), its
+training loop, and the device they run on (``pick_device``).
 
 Embedding, then per layer RMSNorm, causal self-attention, RMSNorm and
 a GELU-gated MLP (as in Gemma), then a final RMSNorm and the vocabulary projection. The ops are the ones a real Llama
@@ -68,6 +69,22 @@ class TinyLlama(torch.nn.Module):
             x = block(x)
         logits = self.head(self.norm(x))
         return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+def pick_device() -> str:
+    """``"cuda"`` when ``import ditorch`` found an accelerator (CUDA idioms then address it), else ``"sim"``.
+
+    ``DITORCH_BACKEND=sim`` counts as an accelerator; with no accelerator the simulated device is
+    registered here (it reads ``DITORCH_SIM_FAULTS``).
+    """
+    import ditorch
+
+    if ditorch.backend.name != "cpu" and torch.cuda.is_available():
+        return "cuda"
+    import ditorch.sim as sim
+
+    sim.register()
+    return "sim"
 
 
 def make_batch(batch: int = 2, seq: int = 16, seed: int = 0) -> torch.Tensor:
