@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch._C import DispatchKey, DispatchKeySet
 
+from .tensor import real_device as _real_device
+
 # Op names per policy, as CUDA's autocast lists them (aten/src/ATen/autocast_mode.cpp).
 LOWER_PRECISION = (
     "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d",
@@ -34,8 +36,6 @@ WIDEST = (
 
 _KEY = "AutocastPrivateUse1"
 _EXCLUDE = DispatchKeySet(DispatchKey.AutocastPrivateUse1)
-# The real device: ditorch's DITORCH_SHOW_DEVICE_AS_CUDA makes Tensor.device report cuda.
-_real_device = torch._C.TensorBase.device.__get__
 
 
 def _eligible(x, device_type: str) -> bool:

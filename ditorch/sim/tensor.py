@@ -17,6 +17,8 @@ from torch._C import DispatchKey, DispatchKeySet
 from . import fault_injection as _faults
 
 _CPU = torch.device("cpu")
+# The real device, also under ditorch's DITORCH_SHOW_DEVICE_AS_CUDA (which makes Tensor.device say cuda).
+real_device = torch._C.TensorBase.device.__get__
 _META_KEYS = DispatchKeySet(DispatchKey.Meta)
 _set_metadata = torch.ops.aten.set_.source_Storage_storage_offset
 
@@ -135,7 +137,7 @@ class SimTensor(torch.Tensor):
         # Tensor.data = x copies only the C++ metadata; the CPU tensor behind it must follow.
         if not isinstance(new, SimTensor):
             raise RuntimeError(
-                f"sim: cannot assign a tensor on {new.device} as .data of a tensor on {self.device}"
+                f"sim: cannot assign a tensor on {real_device(new)} as .data of a tensor on {real_device(self)}"
             )
         torch._C.TensorBase.data.__set__(self, new)
         self._data = new._data
@@ -154,7 +156,7 @@ class SimTensor(torch.Tensor):
 
     def numpy(self, *, force: bool = False):
         raise TypeError(
-            f"can't convert {self.device} device type tensor to numpy. "
+            f"can't convert {real_device(self)} device type tensor to numpy. "
             "Use Tensor.cpu() to copy the tensor to host memory first."
         )
 
@@ -172,7 +174,7 @@ class SimTensor(torch.Tensor):
         # never as this class, so that weights_only loading and map_location="cpu" both work.
         return (
             torch._utils._rebuild_device_tensor_from_cpu_tensor,
-            (self._data, self.dtype, str(self.device), self.requires_grad),
+            (self._data, self.dtype, str(real_device(self)), self.requires_grad),
         )
 
 
@@ -243,7 +245,7 @@ class _Unwrapped:
             self.pairs.append((data, x))
             return data
         if cls is torch.Tensor or isinstance(x, torch.Tensor):
-            if x.device.type == "cpu" and x.dim():
+            if x.dim() and real_device(x).type == "cpu":
                 self.other_device = "cpu"
             self.pairs.append((x, x))
             return x
@@ -389,7 +391,7 @@ def _wrap_outputs(out, pairs, index):
         for data, tensor in pairs:
             if out is data:  # in-place or out=: hand back the caller's own tensor
                 return tensor
-        return wrap(out, index) if out.device.type == "cpu" else out
+        return wrap(out, index) if real_device(out).type == "cpu" else out
     if isinstance(out, (list, tuple)):
         return type(out)(_wrap_outputs(o, pairs, index) for o in out)
     return out
