@@ -51,8 +51,8 @@ def main() -> None:
     for row in rows:
         calls[row["op"]] += int(row["count"])
         signatures[row["op"]] += 1
-        first_shapes.setdefault(row["op"], row["shapes"])
-    table = PrettyTable(["op", "calls", "signatures", "shapes (first signature)"])
+        first_shapes.setdefault(row["op"], row["shapes"])  # rows come most frequent first
+    table = PrettyTable(["op", "calls", "signatures", "most frequent shapes"])
     table.align = "l"
     for op, n in calls.most_common():
         shapes = first_shapes[op]

@@ -2,8 +2,8 @@
 
 It prints a summary (one row per op, the largest total first) and writes a per-call CSV, the summary
 as CSV and a trace to open in https://ui.perfetto.dev (or chrome://tracing). On the simulated device
-softmax is made slow on purpose (``DITORCH_SIM_FAULTS="_softmax:slow=20"``: 20 ms per call), so that
-one op clearly tops the summary:
+softmax is made slow on purpose (20 ms per call, as ``DITORCH_SIM_FAULTS="_softmax:slow=20"`` would;
+a ``DITORCH_SIM_FAULTS`` you set replaces it), so that one op clearly tops the summary:
 
     python examples/where_time_goes.py
     python examples/where_time_goes.py --steps 3
@@ -21,7 +21,8 @@ os.environ.setdefault("OP_TOOLS_VERBOSE", "0")  # no table per call: the summary
 import torch  # noqa: E402
 from tiny_model import build, make_batch, pick_device  # noqa: E402
 
-import ditorch  # noqa: E402, F401 - maps "cuda" onto the detected device
+import ditorch  # noqa: E402 - maps "cuda" onto the detected device
+import ditorch.sim  # noqa: E402 - the simulated device (registered only where it is used)
 import op_tools  # noqa: E402
 
 
@@ -29,9 +30,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1)
     args = parser.parse_args()
-    if ditorch.backend.name in ("cpu", "sim"):
-        os.environ.setdefault("DITORCH_SIM_FAULTS", "_softmax:slow=20")  # read when sim registers
     device = pick_device()
+    if ditorch.backend.name in ("cpu", "sim") and "DITORCH_SIM_FAULTS" not in os.environ:
+        ditorch.sim.inject_fault("_softmax", "slow", 20)  # aten's name for the softmax kernel
 
     model = build().to(device)
     ids = make_batch(batch=4, seq=32).to(device)

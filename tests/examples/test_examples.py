@@ -1,0 +1,114 @@
+"""Every script in examples/ runs as a user runs it (a fresh interpreter, from another folder) and says what it should.
+
+No accelerator here: the scripts run on the simulated device, either forced (``DITORCH_BACKEND=sim``,
+where the script addresses the device as ``"cuda"``) or picked because ditorch found none.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLES = os.path.join(ROOT, "examples")
+TIME_LIMIT_S = 120  # each script takes 5 to 20 s on a 2-core machine; the limit catches hangs, not slowness
+
+
+def run_example(script: str, *args: str, cwd, env: dict | None = None, expect_status: int = 0):
+    """Run ``examples/<script>`` in ``cwd`` with a clean environment (plus ``env``); return its stdout."""
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("DITORCH_", "OP_", "AUTOCOMPARE_")) and "_AUTOCOMPARE_" not in k
+             and not k.endswith("_OP_DTYPE_CAST_DICT")}
+    clean.update(PYTHONPATH=ROOT + os.pathsep + clean.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1", **(env or {}))
+    process = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), *args], cwd=cwd, env=clean,
+                             capture_output=True, text=True, timeout=TIME_LIMIT_S)
+    assert process.returncode == expect_status, process.stdout[-3000:] + process.stderr[-3000:]
+    return process.stdout
+
+
+def test_cuda_written_training_script_runs_unmodified_on_sim(tmp_path):
+    out = run_example("cuda_training.py", "--steps", "2", cwd=tmp_path, env={"DITORCH_BACKEND": "sim"})
+    assert len(re.findall(r"^loss \d \d+\.\d+$", out, re.M)) == 2
+    assert "checkpoint reloaded on cuda:0: outputs equal True" in out
+
+
+def test_find_wrong_op_names_the_faulty_op_and_fallback_restores_the_cpu_losses(tmp_path):
+    # Not the script's default fault (gelu, run by the demo test): the name comes from the comparison.
+    out = run_example("find_wrong_op.py", cwd=tmp_path,
+                      env={"DITORCH_BACKEND": "sim", "DITORCH_SIM_FAULTS": "rsqrt:noise=1e-3"})
+    drift = float(re.search(r"^loss on the device +[\d. ]+max difference (\S+)$", out, re.M).group(1))
+    assert drift > 1e-5
+    assert "wrong op: torch.rsqrt (forward" in out
+    assert "OP_FALLBACK_LIST=torch.rsqrt" in out
+    assert re.search(r"^loss on the device, fallback +[\d. ]+max difference 0\.0e\+00$", out, re.M)
+    assert "losses equal to the CPU's: True" in out
+
+
+def test_where_time_goes_puts_the_slow_op_first_and_writes_a_trace(tmp_path):
+    out = run_example("where_time_goes.py", cwd=tmp_path, env={"DITORCH_BACKEND": "sim"})
+    assert re.search(r"^slowest op: torch\.softmax \(\d+\.\d%", out, re.M)
+    summary = re.search(r"^summary saved to (\S+)$", out, re.M).group(1)
+    with open(tmp_path / summary, newline="") as f:
+        assert next(csv.DictReader(f))["name"] == "torch.softmax"
+    trace = re.search(r"^trace with \d+ spans: (\S+)", out, re.M).group(1)
+    with open(tmp_path / trace) as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    assert any(e["name"] == "torch.softmax" and e["ph"] == "X" for e in events)
+
+
+def test_capture_then_replay_offline_passes_on_a_correct_device(tmp_path):
+    out = run_example("capture_and_replay.py", cwd=tmp_path, env={"DITORCH_BACKEND": "sim"})
+    assert re.search(r"^captured 8 files under \S+torch\.nn\.functional\.gelu", out, re.M)
+    assert "output vs cpu float64: pass; grad vs cpu float64: pass; output vs captured output: pass" in out
+    assert "2 entries: 2 ok, 0 mismatch, 0 error" in out
+    assert "replay exit status: 0" in out
+
+
+def test_capture_then_replay_reproduces_a_faulty_kernel(tmp_path):
+    out = run_example("capture_and_replay.py", cwd=tmp_path, expect_status=1,
+                      env={"DITORCH_BACKEND": "sim", "DITORCH_SIM_FAULTS": "gelu:noise=1e-2"})
+    assert "output vs cpu float64: FAIL" in out
+    assert "2 entries: 0 ok, 2 mismatch, 0 error" in out
+
+
+def test_apply_feature_acts_only_on_calls_meeting_the_condition(tmp_path):
+    out = run_example("apply_feature_condition.py", cwd=tmp_path)  # no accelerator: the script picks sim
+    assert "linear calls: 2 printed (input wider than 64), 9 not" in out
+    assert len(re.findall(r"^torch\.nn\.functional\.linear    forward_id: \d+$", out, re.M)) == 2
+    assert len(re.findall(r"^torch\.nn\.functional\.gelu    forward_id: \d+$", out, re.M)) == 2  # fallback tables
+    assert "torch.nn.functional.gelu cpu_outputs[0]" in out
+
+
+def test_op_statistics_counts_ops_and_shapes_for_the_given_input_size(tmp_path):
+    out = run_example("op_statistics.py", "--batch", "4", "--seq", "32", cwd=tmp_path)
+    assert "batch 4 x seq 32, hidden 64, 2 layers, on sim" in out
+    assert re.search(r"^\| torch\.nn\.functional\.linear +\| 11 +\| 4 +\| \[0\]:\[4, 32, 64\] \[1\]:\[128, 64\]",
+                     out, re.M)
+    log = re.search(r"^PyTorch operator input log format: (\S+)$", out, re.M).group(1)
+    text = (tmp_path / log).read_text()
+    assert "Operator: torch.nn.functional.gelu\ncnt: 2, ((T([4, 32, 128], f32),), {'approximate': 'tanh'})" in text
+
+
+@pytest.mark.slow
+def test_demo_tells_the_whole_story_on_sim(tmp_path):
+    out = run_example("demo.py", cwd=tmp_path)  # what `make demo` runs
+    sections = ["1. Train 4 steps on sim", "2. OpAutoCompare", "3. OpFallback", "4. OpTimeMeasure", "Files written"]
+    positions = [out.index(f"=== {s}") for s in sections]
+    assert positions == sorted(positions)
+    story = out[positions[0]:]
+    assert "DITORCH_SIM_FAULTS='gelu:noise=1e-2'" in out
+    assert "some op on sim computes wrong" in story
+    assert re.search(r"^\| 1 +\| torch\.nn\.functional\.gelu +\| forward", story, re.M)
+    fixed = story[positions[2] - positions[0]:positions[3] - positions[0]]
+    assert fixed.count("0 (identical)") == 4
+    for label in ("OpTimeMeasure: trace", "OpAutoCompare: every comparison", "the tools' full console output"):
+        path = re.search(rf"^{re.escape(label)}.*?  (\S+)$", out, re.M).group(1)
+        assert (tmp_path / path).is_file(), label
+    assert re.search(r"^demo done in \d+ s", out, re.M)
