@@ -19,6 +19,11 @@ lint:
 test: install-test lint
 	$(PYTHON) -m pytest -q
 
+# Every benchmark, one after another (figures recorded in docs/performance.md); about 15 minutes on 2 cores.
 bench: install-test
 	$(PYTHON) benchmarks/sim_overhead.py
 	$(PYTHON) benchmarks/import_overhead.py
+	$(PYTHON) benchmarks/autocompare_cost.py
+	$(PYTHON) benchmarks/time_measure_cost.py
+	$(PYTHON) benchmarks/overhead.py
+	$(PYTHON) benchmarks/capture_storage.py

@@ -57,6 +57,13 @@ def parse_text(text: str | None) -> str:
     return (text or "").strip()
 
 
+def parse_directory(text: str | None) -> str:
+    path = (text or "").strip()
+    if path and os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError("exists and is not a directory")
+    return path
+
+
 def parse_choice(*choices: str) -> Callable[[str | None], str]:
     def parse(text: str | None) -> str:
         value = (text or "").strip().lower()
@@ -101,7 +108,7 @@ def parse_dtype_map(text: str | None) -> dict[torch.dtype, torch.dtype]:
 
 RESULTS_DIR = declare(
     "OP_TOOLS_RESULTS_DIR", "a directory path", "op_tools_results",
-    "Where every tool writes its files (a subfolder per tool; `rank<N>` inside it under torchrun).", parse_text,
+    "Where every tool writes its files (a subfolder per tool; `rank<N>` inside it under torchrun).", parse_directory,
 )
 VERBOSE = declare(
     "OP_TOOLS_VERBOSE", "0 or 1", "1",

@@ -26,9 +26,11 @@ failure inside a tool is logged once per (tool, op) and the op goes on unchanged
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import os
+import signal
 import threading
 from typing import Any, ClassVar
 
@@ -79,6 +81,22 @@ def tool_work():
         _thread.depth -= 1
 
 
+# Functions named as metadata queries (the same for every tool): the mode's second fast path.
+_query_functions: set = set()
+
+
+def _run_query(func, args: tuple, kwargs: dict):
+    """A metadata query runs as tool work: torch calls inside it (formatting in ``__repr__``) are not user ops.
+
+    ``tool_work()`` inlined: queries are about a third of a training step's calls.
+    """
+    _thread.depth = getattr(_thread, "depth", 0) + 1
+    try:
+        return func(*args, **kwargs)
+    finally:
+        _thread.depth -= 1
+
+
 class OpCall:
     """One handled call: what the tool sees. ``state`` is the tool's scratch space, kept for backward."""
 
@@ -116,6 +134,17 @@ class _ToolMode(TorchFunctionMode):
         self.tool = tool
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # The common case first: a function this tool already decided to skip runs as it is, whatever its
+        # arguments (the decision depends on the name only, and the name on the function only).
+        try:
+            skipped = func in self.tool._skipped
+            query = not skipped and func in _query_functions
+        except TypeError:  # an unhashable callable: the full path names it
+            skipped = query = False
+        if skipped:
+            return func(*args, **(kwargs or {}))
+        if query:
+            return _run_query(func, args, kwargs or {})
         return self.tool.handle(func, args, kwargs or {})
 
 
@@ -132,6 +161,7 @@ class OpTool:
         self.filter: OpFilter | None = None
         self._modes: list[_ToolMode] = []
         self._decisions: dict[str, bool] = {}
+        self._skipped: set = set()  # functions whose name this tool skips: the mode's fast path
         self._lock = threading.Lock()
 
     # --- what a tool overrides ---
@@ -175,16 +205,20 @@ class OpTool:
         self.common = CommonConfig.from_env()
         self.filter = OpFilter.from_env(self.env_prefix) if self.env_prefix else OpFilter(None, None)
         self._decisions = {}
+        self._skipped = set()
         self.configure()
         mode = _ToolMode(self)
         mode.__enter__()
         self._modes.append(mode)
+        _track_unfinished(self)
         return self
 
     def stop(self) -> None:
         if not self._modes:
             return
         _remove_mode(self._modes.pop())
+        if not self._modes:
+            _unfinished.pop(id(self), None)
         self.finish()
 
     end = stop
@@ -201,6 +235,7 @@ class OpTool:
             self.common = CommonConfig.from_env()
             self.filter = OpFilter.from_env(self.env_prefix) if self.env_prefix else OpFilter(None, None)
             self.configure()
+            _track_unfinished(self)  # never stopped: what it aggregated is written at exit
 
     # --- the engine ---
 
@@ -216,12 +251,18 @@ class OpTool:
                 self._guarded(lambda _: self.backward_done(), OpCall(name, func, (), {}, None))
             return result
         if is_metadata_query(name):
-            with tool_work():  # torch calls inside a query (e.g. formatting in __repr__) are not ops of the user
-                return func(*args, **kwargs)
+            with contextlib.suppress(TypeError):  # unhashable callables keep taking this path
+                _query_functions.add(func)
+            return _run_query(func, args, kwargs)
+        decision = self._decisions.get(name)
+        if decision is False:  # decided (and announced) at an earlier call on a device
+            return func(*args, **kwargs)
         device = call_device(args, kwargs, name)
         if device is None:  # the CPU is taken as correct
             return func(*args, **kwargs)
-        if not self._decide(name):
+        if decision is None and not self._decide(name):
+            with contextlib.suppress(TypeError):  # unhashable callables keep taking this path
+                self._skipped.add(func)
             return func(*args, **kwargs)
         call = OpCall(name, func, args, kwargs, device, self.common.print_stack)
         with tool_work():
@@ -273,6 +314,60 @@ class OpTool:
     @property
     def pid_folder(self) -> str:
         return str(os.getpid())
+
+
+# --- what is pending at exit: tools started and not stopped write their summaries and files ---
+
+_unfinished: dict[int, OpTool] = {}  # id -> tool, in start order; plain dict operations (atomic) for a signal handler
+_exit_hooks_installed = False
+_previous_sigterm = None
+
+
+def _track_unfinished(tool: OpTool) -> None:
+    global _exit_hooks_installed
+    _unfinished[id(tool)] = tool
+    if not _exit_hooks_installed:
+        _exit_hooks_installed = True
+        atexit.register(flush_unfinished)
+    if threading.current_thread() is threading.main_thread():
+        _install_sigterm_handler()
+
+
+def flush_unfinished() -> None:
+    """``finish()`` every tool started and not stopped, latest first: at exit, and on SIGTERM before dying."""
+    while _unfinished:
+        try:
+            _, tool = _unfinished.popitem()
+        except KeyError:  # emptied meanwhile by another thread
+            return
+        try:
+            with tool_work():
+                tool.finish()
+        except Exception:
+            reporting.logger.exception("%s: writing its results at exit failed", tool.hook_name)
+
+
+def _install_sigterm_handler() -> None:
+    """Flush on SIGTERM, then do what the handler before ours did: call it, or die of the signal as by default.
+
+    Not installed where SIGTERM is ignored or handled outside Python (the previous handler could not be chained).
+    """
+    global _previous_sigterm
+    current = signal.getsignal(signal.SIGTERM)
+    if current is _on_sigterm or current is None or current == signal.SIG_IGN:
+        return
+    _previous_sigterm = current
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum, frame) -> None:
+    flush_unfinished()
+    previous = _previous_sigterm
+    if callable(previous):
+        previous(signum, frame)
+        return
+    signal.signal(signum, signal.SIG_DFL)  # the default action: the process ends by the signal, status -SIGTERM
+    os.kill(os.getpid(), signum)
 
 
 def register_backward_hooks(call: OpCall, tool: OpTool) -> None:

@@ -66,7 +66,7 @@ def resolve_op_name(func) -> str:
 
 _NAMESPACES = (("torch", "torch"), ("torch.Tensor", "torch.Tensor"), ("torch.nn.functional", "torch.nn.functional"),
                ("torch._C._nn", "torch._C._nn"), ("torch.linalg", "torch.linalg"), ("torch.special", "torch.special"),
-               ("torch.fft", "torch.fft"))
+               ("torch.fft", "torch.fft"), ("torch.distributed", "torch.distributed"))
 
 
 def _name_of(func) -> str:
@@ -74,7 +74,7 @@ def _name_of(func) -> str:
     if name:
         return name
     short = getattr(func, "__name__", None)
-    if short:  # private functions that resolve_name does not list (torch._foreach_add_, …)
+    if short:  # private functions resolve_name does not list (torch._foreach_add_, …), torch.distributed.*
         for prefix, path in _NAMESPACES:
             namespace = _import_path(path)
             if namespace is not None and getattr(namespace, short, None) is func:

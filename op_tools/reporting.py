@@ -25,7 +25,7 @@ logger = logging.getLogger("op_tools")
 
 ARG_COLUMNS = ("name", "device", "dtype", "numel", "shape", "stride", "requires_grad", "layout", "data_ptr", "value")
 _VALUE_WIDTH = 60
-_console_lock = threading.Lock()
+_console_lock = threading.RLock()  # re-entrant: a SIGTERM flush may print while the main thread holds it
 
 
 def console(text: str) -> None:

@@ -16,7 +16,6 @@ Timing never changes what a run computes: synchronising only waits.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import threading
@@ -87,7 +86,7 @@ class Measurements:
         self.totals: dict[str, _OpTotals] = {}
         self.dropped = 0
         self.closed = False
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # re-entrant: a SIGTERM flush may interrupt the main thread holding it
 
     def add_forward(self, record: _CallRecord) -> None:
         with self.lock:
@@ -201,14 +200,6 @@ class OpTimeMeasure(OpTool):
     def configure(self) -> None:
         self.measurements = Measurements()
         self.written: dict[str, str] = {}
-
-    def ensure_configured(self) -> None:
-        """Under ``apply_feature`` there is no ``stop()``: the summary and files are written at exit (as the
-        original did for every run)."""
-        first = self.common is None
-        super().ensure_configured()
-        if first:
-            atexit.register(self.finish)
 
     def _sync(self, device: torch.device) -> None:
         with tool_work():  # a backend's synchronize may call into torch; it is never a user op

@@ -1,0 +1,170 @@
+"""What op_tools cost on a tiny-Llama training step on the sim device, measured side by side.
+
+Conditions, each timed over ``--steps`` training steps (forward, backward, AdamW step) per round:
+
+(a) no tool;
+(b) a bare pass-through ``TorchFunctionMode`` (the floor of any tool built on a function mode);
+(c) each tool active with its ``OP_<TOOL>_LIST`` set to a name no op has: the cost of deciding to
+    skip every op (target: at most 1.10x (a));
+(d) each tool doing its work on every op (``OP_TOOLS_VERBOSE=0``: files are written, per-call
+    tables are not printed).
+
+Phase 1 alternates (a), (b) and every (c) in each round; phase 2 alternates (a) and every (d)
+(fewer rounds: some tools cost several times the step). Each phase prints the medians of wall time
+and process CPU time per step and their ratio to the (a) of the same phase.
+
+    python benchmarks/overhead.py [--rounds 9] [--work-rounds 3] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("DITORCH_QUIET", "1")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+import torch  # noqa: E402
+from tiny_models import tiny_llama  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+
+import ditorch.sim  # noqa: E402
+import op_tools  # noqa: E402
+
+TOOLS = {
+    "OpCapture": ("OP_CAPTURE", op_tools.OpCapture),
+    "OpObserve": ("OP_OBSERVE", op_tools.OpObserve),
+    "OpOverflowCheck": ("OP_OVERFLOW_CHECK", op_tools.OpOverflowCheck),
+    "OpTimeMeasure": ("OP_TIME_MEASURE", op_tools.OpTimeMeasure),
+    "OpAutoCompare": ("OP_AUTOCOMPARE", op_tools.OpAutoCompare),
+    "OpFallback": ("OP_FALLBACK", op_tools.OpFallback),
+    "OpDtypeCast": ("OP_DTYPE_CAST", op_tools.OpDtypeCast),
+}
+NO_SUCH_OP = "no.such.op"
+
+
+class PassThrough(TorchFunctionMode):
+    """(b): a function mode that only calls the function."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class CountCalls(PassThrough):
+    """How many calls a function mode sees per step: turns a step's overhead into a cost per call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def make_step(device: str, hidden: int = 64, seq: int = 16):
+    torch.manual_seed(0)
+    model = tiny_llama(hidden=hidden).to(device)
+    ids = torch.randint(0, 128, (2, seq)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        loss.item()
+
+    return step
+
+
+def context_for(condition: str):
+    """The context manager that sets up ``condition``: 'none', 'bare', 'skip:<Tool>' or 'work:<Tool>'."""
+    if condition == "none":
+        return contextlib.nullcontext()
+    if condition == "bare":
+        return PassThrough()
+    kind, tool = condition.split(":")
+    prefix, cls = TOOLS[tool]
+    for other, _ in TOOLS.values():
+        os.environ.pop(f"{other}_LIST", None)
+    if kind == "skip":
+        os.environ[f"{prefix}_LIST"] = NO_SUCH_OP
+    return cls()
+
+
+def run_round(step, steps: int, condition: str) -> tuple[float, float]:
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        context = context_for(condition)
+        with context:
+            wall, cpu = time.perf_counter(), time.process_time()
+            for _ in range(steps):
+                step()
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return wall / steps, cpu / steps
+
+
+def measure(step, conditions: list[str], rounds: int, steps: int) -> dict[str, tuple[float, float]]:
+    for condition in conditions:  # warm-up: first-call costs (name resolution, announcements, allocations)
+        run_round(step, 1, condition)
+    samples: dict[str, list[tuple[float, float]]] = {c: [] for c in conditions}
+    for _ in range(rounds):
+        for condition in conditions:
+            samples[condition].append(run_round(step, steps, condition))
+    return {c: (statistics.median(w for w, _ in s), statistics.median(p for _, p in s)) for c, s in samples.items()}
+
+
+def report(title: str, medians: dict[str, tuple[float, float]], labels: dict[str, str], calls: int) -> None:
+    base_wall, base_cpu = medians["none"]
+    print(f"\n{title}")
+    print(f"{'condition':<40}{'wall ms/step':>13}{'x (a)':>7}{'cpu ms/step':>12}{'x (a)':>7}{'cpu us/call':>12}")
+    for condition, (wall, cpu) in medians.items():
+        print(f"{labels.get(condition, condition):<40}{wall * 1e3:>13.1f}{wall / base_wall:>7.2f}"
+              f"{cpu * 1e3:>12.1f}{cpu / base_cpu:>7.2f}{(cpu - base_cpu) / calls * 1e6:>12.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=9, help="alternating rounds of phase 1 (a, b, c)")
+    parser.add_argument("--work-rounds", type=int, default=3, help="alternating rounds of phase 2 (a, d)")
+    parser.add_argument("--steps", type=int, default=3, help="training steps per round")
+    parser.add_argument("--tools", default=",".join(TOOLS), help="comma-separated subset of " + ", ".join(TOOLS))
+    parser.add_argument("--skip-only", action="store_true", help="phase 1 only")
+    parser.add_argument("--hidden", type=int, default=64, help="hidden size of the Llama (64: the tests' tiny one)")
+    parser.add_argument("--seq", type=int, default=16, help="sequence length of the batch (2 sequences)")
+    args = parser.parse_args()
+    tools = [t for t in args.tools.split(",") if t]
+    results = tempfile.mkdtemp(prefix="op_tools_overhead_")
+    os.environ["OP_TOOLS_RESULTS_DIR"] = results
+    os.environ["OP_TOOLS_VERBOSE"] = "0"
+    ditorch.sim.register()
+    step = make_step("sim", args.hidden, args.seq)
+    step()
+    with CountCalls() as counter:
+        step()
+    print(f"torch {torch.__version__}, sim device, {os.cpu_count()} cpus, Llama step (hidden {args.hidden}, 2 layers, "
+          f"batch 2x{args.seq}, AdamW): {counter.calls} torch calls per step, {args.steps} steps per round")
+    labels = {"none": "(a) no tool", "bare": "(b) bare TorchFunctionMode"}
+    labels.update({f"skip:{t}": f"(c) {t}, LIST={NO_SUCH_OP}" for t in tools})
+    labels.update({f"work:{t}": f"(d) {t}, every op" for t in tools})
+    try:
+        skip = measure(step, ["none", "bare", *(f"skip:{t}" for t in tools)], args.rounds, args.steps)
+        report(f"phase 1: median of {args.rounds} alternating rounds (target for (c): x (a) <= 1.10)", skip, labels,
+               counter.calls)
+        if not args.skip_only:
+            work = measure(step, ["none", *(f"work:{t}" for t in tools)], args.work_rounds, args.steps)
+            report(f"phase 2: median of {args.work_rounds} alternating rounds, OP_TOOLS_VERBOSE=0", work, labels,
+                   counter.calls)
+    finally:
+        shutil.rmtree(results, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
