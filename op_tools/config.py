@@ -153,7 +153,7 @@ CAPTURE_DEDUP = declare(
 )
 OVERFLOW_CHECK_RAISE = declare(
     "OP_OVERFLOW_CHECK_RAISE", "0 or 1", "0",
-    "1 raises OverflowDetected at the first op producing inf/nan from finite inputs.", parse_flag,
+    "1 raises OverflowDetectedError at the first op producing inf/nan from finite inputs.", parse_flag,
 )
 DTYPE_CAST_DICT = declare(
     "OP_DTYPE_CAST_DICT", "comma-separated 'torch.<dtype>->torch.<dtype>' pairs",
