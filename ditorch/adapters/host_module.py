@@ -25,6 +25,17 @@ from torch.cpu import (  # noqa: F401 - re-exported as this device module's API
     synchronize,
 )
 
+from ..host_rng import (  # noqa: F401 - re-exported as this device module's API
+    get_rng_state,
+    initial_seed,
+    manual_seed,
+    manual_seed_all,
+    seed,
+    seed_all,
+    set_rng_state,
+    set_rng_state_all,
+)
+
 AMP_DTYPES = [torch.bfloat16, torch.float16]
 
 
@@ -43,39 +54,8 @@ class device(contextlib.nullcontext):  # noqa: N801 - named as torch.cuda.device
         super().__init__()
 
 
-def manual_seed(seed: int) -> None:
-    torch.default_generator.manual_seed(int(seed))
-
-
-manual_seed_all = manual_seed
-
-
-def seed() -> None:
-    torch.default_generator.seed()
-
-
-seed_all = seed
-
-
-def initial_seed() -> int:
-    return torch.default_generator.initial_seed()
-
-
-def get_rng_state(device=None) -> torch.Tensor:
-    return torch.default_generator.get_state()
-
-
-def set_rng_state(state, device=None) -> None:
-    torch.default_generator.set_state(state)
-
-
 def get_rng_state_all() -> list:
     return [get_rng_state()]
-
-
-def set_rng_state_all(states) -> None:
-    for state in states:
-        set_rng_state(state)
 
 
 def _zero(device=None) -> int:

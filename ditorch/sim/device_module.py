@@ -13,6 +13,16 @@ import time
 
 import torch
 
+from ..host_rng import (  # noqa: F401 - re-exported: the sim device draws from the CPU generator
+    get_rng_state,
+    initial_seed,
+    manual_seed,
+    manual_seed_all,
+    seed,
+    seed_all,
+    set_rng_state,
+    set_rng_state_all,
+)
 from .tensor import MEMORY, _Device, raise_deferred_errors
 
 _AMP_DTYPES = [torch.float16, torch.bfloat16]
@@ -80,40 +90,8 @@ def synchronize(device=None) -> None:
     raise_deferred_errors()
 
 
-# Random numbers: the CPU default generator is the sim device's generator too.
-def manual_seed(seed: int) -> None:
-    torch.default_generator.manual_seed(int(seed))
-
-
-manual_seed_all = manual_seed
-
-
-def seed() -> None:
-    torch.default_generator.seed()
-
-
-seed_all = seed
-
-
-def initial_seed() -> int:
-    return torch.default_generator.initial_seed()
-
-
-def get_rng_state(device=None) -> torch.Tensor:
-    return torch.default_generator.get_state()
-
-
-def set_rng_state(state: torch.Tensor, device=None) -> None:
-    torch.default_generator.set_state(state)
-
-
 def get_rng_state_all() -> list:
     return [get_rng_state() for _ in range(device_count())]
-
-
-def set_rng_state_all(states) -> None:
-    for state in states:
-        set_rng_state(state)
 
 
 # Memory statistics: real bytes of the sim device's live storages.
