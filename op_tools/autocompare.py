@@ -213,6 +213,9 @@ class _Runner:
             ctx.runner = self
             pending.leaves, pending.inner = leaves, flat
             self.result = result
+            # The call will hold this node's outputs, and the node holds this runner (ctx.runner): a cycle
+            # through the C++ graph that gc cannot see. Backward needs only the pending record.
+            self.call = None
             return outs
 
     def backward(self, grads):
