@@ -112,3 +112,14 @@ def test_demo_tells_the_whole_story_on_sim(tmp_path):
         path = re.search(rf"^{re.escape(label)}.*?  (\S+)$", out, re.M).group(1)
         assert (tmp_path / path).is_file(), label
     assert re.search(r"^demo done in \d+ s", out, re.M)
+
+
+@pytest.mark.slow
+def test_demo_on_a_detected_accelerator_injects_nothing_and_finds_nothing(tmp_path):
+    # DITORCH_BACKEND=sim stands in for a detected accelerator: the demo addresses it as "cuda".
+    out = run_example("demo.py", cwd=tmp_path, env={"DITORCH_BACKEND": "sim"})
+    assert 'accelerator found: sim (ditorch maps "cuda" onto it); no fault is injected' in out
+    assert "identical: sim computes what the CPU computes" in out
+    assert "no op failed: every op matches the float64 CPU reference." in out
+    assert "=== 3. OpFallback: nothing to fall back ===" in out
+    assert "=== 4. OpTimeMeasure" in out and "OP_FALLBACK_LIST" not in out
