@@ -81,6 +81,9 @@ def _name_of(func) -> str:
                 return f"{prefix}.{short}"
     qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or type(func).__name__
     module = getattr(func, "__module__", None)
+    if qualname.startswith("_VariableFunctionsClass."):
+        # A torch.* builtin whose name was replaced in the torch namespace (a device layer wrapping factories).
+        return f"torch.{short}"
     if "<locals>" in qualname:  # generated methods such as Tensor.<device>()
         qualname = getattr(func, "__name__", qualname)
     return f"{module}.{qualname}" if module else qualname

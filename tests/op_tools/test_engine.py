@@ -40,6 +40,20 @@ def test_names_resolve_to_public_paths():
     assert resolve_op_name(torch._foreach_add_) == "torch._foreach_add_"
 
 
+def test_factories_keep_their_names_when_a_device_layer_wraps_them():
+    # ditorch's transfer replaces torch.ones with a wrapper; the call the mode sees is still torch.ones.
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch, ditorch, op_tools; tool = op_tools.OpObserve().start(); "
+            "torch.ones(2, device='cuda'); tool.stop()")
+    env = {**os.environ, "DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1", "OP_OBSERVE_LIST": "torch.ones",
+           "OP_TOOLS_VERBOSE": "0"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "apply OpObserveHook on torch.ones" in result.stdout, result.stdout + result.stderr
+
+
 def test_only_device_calls_are_handled_and_metadata_never(sim):
     x = torch.ones(2, 3, device=sim)
     with Recorder() as tool:
