@@ -213,13 +213,17 @@ def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: 
     sync = _synchronizer(device)
     inplace = is_inplace_op(name)
     first = None
-    for _ in range(max(options.run_times, 1)):
+    # With timing asked for, one untimed run first: the first call pays one-time costs (lazy init,
+    # allocator growth, kernel selection) that would skew the mean of a few runs.
+    warmup = 1 if options.time else 0
+    for run in range(warmup + max(options.run_times, 1)):
         call_args, call_kwargs, leaves = _prepare(device_args, device_kwargs, options.backward, inplace)
         sync()
         start = time.perf_counter_ns()
         output = func(*call_args, **call_kwargs)
         sync()
-        result.forward_ms.append((time.perf_counter_ns() - start) / 1e6)
+        if run >= warmup:
+            result.forward_ms.append((time.perf_counter_ns() - start) / 1e6)
         grads = None
         if options.backward:
             roots = [t for t in iter_tensors(output) if t.grad_fn is not None]
@@ -229,7 +233,8 @@ def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: 
                 start = time.perf_counter_ns()
                 torch.autograd.backward(roots, upstream_grads)
                 sync()
-                result.backward_ms.append((time.perf_counter_ns() - start) / 1e6)
+                if run >= warmup:
+                    result.backward_ms.append((time.perf_counter_ns() - start) / 1e6)
                 grads = [leaf.grad for leaf in leaves]
         if first is None:
             first = (output, grads)
