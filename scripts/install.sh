@@ -11,7 +11,8 @@ if version=$("$PYTHON" -c "import torch; print(torch.__version__)" 2>/dev/null);
   echo "ditorch install: keeping the installed torch $version"
 else
   echo "ditorch install: no torch importable, installing $TORCH_PIN"
-  "$PYTHON" -m pip install -q "$TORCH_PIN"
+  read -r -a pin_args <<<"$TORCH_PIN"  # a pin may carry pip options: "torch==2.13.0 --index-url URL"
+  "$PYTHON" -m pip install -q "${pin_args[@]}"
   version=$("$PYTHON" -c "import torch; print(torch.__version__)")
 fi
 
