@@ -35,6 +35,7 @@ import threading
 from typing import Any, ClassVar
 
 import torch
+from torch._C._autograd import _get_sequence_nr as _sequence_nr
 from torch.overrides import TorchFunctionMode
 
 from . import reporting
@@ -101,7 +102,7 @@ class OpCall:
     """One handled call: what the tool sees. ``state`` is the tool's scratch space, kept for backward."""
 
     __slots__ = ("name", "func", "args", "kwargs", "result", "forward_id", "device", "state", "_location",
-                 "_full_stack")
+                 "_full_stack", "first_node")
 
     def __init__(self, name: str, func, args: tuple, kwargs: dict, device: torch.device | None,
                  full_stack: bool = False) -> None:
@@ -115,6 +116,7 @@ class OpCall:
         self.state: dict[str, Any] = {}
         self._location: str | None = None
         self._full_stack = full_stack
+        self.first_node = -1  # autograd sequence number before the call: its nodes are numbered from here
 
     @property
     def location(self) -> str:
@@ -185,6 +187,9 @@ class OpTool:
 
     before_backward = None  # (call, grad_outputs) -> None: defining it makes the engine hook backward
     after_backward = None   # (call, grad_inputs, grad_outputs) -> None
+    # (call, grad_inputs, grad_outputs) -> None, after each autograd node the call created other than its
+    # outputs' own: the inside of a composite function (cross_entropy = log_softmax + nll_loss).
+    inner_node_backward = None
 
     def backward_done(self) -> None:
         """After ``Tensor.backward()``/``torch.autograd.backward()`` returned, on the calling thread: the place to
@@ -268,6 +273,8 @@ class OpTool:
         with tool_work():
             if not self._guarded(self.before, call):
                 call.args, call.kwargs = args, kwargs
+        if self.inner_node_backward is not None:
+            call.first_node = _sequence_nr()
         call.result = self.run(call)
         with tool_work():
             self._guarded(self.after, call)
@@ -384,6 +391,13 @@ def register_backward_hooks(call: OpCall, tool: OpTool) -> None:
         return
     _ = call.location  # found now, while the user's frames are on the stack
     call.release()
+    if tool.inner_node_backward is not None and call.first_node >= 0:
+        for node in _inner_nodes(nodes, call.first_node):
+            def inner_hook(grad_inputs, grad_outputs):
+                with tool_work():
+                    tool._guarded(tool.inner_node_backward, call, tuple(grad_inputs), tuple(grad_outputs))
+
+            node.register_hook(inner_hook)
     for node in nodes:
         handles = []
         if tool.before_backward is not None:
@@ -400,6 +414,21 @@ def register_backward_hooks(call: OpCall, tool: OpTool) -> None:
                     handle.remove()
 
             handles.append(node.register_hook(post_hook))
+
+
+def _inner_nodes(outputs: list, first: int) -> list:
+    """Autograd nodes behind ``outputs`` numbered from ``first`` on (created by the call, on this thread)."""
+    seen = {id(n) for n in outputs}
+    inner, stack = [], list(outputs)
+    while stack:
+        for next_node, _ in stack.pop().next_functions:
+            if next_node is None or id(next_node) in seen:
+                continue
+            seen.add(id(next_node))
+            if next_node._sequence_nr() >= first and type(next_node).__name__ != "AccumulateGrad":
+                inner.append(next_node)
+                stack.append(next_node)
+    return inner
 
 
 def _remove_mode(mode: TorchFunctionMode) -> None:

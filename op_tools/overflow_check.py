@@ -91,6 +91,13 @@ class OpOverflowCheck(OpTool):
         # Backward runs from grad_outputs (upstream) to grad_inputs.
         self._check(call, outs, ins, "backward")
 
+    def inner_node_backward(self, call: OpCall, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        # Inside a composite function: an inf/nan born there is the function's.
+        with torch.no_grad():
+            ins = stats_rows(f"{call.name} grad_inputs", grad_inputs)
+            outs = stats_rows(f"{call.name} grad_outputs", grad_outputs)
+        self._check(call, outs, ins, "backward")
+
     def backward_done(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:

@@ -32,6 +32,16 @@ def test_names_the_op_where_nan_appears_in_backward(sim):
     assert "embed_tokens(input_ids)" in found.location
 
 
+def test_nan_inside_a_composite_function_backward_names_the_function(sim):
+    # cross_entropy records log_softmax and nll_loss nodes; the nan is born in the inner one.
+    import ditorch.sim
+
+    with ditorch.sim.faults("_log_softmax_backward_data:nan"), op_tools.OpOverflowCheck() as check:
+        train_llama(sim, steps=1)
+    found = check.first_overflow
+    assert (found.name, found.phase) == ("torch.nn.functional.cross_entropy", "backward")
+
+
 @pytest.mark.parametrize("fault", ["silu:nan", "embedding_dense_backward:nan"])
 def test_raise_stops_at_the_first_overflow(sim, monkeypatch, fault):
     import ditorch.sim
