@@ -340,6 +340,17 @@ def _track_unfinished(tool: OpTool) -> None:
         _install_sigterm_handler()
 
 
+def finish_unstopped(tool: OpTool) -> None:
+    """Write the results of a tool that was never started as a mode (apply_feature) once it is done with."""
+    if _unfinished.pop(id(tool), None) is None:
+        return
+    try:
+        with tool_work():
+            tool.finish()
+    except Exception:
+        reporting.logger.exception("%s: writing its results failed", tool.hook_name)
+
+
 def flush_unfinished() -> None:
     """``finish()`` every tool started and not stopped, latest first: at exit, and on SIGTERM before dying."""
     while _unfinished:

@@ -7,11 +7,11 @@ import threading
 from typing import Any, Callable
 
 from . import reporting
-from .engine import FEATURES, in_tool_work, tool_work
+from .engine import FEATURES, finish_unstopped, in_tool_work, tool_work
 from .naming import function_from_name, resolve_op_name
 
-# name -> (owner, attribute, original function, feature)
-_patched: dict[str, tuple[Any, str, Any, str]] = {}
+# name -> (owner, attribute, original function, feature, tool)
+_patched: dict[str, tuple[Any, str, Any, str, Any]] = {}
 _lock = threading.Lock()
 
 
@@ -22,7 +22,7 @@ def _as_list(ops) -> list:
 def _resolve(op) -> tuple[str, Any, str, Any]:
     name = op if isinstance(op, str) else resolve_op_name(op)
     if name in _patched:
-        owner, attr, original, _ = _patched[name]
+        owner, attr, original, _, _ = _patched[name]
         return name, owner, attr, original
     owner, attr, func = function_from_name(name)
     if not callable(func):
@@ -49,12 +49,15 @@ def apply_feature(ops, feature: str, condition_func: Callable[..., bool] | None 
     tool = tool_class()
     tool.ensure_configured()
     with _lock:
+        replaced = []
         for name, owner, attr, original in targets:
             previous = _patched.get(name)
             if previous is not None:
                 reporting.console(f"{name}: feature {previous[3]} replaced by {feature}")
+                replaced.append(previous[4])
             setattr(owner, attr, _wrap(tool, original, name, condition_func))
-            _patched[name] = (owner, attr, original, feature)
+            _patched[name] = (owner, attr, original, feature, tool)
+    _finish_unused(replaced)
 
 
 def remove_feature(ops=None) -> None:
@@ -62,15 +65,26 @@ def remove_feature(ops=None) -> None:
     with _lock:
         names = list(_patched) if ops is None else [op if isinstance(op, str) else _name_of_patched(op)
                                                      for op in _as_list(ops)]
+        removed = []
         for name in names:
             entry = _patched.pop(name, None)
             if entry is not None:
-                owner, attr, original, _ = entry
+                owner, attr, original, _, tool = entry
                 setattr(owner, attr, original)
+                removed.append(tool)
+    _finish_unused(removed)
+
+
+def _finish_unused(tools) -> None:
+    """Write the results of tools no patched function uses any more (instead of at exit)."""
+    in_use = {id(entry[4]) for entry in _patched.values()}
+    for tool in {id(t): t for t in tools}.values():
+        if id(tool) not in in_use:
+            finish_unstopped(tool)
 
 
 def _name_of_patched(op) -> str:
-    for name, (owner, attr, original, _) in _patched.items():
+    for name, (owner, attr, original, _, _) in _patched.items():
         if op is original or getattr(owner, attr, None) is op:
             return name
     return resolve_op_name(op)

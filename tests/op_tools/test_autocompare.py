@@ -285,6 +285,7 @@ def test_apply_feature_with_a_condition(sim, capsys):
         op_tools.remove_feature("torch.add")
     out = capsys.readouterr().out
     assert out.count("torch.add    forward_id") == 1 and "FAIL" in out
+    assert "OpAutoCompare summary: forward 1 compared, 0 passed, 1 failed" in out  # written at removal, not exit
 
 
 def test_op_exception_propagates_unchanged(sim):
