@@ -22,25 +22,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-from tiny_models import tiny_llama  # noqa: E402
+from overhead import make_step  # noqa: E402 - one tiny-Llama step for every benchmark
 
 import op_tools  # noqa: E402
-
-
-def make_step(device: str):
-    torch.manual_seed(0)
-    model = tiny_llama().to(device)
-    ids = torch.randint(0, 128, (2, 16)).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def step() -> None:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        loss.item()
-
-    return step
 
 
 def run_round(step, steps: int, mode: str) -> dict:

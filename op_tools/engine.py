@@ -342,13 +342,8 @@ def _track_unfinished(tool: OpTool) -> None:
 
 def finish_unstopped(tool: OpTool) -> None:
     """Write the results of a tool that was never started as a mode (apply_feature) once it is done with."""
-    if _unfinished.pop(id(tool), None) is None:
-        return
-    try:
-        with tool_work():
-            tool.finish()
-    except Exception:
-        reporting.logger.exception("%s: writing its results failed", tool.hook_name)
+    if _unfinished.pop(id(tool), None) is not None:
+        _finish_reporting_failure(tool)
 
 
 def flush_unfinished() -> None:
@@ -358,11 +353,15 @@ def flush_unfinished() -> None:
             _, tool = _unfinished.popitem()
         except KeyError:  # emptied meanwhile by another thread
             return
-        try:
-            with tool_work():
-                tool.finish()
-        except Exception:
-            reporting.logger.exception("%s: writing its results at exit failed", tool.hook_name)
+        _finish_reporting_failure(tool)
+
+
+def _finish_reporting_failure(tool: OpTool) -> None:
+    try:
+        with tool_work():
+            tool.finish()
+    except Exception:
+        reporting.logger.exception("%s: writing its results failed", tool.hook_name)
 
 
 def _install_sigterm_handler() -> None:

@@ -82,20 +82,20 @@ class OpOverflowCheck(OpTool):
         self._check(call, inputs, outputs, "forward")
 
     def after_backward(self, call: OpCall, grad_inputs: tuple, grad_outputs: tuple) -> None:
-        with torch.no_grad():
-            ins = stats_rows(f"{call.name} grad_inputs", grad_inputs)
-            outs = stats_rows(f"{call.name} grad_outputs", grad_outputs)
-        if self.common.verbose:
-            reporting.console(reporting.header(call.name, call.forward_id, call.location, "backward") + "\n"
-                              + reporting.table(ins + outs, STAT_COLUMNS).get_string())
-        # Backward runs from grad_outputs (upstream) to grad_inputs.
-        self._check(call, outs, ins, "backward")
+        self._check_gradients(call, grad_inputs, grad_outputs, self.common.verbose)
 
     def inner_node_backward(self, call: OpCall, grad_inputs: tuple, grad_outputs: tuple) -> None:
         # Inside a composite function: an inf/nan born there is the function's.
+        self._check_gradients(call, grad_inputs, grad_outputs, False)
+
+    def _check_gradients(self, call: OpCall, grad_inputs: tuple, grad_outputs: tuple, print_table: bool) -> None:
         with torch.no_grad():
             ins = stats_rows(f"{call.name} grad_inputs", grad_inputs)
             outs = stats_rows(f"{call.name} grad_outputs", grad_outputs)
+        if print_table:
+            reporting.console(reporting.header(call.name, call.forward_id, call.location, "backward") + "\n"
+                              + reporting.table(ins + outs, STAT_COLUMNS).get_string())
+        # Backward runs from grad_outputs (upstream) to grad_inputs.
         self._check(call, outs, ins, "backward")
 
     def backward_done(self) -> None:
