@@ -50,7 +50,7 @@ _reported_failures: dict[tuple[str, str], None] = {}
 _announce_lock = threading.Lock()
 
 FEATURES: dict[str, type] = {}
-_BACKWARD_CALLS = frozenset({"torch.Tensor.backward", "torch.autograd.backward"})
+_BACKWARD_CALLS = frozenset({"torch.Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
 
 
 def feature(name: str):

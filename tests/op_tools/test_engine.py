@@ -164,3 +164,14 @@ def test_apply_lines_are_printed_once_per_op(sim, capsys):
     out = capsys.readouterr().out
     assert out.count("apply AnnouncerHook on torch.Tensor.add") == 1
     assert op_tools.OpObserve.hook_name == "OpObserveHook"
+
+
+def test_autograd_entry_points_are_not_ops(sim):
+    # backward(), autograd.backward and autograd.grad run the graph: they are never handed to a tool as a call.
+    x = torch.randn(3, device=sim, requires_grad=True)
+    with Recorder() as tool:
+        y = (x * x).sum()
+        (g,) = torch.autograd.grad(y, x, create_graph=True)
+        g.sum().backward()
+    assert not any(name.startswith(("torch.autograd", "torch.Tensor.backward")) for name in tool.names)
+    assert torch.allclose(x.grad.cpu(), torch.full((3,), 2.0))
