@@ -57,6 +57,7 @@ _UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty",
 CSV_COLUMNS = ("op", "forward_id", "phase", *COLUMNS, "location")
 
 
+@functools.lru_cache(maxsize=4096)  # asked on every handled call, and a name's answer never changes
 def skip_reason(name: str) -> str | None:
     """Why ``name`` is never compared: ``'random'``, ``'uninitialised'`` or ``None``."""
     short = name.rsplit(".", 1)[-1]
@@ -477,9 +478,11 @@ class OpAutoCompare(OpTool):
     def compare_backward(self, pending: _Pending, grad_outputs: tuple, device_grads: tuple) -> None:
         state = pending.state
         ref_flat, ref_leaves = state["ref_flat"], state["ref_leaves"]
+        # Through the copy cache: one op's input gradient is usually the upstream gradient of the op before it.
+        copy = self._copies.get
         with torch.no_grad():
-            upstream_cpu = tuple(None if g is None else _snapshot(g) for g in grad_outputs)
-            device_grads_cpu = tuple(None if g is None else _snapshot(g) for g in device_grads)
+            upstream_cpu = tuple(None if g is None else copy(g) for g in grad_outputs)
+            device_grads_cpu = tuple(None if g is None else copy(g) for g in device_grads)
         if len(ref_flat) != len(upstream_cpu):
             comparisons = [Comparison("grad", False, False, error_info="reference outputs differ in number")]
             reference_grads = ()
@@ -635,7 +638,7 @@ class CpuCopyCache:
     the next input snapshot. Bounded in entries and bytes; copies are never modified by the tool.
     """
 
-    MAX_ENTRIES = 64
+    MAX_ENTRIES = 1024  # the byte bound is what limits memory; many small entries cost nothing
     MAX_BYTES = 256 << 20
     _ATTR = "_op_tools_cpu_copy_key"
 
