@@ -31,7 +31,6 @@ import time
 import weakref
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import reporting
 from .arguments import iter_tensors, map_tensors
@@ -183,8 +182,9 @@ class _Boundary(torch.autograd.Function):
         return runner.forward(ctx, inputs)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, *grads):
+        if torch.is_grad_enabled():  # create_graph=True: the gradients must stay differentiable
+            return (None, *ctx.runner.differentiable_backward(ctx, grads))
         return (None, *ctx.runner.backward(grads))
 
 
@@ -197,6 +197,12 @@ class _Runner:
 
     def forward(self, ctx, inputs):
         call, pending = self.call, self.pending
+        # For a double backward: the op, its arguments (the inputs saved, so that a later in-place change
+        # is an error, not a silently different gradient) and the autocast state to run it again with.
+        device_type = call.device.type if call.device is not None else "cpu"
+        self.rerun = (call.func, call.args, call.kwargs, device_type, torch.is_autocast_enabled(device_type),
+                      torch.get_autocast_dtype(device_type))
+        ctx.save_for_backward(*inputs)
         with tool_work():
             leaves = [t.detach().requires_grad_() for t in inputs]
             by_id = {id(t): leaf for t, leaf in zip(inputs, leaves)}
@@ -233,6 +239,25 @@ class _Runner:
                 self.tool._guarded(lambda _: self.tool.compare_backward(pending, grads, device_grads),
                                    _NamedCall(pending.name))
         return device_grads
+
+    def differentiable_backward(self, ctx, grads):
+        """The op's input gradients as a graph over its real inputs (not over the detached leaves): the op
+        runs again, as it ran in forward, and ``autograd.grad`` builds its backward with ``create_graph``.
+        Not compared: the tool's comparison is first-order."""
+        inputs = ctx.saved_tensors
+        func, args, kwargs, device_type, autocast, dtype = self.rerun
+        by_id = {id(t): t for t in inputs}
+        with tool_work(), torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=autocast):
+            result = func(*args, **kwargs)
+        flat = _unique(iter_tensors(result))
+        pairs = [(o, g) for o, g in zip(flat, grads) if g is not None and o.requires_grad]
+        with tool_work():
+            self.tool.backward_not_compared["double backward (create_graph=True)"] += 1
+            self.pending.state.clear()
+        if not pairs:
+            return (None,) * len(inputs)
+        return torch.autograd.grad([o for o, _ in pairs], [by_id[id(t)] for t in inputs], [g for _, g in pairs],
+                                   create_graph=True, allow_unused=True)
 
 
 class _NamedCall:

@@ -166,8 +166,7 @@ DTYPE_CAST_DICT = declare(
 # OPNAME being the last component of the op name, upper-cased (torch.nn.functional.linear -> LINEAR).
 AUTOCOMPARE_BACKWARD = declare(
     "OP_AUTOCOMPARE_BACKWARD", "0 or 1", "1",
-    "1 also compares the gradients of each compared op's inputs; 0 compares forward results only "
-    "(use it for double backward, which the backward comparison does not support).", parse_flag,
+    "1 also compares the gradients of each compared op's inputs; 0 compares forward results only.", parse_flag,
 )
 _TOLERANCE_FORM = "'atol,rtol', e.g. '1e-3,1e-3'"
 _TOLERANCE_MEANING = ("When any tolerance variable applies to an output, allclose under it decides instead of the "

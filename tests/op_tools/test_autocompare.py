@@ -338,3 +338,22 @@ def test_output_in_a_narrower_dtype_fails_even_with_small_errors(sim):
     rows = [row[3] for row in tool.rows if row[0] == "test.half_on_device"]
     assert len(rows) == 2 and not any(r.passed for r in rows)
     assert all("dtype differs: device torch.float16" in r.error_info for r in rows)
+
+
+def _gradient_penalty_step(x, w):
+    y = torch.tanh(x @ w).sin().sum()
+    (g,) = torch.autograd.grad(y, w, create_graph=True)
+    (g.pow(2).sum() + y).backward()
+    return w.grad.cpu()
+
+
+def test_double_backward_gives_the_same_gradients_as_without_the_tool(sim):
+    torch.manual_seed(0)
+    x, w0 = torch.randn(4, 3, device=sim), torch.randn(3, 5)
+    expected = _gradient_penalty_step(x, w0.to(sim).requires_grad_())
+    with op_tools.OpAutoCompare() as tool:
+        got = _gradient_penalty_step(x, w0.to(sim).requires_grad_())
+    # Equal up to the order in which autograd adds the two paths' contributions (a few ulp).
+    assert torch.allclose(got, expected, rtol=1e-6, atol=0), (got - expected).abs().max()
+    assert tool.backward_not_compared["double backward (create_graph=True)"] > 0
+    assert not tool.failures
