@@ -197,12 +197,22 @@ class OpFilter:
         allow_var, deny_var = OP_LISTS.get(prefix) or declare_op_lists(prefix)
         return cls(allow_var.read(), deny_var.read())
 
+    def exact_names(self) -> tuple[str, ...] | None:
+        """The LIST's names when each entry is a plain dotted name (no regular-expression syntax), else ``None``."""
+        if not self.allow or not all(_PLAIN_NAME.fullmatch(p.pattern) for p in self.allow):
+            return None
+        return tuple(dict.fromkeys(p.pattern for p in self.allow))
+
     def allows(self, name: str) -> bool:
         decision = self._decisions.get(name)
         if decision is None:
             decision = not _matches(self.deny, name) and (self.allow is None or _matches(self.allow, name))
             self._decisions[name] = decision
         return decision
+
+
+# A '.' in such an entry could match any character as a regular expression; no two op names differ only there.
+_PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 def _matches(patterns, name: str) -> bool:

@@ -38,7 +38,7 @@ import torch
 from torch._C._autograd import _get_sequence_nr as _sequence_nr
 from torch.overrides import TorchFunctionMode
 
-from . import reporting
+from . import reporting, targeting
 from .arguments import call_device, iter_tensors
 from .config import CommonConfig, OpFilter
 from .naming import is_metadata_query, resolve_op_name
@@ -161,7 +161,7 @@ class OpTool:
     def __init__(self) -> None:
         self.common: CommonConfig | None = None
         self.filter: OpFilter | None = None
-        self._modes: list[_ToolMode] = []
+        self._activations: list = []  # per start(): its _ToolMode, or its Targeting (a LIST of plain names)
         self._decisions: dict[str, bool] = {}
         self._skipped: set = set()  # functions whose name this tool skips: the mode's fast path
         self._lock = threading.Lock()
@@ -212,17 +212,38 @@ class OpTool:
         self._decisions = {}
         self._skipped = set()
         self.configure()
-        mode = _ToolMode(self)
-        mode.__enter__()
-        self._modes.append(mode)
+        self._activations.append(self._activate())
         _track_unfinished(self)
         return self
 
+    def _activate(self):
+        """Wrap the functions a LIST of plain names selects (see targeting.py); otherwise push a mode."""
+        names = self.filter.exact_names()
+        if names is not None:
+            if type(self).backward_done is not OpTool.backward_done:
+                names += tuple(sorted(_BACKWARD_CALLS))
+            targets, problems = targeting.plan(names)
+            if not problems:
+                activation = targeting.Targeting(self, targets)
+                with contextlib.suppress(AttributeError, TypeError):  # a read-only place: the mode instead
+                    activation.enter()
+                    return activation
+            else:
+                reporting.logger.warning("%s_LIST: %s; the tool checks the name of every call instead", self.env_prefix,
+                                         "; ".join(problems))
+        mode = _ToolMode(self)
+        mode.__enter__()
+        return mode
+
     def stop(self) -> None:
-        if not self._modes:
+        if not self._activations:
             return
-        _remove_mode(self._modes.pop())
-        if not self._modes:
+        activation = self._activations.pop()
+        if isinstance(activation, _ToolMode):
+            _remove_mode(activation)
+        else:
+            activation.exit()
+        if not self._activations:
             _unfinished.pop(id(self), None)
         self.finish()
 

@@ -49,6 +49,17 @@ CONVERSIONS = frozenset(
 ) | frozenset({"torch.tensor", "torch.as_tensor", "torch.from_numpy", "torch.asarray"})
 
 
+# Tensor operators that PyTorch's C++ dispatch hands to a function mode as the named method (``x + y`` is seen
+# as ``torch.Tensor.add``): targeted dispatch wraps them under that name. Checked against a mode by the tests.
+OPERATOR_METHODS = {
+    "__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub__": "sub", "__isub__": "sub_",
+    "__mul__": "mul", "__rmul__": "mul", "__imul__": "mul_", "__truediv__": "div", "__div__": "div",
+    "__itruediv__": "div_", "__idiv__": "div_", "__ifloordiv__": "floor_divide_", "__mod__": "remainder",
+    "__imod__": "remainder_", "__matmul__": "matmul", "__lt__": "lt", "__le__": "le", "__gt__": "gt", "__ge__": "ge",
+    "__ne__": "ne", "__rand__": "bitwise_and", "__ror__": "bitwise_or", "__rxor__": "bitwise_xor",
+}
+
+
 def resolve_op_name(func) -> str:
     """The public name of ``func`` (``torch.add``, ``torch.Tensor.add``, ``torch.nn.functional.linear``), cached.
 
@@ -87,6 +98,21 @@ def _name_of(func) -> str:
     if "<locals>" in qualname:  # generated methods such as Tensor.<device>()
         qualname = getattr(func, "__name__", qualname)
     return f"{module}.{qualname}" if module else qualname
+
+
+@functools.cache
+def alias_namespaces() -> tuple:
+    """Where torch's public functions live under a name, including the C modules behind torch.linalg & co."""
+    paths = [path for _, path in _NAMESPACES] + ["torch._C._linalg", "torch._C._special", "torch._C._fft"]
+    return tuple(ns for ns in map(_import_path, paths) if ns is not None)
+
+
+def name_as(func, name: str | None) -> None:
+    """Name ``func`` (a wrapper installed in place of a function) as the function it stands for; ``None`` forgets."""
+    if name is None:
+        _names.pop(func, None)
+    else:
+        _names[func] = name
 
 
 def _import_path(path: str):

@@ -42,11 +42,15 @@ def test_nan_inside_a_composite_function_backward_names_the_function(sim):
     assert (found.name, found.phase) == ("torch.nn.functional.cross_entropy", "backward")
 
 
+@pytest.mark.parametrize("listing", [None, "torch.nn.functional.silu,torch.nn.functional.embedding"])
 @pytest.mark.parametrize("fault", ["silu:nan", "embedding_dense_backward:nan"])
-def test_raise_stops_at_the_first_overflow(sim, monkeypatch, fault):
+def test_raise_stops_at_the_first_overflow(sim, monkeypatch, fault, listing):
+    # With a list of plain names the tool wraps those functions (and backward(), where it raises) instead of a mode.
     import ditorch.sim
 
     monkeypatch.setenv("OP_OVERFLOW_CHECK_RAISE", "1")
+    if listing:
+        monkeypatch.setenv("OP_OVERFLOW_CHECK_LIST", listing)
     with ditorch.sim.faults(fault), op_tools.OpOverflowCheck():
         with pytest.raises(op_tools.OverflowDetectedError, match="first inf/nan from finite inputs"):
             train_llama(sim, steps=1)
