@@ -153,10 +153,11 @@ def main() -> None:
     with CountCalls() as counter:
         step()
     print(f"torch {torch.__version__}, sim device, {os.cpu_count()} cpus, Llama step (hidden {args.hidden}, 2 layers, "
-          f"batch 2x{args.seq}, AdamW): {counter.calls} torch calls per step, {args.steps} steps per round")
+          f"batch 2x{args.seq}, AdamW): {counter.calls} torch calls per step, {args.steps} steps per round\n"
+          f"<name>: {UNUSED_OP} (the step never calls it); <pattern>: {UNUSED_PATTERN}")
     labels = {"none": "(a) no tool", "bare": "(b) bare TorchFunctionMode"}
-    labels.update({f"skip:{t}": f"(c) {t}, LIST={UNUSED_OP}" for t in tools})
-    labels.update({f"mode:{t}": f"(c') {t}, LIST as a pattern" for t in tools})
+    labels.update({f"skip:{t}": f"(c) {t}, LIST=<name>" for t in tools})
+    labels.update({f"mode:{t}": f"(c') {t}, LIST=<pattern>" for t in tools})
     labels.update({f"work:{t}": f"(d) {t}, every op" for t in tools})
     try:
         skip = measure(step, ["none", "bare", *(f"skip:{t}" for t in tools), *(f"mode:{t}" for t in tools)],

@@ -133,7 +133,8 @@ def declare_op_lists(prefix: str) -> tuple[EnvVar, EnvVar]:
     """Declare ``<prefix>_LIST`` and ``<prefix>_DISABLE_LIST`` (later tools call this for theirs)."""
     return (
         declare(f"{prefix}_LIST", _LIST_FORM, None,
-                "Ops the tool handles. Unset: all; empty: none.", parse_name_patterns),
+                "Ops the tool handles. Unset: all; empty: none. Plain names only: the tool wraps those functions "
+                "and costs nothing on other calls; any pattern: every call's name is checked.", parse_name_patterns),
         declare(f"{prefix}_DISABLE_LIST", _LIST_FORM, None,
                 "Ops the tool never handles; wins over the LIST.", parse_name_patterns),
     )
