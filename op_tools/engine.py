@@ -45,7 +45,7 @@ from .naming import is_metadata_query, resolve_op_name
 
 _thread = threading.local()
 _forward_ids = itertools.count(1)
-_announced: dict[tuple[str, str], None] = {}
+_announced: dict[tuple[str, str, bool], None] = {}  # (hook, op, decision): a later opposite decision is announced
 _reported_failures: dict[tuple[str, str], None] = {}
 _announce_lock = threading.Lock()
 
@@ -308,7 +308,7 @@ class OpTool:
         decision = self._decisions.get(name)
         if decision is None:
             decision = self._decisions[name] = self.filter.allows(name) and self.accepts(name)
-            key = (self.hook_name, name)
+            key = (self.hook_name, name, decision)
             with _announce_lock:
                 first = key not in _announced
                 _announced[key] = None

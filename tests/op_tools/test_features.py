@@ -56,3 +56,20 @@ def test_unknown_feature_or_name_is_a_value_error_listing_valid_ones():
         assert name in str(info.value)
     with pytest.raises(ValueError, match="cannot resolve 'torch.no_such_function'"):
         op_tools.apply_feature("torch.no_such_function", "fallback")
+
+
+def test_a_later_opposite_decision_on_an_op_is_announced_too(sim, capsys, monkeypatch):
+    monkeypatch.setenv("OP_TOOLS_VERBOSE", "1")
+    monkeypatch.setenv("OP_OBSERVE_DISABLE_LIST", "torch.hypot")
+    x = torch.ones(2, device=sim)
+    with op_tools.OpObserve():
+        torch.hypot(x, x)
+    monkeypatch.delenv("OP_OBSERVE_DISABLE_LIST")
+    op_tools.apply_feature("torch.hypot", "dump_op_args")
+    try:
+        torch.hypot(x, x)
+    finally:
+        op_tools.remove_feature("torch.hypot")
+    out = capsys.readouterr().out
+    assert "skip OpObserveHook on torch.hypot" in out
+    assert "apply OpObserveHook on torch.hypot" in out and out.count("torch.hypot    forward_id:") == 1
