@@ -106,10 +106,18 @@ def _cpu_value(value):
     return value
 
 
+_PLAIN = frozenset({int, float, bool, type(None)})  # argument types that no value_fn changes
+
+
 def _map_arguments(obj, tensor_fn, value_fn=_cpu_value):
     """``obj`` (args tuple or kwargs dict) with tensors through ``tensor_fn`` and devices moved to the CPU."""
     if isinstance(obj, torch.Tensor):
         return tensor_fn(obj)
+    kind = type(obj)
+    if kind in _PLAIN:  # most leaves: answered without a call (this runs several times per argument per op)
+        return obj
+    if kind is tuple or kind is list:
+        return kind([_map_arguments(v, tensor_fn, value_fn) for v in obj])
     if isinstance(obj, dict):
         return {k: (_CPU if k == "device" and v is not None and not isinstance(v, torch.Tensor)
                     else _map_arguments(v, tensor_fn, value_fn)) for k, v in obj.items()}
@@ -310,6 +318,7 @@ class OpAutoCompare(OpTool):
         # Output dtypes a correct run gives, per (op, input dtypes, autocast): the same-dtype CPU run is
         # lazy, so without this a device returning a narrower dtype with small errors would pass.
         self._expected_dtypes: dict[tuple, tuple] = {}
+        self._attempts: dict[str, list] = {}  # op name -> the reference casts to try, in order
 
     # --- forward ---
 
@@ -319,9 +328,18 @@ class OpAutoCompare(OpTool):
         if reason is not None:
             state["skip"] = reason
             return
-        with torch.no_grad():
-            state["cpu_args"] = _map_arguments(call.args, self._copies.get)
-            state["cpu_kwargs"] = _map_arguments(call.kwargs, self._copies.get)
+        get, tensors = self._copies.get, []
+
+        def snapshot(t: torch.Tensor) -> torch.Tensor:
+            copy = get(t)
+            tensors.append((t, copy))
+            return copy
+
+        # (device tensor, its CPU copy) in argument order: the arguments are walked once; after() drops the
+        # list (it holds device memory)
+        state["tensors"] = tensors
+        state["cpu_args"] = _map_arguments(call.args, snapshot)
+        state["cpu_kwargs"] = _map_arguments(call.kwargs, snapshot)
         state["inplace"] = is_inplace_op(call.name)
         state["writes"] = state["inplace"] or "out" in call.kwargs
         reason = self._backward_reason(call)
@@ -340,7 +358,7 @@ class OpAutoCompare(OpTool):
         """None when this call's backward is compared; '' when it has none; else why it is not compared."""
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             return ""
-        if not any(t.requires_grad for t in _tensors_of(call.args, call.kwargs)):
+        if not any(t.requires_grad for t, _ in call.state["tensors"]):
             return ""
         if not self.settings.backward:
             return "OP_AUTOCOMPARE_BACKWARD=0"
@@ -382,8 +400,7 @@ class OpAutoCompare(OpTool):
             return
         pending: _Pending | None = state.get("pending")
         device_out = call.args[0] if state["inplace"] and call.args else call.result
-        with torch.no_grad():
-            device_cpu = map_tensors(device_out, self._copies.get)
+        device_cpu = map_tensors(device_out, self._copies.get)
         reference, ref_note = self._reference(call, pending)
         if reference is None:
             self.skipped[f"CPU cannot run it ({ref_note})"] += 1
@@ -394,7 +411,7 @@ class OpAutoCompare(OpTool):
         ref_out = ref_args[0] if state["inplace"] and ref_args else ref_result
         autocast_cast = self._autocast_cast(call, device_out)
         same_out = lambda: self._same_dtype_forward(call, autocast_cast)  # run only when an error is above the floor
-        signature = (call.name, tuple(t.dtype for t in iter_tensors((call.args, call.kwargs))),
+        signature = (call.name, tuple(t.dtype for t, _ in state.pop("tensors")),
                      tuple(sorted(autocast_cast.items(), key=str)))
         expected = self._expected_dtypes.get(signature)
         if expected is None or expected != _leaf_dtypes(device_cpu):
@@ -431,11 +448,14 @@ class OpAutoCompare(OpTool):
     def _reference(self, call: OpCall, pending: _Pending | None):
         """``(args, kwargs, result)`` of the CPU reference run, and a note on its dtype (or the error)."""
         state = call.state
-        requested = self.settings.casts.get(op_key(call.name), DEFAULT_REFERENCE_CAST)
-        attempts = [(requested, "")]
-        if any(v == torch.float64 for v in requested.values()):
-            attempts += [(_FALLBACK_CAST, "reference in float32: no float64 kernel on the CPU"),
-                         ({}, "reference in the device's dtype: no wider kernel on the CPU")]
+        attempts = self._attempts.get(call.name)
+        if attempts is None:
+            requested = self.settings.casts.get(op_key(call.name), DEFAULT_REFERENCE_CAST)
+            attempts = [(requested, "")]
+            if any(v == torch.float64 for v in requested.values()):
+                attempts += [(_FALLBACK_CAST, "reference in float32: no float64 kernel on the CPU"),
+                             ({}, "reference in the device's dtype: no wider kernel on the CPU")]
+            self._attempts[call.name] = attempts
         grad_snaps = []
         if pending is not None:
             snap_of = _snapshots_by_device_id(call, state)
@@ -453,7 +473,7 @@ class OpAutoCompare(OpTool):
             args = _recast(state["cpu_args"], cast, state["writes"], leaves)
             kwargs = _recast(state["cpu_kwargs"], cast, state["writes"], leaves)
             try:
-                with torch.enable_grad() if pending is not None else torch.no_grad(), _NoCpuAutocast():
+                with torch.set_grad_enabled(pending is not None), _NoCpuAutocast():
                     result = call.func(*args, **kwargs)
             except (RuntimeError, NotImplementedError, TypeError) as e:
                 error = e
@@ -505,9 +525,8 @@ class OpAutoCompare(OpTool):
         ref_flat, ref_leaves = state["ref_flat"], state["ref_leaves"]
         # Through the copy cache: one op's input gradient is usually the upstream gradient of the op before it.
         copy = self._copies.get
-        with torch.no_grad():
-            upstream_cpu = tuple(None if g is None else copy(g) for g in grad_outputs)
-            device_grads_cpu = tuple(None if g is None else copy(g) for g in device_grads)
+        upstream_cpu = tuple(None if g is None else copy(g) for g in grad_outputs)
+        device_grads_cpu = tuple(None if g is None else copy(g) for g in device_grads)
         if len(ref_flat) != len(upstream_cpu):
             comparisons = [Comparison("grad", False, False, error_info="reference outputs differ in number")]
             reference_grads = ()
@@ -674,8 +693,8 @@ class CpuCopyCache:
         self._lock = threading.Lock()
 
     def get(self, t: torch.Tensor) -> torch.Tensor:
-        """A CPU copy of ``t`` as it is now (callers hold no_grad)."""
-        if t.device.type == "cpu":
+        """A CPU copy of ``t`` as it is now, outside autograd."""
+        if t.is_cpu:
             return t.detach().clone()
         version = _version(t)
         key = getattr(t, self._ATTR, None)
@@ -711,13 +730,12 @@ def _version(t: torch.Tensor) -> int | None:
 
 
 def _snapshot(t: torch.Tensor) -> torch.Tensor:
-    """A CPU copy (callers hold no_grad: no detach, which would cost one more device op)."""
+    """A CPU copy outside autograd: grad disabled (a detach would be one more device op), and only where it
+    matters, for a tensor that requires grad (entering a grad mode costs microseconds on every call)."""
+    if t.requires_grad:
+        with torch.set_grad_enabled(False):
+            return t.to(device=_CPU, copy=True)
     return t.to(device=_CPU, copy=True)
-
-
-def _tensors_of(args, kwargs):
-    yield from iter_tensors(args)
-    yield from iter_tensors(kwargs)
 
 
 def _labelled_tensors(args, kwargs):
@@ -732,11 +750,9 @@ def _labelled_tensors(args, kwargs):
 
 
 def _snapshots_by_device_id(call: OpCall, state: dict) -> dict[int, torch.Tensor]:
-    """Device tensor id -> its CPU snapshot (both walked in the same order)."""
-    device = list(_tensors_of(call.args, call.kwargs))
-    snaps = list(_tensors_of(state["cpu_args"], state["cpu_kwargs"]))
+    """Device tensor id -> its CPU snapshot (the first one, for a tensor passed twice)."""
     mapping = {}
-    for d, s in zip(device, snaps):
+    for d, s in state["tensors"]:
         mapping.setdefault(id(d), s)
     state["grad_snaps"] = [mapping.get(id(t)) for t in state.get("grad_inputs", ())]
     state["func"] = call.func
