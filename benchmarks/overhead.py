@@ -15,13 +15,14 @@ Phase 1 alternates (a), (b), every (c) and every (c') in each round; phase 2 alt
 (fewer rounds: some tools cost several times the step). Each phase prints the medians of wall time
 and process CPU time per step and their ratio to the (a) of the same phase.
 
-    python benchmarks/overhead.py [--rounds 9] [--work-rounds 3] [--steps 3]
+    python benchmarks/overhead.py [--rounds 15] [--work-rounds 3] [--steps 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import shutil
 import statistics
@@ -106,6 +107,7 @@ def context_for(condition: str):
 def run_round(step, steps: int, condition: str) -> tuple[float, float]:
     with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
         context = context_for(condition)
+        gc.collect()  # every condition starts from the same heap: a collection in a timed round is noise
         with context:
             wall, cpu = time.perf_counter(), time.process_time()
             for _ in range(steps):
@@ -135,7 +137,7 @@ def report(title: str, medians: dict[str, tuple[float, float]], labels: dict[str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=9, help="alternating rounds of phase 1 (a, b, c)")
+    parser.add_argument("--rounds", type=int, default=15, help="alternating rounds of phase 1 (a, b, c)")
     parser.add_argument("--work-rounds", type=int, default=3, help="alternating rounds of phase 2 (a, d)")
     parser.add_argument("--steps", type=int, default=3, help="training steps per round")
     parser.add_argument("--tools", default=",".join(TOOLS), help="comma-separated subset of " + ", ".join(TOOLS))

@@ -1,0 +1,34 @@
+"""Every benchmark still runs: each script once, with the fewest rounds, in a subprocess (no timing asserted)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# script -> (its fewest-rounds arguments, a line of its result table)
+SMALLEST = {
+    "sim_overhead.py": (["--rounds", "1", "--calls", "5"], "softmax"),
+    "import_overhead.py": (["--rounds", "1", "--imports", "1"], "ditorch adds"),
+    "autocompare_cost.py": (["--rounds", "1"], "OpAutoCompare / floor"),
+    "time_measure_cost.py": (["--rounds", "1", "--steps", "1"], "OpTimeMeasure VERBOSE=0"),
+    "overhead.py": (["--rounds", "1", "--work-rounds", "1", "--steps", "1", "--tools", "OpCapture,OpAutoCompare"],
+                    "(d) OpAutoCompare, every op"),
+    "capture_storage.py": (["--rounds", "1"], "dedup writes"),
+}
+
+
+def test_every_benchmark_is_listed_here():
+    assert sorted(f for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".py")) == sorted(SMALLEST)
+
+
+@pytest.mark.parametrize("script", sorted(SMALLEST))
+def test_benchmark_runs(script, tmp_path):
+    env = dict(os.environ, DITORCH_QUIET="1", OP_TOOLS_RESULTS_DIR=str(tmp_path))
+    arguments, expected = SMALLEST[script]
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *arguments],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert expected in result.stdout
