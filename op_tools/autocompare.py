@@ -31,9 +31,10 @@ import time
 import weakref
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from . import reporting
-from .arguments import iter_tensors, map_tensors
+from .arguments import iter_items, iter_tensors, map_tensors
 from .capture import TensorStore
 from .comparison import COLUMNS, Comparison, ToleranceSpec, compare_outputs, op_key
 from .config import AUTOCOMPARE_BACKWARD, AUTOCOMPARE_CAST, parse_dtype_map
@@ -114,10 +115,13 @@ def _map_arguments(obj, tensor_fn, value_fn=_cpu_value):
     if isinstance(obj, torch.Tensor):
         return tensor_fn(obj)
     kind = type(obj)
-    if kind in _PLAIN:  # most leaves: answered without a call (this runs several times per argument per op)
+    if kind in _PLAIN:
         return obj
-    if kind is tuple or kind is list:
-        return kind([_map_arguments(v, tensor_fn, value_fn) for v in obj])
+    if kind is tuple or kind is list:  # most arguments: tensors and plain values, mapped without a call each
+        return kind([tensor_fn(v) if isinstance(v, torch.Tensor) else v if type(v) in _PLAIN
+                     else _map_arguments(v, tensor_fn, value_fn) for v in obj])
+    if kind is dict and not obj:
+        return {}
     if isinstance(obj, dict):
         return {k: (_CPU if k == "device" and v is not None and not isinstance(v, torch.Tensor)
                     else _map_arguments(v, tensor_fn, value_fn)) for k, v in obj.items()}
@@ -144,8 +148,9 @@ def _recast(obj, cast: dict, copy: bool, leaves: dict[int, torch.Tensor] | None 
     def tensor_fn(t: torch.Tensor) -> torch.Tensor:
         if leaves is not None and id(t) in leaves:
             return leaves[id(t)]
-        target = cast.get(t.dtype, t.dtype)
-        if target == t.dtype and not copy:
+        dtype = t.dtype
+        target = cast.get(dtype, dtype)
+        if target == dtype and not copy:
             return t
         return t.to(dtype=target, copy=True)
 
@@ -179,7 +184,7 @@ class _Pending:
         self.state = state
         self.grad_labels = state["grad_labels"]
         self.leaves: list[torch.Tensor] = []
-        self.inner: list[torch.Tensor] = []
+        self.inner: list[tuple] = []  # (the op's output or its gradient edge, whether it is differentiable)
 
 
 class _Boundary(torch.autograd.Function):
@@ -202,6 +207,7 @@ class _Runner:
         self.call = call
         self.pending = pending
         self.result = None
+        self.output_ids: list[int] = []
 
     def forward(self, ctx, inputs):
         call, pending = self.call, self.pending
@@ -219,26 +225,35 @@ class _Runner:
         with torch.enable_grad():
             result = call.func(*args, **kwargs)
         with tool_work():
-            flat = _unique(iter_tensors(result))
+            flat = _unique_tensors(result)
             if any(_aliases(o, leaves) for o in flat):
                 raise _OutputAliasesInputError
-            outs = tuple(o.detach() for o in flat)
+            # An output the op created is returned as it is (a detach would be one more device op): autograd
+            # gives it this node's history, and the op's own graph stays reachable through its gradient edge.
+            # A view is returned detached (a view from a custom Function refuses later in-place changes), and
+            # so is an output without history.
+            roots, outs = [], []
+            for o in flat:
+                own = o.grad_fn is not None and not o._is_view()
+                roots.append(get_gradient_edge(o) if own else o)
+                outs.append(o if own else o.detach())
             ctx.mark_non_differentiable(*[d for o, d in zip(flat, outs) if not o.requires_grad])
             ctx.set_materialize_grads(False)
             ctx.runner = self
-            pending.leaves, pending.inner = leaves, flat
-            self.result = result
+            pending.leaves, pending.inner = leaves, [(r, o.requires_grad) for r, o in zip(roots, flat)]
+            self.result, self.output_ids = result, [id(o) for o in flat]
             # The call will hold this node's outputs, and the node holds this runner (ctx.runner): a cycle
-            # through the C++ graph that gc cannot see. Backward needs only the pending record.
+            # through the C++ graph that gc cannot see. Backward needs only the pending record, which holds
+            # no output (an edge holds the op's node, not this one).
             self.call = None
-            return outs
+            return tuple(outs)
 
     def backward(self, grads):
         pending = self.pending
         leaves, inner = pending.leaves, pending.inner
-        pairs = [(o, g) for o, g in zip(inner, grads) if g is not None and o.requires_grad]
+        pairs = [(root, g) for (root, differentiable), g in zip(inner, grads) if g is not None and differentiable]
         if pairs:
-            device_grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs],
+            device_grads = torch.autograd.grad([r for r, _ in pairs], leaves, [g for _, g in pairs],
                                                retain_graph=True, allow_unused=True)
         else:
             device_grads = (None,) * len(leaves)
@@ -257,7 +272,7 @@ class _Runner:
         by_id = {id(t): t for t in inputs}
         with tool_work(), torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=autocast):
             result = func(*args, **kwargs)
-        flat = _unique(iter_tensors(result))
+        flat = _unique_tensors(result)
         pairs = [(o, g) for o, g in zip(flat, grads) if g is not None and o.requires_grad]
         with tool_work():
             self.tool.backward_not_compared["double backward (create_graph=True)"] += 1
@@ -275,9 +290,12 @@ class _NamedCall:
         self.name = name
 
 
-def _unique(tensors) -> list[torch.Tensor]:
+def _unique_tensors(result) -> list[torch.Tensor]:
+    """The tensors of ``result``, each once, in order."""
+    if isinstance(result, torch.Tensor):  # most ops: no walk
+        return [result]
     seen, out = set(), []
-    for t in tensors:
+    for t in iter_tensors(result):
         if id(t) not in seen:
             seen.add(id(t))
             out.append(t)
@@ -374,21 +392,20 @@ class OpAutoCompare(OpTool):
         inputs = state.get("grad_inputs")
         if not inputs:
             return call.func(*call.args, **call.kwargs)
-        with tool_work():
-            pending = _Pending(call, state)
-            runner = _Runner(self, call, pending)
+        # The bookkeeping around the boundary calls no torch function: no tool work to mark.
+        pending = _Pending(call, state)
+        runner = _Runner(self, call, pending)
         try:
             outs = _Boundary.apply(runner, *inputs)
         except _OutputAliasesInputError:
             state.pop("grad_inputs")
             self.backward_not_compared["output aliases an input"] += 1
             return call.func(*call.args, **call.kwargs)
-        with tool_work():
-            result = runner.result
-            runner.result = None
-            by_id = {id(o): d for o, d in zip(pending.inner, outs if isinstance(outs, tuple) else (outs,))}
-            state["pending"] = pending
-            return map_tensors(result, lambda t: by_id.get(id(t), t))
+        result = runner.result
+        runner.result = None
+        by_id = dict(zip(runner.output_ids, outs if isinstance(outs, tuple) else (outs,)))
+        state["pending"] = pending
+        return map_tensors(result, lambda t: by_id.get(id(t), t))
 
     def after(self, call: OpCall) -> None:
         state = call.state
@@ -411,7 +428,7 @@ class OpAutoCompare(OpTool):
         ref_out = ref_args[0] if state["inplace"] and ref_args else ref_result
         autocast_cast = self._autocast_cast(call, device_out)
         same_out = lambda: self._same_dtype_forward(call, autocast_cast)  # run only when an error is above the floor
-        signature = (call.name, tuple(t.dtype for t, _ in state.pop("tensors")),
+        signature = (call.name, tuple([t.dtype for t, _ in state.pop("tensors")]),
                      tuple(sorted(autocast_cast.items(), key=str)))
         expected = self._expected_dtypes.get(signature)
         if expected is None or expected != _leaf_dtypes(device_cpu):
@@ -439,7 +456,7 @@ class OpAutoCompare(OpTool):
             return
         # Keep, for the backward, the CPU reference graph and what a failure report would save.
         pending.location = location
-        ref_flat = _unique(iter_tensors(ref_result))
+        ref_flat = _unique_tensors(ref_result)
         state.update(ref_flat=ref_flat, device_out_cpu=device_cpu, ref_out=ref_out, autocast_cast=autocast_cast)
         self._pending[call.forward_id] = pending
         state.pop("grad_inputs", None)
@@ -569,7 +586,7 @@ class OpAutoCompare(OpTool):
                 if cast:  # differentiable casts, as autocast made them on the device
                     args = map_tensors(args, lambda t: t.to(cast.get(t.dtype, t.dtype)))
                     kwargs = map_tensors(kwargs, lambda t: t.to(cast.get(t.dtype, t.dtype)))
-                flat = _unique(iter_tensors(call_func(state, args, kwargs)))
+                flat = _unique_tensors(call_func(state, args, kwargs))
             return _reference_backward(flat, leaves, upstream_cpu)
         except (RuntimeError, NotImplementedError, TypeError):
             return None
@@ -662,6 +679,8 @@ class OpAutoCompare(OpTool):
 
 
 def _leaf_dtypes(result) -> tuple:
+    if isinstance(result, torch.Tensor):  # most ops: no walk
+        return (result.dtype,)
     return tuple(t.dtype for t in iter_tensors(result))
 
 
@@ -696,15 +715,15 @@ class CpuCopyCache:
         """A CPU copy of ``t`` as it is now, outside autograd."""
         if t.is_cpu:
             return t.detach().clone()
-        version = _version(t)
-        key = getattr(t, self._ATTR, None)
-        with self._lock:
-            entry = self._entries.get(key) if key is not None else None
-        if entry is not None and version is not None and entry[0] == version:
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor: no version tells that it is unchanged
+            return _snapshot(t)
+        # A read needs no lock (one dict operation, atomic); the lock keeps an insertion and its evictions together.
+        entry = self._entries.get(getattr(t, self._ATTR, None))
+        if entry is not None and entry[0] == version:
             return entry[1]
         copy = _snapshot(t)
-        if version is None:
-            return copy
         size = copy.numel() * copy.element_size()
         if size > self.MAX_BYTES // 4:
             return copy
@@ -722,13 +741,6 @@ class CpuCopyCache:
         return copy
 
 
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors
-        return None
-
-
 def _snapshot(t: torch.Tensor) -> torch.Tensor:
     """A CPU copy outside autograd: grad disabled (a detach would be one more device op), and only where it
     matters, for a tensor that requires grad (entering a grad mode costs microseconds on every call)."""
@@ -739,14 +751,14 @@ def _snapshot(t: torch.Tensor) -> torch.Tensor:
 
 
 def _labelled_tensors(args, kwargs):
-    from .arguments import iter_items
-
-    for path, v in iter_items(tuple(args)):
-        if isinstance(v, torch.Tensor):
-            yield f"input{path}", v
-    for path, v in iter_items(kwargs):
-        if isinstance(v, torch.Tensor):
-            yield f"input{path}", v
+    """``("input[0]", tensor)``, ``("input[1][0]", ...)``, ``("input[weight]", ...)``: every tensor argument."""
+    for key, value in itertools.chain(enumerate(args), kwargs.items()):
+        if isinstance(value, torch.Tensor):  # most arguments: no walk
+            yield f"input[{key}]", value
+        else:
+            for path, v in iter_items(value, f"[{key}]"):
+                if isinstance(v, torch.Tensor):
+                    yield f"input{path}", v
 
 
 def _snapshots_by_device_id(call: OpCall, state: dict) -> dict[int, torch.Tensor]:

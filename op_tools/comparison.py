@@ -378,13 +378,14 @@ def _finite_stats(dn: np.ndarray, rn: np.ndarray, atol: float, rtol: float):
         max_abs = float(np.maximum.reduce(diff))  # the ufuncs, not the methods: same values, less overhead
         if not math.isfinite(max_abs):
             return None
-        magnitude = np.abs(rn)
-        scale = max(float(np.add.reduce(magnitude)) / magnitude.size, _TINY)
-        # every diff <= max_abs <= atol <= atol + rtol * |ref|: the elementwise test is needed only above atol
-        allclose = max_abs <= atol or bool((diff <= atol + rtol * magnitude).all())
-        if max_abs == 0:
+        if max_abs == 0:  # identical values: no relative error, and no magnitude to measure it against
             max_rel = error = 0.0
+            allclose = True
         else:
+            magnitude = np.abs(rn)
+            scale = max(float(np.add.reduce(magnitude)) / magnitude.size, _TINY)
+            # every diff <= max_abs <= atol <= atol + rtol * |ref|: the elementwise test is needed only above atol
+            allclose = max_abs <= atol or bool((diff <= atol + rtol * magnitude).all())
             magnitude += 1e-6
             max_rel = float(np.maximum.reduce(np.divide(diff, magnitude)))
             magnitude += scale - 1e-6
@@ -432,7 +433,10 @@ def _default_verdict(result: Comparison, d, r, get_same, lazy, dw, rw, finite_d,
             magnitude = np.abs(rn)
             scale = max(float(magnitude.mean()), _TINY) if magnitude.size else _TINY
             keep = np.isfinite(diff)
-            result.cpu_error = float((diff[keep] / (magnitude[keep] + scale)).max()) if keep.any() else 0.0
+            if keep.all():  # the usual case: the same elements in the same order, without copying them out
+                result.cpu_error = float((diff / (magnitude + scale)).max()) if diff.size else 0.0
+            else:
+                result.cpu_error = float((diff[keep] / (magnitude[keep] + scale)).max()) if keep.any() else 0.0
     cpu_error = 0.0 if math.isnan(result.cpu_error) else result.cpu_error
     bound = RATIO * cpu_error + floor
     if result.device_error > bound:
