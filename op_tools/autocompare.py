@@ -21,6 +21,7 @@ format, under ``op_capture_results/<op>/<pid>/autocompare/<forward_id>/<time>/{d
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -31,7 +32,7 @@ import time
 import weakref
 
 import torch
-from torch.autograd.graph import get_gradient_edge
+from torch.torch_version import TorchVersion
 
 from . import reporting
 from .arguments import iter_items, iter_tensors, map_tensors
@@ -55,6 +56,8 @@ _RANDOM = re.compile(r"^(rand|randn|randint|rand_like|randn_like|randint_like|ra
 _UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_",
                             "resize_as_", "set_"})
 CSV_COLUMNS = ("op", "forward_id", "phase", *COLUMNS, "location")
+# torch.autograd.grad takes gradient edges as outputs from PyTorch 2.4 on; before, every boundary output is detached.
+_gradient_edge = torch.autograd.graph.get_gradient_edge if TorchVersion(torch.__version__) >= (2, 4) else None
 
 
 @functools.lru_cache(maxsize=4096)  # asked on every handled call, and a name's answer never changes
@@ -99,19 +102,23 @@ def _is_device_text(value: str) -> bool:
         return False
 
 
-def _cpu_value(value):
+def _cpu_value(value, cast: dict | None = None):
+    """A non-tensor argument for the CPU run: devices moved to the CPU, dtypes through ``cast``."""
     if isinstance(value, torch.device):
         return _CPU if value.type != "cpu" else value
     if isinstance(value, str) and value and _is_device_text(value):
         return "cpu"
+    if cast and isinstance(value, torch.dtype):
+        return cast.get(value, value)
     return value
 
 
-_PLAIN = frozenset({int, float, bool, type(None)})  # argument types that no value_fn changes
+_PLAIN = frozenset({int, float, bool, type(None)})  # argument types that _cpu_value never changes
 
 
-def _map_arguments(obj, tensor_fn, value_fn=_cpu_value):
-    """``obj`` (args tuple or kwargs dict) with tensors through ``tensor_fn`` and devices moved to the CPU."""
+def _map_arguments(obj, tensor_fn, cast: dict | None = None):
+    """``obj`` (args tuple or kwargs dict) with tensors through ``tensor_fn``, devices moved to the CPU and
+    dtypes through ``cast``."""
     if isinstance(obj, torch.Tensor):
         return tensor_fn(obj)
     kind = type(obj)
@@ -119,28 +126,18 @@ def _map_arguments(obj, tensor_fn, value_fn=_cpu_value):
         return obj
     if kind is tuple or kind is list:  # most arguments: tensors and plain values, mapped without a call each
         return kind([tensor_fn(v) if isinstance(v, torch.Tensor) else v if type(v) in _PLAIN
-                     else _map_arguments(v, tensor_fn, value_fn) for v in obj])
+                     else _map_arguments(v, tensor_fn, cast) for v in obj])
     if kind is dict and not obj:
         return {}
     if isinstance(obj, dict):
         return {k: (_CPU if k == "device" and v is not None and not isinstance(v, torch.Tensor)
-                    else _map_arguments(v, tensor_fn, value_fn)) for k, v in obj.items()}
+                    else _map_arguments(v, tensor_fn, cast)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
-        items = [_map_arguments(v, tensor_fn, value_fn) for v in obj]
+        items = [_map_arguments(v, tensor_fn, cast) for v in obj]
         if type(obj).__module__ == "torch.return_types":
             return type(obj)(items)
         return type(obj)(items) if not hasattr(obj, "_fields") else type(obj)(*items)
-    return value_fn(obj)
-
-
-def _cast_value(cast: dict):
-    def value_fn(value):
-        value = _cpu_value(value)
-        if isinstance(value, torch.dtype):
-            return cast.get(value, value)
-        return value
-
-    return value_fn
+    return _cpu_value(obj, cast)
 
 
 def _recast(obj, cast: dict, copy: bool, leaves: dict[int, torch.Tensor] | None = None):
@@ -154,7 +151,7 @@ def _recast(obj, cast: dict, copy: bool, leaves: dict[int, torch.Tensor] | None 
             return t
         return t.to(dtype=target, copy=True)
 
-    return _map_arguments(obj, tensor_fn, _cast_value(cast))
+    return _map_arguments(obj, tensor_fn, cast)
 
 
 def _first_low_precision(*objs) -> torch.dtype | None:
@@ -234,8 +231,8 @@ class _Runner:
             # so is an output without history.
             roots, outs = [], []
             for o in flat:
-                own = o.grad_fn is not None and not o._is_view()
-                roots.append(get_gradient_edge(o) if own else o)
+                own = _gradient_edge is not None and o.grad_fn is not None and not o._is_view()
+                roots.append(_gradient_edge(o) if own else o)
                 outs.append(o if own else o.detach())
             ctx.mark_non_differentiable(*[d for o, d in zip(flat, outs) if not o.requires_grad])
             ctx.set_materialize_grads(False)
@@ -323,6 +320,7 @@ class OpAutoCompare(OpTool):
 
     def configure(self) -> None:
         self.settings = AutoCompareConfig.from_env()
+        self._tolerance = self.settings.tolerance or None  # None: no variable set, nothing to look up per call
         self.store = TensorStore(dedup=False)
         self.counts: collections.Counter = collections.Counter()
         self.skipped: collections.Counter = collections.Counter()
@@ -435,7 +433,7 @@ class OpAutoCompare(OpTool):
             same_out = same_out()  # eager: compare_outputs then checks every output's dtype
             if expected is None:
                 self._expected_dtypes[signature] = _leaf_dtypes(device_cpu if same_out is None else same_out)
-        comparisons = compare_outputs(device_cpu, ref_out, same_out, self.settings.tolerance, op_name=call.name,
+        comparisons = compare_outputs(device_cpu, ref_out, same_out, self._tolerance, op_name=call.name,
                                       prefix="output")
         if ref_note:
             for c in comparisons:
@@ -490,7 +488,7 @@ class OpAutoCompare(OpTool):
             args = _recast(state["cpu_args"], cast, state["writes"], leaves)
             kwargs = _recast(state["cpu_kwargs"], cast, state["writes"], leaves)
             try:
-                with torch.set_grad_enabled(pending is not None), _NoCpuAutocast():
+                with _grad_mode(pending is not None), _NoCpuAutocast():
                     result = call.func(*args, **kwargs)
             except (RuntimeError, NotImplementedError, TypeError) as e:
                 error = e
@@ -552,7 +550,7 @@ class OpAutoCompare(OpTool):
             labelled_device = tuple(device_grads_cpu)
             comparisons = compare_outputs(labelled_device, reference_grads,
                                           lambda: self._same_dtype_backward(pending, upstream_cpu),
-                                          self.settings.tolerance, op_name=pending.name, prefix="grad")
+                                          self._tolerance, op_name=pending.name, prefix="grad")
             for c, label in zip(comparisons, pending.grad_labels):
                 c.name = f"{label}.grad"
         passed = all(c.passed for c in comparisons)
@@ -706,7 +704,8 @@ class CpuCopyCache:
     _ATTR = "_op_tools_cpu_copy_key"
 
     def __init__(self) -> None:
-        self._entries: collections.OrderedDict[int, tuple[int, torch.Tensor]] = collections.OrderedDict()
+        # key -> (version, copy, bytes)
+        self._entries: collections.OrderedDict[int, tuple[int, torch.Tensor, int]] = collections.OrderedDict()
         self._keys = itertools.count(1)
         self._bytes = 0
         self._lock = threading.Lock()
@@ -724,7 +723,7 @@ class CpuCopyCache:
         if entry is not None and entry[0] == version:
             return entry[1]
         copy = _snapshot(t)
-        size = copy.numel() * copy.element_size()
+        size = copy.nbytes
         if size > self.MAX_BYTES // 4:
             return copy
         key = next(self._keys)
@@ -733,21 +732,26 @@ class CpuCopyCache:
         except (AttributeError, TypeError, RuntimeError):
             return copy
         with self._lock:
-            self._entries[key] = (version, copy)
+            self._entries[key] = (version, copy, size)
             self._bytes += size
             while len(self._entries) > self.MAX_ENTRIES or self._bytes > self.MAX_BYTES:
-                _, (_, old) = self._entries.popitem(last=False)
-                self._bytes -= old.numel() * old.element_size()
+                self._bytes -= self._entries.popitem(last=False)[1][2]
         return copy
 
 
 def _snapshot(t: torch.Tensor) -> torch.Tensor:
-    """A CPU copy outside autograd: grad disabled (a detach would be one more device op), and only where it
-    matters, for a tensor that requires grad (entering a grad mode costs microseconds on every call)."""
-    if t.requires_grad:
-        with torch.set_grad_enabled(False):
-            return t.to(device=_CPU, copy=True)
-    return t.to(device=_CPU, copy=True)
+    """A CPU copy outside autograd: grad disabled (a detach would be one more device op) where it matters."""
+    with _grad_mode(False) if t.requires_grad else _UNCHANGED:
+        return t.to(device=_CPU, copy=True)
+
+
+_UNCHANGED = contextlib.nullcontext()
+
+
+def _grad_mode(enabled: bool):
+    """``torch.set_grad_enabled(enabled)``, or nothing to enter where grad mode is that already (entering one
+    costs microseconds, and the tool would on every call)."""
+    return _UNCHANGED if torch.is_grad_enabled() == enabled else torch.set_grad_enabled(enabled)
 
 
 def _labelled_tensors(args, kwargs):

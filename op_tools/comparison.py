@@ -195,9 +195,9 @@ def compare_outputs(device_out, reference_out, same_dtype_out=None, tolerance: T
     else:
         device_leaves = list(iter_items(_as_tuple(device_out)))
         reference_leaves = list(iter_items(_as_tuple(reference_out)))
-    if [p for p, _ in device_leaves] != [p for p, _ in reference_leaves]:
-        return [_failure(prefix or "result", f"structure differs: device returns {_describe(device_out)}, "
-                                              f"reference {_describe(reference_out)}")]
+        if [p for p, _ in device_leaves] != [p for p, _ in reference_leaves]:
+            return [_failure(prefix or "result", f"structure differs: device returns {_describe(device_out)}, "
+                                                  f"reference {_describe(reference_out)}")]
     same = _LazySame(same_dtype_out)
     results = []
     for index, ((path, d), (_, r)) in enumerate(zip(device_leaves, reference_leaves)):
