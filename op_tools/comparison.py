@@ -354,9 +354,11 @@ _NUMPY_FLOATS = frozenset({torch.float16, torch.float32, torch.float64})
 
 def _wide_numpy(t: torch.Tensor) -> np.ndarray:
     """``_wide(t).numpy()``, widened by numpy where it can: a torch conversion costs ~4x more on small tensors."""
-    if t.dtype in _NUMPY_FLOATS and t.is_cpu:
+    dtype = t.dtype
+    if dtype in _NUMPY_FLOATS and t.is_cpu:
         try:
-            return (t.detach() if t.requires_grad else t).numpy().astype(np.float64, copy=False)
+            array = (t.detach() if t.requires_grad else t).numpy()
+            return array if dtype is torch.float64 else array.astype(np.float64)
         except (RuntimeError, TypeError):  # conj/neg bits, sparse or other layouts
             pass
     return _wide(t).numpy()
@@ -366,6 +368,11 @@ def _dtype_differs(d: torch.Tensor, s) -> bool:
     return isinstance(s, torch.Tensor) and s.dtype != d.dtype and (s.is_floating_point() or s.is_complex())
 
 
+# The ufuncs and their reductions, bound once: not the array methods (same values, less overhead per call).
+_subtract, _absolute, _add, _divide = np.subtract, np.absolute, np.add, np.divide
+_max, _sum = np.maximum.reduce, np.add.reduce
+
+
 def _finite_stats(dn: np.ndarray, rn: np.ndarray, atol: float, rtol: float):
     """max_abs_diff, max_relative_diff, normalised error, cosine similarity, allclose; None if not all finite.
 
@@ -373,23 +380,23 @@ def _finite_stats(dn: np.ndarray, rn: np.ndarray, atol: float, rtol: float):
     """
     dn, rn = dn.ravel(), rn.ravel()
     with np.errstate(all="ignore"):
-        diff = np.subtract(dn, rn)
-        np.abs(diff, out=diff)
-        max_abs = float(np.maximum.reduce(diff))  # the ufuncs, not the methods: same values, less overhead
+        diff = _subtract(dn, rn)
+        _absolute(diff, out=diff)
+        max_abs = float(_max(diff))
         if not math.isfinite(max_abs):
             return None
         if max_abs == 0:  # identical values: no relative error, and no magnitude to measure it against
             max_rel = error = 0.0
             allclose = True
         else:
-            magnitude = np.abs(rn)
-            scale = max(float(np.add.reduce(magnitude)) / magnitude.size, _TINY)
+            magnitude = _absolute(rn)
+            scale = max(float(_sum(magnitude)) / magnitude.size, _TINY)
             # every diff <= max_abs <= atol <= atol + rtol * |ref|: the elementwise test is needed only above atol
             allclose = max_abs <= atol or bool((diff <= atol + rtol * magnitude).all())
-            magnitude += 1e-6
-            max_rel = float(np.maximum.reduce(np.divide(diff, magnitude)))
-            magnitude += scale - 1e-6
-            error = float(np.maximum.reduce(np.divide(diff, magnitude, out=magnitude)))
+            _add(magnitude, 1e-6, out=magnitude)
+            max_rel = float(_max(_divide(diff, magnitude)))
+            _add(magnitude, scale - 1e-6, out=magnitude)
+            error = float(_max(_divide(diff, magnitude, out=magnitude)))
         # ndarray.dot: the same BLAS dot as ``@`` on 1-d arrays, at half the call overhead
         dd, rr = float(dn.dot(dn)), float(rn.dot(rn))
         norms = math.sqrt(dd) * math.sqrt(rr)
