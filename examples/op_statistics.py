@@ -40,11 +40,11 @@ def main() -> None:
     device = pick_device()
     model = build(hidden=args.hidden, layers=args.layers).to(device)
     ids = torch.randint(0, VOCAB, (args.batch, args.seq)).to(device)
-    with op_tools.OpCapture():
+    with op_tools.OpCapture() as capture:
         model(ids).backward()
 
     results = os.environ.get("OP_TOOLS_RESULTS_DIR", "op_tools_results")
-    stem = os.path.join(results, "op_capture_results", f"summary_pid{os.getpid()}")
+    stem = os.path.join(results, "op_capture_results", f"summary_{capture.stem}")
     with open(stem + ".csv", newline="") as f:
         rows = list(csv.DictReader(f))
     calls, signatures, first_shapes = collections.Counter(), collections.Counter(), {}

@@ -328,7 +328,6 @@ class OpAutoCompare(OpTool):
         self.failures: list[dict] = []
         self.rows: list[dict] = []
         self._pending: weakref.WeakValueDictionary[int, _Pending] = weakref.WeakValueDictionary()
-        self._stamp = time.strftime("%Y-%m-%d-%H-%M-%S", time.localtime())
         self._order_lock = threading.Lock()
         self._copies = CpuCopyCache()
         # Output dtypes a correct run gives, per (op, input dtypes, autocast): the same-dtype CPU run is
@@ -649,7 +648,7 @@ class OpAutoCompare(OpTool):
         reporting.console(self.summary())
         if self.rows:
             path = reporting.results_path(self.common, self.results_folder,
-                                          f"op_autocompare_info_pid{os.getpid()}_{self._stamp}.csv")
+                                          f"op_autocompare_info_{self.stem}.csv")
             rows = [{"op": op, "forward_id": forward_id, "phase": phase, **c.row(), "location": location}
                     for op, forward_id, phase, c, location in self.rows]
             reporting.write_csv(path, [{c: row.get(c, "") for c in CSV_COLUMNS} for row in rows])

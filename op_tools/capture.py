@@ -283,7 +283,7 @@ class OpCapture(OpTool):
         if self.settings.mode != "summary" or not self.summary:
             return
         rows = sorted(self.summary.values(), key=lambda r: (r["op"], -r["count"]))
-        stem = reporting.results_path(self.common, self.results_folder, f"summary_pid{os.getpid()}")
+        stem = reporting.results_path(self.common, self.results_folder, f"summary_{self.stem}")
         table_rows = [{k: r[k] for k in ("op", "count", "shapes", "dtypes", "strides", "location")} for r in rows]
         reporting.write_csv(stem + ".csv", table_rows)
         lines, current = [], None

@@ -165,6 +165,7 @@ class OpTool:
         self._decisions: dict[str, bool] = {}
         self._skipped: set = set()  # functions whose name this tool skips: the mode's fast path
         self._lock = threading.Lock()
+        self.stem = ""  # pid<pid>_<time>_<n>: this session's file names (reporting.session_stem)
 
     # --- what a tool overrides ---
 
@@ -209,6 +210,7 @@ class OpTool:
         """Read the configuration (``ValueError`` if malformed) and start handling calls on this thread."""
         self.common = CommonConfig.from_env()
         self.filter = OpFilter.from_env(self.env_prefix) if self.env_prefix else OpFilter(None, None)
+        self.stem = reporting.session_stem()
         self._decisions = {}
         self._skipped = set()
         self.configure()
@@ -260,6 +262,7 @@ class OpTool:
         if self.common is None:
             self.common = CommonConfig.from_env()
             self.filter = OpFilter.from_env(self.env_prefix) if self.env_prefix else OpFilter(None, None)
+            self.stem = reporting.session_stem()
             self.configure()
             _track_unfinished(self)  # never stopped: what it aggregated is written at exit
 

@@ -7,12 +7,14 @@ Tables go to stdout in the original ditorch's console form; diagnostics go to ``
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import logging
 import os
 import sys
 import tempfile
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -130,6 +132,15 @@ def user_location(full_stack: bool = False) -> str:
 
 
 # --- files ---
+
+_sessions = itertools.count(1)
+
+
+def session_stem() -> str:
+    """``pid<pid>_<local time>_<n>``: names a tool session's files, unique per process and session (``n`` counts
+    the sessions of this process, so sessions started within one second never overwrite each other)."""
+    return f"pid{os.getpid()}_{time.strftime('%Y-%m-%d-%H-%M-%S', time.localtime())}_{next(_sessions)}"
+
 
 def results_path(config: CommonConfig, folder: str, *parts: str) -> str:
     """``<OP_TOOLS_RESULTS_DIR>/<folder>[/rank<N>]/<parts...>``: the rank appears only under torchrun."""

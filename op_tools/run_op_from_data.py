@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 if __package__ in (None, ""):  # run as a file: import the package, not the modules beside this file
     _here = os.path.dirname(os.path.abspath(__file__))
@@ -111,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _finish(results, time_rows, options: ReplayOptions) -> int:
     common = CommonConfig.from_env()
-    stem = f"pid{os.getpid()}_{time.strftime('%Y-%m-%d-%H-%M-%S', time.localtime())}"
+    stem = reporting.session_stem()
     summary = [summary_row(r) for r in results]
     columns = [c for c in summary[0] if (c != "checks" or options.acc_check)
                and (c not in ("forward_mean_ms", "backward_mean_ms") or options.time)]

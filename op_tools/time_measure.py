@@ -278,8 +278,7 @@ class OpTimeMeasure(OpTool):
             summary = measurements.summary_rows()
             calls = measurements.call_rows()
             trace = measurements.trace()
-        stamp = time.strftime("%Y-%m-%d-%H-%M-%S", time.localtime())
-        stem = f"pid{os.getpid()}_{stamp}"
+        stem = self.stem
         self.written = {
             "calls": reporting.results_path(self.common, RESULTS_FOLDER, f"op_elasped_info_{stem}.csv"),
             "summary": reporting.results_path(self.common, RESULTS_FOLDER, f"op_elasped_summary_{stem}.csv"),

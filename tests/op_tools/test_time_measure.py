@@ -79,7 +79,7 @@ def _check_llama_step(timer, wall, tmp_path):
 def test_llama_step_has_forward_and_backward_times_a_trace_and_unchanged_numerics(sim, tmp_path):
     timer, wall = _timed_llama_step(sim, tmp_path)
     _check_llama_step(timer, wall, tmp_path)
-    assert re.fullmatch(r"op_elasped_info_pid\d+_\d{4}(-\d\d){5}\.csv", _result_files(tmp_path, "info")[0].name)
+    assert re.fullmatch(r"op_elasped_info_pid\d+_\d{4}(-\d\d){5}_\d+\.csv", _result_files(tmp_path, "info")[0].name)
 
 
 def test_an_op_made_slow_tops_the_summary(sim, tmp_path, capsys):
