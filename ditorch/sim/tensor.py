@@ -154,6 +154,11 @@ class SimTensor(torch.Tensor):
     def data_ptr(self) -> int:
         return self._data.data_ptr()
 
+    def untyped_storage(self) -> torch.UntypedStorage:
+        # The CPU storage holding the values, shared by views and aliases (.data, detach) as a device's storage is.
+        # The wrapper's own storage has no data: copy.deepcopy of a module on sim crashed the process reading it.
+        return self._data.untyped_storage()
+
     def numpy(self, *, force: bool = False):
         raise TypeError(
             f"can't convert {real_device(self)} device type tensor to numpy. "

@@ -158,3 +158,22 @@ def test_save_and_load_keep_values_and_devices():
         loaded = torch.load(cpu_buffer, weights_only=True, map_location=map_location)
         assert loaded["w"].device.type == "sim"
         assert loaded["w"].cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_views_and_aliases_share_one_storage_as_on_a_device(sim):
+    t = torch.randn(4, device=sim)
+    assert t[1:].untyped_storage() is t.untyped_storage()
+    assert t.data.untyped_storage() is t.untyped_storage() is t.detach().untyped_storage()
+    assert torch.randn(4, device=sim).untyped_storage() is not t.untyped_storage()
+
+
+def test_deepcopy_of_a_module_on_sim_copies_its_parameters(sim):
+    import copy
+
+    model = torch.nn.Linear(3, 2).to(sim)
+    twin = copy.deepcopy(model)  # an EMA model's usual start; crashed the process before
+    assert twin.weight.device.type == sim and twin.weight.data_ptr() != model.weight.data_ptr()
+    assert torch.equal(twin.weight.cpu(), model.weight.cpu())
+    with torch.no_grad():
+        twin.weight.add_(1)
+    assert not torch.equal(twin.weight.cpu(), model.weight.cpu())
