@@ -12,12 +12,15 @@ A tool is a small subclass of ``OpTool`` that says only what is different about 
 
 Per call the engine does, for a tool that handles it::
 
-    before(call)                  # in tool work: may replace call.args / call.kwargs, or fill call.state
+    before(call)                  # in tool work: may replace call.args / call.kwargs, fill call.state, and list
+                                  # in call.grad_inputs the inputs whose gradients after_call_backward wants
     call.result = run(call)       # the op itself (default: call.func(*call.args, **call.kwargs))
     after(call)                   # in tool work: may replace call.result
     # if the tool defines before_backward / after_backward: autograd hooks on the outputs' grad_fn nodes
     before_backward(call, grad_outputs)               # upstream gradients, before the node runs
     after_backward(call, grad_inputs, grad_outputs)   # gradients of the node's inputs, after it ran
+    # if it defines after_call_backward: once every node the call created ran (call_backward.py)
+    after_call_backward(call, upstream, input_grads, complete)
 
 "Tool work" is per thread: torch calls made by a tool itself are never handled by any tool. A
 failure inside a tool is logged once per (tool, op) and the op goes on unchanged, unless
@@ -40,8 +43,10 @@ from torch.overrides import TorchFunctionMode
 
 from . import reporting, targeting
 from .arguments import call_device, iter_tensors
+from .call_backward import CallBackward
 from .config import CommonConfig, OpFilter
 from .naming import is_metadata_query, resolve_op_name
+from .writes import call_writes
 
 _thread = threading.local()
 _forward_ids = itertools.count(1)
@@ -102,7 +107,7 @@ class OpCall:
     """One handled call: what the tool sees. ``state`` is the tool's scratch space, kept for backward."""
 
     __slots__ = ("name", "func", "args", "kwargs", "result", "forward_id", "device", "state", "_location",
-                 "_full_stack", "first_node")
+                 "_full_stack", "first_node", "grad_inputs", "__weakref__")
 
     def __init__(self, name: str, func, args: tuple, kwargs: dict, device: torch.device | None,
                  full_stack: bool = False) -> None:
@@ -117,6 +122,7 @@ class OpCall:
         self._location: str | None = None
         self._full_stack = full_stack
         self.first_node = -1  # autograd sequence number before the call: its nodes are numbered from here
+        self.grad_inputs: list[torch.Tensor] = []  # filled by before(): the inputs after_call_backward reports on
 
     @property
     def location(self) -> str:
@@ -165,6 +171,7 @@ class OpTool:
         self._decisions: dict[str, bool] = {}
         self._skipped: set = set()  # functions whose name this tool skips: the mode's fast path
         self._lock = threading.Lock()
+        self._open_backwards: set = set()  # CallBackward trackers whose hooks started and did not finish
         self.stem = ""  # pid<pid>_<time>_<n>: this session's file names (reporting.session_stem)
 
     # --- what a tool overrides ---
@@ -191,6 +198,16 @@ class OpTool:
     # (call, grad_inputs, grad_outputs) -> None, after each autograd node the call created other than its
     # outputs' own: the inside of a composite function (cross_entropy = log_softmax + nll_loss).
     inner_node_backward = None
+    # (call, upstream, input_grads, complete) -> None, once every autograd node the call created ran: the gradients
+    # of its outputs and of the tensors before() listed in call.grad_inputs (call_backward.py); complete is False
+    # when the backward pass ended with only part of them run.
+    after_call_backward = None
+    # Whether the tool keeps host copies of device tensors across calls (OpAutoCompare): it is then told of every
+    # write of a call it does not handle (note_writes), and functions that can write never take the skip fast path.
+    tracks_writes: ClassVar[bool] = False
+
+    def note_writes(self, tensors: list) -> None:
+        """A call this tool does not handle wrote ``tensors`` (only for tools with ``tracks_writes``)."""
 
     def backward_done(self) -> None:
         """After ``Tensor.backward()``/``torch.autograd.backward()`` returned, on the calling thread: the place to
@@ -222,7 +239,7 @@ class OpTool:
         """Wrap the functions a LIST of plain names selects (see targeting.py); otherwise push a mode."""
         names = self.filter.exact_names()
         if names is not None:
-            if type(self).backward_done is not OpTool.backward_done:
+            if type(self).backward_done is not OpTool.backward_done or self.after_call_backward is not None:
                 names += tuple(sorted(_BACKWARD_CALLS))
             targets, problems = targeting.plan(names)
             if not problems:
@@ -277,7 +294,7 @@ class OpTool:
         if name in _BACKWARD_CALLS:
             result = func(*args, **kwargs)
             with tool_work():
-                self._guarded(lambda _: self.backward_done(), OpCall(name, func, (), {}, None))
+                self._guarded(lambda _: self._backward_finished(), OpCall(name, func, (), {}, None))
             return result
         if is_metadata_query(name):
             with contextlib.suppress(TypeError):  # unhashable callables keep taking this path
@@ -285,27 +302,76 @@ class OpTool:
             return _run_query(func, args, kwargs)
         decision = self._decisions.get(name)
         if decision is False:  # decided (and announced) at an earlier call on a device
-            return func(*args, **kwargs)
+            return self._run_unhandled(name, func, args, kwargs)
         device = call_device(args, kwargs, name)
         if device is None:  # the CPU is taken as correct
             return func(*args, **kwargs)
         if decision is None and not self._decide(name):
-            with contextlib.suppress(TypeError):  # unhashable callables keep taking this path
-                self._skipped.add(func)
-            return func(*args, **kwargs)
+            if not self.tracks_writes or call_writes(name).never:
+                with contextlib.suppress(TypeError):  # unhashable callables keep taking this path
+                    self._skipped.add(func)
+            return self._run_unhandled(name, func, args, kwargs)
         call = OpCall(name, func, args, kwargs, device, self.common.print_stack)
+        tracker = None
         with tool_work():
             if not self._guarded(self.before, call):
                 call.args, call.kwargs = args, kwargs
+            elif call.grad_inputs and self.after_call_backward is not None:
+                tracker = self._guarded_value(CallBackward, call, call.grad_inputs)  # edges before an in-place op
         if self.inner_node_backward is not None:
             call.first_node = _sequence_nr()
         call.result = self.run(call)
         with tool_work():
             self._guarded(self.after, call)
             result = call.result
+            if tracker is not None and call.grad_inputs:  # after() may have given up on the call's backward
+                self._guarded(self._attach_call_backward, call, tracker)
             if self.wants_backward():
                 self._guarded(register_backward_hooks, call, self)
         return result
+
+    def _run_unhandled(self, name: str, func, args: tuple, kwargs: dict):
+        result = func(*args, **kwargs)
+        if self.tracks_writes:
+            written = call_writes(name).written(args, kwargs)
+            if written:
+                with tool_work():
+                    self._guarded(lambda _: self.note_writes(written), OpCall(name, func, (), {}, None))
+        return result
+
+    def _attach_call_backward(self, call: OpCall, tracker: CallBackward) -> None:
+        def done(upstream: tuple, input_grads: tuple, complete: bool) -> None:
+            with self._lock:
+                self._open_backwards.discard(tracker)
+            with tool_work():
+                self._guarded(lambda c: self.after_call_backward(c, upstream, input_grads, complete), call)
+
+        def started(_) -> None:
+            with self._lock:
+                self._open_backwards.add(tracker)
+
+        why = tracker.attach(call.result, done, started)
+        call.grad_inputs = []
+        if why is not None:
+            self.call_backward_skipped(call, why)
+        elif not self.wants_backward():
+            call.release()  # the hooks hold the call: its outputs would keep their own graph alive
+
+    def call_backward_skipped(self, call: OpCall, why: str) -> None:
+        """The call's backward cannot be followed (``why``; '' when no output carries gradients)."""
+
+    def _backward_finished(self) -> None:
+        with self._lock:
+            open_ones, self._open_backwards = list(self._open_backwards), set()
+        for tracker in open_ones:
+            tracker.finish_incomplete()
+        self.backward_done()
+
+    def _guarded_value(self, make, call: OpCall, *extra):
+        """``make(*extra)``, or None after reporting its failure as ``_guarded`` does."""
+        out = []
+        self._guarded(lambda _: out.append(make(*extra)), call)
+        return out[0] if out else None
 
     def _decide(self, name: str) -> bool:
         decision = self._decisions.get(name)
