@@ -5,17 +5,23 @@ Layout (the original ditorch's)::
     <OP_TOOLS_RESULTS_DIR>/op_capture_results[/rank<N>]/<op name>/<pid>/<forward_id>/<timestamp>/
         input.pth  output.pth  grad_inputs.pth  grad_outputs.pth
 
-Each file is ``{"name", "args", "kwargs", "identifier"}`` with tensors copied to the CPU. A tensor
-already written unchanged (the same tensor object at the same version: a weight used by many ops,
-an activation saved as one op's output and the next op's input) is written once; later files hold a
-reference ``{"op_tools_ref": <file relative to this one>, "path": [...]}`` that ``load_op_args``
-resolves, so every file still loads on its own.
+Each file is ``{"name", "args", "kwargs", "identifier"}`` with tensors copied to the CPU; ``input.pth`` also
+holds ``"autocast": {"device_type", "dtype"}`` when the call ran under autocast, for the replay to re-enter.
+``grad_outputs.pth`` holds the gradients of the call's outputs and ``grad_inputs.pth`` those of its inputs that
+require grad (in argument order), once the call's whole backward ran.
+
+A tensor whose values were already written (a weight used by many ops, an activation saved as one op's output
+and the next op's input) is written once: the store knows tensors by their content (dtype, sizes, strides and a
+digest of their bytes, read after the copy to the host), so a tensor changed by any means, a kernel writing
+without bumping the version counter included, is never taken for its old value. Later files hold a reference
+``{"op_tools_ref": <file relative to this one>, "path": [...]}`` that ``load_op_args`` resolves, so every file
+still loads on its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import hashlib
 import os
 import threading
 import time
@@ -29,7 +35,7 @@ from .engine import OpCall, OpTool, feature
 
 REF_KEY = "op_tools_ref"
 MEMORY_FORMAT_KEY = "op_tools_memory_format"
-_KEY_ATTR = "_op_tools_capture_key"
+AUTOCAST_KEY = "autocast"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,12 +49,7 @@ class CaptureConfig:
 
 
 class TensorStore:
-    """Writes capture files, storing a tensor seen again unchanged only once.
-
-    A stored tensor is marked with a private attribute holding a key into this store (no weak
-    reference: those would make ``Module.to()`` fail to swap parameters); a match also needs the
-    same object id, version and data pointer, so a copy or a reused address is never mistaken for it.
-    """
+    """Writes capture files, storing a tensor whose content was already written only once (by reference)."""
 
     MAX_ENTRIES = 200_000
 
@@ -56,12 +57,11 @@ class TensorStore:
         self.dedup = dedup
         self.bytes_written = 0
         self.files_written = 0
-        self._seen: dict[int, tuple] = {}  # key -> (id, version, data_ptr, file, path in file)
-        self._keys = itertools.count(1)
+        self._seen: dict[tuple, tuple] = {}  # content key -> (file, path in file)
         self._lock = threading.Lock()
 
     def save(self, path: str, payload: dict) -> None:
-        fresh: list[tuple[torch.Tensor, list]] = []
+        fresh: list[tuple[tuple, list]] = []
         with torch.no_grad():
             encoded = self._encode(payload, [], path, fresh, {})
         size = reporting.save_torch(path, encoded)
@@ -69,18 +69,24 @@ class TensorStore:
             self.bytes_written += size
             self.files_written += 1
             if self.dedup:
-                for tensor, where in fresh:
-                    self._remember(tensor, path, where)
+                for key, where in fresh:
+                    self._seen.setdefault(key, (path, where))
+                while len(self._seen) > self.MAX_ENTRIES:  # forget the oldest: they are only stored again
+                    del self._seen[next(iter(self._seen))]
 
     def _encode(self, obj, where: list, path: str, fresh: list, copies: dict):
         if isinstance(obj, torch.Tensor):
-            ref = self._lookup(obj, path)
-            if ref is not None:
-                return ref
-            copy = copies.get(id(obj))
-            if copy is None:
-                copy = copies[id(obj)] = obj.detach().to("cpu")
-                fresh.append((obj, list(where)))
+            known = copies.get(id(obj))
+            if known is None:
+                copy = obj.detach().to("cpu")
+                known = copies[id(obj)] = (copy, content_key(copy) if self.dedup else None)
+            copy, key = known
+            if key is not None:
+                entry = self._seen.get(key)
+                if entry is not None:
+                    return {REF_KEY: os.path.relpath(entry[0], os.path.dirname(path)), "path": entry[1]}
+                if all(k != key for k, _ in fresh):
+                    fresh.append((key, list(where)))
             return copy
         if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
             items = [self._encode(v, [*where, i], path, fresh, copies) for i, v in enumerate(obj)]
@@ -95,43 +101,19 @@ class TensorStore:
             return obj
         return repr(obj)  # anything else is kept as text so that weights_only loading works
 
-    def _identity(self, tensor: torch.Tensor):
-        version = _version(tensor)
-        if version is None:
-            return None
-        try:
-            data_ptr = tensor.data_ptr()
-        except RuntimeError:
-            return None
-        return id(tensor), version, data_ptr
-
-    def _lookup(self, tensor: torch.Tensor, path: str):
-        if not self.dedup:
-            return None
-        entry = self._seen.get(getattr(tensor, _KEY_ATTR, None) or 0)
-        if entry is None or entry[:3] != self._identity(tensor):
-            return None
-        return {REF_KEY: os.path.relpath(entry[3], os.path.dirname(path)), "path": entry[4]}
-
-    def _remember(self, tensor: torch.Tensor, path: str, where: list) -> None:
-        identity = self._identity(tensor)
-        if identity is None:
-            return
-        key = next(self._keys)
-        try:
-            setattr(tensor, _KEY_ATTR, key)
-        except (AttributeError, TypeError):
-            return
-        self._seen[key] = (*identity, path, where)
-        if len(self._seen) > self.MAX_ENTRIES:  # forget the oldest: they are only stored again
-            del self._seen[next(iter(self._seen))]
 
 
-def _version(tensor: torch.Tensor):
-    try:
-        return tensor._version
-    except RuntimeError:  # inference tensors have no version counter
+def content_key(t: torch.Tensor) -> tuple | None:
+    """``(dtype, sizes, strides, offset, digest of the bytes)`` of a host tensor: equal keys, equal tensors."""
+    if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
         return None
+    flat = t.detach().contiguous().reshape(-1)
+    try:
+        data = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else b""
+    except (RuntimeError, TypeError):
+        return None
+    digest = hashlib.blake2b(data, digest_size=16).digest()
+    return t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), digest
 
 
 def load_op_args(path: str) -> dict:
@@ -166,6 +148,23 @@ def load_op_args(path: str) -> dict:
         return obj
 
     return resolve(load(path), path)
+
+
+def autocast_state(device: torch.device | None) -> dict | None:
+    """``{"device_type": "cuda", "dtype": "float16"}`` when autocast is on for ``device``'s type, else None."""
+    if device is None or not torch.is_autocast_enabled(device.type):
+        return None
+    return {"device_type": device.type, "dtype": str(torch.get_autocast_dtype(device.type)).removeprefix("torch.")}
+
+
+def _inputs_requiring_grad(args, kwargs) -> list:
+    from .arguments import iter_tensors
+
+    out = []
+    for t in (*iter_tensors(args), *iter_tensors(kwargs)):
+        if t.requires_grad and all(t is not u for u in out):
+            out.append(t)
+    return out
 
 
 # --- summary mode: PyTorch's operator input log format ---
@@ -223,9 +222,6 @@ class OpCapture(OpTool):
         self.store = TensorStore(self.settings.dedup)
         self.summary: dict[tuple[str, str], dict] = {}
 
-    def wants_backward(self) -> bool:
-        return self.settings.mode == "full"
-
     def before(self, call: OpCall) -> None:
         if self.settings.mode == "summary":
             self._record(call)
@@ -234,8 +230,13 @@ class OpCapture(OpTool):
         directory = reporting.results_path(self.common, self.results_folder, call.name, self.pid_folder,
                                            str(call.forward_id), stamp)
         call.state["dir"] = directory
-        self.store.save(os.path.join(directory, "input.pth"),
-                        {"name": call.name, "args": call.args, "kwargs": call.kwargs, "identifier": "input"})
+        payload = {"name": call.name, "args": call.args, "kwargs": call.kwargs, "identifier": "input"}
+        autocast = autocast_state(call.device)
+        if autocast is not None:
+            payload[AUTOCAST_KEY] = autocast
+        self.store.save(os.path.join(directory, "input.pth"), payload)
+        if torch.is_grad_enabled():  # its backward is saved once the call's whole backward ran
+            call.grad_inputs = _inputs_requiring_grad(call.args, call.kwargs)
 
     def after(self, call: OpCall) -> None:
         if self.settings.mode == "summary":
@@ -250,7 +251,7 @@ class OpCapture(OpTool):
                               + reporting.table(rows, reporting.ARG_COLUMNS).get_string()
                               + f"\nsaved {directory}")
 
-    def after_backward(self, call: OpCall, grad_inputs: tuple, grad_outputs: tuple) -> None:
+    def after_call_backward(self, call: OpCall, grad_outputs: tuple, grad_inputs: tuple, complete: bool) -> None:
         directory = call.state["dir"]
         for kind, grads in (("grad_inputs", grad_inputs), ("grad_outputs", grad_outputs)):
             self.store.save(os.path.join(directory, f"{kind}.pth"),

@@ -120,6 +120,10 @@ class DeviceMath:
     def __bool__(self) -> bool:
         return self.autocast_dtype is not None or bool(self.reduced)
 
+    def autocast_only(self) -> DeviceMath:
+        """The autocast part alone: what decides the dtypes an op returns."""
+        return self if not self.reduced else DeviceMath(self.autocast_dtype, (), self.policy)
+
     def describe(self) -> str:
         """``'autocast float16; TF32 for matmul, conv'`` for reports."""
         parts = []

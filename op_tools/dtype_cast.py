@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 
 from . import reporting
-from .arguments import iter_items, map_tensors
+from .arguments import iter_items, iter_tensors, map_tensors
 from .config import DTYPE_CAST_DICT
+from .device_math import DeviceMath, emulated
 from .engine import OpCall, OpTool, feature, tool_work
 from .naming import CONVERSIONS, VIEW_OPS
 
@@ -16,6 +18,10 @@ from .naming import CONVERSIONS, VIEW_OPS
 @feature("cast_dtype")
 class OpDtypeCast(OpTool):
     """Cast inputs whose dtype is in ``OP_DTYPE_CAST_DICT``, run, cast outputs back to the original dtype.
+
+    Under the user's autocast the widened op runs with autocast off (autocast would cast it back down), and each
+    output is cast to the dtype the op returns under that autocast (found by running the op on meta tensors
+    with the device's autocast policy, ``device_math``).
 
     >>> with op_tools.OpDtypeCast():   # default torch.float16->torch.float32,torch.bfloat16->torch.float32
     ...     y = torch.nn.functional.silu(x_fp16)      # computed in float32, returned as float16
@@ -47,7 +53,10 @@ class OpDtypeCast(OpTool):
             args, kwargs = map_tensors(call.args, widen), map_tensors(call.kwargs, widen)
         if not pairs:
             return call.func(*call.args, **call.kwargs)
-        result = call.func(*args, **kwargs)
+        math = DeviceMath.of(call.device).autocast_only()
+        expected = self._autocast_dtypes(call, math) if math else None
+        with torch.autocast(call.device.type, enabled=False) if math else contextlib.nullcontext():
+            result = call.func(*args, **kwargs)
         with tool_work():
             back = {wide.dtype: original.dtype for original, wide in pairs}
             originals = {id(wide): original for original, wide in pairs}
@@ -67,7 +76,11 @@ class OpDtypeCast(OpTool):
                     return t.to(back[t.dtype])
                 return t
 
-            out = map_tensors(result, narrow)
+            if expected is not None and len(expected) == len(list(iter_tensors(result))):
+                wanted = iter(expected)
+                out = map_tensors(result, lambda t: _returned(originals, t, next(wanted)))
+            else:
+                out = map_tensors(result, narrow)
             for (path, raw), (_, final) in zip(iter_items(reporting.as_tuple(result)),
                                                 iter_items(reporting.as_tuple(out))):
                 if isinstance(raw, torch.Tensor) and raw.dtype != final.dtype:
@@ -76,10 +89,29 @@ class OpDtypeCast(OpTool):
             call.state["rows"] = rows
             return out
 
+    @staticmethod
+    def _autocast_dtypes(call: OpCall, math: DeviceMath) -> list | None:
+        """The dtypes of the op's tensor outputs under the user's autocast, from a run on meta tensors."""
+        try:
+            with tool_work(), emulated(math):
+                meta_args = map_tensors(call.args, lambda t: t.to("meta"))
+                meta_kwargs = map_tensors(call.kwargs, lambda t: t.to("meta"))
+                return [t.dtype for t in iter_tensors(call.func(*meta_args, **meta_kwargs))]
+        except Exception:  # noqa: BLE001 - an op without a meta kernel: outputs take back the inputs' dtypes
+            return None
+
     def after(self, call: OpCall) -> None:
         rows = call.state.pop("rows", None)
         if rows and self.common.verbose:
             reporting.console(reporting.table(rows, ("name", "target", "action", "config")).get_string())
+
+
+def _returned(originals: dict, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What the op hands back for ``t``: the caller's tensor it wrote (in-place, out=), or ``t`` in ``dtype``."""
+    original = originals.get(id(t))
+    if original is not None:
+        return original
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _tensor_items(args, kwargs):

@@ -6,6 +6,7 @@ import torch
 
 from . import reporting
 from .arguments import map_tensors
+from .device_math import DeviceMath, emulated
 from .engine import OpCall, OpTool, feature, tool_work
 from .naming import CONVERSIONS, VIEW_OPS
 
@@ -83,7 +84,9 @@ class OpFallback(OpTool):
     """Run every handled op on the CPU (the list variables narrow it down); results come back on the device.
 
     If the CPU kernel rejects float16/bfloat16 the op runs in float32 and results are cast back.
-    In-place ops and ``out=`` update the device tensors; autograd flows through the CPU copies.
+    In-place ops and ``out=`` update the device tensors; autograd flows through the CPU copies. Under the user's
+    autocast the CPU run casts as the device's autocast would (``device_math``), so the op returns what it returns
+    on the device.
 
     >>> with op_tools.OpFallback():          # OP_FALLBACK_LIST=torch.nn.functional.silu narrows it
     ...     loss = model(x).sum(); loss.backward()
@@ -97,7 +100,7 @@ class OpFallback(OpTool):
         return name not in CONVERSIONS and name not in VIEW_OPS and not name.startswith("torch.Tensor.__get")
 
     def run(self, call: OpCall):
-        with tool_work():
+        with tool_work(), emulated(DeviceMath.of(call.device).autocast_only()):
             copies = CpuCopies()
             args, kwargs = copies.to_cpu(call.args), copies.to_cpu(call.kwargs)
             try:

@@ -18,6 +18,7 @@ is allowed by name (``allowed_modules``): a name in a file must not be able to c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -31,10 +32,13 @@ from typing import Any
 import torch
 
 from .arguments import iter_tensors, map_tensors
-from .capture import load_op_args
+from .capture import AUTOCAST_KEY, load_op_args
 from .comparison import ToleranceSpec, compare_outputs
-from .naming import function_from_name, is_inplace_op
+from .device_math import DeviceMath, emulated
+from .naming import function_from_name
+from .random_calls import random_reason
 from .time_measure import device_synchronizer
+from .writes import call_writes
 
 ENTRY_FILES = ("input.pth", "output.pth", "grad_inputs.pth", "grad_outputs.pth")
 
@@ -211,21 +215,31 @@ def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: 
     device_args, device_kwargs = on_device(args), on_device(kwargs)
     device_upstream = on_device(upstream)
     sync = _synchronizer(device)
-    inplace = is_inplace_op(name)
+    inplace = not call_writes(name).never  # every run writes copies of the captured values, never them
+    autocast = _autocast(data.get(AUTOCAST_KEY), device, result)
+    backward = options.backward
     first = None
     # With timing asked for, one untimed run first: the first call pays one-time costs (lazy init,
     # allocator growth, kernel selection) that would skew the mean of a few runs.
     warmup = 1 if options.time else 0
     for run in range(warmup + max(options.run_times, 1)):
-        call_args, call_kwargs, leaves = _prepare(device_args, device_kwargs, options.backward, inplace)
+        call_args, call_kwargs, leaves = _prepare(device_args, device_kwargs, backward, inplace)
         sync()
         start = time.perf_counter_ns()
-        output = func(*call_args, **call_kwargs)
+        try:
+            with autocast():
+                output = func(*call_args, **call_kwargs)
+        except RuntimeError as e:
+            if not (backward and "derivative for" in str(e) and "not implemented" in str(e)):
+                raise
+            backward = False  # an op without a gradient formula (GradScaler's _amp_update_scale_): forward only
+            result.notes.append("no backward: the op has no derivative")
+            continue
         sync()
         if run >= warmup:
             result.forward_ms.append((time.perf_counter_ns() - start) / 1e6)
         grads = None
-        if options.backward:
+        if backward:
             roots = [t for t in iter_tensors(output) if t.grad_fn is not None]
             if roots:
                 upstream_grads = _upstream(roots, device_upstream, result)
@@ -238,10 +252,16 @@ def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: 
                 grads = [leaf.grad for leaf in leaves]
         if first is None:
             first = (output, grads)
-    if options.backward and not result.backward_ms:
+    if backward and not result.backward_ms:
         result.notes.append("no backward: no output depends on a floating-point input")
     if options.acc_check:
-        _check(func, args, kwargs, upstream, inplace, first, saved_output, options, result)
+        reason = random_reason(name, args, kwargs)
+        if reason is not None:
+            result.notes.append("random draws: accuracy not checked (a rerun draws other numbers)")
+            return
+        with autocast():
+            math = DeviceMath.of(device)  # the replay device's declared math, under the captured autocast
+        _check(func, args, kwargs, upstream, inplace, first, saved_output, options, result, math)
         if any(not c["ok"] for c in result.checks):
             result.status = "mismatch"
 
@@ -299,22 +319,46 @@ def _upstream(roots: list, captured: tuple, result: ReplayResult) -> list:
 
 # --- accuracy: OpAutoCompare's verdict ---
 
-def _check(func, args, kwargs, upstream, inplace, first, saved_output, options, result) -> None:
+def _autocast(state: dict | None, device: torch.device, result: ReplayResult):
+    """A context re-entering the autocast a call was captured under (on the replay device), or none."""
+    if not state:
+        return contextlib.nullcontext
+    dtype = getattr(torch, str(state.get("dtype", "")), None)
+    if not isinstance(dtype, torch.dtype):
+        result.notes.append(f"captured under autocast with an unknown dtype {state.get('dtype')!r}: replayed without")
+        return contextlib.nullcontext
+    result.notes.append(f"replayed under autocast {state['dtype']}")
+    return functools.partial(torch.autocast, device.type, dtype=dtype)
+
+
+def _check(func, args, kwargs, upstream, inplace, first, saved_output, options, result,
+           math: DeviceMath | None = None) -> None:
     output, grads = first
     with_grad = grads is not None
     tolerance = ToleranceSpec.from_env()  # the user's AUTOCOMPARE_ERROR_TOLERANCE* variables, as OpAutoCompare
-    same_dtype = functools.partial(_cpu_run, func, args, kwargs, upstream, inplace, with_grad, None)
+
+    def same_dtype():  # the CPU in the device's dtypes, computing as the device declared (as OpAutoCompare)
+        with emulated(math or DeviceMath()):
+            return _cpu_run(func, args, kwargs, upstream, inplace, with_grad, None)
+
     try:
         reference = _cpu_run(func, args, kwargs, upstream, inplace, with_grad, torch.float64)
     except Exception as e:
         detail = f"the float64 CPU reference raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
         result.checks.append({"check": "vs cpu float64", "ok": False, "detail": detail})
         return
+    same_cache: list = []
+
+    def same():
+        if not same_cache:
+            same_cache.append(same_dtype())
+        return same_cache[0]
+
     result.checks.append(_verdict("output vs cpu float64", compare_outputs(
-        output, reference[0], lambda: same_dtype()[0], tolerance, op_name=result.name, prefix="output")))
+        output, reference[0], lambda: same()[0], tolerance, op_name=result.name, prefix="output")))
     if with_grad:
         result.checks.append(_verdict("grad vs cpu float64", compare_outputs(
-            grads, reference[1], lambda: same_dtype()[1], tolerance, op_name=result.name, prefix="grad")))
+            grads, reference[1], lambda: same()[1], tolerance, op_name=result.name, prefix="grad")))
     if saved_output is not None:
         saved = tuple(saved_output.get("args", ()))
         actual = tuple(output) if isinstance(output, (list, tuple)) else (output,)
