@@ -49,6 +49,18 @@ def parse_sim_faults(text: str) -> list:
     return parse_faults(text)
 
 
+def parse_sim_tf32(text: str) -> frozenset:
+    from .sim.tf32 import parse_families
+
+    return parse_families(text)
+
+
+def parse_sim_sdpa(text: str):
+    from .sim.attention import parse_algorithm
+
+    return parse_algorithm(text)
+
+
 @dataclasses.dataclass(frozen=True)
 class EnvVar:
     name: str
@@ -72,6 +84,13 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "How many sim devices `ditorch.sim.register()` creates.", parse_positive_int),
     EnvVar("DITORCH_SIM_FAULTS", "'pattern[@dtype]:kind' joined by ';' (see ditorch/sim/fault_injection.py)", "",
            "Faults the sim device injects into matching aten ops.", parse_sim_faults),
+    EnvVar("DITORCH_SIM_TF32", "0, 1 (both), or a comma list of matmul, conv", "0",
+           "Float32 op families the sim device computes with TF32 operands, as tensor cores do "
+           "(`torch.sim.matmul.allow_tf32`, `torch.sim.conv.allow_tf32`); off keeps sim bit-identical to the CPU.",
+           parse_sim_tf32),
+    EnvVar("DITORCH_SIM_SDPA", "math, or chunked[:<keys per block>]", "math",
+           "The algorithm of `scaled_dot_product_attention` on the sim device: PyTorch's math path, or a "
+           "flash-attention-style chunked online softmax through the fused-attention ops.", parse_sim_sdpa),
 )}
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 
+from .attention import SdpaAlgorithm, get_sdpa_algorithm, sdpa_algorithm, set_sdpa_algorithm  # noqa: F401
 from .fault_injection import (  # noqa: F401 - public API
     Fault,
     SimUnsupportedError,
@@ -33,28 +34,38 @@ def is_registered() -> bool:
     return bool(_libraries)
 
 
-def _device_count_from_env() -> int:
+def _read(name: str):
     from ..env import read  # declared with every other variable ditorch reads
 
-    return read(COUNT_VAR)
+    return read(name)
 
 
 def register() -> None:
     """Make ``sim`` a PyTorch device (PrivateUse1 renamed), with ``torch.sim`` as its module.
 
-    Idempotent. Reads ``DITORCH_SIM_DEVICE_COUNT`` and ``DITORCH_SIM_FAULTS``; raises
-    ``ValueError`` naming the variable when either is malformed, and ``RuntimeError`` when
-    PrivateUse1 already belongs to another backend.
+    Idempotent. Reads ``DITORCH_SIM_DEVICE_COUNT``, ``DITORCH_SIM_FAULTS``, ``DITORCH_SIM_TF32`` and
+    ``DITORCH_SIM_SDPA``; raises ``ValueError`` naming the variable when one is malformed, and
+    ``RuntimeError`` when PrivateUse1 already belongs to another backend.
     """
     with _lock:
         if _libraries:
             return
         import torch
 
-        from . import autocast, device_module, serialization, tensor
+        from . import (
+            attention,
+            autocast,
+            device_module,
+            foreach_path,
+            rnn_kernels,  # noqa: F401 - registers the fused RNN cells' kernels
+            serialization,
+            tensor,
+            tf32,
+        )
         from .fault_injection import load_from_env
+        from .kernels import REGISTERED_PER_OP
 
-        count = _device_count_from_env()
+        count, tf32_families, sdpa = _read(COUNT_VAR), _read(tf32.ENV_VAR), _read(attention.ENV_VAR)
         load_from_env()
         taken = torch._C._get_privateuse1_backend_name()
         if taken not in ("privateuseone", NAME):
@@ -67,11 +78,15 @@ def register() -> None:
         factories.fallback(_fallback, "PrivateUse1")
         # Paths that call ops with the Python key excluded (torch.tensor(data, device=...)) reach
         # per-op kernels only, never the fallback.
-        copies = torch.library.Library("aten", "IMPL")
-        for name in ("_copy_from", "_copy_from_and_resize", "copy_"):
-            copies.impl(name, _per_op(getattr(torch.ops.aten, name).default), "PrivateUse1")
-        _libraries.extend([factories, copies, *autocast.register(NAME)])
+        per_op = torch.library.Library("aten", "IMPL")
+        copies = [getattr(torch.ops.aten, name).default for name in ("_copy_from", "_copy_from_and_resize", "copy_")]
+        for op in copies + REGISTERED_PER_OP:  # and the ops sim has its own kernels for
+            per_op.impl(op, _per_op(op), "PrivateUse1")
+        _libraries.extend([factories, per_op, *autocast.register(NAME)])
         serialization.install()
+        foreach_path.install()
+        tf32.configure(tf32_families)
+        attention.SELECTED.set(sdpa)
 
 
 def _fallback(op, *args, **kwargs):

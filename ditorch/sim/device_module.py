@@ -24,6 +24,11 @@ from ..host_rng import (  # noqa: F401 - re-exported: the sim device draws from 
     set_rng_state_all,
 )
 from .tensor import MEMORY, _Device, raise_deferred_errors
+from .tf32 import FamilySwitch, float32_reduced_precision  # noqa: F401 - part of the device module
+
+# The sim device's own precision switches, as torch_npu has torch.npu.matmul.allow_hf32.
+matmul = FamilySwitch("matmul")
+conv = FamilySwitch("conv")
 
 _AMP_DTYPES = [torch.float16, torch.bfloat16]
 

@@ -1,11 +1,14 @@
-"""Fault injection for the sim device: make chosen aten ops fail, drift, or poison their outputs.
+"""Fault injection for the sim device: make chosen aten ops fail, drift, poison their outputs, or
+write without bumping version counters.
 
 A fault spec is ``pattern[@dtype]:kind`` with ``kind`` one of ``unsupported``, ``nan``, ``inf``,
-``noise=<relative error>`` or ``slow=<milliseconds>``; several specs are joined by ``;``.
-``pattern`` is a regular expression matched against the whole op name, with or without its
-overload (``mm``, ``add.Tensor``, ``aten::rsqrt``, ``.*``).
+``noise=<relative error>``, ``slow=<milliseconds>`` or ``unversioned``; several specs are joined
+by ``;``. ``pattern`` is a regular expression matched against the whole op name, with or without
+its overload (``mm``, ``add.Tensor``, ``aten::rsqrt``, ``.*``). ``unversioned`` makes matched
+in-place and ``out=`` ops leave the version counter of the sim tensors they write unchanged, as
+some kernels do on real hardware (see ``version_counter.py``).
 
-    DITORCH_SIM_FAULTS="mm:noise=1e-3;.*@float64:unsupported"
+    DITORCH_SIM_FAULTS="mm:noise=1e-3;.*@float64:unsupported;add_:unversioned"
 
     with ditorch.sim.faults("gelu:nan"):
         ...
@@ -23,9 +26,12 @@ import time
 import torch
 
 ENV_VAR = "DITORCH_SIM_FAULTS"
-FORM = "'pattern[@dtype]:kind' joined by ';', kind one of unsupported, nan, inf, noise=<rel>, slow=<ms>"
+FORM = ("'pattern[@dtype]:kind' joined by ';', kind one of unsupported, nan, inf, noise=<rel>, slow=<ms>, "
+        "unversioned")
 KINDS_WITH_VALUE = {"noise", "slow"}
-KINDS = {"unsupported", "nan", "inf"} | KINDS_WITH_VALUE
+KINDS = {"unsupported", "nan", "inf", "unversioned"} | KINDS_WITH_VALUE
+# Kinds applied by ADInplaceOrView kernels (version_counter.py), not by run_op.
+VERSION_KINDS = {"unversioned"}
 
 
 class SimUnsupportedError(RuntimeError):
@@ -101,9 +107,14 @@ class FaultTable:
 
     def set(self, faults: list[Fault]) -> None:
         with self._lock:
+            touches_versions = any(f.kind in VERSION_KINDS for f in (*self._faults, *faults))
             self._faults = list(faults)
             self._by_op = {}
-            self.active = bool(self._faults)
+            self.active = any(f.kind not in VERSION_KINDS for f in self._faults)
+            if touches_versions:
+                from .version_counter import WRITES
+
+                WRITES.apply(self._faults)
 
     def current(self) -> list[Fault]:
         return list(self._faults)
@@ -113,7 +124,7 @@ class FaultTable:
         if found is None:
             packet = func._schema.name.removeprefix("aten::")
             full = f"{packet}.{func._overloadname}"  # mm.default, add.Tensor
-            found = tuple(f for f in self._faults if f.matches_name(packet, full))
+            found = tuple(f for f in self._faults if f.kind not in VERSION_KINDS and f.matches_name(packet, full))
             self._by_op[func] = found
         return found
 

@@ -15,6 +15,7 @@ import torch
 from torch._C import DispatchKey, DispatchKeySet
 
 from . import fault_injection as _faults
+from .kernels import KERNELS as _KERNELS
 
 _CPU = torch.device("cpu")
 # The real device, also under ditorch's DITORCH_SHOW_DEVICE_AS_CUDA (which makes Tensor.device say cuda).
@@ -304,7 +305,8 @@ def run_op(func, args, kwargs):
             if active_faults:
                 dtypes = unwrapped.dtypes(kwargs)
                 _faults.TABLE.before(func, active_faults, dtypes)
-        out = func(*cpu_args, **cpu_kwargs)
+        kernel = _KERNELS.get(func, func)  # the device's own kernel, or the CPU's
+        out = kernel(*cpu_args, **cpu_kwargs)
     except Exception as error:
         if torch._C._current_graph_task_id() == -1:
             raise
@@ -340,7 +342,7 @@ class _DeferredErrors:
         with self._lock:
             self.errors.append((f"{func._schema.name}.{func._overloadname}", error))
         try:
-            out = func(*cpu_args, **cpu_kwargs)  # an injected fault stopped the op before it ran
+            out = _KERNELS.get(func, func)(*cpu_args, **cpu_kwargs)  # a fault stopped the op before it ran
         except Exception:
             to_meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
             meta = func(*torch.utils._pytree.tree_map(to_meta, cpu_args),

@@ -24,6 +24,8 @@ MALFORMED_BY_FORM = {
     "one of npu, mlu": "tpu",
     "a positive integer": "0",
     "'pattern[@dtype]:kind'": "mm:boom",
+    "0, 1 (both), or a comma list of matmul, conv": "gemm",
+    "math, or chunked": "flash",
 }
 
 # Which tool reads an op_tools variable when it starts: by the variable's name.
