@@ -241,6 +241,7 @@ class OpAutoCompare(OpTool):
         ref_out = (reference.result, *[reference.mapped[id(host_of[id(t)])] for t in extra])
         if not passed or self.common.verbose:
             self._print_forward(call, reference, comparisons, location, passed)
+        state["grad_snaps"] = [host_of[id(t)] for t in call.grad_inputs]
         if not passed:
             self._save(call.name, call.forward_id, state, device_out, ref_out, reference)
             state["saved_forward"] = True
@@ -249,7 +250,6 @@ class OpAutoCompare(OpTool):
             return
         # Kept for the backward: the CPU reference graph and what a failure report would save.
         state.update(ref=reference, device_out=device_out, ref_out=ref_out,
-                     grad_snaps=[host_of[id(t)] for t in call.grad_inputs],
                      owned={id(host_of[id(t)]) for t in written if id(t) in host_of})
         self._pending[call.forward_id] = call
 
@@ -441,8 +441,11 @@ class OpAutoCompare(OpTool):
                 time.strftime("%Y-%m-%d-%H-%M-%S", time.localtime()))
         if not state.get("saved_forward"):
             cast = self.settings.casts.get(op_key(name), DEFAULT_REFERENCE_CAST)
-            ref_args, ref_kwargs = recast(state["cpu_args"], cast), recast(state["cpu_kwargs"], cast)
-            for side, args, kwargs, out in (("device", state["cpu_args"], state["cpu_kwargs"], device_out),
+            # the inputs whose gradients were compared are saved requiring grad: the replay runs their backward
+            marked = {id(h) for h in state.get("grad_snaps", ())}
+            device_args, device_kwargs = (_marked(state[k], marked) for k in ("cpu_args", "cpu_kwargs"))
+            ref_args, ref_kwargs = recast(device_args, cast), recast(device_kwargs, cast)
+            for side, args, kwargs, out in (("device", device_args, device_kwargs, device_out),
                                             ("cpu", ref_args, ref_kwargs, ref_out)):
                 self._write(base, side, "input", name, args, kwargs)
                 self._write(base, side, "output", name, _flat_out(out), {})
@@ -521,6 +524,13 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.is_floating_point() or a.is_complex():
         return bool(((a == b) | (a.isnan() & b.isnan())).all())
     return False
+
+
+def _marked(obj, marked: set):
+    """``obj`` with the tensors whose id is in ``marked`` as new leaves requiring grad (for a saved call)."""
+    if not marked:
+        return obj
+    return map_tensors(obj, lambda t: t.detach().requires_grad_() if id(t) in marked else t)
 
 
 def _flat_out(out) -> tuple:

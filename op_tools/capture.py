@@ -79,6 +79,8 @@ class TensorStore:
             known = copies.get(id(obj))
             if known is None:
                 copy = obj.detach().to("cpu")
+                if obj.requires_grad:  # kept, for the replay to know which inputs take gradients
+                    copy.requires_grad_()
                 known = copies[id(obj)] = (copy, content_key(copy) if self.dedup else None)
             copy, key = known
             if key is not None:
@@ -113,7 +115,7 @@ def content_key(t: torch.Tensor) -> tuple | None:
     except (RuntimeError, TypeError):
         return None
     digest = hashlib.blake2b(data, digest_size=16).digest()
-    return t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), digest
+    return t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), t.requires_grad, digest
 
 
 def load_op_args(path: str) -> dict:

@@ -37,6 +37,7 @@ from .comparison import ToleranceSpec, compare_outputs
 from .device_math import DeviceMath, emulated
 from .naming import function_from_name
 from .random_calls import random_reason
+from .reference import DEFAULT_CAST, attempts_for
 from .time_measure import device_synchronizer
 from .writes import call_writes
 
@@ -253,7 +254,7 @@ def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: 
         if first is None:
             first = (output, grads)
     if backward and not result.backward_ms:
-        result.notes.append("no backward: no output depends on a floating-point input")
+        result.notes.append("no backward: no output depends on an input that required grad when captured")
     if options.acc_check:
         reason = random_reason(name, args, kwargs)
         if reason is not None:
@@ -292,12 +293,12 @@ def _synchronizer(device: torch.device):
 
 
 def _prepare(args, kwargs, with_grad: bool, inplace: bool):
-    """Fresh inputs for one run: floating tensors become leaves requiring grad (for backward); an in-place op gets
-    copies, so that every run sees the captured values and a leaf is never written in place."""
+    """Fresh inputs for one run: the tensors that required grad when captured become leaves (for backward); an op
+    that writes an argument gets copies, so that every run sees the captured values and a leaf is never written."""
     leaves: list[torch.Tensor] = []
 
     def fresh(t: torch.Tensor) -> torch.Tensor:
-        if with_grad and (t.is_floating_point() or t.is_complex()):
+        if with_grad and t.requires_grad and (t.is_floating_point() or t.is_complex()):
             leaf = t.detach().clone().requires_grad_(True)
             leaves.append(leaf)
             return leaf.clone() if inplace else leaf
@@ -339,12 +340,20 @@ def _check(func, args, kwargs, upstream, inplace, first, saved_output, options, 
 
     def same_dtype():  # the CPU in the device's dtypes, computing as the device declared (as OpAutoCompare)
         with emulated(math or DeviceMath()):
-            return _cpu_run(func, args, kwargs, upstream, inplace, with_grad, None)
+            return _cpu_run(func, args, kwargs, upstream, inplace, with_grad, {})
 
-    try:
-        reference = _cpu_run(func, args, kwargs, upstream, inplace, with_grad, torch.float64)
-    except Exception as e:
-        detail = f"the float64 CPU reference raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    reference, error = None, None
+    for cast, note in attempts_for(DEFAULT_CAST):  # float64; float32 or the device's dtype where the CPU lacks it
+        try:
+            reference = _cpu_run(func, args, kwargs, upstream, inplace, with_grad, cast)
+        except Exception as e:  # noqa: BLE001 - the next cast, or the error reported below
+            error = e
+            continue
+        if note:
+            result.notes.append(note)
+        break
+    if reference is None:
+        detail = f"the float64 CPU reference raised {type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
         result.checks.append({"check": "vs cpu float64", "ok": False, "detail": detail})
         return
     same_cache: list = []
@@ -366,9 +375,9 @@ def _check(func, args, kwargs, upstream, inplace, first, saved_output, options, 
             actual, saved, None, tolerance, op_name=result.name, prefix="output")))
 
 
-def _cpu_run(func, args, kwargs, upstream, inplace, with_grad, dtype):
-    """The op on the CPU, its floating inputs in ``dtype`` (``None``: their own): (output, input grads)."""
-    convert = functools.partial(map_tensors, fn=lambda t: _to_cpu(t, dtype))
+def _cpu_run(func, args, kwargs, upstream, inplace, with_grad, cast: dict):
+    """The op on the CPU, its inputs' dtypes through ``cast``: (output, input grads)."""
+    convert = functools.partial(map_tensors, fn=lambda t: _to_cpu(t, cast))
     call_args, call_kwargs, leaves = _prepare(convert(args), convert(kwargs), with_grad, inplace)
     output = func(*call_args, **call_kwargs)
     if not with_grad:
@@ -379,11 +388,10 @@ def _cpu_run(func, args, kwargs, upstream, inplace, with_grad, dtype):
     return output, [leaf.grad for leaf in leaves]
 
 
-def _to_cpu(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    t = t.detach().to("cpu")
-    if dtype is None or not (t.is_floating_point() or t.is_complex()):
-        return t
-    return t.to(torch.complex128 if t.is_complex() else dtype)
+def _to_cpu(t: torch.Tensor, cast: dict) -> torch.Tensor:
+    """``t`` on the CPU, its dtype through ``cast``, a new tensor requiring grad where ``t`` did."""
+    cpu = t.detach().to(device="cpu", dtype=cast.get(t.dtype, t.dtype))
+    return cpu.requires_grad_() if t.requires_grad else cpu
 
 
 def _verdict(check: str, comparisons: list) -> dict:
