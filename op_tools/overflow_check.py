@@ -61,7 +61,7 @@ def nonfinite_flags(tensors: list[torch.Tensor]) -> list[bool]:
             by_device.setdefault(t.device, []).append(i)
     with torch.no_grad():
         for indices in by_device.values():
-            largest = torch._foreach_norm([tensors[i].detach() for i in indices], _INF)
+            largest = torch._foreach_norm([tensors[i] for i in indices], _INF)  # no_grad: no graph, no detach
             for i, value in zip(indices, torch.stack(largest).cpu().tolist()):
                 flags[i] = not math.isfinite(value)
     return flags
@@ -69,7 +69,7 @@ def nonfinite_flags(tensors: list[torch.Tensor]) -> list[bool]:
 
 def _statistics(t: torch.Tensor) -> torch.Tensor:
     """``[all finite, min, max, mean, std, norm]`` of ``t`` as one device tensor (float32, or float64 for float64)."""
-    wide = t.detach()
+    wide = t  # called under no_grad
     if not wide.is_floating_point() or wide.element_size() < 4:
         wide = wide.float()
     return torch.stack([torch.isfinite(wide).all().to(wide.dtype), wide.min(), wide.max(), wide.mean(),

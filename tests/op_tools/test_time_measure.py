@@ -197,7 +197,8 @@ def test_pending_spans_are_read_in_batches_and_all_at_stop(sim, monkeypatch):
     assert [n for n, _ in seen] == [0, 0, 0, 0, 3, 3, 3, 6, 6, 6]  # three at a time once more than 4 wait
     assert max(p for _, p in seen) <= 4
     assert len(timer.measurements.records) == 10 and not timer.measurements.pending
-    assert [r.forward_id for r in timer.measurements.records] == sorted(r.forward_id for r in timer.measurements.records)
+    ids = [r.forward_id for r in timer.measurements.records]
+    assert ids == sorted(ids)
 
 
 def test_each_timed_call_is_a_named_range_in_a_running_profiler(sim):
