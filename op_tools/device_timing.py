@@ -82,14 +82,18 @@ class EventClock:
         self._make_event = make_event
         self._current_stream = current_stream
         self._free: list = []
-        # The origin: an event waited for once, so that its device time is (about) this host instant. It is also
-        # the probe: a backend whose events cannot time raises here, and the caller falls back to synchronising.
-        origin = make_event()
-        origin.record(self.stream())
-        origin.synchronize()
+        # The origin: an event waited for once, so that its device time is (about) this host instant. With a second
+        # event it is also the probe: a backend whose events cannot time raises here, and the caller falls back to
+        # synchronising.
+        stream = self.stream()
+        origin, probe = make_event(), make_event()
+        origin.record(stream)
+        probe.record(stream)
+        probe.synchronize()
         self.origin_ns = time.perf_counter_ns()
-        origin.elapsed_time(origin)
+        origin.elapsed_time(probe)
         self._origin = origin
+        self._free.append(probe)
 
     def stream(self):
         return None if self._current_stream is None else self._current_stream(self.device)

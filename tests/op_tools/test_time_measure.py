@@ -66,7 +66,8 @@ def _check_llama_step(timer, wall, tmp_path):
     assert len({e["args"]["forward_id"] for e in forward}) == len(forward)  # one span per call
     # One thread runs the forward calls one after another: their spans follow one another, in call order.
     forward.sort(key=lambda e: e["args"]["forward_id"])
-    assert all(a["ts"] + a["dur"] <= b["ts"] + 1.0 for a, b in zip(forward, forward[1:]))  # µs (rounding)
+    # µs; events read to about 0.5 µs on a GPU
+    assert all(a["ts"] + a["dur"] <= b["ts"] + 2.0 for a, b in zip(forward, forward[1:]))
 
     (calls_file,) = _result_files(tmp_path, "info")
     with open(calls_file, newline="") as f:
@@ -147,7 +148,7 @@ def test_calls_are_timed_with_events_on_the_stream_and_no_synchronisation_per_ca
     m = timer.measurements
     assert synchronised == []  # not once: the events are waited for, the device never is
     assert all(s is torch.sim.current_stream(sim) for s in recorded)  # on the op's stream
-    assert len(recorded) == 1 + 2 * (len(m.records) + len(m.backward_spans))  # the origin, then two per span
+    assert len(recorded) == 2 + 2 * (len(m.records) + len(m.backward_spans))  # the origin and probe, two per span
     assert [r.name for r in m.records[:3]] == ["torch.nn.functional.linear", "torch.Tensor.relu", "torch.Tensor.sum"]
     assert len(m.records) == 15 and all(r.forward_ns > 0 for r in m.records)
     assert len(m.backward_spans) == 15 and all(duration > 0 for _, _, duration, _ in m.backward_spans)
@@ -256,5 +257,8 @@ for _ in range(3):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_llama_step_on_cuda(tmp_path):
+    from op_tools.device_timing import EventClock
+
     timer, wall = _timed_llama_step("cuda", tmp_path)
     _check_llama_step(timer, wall, tmp_path)
+    assert all(type(clock) is EventClock for clock in timer._clocks.values())  # CUDA's events, not synchronising
