@@ -118,7 +118,7 @@ class EventClock:
 
 def _event_makers(device: torch.device):
     """Ways to make timing events on ``device``, best first: the device module's ``Event`` (``torch.cuda.Event``,
-    ``torch.npu.Event``, ``torch.sim.Event``), then ``torch.Event`` (PyTorch >= 2.4; on Python PrivateUse1
+    ``torch.npu.Event``, ``torch.sim.Event``), then ``torch.Event`` (recent PyTorch; on Python PrivateUse1
     backends it cannot synchronise, hence second)."""
     module = getattr(torch, device.type, None)
     event_class = getattr(module, "Event", None)

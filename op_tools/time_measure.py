@@ -50,6 +50,11 @@ _profiler_enabled = torch._C._autograd._profiler_enabled
 _HOST = HostClock()
 
 
+def _start_on_current_stream(clock) -> tuple:
+    stream = clock.stream()
+    return stream, clock.mark(stream)
+
+
 class _CallRecord:
     __slots__ = ("name", "forward_id", "start_ns", "forward_ns", "backward_ns", "thread", "input", "output",
                  "grad_inputs", "grad_outputs")
@@ -267,10 +272,13 @@ class OpTimeMeasure(OpTool):
         self._clocks: dict[torch.device, object] = {}
         self.written: dict[str, str] = {}
 
-    def _attempt(self, call: OpCall, step, *args):
-        """``step(*args)`` in tool work; where it fails, ``None`` (reported once per op; raised under STRICT)."""
+    def _attempt(self, call: OpCall, step, *args, calls_torch: bool = True):
+        """``step(*args)``; where it fails, ``None`` (reported once per op; raised under OP_TOOLS_STRICT=1). In tool
+        work if it ``calls_torch`` (a backend's synchronize may: those calls are never user ops)."""
         try:
-            with tool_work():  # a backend's synchronize may call into torch; it is never a user op
+            if not calls_torch:
+                return step(*args)
+            with tool_work():
                 return step(*args)
         except Exception as error:
             if self.common.strict:
@@ -286,32 +294,26 @@ class OpTimeMeasure(OpTool):
                                                  or HostClock())
         return clock
 
-    def _mark(self, clock, call: OpCall, stream):
-        """``clock.mark(stream)``, or ``None`` where it fails (reported)."""
-        if type(clock) is EventClock:  # recording an event calls no torch function: no tool work needed
-            try:
-                return clock.mark(stream)
-            except Exception:  # reported by the slow path below, if it fails again
-                pass
-        return self._attempt(call, clock.mark, stream)
+    def _start(self, clock, call: OpCall) -> tuple:
+        """``(clock, stream, mark)``: a span started on the stream current for the call's device on this thread;
+        where ``clock`` fails (reported), the host clock."""
+        started = self._attempt(call, _start_on_current_stream, clock, calls_torch=type(clock) is not EventClock)
+        return (_HOST, None, _HOST.mark()) if started is None else (clock, *started)
 
-    def _start(self, clock, call: OpCall, stream=None) -> tuple:
-        """``(clock, mark)`` starting a span; where ``clock`` fails (reported), the host clock and its mark."""
-        mark = self._mark(clock, call, stream)
-        return (_HOST, _HOST.mark()) if mark is None else (clock, mark)
+    def _end(self, clock, call: OpCall, stream):
+        """The mark ending a span started on ``stream``, or ``None`` where ``clock`` fails (reported)."""
+        return self._attempt(call, clock.mark, stream, calls_torch=type(clock) is not EventClock)
 
     def run(self, call: OpCall):
-        clock = self._clock(call)
         span_range = None
         if _profiler_enabled():  # a named range in torch.profiler's trace
             with tool_work():
                 span_range = record_function(call.name)
                 span_range.__enter__()
         try:
-            stream = clock.stream()
-            clock, start = self._start(clock, call, stream)
+            clock, stream, start = self._start(self._clock(call), call)
             result = call.func(*call.args, **call.kwargs)
-            end = self._mark(clock, call, stream)
+            end = self._end(clock, call, stream)
         finally:
             if span_range is not None:
                 with tool_work():
@@ -345,14 +347,14 @@ class OpTimeMeasure(OpTool):
     def before_backward(self, call: OpCall, grad_outputs: tuple) -> None:
         if "span" not in call.state or call.state["measurements"].closed:
             return
-        call.state["backward_start"] = self._start(call.state["clock"], call)
+        call.state["backward_start"] = self._start(call.state["clock"], call)  # autograd set the node's stream
 
     def after_backward(self, call: OpCall, grad_inputs: tuple, grad_outputs: tuple) -> None:
         started = call.state.pop("backward_start", None)
         if started is None or call.state["measurements"].closed:
             return
-        clock, start = started
-        end = self._mark(clock, call, None)
+        clock, stream, start = started
+        end = self._end(clock, call, stream)
         if end is None:
             return
         record: _CallRecord = call.state["span"].record
