@@ -51,6 +51,21 @@ def _checked(t: torch.Tensor) -> bool:
     return t.is_floating_point() and t.layout == torch.strided and t.numel() > 0
 
 
+_no_foreach_norm: set[str] = set()  # device types whose backend lacks _foreach_norm(..., inf)
+
+
+def _largest_magnitudes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``max |t|`` of each tensor, on its device: inf or nan exactly where ``t`` holds one (no overflow possible).
+    One fused kernel where the backend has ``_foreach_norm``, one reduction per tensor otherwise."""
+    device_type = tensors[0].device.type
+    if device_type not in _no_foreach_norm:
+        try:
+            return list(torch._foreach_norm(tensors, _INF))
+        except (RuntimeError, NotImplementedError):
+            _no_foreach_norm.add(device_type)
+    return [t.abs().max() for t in tensors]  # max propagates nan
+
+
 def nonfinite_flags(tensors: list[torch.Tensor]) -> list[bool]:
     """For each tensor, whether it holds inf or nan: the largest magnitude of every checked tensor, computed on
     its device by one fused reduction and read back in one transfer per device (the host synchronisation)."""
@@ -59,9 +74,9 @@ def nonfinite_flags(tensors: list[torch.Tensor]) -> list[bool]:
     for i, t in enumerate(tensors):
         if _checked(t):
             by_device.setdefault(t.device, []).append(i)
-    with torch.no_grad():
+    with torch.no_grad():  # no graph, hence no detach
         for indices in by_device.values():
-            largest = torch._foreach_norm([tensors[i] for i in indices], _INF)  # no_grad: no graph, no detach
+            largest = _largest_magnitudes([tensors[i] for i in indices])
             for i, value in zip(indices, torch.stack(largest).cpu().tolist()):
                 flags[i] = not math.isfinite(value)
     return flags

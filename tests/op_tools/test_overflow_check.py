@@ -161,3 +161,16 @@ def test_statistics_keep_the_values_of_the_original_computation(sim):
         assert finite_row["std"] == wide.std(correction=0).item()
         assert (ints["min"], ints["max"], ints["mean"]) == (0.0, 3.0, 1.5)
         assert empty == {"name": "e", "inf_or_nan": False}
+
+
+def test_a_backend_without_foreach_norm_is_checked_tensor_by_tensor(sim, monkeypatch):
+    import ditorch.sim
+
+    def unsupported(*args, **kwargs):
+        raise NotImplementedError("_foreach_norm is not implemented for this backend")
+
+    monkeypatch.setattr(torch, "_foreach_norm", unsupported)
+    monkeypatch.setattr("op_tools.overflow_check._no_foreach_norm", set())
+    with ditorch.sim.faults("silu:nan"), op_tools.OpOverflowCheck() as check:
+        train_llama(sim, steps=1)
+    assert (check.first_overflow.name, check.first_overflow.phase) == ("torch.nn.functional.silu", "forward")
