@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: install install-test demo test lint bench
+.PHONY: install install-test demo test lint bench gpu-check
 
 install:
 	bash scripts/install.sh
@@ -27,3 +27,8 @@ bench: install-test
 	$(PYTHON) benchmarks/time_measure_cost.py
 	$(PYTHON) benchmarks/overhead.py
 	$(PYTHON) benchmarks/capture_storage.py
+
+# On a machine with a CUDA GPU: the gpu-marked tests and the GPU benchmarks, one summary table at the end.
+# Installs nothing (a missing dependency is named); without a GPU it says so and exits 0.
+gpu-check:
+	bash scripts/gpu_check.sh

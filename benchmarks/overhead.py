@@ -16,6 +16,12 @@ Phase 1 alternates (a), (b), every (c) and every (c') in each round; phase 2 alt
 and process CPU time per step and their ratio to the (a) of the same phase.
 
     python benchmarks/overhead.py [--rounds 15] [--work-rounds 3] [--steps 3]
+
+On a GPU, the launch-bound step (Llama hidden 256, 4 layers, batch 8x128: the host's launches, not the kernels,
+set its pace, so a tool's per-call host work and synchronisations show in full), phase 2 only, with the targets
+(OpTimeMeasure <= 1.5x, OpOverflowCheck <= 3x) in its summary lines; without a CUDA GPU it says so and exits 0:
+
+    python benchmarks/overhead.py --device cuda --size launch-bound --work-only [--autocast bf16]
 """
 
 from __future__ import annotations
@@ -38,7 +44,6 @@ import torch  # noqa: E402
 from tiny_models import tiny_llama  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
-import ditorch.sim  # noqa: E402
 import op_tools  # noqa: E402
 
 TOOLS = {
@@ -52,6 +57,9 @@ TOOLS = {
 }
 UNUSED_OP = "torch.nn.functional.conv2d"  # a real function a Llama step never calls
 UNUSED_PATTERN = r"torch\.nn\.functional\.conv2d"
+# --size: hidden, layers, batch, sequence length
+SIZES = {"tiny": (64, 2, 2, 16), "launch-bound": (256, 4, 8, 128)}
+TARGETS = {"OpTimeMeasure": 1.5, "OpOverflowCheck": 3.0}  # on the launch-bound GPU step, x (a) in wall time
 
 
 class PassThrough(TorchFunctionMode):
@@ -73,14 +81,18 @@ class CountCalls(PassThrough):
         return func(*args, **(kwargs or {}))
 
 
-def make_step(device: str, hidden: int = 64, seq: int = 16):
+def make_step(device: str, hidden: int = 64, seq: int = 16, layers: int = 2, batch: int = 2,
+              autocast: torch.dtype | None = None):
+    """A Llama training step (forward, backward, AdamW step, ``loss.item()``) on ``device``, built once."""
     torch.manual_seed(0)
-    model = tiny_llama(hidden=hidden).to(device)
-    ids = torch.randint(0, 128, (2, seq)).to(device)
+    model = tiny_llama(hidden=hidden, layers=layers).to(device)
+    ids = torch.randint(0, 128, (batch, seq)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    device_type = torch.device(device).type
 
     def step() -> None:
-        loss = model(input_ids=ids, labels=ids).loss
+        with torch.autocast(device_type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -142,36 +154,69 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="training steps per round")
     parser.add_argument("--tools", default=",".join(TOOLS), help="comma-separated subset of " + ", ".join(TOOLS))
     parser.add_argument("--skip-only", action="store_true", help="phase 1 only")
-    parser.add_argument("--hidden", type=int, default=64, help="hidden size of the Llama (64: the tests' tiny one)")
-    parser.add_argument("--seq", type=int, default=16, help="sequence length of the batch (2 sequences)")
+    parser.add_argument("--work-only", action="store_true", help="phase 2 only")
+    parser.add_argument("--device", default="sim", help="sim (default) or cuda")
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny",
+                        help="tiny: hidden 64, 2 layers, batch 2x16; launch-bound: hidden 256, 4 layers, batch 8x128")
+    parser.add_argument("--hidden", type=int, help="hidden size of the Llama (default: the --size's)")
+    parser.add_argument("--seq", type=int, help="sequence length of the batch (default: the --size's)")
+    parser.add_argument("--autocast", choices=["bf16", "fp16"], help="run the step under torch.autocast")
     args = parser.parse_args()
     tools = [t for t in args.tools.split(",") if t]
+    hidden, layers, batch, seq = SIZES[args.size]
+    hidden, seq = args.hidden or hidden, args.seq or seq
+    if args.device == "sim":
+        import ditorch.sim
+
+        ditorch.sim.register()
+    elif torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        print(f"op_tools overhead on {args.device}: skipped: no CUDA GPU (torch.cuda.is_available() is False)")
+        return
     results = tempfile.mkdtemp(prefix="op_tools_overhead_")
     os.environ["OP_TOOLS_RESULTS_DIR"] = results
     os.environ["OP_TOOLS_VERBOSE"] = "0"
-    ditorch.sim.register()
-    step = make_step("sim", args.hidden, args.seq)
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.autocast)
+    step = make_step(args.device, hidden, seq, layers, batch, autocast)
     step()
     with CountCalls() as counter:
         step()
-    print(f"torch {torch.__version__}, sim device, {os.cpu_count()} cpus, Llama step (hidden {args.hidden}, 2 layers, "
-          f"batch 2x{args.seq}, AdamW): {counter.calls} torch calls per step, {args.steps} steps per round\n"
-          f"<name>: {UNUSED_OP} (the step never calls it); <pattern>: {UNUSED_PATTERN}")
+    device = torch.cuda.get_device_name() if torch.device(args.device).type == "cuda" else f"{args.device} device"
+    what = (f"Llama step (hidden {hidden}, {layers} layers, batch {batch}x{seq}, AdamW"
+            f"{', autocast ' + args.autocast if autocast else ''})")
+    print(f"torch {torch.__version__}, {device}, {os.cpu_count()} cpus, {what}: {counter.calls} torch calls per "
+          f"step, {args.steps} steps per round\n<name>: {UNUSED_OP} (the step never calls it); <pattern>: "
+          f"{UNUSED_PATTERN}")
     labels = {"none": "(a) no tool", "bare": "(b) bare TorchFunctionMode"}
     labels.update({f"skip:{t}": f"(c) {t}, LIST=<name>" for t in tools})
     labels.update({f"mode:{t}": f"(c') {t}, LIST=<pattern>" for t in tools})
     labels.update({f"work:{t}": f"(d) {t}, every op" for t in tools})
     try:
-        skip = measure(step, ["none", "bare", *(f"skip:{t}" for t in tools), *(f"mode:{t}" for t in tools)],
-                       args.rounds, args.steps)
-        report(f"phase 1: median of {args.rounds} alternating rounds (target for (c): x (a) <= 1.10)", skip, labels,
-               counter.calls)
+        if not args.work_only:
+            skip = measure(step, ["none", "bare", *(f"skip:{t}" for t in tools), *(f"mode:{t}" for t in tools)],
+                           args.rounds, args.steps)
+            report(f"phase 1: median of {args.rounds} alternating rounds (target for (c): x (a) <= 1.10)", skip,
+                   labels, counter.calls)
         if not args.skip_only:
             work = measure(step, ["none", *(f"work:{t}" for t in tools)], args.work_rounds, args.steps)
             report(f"phase 2: median of {args.work_rounds} alternating rounds, OP_TOOLS_VERBOSE=0", work, labels,
                    counter.calls)
+            targets = TARGETS if args.device.startswith("cuda") and args.size == "launch-bound" else {}
+            print_summary(work, f"{args.device} {args.size}{' ' + args.autocast if autocast else ''}", targets)
     finally:
         shutil.rmtree(results, ignore_errors=True)
+
+
+def print_summary(work: dict[str, tuple[float, float]], setting: str, targets: dict[str, float]) -> None:
+    """One ``summary:`` line per tool (collected by scripts/gpu_check.sh): its wall-time ratio, and its target."""
+    base_wall = work["none"][0]
+    for condition, (wall, _) in work.items():
+        if condition == "none":
+            continue
+        tool = condition.split(":")[1]
+        ratio = wall / base_wall
+        target = targets.get(tool)
+        verdict = f" (target <= {target}: {'met' if ratio <= target else 'NOT met'})" if target else ""
+        print(f"summary: overhead {setting}: {tool} {ratio:.2f}x the step without it{verdict}")
 
 
 if __name__ == "__main__":

@@ -156,6 +156,12 @@ OVERFLOW_CHECK_RAISE = declare(
     "OP_OVERFLOW_CHECK_RAISE", "0 or 1", "0",
     "1 raises OverflowDetectedError at the first op producing inf/nan from finite inputs.", parse_flag,
 )
+TIME_MEASURE_SYNC = declare(
+    "OP_TIME_MEASURE_SYNC", "0 or 1", "0",
+    "1 times each call between two synchronisations of its device (host clock) instead of with timing events "
+    "on its stream: the time of all work queued meanwhile, at the cost of a host synchronisation per call.",
+    parse_flag,
+)
 DTYPE_CAST_DICT = declare(
     "OP_DTYPE_CAST_DICT", "comma-separated 'torch.<dtype>->torch.<dtype>' pairs",
     "torch.float16->torch.float32,torch.bfloat16->torch.float32",

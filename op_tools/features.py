@@ -15,6 +15,11 @@ _patched: dict[str, tuple[Any, str, Any, str, Any]] = {}
 _lock = threading.Lock()
 
 
+class UnknownFeatureError(ValueError, AssertionError):
+    """``apply_feature`` with a feature name that no tool has. An ``AssertionError`` too: the original ditorch
+    asserted the name, and its scripts catch that."""
+
+
 def _as_list(ops) -> list:
     return list(ops) if isinstance(ops, (list, tuple, set)) else [ops]
 
@@ -42,7 +47,7 @@ def apply_feature(ops, feature: str, condition_func: Callable[..., bool] | None 
     """
     tool_class = FEATURES.get(feature)
     if tool_class is None:
-        raise ValueError(f"unknown feature {feature!r}; valid features: {', '.join(sorted(FEATURES))}")
+        raise UnknownFeatureError(f"unknown feature {feature!r}; valid features: {', '.join(sorted(FEATURES))}")
     if condition_func is not None and not callable(condition_func):
         raise ValueError("condition_func must be callable (or None)")
     targets = [_resolve(op) for op in _as_list(ops)]  # all resolve, or nothing is patched

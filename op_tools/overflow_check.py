@@ -3,11 +3,18 @@
 It names the first op, in execution order, whose outputs hold inf/nan while its inputs are finite
 (``tool.first_overflow``); with ``OP_OVERFLOW_CHECK_RAISE=1`` it raises ``OverflowDetectedError`` there (for
 an op found in backward: as ``backward()`` returns, since raising inside autograd's device threads is unsafe).
+
+Where the work runs: per handled call, one fused reduction on the device (the largest magnitude of every floating
+input and output, ``torch._foreach_norm(..., inf)``: inf or nan exactly where a tensor holds one) read back in one
+transfer: at most one host synchronisation per call, none once the first overflow is found. The statistics (min,
+max, mean, std, norm) are computed only for the call that overflows, or for every call when the per-call tables
+are printed (``OP_TOOLS_VERBOSE=1``): on the device, all of a call's tensors read back in one transfer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -17,6 +24,8 @@ from .config import OVERFLOW_CHECK_RAISE
 from .engine import OpCall, OpTool, OpToolsAbortError, feature
 
 STAT_COLUMNS = ("name", "inf_or_nan", "min", "max", "mean", "std", "norm")
+_STATISTICS = ("min", "max", "mean", "std", "norm")
+_INF = float("inf")
 
 
 class OverflowDetectedError(OpToolsAbortError):
@@ -35,22 +44,77 @@ class Overflow:
                 f"{self.location}")
 
 
-def tensor_stats(name: str, t: torch.Tensor) -> dict:
-    """inf/nan flag and min, max, mean, std, norm of ``t`` (computed in float32 or wider)."""
-    row = {"name": name, "inf_or_nan": False}
-    if t.numel() == 0 or t.is_complex():
-        return row
-    wide = t.detach()
+# --- on the device: a few reductions per tensor, one transfer per device ---
+
+def _checked(t: torch.Tensor) -> bool:
+    """Whether ``t`` can hold inf/nan and is checked: a non-empty, dense, real floating tensor."""
+    return t.is_floating_point() and t.layout == torch.strided and t.numel() > 0
+
+
+_no_foreach_norm: set[str] = set()  # device types whose backend lacks _foreach_norm(..., inf)
+
+
+def _largest_magnitudes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``max |t|`` of each tensor, on its device: inf or nan exactly where ``t`` holds one (no overflow possible).
+    One fused kernel where the backend has ``_foreach_norm``, one reduction per tensor otherwise."""
+    device_type = tensors[0].device.type
+    if device_type not in _no_foreach_norm:
+        try:
+            return list(torch._foreach_norm(tensors, _INF))
+        except (RuntimeError, NotImplementedError):
+            _no_foreach_norm.add(device_type)
+    return [t.abs().max() for t in tensors]  # max propagates nan
+
+
+def nonfinite_flags(tensors: list[torch.Tensor]) -> list[bool]:
+    """For each tensor, whether it holds inf or nan: the largest magnitude of every checked tensor, computed on
+    its device by one fused reduction and read back in one transfer per device (the host synchronisation)."""
+    flags = [False] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if _checked(t):
+            by_device.setdefault(t.device, []).append(i)
+    with torch.no_grad():  # no graph, hence no detach
+        for indices in by_device.values():
+            largest = _largest_magnitudes([tensors[i] for i in indices])
+            for i, value in zip(indices, torch.stack(largest).cpu().tolist()):
+                flags[i] = not math.isfinite(value)
+    return flags
+
+
+def _statistics(t: torch.Tensor) -> torch.Tensor:
+    """``[all finite, min, max, mean, std, norm]`` of ``t`` as one device tensor (float32, or float64 for float64)."""
+    wide = t  # called under no_grad
     if not wide.is_floating_point() or wide.element_size() < 4:
         wide = wide.float()
-    row["inf_or_nan"] = not bool(torch.isfinite(wide).all())
-    row.update(min=wide.min().item(), max=wide.max().item(), mean=wide.mean().item(),
-               std=wide.std(correction=0).item(), norm=wide.norm().item())
-    return row
+    return torch.stack([torch.isfinite(wide).all().to(wide.dtype), wide.min(), wide.max(), wide.mean(),
+                        wide.std(correction=0), wide.norm()])
 
 
-def stats_rows(prefix: str, values) -> list[dict]:
-    return [tensor_stats(prefix + path, v) for path, v in iter_items(tuple(values)) if isinstance(v, torch.Tensor)]
+def statistics_rows(named: list[tuple[str, torch.Tensor]]) -> list[dict]:
+    """``STAT_COLUMNS`` rows for ``(name, tensor)`` pairs, computed on the device and read back in one transfer per
+    device. Empty, complex and non-dense tensors get only ``inf_or_nan: False``."""
+    rows = [{"name": name, "inf_or_nan": False} for name, _ in named]
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    with torch.no_grad():
+        for i, (_, t) in enumerate(named):
+            if t.numel() and not t.is_complex() and t.layout == torch.strided:
+                by_device.setdefault(t.device, []).append((i, _statistics(t)))
+        for items in by_device.values():
+            values = torch.stack([v for _, v in items]).cpu().tolist()  # mixed float32/float64: promoted
+            for (i, _), (finite, *stats) in zip(items, values):
+                rows[i]["inf_or_nan"] = not finite
+                rows[i].update(zip(_STATISTICS, stats))
+    return rows
+
+
+def tensor_stats(name: str, t: torch.Tensor) -> dict:
+    """inf/nan flag and min, max, mean, std, norm of ``t`` (computed in float32 or wider)."""
+    return statistics_rows([(name, t)])[0]
+
+
+def named_tensors(prefix: str, values) -> list[tuple[str, torch.Tensor]]:
+    return [(prefix + path, v) for path, v in iter_items(tuple(values)) if isinstance(v, torch.Tensor)]
 
 
 @feature("overflow_check")
@@ -71,15 +135,16 @@ class OpOverflowCheck(OpTool):
         self._pending: Overflow | None = None
 
     def after(self, call: OpCall) -> None:
-        with torch.no_grad():
-            inputs = stats_rows(f"{call.name} input", tuple(call.args) + tuple(call.kwargs.values()))
-            outputs = stats_rows(f"{call.name} output", reporting.as_tuple(call.result))
-        if self.common.verbose:
+        verbose = self.common.verbose
+        if self.first_overflow is not None and not verbose:  # nothing more to find or to print
+            return
+        inputs = named_tensors(f"{call.name} input", tuple(call.args) + tuple(call.kwargs.values()))
+        outputs = named_tensors(f"{call.name} output", reporting.as_tuple(call.result))
+        header = reporting.header(call.name, call.forward_id, call.location)
+        if verbose:
             rows = reporting.call_rows(call.name, call.args, call.kwargs, call.result)
-            reporting.console(reporting.header(call.name, call.forward_id, call.location) + "\n"
-                              + reporting.table(rows, reporting.ARG_COLUMNS).get_string() + "\n"
-                              + reporting.table(inputs + outputs, STAT_COLUMNS).get_string())
-        self._check(call, inputs, outputs, "forward")
+            header += "\n" + reporting.table(rows, reporting.ARG_COLUMNS).get_string()
+        self._check(call, inputs, outputs, "forward", header if verbose else None)
 
     def after_backward(self, call: OpCall, grad_inputs: tuple, grad_outputs: tuple) -> None:
         self._check_gradients(call, grad_inputs, grad_outputs, self.common.verbose)
@@ -89,26 +154,43 @@ class OpOverflowCheck(OpTool):
         self._check_gradients(call, grad_inputs, grad_outputs, False)
 
     def _check_gradients(self, call: OpCall, grad_inputs: tuple, grad_outputs: tuple, print_table: bool) -> None:
-        with torch.no_grad():
-            ins = stats_rows(f"{call.name} grad_inputs", grad_inputs)
-            outs = stats_rows(f"{call.name} grad_outputs", grad_outputs)
-        if print_table:
-            reporting.console(reporting.header(call.name, call.forward_id, call.location, "backward") + "\n"
-                              + reporting.table(ins + outs, STAT_COLUMNS).get_string())
-        # Backward runs from grad_outputs (upstream) to grad_inputs.
-        self._check(call, outs, ins, "backward")
+        if self.first_overflow is not None and not print_table:
+            return
+        # Backward runs from grad_outputs (upstream) to grad_inputs; the table lists grad_inputs first.
+        self._check(call, named_tensors(f"{call.name} grad_outputs", grad_outputs),
+                    named_tensors(f"{call.name} grad_inputs", grad_inputs), "backward",
+                    reporting.header(call.name, call.forward_id, call.location, "backward") if print_table else None,
+                    results_first=True)
 
     def backward_done(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
             raise OverflowDetectedError(str(pending))
 
-    def _check(self, call: OpCall, sources: list[dict], results: list[dict], phase: str) -> None:
+    def _check(self, call: OpCall, sources: list, results: list, phase: str, table_header: str | None,
+               results_first: bool = False) -> None:
+        """Flag ``sources`` and ``results`` (``(name, tensor)`` pairs): all statistics, read in one transfer, when
+        ``table_header`` asks for the table; otherwise only the fused finiteness flags (one transfer)."""
+        ordered = results + sources if results_first else sources + results
+        if table_header is not None:
+            rows = statistics_rows(ordered)
+            reporting.console(table_header + "\n" + reporting.table(rows, STAT_COLUMNS).get_string())
+            flags = [row["inf_or_nan"] for row in rows]
+        elif not any(_checked(t) for _, t in results):  # no floating result: nothing can overflow here
+            return
+        else:
+            flags = nonfinite_flags([t for _, t in ordered])
+            rows = None
         if self.first_overflow is not None:
             return
-        if any(r["inf_or_nan"] for r in results) and not any(r["inf_or_nan"] for r in sources):
+        result_flags = flags[:len(results)] if results_first else flags[len(sources):]
+        source_flags = flags[len(results):] if results_first else flags[:len(sources)]
+        if any(result_flags) and not any(source_flags):
             self.first_overflow = Overflow(call.name, call.forward_id, phase, call.location)
-            reporting.console(f"\nOpOverflowCheck: {self.first_overflow}")
+            if rows is None:  # the statistics of this one call, to show what overflowed
+                rows = statistics_rows(ordered)
+            reporting.console(f"\nOpOverflowCheck: {self.first_overflow}\n"
+                              + reporting.table(rows, STAT_COLUMNS).get_string())
             if self.raise_on_overflow:
                 if phase == "backward":  # raised when backward() returns, on the caller's thread
                     self._pending = self.first_overflow

@@ -1,9 +1,13 @@
 """OpTimeMeasure: how long each handled call takes, forward and backward, on any device.
 
-Each call is timed between two synchronisations of its device, through the device's own module
-(``torch.cuda``, ``torch.npu``, ``torch.sim``, ...: ``getattr(torch, device.type).synchronize``), so
-the time is the op's whole work on the device, not the time to queue it. Backward is timed the same
-way around the autograd node of the call's outputs (the engine's backward hooks).
+Each call is timed as the device's profiler times it: a timing event is recorded on the op's stream before and
+after the call (``torch.cuda.Event``, ``torch.npu.Event``, ``torch.sim.Event``, ...; ``op_tools/device_timing.py``),
+and nothing waits for the device per call: the spans are read in batches, oldest first, when
+``MAX_PENDING`` of them are waiting, and at ``stop()``. Backward is timed the same way around the autograd node of
+the call's outputs (events recorded in the engine's backward hooks, on the stream current on autograd's thread).
+Where the device has no timing events, or with ``OP_TIME_MEASURE_SYNC=1``, each call is timed between two
+synchronisations of its device instead (the host clock: all the work queued meanwhile, finished). When
+``torch.profiler`` is running, each handled call is also a named range (``record_function``) in its trace.
 
 At ``stop()``, under ``<OP_TOOLS_RESULTS_DIR>/op_time_measure_result[/rank<N>]/``::
 
@@ -11,19 +15,23 @@ At ``stop()``, under ``<OP_TOOLS_RESULTS_DIR>/op_time_measure_result[/rank<N>]/`
     op_elasped_summary_pid<pid>_<time>.csv   one row per op name, sorted by total time
     op_elasped_trace_pid<pid>_<time>.json    Chrome trace events: open in https://ui.perfetto.dev
 
-Timing never changes what a run computes: synchronising only waits.
+Timing never changes what a run computes: events and synchronisations only observe.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import threading
 import time
 
 import torch
+from torch.autograd.profiler import record_function
 
 from . import reporting
+from .config import TIME_MEASURE_SYNC
+from .device_timing import EventClock, HostClock, clock_for, device_synchronizer  # noqa: F401 - device_synchronizer: replay's
 from .engine import OpCall, OpTool, feature, tool_work
 
 RESULTS_FOLDER = "op_time_measure_result"
@@ -33,39 +41,54 @@ SUMMARY_COLUMNS = ("name", "calls", "total_ms", "share", "forward_total_ms", "fo
                    "backward_calls", "backward_total_ms", "backward_mean_ms", "backward_max_ms")
 # Per-call rows kept for the CSV and the trace (about 0.5 KB each); past this only the per-op summary grows.
 MAX_CALL_RECORDS = 1_000_000
+# Spans waiting to be read. Past this many, the oldest RESOLVE_BATCH are read at once: recorded hundreds of calls
+# earlier, their events have almost always completed, so reading them seldom waits for the device.
+MAX_PENDING = 1024
+RESOLVE_BATCH = 512
 
-_synchronizers: dict[str, object] = {}
+_profiler_enabled = torch._C._autograd._profiler_enabled
+_HOST = HostClock()
 
 
-def device_synchronizer(device: torch.device):
-    """``synchronize(device)`` of the device's module (``torch.cuda``, ``torch.<vendor>``, ``torch.sim``), cached.
-
-    >>> device_synchronizer(torch.device("cuda", 0))   # doctest: +SKIP
-    <function synchronize at ...>
-    """
-    sync = _synchronizers.get(device.type)
-    if sync is None:
-        module = getattr(torch, device.type, None)
-        sync = getattr(module, "synchronize", None)
-        if not callable(sync):
-            raise RuntimeError(f"torch.{device.type} has no synchronize(): {device.type} times would be "
-                               "the time to queue work, not to run it")
-        _synchronizers[device.type] = sync
-    return sync
+def _start_on_current_stream(clock) -> tuple:
+    stream = clock.stream()
+    return stream, clock.mark(stream)
 
 
 class _CallRecord:
     __slots__ = ("name", "forward_id", "start_ns", "forward_ns", "backward_ns", "thread", "input", "output",
                  "grad_inputs", "grad_outputs")
 
-    def __init__(self, name: str, forward_id: int, start_ns: int, forward_ns: int, thread: int) -> None:
+    def __init__(self, name: str, forward_id: int, thread: int) -> None:
         self.name = name
         self.forward_id = forward_id
-        self.start_ns = start_ns
-        self.forward_ns = forward_ns
+        self.start_ns = 0
+        self.forward_ns: int | None = None  # set when its span is read
         self.backward_ns: int | None = None
         self.thread = thread
         self.input = self.output = self.grad_inputs = self.grad_outputs = ""
+
+
+class _Span:
+    """A call's forward or backward span: its clock's two marks until read, then ``(start_ns, duration_ns)``."""
+
+    __slots__ = ("record", "backward", "clock", "start", "end", "thread", "result")
+
+    def __init__(self, record: _CallRecord, backward: bool, clock, start, end, thread: int) -> None:
+        self.record = record
+        self.backward = backward
+        self.clock = clock
+        self.start = start
+        self.end = end
+        self.thread = thread
+        self.result: tuple[int, int] | None = None
+
+    def read(self) -> tuple[int, int]:
+        """``(start_ns, duration_ns)``; with timing events, waits for the end event if it has not completed."""
+        if self.result is None:
+            self.result = self.clock.span(self.start, self.end)
+            self.start = self.end = None
+        return self.result
 
 
 class _OpTotals:
@@ -77,39 +100,76 @@ class _OpTotals:
 
 
 class Measurements:
-    """What one ``start()``…``stop()`` measured: per-call records, backward spans and per-op totals."""
+    """What one ``start()``…``stop()`` measured: per-call records, backward spans and per-op totals.
+
+    Spans arrive unread (``add``) and are read in arrival order, ``RESOLVE_BATCH`` at a time once more than
+    ``MAX_PENDING`` wait, and all of them at ``resolve_all()`` (``stop()``): records and totals are complete then.
+    """
 
     def __init__(self) -> None:
         self.origin_ns = time.perf_counter_ns()
         self.records: list[_CallRecord] = []
         self.backward_spans: list[tuple[_CallRecord, int, int, int]] = []  # record, start, duration, thread
         self.totals: dict[str, _OpTotals] = {}
+        self.pending: collections.deque[_Span] = collections.deque()
         self.dropped = 0
+        self.unread = 0  # spans whose clock failed to read them
         self.closed = False
         self.lock = threading.RLock()  # re-entrant: a SIGTERM flush may interrupt the main thread holding it
 
-    def add_forward(self, record: _CallRecord) -> None:
+    def add(self, span: _Span) -> None:
         with self.lock:
-            totals = self.totals.get(record.name)
-            if totals is None:
-                totals = self.totals[record.name] = _OpTotals()
-            totals.calls += 1
-            totals.forward_ns += record.forward_ns
-            totals.forward_max = max(totals.forward_max, record.forward_ns)
-            if len(self.records) < MAX_CALL_RECORDS:
-                self.records.append(record)
-            else:
-                self.dropped += 1
+            if self.closed:  # a backward hook that ran past stop(): the files are written already
+                return
+            self.pending.append(span)
+            if len(self.pending) > MAX_PENDING:
+                self._resolve(RESOLVE_BATCH)
 
-    def add_backward(self, record: _CallRecord, start_ns: int, duration_ns: int, thread: int) -> None:
+    def resolve_all(self) -> None:
         with self.lock:
-            totals = self.totals[record.name]
-            totals.backward_calls += 1
-            totals.backward_ns += duration_ns
-            totals.backward_max = max(totals.backward_max, duration_ns)
-            record.backward_ns = (record.backward_ns or 0) + duration_ns
-            if len(self.backward_spans) < MAX_CALL_RECORDS:
-                self.backward_spans.append((record, start_ns, duration_ns, thread))
+            self._resolve(len(self.pending))
+
+    def _resolve(self, count: int) -> None:
+        """Read the ``count`` oldest spans; a span that cannot be read is counted and skipped, and the first such
+        error raised once the others are in (the tool reports it)."""
+        error = None
+        for _ in range(count):
+            span = self.pending.popleft()
+            try:
+                start, duration = span.read()
+            except Exception as e:
+                self.unread += 1
+                error = error or e
+                continue
+            record = span.record
+            if not span.backward:
+                record.start_ns, record.forward_ns = start, duration
+                self._add_forward(record)
+            elif record.forward_ns is not None:
+                self._add_backward(record, start, duration, span.thread)
+        if error is not None:
+            raise error
+
+    def _add_forward(self, record: _CallRecord) -> None:
+        totals = self.totals.get(record.name)
+        if totals is None:
+            totals = self.totals[record.name] = _OpTotals()
+        totals.calls += 1
+        totals.forward_ns += record.forward_ns
+        totals.forward_max = max(totals.forward_max, record.forward_ns)
+        if len(self.records) < MAX_CALL_RECORDS:
+            self.records.append(record)
+        else:
+            self.dropped += 1
+
+    def _add_backward(self, record: _CallRecord, start_ns: int, duration_ns: int, thread: int) -> None:
+        totals = self.totals[record.name]
+        totals.backward_calls += 1
+        totals.backward_ns += duration_ns
+        totals.backward_max = max(totals.backward_max, duration_ns)
+        record.backward_ns = (record.backward_ns or 0) + duration_ns
+        if len(self.backward_spans) < MAX_CALL_RECORDS:
+            self.backward_spans.append((record, start_ns, duration_ns, thread))
 
     # --- what stop() writes ---
 
@@ -167,10 +227,19 @@ _SHORT_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf
                  torch.int64: "i64", torch.int32: "i32", torch.bool: "b8", torch.uint8: "u8", torch.int8: "i8"}
 
 
+_described: dict[tuple, str] = {}  # (shape, dtype) -> text: a training step repeats a few hundred of them
+
+
 def describe(obj) -> str:
     """Shapes and dtypes of a call's values, cheap enough for every call: ``(T([2, 16], f32), 1.0)``."""
     if isinstance(obj, torch.Tensor):
-        return f"T({list(obj.shape)}, {_SHORT_DTYPES.get(obj.dtype) or str(obj.dtype)[6:]})"
+        key = (obj.shape, obj.dtype)
+        text = _described.get(key)
+        if text is None:
+            if len(_described) > 65536:  # shapes that keep changing: start over rather than grow
+                _described.clear()
+            text = _described[key] = f"T({list(obj.shape)}, {_SHORT_DTYPES.get(obj.dtype) or str(obj.dtype)[6:]})"
+        return text
     if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
         return "(" + ", ".join(describe(v) for v in obj) + ")"
     if isinstance(obj, dict):
@@ -185,7 +254,7 @@ def _ms(ns: float) -> float:
 
 @feature("measure_op_time")
 class OpTimeMeasure(OpTool):
-    """Time every handled call, forward and backward, between synchronisations of its device.
+    """Time every handled call, forward and backward, with timing events on its device's stream.
 
     >>> with op_tools.OpTimeMeasure() as timer:       # OP_TIME_MEASURE_LIST / OP_TIME_MEASURE_DISABLE_LIST
     ...     loss = model(x).sum(); loss.backward()
@@ -199,79 +268,120 @@ class OpTimeMeasure(OpTool):
 
     def configure(self) -> None:
         self.measurements = Measurements()
+        self.synchronise = TIME_MEASURE_SYNC.read()
+        self._clocks: dict[torch.device, object] = {}
         self.written: dict[str, str] = {}
 
-    def _sync(self, device: torch.device) -> None:
-        with tool_work():  # a backend's synchronize may call into torch; it is never a user op
-            device_synchronizer(device)(device)
+    def _attempt(self, call: OpCall, step, *args, calls_torch: bool = True):
+        """``step(*args)``; where it fails, ``None`` (reported once per op; raised under OP_TOOLS_STRICT=1). In tool
+        work if it ``calls_torch`` (a backend's synchronize may: those calls are never user ops)."""
+        try:
+            if not calls_torch:
+                return step(*args)
+            with tool_work():
+                return step(*args)
+        except Exception as error:
+            if self.common.strict:
+                raise
+            self.report_failure(call.name, error)
+            return None
+
+    def _clock(self, call: OpCall):
+        clock = self._clocks.get(call.device)
+        if clock is None:
+            # No timing events and no synchronize(): the host clock alone (the time to queue the work), reported.
+            clock = self._clocks[call.device] = (self._attempt(call, clock_for, call.device, self.synchronise)
+                                                 or HostClock())
+        return clock
+
+    def _start(self, clock, call: OpCall) -> tuple:
+        """``(clock, stream, mark)``: a span started on the stream current for the call's device on this thread;
+        where ``clock`` fails (reported), the host clock."""
+        started = self._attempt(call, _start_on_current_stream, clock, calls_torch=type(clock) is not EventClock)
+        return (_HOST, None, _HOST.mark()) if started is None else (clock, *started)
+
+    def _end(self, clock, call: OpCall, stream):
+        """The mark ending a span started on ``stream``, or ``None`` where ``clock`` fails (reported)."""
+        return self._attempt(call, clock.mark, stream, calls_torch=type(clock) is not EventClock)
 
     def run(self, call: OpCall):
-        measurements = self.measurements
-        call.state["measurements"] = measurements
-        if not self._guarded(self._sync_call, call):  # no synchronize: time the call unsynchronised
-            call.state["unsynchronised"] = True
-        start = time.perf_counter_ns()
-        result = call.func(*call.args, **call.kwargs)
-        if not call.state.get("unsynchronised"):
-            self._guarded(self._sync_call, call)
-        end = time.perf_counter_ns()
-        call.state["record"] = _CallRecord(call.name, call.forward_id, start, end - start, threading.get_ident())
+        span_range = None
+        if _profiler_enabled():  # a named range in torch.profiler's trace
+            with tool_work():
+                span_range = record_function(call.name)
+                span_range.__enter__()
+        try:
+            clock, stream, start = self._start(self._clock(call), call)
+            result = call.func(*call.args, **call.kwargs)
+            end = self._end(clock, call, stream)
+        finally:
+            if span_range is not None:
+                with tool_work():
+                    span_range.__exit__(None, None, None)
+        if end is not None:
+            record = _CallRecord(call.name, call.forward_id, threading.get_ident())
+            call.state["span"] = _Span(record, False, clock, start, end, record.thread)
+            call.state["clock"] = clock
+            call.state["measurements"] = self.measurements
         return result
 
-    def _sync_call(self, call: OpCall) -> None:
-        self._sync(call.device)
-
     def after(self, call: OpCall) -> None:
-        record: _CallRecord | None = call.state.get("record")
-        if record is None:
+        span: _Span | None = call.state.get("span")
+        if span is None:
             return
+        record = span.record
         record.input = describe(call.args) + (describe(call.kwargs) if call.kwargs else "")
         record.output = describe(call.result)
-        call.state["measurements"].add_forward(record)
-        if self.common.verbose:
-            rows = reporting.call_rows(call.name, call.args, call.kwargs, call.result)
-            timing = {"name": call.name, "forward_id": call.forward_id, "forward_elasped": _ms(record.forward_ns),
+        if self.common.verbose:  # the table needs this call's time now: the one wait per call of verbose mode
+            timing = {"name": call.name, "forward_id": call.forward_id, "forward_elasped": _ms(span.read()[1]),
                       "unit": "ms"}
+            rows = reporting.call_rows(call.name, call.args, call.kwargs, call.result)
             reporting.console(reporting.header(call.name, call.forward_id, call.location) + "\n"
                               + reporting.table(rows, reporting.ARG_COLUMNS).get_string() + "\n"
                               + reporting.table([timing]).get_string())
+        call.state["measurements"].add(span)
 
     def wants_backward(self) -> bool:
         return True
 
     def before_backward(self, call: OpCall, grad_outputs: tuple) -> None:
-        if call.state["measurements"].closed or "record" not in call.state:
+        if "span" not in call.state or call.state["measurements"].closed:
             return
-        if not call.state.get("unsynchronised"):
-            self._sync(call.device)
-        call.state["backward_start"] = time.perf_counter_ns()
+        call.state["backward_start"] = self._start(call.state["clock"], call)  # autograd set the node's stream
 
     def after_backward(self, call: OpCall, grad_inputs: tuple, grad_outputs: tuple) -> None:
-        start = call.state.pop("backward_start", None)
-        measurements: Measurements = call.state["measurements"]
-        if start is None or measurements.closed:
+        started = call.state.pop("backward_start", None)
+        if started is None or call.state["measurements"].closed:
             return
-        if not call.state.get("unsynchronised"):
-            self._sync(call.device)
-        duration = time.perf_counter_ns() - start
-        record: _CallRecord = call.state["record"]
+        clock, stream, start = started
+        end = self._end(clock, call, stream)
+        if end is None:
+            return
+        record: _CallRecord = call.state["span"].record
         record.grad_inputs = describe(grad_inputs)
         record.grad_outputs = describe(grad_outputs)
-        measurements.add_backward(record, start, duration, threading.get_ident())
+        span = _Span(record, True, clock, start, end, threading.get_ident())
         if self.common.verbose:
             rows = reporting.value_rows(f"{call.name} grad_outputs", grad_outputs)
             rows += reporting.value_rows(f"{call.name} grad_inputs", grad_inputs)
-            timing = {"name": call.name, "forward_id": call.forward_id, "backward_elasped": _ms(duration),
+            timing = {"name": call.name, "forward_id": call.forward_id, "backward_elasped": _ms(span.read()[1]),
                       "unit": "ms"}
             reporting.console(reporting.header(call.name, call.forward_id, call.location, "backward") + "\n"
                               + reporting.table(rows, reporting.ARG_COLUMNS).get_string() + "\n"
                               + reporting.table([timing]).get_string())
+        call.state["measurements"].add(span)
 
     def finish(self) -> None:
         measurements = self.measurements
         if measurements.closed:
             return
-        measurements.closed = True  # backward run after stop() is not measured: the files are written now
+        with measurements.lock:
+            try:
+                measurements.resolve_all()
+            except Exception as error:
+                reporting.logger.warning("OpTimeMeasure: %d spans could not be read (%s: %s)", measurements.unread,
+                                         type(error).__name__, error)
+            measurements.closed = True  # backward run after stop() is not measured: the files are written now
         if not measurements.totals:
             return
         with measurements.lock:
@@ -296,6 +406,8 @@ class OpTimeMeasure(OpTool):
                  reporting.table(summary, SUMMARY_COLUMNS).get_string()]
         if measurements.dropped:
             lines.append(f"{measurements.dropped} calls past the first {MAX_CALL_RECORDS} are in the summary only")
+        methods = sorted({clock.method for clock in self._clocks.values()})
+        lines.append(f"timed with {'; '.join(methods)}")
         lines.append(f"op elasped info saved to {self.written['calls']}\nsummary saved to {self.written['summary']}"
                      f"\ntrace saved to {self.written['trace']} (open it in https://ui.perfetto.dev or "
                      "chrome://tracing)")

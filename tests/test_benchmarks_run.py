@@ -17,6 +17,9 @@ SMALLEST = {
     "overhead.py": (["--rounds", "1", "--work-rounds", "1", "--steps", "1", "--tools", "OpCapture,OpAutoCompare"],
                     "(d) OpAutoCompare, every op"),
     "capture_storage.py": (["--rounds", "1"], "dedup writes"),
+    # skips without CUDA; with a GPU, one tiny op
+    "time_measure_vs_profiler.py": (["--rounds", "1", "--calls", "2", "--ops", "add"],
+                                    "OpTimeMeasure per-op forward time against torch.profiler's kernel time"),
 }
 
 

@@ -58,6 +58,13 @@ def test_unknown_feature_or_name_is_a_value_error_listing_valid_ones():
         op_tools.apply_feature("torch.no_such_function", "fallback")
 
 
+def test_a_misspelt_feature_is_an_assertion_error_as_in_the_original():
+    with pytest.raises(AssertionError, match="unknown feature 'falback'; valid features: .*fallback") as info:
+        op_tools.apply_feature("torch.add", feature="falback")
+    assert isinstance(info.value, ValueError)
+    assert torch.add.__module__ != __name__ and not hasattr(torch.add, "__op_tools_original__")  # nothing patched
+
+
 def test_a_later_opposite_decision_on_an_op_is_announced_too(sim, capsys, monkeypatch):
     monkeypatch.setenv("OP_TOOLS_VERBOSE", "1")
     monkeypatch.setenv("OP_OBSERVE_DISABLE_LIST", "torch.hypot")

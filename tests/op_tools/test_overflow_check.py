@@ -65,3 +65,112 @@ def test_statistics_table_has_the_original_columns(sim, capsys, monkeypatch):
     for column in ("inf_or_nan", "min", "max", "mean", "std", "norm"):
         assert f" {column} " in out
     assert check.first_overflow is None  # the input already held inf
+
+
+def _count_device_reads(monkeypatch) -> list:
+    """Each read of sim data by the host (a host synchronisation on a real device), appended as it happens: a scalar
+    read (``.item()``, ``bool()``) or a copy to the CPU, as aten ops reach the sim device's ``run_op``."""
+    import ditorch.sim.tensor
+
+    reads = []
+    real = ditorch.sim.tensor.run_op
+
+    def spy(func, args, kwargs):
+        name = func._schema.name
+        on_sim = [isinstance(a, torch.Tensor) and a.device.type == "sim" for a in args]
+        if (name == "aten::_local_scalar_dense" or (name == "aten::_to_copy" and any(on_sim)
+                                                    and torch.device(kwargs.get("device") or "sim").type == "cpu")
+                or (name == "aten::copy_" and not on_sim[0] and on_sim[1])):
+            reads.append(name)
+        return real(func, args, kwargs)
+
+    monkeypatch.setattr(ditorch.sim.tensor, "run_op", spy)
+    return reads
+
+
+def _reads_per_step(tool, reads) -> list[tuple[str, int]]:
+    """Wrap the tool's per-call steps: ``(step, device reads during it)`` for each invocation."""
+    per_call = []
+
+    def counted(step_name):
+        step = getattr(tool, step_name)
+
+        def wrapper(*args):
+            before = len(reads)
+            try:
+                return step(*args)
+            finally:
+                per_call.append((step_name, len(reads) - before))
+
+        setattr(tool, step_name, wrapper)
+
+    for step_name in ("after", "after_backward", "inner_node_backward"):
+        counted(step_name)
+    return per_call
+
+
+@pytest.mark.parametrize("verbose", ["0", "1"])
+def test_at_most_one_host_synchronisation_per_handled_call(sim, monkeypatch, verbose, capsys):
+    monkeypatch.setenv("OP_TOOLS_VERBOSE", verbose)
+    reads = _count_device_reads(monkeypatch)
+    check = op_tools.OpOverflowCheck()
+    per_call = _reads_per_step(check, reads)
+    with check:
+        train_llama(sim, steps=1)
+    assert check.first_overflow is None
+    steps = {name for name, _ in per_call}
+    assert {"after", "after_backward", "inner_node_backward"} <= steps and len(per_call) > 200
+    assert max(n for _, n in per_call) == 1  # the spy sees the one read; never more than one per call
+    assert sum(n for _, n in per_call) > 0.5 * len(per_call)
+    if verbose == "1":
+        assert "| torch.nn.functional.silu output[0] |" in capsys.readouterr().out
+
+
+def test_statistics_are_computed_for_the_overflowing_call_and_nothing_is_read_after_it(sim, monkeypatch, capsys):
+    import ditorch.sim
+
+    reads = _count_device_reads(monkeypatch)
+    check = op_tools.OpOverflowCheck()
+    per_call = _reads_per_step(check, reads)
+    x, w = torch.ones(2, 4, device=sim), torch.randn(4, 4, device=sim)
+    with ditorch.sim.faults("silu:inf"), check:
+        h = torch.nn.functional.linear(x, w)
+        torch.nn.functional.silu(h) * 2 + 1
+    assert check.first_overflow.name == "torch.nn.functional.silu"
+    assert [n for _, n in per_call] == [1, 2, 0, 0]  # linear, silu (flags, then its statistics), mul, add
+    out = capsys.readouterr().out
+    assert "OpOverflowCheck: first inf/nan from finite inputs: torch.nn.functional.silu (forward)" in out
+    assert "| torch.nn.functional.silu output[0] |    True    |" in out
+    assert "| torch.nn.functional.silu input[0]  |   False    |" in out
+
+
+def test_statistics_keep_the_values_of_the_original_computation(sim):
+    from op_tools.overflow_check import statistics_rows
+
+    values = torch.tensor([[1.0, -2.0], [3.5, float("nan")]])
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        t = values.to(dtype)
+        finite = t[0]
+        (row, finite_row, ints, empty) = statistics_rows([("t", t.to(sim)), ("f", finite.to(sim)),
+                                                          ("i", torch.arange(4, device=sim)),
+                                                          ("e", torch.empty(0, device=sim))])
+        assert row["inf_or_nan"] and not finite_row["inf_or_nan"] and not ints["inf_or_nan"]
+        wide = finite.double() if dtype == torch.float64 else finite.float()
+        assert finite_row["min"] == wide.min().item() and finite_row["max"] == wide.max().item()
+        assert finite_row["mean"] == wide.mean().item() and finite_row["norm"] == wide.norm().item()
+        assert finite_row["std"] == wide.std(correction=0).item()
+        assert (ints["min"], ints["max"], ints["mean"]) == (0.0, 3.0, 1.5)
+        assert empty == {"name": "e", "inf_or_nan": False}
+
+
+def test_a_backend_without_foreach_norm_is_checked_tensor_by_tensor(sim, monkeypatch):
+    import ditorch.sim
+
+    def unsupported(*args, **kwargs):
+        raise NotImplementedError("_foreach_norm is not implemented for this backend")
+
+    monkeypatch.setattr(torch, "_foreach_norm", unsupported)
+    monkeypatch.setattr("op_tools.overflow_check._no_foreach_norm", set())
+    with ditorch.sim.faults("silu:nan"), op_tools.OpOverflowCheck() as check:
+        train_llama(sim, steps=1)
+    assert (check.first_overflow.name, check.first_overflow.phase) == ("torch.nn.functional.silu", "forward")

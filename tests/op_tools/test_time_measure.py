@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _own_results(tmp_path, monkeypatch):
     monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / "results"))
     monkeypatch.setenv("OP_TOOLS_VERBOSE", "0")
-    for name in ("OP_TIME_MEASURE_LIST", "OP_TIME_MEASURE_DISABLE_LIST", "OP_TOOLS_STRICT"):
+    for name in ("OP_TIME_MEASURE_LIST", "OP_TIME_MEASURE_DISABLE_LIST", "OP_TIME_MEASURE_SYNC", "OP_TOOLS_STRICT"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -64,6 +64,10 @@ def _check_llama_step(timer, wall, tmp_path):
     assert len(forward) == len(m.records) == sum(t.calls for t in m.totals.values())
     assert len(backward) == sum(t.backward_calls for t in m.totals.values())
     assert len({e["args"]["forward_id"] for e in forward}) == len(forward)  # one span per call
+    # One thread runs the forward calls one after another: their spans follow one another, in call order.
+    forward.sort(key=lambda e: e["args"]["forward_id"])
+    # µs; events read to about 0.5 µs on a GPU
+    assert all(a["ts"] + a["dur"] <= b["ts"] + 2.0 for a, b in zip(forward, forward[1:]))
 
     (calls_file,) = _result_files(tmp_path, "info")
     with open(calls_file, newline="") as f:
@@ -116,21 +120,119 @@ def test_per_call_tables_keep_the_original_columns_when_verbose(sim, monkeypatch
     assert "torch.nn.functional.linear inputs[0]" in out
 
 
-def test_a_failing_synchronize_is_reported_once_and_the_ops_still_run(sim, monkeypatch, caplog):
+def _count_synchronize(monkeypatch) -> list:
+    """Every torch.sim.synchronize call, recorded (the real one still runs)."""
+    calls = []
+    real = torch.sim.synchronize
+
+    def counting(device=None):
+        calls.append(device)
+        return real(device)
+
+    monkeypatch.setattr(torch.sim, "synchronize", counting)
+    monkeypatch.setattr("op_tools.device_timing._synchronizers", {})
+    return calls
+
+
+def test_calls_are_timed_with_events_on_the_stream_and_no_synchronisation_per_call(sim, monkeypatch, capsys):
+    synchronised = _count_synchronize(monkeypatch)
+    recorded = []
+    real_record = torch.sim.Event.record
+    monkeypatch.setattr(torch.sim.Event, "record", lambda self, stream=None: (recorded.append(stream),
+                                                                               real_record(self, stream))[1])
+    w = torch.randn(3, 8, device=sim, requires_grad=True)
+    x = torch.randn(4, 8, device=sim)
+    with op_tools.OpTimeMeasure() as timer:
+        for _ in range(5):
+            torch.nn.functional.linear(x, w).relu().sum().backward()
+    m = timer.measurements
+    assert synchronised == []  # not once: the events are waited for, the device never is
+    assert all(s is torch.sim.current_stream(sim) for s in recorded)  # on the op's stream
+    assert len(recorded) == 2 + 2 * (len(m.records) + len(m.backward_spans))  # the origin and probe, two per span
+    assert [r.name for r in m.records[:3]] == ["torch.nn.functional.linear", "torch.Tensor.relu", "torch.Tensor.sum"]
+    assert len(m.records) == 15 and all(r.forward_ns > 0 for r in m.records)
+    assert len(m.backward_spans) == 15 and all(duration > 0 for _, _, duration, _ in m.backward_spans)
+    assert all(r.backward_ns > 0 for r in m.records)
+    assert "timed with timing events (torch.sim.Event) on the op's stream" in capsys.readouterr().out
+
+
+def test_sync_option_times_between_synchronisations(sim, monkeypatch, capsys):
+    monkeypatch.setenv("OP_TIME_MEASURE_SYNC", "1")
+    synchronised = _count_synchronize(monkeypatch)
+    w = torch.randn(3, 8, device=sim, requires_grad=True)
+    x = torch.randn(4, 8, device=sim)
+    with op_tools.OpTimeMeasure() as timer:
+        torch.nn.functional.linear(x, w).sum().backward()
+    m = timer.measurements
+    assert len(m.records) == 2 and len(m.backward_spans) == 2
+    assert len(synchronised) == 2 * 4  # before and after each forward and each backward span
+    assert all(r.forward_ns > 0 and r.backward_ns > 0 for r in m.records)
+    assert "timed with synchronisations of the device around each call" in capsys.readouterr().out
+    monkeypatch.setenv("OP_TIME_MEASURE_SYNC", "maybe")
+    with pytest.raises(ValueError, match="OP_TIME_MEASURE_SYNC='maybe'.*expected 0 or 1"):
+        op_tools.OpTimeMeasure().start()
+
+
+def test_a_device_without_timing_events_is_timed_between_synchronisations(sim, monkeypatch, capsys):
+    def no_timing(*args, **kwargs):
+        raise RuntimeError("this backend has no timing events")
+
+    monkeypatch.setattr(torch.sim, "Event", no_timing)
+    synchronised = _count_synchronize(monkeypatch)
+    x = torch.ones(4, device=sim)
+    with op_tools.OpTimeMeasure() as timer:
+        x + 1
+    assert timer.measurements.totals["torch.Tensor.add"].calls == 1 and len(synchronised) == 2
+    assert "timed with synchronisations of the device" in capsys.readouterr().out
+
+
+def test_pending_spans_are_read_in_batches_and_all_at_stop(sim, monkeypatch):
+    monkeypatch.setattr("op_tools.time_measure.MAX_PENDING", 4)
+    monkeypatch.setattr("op_tools.time_measure.RESOLVE_BATCH", 3)
+    x = torch.ones(4, device=sim)
+    seen = []
+    with op_tools.OpTimeMeasure() as timer:
+        for _ in range(10):
+            x = x + 1
+            seen.append((len(timer.measurements.records), len(timer.measurements.pending)))
+    assert [n for n, _ in seen] == [0, 0, 0, 0, 3, 3, 3, 6, 6, 6]  # three at a time once more than 4 wait
+    assert max(p for _, p in seen) <= 4
+    assert len(timer.measurements.records) == 10 and not timer.measurements.pending
+    ids = [r.forward_id for r in timer.measurements.records]
+    assert ids == sorted(ids)
+
+
+def test_each_timed_call_is_a_named_range_in_a_running_profiler(sim):
+    x = torch.ones(64, device=sim)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        with op_tools.OpTimeMeasure():
+            torch.nn.functional.silu(x)
+    names = {event.key for event in profile.key_averages()}
+    assert "torch.nn.functional.silu" in names
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        torch.nn.functional.silu(x)
+    assert "torch.nn.functional.silu" not in {event.key for event in profile.key_averages()}
+
+
+@pytest.mark.parametrize("sync", ["1", "0"])
+def test_a_failing_synchronize_is_reported_once_and_the_ops_still_run(sim, monkeypatch, caplog, sync):
     def broken(device=None):
         raise RuntimeError("driver gone")
 
+    monkeypatch.setenv("OP_TIME_MEASURE_SYNC", sync)
     monkeypatch.setattr(torch.sim, "synchronize", broken)
-    monkeypatch.setattr("op_tools.time_measure._synchronizers", {})
+    monkeypatch.setattr("op_tools.device_timing._synchronizers", {})
     x = torch.ones(4, device=sim)
     with caplog.at_level(logging.WARNING, logger="op_tools"), op_tools.OpTimeMeasure() as timer:
         y = (x + 1) + 1
     assert torch.equal(y.cpu(), torch.full((4,), 3.0))
     assert timer.measurements.totals["torch.Tensor.add"].calls == 2
-    assert sum("driver gone" in r.getMessage() for r in caplog.records) == 1
+    # with timing events the device's synchronize is never called
+    assert sum("driver gone" in r.getMessage() for r in caplog.records) == (1 if sync == "1" else 0)
     monkeypatch.setenv("OP_TOOLS_STRICT", "1")
-    with pytest.raises(RuntimeError, match="driver gone"), op_tools.OpTimeMeasure():
-        x + 1
+    if sync == "1":
+        with pytest.raises(RuntimeError, match="driver gone"), op_tools.OpTimeMeasure():
+            x + 1
 
 
 def test_apply_feature_times_the_chosen_op_and_writes_the_files_at_exit(tmp_path):
@@ -155,5 +257,8 @@ for _ in range(3):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_llama_step_on_cuda(tmp_path):
+    from op_tools.device_timing import EventClock
+
     timer, wall = _timed_llama_step("cuda", tmp_path)
     _check_llama_step(timer, wall, tmp_path)
+    assert all(type(clock) is EventClock for clock in timer._clocks.values())  # CUDA's events, not synchronising

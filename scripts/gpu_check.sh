@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The whole GPU check in one command (also `make gpu-check`): the gpu-marked tests, then the GPU benchmarks, then
+# one summary table. Installs nothing: a missing dependency is named and the script exits 2. Without a CUDA GPU it
+# says so and exits 0. A failing step is reported in the table and the others still run; the exit status is 1 when
+# any step failed. PYTHONPATH is kept, with the repository put first.
+#
+#   scripts/gpu_check.sh            # PYTHON=python3.11 scripts/gpu_check.sh; GPU_CHECK_STEP_TIMEOUT=1800 (s)
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 2
+PYTHON=${PYTHON:-python3}
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export DITORCH_QUIET=1
+STEP_TIMEOUT=${GPU_CHECK_STEP_TIMEOUT:-1800}
+
+# Imported, not only looked up: a package that is present but broken counts as missing too.
+missing=$("$PYTHON" - <<'EOF'
+import importlib
+missing = []
+for name in ("torch", "numpy", "prettytable", "pytest", "transformers"):
+    try:
+        importlib.import_module(name)
+    except Exception:
+        missing.append(name)
+print(" ".join(missing))
+EOF
+) || { echo "gpu_check: $PYTHON does not run"; exit 2; }
+if [ -n "$missing" ]; then
+  echo "gpu_check: missing dependency: $missing (install it; this script installs nothing)"
+  exit 2
+fi
+
+if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "gpu_check: no GPU: torch.cuda.is_available() is False on this machine; nothing to check (exit 0)"
+  exit 0
+fi
+"$PYTHON" -c "import torch; print(f'gpu_check: torch {torch.__version__}, {torch.cuda.get_device_name()}')"
+
+logs=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
+names=()
+statuses=()
+seconds=()
+results=()
+
+# run_step NAME COMMAND...: run it with the output shown and kept; record status, time and its result lines
+# (the benchmarks' "summary:" lines, pytest's last line).
+run_step() {
+  local name=$1
+  shift
+  local log="$logs/${#names[@]}.log" start=$SECONDS rc
+  echo
+  echo "=== gpu_check: $name: $*"
+  if command -v timeout >/dev/null; then
+    timeout "$STEP_TIMEOUT" "$@" 2>&1 | tee "$log"
+  else
+    "$@" 2>&1 | tee "$log"
+  fi
+  rc=${PIPESTATUS[0]}
+  names+=("$name")
+  seconds+=($((SECONDS - start)))
+  if [ "$rc" -eq 0 ]; then statuses+=("ok"); else statuses+=("FAILED (exit $rc)"); fi
+  local found
+  found=$(grep -E '^summary: ' "$log" | sed -e 's/^summary: //')
+  [ -z "$found" ] && found=$(grep -v '^[[:space:]]*$' "$log" | tail -n 1)
+  results+=("$found")
+}
+
+run_step "pytest -m gpu" "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider
+run_step "OpTimeMeasure vs torch.profiler" "$PYTHON" benchmarks/time_measure_vs_profiler.py
+run_step "tools on the launch-bound step" "$PYTHON" benchmarks/overhead.py --device cuda --size launch-bound \
+  --work-only
+run_step "same, bf16 autocast" "$PYTHON" benchmarks/overhead.py --device cuda --size launch-bound --work-only \
+  --autocast bf16 --tools OpTimeMeasure,OpOverflowCheck
+run_step "OpAutoCompare cost" "$PYTHON" benchmarks/autocompare_cost.py --device cuda --size real --rounds 3
+
+failed=0
+echo
+echo "=== gpu_check summary (logs in $logs)"
+printf '%-34s %-18s %6s  %s\n' "step" "status" "s" "result"
+for i in "${!names[@]}"; do
+  first=1
+  while IFS= read -r line || [ -n "$line" ]; do
+    if [ $first -eq 1 ]; then
+      printf '%-34s %-18s %6s  %s\n' "${names[$i]}" "${statuses[$i]}" "${seconds[$i]}" "$line"
+      first=0
+    else
+      printf '%-34s %-18s %6s  %s\n' "" "" "" "$line"
+    fi
+  done <<<"${results[$i]}"
+  [ "${statuses[$i]}" = "ok" ] || failed=1
+done
+exit $failed
