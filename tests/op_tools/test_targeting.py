@@ -57,7 +57,7 @@ def test_targeted_and_mode_dispatch_handle_the_same_calls_of_a_training_step(sim
     kind_mode, calls_mode, backward_mode, losses_mode = run(",".join(map(re.escape, names)))  # patterns: a mode
     kind_targeted, calls_targeted, backward_targeted, losses_targeted = run(",".join(names))
     assert (kind_mode, kind_targeted) == ("mode", "targeted")
-    assert len(calls_targeted) > 500 and calls_targeted == calls_mode
+    assert len(calls_targeted) > 300 and calls_targeted == calls_mode
     assert backward_targeted == backward_mode > 100
     assert losses_targeted == losses_mode == train_llama(sim, steps=2, model_factory=factory)
 
