@@ -1,0 +1,106 @@
+"""Host copies are never stale: writes the version counter does not show (sim's ``unversioned`` fault stands in for
+GradScaler's unscale, BatchNorm's running statistics and CUDA's ``_foreach_lerp_``), writes through an alias with
+its own counter (``.data``), and copies made by another tool instance."""
+
+import os
+
+import pytest
+import torch
+
+import op_tools
+from op_tools.capture import load_op_args
+
+
+@pytest.fixture(autouse=True)
+def _no_autocompare_variables(monkeypatch):
+    for name in list(os.environ):
+        if "AUTOCOMPARE" in name or name.endswith("_OP_DTYPE_CAST_DICT"):
+            monkeypatch.delenv(name)
+
+
+def test_an_input_written_without_a_version_bump_is_read_again(sim):
+    import ditorch.sim
+
+    x = torch.randn(64, device=sim)
+    with op_tools.OpAutoCompare() as tool:
+        torch.exp(x)  # x's copy is cached
+        with ditorch.sim.faults("add_:unversioned"):
+            version = x._version
+            x.add_(1.0)
+            assert x._version == version  # the write the counter does not show
+        torch.exp(x)
+    assert tool.failures == [] and tool.counts["forward compared"] == 3 and tool.stale_copies == 0
+
+
+def test_a_write_through_an_alias_is_seen(sim):
+    import ditorch.sim
+
+    p = torch.randn(64, device=sim, requires_grad=True)
+    with op_tools.OpAutoCompare() as tool:
+        torch.exp(p)
+        with ditorch.sim.faults("mul_:unversioned"):  # as through .data on a GPU: p's counter does not move
+            version = p._version
+            p.data.mul_(2)
+            assert p._version == version
+        torch.exp(p).sum().backward()
+    assert tool.failures == [] and tool.counts["backward compared"] >= 1 and tool.stale_copies == 0
+
+
+def test_batchnorm_running_statistics_are_compared_and_read_again(sim):
+    import ditorch.sim
+
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(8).to(sim)
+    x = torch.randn(16, 8, device=sim)
+    with op_tools.OpAutoCompare() as tool:
+        bn(x)  # writes running_mean/var in place, no version bump
+        bn.eval()
+        bn(x)  # reads them
+    assert tool.failures == []
+    rows = [row[3].name for row in tool.rows if row[0] == "torch.nn.functional.batch_norm"]
+    assert rows.count("written input[1]") == 1 and rows.count("written input[2]") == 1  # training call only
+    bn.train()
+    with op_tools.OpAutoCompare() as tool, ditorch.sim.faults("native_batch_norm:noise=1e-3"):
+        bn(x)
+    assert [f["op"] for f in tool.failures] == ["torch.nn.functional.batch_norm"]
+
+
+def test_copies_of_one_tool_instance_are_never_taken_by_the_next(sim):
+    x = torch.randn(100, device=sim)
+    y = torch.randn(100, device=sim) * 3
+    with op_tools.OpAutoCompare():
+        torch.exp(y)
+    with op_tools.OpAutoCompare() as tool:
+        torch.exp(x)
+        torch.exp(y)
+    assert tool.failures == []
+
+
+def test_a_stale_copy_is_caught_before_the_verdict(sim):
+    """A write no call shows at all (here: behind the tool's back, in its own tool work) is found by re-reading the
+    inputs of a call that would fail, and counted; the verdict is on the real values."""
+    import ditorch.sim
+
+    from op_tools.engine import tool_work
+
+    x = torch.randn(64, device=sim)
+    with op_tools.OpAutoCompare() as tool:
+        torch.exp(x)
+        with tool_work(), ditorch.sim.faults("copy_:unversioned"):  # no call shows it, no counter moves
+            x.copy_(torch.randn(64, device=sim))
+        torch.exp(x)
+    assert tool.failures == [] and tool.stale_copies == 1
+
+
+def test_capture_never_references_a_tensor_written_without_a_version_bump(sim, tmp_path):
+    import ditorch.sim
+
+    x = torch.zeros(8, device=sim)
+    with op_tools.OpCapture():
+        x.sin()
+        with ditorch.sim.faults("add_:unversioned"):
+            x.add_(1)
+        x.sin()
+    root = tmp_path / "results" / "op_capture_results" / "torch.Tensor.sin"
+    files = sorted(root.glob("*/*/*/input.pth"), key=lambda f: int(f.parts[-3]))
+    assert [load_op_args(str(f))["args"][0][0].item() for f in files] == [0.0, 1.0]
