@@ -80,7 +80,6 @@ def test_a_stale_copy_is_caught_before_the_verdict(sim):
     """A write no call shows at all (here: behind the tool's back, in its own tool work) is found by re-reading the
     inputs of a call that would fail, and counted; the verdict is on the real values."""
     import ditorch.sim
-
     from op_tools.engine import tool_work
 
     x = torch.randn(64, device=sim)
