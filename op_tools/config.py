@@ -149,8 +149,8 @@ CAPTURE_MODE = declare(
 )
 CAPTURE_DEDUP = declare(
     "OP_CAPTURE_DEDUP", "0 or 1", "1",
-    "1 stores a tensor seen again unchanged (same object and version) once and references it; "
-    "0 writes every argument in full.", parse_flag,
+    "1 stores a tensor whose values were already written (same dtype, sizes, strides and bytes) once and "
+    "references it; 0 writes every argument in full.", parse_flag,
 )
 OVERFLOW_CHECK_RAISE = declare(
     "OP_OVERFLOW_CHECK_RAISE", "0 or 1", "0",
