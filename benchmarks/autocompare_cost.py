@@ -1,10 +1,13 @@
-"""What OpAutoCompare costs: a tiny-Llama training step under it against the floor of doing the work twice.
+"""What OpAutoCompare costs: a Llama training step under it against the floor of doing the work twice.
 
-The floor is one training step on the device (sim) plus the same step on the CPU in float64: what any
-tool that compares every op with a float64 CPU run must at least spend. The three are measured side by
-side, in alternating rounds; medians of wall time and of process CPU time are printed with the ratio.
+The floor is one training step on the device plus the same step on the CPU in float64: what any tool that
+compares every op with a float64 CPU run must at least spend. The three are measured side by side, in
+alternating rounds, for each model size asked for; medians of wall time and of process CPU time are printed
+with the ratio. Sizes: ``tiny`` (hidden 64, 2 layers, batch 2x16: per-call Python dominates) and ``real``
+(a transformers Llama of hidden 512, 4 layers, 8 heads, vocab 8192, batch 2x256: the copies, statistics and
+reference runs dominate, as on a fast device; hidden 1024 and batch 2x512 with ``--size large``).
 
-    python benchmarks/autocompare_cost.py [--rounds 7] [--steps 1]
+    python benchmarks/autocompare_cost.py [--size tiny,real] [--device sim|cuda] [--rounds 5] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -24,27 +27,41 @@ os.environ["OP_TOOLS_VERBOSE"] = "0"  # the benchmark's condition: verbose outpu
 os.environ.setdefault("OP_TOOLS_RESULTS_DIR", os.path.join(tempfile.gettempdir(), "autocompare_cost_results"))
 
 import torch  # noqa: E402
-from tiny_models import tiny_llama  # noqa: E402
 
-import ditorch.sim  # noqa: E402
 import op_tools  # noqa: E402
+
+# name -> (LlamaConfig fields, batch, sequence length)
+SIZES = {
+    "tiny": (dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2), 2, 16),
+    "real": (dict(vocab_size=8192, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=8), 2, 256),
+    "large": (dict(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                   num_attention_heads=16, num_key_value_heads=16), 2, 512),
+}
 
 
 class Trainer:
-    """A tiny Llama, its batch and an AdamW optimizer on one device in one dtype."""
+    """A Llama of one size, its batch and an AdamW optimizer on one device in one dtype."""
 
-    def __init__(self, device: str, dtype: torch.dtype) -> None:
+    def __init__(self, size: str, device: str, dtype: torch.dtype) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        fields, batch, length = SIZES[size]
         torch.manual_seed(0)
-        self.model = tiny_llama().to(device=device, dtype=dtype)
-        self.ids = torch.randint(0, 128, (2, 16)).to(device)
+        config = LlamaConfig(max_position_embeddings=max(length, 64), **fields)
+        self.model = LlamaForCausalLM(config).to(device=device, dtype=dtype)
+        self.ids = torch.randint(0, fields["vocab_size"], (batch, length)).to(device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.device = torch.device(device)
 
     def step(self) -> float:
         loss = self.model(input_ids=self.ids, labels=self.ids).loss
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
-        return loss.item()
+        value = loss.item()  # waits for the device
+        return value
 
 
 def timed(fn) -> tuple[float, float]:
@@ -53,18 +70,14 @@ def timed(fn) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=1, help="training steps per measurement")
-    args = parser.parse_args()
-    ditorch.sim.register()
-    device, reference, compared = Trainer("sim", torch.float32), Trainer("cpu", torch.float64), \
-        Trainer("sim", torch.float32)
+def measure(size: str, device: str, dtype: torch.dtype, rounds: int, steps: int) -> dict:
+    on_device, reference, compared = (Trainer(size, device, dtype), Trainer(size, "cpu", torch.float64),
+                                      Trainer(size, device, dtype))
     tool = op_tools.OpAutoCompare()
+    failures = []
 
     def run(trainer: Trainer) -> None:
-        for _ in range(args.steps):
+        for _ in range(steps):
             trainer.step()
 
     def run_compared() -> tuple[float, float]:
@@ -74,24 +87,52 @@ def main() -> None:
         finally:
             with contextlib.redirect_stdout(io.StringIO()):  # the end-of-run summary is not the step's cost
                 tool.stop()
+            failures.append(len(tool.failures))
 
-    for _ in range(2):  # warm-up: first-call costs of each path
-        run(device), run(reference), run_compared()
+    run(on_device), run(reference), run_compared()  # warm-up: first-call costs of each path
     samples = {"device": [], "cpu float64": [], "OpAutoCompare": []}
-    for _ in range(args.rounds):
-        samples["device"].append(timed(lambda: run(device)))
+    for _ in range(rounds):
+        samples["device"].append(timed(lambda: run(on_device)))
         samples["cpu float64"].append(timed(lambda: run(reference)))
         samples["OpAutoCompare"].append(run_compared())
     medians = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in samples.items()}
-    floor = tuple(medians["device"][i] + medians["cpu float64"][i] for i in (0, 1))
-    print(f"tiny Llama training step (forward, backward, AdamW), {args.steps} step(s) per sample, "
-          f"median of {args.rounds} alternating rounds, torch {torch.__version__}, {os.cpu_count()} CPUs")
-    print(f"{'':<26}{'wall ms':>10}{'cpu ms':>10}")
-    for name, (wall, cpu) in medians.items():
-        print(f"{name:<26}{wall * 1e3:>10.1f}{cpu * 1e3:>10.1f}")
-    print(f"{'floor (device + float64)':<26}{floor[0] * 1e3:>10.1f}{floor[1] * 1e3:>10.1f}")
-    tool_wall, tool_cpu = medians["OpAutoCompare"]
-    print(f"{'OpAutoCompare / floor':<26}{tool_wall / floor[0]:>9.2f}x{tool_cpu / floor[1]:>9.2f}x")
+    medians["floor"] = tuple(medians["device"][i] + medians["cpu float64"][i] for i in (0, 1))
+    medians["failures"] = max(failures)
+    return medians
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="tiny,real", help="comma-separated: tiny, real, large")
+    parser.add_argument("--device", default="sim", help="sim (registered here) or cuda")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--rounds", type=int, default=5, help="rounds for the tiny size (larger sizes: fewer)")
+    parser.add_argument("--steps", type=int, default=1, help="training steps per measurement")
+    args = parser.parse_args()
+    if args.device == "sim":
+        import ditorch.sim
+
+        ditorch.sim.register()
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        print("summary: autocompare_cost: skipped, no CUDA GPU")
+        return
+    dtype = getattr(torch, args.dtype)
+    sizes = [s.strip() for s in args.size.split(",") if s.strip()]
+    print(f"Llama training step (forward, backward, AdamW) on {args.device} in {args.dtype}, {args.steps} step(s) per "
+          f"sample, alternating rounds, torch {torch.__version__}, {os.cpu_count()} CPUs")
+    print(f"{'size':<7}{'':<26}{'wall ms':>11}{'cpu ms':>11}")
+    for size in sizes:
+        rounds = args.rounds if size == "tiny" else max(1, min(args.rounds, 3))
+        medians = measure(size, args.device, dtype, rounds, args.steps)
+        for name in ("device", "cpu float64", "OpAutoCompare", "floor"):
+            wall, cpu = medians[name]
+            print(f"{size:<7}{name:<26}{wall * 1e3:>11.1f}{cpu * 1e3:>11.1f}")
+        (tool_wall, tool_cpu), (floor_wall, floor_cpu) = medians["OpAutoCompare"], medians["floor"]
+        print(f"{size:<7}{'OpAutoCompare / floor':<26}{tool_wall / floor_wall:>10.2f}x{tool_cpu / floor_cpu:>10.2f}x"
+              f"   (median of {rounds}; {medians['failures']} failing calls)")
+        print(f"summary: autocompare_cost: {size} Llama on {args.device} {args.dtype}: "
+              f"{tool_wall / floor_wall:.2f}x the floor in wall time, {medians['failures']} failures"
+              + (" (target <= 3x)" if size != "tiny" else ""))
 
 
 if __name__ == "__main__":

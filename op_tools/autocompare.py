@@ -41,7 +41,15 @@ import torch
 from . import reporting
 from .arguments import iter_items, iter_tensors, map_tensors
 from .capture import TensorStore
-from .comparison import COLUMNS, Comparison, ToleranceSpec, compare_outputs, compare_tensors, op_key
+from .comparison import (
+    COLUMNS,
+    Comparison,
+    SameDtypeHistory,
+    ToleranceSpec,
+    compare_outputs,
+    compare_tensors,
+    op_key,
+)
 from .config import AUTOCOMPARE_BACKWARD, AUTOCOMPARE_CAST, parse_dtype_map
 from .device_math import DeviceMath
 from .engine import OpCall, OpTool, feature
@@ -64,6 +72,9 @@ _CAST_VAR = re.compile(r"^(\w+)_OP_DTYPE_CAST_DICT$")
 _UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_",
                             "resize_as_", "set_"})
 CSV_COLUMNS = ("op", "forward_id", "phase", *COLUMNS, "location")
+# Tensors this large are compared on their device, against the reference uploaded once, when the device computes
+# in float64: only the statistics come back (error_statistics.py). Smaller ones are copied to the host.
+DEVICE_STATISTICS_MIN = 1 << 20
 
 
 @functools.lru_cache(maxsize=4096)  # asked on every handled call, and a name's answer never changes
@@ -122,10 +133,12 @@ class OpAutoCompare(OpTool):
         self._order_lock = threading.Lock()
         self._copies = HostCopies()
         self._probes: dict[torch.device, GeneratorProbe] = {}
+        self._float64: dict[str, bool] = {}  # device type -> whether its kernels take float64
         # Output dtypes a correct run gives, per (op, input dtypes, device math): the same-dtype CPU run is lazy,
         # so without this a device returning a narrower dtype with small errors would pass.
         self._expected_dtypes: dict[tuple, tuple] = {}
         self._attempts: dict[str, list] = {}  # op name -> the reference casts to try, in order
+        self._history = SameDtypeHistory()  # same-dtype errors per signature: reruns only where they decide
 
     def note_writes(self, tensors: list) -> None:
         self._copies.forget(tensors)
@@ -209,17 +222,17 @@ class OpAutoCompare(OpTool):
             call.grad_inputs = []
             return
         written_ids = {id(t) for t in written}
-        fresh = self._copies.fresh
-        device_cpu = map_tensors(call.result, lambda t: fresh(t, written=id(t) in written_ids))
+        device_cpu = map_tensors(call.result, lambda t: self._compared_value(t, id(t) in written_ids))
         in_result = {id(t) for t in iter_tensors(call.result)}
         extra = [t for t in state["compared_writes"] if id(t) not in in_result]  # written, not returned
-        extra_cpu = [fresh(t, written=True) for t in extra]
+        extra_cpu = [self._compared_value(t, True) for t in extra]
         for t in written:
             if id(t) not in in_result and all(t is not e for e in extra):
                 self._copies.forget([t])  # may have been written (an unknown function's argument)
         host_of = {id(t): host for t, host, _ in tensors}
         extra_labels = _labels_of(call.args, call.kwargs, extra)
         signature = (call.name, tuple(t.dtype for t, _, _ in tensors), state["math"])
+        state["precedent"] = (*signature, tuple(tuple(t.shape) for t, _, _ in tensors))
         outcome = self._compare_forward(call, state, device_cpu, extra_cpu, extra, extra_labels, host_of, signature)
         if outcome is not None and not all(c.passed for c in outcome[0]) and any(r for _, _, r in tensors):
             if self._recheck(state, tensors, host_of):  # a cached copy was stale: compare again with fresh ones
@@ -252,6 +265,25 @@ class OpAutoCompare(OpTool):
         state.update(ref=reference, device_out=device_out, ref_out=ref_out,
                      owned={id(host_of[id(t)]) for t in written if id(t) in host_of})
         self._pending[call.forward_id] = call
+
+    def _compared_value(self, t: torch.Tensor, written: bool) -> torch.Tensor:
+        """What ``t`` is compared as: itself on its device when large, held in the device's own memory, and the device
+        computes in float64 (only the statistics come back); else a host copy, remembered for the next call."""
+        if t.numel() >= DEVICE_STATISTICS_MIN and _in_device_memory(t) and self._float64_on(t.device):
+            if written:
+                self._copies.forget([t])
+            return t
+        return self._copies.fresh(t, written=written)
+
+    def _float64_on(self, device: torch.device) -> bool:
+        known = self._float64.get(device.type)
+        if known is None:
+            try:
+                known = bool((torch.ones(2, dtype=torch.float64, device=device) * 2).sum().item() == 4)
+            except (RuntimeError, TypeError, NotImplementedError):  # MPS and some vendors: no float64 kernels
+                known = False
+            self._float64[device.type] = known
+        return known
 
     def _compare_forward(self, call, state, device_cpu, extra_cpu, extra, extra_labels, host_of, signature):
         """``(comparisons, reference)`` for the outputs and the written arguments, or None (reported)."""
@@ -290,12 +322,13 @@ class OpAutoCompare(OpTool):
             if expected is None:
                 self._expected_dtypes[signature] = _leaf_dtypes(device_cpu if same_value is None else same_value)
         comparisons = compare_outputs(device_cpu, reference.result, same_value, self._tolerance, op_name=call.name,
-                                      prefix="output")
+                                      prefix="output", history=self._history, key=state["precedent"])
         for label, t, host in zip(extra_labels, extra, extra_cpu):
             before_op = host_of[id(t)]
             comparisons.append(compare_tensors(label, host, reference.mapped[id(before_op)],
                                                functools.partial(_written_result, same, before_op),
-                                               self._tolerance, call.name, True))
+                                               self._tolerance, call.name, True,
+                                               (self._history, (*state["precedent"], label))))
         if cpu_generator_token() != rng:  # a rerun drew numbers: give them back, and compare nothing
             torch.default_generator.set_state(_state_tensor(rng))
             self.skipped["random (the CPU reference drew numbers)"] += 1
@@ -354,7 +387,7 @@ class OpAutoCompare(OpTool):
                 host, was_cached = get(g)
                 upstream_cpu.append(host)
                 reused = reused or was_cached
-        device_grads_cpu = tuple(None if g is None else self._copies.fresh(g) for g in input_grads)
+        device_grads_cpu = tuple(None if g is None else self._compared_value(g, False) for g in input_grads)
         comparisons, reference_grads = self._compare_backward(call, state, tuple(upstream_cpu), device_grads_cpu)
         if not all(c.passed for c in comparisons) and reused:
             now = tuple(None if g is None else self._copies.fresh(g) for g in upstream)
@@ -392,7 +425,7 @@ class OpAutoCompare(OpTool):
             return same_cache[0]
 
         comparisons = compare_outputs(device_grads_cpu, reference_grads, same, self._tolerance, op_name=call.name,
-                                      prefix="grad")
+                                      prefix="grad", history=self._history, key=("backward", *state["precedent"]))
         for c, label in zip(comparisons, state["grad_labels"]):
             c.name = f"{label}.grad"
         return comparisons, reference_grads
@@ -459,6 +492,7 @@ class OpAutoCompare(OpTool):
         reporting.logger.info("OpAutoCompare: saved %s", base)
 
     def _write(self, base: str, side: str, identifier: str, name: str, args, kwargs) -> None:
+        args = map_tensors(tuple(args), _on_host)  # values compared on their device are copied now
         self.store.save(os.path.join(base, side, f"{identifier}.pth"),
                         {"name": name, "args": tuple(args), "kwargs": dict(kwargs), "identifier": identifier})
 
@@ -524,6 +558,18 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.is_floating_point() or a.is_complex():
         return bool(((a == b) | (a.isnan() & b.isnan())).all())
     return False
+
+
+def _in_device_memory(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage is device memory (a GPU's), not host memory seen through a device (sim's)."""
+    try:
+        return t.untyped_storage().device.type != "cpu"
+    except (RuntimeError, NotImplementedError, TypeError):
+        return True
+
+
+def _on_host(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_cpu else snapshot(t)
 
 
 def _marked(obj, marked: set):

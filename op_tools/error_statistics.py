@@ -1,0 +1,154 @@
+"""Where the comparison's statistics are computed: the one place to move work between the host and the device.
+
+``error_stats(d, r, atol, rtol)`` measures a floating tensor ``d`` against its float64 reference ``r``:
+max |d - r|, the max relative difference, the normalised error ``max |d - r| / (|r| + mean|r|)``, the cosine
+similarity and whether ``allclose(atol, rtol)`` holds; None when a value is not finite (the caller handles nan
+and inf elementwise). ``normalised_error(s, r)`` is the normalised error alone (of the same-dtype run).
+
+- small tensors on the host (below ``TORCH_MIN`` elements): numpy, whose per-call overhead is a fraction of
+  torch's on the little tensors of a real model's many small ops;
+- larger tensors, on the host or on a device: torch ops chunk by chunk (on the host, chunks that stay in the
+  processor's cache), every statistic read back in one transfer. ``r`` is moved to ``d``'s device once (``d`` is
+  never copied). OpAutoCompare decides where a tensor is compared (``autocompare._compared_value``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+TORCH_MIN = 1 << 15
+_TINY = float(np.finfo(np.float64).tiny)
+_NUMPY_FLOATS = frozenset({torch.float16, torch.float32, torch.float64})
+
+# The ufuncs and their reductions, bound once: not the array methods (same values, less overhead per call).
+_subtract, _absolute, _add, _divide = np.subtract, np.absolute, np.add, np.divide
+_max, _sum = np.maximum.reduce, np.add.reduce
+
+
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """float64 (complex: its real view in float64), detached and contiguous, on ``t``'s device."""
+    t = t.detach()
+    if t.is_complex():
+        return torch.view_as_real(t.to(torch.complex128)).contiguous()
+    return t.to(torch.float64).contiguous()
+
+
+def error_stats(d: torch.Tensor, r: torch.Tensor, atol: float, rtol: float):
+    """``(max_abs, max_rel, error, cosine, allclose)`` of ``d`` against ``r``, or None if a value is not finite."""
+    if d.is_cpu and d.numel() < TORCH_MIN and not d.is_complex():
+        return _numpy_stats(_numpy(d), _numpy(r), atol, rtol)
+    return _torch_stats(d, r, atol, rtol)
+
+
+def normalised_error(s: torch.Tensor, r: torch.Tensor, keep: torch.Tensor | None = None) -> float:
+    """``max |s - r| / (|r| + mean|r|)`` over the elements in ``keep`` (all if None) where the difference is finite."""
+    if keep is not None:
+        s, r = wide(s)[keep.to(s.device)], wide(r)[keep.to(r.device)]
+    if s.numel() == 0:
+        return 0.0
+    if s.is_cpu and s.numel() < TORCH_MIN and not s.is_complex():
+        sn, rn = _numpy(s), _numpy(r)
+        with np.errstate(all="ignore"):
+            diff = np.abs(sn - rn)
+            magnitude = np.abs(rn)
+            scale = max(float(magnitude.mean()), _TINY)
+            finite = np.isfinite(diff)
+            if finite.all():
+                return float((diff / (magnitude + scale)).max())
+            return float((diff[finite] / (magnitude[finite] + scale)).max()) if finite.any() else 0.0
+    with torch.no_grad():
+        flat, rw = s.detach().reshape(-1), wide(r).to(s.device).reshape(-1)
+        if flat.is_complex():
+            flat = wide(flat).reshape(-1)
+        scale = torch.linalg.vector_norm(rw, 1).div_(rw.numel()).clamp_(min=_TINY)
+        chunk = _CHUNK_HOST if flat.is_cpu else _CHUNK_DEVICE
+        parts = []
+        for start in range(0, rw.numel(), chunk):
+            rc = rw[start:start + chunk]
+            ratio = torch.sub(flat[start:start + chunk], rc).abs_().div_(rc.abs().add_(scale))
+            parts.append(torch.where(torch.isnan(ratio), 0.0, ratio).nan_to_num_(posinf=0.0).max())
+        return float(torch.stack(parts).max())
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """A float64 numpy view (or copy) of a host tensor, widened by numpy where it can (cheaper on small tensors)."""
+    dtype = t.dtype
+    if dtype in _NUMPY_FLOATS:
+        try:
+            array = (t.detach() if t.requires_grad else t).numpy()
+            return array if dtype is torch.float64 else array.astype(np.float64)
+        except (RuntimeError, TypeError):  # conj/neg bits, sparse or other layouts
+            pass
+    return wide(t).numpy()
+
+
+@np.errstate(all="ignore")  # as a decorator: no errstate object built on each of the ~430 calls per step
+def _numpy_stats(dn: np.ndarray, rn: np.ndarray, atol: float, rtol: float):
+    dn, rn = dn.ravel(), rn.ravel()
+    diff = _subtract(dn, rn)
+    _absolute(diff, out=diff)
+    max_abs = float(_max(diff))
+    if not math.isfinite(max_abs):
+        return None
+    if max_abs == 0:  # identical values: no relative error, and no magnitude to measure it against
+        max_rel = error = 0.0
+        allclose = True
+    else:
+        magnitude = _absolute(rn)
+        scale = max(float(_sum(magnitude)) / magnitude.size, _TINY)
+        # every diff <= max_abs <= atol <= atol + rtol * |ref|: the elementwise test is needed only above atol
+        allclose = max_abs <= atol or bool((diff <= atol + rtol * magnitude).all())
+        _add(magnitude, 1e-6, out=magnitude)
+        max_rel = float(_max(_divide(diff, magnitude)))
+        _add(magnitude, scale - 1e-6, out=magnitude)
+        error = float(_max(_divide(diff, magnitude, out=magnitude)))
+    # ndarray.dot: the same BLAS dot as ``@`` on 1-d arrays, at half the call overhead
+    dd, rr = float(dn.dot(dn)), float(rn.dot(rn))
+    return max_abs, max_rel, error, _cosine(dd, rr, float(dn.dot(rn)), max_abs), allclose
+
+
+def _torch_stats(d: torch.Tensor, r: torch.Tensor, atol: float, rtol: float):
+    """Chunk by chunk: each chunk's temporaries stay in the processor's cache, so memory is read about once (the
+    statistics take a dozen passes, which on a large tensor would each stream it from memory)."""
+    with torch.no_grad():
+        if d.is_complex():
+            d = wide(d)
+        flat = d.detach().reshape(-1)
+        rw = wide(r).to(d.device).reshape(-1)
+        n = rw.numel()
+        scale = torch.linalg.vector_norm(rw, 1).div_(n).clamp_(min=_TINY)
+        chunk = _CHUNK_HOST if flat.is_cpu else _CHUNK_DEVICE
+        parts = []  # per chunk: max |d-r|, max relative, normalised error, allclose margin, |d|^2, |r|^2, |d-r|^2
+        for start in range(0, n, chunk):
+            dc, rc = flat[start:start + chunk], rw[start:start + chunk]
+            diff = torch.sub(dc, rc).abs_()  # float64 by promotion: d is never widened in a copy of its own
+            magnitude = rc.abs()
+            parts.append(torch.stack([
+                diff.max(), torch.div(diff, magnitude + 1e-6).max(),
+                torch.div(diff, magnitude + scale).max(), torch.add(diff, magnitude, alpha=-rtol).max(),
+                torch.linalg.vector_norm(dc, dtype=torch.float64).square(), rc.square().sum(), diff.square().sum(),
+            ]))
+        table = torch.stack(parts)
+        values = torch.cat([table[:, :4].amax(0), table[:, 4:].sum(0)]).tolist()  # the one read back
+    max_abs, max_rel, error, margin, dd, rr, ee = values
+    if not math.isfinite(max_abs):
+        return None
+    if max_abs == 0:
+        return 0.0, 0.0, 0.0, 1.0, True
+    return max_abs, max_rel, error, _cosine(dd, rr, (dd + rr - ee) / 2, max_abs), max_abs <= atol or margin <= atol
+
+
+# Host chunks below torch's parallel grain (32768): each op runs on one core with its temporaries in cache, no
+# thread-pool round trip per op. Device chunks bound the temporaries' memory.
+_CHUNK_HOST = 1 << 15
+_CHUNK_DEVICE = 1 << 22
+
+
+def _cosine(dd: float, rr: float, dr: float, max_abs: float) -> float:
+    norms = math.sqrt(dd) * math.sqrt(rr)
+    if norms > 0:
+        return dr / norms
+    return 1.0 if max_abs == 0 else 0.0
