@@ -75,6 +75,7 @@ CSV_COLUMNS = ("op", "forward_id", "phase", *COLUMNS, "location")
 # Tensors this large are compared on their device, against the reference uploaded once, when the device computes
 # in float64: only the statistics come back (error_statistics.py). Smaller ones are copied to the host.
 DEVICE_STATISTICS_MIN = 1 << 20
+_RERUN_DRAWS = "random (the CPU reference drew numbers)"
 
 
 @functools.lru_cache(maxsize=4096)  # asked on every handled call, and a name's answer never changes
@@ -139,6 +140,8 @@ class OpAutoCompare(OpTool):
         self._expected_dtypes: dict[tuple, tuple] = {}
         self._attempts: dict[str, list] = {}  # op name -> the reference casts to try, in order
         self._history = SameDtypeHistory()  # same-dtype errors per signature: reruns only where they decide
+        self._rng_checked: set[str] = set()  # op names whose reruns were seen to leave the CPU generator alone
+        self._drawing_reruns: set[str] = set()  # op names whose reruns drew numbers: never rerun again
 
     def note_writes(self, tensors: list) -> None:
         self._copies.forget(tensors)
@@ -150,18 +153,15 @@ class OpAutoCompare(OpTool):
         spec = call_writes(call.name)
         written = spec.written(call.args, call.kwargs)
         state["written"] = written
-        reason = skip_reason(call.name) or random_reason(call.name, call.args, call.kwargs)
+        reason = skip_reason(call.name) or random_reason(call.name, call.args, call.kwargs) or (
+            _RERUN_DRAWS if call.name in self._drawing_reruns else None)
         if reason is not None:
             state["skip"] = reason
             return
-        written_ids = {id(t) for t in written}
         get, tensors = self._copies.get, []
 
         def copy(t: torch.Tensor) -> torch.Tensor:
-            if id(t) in written_ids:  # the op changes it: a copy of its value now, never a cached one
-                host, reused = snapshot(t), False
-            else:
-                host, reused = get(t)
+            host, reused = get(t)
             tensors.append((t, host, reused))
             return host
 
@@ -293,7 +293,9 @@ class OpAutoCompare(OpTool):
             attempts = self._attempts[call.name] = attempts_for(
                 self.settings.casts.get(op_key(call.name), DEFAULT_REFERENCE_CAST))
         grad_snaps = [host_of[id(t)] for t in call.grad_inputs]
-        rng = cpu_generator_token()
+        # The reruns must leave the CPU generator as they found it: checked on an op's first call (a rerun of an op
+        # whose device run drew nothing draws nothing; the device run of every call is checked in after()).
+        rng = cpu_generator_token() if call.name not in self._rng_checked else None
         reference, error = run_reference(call.func, state["cpu_args"], state["cpu_kwargs"], attempts, owned,
                                          grad_snaps)
         if reference is None:
@@ -329,9 +331,12 @@ class OpAutoCompare(OpTool):
                                                functools.partial(_written_result, same, before_op),
                                                self._tolerance, call.name, True,
                                                (self._history, (*state["precedent"], label))))
-        if cpu_generator_token() != rng:  # a rerun drew numbers: give them back, and compare nothing
+        if rng is not None:
+            self._rng_checked.add(call.name)
+        if rng is not None and cpu_generator_token() != rng:  # a rerun drew numbers: give them back, compare nothing
             torch.default_generator.set_state(_state_tensor(rng))
-            self.skipped["random (the CPU reference drew numbers)"] += 1
+            self._drawing_reruns.add(call.name)
+            self.skipped[_RERUN_DRAWS] += 1
             state.clear()
             call.grad_inputs = []
             return None
