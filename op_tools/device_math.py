@@ -73,6 +73,14 @@ REDUCED_PRECISION_OPERANDS = {
     "conv": {"convolution": ((0, "input"), (1, "weight")), "_convolution": ((0, "input"), (1, "weight")),
              "convolution_backward": ((0, "grad_output"), (1, "input"), (2, "weight"))},
 }
+# Ops whose CPU kernel does its products inside (the CPU's fused attention), run unfused while a reduced matmul
+# precision is replayed, so that their matrix products are rounded as the device's are.
+def _sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+    return torch.ops.aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal,
+                                                             scale=scale, enable_gqa=enable_gqa)[0]
+
+
+UNFUSED = {"scaled_dot_product_attention": _sdpa_math}
 # Mantissa bits kept by each reduced float32 format (float32 has 23).
 MANTISSA_BITS = {"tf32": 10, "hf32": 11, "bf16": 7}
 
@@ -290,6 +298,8 @@ def _kernel(op, key):
     rounded_operands = {family: table[packet] for family, table in REDUCED_PRECISION_OPERANDS.items()
                         if packet in table}
 
+    unfused = UNFUSED.get(qualified)
+
     def kernel(keyset, *args, **kwargs):
         keyset = keyset.remove(key)
         math = getattr(_state, "math", None)
@@ -299,14 +309,17 @@ def _kernel(op, key):
         if math.autocast_dtype is not None and not _state.inside_policy:
             table = _policy_table(math.policy)
             policy = table.get(qualified) or table.get(packet)
+        if policy is not None:
+            args, kwargs = _apply_policy(policy, math.autocast_dtype, op, args, kwargs)
         if rounded_operands and math.reduced:
             args, kwargs = _round_operands(math, rounded_operands, args, kwargs)
+        run = (lambda *a, **k: unfused(*a, **k)) if unfused is not None and dict(math.reduced).get("matmul") \
+            else functools.partial(op.redispatch, keyset)
         if policy is None:
-            return op.redispatch(keyset, *args, **kwargs)
-        args, kwargs = _apply_policy(policy, math.autocast_dtype, op, args, kwargs)
+            return run(*args, **kwargs)
         _state.inside_policy = True  # as autocast: ops inside a policy op are not cast again
         try:
-            return op.redispatch(keyset, *args, **kwargs)
+            return run(*args, **kwargs)
         finally:
             _state.inside_policy = False
 

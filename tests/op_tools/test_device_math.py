@@ -1,0 +1,78 @@
+"""The device's declared math is part of the reference: TF32 (sim's own switches, as CUDA's and Ascend's HF32) and
+fused attention kernels with another algorithm pass; detection stays."""
+
+import os
+
+import pytest
+import torch
+import zoo
+
+import op_tools
+from op_tools.device_math import DeviceMath, emulated, round_mantissa
+
+
+@pytest.fixture(autouse=True)
+def _no_autocompare_variables(monkeypatch):
+    for name in list(os.environ):
+        if "AUTOCOMPARE" in name or name.endswith("_OP_DTYPE_CAST_DICT"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def tf32(sim):
+    torch.sim.matmul.allow_tf32 = torch.sim.conv.allow_tf32 = True
+    yield
+    torch.sim.matmul.allow_tf32 = torch.sim.conv.allow_tf32 = False
+
+
+def test_the_cpu_replays_tf32_as_the_device_computes_it(sim, tf32):
+    torch.manual_seed(0)
+    a, b = torch.randn(64, 128), torch.randn(128, 32)
+    on_device = (a.to(sim) @ b.to(sim)).cpu()
+    with emulated(DeviceMath.of(torch.device(sim))):
+        replayed = a @ b
+    assert torch.equal(replayed, on_device)
+    assert not torch.equal(a @ b, on_device)  # TF32 is not float32
+    assert torch.equal(round_mantissa(torch.tensor([1 + 2**-11, 1 + 3 * 2**-11]), 10), torch.tensor([1.0, 1 + 2**-9]))
+
+
+@pytest.mark.parametrize("workload", [zoo.llama_float32, zoo.cnn_batchnorm], ids=["llama", "cnn"])
+def test_tf32_models_report_no_failure_and_say_tf32(sim, tf32, workload):
+    with op_tools.OpAutoCompare() as tool:
+        workload(sim)
+    assert tool.failures == []
+    assert "TF32 for" in tool.summary() and "matmul" in tool.summary()
+
+
+def test_a_fault_above_tf32_rounding_is_found_first_under_tf32(sim, tf32):
+    import ditorch.sim
+
+    with op_tools.OpAutoCompare() as tool, ditorch.sim.faults("silu:noise=1e-2"):
+        zoo.llama_float32(sim)
+    assert tool.failures and tool.failures[0]["op"] == "torch.nn.functional.silu"
+    with op_tools.OpAutoCompare() as tool, ditorch.sim.faults("mm:noise=1e-2"):
+        zoo.llama_float32(sim)
+    assert tool.failures and tool.failures[0]["op"] == "torch.nn.functional.linear"
+    assert "TF32" in tool.failures[0]["error_info"]
+
+
+def test_without_tf32_a_small_fault_in_a_matmul_is_found(sim):
+    import ditorch.sim
+
+    with op_tools.OpAutoCompare() as tool, ditorch.sim.faults("mm:noise=1e-3"):
+        zoo.llama_float32(sim)
+    assert tool.failures and tool.failures[0]["op"] == "torch.nn.functional.linear"
+
+
+def test_a_fused_attention_kernel_passes_forward_and_backward(sim):
+    import ditorch.sim
+
+    with ditorch.sim.sdpa_algorithm("chunked"), op_tools.OpAutoCompare() as tool:
+        zoo.llama_float32(sim)
+    sdpa = [row for row in tool.rows if row[0] == "torch.nn.functional.scaled_dot_product_attention"]
+    assert {row[2] for row in sdpa} == {"forward", "backward"}
+    assert tool.failures == []
+    with ditorch.sim.sdpa_algorithm("chunked"), op_tools.OpAutoCompare() as tool, \
+            ditorch.sim.faults("_scaled_dot_product_fused_attention_overrideable:noise=1e-3"):
+        zoo.llama_float32(sim)
+    assert tool.failures[0]["op"] == "torch.nn.functional.scaled_dot_product_attention"
