@@ -50,7 +50,7 @@ from .comparison import (
     compare_tensors,
     op_key,
 )
-from .config import AUTOCOMPARE_BACKWARD, AUTOCOMPARE_CAST, parse_dtype_map
+from .config import AUTOCOMPARE_BACKWARD, AUTOCOMPARE_CAST, AUTOCOMPARE_MAX_SAVED, parse_dtype_map
 from .device_math import DeviceMath
 from .engine import OpCall, OpTool, feature
 from .host_copies import HostCopies, snapshot
@@ -93,6 +93,7 @@ class AutoCompareConfig:
     backward: bool
     tolerance: ToleranceSpec
     casts: dict[str, dict[torch.dtype, torch.dtype]]  # OPNAME -> reference cast
+    max_saved: int = 3
 
     @classmethod
     def from_env(cls) -> AutoCompareConfig:
@@ -102,7 +103,7 @@ class AutoCompareConfig:
             if match:
                 var = dataclasses.replace(AUTOCOMPARE_CAST, name=name, default=None, parse=parse_dtype_map)
                 casts[match.group(1)] = var.read()
-        return cls(AUTOCOMPARE_BACKWARD.read(), ToleranceSpec.from_env(), casts)
+        return cls(AUTOCOMPARE_BACKWARD.read(), ToleranceSpec.from_env(), casts, AUTOCOMPARE_MAX_SAVED.read())
 
 
 @feature("autocompare")
@@ -122,7 +123,10 @@ class OpAutoCompare(OpTool):
     def configure(self) -> None:
         self.settings = AutoCompareConfig.from_env()
         self._tolerance = self.settings.tolerance or None  # None: no variable set, nothing to look up per call
-        self.store = TensorStore(dedup=False)
+        self.store = TensorStore(dedup=True)  # a tensor of two saved calls is written once, as OpCapture does
+        self.writer = reporting.BackgroundWriter("OpAutoCompare")
+        self.saved: collections.Counter = collections.Counter()  # op -> failing calls saved
+        self.not_saved: collections.Counter = collections.Counter()  # op -> failing calls past OP_AUTOCOMPARE_MAX_SAVED
         self.counts: collections.Counter = collections.Counter()
         self.skipped: collections.Counter = collections.Counter()
         self.backward_not_compared: collections.Counter = collections.Counter()
@@ -472,11 +476,21 @@ class OpAutoCompare(OpTool):
                           + reporting.table(rows, COLUMNS).get_string())
 
     def _save(self, name: str, forward_id: int, state: dict, device_out, ref_out, reference, grads=None) -> None:
+        """Save a failing call (its host copies made now, the files written in the background), up to
+        ``OP_AUTOCOMPARE_MAX_SAVED`` calls of each op; later ones are counted."""
         base = state.get("save_dir")
         if base is None:
+            with self._lock:
+                allowed = self.saved[name] < self.settings.max_saved
+                if allowed:
+                    self.saved[name] += 1
+                else:
+                    self.not_saved[name] += 1
             base = state["save_dir"] = reporting.results_path(
                 self.common, "op_capture_results", name, self.pid_folder, "autocompare", str(forward_id),
-                time.strftime("%Y-%m-%d-%H-%M-%S", time.localtime()))
+                time.strftime("%Y-%m-%d-%H-%M-%S", time.localtime())) if allowed else ""
+        if not base:
+            return
         if not state.get("saved_forward"):
             cast = self.settings.casts.get(op_key(name), DEFAULT_REFERENCE_CAST)
             # the inputs whose gradients were compared are saved requiring grad: the replay runs their backward
@@ -498,12 +512,14 @@ class OpAutoCompare(OpTool):
 
     def _write(self, base: str, side: str, identifier: str, name: str, args, kwargs) -> None:
         args = map_tensors(tuple(args), _on_host)  # values compared on their device are copied now
-        self.store.save(os.path.join(base, side, f"{identifier}.pth"),
-                        {"name": name, "args": tuple(args), "kwargs": dict(kwargs), "identifier": identifier})
+        path = os.path.join(base, side, f"{identifier}.pth")
+        payload = {"name": name, "args": tuple(args), "kwargs": dict(kwargs), "identifier": identifier}
+        self.writer.submit(lambda: self.store.save(path, payload), path)
 
     def finish(self) -> None:
         for call in list(self._pending.values()):  # calls whose backward never ran
             call.state.clear()
+        self.writer.drain()
         self._pending = weakref.WeakValueDictionary()
         self._copies = HostCopies()
         reporting.console(self.summary())
@@ -529,6 +545,11 @@ class OpAutoCompare(OpTool):
         if self.device_math:
             lines.append("device math, replayed by the same-dtype reference: " + ", ".join(
                 f"{described} ({n} calls)" for described, n in self.device_math.most_common()))
+        if self.saved:
+            lines.append(f"{sum(self.saved.values())} failing calls saved for the replay under "
+                         f"{reporting.results_path(self.common, 'op_capture_results')}"
+                         + (f"; {sum(self.not_saved.values())} more not saved (OP_AUTOCOMPARE_MAX_SAVED="
+                            f"{self.settings.max_saved} per op)" if self.not_saved else ""))
         if self.stale_copies:
             lines.append(f"{self.stale_copies} cached input copies were out of date (written by something no call "
                          "showed) and were re-read before the verdict")

@@ -175,6 +175,23 @@ AUTOCOMPARE_BACKWARD = declare(
     "OP_AUTOCOMPARE_BACKWARD", "0 or 1", "1",
     "1 also compares the gradients of each compared op's inputs; 0 compares forward results only.", parse_flag,
 )
+
+
+def parse_count(text: str | None) -> int:
+    try:
+        value = int((text or "").strip())
+    except ValueError:
+        raise ValueError("not an integer") from None
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
+AUTOCOMPARE_MAX_SAVED = declare(
+    "OP_AUTOCOMPARE_MAX_SAVED", "an integer >= 0", "3",
+    "How many failing calls of each op are saved for the offline replay (written in the background); the rest "
+    "are counted in the summary. 0 saves none.", parse_count,
+)
 _TOLERANCE_FORM = "'atol,rtol', e.g. '1e-3,1e-3'"
 _TOLERANCE_MEANING = ("When any tolerance variable applies to an output, allclose under it decides instead of the "
                       "comparison with a same-dtype CPU run. Priority: per op and dtype > per dtype > global.")

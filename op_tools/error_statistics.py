@@ -30,7 +30,7 @@ _max, _sum = np.maximum.reduce, np.add.reduce
 
 def wide(t: torch.Tensor) -> torch.Tensor:
     """float64 (complex: its real view in float64), detached and contiguous, on ``t``'s device."""
-    t = t.detach()
+    t = t.detach().resolve_conj().resolve_neg()
     if t.is_complex():
         return torch.view_as_real(t.to(torch.complex128)).contiguous()
     return t.to(torch.float64).contiguous()
@@ -76,7 +76,7 @@ def normalised_error(s: torch.Tensor, r: torch.Tensor, keep: torch.Tensor | None
 def _numpy(t: torch.Tensor) -> np.ndarray:
     """A float64 numpy view (or copy) of a host tensor, widened by numpy where it can (cheaper on small tensors)."""
     dtype = t.dtype
-    if dtype in _NUMPY_FLOATS:
+    if dtype in _NUMPY_FLOATS and not (t.is_conj() or t.is_neg()):
         try:
             array = (t.detach() if t.requires_grad else t).numpy()
             return array if dtype is torch.float64 else array.astype(np.float64)
@@ -101,10 +101,8 @@ def _numpy_stats(dn: np.ndarray, rn: np.ndarray, atol: float, rtol: float):
         scale = max(float(_sum(magnitude)) / magnitude.size, _TINY)
         # every diff <= max_abs <= atol <= atol + rtol * |ref|: the elementwise test is needed only above atol
         allclose = max_abs <= atol or bool((diff <= atol + rtol * magnitude).all())
-        _add(magnitude, 1e-6, out=magnitude)
-        max_rel = float(_max(_divide(diff, magnitude)))
-        _add(magnitude, scale - 1e-6, out=magnitude)
-        error = float(_max(_divide(diff, magnitude, out=magnitude)))
+        max_rel = float(_max(_divide(diff, _add(magnitude, 1e-6))))
+        error = float(_max(_divide(diff, _add(magnitude, scale, out=magnitude), out=magnitude)))
     # ndarray.dot: the same BLAS dot as ``@`` on 1-d arrays, at half the call overhead
     dd, rr = float(dn.dot(dn)), float(rn.dot(rn))
     return max_abs, max_rel, error, _cosine(dd, rr, float(dn.dot(rn)), max_abs), allclose

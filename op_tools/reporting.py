@@ -11,6 +11,7 @@ import itertools
 import json
 import logging
 import os
+import queue
 import sys
 import tempfile
 import threading
@@ -163,6 +164,41 @@ def write_atomic(path: str, write: Callable[[Any], None], mode: str = "w") -> in
             os.unlink(temp)
         raise
     return size
+
+
+class BackgroundWriter:
+    """Runs file writes on a thread of its own, in order, so that a run is not stalled by them; ``drain()`` waits.
+
+    A write that fails is logged (with the file it was writing) and the others go on.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, write: Callable[[], Any], what: str) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name=f"op_tools {self.name} writer", daemon=True)
+                self._thread.start()
+        self._queue.put((write, what))
+
+    def drain(self) -> None:
+        """Wait until every submitted write is done."""
+        if self._thread is not None:
+            self._queue.join()
+
+    def _run(self) -> None:
+        while True:
+            write, what = self._queue.get()
+            try:
+                write()
+            except Exception:  # noqa: BLE001 - one file lost is reported, the others are still written
+                logger.exception("%s: writing %s failed", self.name, what)
+            finally:
+                self._queue.task_done()
 
 
 def save_torch(path: str, obj) -> int:

@@ -23,6 +23,7 @@ MALFORMED_BY_FORM = {
     "a directory path": None,  # an existing regular file: filled in by the test
     "one of npu, mlu": "tpu",
     "a positive integer": "0",
+    "an integer >= 0": "-1",
     "'pattern[@dtype]:kind'": "mm:boom",
     "0, 1 (both), or a comma list of matmul, conv": "gemm",
     "math, or chunked": "flash",
