@@ -207,7 +207,10 @@ def sweep(settings: Settings, folder: str, resume: bool, timeout: float, jobs: i
     """Run the selected ops; return every row of the run (resumed ones included), the comparisons of
     ``--sample``, and whether the sweep was interrupted."""
     results = ResultsFile(os.path.join(folder, RESULTS_FILE))
-    done: list[Row] = results.read()[1] if resume else []
+    done: list[Row] = []
+    if resume:
+        results.repair()
+        done = results.read()[1]
     options = CaseOptions(limit_samples=settings.limit_samples, sample=sample, backward=settings.backward,
                           save_dir=os.path.join(folder, "inputs"), details=sample is not None)
     config = WorkerConfig(settings.device, settings.setup, os.path.join(folder, "workers"),

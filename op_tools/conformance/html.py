@@ -165,7 +165,7 @@ function build() {
   DATA.statuses.forEach(s => {
     const label = document.createElement("label");
     const box = document.createElement("input");
-    box.type = "checkbox"; box.id = "show-" + s; box.checked = state.statuses.has(s);
+    box.type = "checkbox"; box.id = "show-" + s; box.defaultChecked = state.statuses.has(s);
     box.addEventListener("change", () => { box.checked ? state.statuses.add(s) : state.statuses.delete(s); render(); });
     label.append(box, ` ${s} (${counts[s] || 0})`);
     filters.appendChild(label);

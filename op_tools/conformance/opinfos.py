@@ -88,16 +88,19 @@ def parse_dtypes(text: str) -> tuple[str, ...] | None:
 def select(entries: list[OpEntry], patterns: list[str] | None) -> list[OpEntry]:
     """The entries named by ``patterns`` (all when None), in op_db's order.
 
-    A pattern is a full name (``max.reduction_with_dim``), a name without its variant (``max``: all its
-    variants) or a shell-style pattern (``nn.functional.*``, ``*norm*``). A pattern that selects nothing is a
-    ValueError naming it and the closest names.
+    A pattern is a full name (``max.reduction_with_dim``, ``softmax``: that OpInfo alone), a name that is only
+    the stem of variants (``max``: all of them) or a shell-style pattern (``nn.functional.*``, ``softmax*``).
+    A pattern that selects nothing is a ValueError naming it and the closest names.
     """
     if not patterns:
         return list(entries)
     names = [e.name for e in entries]
     chosen: set[str] = set()
     for pattern in patterns:
-        found = {e.name for e in entries if pattern in (e.name, e.base) or fnmatch.fnmatchcase(e.name, pattern)}
+        if pattern in names:  # a full name is that OpInfo alone (``softmax``, not ``softmax.with_dtype``)
+            chosen.add(pattern)
+            continue
+        found = {e.name for e in entries if e.base == pattern or fnmatch.fnmatchcase(e.name, pattern)}
         if not found:
             close = difflib.get_close_matches(pattern, names, n=4)
             hint = f"; closest: {', '.join(close)}" if close else ""
@@ -145,12 +148,13 @@ def replay_name(opinfo) -> str:
     from torch.overrides import resolve_name
 
     func = opinfo.op
-    if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        name = f"torch.ops.{func._schema.name.replace('::', '.')}" if isinstance(func, torch._ops.OpOverloadPacket) \
-            else f"torch.ops.{func._schema.name.replace('::', '.')}.{func._overloadname}"
-    else:
-        try:
+    try:
+        if isinstance(func, torch._ops.OpOverloadPacket):
+            name = "torch.ops." + func._qualified_op_name.replace("::", ".")
+        elif isinstance(func, torch._ops.OpOverload):
+            name = f"torch.ops.{func._schema.name.replace('::', '.')}.{func._overloadname}"
+        else:
             name = resolve_name(func) or ""
-        except Exception:  # noqa: BLE001 - an object torch.overrides cannot name
-            name = ""
+    except Exception:  # noqa: BLE001 - an object torch cannot name: not replayable
+        return ""
     return name if name and _replayable(name) else ""

@@ -99,26 +99,43 @@ class ResultsFile:
 
     def read(self) -> tuple[dict, list[Row]]:
         """The header and every row; a last line cut short by a kill is ignored, other damage is a ValueError."""
+        header, rows, _ = self._parse()
+        return header, rows
+
+    def repair(self) -> None:
+        """Cut a last line left incomplete by a kill, so that appending continues the file cleanly."""
+        _, _, end = self._parse()
+        with open(self.path, "rb+") as f:
+            f.truncate(end)
+
+    def _parse(self) -> tuple[dict, list[Row], int]:
+        """The header, the rows, and the byte offset after the last complete line."""
         header: dict | None = None
         rows: list[Row] = []
-        with open(self.path, encoding="utf-8") as f:
-            lines = f.read().split("\n")
+        end = 0
+        with open(self.path, "rb") as f:
+            data = f.read()
+        lines = data.split(b"\n")
         for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
+            complete = number < len(lines)  # the last piece has no newline after it
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                if number >= len(lines) - 1:  # the line being written when the sweep was killed
-                    break
+                record = json.loads(line) if line.strip() else None
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                if not complete:
+                    break  # the line being written when the sweep was killed
                 raise ValueError(f"{self.path}:{number}: not a results line of a conformance run") from None
+            if not complete:
+                break  # whole JSON but no newline yet: written again on resume
+            end += len(line) + 1
+            if record is None:
+                continue
             if record.get("kind") == "run":
                 header = record
             elif record.get("kind") == "rows":
                 rows.extend(Row.from_dict(r) for r in record["rows"])
         if header is None:
             raise ValueError(f"{self.path}: no run header: not the results file of a conformance run")
-        return header, latest(rows)
+        return header, latest(rows), end
 
 
 def latest(rows: Iterable[Row]) -> list[Row]:

@@ -133,44 +133,60 @@ def describe_error(error: BaseException) -> str:
 
 # --- the runs ---
 
-def _device_value(value, device: torch.device):
-    """A device argument of a sample (made for the CPU) for a run on ``device``."""
-    return device if isinstance(value, torch.device) or (isinstance(value, str) and value == "cpu") else value
+@dataclasses.dataclass
+class _Sample:
+    """A sample's arguments on one side (the device as the OpInfo made them, or their CPU copies)."""
+
+    input: object
+    args: tuple
+    kwargs: dict
+    output_process_fn_grad: Callable
 
 
-def _convert(value, path: str, tensor_fn: Callable, device: torch.device, cast: dict):
-    """A sample's argument for one run: tensors through ``tensor_fn(t, path)``, dtypes through ``cast``,
-    devices (``device=`` arguments of factories) to ``device``."""
+def _convert(value, path: str, tensor_fn: Callable, device, cast: dict):
+    """A sample's argument for one run: tensors through ``tensor_fn(t, path)``, dtypes through ``cast``, device
+    arguments (of factories) to ``device`` (None: as they are)."""
     if isinstance(value, torch.Tensor):
         return tensor_fn(value, path)
     if isinstance(value, torch.dtype):
         return cast.get(value, value)
     if isinstance(value, torch.device):
-        return device
+        return value if device is None else torch.device(device)
     if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
         items = [_convert(v, f"{path}[{i}]", tensor_fn, device, cast) for i, v in enumerate(value)]
         return items if isinstance(value, list) else tuple(items)
     if isinstance(value, dict):
-        return {k: _device_value(v, device) if k == "device" else _convert(v, f"{path}[{k}]", tensor_fn, device, cast)
-                for k, v in value.items()}
+        return {k: (v if device is None else str(device)) if k == "device" and isinstance(v, str)
+                else _convert(v, f"{path}[{k}]", tensor_fn, device, cast) for k, v in value.items()}
     return value
 
 
-def _run(opinfo, sample, device: torch.device, cast: dict, with_grad: bool) -> _Run:
-    """The op on fresh copies of the sample's inputs on ``device`` (floating inputs through ``cast``)."""
+def _copy_sample(sample, device) -> _Sample:
+    """``sample`` with its tensors copied to ``device`` (those that require grad as leaves that do) and its device
+    arguments naming ``device``."""
+    def copy(t: torch.Tensor, _) -> torch.Tensor:
+        return t.detach().to(device).requires_grad_(t.requires_grad)
+
+    return _Sample(_convert(sample.input, "", copy, device, {}), _convert(sample.args, "", copy, device, {}),
+                   _convert(sample.kwargs, "", copy, device, {}), sample.output_process_fn_grad)
+
+
+def _run(opinfo, sample: _Sample, cast: dict, with_grad: bool) -> _Run:
+    """The op on fresh copies of the sample's inputs, where they are (floating inputs through ``cast``)."""
     run = _Run()
 
     def tensor_fn(t: torch.Tensor, path: str) -> torch.Tensor:
-        copy = t.detach().to(device=device, dtype=cast.get(t.dtype, t.dtype), copy=True)
+        target = cast.get(t.dtype, t.dtype)
+        copy = t.detach().clone() if target == t.dtype else t.detach().to(dtype=target, copy=True)
         if with_grad and t.requires_grad:
             copy.requires_grad_()
             run.leaves.append(copy)
             run.labels.append(path)
         return copy
 
-    first = _convert(sample.input, "input", tensor_fn, device, cast)
-    args = _convert(sample.args, "args", tensor_fn, device, cast)
-    kwargs = _convert(sample.kwargs, "kwargs", tensor_fn, device, cast)
+    first = _convert(sample.input, "input", tensor_fn, None, cast)
+    args = _convert(sample.args, "args", tensor_fn, None, cast)
+    kwargs = _convert(sample.kwargs, "kwargs", tensor_fn, None, cast)
     with torch.set_grad_enabled(with_grad):
         run.output = opinfo.op(first, *args, **kwargs)
         if with_grad and run.leaves:
@@ -178,19 +194,26 @@ def _run(opinfo, sample, device: torch.device, cast: dict, with_grad: bool) -> _
     return run
 
 
-def _reference(opinfo, sample, with_grad: bool) -> tuple[_Run, str]:
+def _reference(opinfo, sample: _Sample, with_grad: bool) -> tuple[_Run, str]:
     """The CPU reference run and its note; raises the last attempt's error when the CPU cannot run it at all."""
     error: BaseException | None = None
     for cast, note in _ATTEMPTS:
         try:
-            return _run(opinfo, sample, _CPU, cast, with_grad), note
+            return _run(opinfo, sample, cast, with_grad), note
         except Exception as e:  # noqa: BLE001 - the next, narrower, attempt
             error = e
     raise error
 
 
 def _on_cpu(obj):
-    return map_tensors(obj, lambda t: t.detach().to(_CPU))
+    """CPU copies of the tensors of ``obj``, outside autograd, dense, conjugation and negation resolved."""
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().to(_CPU)
+        if t.layout != torch.strided:
+            t = t.to_dense()
+        return t.resolve_conj().resolve_neg()
+
+    return map_tensors(obj, copy)
 
 
 def _grads(run: _Run, upstream: list[torch.Tensor]) -> tuple:
@@ -202,7 +225,8 @@ def _grads(run: _Run, upstream: list[torch.Tensor]) -> tuple:
 
 
 def _upstream(index: int, roots: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Upstream gradients for ``roots``, on the CPU in their dtype: the same values for every run of a sample."""
+    """Upstream gradients for ``roots`` (the device's outputs), on the CPU in their dtype: each run of the sample
+    gets these values."""
     generator = torch.Generator().manual_seed(_UPSTREAM_SEED + index)
     grads = []
     for root in roots:
@@ -236,13 +260,14 @@ class _SameDtype:
         with_grad = upstream is not None
         for cast in ({}, _FLOAT32):
             try:
-                run = _run(opinfo, sample, _CPU, cast, with_grad)
+                run = _run(opinfo, sample, cast, with_grad)
                 grads = _grads(run, upstream) if with_grad else None
             except Exception:  # noqa: BLE001 - the rounded float32 run, then no floor
                 continue
             wide = cast.get(dtype, dtype)
             narrow = lambda t: t.to(dtype) if t.dtype == wide != dtype else t  # noqa: B023 - used at once
-            return map_tensors(_on_cpu(run.output), narrow), None if grads is None else map_tensors(grads, narrow)
+            grads = None if grads is None else map_tensors(_on_cpu(grads), narrow)
+            return map_tensors(_on_cpu(run.output), narrow), grads
         return None, None
 
     def forward(self):
@@ -263,22 +288,32 @@ def _random_outputs(opinfo, sample) -> bool:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             try:
-                outputs.append(_run(opinfo, sample, _CPU, {}, False).output)
+                outputs.append(_run(opinfo, sample, {}, False).output)
             except Exception:  # noqa: BLE001 - no CPU kernel in the dtype: the reference decides alone
                 return False
     return not _same_values(*outputs)
 
 
 def _same_values(a, b) -> bool:
+    """Whether two CPU results hold the same values (nan equal to nan); True when that cannot be told."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b) or (
-            (a.is_floating_point() or a.is_complex()) and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)))
+        try:
+            x, y = _on_cpu(a), _on_cpu(b)
+            if x.shape != y.shape or x.dtype != y.dtype:
+                return False
+            if x.is_floating_point() or x.is_complex():  # wide enough for any kernel to compare (complex32 too)
+                wide = torch.complex128 if x.is_complex() else torch.float64
+                x, y = x.to(wide), y.to(wide)
+                return bool(torch.equal(x, y) or torch.allclose(x, y, rtol=0, atol=0, equal_nan=True))
+            return bool(torch.equal(x, y))
+        except Exception:  # noqa: BLE001 - not comparable here: the verdict decides later
+            return True
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same_values(x, y) for x, y in zip(a, b))
     try:
         return bool(a == b)
-    except Exception:  # noqa: BLE001 - values that cannot be compared differ
-        return False
+    except Exception:  # noqa: BLE001
+        return True
 
 
 # --- one op x dtype ---
@@ -305,11 +340,19 @@ def run_case(opinfo, dtype: torch.dtype, device: torch.device, options: CaseOpti
     if reason is None:
         stop = options.limit_samples if options.sample is None else options.sample + 1
         try:
-            samples = list(itertools.islice(opinfo.sample_inputs("cpu", dtype, requires_grad=with_grad), stop))
-        except Exception as e:  # noqa: BLE001 - PyTorch's sample generator, not the device
+            samples, made = _make_samples(opinfo, dtype, device, with_grad, stop)
+        except _DeviceInputError as e:
+            samples, made = [], ""
+            for tally in (forward, backward) if with_grad else (forward,):
+                tally.raised_at(0, RuntimeError(f"the device cannot hold the sample inputs: "
+                                                f"{describe_error(e.__cause__)}"))
+        except Exception as e:  # noqa: BLE001 - PyTorch's sample generator fails on the CPU too
             samples, reason = [], f"the OpInfo's sample inputs cannot be made: {describe_error(e)}"
-        if options.sample is not None and len(samples) <= options.sample:
-            reason = f"no sample {options.sample}: the OpInfo has {len(samples)} samples in {dtype_name}"
+        else:
+            if made:
+                forward.notes.append(made)
+            if options.sample is not None and len(samples) <= options.sample:
+                reason = f"no sample {options.sample}: the OpInfo has {len(samples)} samples in {dtype_name}"
     if reason is None:
         for index, sample in enumerate(samples):
             if options.sample is not None and index != options.sample:
@@ -341,26 +384,54 @@ def run_case(opinfo, dtype: torch.dtype, device: torch.device, options: CaseOpti
     return CaseResult(rows, details)
 
 
+def _make_samples(opinfo, dtype, device: torch.device, with_grad: bool, stop: int | None) -> tuple[list, str]:
+    """The OpInfo's samples made on the device, as PyTorch's own tests make them (some arguments stay on the CPU
+    on purpose); where the device cannot make them, made on the CPU and copied to it, with a note saying so."""
+    try:
+        return list(itertools.islice(opinfo.sample_inputs(str(device), dtype, requires_grad=with_grad), stop)), ""
+    except Exception as e:  # noqa: BLE001 - the device's failure to make inputs is not the op's
+        error = describe_error(e)
+    samples = list(itertools.islice(opinfo.sample_inputs("cpu", dtype, requires_grad=with_grad), stop))
+    try:
+        copies = [_copy_sample(s, device) for s in samples]
+    except Exception as e:  # noqa: BLE001 - the device cannot hold them: unsupported, said by the caller
+        raise _DeviceInputError(e) from e
+    return copies, f"samples made on the CPU and copied: the device could not make them ({error})"
+
+
+class _DeviceInputError(Exception):
+    """The device can hold neither the samples it makes nor copies of the CPU's: every sample is unsupported."""
+
+
+def _compare(tally: _Tally, device_out, reference_out, same, tolerance, op_name: str, prefix: str) -> list | None:
+    """``compare_outputs``, or None (noted) for results it cannot compare."""
+    try:
+        return compare_outputs(device_out, reference_out, same, tolerance, op_name=op_name, prefix=prefix)
+    except Exception as e:  # noqa: BLE001 - a result the verdict does not handle: not compared, and said so
+        tally.skips.append(f"not comparable: {describe_error(e)}")
+        return None
+
+
 def _run_sample(opinfo, sample, index: int, dtype, device, with_grad: bool, tolerance, forward: _Tally,
                 backward: _Tally, progress, details: list | None, shown: dict) -> str | None:
-    """One sample, forward and backward; returns a reason to skip the whole op (random), else None."""
+    """One sample (as made on the device), forward and backward; returns a reason to skip the whole op (a random
+    op), else None."""
     op_name = opinfo.name
     wants_grad = with_grad and any(t.requires_grad for t in iter_tensors((sample.input, sample.args, sample.kwargs)))
+    cpu = _copy_sample(sample, _CPU)
     try:
-        reference, note = _reference(opinfo, sample, wants_grad)
+        reference, note = _reference(opinfo, cpu, wants_grad)
     except Exception as e:  # noqa: BLE001
         forward.skips.append(f"no CPU reference: {describe_error(e)}")
         return None
-    if index == 0 and _random_outputs(opinfo, sample):
+    if index == 0 and _random_outputs(opinfo, cpu):
         return "random: two CPU runs with different seeds give different outputs"
-    upstream = _upstream(index, reference.roots) if reference.roots else None
-    record = [sample, None, upstream]  # what saving this sample's inputs needs; the device output comes later
+    record = [cpu, None, None]  # what saving this sample's inputs needs: outputs and upstream gradients come later
     if details is not None:  # a sample asked for by number is saved whatever its verdict
         shown[index] = record
-    same = _SameDtype(opinfo, sample, dtype, upstream)
     progress(index, "forward")
     try:
-        run = _run(opinfo, sample, device, {}, wants_grad)
+        run = _run(opinfo, sample, {}, wants_grad)
         synchronize(device)
         device_out = record[1] = _on_cpu(run.output)
     except Exception as e:  # noqa: BLE001 - the device raised: unsupported, forward and so backward
@@ -369,16 +440,19 @@ def _run_sample(opinfo, sample, index: int, dtype, device, with_grad: bool, tole
             backward.raised_at(index, e)
         shown[index] = record
         return None
-    comparisons = compare_outputs(device_out, _on_cpu(reference.output), same.forward, tolerance,
-                                  op_name=op_name, prefix="output")
-    if not forward.compared(index, comparisons, note):
+    # upstream gradients in the device's output dtypes: every run gets the same (rounded) values
+    upstream = record[2] = _upstream(index, run.roots) if reference.roots else None
+    same = _SameDtype(opinfo, cpu, dtype, upstream)
+    comparisons = _compare(forward, device_out, _on_cpu(reference.output), same.forward, tolerance, op_name, "output")
+    if comparisons is not None and not forward.compared(index, comparisons, note):
         shown[index] = record
-    if details is not None:
+    if details is not None and comparisons is not None:
         details += [{"sample": index, "direction": "forward", **c.row()} for c in comparisons]
     if not reference.roots:
         return None
-    if len(run.roots) != len(reference.roots):
-        info = f"device gives {len(run.roots)} differentiable outputs, the reference {len(reference.roots)}"
+    if [r.shape for r in run.roots] != [r.shape for r in reference.roots]:
+        info = (f"differentiable outputs differ: device {[tuple(r.shape) for r in run.roots]}, reference "
+                f"{[tuple(r.shape) for r in reference.roots]}")
         backward.compared(index, [Comparison("grad", False, error_info=info)], note)
         return None
     progress(index, "backward")
@@ -390,12 +464,14 @@ def _run_sample(opinfo, sample, index: int, dtype, device, with_grad: bool, tole
         shown[index] = record
         return None
     try:
-        reference_grads = _grads(reference, upstream)
+        reference_grads = _on_cpu(_grads(reference, upstream))
     except Exception as e:  # noqa: BLE001 - the CPU has no backward for the reference: not comparable
         backward.skips.append(f"no CPU reference gradient: {describe_error(e)}")
         return None
-    comparisons = compare_outputs(tuple(device_grads), tuple(reference_grads), same.backward, tolerance,
-                                  op_name=op_name, prefix="grad")
+    comparisons = _compare(backward, tuple(device_grads), tuple(reference_grads), same.backward, tolerance, op_name,
+                           "grad")
+    if comparisons is None:
+        return None
     for c, label in zip(comparisons, run.labels):
         c.name = f"{label}.grad"
     if not backward.compared(index, comparisons, note):
@@ -418,6 +494,7 @@ def _save_inputs(base: str, row: Row, device: torch.device, sample, device_out, 
     if os.path.exists(os.path.join(folder, "input.pth")):
         return folder  # the other direction saved the same sample
     store = TensorStore(dedup=False)
+    # the CPU copies, with the device named where a factory takes one (as a user's call on the device would)
     args = _convert((sample.input, *sample.args), "", lambda t, _: t.detach(), device, {})
     kwargs = _convert(sample.kwargs, "", lambda t, _: t.detach(), device, {})
     store.save(os.path.join(folder, "input.pth"),

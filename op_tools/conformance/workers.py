@@ -21,6 +21,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import sys
 import time
 import traceback
 import warnings
@@ -115,8 +116,10 @@ def worker_main(conn, config: WorkerConfig, log_path: str) -> None:
         try:
             result = run_case(db[task.op], getattr(torch, task.dtype), device, options, tolerance,
                               progress=lambda sample, direction: conn.send(("progress", sample, direction)))
-        except Exception:  # noqa: BLE001 - a failure of the sweep itself, reported with its traceback
-            conn.send(("failed", traceback.format_exc()))
+        except Exception as e:  # noqa: BLE001 - a failure of the sweep itself: its traceback goes to the log
+            traceback.print_exc()
+            sys.stderr.flush()
+            conn.send(("failed", f"{type(e).__name__}: {e}".splitlines()[0][:300]))
             continue
         conn.send(("done", [r.to_dict() for r in result.rows], result.comparisons))
 
@@ -282,13 +285,13 @@ class WorkerPool:
     def run(self, tasks: list[Task], options) -> Iterator[TaskResult]:
         """Each task's result, in the order they finish; a crash or hang is a result too.
 
-        After the first crash one spare worker is kept starting, so that the next crash costs no startup:
-        a device that crashed once tends to again.
+        From the second crash on, one spare worker is kept started, so that the next crash costs no start-up: a
+        device that crashed twice tends to again (the spare costs a process, and CPU while it starts).
         """
         queue = collections.deque(tasks)
         busy: dict[int, _Worker] = {}
         while queue or busy:
-            wanted = min(self.jobs, len(queue) + len(busy)) + (1 if self.restarts and queue else 0)
+            wanted = min(self.jobs, len(queue) + len(busy)) + (1 if self.restarts >= 2 and queue else 0)
             while len(self.workers) < wanted:
                 self._start()
             while queue and len(busy) < self.jobs:
@@ -325,7 +328,8 @@ class WorkerPool:
             return None
         task, worker.task = worker.task, None
         if kind == "failed":
-            return TaskResult(task, None, crash=f"the sweep failed on this op: {message[1].strip()}",
+            log = f"; traceback in {worker.log_path}" if worker.log_path else ""
+            return TaskResult(task, None, crash=f"the conformance tool failed on this op ({message[1]}{log})",
                               sample=worker.sample, direction=worker.direction)
         return TaskResult(task, message[1], message[2])
 
