@@ -27,3 +27,4 @@ bench: install-test
 	$(PYTHON) benchmarks/time_measure_cost.py
 	$(PYTHON) benchmarks/overhead.py
 	$(PYTHON) benchmarks/capture_storage.py
+	$(PYTHON) benchmarks/conformance_sweep.py

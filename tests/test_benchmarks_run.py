@@ -17,6 +17,7 @@ SMALLEST = {
     "overhead.py": (["--rounds", "1", "--work-rounds", "1", "--steps", "1", "--tools", "OpCapture,OpAutoCompare"],
                     "(d) OpAutoCompare, every op"),
     "capture_storage.py": (["--rounds", "1"], "dedup writes"),
+    "conformance_sweep.py": (["--ops", "abs,add", "--limit-samples", "1"], "pass rate 100.0% of 4 rows"),
 }
 
 

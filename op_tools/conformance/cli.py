@@ -6,7 +6,7 @@ verdict. Writes ``results.jsonl``, ``conformance.csv`` and ``conformance.html`` 
 prints the pass rate per dtype and the failing ops. Exit status: 0 when every op that ran passed, 1 when
 some did not, 2 for bad usage, 130 when interrupted (``--resume`` continues).
 
-    DITORCH_BACKEND=sim python -m op_tools.conformance --setup ditorch --ops 'nn.functional.*' --dtypes float32
+    python -m op_tools.conformance --device sim --setup ditorch.sim:register --ops 'nn.functional.*' --dtypes float32
     python -m op_tools.conformance --device cuda --compare npu_run/conformance.csv
     python -m op_tools.conformance --resume op_tools_results/op_conformance_result/sim_pid42_...
 """
@@ -44,6 +44,7 @@ from .workers import SweepError, Task, TaskResult, WorkerConfig, WorkerPool, run
 
 RESULTS_FOLDER = "op_conformance_result"
 DEFAULT_TIMEOUT = 300.0
+_DEVICE_LAYER_ENV = re.compile(r"^DITORCH_\w+$")  # the device layer's variables: they shape a replay too
 _REPRODUCE_ENV = re.compile(r"^(DITORCH_\w+|(\w+_)?AUTOCOMPARE_ERROR_TOLERANCE\w*)$")
 # Settings a resumed run takes from its results file unless given again.
 _RESUMED = ("device", "setup", "ops", "dtypes", "limit_samples", "backward")
@@ -57,9 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", help="the device to test (sim, cuda, npu, ...); default: the accelerator "
                                          "torch.accelerator reports")
     parser.add_argument("--setup", action="append", metavar="MODULE[:FUNCTION]",
-                        help="import this module (and call FUNCTION) first, in every process: what makes an "
-                             "out-of-tree device known, e.g. 'ditorch' with DITORCH_BACKEND=sim, or "
-                             "'ditorch.sim:register'; repeatable")
+                        help="import this module (and call FUNCTION) in every worker (after op_db) and, to detect "
+                             "the device, in this process: what makes an out-of-tree device known, e.g. "
+                             "'ditorch.sim:register', 'torch_npu'; repeatable")
     parser.add_argument("--ops", action="append", metavar="NAMES",
                         help="comma-separated OpInfo names, names without their variant (max), or shell-style "
                              "patterns (nn.functional.*); repeatable; default: every OpInfo")
@@ -139,19 +140,23 @@ def settings_from(args, resumed: dict | None) -> Settings:
         raise UsageError(f"--dtypes {given['dtypes']!r}: {e}") from None
     if given["limit_samples"] is not None and given["limit_samples"] < 1:
         raise UsageError("--limit-samples must be at least 1")
-    run_setup(tuple(given["setup"] or ()))  # in this process too: the device must be known here to be detected
-    return Settings(_device(given["device"]), tuple(given["setup"] or ()), given["ops"], dtypes,
-                    given["limit_samples"], given["backward"] is not False)
+    setup = tuple(given["setup"] or ())
+    return Settings(_device(given["device"], setup), setup, given["ops"], dtypes, given["limit_samples"],
+                    given["backward"] is not False)
 
 
-def _device(name: str | None) -> str:
-    """The device to test: the one named, else the current accelerator; UsageError when there is none."""
+def _device(name: str | None, setup: tuple[str, ...]) -> str:
+    """The device to test: the one named, else the current accelerator (after the setup, run here for that);
+    UsageError when there is none."""
     if name:
         try:
             return str(torch.device(name))
         except RuntimeError as e:
+            if setup:  # a device the setup registers: the workers check it after running the setup
+                return name
             raise UsageError(f"--device {name!r}: {e}. A device registered by a package needs --setup "
-                             "(e.g. --setup ditorch with DITORCH_BACKEND=sim)") from None
+                             "(e.g. --setup ditorch.sim:register for sim, --setup torch_npu)") from None
+    run_setup(setup)
     accelerator = None
     if hasattr(torch, "accelerator"):
         accelerator = torch.accelerator.current_accelerator()
@@ -159,7 +164,7 @@ def _device(name: str | None) -> str:
         accelerator = torch.device("cuda")
     if accelerator is None:
         raise UsageError("no accelerator found: name the device with --device (e.g. --device cuda), and with "
-                         "--setup the module that registers it (e.g. --setup ditorch with DITORCH_BACKEND=sim)")
+                         "--setup the module that registers it (e.g. --device sim --setup ditorch.sim:register)")
     return accelerator.type
 
 
@@ -172,8 +177,14 @@ def reproduce_command(row: Row, settings: Settings) -> str:
                      f"--ops {shlex.quote(row.op)}", f"--dtypes {row.dtype}", *sample])
 
 
-def replay_command(folder: str) -> str:
-    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("DITORCH_")]
+def replay_command(folder: str, device: str) -> str:
+    """run_op_from_data on saved inputs; it runs on the device ditorch detects, so a device other than CUDA is
+    named to it by DITORCH_BACKEND."""
+    variables = {k: v for k, v in os.environ.items() if _DEVICE_LAYER_ENV.match(k)}
+    kind = device.split(":")[0]
+    if kind not in ("cuda", "cpu"):
+        variables.setdefault("DITORCH_BACKEND", kind)
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(variables.items())]
     return " ".join([*env, "python -m op_tools.run_op_from_data", shlex.quote(folder), "--acc_check"])
 
 
@@ -269,14 +280,14 @@ def write_reports(rows: list[Row], folder: str, title: str, other: list[Row] | N
     return text
 
 
-def _print_sample(rows: list[Row], details: list[dict]) -> None:
+def _print_sample(rows: list[Row], details: list[dict], device: str) -> None:
     columns = ("sample", "direction", "name", "verdict", "device_error", "cpu_error", "error_ratio", "max_abs_diff",
                "error_info")
     if details:
         reporting.console(reporting.table(details, columns).get_string())
     saved = next((r.inputs for r in rows if r.inputs), "")
     if saved and os.path.isdir(saved):
-        reporting.console(f"inputs saved in OpCapture's format: {saved}\nreplay: {replay_command(saved)}")
+        reporting.console(f"inputs saved in OpCapture's format: {saved}\nreplay: {replay_command(saved, device)}")
     elif saved:
         reporting.console(f"inputs {saved}")
 
@@ -338,7 +349,7 @@ def _main(args) -> int:
     rows, details, interrupted = sweep(settings, folder, bool(args.resume), args.timeout, args.jobs, args.sample)
     write_reports(rows, folder, _title(settings.device), other, other_label)
     if args.sample is not None:
-        _print_sample(rows, details)
+        _print_sample(rows, details, settings.device)
     if interrupted:
         reporting.console(f"interrupted: continue with --resume {folder}")
         return 130

@@ -35,9 +35,8 @@ class MissingDependencyError(RuntimeError):
     """PyTorch's operator database cannot be imported; the message says what to install."""
 
 
-@functools.cache
-def load_op_db() -> dict:
-    """``{full name: OpInfo}`` of every OpInfo in PyTorch's ``op_db``."""
+def import_op_db() -> list:
+    """PyTorch's ``op_db`` list (importing it takes seconds); MissingDependencyError says what to install."""
     try:
         from torch.testing._internal.common_methods_invocations import op_db
     except ModuleNotFoundError as e:
@@ -50,7 +49,13 @@ def load_op_db() -> dict:
     except ImportError as e:
         raise MissingDependencyError(f"cannot import PyTorch's operator database ({e}); torch {torch.__version__}") \
             from None
-    return {op.full_name: op for op in op_db}
+    return op_db
+
+
+@functools.cache
+def load_op_db() -> dict:
+    """``{full name: OpInfo}`` of every OpInfo in PyTorch's ``op_db``, as it is when first asked for."""
+    return {op.full_name: op for op in import_op_db()}
 
 
 @dataclasses.dataclass(frozen=True)

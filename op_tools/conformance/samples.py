@@ -421,8 +421,9 @@ def _run_sample(opinfo, sample, index: int, dtype, device, with_grad: bool, tole
     cpu = _copy_sample(sample, _CPU)
     try:
         reference, note = _reference(opinfo, cpu, wants_grad)
-    except Exception as e:  # noqa: BLE001
-        forward.skips.append(f"no CPU reference: {describe_error(e)}")
+    except Exception as e:  # noqa: BLE001 - nothing to compare this sample with, in either direction
+        for tally in (forward, backward) if wants_grad else (forward,):
+            tally.skips.append(f"no CPU reference: {describe_error(e)}")
         return None
     if index == 0 and _random_outputs(opinfo, cpu):
         return "random: two CPU runs with different seeds give different outputs"

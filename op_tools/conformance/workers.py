@@ -2,9 +2,9 @@
 that op.
 
 A worker is a ``spawn``-context process (a fresh interpreter: no CUDA or device state inherited). It
-imports the ``--setup`` modules (what registers an out-of-tree device, e.g. ``ditorch.sim:register``),
-checks that the device works, loads ``op_db``, sends the catalogue of OpInfos, then runs one task at a
-time. Before each device call it reports ``(sample, direction)``, so that the sweep can say where a
+imports ``op_db``, then the ``--setup`` modules (what registers an out-of-tree device, e.g.
+``ditorch.sim:register``), checks that the device exists, sends the catalogue of OpInfos, then runs one
+task at a time. Before each device call it reports ``(sample, direction)``, so that the sweep can say where a
 worker died or hung. Its stdout and stderr go to a log file whose tail explains a crash.
 
 The sweep side (``WorkerPool``) gives each task a deadline (``--timeout``): a worker past it is killed,
@@ -90,17 +90,19 @@ def worker_main(conn, config: WorkerConfig, log_path: str) -> None:
     try:
         import torch
 
+        from ..comparison import ToleranceSpec
+        from .opinfos import catalogue, import_op_db, load_op_db
+
+        # op_db first: its import calls torch.cuda APIs that a setup such as ditorch's CUDA-to-device transfer maps
+        # elsewhere; the setup then sees op_db (and may add to it) before the table of OpInfos is made
+        import_op_db()
         run_setup(config.setup)
         if config.threads:
             torch.set_num_threads(config.threads)
         device = torch.device(config.device)
         torch.empty(0, device=device)  # the device exists
-        from .opinfos import catalogue, load_op_db
-
         entries = catalogue(device.type)
         db = load_op_db()
-        from ..comparison import ToleranceSpec
-
         tolerance = ToleranceSpec.from_env()
     except Exception as e:  # noqa: BLE001 - reported to the sweep, which stops with this message
         conn.send(("error", f"{type(e).__name__}: {e}"))

@@ -4,10 +4,11 @@ goes on; random ops are skipped; a missing expecttest, an unknown device or a ba
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 import torch
-from cli_runs import explain, run
+from cli_runs import command, environment, explain, run
 
 from op_tools.conformance.results import CSV_FILE, read_csv
 
@@ -41,8 +42,13 @@ def test_a_killed_or_hung_worker_is_a_crash_and_the_sweep_goes_on(tmp_path):
 
 
 def test_a_missing_expecttest_is_named_with_the_extra_that_installs_it(tmp_path):
-    result = run("--device", "cpu", "--setup", "conformance_setups:hide_expecttest", "--ops", "abs",
-                 "--output", str(tmp_path / "run"), cwd=str(tmp_path), timeout=120)
+    stub = tmp_path / "without_expecttest"  # first on the path: `import expecttest` fails as if it were not installed
+    stub.mkdir()
+    (stub / "expecttest.py").write_text("raise ModuleNotFoundError('No module named expecttest', name='expecttest')\n")
+    env = environment()
+    env["PYTHONPATH"] = os.pathsep.join([str(stub), env["PYTHONPATH"]])
+    result = subprocess.run(command("--device", "cpu", "--ops", "abs", "--output", str(tmp_path / "run")), env=env,
+                            cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, explain(result)
     assert "pip install expecttest" in result.stderr and "ditorch[conformance]" in result.stderr
 
