@@ -230,27 +230,24 @@ def sweep(settings: Settings, folder: str, resume: bool, timeout: float, jobs: i
     for row in done:
         rows_by_task.setdefault((row.op, row.dtype), []).append(row)
     details: list[dict] = []
+    tasks: list[Task] = []
     interrupted = False
-    with WorkerPool(config, jobs=jobs, timeout=timeout) as pool:
-        entries = [OpEntry(e["name"], e["base"], tuple(e["dtypes"])) for e in pool.catalogue()]
-        tasks = tasks_for(entries, settings)
-        if sample is not None and len(tasks) != 1:
-            raise UsageError(f"--sample needs exactly one op and one dtype; --ops and --dtypes select {len(tasks)}")
-        todo = [t for t in tasks if (t.op, t.dtype) not in rows_by_task]
-        if not resume:
-            results.start(settings.header())
-        reporting.console(f"conformance: {len(todo)} op x dtype to run on {settings.device}"
-                          + (f" ({len(tasks) - len(todo)} done before)" if resume else "") + f"; results in {folder}")
-        bar = _progress_bar(len(todo), settings.device)
-        if bar is not None:
-            pool.on_progress = lambda task, s, d: bar.set_postfix_str(f"{task.op} {task.dtype} sample {s} {d}",
-                                                                      refresh=False)
-        try:
-            for result in pool.run(todo, options):
+    try:
+        with WorkerPool(config, jobs=jobs, timeout=timeout) as pool:
+            entries = [OpEntry(e["name"], e["base"], tuple(e["dtypes"])) for e in pool.catalogue()]
+            tasks = tasks_for(entries, settings)
+            if sample is not None and len(tasks) != 1:
+                raise UsageError(f"--sample needs exactly one op and one dtype; --ops and --dtypes select "
+                                 f"{len(tasks)}")
+            todo = [t for t in tasks if (t.op, t.dtype) not in rows_by_task]
+            if not resume:
+                results.start(settings.header())
+            reporting.console(f"conformance: {len(todo)} op x dtype to run on {settings.device}"
+                              + (f" ({len(tasks) - len(todo)} done before)" if resume else "")
+                              + f"; results in {folder}")
+            for result in _progress(pool, todo, options, settings.device):
                 if result.rows is None:
                     rows = crash_rows(result, settings)
-                    message = f"crash: {result.task.op} {result.task.dtype}: {result.crash}"
-                    bar.write(message, file=sys.stderr) if bar is not None else reporting.logger.warning(message)
                 else:
                     rows = [Row.from_dict(r) for r in result.rows]
                     details += result.comparisons
@@ -259,16 +256,30 @@ def sweep(settings: Settings, folder: str, resume: bool, timeout: float, jobs: i
                         row.reproduce = reproduce_command(row, settings)
                 results.append(rows)
                 rows_by_task[(result.task.op, result.task.dtype)] = rows
-                if bar is not None:
-                    bar.update(1)
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            if bar is not None:
-                bar.close()
+    except KeyboardInterrupt:  # what finished is in the results file, and goes into the reports
+        interrupted = True
     # This selection's rows in op_db's order, then those the results file holds beyond it (nothing dropped).
     keys = dict.fromkeys([(task.op, task.dtype) for task in tasks] + list(rows_by_task))
     return [row for key in keys for row in rows_by_task.get(key, [])], details, interrupted
+
+
+def _progress(pool: WorkerPool, todo: list[Task], options: CaseOptions, device: str):
+    """``pool.run``'s results, with a progress bar (current op, sample, direction, ETA) and a line per crash."""
+    bar = _progress_bar(len(todo), device)
+    if bar is not None:
+        pool.on_progress = lambda task, s, d: bar.set_postfix_str(f"{task.op} {task.dtype} sample {s} {d}",
+                                                                  refresh=False)
+    try:
+        for result in pool.run(todo, options):
+            if result.rows is None:
+                message = f"crash: {result.task.op} {result.task.dtype}: {result.crash}"
+                bar.write(message, file=sys.stderr) if bar is not None else reporting.logger.warning(message)
+            yield result
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def write_reports(rows: list[Row], folder: str, title: str, other: list[Row] | None, other_label: str) -> str:
@@ -317,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     except (SweepError, ValueError) as e:
         print(f"conformance: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the sweep began, or while its reports were written
+        print("conformance: interrupted", file=sys.stderr)
+        return 130
 
 
 def _main(args) -> int:

@@ -228,18 +228,25 @@ class WorkerPool:
         self.close()
 
     def close(self) -> None:
-        """Stop the idle workers, kill the busy ones (an interrupted sweep does not wait for their op)."""
-        for worker in self.workers:
-            if worker.task is not None:
+        """Stop the idle workers, kill the busy ones (an interrupted sweep does not wait for their op); a second
+        Ctrl-C while waiting for them kills them all."""
+        try:
+            for worker in self.workers:
+                if worker.task is not None:
+                    worker.kill()
+                elif not worker.conn.closed:
+                    try:
+                        worker.conn.send(("stop",))
+                    except (OSError, ValueError):
+                        pass
+            for worker in self.workers:
+                worker.stop()
+        except KeyboardInterrupt:
+            for worker in self.workers:
                 worker.kill()
-            else:
-                try:
-                    worker.conn.send(("stop",))
-                except (OSError, ValueError):
-                    pass
-        for worker in self.workers:
-            worker.stop()
-        self.workers = []
+            raise
+        finally:
+            self.workers = []
 
     def _start(self) -> _Worker:
         worker = _Worker(self.config)
