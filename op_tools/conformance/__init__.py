@@ -6,9 +6,10 @@ and backward, in worker processes, and gives each op x dtype x direction one sta
 verdict (``op_tools.comparison``): ``pass``, ``mismatch``, ``unsupported``, ``crash`` or ``skipped``.
 Needs the ``expecttest`` package (``pip install 'ditorch[conformance]'``). See docs/conformance.md.
 
-Modules: ``opinfos`` (op_db, selection), ``samples`` (one op x dtype: runs and verdict), ``workers``
-(the processes), ``results`` (rows, the results file, CSV), ``report`` (console), ``html`` (the
-report page), ``cli`` (the command).
+Modules: ``opinfos`` (op_db, what an OpInfo claims, selection), ``runs`` (one sample on the device and
+on the CPU), ``tally`` (samples summed up into a row), ``case`` (one op x dtype), ``workers`` (the
+processes), ``results`` (rows, the results file, CSV), ``report`` (console), ``html`` (the report
+page), ``cli`` (the command).
 """
 
 from .results import DIRECTIONS, STATUSES, Row

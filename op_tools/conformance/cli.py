@@ -27,6 +27,7 @@ from .. import reporting
 from ..comparison import ToleranceSpec
 from ..config import CommonConfig
 from . import html, report
+from .case import CaseOptions
 from .opinfos import DEFAULT_DTYPES, OpEntry, parse_dtypes, select
 from .results import (
     CSV_FILE,
@@ -39,7 +40,6 @@ from .results import (
     read_rows,
     write_csv,
 )
-from .samples import CaseOptions
 from .workers import SweepError, Task, TaskResult, WorkerConfig, WorkerPool, run_setup
 
 RESULTS_FOLDER = "op_conformance_result"

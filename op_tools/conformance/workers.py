@@ -108,7 +108,7 @@ def worker_main(conn, config: WorkerConfig, log_path: str) -> None:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", [dataclasses.asdict(e) for e in entries]))
-    from .samples import run_case
+    from .case import run_case
 
     while True:
         message = conn.recv()
