@@ -106,7 +106,7 @@ class Settings:
 
     def header(self) -> dict:
         return {"device": self.device, "setup": list(self.setup), "ops": self.ops,
-                "dtypes": None if self.dtypes is None else list(self.dtypes), "limit_samples": self.limit_samples,
+                "dtypes": "all" if self.dtypes is None else list(self.dtypes), "limit_samples": self.limit_samples,
                 "backward": self.backward, "torch": torch.__version__,
                 "started": time.strftime("%Y-%m-%d %H:%M:%S")}
 
@@ -129,11 +129,9 @@ def settings_from(args, resumed: dict | None) -> Settings:
         for name in _RESUMED:
             if given[name] is None:
                 value = resumed.get(name)
-                given[name] = ",".join(value) if name == "dtypes" and value else value
+                given[name] = ",".join(value) if name == "dtypes" and isinstance(value, list) else value
             elif name == "device" and resumed.get("device") and str(given[name]) != resumed["device"]:
                 raise UsageError(f"--device {given[name]} but the run being resumed ran on {resumed['device']}")
-        if resumed.get("dtypes", "") is None and args.dtypes is None:
-            given["dtypes"] = "all"
     try:
         dtypes = parse_dtypes(given["dtypes"] or ",".join(DEFAULT_DTYPES))
     except ValueError as e:
@@ -197,11 +195,18 @@ def tasks_for(entries: list[OpEntry], settings: Settings) -> list[Task]:
     return [Task(e.name, d) for e in selected for d in settings.dtypes]
 
 
-def crash_rows(result: TaskResult, settings: Settings) -> list[Row]:
-    dtype = getattr(torch, result.task.dtype)
-    directions = DIRECTIONS if (dtype.is_floating_point or dtype.is_complex) and settings.backward else ("forward",)
-    return [Row(result.task.op, result.task.dtype, d, "crash", sample=result.sample, detail=result.crash,
-                device=settings.device) for d in directions]
+def crash_rows(result: TaskResult, settings: Settings, gradients: bool) -> list[Row]:
+    """The rows of an op x dtype whose worker crashed: forward, and backward where it would have run."""
+    task = result.task
+    directions = DIRECTIONS if gradients and settings.backward else ("forward",)
+    rows = [Row(task.op, task.dtype, d, "crash", sample=result.sample, detail=result.crash, device=settings.device)
+            for d in directions]
+    dtype = getattr(torch, task.dtype)
+    if len(rows) == 1 and (dtype.is_floating_point or dtype.is_complex):  # floating dtypes always have both rows
+        reason = "--no-backward" if not settings.backward else \
+            f"backward not claimed: the OpInfo lists no {task.dtype} gradients (or no autograd)"
+        rows.append(Row(task.op, task.dtype, "backward", "skipped", detail=reason, device=settings.device))
+    return rows
 
 
 def _progress_bar(total: int, device: str):
@@ -234,7 +239,8 @@ def sweep(settings: Settings, folder: str, resume: bool, timeout: float, jobs: i
     interrupted = False
     try:
         with WorkerPool(config, jobs=jobs, timeout=timeout) as pool:
-            entries = [OpEntry(e["name"], e["base"], tuple(e["dtypes"])) for e in pool.catalogue()]
+            entries = [OpEntry.from_dict(e) for e in pool.catalogue()]
+            claims_gradients = {(e.name, d) for e in entries for d in e.gradients}
             tasks = tasks_for(entries, settings)
             if sample is not None and len(tasks) != 1:
                 raise UsageError(f"--sample needs exactly one op and one dtype; --ops and --dtypes select "
@@ -247,7 +253,7 @@ def sweep(settings: Settings, folder: str, resume: bool, timeout: float, jobs: i
                               + f"; results in {folder}")
             for result in _progress(pool, todo, options, settings.device):
                 if result.rows is None:
-                    rows = crash_rows(result, settings)
+                    rows = crash_rows(result, settings, (result.task.op, result.task.dtype) in claims_gradients)
                 else:
                     rows = [Row.from_dict(r) for r in result.rows]
                     details += result.comparisons
@@ -372,7 +378,7 @@ def _main(args) -> int:
 
 def _list(settings: Settings) -> int:
     with WorkerPool(WorkerConfig(settings.device, settings.setup)) as pool:
-        entries = [OpEntry(e["name"], e["base"], tuple(e["dtypes"])) for e in pool.catalogue()]
+        entries = [OpEntry.from_dict(e) for e in pool.catalogue()]
     selected = select(entries, settings.ops)
     reporting.console(reporting.table([{"op": e.name, "dtypes": ",".join(e.dtypes)} for e in selected]).get_string())
     reporting.console(f"{len(selected)} OpInfos")

@@ -65,11 +65,20 @@ class OpEntry:
     name: str                 # the full name: "max.reduction_with_dim"
     base: str                 # the name without its variant: "max"
     dtypes: tuple[str, ...]   # the dtypes it claims on the device's type
+    gradients: tuple[str, ...] = ()  # the dtypes it claims gradients in there
+
+    @classmethod
+    def from_dict(cls, data: dict) -> OpEntry:
+        return cls(data["name"], data["base"], tuple(data["dtypes"]), tuple(data.get("gradients", ())))
 
 
 def catalogue(device_type: str) -> list[OpEntry]:
-    """Every OpInfo with the dtypes it claims on ``device_type``."""
-    return [OpEntry(name, op.name, tuple(sorted(dtype_name(d) for d in op.supported_dtypes(device_type))))
+    """Every OpInfo with the dtypes it claims on ``device_type``, forward and backward."""
+    def names(dtypes) -> tuple[str, ...]:
+        return tuple(sorted(dtype_name(d) for d in dtypes))
+
+    return [OpEntry(name, op.name, names(op.supported_dtypes(device_type)),
+                    names(op.supported_backward_dtypes(device_type)))
             for name, op in load_op_db().items()]
 
 
