@@ -62,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "the device, in this process: what makes an out-of-tree device known, e.g. "
                              "'ditorch.sim:register', 'torch_npu'; repeatable")
     parser.add_argument("--ops", action="append", metavar="NAMES",
-                        help="comma-separated OpInfo names, names without their variant (max), or shell-style "
-                             "patterns (nn.functional.*); repeatable; default: every OpInfo")
+                        help="comma-separated: OpInfo names (softmax: that one), stems of variants (max: all "
+                             "its variants), or shell-style patterns (nn.functional.*); repeatable; default: every "
+                             "OpInfo")
     parser.add_argument("--dtypes", metavar="LIST",
                         help=f"comma-separated dtypes, or 'all' (each op's claimed dtypes); default: "
                              f"{','.join(DEFAULT_DTYPES)}")
