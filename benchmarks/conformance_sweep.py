@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import re
 import subprocess
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,11 +31,12 @@ def main() -> int:
     parser.add_argument("--limit-samples", default="")
     parser.add_argument("--jobs", default="1")
     parser.add_argument("--timeout", default="600", help="per op x dtype, seconds")
-    parser.add_argument("--output", default="", help="the run's folder (default: a temporary one)")
+    parser.add_argument("--output", default="", help="the run's folder (default: the command's, under "
+                                                     "OP_TOOLS_RESULTS_DIR)")
     args = parser.parse_args()
-    folder = args.output or tempfile.mkdtemp(prefix="conformance_sweep_")
     command = [sys.executable, "-m", "op_tools.conformance", "--device", "sim", "--setup", "ditorch.sim:register",
-               "--dtypes", args.dtypes, "--jobs", args.jobs, "--timeout", args.timeout, "--output", folder]
+               "--dtypes", args.dtypes, "--jobs", args.jobs, "--timeout", args.timeout]
+    command += ["--output", args.output] if args.output else []
     command += ["--ops", args.ops] if args.ops else []
     command += ["--limit-samples", args.limit_samples] if args.limit_samples else []
     env = dict(os.environ, DITORCH_QUIET="1", PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get(
@@ -43,11 +44,13 @@ def main() -> int:
     env.pop("DITORCH_SIM_FAULTS", None)
     print("running:", " ".join(command), flush=True)
     start = time.perf_counter()
-    result = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
-    if result.returncode not in (0, 1):
+    found = re.search(r"; results in (.+)$", result.stdout, re.MULTILINE)
+    if result.returncode not in (0, 1) or found is None:
         print(result.stdout[-3000:], result.stderr[-3000:], sep="\n")
-        return result.returncode
+        return result.returncode or 1
+    folder = found.group(1)
     rows = read_csv(os.path.join(folder, CSV_FILE))
     ops = len({(r.op, r.dtype) for r in rows})
     print(f"\n{ops} op x dtype, {len(rows)} rows, in {seconds:.0f} s wall ({seconds / max(ops, 1):.2f} s per "
