@@ -25,7 +25,7 @@ def tool_rows(readme: str) -> dict[str, list[str]]:
 
 def test_both_readmes_show_the_same_tools_and_one_liners():
     english, chinese = (tool_rows(r) for r in READMES)
-    assert len(english) == 9
+    assert len(english) == 10
     assert english == chinese
 
 
@@ -63,6 +63,11 @@ def test_readme_one_liner_runs(tool, train_step, monkeypatch, capsys):
             script, *args = shlex.split(code)[1:]
             assert os.path.isfile(os.path.join(ROOT, script))
             assert build_parser().parse_args(args).acc_check is True
+        elif code.startswith("python -m op_tools.conformance"):
+            from op_tools.conformance.cli import build_parser as conformance_parser
+
+            args = conformance_parser().parse_args(shlex.split(code)[3:])
+            assert args.ops and args.dtypes
         elif code.startswith("with "):
             block = code.replace(": train_step()", ":\n    train_step()")
             exec(block, {"op_tools": op_tools, "train_step": train_step})

@@ -1,0 +1,67 @@
+"""Running the conformance command in a fresh interpreter, and reading what it wrote, for the tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+SIM = ("--device", "sim", "--setup", "ditorch.sim:register")
+
+
+def environment(extra: dict | None = None) -> dict:
+    """This checkout and the test setups importable; no fault, tolerance or results variable of the caller."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DITORCH_", "OP_TOOLS_")) and "AUTOCOMPARE_ERROR_TOLERANCE" not in k}
+    env.update({"PYTHONPATH": os.pathsep.join([ROOT, HERE]), "DITORCH_QUIET": "1", **(extra or {})})
+    return env
+
+
+def command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "op_tools.conformance", *args]
+
+
+def start(*args: str, env: dict | None = None, cwd: str) -> subprocess.Popen:
+    """The command, started; ``finish`` waits for it."""
+    return subprocess.Popen(command(*args), env=environment(env), cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(process: subprocess.Popen, timeout: float = 240) -> subprocess.CompletedProcess:
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, err = process.communicate()
+        raise AssertionError(f"the sweep did not finish in {timeout} s:\n{out[-3000:]}\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def run(*args: str, env: dict | None = None, cwd: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return finish(start(*args, env=env, cwd=cwd), timeout)
+
+
+def explain(result: subprocess.CompletedProcess) -> str:
+    return f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}"
+
+
+def chromium() -> str | None:
+    """The headless browser the HTML tests drive (Debian's package: apt-get install chromium), if any."""
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def dump_dom(browser: str, page: str, fragment: str, profile: str) -> str:
+    """The page's DOM after its scripts ran, opened at ``page#fragment`` in a headless browser."""
+    url = "file://" + os.path.abspath(page) + (f"#{fragment}" if fragment else "")
+    result = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}",
+                             "--virtual-time-budget=5000", "--dump-dom", url],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout

@@ -1,0 +1,150 @@
+"""The conformance report's pieces that need no device: choosing ops and dtypes, the results file, the CSV, the
+summary, the reproduce command (in this process, no op_db import)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+from op_tools.conformance import cli, html, report
+from op_tools.conformance.opinfos import OpEntry, parse_dtypes, select
+from op_tools.conformance.results import ResultsFile, Row, read_csv, write_csv
+
+ENTRIES = [OpEntry("max.reduction_with_dim", "max", ("float32",)), OpEntry("max.binary", "max", ("float32",)),
+           OpEntry("softmax", "softmax", ("float32",)), OpEntry("softmax.with_dtype", "softmax", ("float32",)),
+           OpEntry("nn.functional.gelu", "nn.functional.gelu", ("float32", "bfloat16")),
+           OpEntry("nn.functional.relu", "nn.functional.relu", ("float32",))]
+
+
+def names(entries):
+    return [e.name for e in entries]
+
+
+def test_an_op_name_selects_that_opinfo_a_stem_its_variants_a_pattern_what_it_matches():
+    assert names(select(ENTRIES, ["softmax"])) == ["softmax"]
+    assert names(select(ENTRIES, ["max"])) == ["max.reduction_with_dim", "max.binary"]
+    assert names(select(ENTRIES, ["softmax*"])) == ["softmax", "softmax.with_dtype"]
+    assert names(select(ENTRIES, ["nn.functional.*", "max.binary"])) == [
+        "max.binary", "nn.functional.gelu", "nn.functional.relu"]  # op_db's order, each once
+    assert names(select(ENTRIES, None)) == names(ENTRIES)
+
+
+def test_an_op_name_that_selects_nothing_is_an_error_naming_the_closest():
+    with pytest.raises(ValueError, match=r"--ops 'nn.functional.gleu' names no OpInfo .*closest: nn.functional.gelu"):
+        select(ENTRIES, ["nn.functional.gleu"])
+
+
+def test_dtypes_parse_by_name_and_all_means_each_ops_claimed_dtypes():
+    assert parse_dtypes("float32, torch.bfloat16,float32") == ("float32", "bfloat16")
+    assert parse_dtypes("all") is None
+    with pytest.raises(ValueError, match="unknown dtype 'float31'"):
+        parse_dtypes("float31")
+
+
+def row(op="add", dtype="float32", direction="forward", status="pass", **fields) -> Row:
+    return Row(op, dtype, direction, status, device="sim", **fields)
+
+
+def test_the_results_file_keeps_finished_ops_across_a_kill_mid_line(tmp_path):
+    results = ResultsFile(str(tmp_path / "results.jsonl"))
+    results.start({"device": "sim", "ops": ["add"]})
+    results.append([row(), row(direction="backward")])
+    results.append([row("mul", status="mismatch", sample=3, device_error=0.25, detail="off")])
+    with open(results.path, "a", encoding="utf-8") as f:
+        f.write('{"kind": "rows", "rows": [{"op": "su')  # the sweep was killed while writing this line
+    header, rows = results.read()
+    assert header["device"] == "sim" and header["ops"] == ["add"]
+    assert [r.key for r in rows] == [("add", "float32", "forward"), ("add", "float32", "backward"),
+                                     ("mul", "float32", "forward")]
+    assert rows[2].sample == 3 and rows[2].device_error == 0.25 and math.isnan(rows[2].cpu_error)
+    results.repair()
+    results.append([row("sub")])
+    assert [r.op for r in results.read()[1]] == ["add", "add", "mul", "sub"]
+
+
+def test_a_damaged_line_inside_the_results_file_is_an_error_naming_it(tmp_path):
+    path = tmp_path / "results.jsonl"
+    path.write_text('{"kind": "run"}\nnot json\n{"kind": "rows", "rows": []}\n')
+    with pytest.raises(ValueError, match="results.jsonl:2: not a results line"):
+        ResultsFile(str(path)).read()
+
+
+def test_the_csv_reads_back_the_rows_it_was_written_from(tmp_path):
+    rows = [row(), row("mul", "bfloat16", "backward", "mismatch", samples=4, failing=1, sample=2, output="input.grad",
+                       device_error=0.5, cpu_error=0.001, error_ratio=500.0, max_abs_diff=0.25,
+                       detail='error 0.5 > 4 x cpu, "quoted", comma', reproduce="python -m op_tools.conformance")]
+    path = str(tmp_path / "conformance.csv")
+    write_csv(path, rows)
+    back = read_csv(path)
+    assert [r.key for r in back] == [r.key for r in rows]
+    assert back[1] == rows[1]
+    assert back[0].sample is None and math.isnan(back[0].device_error)
+
+
+def test_a_csv_of_another_tool_is_refused_by_name(tmp_path):
+    path = tmp_path / "other.csv"
+    path.write_text("name,verdict\nx,pass\n")
+    with pytest.raises(ValueError, match="not a conformance CSV"):
+        read_csv(str(path))
+
+
+def test_the_pass_rate_counts_the_rows_that_ran_and_not_the_skipped():
+    rows = [row(), row("b"), row("c", status="mismatch"), row("d", status="skipped"), row("e", status="crash"),
+            row("f", dtype="bfloat16", status="unsupported")]
+    lines = {(line["dtype"], line["direction"]): line for line in report.summary_rows(rows)}
+    assert lines[("float32", "forward")]["pass rate"] == "50.0%"  # 2 of pass, mismatch x1, crash x1
+    assert lines[("bfloat16", "forward")]["pass rate"] == "0.0%"
+    assert lines[("all", "both")]["ops"] == 6 and lines[("all", "both")]["skipped"] == 1
+    text = report.summary(rows, "title")
+    assert "4 rows did not pass" not in text and "3 rows did not pass" in text
+
+
+def test_differences_pair_the_rows_two_runs_disagree_on():
+    mine = [row(), row("mul", status="mismatch"), row("only_here")]
+    theirs = [row(), row("mul"), row("only_there", status="crash")]
+    assert [(a.op, a.status, b.status) for a, b in report.differences(mine, theirs)] == [("mul", "mismatch", "pass")]
+    assert "1 of 2 rows differ" in report.differences_text(mine, theirs, "cuda")
+
+
+def test_the_html_page_carries_its_rows_as_json_that_no_detail_can_break_out_of():
+    page = html.render([row(detail="</script><script>alert(1)</script>", device_error=math.nan)], "t & <title>")
+    assert "<title>t &amp; &lt;title&gt;</title>" in page
+    assert "</script><script>alert(1)" not in page and r"<\/script><script>alert(1)<\/script>" in page
+    assert '"device_error": null' in page
+
+
+def test_the_reproduce_command_carries_the_variables_that_shape_the_run(monkeypatch):
+    monkeypatch.setenv("DITORCH_SIM_FAULTS", "mm:noise=1e-3;.*@float64:unsupported")
+    monkeypatch.setenv("LINEAR_AUTOCOMPARE_ERROR_TOLERANCE_FLOAT32", "1e-3,1e-3")
+    monkeypatch.setenv("UNRELATED", "1")
+    settings = cli.Settings("sim", ("ditorch.sim:register",), ["mm"], ("float32",), None, True)
+    command = cli.reproduce_command(row("nn.functional.linear", sample=7), settings)
+    assert command.startswith("DITORCH_SIM_FAULTS='mm:noise=1e-3;.*@float64:unsupported' "
+                              "LINEAR_AUTOCOMPARE_ERROR_TOLERANCE_FLOAT32=1e-3,1e-3 python -m op_tools.conformance")
+    assert command.endswith("--device sim --setup ditorch.sim:register --ops nn.functional.linear --dtypes float32 "
+                            "--sample 7")
+    assert "UNRELATED" not in command
+
+
+def test_a_resumed_run_keeps_its_settings_unless_given_again(tmp_path):
+    args = cli.build_parser().parse_args(["--resume", str(tmp_path), "--dtypes", "float32"])
+    header = {"device": "cpu", "setup": [], "ops": ["add"], "dtypes": ["float32", "bfloat16"], "limit_samples": 2,
+              "backward": False}
+    settings = cli.settings_from(args, header)
+    assert (settings.device, settings.ops, settings.dtypes, settings.limit_samples, settings.backward) == (
+        "cpu", ["add"], ("float32",), 2, False)
+    with pytest.raises(cli.UsageError, match="ran on cpu"):
+        cli.settings_from(cli.build_parser().parse_args(["--resume", "x", "--device", "meta"]), header)
+
+
+def test_the_report_of_a_results_file_needs_no_worker(tmp_path, capsys):
+    folder = tmp_path / "run"
+    results = ResultsFile(str(folder / "results.jsonl"))
+    results.start({"device": "sim"})
+    results.append([row(), row("mul", status="unsupported", sample=0, detail="RuntimeError: no kernel")])
+    assert cli.main(["--report", str(folder)]) == 1
+    out = capsys.readouterr().out
+    assert "RuntimeError: no kernel" in out and os.path.isfile(folder / "conformance.html")
+    assert [r.op for r in read_csv(str(folder / "conformance.csv"))] == ["add", "mul"]
