@@ -137,6 +137,11 @@ def _anywhere(fn, ctx):
     return ctx.remap.device_anywhere(fn)
 
 
+def _static_anywhere(fn, ctx):
+    # A classmethod, bound to its class: kept unbound on lookup from the class or an instance.
+    return staticmethod(ctx.remap.device_anywhere(fn))
+
+
 def _tensor_cuda(fn, ctx):
     ordinal = ctx.remap.ordinal
 
@@ -171,6 +176,18 @@ def _load(fn, ctx):
         return fn(f, remap_location(map_location), *args, **kwargs)
 
     return load
+
+
+def _get_device_module(fn, ctx):
+    remap, module = ctx.remap, ctx.backend.device_module
+
+    @functools.wraps(fn)
+    def get_device_module(device=None):
+        if device is not None and remap(device) is not device:
+            return module  # "cuda" means the backend's device: its module answers (the host's is not torch.cpu)
+        return fn(device)
+
+    return get_device_module
 
 
 def _grad_scaler_init(fn, ctx):
@@ -258,14 +275,18 @@ ROWS: tuple[Row, ...] = (
     Row("torch.Tensor", ("to",), _anywhere, "Tensor.to(\"cuda\")"),
     Row("torch.Tensor", ("cuda",), _tensor_cuda, "Tensor.cuda(device=None)"),
     Row("torch.Tensor", ("is_cuda",), _is_cuda, "Tensor.is_cuda"),
+    Row("torch.UntypedStorage", ("_new_shared",), _static_anywhere,
+        "shared-memory storages for DataLoader workers (`_new_shared(device=t.device)`, the device shown as cuda)"),
     Row("torch.nn.Module", ("to",), _anywhere, "Module.to(\"cuda\") (Module.cuda goes through Tensor.cuda)"),
     Row("torch.nn.Module", ("to_empty",), _keyword, "Module.to_empty(device=\"cuda\")"),
     Row("torch", ("load",), _load, "torch.load(map_location=\"cuda\"), and CUDA-saved checkpoints"),
     Row("torch.serialization", ("load",), _load, "torch.serialization.load, as torch.load"),
     Row("torch", ("Generator",), _generator, "torch.Generator(device=\"cuda\")"),
-    Row("torch", ("set_default_device", "get_device_module", "get_autocast_dtype", "set_autocast_dtype",
-                  "is_autocast_enabled", "set_autocast_enabled"), _anywhere,
+    Row("torch", ("set_default_device", "get_autocast_dtype", "set_autocast_dtype", "is_autocast_enabled",
+                  "set_autocast_enabled"), _anywhere,
         "torch.set_default_device(\"cuda\") and the autocast state queries"),
+    Row("torch", ("get_device_module",), _get_device_module,
+        "torch.get_device_module(\"cuda\") is the backend's device module (fork_rng, checkpointing)"),
     Row("torch.amp", ("is_autocast_available",), _anywhere, "torch.amp.is_autocast_available(\"cuda\")"),
     Row("torch.utils._device.DeviceContext", ("__init__",), _anywhere, "with torch.device(\"cuda\"):"),
     Row("torch.amp.autocast_mode.autocast", ("__init__",), _anywhere,

@@ -14,8 +14,8 @@ import subprocess
 import sys
 
 import pytest
+from subprocess_env import ROOT, child_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STANDINS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vendor_standins")
 
 REPORT = """
@@ -51,8 +51,7 @@ SCENARIOS = {
 def reports() -> dict:
     running = {}
     for name, env_vars in SCENARIOS.items():
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DITORCH_")}
-        env.update(env_vars, PYTHONPATH=os.pathsep.join([STANDINS, ROOT, env.get("PYTHONPATH", "")]))
+        env = child_env(env_vars, drop=("DITORCH_",), path=(STANDINS,))
         running[name] = subprocess.Popen([sys.executable, "-c", REPORT], env=env, cwd=ROOT, text=True,
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     finished = {}
