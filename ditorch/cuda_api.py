@@ -14,6 +14,7 @@ Every public name of ``torch.cuda`` is mapped, by one rule (``resolve``):
 
 from __future__ import annotations
 
+import sys
 import types
 
 import torch
@@ -82,7 +83,7 @@ def resolve(api: str, backend) -> tuple[str, object]:
     if provided is not None:
         return ANSWERED, provided
     entry = FALLBACKS.get(name)
-    answer = entry.build(backend, name) if entry is not None else None
+    answer = entry.for_backend(backend, name) if entry is not None else None
     return (MAPPED, answer) if answer is not None else (REFUSED, None)
 
 
@@ -128,7 +129,8 @@ def surface() -> list[str]:
             continue
         current = getattr(torch.cuda, name)
         if isinstance(current, types.ModuleType):
-            apis += [f"torch.cuda.{name}.{member}" for member in getattr(current, "__all__", ()) if member not in top]
+            module = sys.modules.get(f"torch.cuda.{name}", current)  # torch's own, even where it is mapped
+            apis += [f"torch.cuda.{name}.{member}" for member in getattr(module, "__all__", ()) if member not in top]
         else:
             apis.append(f"torch.cuda.{name}")
     return apis

@@ -6,9 +6,9 @@ markers, memory reports): a backend that lacks them should not end the run. Each
 answers instead, in the docs' words (``docs/device_layer.md``'s table is generated from ``FALLBACKS``).
 A name with no entry here, and not in the device module, is refused with ``NotImplementedError``.
 
-``build(backend, name)`` returns the function, or None where this backend's module lacks what the
-answer needs (then the name is refused). Device arguments reach it already rewritten (``"cuda:0"`` is
-``"sim:0"``).
+``build(backend, name)`` returns the function; ``needs`` names what it uses of the device module, and
+where the module lacks one of them the name is refused instead. Device arguments reach the function
+already rewritten (``"cuda:0"`` is ``"sim:0"``).
 """
 
 from __future__ import annotations
@@ -27,19 +27,26 @@ logger = logging.getLogger("ditorch")
 
 @dataclasses.dataclass(frozen=True)
 class Fallback:
-    build: Callable  # (backend, name) -> the function answering torch.cuda.<name>, or None
+    build: Callable  # (backend, name) -> the function answering torch.cuda.<name>
     what: str  # what it answers, for the docs
+    needs: tuple[str, ...] = ()  # the device module's names it uses
+
+    def for_backend(self, backend, name: str):
+        """The function answering ``torch.cuda.<name>`` on ``backend``, or None when its module lacks a need."""
+        if any(getattr(backend.device_module, need, None) is None for need in self.needs):
+            return None
+        return self.build(backend, name)
 
 
 FALLBACKS: dict[str, Fallback] = {}
 
 
-def fallback(*names: str, what: str):
+def fallback(*names: str, what: str, needs: tuple[str, ...] = ()):
     """Register ``build`` as the answer for each of ``names``."""
 
     def register(build):
         for name in names:
-            FALLBACKS[name] = Fallback(build, what)
+            FALLBACKS[name] = Fallback(build, what, needs)
         return build
 
     return register
@@ -141,16 +148,18 @@ _ALIASES = {"memory_cached": "memory_reserved", "max_memory_cached": "max_memory
             "reset_max_memory_cached": "reset_peak_memory_stats"}
 
 
-@fallback(*_ALIASES, what="the device module's function under its current name (`memory_reserved`, ...)")
 def _alias(backend, name):
-    return getattr(backend.device_module, _ALIASES[name], None)
+    return getattr(backend.device_module, _ALIASES[name])
 
 
-@fallback("memory_stats_as_nested_dict", what="the device module's `memory_stats()`, nested at the dots")
+for _old, _current in _ALIASES.items():
+    fallback(_old, what=f"the device module's `{_current}` (the current name)", needs=(_current,))(_alias)
+
+
+@fallback("memory_stats_as_nested_dict", what="the device module's `memory_stats()`, nested at the dots",
+          needs=("memory_stats",))
 def _nested_stats(backend, name):
-    memory_stats = getattr(backend.device_module, "memory_stats", None)
-    if memory_stats is None:
-        return None
+    memory_stats = backend.device_module.memory_stats
 
     def memory_stats_as_nested_dict(device=None) -> dict:
         nested: dict = {}
@@ -192,11 +201,9 @@ def memory_summary_of(device_name: str, module) -> Callable:
     return memory_summary
 
 
-@fallback("device_of", what="the device module's `device(...)` for the tensor's ordinal")
+@fallback("device_of", what="the device module's `device(...)` for the tensor's ordinal", needs=("device",))
 def _device_of(backend, name):
-    device = getattr(backend.device_module, "device", None)
-    if device is None:
-        return None
+    device = backend.device_module.device
     real_device = torch._C.TensorBase.device.__get__  # what the tensor is on, whatever Tensor.device shows
 
     def device_of(obj):

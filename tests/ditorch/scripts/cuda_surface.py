@@ -123,17 +123,22 @@ def behaviour(api: str) -> str:
     try:
         obj()
     except NotImplementedError as error:
-        return "refused" if f"{api} is not available on the {ditorch.backend.name} backend" in str(error) else str(error)
+        named = f"{api} is not available on the {ditorch.backend.name} backend" in str(error)
+        return "refused" if named else str(error)
     return "refusal stand-in did not raise"
 
 
-def main() -> None:
+def coverage_report() -> dict:
+    """``{api: [how ditorch classifies it, what the patched torch.cuda attribute does]}`` for this backend."""
     backend = ditorch.backend
     # After a vendor's own transfer, ditorch maps only the gaps; the rest is the vendor's.
     own = vendor.gap_names() if backend.name in ("npu", "mlu") else None
     apis = [api for api in cuda_api.surface() if own is None or api.split(".")[2] in own]
-    report = {"backend": backend.name,
-              "coverage": {api: [cuda_api.resolve(api, backend)[0], behaviour(api)] for api in apis}}
+    return {api: [cuda_api.resolve(api, backend)[0], behaviour(api)] for api in apis}
+
+
+def main() -> None:
+    report = {"backend": ditorch.backend.name, "coverage": coverage_report()}
     if "--common" in sys.argv:
         report["common"] = run(COMMON)
         report["flows"] = run(FLOWS)
