@@ -156,6 +156,11 @@ for _old, _current in _ALIASES.items():
     fallback(_old, what=f"the device module's `{_current}` (the current name)", needs=(_current,))(_alias)
 
 
+@fallback("StreamContext", what="the device module's `stream(s)`: the same context manager", needs=("stream",))
+def _stream_context(backend, name):
+    return backend.device_module.stream
+
+
 @fallback("memory_stats_as_nested_dict", what="the device module's `memory_stats()`, nested at the dots",
           needs=("memory_stats",))
 def _nested_stats(backend, name):
