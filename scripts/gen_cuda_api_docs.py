@@ -12,10 +12,11 @@ and tests/docs/test_cuda_api_doc.py compares the table with the code under that 
 from __future__ import annotations
 
 import argparse
-import difflib
 import os
 import sys
 import types
+
+from generated_page import write_or_check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "docs", "device_layer.md")
@@ -90,18 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with open(args.output) as f:
         current = f.read()
-    text = render(current)
-    if args.check:
-        if current == text:
-            return 0
-        sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), text.splitlines(True),
-                                                   args.output, "generated from the code"))
-        print(f"\n{args.output} is out of date: run python scripts/gen_cuda_api_docs.py")
-        return 1
-    with open(args.output, "w") as f:
-        f.write(text)
-    print(f"wrote {args.output}")
-    return 0
+    return write_or_check(args.output, current, render(current), args.check, "scripts/gen_cuda_api_docs.py")
 
 
 if __name__ == "__main__":
