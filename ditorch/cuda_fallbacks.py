@@ -78,7 +78,7 @@ def _index(module, device) -> int:
 def _constant(value):
     def build(backend, name):
         def answer(*args, **kwargs):
-            return value
+            return list(value) if isinstance(value, list) else value  # a list of one's own, as CUDA's
 
         answer.__name__ = name
         return answer
