@@ -88,6 +88,15 @@ def resolve(api: str, backend) -> tuple[str, object]:
 
 
 def _replacement(api: str, current, backend, remap):
+    replacement = _replacement_object(api, current, backend, remap)
+    wrapped = getattr(current, "__wrapped__", None)
+    if wrapped is not None and not hasattr(replacement, "__wrapped__"):
+        # torch._dynamo, imported late, reads e.g. torch.cuda.use_mem_pool.__wrapped__ (a contextmanager's).
+        replacement.__wrapped__ = wrapped
+    return replacement
+
+
+def _replacement_object(api: str, current, backend, remap):
     status, provided = resolve(api, backend)
     if isinstance(current, types.ModuleType):
         return provided if isinstance(provided, types.ModuleType) else DeviceSubmodule(api, backend, remap)

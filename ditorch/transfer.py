@@ -190,6 +190,27 @@ def _get_device_module(fn, ctx):
     return get_device_module
 
 
+def _accelerator_is_available(fn, ctx):
+    device_type, module = ctx.backend.device_type, ctx.backend.device_module
+    accelerator = torch._C._accelerator_getAccelerator()
+    # The compiled-in accelerator may not be the transfer's device (the host forced on a CUDA build):
+    # torch.accelerator then speaks of that accelerator, so it is answered by that accelerator's own
+    # check, taken now, before the transfer points torch.cuda at the backend's module.
+    own_check = None
+    if accelerator is not None and accelerator.type != device_type:
+        own_check = getattr(getattr(torch, accelerator.type, None), "is_available", None)
+
+    @functools.wraps(fn)
+    def is_available() -> bool:
+        if accelerator is None:
+            return False
+        if accelerator.type == device_type:
+            return module.is_available()
+        return bool(own_check()) if own_check is not None else fn()
+
+    return is_available
+
+
 def _grad_scaler_init(fn, ctx):
     remap = ctx.remap
 
@@ -287,6 +308,8 @@ ROWS: tuple[Row, ...] = (
         "torch.set_default_device(\"cuda\") and the autocast state queries"),
     Row("torch", ("get_device_module",), _get_device_module,
         "torch.get_device_module(\"cuda\") is the backend's device module (fork_rng, checkpointing)"),
+    Row("torch.accelerator", ("is_available",), _accelerator_is_available,
+        "torch.accelerator.is_available() answers for the accelerator torch.accelerator speaks of"),
     Row("torch.amp", ("is_autocast_available",), _anywhere, "torch.amp.is_autocast_available(\"cuda\")"),
     Row("torch.utils._device.DeviceContext", ("__init__",), _anywhere, "with torch.device(\"cuda\"):"),
     Row("torch.amp.autocast_mode.autocast", ("__init__",), _anywhere,
@@ -324,7 +347,11 @@ def apply(backend, config, patches: Patches) -> None:
     for row in ROWS:
         if row.owner.startswith("torch.distributed") and not torch.distributed.is_available():
             continue
-        owner = _resolve(row.owner)
+        try:
+            owner = _resolve(row.owner)
+        except (ImportError, AttributeError):
+            logger.debug("ditorch: %s does not exist in this torch; not patched", row.owner)
+            continue
         for name in row.names:
             original = getattr(owner, name, None)
             if original is None:
