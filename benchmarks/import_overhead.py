@@ -40,7 +40,7 @@ print(json.dumps({"torch": [w1 - w0, c1 - c0], "ditorch": [w2 - w1, c2 - c1]}))
 
 def import_times(backend: str | None, runs: int) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DITORCH_")}
-    env.update(DITORCH_QUIET="1", PYTHONPATH=ROOT)
+    env.update(DITORCH_QUIET="1", PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     if backend:
         env["DITORCH_BACKEND"] = backend
     samples = []

@@ -137,6 +137,11 @@ def _anywhere(fn, ctx):
     return ctx.remap.device_anywhere(fn)
 
 
+def _static_anywhere(fn, ctx):
+    # A classmethod, bound to its class: kept unbound on lookup from the class or an instance.
+    return staticmethod(ctx.remap.device_anywhere(fn))
+
+
 def _tensor_cuda(fn, ctx):
     ordinal = ctx.remap.ordinal
 
@@ -171,6 +176,39 @@ def _load(fn, ctx):
         return fn(f, remap_location(map_location), *args, **kwargs)
 
     return load
+
+
+def _get_device_module(fn, ctx):
+    remap, module = ctx.remap, ctx.backend.device_module
+
+    @functools.wraps(fn)
+    def get_device_module(device=None):
+        if device is not None and remap(device) is not device:
+            return module  # "cuda" means the backend's device: its module answers (the host's is not torch.cpu)
+        return fn(device)
+
+    return get_device_module
+
+
+def _accelerator_is_available(fn, ctx):
+    device_type, module = ctx.backend.device_type, ctx.backend.device_module
+    accelerator = torch._C._accelerator_getAccelerator()
+    # The compiled-in accelerator may not be the transfer's device (the host forced on a CUDA build):
+    # torch.accelerator then speaks of that accelerator, so it is answered by that accelerator's own
+    # check, taken now, before the transfer points torch.cuda at the backend's module.
+    own_check = None
+    if accelerator is not None and accelerator.type != device_type:
+        own_check = getattr(getattr(torch, accelerator.type, None), "is_available", None)
+
+    @functools.wraps(fn)
+    def is_available() -> bool:
+        if accelerator is None:
+            return False
+        if accelerator.type == device_type:
+            return module.is_available()
+        return bool(own_check()) if own_check is not None else fn()
+
+    return is_available
 
 
 def _grad_scaler_init(fn, ctx):
@@ -258,14 +296,20 @@ ROWS: tuple[Row, ...] = (
     Row("torch.Tensor", ("to",), _anywhere, "Tensor.to(\"cuda\")"),
     Row("torch.Tensor", ("cuda",), _tensor_cuda, "Tensor.cuda(device=None)"),
     Row("torch.Tensor", ("is_cuda",), _is_cuda, "Tensor.is_cuda"),
+    Row("torch.UntypedStorage", ("_new_shared",), _static_anywhere,
+        "shared-memory storages for DataLoader workers (`_new_shared(device=t.device)`, the device shown as cuda)"),
     Row("torch.nn.Module", ("to",), _anywhere, "Module.to(\"cuda\") (Module.cuda goes through Tensor.cuda)"),
     Row("torch.nn.Module", ("to_empty",), _keyword, "Module.to_empty(device=\"cuda\")"),
     Row("torch", ("load",), _load, "torch.load(map_location=\"cuda\"), and CUDA-saved checkpoints"),
     Row("torch.serialization", ("load",), _load, "torch.serialization.load, as torch.load"),
     Row("torch", ("Generator",), _generator, "torch.Generator(device=\"cuda\")"),
-    Row("torch", ("set_default_device", "get_device_module", "get_autocast_dtype", "set_autocast_dtype",
-                  "is_autocast_enabled", "set_autocast_enabled"), _anywhere,
+    Row("torch", ("set_default_device", "get_autocast_dtype", "set_autocast_dtype", "is_autocast_enabled",
+                  "set_autocast_enabled"), _anywhere,
         "torch.set_default_device(\"cuda\") and the autocast state queries"),
+    Row("torch", ("get_device_module",), _get_device_module,
+        "torch.get_device_module(\"cuda\") is the backend's device module (fork_rng, checkpointing)"),
+    Row("torch.accelerator", ("is_available",), _accelerator_is_available,
+        "torch.accelerator.is_available() answers for the accelerator torch.accelerator speaks of"),
     Row("torch.amp", ("is_autocast_available",), _anywhere, "torch.amp.is_autocast_available(\"cuda\")"),
     Row("torch.utils._device.DeviceContext", ("__init__",), _anywhere, "with torch.device(\"cuda\"):"),
     Row("torch.amp.autocast_mode.autocast", ("__init__",), _anywhere,
@@ -303,7 +347,11 @@ def apply(backend, config, patches: Patches) -> None:
     for row in ROWS:
         if row.owner.startswith("torch.distributed") and not torch.distributed.is_available():
             continue
-        owner = _resolve(row.owner)
+        try:
+            owner = _resolve(row.owner)
+        except (ImportError, AttributeError):
+            logger.debug("ditorch: %s does not exist in this torch; not patched", row.owner)
+            continue
         for name in row.names:
             original = getattr(owner, name, None)
             if original is None:

@@ -10,9 +10,10 @@ and tests/docs/test_env_variables_doc.py fails until it has.
 from __future__ import annotations
 
 import argparse
-import difflib
 import os
 import sys
+
+from generated_page import write_or_check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "docs", "env_variables.md")
@@ -100,19 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="do not write; exit 1 if the page is out of date")
     parser.add_argument("--output", default=PAGE, help="the page to write or check (default: docs/env_variables.md)")
     args = parser.parse_args(argv)
-    text = render()
     current = open(args.output).read() if os.path.exists(args.output) else ""
-    if args.check:
-        if current == text:
-            return 0
-        sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), text.splitlines(True),
-                                                   args.output, "generated from the code"))
-        print(f"\n{args.output} is out of date: run python scripts/gen_env_docs.py")
-        return 1
-    with open(args.output, "w") as f:
-        f.write(text)
-    print(f"wrote {args.output}")
-    return 0
+    return write_or_check(args.output, current, render(), args.check, "scripts/gen_env_docs.py")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,49 @@
 import os
+import re
+import subprocess
 import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+# Set in the child interpreter a `gpu` test runs in (see pytest_pyfunc_call).
+GPU_CHILD = "DITORCH_TESTS_GPU_CHILD"
+
+
+def pytest_collection_modifyitems(config, items):
+    from hardware import cuda_gpu_present
+
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu_items and not cuda_gpu_present():
+        for item in gpu_items:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """Run each `gpu` test in its own interpreter.
+
+    The suite registers the sim device in this process, and once any PrivateUse1 backend is registered
+    PyTorch takes it as the process's accelerator (``at::getAccelerator()``), so every CUDA backward in
+    this process would trip the autograd engine's stream assert (pytorch/pytorch#161129). A fresh
+    interpreter keeps CUDA the accelerator, whatever ran before the test.
+    """
+    if not pyfuncitem.get_closest_marker("gpu") or os.environ.get(GPU_CHILD):
+        return None
+    from subprocess_env import child_env
+
+    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", pyfuncitem.nodeid]
+    done = subprocess.run(command, cwd=str(pyfuncitem.config.rootpath), env=child_env({GPU_CHILD: "1"}),
+                          capture_output=True, text=True, timeout=900)
+    output = done.stdout[-6000:] + done.stderr[-3000:]
+    if done.returncode != 0:
+        pytest.fail(f"in its own interpreter, {pyfuncitem.nodeid} failed:\n{output}", pytrace=False)
+    skipped = re.search(r"^SKIPPED \[\d+\] [^:]+:\d+: (.*)$", done.stdout, re.M)
+    if skipped:
+        pytest.skip(skipped.group(1))
+    return True
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from subprocess_env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,7 +31,7 @@ def test_every_benchmark_is_listed_here():
 
 @pytest.mark.parametrize("script", sorted(SMALLEST))
 def test_benchmark_runs(script, tmp_path):
-    env = dict(os.environ, DITORCH_QUIET="1", OP_TOOLS_RESULTS_DIR=str(tmp_path))
+    env = child_env({"DITORCH_QUIET": "1", "OP_TOOLS_RESULTS_DIR": str(tmp_path)})
     arguments, expected = SMALLEST[script]
     result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *arguments],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

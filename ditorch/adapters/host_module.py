@@ -2,7 +2,8 @@
 
 ``torch.cpu`` answers streams and devices; this adds what CUDA-written scripts also call.
 Random numbers come from the CPU default generator. The host keeps no device-memory
-accounting: the memory statistics answer 0 (no device memory is in use).
+accounting: the memory statistics answer 0 (no device memory is in use), ``mem_get_info``
+the host's free and total memory. Work is synchronous: events record the host clock.
 """
 
 from __future__ import annotations
@@ -10,18 +11,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import time
 
 import torch
 from torch.cpu import (  # noqa: F401 - re-exported as this device module's API
-    Event,
-    Stream,
     current_device,
-    current_stream,
     device_count,
     is_available,
     is_initialized,
     set_device,
-    stream,
     synchronize,
 )
 
@@ -52,6 +50,52 @@ class device(contextlib.nullcontext):  # noqa: N801 - named as torch.cuda.device
 
     def __init__(self, device=None) -> None:
         super().__init__()
+
+
+class Stream(torch.cpu.Stream):
+    """A host stream with ``torch.cuda.Stream``'s methods: work has finished when an op returns, so there
+    is never anything to wait for."""
+
+    def __init__(self, device=None, priority: int = 0, **kwargs) -> None:
+        super().__init__(priority)
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def record_event(self, event=None):
+        event = event or Event()
+        event.record(self)
+        return event
+
+
+_streams = {"default": Stream()}
+
+
+def default_stream(device=None) -> Stream:
+    return _streams["default"]
+
+
+def current_stream(device=None) -> Stream:
+    return _streams.get("current", _streams["default"])
+
+
+def set_stream(stream: Stream) -> None:
+    _streams["current"] = stream
+
+
+@contextlib.contextmanager
+def stream(stream: Stream | None):
+    """Make ``stream`` current for the block (``None``: no change)."""
+    previous = current_stream()
+    if stream is not None:
+        set_stream(stream)
+    try:
+        yield
+    finally:
+        set_stream(previous)
 
 
 def get_rng_state_all() -> list:
@@ -111,3 +155,49 @@ def is_bf16_supported(including_emulation: bool = True) -> bool:
 
 def get_amp_supported_dtype() -> list:
     return list(AMP_DTYPES)
+
+
+def mem_get_info(device=None) -> tuple[int, int]:
+    """(free, total) bytes of host memory."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), get_device_properties().total_memory
+    except (ValueError, OSError):
+        return 0, 0
+
+
+def is_current_stream_capturing() -> bool:
+    """The host has no graph capture."""
+    return False
+
+
+class Event:
+    """``torch.cuda.Event`` on the host (``torch.cpu.Event`` takes no arguments and keeps no time): work has
+    finished when an op returns, so an event records the host clock; ``elapsed_time`` is in milliseconds.
+
+    >>> start, end = Event(enable_timing=True), Event(enable_timing=True)
+    >>> start.record(); end.record(); start.elapsed_time(end) >= 0
+    True
+    """
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self.enable_timing = enable_timing
+        self._recorded_at: float | None = None
+
+    def record(self, stream=None) -> None:  # noqa: F811 - torch.cuda.Event's keyword
+        self._recorded_at = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:  # noqa: F811 - torch.cuda.Event's keyword
+        pass
+
+    def elapsed_time(self, end_event: Event) -> float:
+        if not (self.enable_timing and end_event.enable_timing):
+            raise RuntimeError("Both events must be created with enable_timing=True to measure elapsed time")
+        if self._recorded_at is None or end_event._recorded_at is None:
+            raise RuntimeError("Both events must be recorded before calling elapsed_time()")
+        return (end_event._recorded_at - self._recorded_at) * 1000.0

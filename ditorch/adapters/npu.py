@@ -1,4 +1,5 @@
-"""Huawei Ascend through ``torch_npu``: the vendor's ``transfer_to_npu``, then ditorch's gap patches."""
+"""Huawei Ascend through ``torch_npu``: the vendor's ``transfer_to_npu``, then ditorch's gap patches, and
+``torch.npu.float32_reduced_precision()`` (the device-math protocol) where torch_npu lacks it."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ from . import vendor
 
 PACKAGE = "torch_npu"
 TRANSFER = "torch_npu.contrib.transfer_to_npu"
+# (op family, the torch.npu namespace whose `allow_hf32` switches it, torch_npu's documented default):
+# `torch.npu.matmul.allow_hf32` (off unless set) and `torch.npu.conv.allow_hf32` (on unless set; the
+# same option as `torch.npu.aclnn.allow_hf32`).
+HF32_SWITCHES = (("matmul", "matmul", False), ("conv", "conv", True))
 
 
 def load():
@@ -14,3 +19,27 @@ def load():
 
 def activate(backend, config, patches, forced: bool) -> None:
     vendor.activate_with_vendor_transfer(TRANSFER, backend, config, patches)
+    module = backend.device_module
+    if not hasattr(module, "float32_reduced_precision"):
+        patches.set(module, "float32_reduced_precision", float32_reduced_precision_of(module))
+
+
+def float32_reduced_precision_of(module):
+    """``float32_reduced_precision()`` for the device module ``module`` (``torch.npu``)."""
+
+    def float32_reduced_precision() -> dict[str, str]:
+        """The float32 op families the NPU computes in reduced precision right now, e.g.
+        ``{"matmul": "hf32", "conv": "hf32"}``, read from ``torch.npu.matmul.allow_hf32`` and
+        ``torch.npu.conv.allow_hf32``; ``{}`` when both are off. A switch this torch_npu cannot read
+        (old releases had setters only) counts as its documented default."""
+        found = {}
+        for family, namespace, default in HF32_SWITCHES:
+            try:
+                on = getattr(module, namespace).allow_hf32
+            except AttributeError:
+                on = None
+            if bool(default if on is None else on):
+                found[family] = "hf32"
+        return found
+
+    return float32_reduced_precision

@@ -11,13 +11,21 @@ import torch
 from ..backends import Backend
 
 # torch.cuda APIs that vendor transfer utilities leave pointing at CUDA (setters they skip, CUDA-only
-# features): mapped to the device module when it has them, else to a clear NotImplementedError.
+# features), and those ditorch has a fallback for: mapped to the device module when it has them, else to
+# ditorch's fallback (ditorch/cuda_fallbacks.py), else to a clear NotImplementedError.
 GAPS = (
     "set_stream", "set_device", "current_stream", "default_stream", "get_device_capability",
     "get_device_properties", "is_bf16_supported", "jiterator", "nvtx", "CUDAGraph", "graph", "graphs",
     "make_graphed_callables", "cudart", "nccl", "ExternalStream", "get_arch_list", "get_gencode_flags",
     "set_sync_debug_mode", "get_sync_debug_mode", "tunable",
 )
+
+
+def gap_names() -> list[str]:
+    """The torch.cuda names ditorch maps after a vendor's own transfer."""
+    from ..cuda_fallbacks import FALLBACKS
+
+    return [name for name in dict.fromkeys((*GAPS, *FALLBACKS)) if hasattr(torch.cuda, name)]
 
 
 def load(adapter: str, package: str, arch: str, ccl: str, device_type: str | None = None) -> Backend:
@@ -36,7 +44,7 @@ def activate_with_vendor_transfer(transfer_module: str, backend, config, patches
 
     importlib.import_module(transfer_module)
     remap = transfer.DeviceMap(backend.device_type, backend.device_module)
-    cuda_api.apply(backend, remap, patches, names=[n for n in GAPS if hasattr(torch.cuda, n)])
+    cuda_api.apply(backend, remap, patches, names=gap_names())
     if config.show_device_as_cuda:
         from .. import show_as_cuda
 

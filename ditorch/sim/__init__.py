@@ -11,6 +11,7 @@ tensor([3., 3.])
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from .attention import SdpaAlgorithm, get_sdpa_algorithm, sdpa_algorithm, set_sdpa_algorithm  # noqa: F401
@@ -57,6 +58,7 @@ def register() -> None:
             autocast,
             device_module,
             foreach_path,
+            pinned_memory,
             rnn_kernels,  # noqa: F401 - registers the fused RNN cells' kernels
             serialization,
             tensor,
@@ -67,6 +69,7 @@ def register() -> None:
 
         count, tf32_families, sdpa = _read(COUNT_VAR), _read(tf32.ENV_VAR), _read(attention.ENV_VAR)
         load_from_env()
+        _check_beside_cuda(torch)
         taken = torch._C._get_privateuse1_backend_name()
         if taken not in ("privateuseone", NAME):
             raise RuntimeError(f"sim: PrivateUse1 is already the backend {taken!r}; cannot register the sim device")
@@ -82,11 +85,37 @@ def register() -> None:
         copies = [getattr(torch.ops.aten, name).default for name in ("_copy_from", "_copy_from_and_resize", "copy_")]
         for op in copies + REGISTERED_PER_OP:  # and the ops sim has its own kernels for
             per_op.impl(op, _per_op(op), "PrivateUse1")
-        _libraries.extend([factories, per_op, *autocast.register(NAME)])
+        _libraries.extend([factories, per_op, *autocast.register(NAME), pinned_memory.register()])
         serialization.install()
         foreach_path.install()
         tf32.configure(tf32_families)
         attention.SELECTED.set(sdpa)
+
+
+# Why sim and CUDA autograd cannot share a process (PyTorch 2.8 and later, where the engine asks for the
+# accelerator's streams): c10's flag "PrivateUse1 is registered" is set by renaming the key and never cleared,
+# at::getAccelerator() then answers PrivateUse1, Node::stream() finds no input on that device type for a CUDA
+# node, and the engine's TORCH_INTERNAL_ASSERT(opt_ready_stream && opt_parent_stream) fails.
+_BESIDE_CUDA = (
+    "once a PrivateUse1 device such as sim is registered, PyTorch takes it as the process's accelerator "
+    "(at::getAccelerator) for good, and every backward over CUDA tensors in the process fails inside the "
+    "autograd engine ('opt_ready_stream && opt_parent_stream INTERNAL ASSERT FAILED', pytorch/pytorch#161129)"
+)
+
+
+def _check_beside_cuda(torch) -> None:
+    """Refuse to register where CUDA is already in use; say what breaks where CUDA could still be used."""
+    if not torch.backends.cuda.is_built():
+        return
+    if getattr(torch.cuda, "_initialized", False):  # the module global: torch.cuda's functions may be mapped
+        raise RuntimeError(
+            f"sim: CUDA is already in use in this process, so the sim device is not registered: {_BESIDE_CUDA}. "
+            "Use sim in a process that does not use CUDA (DITORCH_BACKEND=sim python script.py, or a subprocess)."
+        )
+    if torch._C._cuda_getDeviceCount() > 0:
+        logging.getLogger("ditorch").warning(
+            "sim: registered in a process that can use a CUDA GPU: %s. Run CUDA training in another process.",
+            _BESIDE_CUDA)
 
 
 def _fallback(op, *args, **kwargs):

@@ -272,3 +272,19 @@ class Event:
         if self._time is None or end._time is None:
             raise RuntimeError("sim: both events must be recorded before elapsed_time()")
         return (end._time - self._time) * 1000.0
+
+
+# --- What PyTorch and libraries ask of torch.sim itself, beyond the core above --------------------------
+# (the device layer's part: optimizers' graph-capture checks, FSDP's memory report; torch.cuda's other
+# names reach sim through ditorch/cuda_api.py and its fallbacks)
+
+def is_current_stream_capturing() -> bool:
+    """The sim device has no graph capture."""
+    return False
+
+
+import sys  # noqa: E402 - imports of this section, kept with it
+
+from ..cuda_fallbacks import memory_summary_of  # noqa: E402
+
+memory_summary = memory_summary_of("sim", sys.modules[__name__])

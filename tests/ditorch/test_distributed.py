@@ -7,14 +7,13 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from subprocess_env import ROOT, child_env
+
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "ddp_cuda.py")
 
 
 def test_ddp_over_nccl_on_sim_leaves_both_ranks_with_identical_parameters(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DITORCH_")}
-    env.update(DITORCH_BACKEND="sim", DITORCH_QUIET="1", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
+    env = child_env({"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1", "OMP_NUM_THREADS": "1"}, drop=("DITORCH_",))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT,
                str(tmp_path)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)

@@ -6,14 +6,14 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from subprocess_env import ROOT, child_env
+
 EXAMPLE = os.path.join(ROOT, "examples", "cuda_training.py")
 
 
 def _start(backend: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DITORCH_")}
-    env.update(DITORCH_BACKEND=backend, PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
-    return subprocess.Popen([sys.executable, EXAMPLE, "--steps", "4"], env=env, cwd=ROOT, text=True,
+    return subprocess.Popen([sys.executable, EXAMPLE, "--steps", "4"],
+                            env=child_env({"DITORCH_BACKEND": backend}, drop=("DITORCH_",)), cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 

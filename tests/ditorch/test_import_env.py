@@ -6,23 +6,18 @@ importing torch dominates, and the interpreters overlap.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DITORCH_VARS = ("DITORCH_BACKEND", "DITORCH_QUIET", "DITORCH_DISABLE_MOCK", "DITORCH_SHOW_DEVICE_AS_CUDA",
-                "DITORCH_SIM_DEVICE_COUNT", "DITORCH_SIM_FAULTS")
+from hardware import NO_GPU
+from subprocess_env import ROOT, child_env
 
 
 def start_python(code: str, env_vars: dict) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in DITORCH_VARS}
-    env.update(env_vars, PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
-    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT)
+    return subprocess.Popen([sys.executable, "-c", code], env=child_env(env_vars, drop=("DITORCH_",)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
 
 
 SIM_REPORT = """
@@ -49,8 +44,9 @@ print(activation.patch_count() == count, torch.ones(1, device="cuda").to("cuda")
 SCENARIOS = {
     "forced_sim": (SIM_REPORT, {"DITORCH_BACKEND": "sim"}),
     "quiet": (SIM_REPORT, {"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1", "DITORCH_SHOW_DEVICE_AS_CUDA": "0"}),
-    "disable_mock": (DISABLED, {"DITORCH_BACKEND": "sim", "DITORCH_DISABLE_MOCK": "1"}),
-    "host": ("import torch, ditorch; print(ditorch.backend.name, ditorch.arch, torch.cuda.is_available())", {}),
+    # Premise: no accelerator. Where there is a GPU, it is hidden from these two.
+    "disable_mock": (DISABLED, {"DITORCH_BACKEND": "sim", "DITORCH_DISABLE_MOCK": "1", **NO_GPU}),
+    "host": ("import torch, ditorch; print(ditorch.backend.name, ditorch.arch, torch.cuda.is_available())", NO_GPU),
     "reload": (RELOAD, {"DITORCH_BACKEND": "sim"}),
     "count": ("import torch, ditorch; print(torch.cuda.device_count(), torch.ones(1, device='cuda:1').device)",
               {"DITORCH_BACKEND": "sim", "DITORCH_SIM_DEVICE_COUNT": "2", "DITORCH_SHOW_DEVICE_AS_CUDA": "0"}),

@@ -1,12 +1,12 @@
 """torch.sim answers the torch.cuda API with real values."""
 
-import os
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
+from subprocess_env import child_env
 
 
 @pytest.mark.usefixtures("sim")
@@ -64,7 +64,7 @@ def test_seeds_drive_the_same_numbers_as_cpu():
 
 def _run(code: str, **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=120)
+                          env=child_env(env), timeout=120)
 
 
 def test_device_count_comes_from_the_environment():

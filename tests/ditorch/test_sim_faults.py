@@ -1,11 +1,11 @@
 """Injected faults make the sim device misbehave in exactly the way asked, and only then."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from subprocess_env import child_env
 
 import ditorch.sim
 from ditorch.sim import SimUnsupportedError
@@ -95,7 +95,7 @@ def test_faults_from_the_environment():
     code = ("import torch, ditorch.sim; ditorch.sim.register(); x = torch.ones(2, device='sim'); "
             "print(torch.isnan((x * x).cpu()).all().item(), (x + x).cpu().tolist())")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "DITORCH_SIM_FAULTS": "aten::mul.Tensor:nan"})
+                            env=child_env({"DITORCH_SIM_FAULTS": "aten::mul.Tensor:nan"}))
     assert result.stdout.split() == ["True", "[2.0,", "2.0]"], result.stderr
 
 
@@ -118,7 +118,7 @@ def test_malformed_fault_spec_names_variable_and_form(spec, why):
 def test_malformed_fault_variable_fails_registration():
     result = subprocess.run([sys.executable, "-c", "import ditorch.sim; ditorch.sim.register()"],
                             capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "DITORCH_SIM_FAULTS": "mm:boom"})
+                            env=child_env({"DITORCH_SIM_FAULTS": "mm:boom"}))
     assert result.returncode != 0 and "ValueError: DITORCH_SIM_FAULTS='mm:boom'" in result.stderr
 
 

@@ -14,12 +14,14 @@ import subprocess
 import sys
 
 import pytest
+from subprocess_env import ROOT, child_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STANDINS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vendor_standins")
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 
 REPORT = """
 import json, sys, torch, ditorch
+import cuda_surface  # tests/ditorch/scripts
 report = {"name": ditorch.backend.name, "device_type": ditorch.backend.device_type, "arch": ditorch.arch,
           "framework": ditorch.framework.__name__, "ccl": ditorch.backend.ccl,
           "cuda_available": torch.cuda.is_available(), "device_count": torch.cuda.device_count()}
@@ -33,6 +35,20 @@ try:
     torch.cuda.jiterator._create_jit_fn("code")
 except NotImplementedError as error:
     report["jiterator"] = str(error)
+report["coverage"] = cuda_surface.coverage_report()
+report["module_names"] = sorted(vars(ditorch.backend.device_module))
+report["capturing"] = torch.cuda.is_current_stream_capturing()
+report["nvtx_depth"] = [torch.cuda.nvtx.range_push("step"), torch.cuda.nvtx.range_pop()]
+if ditorch.backend.name == "npu":
+    npu = torch.npu
+    precision = [npu.float32_reduced_precision()]
+    npu.matmul.allow_hf32 = True
+    precision.append(npu.float32_reduced_precision())
+    npu.matmul.allow_hf32 = npu.conv.allow_hf32 = False
+    precision.append(npu.float32_reduced_precision())
+    del npu.conv.allow_hf32  # as a torch_npu whose switch has a setter only: the documented default (on)
+    precision.append(npu.float32_reduced_precision())
+    report["float32_reduced_precision"] = precision
 original = vars(torch.cuda).get("set_stream")
 ditorch.deactivate()
 report["restored"] = vars(torch.cuda).get("set_stream") is not original
@@ -51,8 +67,7 @@ SCENARIOS = {
 def reports() -> dict:
     running = {}
     for name, env_vars in SCENARIOS.items():
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DITORCH_")}
-        env.update(env_vars, PYTHONPATH=os.pathsep.join([STANDINS, ROOT, env.get("PYTHONPATH", "")]))
+        env = child_env(env_vars, drop=("DITORCH_",), path=(STANDINS, SCRIPTS))
         running[name] = subprocess.Popen([sys.executable, "-c", REPORT], env=env, cwd=ROOT, text=True,
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     finished = {}
@@ -90,6 +105,48 @@ def test_privateuse1_vendor_without_a_transfer_gets_the_generic_transfer(reports
     assert report["stream"] == "stream-1" and report["current"] == 1
     assert f"not available on the {scenario} backend" in report["jiterator"]
     assert report["restored"]
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_each_torch_cuda_name_ditorch_maps_is_answered_by_the_device_module_else_its_fallback_else_refused(
+        reports, scenario):
+    from ditorch import cuda_api
+    from ditorch.cuda_fallbacks import FALLBACKS
+
+    report, _ = reports[scenario]
+    assert report["coverage"], "no torch.cuda name mapped"
+    for api, (status, behaviour) in report["coverage"].items():
+        name = api.rsplit(".", 1)[-1]
+        fallback = FALLBACKS.get(name)
+        expected = (cuda_api.ANSWERED if name in report["module_names"] else
+                    cuda_api.MAPPED if fallback and set(fallback.needs) <= set(report["module_names"]) else
+                    cuda_api.REFUSED)
+        assert status == expected, api
+        assert (behaviour == "refused") is (status == cuda_api.REFUSED), (api, behaviour)
+    # What PyTorch itself asks of torch.cuda, and profiling markers, work whatever the vendor module lacks.
+    assert report["capturing"] is False and report["nvtx_depth"] == [0, 0]
+
+
+def test_npu_reports_the_float32_op_families_its_hf32_switches_put_in_reduced_precision(reports):
+    report, _ = reports["detected"]
+    assert report["name"] == "npu"
+    # torch_npu's defaults (conv on, matmul off); matmul switched on; both off; conv's switch unreadable.
+    assert report["float32_reduced_precision"] == [
+        {"conv": "hf32"}, {"matmul": "hf32", "conv": "hf32"}, {}, {"conv": "hf32"}]
+
+
+def test_npu_keeps_its_own_float32_reduced_precision_when_torch_npu_has_one(monkeypatch):
+    import types
+
+    from ditorch.adapters import npu, vendor
+    from ditorch.patches import Patches
+
+    own = types.ModuleType("torch.npu")  # a torch.npu that has the function (no real torch_npu here)
+    own.float32_reduced_precision = lambda: {"matmul": "hf32"}
+    monkeypatch.setattr(vendor, "activate_with_vendor_transfer", lambda *args: None)
+    patches = Patches()
+    npu.activate(types.SimpleNamespace(device_module=own), None, patches, forced=False)
+    assert len(patches) == 0 and own.float32_reduced_precision() == {"matmul": "hf32"}
 
 
 def test_nccl_is_rewritten_to_the_backend_collective_library():

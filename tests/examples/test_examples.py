@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from subprocess_env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -22,10 +23,9 @@ TIME_LIMIT_S = 120  # each script takes 5 to 20 s on a 2-core machine; the limit
 
 def run_example(script: str, *args: str, cwd, env: dict | None = None, expect_status: int = 0):
     """Run ``examples/<script>`` in ``cwd`` with a clean environment (plus ``env``); return its stdout."""
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith(("DITORCH_", "OP_", "AUTOCOMPARE_")) and "_AUTOCOMPARE_" not in k
-             and not k.endswith("_OP_DTYPE_CAST_DICT")}
-    clean.update(PYTHONPATH=ROOT + os.pathsep + clean.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1", **(env or {}))
+    clean = child_env({"PYTHONUNBUFFERED": "1"}, drop=("DITORCH_", "OP_", "AUTOCOMPARE_"))
+    clean = {k: v for k, v in clean.items() if "_AUTOCOMPARE_" not in k and not k.endswith("_OP_DTYPE_CAST_DICT")}
+    clean.update(env or {})
     process = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), *args], cwd=cwd, env=clean,
                              capture_output=True, text=True, timeout=TIME_LIMIT_S)
     assert process.returncode == expect_status, process.stdout[-3000:] + process.stderr[-3000:]

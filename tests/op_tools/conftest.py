@@ -4,8 +4,7 @@ import sys
 import textwrap
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from subprocess_env import child_env
 
 
 @pytest.fixture(autouse=True)
@@ -26,6 +25,5 @@ def run_script(tmp_path):
 
 def _run_script(code: str, env: dict, cwd) -> subprocess.CompletedProcess:
     prelude = "import sys, torch, ditorch.sim, op_tools\nditorch.sim.register()\n"
-    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]), **env}
-    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], env=full_env, cwd=cwd,
+    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], env=child_env(env), cwd=cwd,
                           capture_output=True, text=True, timeout=120)

@@ -42,14 +42,15 @@ def test_names_resolve_to_public_paths():
 
 def test_factories_keep_their_names_when_a_device_layer_wraps_them():
     # ditorch's transfer replaces torch.ones with a wrapper; the call the mode sees is still torch.ones.
-    import os
     import subprocess
     import sys
 
+    from subprocess_env import child_env
+
     code = ("import torch, ditorch, op_tools; tool = op_tools.OpObserve().start(); "
             "torch.ones(2, device='cuda'); tool.stop()")
-    env = {**os.environ, "DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1", "OP_OBSERVE_LIST": "torch.ones",
-           "OP_TOOLS_VERBOSE": "0"}
+    env = child_env({"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1", "OP_OBSERVE_LIST": "torch.ones",
+                     "OP_TOOLS_VERBOSE": "0"})
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert "apply OpObserveHook on torch.ones" in result.stdout, result.stdout + result.stderr
 

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from subprocess_env import child_env
 from tiny_models import tiny_llama
 
 import op_tools
@@ -63,8 +64,8 @@ def _times(tmp_path):
 
 def _run_cli(args, tmp_path, env=None, module=False):
     command = [sys.executable, "-m", "op_tools.run_op_from_data"] if module else [sys.executable, SCRIPT]
-    full_env = {**os.environ, "PYTHONPATH": ROOT, "DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1",
-                "OP_TOOLS_RESULTS_DIR": str(tmp_path / "results"), **(env or {})}
+    full_env = child_env({"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1",
+                          "OP_TOOLS_RESULTS_DIR": str(tmp_path / "results"), **(env or {})})
     return subprocess.run(command + args, env=full_env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
 
 
@@ -215,7 +216,6 @@ def test_only_torch_operators_or_allowed_packages_resolve():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_capture_and_replay_on_cuda(tmp_path, monkeypatch):
     monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / "capture"))
     torch.manual_seed(0)

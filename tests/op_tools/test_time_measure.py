@@ -9,12 +9,11 @@ import time
 
 import pytest
 import torch
+from subprocess_env import child_env
 from tiny_models import tiny_llama, train_llama
 
 import op_tools
 from op_tools.time_measure import CALL_COLUMNS
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +48,10 @@ def _check_llama_step(timer, wall, tmp_path):
         totals = m.totals[name]
         assert totals.calls > 0 and totals.backward_calls == totals.calls, name  # every call has a backward time
         assert totals.backward_ns > 0
-    assert m.totals["torch._foreach_addcdiv_"].backward_calls == 0  # optimizer step (foreach): no backward
+    # The optimizer step has no gradient, so no backward time: AdamW's per-tensor path (sim, CPU) or the
+    # foreach kernels PyTorch picks on CUDA.
+    step_ops = [name for name in ("torch.Tensor.addcdiv_", "torch._foreach_addcdiv_") if name in m.totals]
+    assert step_ops and all(m.totals[name].backward_calls == 0 for name in step_ops)
     measured = sum(t.forward_ns + t.backward_ns for t in m.totals.values()) / 1e9
     ratio = measured / wall
     print(f"per-op sum {measured * 1e3:.1f} ms, step wall {wall * 1e3:.1f} ms, ratio {ratio:.2f}")
@@ -244,8 +246,7 @@ x, w = torch.randn(2, 4, device="sim"), torch.randn(3, 4, device="sim")
 for _ in range(3):
     torch.nn.functional.linear(x, w).relu()
 """
-    env = {**os.environ, "PYTHONPATH": ROOT, "OP_TOOLS_RESULTS_DIR": str(tmp_path / "results"),
-           "OP_TOOLS_VERBOSE": "0"}
+    env = child_env({"OP_TOOLS_RESULTS_DIR": str(tmp_path / "results"), "OP_TOOLS_VERBOSE": "0"})
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     (calls_file,) = (tmp_path / "results" / "op_time_measure_result").glob("op_elasped_info_pid*.csv")
@@ -255,7 +256,6 @@ for _ in range(3):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_llama_step_on_cuda(tmp_path):
     from op_tools.device_timing import EventClock
 

@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+from subprocess_env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
@@ -19,11 +20,7 @@ def _clean_tool_env(tmp_path, monkeypatch):
 
 
 def script_env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DITORCH_")}
-    env.update(PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]), DITORCH_QUIET="1",
-               OMP_NUM_THREADS="1")
-    env.update(extra)
-    return env
+    return child_env({"DITORCH_QUIET": "1", "OMP_NUM_THREADS": "1", **extra}, drop=("DITORCH_",))
 
 
 def start_script(name: str, *args: str, **env: str) -> subprocess.Popen:

@@ -1,0 +1,29 @@
+"""The environment of a child process a test starts: the parent's, with this checkout first on the import path.
+
+Every test that starts Python (``-c`` code, a script, torchrun) builds its environment here, so the child
+imports this checkout's ``ditorch``/``op_tools`` and ``tests/`` helpers, and still finds whatever the parent
+finds through its own ``PYTHONPATH`` (packages installed outside site-packages, a CI's extra paths).
+"""
+
+from __future__ import annotations
+
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+
+
+def child_env(extra: dict | None = None, *, drop: tuple[str, ...] = (), path: tuple[str, ...] = ()) -> dict:
+    """``os.environ`` less the variables starting with a prefix in ``drop``, plus ``extra``; ``PYTHONPATH`` is
+    ``path``, the project root and ``tests/``, then the parent's own ``PYTHONPATH`` (kept, never replaced).
+
+    >>> env = child_env({"DITORCH_QUIET": "1"}, drop=("OP_",))
+    >>> env["PYTHONPATH"].split(os.pathsep)[:2] == [ROOT, TESTS]
+    True
+    """
+    env = {k: v for k, v in os.environ.items() if not (drop and k.startswith(drop))}
+    env.update(extra or {})
+    inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+    env["PYTHONPATH"] = os.pathsep.join([*path, ROOT, TESTS, *inherited])
+    return env
+
