@@ -46,6 +46,7 @@ RESULTS_FOLDER = "op_conformance_result"
 DEFAULT_TIMEOUT = 300.0
 _DEVICE_LAYER_ENV = re.compile(r"^DITORCH_\w+$")  # the device layer's variables: they shape a replay too
 _REPRODUCE_ENV = re.compile(r"^(DITORCH_\w+|(\w+_)?AUTOCOMPARE_ERROR_TOLERANCE\w*)$")
+_OUTPUT_ONLY = frozenset({"DITORCH_QUIET"})  # they change what is printed, not what runs
 # Settings a resumed run takes from its results file unless given again.
 _RESUMED = ("device", "setup", "ops", "dtypes", "limit_samples", "backward")
 
@@ -169,7 +170,8 @@ def _device(name: str | None, setup: tuple[str, ...]) -> str:
 
 def reproduce_command(row: Row, settings: Settings) -> str:
     """The command that reruns ``row``'s sample alone (the variables that shape a run included)."""
-    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if _REPRODUCE_ENV.match(k)]
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+           if _REPRODUCE_ENV.match(k) and k not in _OUTPUT_ONLY]
     setup = [f"--setup {shlex.quote(s)}" for s in settings.setup]
     sample = [] if row.sample is None else [f"--sample {row.sample}"]
     return " ".join([*env, "python -m op_tools.conformance", f"--device {shlex.quote(settings.device)}", *setup,
