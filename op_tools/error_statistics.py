@@ -15,6 +15,7 @@ and inf elementwise). ``normalised_error(s, r)`` is the normalised error alone (
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
@@ -64,13 +65,13 @@ def normalised_error(s: torch.Tensor, r: torch.Tensor, keep: torch.Tensor | None
         if flat.is_complex():
             flat = wide(flat).reshape(-1)
         scale = torch.linalg.vector_norm(rw, 1).div_(rw.numel()).clamp_(min=_TINY)
-        chunk = _CHUNK_HOST if flat.is_cpu else _CHUNK_DEVICE
-        parts = []
-        for start in range(0, rw.numel(), chunk):
-            rc = rw[start:start + chunk]
-            ratio = torch.sub(flat[start:start + chunk], rc).abs_().div_(rc.abs().add_(scale))
-            parts.append(torch.where(torch.isnan(ratio), 0.0, ratio).nan_to_num_(posinf=0.0).max())
-        return float(torch.stack(parts).max())
+        largest = float(torch.stack(_over_ranges(_range_error, flat, rw, scale)).max())
+        if math.isfinite(largest):
+            return largest
+        # an overflow in the same-dtype run: measured over the elements where the difference is finite
+        ratio = torch.sub(flat, rw).abs_().div_(rw.abs().add_(scale))
+        finite = torch.isfinite(ratio)
+        return float(ratio[finite].max()) if bool(finite.any()) else 0.0
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
@@ -110,7 +111,8 @@ def _numpy_stats(dn: np.ndarray, rn: np.ndarray, atol: float, rtol: float):
 
 def _torch_stats(d: torch.Tensor, r: torch.Tensor, atol: float, rtol: float):
     """Chunk by chunk: each chunk's temporaries stay in the processor's cache, so memory is read about once (the
-    statistics take a dozen passes, which on a large tensor would each stream it from memory)."""
+    statistics take a dozen passes, which on a large tensor would each stream it from memory). On the host, large
+    tensors are split between threads, one range each (torch releases the GIL while it computes)."""
     with torch.no_grad():
         if d.is_complex():
             d = wide(d)
@@ -118,31 +120,84 @@ def _torch_stats(d: torch.Tensor, r: torch.Tensor, atol: float, rtol: float):
         rw = wide(r).to(d.device).reshape(-1)
         n = rw.numel()
         scale = torch.linalg.vector_norm(rw, 1).div_(n).clamp_(min=_TINY)
-        chunk = _CHUNK_HOST if flat.is_cpu else _CHUNK_DEVICE
-        parts = []  # per chunk: max |d-r|, max relative, normalised error, allclose margin, |d|^2, |r|^2, |d-r|^2
-        for start in range(0, n, chunk):
-            dc, rc = flat[start:start + chunk], rw[start:start + chunk]
-            diff = torch.sub(dc, rc).abs_()  # float64 by promotion: d is never widened in a copy of its own
-            magnitude = rc.abs()
-            parts.append(torch.stack([
-                diff.max(), torch.div(diff, magnitude + 1e-6).max(),
-                torch.div(diff, magnitude + scale).max(), torch.add(diff, magnitude, alpha=-rtol).max(),
-                torch.linalg.vector_norm(dc, dtype=torch.float64).square(), rc.square().sum(), diff.square().sum(),
-            ]))
-        table = torch.stack(parts)
+        # per chunk: max |d-r|, max relative, normalised error, allclose margin; sums of d*d, r*r, d*r
+        table = torch.stack(_over_ranges(_range_stats, flat, rw, scale, -rtol))
         values = torch.cat([table[:, :4].amax(0), table[:, 4:].sum(0)]).tolist()  # the one read back
-    max_abs, max_rel, error, margin, dd, rr, ee = values
+    max_abs, max_rel, error, margin, dd, rr, dr = values
     if not math.isfinite(max_abs):
         return None
     if max_abs == 0:
         return 0.0, 0.0, 0.0, 1.0, True
-    return max_abs, max_rel, error, _cosine(dd, rr, (dd + rr - ee) / 2, max_abs), max_abs <= atol or margin <= atol
+    return max_abs, max_rel, error, _cosine(dd, rr, dr, max_abs), max_abs <= atol or margin <= atol
+
+
+def _range_stats(flat: torch.Tensor, rw: torch.Tensor, start: int, stop: int, chunk: int, scale, minus_rtol: float):
+    size = min(chunk, stop - start)
+    # buffers reused from chunk to chunk: a fresh tensor per op costs more than the op on a cache-sized chunk
+    wide_d, diff, magnitude, scratch = (torch.empty(size, dtype=torch.float64, device=rw.device) for _ in range(4))
+    rows = []
+    for at in range(start, stop, chunk):
+        k = min(at + chunk, stop) - at
+        dc, rc, df, mg, tmp = wide_d[:k], rw[at:at + k], diff[:k], magnitude[:k], scratch[:k]
+        dc.copy_(flat[at:at + k])
+        torch.sub(dc, rc, out=df).abs_()
+        torch.abs(rc, out=mg)
+        rows.append(torch.stack([
+            df.max(), torch.div(df, torch.add(mg, 1e-6, out=tmp), out=tmp).max(),
+            torch.div(df, torch.add(mg, scale, out=tmp), out=tmp).max(),
+            torch.add(df, mg, alpha=minus_rtol, out=tmp).max(), torch.dot(dc, dc), torch.dot(rc, rc),
+            torch.dot(dc, rc),
+        ]))
+    return rows
+
+
+def _over_ranges(work, flat: torch.Tensor, rw: torch.Tensor, *extra) -> list:
+    """``work(flat, rw, start, stop, chunk, *extra)`` over the whole tensor: on the host split between threads when
+    large, on a device in one range; the rows of every range, in order."""
+    n = rw.numel()
+    if not flat.is_cpu:
+        return work(flat, rw, 0, n, _CHUNK_DEVICE, *extra)
+    workers = _host_workers() if n >= _THREADED_MIN else 1
+    if workers == 1:
+        return work(flat, rw, 0, n, _CHUNK_HOST, *extra)
+    step = -(-n // workers)
+    step += -step % _CHUNK_HOST
+    futures = [_pool().submit(work, flat, rw, start, min(start + step, n), _CHUNK_HOST, *extra)
+               for start in range(0, n, step)]
+    return [row for future in futures for row in future.result()]
 
 
 # Host chunks below torch's parallel grain (32768): each op runs on one core with its temporaries in cache, no
-# thread-pool round trip per op. Device chunks bound the temporaries' memory.
+# thread-pool round trip per op; large tensors get a range per thread instead. Device chunks bound the memory.
 _CHUNK_HOST = 1 << 15
 _CHUNK_DEVICE = 1 << 22
+_THREADED_MIN = 1 << 16
+_executor = None
+
+
+def _host_workers() -> int:
+    return max(1, min(torch.get_num_threads(), os.cpu_count() or 1, 8))
+
+
+def _pool():
+    global _executor
+    if _executor is None:
+        import concurrent.futures
+
+        _executor = concurrent.futures.ThreadPoolExecutor(_host_workers(), thread_name_prefix="op_tools statistics")
+    return _executor
+
+
+def _range_error(flat: torch.Tensor, rw: torch.Tensor, start: int, stop: int, chunk: int, scale):
+    size = min(chunk, stop - start)
+    diff, magnitude = (torch.empty(size, dtype=torch.float64, device=rw.device) for _ in range(2))
+    rows = []
+    for at in range(start, stop, chunk):
+        k = min(at + chunk, stop) - at
+        rc, df, mg = rw[at:at + k], diff[:k], magnitude[:k]
+        torch.sub(flat[at:at + k], rc, out=df).abs_()
+        rows.append(df.div_(torch.abs(rc, out=mg).add_(scale)).max())
+    return rows
 
 
 def _cosine(dd: float, rr: float, dr: float, max_abs: float) -> float:
