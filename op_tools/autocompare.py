@@ -60,6 +60,7 @@ from .reference import (
     DEFAULT_CAST,
     attempts_for,
     map_arguments,
+    meta_dtypes,
     recast,
     reference_backward,
     run_reference,
@@ -322,6 +323,11 @@ class OpAutoCompare(OpTool):
             return None if run is None else run.result
 
         expected = self._expected_dtypes.get(signature)
+        if expected is None and call.name.startswith("torch."):  # found on meta tensors (no computation); not for
+            # a user's function, which may branch on the device it is given
+            expected = meta_dtypes(call.func, state["cpu_args"], state["cpu_kwargs"], state["math"])
+            if expected is not None:
+                self._expected_dtypes[signature] = expected
         same_value = same_out  # run only when an error is above the floor
         if expected is None or expected != _leaf_dtypes(device_cpu):
             same_value = same_out()  # eager: compare_outputs then checks every output's dtype

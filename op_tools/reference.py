@@ -176,6 +176,18 @@ def run_same_dtype(func, cpu_args, cpu_kwargs, owned: set, math: DeviceMath, gra
     return Reference(args, kwargs, result, [leaves[id(s)] for s in grad_snaps], mapped, "")
 
 
+def meta_dtypes(func, cpu_args, cpu_kwargs, math: DeviceMath) -> tuple | None:
+    """The dtypes of the op's tensor outputs as a correct run in the device's dtypes and math gives them, from a
+    run on meta tensors (no computation); None when the op has no meta kernel."""
+    to_meta = functools.partial(map_tensors, fn=lambda t: t.detach().to("meta"))
+    try:
+        with torch.no_grad(), isolated(), emulated(math):
+            result = func(*to_meta(cpu_args), **to_meta(cpu_kwargs))
+    except Exception:  # noqa: BLE001 - no meta kernel, or a data-dependent op: the same-dtype run decides
+        return None
+    return tuple(t.dtype for t in iter_tensors(result))
+
+
 def _rounded_float32(func, cpu_args, cpu_kwargs, owned: set, math: DeviceMath):
     """No CPU kernel in the device's dtype: float32 rounded to it is what a correct implementation gives."""
     narrow = _first_low_precision(cpu_args, cpu_kwargs) or math.autocast_dtype
