@@ -15,7 +15,7 @@ and inf elementwise). ``normalised_error(s, r)`` is the normalised error alone (
 from __future__ import annotations
 
 import math
-import os
+import threading
 
 import numpy as np
 import torch
@@ -94,9 +94,8 @@ def _numpy_stats(dn: np.ndarray, rn: np.ndarray, atol: float, rtol: float):
     max_abs = float(_max(diff))
     if not math.isfinite(max_abs):
         return None
-    if max_abs == 0:  # identical values: no relative error, and no magnitude to measure it against
-        max_rel = error = 0.0
-        allclose = True
+    if max_abs == 0:  # identical values: no error of any kind
+        return 0.0, 0.0, 0.0, 1.0, True
     else:
         magnitude = _absolute(rn)
         scale = max(float(_sum(magnitude)) / magnitude.size, _TINY)
@@ -132,18 +131,20 @@ def _torch_stats(d: torch.Tensor, r: torch.Tensor, atol: float, rtol: float):
 
 
 def _range_stats(flat: torch.Tensor, rw: torch.Tensor, start: int, stop: int, chunk: int, scale, minus_rtol: float):
-    size = min(chunk, stop - start)
-    # buffers reused from chunk to chunk: a fresh tensor per op costs more than the op on a cache-sized chunk
-    wide_d, diff, magnitude, scratch = (torch.empty(size, dtype=torch.float64, device=rw.device) for _ in range(4))
+    wide_d, diff, magnitude, scratch = _buffers(rw.device, min(chunk, stop - start), 4)
     rows = []
     for at in range(start, stop, chunk):
         k = min(at + chunk, stop) - at
         dc, rc, df, mg, tmp = wide_d[:k], rw[at:at + k], diff[:k], magnitude[:k], scratch[:k]
         dc.copy_(flat[at:at + k])
-        torch.sub(dc, rc, out=df).abs_()
+        largest = torch.sub(dc, rc, out=df).abs_().max()
+        if rc.is_cpu and largest.item() == 0:  # identical (views, copies, gathers): nothing but |r|^2 to add
+            squares = torch.dot(rc, rc)
+            rows.append(torch.stack([largest, largest, largest, largest, squares, squares, squares]))
+            continue
         torch.abs(rc, out=mg)
         rows.append(torch.stack([
-            df.max(), torch.div(df, torch.add(mg, 1e-6, out=tmp), out=tmp).max(),
+            largest, torch.div(df, torch.add(mg, 1e-6, out=tmp), out=tmp).max(),
             torch.div(df, torch.add(mg, scale, out=tmp), out=tmp).max(),
             torch.add(df, mg, alpha=minus_rtol, out=tmp).max(), torch.dot(dc, dc), torch.dot(rc, rc),
             torch.dot(dc, rc),
@@ -152,45 +153,30 @@ def _range_stats(flat: torch.Tensor, rw: torch.Tensor, start: int, stop: int, ch
 
 
 def _over_ranges(work, flat: torch.Tensor, rw: torch.Tensor, *extra) -> list:
-    """``work(flat, rw, start, stop, chunk, *extra)`` over the whole tensor: on the host split between threads when
-    large, on a device in one range; the rows of every range, in order."""
-    n = rw.numel()
-    if not flat.is_cpu:
-        return work(flat, rw, 0, n, _CHUNK_DEVICE, *extra)
-    workers = _host_workers() if n >= _THREADED_MIN else 1
-    if workers == 1:
-        return work(flat, rw, 0, n, _CHUNK_HOST, *extra)
-    step = -(-n // workers)
-    step += -step % _CHUNK_HOST
-    futures = [_pool().submit(work, flat, rw, start, min(start + step, n), _CHUNK_HOST, *extra)
-               for start in range(0, n, step)]
-    return [row for future in futures for row in future.result()]
+    """``work(flat, rw, start, stop, chunk, *extra)`` over the whole tensor, chunk by chunk: the rows of every chunk."""
+    return work(flat, rw, 0, rw.numel(), _CHUNK_HOST if flat.is_cpu else _CHUNK_DEVICE, *extra)
 
 
-# Host chunks below torch's parallel grain (32768): each op runs on one core with its temporaries in cache, no
-# thread-pool round trip per op; large tensors get a range per thread instead. Device chunks bound the memory.
-_CHUNK_HOST = 1 << 15
+# Host chunks of a few MB: each op's temporaries stay in the processor's last-level cache, and torch still spreads
+# each op over its threads. Device chunks bound the temporaries' memory.
+_CHUNK_HOST = 1 << 18
 _CHUNK_DEVICE = 1 << 22
-_THREADED_MIN = 1 << 16
-_executor = None
+_local = threading.local()
 
 
-def _host_workers() -> int:
-    return max(1, min(torch.get_num_threads(), os.cpu_count() or 1, 8))
-
-
-def _pool():
-    global _executor
-    if _executor is None:
-        import concurrent.futures
-
-        _executor = concurrent.futures.ThreadPoolExecutor(_host_workers(), thread_name_prefix="op_tools statistics")
-    return _executor
+def _buffers(device: torch.device, size: int, count: int) -> list:
+    """``count`` float64 buffers of at least ``size`` elements, reused across calls on the host (fresh memory costs
+    a page fault per page on first touch) and made anew on a device (its caching allocator does the same)."""
+    if device.type != "cpu":
+        return [torch.empty(size, dtype=torch.float64, device=device) for _ in range(count)]
+    held = getattr(_local, "buffers", None)
+    if held is None or len(held) < count or held[0].numel() < size:
+        held = _local.buffers = [torch.empty(max(size, _CHUNK_HOST), dtype=torch.float64) for _ in range(count)]
+    return [b[:size] for b in held[:count]]
 
 
 def _range_error(flat: torch.Tensor, rw: torch.Tensor, start: int, stop: int, chunk: int, scale):
-    size = min(chunk, stop - start)
-    diff, magnitude = (torch.empty(size, dtype=torch.float64, device=rw.device) for _ in range(2))
+    diff, magnitude = _buffers(rw.device, min(chunk, stop - start), 2)
     rows = []
     for at in range(start, stop, chunk):
         k = min(at + chunk, stop) - at
