@@ -77,6 +77,9 @@ CSV_COLUMNS = ("op", "forward_id", "phase", *COLUMNS, "location")
 # in float64: only the statistics come back (error_statistics.py). Smaller ones are copied to the host.
 DEVICE_STATISTICS_MIN = 1 << 20
 _RERUN_DRAWS = "random (the CPU reference drew numbers)"
+# Input elements from which an op's first call learns its output dtypes on meta tensors rather than by a same-dtype
+# run (a meta run costs about a millisecond of Python whatever the size; a run on small tensors costs less).
+META_DTYPES_MIN = 1 << 16
 
 
 @functools.lru_cache(maxsize=4096)  # asked on every handled call, and a name's answer never changes
@@ -323,8 +326,10 @@ class OpAutoCompare(OpTool):
             return None if run is None else run.result
 
         expected = self._expected_dtypes.get(signature)
-        if expected is None and call.name.startswith("torch."):  # found on meta tensors (no computation); not for
-            # a user's function, which may branch on the device it is given
+        if expected is None and call.name.startswith("torch.") and \
+                sum(t.numel() for t in host_of.values()) >= META_DTYPES_MIN:
+            # found on meta tensors (no computation), where a same-dtype run would cost; not for a user's function,
+            # which may branch on the device it is given
             expected = meta_dtypes(call.func, state["cpu_args"], state["cpu_kwargs"], state["math"])
             if expected is not None:
                 self._expected_dtypes[signature] = expected
