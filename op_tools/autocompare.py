@@ -243,7 +243,7 @@ class OpAutoCompare(OpTool):
         state["precedent"] = (*signature, tuple(tuple(t.shape) for t, _, _ in tensors))
         outcome = self._compare_forward(call, state, device_cpu, extra_cpu, extra, extra_labels, host_of, signature)
         if outcome is not None and not all(c.passed for c in outcome[0]) and any(r for _, _, r in tensors):
-            if self._recheck(state, tensors, host_of):  # a cached copy was stale: compare again with fresh ones
+            if self._recheck(state, tensors, host_of, written_ids):  # a cached copy was stale: compare again
                 outcome = self._compare_forward(call, state, device_cpu, extra_cpu, extra, extra_labels, host_of,
                                                 signature)
         if outcome is None:
@@ -361,11 +361,12 @@ class OpAutoCompare(OpTool):
                 c.error_info = "; ".join(filter(None, (c.error_info, notes)))
         return comparisons, reference
 
-    def _recheck(self, state: dict, tensors: list, host_of: dict) -> bool:
-        """Re-read the inputs the cache supplied; True, with the copies replaced, when any was out of date."""
+    def _recheck(self, state: dict, tensors: list, host_of: dict, written_ids: set) -> bool:
+        """Re-read the inputs the cache supplied (not those the op wrote: their old values are gone); True, with
+        the copies replaced, when any was out of date."""
         replaced = {}
         for t, host, reused in tensors:
-            if reused and id(host) not in replaced:
+            if reused and id(t) not in written_ids and id(host) not in replaced:
                 now = self._copies.fresh(t)
                 if not _same_values(now, host):
                     replaced[id(host)] = now

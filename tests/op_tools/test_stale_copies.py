@@ -103,3 +103,14 @@ def test_capture_never_references_a_tensor_written_without_a_version_bump(sim, t
     root = tmp_path / "results" / "op_capture_results" / "torch.Tensor.sin"
     files = sorted(root.glob("*/*/*/input.pth"), key=lambda f: int(f.parts[-3]))
     assert [load_op_args(str(f))["args"][0][0].item() for f in files] == [0.0, 1.0]
+
+
+def test_a_failing_in_place_op_is_not_mistaken_for_a_stale_copy(sim):
+    import ditorch.sim
+
+    x = torch.randn(64, device=sim)
+    with op_tools.OpAutoCompare() as tool:
+        torch.exp(x)  # x's copy is cached, and serves the in-place op below as its input
+        with ditorch.sim.faults("mul_:noise=1e-3"):
+            x.mul_(2)
+    assert [f["op"] for f in tool.failures] == ["torch.Tensor.mul_"] and tool.stale_copies == 0
