@@ -166,7 +166,9 @@ class OpAutoCompare(OpTool):
         if reason is not None:
             state["skip"] = reason
             return
-        get, tensors = self._copies.get, []
+        # Copies are reused across calls only when every call is seen (a mode): targeted wrappers and apply_feature
+        # see only their functions, and the writes of the others (an optimizer's) would leave copies stale.
+        get, tensors = self._copies.get if self.sees_every_call else _fresh_copy, []
 
         def copy(t: torch.Tensor) -> torch.Tensor:
             host, reused = get(t)
@@ -596,6 +598,10 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.is_floating_point() or a.is_complex():
         return bool(((a == b) | (a.isnan() & b.isnan())).all())
     return False
+
+
+def _fresh_copy(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    return snapshot(t), False
 
 
 def _in_device_memory(t: torch.Tensor) -> bool:

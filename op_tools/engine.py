@@ -172,6 +172,9 @@ class OpTool:
         self._skipped: set = set()  # functions whose name this tool skips: the mode's fast path
         self._lock = threading.Lock()
         self._open_backwards: set = set()  # CallBackward trackers whose hooks started and did not finish
+        # True while a mode shows this tool every torch call of its thread (not with targeted wrappers or
+        # apply_feature, which see only the functions they wrap: writes elsewhere go unseen)
+        self.sees_every_call = False
         self.stem = ""  # pid<pid>_<time>_<n>: this session's file names (reporting.session_stem)
 
     # --- what a tool overrides ---
@@ -246,12 +249,14 @@ class OpTool:
                 activation = targeting.Targeting(self, targets)
                 with contextlib.suppress(AttributeError, TypeError):  # a read-only place: the mode instead
                     activation.enter()
+                    self.sees_every_call = False
                     return activation
             else:
                 reporting.logger.warning("%s_LIST: %s; the tool checks the name of every call instead", self.env_prefix,
                                          "; ".join(problems))
         mode = _ToolMode(self)
         mode.__enter__()
+        self.sees_every_call = True
         return mode
 
     def stop(self) -> None:

@@ -114,3 +114,15 @@ def test_a_failing_in_place_op_is_not_mistaken_for_a_stale_copy(sim):
         with ditorch.sim.faults("mul_:noise=1e-3"):
             x.mul_(2)
     assert [f["op"] for f in tool.failures] == ["torch.Tensor.mul_"] and tool.stale_copies == 0
+
+
+def test_a_targeted_tool_never_reuses_copies_the_calls_it_does_not_see_could_have_changed(sim, monkeypatch):
+    import zoo
+
+    # only linear is wrapped: AdamW's foreach updates of the weights (no version bump on sim) are never seen
+    monkeypatch.setenv("OP_AUTOCOMPARE_LIST", "torch.nn.functional.linear")
+    expected = zoo.llama_float32(sim)
+    with op_tools.OpAutoCompare() as tool:
+        losses = zoo.llama_float32(sim)
+    assert not tool.sees_every_call and losses == expected
+    assert tool.failures == [] and tool.stale_copies == 0 and tool.counts["forward compared"] > 10
