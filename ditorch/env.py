@@ -12,6 +12,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -92,6 +93,26 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "The algorithm of `scaled_dot_product_attention` on the sim device: PyTorch's math path, or a "
            "flash-attention-style chunked online softmax through the fused-attention ops.", parse_sim_sdpa),
 )}
+
+
+# DITORCH_* names this repository's scripts and tests read, not the library: no typo warning for them.
+USED_ELSEWHERE = {
+    "DITORCH_TORCH_PIN": "scripts/install.sh: the torch requirement it installs",
+    "DITORCH_TESTS_GPU_CHILD": "tests/conftest.py: set in the interpreter a gpu test runs in",
+}
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """A warning for each ``DITORCH_*`` variable set that ditorch does not read, with the closest name it reads."""
+    environ = os.environ if environ is None else environ
+    known = [*VARIABLES, *USED_ELSEWHERE]
+    found = []
+    for name in sorted(environ):
+        if name.startswith("DITORCH_") and name not in known:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else " (docs/env_variables.md lists them)"
+            found.append(f"{name} is not a variable ditorch reads{hint}")
+    return found
 
 
 def read(name: str, environ: Mapping[str, str] | None = None):

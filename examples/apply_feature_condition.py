@@ -1,6 +1,6 @@
 """One tool on one function, only for the calls whose arguments meet a condition: ``op_tools.apply_feature``.
 
-Here OpObserve (feature ``dump_op_args``) prints the arguments of ``torch.nn.functional.linear`` only
+Here OpObserve (feature ``dump_op_args``) shows the arguments of ``torch.nn.functional.linear`` only
 for the calls whose input has more than 64 features (the MLP's down projection, 128 -> 64); the
 other linear calls of the model run untouched. The condition gets the call's own arguments. Then ``fallback``
 runs ``gelu`` on the CPU, but only for float32 inputs:
@@ -12,6 +12,7 @@ Features: ``op_capture``, ``dump_op_args``, ``autocompare``, ``measure_op_time``
 """
 
 import collections
+import logging
 
 import torch
 from tiny_model import pick_device, train
@@ -31,6 +32,7 @@ def wide_input(input, weight, bias=None):  # F.linear's own argument names
 
 def main() -> None:
     device = pick_device()
+    logging.getLogger("op_tools").setLevel(logging.DEBUG)  # the per-call tables, as OP_TOOLS_VERBOSE=1 would
     op_tools.apply_feature("torch.nn.functional.linear", "dump_op_args", condition_func=wide_input)
     op_tools.apply_feature(torch.nn.functional.gelu, "fallback",
                            condition_func=lambda input, approximate="none": input.dtype == torch.float32)

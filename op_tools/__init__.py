@@ -7,6 +7,10 @@ calls whose arguments are on a non-CPU device::
     with op_tools.OpCapture():        # OpObserve, OpOverflowCheck, OpFallback, OpDtypeCast
         train_step()
 
+Settings are keyword arguments, environment variables or a TOML file (``OP_TOOLS_CONFIG``), in that
+order of precedence: ``op_tools.OpCapture(ops=["torch.nn.functional.linear"], mode="summary")``. An unchanged
+script runs under a tool with ``python -m op_tools capture train.py``.
+
 ``op_tools`` does not import ``ditorch``: it works with plain PyTorch on CUDA or any backend.
 """
 

@@ -30,8 +30,8 @@ import collections
 import dataclasses
 import functools
 import itertools
+import logging
 import os
-import re
 import threading
 import time
 import weakref
@@ -50,7 +50,16 @@ from .comparison import (
     compare_tensors,
     op_key,
 )
-from .config import AUTOCOMPARE_BACKWARD, AUTOCOMPARE_CAST, AUTOCOMPARE_MAX_SAVED, parse_dtype_map
+from .config import (
+    AUTOCOMPARE_BACKWARD,
+    AUTOCOMPARE_CAST,
+    AUTOCOMPARE_MAX_SAVED,
+    AUTOCOMPARE_TOLERANCES,
+    REFERENCE_CAST_VAR,
+    Sources,
+    convert_dtype_map,
+    parse_dtype_map,
+)
 from .device_math import DeviceMath
 from .engine import OpCall, OpTool, feature
 from .host_copies import HostCopies, snapshot
@@ -66,13 +75,16 @@ from .reference import (
     run_reference,
     run_same_dtype,
 )
+from .settings import Family
 from .writes import call_writes
 
 DEFAULT_REFERENCE_CAST = DEFAULT_CAST
-_CAST_VAR = re.compile(r"^(\w+)_OP_DTYPE_CAST_DICT$")
 _UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_",
                             "resize_as_", "set_"})
-CSV_COLUMNS = ("op", "forward_id", "phase", *COLUMNS, "location")
+CSV_COLUMNS = ("op", "forward_id", "phase", "module", *COLUMNS, "location")
+# the console shows these columns of a comparison (fitting 120 characters); the CSV has them all
+CONSOLE_COLUMNS = ("name", "allclose", "max_abs_diff", "max_relative_diff", "verdict", "error_info")
+FAILURES_SHOWN = 20  # rows of the failing-ops table on the console; the CSV holds them all
 # Tensors this large are compared on their device, against the reference uploaded once, when the device computes
 # in float64: only the statistics come back (error_statistics.py). Smaller ones are copied to the host.
 DEVICE_STATISTICS_MIN = 1 << 20
@@ -80,6 +92,23 @@ _RERUN_DRAWS = "random (the CPU reference drew numbers)"
 # Input elements from which an op's first call learns its output dtypes on meta tensors rather than by a same-dtype
 # run (a meta run costs about a millisecond of Python whatever the size; a run on small tensors costs less).
 META_DTYPES_MIN = 1 << 16
+
+
+class _Learnt:
+    """What compared calls taught about the CPU reference and the device's kernels, kept for the process: facts of
+    an op's signature, not of one run, so a tool started per step does not pay an op's first-call costs again."""
+
+    def __init__(self) -> None:
+        # Output dtypes a correct run gives, per (op, input dtypes, device math): the same-dtype CPU run is lazy,
+        # so without this a device returning a narrower dtype with small errors would pass.
+        self.expected_dtypes: dict[tuple, tuple] = {}
+        self.history = SameDtypeHistory()  # same-dtype errors per signature: reruns only where they decide
+        self.rng_checked: set[str] = set()  # op names whose reruns were seen to leave the CPU generator alone
+        self.drawing_reruns: set[str] = set()  # op names whose reruns drew numbers: never rerun again
+        self.float64: dict[str, bool] = {}  # device type -> whether its kernels take float64
+
+
+LEARNT = _Learnt()
 
 
 @functools.lru_cache(maxsize=4096)  # asked on every handled call, and a name's answer never changes
@@ -100,21 +129,54 @@ class AutoCompareConfig:
     max_saved: int = 3
 
     @classmethod
-    def from_env(cls) -> AutoCompareConfig:
-        casts = {}
+    def from_env(cls, sources: Sources | None = None) -> AutoCompareConfig:
+        sources = sources or Sources()
+        casts = dict(sources.file.get(REFERENCE_CASTS.name, {}))
         for name in os.environ:
-            match = _CAST_VAR.match(name)
+            match = REFERENCE_CAST_VAR.match(name)
             if match:
                 var = dataclasses.replace(AUTOCOMPARE_CAST, name=name, default=None, parse=parse_dtype_map)
                 casts[match.group(1)] = var.read()
-        return cls(AUTOCOMPARE_BACKWARD.read(), ToleranceSpec.from_env(), casts, AUTOCOMPARE_MAX_SAVED.read())
+        casts.update(sources.arguments.get(REFERENCE_CASTS.name, {}))
+        tolerance = ToleranceSpec.from_env().over(sources.file.get(TOLERANCE.name))
+        given = sources.arguments.get(TOLERANCE.name)
+        return cls(AUTOCOMPARE_BACKWARD.read(sources), given.over(tolerance) if given else tolerance, casts,
+                   AUTOCOMPARE_MAX_SAVED.read(sources))
+
+
+def _reference_casts(value) -> dict[str, dict[torch.dtype, torch.dtype]]:
+    if not isinstance(value, dict):
+        raise TypeError("not a dict")
+    from .naming import resolve_op_name
+
+    return {op_key(resolve_op_name(op) if callable(op) else str(op)): convert_dtype_map(cast)
+            for op, cast in value.items()}
+
+
+# Keywords standing for families of variables (one per op and dtype).
+TOLERANCE = Family(AUTOCOMPARE_TOLERANCES[2].name, ToleranceSpec.from_value,
+                   "(atol, rtol), or a dict {torch.bfloat16: (atol, rtol), 'default': (atol, rtol), "
+                   "'torch.nn.functional.linear': {torch.float16: (atol, rtol)}}",
+                   "'atol,rtol' for every op and dtype (per dtype or op: the variables or the config file)")
+REFERENCE_CASTS = Family(AUTOCOMPARE_CAST.name, _reference_casts,
+                         "a dict {op name or function: {torch.float16: torch.float32}}")
 
 
 @feature("autocompare")
 class OpAutoCompare(OpTool):
     """Compare every handled op, forward and backward, with a float64 CPU reference.
 
-    >>> with op_tools.OpAutoCompare() as compare:       # OP_TOOLS_VERBOSE=0: only failures are printed
+    Keyword arguments (each overrides its variables): ``ops``, ``disable`` (``OP_AUTOCOMPARE_LIST``/
+    ``_DISABLE_LIST``: lists of op names, patterns or functions), ``backward`` (``OP_AUTOCOMPARE_BACKWARD``),
+    ``max_saved`` (``OP_AUTOCOMPARE_MAX_SAVED``), ``tolerance`` (the variables
+    ``[<OPNAME>_]AUTOCOMPARE_ERROR_TOLERANCE[_<DTYPE>]``: ``(atol, rtol)``, or a dict
+    ``{torch.bfloat16: (atol, rtol), "torch.nn.functional.linear": {torch.float16: (atol, rtol)}}``),
+    ``reference_casts`` (``<OPNAME>_OP_DTYPE_CAST_DICT``: ``{"linear": {torch.float16: torch.float32}}``), and
+    ``results_dir``, ``verbose``, ``print_stack``, ``strict`` as every tool.
+
+    >>> with op_tools.OpAutoCompare(tolerance={torch.bfloat16: (1e-2, 1e-2)}, backward=False) as compare:
+    ...     loss = model(x).sum()
+    >>> with op_tools.OpAutoCompare() as compare:       # failures and the summary; OP_TOOLS_VERBOSE=1: every call
     ...     loss = model(x).sum(); loss.backward()
     >>> compare.failures[:1]   # the first op, in execution order, that computes wrong (forward or backward)
     """
@@ -123,11 +185,15 @@ class OpAutoCompare(OpTool):
     env_prefix = "OP_AUTOCOMPARE"
     results_folder = "op_autocompare_result"
     tracks_writes = True
+    keywords = {"backward": AUTOCOMPARE_BACKWARD, "max_saved": AUTOCOMPARE_MAX_SAVED, "tolerance": TOLERANCE,
+                "reference_casts": REFERENCE_CASTS}
+    tracks_modules = True
 
     def configure(self) -> None:
-        self.settings = AutoCompareConfig.from_env()
+        self.settings = AutoCompareConfig.from_env(self.sources)
         self._tolerance = self.settings.tolerance or None  # None: no variable set, nothing to look up per call
-        self.store = TensorStore(dedup=True)  # a tensor of two saved calls is written once, as OpCapture does
+        # a tensor of two saved calls is written once, as OpCapture does
+        self.store = TensorStore(dedup=True, tally=self.tally)
         self.writer = reporting.BackgroundWriter("OpAutoCompare")
         self.saved: collections.Counter = collections.Counter()  # op -> failing calls saved
         self.not_saved: collections.Counter = collections.Counter()  # op -> failing calls past OP_AUTOCOMPARE_MAX_SAVED
@@ -137,19 +203,13 @@ class OpAutoCompare(OpTool):
         self.device_math: collections.Counter = collections.Counter()  # DeviceMath.describe() -> compared calls
         self.stale_copies = 0  # cached host copies found out of date when a failing call re-read them
         self.failures: list[dict] = []
+        self._failures_shown: set = set()  # (op, phase) whose first failing call's table was shown at WARNING
         self.rows: list[tuple] = []
         self._pending: weakref.WeakValueDictionary[int, OpCall] = weakref.WeakValueDictionary()
         self._order_lock = threading.Lock()
         self._copies = HostCopies()
         self._probes: dict[torch.device, GeneratorProbe] = {}
-        self._float64: dict[str, bool] = {}  # device type -> whether its kernels take float64
-        # Output dtypes a correct run gives, per (op, input dtypes, device math): the same-dtype CPU run is lazy,
-        # so without this a device returning a narrower dtype with small errors would pass.
-        self._expected_dtypes: dict[tuple, tuple] = {}
         self._attempts: dict[str, list] = {}  # op name -> the reference casts to try, in order
-        self._history = SameDtypeHistory()  # same-dtype errors per signature: reruns only where they decide
-        self._rng_checked: set[str] = set()  # op names whose reruns were seen to leave the CPU generator alone
-        self._drawing_reruns: set[str] = set()  # op names whose reruns drew numbers: never rerun again
 
     def note_writes(self, tensors: list) -> None:
         self._copies.forget(tensors)
@@ -162,7 +222,7 @@ class OpAutoCompare(OpTool):
         written = spec.written(call.args, call.kwargs)
         state["written"] = written
         reason = skip_reason(call.name) or random_reason(call.name, call.args, call.kwargs) or (
-            _RERUN_DRAWS if call.name in self._drawing_reruns else None)
+            _RERUN_DRAWS if call.name in LEARNT.drawing_reruns else None)
         if reason is not None:
             state["skip"] = reason
             return
@@ -258,12 +318,13 @@ class OpAutoCompare(OpTool):
             self.device_math[state["math"].describe()] += 1
         wants_backward = bool(call.grad_inputs)
         # Finding the user's source line costs a stack walk: only for what is printed or may fail later.
-        location = call.location if not passed or self.common.verbose or wants_backward else ""
-        self._record(call.name, call.forward_id, "forward", location, comparisons)
+        level = self._table_level(call.name, "forward", passed)
+        location = call.location if not passed or self._logger.isEnabledFor(level) or wants_backward else ""
+        self._record(call.name, call.forward_id, "forward", location, comparisons, call.module_path)
         device_out = (device_cpu, *extra_cpu)
         ref_out = (reference.result, *[reference.mapped[id(host_of[id(t)])] for t in extra])
-        if not passed or self.common.verbose:
-            self._print_forward(call, reference, comparisons, location, passed)
+        if self._logger.isEnabledFor(level):
+            self._print_forward(call, reference, comparisons, location, passed, level)
         state["grad_snaps"] = [host_of[id(t)] for t in call.grad_inputs]
         if not passed:
             self._save(call.name, call.forward_id, state, device_out, ref_out, reference)
@@ -279,20 +340,20 @@ class OpAutoCompare(OpTool):
     def _compared_value(self, t: torch.Tensor, written: bool) -> torch.Tensor:
         """What ``t`` is compared as: itself on its device when large, held in the device's own memory, and the device
         computes in float64 (only the statistics come back); else a host copy, remembered for the next call."""
-        if t.numel() >= DEVICE_STATISTICS_MIN and _in_device_memory(t) and self._float64_on(t.device):
+        if t.numel() >= DEVICE_STATISTICS_MIN and _in_device_memory(t) and LEARNT.float64_on(t.device):
             if written:
                 self._copies.forget([t])
             return t
         return self._copies.fresh(t, written=written)
 
     def _float64_on(self, device: torch.device) -> bool:
-        known = self._float64.get(device.type)
+        known = LEARNT.float64.get(device.type)
         if known is None:
             try:
                 known = bool((torch.ones(2, dtype=torch.float64, device=device) * 2).sum().item() == 4)
             except (RuntimeError, TypeError, NotImplementedError):  # MPS and some vendors: no float64 kernels
                 known = False
-            self._float64[device.type] = known
+            LEARNT.float64[device.type] = known
         return known
 
     def _compare_forward(self, call, state, device_cpu, extra_cpu, extra, extra_labels, host_of, signature):
@@ -305,7 +366,7 @@ class OpAutoCompare(OpTool):
         grad_snaps = [host_of[id(t)] for t in call.grad_inputs]
         # The reruns must leave the CPU generator as they found it: checked on an op's first call (a rerun of an op
         # whose device run drew nothing draws nothing; the device run of every call is checked in after()).
-        rng = cpu_generator_token() if call.name not in self._rng_checked else None
+        rng = cpu_generator_token() if call.name not in LEARNT.rng_checked else None
         reference, error = run_reference(call.func, state["cpu_args"], state["cpu_kwargs"], attempts, owned,
                                          grad_snaps)
         if reference is None:
@@ -327,32 +388,32 @@ class OpAutoCompare(OpTool):
             run = same()
             return None if run is None else run.result
 
-        expected = self._expected_dtypes.get(signature)
+        expected = LEARNT.expected_dtypes.get(signature)
         if expected is None and call.name.startswith("torch.") and \
                 sum(t.numel() for t in host_of.values()) >= META_DTYPES_MIN:
             # found on meta tensors (no computation), where a same-dtype run would cost; not for a user's function,
             # which may branch on the device it is given
             expected = meta_dtypes(call.func, state["cpu_args"], state["cpu_kwargs"], state["math"])
             if expected is not None:
-                self._expected_dtypes[signature] = expected
+                LEARNT.expected_dtypes[signature] = expected
         same_value = same_out  # run only when an error is above the floor
         if expected is None or expected != _leaf_dtypes(device_cpu):
             same_value = same_out()  # eager: compare_outputs then checks every output's dtype
             if expected is None:
-                self._expected_dtypes[signature] = _leaf_dtypes(device_cpu if same_value is None else same_value)
+                LEARNT.expected_dtypes[signature] = _leaf_dtypes(device_cpu if same_value is None else same_value)
         comparisons = compare_outputs(device_cpu, reference.result, same_value, self._tolerance, op_name=call.name,
-                                      prefix="output", history=self._history, key=state["precedent"])
+                                      prefix="output", history=LEARNT.history, key=state["precedent"])
         for label, t, host in zip(extra_labels, extra, extra_cpu):
             before_op = host_of[id(t)]
             comparisons.append(compare_tensors(label, host, reference.mapped[id(before_op)],
                                                functools.partial(_written_result, same, before_op),
                                                self._tolerance, call.name, True,
-                                               (self._history, (*state["precedent"], label))))
+                                               (LEARNT.history, (*state["precedent"], label))))
         if rng is not None:
-            self._rng_checked.add(call.name)
+            LEARNT.rng_checked.add(call.name)
         if rng is not None and cpu_generator_token() != rng:  # a rerun drew numbers: give them back, compare nothing
             torch.default_generator.set_state(_state_tensor(rng))
-            self._drawing_reruns.add(call.name)
+            LEARNT.drawing_reruns.add(call.name)
             self.skipped[_RERUN_DRAWS] += 1
             state.clear()
             call.grad_inputs = []
@@ -424,11 +485,12 @@ class OpAutoCompare(OpTool):
             self.counts["backward compared"] += 1
             self.counts["backward passed" if passed else "backward failed"] += 1
         location = call.location
-        self._record(call.name, call.forward_id, "backward", location, comparisons)
-        if not passed or self.common.verbose:
+        self._record(call.name, call.forward_id, "backward", location, comparisons, call.module_path)
+        level = self._table_level(call.name, "backward", passed)
+        if self._logger.isEnabledFor(level):
             rows = [_named_row(call.name, c) for c in comparisons]
-            reporting.console(reporting.header(call.name, call.forward_id, location, "backward")
-                              + "\n" + reporting.table(rows, COLUMNS).get_string())
+            self._logger.log(level, reporting.header(call.name, call.forward_id, location, "backward")
+                         + "\n" + reporting.call_table(call.name, rows, CONSOLE_COLUMNS))
         if not passed or state.get("saved_forward"):  # a call saved for its forward gets its gradients too
             self._save(call.name, call.forward_id, state, state["device_out"], state["ref_out"], state["ref"],
                        grads=(device_grads_cpu, tuple(upstream_cpu), reference_grads))
@@ -448,7 +510,7 @@ class OpAutoCompare(OpTool):
             return same_cache[0]
 
         comparisons = compare_outputs(device_grads_cpu, reference_grads, same, self._tolerance, op_name=call.name,
-                                      prefix="grad", history=self._history, key=("backward", *state["precedent"]))
+                                      prefix="grad", history=LEARNT.history, key=("backward", *state["precedent"]))
         for c, label in zip(comparisons, state["grad_labels"]):
             c.name = f"{label}.grad"
         return comparisons, reference_grads
@@ -466,28 +528,40 @@ class OpAutoCompare(OpTool):
 
     # --- reporting ---
 
-    def _record(self, name: str, forward_id: int, phase: str, location: str, comparisons: list[Comparison]) -> None:
+    def _record(self, name: str, forward_id: int, phase: str, location: str, comparisons: list[Comparison],
+                module: str = "") -> None:
         first_line = location.splitlines()[0] if location else ""
-        rows = [(name, forward_id, phase, c, first_line) for c in comparisons]  # formatted at stop()
+        rows = [(name, forward_id, phase, c, first_line, module) for c in comparisons]  # formatted at stop()
         failed = [c for c in comparisons if not c.passed]
         with self._order_lock:
             self.rows.extend(rows)
             if failed:
                 self.failures.append({
                     "order": len(self.failures) + 1, "op": name, "phase": phase, "forward_id": forward_id,
+                    "module": module,
                     "failing": ", ".join(c.name for c in failed),
                     "error_info": "; ".join(filter(None, (c.error_info for c in failed)))[:200],
                     "location": first_line,
                 })
 
-    def _print_forward(self, call: OpCall, reference, comparisons, location: str, passed: bool) -> None:
+    def _table_level(self, name: str, phase: str, passed: bool) -> int:
+        """A call's table is DEBUG, but for the first failing call of each op and phase: WARNING (the later ones are
+        in the summary and the CSV)."""
+        if passed:
+            return logging.DEBUG
+        with self._lock:
+            first = (name, phase) not in self._failures_shown
+            self._failures_shown.add((name, phase))
+        return logging.WARNING if first else logging.DEBUG
+
+    def _print_forward(self, call: OpCall, reference, comparisons, location: str, passed: bool, level: int) -> None:
         arg_rows = reporting.value_rows(f"{call.name} inputs", call.args, call.kwargs)
         arg_rows += reporting.value_rows(f"{call.name} cpu_inputs", reference.args, reference.kwargs)
         rows = [_named_row(call.name, c) for c in comparisons]
-        reporting.console(reporting.header(call.name, call.forward_id, location)
-                          + ("" if passed else "    FAIL") + "\n"
-                          + reporting.table(arg_rows, reporting.ARG_COLUMNS).get_string() + "\n"
-                          + reporting.table(rows, COLUMNS).get_string())
+        self._logger.log(level, reporting.header(call.name, call.forward_id, location)
+                     + ("" if passed else "    FAIL") + "\n"
+                     + reporting.call_table(call.name, arg_rows) + "\n"
+                     + reporting.call_table(call.name, rows, CONSOLE_COLUMNS))
 
     def _save(self, name: str, forward_id: int, state: dict, device_out, ref_out, reference, grads=None) -> None:
         """Save a failing call (its host copies made now, the files written in the background), up to
@@ -522,7 +596,7 @@ class OpAutoCompare(OpTool):
             self._write(base, "device", "grad_outputs", name, upstream, {})
             self._write(base, "cpu", "grad_inputs", name, tuple(reference_grads), {})
             self._write(base, "cpu", "grad_outputs", name, upstream64, {})
-        reporting.logger.info("OpAutoCompare: saved %s", base)
+        self._logger.debug("OpAutoCompare: saved %s", base)
 
     def _write(self, base: str, side: str, identifier: str, name: str, args, kwargs) -> None:
         args = map_tensors(tuple(args), _on_host)  # values compared on their device are copied now
@@ -536,13 +610,14 @@ class OpAutoCompare(OpTool):
         self.writer.drain()
         self._pending = weakref.WeakValueDictionary()
         self._copies = HostCopies()
-        reporting.console(self.summary())
+        text = self.summary()
         if self.rows:
             path = reporting.results_path(self.common, self.results_folder, f"op_autocompare_info_{self.stem}.csv")
-            rows = [{"op": op, "forward_id": forward_id, "phase": phase, **c.row(), "location": location}
-                    for op, forward_id, phase, c, location in self.rows]
-            reporting.write_csv(path, [{c: row.get(c, "") for c in CSV_COLUMNS} for row in rows])
-            reporting.console(f"OpAutoCompare: {len(self.rows)} comparisons saved in {path}")
+            rows = [{"op": op, "forward_id": forward_id, "phase": phase, "module": module, **c.row(),
+                     "location": location} for op, forward_id, phase, c, location, module in self.rows]
+            self.tally.add(path, reporting.write_csv(path, [{c: row.get(c, "") for c in CSV_COLUMNS} for row in rows]))
+            text += f"\nOpAutoCompare: {len(self.rows)} comparisons saved in {path}"
+        self._logger.log(logging.WARNING if self.failures else logging.INFO, text)
 
     def summary(self) -> str:
         """The end-of-run text: counts, skip reasons, the device's declared math, and the failing ops in order."""
@@ -569,8 +644,12 @@ class OpAutoCompare(OpTool):
                          "showed) and were re-read before the verdict")
         if self.failures:
             lines.append("failing ops in execution order (the first is where to look):")
-            lines.append(reporting.table(self.failures, ("order", "op", "phase", "forward_id", "failing",
-                                                         "error_info", "location")).get_string())
+            shown = [{**f, "location": reporting.short_location(f["location"])} for f in self.failures[:FAILURES_SHOWN]]
+            lines.append(reporting.table_text(shown, ("order", "op", "phase", "module", "forward_id",
+                                                                               "failing", "error_info", "location"),
+                                              keep="op"))
+            if len(self.failures) > FAILURES_SHOWN:
+                lines.append(f"{len(self.failures) - FAILURES_SHOWN} more failures in the CSV")
         else:
             lines.append("no op failed")
         return "\n".join(lines)

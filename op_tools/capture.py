@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -30,22 +31,27 @@ import torch
 
 from . import reporting
 from .arguments import iter_items
-from .config import CAPTURE_DEDUP, CAPTURE_MODE
+from .config import CAPTURE_DEDUP, CAPTURE_MAX_BYTES, CAPTURE_MODE, CAPTURE_STATS_MAX_TENSORS, Sources
 from .engine import OpCall, OpTool, feature
+from .run_recording import RunRecorder
 
 REF_KEY = "op_tools_ref"
 MEMORY_FORMAT_KEY = "op_tools_memory_format"
 AUTOCAST_KEY = "autocast"
+SUMMARY_SHOWN = 20  # rows of the summary table on the console; the files hold them all
 
 
 @dataclasses.dataclass(frozen=True)
 class CaptureConfig:
     mode: str
     dedup: bool
+    stats_max_tensors: int
+    max_bytes: int | None = None  # full mode stops saving calls once it wrote this much
 
     @classmethod
-    def from_env(cls) -> CaptureConfig:
-        return cls(CAPTURE_MODE.read(), CAPTURE_DEDUP.read())
+    def from_env(cls, sources: Sources | None = None) -> CaptureConfig:
+        return cls(CAPTURE_MODE.read(sources), CAPTURE_DEDUP.read(sources), CAPTURE_STATS_MAX_TENSORS.read(sources),
+                   CAPTURE_MAX_BYTES.read(sources))
 
 
 class TensorStore:
@@ -53,8 +59,9 @@ class TensorStore:
 
     MAX_ENTRIES = 200_000
 
-    def __init__(self, dedup: bool) -> None:
+    def __init__(self, dedup: bool, tally: reporting.Tally | None = None) -> None:
         self.dedup = dedup
+        self.tally = tally
         self.bytes_written = 0
         self.files_written = 0
         self._seen: dict[tuple, tuple] = {}  # content key -> (file, path in file)
@@ -65,6 +72,8 @@ class TensorStore:
         with torch.no_grad():
             encoded = self._encode(payload, [], path, fresh, {})
         size = reporting.save_torch(path, encoded)
+        if self.tally is not None:
+            self.tally.add(path, size)
         with self._lock:
             self.bytes_written += size
             self.files_written += 1
@@ -159,6 +168,16 @@ def autocast_state(device: torch.device | None) -> dict | None:
     return {"device_type": device.type, "dtype": str(torch.get_autocast_dtype(device.type)).removeprefix("torch.")}
 
 
+def _tensors_of(args, kwargs) -> list:
+    from .arguments import iter_tensors
+
+    return [*iter_tensors(args), *iter_tensors(kwargs)]
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} bytes"
+
+
 def _inputs_requiring_grad(args, kwargs) -> list:
     from .arguments import iter_tensors
 
@@ -208,9 +227,16 @@ def input_log_repr(obj) -> str:
 
 @feature("op_capture")
 class OpCapture(OpTool):
-    """Save handled calls' arguments (``OP_CAPTURE_MODE=full``) or a table of what ran (``summary``).
+    """Save handled calls' arguments (``OP_CAPTURE_MODE=full``), a table of what ran (``summary``), or a recording
+    of every call's module path and tensor statistics, CPU calls included (``stats``, see run_recording.py).
 
-    >>> with op_tools.OpCapture():
+    Keyword arguments (each overrides its variable; docs/tools/op_capture.md): ``ops``, ``disable``
+    (``OP_CAPTURE_LIST``/``_DISABLE_LIST``: lists of op names, patterns or functions), ``mode`` (``OP_CAPTURE_MODE``),
+    ``dedup`` (``OP_CAPTURE_DEDUP``), ``max_bytes`` (``OP_CAPTURE_MAX_BYTES``: an int or ``"500M"``),
+    ``stats_max_tensors`` (``OP_CAPTURE_STATS_MAX_TENSORS``), and ``results_dir``, ``verbose``, ``print_stack``,
+    ``strict`` as every tool.
+
+    >>> with op_tools.OpCapture(ops=["torch.nn.functional.linear"], max_bytes="1G"):
     ...     loss = model(x).sum(); loss.backward()
     >>> op_tools.load_op_args(".../torch.nn.functional.linear/<pid>/<id>/<time>/input.pth")["args"]
     """
@@ -218,15 +244,46 @@ class OpCapture(OpTool):
     hook_name = "OpCaptureHook"
     env_prefix = "OP_CAPTURE"
     results_folder = "op_capture_results"
+    keywords = {"mode": CAPTURE_MODE, "dedup": CAPTURE_DEDUP, "max_bytes": CAPTURE_MAX_BYTES,
+                "stats_max_tensors": CAPTURE_STATS_MAX_TENSORS}
+    tracks_modules = True
 
     def configure(self) -> None:
-        self.settings = CaptureConfig.from_env()
-        self.store = TensorStore(self.settings.dedup)
+        self.settings = CaptureConfig.from_env(self.sources)
+        self.store = TensorStore(self.settings.dedup, self.tally)
         self.summary: dict[tuple[str, str], dict] = {}
+        self.calls_not_saved = 0  # full mode, past max_bytes
+
+        self.recorder: RunRecorder | None = None
+        if self.settings.mode == "stats":
+            self.handles_cpu_calls = True  # a CPU run is one side of a comparison
+            path = reporting.results_path(self.common, self.results_folder, f"run_{self.stem}.jsonl")
+            self.recorder = RunRecorder(path, self.settings.stats_max_tensors, self.common.rank)
+
+    def _over_limit(self, call: OpCall) -> bool:
+        """Whether saving ``call``'s inputs would pass ``max_bytes``; the first time, one warning saying so."""
+        limit = self.settings.max_bytes
+        if limit is None:
+            return False
+        if not self.calls_not_saved:
+            planned = sum(t.nbytes for t in _tensors_of(call.args, call.kwargs))
+            if self.store.bytes_written + planned <= limit:
+                return False
+            reporting.logger.warning(
+                "OpCapture: the limit of %s (max_bytes / %s) is reached: %s saved in %d files under %s; "
+                "later calls are not saved", _size(limit), CAPTURE_MAX_BYTES.name, _size(self.store.bytes_written),
+                self.store.files_written, reporting.results_path(self.common, self.results_folder))
+        self.calls_not_saved += 1
+        return True
 
     def before(self, call: OpCall) -> None:
+        if self.recorder is not None:
+            self.recorder.before(call)
+            return
         if self.settings.mode == "summary":
             self._record(call)
+            return
+        if self._over_limit(call):
             return
         stamp = time.strftime("%Y-%m-%d-%H-%M-%S", time.localtime())
         directory = reporting.results_path(self.common, self.results_folder, call.name, self.pid_folder,
@@ -241,28 +298,35 @@ class OpCapture(OpTool):
             call.grad_inputs = _inputs_requiring_grad(call.args, call.kwargs)
 
     def after(self, call: OpCall) -> None:
-        if self.settings.mode == "summary":
+        if self.recorder is not None:
+            self.recorder.after(call)
             return
-        directory = call.state["dir"]
+        directory = call.state.get("dir")
+        if directory is None:  # summary mode, or past max_bytes
+            return
         self.store.save(os.path.join(directory, "output.pth"),
                         {"name": call.name, "args": reporting.as_tuple(call.result), "kwargs": {},
                          "identifier": "output"})
-        if self.common.verbose:
+        if self._logger.isEnabledFor(logging.DEBUG):
             rows = reporting.call_rows(call.name, call.args, call.kwargs, call.result)
-            reporting.console(reporting.header(call.name, call.forward_id, call.location) + "\n"
-                              + reporting.table(rows, reporting.ARG_COLUMNS).get_string()
-                              + f"\nsaved {directory}")
+            self._logger.debug(reporting.header(call.name, call.forward_id, call.location) + "\n"
+                           + reporting.call_table(call.name, rows) + f"\nsaved {directory}")
 
     def after_call_backward(self, call: OpCall, grad_outputs: tuple, grad_inputs: tuple, complete: bool) -> None:
-        directory = call.state["dir"]
+        if self.recorder is not None:
+            self.recorder.backward(call, grad_outputs, grad_inputs, complete)
+            return
+        directory = call.state.get("dir")
+        if directory is None:
+            return
         for kind, grads in (("grad_inputs", grad_inputs), ("grad_outputs", grad_outputs)):
             self.store.save(os.path.join(directory, f"{kind}.pth"),
                             {"name": call.name, "args": grads, "kwargs": {}, "identifier": kind})
-        if self.common.verbose:
+        if self._logger.isEnabledFor(logging.DEBUG):
             rows = reporting.value_rows(f"{call.name} grad_inputs", grad_inputs)
             rows += reporting.value_rows(f"{call.name} grad_outputs", grad_outputs)
-            reporting.console(reporting.header(call.name, call.forward_id, call.location, "backward") + "\n"
-                              + reporting.table(rows, reporting.ARG_COLUMNS).get_string())
+            self._logger.debug(reporting.header(call.name, call.forward_id, call.location, "backward") + "\n"
+                           + reporting.call_table(call.name, rows))
 
     # --- summary mode ---
 
@@ -283,18 +347,25 @@ class OpCapture(OpTool):
             entry["count"] += 1
 
     def finish(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
+            self.tally.add(self.recorder.file.path, self.recorder.file.bytes_written)
+            self._logger.info("run recording %s: %d records (compare two with python -m op_tools.compare_runs)",
+                              self.recorder.file.path, self.recorder.records)
+            return
         if self.settings.mode != "summary" or not self.summary:
             return
         rows = sorted(self.summary.values(), key=lambda r: (r["op"], -r["count"]))
         stem = reporting.results_path(self.common, self.results_folder, f"summary_{self.stem}")
         table_rows = [{k: r[k] for k in ("op", "count", "shapes", "dtypes", "strides", "location")} for r in rows]
-        reporting.write_csv(stem + ".csv", table_rows)
+        self.tally.add(stem + ".csv", reporting.write_csv(stem + ".csv", table_rows))
         lines, current = [], None
         for row in rows:
             if row["op"] != current:
                 current = row["op"]
                 lines.append(f"Operator: {current}")
             lines.append(f"cnt: {row['count']}, {row['signature']}")
-        reporting.write_text(stem + ".txt", "\n".join(lines) + "\n")
-        if self.common.verbose:
-            reporting.console(reporting.table(table_rows).get_string() + f"\nsaved {stem}.csv and {stem}.txt")
+        self.tally.add(stem + ".txt", reporting.write_text(stem + ".txt", "\n".join(lines) + "\n"))
+        more = len(table_rows) - SUMMARY_SHOWN
+        self._logger.info(reporting.table_text(table_rows[:SUMMARY_SHOWN])
+                      + (f"\n{more} more rows in the files" if more > 0 else "") + f"\nsaved {stem}.csv and {stem}.txt")

@@ -83,6 +83,22 @@ def parse_tolerance(text: str | None) -> tuple[float, float] | None:
     return atol, rtol
 
 
+def _tolerance_pair(value: Any) -> tuple[float, float]:
+    if isinstance(value, str):
+        return parse_tolerance(value)
+    if not isinstance(value, (list, tuple)) or len(value) != 2 or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        raise TypeError(f"{value!r} is not a pair (atol, rtol)")
+    return parse_tolerance(f"{value[0]!r},{value[1]!r}")
+
+
+def _as_dtype(key: Any) -> torch.dtype | None:
+    if isinstance(key, torch.dtype):
+        return key
+    dtype = getattr(torch, key.removeprefix("torch."), None) if isinstance(key, str) else None
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
 def op_key(op_name: str) -> str:
     """The original's per-op prefix: the last component of the name, upper-cased (``torch.nn.functional.linear``
     -> ``LINEAR``, ``torch.Tensor.add_`` -> ``ADD_``)."""
@@ -131,6 +147,44 @@ class ToleranceSpec:
             elif not op:
                 default = (atol, rtol, name)
         return cls(per_op_dtype, per_dtype, default)
+
+    @classmethod
+    def from_value(cls, value: Any) -> ToleranceSpec:
+        """From a Python value (an argument, the config file): ``(atol, rtol)`` for every op and dtype, or a dict
+        of ``{dtype: (atol, rtol)}``, ``{"default": (atol, rtol)}`` and ``{op: {dtype: (atol, rtol)}}`` entries (dtypes
+        or their names; ops by name or function). Raises ValueError/TypeError saying what is wrong."""
+        if isinstance(value, ToleranceSpec):
+            return value
+        if not isinstance(value, Mapping):
+            return cls(default=(*_tolerance_pair(value), "tolerance"))
+        per_op_dtype, per_dtype, default = {}, {}, None
+        for key, entry in value.items():
+            dtype = _as_dtype(key)
+            if dtype is not None:
+                per_dtype[dtype_key(dtype)] = (*_tolerance_pair(entry), f"tolerance[{dtype_key(dtype).lower()}]")
+            elif key == "default":
+                default = (*_tolerance_pair(entry), "tolerance[default]")
+            else:
+                if callable(key):
+                    from .naming import resolve_op_name
+
+                    key = resolve_op_name(key)
+                if not isinstance(key, str) or not isinstance(entry, Mapping):
+                    raise TypeError(f"entry {key!r}: expected a dtype, 'default' or an op name with a dict of dtypes")
+                for dtype_name, pair in entry.items():
+                    dtype = _as_dtype(dtype_name)
+                    if dtype is None:
+                        raise ValueError(f"entry {key!r}: unknown dtype {dtype_name!r}")
+                    per_op_dtype[(op_key(key), dtype_key(dtype))] = (
+                        *_tolerance_pair(pair), f"tolerance[{key}][{dtype_key(dtype).lower()}]")
+        return cls(per_op_dtype, per_dtype, default)
+
+    def over(self, lower: ToleranceSpec | None) -> ToleranceSpec:
+        """These tolerances, with ``lower``'s where these have none (arguments over variables over the file)."""
+        if lower is None:
+            return self
+        return ToleranceSpec({**lower.per_op_dtype, **self.per_op_dtype}, {**lower.per_dtype, **self.per_dtype},
+                             self.default or lower.default)
 
     def __bool__(self) -> bool:
         return bool(self.per_op_dtype or self.per_dtype or self.default)

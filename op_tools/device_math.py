@@ -202,16 +202,19 @@ def round_mantissa(t: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(special, raw, rounded).view(torch.float32).view(t.shape)
 
 
-@contextlib.contextmanager
+_NOTHING = contextlib.nullcontext()  # reusable: entering it holds no state
+
+
 def emulated(math: DeviceMath):
     """CPU ops in this block compute as the device declared (``math``); nothing when it declares nothing."""
     if not math:
-        yield
-        return
+        return _NOTHING  # the common case: no generator-based context built per rerun
     key = _install(math.policy)
-    if key is None:
-        yield
-        return
+    return _NOTHING if key is None else _emulating(math, key)
+
+
+@contextlib.contextmanager
+def _emulating(math: DeviceMath, key):
     previous = getattr(_state, "math", None)
     was_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded(key)
     was_included = torch._C._dispatch_tls_is_dispatch_key_included(key)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import os
+import logging
 
 import torch
 
@@ -23,16 +23,23 @@ class OpDtypeCast(OpTool):
     output is cast to the dtype the op returns under that autocast (found by running the op on meta tensors
     with the device's autocast policy, ``device_math``).
 
+    Keyword arguments (each overrides its variable): ``ops``, ``disable`` (``OP_DTYPE_CAST_LIST``/``_DISABLE_LIST``:
+    lists of op names, patterns or functions), ``casts`` (``OP_DTYPE_CAST_DICT``: ``{torch.float16: torch.float32}``),
+    and ``results_dir``, ``verbose``, ``print_stack``, ``strict`` as every tool.
+
     >>> with op_tools.OpDtypeCast():   # default torch.float16->torch.float32,torch.bfloat16->torch.float32
     ...     y = torch.nn.functional.silu(x_fp16)      # computed in float32, returned as float16
+    >>> with op_tools.OpDtypeCast(casts={torch.bfloat16: torch.float64}):
+    ...     y = torch.nn.functional.silu(x_bf16)      # computed in float64, returned as bfloat16
     """
 
     hook_name = "OpDtypeCastHook"
     env_prefix = "OP_DTYPE_CAST"
+    keywords = {"casts": DTYPE_CAST_DICT}
 
     def configure(self) -> None:
-        self.cast = DTYPE_CAST_DICT.read()
-        self.config_text = os.environ.get(DTYPE_CAST_DICT.name, DTYPE_CAST_DICT.default)
+        self.cast = DTYPE_CAST_DICT.read(self.sources)
+        self.config_text = ",".join(f"{a}->{b}" for a, b in self.cast.items())
 
     def accepts(self, name: str) -> bool:
         # Views must alias their base; explicit conversions mean what they say.
@@ -102,8 +109,8 @@ class OpDtypeCast(OpTool):
 
     def after(self, call: OpCall) -> None:
         rows = call.state.pop("rows", None)
-        if rows and self.common.verbose:
-            reporting.console(reporting.table(rows, ("name", "target", "action", "config")).get_string())
+        if rows and self._logger.isEnabledFor(logging.DEBUG):
+            self._logger.debug(reporting.table_text(rows, ("name", "target", "action", "config")))
 
 
 def _returned(originals: dict, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -30,8 +30,10 @@ failure inside a tool is logged once per (tool, op) and the op goes on unchanged
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import itertools
+import logging
 import os
 import signal
 import threading
@@ -41,11 +43,12 @@ import torch
 from torch._C._autograd import _get_sequence_nr as _sequence_nr
 from torch.overrides import TorchFunctionMode
 
-from . import reporting, targeting
+from . import module_path, reporting, targeting
 from .arguments import call_device, iter_tensors
 from .call_backward import CallBackward
 from .config import CommonConfig, OpFilter
 from .naming import is_metadata_query, resolve_op_name
+from .settings import signature_of, sources_for, validate_arguments
 from .writes import call_writes
 
 _thread = threading.local()
@@ -55,6 +58,7 @@ _reported_failures: dict[tuple[str, str], None] = {}
 _announce_lock = threading.Lock()
 
 FEATURES: dict[str, type] = {}
+_CPU = torch.device("cpu")
 _BACKWARD_CALLS = frozenset({"torch.Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
 
 
@@ -107,7 +111,7 @@ class OpCall:
     """One handled call: what the tool sees. ``state`` is the tool's scratch space, kept for backward."""
 
     __slots__ = ("name", "func", "args", "kwargs", "result", "forward_id", "device", "state", "_location",
-                 "_full_stack", "first_node", "grad_inputs", "__weakref__")
+                 "_full_stack", "first_node", "grad_inputs", "module_path", "__weakref__")
 
     def __init__(self, name: str, func, args: tuple, kwargs: dict, device: torch.device | None,
                  full_stack: bool = False) -> None:
@@ -123,6 +127,9 @@ class OpCall:
         self._full_stack = full_stack
         self.first_node = -1  # autograd sequence number before the call: its nodes are numbered from here
         self.grad_inputs: list[torch.Tensor] = []  # filled by before(): the inputs after_call_backward reports on
+        # The module running the call (module_path.py): "model.layers.1.mlp.down_proj"; "" outside any module or
+        # when no started tool tracks modules.
+        self.module_path = module_path.current()
 
     @property
     def location(self) -> str:
@@ -163,8 +170,29 @@ class OpTool:
     env_prefix: ClassVar[str] = ""                # OP_<TOOL>: its _LIST / _DISABLE_LIST variables
     results_folder: ClassVar[str] = ""            # subfolder of OP_TOOLS_RESULTS_DIR
     feature: ClassVar[str] = ""                   # name for apply_feature (set by @feature)
+    # The tool's own keyword arguments: keyword -> the EnvVar (or settings.Family) it stands for. Every tool also
+    # takes ops, disable (its LIST and DISABLE_LIST), results_dir, verbose, print_stack and strict (settings.py).
+    keywords: ClassVar[dict] = {}
 
-    def __init__(self) -> None:
+    # Whether calls carry the path of the module running them (OpCall.module_path): the global module hooks of
+    # module_path.py are installed while such a tool is started.
+    tracks_modules: ClassVar[bool] = False
+
+    # where its messages go: op_tools.<module> (op_tools.autocompare), set for each subclass; a class attribute, so
+    # that a subclass may use any attribute name of its own
+    _logger: ClassVar[logging.Logger] = logging.getLogger("op_tools")
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._logger = reporting.tool_logger(cls)
+        if "__init__" not in vars(cls):  # a subclass with its own constructor shows its own signature
+            cls.__signature__ = signature_of(cls)
+
+    def __init__(self, **settings) -> None:
+        """``settings``: the keyword arguments of the tool's docstring, each overriding its variable; validated now
+        (TypeError for an unknown keyword, ValueError/TypeError naming a malformed value and its expected form)."""
+        self.arguments = validate_arguments(type(self), settings)  # variable name -> parsed value
+        self.sources = None  # arguments and config file, gathered at start()
         self.common: CommonConfig | None = None
         self.filter: OpFilter | None = None
         self._activations: list = []  # per start(): its _ToolMode, or its Targeting (a LIST of plain names)
@@ -176,6 +204,9 @@ class OpTool:
         # apply_feature, which see only the functions they wrap: writes elsewhere go unseen)
         self.sees_every_call = False
         self.stem = ""  # pid<pid>_<time>_<n>: this session's file names (reporting.session_stem)
+        # Set by configure() to handle calls whose tensors are all on the CPU too (by default the CPU is the
+        # reference and its calls run untouched); such calls get device cpu.
+        self.handles_cpu_calls = False
 
     # --- what a tool overrides ---
 
@@ -228,13 +259,12 @@ class OpTool:
 
     def start(self) -> OpTool:
         """Read the configuration (``ValueError`` if malformed) and start handling calls on this thread."""
-        self.common = CommonConfig.from_env()
-        self.filter = OpFilter.from_env(self.env_prefix) if self.env_prefix else OpFilter(None, None)
-        self.stem = reporting.session_stem()
         self._decisions = {}
         self._skipped = set()
-        self.configure()
+        self._read_configuration()
         self._activations.append(self._activate())
+        if self.tracks_modules:
+            module_path.acquire()
         _track_unfinished(self)
         return self
 
@@ -267,11 +297,30 @@ class OpTool:
             _remove_mode(activation)
         else:
             activation.exit()
+        if self.tracks_modules:
+            module_path.release()
         if not self._activations:
             _unfinished.pop(id(self), None)
         self.finish()
+        self.tally.close()
+        self._logger.info(self.closing_line())
 
     end = stop
+
+    def _prepare_output(self) -> None:
+        """Logging levels and handler, this session's file tally, and the results folder probed for writing."""
+        reporting.configure_logging(self.common.verbose)
+        self.tally = reporting.Tally(reporting.results_path(self.common, self.results_folder)
+                                     if self.results_folder else None, f"{type(self).__name__} writing")
+        self.handled: collections.Counter = collections.Counter()  # calls handled per op name
+        if self.results_folder:
+            reporting.prepare_results_folder(self.common, self.results_folder, type(self).__name__)
+
+    def closing_line(self) -> str:
+        """The line logged at ``stop()`` (INFO): what the tool handled and what it wrote where."""
+        ops = len(self.handled)
+        return (f"{type(self).__name__}: {sum(self.handled.values())} calls of {ops} op{'s' if ops != 1 else ''} "
+                f"handled; {self.tally.describe()}")
 
     def __enter__(self) -> OpTool:
         return self.start()
@@ -282,11 +331,21 @@ class OpTool:
     def ensure_configured(self) -> None:
         """For use without a mode (apply_feature): read the configuration once."""
         if self.common is None:
-            self.common = CommonConfig.from_env()
-            self.filter = OpFilter.from_env(self.env_prefix) if self.env_prefix else OpFilter(None, None)
-            self.stem = reporting.session_stem()
-            self.configure()
+            self._read_configuration()
             _track_unfinished(self)  # never stopped: what it aggregated is written at exit
+
+    def _read_configuration(self) -> None:
+        """Arguments > variables > config file > defaults, parsed once; then the typo checks (typo_check.py)."""
+        from . import typo_check
+
+        self.sources = sources_for(self)
+        self.common = CommonConfig.from_env(self.sources)
+        self.filter = OpFilter.from_env(self.env_prefix, self.sources) if self.env_prefix else OpFilter(None, None)
+        self.stem = reporting.session_stem()
+        self._prepare_output()
+        self.configure()
+        typo_check.check_environment()
+        typo_check.check_op_lists(self)
 
     # --- the engine ---
 
@@ -310,13 +369,16 @@ class OpTool:
             return self._run_unhandled(name, func, args, kwargs)
         device = call_device(args, kwargs, name)
         if device is None:  # the CPU is taken as correct
-            return func(*args, **kwargs)
+            if not self.handles_cpu_calls:
+                return func(*args, **kwargs)
+            device = _CPU
         if decision is None and not self._decide(name):
             if not self.tracks_writes or call_writes(name).never:
                 with contextlib.suppress(TypeError):  # unhashable callables keep taking this path
                     self._skipped.add(func)
             return self._run_unhandled(name, func, args, kwargs)
         call = OpCall(name, func, args, kwargs, device, self.common.print_stack)
+        self.handled[name] += 1
         tracker = None
         with tool_work():
             if not self._guarded(self.before, call):
@@ -382,12 +444,13 @@ class OpTool:
         decision = self._decisions.get(name)
         if decision is None:
             decision = self._decisions[name] = self.filter.allows(name) and self.accepts(name)
-            key = (self.hook_name, name, decision)
-            with _announce_lock:
-                first = key not in _announced
-                _announced[key] = None
-            if first:
-                reporting.console(f"{'apply' if decision else 'skip'} {self.hook_name} on {name}")
+            if self._logger.isEnabledFor(logging.DEBUG):  # announced once per process where shown
+                key = (self.hook_name, name, decision)
+                with _announce_lock:
+                    first = key not in _announced
+                    _announced[key] = None
+                if first:
+                    self._logger.debug("%s %s on %s", "apply" if decision else "skip", self.hook_name, name)
         return decision
 
     def _guarded(self, step, call: OpCall, *extra) -> bool:
@@ -409,9 +472,9 @@ class OpTool:
             first = key not in _reported_failures
             _reported_failures[key] = None
         if first:
-            reporting.logger.warning("%s failed on %s (reported once; the op ran unchanged): %s: %s",
-                                     self.hook_name, name, type(error).__name__, error,
-                                     exc_info=reporting.logger.isEnabledFor(10))
+            self._logger.warning("%s failed on %s (reported once; the op ran unchanged): %s: %s",
+                                 self.hook_name, name, type(error).__name__, error,
+                                 exc_info=self._logger.isEnabledFor(logging.DEBUG))
 
     @property
     def pid_folder(self) -> str:
@@ -455,6 +518,8 @@ def _finish_reporting_failure(tool: OpTool) -> None:
     try:
         with tool_work():
             tool.finish()
+        tool.tally.close()
+        tool._logger.info(tool.closing_line())
     except Exception:
         reporting.logger.exception("%s: writing its results failed", tool.hook_name)
 

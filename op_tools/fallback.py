@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from . import reporting
@@ -88,7 +90,11 @@ class OpFallback(OpTool):
     autocast the CPU run casts as the device's autocast would (``device_math``), so the op returns what it returns
     on the device.
 
-    >>> with op_tools.OpFallback():          # OP_FALLBACK_LIST=torch.nn.functional.silu narrows it
+    Keyword arguments (each overrides its variable): ``ops``, ``disable`` (``OP_FALLBACK_LIST``/``_DISABLE_LIST``:
+    lists of op names, patterns or functions), and ``results_dir``, ``verbose``, ``print_stack``, ``strict`` as every
+    tool.
+
+    >>> with op_tools.OpFallback(ops=["torch.nn.functional.silu"]):   # or OP_FALLBACK_LIST=torch.nn.functional.silu
     ...     loss = model(x).sum(); loss.backward()
     """
 
@@ -125,11 +131,11 @@ class OpFallback(OpTool):
 
     def after(self, call: OpCall) -> None:
         state = call.state
-        if self.common.verbose:
+        if self._logger.isEnabledFor(logging.DEBUG):
             rows = reporting.value_rows(f"{call.name} inputs", call.args, call.kwargs)
             rows += reporting.value_rows(f"{call.name} cpu_inputs", state["cpu_args"], state["cpu_kwargs"])
             rows += reporting.value_rows(f"{call.name} cpu_outputs", reporting.as_tuple(state["cpu_result"]))
             rows += reporting.value_rows(f"{call.name} outputs", reporting.as_tuple(call.result))
-            reporting.console(reporting.header(call.name, call.forward_id, call.location) + "\n"
-                              + reporting.table(rows, reporting.ARG_COLUMNS).get_string())
+            self._logger.debug(reporting.header(call.name, call.forward_id, call.location) + "\n"
+                           + reporting.call_table(call.name, rows))
         state.clear()

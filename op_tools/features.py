@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
+import inspect
 import threading
 from typing import Any, Callable
 
 from . import reporting
 from .engine import FEATURES, finish_unstopped, in_tool_work, tool_work
 from .naming import function_from_name, resolve_op_name
+from .settings import short_name
 
 # name -> (owner, attribute, original function, feature, tool)
 _patched: dict[str, tuple[Any, str, Any, str, Any]] = {}
@@ -18,6 +21,40 @@ _lock = threading.Lock()
 class UnknownFeatureError(ValueError, AssertionError):
     """``apply_feature`` with a feature name that no tool has. An ``AssertionError`` too: the original ditorch
     asserted the name, and its scripts catch that."""
+
+
+def tool_aliases() -> dict[str, type]:
+    """Every name a tool goes by, normalised (lower case, ``-`` as ``_``) -> its class: the class name
+    (``OpCapture``), the short name (``capture``, as ``python -m op_tools`` and the config file take it), the
+    original ditorch's feature name (``op_capture``, ``dump_op_args``, ``measure_op_time``, ``cast_dtype``) and
+    ``op_<short>``."""
+    table = {}
+    for cls in FEATURES.values():
+        for name in (cls.__name__, short_name(cls), cls.feature, "op_" + short_name(cls)):
+            table.setdefault(_normalised(name), cls)
+    return table
+
+
+def _normalised(name: str) -> str:
+    return name.strip().lower().replace("-", "_")
+
+
+def find_tool(name: str) -> type | None:
+    """The tool class ``name`` stands for (see ``tool_aliases``), or ``None``."""
+    return tool_aliases().get(_normalised(name))
+
+
+def tool_class(name: str) -> type:
+    """The tool class ``name`` stands for; ``UnknownFeatureError`` listing the names otherwise."""
+    cls = find_tool(name)
+    if cls is None:
+        close = difflib.get_close_matches(_normalised(name), list(tool_aliases()), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise UnknownFeatureError(f"unknown feature {name!r}; valid features: "
+                                  + ", ".join(sorted({short_name(c) for c in FEATURES.values()} | set(FEATURES)))
+                                  + " (or the class names: " + ", ".join(sorted(c.__name__ for c in FEATURES.values()))
+                                  + ")" + hint)
+    return cls
 
 
 def _as_list(ops) -> list:
@@ -35,30 +72,34 @@ def _resolve(op) -> tuple[str, Any, str, Any]:
     return name, owner, attr, func
 
 
-def apply_feature(ops, feature: str, condition_func: Callable[..., bool] | None = None) -> None:
+def apply_feature(ops, feature: str, condition_func: Callable[..., bool] | None = None, **settings) -> None:
     """Run ``feature`` on calls of ``ops`` (names or functions, or a list of them) when ``condition_func`` is true.
 
-    Features: the names in ``op_tools.FEATURES`` (``fallback``, ``cast_dtype``, ``op_capture``, ``dump_op_args``,
-    ``overflow_check``, …). Applying to an op that has a feature replaces it; ``remove_feature`` restores it.
+    Features: a tool's class name (``OpCapture``), its short name (``capture``) or the original ditorch's feature name
+    (``op_capture``, ``dump_op_args``, ``measure_op_time``, ``cast_dtype``, ``fallback``, ``overflow_check``,
+    ``autocompare``): ``tool_aliases()``. ``settings``: the tool's keyword arguments (``mode="summary"``).
+    Applying to an op that has a feature replaces it; ``remove_feature`` restores it.
+
+    ``condition_func`` is called with the op's own arguments (``condition_func(*args, **kwargs)``); one that raises
+    (a wrong signature) is reported once per op with the op's signature, and the call runs without the tool
+    (``OP_TOOLS_STRICT=1``: the error propagates).
 
     >>> op_tools.apply_feature("torch.add", "fallback", condition_func=lambda a, b, **kw: a.dtype == torch.half)
     >>> op_tools.apply_feature(["torch.Tensor.sort", torch.nn.functional.linear], "dump_op_args")
     >>> op_tools.remove_feature(["torch.add", "torch.Tensor.sort", torch.nn.functional.linear])
     """
-    tool_class = FEATURES.get(feature)
-    if tool_class is None:
-        raise UnknownFeatureError(f"unknown feature {feature!r}; valid features: {', '.join(sorted(FEATURES))}")
+    cls = tool_class(feature)
     if condition_func is not None and not callable(condition_func):
         raise ValueError("condition_func must be callable (or None)")
+    tool = cls(**settings)
     targets = [_resolve(op) for op in _as_list(ops)]  # all resolve, or nothing is patched
-    tool = tool_class()
     tool.ensure_configured()
     with _lock:
         replaced = []
         for name, owner, attr, original in targets:
             previous = _patched.get(name)
             if previous is not None:
-                reporting.console(f"{name}: feature {previous[3]} replaced by {feature}")
+                reporting.logger.info("%s: feature %s replaced by %s", name, previous[3], feature)
                 replaced.append(previous[4])
             setattr(owner, attr, _wrap(tool, original, name, condition_func))
             _patched[name] = (owner, attr, original, feature, tool)
@@ -102,10 +143,59 @@ def _wrap(tool, original, name: str, condition_func):
             return original(*args, **kwargs)
         if condition_func is not None:
             with tool_work():  # the condition's own torch calls are no op for any tool
-                wanted = condition_func(*args, **kwargs)
+                try:
+                    wanted = condition_func(*args, **kwargs)
+                except Exception as error:
+                    if tool.common.strict:
+                        raise
+                    _report_condition_failure(condition_func, original, name, error)
+                    wanted = False
             if not wanted:
                 return original(*args, **kwargs)
         return tool.handle(original, args, kwargs, name=name)
 
     with_feature.__op_tools_original__ = original
     return with_feature
+
+
+_reported_conditions: set = set()
+_report_lock = threading.Lock()
+
+
+def _report_condition_failure(condition_func, original, name: str, error: Exception) -> None:
+    """Once per (condition, op): what raised, how the condition is called, and the op's signature."""
+    key = (id(condition_func), name)
+    with _report_lock:
+        if key in _reported_conditions:
+            return
+        _reported_conditions.add(key)
+    reporting.logger.warning(
+        "apply_feature(%r): condition_func %s raised %s: %s; it is called with the op's own arguments, as "
+        "condition_func(*args, **kwargs) for %s; the call runs without the tool (reported once; "
+        "OP_TOOLS_STRICT=1 raises)", name, _describe(condition_func), type(error).__name__, error,
+        op_signature(original, name))
+
+
+def _describe(func) -> str:
+    try:
+        return f"{getattr(func, '__qualname__', func)}{inspect.signature(func)}"
+    except (TypeError, ValueError):
+        return repr(func)
+
+
+def op_signature(func, name: str) -> str:
+    """``torch.add(input, other, *, alpha=1, out=None)``: from the signature, else the docstring's first line."""
+    try:
+        return f"{name}{inspect.signature(func)}"
+    except (TypeError, ValueError):
+        pass
+    for line in (getattr(func, "__doc__", None) or "").splitlines():
+        line = line.strip()
+        if "(" in line:
+            head, _, params = line.split(" -> ")[0].partition("(")
+            if name.startswith("torch.Tensor.") and not params.startswith("self"):
+                params = "self, " + params if params != ")" else "self)"
+            return f"{name.rpartition('.')[0]}.{head}({params}"
+        if line:
+            break
+    return f"{name}(...)"

@@ -1,6 +1,8 @@
-"""OpObserve: print each handled call's arguments and results; save nothing."""
+"""OpObserve: show each handled call's arguments and results (DEBUG: ``OP_TOOLS_VERBOSE=1``); save nothing."""
 
 from __future__ import annotations
+
+import logging
 
 from . import reporting
 from .engine import OpCall, OpTool, feature
@@ -10,16 +12,20 @@ from .engine import OpCall, OpTool, feature
 class OpObserve(OpTool):
     """Print a table of every handled call's inputs and outputs.
 
+    Keyword arguments (each overrides its variable): ``ops``, ``disable`` (``OP_OBSERVE_LIST``/``_DISABLE_LIST``:
+    lists of op names, patterns or functions), and ``results_dir``, ``verbose``, ``print_stack``, ``strict`` as every
+    tool.
+
     >>> import op_tools, torch
     >>> with op_tools.OpObserve():
-    ...     y = torch.ones(2, device="sim") + 1      # prints `apply OpObserveHook on torch.Tensor.add` and a table
+    ...     y = torch.ones(2, device="sim") + 1      # with OP_TOOLS_VERBOSE=1: a table per call (DEBUG)
     """
 
     hook_name = "OpObserveHook"
     env_prefix = "OP_OBSERVE"
 
     def after(self, call: OpCall) -> None:
-        if self.common.verbose:
+        if self._logger.isEnabledFor(logging.DEBUG):
             rows = reporting.call_rows(call.name, call.args, call.kwargs, call.result)
-            reporting.console(reporting.header(call.name, call.forward_id, call.location) + "\n"
-                              + reporting.table(rows, reporting.ARG_COLUMNS).get_string())
+            self._logger.debug(reporting.header(call.name, call.forward_id, call.location) + "\n"
+                           + reporting.call_table(call.name, rows))

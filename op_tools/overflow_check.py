@@ -14,6 +14,7 @@ are printed (``OP_TOOLS_VERBOSE=1``): on the device, all of a call's tensors rea
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import torch
@@ -38,10 +39,12 @@ class Overflow:
     forward_id: int
     phase: str  # "forward" or "backward"
     location: str
+    module: str = ""  # the module that ran the call (model.layers.3.mlp.down_proj), "" outside any
 
     def __str__(self) -> str:
-        return (f"first inf/nan from finite inputs: {self.name} ({self.phase}) forward_id: {self.forward_id}\n"
-                f"{self.location}")
+        where = f" in {self.module}" if self.module else ""
+        return (f"first inf/nan from finite inputs: {self.name}{where} ({self.phase}) forward_id: {self.forward_id}"
+                f"\n{self.location}")
 
 
 # --- on the device: a few reductions per tensor, one transfer per device ---
@@ -121,6 +124,10 @@ def named_tensors(prefix: str, values) -> list[tuple[str, torch.Tensor]]:
 class OpOverflowCheck(OpTool):
     """Check every handled call's inputs, outputs and gradients for inf/nan.
 
+    Keyword arguments (each overrides its variable): ``ops``, ``disable`` (``OP_OVERFLOW_CHECK_LIST``/
+    ``_DISABLE_LIST``: lists of op names, patterns or functions), ``raise_on_overflow`` (``OP_OVERFLOW_CHECK_RAISE``),
+    and ``results_dir``, ``verbose``, ``print_stack``, ``strict`` as every tool.
+
     >>> with op_tools.OpOverflowCheck() as check:
     ...     loss = model(x).sum(); loss.backward()
     >>> print(check.first_overflow)     # None, or the op, forward_id, phase and source line
@@ -128,14 +135,16 @@ class OpOverflowCheck(OpTool):
 
     hook_name = "OpOverflowCheckHook"
     env_prefix = "OP_OVERFLOW_CHECK"
+    keywords = {"raise_on_overflow": OVERFLOW_CHECK_RAISE}
+    tracks_modules = True
 
     def configure(self) -> None:
-        self.raise_on_overflow = OVERFLOW_CHECK_RAISE.read()
+        self.raise_on_overflow = OVERFLOW_CHECK_RAISE.read(self.sources)
         self.first_overflow: Overflow | None = None
         self._pending: Overflow | None = None
 
     def after(self, call: OpCall) -> None:
-        verbose = self.common.verbose
+        verbose = self._logger.isEnabledFor(logging.DEBUG)
         if self.first_overflow is not None and not verbose:  # nothing more to find or to print
             return
         inputs = named_tensors(f"{call.name} input", tuple(call.args) + tuple(call.kwargs.values()))
@@ -143,11 +152,11 @@ class OpOverflowCheck(OpTool):
         header = reporting.header(call.name, call.forward_id, call.location)
         if verbose:
             rows = reporting.call_rows(call.name, call.args, call.kwargs, call.result)
-            header += "\n" + reporting.table(rows, reporting.ARG_COLUMNS).get_string()
+            header += "\n" + reporting.call_table(call.name, rows)
         self._check(call, inputs, outputs, "forward", header if verbose else None)
 
     def after_backward(self, call: OpCall, grad_inputs: tuple, grad_outputs: tuple) -> None:
-        self._check_gradients(call, grad_inputs, grad_outputs, self.common.verbose)
+        self._check_gradients(call, grad_inputs, grad_outputs, self._logger.isEnabledFor(logging.DEBUG))
 
     def inner_node_backward(self, call: OpCall, grad_inputs: tuple, grad_outputs: tuple) -> None:
         # Inside a composite function: an inf/nan born there is the function's.
@@ -162,6 +171,10 @@ class OpOverflowCheck(OpTool):
                     reporting.header(call.name, call.forward_id, call.location, "backward") if print_table else None,
                     results_first=True)
 
+    def closing_line(self) -> str:
+        found = str(self.first_overflow).split("\n")[0] if self.first_overflow else "no inf/nan from finite inputs"
+        return f"{super().closing_line()}; {found}"
+
     def backward_done(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
@@ -174,7 +187,7 @@ class OpOverflowCheck(OpTool):
         ordered = results + sources if results_first else sources + results
         if table_header is not None:
             rows = statistics_rows(ordered)
-            reporting.console(table_header + "\n" + reporting.table(rows, STAT_COLUMNS).get_string())
+            self._logger.debug(table_header + "\n" + reporting.call_table(call.name, rows, STAT_COLUMNS))
             flags = [row["inf_or_nan"] for row in rows]
         elif not any(_checked(t) for _, t in results):  # no floating result: nothing can overflow here
             return
@@ -186,11 +199,11 @@ class OpOverflowCheck(OpTool):
         result_flags = flags[:len(results)] if results_first else flags[len(sources):]
         source_flags = flags[len(results):] if results_first else flags[:len(sources)]
         if any(result_flags) and not any(source_flags):
-            self.first_overflow = Overflow(call.name, call.forward_id, phase, call.location)
+            self.first_overflow = Overflow(call.name, call.forward_id, phase, call.location, call.module_path)
             if rows is None:  # the statistics of this one call, to show what overflowed
                 rows = statistics_rows(ordered)
-            reporting.console(f"\nOpOverflowCheck: {self.first_overflow}\n"
-                              + reporting.table(rows, STAT_COLUMNS).get_string())
+            self._logger.warning(f"\nOpOverflowCheck: {self.first_overflow}\n"
+                                 + reporting.call_table(call.name, rows, STAT_COLUMNS))
             if self.raise_on_overflow:
                 if phase == "backward":  # raised when backward() returns, on the caller's thread
                     self._pending = self.first_overflow

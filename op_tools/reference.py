@@ -93,13 +93,22 @@ def recast(obj, cast: dict, owned: set | frozenset = frozenset(), leaves: dict |
 
 # --- running it ---
 
-@contextlib.contextmanager
+_NOTHING = contextlib.nullcontext()  # reusable: entering it holds no state
+
+
 def isolated():
     """The context of every rerun: no CPU autocast of the user's, no saved-tensor hooks of the user's."""
+    autocast, hooks = torch.is_autocast_enabled("cpu"), _saved_tensor_hooks_active()
+    # most calls have neither: no generator-based context built for them (several per compared call)
+    return _isolating(autocast, hooks) if autocast or hooks else _NOTHING
+
+
+@contextlib.contextmanager
+def _isolating(autocast: bool, hooks: bool):
     with contextlib.ExitStack() as stack:
-        if torch.is_autocast_enabled("cpu"):
+        if autocast:
             stack.enter_context(torch.autocast("cpu", enabled=False))
-        if _saved_tensor_hooks_active():
+        if hooks:
             # Identity hooks: the reference graph saves its tensors plainly (checkpoint's would claim them).
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_same, _same))
         yield
@@ -224,5 +233,16 @@ def reference_backward(outputs: list[torch.Tensor], leaves: list, upstream: tupl
     if not pairs or not live:
         return tuple(None for _ in leaves)
     with isolated(), emulated(math or DeviceMath()):
-        grads = iter(torch.autograd.grad([o for o, _ in pairs], live, [g for _, g in pairs], allow_unused=True))
+        grads = iter(_grad(tuple(o for o, _ in pairs), tuple(live), tuple(g for _, g in pairs)))
     return tuple(None if leaf is None else next(grads) for leaf in leaves)
+
+
+# torch.autograd.grad's checks and conversions cost about as much as a small op's float64 backward; the engine's
+# entry (PyTorch >= 2.3) is taken where those checks hold by construction (one gradient per output, same shapes)
+_engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+
+def _grad(outputs: tuple, inputs: tuple, grads: tuple) -> tuple:
+    if _engine_run_backward is None or any(o.shape != g.shape for o, g in zip(outputs, grads)):
+        return torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+    return _engine_run_backward(outputs, grads, False, False, inputs, True, accumulate_grad=False)

@@ -24,7 +24,7 @@ import functools
 import os
 import pickle
 import re
-import sys
+import statistics
 import time
 import zipfile
 from typing import Any
@@ -69,8 +69,11 @@ class ReplayOptions:
 class ReplayResult:
     entry: Entry
     name: str = ""
-    status: str = "ok"          # ok, mismatch (acc_check failed), error
+    status: str = "ok"          # ok, mismatch (acc_check failed), reference error (the CPU reference raised), error
     error: str = ""
+    device: str = ""
+    shapes: str = ""            # the tensor inputs' shapes and dtypes, in argument order
+    dtypes: str = ""
     forward_ms: list[float] = dataclasses.field(default_factory=list)
     backward_ms: list[float] = dataclasses.field(default_factory=list)
     checks: list[dict] = dataclasses.field(default_factory=list)
@@ -84,9 +87,14 @@ class ReplayResult:
 # --- finding entries ---
 
 def find_entries(root: str) -> list[Entry]:
-    """Every captured call under ``root`` (a folder of captures, or one call's folder), in path order."""
-    if not os.path.isdir(root):
-        raise ReplayError(f"{root}: no such directory")
+    """Every captured call under ``root`` (a folder of captures, one call's folder, or one call's ``input.pth``), in
+    path order."""
+    if os.path.isfile(root) and os.path.basename(root) in ENTRY_FILES:
+        root = os.path.dirname(root) or "."
+    elif os.path.isfile(root):
+        raise ReplayError(f"{root}: not a folder of captures nor a capture file ({', '.join(ENTRY_FILES)})")
+    elif not os.path.isdir(root):
+        raise ReplayError(f"{root}: no such file or directory")
     entries = []
     for directory, subdirs, files in os.walk(root):
         subdirs.sort(key=_natural_key)
@@ -190,7 +198,7 @@ def replay(entry: Entry, device: str | torch.device, options: ReplayOptions) -> 
 
     Never raises for a bad entry: the result's ``status`` and ``error`` say what went wrong.
     """
-    result = ReplayResult(entry)
+    result = ReplayResult(entry, device=str(device))
     try:
         _replay(entry, torch.device(device), options, result)
     except ReplayError as e:
@@ -206,6 +214,9 @@ def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: 
     result.name = name = data.get("name", "")
     func = resolve_op(name, options.allowed_modules)
     args, kwargs = tuple(data.get("args", ())), dict(data.get("kwargs") or {})
+    tensors = [*iter_tensors(args), *iter_tensors(kwargs)]
+    result.shapes = " ".join(str(list(t.shape)) for t in tensors)
+    result.dtypes = " ".join(str(t.dtype).removeprefix("torch.") for t in tensors)
     if name.endswith(("__getitem__", "__setitem__")) and len(args) > 1:
         args = (args[0], decode_index(args[1]), *args[2:])
     saved_output = _load_optional(os.path.join(entry.directory, "output.pth"))
@@ -223,7 +234,8 @@ def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: 
     # With timing asked for, one untimed run first: the first call pays one-time costs (lazy init,
     # allocator growth, kernel selection) that would skew the mean of a few runs.
     warmup = 1 if options.time else 0
-    for run in range(warmup + max(options.run_times, 1)):
+    runs, run = warmup + max(options.run_times, 1), 0
+    while run < runs:
         call_args, call_kwargs, leaves = _prepare(device_args, device_kwargs, backward, inplace)
         sync()
         start = time.perf_counter_ns()
@@ -231,11 +243,11 @@ def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: 
             with autocast():
                 output = func(*call_args, **call_kwargs)
         except RuntimeError as e:
-            if not (backward and "derivative for" in str(e) and "not implemented" in str(e)):
+            if not (backward and _no_derivative(e)):
                 raise
             backward = False  # an op without a gradient formula (GradScaler's _amp_update_scale_): forward only
             result.notes.append("no backward: the op has no derivative")
-            continue
+            continue  # the same run again, forward only
         sync()
         if run >= warmup:
             result.forward_ms.append((time.perf_counter_ns() - start) / 1e6)
@@ -246,13 +258,23 @@ def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: 
                 upstream_grads = _upstream(roots, device_upstream, result)
                 sync()
                 start = time.perf_counter_ns()
-                torch.autograd.backward(roots, upstream_grads)
+                try:
+                    torch.autograd.backward(roots, upstream_grads)
+                except RuntimeError as e:  # some backends refuse such an op only in backward (a node that raises)
+                    if not _no_derivative(e):
+                        raise
+                    backward = False
+                    result.notes.append("no backward: the op has no derivative")
+                    if run >= warmup:
+                        result.forward_ms.pop()
+                    continue  # the same run again, forward only
                 sync()
                 if run >= warmup:
                     result.backward_ms.append((time.perf_counter_ns() - start) / 1e6)
                 grads = [leaf.grad for leaf in leaves]
         if first is None:
             first = (output, grads)
+        run += 1
     if backward and not result.backward_ms:
         result.notes.append("no backward: no output depends on an input that required grad when captured")
     if options.acc_check:
@@ -263,8 +285,13 @@ def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: 
         with autocast():
             math = DeviceMath.of(device)  # the replay device's declared math, under the captured autocast
         _check(func, args, kwargs, upstream, inplace, first, saved_output, options, result, math)
-        if any(not c["ok"] for c in result.checks):
+        if result.status == "ok" and any(not c["ok"] for c in result.checks):
             result.status = "mismatch"
+
+
+def _no_derivative(error: RuntimeError) -> bool:
+    """PyTorch's error for an op without a gradient formula (``derivative for aten::X is not implemented``)."""
+    return "derivative for" in str(error) and "not implemented" in str(error)
 
 
 _SLICE_TEXT = re.compile(r"slice\((-?\d+|None), (-?\d+|None), (-?\d+|None)\)")
@@ -302,6 +329,8 @@ def _prepare(args, kwargs, with_grad: bool, inplace: bool):
             leaf = t.detach().clone().requires_grad_(True)
             leaves.append(leaf)
             return leaf.clone() if inplace else leaf
+        if t.requires_grad:  # forward only: no graph (an op without a derivative formula would refuse to run)
+            t = t.detach()
         return t.clone() if inplace else t
 
     return map_tensors(args, fresh), map_tensors(kwargs, fresh), leaves
@@ -352,9 +381,10 @@ def _check(func, args, kwargs, upstream, inplace, first, saved_output, options, 
         if note:
             result.notes.append(note)
         break
-    if reference is None:
-        detail = f"the float64 CPU reference raised {type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
-        result.checks.append({"check": "vs cpu float64", "ok": False, "detail": detail})
+    if reference is None:  # no verdict: the op ran on the device, the CPU could not say what it should give
+        result.status = "reference error"
+        result.error = (f"the CPU reference raised {type(error).__name__}: "
+                        f"{(str(error).strip().splitlines() or [''])[0]}")
         return
     same_cache: list = []
 
@@ -404,35 +434,19 @@ def _verdict(check: str, comparisons: list) -> dict:
     return {"check": check, "ok": True, "detail": f"max relative diff {worst:.3g}"}
 
 
-# --- progress ---
-
-class Progress:
-    """``[ 37/120] torch.nn.functional.linear`` on stderr: redrawn in a terminal, every tenth otherwise."""
-
-    def __init__(self, total: int, stream=None) -> None:
-        self.total = total
-        self.stream = stream or sys.stderr
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.step = max(total // 10, 1)
-        self.done = 0
-
-    def advance(self, label: str) -> None:
-        self.done += 1
-        line = f"[{self.done:>{len(str(self.total))}}/{self.total}] {label}"
-        if self.tty:
-            self.stream.write("\r\033[K" + line + ("\n" if self.done == self.total else ""))
-        elif self.done % self.step == 0 or self.done == self.total:
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-
 def summary_row(r: ReplayResult) -> dict[str, Any]:
-    def mean(values):
-        return round(sum(values) / len(values), 6) if values else ""
-
+    """One entry of the summary: what ran (op, inputs, device), the verdict, and its times (ms) over the runs."""
     failed_check = next((c for c in r.checks if not c["ok"]), None)
     checks = "; ".join(f"{c['check']}: {'pass' if c['ok'] else 'FAIL'}" for c in r.checks)
-    return {"entry": r.entry.label, "name": r.name, "status": r.status, "runs": len(r.forward_ms),
-            "forward_mean_ms": mean(r.forward_ms), "backward_mean_ms": mean(r.backward_ms), "checks": checks,
+    return {"entry": r.entry.label, "name": r.name, "shapes": r.shapes, "dtypes": r.dtypes, "device": r.device,
+            "status": r.status, "runs": len(r.forward_ms), **_time_columns("forward", r.forward_ms),
+            **_time_columns("backward", r.backward_ms), "checks": checks,
             "detail": r.error or (f"{failed_check['check']}: {failed_check['detail']}" if failed_check else "")
             or "; ".join(r.notes)}
+
+
+def _time_columns(phase: str, values: list[float]) -> dict[str, Any]:
+    if not values:
+        return {f"{phase}_mean_ms": "", f"{phase}_median_ms": "", f"{phase}_min_ms": ""}
+    return {f"{phase}_mean_ms": round(statistics.fmean(values), 6),
+            f"{phase}_median_ms": round(statistics.median(values), 6), f"{phase}_min_ms": round(min(values), 6)}

@@ -13,6 +13,7 @@ At ``stop()``, under ``<OP_TOOLS_RESULTS_DIR>/op_time_measure_result[/rank<N>]/`
 
     op_elasped_info_pid<pid>_<time>.csv      one row per call (the original's columns, "elasped" kept)
     op_elasped_summary_pid<pid>_<time>.csv   one row per op name, sorted by total time
+    op_elasped_modules_pid<pid>_<time>.csv   one row per module path (model.layers.3.mlp), with its submodules' time
     op_elasped_trace_pid<pid>_<time>.json    Chrome trace events: open in https://ui.perfetto.dev
 
 Timing never changes what a run computes: events and synchronisations only observe.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import threading
 import time
@@ -36,11 +38,15 @@ from .engine import OpCall, OpTool, feature, tool_work
 
 RESULTS_FOLDER = "op_time_measure_result"
 CALL_COLUMNS = ("name", "forward_id", "forward_elasped", "backward_elasped", "unit", "input", "output",
-                "grad_inputs", "grad_outputs")
+                "grad_inputs", "grad_outputs", "module")
+MODULE_COLUMNS = ("module", "calls", "total_ms", "share", "self_ms", "forward_ms", "backward_ms")
+MODULE_ROWS_SHOWN = 8  # on the console, the costliest first; the CSV has them all
 SUMMARY_COLUMNS = ("name", "calls", "total_ms", "share", "forward_total_ms", "forward_mean_ms", "forward_max_ms",
                    "backward_calls", "backward_total_ms", "backward_mean_ms", "backward_max_ms")
 # Per-call rows kept for the CSV and the trace (about 0.5 KB each); past this only the per-op summary grows.
 MAX_CALL_RECORDS = 1_000_000
+CONSOLE_SUMMARY_COLUMNS = ("name", "calls", "total_ms", "share", "forward_mean_ms", "backward_mean_ms")
+SUMMARY_SHOWN = 20  # ops of the summary table on the console, the longest first; the file holds them all
 # Spans waiting to be read. Past this many, the oldest RESOLVE_BATCH are read at once: recorded hundreds of calls
 # earlier, their events have almost always completed, so reading them seldom waits for the device.
 MAX_PENDING = 1024
@@ -57,10 +63,11 @@ def _start_on_current_stream(clock) -> tuple:
 
 class _CallRecord:
     __slots__ = ("name", "forward_id", "start_ns", "forward_ns", "backward_ns", "thread", "input", "output",
-                 "grad_inputs", "grad_outputs")
+                 "grad_inputs", "grad_outputs", "module")
 
-    def __init__(self, name: str, forward_id: int, thread: int) -> None:
+    def __init__(self, name: str, forward_id: int, thread: int, module: str = "") -> None:
         self.name = name
+        self.module = module  # the module that ran the call (module_path.py); its backward is counted there too
         self.forward_id = forward_id
         self.start_ns = 0
         self.forward_ns: int | None = None  # set when its span is read
@@ -111,6 +118,7 @@ class Measurements:
         self.records: list[_CallRecord] = []
         self.backward_spans: list[tuple[_CallRecord, int, int, int]] = []  # record, start, duration, thread
         self.totals: dict[str, _OpTotals] = {}
+        self.module_totals: dict[str, _OpTotals] = {}  # by the module path that ran the calls (self time)
         self.pending: collections.deque[_Span] = collections.deque()
         self.dropped = 0
         self.unread = 0  # spans whose clock failed to read them
@@ -151,22 +159,22 @@ class Measurements:
             raise error
 
     def _add_forward(self, record: _CallRecord) -> None:
-        totals = self.totals.get(record.name)
-        if totals is None:
-            totals = self.totals[record.name] = _OpTotals()
-        totals.calls += 1
-        totals.forward_ns += record.forward_ns
-        totals.forward_max = max(totals.forward_max, record.forward_ns)
+        totals = self.totals.get(record.name) or self.totals.setdefault(record.name, _OpTotals())
+        by_module = self.module_totals.get(record.module) or self.module_totals.setdefault(record.module, _OpTotals())
+        for t in (totals, by_module):
+            t.calls += 1
+            t.forward_ns += record.forward_ns
+            t.forward_max = max(t.forward_max, record.forward_ns)
         if len(self.records) < MAX_CALL_RECORDS:
             self.records.append(record)
         else:
             self.dropped += 1
 
     def _add_backward(self, record: _CallRecord, start_ns: int, duration_ns: int, thread: int) -> None:
-        totals = self.totals[record.name]
-        totals.backward_calls += 1
-        totals.backward_ns += duration_ns
-        totals.backward_max = max(totals.backward_max, duration_ns)
+        for totals in (self.totals[record.name], self.module_totals[record.module]):
+            totals.backward_calls += 1
+            totals.backward_ns += duration_ns
+            totals.backward_max = max(totals.backward_max, duration_ns)
         record.backward_ns = (record.backward_ns or 0) + duration_ns
         if len(self.backward_spans) < MAX_CALL_RECORDS:
             self.backward_spans.append((record, start_ns, duration_ns, thread))
@@ -190,11 +198,33 @@ class Measurements:
         rows.sort(key=lambda r: -(r["total_ms"]))
         return rows
 
+    def module_rows(self) -> list[dict]:
+        """One row per module path that ran handled calls: ``total_ms`` with its submodules (``model.layers.3``
+        holds ``model.layers.3.mlp``), ``self_ms`` its own calls only; largest total first. Calls outside any
+        module are the row ``(no module)``."""
+        grand = sum(t.forward_ns + t.backward_ns for t in self.module_totals.values()) or 1
+        inclusive = {path: [0, 0, 0] for path in self.module_totals}  # calls, forward ns, backward ns
+        for path, t in self.module_totals.items():
+            for owner in inclusive:
+                if owner == path or (owner and path.startswith(owner + ".")):
+                    sums = inclusive[owner]
+                    sums[0] += t.calls
+                    sums[1] += t.forward_ns
+                    sums[2] += t.backward_ns
+        rows = [{"module": path or "(no module)", "calls": calls, "total_ms": _ms(forward + backward),
+                 "share": f"{100.0 * (forward + backward) / grand:.1f}%",
+                 "self_ms": _ms(self.module_totals[path].forward_ns + self.module_totals[path].backward_ns),
+                 "forward_ms": _ms(forward), "backward_ms": _ms(backward)}
+                for path, (calls, forward, backward) in inclusive.items()]
+        rows.sort(key=lambda r: -r["total_ms"])
+        return rows
+
     def call_rows(self) -> list[dict]:
         return [{
             "name": r.name, "forward_id": r.forward_id, "forward_elasped": _ms(r.forward_ns),
             "backward_elasped": "" if r.backward_ns is None else _ms(r.backward_ns), "unit": "ms",
             "input": r.input, "output": r.output, "grad_inputs": r.grad_inputs, "grad_outputs": r.grad_outputs,
+            "module": r.module,
         } for r in self.records]
 
     def trace(self) -> dict:
@@ -256,6 +286,10 @@ def _ms(ns: float) -> float:
 class OpTimeMeasure(OpTool):
     """Time every handled call, forward and backward, with timing events on its device's stream.
 
+    Keyword arguments (each overrides its variable): ``ops``, ``disable`` (``OP_TIME_MEASURE_LIST``/``_DISABLE_LIST``:
+    lists of op names, patterns or functions), ``sync`` (``OP_TIME_MEASURE_SYNC``), and ``results_dir``, ``verbose``,
+    ``print_stack``, ``strict`` as every tool.
+
     >>> with op_tools.OpTimeMeasure() as timer:       # OP_TIME_MEASURE_LIST / OP_TIME_MEASURE_DISABLE_LIST
     ...     loss = model(x).sum(); loss.backward()
     >>> timer.measurements.summary_rows()[0]["name"]   # the op that took longest
@@ -263,12 +297,14 @@ class OpTimeMeasure(OpTool):
     """
 
     hook_name = "OpTimeMeasureHook"
+    tracks_modules = True
     env_prefix = "OP_TIME_MEASURE"
     results_folder = RESULTS_FOLDER
+    keywords = {"sync": TIME_MEASURE_SYNC}
 
     def configure(self) -> None:
         self.measurements = Measurements()
-        self.synchronise = TIME_MEASURE_SYNC.read()
+        self.synchronise = TIME_MEASURE_SYNC.read(self.sources)
         self._clocks: dict[torch.device, object] = {}
         self.written: dict[str, str] = {}
 
@@ -319,7 +355,7 @@ class OpTimeMeasure(OpTool):
                 with tool_work():
                     span_range.__exit__(None, None, None)
         if end is not None:
-            record = _CallRecord(call.name, call.forward_id, threading.get_ident())
+            record = _CallRecord(call.name, call.forward_id, threading.get_ident(), call.module_path)
             call.state["span"] = _Span(record, False, clock, start, end, record.thread)
             call.state["clock"] = clock
             call.state["measurements"] = self.measurements
@@ -332,13 +368,13 @@ class OpTimeMeasure(OpTool):
         record = span.record
         record.input = describe(call.args) + (describe(call.kwargs) if call.kwargs else "")
         record.output = describe(call.result)
-        if self.common.verbose:  # the table needs this call's time now: the one wait per call of verbose mode
+        if self._logger.isEnabledFor(logging.DEBUG):  # the table needs this call's time now: a wait per call
             timing = {"name": call.name, "forward_id": call.forward_id, "forward_elasped": _ms(span.read()[1]),
                       "unit": "ms"}
             rows = reporting.call_rows(call.name, call.args, call.kwargs, call.result)
-            reporting.console(reporting.header(call.name, call.forward_id, call.location) + "\n"
-                              + reporting.table(rows, reporting.ARG_COLUMNS).get_string() + "\n"
-                              + reporting.table([timing]).get_string())
+            self._logger.debug(reporting.header(call.name, call.forward_id, call.location) + "\n"
+                           + reporting.call_table(call.name, rows) + "\n"
+                           + reporting.table_text([timing]))
         call.state["measurements"].add(span)
 
     def wants_backward(self) -> bool:
@@ -361,14 +397,14 @@ class OpTimeMeasure(OpTool):
         record.grad_inputs = describe(grad_inputs)
         record.grad_outputs = describe(grad_outputs)
         span = _Span(record, True, clock, start, end, threading.get_ident())
-        if self.common.verbose:
+        if self._logger.isEnabledFor(logging.DEBUG):
             rows = reporting.value_rows(f"{call.name} grad_outputs", grad_outputs)
             rows += reporting.value_rows(f"{call.name} grad_inputs", grad_inputs)
             timing = {"name": call.name, "forward_id": call.forward_id, "backward_elasped": _ms(span.read()[1]),
                       "unit": "ms"}
-            reporting.console(reporting.header(call.name, call.forward_id, call.location, "backward") + "\n"
-                              + reporting.table(rows, reporting.ARG_COLUMNS).get_string() + "\n"
-                              + reporting.table([timing]).get_string())
+            self._logger.debug(reporting.header(call.name, call.forward_id, call.location, "backward") + "\n"
+                           + reporting.call_table(call.name, rows) + "\n"
+                           + reporting.table_text([timing]))
         call.state["measurements"].add(span)
 
     def finish(self) -> None:
@@ -379,37 +415,50 @@ class OpTimeMeasure(OpTool):
             try:
                 measurements.resolve_all()
             except Exception as error:
-                reporting.logger.warning("OpTimeMeasure: %d spans could not be read (%s: %s)", measurements.unread,
+                self._logger.warning("OpTimeMeasure: %d spans could not be read (%s: %s)", measurements.unread,
                                          type(error).__name__, error)
             measurements.closed = True  # backward run after stop() is not measured: the files are written now
         if not measurements.totals:
             return
         with measurements.lock:
             summary = measurements.summary_rows()
+            modules = measurements.module_rows()
             calls = measurements.call_rows()
             trace = measurements.trace()
         stem = self.stem
         self.written = {
             "calls": reporting.results_path(self.common, RESULTS_FOLDER, f"op_elasped_info_{stem}.csv"),
             "summary": reporting.results_path(self.common, RESULTS_FOLDER, f"op_elasped_summary_{stem}.csv"),
+            "modules": reporting.results_path(self.common, RESULTS_FOLDER, f"op_elasped_modules_{stem}.csv"),
             "trace": reporting.results_path(self.common, RESULTS_FOLDER, f"op_elasped_trace_{stem}.json"),
         }
-        reporting.write_csv(self.written["calls"], [{c: row[c] for c in CALL_COLUMNS} for row in calls])
-        reporting.write_csv(self.written["summary"], summary)
+        tally = self.tally.add
+        tally(self.written["calls"], reporting.write_csv(self.written["calls"],
+                                                         [{c: row[c] for c in CALL_COLUMNS} for row in calls]))
+        tally(self.written["summary"], reporting.write_csv(self.written["summary"], summary))
+        tally(self.written["modules"], reporting.write_csv(self.written["modules"], modules))
         # compact: a trace has an event per call, and indenting would triple its size and writing time
-        reporting.write_atomic(self.written["trace"], lambda f: f.write(json.dumps(trace, separators=(",", ":"))))
+        tally(self.written["trace"], reporting.write_atomic(
+            self.written["trace"], lambda f: f.write(json.dumps(trace, separators=(",", ":")))))
         forward = sum(t.forward_ns for t in measurements.totals.values())
         backward = sum(t.backward_ns for t in measurements.totals.values())
         lines = [f"OpTimeMeasure: {sum(t.calls for t in measurements.totals.values())} calls of "
                  f"{len(measurements.totals)} ops, measured {_ms(forward + backward):.3f} ms "
                  f"(forward {_ms(forward):.3f} ms, backward {_ms(backward):.3f} ms)",
-                 reporting.table(summary, SUMMARY_COLUMNS).get_string()]
+                 reporting.table_text(summary[:SUMMARY_SHOWN], CONSOLE_SUMMARY_COLUMNS)]
+        if len(summary) > SUMMARY_SHOWN:
+            lines.append(f"{len(summary) - SUMMARY_SHOWN} more ops in the summary file")
+        if len(modules) > 1 or modules[0]["module"] != "(no module)":
+            lines.append("time per module (total: with its submodules; self: its own calls)")
+            lines.append(reporting.table_text(modules[:MODULE_ROWS_SHOWN], MODULE_COLUMNS, keep="module")
+                         + (f"\n... {len(modules) - MODULE_ROWS_SHOWN} more in the CSV"
+                            if len(modules) > MODULE_ROWS_SHOWN else ""))
         if measurements.dropped:
             lines.append(f"{measurements.dropped} calls past the first {MAX_CALL_RECORDS} are in the summary only")
         methods = sorted({clock.method for clock in self._clocks.values()})
         lines.append(f"timed with {'; '.join(methods)}")
         lines.append(f"op elasped info saved to {self.written['calls']}\nsummary saved to {self.written['summary']}"
-                     f"\ntrace saved to {self.written['trace']} (open it in https://ui.perfetto.dev or "
-                     "chrome://tracing)")
-        reporting.console("\n".join(lines))
+                     f"\ntime per module saved to {os.path.basename(self.written['modules'])}, trace to "
+                     f"{os.path.basename(self.written['trace'])} beside it (open it in https://ui.perfetto.dev)")
+        self._logger.info("\n".join(lines))
 

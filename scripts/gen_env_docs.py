@@ -42,6 +42,12 @@ whole name (`.*linear.*`); unset means every op, empty means none, and the `DISA
 names are the ones the tools print (`apply OpFallbackHook on torch.nn.functional.gelu`).
 `<OPNAME>` is the last part of an op name, upper-cased (`LINEAR` for `torch.nn.functional.linear`);
 `<DTYPE>` is `FLOAT16`, `BFLOAT16`, `FLOAT32` or `FLOAT64`.
+
+Each op_tools variable is also a keyword argument of the tools that read it (column "argument":
+`op_tools.OpCapture(mode="summary")`) and a key of the config file named by `OP_TOOLS_CONFIG`
+(docs/tools/README.md). Arguments win over variables, variables over the config file. A variable that
+looks like one of these but is not (`OP_CAPTRUE_LIST`) is reported with the closest name when a tool
+starts (`DITORCH_*`: at `import ditorch`).
 """
 
 
@@ -53,6 +59,8 @@ def tool_of(name: str, tool_prefixes: dict[str, str]) -> str:
         return "import ditorch"
     if name.startswith("OP_TOOLS_"):
         return "all tools"
+    if name.startswith("OP_COMPARE_RUNS_"):
+        return "compare_runs"
     if name.startswith("<OPNAME>_") or name.startswith("AUTOCOMPARE_"):
         return "OpAutoCompare"  # the original's names for OpAutoCompare's tolerances and reference dtypes
     for prefix in sorted(tool_prefixes, key=len, reverse=True):
@@ -74,6 +82,17 @@ def code(text) -> str:
     return f"`{cell(text)}`"
 
 
+def keyword_of(op_tools) -> dict[str, str]:
+    """Variable (or family) name -> the keyword argument standing for it."""
+    from op_tools.settings import keywords_of
+
+    found = {}
+    for cls in op_tools.FEATURES.values():
+        for keyword, setting in keywords_of(cls).items():
+            found.setdefault(setting.name, keyword)
+    return found
+
+
 def render() -> str:
     sys.path.insert(0, ROOT)
     os.environ.setdefault("DITORCH_QUIET", "1")  # importing ditorch.env runs `import ditorch`: no banner here
@@ -83,13 +102,20 @@ def render() -> str:
     tool_prefixes = {cls.env_prefix: cls.__name__ for cls in op_tools.FEATURES.values() if cls.env_prefix}
     sections = [("ditorch (the device layer)", "ditorch/env.py", ditorch_env.VARIABLES),
                 ("op_tools", "op_tools/config.py", op_tools.VARIABLES)]
+    keywords = keyword_of(op_tools)
     lines = [HEADER]
     for title, source, variables in sections:
-        lines += [f"## {title}", "", f"Declared in `{source}` (`VARIABLES`).", "",
-                  "| read by | variable | form of the value | default | meaning |", "|---|---|---|---|---|"]
+        arguments = variables is op_tools.VARIABLES
+        head = "| read by | variable | form of the value | default | meaning |" + (" argument |" if arguments else "")
+        lines += [f"## {title}", "", f"Declared in `{source}` (`VARIABLES`).", "", head,
+                  "|---|---|---|---|---|" + ("---|" if arguments else "")]
         for var in variables.values():
+            keyword = keywords.get(var.name)
+            if var.name.endswith("_AUTOCOMPARE_ERROR_TOLERANCE") or var.name.startswith("AUTOCOMPARE_"):
+                keyword = "tolerance"  # one keyword for the whole family
+            extra = (f" `{keyword}=` |" if keyword else " |") if arguments else ""
             lines.append(f"| {tool_of(var.name, tool_prefixes)} | `{cell(var.name)}` | {cell(var.form)} | "
-                         f"{code(var.default)} | {cell(var.meaning)} |")
+                         f"{code(var.default)} | {cell(var.meaning)} |" + extra)
         lines.append("")
     lines += ["## Set by the launcher", "", "| variable | meaning |", "|---|---|"]
     lines += [f"| `{name}` | {meaning} |" for name, meaning in LAUNCHER_VARIABLES.items()]

@@ -46,6 +46,13 @@ def pytest_pyfunc_call(pyfuncitem):
     return True
 
 
+@pytest.fixture
+def logged(caplog):
+    """``logged()``: the messages ditorch and op_tools logged so far in this test, one per line block, in order
+    (what their own handler prints on a console; under pytest, pytest's handlers take the records instead)."""
+    return lambda: "\n".join(r.getMessage() for r in caplog.records)
+
+
 @pytest.fixture(scope="session")
 def sim():
     """The simulated accelerator, registered once per test process; yields its device name."""

@@ -27,3 +27,12 @@ def child_env(extra: dict | None = None, *, drop: tuple[str, ...] = (), path: tu
     env["PYTHONPATH"] = os.pathsep.join([*path, ROOT, TESTS, *inherited])
     return env
 
+
+
+def env_without_settings(extra: dict | None = None) -> dict:
+    """``child_env`` less every variable ditorch and op_tools read (``DITORCH_*``, ``OP_*``, the tolerance and
+    reference-dtype families), plus ``extra``: a child that sees only the settings a test gives it."""
+    env = child_env(drop=("OP_", "DITORCH_", "AUTOCOMPARE_"))
+    env = {k: v for k, v in env.items() if "_AUTOCOMPARE_" not in k and not k.endswith("_OP_DTYPE_CAST_DICT")}
+    env.update(extra or {})
+    return env

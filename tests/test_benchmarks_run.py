@@ -18,6 +18,8 @@ SMALLEST = {
     "overhead.py": (["--rounds", "1", "--work-rounds", "1", "--steps", "1", "--tools", "OpCapture,OpAutoCompare"],
                     "(d) OpAutoCompare, every op"),
     "capture_storage.py": (["--rounds", "1"], "dedup writes"),
+    "record_cost.py": (["--rounds", "1", "--steps", "1", "--hidden", "64", "--layers", "1", "--seq", "16"],
+                       "recording / not recorded"),
     # skips without CUDA; with a GPU, one tiny op
     "time_measure_vs_profiler.py": (["--rounds", "1", "--calls", "2", "--ops", "add"],
                                     "OpTimeMeasure per-op forward time against torch.profiler's kernel time"),

@@ -33,7 +33,11 @@ def mlp():
 def train_llama(device: str, steps: int = 3, seed: int = 0, autocast_dtype=None, model_factory=tiny_llama):
     """Build on CPU with ``seed``, move to ``device``, train ``steps`` AdamW steps; return the losses."""
     torch.manual_seed(seed)
-    model = model_factory()
+    return train_steps(model_factory(), device, steps, autocast_dtype)
+
+
+def train_steps(model, device: str, steps: int, autocast_dtype=None) -> list:
+    """Move a language model to ``device`` and train it ``steps`` AdamW steps on one random batch; the losses."""
     ids = torch.randint(0, 128, (2, 16))
     model.to(device)
     ids = ids.to(device)

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F  # noqa: N812
-from tiny_models import tiny_gpt2, tiny_llama
+from tiny_models import tiny_gpt2, tiny_llama, train_steps
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -119,18 +119,7 @@ def gru_lm(device: str) -> list:
 
 
 def _transformers_lm(device: str, model, steps: int = 2) -> list:
-    ids = torch.randint(0, 128, (2, 16))
-    model.to(device)
-    ids = ids.to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_steps(model, device, steps)
 
 
 def gpt2_dropout(device: str) -> list:

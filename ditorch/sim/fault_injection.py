@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
+import functools
+import logging
 import os
 import re
 import threading
@@ -94,6 +97,45 @@ def parse_faults(text: str, source: str = ENV_VAR) -> list[Fault]:
     return faults
 
 
+@functools.cache
+def aten_op_names() -> tuple[tuple[str, str], ...]:
+    """``(packet, packet.overload)`` of every registered op, as faults match them (``gelu``, ``gelu.default``)."""
+    names = []
+    for qualified in torch._C._dispatch_get_all_op_names():
+        packet, _, overload = qualified.removeprefix("aten::").partition(".")
+        names.append((packet, f"{packet}.{overload or 'default'}"))
+    return tuple(names)
+
+
+_checked_patterns: set = set()  # pattern texts already checked (a context manager in a loop checks once)
+
+
+def unmatched_pattern_warning(fault: Fault, source: str) -> str | None:
+    """Why ``fault`` can never apply (its pattern matches no aten op), with the aten name meant; else ``None``."""
+    if any(fault.matches_name(packet, full) for packet, full in aten_op_names()):
+        return None
+    text = fault.pattern.pattern
+    packets = sorted({packet for packet, _ in aten_op_names()})
+    last = text.rpartition(".")[2]
+    if "." in text and last in packets:  # a torch name (torch.nn.functional.gelu, torch.Tensor.add_)
+        return (f"{source}: {text!r} matches no aten op: faults name aten ops, not torch functions; "
+                f"did you mean {last!r} (aten::{last})?")
+    close = difflib.get_close_matches(text, packets, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+    return f"{source}: {text!r} matches no aten op{hint}"
+
+
+def warn_unmatched(faults: list[Fault], source: str) -> list[Fault]:
+    """Log (logger ``ditorch``, once per pattern) each fault whose pattern matches no op; return ``faults``."""
+    for fault in faults:
+        if fault.pattern.pattern not in _checked_patterns:
+            _checked_patterns.add(fault.pattern.pattern)
+            message = unmatched_pattern_warning(fault, source)
+            if message is not None:
+                logging.getLogger("ditorch").warning("%s", message)
+    return faults
+
+
 class FaultTable:
     """The active faults, with a per-op cache so that ops without faults cost one dict lookup."""
 
@@ -167,12 +209,12 @@ TABLE = FaultTable()
 
 def load_from_env() -> None:
     """Install the faults named by ``DITORCH_SIM_FAULTS`` (replacing any set before)."""
-    TABLE.set(parse_faults(os.environ.get(ENV_VAR, "")))
+    TABLE.set(warn_unmatched(parse_faults(os.environ.get(ENV_VAR, "")), ENV_VAR))
 
 
 def set_faults(spec: str | list[Fault]) -> None:
     """Replace the active faults with ``spec`` (a spec string or parsed faults)."""
-    TABLE.set(parse_faults(spec, "spec") if isinstance(spec, str) else spec)
+    TABLE.set(warn_unmatched(parse_faults(spec, "spec"), "spec") if isinstance(spec, str) else spec)
 
 
 def clear_faults() -> None:
@@ -187,7 +229,7 @@ def faults(spec: str):
     ...     y = x @ w   # every element of y is off by 1e-3, relatively
     """
     previous = TABLE.current()
-    TABLE.set(previous + parse_faults(spec, "spec"))
+    TABLE.set(previous + warn_unmatched(parse_faults(spec, "spec"), "spec"))
     try:
         yield
     finally:
@@ -198,4 +240,5 @@ def inject_fault(op: str, kind: str, value: float | None = None, *, dtype: torch
     """Add one fault: ``inject_fault("mm", "noise", 1e-3)``, ``inject_fault(".*", "unsupported", dtype=torch.half)``."""
     dtype_text = f"@{str(dtype).removeprefix('torch.')}" if dtype is not None else ""
     value_text = f"={value}" if value is not None else ""
-    TABLE.set(TABLE.current() + parse_faults(f"{op}{dtype_text}:{kind}{value_text}", "inject_fault"))
+    TABLE.set(TABLE.current() + warn_unmatched(parse_faults(f"{op}{dtype_text}:{kind}{value_text}", "inject_fault"),
+                                               "inject_fault"))

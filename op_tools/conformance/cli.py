@@ -159,7 +159,8 @@ def _device(name: str | None, setup: tuple[str, ...]) -> str:
     run_setup(setup)
     accelerator = None
     if hasattr(torch, "accelerator"):
-        accelerator = torch.accelerator.current_accelerator()
+        # a CUDA build of torch names cuda as its accelerator also where no GPU or driver is present
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     elif torch.cuda.is_available():
         accelerator = torch.device("cuda")
     if accelerator is None:
@@ -213,12 +214,7 @@ def crash_rows(result: TaskResult, settings: Settings, gradients: bool) -> list[
 
 
 def _progress_bar(total: int, device: str):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # a dependency; a broken install still runs, without a bar
-        return None
-    return tqdm(total=total, desc=f"conformance on {device}", unit="op", disable=None, dynamic_ncols=True,
-                file=sys.stderr)
+    return reporting.progress_bar(total, f"conformance on {device}", unit="op")  # a terminal only, not under CI
 
 
 def sweep(settings: Settings, folder: str, resume: bool, timeout: float, jobs: int, sample: int | None

@@ -133,3 +133,40 @@ def test_backward_op_errors_are_reported_after_backward_not_fatal():
             loss.backward()
             torch.sim.synchronize()
     assert (x + 1).shape == (4, 4)  # reported once, then the device works again
+
+
+@pytest.mark.parametrize(("spec", "words"), [
+    ("torch.nn.functional.gelu:nan", ["'torch.nn.functional.gelu' matches no aten op", "not torch functions",
+                                      "did you mean 'gelu' (aten::gelu)?"]),
+    ("torch.Tensor.add_:inf", ["'torch.Tensor.add_' matches no aten op", "did you mean 'add_'"]),
+    ("gleu:noise=1e-3", ["'gleu' matches no aten op; did you mean ", "'gelu'"]),
+])
+def test_a_fault_pattern_matching_no_aten_op_is_warned_about_with_the_aten_name(spec, words, sim, caplog,
+                                                                                  monkeypatch):
+    from ditorch.sim import fault_injection
+
+    monkeypatch.setattr(fault_injection, "_checked_patterns", set())
+    with caplog.at_level("WARNING", logger="ditorch"), ditorch.sim.faults(spec):
+        pass
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "ditorch"]
+    for word in words:
+        assert word in message
+
+
+def test_fault_patterns_that_match_ops_pass_without_a_word(sim, caplog, monkeypatch):
+    from ditorch.sim import fault_injection
+
+    monkeypatch.setattr(fault_injection, "_checked_patterns", set())
+    with caplog.at_level("WARNING", logger="ditorch"), ditorch.sim.faults(
+            "gelu:nan;aten::mm:noise=1e-3;add.Tensor:inf;.*@float64:unsupported;(mul|div)_:unversioned"):
+        pass
+    assert not [r for r in caplog.records if r.name == "ditorch"]
+
+
+def test_a_misspelt_fault_in_the_variable_is_warned_about_when_sim_registers(tmp_path):
+    code = ("import logging, sys; logging.basicConfig(stream=sys.stdout, format='%(name)s %(message)s')\n"
+            "import ditorch.sim; ditorch.sim.register()\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=child_env({"DITORCH_SIM_FAULTS": "torch.nn.functional.gelu:nan", "DITORCH_QUIET": "1"}))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ditorch DITORCH_SIM_FAULTS: 'torch.nn.functional.gelu' matches no aten op" in done.stdout

@@ -50,7 +50,7 @@ def train_step(sim, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("tool", sorted(tool_rows("README.md")))
-def test_readme_one_liner_runs(tool, train_step, monkeypatch, capsys):
+def test_readme_one_liner_runs(tool, train_step, monkeypatch, logged):
     import op_tools
 
     for code in tool_rows("README.md")[tool]:
@@ -77,10 +77,11 @@ def test_readme_one_liner_runs(tool, train_step, monkeypatch, capsys):
             try:
                 exec(code, {"op_tools": op_tools})
                 train_step()
-                out = capsys.readouterr().out
+                out = logged()
             finally:
                 op_tools.remove_feature()
-            assert "torch.add cpu_inputs[0]" in out  # the condition held (3-d tensors): add ran on the CPU
+            # the condition held (3-d tensors): add ran on the CPU, and its table names the CPU copies
+            assert "torch.add    forward_id" in out and re.search(r"\|\s+cpu_inputs\[0\]\s+\|", out)
         else:
             raise AssertionError(f"README example of {tool} not understood by this test: {code!r}")
 

@@ -62,6 +62,7 @@ def test_forward_fault_is_the_first_failure(sim, fault, op):
     assert tool.failures, "the fault was not found"
     assert (tool.failures[0]["op"], tool.failures[0]["phase"]) == (op, "forward")
     assert "modeling_llama.py" in tool.failures[0]["location"] or "activations.py" in tool.failures[0]["location"]
+    assert tool.failures[0]["module"].startswith("model.layers.0.")  # the first layer: where the fault first acts
 
 
 @pytest.mark.parametrize("fault, op", [
@@ -107,9 +108,9 @@ def test_failing_call_is_saved_for_the_offline_replay(sim, tmp_path):
     assert not torch.allclose(device_output.double(), output["args"][0], rtol=1e-4, atol=0)
 
 
-def test_summary_and_csv(sim, tmp_path, capsys):
+def test_summary_and_csv(sim, tmp_path, logged):
     llama_step("rsqrt:noise=1e-3", "forward")
-    out = capsys.readouterr().out
+    out = logged()
     assert "OpAutoCompare summary" in out and "failing ops in execution order" in out
     assert "torch.rsqrt" in out and "FAIL" in out
     folder = tmp_path / "results" / "op_autocompare_result"
@@ -122,11 +123,11 @@ def test_summary_and_csv(sim, tmp_path, capsys):
     assert failing and {r["op"] for r in failing} >= {"torch.rsqrt"}
 
 
-def test_verbose_off_prints_only_failures(sim, capsys):
+def test_verbose_off_prints_only_failures(sim, logged):
     x = torch.randn(8, device=sim)
     with op_tools.OpAutoCompare():
         torch.sigmoid(x)
-    out = capsys.readouterr().out
+    out = logged()
     assert "torch.sigmoid    forward_id" not in out and "no op failed" in out
 
 
@@ -273,7 +274,7 @@ def test_op_without_float64_kernel_is_compared_in_float32(sim):
     assert [f["op"] for f in tool.failures] == ["torch.Tensor.mul", "test.only_float32"]
 
 
-def test_apply_feature_with_a_condition(sim, capsys):
+def test_apply_feature_with_a_condition(sim, logged):
     import ditorch.sim
 
     op_tools.apply_feature("torch.add", "autocompare", condition_func=lambda a, b, **kw: a.numel() > 4)
@@ -283,7 +284,7 @@ def test_apply_feature_with_a_condition(sim, capsys):
             torch.add(torch.ones(8, device=sim), 1.0)
     finally:
         op_tools.remove_feature("torch.add")
-    out = capsys.readouterr().out
+    out = logged()
     assert out.count("torch.add    forward_id") == 1 and "FAIL" in out
     assert "OpAutoCompare summary: forward 1 compared, 0 passed, 1 failed" in out  # written at removal, not exit
 

@@ -20,7 +20,7 @@ def test_in_place_updates_the_original_tensor(sim):
     assert torch.equal(x.cpu(), torch.full((4,), 3.0, dtype=torch.bfloat16))
 
 
-def test_views_and_conversions_are_left_alone(sim, capsys, monkeypatch):
+def test_views_and_conversions_are_left_alone(sim, logged, monkeypatch):
     monkeypatch.setenv("OP_TOOLS_VERBOSE", "1")
     x = torch.ones(4, device=sim, dtype=torch.float16)
     with op_tools.OpDtypeCast():
@@ -28,7 +28,7 @@ def test_views_and_conversions_are_left_alone(sim, capsys, monkeypatch):
         h = x.float()
         x.sin()
     assert v.dtype == torch.float16 and h.dtype == torch.float32
-    out = capsys.readouterr().out
+    out = logged()
     assert "skip OpDtypeCastHook on torch.Tensor.view" in out
     assert "| torch.Tensor.sin |  input[0] | torch.float16 -> torch.float32 |" in out
     for column in ("name", "target", "action", "config"):

@@ -1,3 +1,4 @@
+import logging
 import threading
 
 import pytest
@@ -50,7 +51,7 @@ def test_factories_keep_their_names_when_a_device_layer_wraps_them():
     code = ("import torch, ditorch, op_tools; tool = op_tools.OpObserve().start(); "
             "torch.ones(2, device='cuda'); tool.stop()")
     env = child_env({"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1", "OP_OBSERVE_LIST": "torch.ones",
-                     "OP_TOOLS_VERBOSE": "0"})
+                     "OP_TOOLS_VERBOSE": "1"})
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert "apply OpObserveHook on torch.ones" in result.stdout, result.stdout + result.stderr
 
@@ -153,7 +154,8 @@ def test_backward_hooks_see_upstream_and_input_gradients(sim):
     assert w.grad.device.type == sim
 
 
-def test_apply_lines_are_printed_once_per_op(sim, capsys):
+def test_apply_lines_are_logged_once_per_op_at_debug(sim, logged, caplog, monkeypatch):
+    monkeypatch.setenv("OP_TOOLS_VERBOSE", "1")
     x = torch.ones(2, device=sim)
 
     class Announcer(OpTool):
@@ -162,8 +164,10 @@ def test_apply_lines_are_printed_once_per_op(sim, capsys):
     with Announcer():
         x + 1
         x + 1
-    out = capsys.readouterr().out
+    out = logged()
     assert out.count("apply AnnouncerHook on torch.Tensor.add") == 1
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("apply ")]
+    assert record.levelno == logging.DEBUG and record.name == "op_tools.Announcer"
     assert op_tools.OpObserve.hook_name == "OpObserveHook"
 
 

@@ -8,7 +8,7 @@ def scale(x, factor):
     return x * factor
 
 
-def test_feature_runs_only_when_the_condition_holds(sim, capsys, monkeypatch):
+def test_feature_runs_only_when_the_condition_holds(sim, logged, monkeypatch):
     monkeypatch.setenv("OP_TOOLS_VERBOSE", "1")
     original = torch.add
     op_tools.apply_feature("torch.add", "dump_op_args", condition_func=lambda a, b, **kw: a.numel() > 2)
@@ -18,7 +18,7 @@ def test_feature_runs_only_when_the_condition_holds(sim, capsys, monkeypatch):
     finally:
         op_tools.remove_feature("torch.add")
     assert torch.add is original
-    out = capsys.readouterr().out
+    out = logged()
     assert out.count("torch.add    forward_id:") == 1 and "torch.Size([3])" in out
 
 
@@ -38,14 +38,14 @@ def test_methods_functionals_and_module_functions(sim, tmp_path):
     assert captured == sorted(["torch.Tensor.sort", "torch.nn.functional.linear", f"{__name__}.scale"])
 
 
-def test_reapplying_replaces_the_feature_with_a_message(sim, capsys):
+def test_reapplying_replaces_the_feature_with_a_message(sim, logged):
     op_tools.apply_feature("torch.sin", "dump_op_args")
     op_tools.apply_feature("torch.sin", "fallback")
     try:
         y = torch.sin(torch.zeros(2, device=sim))
     finally:
         op_tools.remove_feature("torch.sin")
-    assert "torch.sin: feature dump_op_args replaced by fallback" in capsys.readouterr().out
+    assert "torch.sin: feature dump_op_args replaced by fallback" in logged()
     assert y.device.type == sim and torch.sin.__module__ != __name__
 
 
@@ -65,7 +65,7 @@ def test_a_misspelt_feature_is_an_assertion_error_as_in_the_original():
     assert torch.add.__module__ != __name__ and not hasattr(torch.add, "__op_tools_original__")  # nothing patched
 
 
-def test_a_later_opposite_decision_on_an_op_is_announced_too(sim, capsys, monkeypatch):
+def test_a_later_opposite_decision_on_an_op_is_announced_too(sim, logged, monkeypatch):
     monkeypatch.setenv("OP_TOOLS_VERBOSE", "1")
     monkeypatch.setenv("OP_OBSERVE_DISABLE_LIST", "torch.hypot")
     x = torch.ones(2, device=sim)
@@ -77,6 +77,6 @@ def test_a_later_opposite_decision_on_an_op_is_announced_too(sim, capsys, monkey
         torch.hypot(x, x)
     finally:
         op_tools.remove_feature("torch.hypot")
-    out = capsys.readouterr().out
+    out = logged()
     assert "skip OpObserveHook on torch.hypot" in out
     assert "apply OpObserveHook on torch.hypot" in out and out.count("torch.hypot    forward_id:") == 1

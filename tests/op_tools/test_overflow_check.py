@@ -20,6 +20,7 @@ def test_names_the_op_where_nan_appears_in_forward(sim):
     found = check.first_overflow
     assert (found.name, found.phase) == ("torch.nn.functional.silu", "forward")
     assert "modeling" in found.location or "activations.py" in found.location
+    assert found.module == "model.layers.0.mlp.act_fn" and "in model.layers.0.mlp.act_fn" in str(found)
 
 
 def test_names_the_op_where_nan_appears_in_backward(sim):
@@ -30,6 +31,7 @@ def test_names_the_op_where_nan_appears_in_backward(sim):
     found = check.first_overflow
     assert (found.name, found.phase) == ("torch.nn.functional.embedding", "backward")
     assert "embed_tokens(input_ids)" in found.location
+    assert found.module == "model.embed_tokens"  # the module of the forward call whose backward it is
 
 
 def test_nan_inside_a_composite_function_backward_names_the_function(sim):
@@ -56,12 +58,12 @@ def test_raise_stops_at_the_first_overflow(sim, monkeypatch, fault, listing):
             train_llama(sim, steps=1)
 
 
-def test_statistics_table_has_the_original_columns(sim, capsys, monkeypatch):
+def test_statistics_table_has_the_original_columns(sim, logged, monkeypatch):
     monkeypatch.setenv("OP_TOOLS_VERBOSE", "1")
     x = torch.tensor([1.0, 2.0, float("inf")], device=sim)
     with op_tools.OpOverflowCheck() as check:
         x * 2
-    out = capsys.readouterr().out
+    out = logged()
     for column in ("inf_or_nan", "min", "max", "mean", "std", "norm"):
         assert f" {column} " in out
     assert check.first_overflow is None  # the input already held inf
@@ -110,7 +112,7 @@ def _reads_per_step(tool, reads) -> list[tuple[str, int]]:
 
 
 @pytest.mark.parametrize("verbose", ["0", "1"])
-def test_at_most_one_host_synchronisation_per_handled_call(sim, monkeypatch, verbose, capsys):
+def test_at_most_one_host_synchronisation_per_handled_call(sim, monkeypatch, verbose, logged):
     monkeypatch.setenv("OP_TOOLS_VERBOSE", verbose)
     reads = _count_device_reads(monkeypatch)
     check = op_tools.OpOverflowCheck()
@@ -123,10 +125,10 @@ def test_at_most_one_host_synchronisation_per_handled_call(sim, monkeypatch, ver
     assert max(n for _, n in per_call) == 1  # the spy sees the one read; never more than one per call
     assert sum(n for _, n in per_call) > 0.5 * len(per_call)
     if verbose == "1":
-        assert "| torch.nn.functional.silu output[0] |" in capsys.readouterr().out
+        assert "torch.nn.functional.silu    forward_id" in logged() and "| output[0] |" in logged()
 
 
-def test_statistics_are_computed_for_the_overflowing_call_and_nothing_is_read_after_it(sim, monkeypatch, capsys):
+def test_statistics_are_computed_for_the_overflowing_call_and_nothing_is_read_after_it(sim, monkeypatch, logged):
     import ditorch.sim
 
     reads = _count_device_reads(monkeypatch)
@@ -138,10 +140,10 @@ def test_statistics_are_computed_for_the_overflowing_call_and_nothing_is_read_af
         torch.nn.functional.silu(h) * 2 + 1
     assert check.first_overflow.name == "torch.nn.functional.silu"
     assert [n for _, n in per_call] == [1, 2, 0, 0]  # linear, silu (flags, then its statistics), mul, add
-    out = capsys.readouterr().out
+    out = logged()
     assert "OpOverflowCheck: first inf/nan from finite inputs: torch.nn.functional.silu (forward)" in out
-    assert "| torch.nn.functional.silu output[0] |    True    |" in out
-    assert "| torch.nn.functional.silu input[0]  |   False    |" in out
+    assert "|    name   | inf_or_nan |" in out  # the op is named in the line above the table
+    assert "| output[0] |    True    |" in out and "|  input[0] |   False    |" in out
 
 
 def test_statistics_keep_the_values_of_the_original_computation(sim):

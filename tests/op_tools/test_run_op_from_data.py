@@ -1,4 +1,5 @@
 import csv
+import dataclasses
 import os
 import pickle
 import shutil
@@ -85,7 +86,13 @@ def test_sync_time_measure_writes_each_run_forward_and_backward(captured_step, t
     times = _times(tmp_path)
     assert len(times) == 3 * len(find_entries(folder))
     assert all(float(r["forward_elasped"]) > 0 and float(r["backward_elasped"]) > 0 for r in times)
-    assert "forward_elasped" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fwd median ms" in out and "forward_elasped" not in out  # one summary row per entry, not a row per run
+    for row in _summary(tmp_path):
+        assert row["runs"] == "3"
+        for phase in ("forward", "backward"):
+            mean, median, low = (float(row[f"{phase}_{k}_ms"]) for k in ("mean", "median", "min"))
+            assert 0 < low <= median and low <= mean
 
 
 def test_only_run_forward_runs_no_backward(captured_step, tmp_path, sim):
@@ -247,3 +254,113 @@ def test_replay_of_a_real_autocompare_failure_reproduces_it_only_with_the_fault(
     main([entry.directory, "--device", sim, "--acc_check"])
     checks = _summary(tmp_path)[0]["checks"]  # a correct kernel matches float64, not the faulty captured output
     assert "output vs cpu float64: pass" in checks and "output vs captured output: FAIL" in checks
+
+
+def test_summary_names_op_shapes_dtypes_device_and_versions(captured_step, tmp_path, sim, capsys):
+    folder = os.path.join(captured_step, "torch.nn.functional.linear")
+    assert main([folder, "--device", sim]) == 0
+    out = capsys.readouterr().out
+    assert f"torch {torch.__version__}, ditorch " in out.splitlines()[0]
+    rows = _summary(tmp_path)
+    assert rows and all(r["device"] == sim and r["dtypes"].split() == ["float32"] * len(r["shapes"].split("] ["))
+                        for r in rows)
+    assert any(r["shapes"].startswith("[2, 8, 64] [") for r in rows)  # the hidden states, then the weight
+    assert all(max(len(line) for line in out.splitlines() if line.startswith(("+", "|"))) <= 120 for _ in rows)
+
+
+def test_report_md_writes_a_markdown_summary_to_paste(captured_step, tmp_path, sim):
+    folder = os.path.join(captured_step, "torch.nn.functional.silu")
+    assert main([folder, "--device", sim, "--sync_time_measure", "--run_times", "3", "--report", "md"]) == 0
+    (report,) = (tmp_path / "results" / "op_replay_result").glob("replay_report_pid*.md")
+    text = report.read_text()
+    assert text.startswith("# run_op_from_data report") and f"torch {torch.__version__}, ditorch " in text
+    assert "| name | shapes | dtypes | device | status | forward_mean_ms | forward_median_ms | forward_min_ms |" in text
+    rows = [line for line in text.splitlines() if line.startswith("| torch.nn.functional.silu |")]
+    assert len(rows) == len(find_entries(folder)) and all(" | ok | " in row for row in rows)
+    chosen = tmp_path / "bug report.md"
+    assert main([folder, "--device", sim, "--report", str(chosen)]) == 0
+    assert chosen.read_text().startswith("# run_op_from_data report")
+    assert main([folder, "--device", sim, "--report", "report.txt"]) == 2
+
+
+def test_a_single_input_pth_file_is_replayed_as_its_call(captured_step, tmp_path, sim):
+    (entry, *_) = find_entries(os.path.join(captured_step, "torch.nn.functional.linear"))
+    path = os.path.join(entry.directory, "input.pth")
+    assert find_entries(path) == [dataclasses.replace(entry, label=".")]
+    assert main([path, "--device", sim, "--acc_check"]) == 0
+    (row,) = _summary(tmp_path)
+    assert row["status"] == "ok" and row["name"] == "torch.nn.functional.linear"
+    with pytest.raises(ReplayError, match="no such file or directory"):
+        find_entries(os.path.join(entry.directory, "missing.pth"))
+
+
+FUSED_PACKAGE = """
+import torch
+
+
+def fused_gelu(x):
+    # A vendor-only fused kernel, as flash_attn's: no CPU implementation.
+    if x.device.type == "cpu":
+        raise RuntimeError("fused_gelu: no CPU kernel")
+    return torch.nn.functional.gelu(x)
+"""
+
+
+def test_a_reference_that_raises_is_its_own_status_not_a_mismatch(tmp_path, sim, monkeypatch):
+    (tmp_path / "fusedpkg.py").write_text(FUSED_PACKAGE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    call = tmp_path / "captures" / "fusedpkg.fused_gelu" / "1" / "1" / "t"
+    call.mkdir(parents=True)
+    torch.save({"name": "fusedpkg.fused_gelu", "args": (torch.randn(4, 8),), "kwargs": {}, "identifier": "input"},
+               call / "input.pth")
+    assert main([str(tmp_path / "captures"), "--device", sim, "--acc_check", "--allow_module", "fusedpkg"]) == 1
+    (row,) = _summary(tmp_path)
+    assert row["status"] == "reference error" and row["checks"] == ""
+    assert "the CPU reference raised RuntimeError: fused_gelu: no CPU kernel" in row["detail"]
+    assert row["runs"] == "1"  # the device ran it
+
+
+GRAD_SCALER_STEP = """
+import torch, ditorch, op_tools
+model = torch.nn.Linear(8, 8).cuda()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+scaler = torch.amp.GradScaler("cuda")
+with op_tools.OpCapture():
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(torch.randn(4, 8, device="cuda")).float().square().mean()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+"""
+
+
+def test_ops_whose_outputs_have_no_gradient_run_forward_only(tmp_path, sim):
+    done = subprocess.run([sys.executable, "-c", GRAD_SCALER_STEP], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env=child_env({"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1",
+                                                      "OP_CAPTURE_LIST": "torch._amp_update_scale_",
+                                                      "OP_TOOLS_RESULTS_DIR": str(tmp_path / "captured")},
+                                                     drop=("OP_",)))
+    assert done.returncode == 0, done.stderr
+    captured = tmp_path / "captured" / "op_capture_results"
+    (entry,) = find_entries(str(captured))
+    # The same call with its scale requiring grad: aten::_amp_update_scale_ has no derivative formula.
+    data = torch.load(os.path.join(entry.directory, "input.pth"), weights_only=True)
+    data["args"] = (data["args"][0].requires_grad_(), *data["args"][1:])
+    wanted = tmp_path / "with_grad" / "call"
+    wanted.mkdir(parents=True)
+    torch.save(data, wanted / "input.pth")
+    for folder in (captured, tmp_path / "with_grad"):
+        assert main([str(folder), "--device", sim, "--acc_check", "--sync_time_measure", "--run_times", "2"]) == 0
+    first, second = (r for r in sorted(_all_summaries(tmp_path), key=lambda r: r["entry"] == "call"))
+    for row in (first, second):
+        assert row["name"] == "torch._amp_update_scale_" and row["status"] == "ok" and row["runs"] == "2"
+        assert row["backward_mean_ms"] == "" and "no backward" in row["detail"]
+    assert "the op has no derivative" in second["detail"]
+
+
+def _all_summaries(tmp_path):
+    rows = []
+    for path in (tmp_path / "results" / "op_replay_result").glob("replay_summary_pid*.csv"):
+        with open(path, newline="") as f:
+            rows += list(csv.DictReader(f))
+    return rows

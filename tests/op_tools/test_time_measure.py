@@ -88,7 +88,7 @@ def test_llama_step_has_forward_and_backward_times_a_trace_and_unchanged_numeric
     assert re.fullmatch(r"op_elasped_info_pid\d+_\d{4}(-\d\d){5}_\d+\.csv", _result_files(tmp_path, "info")[0].name)
 
 
-def test_an_op_made_slow_tops_the_summary(sim, tmp_path, capsys):
+def test_an_op_made_slow_tops_the_summary(sim, tmp_path, logged):
     import ditorch.sim
 
     model = tiny_llama().to(sim)
@@ -97,8 +97,30 @@ def test_an_op_made_slow_tops_the_summary(sim, tmp_path, capsys):
         model(input_ids=ids, labels=ids).loss.backward()
     top = timer.measurements.summary_rows()[0]
     assert top["name"] == "torch.nn.functional.silu" and top["forward_mean_ms"] >= 100
-    printed = capsys.readouterr().out
+    printed = logged()
     assert printed.index("torch.nn.functional.silu") < printed.index("torch.nn.functional.linear")
+
+
+def test_the_module_made_slow_tops_the_time_per_module(sim, tmp_path, logged):
+    import ditorch.sim
+
+    model = tiny_llama().to(sim)
+    ids = torch.randint(0, 128, (2, 16)).to(sim)
+    slow = model.model.layers[1].mlp.act_fn
+    slow.register_forward_pre_hook(lambda *_: ditorch.sim.set_faults("silu:slow=100"))
+    slow.register_forward_hook(lambda *_: ditorch.sim.clear_faults())
+    with op_tools.OpTimeMeasure() as timer:
+        model(input_ids=ids, labels=ids).loss.backward()
+    rows = timer.measurements.module_rows()
+    assert [r["module"] for r in rows[:4]] == ["model", "model.layers.1", "model.layers.1.mlp",
+                                              "model.layers.1.mlp.act_fn"]  # with their submodules' time
+    act_fn = rows[3]
+    assert act_fn["self_ms"] == act_fn["total_ms"] >= 100 and act_fn["calls"] == 1
+    assert rows[1]["self_ms"] < rows[1]["total_ms"]  # layer 1's own adds, plus its attention, norms and MLP
+    (modules_file,) = _result_files(tmp_path, "modules")
+    with open(modules_file, newline="") as f:
+        assert [r["module"] for r in csv.DictReader(f)][:2] == ["model", "model.layers.1"]
+    assert "time per module" in logged()
 
 
 def test_lists_choose_the_ops_timed(sim, monkeypatch):
@@ -111,15 +133,15 @@ def test_lists_choose_the_ops_timed(sim, monkeypatch):
     assert set(timer.measurements.totals) == {"torch.nn.functional.linear"}
 
 
-def test_per_call_tables_keep_the_original_columns_when_verbose(sim, monkeypatch, capsys):
+def test_per_call_tables_keep_the_original_columns_when_verbose(sim, monkeypatch, logged):
     monkeypatch.setenv("OP_TOOLS_VERBOSE", "1")
     w = torch.randn(3, 4, device=sim, requires_grad=True)
     with op_tools.OpTimeMeasure():
         torch.nn.functional.linear(torch.randn(2, 4, device=sim), w).sum().backward()
-    out = capsys.readouterr().out
+    out = logged()
     for column in ("forward_id", "forward_elasped", "backward_elasped", "unit", "requires_grad"):
         assert column in out
-    assert "torch.nn.functional.linear inputs[0]" in out
+    assert "torch.nn.functional.linear    forward_id" in out and "| inputs[0] " in out
 
 
 def _count_synchronize(monkeypatch) -> list:
@@ -136,7 +158,7 @@ def _count_synchronize(monkeypatch) -> list:
     return calls
 
 
-def test_calls_are_timed_with_events_on_the_stream_and_no_synchronisation_per_call(sim, monkeypatch, capsys):
+def test_calls_are_timed_with_events_on_the_stream_and_no_synchronisation_per_call(sim, monkeypatch, logged):
     synchronised = _count_synchronize(monkeypatch)
     recorded = []
     real_record = torch.sim.Event.record
@@ -155,10 +177,10 @@ def test_calls_are_timed_with_events_on_the_stream_and_no_synchronisation_per_ca
     assert len(m.records) == 15 and all(r.forward_ns > 0 for r in m.records)
     assert len(m.backward_spans) == 15 and all(duration > 0 for _, _, duration, _ in m.backward_spans)
     assert all(r.backward_ns > 0 for r in m.records)
-    assert "timed with timing events (torch.sim.Event) on the op's stream" in capsys.readouterr().out
+    assert "timed with timing events (torch.sim.Event) on the op's stream" in logged()
 
 
-def test_sync_option_times_between_synchronisations(sim, monkeypatch, capsys):
+def test_sync_option_times_between_synchronisations(sim, monkeypatch, logged):
     monkeypatch.setenv("OP_TIME_MEASURE_SYNC", "1")
     synchronised = _count_synchronize(monkeypatch)
     w = torch.randn(3, 8, device=sim, requires_grad=True)
@@ -169,13 +191,13 @@ def test_sync_option_times_between_synchronisations(sim, monkeypatch, capsys):
     assert len(m.records) == 2 and len(m.backward_spans) == 2
     assert len(synchronised) == 2 * 4  # before and after each forward and each backward span
     assert all(r.forward_ns > 0 and r.backward_ns > 0 for r in m.records)
-    assert "timed with synchronisations of the device around each call" in capsys.readouterr().out
+    assert "timed with synchronisations of the device around each call" in logged()
     monkeypatch.setenv("OP_TIME_MEASURE_SYNC", "maybe")
     with pytest.raises(ValueError, match="OP_TIME_MEASURE_SYNC='maybe'.*expected 0 or 1"):
         op_tools.OpTimeMeasure().start()
 
 
-def test_a_device_without_timing_events_is_timed_between_synchronisations(sim, monkeypatch, capsys):
+def test_a_device_without_timing_events_is_timed_between_synchronisations(sim, monkeypatch, logged):
     def no_timing(*args, **kwargs):
         raise RuntimeError("this backend has no timing events")
 
@@ -185,7 +207,7 @@ def test_a_device_without_timing_events_is_timed_between_synchronisations(sim, m
     with op_tools.OpTimeMeasure() as timer:
         x + 1
     assert timer.measurements.totals["torch.Tensor.add"].calls == 1 and len(synchronised) == 2
-    assert "timed with synchronisations of the device" in capsys.readouterr().out
+    assert "timed with synchronisations of the device" in logged()
 
 
 def test_pending_spans_are_read_in_batches_and_all_at_stop(sim, monkeypatch):

@@ -95,7 +95,7 @@ def test_one_tool_instance_per_step_compares_every_step_cleanly(sim):
         assert tool.failures == [] and tool.counts["backward compared"] > 10
 
 
-def test_several_apply_feature_tools_in_one_process(sim, capsys):
+def test_several_apply_feature_tools_in_one_process(sim, logged):
     expected = zoo.llama_float32(sim)
     names = {"torch.nn.functional.linear": "autocompare", "torch.nn.functional.silu": "autocompare",
              "torch.Tensor.__mul__": "autocompare", "torch.nn.functional.embedding": "op_capture",
@@ -106,7 +106,7 @@ def test_several_apply_feature_tools_in_one_process(sim, capsys):
         losses = zoo.llama_float32(sim)
     finally:
         op_tools.remove_feature()
-    out = capsys.readouterr().out
+    out = logged()
     assert losses == expected
     summaries = [line for line in out.splitlines() if line.startswith("OpAutoCompare summary")]
     assert len(summaries) == 3 and all(", 0 failed" in s.split(";")[0] for s in summaries), summaries

@@ -86,7 +86,7 @@ def test_sigterm_flushes_the_summaries_of_tools_never_stopped_and_ends_as_sigter
     out, err = process.communicate(timeout=60)
     assert process.returncode == -signal.SIGTERM, err[-2000:]  # died of the signal, as with no handler
     timings, comparisons = _time_measure_and_autocompare_files(folders["sigterm"])
-    assert len(timings) == 2 and len(comparisons) == 1, err[-2000:]
+    assert len(timings) == 3 and len(comparisons) == 1, err[-2000:]  # per call, per op, per module
     assert "OpTimeMeasure:" in out and "OpAutoCompare summary" in out
 
 
@@ -96,7 +96,7 @@ def test_normal_exit_flushes_the_summaries_of_tools_never_stopped(runs):
     out, err = process.communicate(timeout=180)
     assert process.returncode == 0, err[-2000:]
     timings, comparisons = _time_measure_and_autocompare_files(folders["exit"])
-    assert len(timings) == 2 and len(comparisons) == 1
+    assert len(timings) == 3 and len(comparisons) == 1
     with open(comparisons[0], newline="") as f:
         assert len(list(csv.DictReader(f))) > 50
 
@@ -114,4 +114,4 @@ def test_two_processes_sharing_a_results_folder_keep_every_file(runs):
     pids = {p.split(os.sep)[-4] for p in captures}  # <op>/<pid>/<forward_id>/<time>/<file>
     assert len(pids) == 2
     written = [f for r in reports for f in r["time_files"]]
-    assert len(set(written)) == 6 and all(os.path.exists(f) for f in written)
+    assert len(set(written)) == 8 and all(os.path.exists(f) for f in written)  # 2 x (3 CSV, a trace)

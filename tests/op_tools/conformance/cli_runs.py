@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
+
+from browser import chromium, dump_dom  # noqa: F401 - the conformance tests import them from here
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
@@ -46,22 +47,3 @@ def run(*args: str, env: dict | None = None, cwd: str, timeout: float = 240) -> 
 
 def explain(result: subprocess.CompletedProcess) -> str:
     return f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}"
-
-
-def chromium() -> str | None:
-    """The headless browser the HTML tests drive (Debian's package: apt-get install chromium), if any."""
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
-def dump_dom(browser: str, page: str, fragment: str, profile: str) -> str:
-    """The page's DOM after its scripts ran, opened at ``page#fragment`` in a headless browser."""
-    url = "file://" + os.path.abspath(page) + (f"#{fragment}" if fragment else "")
-    result = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}",
-                             "--virtual-time-budget=5000", "--dump-dom", url],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result.stdout

@@ -1,0 +1,146 @@
+"""``python -m op_tools TOOL [options] script.py [args]``: run a script under a tool, with no edit to it.
+
+    python -m op_tools autocompare --ops torch.nn.functional.linear,torch.softmax train.py --steps 4
+    python -m op_tools capture --mode summary -m mypackage.train --steps 4
+    python -m op_tools --help            # the tools
+    python -m op_tools capture --help    # its options: one per keyword argument of the tool
+
+Installed as the ``op-tools`` command too. The tool starts before the script runs and stops after it, also when
+the script raises or calls ``sys.exit`` (its exit status is kept). Each option takes the text its environment
+variable takes (``--ops`` as ``OP_CAPTURE_LIST``, ``--verbose 0``); a flag given alone means 1 (``--sync``).
+Options win over the variables, which win over the config file (``--config``, or ``OP_TOOLS_CONFIG``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+
+from . import FEATURES
+from .config import CONFIG_FILE, parse_flag
+from .settings import Family, keywords_of, short_name
+
+
+def _tool_names(cls: type) -> list[str]:
+    names = [short_name(cls), cls.feature, cls.__name__, "op_" + short_name(cls)]
+    return list(dict.fromkeys(names))
+
+
+def _add_options(parser: argparse.ArgumentParser, cls: type) -> None:
+    for keyword, setting in keywords_of(cls).items():
+        if isinstance(setting, Family):
+            if not setting.cli_form:
+                continue  # no text form (a dict): its variables or the config file set it
+            help_text, flag = f"{setting.cli_form}", False
+        else:
+            help_text = f"as {setting.name}: {setting.form}"
+            flag = setting.parse is parse_flag
+        options = dict.fromkeys([f"--{keyword}", f"--{keyword.replace('_', '-')}"])
+        parser.add_argument(*options, dest=keyword, metavar="0|1" if flag else "TEXT", help=help_text,
+                            **({"nargs": "?", "const": "1"} if flag else {}))
+
+
+_FLAG_WORDS = {"0", "1", "true", "false", "yes", "no", "on", "off"}
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[type, argparse.ArgumentParser]]:
+    """The top parser (its help lists the tools) and one parser per tool for the options before the script."""
+    parser = argparse.ArgumentParser(
+        prog="python -m op_tools", description="Run a Python script under an op_tools tool, with no edit to it.",
+        usage="python -m op_tools TOOL [options] (script.py | -m module) [args ...]",
+        epilog="Tool names: the short names above, the class names (OpCapture) and the original ditorch's feature "
+               "names (op_capture, dump_op_args, measure_op_time, cast_dtype) alike. "
+               "'python -m op_tools TOOL --help' lists a tool's options.")
+    tools = parser.add_subparsers(dest="tool", metavar="TOOL", required=True)
+    by_class = {}
+    for cls in FEATURES.values():
+        names = _tool_names(cls)
+        doc = (cls.__doc__ or "").strip().splitlines()[0]
+        sub = by_class[cls] = tools.add_parser(
+            names[0], aliases=names[1:], help=doc, description=doc, prog=f"python -m op_tools {names[0]}",
+            usage=f"python -m op_tools {names[0]} [options] (script.py | -m module) [args ...]",
+            epilog="The first argument that is not an option is the script; what follows it is the script's own "
+                   "(or: -m module args ..., as python -m does).")
+        _add_options(sub, cls)
+        sub.add_argument("--config", metavar="FILE.toml", help=f"a config file (as {CONFIG_FILE.name})")
+    return parser, by_class
+
+
+def split_command(cls: type, argv: list[str]) -> tuple[list[str], str | None, str | None, list[str]]:
+    """``argv`` after the tool name -> (the tool's options, script, module, the script's arguments): the first
+    argument that is neither an option nor an option's value is the script (``-m name``: a module)."""
+    flags, valued = {"-h", "--help"}, {"--config"}
+    for keyword, setting in keywords_of(cls).items():
+        names = {f"--{keyword}", f"--{keyword.replace('_', '-')}"}
+        (flags if getattr(setting, "parse", None) is parse_flag else valued).update(names)
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "-m":
+            return argv[:i], None, (argv[i + 1] if i + 1 < len(argv) else None), argv[i + 2:]
+        if arg == "--" or not arg.startswith("-"):
+            rest = argv[i + 1:] if arg == "--" else argv[i:]
+            return argv[:i], (rest[0] if rest else None), None, rest[1:]
+        if "=" not in arg and (arg in valued or (arg in flags and argv[i + 1:i + 2]
+                                                   and argv[i + 1].lower() in _FLAG_WORDS)):
+            i += 1  # its value
+        i += 1
+    return argv, None, None, []
+
+
+def run_under(tool, script: str | None, argv: list[str], module: str | None = None) -> int | str | None:
+    """Run ``script`` (or ``module``) as ``__main__`` with ``sys.argv`` set, between ``tool.start()`` and
+    ``tool.stop()``; its exit status (``SystemExit``'s code; 0 when it returns). Its exceptions propagate."""
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    if module is None:
+        sys.argv = [script, *argv]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script.py` does
+    else:
+        sys.argv = [module, *argv]  # run_module replaces argv[0] with the module's file
+        sys.path.insert(0, os.getcwd())  # as `python -m module` does
+    tool.start()
+    try:
+        if module is None:
+            runpy.run_path(script, run_name="__main__")
+        else:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return 0
+    except SystemExit as done:
+        return done.code
+    finally:
+        try:
+            tool.stop()
+        finally:
+            sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+def main(argv: list[str] | None = None) -> int | str | None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser, by_class = build_parser()
+    from .features import find_tool
+
+    cls = find_tool(argv[0]) if argv and not argv[0].startswith("-") else None
+    if cls is None:
+        parser.parse_args(argv[:1] or argv)  # help, or argparse's error naming the valid tools
+        parser.error(f"unknown tool {argv[0]!r}")
+    tool_options, script, module, args = split_command(cls, argv[1:])
+    sub = by_class[cls]
+    options = sub.parse_args(tool_options)
+    if script is None and module is None:
+        sub.error("no script to run: give script.py (or -m module) after the options")
+    if script is not None and not os.path.isfile(script):
+        sub.error(f"no such script: {script}")
+    if options.config:
+        os.environ[CONFIG_FILE.name] = options.config
+    settings = {k: getattr(options, k) for k in keywords_of(cls) if getattr(options, k, None) is not None}
+    try:
+        tool = cls(**settings)
+    except (TypeError, ValueError) as e:
+        sub.error(str(e))  # "OpCapture(mode='everything'): unknown choice ...; expected full or summary"
+    return run_under(tool, script, args, module)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

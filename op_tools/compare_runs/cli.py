@@ -1,0 +1,43 @@
+"""The command line of compare_runs: read, compare, print, save the CSV and the HTML view, exit 0/1/2."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .. import reporting
+from ..config import CommonConfig
+from ..run_recording import RecordingFormatError
+from .comparison import compare
+from .html_view import render
+from .report import console_report, csv_rows
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m op_tools.compare_runs",
+        description="Align two run recordings (OP_CAPTURE_MODE=stats) and report where they first diverge. "
+                    "Exit status: 0 no divergence, 1 a divergence, 2 an unreadable recording or a usage error.")
+    parser.add_argument("run_a", help="recording of run A: a run_*.jsonl file, or a folder holding one")
+    parser.add_argument("run_b", help="recording of run B, likewise")
+    parser.add_argument("--rank", type=int, help="under torchrun: compare the recordings of this rank (rank<N>/)")
+    parser.add_argument("--csv", help="where to write the CSV (default: under OP_TOOLS_RESULTS_DIR/compare_runs)")
+    parser.add_argument("--html", help="where to write the HTML view (default: beside the CSV)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        result = compare(args.run_a, args.run_b, rank=args.rank)
+    except (RecordingFormatError, ValueError, OSError) as e:
+        print(f"compare_runs: {e}", file=sys.stderr)
+        return 2
+    stem = reporting.results_path(CommonConfig.from_env(), "compare_runs", f"compare_{reporting.session_stem()}")
+    csv_path = args.csv or stem + ".csv"
+    html_path = args.html or os.path.splitext(csv_path)[0] + ".html"
+    reporting.write_csv(csv_path, csv_rows(result))
+    reporting.write_text(html_path, render(result))
+    reporting.console(console_report(result, [csv_path, html_path]))
+    return 1 if result.divergences else 0

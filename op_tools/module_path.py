@@ -1,0 +1,106 @@
+"""Which ``nn.Module`` is running: ``model.layers.3.mlp.down_proj``, for the reports of every tool.
+
+Global module forward hooks (``torch.nn.modules.module.register_module_forward_pre_hook`` and
+``register_module_forward_hook``) keep, per thread, the stack of module paths being run; no model is changed.
+Names come from ``named_modules()`` of the outermost module entered (the root: a ``LlamaForCausalLM``), computed
+once per root and refreshed when a module not seen before runs under it; under a DDP/FSDP/DataParallel root the
+names come from the module it wraps, so that runs with and without it name their layers alike. The root itself is
+named by its class (``LlamaForCausalLM``); a module run inside another without being registered in it (a module
+kept in a plain list, a function's local module) is ``<parent path>.<ClassName>``; outside any module the path is
+``""``.
+
+Backward calls are attributed through the forward call that created their autograd nodes (the engine keeps the
+path on the ``OpCall``), so they need no backward hooks. Under ``torch.utils.checkpoint`` the recomputation runs
+the modules' forwards again, with their hooks, so the paths of recomputed calls are right too.
+
+The hooks are installed only while some tool holds the tracker (``acquire()``/``release()``, counted), and cost
+a thread-local list append and pop per module call.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+from torch.nn.modules import module as _module
+
+_local = threading.local()  # .stack: [(module, path)], innermost last; .generation: the tracking it belongs to
+_lock = threading.Lock()
+_users = 0
+_generation = 0  # bumped at each start of tracking: a stack left by an earlier one (stopped mid-forward) is stale
+_handles: list = []
+# Wrappers whose own names would prefix every path ("module.model.layers.0"): named from the module they wrap, so
+# that a run with DDP and one without name their layers alike.
+_WRAPPERS = frozenset({"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel"})
+# root module -> {id(module): path} for the modules registered under it
+_names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def current() -> str:
+    """The path of the innermost module running on this thread, ``""`` outside any (or when not tracking)."""
+    stack = getattr(_local, "stack", None)
+    return stack[-1][1] if stack and _local.generation == _generation else ""
+
+
+def acquire() -> None:
+    """Start tracking (install the global hooks) unless already tracking; pair with ``release()``."""
+    global _users, _generation
+    with _lock:
+        _users += 1
+        if _users == 1:
+            _generation += 1
+            _handles.append(_module.register_module_forward_pre_hook(_enter))
+            try:
+                _handles.append(_module.register_module_forward_hook(_leave, always_call=True))
+            except TypeError:  # PyTorch < 2.1: no always_call; _leave also unwinds what an exception left
+                _handles.append(_module.register_module_forward_hook(_leave))
+
+
+def release() -> None:
+    """Stop tracking once every ``acquire()`` was released."""
+    global _users
+    with _lock:
+        if _users == 0:
+            return
+        _users -= 1
+        if _users == 0:
+            for handle in _handles:
+                handle.remove()
+            _handles.clear()
+
+
+def _path_in(root: torch.nn.Module, module: torch.nn.Module) -> str | None:
+    names = _names.get(root)
+    if names is None or id(module) not in names:
+        base = root.module if type(root).__name__ in _WRAPPERS and isinstance(root.module, torch.nn.Module) else root
+        names = _names[root] = {id(m): name for name, m in base.named_modules(remove_duplicate=False)}
+        names.setdefault(id(module), None)  # not registered under the root: not looked for again
+    return names[id(module)]
+
+
+def _enter(module: torch.nn.Module, _args) -> None:
+    stack = getattr(_local, "stack", None)
+    if stack is None or _local.generation != _generation:
+        stack = _local.stack = []
+        _local.generation = _generation
+    if not stack:
+        stack.append((module, type(module).__name__))
+        return
+    root, parent_path = stack[0][0], stack[-1][1]
+    path = _path_in(root, module)
+    if path is None:
+        path = f"{parent_path}.{type(module).__name__}"
+    elif path == "":
+        path = type(module).__name__  # the root entered again (a recursive call)
+    stack.append((module, path))
+
+
+def _leave(module: torch.nn.Module, _args, _output) -> None:
+    stack = getattr(_local, "stack", None)
+    if not stack:
+        return
+    for i in range(len(stack) - 1, -1, -1):  # normally the top; deeper when an exception skipped some exits
+        if stack[i][0] is module:
+            del stack[i:]
+            return

@@ -1,0 +1,285 @@
+"""What the tools print and where: logging levels, quiet defaults, tables that fit, the results folder, file modes."""
+
+import logging
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+from subprocess_env import child_env
+
+import ditorch.sim
+import op_tools
+from op_tools import reporting
+
+TOOLS = ("OpObserve", "OpAutoCompare", "OpTimeMeasure", "OpCapture", "OpOverflowCheck", "OpFallback", "OpDtypeCast")
+
+# Four training steps of a small TransformerEncoderLayer under each tool in turn, with a marker line between tools.
+FOUR_STEPS = """
+import sys
+import torch, ditorch, op_tools
+
+torch.manual_seed(0)
+layer = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True).cuda()
+optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3)
+x = torch.randn(2, 8, 32, device="cuda")
+for name in sys.argv[1:]:
+    print(f"=== {name}", flush=True)
+    with getattr(op_tools, name)():
+        for step in range(4):
+            optimizer.zero_grad()
+            loss = layer(x).square().mean()
+            loss.backward()
+            optimizer.step()
+"""
+
+
+def _run_four_steps(tmp_path, env: dict, tools=TOOLS) -> dict[str, list[str]]:
+    done = subprocess.run([sys.executable, "-c", FOUR_STEPS, *tools], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env=child_env({"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1",
+                                                      "OP_TOOLS_RESULTS_DIR": str(tmp_path / "results"), **env},
+                                                     drop=("OP_",)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr == "", done.stderr[-3000:]
+    lines: dict[str, list[str]] = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("=== "):
+            current = lines.setdefault(line[4:], [])
+        else:
+            current.append(line)
+    return lines
+
+
+@pytest.fixture(scope="module")
+def four_steps_default(tmp_path_factory):
+    return _run_four_steps(tmp_path_factory.mktemp("default"), {})
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_four_training_steps_print_a_few_dozen_lines_at_default_settings(four_steps_default, tool):
+    lines = four_steps_default[tool]
+    assert 1 <= len(lines) <= 40, "\n".join(lines)
+    assert lines[-1].startswith(f"{tool}: ") and " calls of " in lines[-1]  # the closing line
+    assert not any("forward_id:" in line or line.startswith(("apply ", "skip ")) for line in lines)
+    assert all(len(line) <= reporting.CONSOLE_WIDTH for line in lines if line.startswith(("+", "|")))
+
+
+def test_verbose_0_prints_no_per_call_line_and_verbose_1_prints_the_tables(tmp_path):
+    quiet = _run_four_steps(tmp_path, {"OP_TOOLS_VERBOSE": "0"})
+    for tool in TOOLS:
+        assert not any("forward_id:" in line or line.startswith("apply ") for line in quiet[tool]), tool
+        assert quiet[tool][-1].startswith(f"{tool}: ")
+    verbose = _run_four_steps(tmp_path, {"OP_TOOLS_VERBOSE": "1"}, ("OpObserve", "OpAutoCompare"))
+    assert any(line.startswith("apply OpObserveHook on ") for line in verbose["OpObserve"])
+    assert sum("forward_id:" in line for line in verbose["OpObserve"]) > 50
+    tables = [line for lines in verbose.values() for line in lines if line.startswith(("+", "|"))]
+    assert tables and max(len(line) for line in tables) <= reporting.CONSOLE_WIDTH
+
+
+def test_levels_per_call_tables_debug_closing_line_info_failures_warning(sim, caplog, monkeypatch):
+    monkeypatch.setenv("OP_TOOLS_VERBOSE", "1")
+    caplog.set_level(logging.DEBUG, logger="op_tools")
+    x = torch.ones(2, 3, device=sim)
+    with op_tools.OpAutoCompare(), ditorch.sim.faults("sigmoid:noise=1e-1"):
+        x.sin()
+        x.sigmoid()
+        x.sigmoid()
+    records = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    assert ("op_tools.autocompare", logging.DEBUG, "apply OpAutoCompareHook on torch.Tensor.sin") in records
+    sin_table = [r for r in records if r[2].lstrip().startswith("torch.Tensor.sin    forward_id:")]
+    assert [level for _, level, _ in sin_table] == [logging.DEBUG]
+    sigmoid_tables = [r for r in records if r[2].lstrip().startswith("torch.Tensor.sigmoid    forward_id:")]
+    # the first failing call of an op is a warning; the next is a per-call table, counted in the summary
+    assert [level for _, level, _ in sigmoid_tables] == [logging.WARNING, logging.DEBUG]
+    summary = next(r for r in records if "OpAutoCompare summary" in r[2])
+    assert summary[1] == logging.WARNING and "torch.Tensor.sigmoid" in summary[2]
+    assert records[-1][:2] == ("op_tools.autocompare", logging.INFO) and records[-1][2].startswith(
+        "OpAutoCompare: 3 calls of 2 ops handled; wrote ")
+
+
+def test_verbose_unset_leaves_a_level_the_application_set(sim, caplog, monkeypatch):
+    monkeypatch.delenv("OP_TOOLS_VERBOSE")
+    logger = logging.getLogger("op_tools")
+    old = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        with op_tools.OpObserve():
+            torch.ones(2, device=sim).sin()
+        assert logger.level == logging.WARNING
+        assert not [r for r in caplog.records if r.name.startswith("op_tools")]
+    finally:
+        logger.setLevel(old)
+
+
+SILENCED = """
+import logging, sys
+import torch, ditorch, op_tools
+{setup}
+x = torch.ones(2, device="cuda")
+with op_tools.OpObserve():
+    x.sin()
+"""
+
+
+@pytest.mark.parametrize("setup, stdout, stderr", [
+    ("", "OpObserve: 1 calls of 1 op handled; wrote no file\n", ""),
+    ('logging.getLogger("op_tools").setLevel(logging.WARNING)', "", ""),
+    ('logging.basicConfig(stream=sys.stderr, format="%(name)s %(levelname)s %(message)s", level=logging.INFO)', "",
+     "op_tools.observe INFO OpObserve: 1 calls of 1 op handled; wrote no file\n"),
+    ('logging.getLogger("op_tools").addHandler(logging.NullHandler())', "", ""),
+], ids=["default", "level", "application-handler", "null-handler"])
+def test_an_application_silences_or_redirects_the_tools_with_standard_logging_calls(tmp_path, setup, stdout, stderr):
+    done = subprocess.run([sys.executable, "-c", SILENCED.format(setup=setup)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120,
+                          env=child_env({"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1"}, drop=("OP_",)))
+    assert done.returncode == 0, done.stderr
+    assert (done.stdout, done.stderr) == (stdout, stderr)
+
+
+def test_ditorch_banner_goes_through_the_ditorch_logger_to_stderr(tmp_path):
+    code = "import torch, ditorch"
+    env = child_env({"DITORCH_BACKEND": "sim"}, drop=("DITORCH_QUIET",))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.stdout == "" and done.stderr.startswith("ditorch: sim ")
+    silenced = "import logging; logging.getLogger('ditorch').setLevel(logging.WARNING); " + code
+    done = subprocess.run([sys.executable, "-c", silenced], capture_output=True, text=True, timeout=120, env=env)
+    assert done.stdout == "" and done.stderr == ""
+
+
+def test_long_cells_are_shortened_to_fit_and_files_keep_them_whole(tmp_path):
+    rows = [{"name": "torch.nn.functional.scaled_dot_product_attention inputs[0]" * 3, "value": "x" * 300, "n": 1}]
+    text = reporting.table_text(rows)
+    assert max(len(line) for line in text.splitlines()) <= reporting.CONSOLE_WIDTH
+    assert "…" in text and "torch.nn.func" in text and "inputs[0]" in text  # both ends of a shortened cell
+    reporting.write_csv(str(tmp_path / "t.csv"), rows)
+    assert rows[0]["value"] in (tmp_path / "t.csv").read_text()
+    assert reporting.table_text([{"a": "short"}]) == reporting.table([{"a": "short"}]).get_string()
+
+
+@pytest.mark.parametrize("tool", [op_tools.OpCapture, op_tools.OpTimeMeasure, op_tools.OpAutoCompare])
+def test_a_results_folder_that_cannot_be_written_fails_at_start_naming_the_variable(sim, tmp_path, monkeypatch,
+                                                                                       tool):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(blocker / "results"))
+    instance = tool()
+    with pytest.raises(OSError, match="OP_TOOLS_RESULTS_DIR") as error:
+        instance.start()
+    assert str(blocker / "results") in str(error.value)
+    assert not instance._activations  # nothing started: no mode, no wrapper
+    assert torch.ones(2, device=sim).sin().device.type == "sim"
+
+
+def test_a_tool_that_writes_no_file_starts_anywhere(sim, tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(blocker / "results"))
+    with op_tools.OpObserve():
+        torch.ones(2, device=sim).sin()
+
+
+UMASK = """
+import os, sys
+import torch, ditorch, op_tools
+with op_tools.OpCapture(), op_tools.OpTimeMeasure():
+    torch.ones(2, device="cuda").sin()
+modes = set()
+for folder, _, files in os.walk(sys.argv[1]):
+    modes.update(oct(os.stat(os.path.join(folder, f)).st_mode & 0o777) for f in files)
+print(sorted(modes))
+"""
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, "0o644"), (0o077, "0o600"), (0o002, "0o664")])
+def test_files_honour_the_umask(tmp_path, umask, mode):
+    results = tmp_path / "results"
+    done = subprocess.run([sys.executable, "-c", UMASK, str(results)], capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: os.umask(umask), cwd=tmp_path,
+                          env=child_env({"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1",
+                                         "OP_TOOLS_RESULTS_DIR": str(results)}, drop=("OP_",)))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == f"['{mode}']"
+
+
+def test_closing_line_counts_the_files_and_bytes_written(sim, caplog):
+    x = torch.ones(2, device=sim)
+    with op_tools.OpCapture() as capture:
+        x.sin()
+    line = caplog.records[-1].getMessage()
+    files = [os.path.join(d, f) for d, _, names in os.walk(os.environ["OP_TOOLS_RESULTS_DIR"]) for f in names]
+    size = sum(os.path.getsize(f) for f in files)
+    assert capture.tally.files == len(files) == 2 and capture.tally.bytes == size
+    folder = os.path.join(os.environ["OP_TOOLS_RESULTS_DIR"], "op_capture_results")
+    shown = folder if os.path.relpath(folder).startswith("..") else os.path.relpath(folder)
+    assert line == f"OpCapture: 1 calls of 1 op handled; wrote 2 files ({reporting.human_size(size)}) in {shown}"
+    assert stat.S_ISREG(os.stat(files[0]).st_mode)
+
+
+PROGRESS = """
+import torch, ditorch, op_tools
+from op_tools import reporting
+reporting.Tally.PROGRESS_AFTER = reporting.Tally.PROGRESS_EVERY = 0.0  # draw at once: a short run in a test
+x = torch.ones(2, device="cuda")
+with op_tools.OpCapture():
+    for _ in range(5):
+        x = x.sin()
+"""
+
+
+@pytest.mark.parametrize("env, shown", [({}, True), ({"CI": "true"}, False), ({"OP_TOOLS_PROGRESS": "0"}, False)],
+                         ids=["terminal", "ci", "variable-off"])
+def test_capture_shows_a_progress_bar_on_a_terminal_only(tmp_path, env, shown):
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a terminal 120 wide
+    try:
+        done = subprocess.run([sys.executable, "-c", PROGRESS], stdout=subprocess.PIPE, stderr=follower, timeout=120,
+                              cwd=tmp_path, env=child_env({"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1", **env},
+                                                         drop=("OP_", "CI")))
+        os.close(follower)
+        follower = -1
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the child's end is closed: all read
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        if follower >= 0:
+            os.close(follower)
+        os.close(leader)
+    terminal = b"".join(chunks).decode(errors="replace")
+    assert done.returncode == 0, terminal
+    assert ("OpCapture writing: 10 files [" in terminal and " KB]" in terminal) == shown, terminal
+    assert done.stdout.decode().startswith("OpCapture: 5 calls of 1 op handled; wrote 10 files")
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(capfd):
+    assert not sys.stderr.isatty()  # pytest's captured stderr
+    assert reporting.progress_bar(10, "replay") is None
+
+
+def test_an_apply_line_not_shown_at_info_is_shown_by_a_later_verbose_session(sim, caplog, monkeypatch):
+    from op_tools.engine import OpTool
+
+    class Quiet(OpTool):
+        hook_name = "QuietHook"
+
+    x = torch.ones(2, device=sim)
+    with Quiet():  # OP_TOOLS_VERBOSE=0 (tests/op_tools/conftest.py): INFO
+        x.cos()
+    assert not any(r.getMessage().startswith("apply QuietHook") for r in caplog.records)
+    monkeypatch.setenv("OP_TOOLS_VERBOSE", "1")
+    for _ in range(2):
+        with Quiet():
+            x.cos()
+    assert [r.getMessage() for r in caplog.records].count("apply QuietHook on torch.Tensor.cos") == 1

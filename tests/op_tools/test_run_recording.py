@@ -1,0 +1,216 @@
+import json
+import os
+
+import pytest
+import torch
+from tiny_models import tiny_llama
+
+import op_tools
+import op_tools.compare_runs
+from op_tools import module_path
+from op_tools.run_recording import FORMAT_VERSION, RecordingFormatError, read_recording
+
+
+@pytest.fixture(autouse=True)
+def _stats_mode(monkeypatch, sim):
+    # sim registered before any backward: PyTorch sizes autograd's device queues at the first backward
+    monkeypatch.setenv("OP_CAPTURE_MODE", "stats")
+
+
+def _record_llama_steps(device, steps=2, checkpoint=None):
+    torch.manual_seed(0)
+    model = tiny_llama().to(device)
+    if checkpoint is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpoint == "reentrant"})
+        model.train()
+    ids = torch.randint(0, 128, (2, 16)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    with op_tools.OpCapture() as capture:
+        for _ in range(steps):
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return read_recording(capture.recorder.file.path)
+
+
+def test_stats_mode_records_cpu_calls_forward_and_backward_with_module_paths_and_steps():
+    header, records = _record_llama_steps("cpu")
+    assert header["version"] == FORMAT_VERSION and header["complete"]
+    forward = [r for r in records if r["phase"] == "forward"]
+    backward = [r for r in records if r["phase"] == "backward"]
+    down = [r for r in forward if r["module"] == "model.layers.1.mlp.down_proj"]
+    assert [(r["step"], r["index"], r["op"]) for r in down] == [(0, 0, "torch.nn.functional.linear"),
+                                                                 (1, 0, "torch.nn.functional.linear")]
+    silu = next(r for r in forward if r["module"] == "model.layers.1.mlp.act_fn")
+    assert silu["op"] == "torch.nn.functional.silu" and silu["device"] == "cpu"
+    (where, dtype, shape, low, high, mean, norm, nan, inf, *fingerprints) = silu["outputs"][0]
+    assert len(fingerprints) == 16 and len(set(fingerprints)) == 16
+    x = silu["inputs"][0]
+    assert (where, dtype, shape, nan, inf) == ("[0]", "float32", [2, 16, 128], 0, 0)
+    assert low >= -0.28 and high <= max(x[4], 0) and norm > 0 and abs(mean) < high
+    # backward: one record per call whose inputs take gradients, attributed to the forward call's module
+    grads = [r for r in backward if r["module"] == "model.layers.1.mlp.down_proj"]
+    assert len(grads) == 2 and all(r["complete"] for r in grads)
+    assert grads[0]["forward_seq"] == down[0]["seq"] and grads[0]["step"] == 0
+    assert [g[2] for g in grads[0]["grad_inputs"]] == [[2, 16, 128], [64, 128]]  # the input, then the weight
+    # backward records come in the order backward ran them: the last layer's first
+    order = [r["module"] for r in backward if r["module"].endswith("mlp.down_proj") and r["step"] == 0]
+    assert order == ["model.layers.1.mlp.down_proj", "model.layers.0.mlp.down_proj"]
+    optimizer = [r for r in records if r["phase"] == "optimizer"]
+    assert optimizer and all(r["module"] == "" for r in optimizer)
+
+
+def test_checkpoint_recomputation_adds_no_forward_records_and_keeps_backward_records():
+    _, plain = _record_llama_steps("cpu", steps=1)
+    for kind in ("non-reentrant", "reentrant"):
+        _, checkpointed = _record_llama_steps("cpu", steps=1, checkpoint=kind)
+
+        def forward_keys(records):
+            return [(r["module"], r["index"], r["op"]) for r in records if r["phase"] == "forward"]
+
+        layer_calls = [k for k in forward_keys(checkpointed) if k[0].startswith("model.layers.1.")]
+        assert layer_calls == [k for k in forward_keys(plain) if k[0].startswith("model.layers.1.")], kind
+        if kind == "non-reentrant":  # the forward ran with its graph: its calls' backward is recorded
+            def backward_keys(records):
+                return sorted((r["module"], r["index"], r["op"]) for r in records if r["phase"] == "backward")
+
+            assert backward_keys(checkpointed) == backward_keys(plain)
+
+
+def test_a_call_records_at_most_the_configured_number_of_tensors(monkeypatch):
+    monkeypatch.setenv("OP_CAPTURE_STATS_MAX_TENSORS", "2")
+    tensors = [torch.randn(3) for _ in range(5)]
+    with op_tools.OpCapture() as capture:
+        torch.cat(tensors)
+    _, (record,) = read_recording(capture.recorder.file.path)
+    assert [e[0] for e in record["inputs"]] == ["[0][0]", "[0][1]"]
+    assert record["omitted"] == {"inputs": 3}
+
+
+def test_statistics_count_nan_and_inf_and_empty_tensors_have_none():
+    x, nothing = torch.tensor([1.0, float("nan"), float("inf"), -2.0]), torch.empty(0)
+    with op_tools.OpCapture() as capture:
+        torch.abs(x)
+        torch.abs(nothing)
+    _, (record, empty) = read_recording(capture.recorder.file.path)
+    assert record["outputs"][0][7:9] == [1, 1]
+    assert empty["outputs"][0] == ["[0]", "float32", [0]]
+
+
+def test_sim_recording_names_the_real_device_even_shown_as_cuda(run_script, tmp_path):
+    done = run_script("""
+        import ditorch, op_tools
+        from op_tools.run_recording import read_recording
+        x = torch.ones(4, device="cuda")
+        with op_tools.OpCapture() as capture:
+            y = (x * 2).sum()
+        _, records = read_recording(capture.recorder.file.path)
+        print(x.device, sorted({r["device"] for r in records}))
+    """, {"DITORCH_BACKEND": "sim", "DITORCH_SHOW_DEVICE_AS_CUDA": "1", "OP_CAPTURE_MODE": "stats",
+          "OP_TOOLS_RESULTS_DIR": str(tmp_path / "r"), "OP_TOOLS_VERBOSE": "0"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[-2] == "cuda:0 ['sim:0']"
+
+
+def test_a_recording_of_a_newer_format_version_is_refused_naming_both_versions(tmp_path):
+    with op_tools.OpCapture() as capture:
+        torch.ones(2).sum()
+    path = capture.recorder.file.path
+    lines = open(path).read().splitlines()
+    header = json.loads(lines[0])
+    header["version"] = FORMAT_VERSION + 1
+    newer = tmp_path / "run_newer.jsonl"
+    newer.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    with pytest.raises(RecordingFormatError, match=f"version {FORMAT_VERSION + 1}.*reads version {FORMAT_VERSION}"):
+        read_recording(str(newer))
+    other = tmp_path / "run_other.jsonl"
+    other.write_text('{"name": "something else"}\n')
+    with pytest.raises(RecordingFormatError, match="not a run recording"):
+        read_recording(str(other))
+
+
+def test_a_partial_recording_reads_up_to_its_last_complete_line(tmp_path):
+    with op_tools.OpCapture() as capture:
+        torch.ones(2).sum()
+        torch.ones(3).sum()
+    text = open(capture.recorder.file.path).read().splitlines()
+    (tmp_path / "died").mkdir()
+    partial = tmp_path / "died" / "run_x.jsonl.partial"
+    partial.write_text("\n".join(text[:3]) + "\n" + text[3][:10])
+    header, records = read_recording(str(tmp_path / "died"))
+    assert not header["complete"] and len(records) == 2
+
+
+def test_module_paths_name_unregistered_modules_by_class_and_stop_when_released():
+    class Inner(torch.nn.Module):
+        def forward(self, x):
+            return x.relu()
+
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = torch.nn.Linear(2, 2)
+            self.helpers = [Inner()]  # not registered
+
+        def forward(self, x):
+            return self.helpers[0](self.block(x))
+
+    model, x = Outer(), torch.ones(1, 2)
+    with op_tools.OpCapture() as capture:
+        model(x)
+    _, records = read_recording(capture.recorder.file.path)
+    assert [(r["module"], r["op"]) for r in records] == [("block", "torch.nn.functional.linear"),
+                                                          ("Outer.Inner", "torch.Tensor.relu")]
+    assert not module_path._handles  # released with the tool
+    assert os.path.basename(capture.recorder.file.path).startswith("run_pid")
+
+
+def test_a_distributed_data_parallel_wrapper_adds_nothing_to_the_paths(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model, x = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()), torch.ones(1, 2)
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        paths = []
+        for run in (model, wrapped):
+            with op_tools.OpCapture() as capture:
+                run(x)
+            _, records = read_recording(capture.recorder.file.path)
+            # the wrapper's own calls (its record_function ranges) are its own, under its class name
+            wrapper = ("", "DistributedDataParallel")
+            paths.append([(r["module"], r["op"]) for r in records if r["module"] not in wrapper])
+    finally:
+        dist.destroy_process_group()
+    assert paths[0] == paths[1] == [("0", "torch.nn.functional.linear"), ("1", "torch.nn.functional.relu")]
+
+
+def test_a_tool_stopped_inside_a_forward_leaves_no_stale_path_for_the_next():
+    tool = op_tools.OpCapture()
+
+    class StopsInside(torch.nn.Module):
+        def forward(self, x):
+            tool.stop()
+            return x
+
+    StopsInside()(torch.ones(1)) if tool.start() else None
+    with op_tools.OpCapture() as capture:
+        torch.ones(2).sum()
+    _, records = read_recording(capture.recorder.file.path)
+    assert [r["module"] for r in records] == ["", ""]
+
+
+def test_under_torchrun_each_rank_writes_its_own_recording_and_compare_runs_picks_one(run_script, tmp_path):
+    for rank in (0, 1):
+        done = run_script("""
+            with op_tools.OpCapture():
+                torch.ones(3).mul(2)
+        """, {"RANK": str(rank), "WORLD_SIZE": "2", "OP_CAPTURE_MODE": "stats", "OP_TOOLS_VERBOSE": "0",
+              "OP_TOOLS_RESULTS_DIR": str(tmp_path / "run")})
+        assert done.returncode == 0, done.stderr
+    header, _ = read_recording(str(tmp_path / "run"), rank=1)
+    assert header["rank"] == 1 and f"{os.sep}rank1{os.sep}" in header["path"]
+    with pytest.raises(ValueError, match="(?s)expected one run recording .*rank0.*rank1.*--rank"):
+        read_recording(str(tmp_path / "run"))
+    result = op_tools.compare_runs.compare(str(tmp_path / "run"), str(tmp_path / "run"), rank=0)
+    assert result.divergences == [] and result.rows
