@@ -67,3 +67,11 @@ def _no_leftover_faults():
     yield
     if "ditorch.sim" in sys.modules:
         sys.modules["ditorch.sim"].clear_faults()
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test draws the same random inputs whichever tests ran before it (and in whichever worker)."""
+    import torch
+
+    torch.manual_seed(0)

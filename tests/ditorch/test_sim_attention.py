@@ -1,9 +1,10 @@
 """The chunked attention algorithm on sim: PyTorch's fused-attention route, correct to the dtype's rounding.
 
-Tolerance: against a float64 CPU reference, output and gradients must be within 4 * eps(dtype) * max|reference|.
-PyTorch's own math path measures 0.3-1.6 of that unit on these inputs, the chunked kernel 0.3-2.1 (float32
-grads see the most: its float32 sums run in another order); a wrong mask, scale, head grouping or
-logsumexp is off by far more.
+Tolerance: against a float64 CPU reference, output and gradients must be within 8 * eps(dtype) * max|reference|.
+Over 40 random boolean masks in float32, PyTorch's own math path measured up to 3.5 eps * max|reference|, the
+chunked kernel up to 4.4 (its float32 gradient sums run in another order; a CI run met 4.5 with an unseeded
+mask); a wrong mask, scale, head grouping or logsumexp is off by orders of magnitude more. Masks are drawn
+from a seeded generator: a test's inputs do not depend on what ran before it.
 """
 
 import pytest
@@ -17,6 +18,7 @@ pytestmark = pytest.mark.usefixtures("sim")
 
 FUSED = "_scaled_dot_product_fused_attention_overrideable"
 sdpa = torch.nn.functional.scaled_dot_product_attention
+_masks = torch.Generator().manual_seed(0)
 
 
 def attention_case(dtype, heads=4, kv_heads=4, seq_q=13, seq_k=11, **options):
@@ -45,7 +47,7 @@ def assert_within_dtype_rounding(actual, expected, dtype):
     for got, want in zip(actual, expected):
         assert got.dtype == dtype
         error = (got.cpu().double() - want).abs().max().item()
-        assert error <= 4 * torch.finfo(dtype).eps * want.abs().max().item()
+        assert error <= 8 * torch.finfo(dtype).eps * want.abs().max().item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -53,8 +55,8 @@ def assert_within_dtype_rounding(actual, expected, dtype):
     {},
     {"is_causal": True},
     {"is_causal": True, "kv_heads": 2, "enable_gqa": True},  # Llama's grouped-query attention
-    {"attn_mask": torch.rand(13, 11) > 0.3},  # boolean: True takes part
-    {"attn_mask": torch.randn(2, 1, 13, 11), "scale": 0.3},  # additive, broadcast over heads
+    {"attn_mask": torch.rand(13, 11, generator=_masks) > 0.3},  # boolean: True takes part
+    {"attn_mask": torch.randn(2, 1, 13, 11, generator=_masks), "scale": 0.3},  # additive, broadcast over heads
     {"is_causal": True, "seq_q": 16, "seq_k": 16},  # GPT-2's self-attention
 ], ids=["plain", "causal", "gqa", "bool-mask", "float-mask", "square-causal"])
 def test_forward_and_backward_match_a_float64_reference(dtype, options):
