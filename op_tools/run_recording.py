@@ -42,7 +42,7 @@ import torch
 
 from . import reporting
 from .arguments import iter_items
-from .tensor_stats import STAT_FIELDS, stats_to_host, tensor_stats, with_counts
+from .tensor_stats import STAT_FIELDS, host_values, stats_to_host, tensor_stats
 
 FORMAT = "op_tools run recording"
 FORMAT_VERSION = 1
@@ -63,11 +63,12 @@ def _float(v: float) -> float:
 class _Side:
     """The tensors of one side of a call, their statistics queued on their devices."""
 
-    __slots__ = ("name", "tensors", "omitted", "vectors")
+    __slots__ = ("name", "tensors", "omitted", "pieces")
 
     def __init__(self, name: str, tensors: list[tuple[str, torch.Tensor]], omitted: int) -> None:
         self.name, self.tensors, self.omitted = name, tensors, omitted
-        self.vectors = [tensor_stats(t) for _, t in tensors if t.numel()]
+        with torch.no_grad():
+            self.pieces = [tensor_stats(t) for _, t in tensors if t.numel()]
 
     def entries(self, host: list[list[float]]) -> list[list]:
         values = iter(host)
@@ -75,17 +76,17 @@ class _Side:
         for where, t in self.tensors:
             entry = [where, str(t.dtype).removeprefix("torch."), list(t.shape)]
             if t.numel():  # an in-place op's input holding nan/inf is counted after the op wrote it
-                entry += [_float(v) for v in with_counts(t, next(values))]
+                entry += [_float(v) for v in host_values(t, next(values))]
             out.append(entry)
         return out
 
 
 def _to_record(record: dict[str, Any], sides: list[_Side]) -> dict[str, Any]:
     """Fill ``record`` with the sides' entries: one transfer for all their statistics."""
-    host = iter(stats_to_host([v for side in sides for v in side.vectors]))
+    host = iter(stats_to_host([v for side in sides for v in side.pieces]))
     omitted = {}
     for side in sides:
-        record[side.name] = side.entries([next(host) for _ in side.vectors])
+        record[side.name] = side.entries([next(host) for _ in side.pieces])
         if side.omitted:
             omitted[side.name] = side.omitted
     if omitted:
