@@ -200,7 +200,7 @@ class OpAutoCompare(OpTool):
         self.counts: collections.Counter = collections.Counter()
         self.skipped: collections.Counter = collections.Counter()
         self.backward_not_compared: collections.Counter = collections.Counter()
-        self.device_math: collections.Counter = collections.Counter()  # DeviceMath.describe() -> compared calls
+        self.device_math: collections.Counter = collections.Counter()  # what same-dtype runs applied -> calls
         self.stale_copies = 0  # cached host copies found out of date when a failing call re-read them
         self.failures: list[dict] = []
         self._failures_shown: set = set()  # (op, phase) whose first failing call's table was shown at WARNING
@@ -314,8 +314,8 @@ class OpAutoCompare(OpTool):
         passed = all(c.passed for c in comparisons)
         self.counts["forward compared"] += 1
         self.counts["forward passed" if passed else "forward failed"] += 1
-        if state["math"]:
-            self.device_math[state["math"].describe()] += 1
+        if state.get("math_used"):
+            self.device_math[state["math_used"].describe()] += 1
         wants_backward = bool(call.grad_inputs)
         # Finding the user's source line costs a stack walk: only for what is printed or may fail later.
         level = self._table_level(call.name, "forward", passed)
@@ -418,7 +418,9 @@ class OpAutoCompare(OpTool):
             state.clear()
             call.grad_inputs = []
             return None
-        notes = "; ".join(filter(None, (reference.note, _math_note(state["math"]))))
+        used = same_cache[0].math_used if same_cache and same_cache[0] is not None else None
+        state["math_used"] = used
+        notes = "; ".join(filter(None, (reference.note, _math_note(used))))
         if notes:
             for c in comparisons:
                 c.error_info = "; ".join(filter(None, (c.error_info, notes)))
@@ -632,7 +634,7 @@ class OpAutoCompare(OpTool):
             lines.append("backward not compared: " + ", ".join(
                 f"{reason}: {n}" for reason, n in self.backward_not_compared.most_common()))
         if self.device_math:
-            lines.append("device math, replayed by the same-dtype reference: " + ", ".join(
+            lines.append("device math replayed by the same-dtype reference where the op used it: " + ", ".join(
                 f"{described} ({n} calls)" for described, n in self.device_math.most_common()))
         if self.saved:
             lines.append(f"{sum(self.saved.values())} failing calls saved for the replay under "
@@ -661,8 +663,9 @@ def _written_result(same, before_op: torch.Tensor):
     return None if run is None else run.mapped.get(id(before_op))
 
 
-def _math_note(math: DeviceMath) -> str:
-    return f"reference replays the device's {math.describe()}" if math.reduced else ""
+def _math_note(used: DeviceMath | None) -> str:
+    """Said when the same-dtype reference the verdict used computed some of the device's reduced precision."""
+    return f"reference replays the device's {used.describe()}" if used is not None and used.reduced else ""
 
 
 def _state_tensor(token: bytes) -> torch.Tensor:

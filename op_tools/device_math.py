@@ -132,6 +132,11 @@ class DeviceMath:
         """The autocast part alone: what decides the dtypes an op returns."""
         return self if not self.reduced else DeviceMath(self.autocast_dtype, (), self.policy)
 
+    def only(self, used: set) -> DeviceMath:
+        """The part of this math in ``used`` (what ``emulated`` saw a block's ops apply)."""
+        return DeviceMath(self.autocast_dtype if "autocast" in used else None,
+                          tuple(r for r in self.reduced if r[0] in used), self.policy)
+
     def describe(self) -> str:
         """``'autocast float16; TF32 for matmul, conv'`` for reports."""
         parts = []
@@ -205,17 +210,19 @@ def round_mantissa(t: torch.Tensor, bits: int) -> torch.Tensor:
 _NOTHING = contextlib.nullcontext()  # reusable: entering it holds no state
 
 
-def emulated(math: DeviceMath):
-    """CPU ops in this block compute as the device declared (``math``); nothing when it declares nothing."""
+def emulated(math: DeviceMath, used: set | None = None):
+    """CPU ops in this block compute as the device declared (``math``); nothing when it declares nothing. ``used``
+    collects what the block's ops applied: ``"autocast"`` and the reduced-precision families (``"matmul"``, ...)."""
     if not math:
         return _NOTHING  # the common case: no generator-based context built per rerun
     key = _install(math.policy)
-    return _NOTHING if key is None else _emulating(math, key)
+    return _NOTHING if key is None else _emulating(math, key, used)
 
 
 @contextlib.contextmanager
-def _emulating(math: DeviceMath, key):
-    previous = getattr(_state, "math", None)
+def _emulating(math: DeviceMath, key, used: set | None):
+    previous, previous_used = getattr(_state, "math", None), getattr(_state, "used", None)
+    _state.used = used
     was_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded(key)
     was_included = torch._C._dispatch_tls_is_dispatch_key_included(key)
     _state.math, _state.inside_policy = math, False
@@ -226,7 +233,7 @@ def _emulating(math: DeviceMath, key):
     finally:
         torch._C._dispatch_tls_set_dispatch_key_included(key, was_included)
         torch._C._dispatch_tls_set_dispatch_key_excluded(key, was_excluded)
-        _state.math = previous
+        _state.math, _state.used = previous, previous_used
 
 
 def _install(policy: AutocastPolicy):
@@ -312,10 +319,13 @@ def _kernel(op, key):
         if math.autocast_dtype is not None and not _state.inside_policy:
             table = _policy_table(math.policy)
             policy = table.get(qualified) or table.get(packet)
+        used = getattr(_state, "used", None)
         if policy is not None:
             args, kwargs = _apply_policy(policy, math.autocast_dtype, op, args, kwargs)
+            if used is not None:
+                used.add("autocast")
         if rounded_operands and math.reduced:
-            args, kwargs = _round_operands(math, rounded_operands, args, kwargs)
+            args, kwargs = _round_operands(math, rounded_operands, args, kwargs, used)
         run = (lambda *a, **k: unfused(*a, **k)) if unfused is not None and dict(math.reduced).get("matmul") \
             else functools.partial(op.redispatch, keyset)
         if policy is None:
@@ -373,7 +383,7 @@ def _dtype_given(op, args) -> bool:
     return False
 
 
-def _round_operands(math: DeviceMath, operands: dict, args: tuple, kwargs: dict):
+def _round_operands(math: DeviceMath, operands: dict, args: tuple, kwargs: dict, used: set | None):
     reduced = dict(math.reduced)
     for family, places in operands.items():
         form = reduced.get(family)
@@ -382,10 +392,16 @@ def _round_operands(math: DeviceMath, operands: dict, args: tuple, kwargs: dict)
         bits = MANTISSA_BITS.get(form, MANTISSA_BITS["tf32"])
         args = list(args)
         for position, keyword in places:
+            value = args[position] if position < len(args) else kwargs.get(keyword)
+            rounded = _rounded(value, bits)
+            if rounded is value:
+                continue
+            if used is not None:
+                used.add(family)
             if position < len(args):
-                args[position] = _rounded(args[position], bits)
-            elif keyword in kwargs:
-                kwargs = {**kwargs, keyword: _rounded(kwargs[keyword], bits)}
+                args[position] = rounded
+            else:
+                kwargs = {**kwargs, keyword: rounded}
         args = tuple(args)
     return args, kwargs
 

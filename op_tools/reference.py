@@ -137,11 +137,12 @@ def attempts_for(requested: dict) -> list[tuple[dict, str]]:
 class Reference:
     """One reference run: its arguments, result, leaves (for backward) and, per written argument, its result."""
 
-    __slots__ = ("args", "kwargs", "result", "leaves", "mapped", "note")
+    __slots__ = ("args", "kwargs", "result", "leaves", "mapped", "note", "math_used")
 
-    def __init__(self, args, kwargs, result, leaves, mapped, note: str) -> None:
+    def __init__(self, args, kwargs, result, leaves, mapped, note: str, math_used: DeviceMath | None = None) -> None:
         self.args, self.kwargs, self.result, self.leaves, self.mapped, self.note = \
             args, kwargs, result, leaves, mapped, note
+        self.math_used = math_used  # the part of the device's declared math its ops applied (same-dtype runs)
 
 
 def run_reference(func, cpu_args, cpu_kwargs, attempts, owned: set, grad_snaps: list) -> tuple[Reference | None, str]:
@@ -177,12 +178,14 @@ def run_same_dtype(func, cpu_args, cpu_kwargs, owned: set, math: DeviceMath, gra
     mapped: dict = {}
     args = recast(cpu_args, {}, owned, leaves, mapped)
     kwargs = recast(cpu_kwargs, {}, owned, leaves, mapped)
+    used: set = set()
     try:
-        with torch.set_grad_enabled(bool(grad_snaps)), isolated(), emulated(math):
+        with torch.set_grad_enabled(bool(grad_snaps)), isolated(), emulated(math, used):
             result = func(*args, **kwargs)
     except _ERRORS:
         return None if grad_snaps else _rounded_float32(func, cpu_args, cpu_kwargs, owned, math)
-    return Reference(args, kwargs, result, [leaves[id(s)] for s in grad_snaps], mapped, "")
+    return Reference(args, kwargs, result, [leaves[id(s)] for s in grad_snaps], mapped, "",
+                     math.only(used) if used else None)
 
 
 def meta_dtypes(func, cpu_args, cpu_kwargs, math: DeviceMath) -> tuple | None:
@@ -204,15 +207,16 @@ def _rounded_float32(func, cpu_args, cpu_kwargs, owned: set, math: DeviceMath):
     mapped: dict = {}
     args = recast(cpu_args, wide, owned, None, mapped)
     kwargs = recast(cpu_kwargs, wide, owned, None, mapped)
+    used: set = set()
     try:
-        with torch.no_grad(), isolated(), emulated(math):
+        with torch.no_grad(), isolated(), emulated(math, used):
             result = func(*args, **kwargs)
     except _ERRORS:
         return None
     if narrow is not None:
         result = map_tensors(result, lambda t: t.to(narrow) if t.dtype == torch.float32 else t)
         mapped = {k: v.to(narrow) if v.dtype == torch.float32 else v for k, v in mapped.items()}
-    return Reference(args, kwargs, result, [], mapped, "")
+    return Reference(args, kwargs, result, [], mapped, "", math.only(used) if used else None)
 
 
 def _first_low_precision(*objs) -> torch.dtype | None:

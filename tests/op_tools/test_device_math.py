@@ -42,6 +42,8 @@ def test_tf32_models_report_no_failure_and_say_tf32(sim, tf32, workload):
         workload(sim)
     assert tool.failures == []
     assert "TF32 for" in tool.summary() and "matmul" in tool.summary()
+    # counted where a same-dtype reference applied it, not for every call made while the switches were on
+    assert 0 < sum(tool.device_math.values()) < tool.counts["forward compared"]
 
 
 def test_a_fault_above_tf32_rounding_is_found_first_under_tf32(sim, tf32):
@@ -50,6 +52,7 @@ def test_a_fault_above_tf32_rounding_is_found_first_under_tf32(sim, tf32):
     with op_tools.OpAutoCompare() as tool, ditorch.sim.faults("silu:noise=1e-2"):
         zoo.llama_float32(sim)
     assert tool.failures and tool.failures[0]["op"] == "torch.nn.functional.silu"
+    assert "TF32" not in tool.failures[0]["error_info"]  # silu has no TF32 operand: the note would mislead
     with op_tools.OpAutoCompare() as tool, ditorch.sim.faults("mm:noise=1e-2"):
         zoo.llama_float32(sim)
     assert tool.failures and tool.failures[0]["op"] == "torch.nn.functional.linear"
