@@ -38,7 +38,7 @@ import weakref
 
 import torch
 
-from . import reporting
+from . import reporting, result_files
 from .arguments import iter_items, iter_tensors, map_tensors
 from .capture import TensorStore
 from .comparison import (
@@ -194,7 +194,7 @@ class OpAutoCompare(OpTool):
         self._tolerance = self.settings.tolerance or None  # None: no variable set, nothing to look up per call
         # a tensor of two saved calls is written once, as OpCapture does
         self.store = TensorStore(dedup=True, tally=self.tally)
-        self.writer = reporting.BackgroundWriter("OpAutoCompare")
+        self.writer = result_files.BackgroundWriter("OpAutoCompare")
         self.saved: collections.Counter = collections.Counter()  # op -> failing calls saved
         self.not_saved: collections.Counter = collections.Counter()  # op -> failing calls past OP_AUTOCOMPARE_MAX_SAVED
         self.counts: collections.Counter = collections.Counter()
@@ -576,7 +576,7 @@ class OpAutoCompare(OpTool):
                     self.saved[name] += 1
                 else:
                     self.not_saved[name] += 1
-            base = state["save_dir"] = reporting.results_path(
+            base = state["save_dir"] = result_files.results_path(
                 self.common, "op_capture_results", name, self.pid_folder, "autocompare", str(forward_id),
                 time.strftime("%Y-%m-%d-%H-%M-%S", time.localtime())) if allowed else ""
         if not base:
@@ -614,10 +614,11 @@ class OpAutoCompare(OpTool):
         self._copies = HostCopies()
         text = self.summary()
         if self.rows:
-            path = reporting.results_path(self.common, self.results_folder, f"op_autocompare_info_{self.stem}.csv")
+            path = result_files.results_path(self.common, self.results_folder, f"op_autocompare_info_{self.stem}.csv")
             rows = [{"op": op, "forward_id": forward_id, "phase": phase, "module": module, **c.row(),
                      "location": location} for op, forward_id, phase, c, location, module in self.rows]
-            self.tally.add(path, reporting.write_csv(path, [{c: row.get(c, "") for c in CSV_COLUMNS} for row in rows]))
+            self.tally.add(path, result_files.write_csv(path, [{c: row.get(c, "") for c in CSV_COLUMNS}
+                                                               for row in rows]))
             text += f"\nOpAutoCompare: {len(self.rows)} comparisons saved in {path}"
         self._logger.log(logging.WARNING if self.failures else logging.INFO, text)
 
@@ -638,7 +639,7 @@ class OpAutoCompare(OpTool):
                 f"{described} ({n} calls)" for described, n in self.device_math.most_common()))
         if self.saved:
             lines.append(f"{sum(self.saved.values())} failing calls saved for the replay under "
-                         f"{reporting.results_path(self.common, 'op_capture_results')}"
+                         f"{result_files.results_path(self.common, 'op_capture_results')}"
                          + (f"; {sum(self.not_saved.values())} more not saved (OP_AUTOCOMPARE_MAX_SAVED="
                             f"{self.settings.max_saved} per op)" if self.not_saved else ""))
         if self.stale_copies:

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from . import reporting
+from . import reporting, result_files
 from .arguments import iter_items
 from .config import CAPTURE_DEDUP, CAPTURE_MAX_BYTES, CAPTURE_MODE, CAPTURE_STATS_MAX_TENSORS, Sources
 from .engine import OpCall, OpTool, feature
@@ -59,7 +59,7 @@ class TensorStore:
 
     MAX_ENTRIES = 200_000
 
-    def __init__(self, dedup: bool, tally: reporting.Tally | None = None) -> None:
+    def __init__(self, dedup: bool, tally: result_files.Tally | None = None) -> None:
         self.dedup = dedup
         self.tally = tally
         self.bytes_written = 0
@@ -71,7 +71,7 @@ class TensorStore:
         fresh: list[tuple[tuple, list]] = []
         with torch.no_grad():
             encoded = self._encode(payload, [], path, fresh, {})
-        size = reporting.save_torch(path, encoded)
+        size = result_files.save_torch(path, encoded)
         if self.tally is not None:
             self.tally.add(path, size)
         with self._lock:
@@ -257,7 +257,7 @@ class OpCapture(OpTool):
         self.recorder: RunRecorder | None = None
         if self.settings.mode == "stats":
             self.handles_cpu_calls = True  # a CPU run is one side of a comparison
-            path = reporting.results_path(self.common, self.results_folder, f"run_{self.stem}.jsonl")
+            path = result_files.results_path(self.common, self.results_folder, f"run_{self.stem}.jsonl")
             self.recorder = RunRecorder(path, self.settings.stats_max_tensors, self.common.rank)
 
     def _over_limit(self, call: OpCall) -> bool:
@@ -272,7 +272,7 @@ class OpCapture(OpTool):
             reporting.logger.warning(
                 "OpCapture: the limit of %s (max_bytes / %s) is reached: %s saved in %d files under %s; "
                 "later calls are not saved", _size(limit), CAPTURE_MAX_BYTES.name, _size(self.store.bytes_written),
-                self.store.files_written, reporting.results_path(self.common, self.results_folder))
+                self.store.files_written, result_files.results_path(self.common, self.results_folder))
         self.calls_not_saved += 1
         return True
 
@@ -286,7 +286,7 @@ class OpCapture(OpTool):
         if self._over_limit(call):
             return
         stamp = time.strftime("%Y-%m-%d-%H-%M-%S", time.localtime())
-        directory = reporting.results_path(self.common, self.results_folder, call.name, self.pid_folder,
+        directory = result_files.results_path(self.common, self.results_folder, call.name, self.pid_folder,
                                            str(call.forward_id), stamp)
         call.state["dir"] = directory
         payload = {"name": call.name, "args": call.args, "kwargs": call.kwargs, "identifier": "input"}
@@ -356,16 +356,16 @@ class OpCapture(OpTool):
         if self.settings.mode != "summary" or not self.summary:
             return
         rows = sorted(self.summary.values(), key=lambda r: (r["op"], -r["count"]))
-        stem = reporting.results_path(self.common, self.results_folder, f"summary_{self.stem}")
+        stem = result_files.results_path(self.common, self.results_folder, f"summary_{self.stem}")
         table_rows = [{k: r[k] for k in ("op", "count", "shapes", "dtypes", "strides", "location")} for r in rows]
-        self.tally.add(stem + ".csv", reporting.write_csv(stem + ".csv", table_rows))
+        self.tally.add(stem + ".csv", result_files.write_csv(stem + ".csv", table_rows))
         lines, current = [], None
         for row in rows:
             if row["op"] != current:
                 current = row["op"]
                 lines.append(f"Operator: {current}")
             lines.append(f"cnt: {row['count']}, {row['signature']}")
-        self.tally.add(stem + ".txt", reporting.write_text(stem + ".txt", "\n".join(lines) + "\n"))
+        self.tally.add(stem + ".txt", result_files.write_text(stem + ".txt", "\n".join(lines) + "\n"))
         more = len(table_rows) - SUMMARY_SHOWN
         self._logger.info(reporting.table_text(table_rows[:SUMMARY_SHOWN])
                       + (f"\n{more} more rows in the files" if more > 0 else "") + f"\nsaved {stem}.csv and {stem}.txt")

@@ -43,7 +43,7 @@ import torch
 from torch._C._autograd import _get_sequence_nr as _sequence_nr
 from torch.overrides import TorchFunctionMode
 
-from . import module_path, reporting, targeting
+from . import module_path, reporting, result_files, targeting
 from .arguments import call_device, iter_tensors
 from .call_backward import CallBackward
 from .config import CommonConfig, OpFilter
@@ -203,7 +203,7 @@ class OpTool:
         # True while a mode shows this tool every torch call of its thread (not with targeted wrappers or
         # apply_feature, which see only the functions they wrap: writes elsewhere go unseen)
         self.sees_every_call = False
-        self.stem = ""  # pid<pid>_<time>_<n>: this session's file names (reporting.session_stem)
+        self.stem = ""  # pid<pid>_<time>_<n>: this session's file names (result_files.session_stem)
         # Set by configure() to handle calls whose tensors are all on the CPU too (by default the CPU is the
         # reference and its calls run untouched); such calls get device cpu.
         self.handles_cpu_calls = False
@@ -310,11 +310,11 @@ class OpTool:
     def _prepare_output(self) -> None:
         """Logging levels and handler, this session's file tally, and the results folder probed for writing."""
         reporting.configure_logging(self.common.verbose)
-        self.tally = reporting.Tally(reporting.results_path(self.common, self.results_folder)
+        self.tally = result_files.Tally(result_files.results_path(self.common, self.results_folder)
                                      if self.results_folder else None, f"{type(self).__name__} writing")
         self.handled: collections.Counter = collections.Counter()  # calls handled per op name
         if self.results_folder:
-            reporting.prepare_results_folder(self.common, self.results_folder, type(self).__name__)
+            result_files.prepare_results_folder(self.common, self.results_folder, type(self).__name__)
 
     def closing_line(self) -> str:
         """The line logged at ``stop()`` (INFO): what the tool handled and what it wrote where."""
@@ -341,7 +341,7 @@ class OpTool:
         self.sources = sources_for(self)
         self.common = CommonConfig.from_env(self.sources)
         self.filter = OpFilter.from_env(self.env_prefix, self.sources) if self.env_prefix else OpFilter(None, None)
-        self.stem = reporting.session_stem()
+        self.stem = result_files.session_stem()
         self._prepare_output()
         self.configure()
         typo_check.check_environment()

@@ -24,7 +24,10 @@ if __package__ in (None, ""):  # run as a file: import the package, not the modu
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
     sys.path.insert(0, os.path.dirname(_here))
 
-from op_tools import reporting  # noqa: E402
+from op_tools import (
+    reporting,  # noqa: E402
+    result_files,  # noqa: E402
+)
 from op_tools.config import CommonConfig  # noqa: E402
 from op_tools.replay import ReplayError, ReplayOptions, find_entries, replay, summary_row  # noqa: E402
 
@@ -177,22 +180,22 @@ def _say(message: str, bar) -> None:
 
 def _finish(results, time_rows, options: ReplayOptions, env: dict, args) -> int:
     common = CommonConfig.from_env()
-    stem = reporting.session_stem()
+    stem = result_files.session_stem()
     summary = [summary_row(r) for r in results]
     shown = [console_row(row, options) for row in summary]
     empty = {c for c in ("checks", "detail") if not any(row.get(c) for row in shown)}  # say nothing: not shown
     lines = [reporting.table_text(shown, tuple(c for c in shown[0] if c not in empty))]
-    summary_path = reporting.results_path(common, RESULTS_FOLDER, f"replay_summary_{stem}.csv")
-    reporting.write_csv(summary_path, summary)
+    summary_path = result_files.results_path(common, RESULTS_FOLDER, f"replay_summary_{stem}.csv")
+    result_files.write_csv(summary_path, summary)
     lines.append(f"summary saved to {summary_path}")
     if time_rows:
-        times_path = reporting.results_path(common, RESULTS_FOLDER, f"replay_times_{stem}.csv")
-        reporting.write_csv(times_path, time_rows)
+        times_path = result_files.results_path(common, RESULTS_FOLDER, f"replay_times_{stem}.csv")
+        result_files.write_csv(times_path, time_rows)
         lines.append(f"per-run times saved to {times_path}")
     if args.report is not None:
-        report_path = (reporting.results_path(common, RESULTS_FOLDER, f"replay_report_{stem}.md")
+        report_path = (result_files.results_path(common, RESULTS_FOLDER, f"replay_report_{stem}.md")
                        if args.report == "md" else args.report)
-        reporting.write_text(report_path, markdown_report(summary, options, env, args.dir))
+        result_files.write_text(report_path, markdown_report(summary, options, env, args.dir))
         lines.append(f"Markdown report saved to {report_path}")
     counts = collections.Counter(r.status for r in results)
     lines.append(f"{len(results)} entries: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s] or s in

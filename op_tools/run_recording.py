@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from . import reporting
+from . import reporting, result_files
 from .arguments import iter_items
 from .tensor_stats import STAT_FIELDS, host_values, stats_to_host, tensor_stats
 
@@ -99,7 +99,7 @@ class RunRecorder:
 
     def __init__(self, path: str, max_tensors: int, rank: int | None) -> None:
         self.max_tensors = max_tensors
-        self.file = reporting.JsonLinesFile(path)
+        self.file = result_files.JsonLinesFile(path)
         self.file.write({"format": FORMAT, "version": FORMAT_VERSION, "tensor_fields": list(TENSOR_FIELDS),
                          "torch": torch.__version__, "rank": rank, "pid": os.getpid()})
         self.step = 0

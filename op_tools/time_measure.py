@@ -31,7 +31,7 @@ import time
 import torch
 from torch.autograd.profiler import record_function
 
-from . import reporting
+from . import reporting, result_files
 from .config import TIME_MEASURE_SYNC
 from .device_timing import EventClock, HostClock, clock_for, device_synchronizer  # noqa: F401 - device_synchronizer: replay's
 from .engine import OpCall, OpTool, feature, tool_work
@@ -427,18 +427,18 @@ class OpTimeMeasure(OpTool):
             trace = measurements.trace()
         stem = self.stem
         self.written = {
-            "calls": reporting.results_path(self.common, RESULTS_FOLDER, f"op_elasped_info_{stem}.csv"),
-            "summary": reporting.results_path(self.common, RESULTS_FOLDER, f"op_elasped_summary_{stem}.csv"),
-            "modules": reporting.results_path(self.common, RESULTS_FOLDER, f"op_elasped_modules_{stem}.csv"),
-            "trace": reporting.results_path(self.common, RESULTS_FOLDER, f"op_elasped_trace_{stem}.json"),
+            "calls": result_files.results_path(self.common, RESULTS_FOLDER, f"op_elasped_info_{stem}.csv"),
+            "summary": result_files.results_path(self.common, RESULTS_FOLDER, f"op_elasped_summary_{stem}.csv"),
+            "modules": result_files.results_path(self.common, RESULTS_FOLDER, f"op_elasped_modules_{stem}.csv"),
+            "trace": result_files.results_path(self.common, RESULTS_FOLDER, f"op_elasped_trace_{stem}.json"),
         }
         tally = self.tally.add
-        tally(self.written["calls"], reporting.write_csv(self.written["calls"],
+        tally(self.written["calls"], result_files.write_csv(self.written["calls"],
                                                          [{c: row[c] for c in CALL_COLUMNS} for row in calls]))
-        tally(self.written["summary"], reporting.write_csv(self.written["summary"], summary))
-        tally(self.written["modules"], reporting.write_csv(self.written["modules"], modules))
+        tally(self.written["summary"], result_files.write_csv(self.written["summary"], summary))
+        tally(self.written["modules"], result_files.write_csv(self.written["modules"], modules))
         # compact: a trace has an event per call, and indenting would triple its size and writing time
-        tally(self.written["trace"], reporting.write_atomic(
+        tally(self.written["trace"], result_files.write_atomic(
             self.written["trace"], lambda f: f.write(json.dumps(trace, separators=(",", ":")))))
         forward = sum(t.forward_ns for t in measurements.totals.values())
         backward = sum(t.backward_ns for t in measurements.totals.values())

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from .. import reporting
+from .. import reporting, result_files
 from ..config import CommonConfig
 from ..run_recording import RecordingFormatError
 from .comparison import compare
@@ -34,10 +34,10 @@ def main(argv=None) -> int:
     except (RecordingFormatError, ValueError, OSError) as e:
         print(f"compare_runs: {e}", file=sys.stderr)
         return 2
-    stem = reporting.results_path(CommonConfig.from_env(), "compare_runs", f"compare_{reporting.session_stem()}")
+    stem = result_files.results_path(CommonConfig.from_env(), "compare_runs", f"compare_{result_files.session_stem()}")
     csv_path = args.csv or stem + ".csv"
     html_path = args.html or os.path.splitext(csv_path)[0] + ".html"
-    reporting.write_csv(csv_path, csv_rows(result))
-    reporting.write_text(html_path, render(result))
+    result_files.write_csv(csv_path, csv_rows(result))
+    result_files.write_text(html_path, render(result))
     reporting.console(console_report(result, [csv_path, html_path]))
     return 1 if result.divergences else 0

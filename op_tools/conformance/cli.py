@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from .. import reporting
+from .. import reporting, result_files
 from ..comparison import ToleranceSpec
 from ..config import CommonConfig
 from . import html, report
@@ -289,7 +289,7 @@ def _progress(pool: WorkerPool, todo: list[Task], options: CaseOptions, device: 
 
 def write_reports(rows: list[Row], folder: str, title: str, other: list[Row] | None, other_label: str) -> str:
     write_csv(os.path.join(folder, CSV_FILE), rows)
-    reporting.write_text(os.path.join(folder, HTML_FILE), html.render(rows, title, other, other_label))
+    result_files.write_text(os.path.join(folder, HTML_FILE), html.render(rows, title, other, other_label))
     text = report.summary(rows, title, other, other_label)
     reporting.console(text)
     reporting.console(f"CSV: {os.path.join(folder, CSV_FILE)}\nHTML: {os.path.join(folder, HTML_FILE)}")
@@ -362,9 +362,9 @@ def _main(args) -> int:
     if args.resume:
         folder = os.path.dirname(find_results_file(args.resume)) or "."
     else:
-        folder = args.output or reporting.results_path(
+        folder = args.output or result_files.results_path(
             CommonConfig.from_env(), RESULTS_FOLDER,
-            f"{settings.device.replace(':', '')}_{reporting.session_stem()}")
+            f"{settings.device.replace(':', '')}_{result_files.session_stem()}")
     rows, details, interrupted = sweep(settings, folder, bool(args.resume), args.timeout, args.jobs, args.sample)
     write_reports(rows, folder, _title(settings.device), other, other_label)
     if args.sample is not None:

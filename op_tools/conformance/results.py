@@ -164,9 +164,9 @@ def _cell(value) -> str:
 
 
 def write_csv(path: str, rows: list[Row]) -> None:
-    from .. import reporting  # the one writer of files (atomic)
+    from .. import result_files  # the one writer of files (atomic)
 
-    reporting.write_csv(path, [{c: _cell(getattr(r, c)) for c in CSV_COLUMNS} for r in rows])
+    result_files.write_csv(path, [{c: _cell(getattr(r, c)) for c in CSV_COLUMNS} for r in rows])
 
 
 def read_csv(path: str) -> list[Row]:

@@ -12,7 +12,7 @@ from subprocess_env import child_env
 
 import ditorch.sim
 import op_tools
-from op_tools import reporting
+from op_tools import reporting, result_files
 
 TOOLS = ("OpObserve", "OpAutoCompare", "OpTimeMeasure", "OpCapture", "OpOverflowCheck", "OpFallback", "OpDtypeCast")
 
@@ -153,7 +153,7 @@ def test_long_cells_are_shortened_to_fit_and_files_keep_them_whole(tmp_path):
     text = reporting.table_text(rows)
     assert max(len(line) for line in text.splitlines()) <= reporting.CONSOLE_WIDTH
     assert "…" in text and "torch.nn.func" in text and "inputs[0]" in text  # both ends of a shortened cell
-    reporting.write_csv(str(tmp_path / "t.csv"), rows)
+    result_files.write_csv(str(tmp_path / "t.csv"), rows)
     assert rows[0]["value"] in (tmp_path / "t.csv").read_text()
     assert reporting.table_text([{"a": "short"}]) == reporting.table([{"a": "short"}]).get_string()
 
@@ -213,14 +213,14 @@ def test_closing_line_counts_the_files_and_bytes_written(sim, caplog):
     assert capture.tally.files == len(files) == 2 and capture.tally.bytes == size
     folder = os.path.join(os.environ["OP_TOOLS_RESULTS_DIR"], "op_capture_results")
     shown = folder if os.path.relpath(folder).startswith("..") else os.path.relpath(folder)
-    assert line == f"OpCapture: 1 calls of 1 op handled; wrote 2 files ({reporting.human_size(size)}) in {shown}"
+    assert line == f"OpCapture: 1 calls of 1 op handled; wrote 2 files ({result_files.human_size(size)}) in {shown}"
     assert stat.S_ISREG(os.stat(files[0]).st_mode)
 
 
 PROGRESS = """
 import torch, ditorch, op_tools
-from op_tools import reporting
-reporting.Tally.PROGRESS_AFTER = reporting.Tally.PROGRESS_EVERY = 0.0  # draw at once: a short run in a test
+from op_tools import result_files
+result_files.Tally.PROGRESS_AFTER = result_files.Tally.PROGRESS_EVERY = 0.0  # draw at once: a short run in a test
 x = torch.ones(2, device="cuda")
 with op_tools.OpCapture():
     for _ in range(5):
