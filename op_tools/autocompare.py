@@ -19,7 +19,7 @@ are never rerun: a rerun would draw other numbers, and would consume the user's 
 checked once more with its cached input copies re-read from the device, so a copy made stale by a write no call
 showed never raises a false alarm.
 
-Failing calls are printed (every call with ``OP_TOOLS_VERBOSE=1``) and saved, in OpCapture's file format,
+Failing calls are printed (every call with ``OP_TOOLS_VERBOSE=1``) and saved (``failing_calls``) in OpCapture's format
 under ``op_capture_results/<op>/<pid>/autocompare/<forward_id>/<time>/{device,cpu}/``. At ``stop()``: a summary,
 the failing ops in execution order, and a CSV in ``op_autocompare_result/``.
 """
@@ -33,14 +33,12 @@ import itertools
 import logging
 import os
 import threading
-import time
 import weakref
 
 import torch
 
 from . import reporting, result_files
 from .arguments import iter_items, iter_tensors, map_tensors
-from .capture import TensorStore
 from .comparison import (
     COLUMNS,
     Comparison,
@@ -62,6 +60,7 @@ from .config import (
 )
 from .device_math import DeviceMath
 from .engine import OpCall, OpTool, feature
+from .failing_calls import FailingCalls
 from .host_copies import HostCopies, snapshot
 from .naming import CONVERSIONS, VIEW_OPS
 from .random_calls import GeneratorProbe, cpu_generator_token, random_reason
@@ -70,7 +69,6 @@ from .reference import (
     attempts_for,
     map_arguments,
     meta_dtypes,
-    recast,
     reference_backward,
     run_reference,
     run_same_dtype,
@@ -192,11 +190,7 @@ class OpAutoCompare(OpTool):
     def configure(self) -> None:
         self.settings = AutoCompareConfig.from_env(self.sources)
         self._tolerance = self.settings.tolerance or None  # None: no variable set, nothing to look up per call
-        # a tensor of two saved calls is written once, as OpCapture does
-        self.store = TensorStore(dedup=True, tally=self.tally)
-        self.writer = result_files.BackgroundWriter("OpAutoCompare")
-        self.saved: collections.Counter = collections.Counter()  # op -> failing calls saved
-        self.not_saved: collections.Counter = collections.Counter()  # op -> failing calls past OP_AUTOCOMPARE_MAX_SAVED
+        self.saving = FailingCalls(self.common, self.settings.max_saved, self.pid_folder, self.tally, self._logger)
         self.counts: collections.Counter = collections.Counter()
         self.skipped: collections.Counter = collections.Counter()
         self.backward_not_compared: collections.Counter = collections.Counter()
@@ -327,7 +321,7 @@ class OpAutoCompare(OpTool):
             self._print_forward(call, reference, comparisons, location, passed, level)
         state["grad_snaps"] = [host_of[id(t)] for t in call.grad_inputs]
         if not passed:
-            self._save(call.name, call.forward_id, state, device_out, ref_out, reference)
+            self._save(call.name, call.forward_id, state, device_out, ref_out)
             state["saved_forward"] = True
         if not wants_backward:
             state.clear()
@@ -494,7 +488,7 @@ class OpAutoCompare(OpTool):
             self._logger.log(level, reporting.header(call.name, call.forward_id, location, "backward")
                          + "\n" + reporting.call_table(call.name, rows, CONSOLE_COLUMNS))
         if not passed or state.get("saved_forward"):  # a call saved for its forward gets its gradients too
-            self._save(call.name, call.forward_id, state, state["device_out"], state["ref_out"], state["ref"],
+            self._save(call.name, call.forward_id, state, state["device_out"], state["ref_out"],
                        grads=(device_grads_cpu, tuple(upstream_cpu), reference_grads))
         state.clear()
 
@@ -565,51 +559,14 @@ class OpAutoCompare(OpTool):
                      + reporting.call_table(call.name, arg_rows) + "\n"
                      + reporting.call_table(call.name, rows, CONSOLE_COLUMNS))
 
-    def _save(self, name: str, forward_id: int, state: dict, device_out, ref_out, reference, grads=None) -> None:
-        """Save a failing call (its host copies made now, the files written in the background), up to
-        ``OP_AUTOCOMPARE_MAX_SAVED`` calls of each op; later ones are counted."""
-        base = state.get("save_dir")
-        if base is None:
-            with self._lock:
-                allowed = self.saved[name] < self.settings.max_saved
-                if allowed:
-                    self.saved[name] += 1
-                else:
-                    self.not_saved[name] += 1
-            base = state["save_dir"] = result_files.results_path(
-                self.common, "op_capture_results", name, self.pid_folder, "autocompare", str(forward_id),
-                time.strftime("%Y-%m-%d-%H-%M-%S", time.localtime())) if allowed else ""
-        if not base:
-            return
-        if not state.get("saved_forward"):
-            cast = self.settings.casts.get(op_key(name), DEFAULT_REFERENCE_CAST)
-            # the inputs whose gradients were compared are saved requiring grad: the replay runs their backward
-            marked = {id(h) for h in state.get("grad_snaps", ())}
-            device_args, device_kwargs = (_marked(state[k], marked) for k in ("cpu_args", "cpu_kwargs"))
-            ref_args, ref_kwargs = recast(device_args, cast), recast(device_kwargs, cast)
-            for side, args, kwargs, out in (("device", device_args, device_kwargs, device_out),
-                                            ("cpu", ref_args, ref_kwargs, ref_out)):
-                self._write(base, side, "input", name, args, kwargs)
-                self._write(base, side, "output", name, _flat_out(out), {})
-        if grads is not None:
-            device_grads, upstream, reference_grads = grads
-            upstream64 = tuple(None if g is None else g.double() if g.is_floating_point() else g for g in upstream)
-            self._write(base, "device", "grad_inputs", name, device_grads, {})
-            self._write(base, "device", "grad_outputs", name, upstream, {})
-            self._write(base, "cpu", "grad_inputs", name, tuple(reference_grads), {})
-            self._write(base, "cpu", "grad_outputs", name, upstream64, {})
-        self._logger.debug("OpAutoCompare: saved %s", base)
-
-    def _write(self, base: str, side: str, identifier: str, name: str, args, kwargs) -> None:
-        args = map_tensors(tuple(args), _on_host)  # values compared on their device are copied now
-        path = os.path.join(base, side, f"{identifier}.pth")
-        payload = {"name": name, "args": tuple(args), "kwargs": dict(kwargs), "identifier": identifier}
-        self.writer.submit(lambda: self.store.save(path, payload), path)
+    def _save(self, name: str, forward_id: int, state: dict, device_out, ref_out, grads=None) -> None:
+        cast = self.settings.casts.get(op_key(name), DEFAULT_REFERENCE_CAST)
+        self.saving.save(name, forward_id, state, cast, device_out, ref_out, grads)
 
     def finish(self) -> None:
         for call in list(self._pending.values()):  # calls whose backward never ran
             call.state.clear()
-        self.writer.drain()
+        self.saving.drain()
         self._pending = weakref.WeakValueDictionary()
         self._copies = HostCopies()
         text = self.summary()
@@ -637,11 +594,8 @@ class OpAutoCompare(OpTool):
         if self.device_math:
             lines.append("device math replayed by the same-dtype reference where the op used it: " + ", ".join(
                 f"{described} ({n} calls)" for described, n in self.device_math.most_common()))
-        if self.saved:
-            lines.append(f"{sum(self.saved.values())} failing calls saved for the replay under "
-                         f"{result_files.results_path(self.common, 'op_capture_results')}"
-                         + (f"; {sum(self.not_saved.values())} more not saved (OP_AUTOCOMPARE_MAX_SAVED="
-                            f"{self.settings.max_saved} per op)" if self.not_saved else ""))
+        if self.saving.saved:
+            lines.append(self.saving.summary_line())
         if self.stale_copies:
             lines.append(f"{self.stale_copies} cached input copies were out of date (written by something no call "
                          "showed) and were re-read before the verdict")
@@ -693,23 +647,6 @@ def _in_device_memory(t: torch.Tensor) -> bool:
         return t.untyped_storage().device.type != "cpu"
     except (RuntimeError, NotImplementedError, TypeError):
         return True
-
-
-def _on_host(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_cpu else snapshot(t)
-
-
-def _marked(obj, marked: set):
-    """``obj`` with the tensors whose id is in ``marked`` as new leaves requiring grad (for a saved call)."""
-    if not marked:
-        return obj
-    return map_tensors(obj, lambda t: t.detach().requires_grad_() if id(t) in marked else t)
-
-
-def _flat_out(out) -> tuple:
-    """The device and reference values a saved call holds: the outputs, then the written arguments."""
-    result, *written = out
-    return (*reporting.as_tuple(result), *written)
 
 
 def _leaf_dtypes(result) -> tuple:
