@@ -8,13 +8,13 @@ hardly move, while each fingerprint moves by about ``r * rms``, independently: t
 estimates the elementwise difference of two runs to about 18%.
 
 Three passes over the tensor, each a reduction accumulating in float32 (float64 for float64 tensors), no copy of a
-floating tensor, no matmul (TF32 would round the operands): ``aminmax``, the block sums, ``vector_norm``; then
-17 x 1021 products, whose first row (all ones) gives the sum. As few launches as that allows, and the pieces of
-all the tensors of a call joined by one ``stack`` and one ``cat`` (``stats_to_host``): on a host or sim each op
-costs microseconds of Python whatever its size, and most tensors of a step are small. The divisions by ``numel``
-and ``sqrt(numel)`` are left to the host (``host_values``). The nan and inf counts are not computed on this path:
-when the minimum, maximum, sum and norm read back are all finite there is none; otherwise ``nonfinite_counts``
-counts them (a second transfer, for tensors holding nan or inf only).
+contiguous floating tensor, no matmul (TF32 would round the operands): ``aminmax``, the block sums,
+``vector_norm``; then 17 x 1021 products, whose first row (all ones) gives the sum. As few launches as that
+allows, and the pieces of all the tensors of a call joined by one ``stack`` and one ``cat`` (``stats_to_host``):
+on a host or sim each op costs microseconds of Python whatever its size, and most tensors of a step are small.
+The divisions by ``numel`` and ``sqrt(numel)`` are left to the host (``host_values``). The nan and inf counts
+are not computed on this path: when the minimum, maximum, sum and norm read back are all finite there is none;
+otherwise ``nonfinite_counts`` counts them (a second transfer, for tensors holding nan or inf only).
 
 Where it runs: every step of ``tensor_stats`` on the tensor's device, asynchronously; ``stats_to_host`` joins a
 call's pieces into one tensor per device, so that a call costs one device-to-host transfer (one per device for a
