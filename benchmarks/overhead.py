@@ -9,13 +9,16 @@ Conditions, each timed over ``--steps`` training steps (forward, backward, AdamW
     dispatch, ``op_tools/targeting.py``), so the decision is made once at ``start()``;
 (c') the same list written as a regular expression: the tool pushes a function mode and decides per call;
 (d) each tool doing its work on every op (``OP_TOOLS_VERBOSE=0``: files are written, per-call
-    tables are not printed).
+    tables are not printed);
+(e) a tool started and stopped around every step, its LIST naming an op no torch function has
+    (``torch.nn.functional.sliu``, a typo): what a start costs per step (target: at most 1.05x (a)).
 
 Phase 1 alternates (a), (b), every (c) and every (c') in each round; phase 2 alternates (a) and every (d)
-(fewer rounds: some tools cost several times the step). Each phase prints the medians of wall time
-and process CPU time per step and their ratio to the (a) of the same phase.
+(fewer rounds: some tools cost several times the step); phase 3 alternates (a) and every (e). Each phase prints
+the medians of wall time and process CPU time per step and their ratio to the (a) of the same phase.
 
     python benchmarks/overhead.py [--rounds 15] [--work-rounds 3] [--steps 3]
+    python benchmarks/overhead.py --per-step-only --steps 10    # (e) alone
 
 On a GPU, the launch-bound step (Llama hidden 256, 4 layers, batch 8x128: the host's launches, not the kernels,
 set its pace, so a tool's per-call host work and synchronisations show in full), phase 2 only, with the targets
@@ -57,6 +60,9 @@ TOOLS = {
 }
 UNUSED_OP = "torch.nn.functional.conv2d"  # a real function a Llama step never calls
 UNUSED_PATTERN = r"torch\.nn\.functional\.conv2d"
+UNKNOWN_OP = "torch.nn.functional.sliu"  # a typo: no torch function has this name
+PER_STEP_TOOLS = ("OpObserve", "OpAutoCompare")  # (e): tools a user starts around a step
+PER_STEP_TARGET = 1.05
 # --size: hidden, layers, batch, sequence length
 SIZES = {"tiny": (64, 2, 2, 16), "launch-bound": (256, 4, 8, 128)}
 TARGETS = {"OpTimeMeasure": 1.5, "OpOverflowCheck": 3.0}  # on the launch-bound GPU step, x (a) in wall time
@@ -102,7 +108,8 @@ def make_step(device: str, hidden: int = 64, seq: int = 16, layers: int = 2, bat
 
 
 def context_for(condition: str):
-    """The context manager that sets up ``condition``: 'none', 'bare', 'skip:<Tool>', 'mode:<Tool>' or 'work:<Tool>'."""
+    """The context manager that sets up ``condition``: 'none', 'bare', 'skip:<Tool>', 'mode:<Tool>', 'work:<Tool>' or
+    'perstep:<Tool>' (one of them per step)."""
     if condition == "none":
         return contextlib.nullcontext()
     if condition == "bare":
@@ -111,12 +118,14 @@ def context_for(condition: str):
     prefix, cls = TOOLS[tool]
     for other, _ in TOOLS.values():
         os.environ.pop(f"{other}_LIST", None)
-    if kind in ("skip", "mode"):
-        os.environ[f"{prefix}_LIST"] = UNUSED_OP if kind == "skip" else UNUSED_PATTERN
+    if kind in ("skip", "mode", "perstep"):
+        os.environ[f"{prefix}_LIST"] = {"skip": UNUSED_OP, "mode": UNUSED_PATTERN, "perstep": UNKNOWN_OP}[kind]
     return cls()
 
 
 def run_round(step, steps: int, condition: str) -> tuple[float, float]:
+    if condition.startswith("perstep:"):
+        return _run_round_started_per_step(step, steps, condition)
     with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
         context = context_for(condition)
         gc.collect()  # every condition starts from the same heap: a collection in a timed round is noise
@@ -125,6 +134,18 @@ def run_round(step, steps: int, condition: str) -> tuple[float, float]:
             for _ in range(steps):
                 step()
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return wall / steps, cpu / steps
+
+
+def _run_round_started_per_step(step, steps: int, condition: str) -> tuple[float, float]:
+    """(e): a new tool started and stopped around each step, as a training loop that checks every step does."""
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        gc.collect()
+        wall, cpu = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            with context_for(condition):
+                step()
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     return wall / steps, cpu / steps
 
 
@@ -155,6 +176,7 @@ def main() -> None:
     parser.add_argument("--tools", default=",".join(TOOLS), help="comma-separated subset of " + ", ".join(TOOLS))
     parser.add_argument("--skip-only", action="store_true", help="phase 1 only")
     parser.add_argument("--work-only", action="store_true", help="phase 2 only")
+    parser.add_argument("--per-step-only", action="store_true", help="phase 3 only")
     parser.add_argument("--device", default="sim", help="sim (default) or cuda")
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny",
                         help="tiny: hidden 64, 2 layers, batch 2x16; launch-bound: hidden 256, 4 layers, batch 8x128")
@@ -190,18 +212,29 @@ def main() -> None:
     labels.update({f"skip:{t}": f"(c) {t}, LIST=<name>" for t in tools})
     labels.update({f"mode:{t}": f"(c') {t}, LIST=<pattern>" for t in tools})
     labels.update({f"work:{t}": f"(d) {t}, every op" for t in tools})
+    labels.update({f"perstep:{t}": f"(e) {t} per step, LIST=<typo>" for t in PER_STEP_TOOLS})
+    per_step = [t for t in PER_STEP_TOOLS if t in tools]
+    only = {p for p, chosen in (("skip", args.skip_only), ("work", args.work_only), ("per-step", args.per_step_only))
+            if chosen}
+    runs = lambda phase: not only or phase in only  # noqa: E731
     try:
-        if not args.work_only:
+        if runs("skip"):
             skip = measure(step, ["none", "bare", *(f"skip:{t}" for t in tools), *(f"mode:{t}" for t in tools)],
                            args.rounds, args.steps)
             report(f"phase 1: median of {args.rounds} alternating rounds (target for (c): x (a) <= 1.10)", skip,
                    labels, counter.calls)
-        if not args.skip_only:
+        if runs("work"):
             work = measure(step, ["none", *(f"work:{t}" for t in tools)], args.work_rounds, args.steps)
             report(f"phase 2: median of {args.work_rounds} alternating rounds, OP_TOOLS_VERBOSE=0", work, labels,
                    counter.calls)
             targets = TARGETS if args.device.startswith("cuda") and args.size == "launch-bound" else {}
             print_summary(work, f"{args.device} {args.size}{' ' + args.autocast if autocast else ''}", targets)
+        if runs("per-step") and per_step:
+            started = measure(step, ["none", *(f"perstep:{t}" for t in per_step)], args.rounds, args.steps)
+            report(f"phase 3: median of {args.rounds} alternating rounds, a tool started per step with "
+                   f"LIST={UNKNOWN_OP} (target for (e): x (a) <= {PER_STEP_TARGET})", started, labels, counter.calls)
+            print_summary(started, f"{args.device} {args.size} started per step",
+                          {t: PER_STEP_TARGET for t in per_step})
     finally:
         shutil.rmtree(results, ignore_errors=True)
 

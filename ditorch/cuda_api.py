@@ -41,7 +41,7 @@ def _missing_function(api: str, backend):
 
     missing.__name__ = api.rsplit(".", 1)[-1]
     missing.__qualname__ = api
-    missing._ditorch_refused = True
+    missing._ditorch_refused = True  # type: ignore[attr-defined]  # the mark is_refused reads
     return missing
 
 

@@ -22,6 +22,8 @@ from typing import Callable
 
 import torch
 
+from .show_as_cuda import real_device  # what a tensor is on, whatever Tensor.device shows
+
 logger = logging.getLogger("ditorch")
 
 
@@ -209,7 +211,6 @@ def memory_summary_of(device_name: str, module) -> Callable:
 @fallback("device_of", what="the device module's `device(...)` for the tensor's ordinal", needs=("device",))
 def _device_of(backend, name):
     device = backend.device_module.device
-    real_device = torch._C.TensorBase.device.__get__  # what the tensor is on, whatever Tensor.device shows
 
     def device_of(obj):
         if isinstance(obj, torch.Tensor) and real_device(obj).type == backend.device_type:

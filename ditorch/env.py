@@ -92,6 +92,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("DITORCH_SIM_SDPA", "math, or chunked[:<keys per block>]", "math",
            "The algorithm of `scaled_dot_product_attention` on the sim device: PyTorch's math path, or a "
            "flash-attention-style chunked online softmax through the fused-attention ops.", parse_sim_sdpa),
+    EnvVar("DITORCH_SIM_DEVICE_MEMORY", "0 or 1", "0",
+           "1 makes a sim tensor's `untyped_storage()` report sim memory that the host cannot read, as a GPU "
+           "tensor's does, so that tools take their device-memory branches (statistics on the device) on sim; "
+           "views then do not share a storage. 0 reports the CPU storage holding the values.", parse_flag),
 )}
 
 

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import torch
 
+_device_getter = torch._C.TensorBase.device.__get__
+_modes_on = torch._C._is_torch_function_mode_enabled
+_no_torch_function = torch._C.DisableTorchFunction
+
 
 def apply(backend, patches) -> None:
-    real_device = torch._C.TensorBase.device.__get__
+    # The bare getter: under a mode it comes back through this property, and what it shows, shows as itself.
+    real_device = _device_getter
     target = backend.device_type
     count = backend.device_module.device_count() if backend.device_type != "cpu" else 1
     # Keyed by the real device: one C-level lookup per read, devices elsewhere pass through.
@@ -27,5 +32,8 @@ def apply(backend, patches) -> None:
 
 
 def real_device(tensor: torch.Tensor) -> torch.device:
-    """The device a tensor is really on, whatever ``tensor.device`` shows."""
-    return torch._C.TensorBase.device.__get__(tensor)
+    """The device a tensor is really on, whatever ``tensor.device`` shows, also under a ``TorchFunctionMode``."""
+    if _modes_on():  # the C getter would hand a mode the patched Tensor.device property, which shows cuda
+        with _no_torch_function():
+            return _device_getter(tensor)
+    return _device_getter(tensor)

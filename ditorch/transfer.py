@@ -22,6 +22,7 @@ import torch
 
 from . import cuda_api
 from .patches import Patches
+from .show_as_cuda import real_device
 
 logger = logging.getLogger("ditorch")
 
@@ -90,13 +91,15 @@ class DeviceMap:
             return torch.device(self.target, device)
         if device is None or isinstance(device, int):
             index = self.device_module.current_device() if self._indexed else None
-            return torch.device(self.target, index)
+            return torch.device(self.target, index)  # type: ignore[arg-type]  # None: no index (the stub says int)
         return self(device)
 
 
 class ForwardingClassMeta(type):
     """Metaclass of a stand-in for a class: calling it builds ``_target`` from rewritten arguments,
     and ``isinstance`` answers for ``_target``'s instances (torch's C classes cannot be subclassed)."""
+
+    _target: type
 
     def __call__(cls, *args, **kwargs):
         return cls._build(*args, **kwargs)
@@ -153,7 +156,6 @@ def _tensor_cuda(fn, ctx):
 
 
 def _is_cuda(fn, ctx):
-    real_device = torch._C.TensorBase.device.__get__
     target = ctx.remap.target
     return property(lambda self: real_device(self).type == target, doc="True for tensors on the backend's device.")
 

@@ -9,6 +9,10 @@ Installed as the ``op-tools`` command too. The tool starts before the script run
 the script raises or calls ``sys.exit`` (its exit status is kept). Each option takes the text its environment
 variable takes (``--ops`` as ``OP_CAPTURE_LIST``, ``--verbose 0``); a flag given alone means 1 (``--sync``).
 Options win over the variables, which win over the config file (``--config``, or ``OP_TOOLS_CONFIG``).
+
+Exit status: the script's own when it is not 0; else the tool's verdict (``VERDICT_EXIT_STATUS``): 0 clean (every
+handled call checked, nothing found), 3 found something (an op failed, an inf/nan), 4 could not check (some calls
+went unchecked because the tool failed on them, a file could not be written, or the op list matched no call).
 """
 
 from __future__ import annotations
@@ -17,18 +21,20 @@ import argparse
 import os
 import runpy
 import sys
+from typing import Any
 
 from . import FEATURES
 from .config import CONFIG_FILE, parse_flag
+from .engine import OpTool
 from .settings import Family, keywords_of, short_name
 
 
-def _tool_names(cls: type) -> list[str]:
+def _tool_names(cls: type[OpTool]) -> list[str]:
     names = [short_name(cls), cls.feature, cls.__name__, "op_" + short_name(cls)]
     return list(dict.fromkeys(names))
 
 
-def _add_options(parser: argparse.ArgumentParser, cls: type) -> None:
+def _add_options(parser: argparse.ArgumentParser, cls: type[OpTool]) -> None:
     for keyword, setting in keywords_of(cls).items():
         if isinstance(setting, Family):
             if not setting.cli_form:
@@ -38,8 +44,8 @@ def _add_options(parser: argparse.ArgumentParser, cls: type) -> None:
             help_text = f"as {setting.name}: {setting.form}"
             flag = setting.parse is parse_flag
         options = dict.fromkeys([f"--{keyword}", f"--{keyword.replace('_', '-')}"])
-        parser.add_argument(*options, dest=keyword, metavar="0|1" if flag else "TEXT", help=help_text,
-                            **({"nargs": "?", "const": "1"} if flag else {}))
+        bare_flag: dict[str, Any] = {"nargs": "?", "const": "1"} if flag else {}
+        parser.add_argument(*options, dest=keyword, metavar="0|1" if flag else "TEXT", help=help_text, **bare_flag)
 
 
 _FLAG_WORDS = {"0", "1", "true", "false", "yes", "no", "on", "off"}
@@ -90,30 +96,40 @@ def split_command(cls: type, argv: list[str]) -> tuple[list[str], str | None, st
     return argv, None, None, []
 
 
+# The tool's verdict as the exit status of a script that exited 0 (distinct from Python's 1 and argparse's 2).
+VERDICT_EXIT_STATUS = {"clean": 0, "found": 3, "unchecked": 4}
+
+
 def run_under(tool, script: str | None, argv: list[str], module: str | None = None) -> int | str | None:
     """Run ``script`` (or ``module``) as ``__main__`` with ``sys.argv`` set, between ``tool.start()`` and
-    ``tool.stop()``; its exit status (``SystemExit``'s code; 0 when it returns). Its exceptions propagate."""
+    ``tool.stop()``; its exit status (``SystemExit``'s code; 0 when it returns), or when that is 0 the tool's verdict
+    (``VERDICT_EXIT_STATUS``). Its exceptions propagate."""
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     if module is None:
+        assert script is not None  # main() gives a script or a module
         sys.argv = [script, *argv]
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script.py` does
     else:
         sys.argv = [module, *argv]  # run_module replaces argv[0] with the module's file
         sys.path.insert(0, os.getcwd())  # as `python -m module` does
     tool.start()
+    status: int | str | None = 0
     try:
         if module is None:
+            assert script is not None  # main() gives a script or a module
             runpy.run_path(script, run_name="__main__")
         else:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
-        return 0
     except SystemExit as done:
-        return done.code
+        status = done.code
     finally:
         try:
             tool.stop()
         finally:
             sys.argv, sys.path[:] = saved_argv, saved_path
+    if status in (0, None):
+        return VERDICT_EXIT_STATUS[tool.verdict()]
+    return status
 
 
 def main(argv: list[str] | None = None) -> int | str | None:

@@ -53,6 +53,18 @@ def map_tensors(obj, fn: Callable[[torch.Tensor], Any]):
     return obj
 
 
+_device_getter = torch._C.TensorBase.device.__get__
+_modes_on = torch._C._is_torch_function_mode_enabled
+
+
+def real_device(tensor: torch.Tensor) -> torch.device:
+    """The device ``tensor`` is on, whatever a device layer makes ``Tensor.device`` show (ditorch shows cuda)."""
+    if _modes_on():  # the C getter would hand a mode the Tensor.device property, which may show another device
+        with torch._C.DisableTorchFunction():
+            return _device_getter(tensor)
+    return _device_getter(tensor)
+
+
 def call_device(args, kwargs, name: str = "") -> torch.device | None:
     """The first non-CPU device among the tensors and devices of a call, or None (the call is on the CPU)."""
     for obj in (args, kwargs):

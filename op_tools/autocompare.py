@@ -15,9 +15,10 @@ Per handled call (``OP_AUTOCOMPARE_LIST`` / ``OP_AUTOCOMPARE_DISABLE_LIST``):
    reference backward runs with the same upstream gradients and the input gradients are compared the same way.
 
 Calls that draw random numbers (by name, by a probability argument, or because the device's generator moved)
-are never rerun: a rerun would draw other numbers, and would consume the user's stream. A call that fails is
-checked once more with its cached input copies re-read from the device, so a copy made stale by a write no call
-showed never raises a false alarm.
+are never rerun: a rerun would draw other numbers, and would consume the user's stream; one written in Python out of
+torch calls (attention with dropout: ``random_calls.COMPOSITES``) runs with those calls handled, so the ones that
+draw nothing are compared. A call that fails is checked once more with its cached input copies re-read from the
+device, so a copy made stale by a write no call showed never raises a false alarm.
 
 Failing calls are printed (every call with ``OP_TOOLS_VERBOSE=1``) and saved (``failing_calls``) in OpCapture's format
 under ``op_capture_results/<op>/<pid>/autocompare/<forward_id>/<time>/{device,cpu}/``. At ``stop()``: a summary,
@@ -63,7 +64,7 @@ from .engine import OpCall, OpTool, feature
 from .failing_calls import FailingCalls
 from .host_copies import HostCopies, snapshot
 from .naming import CONVERSIONS, VIEW_OPS
-from .random_calls import GeneratorProbe, cpu_generator_token, random_reason
+from .random_calls import COMPOSITES, GeneratorProbe, cpu_generator_token, random_reason, skip_text
 from .reference import (
     DEFAULT_CAST,
     attempts_for,
@@ -217,6 +218,10 @@ class OpAutoCompare(OpTool):
         state["written"] = written
         reason = skip_reason(call.name) or random_reason(call.name, call.args, call.kwargs) or (
             _RERUN_DRAWS if call.name in LEARNT.drawing_reruns else None)
+        if reason == "random" and call.name in COMPOSITES:
+            state["inside"] = True  # run() descends into it
+        elif reason == "random":
+            reason = skip_text(call.name)
         if reason is not None:
             state["skip"] = reason
             return
@@ -239,7 +244,8 @@ class OpAutoCompare(OpTool):
         state["rng"] = self._probe(call.device).token()
         reason = self._backward_reason(call)
         if reason is None:
-            inputs, labels = [], []
+            inputs: list[torch.Tensor] = []
+            labels: list[str] = []
             for label, t in labelled_tensors(call.args, call.kwargs):
                 if t.requires_grad and all(t is not u for u in inputs):
                     inputs.append(t)
@@ -247,6 +253,18 @@ class OpAutoCompare(OpTool):
             call.grad_inputs, state["grad_labels"] = inputs, labels
         elif reason:
             self.backward_not_compared[reason] += 1
+
+    def run(self, call: OpCall):
+        if "inside" not in call.state:
+            return call.func(*call.args, **call.kwargs)
+        # A random composite: its calls are handled one by one, and after() counts it skipped with how many of them
+        # were compared.
+        compared = self.counts["forward compared"]
+        result = self.run_inside(call)
+        inside = self.counts["forward compared"] - compared
+        if inside:
+            call.state["skip"] = f"random (compared inside: {inside} call{'s' if inside != 1 else ''})"
+        return result
 
     def _probe(self, device: torch.device) -> GeneratorProbe:
         probe = self._probes.get(device)
@@ -268,6 +286,13 @@ class OpAutoCompare(OpTool):
         return None
 
     def after(self, call: OpCall) -> None:
+        try:
+            self._after(call)
+        except Exception:
+            self.counts["forward not checked"] += 1  # the engine reports the error and counts the call
+            raise
+
+    def _after(self, call: OpCall) -> None:
         state = call.state
         written = state.get("written", ())
         reason = state.get("skip")
@@ -275,7 +300,8 @@ class OpAutoCompare(OpTool):
             self.skipped[reason] += 1
             self._copies.forget(written)
             return
-        if "cpu_args" not in state:  # before() failed: already reported
+        if "cpu_args" not in state:  # before() failed: reported and counted by the engine
+            self.counts["forward not checked"] += 1
             self._copies.forget(written)
             return
         tensors = state.pop("tensors")
@@ -334,7 +360,7 @@ class OpAutoCompare(OpTool):
     def _compared_value(self, t: torch.Tensor, written: bool) -> torch.Tensor:
         """What ``t`` is compared as: itself on its device when large, held in the device's own memory, and the device
         computes in float64 (only the statistics come back); else a host copy, remembered for the next call."""
-        if t.numel() >= DEVICE_STATISTICS_MIN and _in_device_memory(t) and LEARNT.float64_on(t.device):
+        if t.numel() >= DEVICE_STATISTICS_MIN and _in_device_memory(t) and self._float64_on(t.device):
             if written:
                 self._copies.forget([t])
             return t
@@ -350,7 +376,8 @@ class OpAutoCompare(OpTool):
             LEARNT.float64[device.type] = known
         return known
 
-    def _compare_forward(self, call, state, device_cpu, extra_cpu, extra, extra_labels, host_of, signature):
+    def _compare_forward(self, call: OpCall, state: dict, device_cpu, extra_cpu, extra, extra_labels, host_of,
+                         signature) -> tuple | None:
         """``(comparisons, reference)`` for the outputs and the written arguments, or None (reported)."""
         owned = {id(host_of[id(t)]) for t in state["written"] if id(t) in host_of}
         attempts = self._attempts.get(call.name)
@@ -364,11 +391,11 @@ class OpAutoCompare(OpTool):
         reference, error = run_reference(call.func, state["cpu_args"], state["cpu_kwargs"], attempts, owned,
                                          grad_snaps)
         if reference is None:
-            self.skipped[f"CPU cannot run it ({error})"] += 1
             self._copies.forget(state["written"])
             state.clear()
             call.grad_inputs = []
-            # A failure of the tool, not of the op: reported once per op name (an error under OP_TOOLS_STRICT=1).
+            # The call goes unchecked: the tool's failure, not the op's, reported once per op name and counted in
+            # the verdict (an error under OP_TOOLS_STRICT=1).
             raise RuntimeError(f"the CPU reference cannot run: {error}")
         same_cache: list = []
 
@@ -450,6 +477,14 @@ class OpAutoCompare(OpTool):
             call.state.clear()
 
     def after_call_backward(self, call: OpCall, upstream: tuple, input_grads: tuple, complete: bool) -> None:
+        try:
+            self._after_call_backward(call, upstream, input_grads, complete)
+        except Exception:
+            with self._lock:
+                self.counts["backward not checked"] += 1  # the engine reports the error and counts the call
+            raise
+
+    def _after_call_backward(self, call: OpCall, upstream: tuple, input_grads: tuple, complete: bool) -> None:
         state = call.state
         self._pending.pop(call.forward_id, None)
         if "ref" not in state:  # not compared in forward (random, cleared at stop())
@@ -459,7 +494,8 @@ class OpAutoCompare(OpTool):
             state.clear()
             return
         get = self._copies.get
-        upstream_cpu, reused = [], False
+        upstream_cpu: list[torch.Tensor | None] = []
+        reused = False
         for g in upstream:
             if g is None:
                 upstream_cpu.append(None)
@@ -471,7 +507,8 @@ class OpAutoCompare(OpTool):
         comparisons, reference_grads = self._compare_backward(call, state, tuple(upstream_cpu), device_grads_cpu)
         if not all(c.passed for c in comparisons) and reused:
             now = tuple(None if g is None else self._copies.fresh(g) for g in upstream)
-            stale = sum(1 for a, b in zip(now, upstream_cpu) if a is not None and not _same_values(a, b))
+            stale = sum(1 for a, b in zip(now, upstream_cpu)
+                        if a is not None and b is not None and not _same_values(a, b))
             if stale:
                 self.stale_copies += stale
                 upstream_cpu = list(now)
@@ -566,6 +603,7 @@ class OpAutoCompare(OpTool):
     def finish(self) -> None:
         for call in list(self._pending.values()):  # calls whose backward never ran
             call.state.clear()
+            self.backward_not_compared["its backward had not run at stop()"] += 1
         self.saving.drain()
         self._pending = weakref.WeakValueDictionary()
         self._copies = HostCopies()
@@ -577,15 +615,39 @@ class OpAutoCompare(OpTool):
             self.tally.add(path, result_files.write_csv(path, [{c: row.get(c, "") for c in CSV_COLUMNS}
                                                                for row in rows]))
             text += f"\nOpAutoCompare: {len(self.rows)} comparisons saved in {path}"
-        self._logger.log(logging.WARNING if self.failures else logging.INFO, text)
+        self._logger.log(logging.WARNING if self.failures or self.not_checked() else logging.INFO, text)
+
+    def found(self) -> str:
+        ops = len({f["op"] for f in self.failures})
+        return f"{ops} op{'s' if ops != 1 else ''} failed" if ops else ""
+
+    def unchecked_parts(self) -> list[str]:
+        parts = []
+        unaccounted = self._forward_unaccounted()
+        if unaccounted:
+            parts.append(f"{unaccounted} calls ended with no verdict (an OpAutoCompare bug: please report it)")
+        lost = self.saving.lost()
+        if lost:
+            parts.append(lost)
+        return parts
+
+    def _forward_unaccounted(self) -> int:
+        """Handled calls that ended as none of compared, skipped, not checked or raised: 0 unless a path forgot one."""
+        c = self.counts
+        return max(0, sum(self.handled.values()) - c["forward compared"] - sum(self.skipped.values())
+                   - c["forward not checked"] - sum(self.raised.values()))
 
     def summary(self) -> str:
-        """The end-of-run text: counts, skip reasons, the device's declared math, and the failing ops in order."""
+        """The end-of-run account: every handled call compared (passed or failed), skipped (why), not checked (the
+        tool failed) or raised by the op itself; the device's declared math; the failing ops in order. Its last line
+        says "no op failed" only when every handled call was compared or skipped with a reason."""
         c = self.counts
+        raised = sum(self.raised.values())
         lines = [f"\nOpAutoCompare summary: forward {c['forward compared']} compared, {c['forward passed']} passed, "
-                 f"{c['forward failed']} failed; backward {c['backward compared']} compared, "
-                 f"{c['backward passed']} passed, {c['backward failed']} failed; "
-                 f"{sum(self.skipped.values())} skipped"]
+                 f"{c['forward failed']} failed, {c['forward not checked']} not checked; backward "
+                 f"{c['backward compared']} compared, {c['backward passed']} passed, {c['backward failed']} failed, "
+                 f"{c['backward not checked']} not checked; {sum(self.skipped.values())} skipped"
+                 + (f"; {raised} raised by the op itself" if raised else "")]
         if self.skipped:
             lines.append("skipped: " + ", ".join(f"{reason}: {n}" for reason, n in self.skipped.most_common()))
         if self.backward_not_compared:
@@ -607,8 +669,16 @@ class OpAutoCompare(OpTool):
                                               keep="op"))
             if len(self.failures) > FAILURES_SHOWN:
                 lines.append(f"{len(self.failures) - FAILURES_SHOWN} more failures in the CSV")
-        else:
-            lines.append("no op failed")
+        problem = self.not_checked()
+        if problem:
+            lines.append(f"NOT CHECKED: {problem}")
+        if not self.failures:
+            if not c["forward compared"] and not c["backward compared"]:
+                lines.append("no call was compared")
+            elif problem:
+                lines.append("no failure among the calls compared; not every call was checked (above)")
+            else:
+                lines.append("no op failed")
         return "\n".join(lines)
 
 
@@ -688,7 +758,7 @@ def _labels_of(args, kwargs, tensors: list) -> list[str]:
     if not tensors:
         return []
     wanted = {id(t) for t in tensors}
-    found = {}
+    found: dict[int, str] = {}
     for label, t in labelled_tensors(args, kwargs):
         if id(t) in wanted:
             found.setdefault(id(t), f"written {label}")

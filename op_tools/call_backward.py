@@ -23,6 +23,7 @@ from torch._C._autograd import _get_sequence_nr as sequence_nr
 
 from .arguments import iter_tensors
 
+_get_gradient_edge: Callable | None
 try:
     _get_gradient_edge = torch.autograd.graph.get_gradient_edge  # PyTorch >= 2.4
 except AttributeError:
@@ -36,7 +37,9 @@ def gradient_edge(t: torch.Tensor) -> tuple:
         return edge.node, edge.output_nr
     if t.grad_fn is not None:
         return t.grad_fn, t.output_nr
-    return t.expand_as(t).grad_fn.next_functions[0][0], 0  # a leaf: the accumulator behind a fresh view's node
+    view_node = t.expand_as(t).grad_fn
+    assert view_node is not None  # t takes gradients, so a view of it has a node
+    return view_node.next_functions[0][0], 0  # a leaf: the accumulator behind a fresh view's node
 
 
 class CallBackward:
@@ -69,7 +72,7 @@ class CallBackward:
             if id(t) not in seen:
                 seen.add(id(t))
                 outputs.append(t)
-        nodes: dict[int, object] = {}  # the call's nodes, by id
+        nodes: dict[int, torch.autograd.graph.Node] = {}  # the call's nodes, by id
         roots: dict[int, list[tuple[int, int]]] = {}  # node id -> [(output index, output_nr)]
         for index, t in enumerate(outputs):
             node = t.grad_fn

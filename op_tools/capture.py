@@ -120,7 +120,7 @@ def content_key(t: torch.Tensor) -> tuple | None:
         return None
     flat = t.detach().contiguous().reshape(-1)
     try:
-        data = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else b""
+        data = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else b""  # type: ignore[arg-type]  # numpy types ndarray as a buffer on Python >= 3.12 only
     except (RuntimeError, TypeError):
         return None
     digest = hashlib.blake2b(data, digest_size=16).digest()
@@ -181,7 +181,7 @@ def _size(n: int) -> str:
 def _inputs_requiring_grad(args, kwargs) -> list:
     from .arguments import iter_tensors
 
-    out = []
+    out: list[torch.Tensor] = []
     for t in (*iter_tensors(args), *iter_tensors(kwargs)):
         if t.requires_grad and all(t is not u for u in out):
             out.append(t)

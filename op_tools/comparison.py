@@ -16,6 +16,11 @@ The verdict for a floating tensor, unless the user set a tolerance:
 * the device fails when its error exceeds ``RATIO`` times the error of the same-dtype CPU run plus
   ``FLOOR_EPS`` machine epsilons of the device's dtype: a bfloat16 matmul is allowed the error a
   bfloat16 matmul has, a float32 op a few ulps;
+* an op that rounds each result once (``rounded_ops.ROUNDED_ONCE``: elementwise ops, activations, casts) into
+  bfloat16 or float16 is held to its dtype's rounding (``ERROR_RULES``): its error is relative,
+  ``max |x - ref| / max(|ref|, ROUNDED_SHARE * mean|ref|)``, and it fails above ``ROUNDED_FLOOR_EPS`` eps, which a
+  correct (half an ulp) or faithful (one ulp) result never exceeds and an element off by 2 ulps always does, unless
+  the same-dtype run's own error shows the op is less exact on the CPU too (``ROUNDED_RATIO`` times it);
 * when the reference is not wider than the device's dtype (a float64 device op, or an op the CPU
   cannot run in float64), the bound is ``SAME_PRECISION_FLOOR_EPS`` epsilons;
 * nan/inf must sit where the reference (or, for overflow, the same-dtype run) has them.
@@ -33,12 +38,13 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any, Callable, overload
 
 import torch
 
 from .arguments import iter_items
 from .error_statistics import error_stats, normalised_error
+from .rounded_ops import rounded_once
 
 RATIO = 4.0
 FLOOR_EPS = 4.0
@@ -49,6 +55,45 @@ SAME_PRECISION_FLOOR_EPS = 256.0
 ALGORITHM_RATIO = {"scaled_dot_product_attention": 16.0, "_scaled_dot_product_flash_attention": 16.0,
                    "_scaled_dot_product_efficient_attention": 16.0, "_scaled_dot_product_cudnn_attention": 16.0,
                    "multi_head_attention_forward": 16.0}
+
+# An op rounded once into a narrow dtype (float32 math inside its kernels): a correct element is within 1/2 ulp;
+# 1 ulp is at most 1 eps relative, 2 ulps more. Elements below 2^-8 of the typical magnitude are measured against
+# that (a float32 kernel's cancellation, e.g. gelu's 1 + erf(x) far left, is absolute, ~2^-24 of the magnitude).
+ROUNDED_SHARE = 2.0 ** -8
+ROUNDED_FLOOR_EPS = 1.0
+ROUNDED_RATIO = 2.0
+_NARROW = frozenset(t for t in (torch.float16, torch.bfloat16, getattr(torch, "float8_e4m3fn", None),
+                                getattr(torch, "float8_e5m2", None)) if t is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorRule:
+    """How an error is measured and bounded. ``rounded``: the relative error (``error_statistics``' ``relative``)
+    within the larger of ``floor_eps`` eps and ``ratio`` times the same-dtype run's; otherwise the normalised error
+    within their sum."""
+
+    floor_eps: float
+    ratio: float | None  # None: the op's (``ratio_for``)
+    rounded: bool
+
+    def bound(self, ratio: float, cpu_error: float, floor: float) -> float:
+        return max(ratio * cpu_error, floor) if self.rounded else ratio * cpu_error + floor
+
+
+ERROR_RULES = {
+    "summed": ErrorRule(FLOOR_EPS, None, False),  # reductions, matmuls, attention: anything not rounded once
+    "rounded once": ErrorRule(ROUNDED_FLOOR_EPS, ROUNDED_RATIO, True),
+}
+
+
+def error_rule(op_name: str, dtype: torch.dtype, reference_dtype: torch.dtype = torch.float64,
+               backward: bool = False) -> ErrorRule:
+    """The rule for one result: 'rounded once' for a forward result of a ``rounded_ops`` op in a narrow dtype
+    against a wider reference, 'summed' otherwise."""
+    if dtype in _NARROW and not backward and _eps(reference_dtype) < _eps(dtype) and rounded_once(op_name):
+        return ERROR_RULES["rounded once"]
+    return ERROR_RULES["summed"]
+
 
 # The original ditorch's per-dtype tolerances: shown as atol/rtol (and the informative allclose) when
 # the user sets none; the verdict does not use them.
@@ -67,6 +112,10 @@ COLUMNS = ("name", "allclose", "cosine_similarity", "max_abs_diff", "max_relativ
 _TOLERANCE_VAR = re.compile(r"^(?:(?P<op>\w+?)_)?AUTOCOMPARE_ERROR_TOLERANCE(?:_(?P<dtype>[A-Z0-9]+))?$")
 
 
+@overload
+def parse_tolerance(text: str) -> tuple[float, float]: ...
+@overload
+def parse_tolerance(text: None) -> None: ...
 def parse_tolerance(text: str | None) -> tuple[float, float] | None:
     """``'atol,rtol'`` -> ``(atol, rtol)``; ``None`` when unset. Raises ValueError when malformed."""
     if text is None:
@@ -248,7 +297,8 @@ def compare_outputs(device_out, reference_out, same_dtype_out=None, tolerance: T
 
     ``same_dtype_out`` is the result of a correct run in the device's own dtype (e.g. the CPU's), or a
     callable returning it, called only when the verdict needs it; ``None`` when there is none.
-    ``prefix`` names the leaves (``"output"``, ``"grad input"``); each is named ``prefix[i]``. ``history`` (with
+    ``prefix`` names the leaves (``"output"``, ``"grad"``: gradients, never 'rounded once'); each is named
+    ``prefix[i]``. ``history`` (with
     ``key``, the call's signature) lets a device error well within what a correct run had on the same signature
     pass without a same-dtype run.
     """
@@ -261,12 +311,13 @@ def compare_outputs(device_out, reference_out, same_dtype_out=None, tolerance: T
             return [_failure(prefix or "result", f"structure differs: device returns {_describe(device_out)}, "
                                                   f"reference {_describe(reference_out)}")]
     same = _LazySame(same_dtype_out)
+    backward = prefix.startswith("grad")
     results = []
     for index, ((path, d), (_, r)) in enumerate(zip(device_leaves, reference_leaves)):
         name = f"{prefix}{path}"
         precedent = None if history is None else (history, (*key, name))
-        results.append(_compare_leaf(name, d, r, lambda i=index: same.leaf(i), tolerance, op_name, same.lazy,
-                                     precedent))
+        results.append(_compare_leaf(name, d, r, lambda i=index: same.leaf(i), tolerance, op_name, same.lazy,  # type: ignore[misc]  # mypy cannot type a lambda's default
+                                     precedent, backward))
     return results
 
 
@@ -321,19 +372,21 @@ def _describe(value) -> str:
 
 
 def _compare_leaf(name: str, d, r, same: Callable[[], Any], tolerance: ToleranceSpec | None,
-                  op_name: str, lazy: bool, precedent=None) -> Comparison:
+                  op_name: str, lazy: bool, precedent=None, backward: bool = False) -> Comparison:
     if d is None and r is None:
         return Comparison(name, True)
     if isinstance(d, torch.Tensor) and isinstance(r, torch.Tensor):
-        return compare_tensors(name, d, r, same, tolerance, op_name, lazy, precedent)
+        return compare_tensors(name, d, r, same, tolerance, op_name, lazy, precedent, backward)
     if isinstance(d, torch.Tensor) and r is None or d is None and isinstance(r, torch.Tensor):
         t = d if d is not None else r
-        if not t.is_floating_point() or not bool((t == 0).all()):  # an unused gradient: None or zeros alike
+        if not t.is_floating_point() or not bool((t == 0).all()):  # type: ignore[union-attr]  # t is whichever is a tensor; an unused gradient: None or zeros alike
             return _failure(name, f"device gives {_kind(d)}, reference {_kind(r)}")
         return Comparison(name, True)
     if type(d) is not type(r) and not (isinstance(d, (int, float)) and isinstance(r, (int, float))
                                        and not isinstance(d, bool) and not isinstance(r, bool)):
         return _failure(name, f"type differs: device {type(d).__name__}, reference {type(r).__name__}")
+    if isinstance(d, torch.device) and d.type != "cpu":
+        d = _CPU  # through the device mapping: the reference ran on the CPU what ran on the device
     if isinstance(d, float) or isinstance(r, float):
         close = d == r or (math.isnan(d) and math.isnan(r)) or abs(d - r) <= _NUMBER_TOLERANCE * (1 + abs(r))
         diff = abs(d - r) if not (math.isnan(d) and math.isnan(r)) else 0.0
@@ -370,11 +423,11 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
 
 def compare_tensors(name: str, d: torch.Tensor, r: torch.Tensor, same: Callable[[], Any] = lambda: None,
                     tolerance: ToleranceSpec | None = None, op_name: str = "", lazy: bool = False,
-                    precedent: tuple | None = None) -> Comparison:
+                    precedent: tuple | None = None, backward: bool = False) -> Comparison:
     """The verdict for one device tensor ``d`` (on any device) against its reference ``r``.
 
     ``same()`` gives the same-dtype run's tensor (or None); with ``lazy`` it is asked for only when needed;
-    ``precedent`` is ``(SameDtypeHistory, key)``.
+    ``precedent`` is ``(SameDtypeHistory, key)``; ``backward``: ``d`` is a gradient.
     """
     if d.shape != r.shape:
         return _failure(name, f"shape differs: device {tuple(d.shape)}, reference {tuple(r.shape)}")
@@ -401,7 +454,9 @@ def compare_tensors(name: str, d: torch.Tensor, r: torch.Tensor, same: Callable[
         return Comparison(name, True, True, atol=atol, rtol=rtol, device_error=0.0, cpu_error=0.0)
     result = Comparison(name, True, atol=atol, rtol=rtol)
     infos = []
-    stats = error_stats(d, r, atol, rtol)
+    rule = error_rule(op_name, d.dtype, r.dtype, backward)
+    relative = (ROUNDED_SHARE, _tiny(d.dtype)) if rule.rounded else None
+    stats = error_stats(d, r, atol, rtol, relative)
     all_finite = stats is not None
     dw = rw = finite_d = finite_r = None  # float64 torch copies: only for nan/inf and the same-dtype check
     if all_finite:
@@ -424,7 +479,7 @@ def compare_tensors(name: str, d: torch.Tensor, r: torch.Tensor, same: Callable[
             else:
                 infos.append(f"{int(bad.sum())} element(s) overflow in {d.dtype} as in a correct {d.dtype} run")
         dw, rw = dw[both], rw[both]
-        stats = error_stats(dw, rw, atol, rtol) if dw.numel() else None
+        stats = error_stats(dw, rw, atol, rtol, relative) if dw.numel() else None
         if stats is not None:
             result.max_abs_diff, result.max_relative_diff, result.device_error, result.cosine_similarity = stats[:4]
         else:
@@ -434,7 +489,8 @@ def compare_tensors(name: str, d: torch.Tensor, r: torch.Tensor, same: Callable[
         if not result.passed:
             infos.append(f"not allclose under {user[2]}={user[0]:g},{user[1]:g}")
     elif result.passed:
-        _default_verdict(result, d, r, get_same, lazy, finite_d, finite_r, all_finite, infos, op_name, precedent)
+        _default_verdict(result, d, r, get_same, lazy, finite_d, finite_r, all_finite, infos, op_name, precedent,
+                         rule, relative)
     result.error_info = "; ".join(infos)
     return result
 
@@ -455,8 +511,15 @@ def _eps(dtype: torch.dtype) -> float:
     return torch.finfo(dtype.to_real() if dtype.is_complex else dtype).eps
 
 
+@functools.cache
+def _tiny(dtype: torch.dtype) -> float:
+    """The smallest normal number of a dtype: below it a correct result is within half a subnormal step."""
+    return torch.finfo(dtype.to_real() if dtype.is_complex else dtype).tiny
+
+
 def _default_verdict(result: Comparison, d, r, get_same, lazy, finite_d, finite_r, all_finite, infos,
-                     op_name: str, precedent) -> None:
+                     op_name: str, precedent, rule: ErrorRule = ERROR_RULES["summed"],
+                     relative: tuple | None = None) -> None:
     eps, ref_eps = _eps(d.dtype), _eps(r.dtype)
     if ref_eps >= eps:  # the reference is no more precise than the device: only a loose floor is meaningful
         bound = SAME_PRECISION_FLOOR_EPS * eps
@@ -465,13 +528,13 @@ def _default_verdict(result: Comparison, d, r, get_same, lazy, finite_d, finite_
             infos.append(f"error {result.device_error:.3g} above {SAME_PRECISION_FLOOR_EPS:g} eps of {d.dtype} "
                          f"(reference computed in {r.dtype})")
         return
-    floor = FLOOR_EPS * eps
+    floor = rule.floor_eps * eps
     if result.device_error <= floor and lazy:
         return
-    ratio = ratio_for(op_name)
+    ratio = rule.ratio or ratio_for(op_name)
     if lazy and precedent is not None and all_finite:
         seen = precedent[0].bound(precedent[1])
-        if seen is not None and result.device_error <= ratio / 2 * seen + floor:
+        if seen is not None and result.device_error <= rule.bound(ratio, seen / 2, floor):
             return  # well within what correct runs of this signature had: no same-dtype run could change this
     s = get_same()
     if _dtype_differs(d, s):
@@ -479,13 +542,17 @@ def _default_verdict(result: Comparison, d, r, get_same, lazy, finite_d, finite_
         infos.append(f"dtype differs: device {d.dtype}, a correct run in its dtype gives {s.dtype}")
         return
     if isinstance(s, torch.Tensor) and s.shape == d.shape:
-        result.cpu_error = normalised_error(s, r, None if all_finite else finite_d & finite_r)
+        result.cpu_error = normalised_error(s, r, None if all_finite else finite_d & finite_r, relative)
         if precedent is not None:
             precedent[0].record(precedent[1], result.cpu_error)
     cpu_error = 0.0 if math.isnan(result.cpu_error) else result.cpu_error
-    bound = ratio * cpu_error + floor
-    if result.device_error > bound:
-        result.passed = False
+    if result.device_error <= rule.bound(ratio, cpu_error, floor):
+        return
+    result.passed = False
+    if rule.rounded:
+        infos.append(f"error {result.device_error:.3g} > {rule.floor_eps:g} eps of {d.dtype} (2 ulps of a result "
+                     f"rounded once) and > {ratio:g} x cpu {d.dtype} error {cpu_error:.3g}")
+    else:
         infos.append(f"error {result.device_error:.3g} > {ratio:g} x cpu {d.dtype} error {cpu_error:.3g} "
                      f"+ {FLOOR_EPS:g} eps")
 

@@ -66,7 +66,7 @@ CUDA_PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid
 
 # Ops whose float32 operands a device's reduced-precision mode rounds: the matrix products (cuBLAS GEMMs) and the
 # convolutions (cuDNN), forward and backward. Values: the positions and keywords of the operands rounded.
-REDUCED_PRECISION_OPERANDS = {
+REDUCED_PRECISION_OPERANDS: dict[str, dict[str, tuple[tuple[int, str], ...]]] = {
     "matmul": {"mm": ((0, "self"), (1, "mat2")), "bmm": ((0, "self"), (1, "mat2")),
                "addmm": ((1, "mat1"), (2, "mat2")), "baddbmm": ((1, "batch1"), (2, "batch2")),
                "addbmm": ((1, "batch1"), (2, "batch2"))},
@@ -142,7 +142,7 @@ class DeviceMath:
         parts = []
         if self.autocast_dtype is not None:
             parts.append(f"autocast {str(self.autocast_dtype).removeprefix('torch.')}")
-        formats = {}
+        formats: dict[str, list[str]] = {}
         for family, form in self.reduced:
             formats.setdefault(form, []).append(family)
         parts += [f"{form.upper()} for {', '.join(families)}" for form, families in formats.items()]
@@ -390,19 +390,19 @@ def _round_operands(math: DeviceMath, operands: dict, args: tuple, kwargs: dict,
         if form is None:
             continue
         bits = MANTISSA_BITS.get(form, MANTISSA_BITS["tf32"])
-        args = list(args)
+        positional = list(args)
         for position, keyword in places:
-            value = args[position] if position < len(args) else kwargs.get(keyword)
+            value = positional[position] if position < len(positional) else kwargs.get(keyword)
             rounded = _rounded(value, bits)
             if rounded is value:
                 continue
             if used is not None:
                 used.add(family)
-            if position < len(args):
-                args[position] = rounded
+            if position < len(positional):
+                positional[position] = rounded
             else:
                 kwargs = {**kwargs, keyword: rounded}
-        args = tuple(args)
+        args = tuple(positional)
     return args, kwargs
 
 

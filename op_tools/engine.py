@@ -14,7 +14,8 @@ Per call the engine does, for a tool that handles it::
 
     before(call)                  # in tool work: may replace call.args / call.kwargs, fill call.state, and list
                                   # in call.grad_inputs the inputs whose gradients after_call_backward wants
-    call.result = run(call)       # the op itself (default: call.func(*call.args, **call.kwargs))
+    call.result = run(call)       # the op itself (default: call.func(*call.args, **call.kwargs)); run() may call
+                                  # run_inside(call) to have the torch calls a Python composite makes handled too
     after(call)                   # in tool work: may replace call.result
     # if the tool defines before_backward / after_backward: autograd hooks on the outputs' grad_fn nodes
     before_backward(call, grad_outputs)               # upstream gradients, before the node runs
@@ -37,16 +38,17 @@ import logging
 import os
 import signal
 import threading
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch._C._autograd import _get_sequence_nr as _sequence_nr
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.utils._device import DeviceContext
 
 from . import module_path, reporting, result_files, targeting
 from .arguments import call_device, iter_tensors
 from .call_backward import CallBackward
-from .config import CommonConfig, OpFilter
+from .config import CommonConfig, OpFilter, Sources
 from .naming import is_metadata_query, resolve_op_name
 from .settings import signature_of, sources_for, validate_arguments
 from .writes import call_writes
@@ -57,8 +59,10 @@ _announced: dict[tuple[str, str, bool], None] = {}  # (hook, op, decision): a la
 _reported_failures: dict[tuple[str, str], None] = {}
 _announce_lock = threading.Lock()
 
-FEATURES: dict[str, type] = {}
+FEATURES: dict[str, type[OpTool]] = {}
 _CPU = torch.device("cpu")
+# Calls a function skipping one hop of torch-function dispatch; absent from older torch, where composites run whole.
+_skip_one_hop = getattr(torch._C, "_skip_one_hop_torch_function", None)
 _BACKWARD_CALLS = frozenset({"torch.Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
 
 
@@ -111,7 +115,7 @@ class OpCall:
     """One handled call: what the tool sees. ``state`` is the tool's scratch space, kept for backward."""
 
     __slots__ = ("name", "func", "args", "kwargs", "result", "forward_id", "device", "state", "_location",
-                 "_full_stack", "first_node", "grad_inputs", "module_path", "__weakref__")
+                 "_full_stack", "first_node", "grad_inputs", "module_path", "unchecked", "__weakref__")
 
     def __init__(self, name: str, func, args: tuple, kwargs: dict, device: torch.device | None,
                  full_stack: bool = False) -> None:
@@ -121,7 +125,7 @@ class OpCall:
         self.kwargs = kwargs
         self.result: Any = None
         self.forward_id = next(_forward_ids)
-        self.device = device
+        self.device: torch.device = device  # type: ignore[assignment]  # None only in the engine's stand-in calls
         self.state: dict[str, Any] = {}
         self._location: str | None = None
         self._full_stack = full_stack
@@ -130,6 +134,7 @@ class OpCall:
         # The module running the call (module_path.py): "model.layers.1.mlp.down_proj"; "" outside any module or
         # when no started tool tracks modules.
         self.module_path = module_path.current()
+        self.unchecked = False  # a step of the tool failed on this call: counted once in OpTool.unchecked
 
     @property
     def location(self) -> str:
@@ -184,22 +189,25 @@ class OpTool:
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        cls._logger = reporting.tool_logger(cls)
+        cls._logger = reporting.tool_logger(cls)  # type: ignore[arg-type]  # classes are hashable
         if "__init__" not in vars(cls):  # a subclass with its own constructor shows its own signature
-            cls.__signature__ = signature_of(cls)
+            cls.__signature__ = signature_of(cls)  # type: ignore[attr-defined]  # what inspect.signature reads
 
     def __init__(self, **settings) -> None:
         """``settings``: the keyword arguments of the tool's docstring, each overriding its variable; validated now
         (TypeError for an unknown keyword, ValueError/TypeError naming a malformed value and its expected form)."""
         self.arguments = validate_arguments(type(self), settings)  # variable name -> parsed value
-        self.sources = None  # arguments and config file, gathered at start()
-        self.common: CommonConfig | None = None
-        self.filter: OpFilter | None = None
+        self.sources: Sources | None = None  # arguments and config file, gathered at start()
+        # Typed as read by start(), before any call is handled, so that the per-call path reads them unchecked
+        self.common: CommonConfig = None  # type: ignore[assignment]  # None until start()
+        self.filter: OpFilter = None  # type: ignore[assignment]  # None until start()
         self._activations: list = []  # per start(): its _ToolMode, or its Targeting (a LIST of plain names)
         self._decisions: dict[str, bool] = {}
         self._skipped: set = set()  # functions whose name this tool skips: the mode's fast path
         self._lock = threading.Lock()
         self._open_backwards: set = set()  # CallBackward trackers whose hooks started and did not finish
+        self._tracking: list[bool] = []  # per start(): whether it acquired the module hooks (module_path.py)
+        self._can_match = True  # whether the LIST of the latest start() can match a call
         # True while a mode shows this tool every torch call of its thread (not with targeted wrappers or
         # apply_feature, which see only the functions they wrap: writes elsewhere go unseen)
         self.sees_every_call = False
@@ -207,6 +215,7 @@ class OpTool:
         # Set by configure() to handle calls whose tensors are all on the CPU too (by default the CPU is the
         # reference and its calls run untouched); such calls get device cpu.
         self.handles_cpu_calls = False
+        self._reset_account()
 
     # --- what a tool overrides ---
 
@@ -224,18 +233,39 @@ class OpTool:
         """Run the op; tools that run it elsewhere (fallback, dtype cast) override this."""
         return call.func(*call.args, **call.kwargs)
 
+    def run_inside(self, call: OpCall):
+        """Run the op with the torch calls it makes handled too (a Python function of torch calls, such as
+        ``multi_head_attention_forward``; a C++ op has none to show). Only under this tool's mode, which torch
+        takes off its stack while the mode handles a call: pushed back for the calls inside, one hop of dispatch
+        skipped so the op itself is not handled twice. Under targeted wrappers, the wrapped calls inside are handled.
+        Otherwise the op runs as it is."""
+        mode = self._activations[-1] if self._activations else None
+        if isinstance(mode, targeting.Targeting):
+            with targeting.calls_inside_handled():
+                return call.func(*call.args, **call.kwargs)
+        modes = _get_current_function_mode_stack()
+        # The skipped hop skips every mode: another one (a user's) would see what the op calls instead of the op.
+        # torch.device's DeviceContext acts on constructors only.
+        if not isinstance(mode, _ToolMode) or _skip_one_hop is None or \
+                any(m is not mode and not isinstance(m, DeviceContext) for m in modes):
+            return call.func(*call.args, **call.kwargs)
+        with contextlib.ExitStack() as stack:
+            if all(m is not mode for m in modes):  # off the stack when the call came through it
+                stack.enter_context(mode)
+            return _skip_one_hop(call.func, (), call.args, call.kwargs)
+
     def after(self, call: OpCall) -> None:
         """After the op; may replace ``call.result``."""
 
-    before_backward = None  # (call, grad_outputs) -> None: defining it makes the engine hook backward
-    after_backward = None   # (call, grad_inputs, grad_outputs) -> None
+    before_backward: Callable[[OpCall, tuple], None] | None = None  # defining it makes the engine hook backward
+    after_backward: Callable[[OpCall, tuple, tuple], None] | None = None  # (call, grad_inputs, grad_outputs)
     # (call, grad_inputs, grad_outputs) -> None, after each autograd node the call created other than its
     # outputs' own: the inside of a composite function (cross_entropy = log_softmax + nll_loss).
-    inner_node_backward = None
+    inner_node_backward: Callable[[OpCall, tuple, tuple], None] | None = None
     # (call, upstream, input_grads, complete) -> None, once every autograd node the call created ran: the gradients
     # of its outputs and of the tensors before() listed in call.grad_inputs (call_backward.py); complete is False
     # when the backward pass ended with only part of them run.
-    after_call_backward = None
+    after_call_backward: Callable[[OpCall, tuple, tuple, bool], None] | None = None
     # Whether the tool keeps host copies of device tensors across calls (OpAutoCompare): it is then told of every
     # write of a call it does not handle (note_writes), and functions that can write never take the skip fast path.
     tracks_writes: ClassVar[bool] = False
@@ -262,8 +292,11 @@ class OpTool:
         self._decisions = {}
         self._skipped = set()
         self._read_configuration()
+        self._can_match = True
         self._activations.append(self._activate())
-        if self.tracks_modules:
+        # a LIST no call can match needs no module paths (the global module hooks slow every module call)
+        self._tracking.append(self.tracks_modules and self._can_match)
+        if self._tracking[-1]:
             module_path.acquire()
         _track_unfinished(self)
         return self
@@ -272,18 +305,26 @@ class OpTool:
         """Wrap the functions a LIST of plain names selects (see targeting.py); otherwise push a mode."""
         names = self.filter.exact_names()
         if names is not None:
-            if type(self).backward_done is not OpTool.backward_done or self.after_call_backward is not None:
-                names += tuple(sorted(_BACKWARD_CALLS))
             targets, problems = targeting.plan(names)
+            # every name one that no call can have (a typo of a torch name): nothing to wrap, follow or track, so a
+            # tool started per step around such a list costs nothing per call
+            self._can_match = bool(problems or targets)
+            if self._can_match and (type(self).backward_done is not OpTool.backward_done
+                                    or self.after_call_backward is not None):
+                backward_targets, backward_problems = targeting.plan(tuple(sorted(_BACKWARD_CALLS)))
+                targets.update(backward_targets)
+                problems += backward_problems
             if not problems:
                 activation = targeting.Targeting(self, targets)
                 with contextlib.suppress(AttributeError, TypeError):  # a read-only place: the mode instead
                     activation.enter()
                     self.sees_every_call = False
                     return activation
-            else:
-                reporting.logger.warning("%s_LIST: %s; the tool checks the name of every call instead", self.env_prefix,
-                                         "; ".join(problems))
+            else:  # once per process and list: a tool started per step says it once
+                from .typo_check import warn_once
+
+                warn_once(("targeting", self.env_prefix, names), "%s_LIST: %s; the tool checks the name of every call "
+                          "instead", self.env_prefix, "; ".join(problems))
         mode = _ToolMode(self)
         mode.__enter__()
         self.sees_every_call = True
@@ -297,13 +338,13 @@ class OpTool:
             _remove_mode(activation)
         else:
             activation.exit()
-        if self.tracks_modules:
+        if self._tracking.pop():
             module_path.release()
         if not self._activations:
             _unfinished.pop(id(self), None)
         self.finish()
         self.tally.close()
-        self._logger.info(self.closing_line())
+        self._logger.log(self._closing_level(), self.closing_line())
 
     end = stop
 
@@ -312,15 +353,60 @@ class OpTool:
         reporting.configure_logging(self.common.verbose)
         self.tally = result_files.Tally(result_files.results_path(self.common, self.results_folder)
                                      if self.results_folder else None, f"{type(self).__name__} writing")
-        self.handled: collections.Counter = collections.Counter()  # calls handled per op name
+        self._reset_account()
         if self.results_folder:
             result_files.prepare_results_folder(self.common, self.results_folder, type(self).__name__)
 
+    def _reset_account(self) -> None:
+        """Counts of one ``start()``…``stop()``: what its verdict accounts for."""
+        self.handled: collections.Counter = collections.Counter()  # calls handled per op name
+        # calls per op name that a step of the tool failed on (so they went unchecked), and the first one's error
+        self.unchecked: collections.Counter = collections.Counter()
+        self.first_unchecked: tuple[str, str] | None = None
+        self.raised: collections.Counter = collections.Counter()  # handled calls whose op raised, per op name
+
     def closing_line(self) -> str:
-        """The line logged at ``stop()`` (INFO): what the tool handled and what it wrote where."""
+        """The line logged at ``stop()``: what the tool handled, what it wrote where, and what it could not check
+        (then logged as a WARNING: see ``not_checked``)."""
         ops = len(self.handled)
-        return (f"{type(self).__name__}: {sum(self.handled.values())} calls of {ops} op{'s' if ops != 1 else ''} "
+        line = (f"{type(self).__name__}: {sum(self.handled.values())} calls of {ops} op{'s' if ops != 1 else ''} "
                 f"handled; {self.tally.describe()}")
+        problem = self.not_checked()
+        return f"{line}; {problem}" if problem else line
+
+    # --- the verdict: every handled call checked, or said not to be ---
+
+    def found(self) -> str:
+        """What the tool found wrong ('' for nothing, or for a tool that judges nothing): overridden."""
+        return ""
+
+    def not_checked(self) -> str:
+        """'' when every handled call was checked; else what was not: calls a step of the tool failed on, a LIST
+        that matched no call, anything else a tool adds (``unchecked_parts``)."""
+        parts = []
+        if self.filter is not None and self.filter.allow is not None and not self.handled:
+            parts.append(f"{self.env_prefix}_LIST matched no call")
+        with _announce_lock:
+            failed, first = sum(self.unchecked.values()), self.first_unchecked
+        if failed and first is not None:
+            parts.append(f"{failed} call{'s' if failed != 1 else ''} not checked (the tool failed), the first "
+                         f"{first[0]}: {first[1]}")
+        parts.extend(self.unchecked_parts())
+        return "; ".join(parts)
+
+    def unchecked_parts(self) -> list[str]:
+        """What else the tool could not check or write (files lost, spans unread): overridden."""
+        return []
+
+    def verdict(self) -> str:
+        """``"found"`` (the tool found something wrong), ``"unchecked"`` (some calls went unchecked) or
+        ``"clean"``: the exit status of ``python -m op_tools`` (``VERDICT_EXIT_STATUS``)."""
+        if self.found():
+            return "found"
+        return "unchecked" if self.not_checked() else "clean"
+
+    def _closing_level(self) -> int:
+        return logging.WARNING if self.not_checked() else logging.INFO
 
     def __enter__(self) -> OpTool:
         return self.start()
@@ -387,7 +473,11 @@ class OpTool:
                 tracker = self._guarded_value(CallBackward, call, call.grad_inputs)  # edges before an in-place op
         if self.inner_node_backward is not None:
             call.first_node = _sequence_nr()
-        call.result = self.run(call)
+        try:
+            call.result = self.run(call)
+        except BaseException:
+            self.raised[name] += 1  # the op's own error: propagates unchanged, the call has nothing to check
+            raise
         with tool_work():
             self._guarded(self.after, call)
             result = call.result
@@ -411,7 +501,9 @@ class OpTool:
             with self._lock:
                 self._open_backwards.discard(tracker)
             with tool_work():
-                self._guarded(lambda c: self.after_call_backward(c, upstream, input_grads, complete), call)
+                after_call_backward = self.after_call_backward
+                assert after_call_backward is not None  # attached only for a tool that defines it
+                self._guarded(lambda c: after_call_backward(c, upstream, input_grads, complete), call)
 
         def started(_) -> None:
             with self._lock:
@@ -463,8 +555,20 @@ class OpTool:
         except Exception as e:
             if self.common is not None and self.common.strict:
                 raise
-            self.report_failure(call.name, e)
+            self.tool_failed(call, e)
             return False
+
+    def tool_failed(self, call: OpCall, error: Exception) -> None:
+        """A step of the tool failed on ``call``: the call counts as not checked (once), the error is logged once
+        per op name."""
+        if not call.unchecked:
+            call.unchecked = True
+            described = f"{type(error).__name__}: {error}"
+            with _announce_lock:
+                self.unchecked[call.name] += 1
+                if self.first_unchecked is None:
+                    self.first_unchecked = (call.name, described if len(described) <= 200 else described[:197] + "...")
+        self.report_failure(call.name, error)
 
     def report_failure(self, name: str, error: Exception) -> None:
         key = (self.hook_name, name)
@@ -519,7 +623,7 @@ def _finish_reporting_failure(tool: OpTool) -> None:
         with tool_work():
             tool.finish()
         tool.tally.close()
-        tool._logger.info(tool.closing_line())
+        tool._logger.log(tool._closing_level(), tool.closing_line())
     except Exception:
         reporting.logger.exception("%s: writing its results failed", tool.hook_name)
 
@@ -552,7 +656,7 @@ def register_backward_hooks(call: OpCall, tool: OpTool) -> None:
     node runs, ``tool.after_backward(call, grad_inputs, grad_outputs)`` after. Hooks never change gradients;
     they run in tool work, once per node, and only ``call.state``, name, id and location stay alive for them.
     """
-    nodes = []
+    nodes: list[torch.autograd.graph.Node] = []
     for t in iter_tensors(call.result):
         node = t.grad_fn
         if node is not None and all(node is not n for n in nodes):
@@ -569,7 +673,7 @@ def register_backward_hooks(call: OpCall, tool: OpTool) -> None:
 
             node.register_hook(inner_hook)
     for node in nodes:
-        handles = []
+        handles: list = []
         if tool.before_backward is not None:
             def pre_hook(grad_outputs, _handles=handles):
                 with tool_work():

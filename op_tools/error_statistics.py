@@ -3,7 +3,9 @@
 ``error_stats(d, r, atol, rtol)`` measures a floating tensor ``d`` against its float64 reference ``r``:
 max |d - r|, the max relative difference, the normalised error ``max |d - r| / (|r| + mean|r|)``, the cosine
 similarity and whether ``allclose(atol, rtol)`` holds; None when a value is not finite (the caller handles nan
-and inf elementwise). ``normalised_error(s, r)`` is the normalised error alone (of the same-dtype run).
+and inf elementwise). ``normalised_error(s, r)`` is the normalised error alone (of the same-dtype run). With
+``relative=(share, least)`` both measure the relative error instead, ``max |d - r| / max(|r|, share * mean|r|,
+least)``: the measure of an op rounded once (``comparison.ERROR_RULES``).
 
 - small tensors on the host (below ``TORCH_MIN`` elements): numpy, whose per-call overhead is a fraction of
   torch's on the little tensors of a real model's many small ops;
@@ -26,7 +28,7 @@ _NUMPY_FLOATS = frozenset({torch.float16, torch.float32, torch.float64})
 
 # The ufuncs and their reductions, bound once: not the array methods (same values, less overhead per call).
 _subtract, _absolute, _add, _divide = np.subtract, np.absolute, np.add, np.divide
-_max, _sum = np.maximum.reduce, np.add.reduce
+_max, _sum, _maximum = np.maximum.reduce, np.add.reduce, np.maximum
 
 
 def wide(t: torch.Tensor) -> torch.Tensor:
@@ -37,15 +39,17 @@ def wide(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64).contiguous()
 
 
-def error_stats(d: torch.Tensor, r: torch.Tensor, atol: float, rtol: float):
+def error_stats(d: torch.Tensor, r: torch.Tensor, atol: float, rtol: float, relative: tuple | None = None):
     """``(max_abs, max_rel, error, cosine, allclose)`` of ``d`` against ``r``, or None if a value is not finite."""
     if d.is_cpu and d.numel() < TORCH_MIN and not d.is_complex():
-        return _numpy_stats(_numpy(d), _numpy(r), atol, rtol)
-    return _torch_stats(d, r, atol, rtol)
+        return _numpy_stats(_numpy(d), _numpy(r), atol, rtol, relative)
+    return _torch_stats(d, r, atol, rtol, relative)
 
 
-def normalised_error(s: torch.Tensor, r: torch.Tensor, keep: torch.Tensor | None = None) -> float:
-    """``max |s - r| / (|r| + mean|r|)`` over the elements in ``keep`` (all if None) where the difference is finite."""
+def normalised_error(s: torch.Tensor, r: torch.Tensor, keep: torch.Tensor | None = None,
+                     relative: tuple | None = None) -> float:
+    """``max |s - r| / (|r| + mean|r|)`` (``relative``: as in ``error_stats``) over the elements in ``keep`` (all if
+    None) where the difference is finite."""
     if keep is not None:
         s, r = wide(s)[keep.to(s.device)], wide(r)[keep.to(r.device)]
     if s.numel() == 0:
@@ -55,21 +59,24 @@ def normalised_error(s: torch.Tensor, r: torch.Tensor, keep: torch.Tensor | None
         with np.errstate(all="ignore"):
             diff = np.abs(sn - rn)
             magnitude = np.abs(rn)
-            scale = max(float(magnitude.mean()), _TINY)
+            scale = _scale(float(magnitude.mean()), relative)
+            combine = _add if relative is None else _maximum
             finite = np.isfinite(diff)
             if finite.all():
-                return float((diff / (magnitude + scale)).max())
-            return float((diff[finite] / (magnitude[finite] + scale)).max()) if finite.any() else 0.0
+                return float((diff / combine(magnitude, scale)).max())
+            return float((diff[finite] / combine(magnitude[finite], scale)).max()) if finite.any() else 0.0
     with torch.no_grad():
         flat, rw = s.detach().reshape(-1), wide(r).to(s.device).reshape(-1)
         if flat.is_complex():
             flat = wide(flat).reshape(-1)
-        scale = torch.linalg.vector_norm(rw, 1).div_(rw.numel()).clamp_(min=_TINY)
-        largest = float(torch.stack(_over_ranges(_range_error, flat, rw, scale)).max())
+        scale = _scale(torch.linalg.vector_norm(rw, 1).div_(rw.numel()), relative)
+        largest = float(torch.stack(_over_ranges(_range_error, flat, rw, scale, relative is not None)).max())
         if math.isfinite(largest):
             return largest
         # an overflow in the same-dtype run: measured over the elements where the difference is finite
-        ratio = torch.sub(flat, rw).abs_().div_(rw.abs().add_(scale))
+        magnitude = rw.abs()
+        ratio = torch.sub(flat, rw).abs_().div_(magnitude.add_(scale) if relative is None else
+                                                 magnitude.clamp_(min=scale))
         finite = torch.isfinite(ratio)
         return float(ratio[finite].max()) if bool(finite.any()) else 0.0
 
@@ -87,7 +94,7 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 
 
 @np.errstate(all="ignore")  # as a decorator: no errstate object built on each of the ~430 calls per step
-def _numpy_stats(dn: np.ndarray, rn: np.ndarray, atol: float, rtol: float):
+def _numpy_stats(dn: np.ndarray, rn: np.ndarray, atol: float, rtol: float, relative: tuple | None = None):
     dn, rn = dn.ravel(), rn.ravel()
     diff = _subtract(dn, rn)
     _absolute(diff, out=diff)
@@ -98,17 +105,18 @@ def _numpy_stats(dn: np.ndarray, rn: np.ndarray, atol: float, rtol: float):
         return 0.0, 0.0, 0.0, 1.0, True
     else:
         magnitude = _absolute(rn)
-        scale = max(float(_sum(magnitude)) / magnitude.size, _TINY)
+        scale = _scale(float(_sum(magnitude)) / magnitude.size, relative)
         # every diff <= max_abs <= atol <= atol + rtol * |ref|: the elementwise test is needed only above atol
         allclose = max_abs <= atol or bool((diff <= atol + rtol * magnitude).all())
         max_rel = float(_max(_divide(diff, _add(magnitude, 1e-6))))
-        error = float(_max(_divide(diff, _add(magnitude, scale, out=magnitude), out=magnitude)))
+        combine = _add if relative is None else _maximum
+        error = float(_max(_divide(diff, combine(magnitude, scale, out=magnitude), out=magnitude)))
     # ndarray.dot: the same BLAS dot as ``@`` on 1-d arrays, at half the call overhead
     dd, rr = float(dn.dot(dn)), float(rn.dot(rn))
     return max_abs, max_rel, error, _cosine(dd, rr, float(dn.dot(rn)), max_abs), allclose
 
 
-def _torch_stats(d: torch.Tensor, r: torch.Tensor, atol: float, rtol: float):
+def _torch_stats(d: torch.Tensor, r: torch.Tensor, atol: float, rtol: float, relative: tuple | None = None):
     """Chunk by chunk: each chunk's temporaries stay in the processor's cache, so memory is read about once (the
     statistics take a dozen passes, which on a large tensor would each stream it from memory). On the host, large
     tensors are split between threads, one range each (torch releases the GIL while it computes)."""
@@ -118,9 +126,9 @@ def _torch_stats(d: torch.Tensor, r: torch.Tensor, atol: float, rtol: float):
         flat = d.detach().reshape(-1)
         rw = wide(r).to(d.device).reshape(-1)
         n = rw.numel()
-        scale = torch.linalg.vector_norm(rw, 1).div_(n).clamp_(min=_TINY)
+        scale = _scale(torch.linalg.vector_norm(rw, 1).div_(n), relative)
         # per chunk: max |d-r|, max relative, normalised error, allclose margin; sums of d*d, r*r, d*r
-        table = torch.stack(_over_ranges(_range_stats, flat, rw, scale, -rtol))
+        table = torch.stack(_over_ranges(_range_stats, flat, rw, scale, -rtol, relative is not None))
         values = torch.cat([table[:, :4].amax(0), table[:, 4:].sum(0)]).tolist()  # the one read back
     max_abs, max_rel, error, margin, dd, rr, dr = values
     if not math.isfinite(max_abs):
@@ -130,7 +138,8 @@ def _torch_stats(d: torch.Tensor, r: torch.Tensor, atol: float, rtol: float):
     return max_abs, max_rel, error, _cosine(dd, rr, dr, max_abs), max_abs <= atol or margin <= atol
 
 
-def _range_stats(flat: torch.Tensor, rw: torch.Tensor, start: int, stop: int, chunk: int, scale, minus_rtol: float):
+def _range_stats(flat: torch.Tensor, rw: torch.Tensor, start: int, stop: int, chunk: int, scale, minus_rtol: float,
+                 relative: bool):
     wide_d, diff, magnitude, scratch = _buffers(rw.device, min(chunk, stop - start), 4)
     rows = []
     for at in range(start, stop, chunk):
@@ -145,7 +154,7 @@ def _range_stats(flat: torch.Tensor, rw: torch.Tensor, start: int, stop: int, ch
         torch.abs(rc, out=mg)
         rows.append(torch.stack([
             largest, torch.div(df, torch.add(mg, 1e-6, out=tmp), out=tmp).max(),
-            torch.div(df, torch.add(mg, scale, out=tmp), out=tmp).max(),
+            torch.div(df, (torch.maximum if relative else torch.add)(mg, scale, out=tmp), out=tmp).max(),
             torch.add(df, mg, alpha=minus_rtol, out=tmp).max(), torch.dot(dc, dc), torch.dot(rc, rc),
             torch.dot(dc, rc),
         ]))
@@ -175,15 +184,25 @@ def _buffers(device: torch.device, size: int, count: int) -> list:
     return [b[:size] for b in held[:count]]
 
 
-def _range_error(flat: torch.Tensor, rw: torch.Tensor, start: int, stop: int, chunk: int, scale):
+def _range_error(flat: torch.Tensor, rw: torch.Tensor, start: int, stop: int, chunk: int, scale, relative: bool):
     diff, magnitude = _buffers(rw.device, min(chunk, stop - start), 2)
     rows = []
     for at in range(start, stop, chunk):
         k = min(at + chunk, stop) - at
         rc, df, mg = rw[at:at + k], diff[:k], magnitude[:k]
         torch.sub(flat[at:at + k], rc, out=df).abs_()
-        rows.append(df.div_(torch.abs(rc, out=mg).add_(scale)).max())
+        magnitude = torch.abs(rc, out=mg)
+        rows.append(df.div_(magnitude.clamp_(min=scale) if relative else magnitude.add_(scale)).max())
     return rows
+
+
+def _scale(mean, relative: tuple | None):
+    """The magnitude an element is measured against at least: mean|r| (a float or a 0-d tensor), or with ``relative``
+    ``(share, least)``, ``max(share * mean|r|, least)``."""
+    share, least = (1.0, _TINY) if relative is None else relative
+    if isinstance(mean, torch.Tensor):
+        return (mean if relative is None else mean.mul_(share)).clamp_(min=least)
+    return max(share * mean, least)
 
 
 def _cosine(dd: float, rr: float, dr: float, max_abs: float) -> float:

@@ -79,6 +79,13 @@ class FailingCalls:
     def drain(self) -> None:
         self.writer.drain()
 
+    def lost(self) -> str:
+        """The files of failing calls that could not be written ('' when none), for the verdict."""
+        if not self.writer.failed:
+            return ""
+        return (f"{self.writer.failed} file{'s' if self.writer.failed != 1 else ''} of failing calls not written "
+                f"(the first {self.writer.first_failure})")
+
     def summary_line(self) -> str:
         """What was saved where, for the summary ("" when nothing was)."""
         if not self.saved:

@@ -9,7 +9,7 @@ import threading
 from typing import Any, Callable
 
 from . import reporting
-from .engine import FEATURES, finish_unstopped, in_tool_work, tool_work
+from .engine import FEATURES, OpTool, finish_unstopped, in_tool_work, tool_work
 from .naming import function_from_name, resolve_op_name
 from .settings import short_name
 
@@ -23,12 +23,12 @@ class UnknownFeatureError(ValueError, AssertionError):
     asserted the name, and its scripts catch that."""
 
 
-def tool_aliases() -> dict[str, type]:
+def tool_aliases() -> dict[str, type[OpTool]]:
     """Every name a tool goes by, normalised (lower case, ``-`` as ``_``) -> its class: the class name
     (``OpCapture``), the short name (``capture``, as ``python -m op_tools`` and the config file take it), the
     original ditorch's feature name (``op_capture``, ``dump_op_args``, ``measure_op_time``, ``cast_dtype``) and
     ``op_<short>``."""
-    table = {}
+    table: dict[str, type[OpTool]] = {}
     for cls in FEATURES.values():
         for name in (cls.__name__, short_name(cls), cls.feature, "op_" + short_name(cls)):
             table.setdefault(_normalised(name), cls)
@@ -39,12 +39,12 @@ def _normalised(name: str) -> str:
     return name.strip().lower().replace("-", "_")
 
 
-def find_tool(name: str) -> type | None:
+def find_tool(name: str) -> type[OpTool] | None:
     """The tool class ``name`` stands for (see ``tool_aliases``), or ``None``."""
     return tool_aliases().get(_normalised(name))
 
 
-def tool_class(name: str) -> type:
+def tool_class(name: str) -> type[OpTool]:
     """The tool class ``name`` stands for; ``UnknownFeatureError`` listing the names otherwise."""
     cls = find_tool(name)
     if cls is None:
@@ -154,7 +154,7 @@ def _wrap(tool, original, name: str, condition_func):
                 return original(*args, **kwargs)
         return tool.handle(original, args, kwargs, name=name)
 
-    with_feature.__op_tools_original__ = original
+    with_feature.__op_tools_original__ = original  # type: ignore[attr-defined]  # a mark: the function it wraps
     return with_feature
 
 

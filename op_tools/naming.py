@@ -20,9 +20,13 @@ METADATA_QUERIES = frozenset(
         "__hash__", "__len__", "__bool__", "__int__", "__float__", "__index__", "__dir__", "__reduce_ex__",
         "__setstate__", "__deepcopy__", "__array__", "item", "tolist", "backward", "register_hook",
         "register_post_accumulate_grad_hook", "retain_grad", "requires_grad_", "_version", "__contains__",
+        "is_same_size", "__dlpack_device__",
     )
 ) | frozenset({"torch._has_compatible_shallow_copy_type", "torch.is_tensor", "torch.numel", "torch.is_floating_point",
-               "torch.is_complex", "torch.is_nonzero", "torch.result_type", "torch.can_cast", "torch.promote_types"})
+               "torch.is_complex", "torch.is_nonzero", "torch.result_type", "torch.can_cast", "torch.promote_types",
+               "torch.is_same_size", "torch.get_device",
+               # devices and parsed .to() arguments: a CPU rerun would answer cpu, which is no reference for them
+               "torch.device", "torch._C._nn._parse_to"})
 
 # Ops whose outputs alias their input: falling back or casting them would break the aliasing.
 VIEW_OPS = frozenset(
@@ -58,6 +62,21 @@ OPERATOR_METHODS = {
     "__imod__": "remainder_", "__matmul__": "matmul", "__lt__": "lt", "__le__": "le", "__gt__": "gt", "__ge__": "ge",
     "__ne__": "ne", "__rand__": "bitwise_and", "__ror__": "bitwise_or", "__rxor__": "bitwise_xor",
 }
+
+# The aten op behind each Tensor operator, for lookups in ``torch.ops.aten`` (whose own ``__eq__`` is Python's): a
+# mode sees ``a == b`` as ``torch.Tensor.__eq__``. Operators aten has under their own name (``__and__``) map to it.
+OPERATOR_ATEN_OPS = {
+    **OPERATOR_METHODS, "__eq__": "eq", "__invert__": "bitwise_not", "__neg__": "neg", "__pos__": "positive",
+    "__abs__": "abs", "__pow__": "pow", "__rpow__": "pow", "__rsub__": "rsub", "__rtruediv__": "div",
+    "__floordiv__": "floor_divide", "__rfloordiv__": "floor_divide", "__rmod__": "remainder",
+    "__rlshift__": "__lshift__", "__rrshift__": "__rshift__", "__rmatmul__": "matmul", "__reversed__": "flip",
+}
+
+# Operators that write their first argument (``a += b``); ``__invert__``, ``__index__`` and ``__iter__`` do not.
+WRITING_OPERATORS = frozenset({"__setitem__"}) | frozenset(
+    f"__i{op}__" for op in ("add", "sub", "mul", "div", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or",
+                            "xor", "lshift", "rshift")
+)
 
 
 def resolve_op_name(func) -> str:
@@ -135,9 +154,9 @@ def is_metadata_query(name: str) -> bool:
 def is_inplace_op(name: str) -> bool:
     """``torch.Tensor.add_``, ``torch._foreach_mul_``, ``__iadd__``, ``__setitem__``: the first argument is written."""
     short = name.rpartition(".")[2]
-    if short == "__setitem__" or (short.startswith("__i") and short.endswith("__")):
-        return True
-    return short.endswith("_") and not short.endswith("__")
+    if short.endswith("__"):
+        return short in WRITING_OPERATORS
+    return short.endswith("_")
 
 
 def function_from_name(name: str):

@@ -172,8 +172,14 @@ class OpOverflowCheck(OpTool):
                     results_first=True)
 
     def closing_line(self) -> str:
-        found = str(self.first_overflow).split("\n")[0] if self.first_overflow else "no inf/nan from finite inputs"
+        found = self.found()
+        if not found:  # a clean verdict only when every handled call was checked
+            found = "no inf/nan from finite inputs" if not self.not_checked() else \
+                "no inf/nan from finite inputs among the calls checked"
         return f"{super().closing_line()}; {found}"
+
+    def found(self) -> str:
+        return str(self.first_overflow).split("\n")[0] if self.first_overflow else ""
 
     def backward_done(self) -> None:
         pending, self._pending = self._pending, None

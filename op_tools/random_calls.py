@@ -2,7 +2,9 @@
 
 A rerun of such a call on the CPU draws other numbers (another generator, another stream): comparing the two
 says nothing, and the rerun would consume the user's random stream. OpAutoCompare never reruns them; it
-counts them as not comparable.
+counts them as not comparable. A random call written in Python out of torch calls (``COMPOSITES``: attention with
+dropout) is run with those calls handled one by one, so the ones that draw nothing are compared; a random call
+that is one op with more inside (``scaled_dot_product_attention`` with ``dropout_p``) says so in its reason.
 
 >>> random_reason("torch.nn.functional.dropout", (x,), {"p": 0.1, "training": True})
 'random'
@@ -38,6 +40,13 @@ _DRAW_WHEN = {
     "rrelu": ((None, None, 1.0), (3, "training", False)),
     "rrelu_": ((None, None, 1.0), (3, "training", False)),
 }
+# Random calls written in Python out of torch calls: OpAutoCompare runs them with the calls they make handled one by
+# one, so those that draw nothing (the softmax beside attention's dropout) are compared.
+COMPOSITES = frozenset({"torch.nn.functional.multi_head_attention_forward", "torch.nn.functional.gumbel_softmax"})
+# Random calls that are one op with more than the draw inside (no Python calls to descend into): the skip reason says
+# what goes uncompared.
+_ONE_OP = dict.fromkeys(("scaled_dot_product_attention", "_scaled_dot_product_attention_math"),
+                        "random (attention with dropout, one op: nothing inside compared)")
 _TORCH_DROPOUT = {"torch.dropout", "torch.dropout_", "torch.feature_dropout", "torch.feature_dropout_",
                   "torch.alpha_dropout", "torch.alpha_dropout_", "torch.feature_alpha_dropout",
                   "torch.feature_alpha_dropout_"}  # (input, p, train): train is positional and required
@@ -75,6 +84,11 @@ def random_reason(name: str, args: tuple, kwargs: dict) -> str | None:
     return "random" if _positive(_value(args, kwargs, probability)) else None
 
 
+def skip_text(name: str) -> str:
+    """The skip reason of a random call that is not run as a composite: ``'random'``, or what its one op hides."""
+    return _ONE_OP.get(name.rsplit(".", 1)[-1], "random")
+
+
 def _value(args: tuple, kwargs: dict, where):
     position, keyword, default = where
     return args[position] if position < len(args) else kwargs.get(keyword, default)
@@ -102,6 +116,7 @@ class GeneratorProbe:
 
 
 def _reader(device: torch.device):
+    generator: torch.Generator | None
     if device.type == "cpu":
         generator = torch.default_generator
     else:

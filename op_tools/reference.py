@@ -171,7 +171,7 @@ def run_reference(func, cpu_args, cpu_kwargs, attempts, owned: set, grad_snaps: 
     return None, f"{type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
 
 
-def run_same_dtype(func, cpu_args, cpu_kwargs, owned: set, math: DeviceMath, grad_snaps: list = ()):
+def run_same_dtype(func, cpu_args, cpu_kwargs, owned: set, math: DeviceMath, grad_snaps: list | tuple = ()):
     """The op on the CPU in the device's dtypes, computing as the device declared (autocast, TF32); ``Reference``,
     or None when the CPU has no kernel (then float32 rounded to the device's dtype, if that runs)."""
     leaves = {id(s): s.detach().clone().requires_grad_() for s in grad_snaps}

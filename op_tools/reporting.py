@@ -79,9 +79,10 @@ def configure_logging(verbose: bool | None) -> None:
     with _handler_lock:
         if not any(isinstance(h, ConsoleHandler) for h in logger.handlers):
             logger.addHandler(ConsoleHandler())
-        if verbose is not None:
+        # setLevel clears every logger's level cache (transformers has hundreds): only when the level changes
+        if verbose is not None and logger.level != (logging.DEBUG if verbose else logging.INFO):
             logger.setLevel(logging.DEBUG if verbose else logging.INFO)
-        elif logger.level == logging.NOTSET:
+        elif verbose is None and logger.level == logging.NOTSET:
             logger.setLevel(logging.INFO)
 
 
@@ -117,8 +118,8 @@ def table(rows: list[dict], columns: tuple[str, ...] | None = None, width: int |
         cells = _fit(columns, cells, width, columns.index(keep) if keep in columns else 0)
     result = PrettyTable()
     result.field_names = list(columns)
-    for row in cells:
-        result.add_row(row)
+    for line in cells:
+        result.add_row(line)
     return result
 
 
@@ -235,7 +236,7 @@ def progress_bar(total: int | None, desc: str, unit: str = "it"):
 
 # --- where a call comes from ---
 
-_SKIPPED_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,)) + (os.path.dirname(__file__) + os.sep,)
+_SKIPPED_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
 
 
 def _user_frames():

@@ -13,7 +13,7 @@ import queue
 import tempfile
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TextIO
 
 import torch
 
@@ -126,7 +126,7 @@ class Tally:
         return f"wrote {self.files} file{'s' if self.files != 1 else ''} ({human_size(self.bytes)}) in {shown}"
 
 
-def human_size(size: int) -> str:
+def human_size(size: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if size < 1000 or unit == "GB":
             return f"{size} {unit}" if unit == "B" else f"{size:.1f} {unit}"
@@ -143,7 +143,8 @@ def write_atomic(path: str, write: Callable[[Any], None], mode: str = "w") -> in
     try:
         if hasattr(os, "fchmod"):
             os.fchmod(fd, FILE_MODE)
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"newline": "", "encoding": "utf-8"})) as f:
+        binary = "b" in mode
+        with os.fdopen(fd, mode, newline=None if binary else "", encoding=None if binary else "utf-8") as f:
             write(f)
         size = os.path.getsize(temp)
         os.replace(temp, path)
@@ -157,11 +158,14 @@ def write_atomic(path: str, write: Callable[[Any], None], mode: str = "w") -> in
 class BackgroundWriter:
     """Runs file writes on a thread of its own, in order, so that a run is not stalled by them; ``drain()`` waits.
 
-    A write that fails is logged (with the file it was writing) and the others go on.
+    A write that fails is logged (with the file it was writing) and counted (``failed``, ``first_failure``: a
+    tool's verdict says what it lost), and the others go on.
     """
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.failed = 0
+        self.first_failure = ""  # "<file>: <error>"
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -183,8 +187,11 @@ class BackgroundWriter:
             write, what = self._queue.get()
             try:
                 write()
-            except Exception:  # noqa: BLE001 - one file lost is reported, the others are still written
+            except Exception as error:  # noqa: BLE001 - one file lost is reported, the others are still written
                 logger.exception("%s: writing %s failed", self.name, what)
+                self.failed += 1  # this thread alone writes it
+                if not self.first_failure:
+                    self.first_failure = f"{what}: {type(error).__name__}: {error}"
             finally:
                 self._queue.task_done()
 
@@ -227,7 +234,7 @@ class JsonLinesFile:
         self.partial = path + ".partial"
         self.bytes_written = 0
         self._lock = threading.Lock()
-        self._file = open(self.partial, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self._file: TextIO | None = open(self.partial, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
 
     def write(self, obj) -> int:
         """Append ``obj`` as one line; return its size in bytes."""

@@ -18,6 +18,7 @@ import argparse
 import collections
 import os
 import sys
+from typing import Any
 
 if __package__ in (None, ""):  # run as a file: import the package, not the modules beside this file
     _here = os.path.dirname(os.path.abspath(__file__))
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="How many times each op runs (default 1); with --sync_time_measure the summary gives "
                              "the mean, median and minimum of these runs.")
     # The original took `--flag True`; a bare `--flag` works too.
-    flag = {"nargs": "?", "const": True, "default": False, "type": _flag, "metavar": "BOOL"}
+    flag: dict[str, Any] = {"nargs": "?", "const": True, "default": False, "type": _flag, "metavar": "BOOL"}
     parser.add_argument("--only_run_forward", **flag,
                         help="Run forward only. By default backward runs too, with the captured upstream gradients, "
                              "for ops whose outputs have a gradient.")
@@ -119,7 +120,7 @@ def device_name(device: str) -> str:
         return platform.processor() or platform.machine() or "cpu"
     module = getattr(torch, where.type, None)
     try:
-        return str(module.get_device_name(where.index or 0))
+        return str(module.get_device_name(where.index or 0))  # type: ignore[union-attr]  # None: caught below
     except Exception:  # noqa: BLE001 - a backend without the query, or one that cannot answer: the type says enough
         return where.type
 

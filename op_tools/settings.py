@@ -28,9 +28,13 @@ import difflib
 import inspect
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Callable
 
 from .config import CONFIG_FILE, PRINT_STACK, RESULTS_DIR, STRICT, VERBOSE, EnvVar, Sources, declare_op_lists
+
+if TYPE_CHECKING:
+    from .engine import OpTool
 
 SHARED_SECTION = "op_tools"
 SHARED = {"results_dir": RESULTS_DIR, "verbose": VERBOSE, "print_stack": PRINT_STACK, "strict": STRICT}
@@ -50,12 +54,12 @@ class Family:
         return self.convert(value)
 
 
-def short_name(cls: type) -> str:
+def short_name(cls: type[OpTool]) -> str:
     """The tool's name on the command line and in the config file: ``OP_TIME_MEASURE`` -> ``time_measure``."""
     return cls.env_prefix.removeprefix("OP_").lower()
 
 
-def keywords_of(cls: type) -> dict[str, EnvVar | Family]:
+def keywords_of(cls: type[OpTool]) -> dict[str, EnvVar | Family]:
     """Every keyword ``cls`` takes, with the variable (or family) it stands for: ``ops``/``disable`` (its LIST and
     DISABLE_LIST), its own (``cls.keywords``), then those every tool shares."""
     table: dict[str, EnvVar | Family] = {}
@@ -66,7 +70,7 @@ def keywords_of(cls: type) -> dict[str, EnvVar | Family]:
     return table
 
 
-def signature_of(cls: type) -> inspect.Signature:
+def signature_of(cls: type[OpTool]) -> inspect.Signature:
     """``Tool(*, ops=None, disable=None, …)``: what ``help()`` and editors show for the keyword table."""
     return inspect.Signature([inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None)
                               for k in keywords_of(cls)])
@@ -84,7 +88,7 @@ def _value(setting: EnvVar | Family, value: Any, where: str) -> Any:
         raise type(e)(f"{where}: {e}; expected {setting.argument_form}") from None
 
 
-def validate_arguments(cls: type, given: dict[str, Any]) -> dict[str, Any]:
+def validate_arguments(cls: type[OpTool], given: dict[str, Any]) -> dict[str, Any]:
     """The parsed values of a tool's keyword arguments, by variable name (``None``: not given, the variable or the
     file decides). An unknown keyword is a TypeError, a malformed value a ValueError or TypeError, each naming it."""
     table = keywords_of(cls)
@@ -116,7 +120,7 @@ def origin(tool, keyword: str) -> str:
 
 # --- the config file ---
 
-def file_values(cls: type) -> dict[str, Any]:
+def file_values(cls: type[OpTool]) -> dict[str, Any]:
     """The config file's values for ``cls`` by variable name: ``[op_tools]``, then its own section over it."""
     path = CONFIG_FILE.read()
     if not path:
@@ -158,7 +162,7 @@ def _read_toml(path: str) -> dict:
             raise ValueError(f"{CONFIG_FILE.name}={path!r}: not valid TOML ({e})") from None
 
 
-def tool_sections() -> dict[str, type]:
+def tool_sections() -> dict[str, type[OpTool]]:
     """Section name -> tool class, for every registered tool."""
     from .engine import FEATURES
 
@@ -167,11 +171,12 @@ def tool_sections() -> dict[str, type]:
 
 def _parse_file(path: str, document: dict) -> dict[str, dict[str, Any]]:
     tools = tool_sections()
-    parsed = {}
+    parsed: dict[str, dict[str, Any]] = {}
     for section, values in document.items():
         if not isinstance(values, dict):
             raise ValueError(f"{path}: {section} = {values!r} is outside any section; settings go under "
                              f"[{SHARED_SECTION}] (every tool) or a tool's section ([capture], [autocompare], …)")
+        table: Mapping[str, EnvVar | Family]
         if section == SHARED_SECTION:
             table = SHARED
         elif section in tools:

@@ -16,7 +16,9 @@ digits, ``_`` and ``.``) selects the mode and sees those too.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import re
 import threading
 from typing import Any
 
@@ -77,8 +79,9 @@ def _wrapper(name: str, original):
 def plan(names: tuple[str, ...]) -> tuple[dict[str, list], list[str]]:
     """For each name, the places to wrap (none when it is wrapped already); and why any name cannot be wrapped.
 
-    A name that does not name a function, names it under another name than op_tools reports, or cannot be
-    patched where it lives is a reason: the tool then uses a mode, which applies the LIST to every call as before.
+    A name outside torch that does not name a function, names it under another name than op_tools reports, or
+    cannot be patched where it lives is a reason: the tool then uses a mode, which applies the LIST to every call as
+    before. A name in torch's namespaces that names no function is left out, with no reason: no call has it.
     """
     targets: dict[str, list] = {}
     problems: list[str] = []
@@ -89,7 +92,10 @@ def plan(names: tuple[str, ...]) -> tuple[dict[str, list], list[str]]:
         try:
             owner, attr, func = function_from_name(name)
         except ValueError:
-            problems.append(f"no function is named {name!r}")
+            # A torch name: no call is reported under it, so nothing to wrap and no mode (left out of the plan).
+            # Another package's function may be imported later: the mode will see it.
+            if not _NAMED_BY_OP_TOOLS.match(name):
+                problems.append(f"no function is named {name!r}")
             continue
         if not callable(func):
             problems.append(f"{name!r} is not a function")
@@ -100,8 +106,19 @@ def plan(names: tuple[str, ...]) -> tuple[dict[str, list], list[str]]:
         if reported != name:
             problems.append(f"{name!r} is reported as {reported!r}")
             continue
-        targets[name] = _places(owner, attr, func)
+        known = _places_of.get(name)
+        if known is None or known[0] is not func:
+            known = _places_of[name] = (func, _places(owner, attr, func))
+        targets[name] = known[1]
     return targets, problems
+
+
+# A name in torch's namespaces, or a short one: op_tools reports every call it sees under where its function lives,
+# so such a name that names no function (a typo, warned about by typo_check.py) can match no call.
+_NAMED_BY_OP_TOOLS = re.compile(r"torch\.|[^.]*$")
+# name -> (function, its places): the search over torch's namespaces costs milliseconds, paid once per name and
+# function (a tool started per step); an alias added to torch's namespaces later is not seen
+_places_of: dict[str, tuple[Any, list]] = {}
 
 
 def _places(owner, attr: str, func) -> list[tuple[Any, str]]:
@@ -173,6 +190,16 @@ def _release(names) -> None:
         if entry.users == 0:
             entry.restore()
             del _wrapped[name]
+
+
+@contextlib.contextmanager
+def calls_inside_handled():
+    """Within a handled call: the calls it makes are handled too (``OpTool.run_inside``), as under a mode."""
+    busy, _local.busy = getattr(_local, "busy", False), False
+    try:
+        yield
+    finally:
+        _local.busy = busy
 
 
 def _through(tool, func, name: str):

@@ -86,7 +86,8 @@ def host_values(t: torch.Tensor, values: list[float]) -> list[float]:
 def nonfinite_counts(t: torch.Tensor) -> tuple[int, int]:
     """``(nan count, inf count)`` of a tensor (one transfer)."""
     x = _flat(t)
-    return tuple(int(v) for v in torch.stack([torch.isnan(x).sum(), torch.isinf(x).sum()]).tolist())
+    nan, inf = (int(v) for v in torch.stack([torch.isnan(x).sum(), torch.isinf(x).sum()]).tolist())
+    return nan, inf
 
 
 def stats_to_host(pieces: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]) -> list[list[float]]:

@@ -70,7 +70,7 @@ class _CallRecord:
         self.module = module  # the module that ran the call (module_path.py); its backward is counted there too
         self.forward_id = forward_id
         self.start_ns = 0
-        self.forward_ns: int | None = None  # set when its span is read
+        self.forward_ns: int = None  # type: ignore[assignment]  # None until its span is read; records hold read ones
         self.backward_ns: int | None = None
         self.thread = thread
         self.input = self.output = self.grad_inputs = self.grad_outputs = ""
@@ -122,6 +122,7 @@ class Measurements:
         self.pending: collections.deque[_Span] = collections.deque()
         self.dropped = 0
         self.unread = 0  # spans whose clock failed to read them
+        self.first_unread = ""  # its error
         self.closed = False
         self.lock = threading.RLock()  # re-entrant: a SIGTERM flush may interrupt the main thread holding it
 
@@ -148,6 +149,7 @@ class Measurements:
             except Exception as e:
                 self.unread += 1
                 error = error or e
+                self.first_unread = self.first_unread or f"{span.record.name}: {type(e).__name__}: {e}"
                 continue
             record = span.record
             if not span.backward:
@@ -184,7 +186,7 @@ class Measurements:
     def summary_rows(self) -> list[dict]:
         """One row per op name, largest total (forward + backward) first; times in ms."""
         grand = sum(t.forward_ns + t.backward_ns for t in self.totals.values()) or 1
-        rows = []
+        rows: list[dict] = []
         for name, t in self.totals.items():
             total = t.forward_ns + t.backward_ns
             rows.append({
@@ -211,6 +213,7 @@ class Measurements:
                     sums[0] += t.calls
                     sums[1] += t.forward_ns
                     sums[2] += t.backward_ns
+        rows: list[dict]
         rows = [{"module": path or "(no module)", "calls": calls, "total_ms": _ms(forward + backward),
                  "share": f"{100.0 * (forward + backward) / grand:.1f}%",
                  "self_ms": _ms(self.module_totals[path].forward_ns + self.module_totals[path].backward_ns),
@@ -305,10 +308,10 @@ class OpTimeMeasure(OpTool):
     def configure(self) -> None:
         self.measurements = Measurements()
         self.synchronise = TIME_MEASURE_SYNC.read(self.sources)
-        self._clocks: dict[torch.device, object] = {}
+        self._clocks: dict[torch.device, HostClock | EventClock] = {}
         self.written: dict[str, str] = {}
 
-    def _attempt(self, call: OpCall, step, *args, calls_torch: bool = True):
+    def _attempt(self, call: OpCall, step, *args, calls_torch: bool = True, fallback: bool = False):
         """``step(*args)``; where it fails, ``None`` (reported once per op; raised under OP_TOOLS_STRICT=1). In tool
         work if it ``calls_torch`` (a backend's synchronize may: those calls are never user ops)."""
         try:
@@ -319,21 +322,26 @@ class OpTimeMeasure(OpTool):
         except Exception as error:
             if self.common.strict:
                 raise
-            self.report_failure(call.name, error)
+            if fallback:  # the host clock times the call instead: said in the summary's "timed with" line
+                self.report_failure(call.name, error)
+            else:
+                self.tool_failed(call, error)
             return None
 
     def _clock(self, call: OpCall):
         clock = self._clocks.get(call.device)
         if clock is None:
             # No timing events and no synchronize(): the host clock alone (the time to queue the work), reported.
-            clock = self._clocks[call.device] = (self._attempt(call, clock_for, call.device, self.synchronise)
+            clock = self._clocks[call.device] = (self._attempt(call, clock_for, call.device, self.synchronise,
+                                                               fallback=True)
                                                  or HostClock())
         return clock
 
     def _start(self, clock, call: OpCall) -> tuple:
         """``(clock, stream, mark)``: a span started on the stream current for the call's device on this thread;
         where ``clock`` fails (reported), the host clock."""
-        started = self._attempt(call, _start_on_current_stream, clock, calls_torch=type(clock) is not EventClock)
+        started = self._attempt(call, _start_on_current_stream, clock, calls_torch=type(clock) is not EventClock,
+                                fallback=True)
         return (_HOST, None, _HOST.mark()) if started is None else (clock, *started)
 
     def _end(self, clock, call: OpCall, stream):
@@ -406,6 +414,13 @@ class OpTimeMeasure(OpTool):
                            + reporting.call_table(call.name, rows) + "\n"
                            + reporting.table_text([timing]))
         call.state["measurements"].add(span)
+
+    def unchecked_parts(self) -> list[str]:
+        unread = self.measurements.unread
+        if not unread:
+            return []
+        return [f"{unread} span{'s' if unread != 1 else ''} could not be read (not timed), the first "
+                f"{self.measurements.first_unread}"]
 
     def finish(self) -> None:
         measurements = self.measurements

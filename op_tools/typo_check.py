@@ -1,6 +1,8 @@
 """Typos caught at a tool's ``start()``: variables that look like op_tools' but are not, and op names in the LIST
 and DISABLE_LIST settings that no torch function has. Each is a WARNING of logger ``op_tools`` with the closest
-right name, given once per process; nothing is refused (a misspelling must not stop a long run).
+right name, given once per process; nothing is refused (a misspelling must not stop a long run). Each variable name
+and each distinct list is checked once per process: a tool started per step pays a set lookup, not the search for
+the closest name (tens of milliseconds over every torch name).
 
 ``DITORCH_*`` variables are ditorch's: ``import ditorch`` checks them (``ditorch.env``); op_tools never imports it.
 """
@@ -25,10 +27,12 @@ from .settings import origin
 _OURS = re.compile(r"^OP_|AUTOCOMPARE|_OP_DTYPE_CAST|ERROR_TOLERANCE")
 _warned: set = set()
 _lock = threading.Lock()
-_environment_checked = False
+_checked_variables: set[str] = set()  # names in os.environ already checked
+_checked_lists: set[tuple] = set()  # (tool's prefix, LIST entries, DISABLE_LIST entries) already checked
 
 
-def _warn_once(key, message: str, *args) -> None:
+def warn_once(key, message: str, *args) -> None:
+    """Log ``message`` as a WARNING of logger ``op_tools`` the first time ``key`` is seen in this process."""
     with _lock:
         if key in _warned:
             return
@@ -71,13 +75,17 @@ def unknown_variable(name: str) -> str | None:
     declared = [n for n in VARIABLES if "<" not in n]
     tolerance, cast = _TOLERANCE_VAR.match(name), REFERENCE_CAST_VAR.match(name)
     if tolerance or cast:
-        op, dtype = (tolerance.group("op"), tolerance.group("dtype")) if tolerance else (cast.group(1), None)
+        if tolerance:
+            op, dtype = tolerance.group("op"), tolerance.group("dtype")
+        else:
+            assert cast is not None  # one of the two matched
+            op, dtype = cast.group(1), None
         good_op = op is None or op in op_keys()
         good_dtype = dtype is None or dtype in dtype_keys()
         if good_op and good_dtype:
             return None
         fixed = name
-        if not good_dtype:
+        if dtype is not None and not good_dtype:
             fixed = fixed[: -len(dtype)] + _closest(dtype, dtype_keys(), dtype)
         if not good_op:
             fixed = _closest(op, op_keys(), op) + fixed[len(op):]
@@ -105,19 +113,21 @@ def _message(name: str, suggestion: str | None) -> str:
 
 
 def check_environment(environ=None) -> None:
-    """Warn about every variable that looks like op_tools' and is not (once per process)."""
-    global _environment_checked
-    if _environment_checked and environ is None:
-        return
-    _environment_checked = environ is None
-    for name in sorted(os.environ if environ is None else environ):
+    """Warn about every variable that looks like op_tools' and is not (each name of ``os.environ`` once per
+    process: one set difference when nothing was set since the last start)."""
+    names = set(os.environ if environ is None else environ)
+    if environ is None:
+        names -= _checked_variables
+        _checked_variables.update(names)
+    for name in sorted(names):
         message = unknown_variable(name)
         if message is not None:
-            _warn_once(("variable", name), "%s", message)
+            warn_once(("variable", name), "%s", message)
 
 
 # --- op names in LIST / DISABLE_LIST ---
 
+@functools.lru_cache(maxsize=1024)  # the search costs tens of milliseconds; a name's answer never changes
 def unknown_op(entry: str) -> str | None:
     """Why the LIST entry ``entry`` names no op, with a suggestion; ``None`` for a known name or a pattern (a regular
     expression is not checked: it may be meant to match nothing yet)."""
@@ -139,9 +149,15 @@ def unknown_op(entry: str) -> str | None:
 
 
 def check_op_lists(tool) -> None:
-    """Warn about entries of the tool's LIST and DISABLE_LIST that name no op (once per process and entry)."""
-    for keyword, patterns in (("ops", tool.filter.allow), ("disable", tool.filter.deny)):
+    """Warn about entries of the tool's LIST and DISABLE_LIST that name no op (once per process and entry); a list
+    checked before costs a set lookup."""
+    lists = (("ops", tool.filter.allow), ("disable", tool.filter.deny))
+    key = (tool.env_prefix, *(tuple(p.pattern for p in patterns or ()) for _, patterns in lists))
+    if key in _checked_lists:
+        return
+    _checked_lists.add(key)
+    for keyword, patterns in lists:
         for pattern in patterns or ():
             why = unknown_op(pattern.pattern)
             if why is not None:
-                _warn_once(("op", tool.env_prefix, keyword, pattern.pattern), "%s: %s", origin(tool, keyword), why)
+                warn_once(("op", tool.env_prefix, keyword, pattern.pattern), "%s: %s", origin(tool, keyword), why)

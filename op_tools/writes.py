@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from .naming import is_inplace_op
+from .naming import OPERATOR_ATEN_OPS, WRITING_OPERATORS, is_inplace_op
 
 _TENSOR_TYPES = ("Tensor", "Optional[Tensor]", "List[Tensor]", "List[Optional[Tensor]]")
 
@@ -113,11 +113,11 @@ def call_writes(name: str) -> WriteSpec:
     """The ``WriteSpec`` of the function named ``name`` (as ``naming.resolve_op_name`` names it)."""
     short = name.rpartition(".")[2]
     hidden = _HIDDEN_WRITES.get(name)
-    hidden_fields = {"hidden": hidden[0], "hidden_when": hidden[1]} if hidden else {}
+    hidden_fields: dict = {"hidden": hidden[0], "hidden_when": hidden[1]} if hidden else {}
     if not name.startswith("torch.") or name.startswith("torch.distributed."):
         # A user's function (apply_feature), or a collective writing its buffers from C++: anything may change.
         return WriteSpec(unknown=True)
-    if short == "__setitem__" or (short.startswith("__i") and short.endswith("__")):
+    if short in WRITING_OPERATORS:
         return WriteSpec(positions=(0,))
     positions, lists, keywords = _schema_writes(short)
     if not positions and not lists and is_inplace_op(name) and short != "requires_grad_":
@@ -129,8 +129,10 @@ def call_writes(name: str) -> WriteSpec:
 def _schema_writes(short: str) -> tuple[tuple, tuple, tuple]:
     """Positions, list positions and keyword names that any overload of ``aten::<short>`` writes."""
     try:
-        packet = getattr(torch.ops.aten, short)
+        packet = getattr(torch.ops.aten, OPERATOR_ATEN_OPS.get(short, short))
     except (AttributeError, RuntimeError):
+        return (), (), ()
+    if not isinstance(packet, torch._ops.OpOverloadPacket):  # the namespace's own attributes (__repr__, __dir__)
         return (), (), ()
     positions, lists, keywords = set(), set(), set()
     for overload in packet.overloads():

@@ -24,6 +24,7 @@ SMALLEST = {
     "time_measure_vs_profiler.py": (["--rounds", "1", "--calls", "2", "--ops", "add"],
                                     "OpTimeMeasure per-op forward time against torch.profiler's kernel time"),
     "conformance_sweep.py": (["--ops", "abs,add", "--limit-samples", "1"], "pass rate 100.0% of 4 rows"),
+    "autocompare_sensitivity.py": (["--ops", "silu"], "| silu |"),
 }
 
 

@@ -13,7 +13,8 @@ def load() -> Backend:
     from .. import sim
 
     sim.register()
-    return Backend("sim", "sim", "sim", torch, "simccl", torch.sim, sys.modules[__name__])
+    device_module = torch.sim  # type: ignore[attr-defined]  # set by sim.register()
+    return Backend("sim", "sim", "sim", torch, "simccl", device_module, sys.modules[__name__])
 
 
 def activate(backend, config, patches, forced: bool) -> None:

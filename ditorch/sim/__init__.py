@@ -11,6 +11,7 @@ tensor([3., 3.])
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -44,9 +45,9 @@ def _read(name: str):
 def register() -> None:
     """Make ``sim`` a PyTorch device (PrivateUse1 renamed), with ``torch.sim`` as its module.
 
-    Idempotent. Reads ``DITORCH_SIM_DEVICE_COUNT``, ``DITORCH_SIM_FAULTS``, ``DITORCH_SIM_TF32`` and
-    ``DITORCH_SIM_SDPA``; raises ``ValueError`` naming the variable when one is malformed, and
-    ``RuntimeError`` when PrivateUse1 already belongs to another backend.
+    Idempotent. Reads ``DITORCH_SIM_DEVICE_COUNT``, ``DITORCH_SIM_FAULTS``, ``DITORCH_SIM_TF32``,
+    ``DITORCH_SIM_SDPA`` and ``DITORCH_SIM_DEVICE_MEMORY``; raises ``ValueError`` naming the variable when one is
+    malformed, and ``RuntimeError`` when PrivateUse1 already belongs to another backend.
     """
     with _lock:
         if _libraries:
@@ -68,6 +69,7 @@ def register() -> None:
         from .kernels import REGISTERED_PER_OP
 
         count, tf32_families, sdpa = _read(COUNT_VAR), _read(tf32.ENV_VAR), _read(attention.ENV_VAR)
+        tensor.DEVICE_MEMORY.on = _read(tensor.DEVICE_MEMORY.ENV_VAR)
         load_from_env()
         _check_beside_cuda(torch)
         taken = torch._C._get_privateuse1_backend_name()
@@ -90,6 +92,26 @@ def register() -> None:
         foreach_path.install()
         tf32.configure(tf32_families)
         attention.SELECTED.set(sdpa)
+
+
+@contextlib.contextmanager
+def device_memory(on: bool = True):
+    """Within the block, sim tensors' ``untyped_storage()`` is sim memory that the host cannot read, as a GPU
+    tensor's is (``DITORCH_SIM_DEVICE_MEMORY=1`` for the whole run): host-side code takes its device-memory branches.
+
+    >>> import torch, ditorch.sim
+    >>> ditorch.sim.register()
+    >>> with ditorch.sim.device_memory():
+    ...     torch.ones(2, device="sim").untyped_storage().device
+    device(type='sim', index=0)
+    """
+    from .tensor import DEVICE_MEMORY
+
+    previous, DEVICE_MEMORY.on = DEVICE_MEMORY.on, on
+    try:
+        yield
+    finally:
+        DEVICE_MEMORY.on = previous
 
 
 # Why sim and CUDA autograd cannot share a process (PyTorch 2.8 and later, where the engine asks for the

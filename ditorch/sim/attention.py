@@ -175,7 +175,7 @@ class _Selected:
 
     def __init__(self) -> None:
         self.algorithm = SdpaAlgorithm()
-        self._library = None
+        self._library: torch.library.Library | None = None
         self._lock = threading.Lock()
 
     def set(self, algorithm: SdpaAlgorithm) -> None:
@@ -186,7 +186,7 @@ class _Selected:
                 self._library = torch.library.Library("aten", "IMPL")
                 self._library.impl("scaled_dot_product_attention", _route, "AutogradPrivateUse1")
                 KERNELS[overload("scaled_dot_product_attention")] = _route_on_host
-            elif algorithm.name != "chunked" and routed:
+            elif algorithm.name != "chunked" and self._library is not None:  # routed
                 self._library._destroy()
                 self._library = None
                 KERNELS.pop(overload("scaled_dot_product_attention"), None)

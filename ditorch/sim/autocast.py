@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch._C import DispatchKey, DispatchKeySet
 
-from .tensor import real_device as _real_device
+from ..show_as_cuda import real_device as _real_device
 
 # Op names per policy, as CUDA's autocast lists them (aten/src/ATen/autocast_mode.cpp).
 LOWER_PRECISION = (
@@ -35,7 +35,7 @@ WIDEST = (
 )
 
 _KEY = "AutocastPrivateUse1"
-_EXCLUDE = DispatchKeySet(DispatchKey.AutocastPrivateUse1)
+_EXCLUDE = DispatchKeySet(DispatchKey.AutocastPrivateUse1)  # type: ignore[attr-defined]  # missing from torch's stub
 
 
 def _eligible(x, device_type: str) -> bool:

@@ -86,7 +86,7 @@ class device:  # noqa: N801 - named as torch.cuda.device
         return self
 
     def __exit__(self, *exc) -> None:
-        _Device.set_current(self.previous)
+        _Device.set_current(self.previous)  # type: ignore[arg-type]  # set by __enter__
 
 
 def synchronize(device=None) -> None:

@@ -22,7 +22,7 @@ class _DoneWork(dist._Work):
 
     def __init__(self, result) -> None:
         super().__init__()
-        self._future = torch.futures.Future()
+        self._future: torch.futures.Future = torch.futures.Future()
         self._future.set_result(result)
 
     def wait(self, timeout=None) -> bool:
@@ -49,7 +49,7 @@ class SimProcessGroup(dist.ProcessGroup):
     """Collectives over sim (or CPU) tensors, each carried out by a gloo group on host copies."""
 
     def __init__(self, store, rank: int, size: int, timeout) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # an overload missing from torch's stub
         self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
 
     def getBackendName(self) -> str:  # noqa: N802 - ProcessGroup's name

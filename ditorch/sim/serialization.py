@@ -72,6 +72,6 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    torch.serialization.register_package(22.5, lambda storage: None, _restore_on_host)
+    torch.serialization.register_package(22.5, lambda storage: None, _restore_on_host)  # type: ignore[arg-type]  # the stub says int; the registry only sorts priorities
     torch.load = torch.serialization.load = _load_with_sim(torch.serialization.load)
     _installed = True

@@ -14,12 +14,12 @@ import threading
 import torch
 from torch._C import DispatchKey, DispatchKeySet
 
+# The real device, also under DITORCH_SHOW_DEVICE_AS_CUDA (which makes Tensor.device say cuda) and under any mode.
+from ..show_as_cuda import real_device
 from . import fault_injection as _faults
 from .kernels import KERNELS as _KERNELS
 
 _CPU = torch.device("cpu")
-# The real device, also under ditorch's DITORCH_SHOW_DEVICE_AS_CUDA (which makes Tensor.device say cuda).
-real_device = torch._C.TensorBase.device.__get__
 _META_KEYS = DispatchKeySet(DispatchKey.Meta)
 _set_metadata = torch.ops.aten.set_.source_Storage_storage_offset
 
@@ -100,6 +100,17 @@ class _Memory:
 
 
 MEMORY = _Memory()
+
+
+class _DeviceMemory:
+    """``DITORCH_SIM_DEVICE_MEMORY``: whether ``untyped_storage()`` reports device memory, as a GPU tensor's does, so
+    that code taking its device-memory branches (statistics computed on the device) runs on sim."""
+
+    ENV_VAR = "DITORCH_SIM_DEVICE_MEMORY"
+    on = False
+
+
+DEVICE_MEMORY = _DeviceMemory()
 _DEVICES: list = []  # filled by set_device_count once "sim" is a device name
 
 
@@ -107,7 +118,11 @@ class SimTensor(torch.Tensor):
     """A tensor on the sim device; ``_data`` is the CPU tensor holding its values."""
 
     # Without this, Tensor.__torch_function__ would re-wrap plain results (of .cpu()) as SimTensor.
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # as torch's own subclasses
+
+    _data: torch.Tensor  # the CPU tensor (set by wrap)
+    _index: int  # the sim device's index
+    _storage_key: int  # its storage's data_ptr in MEMORY
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -158,6 +173,8 @@ class SimTensor(torch.Tensor):
     def untyped_storage(self) -> torch.UntypedStorage:
         # The CPU storage holding the values, shared by views and aliases (.data, detach) as a device's storage is.
         # The wrapper's own storage has no data: copy.deepcopy of a module on sim crashed the process reading it.
+        if DEVICE_MEMORY.on:  # a GPU's answer: sim memory the host cannot read (not shared by views)
+            return torch.Tensor.untyped_storage(self)
         return self._data.untyped_storage()
 
     def numpy(self, *, force: bool = False):
@@ -166,10 +183,10 @@ class SimTensor(torch.Tensor):
             "Use Tensor.cpu() to copy the tensor to host memory first."
         )
 
-    def __repr__(self, *, tensor_contents=None) -> str:
+    def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]  # Tensor.__repr__'s signature
         if torch.overrides.has_torch_function_unary(self):  # a TorchFunctionMode sees one __repr__ call
-            return torch.overrides.handle_torch_function(
-                SimTensor.__repr__, (self,), self, tensor_contents=tensor_contents)
+            return torch.overrides.handle_torch_function(  # type: ignore[call-arg]  # torch's stub takes no keywords
+                SimTensor.__repr__, (self,), self, tensor_contents=tensor_contents)  # type: ignore[arg-type]  # nor this signature
         # PyTorch prefixes subclasses with their class name; a device tensor prints as tensor(...).
         text = torch._tensor_str._str(self, tensor_contents=tensor_contents)
         name = type(self).__name__
@@ -216,8 +233,8 @@ class _OpInfo:
         schema = func._schema
         self.name = schema.name
         self.mixed_ok = schema.name in _MIXED_DEVICE_OK
-        self.mutated_args = []
-        self.mutated_kwargs = []
+        self.mutated_args: list = []  # positions
+        self.mutated_kwargs: list = []  # names
         for position, arg in enumerate(schema.arguments):
             if arg.alias_info is not None and arg.alias_info.is_write:
                 (self.mutated_kwargs if arg.kwarg_only else self.mutated_args).append(
@@ -237,7 +254,7 @@ class _Unwrapped:
     def __init__(self) -> None:
         self.sim_index = None
         self.other_device = None  # a CPU tensor of dim > 0, or another sim device, seen beside sim tensors
-        self.pairs = []  # (CPU tensor handed to the kernel, the caller's tensor it stands for)
+        self.pairs: list = []  # (CPU tensor handed to the kernel, the caller's tensor it stands for)
 
     def value(self, x):
         cls = type(x)
@@ -251,7 +268,7 @@ class _Unwrapped:
             self.pairs.append((data, x))
             return data
         if cls is torch.Tensor or isinstance(x, torch.Tensor):
-            if x.dim() and real_device(x).type == "cpu":
+            if x.dim() and x.is_cpu:  # not Tensor.device, which DITORCH_SHOW_DEVICE_AS_CUDA may patch
                 self.other_device = "cpu"
             self.pairs.append((x, x))
             return x
@@ -398,7 +415,7 @@ def _wrap_outputs(out, pairs, index):
         for data, tensor in pairs:
             if out is data:  # in-place or out=: hand back the caller's own tensor
                 return tensor
-        return wrap(out, index) if real_device(out).type == "cpu" else out
+        return wrap(out, index) if out.is_cpu else out
     if isinstance(out, (list, tuple)):
         return type(out)(_wrap_outputs(o, pairs, index) for o in out)
     return out

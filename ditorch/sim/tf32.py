@@ -33,7 +33,7 @@ ENV_VAR = "DITORCH_SIM_TF32"
 FAMILIES = ("matmul", "conv")
 FORM = "0, 1 (both), or a comma list of matmul, conv"
 # Per family: op -> the arguments read as TF32 (never the accumulator: addmm's self, out=).
-OPERANDS = {
+OPERANDS: dict[str, dict[str, tuple[str, ...]]] = {
     "matmul": {
         "mm": ("self", "mat2"), "bmm": ("self", "mat2"), "addmm": ("mat1", "mat2"),
         "addmm_": ("mat1", "mat2"), "_addmm_activation": ("mat1", "mat2"), "baddbmm": ("batch1", "batch2"),

@@ -90,7 +90,7 @@ class UnversionedWrites:
     """The ADInplaceOrView kernels of the active ``unversioned`` faults (none: the original kernels)."""
 
     def __init__(self) -> None:
-        self._library = None
+        self._library: torch.library.Library | None = None
         self._lock = threading.Lock()
         self.overloads: dict = {}
 

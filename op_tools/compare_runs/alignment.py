@@ -39,10 +39,18 @@ class Row:
     # gradients and its forward's tensors)
     tolerance: float = 0.0  # for its precision and depth; the verdict adds carried_growth * carried
     diverged: bool = False
+    not_compared: str = ""  # why an aligned pair has no verdict (a call a run could not record); '' when judged
+
+    @property
+    def record(self) -> dict:
+        """Run A's call, or run B's where only B has it."""
+        record = self.a or self.b
+        assert record is not None  # a row holds a call of at least one run
+        return record
 
     @property
     def op(self) -> str:
-        return (self.a or self.b)["op"]
+        return self.record["op"]
 
     @property
     def structural(self) -> bool:

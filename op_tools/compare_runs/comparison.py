@@ -43,6 +43,28 @@ class Comparison:
         return [r for r in self.rows if r.diverged]
 
     @property
+    def not_compared(self) -> list[Row]:
+        """Aligned pairs with no verdict, each with its reason (``Row.not_compared``)."""
+        return [r for r in self.rows if r.not_compared]
+
+    @property
+    def compared(self) -> list[Row]:
+        """Aligned pairs judged: agreeing or diverged."""
+        return [r for r in self.rows if not r.structural and not r.not_compared]
+
+    def unreadable(self) -> list[tuple[str, int, str]]:
+        """``(run label, damaged lines, the first)`` per run with lines that are no call's record: calls lost."""
+        return [(label, h.get("unreadable", 0), h.get("first_unreadable", ""))
+                for label, h in (("A", self.header_a), ("B", self.header_b)) if h.get("unreadable")]
+
+    def verdict(self) -> str:
+        """``"found"`` (a pair diverges), ``"unchecked"`` (none does, but some calls were not compared: pairs
+        without statistics, damaged lines) or ``"clean"``; the command's exit status (``cli.EXIT_STATUS``)."""
+        if self.divergences:
+            return "found"
+        return "unchecked" if self.not_compared or self.unreadable() else "clean"
+
+    @property
     def structural(self) -> list[Row]:
         return [r for r in self.rows if r.structural]
 
@@ -66,11 +88,13 @@ class Comparison:
         out: dict[str, dict] = {}
         for row in self.rows:
             entry = out.setdefault(row.module, {"module": row.module, "calls": 0, "max_output_diff": 0.0,
-                                                "max_grad_diff": 0.0, "diverged": 0, "structural": 0})
+                                                "max_grad_diff": 0.0, "diverged": 0, "structural": 0,
+                                                "not_compared": 0})
             entry["calls"] += 1
             entry["diverged"] += row.diverged
             entry["structural"] += row.structural
-            if not row.structural:
+            entry["not_compared"] += bool(row.not_compared)
+            if row.a is not None and row.b is not None and not row.not_compared:  # judged
                 side = PHASE_SIDES[row.phase][1]
                 worst = max((difference(x, y)[0] for x, y in _pairs(row.a.get(side, []), row.b.get(side, []))),
                             default=0.0)
@@ -95,9 +119,9 @@ def _lowest_precision(row: Row) -> int | None:
     return min(ranks, default=None)
 
 
-def _largest(row: Row, side: str) -> tuple[float, str]:
+def _largest(a: dict, b: dict, side: str) -> tuple[float, str]:
     worst, detail = 0.0, ""
-    for x, y in _pairs(row.a.get(side, []), row.b.get(side, [])):
+    for x, y in _pairs(a.get(side, []), b.get(side, [])):
         rel, stat = difference(x, y)
         if rel > worst:
             worst, detail = rel, f"{side}{x[0]} {stat}"
@@ -117,11 +141,20 @@ def _judge(rows: list[Row], tolerances: Tolerances) -> None:
         precision = _lowest_precision(row)
         if precision is not None:
             carried_precision = precision if carried_precision is None else min(carried_precision, precision)
-        if row.structural:
+        if row.a is None or row.b is None:  # structural: nothing to compare
+            continue
+        unrecorded = [(label, r["unrecorded"]) for label, r in (("A", row.a), ("B", row.b)) if "unrecorded" in r]
+        if unrecorded:
+            row.not_compared = "; ".join(f"run {label} has no statistics ({why})" for label, why in unrecorded)
             continue
         into, out_of = PHASE_SIDES[row.phase]
-        row.difference, row.detail = _largest(row, out_of)
-        carried = _largest(row, into)[0]
+        try:
+            row.difference, row.detail = _largest(row.a, row.b, out_of)
+            carried = _largest(row.a, row.b, into)[0]
+        except Exception as e:  # noqa: BLE001 - a pair this comparison cannot judge: counted, named, not agreeing
+            row.difference, row.detail = 0.0, ""
+            row.not_compared = f"the comparison failed ({type(e).__name__}: {e})"
+            continue
         if row.phase == "backward":  # a call's backward also reads its forward's inputs and outputs
             forward = forward_rows.get(row.a["forward_seq"])
             if forward is not None:
@@ -134,7 +167,7 @@ def _judge(rows: list[Row], tolerances: Tolerances) -> None:
         row.diverged = row.difference > row.tolerance + tolerances.carried_growth * carried or (
             carried > row.tolerance and not seen_difference)
         if row.diverged and row.difference <= row.tolerance:
-            row.detail = _largest(row, into)[1] + " (an input: the first difference of the runs)"
+            row.detail = _largest(row.a, row.b, into)[1] + " (an input: the first difference of the runs)"
         seen_difference = seen_difference or max(row.difference, carried) > row.tolerance
 
 

@@ -3,8 +3,8 @@
 Run A's calls on the left, run B's on the right, each aligned pair on one line with its difference and tolerance;
 a call of one run only leaves the other side empty. Consecutive calls of one module (in one step and phase) form
 a block whose header collapses it. Divergent pairs are red, the first divergence is outlined and scrolled to,
-structural differences are yellow. The rows travel as JSON inside the page and a small script renders them: the
-file needs nothing else (no network, no external script or style).
+structural differences are yellow, pairs not compared grey with their reason. The rows travel as JSON inside the
+page and a small script renders them: the file needs nothing else (no network, no external script or style).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import math
 
 from .alignment import PHASE_SIDES, Row
 from .comparison import Comparison
-from .report import verdict_lines
+from .report import unchecked_lines, verdict_lines
 
 
 def _side(record: dict | None) -> dict | None:
@@ -34,7 +34,7 @@ def _row(row: Row, n: int) -> dict:
     return {"n": n, "step": row.step, "phase": row.phase, "module": row.module, "match": row.match,
             "a": _side(row.a), "b": _side(row.b), "difference": _number(row.difference),
             "tolerance": _number(row.tolerance), "carried": _number(row.carried), "diverged": row.diverged,
-            "detail": row.detail}
+            "detail": row.not_compared or row.detail, "unchecked": bool(row.not_compared)}
 
 
 def render(result: Comparison) -> str:
@@ -48,7 +48,7 @@ def render(result: Comparison) -> str:
     data = json.dumps(payload, separators=(",", ":")).replace("</", "<\\/")
     runs = "".join(f"<li><b>{label}</b>: {html.escape(h['path'])} (torch {html.escape(h['torch'])})</li>"
                    for label, h in (("A", result.header_a), ("B", result.header_b)))
-    verdicts = "".join(f"<li>{html.escape(line)}</li>" for line in verdict_lines(result))
+    verdicts = "".join(f"<li>{html.escape(line)}</li>" for line in verdict_lines(result) + unchecked_lines(result))
     return (_TEMPLATE.replace("__RUNS__", runs).replace("__VERDICTS__", verdicts).replace("__DATA__", data))
 
 
@@ -67,6 +67,7 @@ tbody.collapsed tr.call { display: none; }
 tr.call.diverged td { background: #ffd6d6; }
 tr.call.first td { outline: 2px solid #c00; }
 tr.call.structural td { background: #fff3c4; }
+tr.call.unchecked td { background: #e4e4e4; font-style: italic; }
 td.missing { background: #fafafa !important; color: #aaa; }
 #controls { margin: 0.8em 0; } #controls button { margin-right: 0.5em; }
 </style></head>
@@ -123,15 +124,17 @@ for (const row of data.rows) {
   const structural = !row.a || !row.b;
   if (structural) tr.classList.add("structural");
   if (row.diverged) tr.classList.add("diverged");
+  if (row.unchecked) tr.classList.add("unchecked");
   if (row.n === data.first) { tr.classList.add("first"); tr.id = "first-divergence"; }
   sideCells(tr, row.a);
-  const diff = structural ? row.match : (row.difference === null ? "nan" : row.difference) + " / "
+  const diff = structural ? row.match : row.unchecked ? "not compared"
+      : (row.difference === null ? "nan" : row.difference) + " / "
       + (row.tolerance + data.growth * row.carried).toPrecision(3);
   tr.append(cell(diff, "diff"));
   sideCells(tr, row.b);
   tr.append(cell(row.detail, "detail"));
   block.append(tr);
-  if (structural || row.diverged) {
+  if (structural || row.diverged || row.unchecked) {
     block.dataset.differences = String(Number(block.dataset.differences) + 1);
     if (row.diverged) block.firstChild.classList.add("has-divergence");
   }

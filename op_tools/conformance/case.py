@@ -84,7 +84,7 @@ def run_case(opinfo, dtype: torch.dtype, device: torch.device, options: CaseOpti
             samples, made = [], ""
             for tally in (forward, backward) if with_grad else (forward,):
                 tally.raised_at(0, RuntimeError(f"the device cannot hold the sample inputs: "
-                                                f"{describe_error(e.__cause__)}"))
+                                                f"{describe_error(e.args[0])}"))  # the device's error
         except Exception as e:  # noqa: BLE001 - PyTorch's sample generator fails on the CPU too
             samples, reason = [], f"the OpInfo's sample inputs cannot be made: {describe_error(e)}"
         else:
@@ -127,8 +127,8 @@ def _compare(tally: Tally, device_out, reference_out, same, tolerance, op_name: 
     """``compare_outputs``, or None (noted) for results it cannot compare."""
     try:
         return compare_outputs(device_out, reference_out, same, tolerance, op_name=op_name, prefix=prefix)
-    except Exception as e:  # noqa: BLE001 - a result the verdict does not handle: not compared, and said so
-        tally.skips.append(f"not comparable: {describe_error(e)}")
+    except Exception as e:  # noqa: BLE001 - a result the verdict does not handle: not checked, and said so
+        tally.unchecked.append(f"not comparable: {describe_error(e)}")
         return None
 
 
@@ -141,13 +141,13 @@ def _run_sample(opinfo, sample, index: int, dtype, device, with_grad: bool, tole
     cpu = copy_sample(sample, CPU)
     try:
         reference, note = reference_run(opinfo, cpu, wants_grad)
-    except Exception as e:  # noqa: BLE001 - nothing to compare this sample with, in either direction
+    except Exception as e:  # noqa: BLE001 - nothing to compare this sample with, in either direction: not checked
         for tally in (forward, backward) if wants_grad else (forward,):
-            tally.skips.append(f"no CPU reference: {describe_error(e)}")
+            tally.unchecked.append(f"no CPU reference: {describe_error(e)}")
         return None
     if index == 0 and is_random(opinfo, cpu):
         return "random: two CPU runs with different seeds give different outputs"
-    record = [cpu, None, None]  # what saving this sample's inputs needs: outputs and upstream gradients come later
+    record: list = [cpu, None, None]  # what saving this sample's inputs needs: outputs and upstream gradients later
     if details is not None:  # a sample asked for by number is saved whatever its verdict
         shown[index] = record
     progress(index, "forward")
@@ -171,6 +171,7 @@ def _run_sample(opinfo, sample, index: int, dtype, device, with_grad: bool, tole
         details += [{"sample": index, "direction": "forward", **c.row()} for c in comparisons]
     if not reference.roots:
         return None
+    assert upstream is not None  # made above, as the reference has differentiable outputs
     if [r.shape for r in run.roots] != [r.shape for r in reference.roots]:
         info = (f"differentiable outputs differ: device {[tuple(r.shape) for r in run.roots]}, reference "
                 f"{[tuple(r.shape) for r in reference.roots]}")
@@ -186,8 +187,8 @@ def _run_sample(opinfo, sample, index: int, dtype, device, with_grad: bool, tole
         return None
     try:
         reference_grads = on_cpu(gradients(reference, upstream))
-    except Exception as e:  # noqa: BLE001 - the CPU has no backward for the reference: not comparable
-        backward.skips.append(f"no CPU reference gradient: {describe_error(e)}")
+    except Exception as e:  # noqa: BLE001 - the CPU has no backward for the reference: not checked
+        backward.unchecked.append(f"no CPU reference gradient: {describe_error(e)}")
         return None
     comparisons = _compare(backward, tuple(device_grads), tuple(reference_grads), same.backward, tolerance, op_name,
                            "grad")

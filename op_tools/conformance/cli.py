@@ -1,10 +1,12 @@
 """``python -m op_tools.conformance``: which operators does this device get right?
 
 Runs the sample inputs of PyTorch's OpInfos on the device and on the CPU, forward and backward, and gives
-each op x dtype x direction one status (pass, mismatch, unsupported, crash, skipped) by OpAutoCompare's
-verdict. Writes ``results.jsonl``, ``conformance.csv`` and ``conformance.html`` in the output folder and
-prints the pass rate per dtype and the failing ops. Exit status: 0 when every op that ran passed, 1 when
-some did not, 2 for bad usage, 130 when interrupted (``--resume`` continues).
+each op x dtype x direction one status (pass, mismatch, unsupported, crash, unchecked, skipped) by
+OpAutoCompare's verdict. Writes ``results.jsonl``, ``conformance.csv`` and ``conformance.html`` in the output
+folder and prints the pass rate per dtype and the failing ops. Exit status: 0 when every row that ran was
+checked and passed, 1 when a row failed (mismatch, unsupported, crash: the op killed or hung its worker), 4 when
+none failed but some were not checked (unchecked: no CPU reference, the tool failed, the sweep stopped), 2 for bad
+usage, 130 when interrupted (``--resume`` continues).
 
     python -m op_tools.conformance --device sim --setup ditorch.sim:register --ops 'nn.functional.*' --dtypes float32
     python -m op_tools.conformance --device cuda --compare npu_run/conformance.csv
@@ -43,6 +45,7 @@ from .results import (
 from .workers import SweepError, Task, TaskResult, WorkerConfig, WorkerPool, run_setup
 
 RESULTS_FOLDER = "op_conformance_result"
+EXIT_STATUS = {"clean": 0, "found": 1, "unchecked": 4}  # report.verdict(rows) -> exit status; 2 usage, 130 Ctrl-C
 DEFAULT_TIMEOUT = 300.0
 _DEVICE_LAYER_ENV = re.compile(r"^DITORCH_\w+$")  # the device layer's variables: they shape a replay too
 _REPRODUCE_ENV = re.compile(r"^(DITORCH_\w+|(\w+_)?AUTOCOMPARE_ERROR_TOLERANCE\w*)$")
@@ -55,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m op_tools.conformance",
         description="Run PyTorch's OpInfo sample inputs on a device and on the CPU; report, per op, dtype and "
-                    "direction, whether the device gets them right (OpAutoCompare's verdict).")
+                    "direction, whether the device gets them right (OpAutoCompare's verdict). Exit status: 0 every "
+                    "row that ran was checked and passed, 1 a row failed (mismatch, unsupported), 4 none failed but "
+                    "some were not checked (crash, unchecked), 2 bad usage, 130 interrupted.")
     parser.add_argument("--device", help="the device to test (sim, cuda, npu, ...); default: the accelerator "
                                          "torch.accelerator reports")
     parser.add_argument("--setup", action="append", metavar="MODULE[:FUNCTION]",
@@ -200,11 +205,12 @@ def tasks_for(entries: list[OpEntry], settings: Settings) -> list[Task]:
 
 
 def crash_rows(result: TaskResult, settings: Settings, gradients: bool) -> list[Row]:
-    """The rows of an op x dtype whose worker crashed: forward, and backward where it would have run."""
+    """The rows of an op x dtype whose worker crashed (or whose tool failed, or that never ran): forward, and
+    backward where it would have run."""
     task = result.task
     directions = DIRECTIONS if gradients and settings.backward else ("forward",)
-    rows = [Row(task.op, task.dtype, d, "crash", sample=result.sample, detail=result.crash, device=settings.device)
-            for d in directions]
+    rows = [Row(task.op, task.dtype, d, result.status, sample=result.sample, detail=result.crash,
+                device=settings.device) for d in directions]
     dtype = getattr(torch, task.dtype)
     if len(rows) == 1 and (dtype.is_floating_point or dtype.is_complex):  # floating dtypes always have both rows
         reason = "--no-backward" if not settings.backward else \
@@ -250,17 +256,26 @@ def sweep(settings: Settings, folder: str, resume: bool, timeout: float, jobs: i
             reporting.console(f"conformance: {len(todo)} op x dtype to run on {settings.device}"
                               + (f" ({len(tasks) - len(todo)} done before)" if resume else "")
                               + f"; results in {folder}")
-            for result in _progress(pool, todo, options, settings.device):
-                if result.rows is None:
-                    rows = crash_rows(result, settings, (result.task.op, result.task.dtype) in claims_gradients)
-                else:
-                    rows = [Row.from_dict(r) for r in result.rows]
-                    details += result.comparisons
-                for row in rows:
-                    if row.status in report.FAILING:
-                        row.reproduce = reproduce_command(row, settings)
-                results.append(rows)
-                rows_by_task[(result.task.op, result.task.dtype)] = rows
+            try:
+                for result in _progress(pool, todo, options, settings.device):
+                    if result.rows is None:
+                        rows = crash_rows(result, settings, (result.task.op, result.task.dtype) in claims_gradients)
+                    else:
+                        rows = [Row.from_dict(r) for r in result.rows]
+                        details += result.comparisons
+                    for row in rows:
+                        if row.status in report.FAILING:
+                            row.reproduce = reproduce_command(row, settings)
+                    results.append(rows)
+                    rows_by_task[(result.task.op, result.task.dtype)] = rows
+            except SweepError as e:  # no worker starts any more: what did not run is reported, not checked
+                left = [t for t in todo if (t.op, t.dtype) not in rows_by_task]
+                reporting.logger.warning("conformance: the sweep stopped: %s; %d op x dtype not run (--resume %s "
+                                         "runs them)", e, len(left), folder)
+                for task in left:  # in the reports only: the results file leaves them to --resume
+                    result = TaskResult(task, None, crash=f"not run: the sweep stopped: {e}", status="unchecked")
+                    rows_by_task[(task.op, task.dtype)] = crash_rows(result, settings,
+                                                                     (task.op, task.dtype) in claims_gradients)
     except KeyboardInterrupt:  # what finished is in the results file, and goes into the reports
         interrupted = True
     # This selection's rows in op_db's order, then those the results file holds beyond it (nothing dropped).
@@ -290,9 +305,9 @@ def _progress(pool: WorkerPool, todo: list[Task], options: CaseOptions, device: 
 def write_reports(rows: list[Row], folder: str, title: str, other: list[Row] | None, other_label: str) -> str:
     write_csv(os.path.join(folder, CSV_FILE), rows)
     result_files.write_text(os.path.join(folder, HTML_FILE), html.render(rows, title, other, other_label))
-    text = report.summary(rows, title, other, other_label)
+    text = report.summary(rows, title, other, other_label,
+                          (f"CSV: {os.path.join(folder, CSV_FILE)}", f"HTML: {os.path.join(folder, HTML_FILE)}"))
     reporting.console(text)
-    reporting.console(f"CSV: {os.path.join(folder, CSV_FILE)}\nHTML: {os.path.join(folder, HTML_FILE)}")
     return text
 
 
@@ -349,7 +364,7 @@ def _main(args) -> int:
         rows = read_rows(args.report)
         folder = args.output or os.path.dirname(find_results_file(args.report)) or "."
         write_reports(rows, folder, _title(rows[0].device if rows else "?"), other, other_label)
-        return 1 if any(r.status in report.FAILING for r in rows) else 0
+        return EXIT_STATUS[report.verdict(rows)]
     resumed = None
     if args.resume:
         path = find_results_file(args.resume)
@@ -372,7 +387,7 @@ def _main(args) -> int:
     if interrupted:
         reporting.console(f"interrupted: continue with --resume {folder}")
         return 130
-    return 1 if any(r.status in report.FAILING for r in rows) else 0
+    return EXIT_STATUS[report.verdict(rows)]
 
 
 def _list(settings: Settings) -> int:

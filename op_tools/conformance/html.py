@@ -65,6 +65,7 @@ td.detail { min-width: 24em; max-width: 48em; word-break: break-word; }
 td.reproduce { min-width: 16em; max-width: 36em; } td.reproduce code { font-size: 12px; word-break: break-all; }
 .status-pass td.status { background: #dff5dd; } .status-mismatch td.status { background: #ffd6d6; }
 .status-unsupported td.status { background: #ffe9c7; } .status-crash td.status { background: #e6c6ff; }
+.status-unchecked td.status { background: #d9d9d9; font-style: italic; }
 .status-skipped td.status { background: #eee; color: #666; }
 #filters label { margin-right: 1em; white-space: nowrap; } #filters { margin: 1em 0; }
 </style></head>

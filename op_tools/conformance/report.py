@@ -10,9 +10,42 @@ import math
 from .. import reporting
 from .results import STATUSES, Row
 
-COUNTED = ("pass", "mismatch", "unsupported", "crash")  # skipped rows are not in the pass rate
-FAILING = ("mismatch", "unsupported", "crash")
+# A row's account: compared (pass, mismatch), raised on the device (unsupported), killed or hung its worker (crash:
+# the device's fault, found), not checked (unchecked: no CPU reference, the tool failed), skipped (why). Skipped rows
+# are not in the pass rate.
+COUNTED = ("pass", "mismatch", "unsupported", "crash", "unchecked")
+FAILED = ("mismatch", "unsupported", "crash")  # the device found wrong
+NOT_CHECKED = ("unchecked",)  # no verdict on the op's results
+FAILING = FAILED + NOT_CHECKED  # rows that did not pass: listed, with the command that reruns them
 _DETAIL_WIDTH = 110
+
+
+def verdict(rows: list[Row]) -> str:
+    """``"found"`` (a row failed), ``"unchecked"`` (none failed, some were not checked) or ``"clean"``: the exit
+    status of the command (``cli.EXIT_STATUS``)."""
+    statuses = {r.status for r in rows}
+    if statuses & set(FAILED):
+        return "found"
+    return "unchecked" if statuses & set(NOT_CHECKED) else "clean"
+
+
+def closing_lines(rows: list[Row]) -> list[str]:
+    """The account of the rows, and the verdict: "every op that ran passed" only when every row that ran was
+    checked and passed; otherwise what failed and (a WARNING) what was not checked, the first named."""
+    counts = collections.Counter(r.status for r in rows)
+    lines = [f"{len(rows)} rows: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES)]
+    failed = sum(counts[s] for s in FAILED)
+    if failed:
+        lines.append(f"{failed} rows failed ({counts['mismatch']} mismatch, {counts['unsupported']} unsupported, "
+                     f"{counts['crash']} crash)")
+    unchecked = [r for r in rows if r.status in NOT_CHECKED]
+    if unchecked:
+        first = unchecked[0]
+        lines.append(f"WARNING: {len(unchecked)} rows not checked, the first {first.op} {first.dtype} "
+                     f"{first.direction}: {_short(first.detail)}")
+    if not failed and not unchecked:
+        lines.append("every op that ran passed")
+    return lines
 
 
 def pass_rate(counts: collections.Counter) -> float:
@@ -50,8 +83,10 @@ def _short(text: str, width: int = _DETAIL_WIDTH) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def summary(rows: list[Row], title: str, other: list[Row] | None = None, other_label: str = "") -> str:
-    """The console text: the pass-rate table, the rows that did not pass, and the differences with ``other``."""
+def summary(rows: list[Row], title: str, other: list[Row] | None = None, other_label: str = "",
+            saved: tuple[str, ...] = ()) -> str:
+    """The console text: the pass-rate table, the rows that did not pass, the differences with ``other``, the
+    ``saved`` lines, then the closing lines (``closing_lines``)."""
     columns = ("dtype", "direction", "ops", *STATUSES, "pass rate")
     parts = [title, reporting.table(summary_rows(rows), columns).get_string()]
     failing = [r for r in rows if r.status in FAILING]
@@ -60,11 +95,9 @@ def summary(rows: list[Row], title: str, other: list[Row] | None = None, other_l
                   "sample": "" if r.sample is None else r.sample, "detail": _short(r.detail)} for r in failing]
         parts += [f"{len(failing)} rows did not pass (reproduce one: see the reproduce column of the CSV or HTML):",
                   reporting.table(table).get_string()]
-    else:
-        parts.append("every op that ran passed")
     if other is not None:
         parts.append(differences_text(rows, other, other_label))
-    return "\n".join(parts)
+    return "\n".join([*parts, *saved, *closing_lines(rows)])
 
 
 def differences(rows: list[Row], other: list[Row]) -> list[tuple[Row, Row]]:

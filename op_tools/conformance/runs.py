@@ -22,8 +22,9 @@ _WIDE = {torch.float16: torch.float64, torch.bfloat16: torch.float64, torch.floa
          torch.complex32: torch.complex128, torch.complex64: torch.complex128}
 _FLOAT32 = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.complex32: torch.complex64}
 # The reference's dtypes, tried in order; the note says what a reference that is not float64 means.
-_ATTEMPTS = ((_WIDE, ""), (_FLOAT32, "reference in float32: the CPU has no float64 kernel"),
-             ({}, "reference in the device's dtype: the CPU has no wider kernel"))
+_ATTEMPTS: tuple[tuple[dict[torch.dtype, torch.dtype], str], ...] = (
+    (_WIDE, ""), (_FLOAT32, "reference in float32: the CPU has no float64 kernel"),
+    ({}, "reference in the device's dtype: the CPU has no wider kernel"))
 _UPSTREAM_SEED = 20240601
 
 
@@ -106,6 +107,7 @@ def reference_run(opinfo, sample: SampleArgs, with_grad: bool) -> tuple[Run, str
             return run_op(opinfo, sample, cast, with_grad), note
         except Exception as e:  # noqa: BLE001 - the next, narrower, attempt
             error = e
+    assert error is not None  # there are attempts, and each failed
     raise error
 
 
@@ -165,7 +167,7 @@ class SameDtypeRun:
         for cast in ({}, _FLOAT32):
             try:
                 run = run_op(opinfo, sample, cast, with_grad)
-                grads = gradients(run, upstream) if with_grad else None
+                grads = gradients(run, upstream) if upstream is not None else None
             except Exception:  # noqa: BLE001 - the rounded float32 run, then no floor
                 continue
             wide = cast.get(dtype, dtype)

@@ -1,5 +1,9 @@
 """A direction's samples summed up into one ``Row``: the worst mismatch, the first exception, what was not
-compared and why."""
+checked and why.
+
+Each sample ends as one of: compared (passed or mismatched), raised on the device (unsupported), or not checked
+(no CPU reference, a result the verdict cannot compare): a row passes only when every sample was compared and
+passed; one with samples not checked and none failing is ``unchecked``, never ``pass``."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ class Tally:
         self.samples = self.failing = self.raised_count = 0
         self.worst: tuple[float, int, Comparison, int] | None = None  # (score, sample, comparison, failing outputs)
         self.raised: tuple[int, str] | None = None
-        self.skips: list[str] = []
+        self.unchecked: list[str] = []  # why each sample not checked was not (no CPU reference, not comparable)
         self.notes: list[str] = []
 
     def compared(self, index: int, comparisons: list[Comparison], note: str) -> bool:
@@ -54,12 +58,16 @@ class Tally:
         elif self.raised is not None:
             row.status, (row.sample, message) = "unsupported", self.raised
             row.detail = f"sample {row.sample}: {message}" + (f" ({raised})" if self.raised_count > 1 else "")
+        elif self.unchecked:
+            row.status = "unchecked"
         elif self.samples == 0:
             row.status = "skipped"
-            row.detail = self.skips[0] if self.skips else "no sample inputs"
-        if row.status != "skipped" and self.skips:
-            row.detail = "; ".join(filter(None, (row.detail, f"{len(self.skips)} samples not compared: "
-                                                              f"{self.skips[0]}")))
+            row.detail = "no sample inputs"
+        if self.unchecked:
+            passed = f"; {self.samples} passed" if row.status == "unchecked" and self.samples else ""
+            row.detail = "; ".join(filter(None, (row.detail, f"{len(self.unchecked)} of "
+                                                              f"{len(self.unchecked) + self.samples} samples not "
+                                                              f"checked, the first: {self.unchecked[0]}{passed}")))
         row.detail = "; ".join(filter(None, (row.detail, *self.notes)))
         return row
 

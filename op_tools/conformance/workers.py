@@ -26,6 +26,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 STARTUP_TIMEOUT = 300.0  # seconds for a worker to import torch, the setup modules and op_db
 _LOG_TAIL = 400          # characters of a worker's log quoted in a crash's detail
@@ -54,7 +55,8 @@ class TaskResult:
     task: Task
     rows: list[dict] | None              # None: the worker crashed (see crash)
     comparisons: list[dict] = dataclasses.field(default_factory=list)
-    crash: str = ""                      # how the worker died or hung
+    crash: str = ""                      # how the worker died or hung, or how the tool failed
+    status: str = "crash"                # the rows' status: "unchecked" where the tool itself failed on the op
     sample: int | None = None            # the sample it was running then
     direction: str = ""
 
@@ -280,6 +282,7 @@ class WorkerPool:
         """Every OpInfo and the dtypes it claims on the device (from the first worker)."""
         if self._catalogue is None:
             self._await_ready(self.workers[0] if self.workers else self._start())
+        assert self._catalogue is not None  # the first worker to start sends it, or starting raised
         return self._catalogue
 
     def _idle_worker(self, busy: dict) -> _Worker:
@@ -307,7 +310,8 @@ class WorkerPool:
                 worker = self._idle_worker(busy)
                 worker.send(queue.popleft(), options, self.timeout)
                 busy[id(worker)] = worker
-            waiting = {w.conn: w for w in busy.values()} | {w.process.sentinel: w for w in busy.values()}
+            waiting: dict[Any, _Worker] = {w.conn: w for w in busy.values()}  # pipes and process sentinels
+            waiting |= {w.process.sentinel: w for w in busy.values()}
             timeout = max(0.0, min(w.deadline for w in busy.values()) - time.monotonic())
             for handle in multiprocessing.connection.wait(list(waiting), timeout=timeout):
                 worker = waiting[handle]
@@ -336,14 +340,16 @@ class WorkerPool:
             self.on_progress(worker.task, worker.sample, worker.direction)
             return None
         task, worker.task = worker.task, None
+        assert task is not None  # only a busy worker, which holds a task, is read from
         if kind == "failed":
             log = f"; traceback in {worker.log_path}" if worker.log_path else ""
             return TaskResult(task, None, crash=f"the conformance tool failed on this op ({message[1]}{log})",
-                              sample=worker.sample, direction=worker.direction)
+                              sample=worker.sample, direction=worker.direction, status="unchecked")
         return TaskResult(task, message[1], message[2])
 
     def _replace(self, worker: _Worker, crash: str) -> TaskResult:
         """The crashed task's result; the dead worker is dropped (``run`` starts a fresh one if work remains)."""
+        assert worker.task is not None  # only a busy worker, which holds a task, crashes or times out here
         result = TaskResult(worker.task, None, crash=crash, sample=worker.sample, direction=worker.direction)
         self.workers.remove(worker)
         worker.kill()

@@ -196,3 +196,70 @@ def test_the_html_view_shows_both_runs_aligned_with_the_first_divergence_highlig
     inserted = re.search(r'<tr class="call structural" id="row-\d+"><td class="missing"></td><td class="missing">'
                          r'</td><td class="diff">only B</td><td class="op">torch\.Tensor\.float #0 \(sim:0\)</td>', dom)
     assert inserted
+
+
+# --- the account: every aligned pair compared, or not compared and said so (exit 4) ---
+
+def _record_small(folder, monkeypatch):
+    """A few CPU calls recorded; ``to_sparse``'s output has no statistics (a sparse tensor cannot be summed up)."""
+    monkeypatch.setenv("OP_CAPTURE_MODE", "stats")
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(folder))
+    x = torch.linspace(-1, 1, 16).reshape(4, 4)
+    with op_tools.OpCapture() as capture:
+        y = torch.relu(x) * 2
+        y.to_sparse()
+        torch.sin(y).sum()
+    return capture.recorder.file.path
+
+
+def test_a_call_whose_statistics_a_run_could_not_record_is_not_compared_but_named_and_exits_4(tmp_path, monkeypatch):
+    a, b = _record_small(tmp_path / "a", monkeypatch), _record_small(tmp_path / "b", monkeypatch)
+    result = compare(a, b)
+    assert [r.op for r in result.not_compared] == ["torch.Tensor.to_sparse"]
+    assert "run A has no statistics (RuntimeError: reshape is not implemented for sparse tensors)" in \
+        result.not_compared[0].not_compared
+    assert result.divergences == [] and result.verdict() == "unchecked"
+    assert len(result.compared) == 4
+    page = render(result)  # the view shows the pair, in grey, with its reason, and the WARNING
+    assert '"unchecked":true' in page and "<li>WARNING: 1 aligned pair not compared" in page
+    done = _cli(a, b, "--csv", str(tmp_path / "c.csv"))
+    assert done.returncode == 4, done.stderr
+    assert "first divergence in forward: none among the pairs compared (1 not compared)" in done.stdout
+    assert "first divergence in forward: none\n" not in done.stdout
+    assert "compared: 4 (4 agree, 0 diverged); not compared: 1" in done.stdout
+    assert done.stdout.strip().splitlines()[-1].startswith(
+        "WARNING: 1 aligned pair not compared, the first step 0 forward (no module) #2 torch.Tensor.to_sparse: run A "
+        "has no statistics (RuntimeError: reshape")
+    with open(tmp_path / "c.csv") as f:
+        rows = {r["op_a"]: r for r in csv.DictReader(f)}
+    assert rows["torch.Tensor.to_sparse"]["difference"] == "" and rows["torch.Tensor.to_sparse"]["not_compared"]
+
+
+def test_damaged_lines_of_a_recording_are_counted_never_taken_for_agreement_and_a_divergence_still_wins(
+        tmp_path, monkeypatch):
+    a = _record_small(tmp_path / "a", monkeypatch)
+    lines = open(a).read().splitlines(keepends=True)
+    damaged = tmp_path / "run_damaged.jsonl"
+    # line 3 (relu * 2) cut in the middle, a record without its op after it; the calls after them still compare
+    damaged.write_text("".join([*lines[:2], lines[2][:50] + "\n", '{"seq": 1, "phase": "forward"}\n', *lines[3:]]))
+    result = compare(a, str(damaged))
+    (run, count, first), = result.unreadable()
+    assert (run, count) == ("B", 2) and first.startswith("line 3: not JSON (")
+    assert result.verdict() == "unchecked" and result.divergences == []
+    assert [r.op for r in result.compared] == ["torch.relu", "torch.sin", "torch.Tensor.sum"]  # read past the damage
+    done = _cli(a, str(damaged), "--csv", str(tmp_path / "c.csv"))
+    assert done.returncode == 4, done.stderr
+    assert "first divergence in forward: none among the pairs compared (1 not compared, and damaged lines)" \
+        in done.stdout
+    assert "WARNING: run B: 2 damaged lines (calls not compared), the first line 3: not JSON" in done.stdout
+    # a divergence found is the verdict (exit 1), what was not compared is still said
+    sin = next(i for i, line in enumerate(lines) if '"op":"torch.sin"' in line)
+    record = json.loads(lines[sin])
+    record["outputs"][0][4] *= 1.5  # its maximum
+    changed = tmp_path / "run_changed.jsonl"
+    changed.write_text("".join([*lines[:2], lines[2][:50] + "\n", *lines[3:sin], json.dumps(record) + "\n",
+                                *lines[sin + 1:]]))
+    done = _cli(a, str(changed), "--csv", str(tmp_path / "d.csv"))
+    assert done.returncode == 1, done.stderr
+    assert "first divergence in forward: step 0 forward (no module) #3 torch.sin: outputs[0] max" in done.stdout
+    assert "WARNING: run B: 1 damaged line (calls not compared)" in done.stdout

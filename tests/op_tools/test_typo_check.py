@@ -3,6 +3,7 @@ has, and an apply_feature condition_func that cannot be called; each with the ri
 
 from __future__ import annotations
 
+import difflib
 import subprocess
 import sys
 import textwrap
@@ -134,3 +135,46 @@ def test_apply_feature_takes_class_names_short_names_and_the_original_feature_na
 def test_an_unknown_feature_suggests_the_closest_name():
     with pytest.raises(ValueError, match=r"unknown feature 'captur'; valid features: .*; did you mean 'capture'\?$"):
         op_tools.apply_feature("torch.add", "captur")
+
+
+def _searches_during(action) -> int:
+    """How many closest-name searches (``difflib.get_close_matches``) ``action()`` runs, seen by a profile hook."""
+    searches = 0
+
+    def profile(frame, event, arg):
+        nonlocal searches
+        if event == "call" and frame.f_code is difflib.get_close_matches.__code__:
+            searches += 1
+
+    sys.setprofile(profile)
+    try:
+        action()
+    finally:
+        sys.setprofile(None)
+    return searches
+
+
+def test_a_tool_started_again_with_the_same_unknown_name_searches_and_warns_no_more(monkeypatch, caplog):
+    monkeypatch.setenv("OP_OBSERVE_LIST", "torch.nn.functional.sliu_again")  # a name no other test checks
+
+    def start_and_stop():
+        with op_tools.OpObserve():
+            pass
+
+    with caplog.at_level("WARNING", logger="op_tools"):
+        assert _searches_during(start_and_stop) > 0
+    assert "no op is named 'torch.nn.functional.sliu_again'; did you mean" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="op_tools"):
+        assert _searches_during(start_and_stop) == 0  # a tool started per step pays a set lookup
+    assert "sliu_again" not in caplog.text  # each warning about the list once per process
+
+
+def test_a_misspelt_variable_set_after_a_first_start_is_warned_about_at_the_next(monkeypatch, caplog):
+    with op_tools.OpObserve():
+        pass
+    monkeypatch.setenv("OP_OBSERVE_DISABLE_LSIT", "torch.add")
+    with caplog.at_level("WARNING", logger="op_tools"), op_tools.OpObserve():
+        pass
+    assert "OP_OBSERVE_DISABLE_LSIT is not a variable op_tools reads; did you mean OP_OBSERVE_DISABLE_LIST?" \
+        in caplog.text

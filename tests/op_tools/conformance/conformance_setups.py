@@ -40,3 +40,23 @@ def add_random_opinfo():
     if not any(op.name == "conformance_test_noise" for op in op_db):
         op_db.insert(0, OpInfo("conformance_test_noise", op=lambda x: x + torch.rand_like(x), dtypes=(torch.float32,),
                             sample_inputs_func=samples, supports_autograd=True))
+
+
+def sim_gone_after_neg():
+    """sim, where the ``neg`` OpInfo's function kills its own process on the device, and leaves the device gone: a
+    worker started after it cannot set up (the file named by ``CONFORMANCE_TEST_GONE`` marks it)."""
+    marker = os.environ["CONFORMANCE_TEST_GONE"]
+    if os.path.exists(marker):
+        raise RuntimeError("the device is gone")
+    sim_with_killing_neg()
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    opinfo = next(op for op in op_db if op.full_name == "neg")
+    killing = opinfo.op
+
+    def neg(x, *args, **kwargs):
+        if x.device.type != "cpu":
+            open(marker, "w").close()
+        return killing(x, *args, **kwargs)
+
+    opinfo.op = neg

@@ -61,7 +61,8 @@ def test_filtering_by_status_shows_those_rows_only(page):
     assert shown(dom) == [("mismatch", "atan2"), ("mismatch", "hypot"), ("crash", "nn.functional.conv2d")]
     assert "showing 3 of 7 rows" in dom
     boxes = dict(re.findall(r'<input type="checkbox" id="show-(\w+)"( checked="")?', dom))
-    assert boxes == {"pass": "", "mismatch": ' checked=""', "unsupported": "", "crash": ' checked=""', "skipped": ""}
+    assert boxes == {"pass": "", "mismatch": ' checked=""', "unsupported": "", "crash": ' checked=""', "unchecked": "",
+                     "skipped": ""}
 
 
 def test_filtering_by_name_and_sorting_by_error(page):

@@ -1,0 +1,98 @@
+"""The conformance account: each row compared (pass, mismatch), raised on the device (unsupported), not checked
+(crash, unchecked) or skipped; "every op that ran passed" only when every row that ran was checked; exit 0 clean,
+1 a row failed, 4 none failed but some were not checked."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from cli_runs import explain, run
+
+from op_tools.conformance import cli, report
+from op_tools.conformance.results import CSV_FILE, RESULTS_FILE, ResultsFile, Row, read_csv
+
+pytest.importorskip("expecttest", reason="the conformance sweep needs expecttest (pip install 'ditorch[conformance]')")
+
+
+def _row(op, status, direction="forward", detail=""):
+    return Row(op, "float32", direction, status, detail=detail, device="sim")
+
+
+def test_samples_without_a_cpu_reference_make_an_unchecked_row_never_a_pass(sim):
+    from torch.testing._internal.opinfo.core import OpInfo, SampleInput
+
+    from op_tools.conformance.case import CaseOptions, run_case
+
+    def samples(op, device, dtype, requires_grad, **kwargs):
+        for n in (3, 4):
+            yield SampleInput(torch.linspace(-1, 1, n, device=device, dtype=dtype).requires_grad_(requires_grad))
+
+    def op(x):
+        if x.device.type == "cpu" and x.numel() == 4:  # the CPU cannot compute this sample: no reference
+            raise RuntimeError("no CPU kernel for 4 elements")
+        return torch.sin(x)
+
+    opinfo = OpInfo("conformance_test_cpu_less", op=op, dtypes=(torch.float32,), sample_inputs_func=samples,
+                    supports_autograd=True)
+    forward, backward = run_case(opinfo, torch.float32, torch.device("sim"), CaseOptions()).rows
+    for row in (forward, backward):
+        assert row.status == "unchecked", row
+        assert row.detail == ("1 of 2 samples not checked, the first: no CPU reference: RuntimeError: no CPU kernel "
+                              "for 4 elements; 1 passed")
+    assert report.verdict([forward, backward]) == "unchecked"
+
+
+def test_the_summary_says_every_op_passed_only_when_every_row_that_ran_was_checked():
+    clean = [_row("abs", "pass"), _row("zeros", "skipped", "backward", "no autograd")]
+    assert report.summary(clean, "t").splitlines()[-1] == "every op that ran passed"
+    unchecked = [*clean, _row("sin", "unchecked", detail="not run: the sweep stopped")]
+    text = report.summary(unchecked, "t", saved=("CSV: c.csv",))
+    assert "every op that ran passed" not in text
+    assert text.splitlines()[-2:] == [
+        "3 rows: 1 pass, 0 mismatch, 0 unsupported, 0 crash, 1 unchecked, 1 skipped",
+        "WARNING: 1 rows not checked, the first sin float32 forward: not run: the sweep stopped"]
+    found = [*unchecked, _row("erf", "unsupported", detail="RuntimeError: no kernel"),
+             _row("neg", "crash", detail="the worker died from signal SIGKILL in sample 0 (forward)")]
+    assert "2 rows failed (0 mismatch, 1 unsupported, 1 crash)" in report.summary(found, "t")
+    assert [report.verdict(rows) for rows in (clean, unchecked, found)] == ["clean", "unchecked", "found"]
+
+
+@pytest.mark.parametrize(("statuses", "status"), [(("pass", "skipped"), 0), (("pass", "crash"), 1),
+                                                   (("pass", "unchecked"), 4), (("crash", "mismatch"), 1)])
+def test_the_exit_status_tells_clean_from_failed_from_not_checked(tmp_path, statuses, status):
+    results = ResultsFile(str(tmp_path / RESULTS_FILE))
+    results.start({"device": "sim"})
+    results.append([_row(f"op{i}", s) for i, s in enumerate(statuses)])
+    assert cli.main(["--report", str(tmp_path)]) == status
+
+
+def test_a_failure_of_the_tool_on_an_op_is_unchecked_not_a_crash(tmp_path):
+    from op_tools.conformance.case import CaseOptions
+    from op_tools.conformance.workers import Task, WorkerConfig, WorkerPool
+
+    with WorkerPool(WorkerConfig("cpu", log_dir=str(tmp_path)), timeout=60) as pool:
+        result, = pool.run([Task("no_such_opinfo", "float32")], CaseOptions())
+    assert result.status == "unchecked"
+    assert result.crash.startswith("the conformance tool failed on this op (KeyError: 'no_such_opinfo'")
+    settings = cli.Settings("cpu", (), None, ("float32",), None, True)
+    assert [r.status for r in cli.crash_rows(result, settings, gradients=True)] == ["unchecked", "unchecked"]
+
+
+def test_a_sweep_whose_device_is_gone_reports_what_ran_and_what_did_not_and_exits_1(tmp_path):
+    # abs passes; neg kills its worker and leaves the device gone; sin never runs: no worker starts any more
+    result = run("--device", "sim", "--setup", "conformance_setups:sim_gone_after_neg", "--ops", "abs,neg,sin",
+                 "--dtypes", "float32", "--output", str(tmp_path / "run"),
+                 env={"CONFORMANCE_TEST_GONE": str(tmp_path / "gone")}, cwd=str(tmp_path))
+    assert result.returncode == 1, explain(result)  # the crash is found; the ops not run are not checked
+    rows = {(r.op, r.direction): r for r in read_csv(os.path.join(tmp_path, "run", CSV_FILE))}
+    assert {key: r.status for key, r in rows.items()} == {
+        ("abs", "forward"): "pass", ("abs", "backward"): "pass", ("neg", "forward"): "crash",
+        ("neg", "backward"): "crash", ("sin", "forward"): "unchecked", ("sin", "backward"): "unchecked"}
+    assert rows[("sin", "forward")].detail.startswith("not run: the sweep stopped: a worker cannot run on 'sim': "
+                                                      "RuntimeError: the device is gone")
+    assert result.stdout.strip().splitlines()[-1].startswith(
+        "WARNING: 2 rows not checked, the first sin float32 forward: not run: the sweep stopped")
+    # what did not run is left to --resume
+    assert {r.op for r in ResultsFile(os.path.join(tmp_path, "run", RESULTS_FILE)).read()[1]} == {"abs", "neg"}

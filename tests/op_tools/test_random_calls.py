@@ -1,0 +1,64 @@
+"""Calls that draw random numbers: never rerun, but a Python composite (attention with dropout) is compared inside."""
+
+import contextlib
+import os
+
+import pytest
+import torch
+
+import op_tools
+
+
+@pytest.fixture(autouse=True)
+def _no_autocompare_variables(monkeypatch):
+    for name in list(os.environ):
+        if "AUTOCOMPARE" in name or name.endswith("_OP_DTYPE_CAST_DICT"):
+            monkeypatch.delenv(name)
+
+
+def attention_step(sim, need_weights: bool = True, tool=None):
+    """One forward and backward of multi-head attention with dropout, training; what a script can observe after."""
+    torch.manual_seed(0)
+    attention = torch.nn.MultiheadAttention(8, 2, dropout=0.5).to(sim)
+    x = torch.randn(5, 3, 8).to(sim).requires_grad_()
+    torch.manual_seed(1)
+    with tool if tool is not None else contextlib.nullcontext():
+        out, weights = attention(x, x, x, need_weights=need_weights)
+        out.sum().backward()
+    return out, weights, x.grad, attention.in_proj_weight.grad, torch.get_rng_state()
+
+
+# every call through a mode; a list of plain names through wrappers of those functions (targeting.py)
+@pytest.mark.parametrize("ops", [None, ["torch.nn.functional.multi_head_attention_forward",
+                                        "torch.nn.functional.softmax"]], ids=["mode", "targeted"])
+def test_softmax_fault_under_attention_dropout_is_the_first_failure(sim, ops):
+    import ditorch.sim
+
+    tool = op_tools.OpAutoCompare(**({"ops": ops} if ops else {}))
+    with ditorch.sim.faults("_softmax:noise=1e-2"):
+        attention_step(sim, tool=tool)
+    first = tool.failures[0]
+    assert (first["op"], first["phase"], first["module"]) == ("torch.nn.functional.softmax", "forward",
+                                                              "MultiheadAttention")
+    # the whole call is accounted for: skipped as random, with the calls compared inside it
+    assert [reason for reason in tool.skipped if reason.startswith("random (compared inside")] != []
+
+
+def test_attention_with_dropout_under_the_tool_draws_and_computes_as_without(sim):
+    expected = attention_step(sim)
+    tool = op_tools.OpAutoCompare()
+    got = attention_step(sim, tool=tool)
+    for a, b in zip(got, expected):
+        assert torch.equal(a.cpu(), b.cpu())
+    assert tool.failures == []
+    inside = {reason: n for reason, n in tool.skipped.items() if reason.startswith("random (compared inside")}
+    assert sum(inside.values()) == 1 and tool.skipped["random"] == 1  # the attention, and the dropout inside it
+    assert tool.counts["forward compared"] >= 8 and tool.counts["backward compared"] >= 4  # linear, bmm, softmax
+
+
+def test_attention_as_one_op_with_dropout_is_skipped_saying_nothing_inside_was_compared(sim):
+    tool = op_tools.OpAutoCompare()
+    attention_step(sim, need_weights=False, tool=tool)  # multi_head_attention_forward calls SDPA with dropout_p
+    assert tool.failures == []
+    one_op = [reason for reason in tool.skipped if "nothing inside compared" in reason]
+    assert len(one_op) == 1 and "attention" in one_op[0]
