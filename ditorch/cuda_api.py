@@ -19,6 +19,7 @@ import types
 
 import torch
 
+from .class_forwarding import forwarding_class
 from .cuda_fallbacks import FALLBACKS
 
 ANSWERED, MAPPED, REFUSED = "answered", "mapped", "refused"
@@ -101,8 +102,6 @@ def _replacement_object(api: str, current, backend, remap):
     if isinstance(current, types.ModuleType):
         return provided if isinstance(provided, types.ModuleType) else DeviceSubmodule(api, backend, remap)
     if isinstance(provided, type):
-        from .transfer import forwarding_class
-
         return forwarding_class(api.rsplit(".", 1)[-1], provided, remap.device_anywhere(provided))
     if callable(provided):  # a function may stand for a class (a fallback for torch.cuda.device_of)
         return remap.device_anywhere(provided)

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from . import cuda_api
+from .class_forwarding import forwarding_class
 from .patches import Patches
 from .show_as_cuda import real_device
 
@@ -93,27 +94,6 @@ class DeviceMap:
             index = self.device_module.current_device() if self._indexed else None
             return torch.device(self.target, index)  # type: ignore[arg-type]  # None: no index (the stub says int)
         return self(device)
-
-
-class ForwardingClassMeta(type):
-    """Metaclass of a stand-in for a class: calling it builds ``_target`` from rewritten arguments,
-    and ``isinstance`` answers for ``_target``'s instances (torch's C classes cannot be subclassed)."""
-
-    _target: type
-
-    def __call__(cls, *args, **kwargs):
-        return cls._build(*args, **kwargs)
-
-    def __instancecheck__(cls, instance) -> bool:
-        return isinstance(instance, cls._target)
-
-    def __subclasscheck__(cls, subclass) -> bool:
-        return issubclass(subclass, cls._target)
-
-
-def forwarding_class(name: str, target: type, build: Callable) -> type:
-    return ForwardingClassMeta(name, (), {"_target": target, "_build": staticmethod(build),
-                                          "__doc__": target.__doc__, "__module__": target.__module__})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,8 @@ script runs under a tool with ``python -m op_tools capture train.py``.
 """
 
 from .autocompare import OpAutoCompare
-from .capture import OpCapture, load_op_args
+from .capture import OpCapture
+from .capture_format import load_op_args
 from .comparison import ToleranceSpec, compare_outputs
 from .config import VARIABLES
 from .dtype_cast import OpDtypeCast

@@ -23,10 +23,10 @@ import runpy
 import sys
 from typing import Any
 
-from . import FEATURES
 from .config import CONFIG_FILE, parse_flag
 from .engine import OpTool
-from .settings import Family, keywords_of, short_name
+from .settings import Family, keywords_of
+from .tool_registry import FEATURES, find_tool, short_name  # filled by the tools: the package imported them first
 
 
 def _tool_names(cls: type[OpTool]) -> list[str]:
@@ -135,8 +135,6 @@ def run_under(tool, script: str | None, argv: list[str], module: str | None = No
 def main(argv: list[str] | None = None) -> int | str | None:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser, by_class = build_parser()
-    from .features import find_tool
-
     cls = find_tool(argv[0]) if argv and not argv[0].startswith("-") else None
     if cls is None:
         parser.parse_args(argv[:1] or argv)  # help, or argparse's error naming the valid tools

@@ -5,39 +5,33 @@ Layout (the original ditorch's)::
     <OP_TOOLS_RESULTS_DIR>/op_capture_results[/rank<N>]/<op name>/<pid>/<forward_id>/<timestamp>/
         input.pth  output.pth  grad_inputs.pth  grad_outputs.pth
 
-Each file is ``{"name", "args", "kwargs", "identifier"}`` with tensors copied to the CPU; ``input.pth`` also
-holds ``"autocast": {"device_type", "dtype"}`` when the call ran under autocast, for the replay to re-enter.
-``grad_outputs.pth`` holds the gradients of the call's outputs and ``grad_inputs.pth`` those of its inputs that
-require grad (in argument order), once the call's whole backward ran.
-
-A tensor whose values were already written (a weight used by many ops, an activation saved as one op's output
-and the next op's input) is written once: the store knows tensors by their content (dtype, sizes, strides and a
-digest of their bytes, read after the copy to the host), so a tensor changed by any means, a kernel writing
-without bumping the version counter included, is never taken for its old value. Later files hold a reference
-``{"op_tools_ref": <file relative to this one>, "path": [...]}`` that ``load_op_args`` resolves, so every file
-still loads on its own.
+The files are in the capture file format (capture_format.py), which the offline replay reads.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
-import threading
 import time
 
 import torch
 
 from . import reporting, result_files
 from .arguments import iter_items
+from .capture_format import (  # noqa: F401 - re-exported: the format was defined here before its own module
+    AUTOCAST_KEY,
+    MEMORY_FORMAT_KEY,
+    REF_KEY,
+    TensorStore,
+    autocast_state,
+    content_key,
+    load_op_args,
+)
 from .config import CAPTURE_DEDUP, CAPTURE_MAX_BYTES, CAPTURE_MODE, CAPTURE_STATS_MAX_TENSORS, Sources
 from .engine import OpCall, OpTool, feature
 from .run_recording import RunRecorder
 
-REF_KEY = "op_tools_ref"
-MEMORY_FORMAT_KEY = "op_tools_memory_format"
-AUTOCAST_KEY = "autocast"
 SUMMARY_SHOWN = 20  # rows of the summary table on the console; the files hold them all
 
 
@@ -52,120 +46,6 @@ class CaptureConfig:
     def from_env(cls, sources: Sources | None = None) -> CaptureConfig:
         return cls(CAPTURE_MODE.read(sources), CAPTURE_DEDUP.read(sources), CAPTURE_STATS_MAX_TENSORS.read(sources),
                    CAPTURE_MAX_BYTES.read(sources))
-
-
-class TensorStore:
-    """Writes capture files, storing a tensor whose content was already written only once (by reference)."""
-
-    MAX_ENTRIES = 200_000
-
-    def __init__(self, dedup: bool, tally: result_files.Tally | None = None) -> None:
-        self.dedup = dedup
-        self.tally = tally
-        self.bytes_written = 0
-        self.files_written = 0
-        self._seen: dict[tuple, tuple] = {}  # content key -> (file, path in file)
-        self._lock = threading.Lock()
-
-    def save(self, path: str, payload: dict) -> None:
-        fresh: list[tuple[tuple, list]] = []
-        with torch.no_grad():
-            encoded = self._encode(payload, [], path, fresh, {})
-        size = result_files.save_torch(path, encoded)
-        if self.tally is not None:
-            self.tally.add(path, size)
-        with self._lock:
-            self.bytes_written += size
-            self.files_written += 1
-            if self.dedup:
-                for key, where in fresh:
-                    self._seen.setdefault(key, (path, where))
-                while len(self._seen) > self.MAX_ENTRIES:  # forget the oldest: they are only stored again
-                    del self._seen[next(iter(self._seen))]
-
-    def _encode(self, obj, where: list, path: str, fresh: list, copies: dict):
-        if isinstance(obj, torch.Tensor):
-            known = copies.get(id(obj))
-            if known is None:
-                copy = obj.detach().to("cpu")
-                if obj.requires_grad:  # kept, for the replay to know which inputs take gradients
-                    copy.requires_grad_()
-                known = copies[id(obj)] = (copy, content_key(copy) if self.dedup else None)
-            copy, key = known
-            if key is not None:
-                entry = self._seen.get(key)
-                if entry is not None:
-                    return {REF_KEY: os.path.relpath(entry[0], os.path.dirname(path)), "path": entry[1]}
-                if all(k != key for k, _ in fresh):
-                    fresh.append((key, list(where)))
-            return copy
-        if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
-            items = [self._encode(v, [*where, i], path, fresh, copies) for i, v in enumerate(obj)]
-            return items if isinstance(obj, list) else tuple(items)
-        if isinstance(obj, dict):
-            return {k: self._encode(v, [*where, k], path, fresh, copies) for k, v in obj.items()}
-        if isinstance(obj, torch.memory_format):  # not picklable: kept by name, restored by load_op_args
-            return {MEMORY_FORMAT_KEY: str(obj).removeprefix("torch.")}
-        if isinstance(obj, (torch.dtype, torch.device, torch.layout)):
-            return obj
-        if obj is None or isinstance(obj, (bool, int, float, complex, str, torch.Size)):
-            return obj
-        return repr(obj)  # anything else is kept as text so that weights_only loading works
-
-
-
-def content_key(t: torch.Tensor) -> tuple | None:
-    """``(dtype, sizes, strides, offset, digest of the bytes)`` of a host tensor: equal keys, equal tensors."""
-    if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
-        return None
-    flat = t.detach().contiguous().reshape(-1)
-    try:
-        data = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else b""  # type: ignore[arg-type]  # numpy types ndarray as a buffer on Python >= 3.12 only
-    except (RuntimeError, TypeError):
-        return None
-    digest = hashlib.blake2b(data, digest_size=16).digest()
-    return t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), t.requires_grad, digest
-
-
-def load_op_args(path: str) -> dict:
-    """Load one capture file (``weights_only=True``), resolving references to tensors stored in other files.
-
-    >>> data = load_op_args("op_tools_results/op_capture_results/torch.add/123/5/2025-01-01-00-00-00/input.pth")
-    >>> torch.add(*data["args"], **data["kwargs"])
-    """
-    cache: dict[str, dict] = {}
-
-    def load(file: str) -> dict:
-        file = os.path.normpath(file)
-        if file not in cache:
-            cache[file] = torch.load(file, weights_only=True, map_location="cpu")
-        return cache[file]
-
-    def resolve(obj, file: str):
-        if isinstance(obj, dict):
-            if REF_KEY in obj:
-                target = os.path.join(os.path.dirname(file), obj[REF_KEY])
-                value = load(target)
-                for key in obj["path"]:
-                    value = value[key]
-                return value
-            if MEMORY_FORMAT_KEY in obj:
-                return getattr(torch, obj[MEMORY_FORMAT_KEY])
-            return {k: resolve(v, file) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [resolve(v, file) for v in obj]
-        if isinstance(obj, tuple):
-            return tuple(resolve(v, file) for v in obj)
-        return obj
-
-    return resolve(load(path), path)
-
-
-def autocast_state(device: torch.device | None) -> dict | None:
-    """``{"device_type": "cuda", "dtype": "float16"}`` when autocast is on for ``device``'s type, else None."""
-    if device is None or not torch.is_autocast_enabled(device.type):
-        return None
-    return {"device_type": device.type, "dtype": str(torch.get_autocast_dtype(device.type)).removeprefix("torch.")}
 
 
 def _tensors_of(args, kwargs) -> list:

@@ -109,7 +109,8 @@ COLUMNS = ("name", "allclose", "cosine_similarity", "max_abs_diff", "max_relativ
 
 # --- tolerances ---
 
-_TOLERANCE_VAR = re.compile(r"^(?:(?P<op>\w+?)_)?AUTOCOMPARE_ERROR_TOLERANCE(?:_(?P<dtype>[A-Z0-9]+))?$")
+# <OPNAME>_AUTOCOMPARE_ERROR_TOLERANCE_<DTYPE>, both parts optional; the typo check reads it too.
+TOLERANCE_VAR = re.compile(r"^(?:(?P<op>\w+?)_)?AUTOCOMPARE_ERROR_TOLERANCE(?:_(?P<dtype>[A-Z0-9]+))?$")
 
 
 @overload
@@ -181,7 +182,7 @@ class ToleranceSpec:
         environ = os.environ if environ is None else environ
         per_op_dtype, per_dtype, default = {}, {}, None
         for name, text in environ.items():
-            match = _TOLERANCE_VAR.match(name)
+            match = TOLERANCE_VAR.match(name)
             if match is None:
                 continue
             try:

@@ -434,7 +434,7 @@ class OpFilter:
 
     def exact_names(self) -> tuple[str, ...] | None:
         """The LIST's names when each entry is a plain dotted name (no regular-expression syntax), else ``None``."""
-        if not self.allow or not all(_PLAIN_NAME.fullmatch(p.pattern) for p in self.allow):
+        if not self.allow or not all(PLAIN_NAME.fullmatch(p.pattern) for p in self.allow):
             return None
         return tuple(dict.fromkeys(p.pattern for p in self.allow))
 
@@ -447,7 +447,7 @@ class OpFilter:
 
 
 # A '.' in such an entry could match any character as a regular expression; no two op names differ only there.
-_PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 def _matches(patterns, name: str) -> bool:

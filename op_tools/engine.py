@@ -45,12 +45,13 @@ from torch._C._autograd import _get_sequence_nr as _sequence_nr
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
 
-from . import module_path, reporting, result_files, targeting
+from . import module_path, reporting, result_files, targeting, typo_check
 from .arguments import call_device, iter_tensors
 from .call_backward import CallBackward
 from .config import CommonConfig, OpFilter, Sources
 from .naming import is_metadata_query, resolve_op_name
 from .settings import signature_of, sources_for, validate_arguments
+from .tool_registry import FEATURES, feature  # noqa: F401  # op_tools.engine.FEATURES / feature, as before
 from .writes import call_writes
 
 _thread = threading.local()
@@ -59,22 +60,10 @@ _announced: dict[tuple[str, str, bool], None] = {}  # (hook, op, decision): a la
 _reported_failures: dict[tuple[str, str], None] = {}
 _announce_lock = threading.Lock()
 
-FEATURES: dict[str, type[OpTool]] = {}
 _CPU = torch.device("cpu")
 # Calls a function skipping one hop of torch-function dispatch; absent from older torch, where composites run whole.
 _skip_one_hop = getattr(torch._C, "_skip_one_hop_torch_function", None)
 _BACKWARD_CALLS = frozenset({"torch.Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
-
-
-def feature(name: str):
-    """Class decorator: make a tool available to ``apply_feature`` under ``name``."""
-
-    def register(cls):
-        cls.feature = name
-        FEATURES[name] = cls
-        return cls
-
-    return register
 
 
 class OpToolsAbortError(RuntimeError):
@@ -321,10 +310,8 @@ class OpTool:
                     self.sees_every_call = False
                     return activation
             else:  # once per process and list: a tool started per step says it once
-                from .typo_check import warn_once
-
-                warn_once(("targeting", self.env_prefix, names), "%s_LIST: %s; the tool checks the name of every call "
-                          "instead", self.env_prefix, "; ".join(problems))
+                typo_check.warn_once(("targeting", self.env_prefix, names), "%s_LIST: %s; the tool checks the name of "
+                                     "every call instead", self.env_prefix, "; ".join(problems))
         mode = _ToolMode(self)
         mode.__enter__()
         self.sees_every_call = True
@@ -422,8 +409,6 @@ class OpTool:
 
     def _read_configuration(self) -> None:
         """Arguments > variables > config file > defaults, parsed once; then the typo checks (typo_check.py)."""
-        from . import typo_check
-
         self.sources = sources_for(self)
         self.common = CommonConfig.from_env(self.sources)
         self.filter = OpFilter.from_env(self.env_prefix, self.sources) if self.env_prefix else OpFilter(None, None)

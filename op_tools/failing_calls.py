@@ -19,7 +19,7 @@ import torch
 
 from . import reporting, result_files
 from .arguments import map_tensors
-from .capture import TensorStore
+from .capture_format import TensorStore
 from .config import CommonConfig
 from .host_copies import snapshot
 from .reference import recast

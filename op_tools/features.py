@@ -9,9 +9,9 @@ import threading
 from typing import Any, Callable
 
 from . import reporting
-from .engine import FEATURES, OpTool, finish_unstopped, in_tool_work, tool_work
+from .engine import OpTool, finish_unstopped, in_tool_work, tool_work
 from .naming import function_from_name, resolve_op_name
-from .settings import short_name
+from .tool_registry import FEATURES, find_tool, normalised_name, short_name, tool_aliases
 
 # name -> (owner, attribute, original function, feature, tool)
 _patched: dict[str, tuple[Any, str, Any, str, Any]] = {}
@@ -23,32 +23,11 @@ class UnknownFeatureError(ValueError, AssertionError):
     asserted the name, and its scripts catch that."""
 
 
-def tool_aliases() -> dict[str, type[OpTool]]:
-    """Every name a tool goes by, normalised (lower case, ``-`` as ``_``) -> its class: the class name
-    (``OpCapture``), the short name (``capture``, as ``python -m op_tools`` and the config file take it), the
-    original ditorch's feature name (``op_capture``, ``dump_op_args``, ``measure_op_time``, ``cast_dtype``) and
-    ``op_<short>``."""
-    table: dict[str, type[OpTool]] = {}
-    for cls in FEATURES.values():
-        for name in (cls.__name__, short_name(cls), cls.feature, "op_" + short_name(cls)):
-            table.setdefault(_normalised(name), cls)
-    return table
-
-
-def _normalised(name: str) -> str:
-    return name.strip().lower().replace("-", "_")
-
-
-def find_tool(name: str) -> type[OpTool] | None:
-    """The tool class ``name`` stands for (see ``tool_aliases``), or ``None``."""
-    return tool_aliases().get(_normalised(name))
-
-
 def tool_class(name: str) -> type[OpTool]:
     """The tool class ``name`` stands for; ``UnknownFeatureError`` listing the names otherwise."""
     cls = find_tool(name)
     if cls is None:
-        close = difflib.get_close_matches(_normalised(name), list(tool_aliases()), n=1, cutoff=0.6)
+        close = difflib.get_close_matches(normalised_name(name), list(tool_aliases()), n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise UnknownFeatureError(f"unknown feature {name!r}; valid features: "
                                   + ", ".join(sorted({short_name(c) for c in FEATURES.values()} | set(FEATURES)))

@@ -106,7 +106,7 @@ def _name_of(func) -> str:
     short = getattr(func, "__name__", None)
     if short:  # private functions resolve_name does not list (torch._foreach_add_, …), torch.distributed.*
         for prefix, path in _NAMESPACES:
-            namespace = _import_path(path)
+            namespace = import_path(path)
             if namespace is not None and getattr(namespace, short, None) is func:
                 return f"{prefix}.{short}"
     qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or type(func).__name__
@@ -123,7 +123,7 @@ def _name_of(func) -> str:
 def alias_namespaces() -> tuple:
     """Where torch's public functions live under a name, including the C modules behind torch.linalg & co."""
     paths = [path for _, path in _NAMESPACES] + ["torch._C._linalg", "torch._C._special", "torch._C._fft"]
-    return tuple(ns for ns in map(_import_path, paths) if ns is not None)
+    return tuple(ns for ns in map(import_path, paths) if ns is not None)
 
 
 def name_as(func, name: str | None) -> None:
@@ -134,7 +134,8 @@ def name_as(func, name: str | None) -> None:
         _names[func] = name
 
 
-def _import_path(path: str):
+def import_path(path: str):
+    """The module (or ``torch.Tensor``) a dotted name stands for: ``"torch.linalg"``; ``None`` if not importable."""
     module, _, attr = path.partition(".Tensor")
     try:
         namespace = importlib.import_module(module)

@@ -32,13 +32,13 @@ from typing import Any
 import torch
 
 from .arguments import iter_tensors, map_tensors
-from .capture import AUTOCAST_KEY, load_op_args
+from .capture_format import AUTOCAST_KEY, load_op_args
 from .comparison import ToleranceSpec, compare_outputs
 from .device_math import DeviceMath, emulated
+from .device_timing import device_synchronizer
 from .naming import function_from_name
 from .random_calls import random_reason
 from .reference import DEFAULT_CAST, attempts_for
-from .time_measure import device_synchronizer
 from .writes import call_writes
 
 ENTRY_FILES = ("input.pth", "output.pth", "grad_inputs.pth", "grad_outputs.pth")

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable
 
 from .config import CONFIG_FILE, PRINT_STACK, RESULTS_DIR, STRICT, VERBOSE, EnvVar, Sources, declare_op_lists
+from .tool_registry import find_tool, short_name, tool_sections
 
 if TYPE_CHECKING:
     from .engine import OpTool
@@ -52,11 +53,6 @@ class Family:
 
     def value_of(self, value: Any) -> Any:
         return self.convert(value)
-
-
-def short_name(cls: type[OpTool]) -> str:
-    """The tool's name on the command line and in the config file: ``OP_TIME_MEASURE`` -> ``time_measure``."""
-    return cls.env_prefix.removeprefix("OP_").lower()
 
 
 def keywords_of(cls: type[OpTool]) -> dict[str, EnvVar | Family]:
@@ -162,13 +158,6 @@ def _read_toml(path: str) -> dict:
             raise ValueError(f"{CONFIG_FILE.name}={path!r}: not valid TOML ({e})") from None
 
 
-def tool_sections() -> dict[str, type[OpTool]]:
-    """Section name -> tool class, for every registered tool."""
-    from .engine import FEATURES
-
-    return {short_name(cls): cls for cls in FEATURES.values() if cls.env_prefix}
-
-
 def _parse_file(path: str, document: dict) -> dict[str, dict[str, Any]]:
     tools = tool_sections()
     parsed: dict[str, dict[str, Any]] = {}
@@ -182,8 +171,6 @@ def _parse_file(path: str, document: dict) -> dict[str, dict[str, Any]]:
         elif section in tools:
             table = keywords_of(tools[section])
         else:
-            from .features import find_tool
-
             alias = find_tool(section)
             close = [short_name(alias)] if alias is not None else difflib.get_close_matches(
                 section, [SHARED_SECTION, *tools], n=1, cutoff=0.6)

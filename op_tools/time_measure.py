@@ -33,7 +33,7 @@ from torch.autograd.profiler import record_function
 
 from . import reporting, result_files
 from .config import TIME_MEASURE_SYNC
-from .device_timing import EventClock, HostClock, clock_for, device_synchronizer  # noqa: F401 - device_synchronizer: replay's
+from .device_timing import EventClock, HostClock, clock_for
 from .engine import OpCall, OpTool, feature, tool_work
 
 RESULTS_FOLDER = "op_time_measure_result"

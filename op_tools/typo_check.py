@@ -18,10 +18,9 @@ import threading
 import torch
 
 from . import reporting
-from .comparison import _TOLERANCE_VAR, dtype_key
-from .config import _PLAIN_NAME, REFERENCE_CAST_VAR, TOOL_PREFIXES, VARIABLES
-from .naming import _import_path as import_path
-from .naming import function_from_name
+from .comparison import TOLERANCE_VAR, dtype_key
+from .config import PLAIN_NAME, REFERENCE_CAST_VAR, TOOL_PREFIXES, VARIABLES
+from .naming import function_from_name, import_path
 from .settings import origin
 
 _OURS = re.compile(r"^OP_|AUTOCOMPARE|_OP_DTYPE_CAST|ERROR_TOLERANCE")
@@ -73,7 +72,7 @@ def unknown_variable(name: str) -> str | None:
     if name in VARIABLES or name.startswith("DITORCH_") or not _OURS.search(name):
         return None
     declared = [n for n in VARIABLES if "<" not in n]
-    tolerance, cast = _TOLERANCE_VAR.match(name), REFERENCE_CAST_VAR.match(name)
+    tolerance, cast = TOLERANCE_VAR.match(name), REFERENCE_CAST_VAR.match(name)
     if tolerance or cast:
         if tolerance:
             op, dtype = tolerance.group("op"), tolerance.group("dtype")
@@ -131,7 +130,7 @@ def check_environment(environ=None) -> None:
 def unknown_op(entry: str) -> str | None:
     """Why the LIST entry ``entry`` names no op, with a suggestion; ``None`` for a known name or a pattern (a regular
     expression is not checked: it may be meant to match nothing yet)."""
-    if not _PLAIN_NAME.fullmatch(entry):
+    if not PLAIN_NAME.fullmatch(entry):
         return None
     if entry.startswith("torch."):
         try:

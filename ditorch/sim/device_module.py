@@ -23,7 +23,7 @@ from ..host_rng import (  # noqa: F401 - re-exported: the sim device draws from 
     set_rng_state,
     set_rng_state_all,
 )
-from .tensor import MEMORY, _Device, raise_deferred_errors
+from .tensor import MEMORY, DeviceSelection, raise_deferred_errors
 from .tf32 import FamilySwitch, float32_reduced_precision  # noqa: F401 - part of the device module
 
 # The sim device's own precision switches, as torch_npu has torch.npu.matmul.allow_hf32.
@@ -50,26 +50,26 @@ def _lazy_init() -> None:
 
 
 def device_count() -> int:
-    return _Device.count
+    return DeviceSelection.count
 
 
 def current_device() -> int:
-    return _Device.current()
+    return DeviceSelection.current()
 
 
 def _index(device) -> int:
     if device is None:
-        return _Device.current()
+        return DeviceSelection.current()
     if isinstance(device, int):
-        return _Device.check(device)
+        return DeviceSelection.check(device)
     device = torch.device(device)
     if device.type != "sim":
         raise ValueError(f"sim: expected a sim device, got {device}")
-    return _Device.check(device.index) if device.index is not None else _Device.current()
+    return DeviceSelection.check(device.index) if device.index is not None else DeviceSelection.current()
 
 
 def set_device(device) -> None:
-    _Device.set_current(_index(device))
+    DeviceSelection.set_current(_index(device))
 
 
 class device:  # noqa: N801 - named as torch.cuda.device
@@ -80,13 +80,13 @@ class device:  # noqa: N801 - named as torch.cuda.device
         self.previous = None
 
     def __enter__(self):
-        self.previous = _Device.current()
+        self.previous = DeviceSelection.current()
         if self.index is not None:
-            _Device.set_current(self.index)
+            DeviceSelection.set_current(self.index)
         return self
 
     def __exit__(self, *exc) -> None:
-        _Device.set_current(self.previous)  # type: ignore[arg-type]  # set by __enter__
+        DeviceSelection.set_current(self.previous)  # type: ignore[arg-type]  # set by __enter__
 
 
 def synchronize(device=None) -> None:

@@ -28,6 +28,8 @@ import time
 
 import torch
 
+from .version_counter import WRITES
+
 ENV_VAR = "DITORCH_SIM_FAULTS"
 FORM = ("'pattern[@dtype]:kind' joined by ';', kind one of unsupported, nan, inf, noise=<rel>, slow=<ms>, "
         "unversioned")
@@ -154,8 +156,6 @@ class FaultTable:
             self._by_op = {}
             self.active = any(f.kind not in VERSION_KINDS for f in self._faults)
             if touches_versions:
-                from .version_counter import WRITES
-
                 WRITES.apply(self._faults)
 
     def current(self) -> list[Fault]:

@@ -18,6 +18,7 @@ from torch._C import DispatchKey, DispatchKeySet
 from ..show_as_cuda import real_device
 from . import fault_injection as _faults
 from .kernels import KERNELS as _KERNELS
+from .version_counter import WRITES as _UNVERSIONED_WRITES
 
 _CPU = torch.device("cpu")
 _META_KEYS = DispatchKeySet(DispatchKey.Meta)
@@ -31,7 +32,7 @@ _MIXED_DEVICE_OK = {
 }
 
 
-class _Device:
+class DeviceSelection:
     """Which sim device is current, per thread as torch.cuda does it."""
 
     count = 1
@@ -201,6 +202,9 @@ class SimTensor(torch.Tensor):
         )
 
 
+_UNVERSIONED_WRITES.sim_tensor_class = SimTensor  # the tensors an unversioned fault leaves unbumped
+
+
 def wrap(data: torch.Tensor, index: int) -> SimTensor:
     tensor = torch.Tensor._make_wrapper_subclass(
         SimTensor, data.size(), strides=data.stride(), storage_offset=data.storage_offset(),
@@ -292,10 +296,10 @@ def _target_index(kwargs: dict, unwrapped: _Unwrapped):
         device = torch.device(device)
         if device.type != "sim":
             return None
-        return _Device.check(device.index) if device.index is not None else _Device.current()
+        return DeviceSelection.check(device.index) if device.index is not None else DeviceSelection.current()
     if unwrapped.sim_index is not None:
         return unwrapped.sim_index
-    return _Device.current()
+    return DeviceSelection.current()
 
 
 def run_op(func, args, kwargs):
@@ -312,7 +316,7 @@ def run_op(func, args, kwargs):
             f"sim:{unwrapped.sim_index} and {unwrapped.other_device}!"
         )
     index = _target_index(kwargs, unwrapped) if kwargs else (
-        unwrapped.sim_index if unwrapped.sim_index is not None else _Device.current())
+        unwrapped.sim_index if unwrapped.sim_index is not None else DeviceSelection.current())
     if _DEFERRED.errors:
         _DEFERRED.raise_outside_backward()
     active_faults = ()
@@ -422,5 +426,5 @@ def _wrap_outputs(out, pairs, index):
 
 
 def set_device_count(count: int) -> None:
-    _Device.count = count
+    DeviceSelection.count = count
     _DEVICES[:] = [torch.device("sim", i) for i in range(count)]

@@ -48,7 +48,7 @@ def _call_dtypes(args, kwargs) -> set:
     return found
 
 
-def _kernel(op, dtypes: frozenset | None, bump_if_resized: bool, sim_tensor_class):
+def _kernel(op, dtypes: frozenset | None, bump_if_resized: bool, writes: UnversionedWrites):
     """The ADInplaceOrView kernel of ``op``; ``dtypes`` None: every call on sim is unversioned."""
 
     def kernel(*args, **kwargs):
@@ -59,7 +59,7 @@ def _kernel(op, dtypes: frozenset | None, bump_if_resized: bool, sim_tensor_clas
             return out
         skip_sim = dtypes is None or not dtypes.isdisjoint(_call_dtypes(args, kwargs))
         for tensor in _tensors(out):
-            if not (skip_sim and isinstance(tensor, sim_tensor_class)):
+            if not (skip_sim and isinstance(tensor, writes.sim_tensor_class)):
                 torch.autograd.graph.increment_version(tensor)
         return out
 
@@ -93,11 +93,12 @@ class UnversionedWrites:
         self._library: torch.library.Library | None = None
         self._lock = threading.Lock()
         self.overloads: dict = {}
+        # Set by tensor.py, which defines SimTensor and sits above this module; read per call, as faults
+        # may be set before it is imported. Until then () (isinstance is False): no sim tensor exists.
+        self.sim_tensor_class: type | tuple[type, ...] = ()
 
     def apply(self, faults) -> None:
         """Replace the kernels with those for ``faults`` (the ``unversioned`` ones among them)."""
-        from .tensor import SimTensor
-
         faults = [f for f in faults if f.kind == "unversioned"]
         with self._lock:
             self._clear()
@@ -110,7 +111,7 @@ class UnversionedWrites:
                 warnings.filterwarnings("ignore", message=".*[Oo]verrid")
                 for op, dtypes in self.overloads.items():
                     bump_if_resized = op._schema.name.removeprefix("aten::") in _BUMP_IF_RESIZED
-                    library.impl(op, _kernel(op, dtypes, bump_if_resized, SimTensor), "ADInplaceOrView")
+                    library.impl(op, _kernel(op, dtypes, bump_if_resized, self), "ADInplaceOrView")
             self._library = library
 
     def _clear(self) -> None:

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from ..arguments import iter_tensors
+from ..capture_format import TensorStore
 from ..comparison import Comparison, ToleranceSpec, compare_outputs
 from .opinfos import replay_name, skip_reason, supports_backward
 from .results import Row
@@ -210,8 +211,6 @@ def _save_inputs(base: str, row: Row, device: torch.device, sample, device_out, 
     ``run_op_from_data``; return the folder, or why nothing was saved."""
     if not row.torch_name:
         return "not saved: the OpInfo calls a Python wrapper, not a torch operator (rerun it with --sample)"
-    from ..capture import TensorStore
-
     folder = os.path.join(base, row.op, row.dtype, f"sample{row.sample}")
     if os.path.exists(os.path.join(folder, "input.pth")):
         return folder  # the other direction saved the same sample
