@@ -16,6 +16,7 @@ demo: install
 lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m mypy
+	$(PYTHON) scripts/check_imports.py
 
 # Two worker processes, a test file each at a time (module fixtures start once): 7 minutes on 2 cores, 11 in one.
 TEST_WORKERS ?= 2
