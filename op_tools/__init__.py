@@ -24,6 +24,7 @@ from .engine import FEATURES, OpCall, OpTool, OpToolsAbortError, feature, regist
 from .fallback import OpFallback
 from .features import apply_feature, remove_feature
 from .observe import OpObserve
+from .op_facts import register_op_facts
 from .overflow_check import OpOverflowCheck, OverflowDetectedError
 from .time_measure import OpTimeMeasure
 
@@ -31,5 +32,6 @@ __all__ = [
     "FEATURES", "VARIABLES", "OpAutoCompare",
     "OpCall", "OpCapture", "OpDtypeCast", "OpFallback", "OpObserve", "OpOverflowCheck",
     "OpTimeMeasure", "OpTool", "OpToolsAbortError", "OverflowDetectedError", "apply_feature", "feature", "load_op_args",
-    "register_backward_hooks", "remove_feature", "tool_work", "ToleranceSpec", "compare_outputs",
+    "register_backward_hooks", "register_op_facts", "remove_feature", "tool_work", "ToleranceSpec",
+    "compare_outputs",
 ]

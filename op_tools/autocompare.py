@@ -16,7 +16,7 @@ Per handled call (``OP_AUTOCOMPARE_LIST`` / ``OP_AUTOCOMPARE_DISABLE_LIST``):
 
 Calls that draw random numbers (by name, by a probability argument, or because the device's generator moved)
 are never rerun: a rerun would draw other numbers, and would consume the user's stream; one written in Python out of
-torch calls (attention with dropout: ``random_calls.COMPOSITES``) runs with those calls handled, so the ones that
+torch calls (attention with dropout: ``composite`` in ``op_facts``) runs with those calls handled, so the ones that
 draw nothing are compared. A call that fails is checked once more with its cached input copies re-read from the
 device, so a copy made stale by a write no call showed never raises a false alarm.
 
@@ -35,11 +35,13 @@ import logging
 import os
 import threading
 import weakref
+from collections.abc import Sequence
 
 import torch
 
 from . import reporting, result_files
 from .arguments import iter_items, iter_tensors, map_tensors
+from .compare_state import CompareState
 from .comparison import (
     COLUMNS,
     Comparison,
@@ -63,8 +65,8 @@ from .device_math import DeviceMath
 from .engine import OpCall, OpTool, feature
 from .failing_calls import FailingCalls
 from .host_copies import HostCopies, snapshot
-from .naming import CONVERSIONS, VIEW_OPS
-from .random_calls import COMPOSITES, GeneratorProbe, cpu_generator_token, random_reason, skip_text
+from .op_facts import cached_on_facts, op_facts
+from .random_calls import GeneratorProbe, cpu_generator_token, random_reason, skip_text
 from .reference import (
     DEFAULT_CAST,
     attempts_for,
@@ -78,8 +80,6 @@ from .settings import Family
 from .writes import call_writes
 
 DEFAULT_REFERENCE_CAST = DEFAULT_CAST
-_UNINITIALISED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_",
-                            "resize_as_", "set_"})
 CSV_COLUMNS = ("op", "forward_id", "phase", "module", *COLUMNS, "location")
 # the console shows these columns of a comparison (fitting 120 characters); the CSV has them all
 CONSOLE_COLUMNS = ("name", "allclose", "max_abs_diff", "max_relative_diff", "verdict", "error_info")
@@ -110,10 +110,10 @@ class _Learnt:
 LEARNT = _Learnt()
 
 
-@functools.lru_cache(maxsize=4096)  # asked on every handled call, and a name's answer never changes
+@cached_on_facts  # asked on every handled call, and a name's answer changes only with its declared facts
 def skip_reason(name: str) -> str | None:
     """Why ``name`` is never compared whatever its arguments: ``'uninitialised'``, ``'collective'`` or ``None``."""
-    if name.rsplit(".", 1)[-1] in _UNINITIALISED:
+    if op_facts(name).uninitialised:
         return "uninitialised"
     if name.startswith("torch.distributed."):
         return "collective (the other ranks' data is not on this host)"
@@ -212,18 +212,18 @@ class OpAutoCompare(OpTool):
     # --- forward ---
 
     def before(self, call: OpCall) -> None:
-        state = call.state
+        state = call.state = CompareState()
         spec = call_writes(call.name)
         written = spec.written(call.args, call.kwargs)
-        state["written"] = written
+        state.written = written
         reason = skip_reason(call.name) or random_reason(call.name, call.args, call.kwargs) or (
             _RERUN_DRAWS if call.name in LEARNT.drawing_reruns else None)
-        if reason == "random" and call.name in COMPOSITES:
-            state["inside"] = True  # run() descends into it
+        if reason == "random" and op_facts(call.name).composite:
+            state.inside = True  # run() descends into it
         elif reason == "random":
             reason = skip_text(call.name)
         if reason is not None:
-            state["skip"] = reason
+            state.skip = reason
             return
         # Copies are reused across calls only when every call is seen (a mode): targeted wrappers and apply_feature
         # see only their functions, and the writes of the others (an optimizer's) would leave copies stale.
@@ -234,14 +234,13 @@ class OpAutoCompare(OpTool):
             tensors.append((t, host, reused))
             return host
 
-        # (device tensor, its host copy, whether the cache supplied it) in argument order: the arguments are
-        # walked once; after() drops the list (it holds device memory)
-        state["tensors"] = tensors
-        state["cpu_args"] = map_arguments(call.args, copy)
-        state["cpu_kwargs"] = map_arguments(call.kwargs, copy)
-        state["compared_writes"] = () if spec.unknown else written
-        state["math"] = DeviceMath.of(call.device)
-        state["rng"] = self._probe(call.device).token()
+        # the arguments are walked once; after() drops the list (it holds device memory)
+        state.tensors = tensors
+        state.cpu_args = map_arguments(call.args, copy)
+        state.cpu_kwargs = map_arguments(call.kwargs, copy)
+        state.compared_writes = () if spec.unknown else written
+        state.math = DeviceMath.of(call.device)
+        state.rng = self._probe(call.device).token()
         reason = self._backward_reason(call)
         if reason is None:
             inputs: list[torch.Tensor] = []
@@ -250,12 +249,12 @@ class OpAutoCompare(OpTool):
                 if t.requires_grad and all(t is not u for u in inputs):
                     inputs.append(t)
                     labels.append(label)
-            call.grad_inputs, state["grad_labels"] = inputs, labels
+            call.grad_inputs, state.grad_labels = inputs, labels
         elif reason:
             self.backward_not_compared[reason] += 1
 
     def run(self, call: OpCall):
-        if "inside" not in call.state:
+        if not call.state.inside:
             return call.func(*call.args, **call.kwargs)
         # A random composite: its calls are handled one by one, and after() counts it skipped with how many of them
         # were compared.
@@ -263,7 +262,7 @@ class OpAutoCompare(OpTool):
         result = self.run_inside(call)
         inside = self.counts["forward compared"] - compared
         if inside:
-            call.state["skip"] = f"random (compared inside: {inside} call{'s' if inside != 1 else ''})"
+            call.state.skip = f"random (compared inside: {inside} call{'s' if inside != 1 else ''})"
         return result
 
     def _probe(self, device: torch.device) -> GeneratorProbe:
@@ -276,12 +275,13 @@ class OpAutoCompare(OpTool):
         """None when this call's backward is compared; '' when it has none; else why it is not compared."""
         if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             return ""
-        if not any(t.requires_grad for t, _, _ in call.state["tensors"]):
+        if not any(t.requires_grad for t, _, _ in call.state.tensors):
             return ""
         if not self.settings.backward:
             return "OP_AUTOCOMPARE_BACKWARD=0"
         name = call.name
-        if name in VIEW_OPS or name in CONVERSIONS or name.startswith("torch.Tensor.__get"):
+        facts = op_facts(name)
+        if facts.view or facts.conversion or name.startswith("torch.Tensor.__get"):
             return "view or conversion (gradient passed through)"
         return None
 
@@ -291,51 +291,55 @@ class OpAutoCompare(OpTool):
         except Exception:
             self.counts["forward not checked"] += 1  # the engine reports the error and counts the call
             raise
+        finally:
+            if call.state.host_of is not None:  # what the comparison used lives only while after() runs
+                call.state.drop_forward()
 
     def _after(self, call: OpCall) -> None:
-        state = call.state
-        written = state.get("written", ())
-        reason = state.get("skip")
+        state: CompareState = call.state
+        written = state.written
+        reason = state.skip
         if reason is not None:
             self.skipped[reason] += 1
             self._copies.forget(written)
             return
-        if "cpu_args" not in state:  # before() failed: reported and counted by the engine
+        if state.cpu_args is None:  # before() failed: reported and counted by the engine
             self.counts["forward not checked"] += 1
             self._copies.forget(written)
             return
-        tensors = state.pop("tensors")
-        if state["rng"] != self._probe(call.device).token():  # drew random numbers its name and arguments hid
+        tensors, state.tensors = state.tensors, ()
+        if state.rng != self._probe(call.device).token():  # drew random numbers its name and arguments hid
             self.skipped["random (the device's generator moved)"] += 1
             self._copies.forget(written)
-            state.clear()
+            state.release()
             call.grad_inputs = []
             return
         written_ids = {id(t) for t in written}
         device_cpu = map_tensors(call.result, lambda t: self._compared_value(t, id(t) in written_ids))
         in_result = {id(t) for t in iter_tensors(call.result)}
-        extra = [t for t in state["compared_writes"] if id(t) not in in_result]  # written, not returned
+        extra = [t for t in state.compared_writes if id(t) not in in_result]  # written, not returned
         extra_cpu = [self._compared_value(t, True) for t in extra]
         for t in written:
             if id(t) not in in_result and all(t is not e for e in extra):
                 self._copies.forget([t])  # may have been written (an unknown function's argument)
         host_of = {id(t): host for t, host, _ in tensors}
-        extra_labels = _labels_of(call.args, call.kwargs, extra)
-        signature = (call.name, tuple(t.dtype for t, _, _ in tensors), state["math"])
-        state["precedent"] = (*signature, tuple(tuple(t.shape) for t, _, _ in tensors))
-        outcome = self._compare_forward(call, state, device_cpu, extra_cpu, extra, extra_labels, host_of, signature)
+        signature = (call.name, tuple(t.dtype for t, _, _ in tensors), state.math)
+        # what _compare_forward compares (dropped when after() returns)
+        state.device_cpu, state.extra, state.extra_cpu, state.host_of = device_cpu, extra, extra_cpu, host_of
+        state.extra_labels, state.signature = _labels_of(call.args, call.kwargs, extra), signature
+        state.precedent = (*signature, tuple(tuple(t.shape) for t, _, _ in tensors))
+        outcome = self._compare_forward(call, state)
         if outcome is not None and not all(c.passed for c in outcome[0]) and any(r for _, _, r in tensors):
             if self._recheck(state, tensors, host_of, written_ids):  # a cached copy was stale: compare again
-                outcome = self._compare_forward(call, state, device_cpu, extra_cpu, extra, extra_labels, host_of,
-                                                signature)
+                outcome = self._compare_forward(call, state)
         if outcome is None:
             return
         comparisons, reference = outcome
         passed = all(c.passed for c in comparisons)
         self.counts["forward compared"] += 1
         self.counts["forward passed" if passed else "forward failed"] += 1
-        if state.get("math_used"):
-            self.device_math[state["math_used"].describe()] += 1
+        if state.math_used:
+            self.device_math[state.math_used.describe()] += 1
         wants_backward = bool(call.grad_inputs)
         # Finding the user's source line costs a stack walk: only for what is printed or may fail later.
         level = self._table_level(call.name, "forward", passed)
@@ -345,16 +349,14 @@ class OpAutoCompare(OpTool):
         ref_out = (reference.result, *[reference.mapped[id(host_of[id(t)])] for t in extra])
         if self._logger.isEnabledFor(level):
             self._print_forward(call, reference, comparisons, location, passed, level)
-        state["grad_snaps"] = [host_of[id(t)] for t in call.grad_inputs]
         if not passed:
             self._save(call.name, call.forward_id, state, device_out, ref_out)
-            state["saved_forward"] = True
+            state.saved_forward = True
         if not wants_backward:
-            state.clear()
+            state.release()
             return
         # Kept for the backward: the CPU reference graph and what a failure report would save.
-        state.update(ref=reference, device_out=device_out, ref_out=ref_out,
-                     owned={id(host_of[id(t)]) for t in written if id(t) in host_of})
+        state.reference, state.device_out, state.ref_out = reference, device_out, ref_out
         self._pending[call.forward_id] = call
 
     def _compared_value(self, t: torch.Tensor, written: bool) -> torch.Tensor:
@@ -376,23 +378,24 @@ class OpAutoCompare(OpTool):
             LEARNT.float64[device.type] = known
         return known
 
-    def _compare_forward(self, call: OpCall, state: dict, device_cpu, extra_cpu, extra, extra_labels, host_of,
-                         signature) -> tuple | None:
+    def _compare_forward(self, call: OpCall, state: CompareState) -> tuple | None:
         """``(comparisons, reference)`` for the outputs and the written arguments, or None (reported)."""
-        owned = {id(host_of[id(t)]) for t in state["written"] if id(t) in host_of}
+        device_cpu, host_of, math = state.device_cpu, state.host_of, state.math
+        assert math is not None and host_of is not None  # set by before() and after() for every call copied
+        # the host copies the reruns may write into (the written arguments'), kept for the backward's rerun too
+        owned = state.owned = {id(host_of[id(t)]) for t in state.written if id(t) in host_of}
         attempts = self._attempts.get(call.name)
         if attempts is None:
             attempts = self._attempts[call.name] = attempts_for(
                 self.settings.casts.get(op_key(call.name), DEFAULT_REFERENCE_CAST))
-        grad_snaps = [host_of[id(t)] for t in call.grad_inputs]
+        grad_snaps = state.grad_snaps = [host_of[id(t)] for t in call.grad_inputs]
         # The reruns must leave the CPU generator as they found it: checked on an op's first call (a rerun of an op
         # whose device run drew nothing draws nothing; the device run of every call is checked in after()).
         rng = cpu_generator_token() if call.name not in LEARNT.rng_checked else None
-        reference, error = run_reference(call.func, state["cpu_args"], state["cpu_kwargs"], attempts, owned,
-                                         grad_snaps)
+        reference, error = run_reference(call.func, state.cpu_args, state.cpu_kwargs, attempts, owned, grad_snaps)
         if reference is None:
-            self._copies.forget(state["written"])
-            state.clear()
+            self._copies.forget(state.written)
+            state.release()
             call.grad_inputs = []
             # The call goes unchecked: the tool's failure, not the op's, reported once per op name and counted in
             # the verdict (an error under OP_TOOLS_STRICT=1).
@@ -401,20 +404,20 @@ class OpAutoCompare(OpTool):
 
         def same():
             if not same_cache:
-                same_cache.append(run_same_dtype(call.func, state["cpu_args"], state["cpu_kwargs"], owned,
-                                                 state["math"]))
+                same_cache.append(run_same_dtype(call.func, state.cpu_args, state.cpu_kwargs, owned, math))
             return same_cache[0]
 
         def same_out():
             run = same()
             return None if run is None else run.result
 
+        signature = state.signature
         expected = LEARNT.expected_dtypes.get(signature)
         if expected is None and call.name.startswith("torch.") and \
                 sum(t.numel() for t in host_of.values()) >= META_DTYPES_MIN:
             # found on meta tensors (no computation), where a same-dtype run would cost; not for a user's function,
             # which may branch on the device it is given
-            expected = meta_dtypes(call.func, state["cpu_args"], state["cpu_kwargs"], state["math"])
+            expected = meta_dtypes(call.func, state.cpu_args, state.cpu_kwargs, math)
             if expected is not None:
                 LEARNT.expected_dtypes[signature] = expected
         same_value = same_out  # run only when an error is above the floor
@@ -423,31 +426,31 @@ class OpAutoCompare(OpTool):
             if expected is None:
                 LEARNT.expected_dtypes[signature] = _leaf_dtypes(device_cpu if same_value is None else same_value)
         comparisons = compare_outputs(device_cpu, reference.result, same_value, self._tolerance, op_name=call.name,
-                                      prefix="output", history=LEARNT.history, key=state["precedent"])
-        for label, t, host in zip(extra_labels, extra, extra_cpu):
+                                      prefix="output", history=LEARNT.history, key=state.precedent)
+        for label, t, host in zip(state.extra_labels, state.extra, state.extra_cpu):
             before_op = host_of[id(t)]
             comparisons.append(compare_tensors(label, host, reference.mapped[id(before_op)],
                                                functools.partial(_written_result, same, before_op),
                                                self._tolerance, call.name, True,
-                                               (LEARNT.history, (*state["precedent"], label))))
+                                               (LEARNT.history, (*state.precedent, label))))
         if rng is not None:
             LEARNT.rng_checked.add(call.name)
         if rng is not None and cpu_generator_token() != rng:  # a rerun drew numbers: give them back, compare nothing
             torch.default_generator.set_state(_state_tensor(rng))
             LEARNT.drawing_reruns.add(call.name)
             self.skipped[_RERUN_DRAWS] += 1
-            state.clear()
+            state.release()
             call.grad_inputs = []
             return None
         used = same_cache[0].math_used if same_cache and same_cache[0] is not None else None
-        state["math_used"] = used
+        state.math_used = used
         notes = "; ".join(filter(None, (reference.note, _math_note(used))))
         if notes:
             for c in comparisons:
                 c.error_info = "; ".join(filter(None, (c.error_info, notes)))
         return comparisons, reference
 
-    def _recheck(self, state: dict, tensors: list, host_of: dict, written_ids: set) -> bool:
+    def _recheck(self, state: CompareState, tensors: Sequence, host_of: dict, written_ids: set) -> bool:
         """Re-read the inputs the cache supplied (not those the op wrote: their old values are gone); True, with
         the copies replaced, when any was out of date."""
         replaced = {}
@@ -461,8 +464,8 @@ class OpAutoCompare(OpTool):
             return False
         self.stale_copies += len(replaced)
         swap = lambda h: replaced.get(id(h), h)  # noqa: E731
-        state["cpu_args"] = map_tensors(state["cpu_args"], swap)
-        state["cpu_kwargs"] = map_tensors(state["cpu_kwargs"], swap)
+        state.cpu_args = map_tensors(state.cpu_args, swap)
+        state.cpu_kwargs = map_tensors(state.cpu_kwargs, swap)
         return True
 
     # --- backward ---
@@ -471,10 +474,9 @@ class OpAutoCompare(OpTool):
         if why:
             self.backward_not_compared[why] += 1
         self._pending.pop(call.forward_id, None)
-        for key in ("ref", "device_out", "ref_out", "grad_snaps"):
-            call.state.pop(key, None)
-        if not call.state.get("saved_forward"):
-            call.state.clear()
+        call.state.release_backward()
+        if not call.state.saved_forward:
+            call.state.release()
 
     def after_call_backward(self, call: OpCall, upstream: tuple, input_grads: tuple, complete: bool) -> None:
         try:
@@ -485,13 +487,13 @@ class OpAutoCompare(OpTool):
             raise
 
     def _after_call_backward(self, call: OpCall, upstream: tuple, input_grads: tuple, complete: bool) -> None:
-        state = call.state
+        state: CompareState = call.state
         self._pending.pop(call.forward_id, None)
-        if "ref" not in state:  # not compared in forward (random, cleared at stop())
+        if state.reference is None:  # not compared in forward (random, released at stop())
             return
         if not complete:
             self.backward_not_compared["the backward pass ran only part of the op's graph"] += 1
-            state.clear()
+            state.release()
             return
         get = self._copies.get
         upstream_cpu: list[torch.Tensor | None] = []
@@ -524,13 +526,14 @@ class OpAutoCompare(OpTool):
             rows = [_named_row(call.name, c) for c in comparisons]
             self._logger.log(level, reporting.header(call.name, call.forward_id, location, "backward")
                          + "\n" + reporting.call_table(call.name, rows, CONSOLE_COLUMNS))
-        if not passed or state.get("saved_forward"):  # a call saved for its forward gets its gradients too
-            self._save(call.name, call.forward_id, state, state["device_out"], state["ref_out"],
+        if not passed or state.saved_forward:  # a call saved for its forward gets its gradients too
+            self._save(call.name, call.forward_id, state, state.device_out, state.ref_out,
                        grads=(device_grads_cpu, tuple(upstream_cpu), reference_grads))
-        state.clear()
+        state.release()
 
-    def _compare_backward(self, call: OpCall, state: dict, upstream_cpu: tuple, device_grads_cpu: tuple):
-        reference = state["ref"]
+    def _compare_backward(self, call: OpCall, state: CompareState, upstream_cpu: tuple, device_grads_cpu: tuple):
+        reference = state.reference
+        assert reference is not None  # _after_call_backward returned for a call without one
         ref_flat = _unique_tensors(reference.result)
         if len(ref_flat) != len(upstream_cpu):
             return [Comparison("grad", False, False, error_info="reference outputs differ in number")], ()
@@ -543,19 +546,20 @@ class OpAutoCompare(OpTool):
             return same_cache[0]
 
         comparisons = compare_outputs(device_grads_cpu, reference_grads, same, self._tolerance, op_name=call.name,
-                                      prefix="grad", history=LEARNT.history, key=("backward", *state["precedent"]))
-        for c, label in zip(comparisons, state["grad_labels"]):
+                                      prefix="grad", history=LEARNT.history, key=("backward", *state.precedent))
+        for c, label in zip(comparisons, state.grad_labels):
             c.name = f"{label}.grad"
         return comparisons, reference_grads
 
-    def _same_dtype_backward(self, call: OpCall, state: dict, upstream_cpu: tuple):
+    def _same_dtype_backward(self, call: OpCall, state: CompareState, upstream_cpu: tuple):
         """The input gradients of a CPU run in the device's dtypes and declared math, for the same upstream."""
-        run = run_same_dtype(call.func, state["cpu_args"], state["cpu_kwargs"], state["owned"], state["math"],
-                             state["grad_snaps"])
+        math, owned = state.math, state.owned
+        assert math is not None and owned is not None  # set for every call compared in forward
+        run = run_same_dtype(call.func, state.cpu_args, state.cpu_kwargs, owned, math, state.grad_snaps)
         if run is None:
             return None
         try:
-            return reference_backward(_unique_tensors(run.result), run.leaves, upstream_cpu, state["math"])
+            return reference_backward(_unique_tensors(run.result), run.leaves, upstream_cpu, math)
         except (RuntimeError, NotImplementedError, TypeError):
             return None
 
@@ -596,13 +600,13 @@ class OpAutoCompare(OpTool):
                      + reporting.call_table(call.name, arg_rows) + "\n"
                      + reporting.call_table(call.name, rows, CONSOLE_COLUMNS))
 
-    def _save(self, name: str, forward_id: int, state: dict, device_out, ref_out, grads=None) -> None:
+    def _save(self, name: str, forward_id: int, state: CompareState, device_out, ref_out, grads=None) -> None:
         cast = self.settings.casts.get(op_key(name), DEFAULT_REFERENCE_CAST)
         self.saving.save(name, forward_id, state, cast, device_out, ref_out, grads)
 
     def finish(self) -> None:
         for call in list(self._pending.values()):  # calls whose backward never ran
-            call.state.clear()
+            call.state.release()
             self.backward_not_compared["its backward had not run at stop()"] += 1
         self.saving.drain()
         self._pending = weakref.WeakValueDictionary()

@@ -44,17 +44,12 @@ import torch
 
 from .arguments import iter_items
 from .error_statistics import error_stats, normalised_error
+from .op_facts import cached_on_facts, op_facts
 from .rounded_ops import rounded_once
 
 RATIO = 4.0
 FLOOR_EPS = 4.0
 SAME_PRECISION_FLOOR_EPS = 256.0
-# Ops whose device kernels legitimately use another algorithm than the CPU's (fused attention: online softmax,
-# recomputation in backward), measured a little above 4x the CPU's error on an H100: a wider ratio. A 1e-3 fault
-# is still thousands of times the bound's width in float32.
-ALGORITHM_RATIO = {"scaled_dot_product_attention": 16.0, "_scaled_dot_product_flash_attention": 16.0,
-                   "_scaled_dot_product_efficient_attention": 16.0, "_scaled_dot_product_cudnn_attention": 16.0,
-                   "multi_head_attention_forward": 16.0}
 
 # An op rounded once into a narrow dtype (float32 math inside its kernels): a correct element is within 1/2 ulp;
 # 1 ulp is at most 1 eps relative, 2 ulps more. Elements below 2^-8 of the typical magnitude are measured against
@@ -500,10 +495,12 @@ def _dtype_differs(d: torch.Tensor, s) -> bool:
     return isinstance(s, torch.Tensor) and s.dtype != d.dtype and (s.is_floating_point() or s.is_complex())
 
 
-@functools.lru_cache(maxsize=4096)
+@cached_on_facts  # asked per compared call
 def ratio_for(op_name: str) -> float:
-    """How many times the CPU's same-dtype error a correct device may reach on this op."""
-    return ALGORITHM_RATIO.get(op_name.rpartition(".")[2], RATIO)
+    """How many times the CPU's same-dtype error a correct device may reach on this op (more where its device kernels
+    legitimately use another algorithm than the CPU's: ``op_facts``' ``algorithm_ratio``)."""
+    ratio = op_facts(op_name).algorithm_ratio
+    return RATIO if ratio is None else ratio
 
 
 @functools.cache  # asked twice per comparison; torch.finfo builds an object each time

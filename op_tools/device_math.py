@@ -33,6 +33,8 @@ import warnings
 import torch
 from torch._C import DispatchKey
 
+from .op_facts import OpsWith, op_facts
+
 logger = logging.getLogger("op_tools")
 
 # CUDA's autocast policy (aten/src/ATen/autocast_mode.h and .cpp): op names, "packet" or "packet.overload".
@@ -64,15 +66,13 @@ CUDA_FLOAT32_APPEND_DTYPE = ("norm.Scalar", "norm.ScalarOpt_dim", "norm.names_Sc
 CUDA_PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sampler", "index_put", "tensordot",
                 "scatter_add")
 
-# Ops whose float32 operands a device's reduced-precision mode rounds: the matrix products (cuBLAS GEMMs) and the
-# convolutions (cuDNN), forward and backward. Values: the positions and keywords of the operands rounded.
-REDUCED_PRECISION_OPERANDS: dict[str, dict[str, tuple[tuple[int, str], ...]]] = {
-    "matmul": {"mm": ((0, "self"), (1, "mat2")), "bmm": ((0, "self"), (1, "mat2")),
-               "addmm": ((1, "mat1"), (2, "mat2")), "baddbmm": ((1, "batch1"), (2, "batch2")),
-               "addbmm": ((1, "batch1"), (2, "batch2"))},
-    "conv": {"convolution": ((0, "input"), (1, "weight")), "_convolution": ((0, "input"), (1, "weight")),
-             "convolution_backward": ((0, "grad_output"), (1, "input"), (2, "weight"))},
-}
+# aten ops whose float32 operands a device's reduced-precision mode rounds, per family ("matmul", "conv"): the
+# positions and keywords of the operands rounded (``op_facts``' ``lower_precision`` and ``rounded_operands``, as
+# declared when op_tools was imported: the replay's kernels are built from it).
+REDUCED_PRECISION_OPERANDS: dict[str, dict[str, tuple[tuple[int, str], ...]]] = {}
+for _name in OpsWith("lower_precision"):
+    _facts = op_facts(_name)
+    REDUCED_PRECISION_OPERANDS.setdefault(str(_facts.lower_precision), {})[_name] = _facts.rounded_operands
 # Ops whose CPU kernel does its products inside (the CPU's fused attention), run unfused while a reduced matmul
 # precision is replayed, so that their matrix products are rounded as the device's are.
 def _sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):

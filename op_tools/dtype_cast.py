@@ -12,7 +12,7 @@ from .arguments import iter_items, iter_tensors, map_tensors
 from .config import DTYPE_CAST_DICT
 from .device_math import DeviceMath, emulated
 from .engine import OpCall, OpTool, feature, tool_work
-from .naming import CONVERSIONS, VIEW_OPS
+from .op_facts import op_facts
 
 
 @feature("cast_dtype")
@@ -43,7 +43,8 @@ class OpDtypeCast(OpTool):
 
     def accepts(self, name: str) -> bool:
         # Views must alias their base; explicit conversions mean what they say.
-        return name not in VIEW_OPS and name not in CONVERSIONS and not name.startswith("torch.Tensor.__get")
+        facts = op_facts(name)
+        return not facts.view and not facts.conversion and not name.startswith("torch.Tensor.__get")
 
     def run(self, call: OpCall):
         with tool_work():

@@ -115,7 +115,7 @@ class OpCall:
         self.result: Any = None
         self.forward_id = next(_forward_ids)
         self.device: torch.device = device  # type: ignore[assignment]  # None only in the engine's stand-in calls
-        self.state: dict[str, Any] = {}
+        self.state: Any = {}  # a dict, or the tool's own typed object (OpAutoCompare's CompareState)
         self._location: str | None = None
         self._full_stack = full_stack
         self.first_node = -1  # autograd sequence number before the call: its nodes are numbered from here

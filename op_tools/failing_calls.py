@@ -20,6 +20,7 @@ import torch
 from . import reporting, result_files
 from .arguments import map_tensors
 from .capture_format import TensorStore
+from .compare_state import CompareState
 from .config import CommonConfig
 from .host_copies import snapshot
 from .reference import recast
@@ -36,10 +37,11 @@ class FailingCalls:
         self.not_saved: collections.Counter = collections.Counter()  # op -> failing calls past max_saved
         self._lock = threading.Lock()
 
-    def save(self, name: str, forward_id: int, state: dict, cast: dict, device_out, ref_out, grads=None) -> None:
+    def save(self, name: str, forward_id: int, state: CompareState, cast: dict, device_out, ref_out,
+             grads=None) -> None:
         """Save a failing call's forward (the first time) and, given ``grads`` (device gradients, upstream gradients,
         reference gradients), its backward; ``state`` is the call's (its folder is kept there)."""
-        base = state.get("save_dir")
+        base = state.save_dir
         if base is None:
             with self._lock:
                 allowed = self.saved[name] < self.max_saved
@@ -47,15 +49,15 @@ class FailingCalls:
                     self.saved[name] += 1
                 else:
                     self.not_saved[name] += 1
-            base = state["save_dir"] = result_files.results_path(
+            base = state.save_dir = result_files.results_path(
                 self.common, "op_capture_results", name, self.pid_folder, "autocompare", str(forward_id),
                 time.strftime("%Y-%m-%d-%H-%M-%S", time.localtime())) if allowed else ""
         if not base:
             return
-        if not state.get("saved_forward"):
+        if not state.saved_forward:
             # the inputs whose gradients were compared are saved requiring grad: the replay runs their backward
-            marked = {id(h) for h in state.get("grad_snaps", ())}
-            device_args, device_kwargs = (_marked(state[k], marked) for k in ("cpu_args", "cpu_kwargs"))
+            marked = {id(h) for h in state.grad_snaps}
+            device_args, device_kwargs = _marked(state.cpu_args, marked), _marked(state.cpu_kwargs, marked)
             ref_args, ref_kwargs = recast(device_args, cast), recast(device_kwargs, cast)
             for side, args, kwargs, out in (("device", device_args, device_kwargs, device_out),
                                             ("cpu", ref_args, ref_kwargs, ref_out)):

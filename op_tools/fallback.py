@@ -10,7 +10,7 @@ from . import reporting
 from .arguments import map_tensors
 from .device_math import DeviceMath, emulated
 from .engine import OpCall, OpTool, feature, tool_work
-from .naming import CONVERSIONS, VIEW_OPS
+from .op_facts import op_facts
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 _CPU = torch.device("cpu")
@@ -103,7 +103,8 @@ class OpFallback(OpTool):
 
     def accepts(self, name: str) -> bool:
         # Device moves must stay device moves, and views must keep aliasing their base.
-        return name not in CONVERSIONS and name not in VIEW_OPS and not name.startswith("torch.Tensor.__get")
+        facts = op_facts(name)
+        return not facts.conversion and not facts.view and not name.startswith("torch.Tensor.__get")
 
     def run(self, call: OpCall):
         with tool_work(), emulated(DeviceMath.of(call.device).autocast_only()):

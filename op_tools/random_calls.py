@@ -14,69 +14,23 @@ True
 
 from __future__ import annotations
 
-import functools
-import re
-
 import torch
 
-# Ops whose results are random draws whatever their arguments.
-_RANDOM_NAMES = re.compile(r"^(rand|randn|randint|rand_like|randn_like|randint_like|randperm|bernoulli_?|normal_?|"
-                           r"uniform_?|random_?|exponential_|geometric_|cauchy_|log_normal_|multinomial|poisson|"
-                           r"gumbel_softmax|_sample_dirichlet|_standard_gamma|binomial)$")
-# Ops that draw only for some arguments: (position, keyword, default) of the probability, and of the training flag
-# (None: always training). A call draws when the probability is above 0 and it trains.
-_DRAW_WHEN = {
-    "dropout": ((1, "p", 0.5), (2, "training", True)),
-    "dropout1d": ((1, "p", 0.5), (2, "training", True)),
-    "dropout2d": ((1, "p", 0.5), (2, "training", True)),
-    "dropout3d": ((1, "p", 0.5), (2, "training", True)),
-    "alpha_dropout": ((1, "p", 0.5), (2, "training", False)),
-    "feature_alpha_dropout": ((1, "p", 0.5), (2, "training", False)),
-    "native_dropout": ((1, "p", None), (2, "train", True)),
-    "feature_dropout": ((1, "p", None), (2, "train", True)),
-    "scaled_dot_product_attention": ((4, "dropout_p", 0.0), None),
-    "_scaled_dot_product_attention_math": ((4, "dropout_p", 0.0), None),
-    "multi_head_attention_forward": ((10, "dropout_p", None), (13, "training", True)),
-    "rrelu": ((None, None, 1.0), (3, "training", False)),
-    "rrelu_": ((None, None, 1.0), (3, "training", False)),
-}
-# Random calls written in Python out of torch calls: OpAutoCompare runs them with the calls they make handled one by
-# one, so those that draw nothing (the softmax beside attention's dropout) are compared.
-COMPOSITES = frozenset({"torch.nn.functional.multi_head_attention_forward", "torch.nn.functional.gumbel_softmax"})
-# Random calls that are one op with more than the draw inside (no Python calls to descend into): the skip reason says
-# what goes uncompared.
-_ONE_OP = dict.fromkeys(("scaled_dot_product_attention", "_scaled_dot_product_attention_math"),
-                        "random (attention with dropout, one op: nothing inside compared)")
-_TORCH_DROPOUT = {"torch.dropout", "torch.dropout_", "torch.feature_dropout", "torch.feature_dropout_",
-                  "torch.alpha_dropout", "torch.alpha_dropout_", "torch.feature_alpha_dropout",
-                  "torch.feature_alpha_dropout_"}  # (input, p, train): train is positional and required
+from .op_facts import OpsWith, op_facts
 
-
-@functools.lru_cache(maxsize=4096)
-def _by_name(name: str) -> str | None:
-    short = name.rsplit(".", 1)[-1]
-    if name.startswith("torch.nn.init.") or _RANDOM_NAMES.match(short):
-        return "always"
-    if name in _TORCH_DROPOUT:
-        return "torch.dropout"
-    if short.removesuffix("_") in _DRAW_WHEN or short in _DRAW_WHEN:
-        return "depends"
-    return None
+# Which ops draw is in ``op_facts`` (``random``, ``draws_when``, ``random_note``); those written in Python out of
+# torch calls (``composite``), OpAutoCompare runs with their calls handled one by one.
+COMPOSITES = OpsWith("composite")
 
 
 def random_reason(name: str, args: tuple, kwargs: dict) -> str | None:
     """``'random'`` when this call draws random numbers (by its name, or its probability and training arguments)."""
-    kind = _by_name(name)
-    if kind is None:
-        return None
-    if kind == "always":
+    facts = op_facts(name)
+    if facts.random:
         return "random"
-    if kind == "torch.dropout":
-        p = args[1] if len(args) > 1 else kwargs.get("p", 0.0)
-        train = args[2] if len(args) > 2 else kwargs.get("train", True)
-        return "random" if train and _positive(p) else None
-    short = name.rsplit(".", 1)[-1]
-    probability, training = _DRAW_WHEN.get(short) or _DRAW_WHEN[short.removesuffix("_")]
+    if facts.draws_when is None:
+        return None
+    probability, training = facts.draws_when
     if training is not None and not _value(args, kwargs, training):
         return None
     if probability[0] is None:
@@ -86,7 +40,7 @@ def random_reason(name: str, args: tuple, kwargs: dict) -> str | None:
 
 def skip_text(name: str) -> str:
     """The skip reason of a random call that is not run as a composite: ``'random'``, or what its one op hides."""
-    return _ONE_OP.get(name.rsplit(".", 1)[-1], "random")
+    return op_facts(name).random_note or "random"
 
 
 def _value(args: tuple, kwargs: dict, where):

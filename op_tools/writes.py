@@ -1,5 +1,5 @@
-"""Which arguments a call writes: known from the op's schema, ``out=``, ``inplace=True``, and a small table of ops
-that write without saying so.
+"""Which arguments a call writes: known from the op's schema, ``out=``, ``inplace=True``, and what ``op_facts`` declares
+(ops that write without saying so, a user's ops).
 
 Tools that keep host copies of device tensors (OpAutoCompare's copy cache, OpCapture's dedup) must know what a
 call changed: a write the version counter does not show (GradScaler's unscale, BatchNorm's running statistics,
@@ -15,11 +15,11 @@ True
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
 from .naming import OPERATOR_ATEN_OPS, WRITING_OPERATORS, is_inplace_op
+from .op_facts import cached_on_facts, op_facts
 
 _TENSOR_TYPES = ("Tensor", "Optional[Tensor]", "List[Tensor]", "List[Optional[Tensor]]")
 
@@ -94,29 +94,19 @@ def _all_tensors(args: tuple, kwargs: dict) -> list:
     return [*iter_tensors(args), *iter_tensors(kwargs)]
 
 
-# Kernels that write arguments their schema does not mark as written (PyTorch's batch norm writes its running
-# statistics in place): (position, keyword) written, and the training flag that makes them written.
-_HIDDEN_WRITES = {
-    "torch.nn.functional.batch_norm": (((1, "running_mean"), (2, "running_var")), (5, "training", False)),
-    "torch.batch_norm": (((3, "running_mean"), (4, "running_var")), (5, "training", False)),
-    "torch.native_batch_norm": (((3, "running_mean"), (4, "running_var")), (5, "training", False)),
-    "torch.nn.functional.instance_norm": (((1, "running_mean"), (2, "running_var")), (5, "use_input_stats", True)),
-    "torch.instance_norm": (((3, "running_mean"), (4, "running_var")), (5, "use_input_stats", True)),
-    # max_norm renormalises the embedding rows in place (a real in-place op inside: said here so it is compared)
-    "torch.nn.functional.embedding": (((1, "weight"),), (3, "max_norm", None)),
-}
 _FUNCTIONAL = "torch.nn.functional."
 
 
-@functools.lru_cache(maxsize=4096)
+@cached_on_facts
 def call_writes(name: str) -> WriteSpec:
     """The ``WriteSpec`` of the function named ``name`` (as ``naming.resolve_op_name`` names it)."""
     short = name.rpartition(".")[2]
-    hidden = _HIDDEN_WRITES.get(name)
-    hidden_fields: dict = {"hidden": hidden[0], "hidden_when": hidden[1]} if hidden else {}
+    facts = op_facts(name)  # writes its schema does not show (BatchNorm's running statistics), or a user's op's
+    hidden_fields: dict = {"hidden": facts.writes, "hidden_when": facts.writes_when} if facts.writes else {}
     if not name.startswith("torch.") or name.startswith("torch.distributed."):
-        # A user's function (apply_feature), or a collective writing its buffers from C++: anything may change.
-        return WriteSpec(unknown=True)
+        # A user's function (apply_feature), or a collective writing its buffers from C++: anything may change,
+        # unless its writes were declared.
+        return WriteSpec(unknown=True) if facts.writes is None else WriteSpec(**hidden_fields)
     if short in WRITING_OPERATORS:
         return WriteSpec(positions=(0,))
     positions, lists, keywords = _schema_writes(short)

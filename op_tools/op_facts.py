@@ -1,0 +1,274 @@
+"""What op_tools knows about each op beyond its name, in one registry: views, hidden writes, random draws, the
+device's reduced-precision math, how exactly an op rounds. Adding an op's knowledge is one ``register_op_facts``.
+
+A key is a full name as op_tools reports it (``torch.nn.functional.batch_norm``, ``mylib.fused_dropout``), a
+namespace (``torch.nn.init.*``: every function under it) or a short name (``dropout``: the op of that name in any
+namespace, and its in-place variant ``dropout_`` where that has no facts of its own). Fact by fact, a full name's
+declaration wins over its namespaces', which win over its short name's.
+
+A user's own op (a Python function that takes part in ``__torch_function__``) is declared by the function or its
+name; declare it before the tool first sees it (the answers are cached per name)::
+
+    >>> register_op_facts(mylib.fused_dropout, draws_when=((1, "p", 0.5), (2, "training", True)))
+    >>> register_op_facts(mylib.scale_, writes=(0,))          # writes its first argument in place
+    >>> op_facts("mylib.scale_").writes
+    ((0, ''),)
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import functools
+import numbers
+from collections.abc import Iterator
+from typing import Any, Callable
+
+from .naming import CONVERSIONS, VIEW_OPS, resolve_op_name
+
+Where = tuple[int, str]  # (position, keyword) of an argument
+Flag = tuple[int, str, Any]  # (position, keyword, default when absent) of an argument
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OpFacts:
+    """The facts of one op; the defaults are those of an op nobody declared anything about."""
+
+    view: bool = False  # its outputs alias its input: never run elsewhere nor cast; its gradient passes through
+    conversion: bool = False  # moves data between devices or converts dtypes on purpose
+    # Arguments it writes that its schema does not mark as written (BatchNorm's running statistics), and the flag
+    # that makes them written (None: always). For an op outside ``torch.``, None means "may write anything".
+    writes: tuple[Where, ...] | None = None
+    writes_when: Flag | None = None
+    random: bool = False  # draws random numbers whatever its arguments
+    # Draws only for some arguments: (probability, training flag or None), each a ``Flag``; a position of None
+    # means "no probability argument". A call draws when the probability is above 0 and it trains.
+    draws_when: tuple[Flag, Flag | None] | None = None
+    composite: bool = False  # a random op written in Python out of torch calls: compared inside, call by call
+    random_note: str | None = None  # the skip reason of a random call of it, where "random" says too little
+    # The float32 reduced-precision family a device may apply to this aten op ("matmul": TF32/HF32 GEMMs, "conv")
+    # and the operands it rounds; read when op_tools is imported, as the replay's kernels are built from it.
+    lower_precision: str | None = None
+    rounded_operands: tuple[Where, ...] = ()
+    algorithm_ratio: float | None = None  # the device kernel's algorithm legitimately errs more than the CPU's
+    uninitialised: bool = False  # its results are memory never written: nothing to compare
+    rounded_once: bool = False  # each forward result element is computed wide and rounded once (comparison.py)
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(OpFacts)}
+_DECLARED: dict[str, dict[str, Any]] = {}  # key -> the facts declared for it
+_CACHES: list[Callable[[], None]] = []  # cache_clear of every per-name answer derived from the facts
+
+
+def register_op_facts(op: str | Callable, **facts: Any) -> None:
+    """Declare ``facts`` (``OpFacts`` field names) of ``op``: a function, its full name, ``namespace.*`` or a short
+    name. Declaring a fact again replaces it. Raises TypeError or ValueError naming the argument at fault.
+
+    >>> register_op_facts("mylib.draw", random=True)
+    """
+    key = _key(op)
+    for name, value in facts.items():
+        if name not in _FIELDS:
+            raise TypeError(f"register_op_facts() got an unexpected keyword argument {name!r}: expected one of "
+                            f"{', '.join(_FIELDS)}")
+        facts[name] = _checked(name, value)
+    _DECLARED.setdefault(key, {}).update(facts)
+    for clear in _CACHES:
+        clear()
+
+
+@functools.lru_cache(maxsize=4096)  # asked on every handled call; cleared when a fact is declared
+def op_facts(name: str) -> OpFacts:
+    """The facts of the op named ``name`` (as ``naming.resolve_op_name`` names it); defaults for an unknown op."""
+    short = name.rpartition(".")[2]
+    # later keys win: the short name (after its out-of-place name, for an in-place variant), the namespaces from
+    # the outermost in, the full name
+    keys = [short[:-1], short] if short.endswith("_") else [short]
+    parts = name.split(".")
+    keys += [".".join(parts[:end]) + ".*" for end in range(1, len(parts))]
+    keys.append(name)
+    merged: dict[str, Any] = {}
+    for key in keys:
+        merged.update(_DECLARED.get(key, ()))
+    return OpFacts(**merged) if merged else _DEFAULT
+
+
+class OpsWith(collections.abc.Set):
+    """The ops with a fact, live: ``name in OpsWith("composite")`` asks ``op_facts(name)``; iterating gives the keys
+    that declare the fact (short names and namespaces included), in the order they were first declared."""
+
+    def __init__(self, fact: str) -> None:
+        if fact not in _FIELDS:
+            raise ValueError(f"OpsWith(fact={fact!r}): expected one of {', '.join(_FIELDS)}")
+        self.fact = fact
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and bool(getattr(op_facts(name), self.fact))
+
+    def __iter__(self) -> Iterator[str]:
+        return (key for key, facts in list(_DECLARED.items()) if facts.get(self.fact))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        return f"OpsWith({self.fact!r})"
+
+
+def cached_on_facts(function: Callable) -> Callable:
+    """``functools.lru_cache`` for a per-name answer derived from the facts: cleared when a fact is declared."""
+    cached = functools.lru_cache(maxsize=4096)(function)
+    _CACHES.append(cached.cache_clear)
+    return cached
+
+
+_DEFAULT = OpFacts()
+_CACHES.append(op_facts.cache_clear)
+
+
+def _key(op: str | Callable) -> str:
+    if isinstance(op, str):
+        if not op or op.startswith(".") or op.endswith(".") or ".." in op:
+            raise ValueError(f"register_op_facts(op={op!r}): expected a function, a dotted name such as "
+                             "'mylib.fused_dropout', a namespace such as 'mylib.*' or a short name such as 'dropout'")
+        return op
+    if callable(op):
+        return resolve_op_name(op)
+    raise TypeError(f"register_op_facts(op={op!r}): expected a function or its name, got {type(op).__name__}")
+
+
+def _where(name: str, value: Any, flag: bool = False) -> tuple:
+    """A (position, keyword) pair, or with ``flag`` a (position, keyword, default) triple; an int is a position."""
+    if isinstance(value, int) and not isinstance(value, bool) and not flag:
+        value = (value, "")
+    size = 3 if flag else 2
+    if not (isinstance(value, tuple) and len(value) == size and (value[0] is None or (
+            isinstance(value[0], int) and not isinstance(value[0], bool) and value[0] >= 0))
+            and isinstance(value[1], (str, type(None)))):
+        form = "(position, keyword, default)" if flag else "a position or (position, keyword)"
+        raise ValueError(f"register_op_facts({name}=...): {value!r} is not {form}")
+    return value
+
+
+def _checked(name: str, value: Any) -> Any:
+    """``value`` in the form the field ``name`` holds, or ValueError naming the argument."""
+    if name in ("writes", "rounded_operands"):
+        if value is None and name == "writes":
+            return None
+        if not isinstance(value, (tuple, list)):
+            raise ValueError(f"register_op_facts({name}={value!r}): expected a tuple of positions or "
+                             "(position, keyword) pairs")
+        return tuple(_where(name, item) for item in value)
+    if name == "writes_when":
+        return None if value is None else _where(name, tuple(value) if isinstance(value, list) else value, flag=True)
+    if name == "draws_when":
+        if value is None:
+            return None
+        if not (isinstance(value, tuple) and len(value) == 2):
+            raise ValueError(f"register_op_facts(draws_when={value!r}): expected (probability, training) where each "
+                             "is (position, keyword, default) and training may be None")
+        return (_where(name, value[0], flag=True), None if value[1] is None else _where(name, value[1], flag=True))
+    if name in ("random_note", "lower_precision"):
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"register_op_facts({name}={value!r}): expected a string or None")
+        return value
+    if name == "algorithm_ratio":
+        if value is not None and (not isinstance(value, numbers.Real) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"register_op_facts(algorithm_ratio={value!r}): expected a number >= 1 or None")
+        return None if value is None else float(value)
+    if not isinstance(value, bool):
+        raise ValueError(f"register_op_facts({name}={value!r}): expected True or False")
+    return value
+
+
+# --- what op_tools knows of torch's ops ---
+
+for _name in VIEW_OPS:
+    register_op_facts(_name, view=True)
+for _name in CONVERSIONS:
+    register_op_facts(_name, conversion=True)
+
+# Kernels that write arguments their schema does not mark as written (PyTorch's batch norm writes its running
+# statistics in place), when their training flag says so.
+for _name, _written, _when in (
+    ("torch.nn.functional.batch_norm", ((1, "running_mean"), (2, "running_var")), (5, "training", False)),
+    ("torch.batch_norm", ((3, "running_mean"), (4, "running_var")), (5, "training", False)),
+    ("torch.native_batch_norm", ((3, "running_mean"), (4, "running_var")), (5, "training", False)),
+    ("torch.nn.functional.instance_norm", ((1, "running_mean"), (2, "running_var")), (5, "use_input_stats", True)),
+    ("torch.instance_norm", ((3, "running_mean"), (4, "running_var")), (5, "use_input_stats", True)),
+    # max_norm renormalises the embedding rows in place (a real in-place op inside: said here so it is compared)
+    ("torch.nn.functional.embedding", ((1, "weight"),), (3, "max_norm", None)),
+):
+    register_op_facts(_name, writes=_written, writes_when=_when)
+
+# Ops whose results are random draws whatever their arguments.
+for _name in ("rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm", "bernoulli",
+              "bernoulli_", "normal", "normal_", "uniform", "uniform_", "random", "random_", "exponential_",
+              "geometric_", "cauchy_", "log_normal_", "multinomial", "poisson", "gumbel_softmax", "_sample_dirichlet",
+              "_standard_gamma", "binomial", "torch.nn.init.*"):
+    register_op_facts(_name, random=True)
+# Ops that draw only for some arguments: the probability, and the training flag (None: always training).
+for _names, _probability, _training in (
+    (("dropout", "dropout1d", "dropout2d", "dropout3d"), (1, "p", 0.5), (2, "training", True)),
+    (("alpha_dropout", "feature_alpha_dropout"), (1, "p", 0.5), (2, "training", False)),
+    (("native_dropout", "feature_dropout"), (1, "p", None), (2, "train", True)),
+    (("scaled_dot_product_attention", "_scaled_dot_product_attention_math"), (4, "dropout_p", 0.0), None),
+    (("multi_head_attention_forward",), (10, "dropout_p", None), (13, "training", True)),
+    (("rrelu", "rrelu_"), (None, None, 1.0), (3, "training", False)),
+    # torch.dropout & co take (input, p, train): train is positional and required
+    (("torch.dropout", "torch.dropout_", "torch.feature_dropout", "torch.feature_dropout_", "torch.alpha_dropout",
+      "torch.alpha_dropout_", "torch.feature_alpha_dropout", "torch.feature_alpha_dropout_"), (1, "p", 0.0),
+     (2, "train", True)),
+):
+    for _name in _names:
+        register_op_facts(_name, draws_when=(_probability, _training))
+# Random calls written in Python out of torch calls: OpAutoCompare runs them with the calls they make handled one by
+# one, so those that draw nothing (the softmax beside attention's dropout) are compared.
+for _name in ("torch.nn.functional.multi_head_attention_forward", "torch.nn.functional.gumbel_softmax"):
+    register_op_facts(_name, composite=True)
+# Random calls that are one op with more than the draw inside (no Python calls to descend into).
+for _name in ("scaled_dot_product_attention", "_scaled_dot_product_attention_math"):
+    register_op_facts(_name, random_note="random (attention with dropout, one op: nothing inside compared)")
+
+# aten ops whose float32 operands a device's reduced-precision mode rounds: the matrix products (cuBLAS GEMMs) and
+# the convolutions (cuDNN), forward and backward.
+for _family, _operands in (
+    ("matmul", {"mm": ((0, "self"), (1, "mat2")), "bmm": ((0, "self"), (1, "mat2")),
+                "addmm": ((1, "mat1"), (2, "mat2")), "baddbmm": ((1, "batch1"), (2, "batch2")),
+                "addbmm": ((1, "batch1"), (2, "batch2"))}),
+    ("conv", {"convolution": ((0, "input"), (1, "weight")), "_convolution": ((0, "input"), (1, "weight")),
+              "convolution_backward": ((0, "grad_output"), (1, "input"), (2, "weight"))}),
+):
+    for _name, _where_rounded in _operands.items():
+        register_op_facts(_name, lower_precision=_family, rounded_operands=_where_rounded)
+
+# Ops whose device kernels legitimately use another algorithm than the CPU's (fused attention: online softmax,
+# recomputation in backward), measured a little above 4x the CPU's error on an H100: a wider ratio. A 1e-3 fault
+# is still thousands of times the bound's width in float32.
+for _name in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+              "multi_head_attention_forward"):
+    register_op_facts(_name, algorithm_ratio=16.0)
+
+# Ops whose results are memory never written.
+for _name in ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "resize_as_",
+              "set_"):
+    register_op_facts(_name, uninitialised=True)
+
+# Ops that compute every output element on its own, from a few inputs, in a type wider than a narrow output, and
+# round it once (rounded_ops.py says why that matters).
+for _name in (
+    # activations
+    "silu", "gelu", "relu", "relu6", "leaky_relu", "elu", "selu", "celu", "mish", "hardswish", "hardsigmoid",
+    "hardtanh", "sigmoid", "tanh", "softplus", "softsign", "logsigmoid", "tanhshrink", "threshold",
+    # elementwise
+    "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "reciprocal", "neg", "negative", "abs",
+    "sin", "cos", "erf", "square", "clamp", "clip", "clamp_min", "clamp_max", "add", "sub", "subtract", "rsub", "mul",
+    "multiply", "div", "divide", "true_divide", "addcmul", "addcdiv", "lerp", "pow", "maximum", "minimum", "where",
+    "masked_fill",
+    # casts to a dtype given as an argument: the reference keeps the wide value
+    "to", "type", "type_as", "copy",
+    *(f"__{side}{op}__" for op in ("add", "sub", "mul", "truediv", "div", "pow", "neg", "abs")
+      for side in ("", "r", "i")),
+):
+    register_op_facts(_name, rounded_once=True)

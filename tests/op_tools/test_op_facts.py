@@ -1,0 +1,112 @@
+"""Per-op facts in one registry: a user's own op declared random or writing is treated so by OpAutoCompare."""
+
+import os
+
+import pytest
+import torch
+from torch.overrides import handle_torch_function, has_torch_function
+
+import op_tools
+from op_tools.op_facts import OpFacts, op_facts
+
+
+@pytest.fixture(autouse=True)
+def _no_autocompare_variables(monkeypatch):
+    for name in list(os.environ):
+        if "AUTOCOMPARE" in name:
+            monkeypatch.delenv(name)
+
+
+def noisy_dropout(x, p=0.5, training=True):
+    """A user's op that draws random numbers when it trains."""
+    if has_torch_function((x,)):
+        return handle_torch_function(noisy_dropout, (x,), x, p, training)
+    return x * (torch.rand_like(x) > p) / (1 - p) if training and p > 0 else x * 1.0
+
+
+def undeclared_noise(x):
+    if has_torch_function((x,)):
+        return handle_torch_function(undeclared_noise, (x,), x)
+    return x + torch.rand_like(x)
+
+
+def scale_(x, factor):
+    """A user's op that writes its first argument in place, through a kernel op_tools does not see."""
+    if has_torch_function((x,)):
+        return handle_torch_function(scale_, (x, factor), x, factor)
+    with torch.no_grad():
+        x.mul_(factor)
+
+
+def undeclared_scale_(x, factor):
+    if has_torch_function((x,)):
+        return handle_torch_function(undeclared_scale_, (x, factor), x, factor)
+    with torch.no_grad():
+        x.mul_(factor)
+
+
+def test_a_declared_random_op_is_skipped_as_random_before_it_runs_and_compared_when_it_draws_nothing(sim):
+    op_tools.register_op_facts(noisy_dropout, draws_when=((1, "p", 0.5), (2, "training", True)))
+    x = torch.ones(16, device=sim)
+    with op_tools.OpAutoCompare() as tool:
+        noisy_dropout(x, 0.3)
+        noisy_dropout(x, 0.3, training=False)
+    assert dict(tool.skipped) == {"random": 1}  # known by its declaration, not caught after the device drew
+    assert tool.counts["forward compared"] == 1 and tool.failures == []
+
+    with op_tools.OpAutoCompare() as tool:
+        undeclared_noise(x)
+    assert "random" not in tool.skipped  # caught only once the device's generator moved
+
+
+def test_a_declared_write_is_compared(sim):
+    import ditorch.sim
+
+    op_tools.register_op_facts(scale_, writes=((0, "x"),))
+    x, y = torch.ones(8, device=sim), torch.ones(8, device=sim)
+    with op_tools.OpAutoCompare() as tool, ditorch.sim.faults("mul_:noise=1e-2"):
+        scale_(x, 3.0)
+        undeclared_scale_(y, 3.0)  # may write anything: its writes are not compared
+    assert [f["op"] for f in tool.failures] == [f"{__name__}.scale_"]
+    assert tool.failures[0]["failing"] == "written input[0]"
+
+
+def test_declared_facts_merge_by_name_namespace_and_short_name():
+    op_tools.register_op_facts("facts_test_op", rounded_once=True)
+    op_tools.register_op_facts("facts_lib.*", random=True)
+    op_tools.register_op_facts("facts_lib.facts_test_op", algorithm_ratio=8)
+    facts = op_facts("facts_lib.facts_test_op_")  # the in-place variant takes its out-of-place op's short-name facts
+    assert (facts.rounded_once, facts.random, facts.algorithm_ratio) == (True, True, None)
+    assert op_facts("facts_lib.facts_test_op").algorithm_ratio == 8.0
+    assert op_facts("other.facts_test_op") == OpFacts(rounded_once=True)
+    assert op_facts("no.such_op") == OpFacts()
+
+
+@pytest.mark.parametrize("op, facts, error, named", [
+    ("mylib.op", {"randm": True}, TypeError, "randm"),
+    ("mylib.op", {"random": "yes"}, ValueError, "random"),
+    ("mylib.op", {"writes": 0}, ValueError, "writes"),
+    ("mylib.op", {"writes": (("x", 0),)}, ValueError, "writes"),
+    ("mylib.op", {"draws_when": (1, "p", 0.5)}, ValueError, "draws_when"),
+    ("mylib.op", {"algorithm_ratio": 0.5}, ValueError, "algorithm_ratio"),
+    ("mylib..op", {"random": True}, ValueError, "op="),
+    (3, {"random": True}, TypeError, "op="),
+])
+def test_bad_arguments_raise_naming_them(op, facts, error, named):
+    with pytest.raises(error, match=named):
+        op_tools.register_op_facts(op, **facts)
+    assert op_facts("mylib.op") == OpFacts()
+
+
+def test_the_registry_holds_what_op_tools_knows_of_torch_ops():
+    assert op_facts("torch.Tensor.view").view and op_facts("torch.Tensor.to").conversion
+    assert op_facts("torch.nn.functional.batch_norm").writes == ((1, "running_mean"), (2, "running_var"))
+    assert op_facts("torch.nn.functional.batch_norm").writes_when == (5, "training", False)
+    assert op_facts("torch.Tensor.bernoulli_").random and op_facts("torch.nn.init.kaiming_uniform_").random
+    assert op_facts("torch.nn.functional.dropout").draws_when == ((1, "p", 0.5), (2, "training", True))
+    assert op_facts("torch.dropout_").draws_when == ((1, "p", 0.0), (2, "train", True))
+    assert op_facts("torch.nn.functional.multi_head_attention_forward").composite
+    assert op_facts("mm").lower_precision == "matmul" and op_facts("convolution_backward").lower_precision == "conv"
+    assert op_facts("torch.nn.functional.scaled_dot_product_attention").algorithm_ratio == 16.0
+    assert op_facts("torch.empty_like").uninitialised and op_facts("torch.Tensor.resize_").uninitialised
+    assert op_facts("torch.Tensor.mul_").rounded_once and not op_facts("torch.mm").rounded_once
