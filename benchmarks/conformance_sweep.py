@@ -20,8 +20,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from op_tools.conformance.report import COUNTED, format_rate, pass_rate  # noqa: E402
-from op_tools.conformance.results import CSV_FILE, read_csv  # noqa: E402
+from op_tools.offline.conformance.report import COUNTED, format_rate, pass_rate  # noqa: E402
+from op_tools.offline.conformance.results import CSV_FILE, read_csv  # noqa: E402
 
 
 def main() -> int:

@@ -6,7 +6,7 @@ Conditions, each timed over ``--steps`` training steps (forward, backward, AdamW
 (b) a bare pass-through ``TorchFunctionMode`` (the floor of any tool built on a function mode);
 (c) each tool active with its ``OP_<TOOL>_LIST`` naming an op the step never calls: the cost of deciding to
     skip every op (target: at most 1.10x (a)). A list of plain names wraps the named functions (targeted
-    dispatch, ``op_tools/targeting.py``), so the decision is made once at ``start()``;
+    dispatch, ``op_tools/core/targeting.py``), so the decision is made once at ``start()``;
 (c') the same list written as a regular expression: the tool pushes a function mode and decides per call;
 (d) each tool doing its work on every op (``OP_TOOLS_VERBOSE=0``: files are written, per-call
     tables are not printed);

@@ -31,7 +31,7 @@ class StderrHandler(logging.StreamHandler):
         pass
 
     def _no_other_handler(self, record: logging.LogRecord) -> bool:
-        # twin of op_tools/reporting.py's ConsoleHandler: the two packages import neither each other
+        # twin of op_tools/output/reporting.py's ConsoleHandler: the two packages import neither each other
         current: logging.Logger | None = logging.getLogger(record.name)
         while current is not None:
             if any(h is not self for h in current.handlers):

@@ -14,19 +14,19 @@ script runs under a tool with ``python -m op_tools capture train.py``.
 ``op_tools`` does not import ``ditorch``: it works with plain PyTorch on CUDA or any backend.
 """
 
-from .autocompare import OpAutoCompare
-from .capture import OpCapture
-from .capture_format import load_op_args
-from .comparison import ToleranceSpec, compare_outputs
-from .config import VARIABLES
-from .dtype_cast import OpDtypeCast
-from .engine import FEATURES, OpCall, OpTool, OpToolsAbortError, feature, register_backward_hooks, tool_work
-from .fallback import OpFallback
-from .features import apply_feature, remove_feature
-from .observe import OpObserve
-from .op_facts import register_op_facts
-from .overflow_check import OpOverflowCheck, OverflowDetectedError
-from .time_measure import OpTimeMeasure
+from .config.variables import VARIABLES
+from .core.engine import FEATURES, OpCall, OpTool, OpToolsAbortError, feature, register_backward_hooks, tool_work
+from .core.features import apply_feature, remove_feature
+from .numerics.comparison import ToleranceSpec, compare_outputs
+from .ops.op_facts import register_op_facts
+from .output.capture_format import load_op_args
+from .tools.autocompare import OpAutoCompare
+from .tools.capture import OpCapture
+from .tools.dtype_cast import OpDtypeCast
+from .tools.fallback import OpFallback
+from .tools.observe import OpObserve
+from .tools.overflow_check import OpOverflowCheck, OverflowDetectedError
+from .tools.time_measure import OpTimeMeasure
 
 __all__ = [
     "FEATURES", "VARIABLES", "OpAutoCompare",

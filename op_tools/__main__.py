@@ -23,10 +23,14 @@ import runpy
 import sys
 from typing import Any
 
-from .config import CONFIG_FILE, parse_flag
-from .engine import OpTool
-from .settings import Family, keywords_of
-from .tool_registry import FEATURES, find_tool, short_name  # filled by the tools: the package imported them first
+from .config.settings import Family, keywords_of
+from .config.tool_registry import (  # filled by the tools: the package imported them first
+    FEATURES,
+    find_tool,
+    short_name,
+)
+from .config.variables import CONFIG_FILE, parse_flag
+from .core.engine import OpTool
 
 
 def _tool_names(cls: type[OpTool]) -> list[str]:

@@ -24,11 +24,8 @@ import sys
 from collections.abc import Iterable
 
 PACKAGES = ("ditorch", "op_tools")
-OFFLINE = ("op_tools.replay", "op_tools.run_op_from_data", "op_tools.conformance", "op_tools.compare_runs")
-ONLINE = ("op_tools.engine", "op_tools.features", "op_tools.targeting", "op_tools.call_backward",
-          "op_tools.module_path", "op_tools.autocompare", "op_tools.failing_calls", "op_tools.capture",
-          "op_tools.observe", "op_tools.overflow_check", "op_tools.time_measure", "op_tools.fallback",
-          "op_tools.dtype_cast", "op_tools.__main__")
+OFFLINE = ("op_tools.offline", "op_tools.run_op_from_data", "op_tools.conformance", "op_tools.compare_runs")
+ONLINE = ("op_tools.core", "op_tools.tools", "op_tools.__main__")
 
 Graph = dict[str, dict[str, str]]  # module -> imported module -> "file:line" of the first such import
 OPTIONAL = " (optional)"  # the end of a "file:line" whose import sits in try/except ImportError

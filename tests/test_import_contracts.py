@@ -39,14 +39,14 @@ def test_the_tree_keeps_every_import_contract():
 
 @pytest.mark.parametrize(("file", "violation", "reported"), [
     # an import deferred into a function still closes a circle
-    ("op_tools/config.py", "def _late():\n    from . import engine", "import circle in op_tools: "),
+    ("op_tools/config/variables.py", "def _late():\n    from ..core import engine", "import circle in op_tools: "),
     ("ditorch/patches.py", "def _late():\n    from . import transfer", "import circle in ditorch: "),
     ("ditorch/env.py", "import op_tools", "ditorch.env imports op_tools"),
-    ("op_tools/reporting.py", "import ditorch.sim", "op_tools.reporting imports ditorch.sim"),
-    ("op_tools/compare_runs/report.py", "def _late():\n    from ..autocompare import OpAutoCompare",
-     "offline code reaches the engine or a tool: op_tools.compare_runs.report -> op_tools.autocompare"),
+    ("op_tools/output/reporting.py", "import ditorch.sim", "op_tools.output.reporting imports ditorch.sim"),
+    ("op_tools/offline/compare_runs/report.py", "def _late():\n    from ...tools.autocompare import OpAutoCompare",
+     "offline code reaches the engine or a tool: op_tools.offline.compare_runs.report -> op_tools.tools.autocompare"),
     # through another module: error_statistics is lower than both, and now reaches the engine
-    ("op_tools/error_statistics.py", "def _late():\n    from . import engine",
+    ("op_tools/numerics/error_statistics.py", "def _late():\n    from ..core import engine",
      "offline code reaches the engine or a tool: "),
 ], ids=["circle-op_tools", "circle-ditorch", "ditorch-imports-op_tools", "op_tools-imports-ditorch",
         "offline-imports-a-tool", "offline-reaches-the-engine-through-a-lower-module"])
@@ -58,8 +58,9 @@ def test_each_contract_fails_on_a_deliberate_violation(tree, file, violation, re
 
 
 def test_imports_that_never_run_or_may_fail_are_not_violations(tree):
-    _append(tree / "op_tools" / "config.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                              "    from .engine import OpTool")
-    _append(tree / "op_tools" / "reporting.py", "try:\n    import ditorch\nexcept ImportError:\n    ditorch = None")
+    _append(tree / "op_tools" / "config" / "variables.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                                             "    from ..core.engine import OpTool")
+    _append(tree / "op_tools" / "output" / "reporting.py",
+            "try:\n    import ditorch\nexcept ImportError:\n    ditorch = None")
     done = _check(str(tree))
     assert done.returncode == 0, done.stdout

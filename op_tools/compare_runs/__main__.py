@@ -1,5 +1,5 @@
 import sys
 
-from . import main
+from ..offline.compare_runs import main
 
 sys.exit(main())

@@ -30,7 +30,7 @@ def _page(tmp_path, text: str):
     return str(page)
 
 
-@pytest.mark.parametrize("module", ["op_tools.config", "ditorch.env"])
+@pytest.mark.parametrize("module", ["op_tools.config.variables", "ditorch.env"])
 def test_a_variable_added_to_the_code_but_not_the_docs_fails_the_check(module, tmp_path, monkeypatch, capsys):
     page = _page(tmp_path, gen_env_docs.render())
     assert gen_env_docs.main(["--check", "--output", page]) == 0

@@ -58,13 +58,13 @@ def test_readme_one_liner_runs(tool, train_step, monkeypatch, logged):
             name, _, value = code.partition("=")
             monkeypatch.setenv(name, value)
         elif code.startswith("python op_tools/run_op_from_data.py"):
-            from op_tools.run_op_from_data import build_parser
+            from op_tools.offline.run_op_from_data import build_parser
 
             script, *args = shlex.split(code)[1:]
             assert os.path.isfile(os.path.join(ROOT, script))
             assert build_parser().parse_args(args).acc_check is True
         elif code.startswith("python -m op_tools.conformance"):
-            from op_tools.conformance.cli import build_parser as conformance_parser
+            from op_tools.offline.conformance.cli import build_parser as conformance_parser
 
             args = conformance_parser().parse_args(shlex.split(code)[3:])
             assert args.ops and args.dtypes

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 import op_tools
-from op_tools.device_math import DeviceMath, emulated
-from op_tools.replay import ReplayOptions, find_entries, replay
+from op_tools.numerics.device_math import DeviceMath, emulated
+from op_tools.offline.replay import ReplayOptions, find_entries, replay
 
 
 @pytest.fixture(autouse=True)

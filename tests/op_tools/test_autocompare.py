@@ -7,8 +7,8 @@ import torch
 from tiny_models import mlp, tiny_gpt2, tiny_llama, train_llama
 
 import op_tools
-from op_tools.capture import load_op_args
-from op_tools.comparison import ToleranceSpec, compare_outputs
+from op_tools.numerics.comparison import ToleranceSpec, compare_outputs
+from op_tools.tools.capture import load_op_args
 
 
 @pytest.fixture(autouse=True)

@@ -15,9 +15,9 @@ from subprocess_env import child_env
 from tiny_models import tiny_llama
 
 import op_tools
-from op_tools.compare_runs import Tolerances, compare
-from op_tools.compare_runs.html_view import render
-from op_tools.compare_runs.verdict import DEFAULT_TOLERANCES
+from op_tools.offline.compare_runs import Tolerances, compare
+from op_tools.offline.compare_runs.html_view import render
+from op_tools.offline.compare_runs.verdict import DEFAULT_TOLERANCES
 
 FAULTY_OP = "model.layers.1.mlp.act_fn"  # the silu of layer 1's MLP
 
@@ -168,7 +168,7 @@ def test_the_command_line_reports_saves_a_csv_and_exits_1_on_a_divergence(runs, 
 
 
 def test_the_command_line_refuses_a_recording_of_a_newer_format_with_exit_2(runs, tmp_path):
-    from op_tools.run_recording import FORMAT_VERSION, find_recording
+    from op_tools.output.run_recording import FORMAT_VERSION, find_recording
 
     lines = open(find_recording(_cpu(runs))).read().splitlines()
     header = json.loads(lines[0])

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import op_tools
-from op_tools.config import VARIABLES, OpFilter
+from op_tools.config.variables import VARIABLES, OpFilter
 
 
 def test_every_variable_is_declared_with_form_default_and_meaning():

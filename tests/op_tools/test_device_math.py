@@ -8,7 +8,7 @@ import torch
 import zoo
 
 import op_tools
-from op_tools.device_math import DeviceMath, emulated, round_mantissa
+from op_tools.numerics.device_math import DeviceMath, emulated, round_mantissa
 
 
 @pytest.fixture(autouse=True)

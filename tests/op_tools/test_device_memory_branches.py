@@ -9,8 +9,9 @@ import torch
 
 import ditorch.sim
 import op_tools
-from op_tools import autocompare, error_statistics
-from op_tools.device_timing import EventClock, clock_for
+from op_tools.numerics import error_statistics
+from op_tools.numerics.device_timing import EventClock, clock_for
+from op_tools.tools import autocompare
 
 LARGE = autocompare.DEVICE_STATISTICS_MIN  # outputs from this size are compared on their device
 

@@ -8,7 +8,7 @@ import torch
 from tiny_models import tiny_llama
 
 import op_tools
-from op_tools.comparison import compare_outputs
+from op_tools.numerics.comparison import compare_outputs
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +87,7 @@ def test_llama_autocast_step_finds_a_silu_fault_of_about_one_ulp_first(sim, dtyp
 
 
 def test_relative_error_is_the_same_on_the_chunked_torch_path_as_with_numpy(monkeypatch):
-    from op_tools import error_statistics
+    from op_tools.numerics import error_statistics
 
     monkeypatch.setattr(error_statistics, "_CHUNK_HOST", 1 << 12)  # several chunks at a test's size
     torch.manual_seed(0)

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import op_tools
-from op_tools.engine import OpTool
-from op_tools.naming import resolve_op_name
+from op_tools.core.engine import OpTool
+from op_tools.ops.naming import resolve_op_name
 
 
 class Recorder(OpTool):

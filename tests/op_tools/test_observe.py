@@ -5,7 +5,7 @@ import torch
 from tiny_models import train_llama
 
 import op_tools
-from op_tools import reporting
+from op_tools.output import reporting
 
 
 def test_observe_logs_header_location_and_argument_table(sim, logged, monkeypatch):

@@ -7,7 +7,7 @@ import torch
 from torch.overrides import handle_torch_function, has_torch_function
 
 import op_tools
-from op_tools.op_facts import OpFacts, op_facts
+from op_tools.ops.op_facts import OpFacts, op_facts
 
 
 @pytest.fixture(autouse=True)

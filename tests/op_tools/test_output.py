@@ -12,7 +12,7 @@ from subprocess_env import child_env
 
 import ditorch.sim
 import op_tools
-from op_tools import reporting, result_files
+from op_tools.output import reporting, result_files
 
 TOOLS = ("OpObserve", "OpAutoCompare", "OpTimeMeasure", "OpCapture", "OpOverflowCheck", "OpFallback", "OpDtypeCast")
 
@@ -219,7 +219,7 @@ def test_closing_line_counts_the_files_and_bytes_written(sim, caplog):
 
 PROGRESS = """
 import torch, ditorch, op_tools
-from op_tools import result_files
+from op_tools.output import result_files
 result_files.Tally.PROGRESS_AFTER = result_files.Tally.PROGRESS_EVERY = 0.0  # draw at once: a short run in a test
 x = torch.ones(2, device="cuda")
 with op_tools.OpCapture():
@@ -269,7 +269,7 @@ def test_no_progress_bar_when_stderr_is_not_a_terminal(capfd):
 
 
 def test_an_apply_line_not_shown_at_info_is_shown_by_a_later_verbose_session(sim, caplog, monkeypatch):
-    from op_tools.engine import OpTool
+    from op_tools.core.engine import OpTool
 
     class Quiet(OpTool):
         hook_name = "QuietHook"

@@ -147,7 +147,7 @@ def test_statistics_are_computed_for_the_overflowing_call_and_nothing_is_read_af
 
 
 def test_statistics_keep_the_values_of_the_original_computation(sim):
-    from op_tools.overflow_check import statistics_rows
+    from op_tools.tools.overflow_check import statistics_rows
 
     values = torch.tensor([[1.0, -2.0], [3.5, float("nan")]])
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
@@ -172,7 +172,7 @@ def test_a_backend_without_foreach_norm_is_checked_tensor_by_tensor(sim, monkeyp
         raise NotImplementedError("_foreach_norm is not implemented for this backend")
 
     monkeypatch.setattr(torch, "_foreach_norm", unsupported)
-    monkeypatch.setattr("op_tools.overflow_check._no_foreach_norm", set())
+    monkeypatch.setattr("op_tools.tools.overflow_check._no_foreach_norm", set())
     with ditorch.sim.faults("silu:nan"), op_tools.OpOverflowCheck() as check:
         train_llama(sim, steps=1)
     assert (check.first_overflow.name, check.first_overflow.phase) == ("torch.nn.functional.silu", "forward")

@@ -12,8 +12,8 @@ from subprocess_env import child_env
 from tiny_models import tiny_llama
 
 import op_tools
-from op_tools.replay import ReplayError, find_entries, resolve_op
-from op_tools.run_op_from_data import main
+from op_tools.offline.replay import ReplayError, find_entries, resolve_op
+from op_tools.offline.run_op_from_data import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "op_tools", "run_op_from_data.py")
@@ -127,7 +127,7 @@ def test_module_form_and_console_script_entry_run_the_same_main(captured_step, t
 
         with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
             target = tomllib.load(f)["project"]["scripts"]["op_tools_run_op_from_data"]
-        assert target == "op_tools.run_op_from_data:main"
+        assert target == "op_tools.offline.run_op_from_data:main"
     installed = shutil.which("op_tools_run_op_from_data")
     if installed:
         done = subprocess.run([installed, "--help"], capture_output=True, text=True, timeout=120)

@@ -6,9 +6,9 @@ import torch
 from tiny_models import tiny_llama
 
 import op_tools
-import op_tools.compare_runs
-from op_tools import module_path
-from op_tools.run_recording import FORMAT_VERSION, RecordingFormatError, read_recording
+import op_tools.offline.compare_runs
+from op_tools.core import module_path
+from op_tools.output.run_recording import FORMAT_VERSION, RecordingFormatError, read_recording
 
 
 @pytest.fixture(autouse=True)
@@ -100,7 +100,7 @@ def test_statistics_count_nan_and_inf_and_empty_tensors_have_none():
 def test_sim_recording_names_the_real_device_even_shown_as_cuda(run_script, tmp_path):
     done = run_script("""
         import ditorch, op_tools
-        from op_tools.run_recording import read_recording
+        from op_tools.output.run_recording import read_recording
         x = torch.ones(4, device="cuda")
         with op_tools.OpCapture() as capture:
             y = (x * 2).sum()
@@ -212,5 +212,5 @@ def test_under_torchrun_each_rank_writes_its_own_recording_and_compare_runs_pick
     assert header["rank"] == 1 and f"{os.sep}rank1{os.sep}" in header["path"]
     with pytest.raises(ValueError, match="(?s)expected one run recording .*rank0.*rank1.*--rank"):
         read_recording(str(tmp_path / "run"))
-    result = op_tools.compare_runs.compare(str(tmp_path / "run"), str(tmp_path / "run"), rank=0)
+    result = op_tools.offline.compare_runs.compare(str(tmp_path / "run"), str(tmp_path / "run"), rank=0)
     assert result.divergences == [] and result.rows

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import op_tools
-from op_tools.capture import load_op_args
+from op_tools.tools.capture import load_op_args
 
 
 @pytest.fixture(autouse=True)
@@ -80,7 +80,7 @@ def test_a_stale_copy_is_caught_before_the_verdict(sim):
     """A write no call shows at all (here: behind the tool's back, in its own tool work) is found by re-reading the
     inputs of a call that would fail, and counted; the verdict is on the real values."""
     import ditorch.sim
-    from op_tools.engine import tool_work
+    from op_tools.core.engine import tool_work
 
     x = torch.randn(64, device=sim)
     with op_tools.OpAutoCompare() as tool:

@@ -12,8 +12,8 @@ from torch.nn import functional
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 import op_tools
-from op_tools.engine import OpTool
-from op_tools.naming import OPERATOR_METHODS, resolve_op_name
+from op_tools.core.engine import OpTool
+from op_tools.ops.naming import OPERATOR_METHODS, resolve_op_name
 
 
 class Record(OpTool):

@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from op_tools.tensor_stats import _BLOCKS, STAT_FIELDS, _fingerprint_weights, host_values, stats_to_host, tensor_stats
+from op_tools.numerics.tensor_stats import (
+    _BLOCKS,
+    STAT_FIELDS,
+    _fingerprint_weights,
+    host_values,
+    stats_to_host,
+    tensor_stats,
+)
 
 
 def recorded(tensors):

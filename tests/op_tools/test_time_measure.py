@@ -13,7 +13,7 @@ from subprocess_env import child_env
 from tiny_models import tiny_llama, train_llama
 
 import op_tools
-from op_tools.time_measure import CALL_COLUMNS
+from op_tools.tools.time_measure import CALL_COLUMNS
 
 
 @pytest.fixture(autouse=True)
@@ -154,7 +154,7 @@ def _count_synchronize(monkeypatch) -> list:
         return real(device)
 
     monkeypatch.setattr(torch.sim, "synchronize", counting)
-    monkeypatch.setattr("op_tools.device_timing._synchronizers", {})
+    monkeypatch.setattr("op_tools.numerics.device_timing._synchronizers", {})
     return calls
 
 
@@ -211,8 +211,8 @@ def test_a_device_without_timing_events_is_timed_between_synchronisations(sim, m
 
 
 def test_pending_spans_are_read_in_batches_and_all_at_stop(sim, monkeypatch):
-    monkeypatch.setattr("op_tools.time_measure.MAX_PENDING", 4)
-    monkeypatch.setattr("op_tools.time_measure.RESOLVE_BATCH", 3)
+    monkeypatch.setattr("op_tools.tools.time_measure.MAX_PENDING", 4)
+    monkeypatch.setattr("op_tools.tools.time_measure.RESOLVE_BATCH", 3)
     x = torch.ones(4, device=sim)
     seen = []
     with op_tools.OpTimeMeasure() as timer:
@@ -245,7 +245,7 @@ def test_a_failing_synchronize_is_reported_once_and_the_ops_still_run(sim, monke
 
     monkeypatch.setenv("OP_TIME_MEASURE_SYNC", sync)
     monkeypatch.setattr(torch.sim, "synchronize", broken)
-    monkeypatch.setattr("op_tools.device_timing._synchronizers", {})
+    monkeypatch.setattr("op_tools.numerics.device_timing._synchronizers", {})
     x = torch.ones(4, device=sim)
     with caplog.at_level(logging.WARNING, logger="op_tools"), op_tools.OpTimeMeasure() as timer:
         y = (x + 1) + 1
@@ -279,7 +279,7 @@ for _ in range(3):
 
 @pytest.mark.gpu
 def test_llama_step_on_cuda(tmp_path):
-    from op_tools.device_timing import EventClock
+    from op_tools.numerics.device_timing import EventClock
 
     timer, wall = _timed_llama_step("cuda", tmp_path)
     _check_llama_step(timer, wall, tmp_path)

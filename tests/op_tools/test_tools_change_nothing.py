@@ -14,7 +14,7 @@ import torch
 from subprocess_env import env_without_settings
 
 import op_tools
-from op_tools.comparison import compare_outputs
+from op_tools.numerics.comparison import compare_outputs
 
 TOOLS = sorted(cls.__name__ for cls in op_tools.FEATURES.values())
 
@@ -93,7 +93,7 @@ def test_tensor_operators_are_compared_with_no_tool_failure(logged):
 
 
 def test_only_in_place_operators_write_their_operand():
-    from op_tools.writes import call_writes
+    from op_tools.ops.writes import call_writes
 
     x = torch.ones(2, dtype=torch.bool)
     assert call_writes("torch.Tensor.__invert__").written((x,), {}) == []
@@ -102,7 +102,7 @@ def test_only_in_place_operators_write_their_operand():
 
 
 def test_every_tensor_operator_names_an_aten_op():
-    from op_tools.naming import OPERATOR_ATEN_OPS
+    from op_tools.ops.naming import OPERATOR_ATEN_OPS
 
     for operator, aten in OPERATOR_ATEN_OPS.items():
         assert isinstance(getattr(torch.ops.aten, aten), torch._ops.OpOverloadPacket), operator

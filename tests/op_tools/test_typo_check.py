@@ -13,7 +13,7 @@ import torch
 from subprocess_env import env_without_settings
 
 import op_tools
-from op_tools import typo_check
+from op_tools.config import typo_check
 
 # The script's warnings on stdout, one per line: whatever the library does with its loggers' output.
 LOGGED = "import logging, sys\nlogging.basicConfig(stream=sys.stdout, format='%(name)s %(levelname)s %(message)s')\n"

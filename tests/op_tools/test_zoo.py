@@ -6,7 +6,7 @@ import torch
 import zoo
 
 import op_tools
-from op_tools.replay import ReplayOptions, find_entries, replay
+from op_tools.offline.replay import ReplayOptions, find_entries, replay
 
 OBSERVING = (op_tools.OpCapture, op_tools.OpAutoCompare, op_tools.OpTimeMeasure, op_tools.OpObserve,
              op_tools.OpOverflowCheck)

@@ -1,7 +1,7 @@
 """Bad input: every environment variable the library reads, given a malformed value, is a ValueError naming the
 variable, the value and the expected form when the tool starts (op_tools) or at ``import ditorch`` (ditorch).
 
-Driven by the declared tables (``op_tools.config.VARIABLES``, ``ditorch.env.VARIABLES``): a malformed value is
+Driven by the declared tables (``op_tools.config.variables.VARIABLES``, ``ditorch.env.VARIABLES``): a malformed value is
 derived from each variable's declared form, so a variable added with a form this file does not know fails here.
 """
 
@@ -11,7 +11,7 @@ import pytest
 
 import ditorch.env
 import op_tools
-from op_tools.config import VARIABLES
+from op_tools.config.variables import VARIABLES
 
 # Declared form -> a value that form rejects. Forms are matched by their start.
 MALFORMED_BY_FORM = {
@@ -72,7 +72,7 @@ def test_op_tools_variable_malformed_fails_at_tool_start(declared, tmp_path, mon
     name, value = concrete_name(declared), malformed_value(var.form, tmp_path)
     monkeypatch.setenv(name, value)
     if declared.startswith("OP_COMPARE_RUNS_"):  # read when compare_runs starts comparing, not by a tool
-        from op_tools.compare_runs import Tolerances
+        from op_tools.offline.compare_runs import Tolerances
 
         with pytest.raises(ValueError) as info:
             Tolerances.from_env()

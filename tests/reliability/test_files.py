@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import start_script
 
-from op_tools.capture import load_op_args
+from op_tools.tools.capture import load_op_args
 
 
 def _wait_for_line(process, text: str, timeout: float = 120) -> None:

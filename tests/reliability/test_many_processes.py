@@ -10,7 +10,7 @@ import sys
 
 from conftest import ROOT, SCRIPTS, script_env
 
-from op_tools.capture import load_op_args
+from op_tools.tools.capture import load_op_args
 
 NAMES = ["torch.distributed.all_reduce", "torch.distributed.all_gather", "torch.distributed.reduce_scatter",
          "torch.distributed.broadcast"]

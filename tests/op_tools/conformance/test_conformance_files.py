@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from op_tools.conformance import cli, html, report
-from op_tools.conformance.opinfos import OpEntry, parse_dtypes, select
-from op_tools.conformance.results import ResultsFile, Row, read_csv, write_csv
+from op_tools.offline.conformance import cli, html, report
+from op_tools.offline.conformance.opinfos import OpEntry, parse_dtypes, select
+from op_tools.offline.conformance.results import ResultsFile, Row, read_csv, write_csv
 
 ENTRIES = [OpEntry("max.reduction_with_dim", "max", ("float32",)), OpEntry("max.binary", "max", ("float32",)),
            OpEntry("softmax", "softmax", ("float32",)), OpEntry("softmax.with_dtype", "softmax", ("float32",)),

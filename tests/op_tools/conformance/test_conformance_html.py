@@ -9,8 +9,8 @@ import re
 import pytest
 from cli_runs import chromium, dump_dom
 
-from op_tools.conformance import html
-from op_tools.conformance.results import Row
+from op_tools.offline.conformance import html
+from op_tools.offline.conformance.results import Row
 
 BROWSER = chromium()
 pytestmark = pytest.mark.skipif(BROWSER is None, reason="no chromium to open the report in (apt-get install chromium)")

@@ -14,7 +14,7 @@ import sys
 import pytest
 from cli_runs import SIM, chromium, dump_dom, environment, explain, finish, run, start
 
-from op_tools.conformance.results import CSV_FILE, HTML_FILE, RESULTS_FILE, read_csv
+from op_tools.offline.conformance.results import CSV_FILE, HTML_FILE, RESULTS_FILE, read_csv
 
 pytest.importorskip("expecttest", reason="the conformance sweep needs expecttest (pip install 'ditorch[conformance]')")
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from cli_runs import explain, run
 
-from op_tools.conformance import cli, report
-from op_tools.conformance.results import CSV_FILE, RESULTS_FILE, ResultsFile, Row, read_csv
+from op_tools.offline.conformance import cli, report
+from op_tools.offline.conformance.results import CSV_FILE, RESULTS_FILE, ResultsFile, Row, read_csv
 
 pytest.importorskip("expecttest", reason="the conformance sweep needs expecttest (pip install 'ditorch[conformance]')")
 
@@ -23,7 +23,7 @@ def _row(op, status, direction="forward", detail=""):
 def test_samples_without_a_cpu_reference_make_an_unchecked_row_never_a_pass(sim):
     from torch.testing._internal.opinfo.core import OpInfo, SampleInput
 
-    from op_tools.conformance.case import CaseOptions, run_case
+    from op_tools.offline.conformance.case import CaseOptions, run_case
 
     def samples(op, device, dtype, requires_grad, **kwargs):
         for n in (3, 4):
@@ -69,8 +69,8 @@ def test_the_exit_status_tells_clean_from_failed_from_not_checked(tmp_path, stat
 
 
 def test_a_failure_of_the_tool_on_an_op_is_unchecked_not_a_crash(tmp_path):
-    from op_tools.conformance.case import CaseOptions
-    from op_tools.conformance.workers import Task, WorkerConfig, WorkerPool
+    from op_tools.offline.conformance.case import CaseOptions
+    from op_tools.offline.conformance.workers import Task, WorkerConfig, WorkerPool
 
     with WorkerPool(WorkerConfig("cpu", log_dir=str(tmp_path)), timeout=60) as pool:
         result, = pool.run([Task("no_such_opinfo", "float32")], CaseOptions())

@@ -10,7 +10,7 @@ import pytest
 import torch
 from cli_runs import command, environment, explain, run
 
-from op_tools.conformance.results import CSV_FILE, read_csv
+from op_tools.offline.conformance.results import CSV_FILE, read_csv
 
 pytest.importorskip("expecttest", reason="the conformance sweep needs expecttest (pip install 'ditorch[conformance]')")
 

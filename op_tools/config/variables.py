@@ -1,0 +1,480 @@
+"""Environment variables of op_tools: one table, typed parsers, read once when a tool starts.
+
+Every variable is declared here with its form, default and meaning (``VARIABLES``), so that the
+docs can be generated from this table. A malformed value is a ``ValueError`` that names the
+variable, the value and the expected form.
+
+A setting can also be given as a tool's keyword argument or in the config file (``settings.py``): the
+value is turned into the variable's parsed type by the variable's own ``parse`` (text) or ``convert``
+(any other Python value), and handed to ``EnvVar.read`` through ``Sources``. Precedence: arguments >
+environment variables > config file > default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Sources:
+    """Parsed values given other than by the environment, by variable name: a tool's arguments (they win over the
+    variables) and the config file's (the variables win over them)."""
+
+    arguments: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    file: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvVar:
+    """One environment variable: ``parse(text)`` turns its text (``None`` when unset and no default) into a value;
+    ``convert(value)`` does the same for a Python value given as an argument or in the config file (``value_form``
+    says how to write one)."""
+
+    name: str
+    form: str
+    default: str | None
+    meaning: str
+    parse: Callable[[str | None], Any]
+    convert: Callable[[Any], Any] | None = None
+    value_form: str = ""
+
+    def read(self, sources: Sources | None = None) -> Any:
+        if sources is not None and self.name in sources.arguments:
+            return sources.arguments[self.name]
+        text = os.environ.get(self.name)
+        if text is None and sources is not None and self.name in sources.file:
+            return sources.file[self.name]
+        text = self.default if text is None else text
+        try:
+            return self.parse(text)
+        except ValueError as e:
+            raise ValueError(f"{self.name}={text!r}: {e}; expected {self.form}") from None
+
+    def value_of(self, value: Any) -> Any:
+        """``value`` (text in the variable's form, or a Python value) as ``read`` returns it; ValueError or
+        TypeError saying why not (the caller names the argument or the file's key)."""
+        if isinstance(value, str):
+            return self.parse(value)
+        if self.convert is None:
+            raise TypeError(f"not text but {type(value).__name__}")
+        return self.convert(value)
+
+    @property
+    def argument_form(self) -> str:
+        return self.value_form or self.form
+
+
+VARIABLES: dict[str, EnvVar] = {}
+
+
+def declare(name: str, form: str, default: str | None, meaning: str, parse: Callable[[str | None], Any],
+            convert: Callable[[Any], Any] | None = None, value_form: str = "") -> EnvVar:
+    var = EnvVar(name, form, default, meaning, parse, convert, value_form)
+    VARIABLES[name] = var
+    return var
+
+
+# --- parsers: each raises ValueError saying what is wrong; EnvVar.read adds the name and the form ---
+
+def parse_flag(text: str | None) -> bool:
+    value = (text or "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError("not a flag")
+
+
+def parse_text(text: str | None) -> str:
+    return (text or "").strip()
+
+
+def parse_directory(text: str | None) -> str:
+    path = (text or "").strip()
+    if path and os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError("exists and is not a directory")
+    return path
+
+
+def parse_choice(*choices: str) -> Callable[[str | None], str]:
+    def parse(text: str | None) -> str:
+        value = (text or "").strip().lower()
+        if value not in choices:
+            raise ValueError(f"unknown choice {value!r}")
+        return value
+
+    return parse
+
+
+def parse_name_patterns(text: str | None) -> tuple[re.Pattern, ...] | None:
+    """``None`` when unset (every name), else the compiled patterns (empty text: no name)."""
+    if text is None:
+        return None
+    return _compile_patterns(text.split(","))
+
+
+def _compile_patterns(entries) -> tuple[re.Pattern, ...]:
+    patterns = []
+    for entry in filter(None, (e.strip() for e in entries)):
+        try:
+            patterns.append(re.compile(entry))
+        except re.error as e:
+            raise ValueError(f"invalid regular expression {entry!r} ({e})") from None
+    return tuple(patterns)
+
+
+def parse_dtype(text: str) -> torch.dtype:
+    dtype = getattr(torch, text.strip().removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {text.strip()!r}")
+    return dtype
+
+
+def parse_dtype_map(text: str | None) -> dict[torch.dtype, torch.dtype]:
+    mapping = {}
+    for entry in filter(None, (e.strip() for e in (text or "").split(","))):
+        source, arrow, target = entry.partition("->")
+        if not arrow:
+            raise ValueError(f"entry {entry!r} has no '->'")
+        mapping[parse_dtype(source)] = parse_dtype(target)
+    return mapping
+
+
+def parse_size(text: str | None) -> int | None:
+    """``'500M'``, ``'2G'``, ``'1048576'`` (powers of 1024; ``K``/``KB``/``KiB`` alike) -> bytes; unset: ``None``."""
+    value = (text or "").strip().upper().removesuffix("B").removesuffix("I")
+    if not value:
+        return None
+    scale = 1024 ** (" KMGT".index(value[-1])) if value[-1] in "KMGT" else 1
+    try:
+        number = float(value[:-1] if scale > 1 else value)
+    except ValueError:
+        raise ValueError("not a size") from None
+    if not number >= 0 or number == float("inf"):
+        raise ValueError("must be >= 0")
+    return int(number * scale)
+
+
+# --- converters of Python values (arguments, the config file): each raises ValueError/TypeError saying why ---
+
+def convert_flag(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise TypeError("not a bool")
+
+
+def convert_path(value: Any) -> str:
+    if isinstance(value, os.PathLike):
+        return parse_directory(os.fspath(value))
+    raise TypeError("not a path")
+
+
+def convert_name_patterns(value: Any) -> tuple[re.Pattern, ...] | None:
+    """A list of op names, regular expressions or functions (named as the tools name them)."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple, set, frozenset)):
+        raise TypeError("not a list")
+    entries = []
+    for entry in value:
+        if callable(entry):
+            from ..ops.naming import resolve_op_name
+
+            entry = resolve_op_name(entry)  # a plain dotted name: matched as it is (see _matches)
+        if not isinstance(entry, str):
+            raise TypeError(f"entry {entry!r} is neither a name nor a function")
+        entries.append(entry)
+    return _compile_patterns(entries)
+
+
+def convert_dtype(value: Any) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        return parse_dtype(value)
+    raise TypeError(f"{value!r} is not a dtype")
+
+
+def convert_dtype_map(value: Any) -> dict[torch.dtype, torch.dtype]:
+    if not isinstance(value, Mapping):
+        raise TypeError("not a dict")
+    return {convert_dtype(k): convert_dtype(v) for k, v in value.items()}
+
+
+def convert_count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError("not an integer")
+    return parse_count(str(value))
+
+
+def convert_size(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError("not a number of bytes")
+    return parse_size(str(value))
+
+
+_LIST_VALUE_FORM = ("a list of op names, regular expressions matching the whole name, or functions, e.g. "
+                    "['torch.add', '.*linear.*', torch.nn.functional.gelu] (or the variable's comma-separated text)")
+_DTYPE_MAP_VALUE_FORM = "a dict {torch.float16: torch.float32} (dtypes or their names)"
+
+
+def _flag(name: str, default: str, meaning: str) -> EnvVar:
+    return declare(name, "0 or 1", default, meaning, parse_flag, convert_flag, "True or False")
+
+
+# --- shared variables ---
+
+RESULTS_DIR = declare(
+    "OP_TOOLS_RESULTS_DIR", "a directory path", "op_tools_results",
+    "Where every tool writes its files (a subfolder per tool; `rank<N>` inside it under torchrun).", parse_directory,
+    convert_path, "a directory path (str or os.PathLike)",
+)
+VERBOSE = declare(
+    "OP_TOOLS_VERBOSE", "0 or 1", None,
+    "1 shows every handled call's table (the `op_tools` logger at DEBUG); 0 only failures, summaries and each "
+    "tool's closing line (INFO). Unset: INFO, unless the application set the `op_tools` logger's level. Files are "
+    "written either way.", lambda text: None if text is None else parse_flag(text), convert_flag, "True or False",
+)
+PROGRESS = _flag("OP_TOOLS_PROGRESS", "1",
+                 "0 hides the progress bars (OpCapture, the replay of a folder); they show only on a terminal, never "
+                 "under CI.")
+PRINT_STACK = _flag("OP_TOOLS_PRINT_STACK", "0",
+                    "1 prints the full user stack of each handled call instead of one source line.")
+STRICT = _flag("OP_TOOLS_STRICT", "0",
+               "1 makes a failure inside a tool (or in an apply_feature condition_func) raise instead of being "
+               "reported once per op and ignored.")
+CONFIG_FILE = declare(
+    "OP_TOOLS_CONFIG", "a TOML file path", None,
+    "A config file holding the tools' settings (docs/tools/README.md#config-file): `[op_tools]` for every tool, "
+    "`[capture]`, `[autocompare]`, … for one; keys are the tools' keyword arguments. Variables win over it.",
+    parse_text,
+)
+
+# Tool prefixes in the original's naming; each gets OP_<PREFIX>_LIST and OP_<PREFIX>_DISABLE_LIST.
+TOOL_PREFIXES = ("OP_CAPTURE", "OP_OBSERVE", "OP_OVERFLOW_CHECK", "OP_FALLBACK", "OP_DTYPE_CAST", "OP_TIME_MEASURE",
+                 "OP_AUTOCOMPARE")
+_LIST_FORM = "comma-separated op names or regular expressions matching the whole name, e.g. 'torch.add,.*linear.*'"
+
+
+def declare_op_lists(prefix: str) -> tuple[EnvVar, EnvVar]:
+    """Declare ``<prefix>_LIST`` and ``<prefix>_DISABLE_LIST`` (later tools call this for theirs)."""
+    return (
+        declare(f"{prefix}_LIST", _LIST_FORM, None,
+                "Ops the tool handles. Unset: all; empty: none. Plain names only: the tool wraps those functions "
+                "and costs nothing on other calls; any pattern: every call's name is checked.", parse_name_patterns,
+                convert_name_patterns, _LIST_VALUE_FORM),
+        declare(f"{prefix}_DISABLE_LIST", _LIST_FORM, None,
+                "Ops the tool never handles; wins over the LIST.", parse_name_patterns, convert_name_patterns,
+                _LIST_VALUE_FORM),
+    )
+
+
+OP_LISTS = {prefix: declare_op_lists(prefix) for prefix in TOOL_PREFIXES}
+
+CAPTURE_MODE = declare(
+    "OP_CAPTURE_MODE", "full, summary or stats", "full",
+    "summary records only op names, argument metadata and counts, and writes one aggregated table per run; stats "
+    "records every call (CPU calls too), forward and backward, with its module path and statistics of its tensors, "
+    "for python -m op_tools.compare_runs (docs/tools/compare_runs.md).",
+    parse_choice("full", "summary", "stats"),
+)
+CAPTURE_DEDUP = _flag(
+    "OP_CAPTURE_DEDUP", "1",
+    "1 stores a tensor whose values were already written (same dtype, sizes, strides and bytes) once and "
+    "references it; 0 writes every argument in full.",
+)
+CAPTURE_MAX_BYTES = declare(
+    "OP_CAPTURE_MAX_BYTES", "a size in bytes, e.g. 1048576, 500M, 2G (powers of 1024)", None,
+    "Full capture stops saving calls once it wrote this much (checked before each call, which is saved whole), "
+    "with one warning saying how much it saved. Unset: no limit.", parse_size, convert_size,
+    "an int (bytes) or a size text such as '500M'",
+)
+OVERFLOW_CHECK_RAISE = _flag(
+    "OP_OVERFLOW_CHECK_RAISE", "0",
+    "1 raises OverflowDetectedError at the first op producing inf/nan from finite inputs.",
+)
+TIME_MEASURE_SYNC = _flag(
+    "OP_TIME_MEASURE_SYNC", "0",
+    "1 times each call between two synchronisations of its device (host clock) instead of with timing events "
+    "on its stream: the time of all work queued meanwhile, at the cost of a host synchronisation per call.",
+)
+DTYPE_CAST_DICT = declare(
+    "OP_DTYPE_CAST_DICT", "comma-separated 'torch.<dtype>->torch.<dtype>' pairs",
+    "torch.float16->torch.float32,torch.bfloat16->torch.float32",
+    "Which input dtypes OpDtypeCast widens, and to what.", parse_dtype_map, convert_dtype_map, _DTYPE_MAP_VALUE_FORM,
+)
+
+# OpAutoCompare. The tolerance variables keep the original's names and priority:
+# <OPNAME>_AUTOCOMPARE_ERROR_TOLERANCE_<DTYPE> > AUTOCOMPARE_ERROR_TOLERANCE_<DTYPE> > AUTOCOMPARE_ERROR_TOLERANCE,
+# OPNAME being the last component of the op name, upper-cased (torch.nn.functional.linear -> LINEAR).
+AUTOCOMPARE_BACKWARD = _flag(
+    "OP_AUTOCOMPARE_BACKWARD", "1",
+    "1 also compares the gradients of each compared op's inputs; 0 compares forward results only.",
+)
+
+
+def parse_count(text: str | None) -> int:
+    try:
+        value = int((text or "").strip())
+    except ValueError:
+        raise ValueError("not an integer") from None
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
+AUTOCOMPARE_MAX_SAVED = declare(
+    "OP_AUTOCOMPARE_MAX_SAVED", "an integer >= 0", "3",
+    "How many failing calls of each op are saved for the offline replay (written in the background); the rest "
+    "are counted in the summary. 0 saves none.", parse_count, convert_count, "an int >= 0",
+)
+_TOLERANCE_FORM = "'atol,rtol', e.g. '1e-3,1e-3'"
+_TOLERANCE_MEANING = ("When any tolerance variable applies to an output, allclose under it decides instead of the "
+                      "comparison with a same-dtype CPU run. Priority: per op and dtype > per dtype > global.")
+AUTOCOMPARE_TOLERANCES = tuple(
+    declare(name, _TOLERANCE_FORM, None, _TOLERANCE_MEANING, parse_text)
+    for name in ("AUTOCOMPARE_ERROR_TOLERANCE", "AUTOCOMPARE_ERROR_TOLERANCE_<DTYPE>",
+                 "<OPNAME>_AUTOCOMPARE_ERROR_TOLERANCE_<DTYPE>")
+)
+REFERENCE_CAST_VAR = re.compile(r"^(\w+)_OP_DTYPE_CAST_DICT$")  # the concrete names of AUTOCOMPARE_CAST
+AUTOCOMPARE_CAST = declare(
+    "<OPNAME>_OP_DTYPE_CAST_DICT", "comma-separated 'torch.<dtype>->torch.<dtype>' pairs",
+    "torch.float16->torch.float64,torch.bfloat16->torch.float64,torch.float32->torch.float64",
+    "The dtypes OpAutoCompare's CPU reference computes <OPNAME> in (OPNAME as for the tolerances).",
+    parse_dtype_map,
+)
+
+
+# --- run recordings (OP_CAPTURE_MODE=stats) and python -m op_tools.compare_runs ---
+
+def parse_positive_count(text: str | None) -> int:
+    value = parse_count(text)
+    if value < 1:
+        raise ValueError("must be >= 1")
+    return value
+
+
+CAPTURE_STATS_MAX_TENSORS = declare(
+    "OP_CAPTURE_STATS_MAX_TENSORS", "an integer >= 1", "16",
+    "In stats mode, how many tensors of each side of a call (inputs, outputs, gradients) are recorded; the others "
+    "are counted. Bounds the bytes a call adds to the recording (about 150 per tensor).", parse_positive_count,
+)
+
+
+
+def parse_dtype_tolerances(text: str | None) -> dict[str, float]:
+    """``float32=1e-4,bfloat16=8e-3`` -> ``{"float32": 1e-4, "bfloat16": 8e-3}``."""
+    out = {}
+    for entry in filter(None, (e.strip() for e in (text or "").split(","))):
+        name, equals, value = entry.partition("=")
+        name = name.strip().removeprefix("torch.")
+        if not equals or name not in ("float64", "float32", "float16", "bfloat16", "float8"):
+            raise ValueError(f"entry {entry!r} is not <float64|float32|float16|bfloat16|float8>=<number>")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise ValueError(f"entry {entry!r}: {value.strip()!r} is not a number") from None
+        if not out[name] >= 0:
+            raise ValueError(f"entry {entry!r}: must be >= 0")
+    return out
+
+
+COMPARE_RUNS_TOLERANCES = declare(
+    "OP_COMPARE_RUNS_TOLERANCES", "comma-separated '<dtype>=<relative difference>', dtype one of float64, float32, "
+    "float16, bfloat16, float8", "float64=1e-7,float32=1e-4,float16=1e-3,bfloat16=5e-3,float8=5e-2",
+    "compare_runs: the largest relative difference a call may add to what its inputs carried without being a "
+    "divergence, by the lowest precision the pair or any call before it used; entries given replace those "
+    "defaults, the others stay.",
+    parse_dtype_tolerances,
+)
+COMPARE_RUNS_DEPTH_SCALE = declare(
+    "OP_COMPARE_RUNS_DEPTH_SCALE", "an integer >= 0", "1000",
+    "compare_runs: tolerances grow with depth as sqrt(1 + calls before it in its step / this number), as rounding "
+    "errors accumulate; 0 keeps them flat.", parse_count,
+)
+
+
+def parse_non_negative_number(text: str | None) -> float:
+    try:
+        value = float((text or "").strip())
+    except ValueError:
+        raise ValueError("not a number") from None
+    if not value >= 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
+COMPARE_RUNS_CARRIED_GROWTH = declare(
+    "OP_COMPARE_RUNS_CARRIED_GROWTH", "a number >= 0", "2",
+    "compare_runs: how much a call may grow the difference its inputs carried in (its outputs may differ by the "
+    "tolerance plus this times the inputs' difference) before it counts as a divergence.",
+    parse_non_negative_number,
+)
+
+class OpFilter:
+    """Which op names a tool handles, from its LIST and DISABLE_LIST; decisions cached per name."""
+
+    def __init__(self, allow: tuple[re.Pattern, ...] | None, deny: tuple[re.Pattern, ...] | None) -> None:
+        self.allow = allow
+        self.deny = deny or ()
+        self._decisions: dict[str, bool] = {}
+
+    @classmethod
+    def from_env(cls, prefix: str, sources: Sources | None = None) -> OpFilter:
+        allow_var, deny_var = OP_LISTS.get(prefix) or declare_op_lists(prefix)
+        return cls(allow_var.read(sources), deny_var.read(sources))
+
+    def exact_names(self) -> tuple[str, ...] | None:
+        """The LIST's names when each entry is a plain dotted name (no regular-expression syntax), else ``None``."""
+        if not self.allow or not all(PLAIN_NAME.fullmatch(p.pattern) for p in self.allow):
+            return None
+        return tuple(dict.fromkeys(p.pattern for p in self.allow))
+
+    def allows(self, name: str) -> bool:
+        decision = self._decisions.get(name)
+        if decision is None:
+            decision = not _matches(self.deny, name) and (self.allow is None or _matches(self.allow, name))
+            self._decisions[name] = decision
+        return decision
+
+
+# A '.' in such an entry could match any character as a regular expression; no two op names differ only there.
+PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def _matches(patterns, name: str) -> bool:
+    return any(p.pattern == name or p.fullmatch(name) for p in patterns)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommonConfig:
+    """The variables every tool shares, read once at ``start()``."""
+
+    results_dir: str
+    verbose: bool | None  # None: unset, the op_tools logger's level decides
+    print_stack: bool
+    strict: bool
+    rank: int | None
+
+    @classmethod
+    def from_env(cls, sources: Sources | None = None) -> CommonConfig:
+        return cls(RESULTS_DIR.read(sources) or "op_tools_results", VERBOSE.read(sources), PRINT_STACK.read(sources),
+                   STRICT.read(sources), _torchrun_rank())
+
+
+def _torchrun_rank() -> int | None:
+    # torchrun (and torch.distributed.launch) export RANK and WORLD_SIZE to every worker.
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        try:
+            return int(os.environ["RANK"])
+        except ValueError:
+            return None
+    return None

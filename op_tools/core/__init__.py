@@ -1,0 +1,1 @@
+"""The engine that intercepts calls: OpTool, targeting, backward hooks, module paths, apply_feature."""

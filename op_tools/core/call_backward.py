@@ -1,0 +1,165 @@
+"""The backward of one call as a unit, on the user's own graph: the gradients flowing into its outputs (upstream)
+and out of it into each input, from hooks on the autograd nodes the call created.
+
+A call may create one autograd node (``torch.mm``) or many (``cross_entropy`` is ``log_softmax`` then
+``nll_loss``; attention on a device is a dozen). Before the op runs, each input's gradient edge is taken (for an
+in-place op, the edge the input had before the op moved it). After it runs, the nodes it created are those
+reachable from its outputs with an autograd sequence number from the one taken before the call; the edges from
+those nodes to the inputs' edges carry the call's input gradients. A pre-hook on each output's node records the
+upstream gradients, a post-hook on each node with such an edge records what it sends; when the last of them
+ran, ``callback(upstream, input_grads)`` is called once.
+
+Nothing is added to the graph, nothing is saved: the values, the graph, ``torch.utils.checkpoint``'s
+recomputation and double backward are exactly as without a tool.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch
+from torch._C._autograd import _get_sequence_nr as sequence_nr
+
+from ..ops.arguments import iter_tensors
+
+_get_gradient_edge: Callable | None
+try:
+    _get_gradient_edge = torch.autograd.graph.get_gradient_edge  # PyTorch >= 2.4
+except AttributeError:
+    _get_gradient_edge = None
+
+
+def gradient_edge(t: torch.Tensor) -> tuple:
+    """``(node, output_nr)`` through which gradients reach ``t``: its grad_fn, or a leaf's AccumulateGrad node."""
+    if _get_gradient_edge is not None:
+        edge = _get_gradient_edge(t)
+        return edge.node, edge.output_nr
+    if t.grad_fn is not None:
+        return t.grad_fn, t.output_nr
+    view_node = t.expand_as(t).grad_fn
+    assert view_node is not None  # t takes gradients, so a view of it has a node
+    return view_node.next_functions[0][0], 0  # a leaf: the accumulator behind a fresh view's node
+
+
+class CallBackward:
+    """Built just before the op runs, attached to its result just after (see the module docstring)."""
+
+    __slots__ = ("edges", "first", "upstream", "grads", "waiting", "handles", "callback", "lock", "started",
+                 "finished", "_on_start")
+
+    def __init__(self, inputs: list[torch.Tensor]) -> None:
+        self.edges = [gradient_edge(t) for t in inputs]
+        self.first = sequence_nr()
+        self.upstream: list = []
+        self.grads: list = [None] * len(inputs)
+        self.waiting = 0
+        self.handles: list = []
+        self.callback: Callable | None = None
+        self.lock = threading.Lock()
+        self.started = False
+        self.finished = False
+        self._on_start = None
+
+    def attach(self, result, callback: Callable[[tuple, tuple, bool], None], on_start=None) -> str | None:
+        """Hook the nodes the call created; ``callback(upstream, input_grads, complete)`` runs once they all ran.
+
+        Returns None when hooked, else why the call's backward cannot be followed (nothing hooked).
+        ``on_start(self)`` runs at the first hook, so that a caller can finish an incomplete backward later.
+        """
+        outputs, seen = [], set()
+        for t in iter_tensors(result):
+            if id(t) not in seen:
+                seen.add(id(t))
+                outputs.append(t)
+        nodes: dict[int, torch.autograd.graph.Node] = {}  # the call's nodes, by id
+        roots: dict[int, list[tuple[int, int]]] = {}  # node id -> [(output index, output_nr)]
+        for index, t in enumerate(outputs):
+            node = t.grad_fn
+            if node is None:
+                continue
+            if node._sequence_nr() < self.first:
+                return "output aliases an input"  # an input handed back with its own history
+            nodes[id(node)] = node
+            roots.setdefault(id(node), []).append((index, t.output_nr))
+        if not roots:
+            return ""  # no output carries gradients
+        stack = list(nodes.values())
+        while stack:
+            for next_node, _ in stack.pop().next_functions:
+                if next_node is None or id(next_node) in nodes:
+                    continue
+                if next_node._sequence_nr() >= self.first and type(next_node).__name__ != "AccumulateGrad":
+                    nodes[id(next_node)] = next_node
+                    stack.append(next_node)
+        edge_to_input: dict[tuple[int, int], list[int]] = {}
+        for k, (node, output_nr) in enumerate(self.edges):
+            edge_to_input.setdefault((id(node), output_nr), []).append(k)
+        frontier: dict[int, list[tuple[int, int]]] = {}  # node id -> [(its grad_input index, input k)]
+        for node_id, node in nodes.items():
+            for i, (next_node, output_nr) in enumerate(node.next_functions):
+                if next_node is None or id(next_node) in nodes:
+                    continue
+                for k in edge_to_input.get((id(next_node), output_nr), ()):
+                    frontier.setdefault(node_id, []).append((i, k))
+        if not frontier:
+            return "no gradient reaches an input"
+        self.upstream = [None] * len(outputs)
+        self.waiting = len(frontier)
+        self.callback = callback
+        self._on_start = on_start
+        for node_id, outs in roots.items():
+            self.handles.append(nodes[node_id].register_prehook(self._pre_hook(outs)))
+        for node_id, pairs in frontier.items():
+            self.handles.append(nodes[node_id].register_hook(self._post_hook(pairs)))
+        return None
+
+    def _pre_hook(self, outs: list[tuple[int, int]]):
+        def hook(grad_outputs):
+            with self.lock:
+                self._start()
+                for index, output_nr in outs:
+                    self.upstream[index] = grad_outputs[output_nr]
+
+        return hook
+
+    def _post_hook(self, pairs: list[tuple[int, int]]):
+        def hook(grad_inputs, grad_outputs):
+            with self.lock:
+                self._start()
+                for i, k in pairs:
+                    g = grad_inputs[i]
+                    if g is not None:
+                        self.grads[k] = g if self.grads[k] is None else self.grads[k] + g
+                self.waiting -= 1
+                done = self.waiting == 0 and not self.finished
+                if done:
+                    self.finished = True
+            if done:
+                self._finish(True)
+
+        return hook
+
+    def _start(self) -> None:
+        if not self.started:
+            self.started = True
+            if self._on_start is not None:
+                self._on_start(self)
+
+    def finish_incomplete(self) -> None:
+        """At the end of a backward pass that ran only part of the call's nodes: report what arrived."""
+        with self.lock:
+            if self.finished or not self.started:
+                return
+            self.finished = True
+        self._finish(False)
+
+    def _finish(self, complete: bool) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        callback, self.callback = self.callback, None
+        upstream, grads = tuple(self.upstream), tuple(self.grads)
+        self.upstream, self.grads, self.edges = [], [], []
+        if callback is not None:
+            callback(upstream, grads, complete)

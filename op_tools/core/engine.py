@@ -1,0 +1,709 @@
+"""The one engine behind every tool: a TorchFunctionMode that names each call and hands it to a tool.
+
+A tool is a small subclass of ``OpTool`` that says only what is different about it::
+
+    class OpCountAdds(OpTool):
+        hook_name = "OpCountAddsHook"
+        env_prefix = "OP_COUNT_ADDS"          # reads OP_COUNT_ADDS_LIST / OP_COUNT_ADDS_DISABLE_LIST
+        results_folder = "op_count_adds_results"
+
+        def after(self, call):                # also: before, run, before_backward, after_backward
+            ...
+
+Per call the engine does, for a tool that handles it::
+
+    before(call)                  # in tool work: may replace call.args / call.kwargs, fill call.state, and list
+                                  # in call.grad_inputs the inputs whose gradients after_call_backward wants
+    call.result = run(call)       # the op itself (default: call.func(*call.args, **call.kwargs)); run() may call
+                                  # run_inside(call) to have the torch calls a Python composite makes handled too
+    after(call)                   # in tool work: may replace call.result
+    # if the tool defines before_backward / after_backward: autograd hooks on the outputs' grad_fn nodes
+    before_backward(call, grad_outputs)               # upstream gradients, before the node runs
+    after_backward(call, grad_inputs, grad_outputs)   # gradients of the node's inputs, after it ran
+    # if it defines after_call_backward: once every node the call created ran (call_backward.py)
+    after_call_backward(call, upstream, input_grads, complete)
+
+"Tool work" is per thread: torch calls made by a tool itself are never handled by any tool. A
+failure inside a tool is logged once per (tool, op) and the op goes on unchanged, unless
+``OP_TOOLS_STRICT=1``; an exception raised by the op itself propagates as it is.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import threading
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch._C._autograd import _get_sequence_nr as _sequence_nr
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.utils._device import DeviceContext
+
+from ..config import typo_check
+from ..config.settings import signature_of, sources_for, validate_arguments
+from ..config.tool_registry import FEATURES, feature  # noqa: F401  # op_tools.core.engine.FEATURES / feature, as before
+from ..config.variables import CommonConfig, OpFilter, Sources
+from ..ops.arguments import call_device, iter_tensors
+from ..ops.naming import is_metadata_query, resolve_op_name
+from ..ops.writes import call_writes
+from ..output import reporting, result_files
+from . import module_path, targeting
+from .call_backward import CallBackward
+
+_thread = threading.local()
+_forward_ids = itertools.count(1)
+_announced: dict[tuple[str, str, bool], None] = {}  # (hook, op, decision): a later opposite decision is announced
+_reported_failures: dict[tuple[str, str], None] = {}
+_announce_lock = threading.Lock()
+
+_CPU = torch.device("cpu")
+# Calls a function skipping one hop of torch-function dispatch; absent from older torch, where composites run whole.
+_skip_one_hop = getattr(torch._C, "_skip_one_hop_torch_function", None)
+_BACKWARD_CALLS = frozenset({"torch.Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
+
+
+class OpToolsAbortError(RuntimeError):
+    """Raised by a tool on purpose (e.g. OP_OVERFLOW_CHECK_RAISE=1): propagates, never swallowed."""
+
+
+def in_tool_work() -> bool:
+    return getattr(_thread, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def tool_work():
+    """Mark this thread as doing a tool's own work: no tool handles the torch calls made inside."""
+    _thread.depth = getattr(_thread, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _thread.depth -= 1
+
+
+# Functions named as metadata queries (the same for every tool): the mode's second fast path.
+_query_functions: set = set()
+
+
+def _run_query(func, args: tuple, kwargs: dict):
+    """A metadata query runs as tool work: torch calls inside it (formatting in ``__repr__``) are not user ops.
+
+    ``tool_work()`` inlined: queries are about a third of a training step's calls.
+    """
+    _thread.depth = getattr(_thread, "depth", 0) + 1
+    try:
+        return func(*args, **kwargs)
+    finally:
+        _thread.depth -= 1
+
+
+class OpCall:
+    """One handled call: what the tool sees. ``state`` is the tool's scratch space, kept for backward."""
+
+    __slots__ = ("name", "func", "args", "kwargs", "result", "forward_id", "device", "state", "_location",
+                 "_full_stack", "first_node", "grad_inputs", "module_path", "unchecked", "__weakref__")
+
+    def __init__(self, name: str, func, args: tuple, kwargs: dict, device: torch.device | None,
+                 full_stack: bool = False) -> None:
+        self.name = name
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.result: Any = None
+        self.forward_id = next(_forward_ids)
+        self.device: torch.device = device  # type: ignore[assignment]  # None only in the engine's stand-in calls
+        self.state: Any = {}  # a dict, or the tool's own typed object (OpAutoCompare's CompareState)
+        self._location: str | None = None
+        self._full_stack = full_stack
+        self.first_node = -1  # autograd sequence number before the call: its nodes are numbered from here
+        self.grad_inputs: list[torch.Tensor] = []  # filled by before(): the inputs after_call_backward reports on
+        # The module running the call (module_path.py): "model.layers.1.mlp.down_proj"; "" outside any module or
+        # when no started tool tracks modules.
+        self.module_path = module_path.current()
+        self.unchecked = False  # a step of the tool failed on this call: counted once in OpTool.unchecked
+
+    @property
+    def location(self) -> str:
+        """The user's source line (the whole user stack with OP_TOOLS_PRINT_STACK=1), found on first use."""
+        if self._location is None:
+            self._location = reporting.user_location(self._full_stack)
+        return self._location
+
+    def release(self) -> None:
+        """Drop the arguments and results so that a pending backward hook does not keep them alive."""
+        self.args, self.kwargs, self.result = (), {}, None
+
+
+class _ToolMode(TorchFunctionMode):
+    def __init__(self, tool: OpTool) -> None:
+        super().__init__()
+        self.tool = tool
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        # The common case first: a function this tool already decided to skip runs as it is, whatever its
+        # arguments (the decision depends on the name only, and the name on the function only).
+        try:
+            skipped = func in self.tool._skipped
+            query = not skipped and func in _query_functions
+        except TypeError:  # an unhashable callable: the full path names it
+            skipped = query = False
+        if skipped:
+            return func(*args, **(kwargs or {}))
+        if query:
+            return _run_query(func, args, kwargs or {})
+        return self.tool.handle(func, args, kwargs or {})
+
+
+class OpTool:
+    """Base of every tool. Use as ``with Tool():`` or ``tool.start()`` … ``tool.stop()`` (``end()`` too)."""
+
+    hook_name: ClassVar[str] = "OpToolHook"       # the name in `apply <hook_name> on <op>` lines
+    env_prefix: ClassVar[str] = ""                # OP_<TOOL>: its _LIST / _DISABLE_LIST variables
+    results_folder: ClassVar[str] = ""            # subfolder of OP_TOOLS_RESULTS_DIR
+    feature: ClassVar[str] = ""                   # name for apply_feature (set by @feature)
+    # The tool's own keyword arguments: keyword -> the EnvVar (or settings.Family) it stands for. Every tool also
+    # takes ops, disable (its LIST and DISABLE_LIST), results_dir, verbose, print_stack and strict (settings.py).
+    keywords: ClassVar[dict] = {}
+
+    # Whether calls carry the path of the module running them (OpCall.module_path): the global module hooks of
+    # module_path.py are installed while such a tool is started.
+    tracks_modules: ClassVar[bool] = False
+
+    # where its messages go: op_tools.<module> (op_tools.autocompare), set for each subclass; a class attribute, so
+    # that a subclass may use any attribute name of its own
+    _logger: ClassVar[logging.Logger] = logging.getLogger("op_tools")
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._logger = reporting.tool_logger(cls)  # type: ignore[arg-type]  # classes are hashable
+        if "__init__" not in vars(cls):  # a subclass with its own constructor shows its own signature
+            cls.__signature__ = signature_of(cls)  # type: ignore[attr-defined]  # what inspect.signature reads
+
+    def __init__(self, **settings) -> None:
+        """``settings``: the keyword arguments of the tool's docstring, each overriding its variable; validated now
+        (TypeError for an unknown keyword, ValueError/TypeError naming a malformed value and its expected form)."""
+        self.arguments = validate_arguments(type(self), settings)  # variable name -> parsed value
+        self.sources: Sources | None = None  # arguments and config file, gathered at start()
+        # Typed as read by start(), before any call is handled, so that the per-call path reads them unchecked
+        self.common: CommonConfig = None  # type: ignore[assignment]  # None until start()
+        self.filter: OpFilter = None  # type: ignore[assignment]  # None until start()
+        self._activations: list = []  # per start(): its _ToolMode, or its Targeting (a LIST of plain names)
+        self._decisions: dict[str, bool] = {}
+        self._skipped: set = set()  # functions whose name this tool skips: the mode's fast path
+        self._lock = threading.Lock()
+        self._open_backwards: set = set()  # CallBackward trackers whose hooks started and did not finish
+        self._tracking: list[bool] = []  # per start(): whether it acquired the module hooks (module_path.py)
+        self._can_match = True  # whether the LIST of the latest start() can match a call
+        # True while a mode shows this tool every torch call of its thread (not with targeted wrappers or
+        # apply_feature, which see only the functions they wrap: writes elsewhere go unseen)
+        self.sees_every_call = False
+        self.stem = ""  # pid<pid>_<time>_<n>: this session's file names (result_files.session_stem)
+        # Set by configure() to handle calls whose tensors are all on the CPU too (by default the CPU is the
+        # reference and its calls run untouched); such calls get device cpu.
+        self.handles_cpu_calls = False
+        self._reset_account()
+
+    # --- what a tool overrides ---
+
+    def configure(self) -> None:
+        """Read the tool's own variables (called by ``start()`` after the shared ones)."""
+
+    def accepts(self, name: str) -> bool:
+        """Name-level exclusions of this tool beyond its LIST/DISABLE_LIST (views for fallback, …)."""
+        return True
+
+    def before(self, call: OpCall) -> None:
+        """Before the op; may replace ``call.args``/``call.kwargs``."""
+
+    def run(self, call: OpCall):
+        """Run the op; tools that run it elsewhere (fallback, dtype cast) override this."""
+        return call.func(*call.args, **call.kwargs)
+
+    def run_inside(self, call: OpCall):
+        """Run the op with the torch calls it makes handled too (a Python function of torch calls, such as
+        ``multi_head_attention_forward``; a C++ op has none to show). Only under this tool's mode, which torch
+        takes off its stack while the mode handles a call: pushed back for the calls inside, one hop of dispatch
+        skipped so the op itself is not handled twice. Under targeted wrappers, the wrapped calls inside are handled.
+        Otherwise the op runs as it is."""
+        mode = self._activations[-1] if self._activations else None
+        if isinstance(mode, targeting.Targeting):
+            with targeting.calls_inside_handled():
+                return call.func(*call.args, **call.kwargs)
+        modes = _get_current_function_mode_stack()
+        # The skipped hop skips every mode: another one (a user's) would see what the op calls instead of the op.
+        # torch.device's DeviceContext acts on constructors only.
+        if not isinstance(mode, _ToolMode) or _skip_one_hop is None or \
+                any(m is not mode and not isinstance(m, DeviceContext) for m in modes):
+            return call.func(*call.args, **call.kwargs)
+        with contextlib.ExitStack() as stack:
+            if all(m is not mode for m in modes):  # off the stack when the call came through it
+                stack.enter_context(mode)
+            return _skip_one_hop(call.func, (), call.args, call.kwargs)
+
+    def after(self, call: OpCall) -> None:
+        """After the op; may replace ``call.result``."""
+
+    before_backward: Callable[[OpCall, tuple], None] | None = None  # defining it makes the engine hook backward
+    after_backward: Callable[[OpCall, tuple, tuple], None] | None = None  # (call, grad_inputs, grad_outputs)
+    # (call, grad_inputs, grad_outputs) -> None, after each autograd node the call created other than its
+    # outputs' own: the inside of a composite function (cross_entropy = log_softmax + nll_loss).
+    inner_node_backward: Callable[[OpCall, tuple, tuple], None] | None = None
+    # (call, upstream, input_grads, complete) -> None, once every autograd node the call created ran: the gradients
+    # of its outputs and of the tensors before() listed in call.grad_inputs (call_backward.py); complete is False
+    # when the backward pass ended with only part of them run.
+    after_call_backward: Callable[[OpCall, tuple, tuple, bool], None] | None = None
+    # Whether the tool keeps host copies of device tensors across calls (OpAutoCompare): it is then told of every
+    # write of a call it does not handle (note_writes), and functions that can write never take the skip fast path.
+    tracks_writes: ClassVar[bool] = False
+
+    def note_writes(self, tensors: list) -> None:
+        """A call this tool does not handle wrote ``tensors`` (only for tools with ``tracks_writes``)."""
+
+    def backward_done(self) -> None:
+        """After ``Tensor.backward()``/``torch.autograd.backward()`` returned, on the calling thread: the place to
+        raise about what backward hooks found (an exception raised inside a hook on an autograd device thread
+        can abort some backends)."""
+
+    def wants_backward(self) -> bool:
+        """Whether the engine hooks this call's backward; by default when a backward step is defined."""
+        return self.before_backward is not None or self.after_backward is not None
+
+    def finish(self) -> None:
+        """Called by ``stop()``: write what the tool aggregated."""
+
+    # --- lifecycle ---
+
+    def start(self) -> OpTool:
+        """Read the configuration (``ValueError`` if malformed) and start handling calls on this thread."""
+        self._decisions = {}
+        self._skipped = set()
+        self._read_configuration()
+        self._can_match = True
+        self._activations.append(self._activate())
+        # a LIST no call can match needs no module paths (the global module hooks slow every module call)
+        self._tracking.append(self.tracks_modules and self._can_match)
+        if self._tracking[-1]:
+            module_path.acquire()
+        _track_unfinished(self)
+        return self
+
+    def _activate(self):
+        """Wrap the functions a LIST of plain names selects (see targeting.py); otherwise push a mode."""
+        names = self.filter.exact_names()
+        if names is not None:
+            targets, problems = targeting.plan(names)
+            # every name one that no call can have (a typo of a torch name): nothing to wrap, follow or track, so a
+            # tool started per step around such a list costs nothing per call
+            self._can_match = bool(problems or targets)
+            if self._can_match and (type(self).backward_done is not OpTool.backward_done
+                                    or self.after_call_backward is not None):
+                backward_targets, backward_problems = targeting.plan(tuple(sorted(_BACKWARD_CALLS)))
+                targets.update(backward_targets)
+                problems += backward_problems
+            if not problems:
+                activation = targeting.Targeting(self, targets)
+                with contextlib.suppress(AttributeError, TypeError):  # a read-only place: the mode instead
+                    activation.enter()
+                    self.sees_every_call = False
+                    return activation
+            else:  # once per process and list: a tool started per step says it once
+                typo_check.warn_once(("targeting", self.env_prefix, names), "%s_LIST: %s; the tool checks the name of "
+                                     "every call instead", self.env_prefix, "; ".join(problems))
+        mode = _ToolMode(self)
+        mode.__enter__()
+        self.sees_every_call = True
+        return mode
+
+    def stop(self) -> None:
+        if not self._activations:
+            return
+        activation = self._activations.pop()
+        if isinstance(activation, _ToolMode):
+            _remove_mode(activation)
+        else:
+            activation.exit()
+        if self._tracking.pop():
+            module_path.release()
+        if not self._activations:
+            _unfinished.pop(id(self), None)
+        self.finish()
+        self.tally.close()
+        self._logger.log(self._closing_level(), self.closing_line())
+
+    end = stop
+
+    def _prepare_output(self) -> None:
+        """Logging levels and handler, this session's file tally, and the results folder probed for writing."""
+        reporting.configure_logging(self.common.verbose)
+        self.tally = result_files.Tally(result_files.results_path(self.common, self.results_folder)
+                                     if self.results_folder else None, f"{type(self).__name__} writing")
+        self._reset_account()
+        if self.results_folder:
+            result_files.prepare_results_folder(self.common, self.results_folder, type(self).__name__)
+
+    def _reset_account(self) -> None:
+        """Counts of one ``start()``…``stop()``: what its verdict accounts for."""
+        self.handled: collections.Counter = collections.Counter()  # calls handled per op name
+        # calls per op name that a step of the tool failed on (so they went unchecked), and the first one's error
+        self.unchecked: collections.Counter = collections.Counter()
+        self.first_unchecked: tuple[str, str] | None = None
+        self.raised: collections.Counter = collections.Counter()  # handled calls whose op raised, per op name
+
+    def closing_line(self) -> str:
+        """The line logged at ``stop()``: what the tool handled, what it wrote where, and what it could not check
+        (then logged as a WARNING: see ``not_checked``)."""
+        ops = len(self.handled)
+        line = (f"{type(self).__name__}: {sum(self.handled.values())} calls of {ops} op{'s' if ops != 1 else ''} "
+                f"handled; {self.tally.describe()}")
+        problem = self.not_checked()
+        return f"{line}; {problem}" if problem else line
+
+    # --- the verdict: every handled call checked, or said not to be ---
+
+    def found(self) -> str:
+        """What the tool found wrong ('' for nothing, or for a tool that judges nothing): overridden."""
+        return ""
+
+    def not_checked(self) -> str:
+        """'' when every handled call was checked; else what was not: calls a step of the tool failed on, a LIST
+        that matched no call, anything else a tool adds (``unchecked_parts``)."""
+        parts = []
+        if self.filter is not None and self.filter.allow is not None and not self.handled:
+            parts.append(f"{self.env_prefix}_LIST matched no call")
+        with _announce_lock:
+            failed, first = sum(self.unchecked.values()), self.first_unchecked
+        if failed and first is not None:
+            parts.append(f"{failed} call{'s' if failed != 1 else ''} not checked (the tool failed), the first "
+                         f"{first[0]}: {first[1]}")
+        parts.extend(self.unchecked_parts())
+        return "; ".join(parts)
+
+    def unchecked_parts(self) -> list[str]:
+        """What else the tool could not check or write (files lost, spans unread): overridden."""
+        return []
+
+    def verdict(self) -> str:
+        """``"found"`` (the tool found something wrong), ``"unchecked"`` (some calls went unchecked) or
+        ``"clean"``: the exit status of ``python -m op_tools`` (``VERDICT_EXIT_STATUS``)."""
+        if self.found():
+            return "found"
+        return "unchecked" if self.not_checked() else "clean"
+
+    def _closing_level(self) -> int:
+        return logging.WARNING if self.not_checked() else logging.INFO
+
+    def __enter__(self) -> OpTool:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def ensure_configured(self) -> None:
+        """For use without a mode (apply_feature): read the configuration once."""
+        if self.common is None:
+            self._read_configuration()
+            _track_unfinished(self)  # never stopped: what it aggregated is written at exit
+
+    def _read_configuration(self) -> None:
+        """Arguments > variables > config file > defaults, parsed once; then the typo checks (typo_check.py)."""
+        self.sources = sources_for(self)
+        self.common = CommonConfig.from_env(self.sources)
+        self.filter = OpFilter.from_env(self.env_prefix, self.sources) if self.env_prefix else OpFilter(None, None)
+        self.stem = result_files.session_stem()
+        self._prepare_output()
+        self.configure()
+        typo_check.check_environment()
+        typo_check.check_op_lists(self)
+
+    # --- the engine ---
+
+    def handle(self, func, args: tuple, kwargs: dict, name: str | None = None):
+        """Run one call, through this tool if it handles it. Used by the mode and by apply_feature."""
+        if in_tool_work():
+            return func(*args, **kwargs)
+        if name is None:
+            name = resolve_op_name(func)
+        if name in _BACKWARD_CALLS:
+            result = func(*args, **kwargs)
+            with tool_work():
+                self._guarded(lambda _: self._backward_finished(), OpCall(name, func, (), {}, None))
+            return result
+        if is_metadata_query(name):
+            with contextlib.suppress(TypeError):  # unhashable callables keep taking this path
+                _query_functions.add(func)
+            return _run_query(func, args, kwargs)
+        decision = self._decisions.get(name)
+        if decision is False:  # decided (and announced) at an earlier call on a device
+            return self._run_unhandled(name, func, args, kwargs)
+        device = call_device(args, kwargs, name)
+        if device is None:  # the CPU is taken as correct
+            if not self.handles_cpu_calls:
+                return func(*args, **kwargs)
+            device = _CPU
+        if decision is None and not self._decide(name):
+            if not self.tracks_writes or call_writes(name).never:
+                with contextlib.suppress(TypeError):  # unhashable callables keep taking this path
+                    self._skipped.add(func)
+            return self._run_unhandled(name, func, args, kwargs)
+        call = OpCall(name, func, args, kwargs, device, self.common.print_stack)
+        self.handled[name] += 1
+        tracker = None
+        with tool_work():
+            if not self._guarded(self.before, call):
+                call.args, call.kwargs = args, kwargs
+            elif call.grad_inputs and self.after_call_backward is not None:
+                tracker = self._guarded_value(CallBackward, call, call.grad_inputs)  # edges before an in-place op
+        if self.inner_node_backward is not None:
+            call.first_node = _sequence_nr()
+        try:
+            call.result = self.run(call)
+        except BaseException:
+            self.raised[name] += 1  # the op's own error: propagates unchanged, the call has nothing to check
+            raise
+        with tool_work():
+            self._guarded(self.after, call)
+            result = call.result
+            if tracker is not None and call.grad_inputs:  # after() may have given up on the call's backward
+                self._guarded(self._attach_call_backward, call, tracker)
+            if self.wants_backward():
+                self._guarded(register_backward_hooks, call, self)
+        return result
+
+    def _run_unhandled(self, name: str, func, args: tuple, kwargs: dict):
+        result = func(*args, **kwargs)
+        if self.tracks_writes:
+            written = call_writes(name).written(args, kwargs)
+            if written:
+                with tool_work():
+                    self._guarded(lambda _: self.note_writes(written), OpCall(name, func, (), {}, None))
+        return result
+
+    def _attach_call_backward(self, call: OpCall, tracker: CallBackward) -> None:
+        def done(upstream: tuple, input_grads: tuple, complete: bool) -> None:
+            with self._lock:
+                self._open_backwards.discard(tracker)
+            with tool_work():
+                after_call_backward = self.after_call_backward
+                assert after_call_backward is not None  # attached only for a tool that defines it
+                self._guarded(lambda c: after_call_backward(c, upstream, input_grads, complete), call)
+
+        def started(_) -> None:
+            with self._lock:
+                self._open_backwards.add(tracker)
+
+        why = tracker.attach(call.result, done, started)
+        call.grad_inputs = []
+        if why is not None:
+            self.call_backward_skipped(call, why)
+        elif not self.wants_backward():
+            call.release()  # the hooks hold the call: its outputs would keep their own graph alive
+
+    def call_backward_skipped(self, call: OpCall, why: str) -> None:
+        """The call's backward cannot be followed (``why``; '' when no output carries gradients)."""
+
+    def _backward_finished(self) -> None:
+        with self._lock:
+            open_ones, self._open_backwards = list(self._open_backwards), set()
+        for tracker in open_ones:
+            tracker.finish_incomplete()
+        self.backward_done()
+
+    def _guarded_value(self, make, call: OpCall, *extra):
+        """``make(*extra)``, or None after reporting its failure as ``_guarded`` does."""
+        out = []
+        self._guarded(lambda _: out.append(make(*extra)), call)
+        return out[0] if out else None
+
+    def _decide(self, name: str) -> bool:
+        decision = self._decisions.get(name)
+        if decision is None:
+            decision = self._decisions[name] = self.filter.allows(name) and self.accepts(name)
+            if self._logger.isEnabledFor(logging.DEBUG):  # announced once per process where shown
+                key = (self.hook_name, name, decision)
+                with _announce_lock:
+                    first = key not in _announced
+                    _announced[key] = None
+                if first:
+                    self._logger.debug("%s %s on %s", "apply" if decision else "skip", self.hook_name, name)
+        return decision
+
+    def _guarded(self, step, call: OpCall, *extra) -> bool:
+        """Run a tool step; report a failure once per (tool, op) and go on, unless strict."""
+        try:
+            step(call, *extra)
+            return True
+        except OpToolsAbortError:
+            raise
+        except Exception as e:
+            if self.common is not None and self.common.strict:
+                raise
+            self.tool_failed(call, e)
+            return False
+
+    def tool_failed(self, call: OpCall, error: Exception) -> None:
+        """A step of the tool failed on ``call``: the call counts as not checked (once), the error is logged once
+        per op name."""
+        if not call.unchecked:
+            call.unchecked = True
+            described = f"{type(error).__name__}: {error}"
+            with _announce_lock:
+                self.unchecked[call.name] += 1
+                if self.first_unchecked is None:
+                    self.first_unchecked = (call.name, described if len(described) <= 200 else described[:197] + "...")
+        self.report_failure(call.name, error)
+
+    def report_failure(self, name: str, error: Exception) -> None:
+        key = (self.hook_name, name)
+        with _announce_lock:
+            first = key not in _reported_failures
+            _reported_failures[key] = None
+        if first:
+            self._logger.warning("%s failed on %s (reported once; the op ran unchanged): %s: %s",
+                                 self.hook_name, name, type(error).__name__, error,
+                                 exc_info=self._logger.isEnabledFor(logging.DEBUG))
+
+    @property
+    def pid_folder(self) -> str:
+        return str(os.getpid())
+
+
+# --- what is pending at exit: tools started and not stopped write their summaries and files ---
+
+_unfinished: dict[int, OpTool] = {}  # id -> tool, in start order; plain dict operations (atomic) for a signal handler
+_exit_hooks_installed = False
+_previous_sigterm = None
+
+
+def _track_unfinished(tool: OpTool) -> None:
+    global _exit_hooks_installed
+    _unfinished[id(tool)] = tool
+    if not _exit_hooks_installed:
+        _exit_hooks_installed = True
+        atexit.register(flush_unfinished)
+    if threading.current_thread() is threading.main_thread():
+        _install_sigterm_handler()
+
+
+def finish_unstopped(tool: OpTool) -> None:
+    """Write the results of a tool that was never started as a mode (apply_feature) once it is done with."""
+    if _unfinished.pop(id(tool), None) is not None:
+        _finish_reporting_failure(tool)
+
+
+def flush_unfinished() -> None:
+    """``finish()`` every tool started and not stopped, latest first: at exit, and on SIGTERM before dying."""
+    while _unfinished:
+        try:
+            _, tool = _unfinished.popitem()
+        except KeyError:  # emptied meanwhile by another thread
+            return
+        _finish_reporting_failure(tool)
+
+
+def _finish_reporting_failure(tool: OpTool) -> None:
+    try:
+        with tool_work():
+            tool.finish()
+        tool.tally.close()
+        tool._logger.log(tool._closing_level(), tool.closing_line())
+    except Exception:
+        reporting.logger.exception("%s: writing its results failed", tool.hook_name)
+
+
+def _install_sigterm_handler() -> None:
+    """Flush on SIGTERM, then do what the handler before ours did: call it, or die of the signal as by default.
+
+    Not installed where SIGTERM is ignored or handled outside Python (the previous handler could not be chained).
+    """
+    global _previous_sigterm
+    current = signal.getsignal(signal.SIGTERM)
+    if current is _on_sigterm or current is None or current == signal.SIG_IGN:
+        return
+    _previous_sigterm = current
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum, frame) -> None:
+    flush_unfinished()
+    previous = _previous_sigterm
+    if callable(previous):
+        previous(signum, frame)
+        return
+    signal.signal(signum, signal.SIG_DFL)  # the default action: the process ends by the signal, status -SIGTERM
+    os.kill(os.getpid(), signum)
+
+
+def register_backward_hooks(call: OpCall, tool: OpTool) -> None:
+    """Hook the grad_fn nodes of ``call``'s outputs: ``tool.before_backward(call, grad_outputs)`` before each
+    node runs, ``tool.after_backward(call, grad_inputs, grad_outputs)`` after. Hooks never change gradients;
+    they run in tool work, once per node, and only ``call.state``, name, id and location stay alive for them.
+    """
+    nodes: list[torch.autograd.graph.Node] = []
+    for t in iter_tensors(call.result):
+        node = t.grad_fn
+        if node is not None and all(node is not n for n in nodes):
+            nodes.append(node)
+    if not nodes:
+        return
+    _ = call.location  # found now, while the user's frames are on the stack
+    call.release()
+    if tool.inner_node_backward is not None and call.first_node >= 0:
+        for node in _inner_nodes(nodes, call.first_node):
+            def inner_hook(grad_inputs, grad_outputs):
+                with tool_work():
+                    tool._guarded(tool.inner_node_backward, call, tuple(grad_inputs), tuple(grad_outputs))
+
+            node.register_hook(inner_hook)
+    for node in nodes:
+        handles: list = []
+        if tool.before_backward is not None:
+            def pre_hook(grad_outputs, _handles=handles):
+                with tool_work():
+                    tool._guarded(tool.before_backward, call, tuple(grad_outputs))
+
+            handles.append(node.register_prehook(pre_hook))
+        if tool.after_backward is not None:
+            def post_hook(grad_inputs, grad_outputs, _handles=handles):
+                with tool_work():
+                    tool._guarded(tool.after_backward, call, tuple(grad_inputs), tuple(grad_outputs))
+                for handle in _handles:
+                    handle.remove()
+
+            handles.append(node.register_hook(post_hook))
+
+
+def _inner_nodes(outputs: list, first: int) -> list:
+    """Autograd nodes behind ``outputs`` numbered from ``first`` on (created by the call, on this thread)."""
+    seen = {id(n) for n in outputs}
+    inner, stack = [], list(outputs)
+    while stack:
+        for next_node, _ in stack.pop().next_functions:
+            if next_node is None or id(next_node) in seen:
+                continue
+            seen.add(id(next_node))
+            if next_node._sequence_nr() >= first and type(next_node).__name__ != "AccumulateGrad":
+                inner.append(next_node)
+                stack.append(next_node)
+    return inner
+
+
+def _remove_mode(mode: TorchFunctionMode) -> None:
+    """Pop ``mode`` from this thread's torch-function mode stack even when others were pushed after it."""
+    from torch.overrides import _get_current_function_mode_stack, _pop_mode, _push_mode
+
+    stack = _get_current_function_mode_stack()
+    if not any(m is mode for m in stack):
+        raise RuntimeError("op_tools: a tool must be stopped on the thread that started it")
+    above = []
+    while True:
+        top = _pop_mode()
+        if top is mode:
+            break
+        above.append(top)
+    for m in reversed(above):
+        _push_mode(m)

@@ -1,0 +1,210 @@
+"""Targeted dispatch: a tool whose LIST names functions exactly wraps those functions instead of pushing a mode.
+
+A ``TorchFunctionMode`` sees every torch call of its thread, and PyTorch's C++→Python dispatch to it costs
+5–12 µs a call (6–14% of a tiny training step on sim) before a tool can even decide to skip the call. When
+``OP_<TOOL>_LIST`` is a list of plain names (``torch.nn.functional.linear,torch.Tensor.add``), the calls the tool
+may handle are known at ``start()``: the tool wraps those functions (under every public name they have in torch's
+namespaces) and every other call runs untouched.
+
+What a mode would see is kept: only the thread that started the tool is handled; a torch call made inside a
+handled call (the body of a Python-implemented function, a tool's own work) is not; two tools on one function
+stack as their modes would, the later started seeing the call first. What a wrapper cannot see: a reference to the
+function taken before the tool started (``from torch.nn.functional import linear`` at import time) and calls PyTorch
+makes from its autograd threads. A LIST entry written as a regular expression (any character other than letters,
+digits, ``_`` and ``.``) selects the mode and sees those too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+import threading
+from typing import Any
+
+from torch import Tensor
+
+from ..ops.naming import OPERATOR_METHODS, alias_namespaces, function_from_name, name_as, resolve_op_name
+
+_local = threading.local()  # .tools: {name: (tools of this thread, in start order)}, .busy: inside a handled call
+_NO_TOOLS: dict = {}
+_lock = threading.Lock()
+
+
+class _Wrapped:
+    """One function wrapped for targeted dispatch, at each of its places, and how many activations use it."""
+
+    def __init__(self, name: str, places: list[tuple[Any, str]]) -> None:
+        self.name, self.users = name, 0
+        # (owner, attr, what was there, whether the owner itself held it, the wrapper put there)
+        self.places = [(owner, attr, getattr(owner, attr), attr in vars(owner), _wrapper(name, getattr(owner, attr)))
+                       for owner, attr in places]
+
+    def install(self) -> None:
+        for owner, attr, _, _, wrapper in self.places:
+            setattr(owner, attr, wrapper)
+
+    def restore(self) -> None:
+        for owner, attr, original, own, wrapper in self.places:
+            if vars(owner).get(attr) is wrapper:  # leave whatever was patched over it since
+                if own:
+                    setattr(owner, attr, original)
+                else:  # inherited (Tensor.__add__ from TensorBase): inherit it again
+                    delattr(owner, attr)
+            name_as(wrapper, None)
+
+
+_wrapped: dict[str, _Wrapped] = {}
+
+
+def _wrapper(name: str, original):
+    def targeted(*args, **kwargs):
+        tools = getattr(_local, "tools", _NO_TOOLS).get(name)
+        if not tools or getattr(_local, "busy", False):
+            return original(*args, **kwargs)
+        _local.busy = True  # what a mode does by stepping aside while it runs a call: nested calls are not seen
+        try:
+            func = original
+            for tool in tools[:-1]:  # the latest started sees the call first, as the top of a mode stack would
+                func = _through(tool, func, name)
+            return tools[-1].handle(func, args, kwargs, name=name)
+        finally:
+            _local.busy = False
+
+    functools.update_wrapper(targeted, original)
+    name_as(targeted, name)  # a mode (another tool) seeing the wrapper names it as the function
+    return targeted
+
+
+def plan(names: tuple[str, ...]) -> tuple[dict[str, list], list[str]]:
+    """For each name, the places to wrap (none when it is wrapped already); and why any name cannot be wrapped.
+
+    A name outside torch that does not name a function, names it under another name than op_tools reports, or
+    cannot be patched where it lives is a reason: the tool then uses a mode, which applies the LIST to every call as
+    before. A name in torch's namespaces that names no function is left out, with no reason: no call has it.
+    """
+    targets: dict[str, list] = {}
+    problems: list[str] = []
+    for name in names:
+        if name in _wrapped:
+            targets[name] = []
+            continue
+        try:
+            owner, attr, func = function_from_name(name)
+        except ValueError:
+            # A torch name: no call is reported under it, so nothing to wrap and no mode (left out of the plan).
+            # Another package's function may be imported later: the mode will see it.
+            if not _NAMED_BY_OP_TOOLS.match(name):
+                problems.append(f"no function is named {name!r}")
+            continue
+        if not callable(func):
+            problems.append(f"{name!r} is not a function")
+            continue
+        short = name.rpartition(".")[2]
+        reported = "torch.Tensor." + OPERATOR_METHODS[short] if owner is Tensor and short in OPERATOR_METHODS \
+            else resolve_op_name(func)
+        if reported != name:
+            problems.append(f"{name!r} is reported as {reported!r}")
+            continue
+        known = _places_of.get(name)
+        if known is None or known[0] is not func:
+            known = _places_of[name] = (func, _places(owner, attr, func))
+        targets[name] = known[1]
+    return targets, problems
+
+
+# A name in torch's namespaces, or a short one: op_tools reports every call it sees under where its function lives,
+# so such a name that names no function (a typo, warned about by typo_check.py) can match no call.
+_NAMED_BY_OP_TOOLS = re.compile(r"torch\.|[^.]*$")
+# name -> (function, its places): the search over torch's namespaces costs milliseconds, paid once per name and
+# function (a tool started per step); an alias added to torch's namespaces later is not seen
+_places_of: dict[str, tuple[Any, list]] = {}
+
+
+def _places(owner, attr: str, func) -> list[tuple[Any, str]]:
+    """``(owner, attr)`` first, then every other public name of ``func`` in torch's namespaces, and the operators
+    a mode sees as this method."""
+    places = [(owner, attr)]
+    if owner is Tensor:
+        places += [(Tensor, dunder) for dunder, method in OPERATOR_METHODS.items()
+                   if method == attr and hasattr(Tensor, dunder)]
+    for namespace in alias_namespaces():
+        for other in dir(namespace):
+            if (namespace, other) != (owner, attr) and getattr(namespace, other, None) is func:
+                places.append((namespace, other))
+    return places
+
+
+
+class Targeting:
+    """A tool started with targeted dispatch on one thread: ``exit()`` undoes ``enter()``."""
+
+    def __init__(self, tool, targets: dict[str, list]) -> None:
+        self.tool = tool
+        self.targets = targets
+        self.thread = threading.get_ident()
+
+    def enter(self) -> None:
+        """Wrap what is not wrapped yet; ``AttributeError``/``TypeError`` (a read-only place) undoes it all."""
+        done = []
+        with _lock:
+            try:
+                for name, places in self.targets.items():
+                    entry = _wrapped.get(name)
+                    if entry is None:
+                        entry = _Wrapped(name, places)
+                        try:
+                            entry.install()
+                        except (AttributeError, TypeError):
+                            entry.restore()
+                            raise
+                        _wrapped[name] = entry
+                    entry.users += 1
+                    done.append(name)
+            except (AttributeError, TypeError):
+                _release(done)
+                raise
+        if not hasattr(_local, "tools"):
+            _local.tools = {}
+        for name in self.targets:
+            _local.tools[name] = (*_local.tools.get(name, ()), self.tool)
+
+    def exit(self) -> None:
+        if threading.get_ident() != self.thread:
+            raise RuntimeError("op_tools: a tool must be stopped on the thread that started it")
+        for name in self.targets:
+            tools = list(_local.tools[name])
+            del tools[len(tools) - 1 - tools[::-1].index(self.tool)]
+            if tools:
+                _local.tools[name] = tuple(tools)
+            else:
+                del _local.tools[name]
+        with _lock:
+            _release(self.targets)
+
+
+def _release(names) -> None:
+    for name in names:
+        entry = _wrapped[name]
+        entry.users -= 1
+        if entry.users == 0:
+            entry.restore()
+            del _wrapped[name]
+
+
+@contextlib.contextmanager
+def calls_inside_handled():
+    """Within a handled call: the calls it makes are handled too (``OpTool.run_inside``), as under a mode."""
+    busy, _local.busy = getattr(_local, "busy", False), False
+    try:
+        yield
+    finally:
+        _local.busy = busy
+
+
+def _through(tool, func, name: str):
+    def through(*args, **kwargs):
+        return tool.handle(func, args, kwargs, name=name)
+
+    functools.update_wrapper(through, func)
+    return through

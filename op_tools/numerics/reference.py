@@ -1,0 +1,252 @@
+"""The CPU reference of a device call: the op rerun on host copies of its inputs in float64 (or the widest dtype
+the CPU runs it in), and, when the verdict needs it, in the device's own dtype with the device's declared math.
+
+Reruns never touch what the user's run uses: they work on tensors they own (an op that writes an argument writes
+the reference's own copy), never run under the user's CPU autocast nor under saved-tensor hooks
+(``torch.utils.checkpoint``'s would count the reference's saved tensors as the user's), and leave the CPU
+generator as they found it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from ..ops.arguments import iter_tensors, map_tensors
+from .device_math import DeviceMath, emulated
+
+_CPU = torch.device("cpu")
+DEFAULT_CAST = {torch.float16: torch.float64, torch.bfloat16: torch.float64, torch.float32: torch.float64,
+                torch.complex64: torch.complex128}
+_FALLBACK_CAST = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+_ERRORS = (RuntimeError, NotImplementedError, TypeError, ValueError, IndexError)
+
+
+# --- moving arguments to the CPU ---
+
+@functools.lru_cache(maxsize=1024)
+def _is_device_text(value: str) -> bool:
+    try:
+        return torch.device(value).type != "cpu"
+    except (RuntimeError, TypeError, ValueError):
+        return False
+
+
+def _cpu_value(value, cast: dict | None = None):
+    """A non-tensor argument for the CPU run: devices moved to the CPU, dtypes through ``cast``."""
+    if isinstance(value, torch.device):
+        return _CPU if value.type != "cpu" else value
+    if isinstance(value, str) and value and _is_device_text(value):
+        return "cpu"
+    if cast and isinstance(value, torch.dtype):
+        return cast.get(value, value)
+    return value
+
+
+_PLAIN = frozenset({int, float, bool, type(None)})  # argument types that _cpu_value never changes
+
+
+def map_arguments(obj, tensor_fn, cast: dict | None = None):
+    """``obj`` (args tuple or kwargs dict) with tensors through ``tensor_fn``, devices moved to the CPU and
+    dtypes through ``cast``."""
+    if isinstance(obj, torch.Tensor):
+        return tensor_fn(obj)
+    kind = type(obj)
+    if kind in _PLAIN:
+        return obj
+    if kind is tuple or kind is list:  # most arguments: tensors and plain values, mapped without a call each
+        return kind([tensor_fn(v) if isinstance(v, torch.Tensor) else v if type(v) in _PLAIN
+                     else map_arguments(v, tensor_fn, cast) for v in obj])
+    if kind is dict and not obj:
+        return {}
+    if isinstance(obj, dict):
+        return {k: (_CPU if k == "device" and v is not None and not isinstance(v, torch.Tensor)
+                    else map_arguments(v, tensor_fn, cast)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+        items = [map_arguments(v, tensor_fn, cast) for v in obj]
+        if type(obj).__module__ == "torch.return_types":
+            return type(obj)(items)
+        return type(obj)(items) if not hasattr(obj, "_fields") else type(obj)(*items)
+    return _cpu_value(obj, cast)
+
+
+def recast(obj, cast: dict, owned: set | frozenset = frozenset(), leaves: dict | None = None,
+           mapped: dict | None = None):
+    """CPU tensors of ``obj`` cast by ``cast``. A tensor whose id is in ``owned`` (one the op writes) is always a
+    new tensor; one in ``leaves`` becomes that leaf (cloned when owned: an in-place op cannot write a leaf).
+    ``mapped`` collects id(original) -> tensor handed to the op."""
+    def tensor_fn(t: torch.Tensor) -> torch.Tensor:
+        leaf = leaves.get(id(t)) if leaves else None
+        if leaf is not None:
+            out = leaf.clone() if id(t) in owned else leaf
+        else:
+            target = cast.get(t.dtype, t.dtype)
+            out = t if target == t.dtype and id(t) not in owned else t.to(dtype=target, copy=True)
+        if mapped is not None:
+            mapped[id(t)] = out
+        return out
+
+    return map_arguments(obj, tensor_fn, cast)
+
+
+# --- running it ---
+
+_NOTHING = contextlib.nullcontext()  # reusable: entering it holds no state
+
+
+def isolated():
+    """The context of every rerun: no CPU autocast of the user's, no saved-tensor hooks of the user's."""
+    autocast, hooks = torch.is_autocast_enabled("cpu"), _saved_tensor_hooks_active()
+    # most calls have neither: no generator-based context built for them (several per compared call)
+    return _isolating(autocast, hooks) if autocast or hooks else _NOTHING
+
+
+@contextlib.contextmanager
+def _isolating(autocast: bool, hooks: bool):
+    with contextlib.ExitStack() as stack:
+        if autocast:
+            stack.enter_context(torch.autocast("cpu", enabled=False))
+        if hooks:
+            # Identity hooks: the reference graph saves its tensors plainly (checkpoint's would claim them).
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_same, _same))
+        yield
+
+
+def _same(t):
+    return t
+
+
+def _saved_tensor_hooks_active() -> bool:
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+    except (AttributeError, TypeError, RuntimeError):
+        return True  # unknown: the identity hooks are harmless
+
+
+def attempts_for(requested: dict) -> list[tuple[dict, str]]:
+    """The casts to try for the reference, in order, with the note each adds to a report."""
+    attempts = [(requested, "")]
+    if any(v == torch.float64 for v in requested.values()):
+        attempts += [(_FALLBACK_CAST, "reference in float32: no float64 kernel on the CPU"),
+                     ({}, "reference in the device's dtype: no wider kernel on the CPU")]
+    return attempts
+
+
+class Reference:
+    """One reference run: its arguments, result, leaves (for backward) and, per written argument, its result."""
+
+    __slots__ = ("args", "kwargs", "result", "leaves", "mapped", "note", "math_used")
+
+    def __init__(self, args, kwargs, result, leaves, mapped, note: str, math_used: DeviceMath | None = None) -> None:
+        self.args, self.kwargs, self.result, self.leaves, self.mapped, self.note = \
+            args, kwargs, result, leaves, mapped, note
+        self.math_used = math_used  # the part of the device's declared math its ops applied (same-dtype runs)
+
+
+def run_reference(func, cpu_args, cpu_kwargs, attempts, owned: set, grad_snaps: list) -> tuple[Reference | None, str]:
+    """The op on the CPU under the first cast in ``attempts`` its CPU kernels take; ``(None, error)`` if none does.
+
+    ``grad_snaps``: the host copies of the inputs whose gradients are compared (they become float64 leaves).
+    """
+    error = None
+    for cast, note in attempts:
+        leaves = {}
+        ordered = []
+        for snap in grad_snaps:
+            leaf = snap.to(dtype=cast.get(snap.dtype, snap.dtype), copy=True).requires_grad_()
+            leaves[id(snap)] = leaf
+            ordered.append(leaf)
+        mapped: dict = {}
+        args = recast(cpu_args, cast, owned, leaves, mapped)
+        kwargs = recast(cpu_kwargs, cast, owned, leaves, mapped)
+        try:
+            with torch.set_grad_enabled(bool(grad_snaps)), isolated():
+                result = func(*args, **kwargs)
+        except _ERRORS as e:
+            error = e
+            continue
+        return Reference(args, kwargs, result, ordered, mapped, note), ""
+    return None, f"{type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
+
+
+def run_same_dtype(func, cpu_args, cpu_kwargs, owned: set, math: DeviceMath, grad_snaps: list | tuple = ()):
+    """The op on the CPU in the device's dtypes, computing as the device declared (autocast, TF32); ``Reference``,
+    or None when the CPU has no kernel (then float32 rounded to the device's dtype, if that runs)."""
+    leaves = {id(s): s.detach().clone().requires_grad_() for s in grad_snaps}
+    mapped: dict = {}
+    args = recast(cpu_args, {}, owned, leaves, mapped)
+    kwargs = recast(cpu_kwargs, {}, owned, leaves, mapped)
+    used: set = set()
+    try:
+        with torch.set_grad_enabled(bool(grad_snaps)), isolated(), emulated(math, used):
+            result = func(*args, **kwargs)
+    except _ERRORS:
+        return None if grad_snaps else _rounded_float32(func, cpu_args, cpu_kwargs, owned, math)
+    return Reference(args, kwargs, result, [leaves[id(s)] for s in grad_snaps], mapped, "",
+                     math.only(used) if used else None)
+
+
+def meta_dtypes(func, cpu_args, cpu_kwargs, math: DeviceMath) -> tuple | None:
+    """The dtypes of the op's tensor outputs as a correct run in the device's dtypes and math gives them, from a
+    run on meta tensors (no computation); None when the op has no meta kernel."""
+    to_meta = functools.partial(map_tensors, fn=lambda t: t.detach().to("meta"))
+    try:
+        with torch.no_grad(), isolated(), emulated(math):
+            result = func(*to_meta(cpu_args), **to_meta(cpu_kwargs))
+    except Exception:  # noqa: BLE001 - no meta kernel, or a data-dependent op: the same-dtype run decides
+        return None
+    return tuple(t.dtype for t in iter_tensors(result))
+
+
+def _rounded_float32(func, cpu_args, cpu_kwargs, owned: set, math: DeviceMath):
+    """No CPU kernel in the device's dtype: float32 rounded to it is what a correct implementation gives."""
+    narrow = _first_low_precision(cpu_args, cpu_kwargs) or math.autocast_dtype
+    wide = {dtype: torch.float32 for dtype in (torch.float16, torch.bfloat16)}
+    mapped: dict = {}
+    args = recast(cpu_args, wide, owned, None, mapped)
+    kwargs = recast(cpu_kwargs, wide, owned, None, mapped)
+    used: set = set()
+    try:
+        with torch.no_grad(), isolated(), emulated(math, used):
+            result = func(*args, **kwargs)
+    except _ERRORS:
+        return None
+    if narrow is not None:
+        result = map_tensors(result, lambda t: t.to(narrow) if t.dtype == torch.float32 else t)
+        mapped = {k: v.to(narrow) if v.dtype == torch.float32 else v for k, v in mapped.items()}
+    return Reference(args, kwargs, result, [], mapped, "", math.only(used) if used else None)
+
+
+def _first_low_precision(*objs) -> torch.dtype | None:
+    for obj in objs:
+        for t in iter_tensors(obj):
+            if t.dtype in (torch.float16, torch.bfloat16):
+                return t.dtype
+    return None
+
+
+def reference_backward(outputs: list[torch.Tensor], leaves: list, upstream: tuple, math: DeviceMath | None = None) \
+        -> tuple:
+    """Gradients of ``leaves`` for ``upstream`` gradients of ``outputs`` (cast to each output's dtype); with ``math``,
+    the backward kernels compute as the device declared (a same-dtype run's backward)."""
+    pairs = [(o, g.to(o.dtype)) for o, g in zip(outputs, upstream)
+             if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+    live = [leaf for leaf in leaves if leaf is not None]
+    if not pairs or not live:
+        return tuple(None for _ in leaves)
+    with isolated(), emulated(math or DeviceMath()):
+        grads = iter(_grad(tuple(o for o, _ in pairs), tuple(live), tuple(g for _, g in pairs)))
+    return tuple(None if leaf is None else next(grads) for leaf in leaves)
+
+
+# torch.autograd.grad's checks and conversions cost about as much as a small op's float64 backward; the engine's
+# entry (PyTorch >= 2.3) is taken where those checks hold by construction (one gradient per output, same shapes)
+_engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+
+def _grad(outputs: tuple, inputs: tuple, grads: tuple) -> tuple:
+    if _engine_run_backward is None or any(o.shape != g.shape for o, g in zip(outputs, grads)):
+        return torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
+    return _engine_run_backward(outputs, grads, False, False, inputs, True, accumulate_grad=False)

@@ -1,0 +1,191 @@
+"""Two run recordings compared: aligned rows, each pair's verdict, the first divergences, a summary per module."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ...config.variables import COMPARE_RUNS_CARRIED_GROWTH, COMPARE_RUNS_DEPTH_SCALE, COMPARE_RUNS_TOLERANCES
+from ...output.run_recording import read_recording
+from .alignment import PHASE_SIDES, Row, align, tensors
+from .verdict import DEFAULT_TOLERANCES, difference, precision_of, tolerance_key
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerances:
+    """Relative tolerances by precision (``exact`` for integer-only calls) and their growth with depth."""
+
+    by_dtype: dict[str, float]
+    depth_scale: int
+    carried_growth: float
+
+    @classmethod
+    def from_env(cls) -> Tolerances:
+        return cls({**DEFAULT_TOLERANCES, **COMPARE_RUNS_TOLERANCES.read(), "exact": 0.0},
+                   COMPARE_RUNS_DEPTH_SCALE.read(), COMPARE_RUNS_CARRIED_GROWTH.read())
+
+    def at(self, precision: int | None, depth: int) -> float:
+        base = self.by_dtype[tolerance_key(precision)]
+        return base if not self.depth_scale else base * math.sqrt(1 + depth / self.depth_scale)
+
+
+@dataclasses.dataclass
+class Comparison:
+    """The result of ``compare(run_a, run_b)``; ``rows`` in run A's order."""
+
+    header_a: dict
+    header_b: dict
+    rows: list[Row]
+    tolerances: Tolerances
+
+    @property
+    def divergences(self) -> list[Row]:
+        return [r for r in self.rows if r.diverged]
+
+    @property
+    def not_compared(self) -> list[Row]:
+        """Aligned pairs with no verdict, each with its reason (``Row.not_compared``)."""
+        return [r for r in self.rows if r.not_compared]
+
+    @property
+    def compared(self) -> list[Row]:
+        """Aligned pairs judged: agreeing or diverged."""
+        return [r for r in self.rows if not r.structural and not r.not_compared]
+
+    def unreadable(self) -> list[tuple[str, int, str]]:
+        """``(run label, damaged lines, the first)`` per run with lines that are no call's record: calls lost."""
+        return [(label, h.get("unreadable", 0), h.get("first_unreadable", ""))
+                for label, h in (("A", self.header_a), ("B", self.header_b)) if h.get("unreadable")]
+
+    def verdict(self) -> str:
+        """``"found"`` (a pair diverges), ``"unchecked"`` (none does, but some calls were not compared: pairs
+        without statistics, damaged lines) or ``"clean"``; the command's exit status (``cli.EXIT_STATUS``)."""
+        if self.divergences:
+            return "found"
+        return "unchecked" if self.not_compared or self.unreadable() else "clean"
+
+    @property
+    def structural(self) -> list[Row]:
+        return [r for r in self.rows if r.structural]
+
+    def first_divergence(self, phase: str | None = None) -> Row | None:
+        """The first aligned pair (in run A's order) that diverges, of ``phase`` if given."""
+        return next((r for r in self.rows if r.diverged and phase in (None, r.phase)), None)
+
+    def closest(self) -> Row | None:
+        """The aligned pair nearest to diverging: the largest difference relative to what it was allowed."""
+        growth = self.tolerances.carried_growth
+        return max((r for r in self.rows if not r.structural and r.tolerance + growth * r.carried > 0),
+                   key=lambda r: r.difference / (r.tolerance + growth * r.carried), default=None)
+
+    @property
+    def first_structural(self) -> Row | None:
+        return next((r for r in self.rows if r.structural), None)
+
+    def modules(self) -> list[dict]:
+        """Per module path, in order of first appearance: its calls, the largest relative difference of its
+        forward outputs and of its gradients (backward ``grad_inputs``), calls diverged and in one run only."""
+        out: dict[str, dict] = {}
+        for row in self.rows:
+            entry = out.setdefault(row.module, {"module": row.module, "calls": 0, "max_output_diff": 0.0,
+                                                "max_grad_diff": 0.0, "diverged": 0, "structural": 0,
+                                                "not_compared": 0})
+            entry["calls"] += 1
+            entry["diverged"] += row.diverged
+            entry["structural"] += row.structural
+            entry["not_compared"] += bool(row.not_compared)
+            if row.a is not None and row.b is not None and not row.not_compared:  # judged
+                side = PHASE_SIDES[row.phase][1]
+                worst = max((difference(x, y)[0] for x, y in _pairs(row.a.get(side, []), row.b.get(side, []))),
+                            default=0.0)
+                column = "max_grad_diff" if row.phase == "backward" else "max_output_diff"
+                entry[column] = max(entry[column], worst)
+        return list(out.values())
+
+
+def _pairs(xs: list[list], ys: list[list]) -> list[tuple[list, list]]:
+    """Tensors of two calls paired by their place in the arguments when both name the same places, else in order."""
+    if [x[0] for x in xs] == [y[0] for y in ys]:
+        return list(zip(xs, ys))
+    by_place = {y[0]: y for y in ys}
+    if all(x[0] in by_place for x in xs):
+        return [(x, by_place[x[0]]) for x in xs]
+    return list(zip(xs, ys))
+
+
+def _lowest_precision(row: Row) -> int | None:
+    ranks = [p for record in (row.a, row.b) if record is not None
+             for p in (precision_of(t[1]) for t in tensors(record)) if p is not None]
+    return min(ranks, default=None)
+
+
+def _largest(a: dict, b: dict, side: str) -> tuple[float, str]:
+    worst, detail = 0.0, ""
+    for x, y in _pairs(a.get(side, []), b.get(side, [])):
+        rel, stat = difference(x, y)
+        if rel > worst:
+            worst, detail = rel, f"{side}{x[0]} {stat}"
+    return worst, detail
+
+
+def _judge(rows: list[Row], tolerances: Tolerances) -> None:
+    """Each aligned pair's verdict (see verdict.py): its outputs' difference against the tolerance of the lowest
+    precision used so far (either run, from the start) at its depth (calls before it in its step in run A), plus
+    ``carried_growth`` times the difference its inputs carried in. A pair whose inputs differ beyond the tolerance
+    before any pair differed is a divergence too: what its inputs carry came from outside the recording."""
+    carried_precision: int | None = None
+    step_start: dict[int, int] = {}
+    forward_rows: dict[int, Row] = {}
+    seen_difference = False
+    for row in rows:
+        precision = _lowest_precision(row)
+        if precision is not None:
+            carried_precision = precision if carried_precision is None else min(carried_precision, precision)
+        if row.a is None or row.b is None:  # structural: nothing to compare
+            continue
+        unrecorded = [(label, r["unrecorded"]) for label, r in (("A", row.a), ("B", row.b)) if "unrecorded" in r]
+        if unrecorded:
+            row.not_compared = "; ".join(f"run {label} has no statistics ({why})" for label, why in unrecorded)
+            continue
+        into, out_of = PHASE_SIDES[row.phase]
+        try:
+            row.difference, row.detail = _largest(row.a, row.b, out_of)
+            carried = _largest(row.a, row.b, into)[0]
+        except Exception as e:  # noqa: BLE001 - a pair this comparison cannot judge: counted, named, not agreeing
+            row.difference, row.detail = 0.0, ""
+            row.not_compared = f"the comparison failed ({type(e).__name__}: {e})"
+            continue
+        if row.phase == "backward":  # a call's backward also reads its forward's inputs and outputs
+            forward = forward_rows.get(row.a["forward_seq"])
+            if forward is not None:
+                carried = max(carried, forward.carried, forward.difference)
+        else:
+            forward_rows[row.a["seq"]] = row
+        row.carried = carried
+        depth = row.a["seq"] - step_start.setdefault(row.step, row.a["seq"])
+        row.tolerance = tolerances.at(carried_precision, depth)
+        row.diverged = row.difference > row.tolerance + tolerances.carried_growth * carried or (
+            carried > row.tolerance and not seen_difference)
+        if row.diverged and row.difference <= row.tolerance:
+            row.detail = _largest(row.a, row.b, into)[1] + " (an input: the first difference of the runs)"
+        seen_difference = seen_difference or max(row.difference, carried) > row.tolerance
+
+
+def compare(run_a: str, run_b: str, tolerances: Tolerances | None = None, rank: int | None = None) -> Comparison:
+    """Align and compare two recordings (files, or folders holding one each; ``rank``: the ``rank<N>`` ones).
+
+    >>> result = compare("cpu_run/", "npu_run/")
+    >>> row = result.first_divergence()
+    >>> row.module, row.op, row.detail   # ('model.layers.1.mlp.act_fn', 'torch.nn.functional.silu', 'outputs[0] max')
+    """
+    tolerances = tolerances or Tolerances.from_env()
+    header_a, records_a = read_recording(run_a, rank)
+    header_b, records_b = read_recording(run_b, rank)
+
+    def close(x: list, y: list) -> bool:
+        precision = min((p for p in (precision_of(x[1]), precision_of(y[1])) if p is not None), default=None)
+        return difference(x, y)[0] <= tolerances.at(precision, 0)
+
+    rows = align(records_a, records_b, close)
+    _judge(rows, tolerances)
+    return Comparison(header_a, header_b, rows, tolerances)

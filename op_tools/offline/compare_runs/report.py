@@ -1,0 +1,110 @@
+"""The comparison as a console report and as CSV rows (the HTML view is html_view.py)."""
+
+from __future__ import annotations
+
+from ...output import reporting
+from .alignment import Row, tensors
+from .comparison import Comparison
+
+CSV_COLUMNS = ("row", "step", "phase", "module", "match", "index_a", "op_a", "index_b", "op_b", "difference",
+               "tolerance", "diverged", "detail", "dtypes_a", "dtypes_b", "shapes_a", "shapes_b", "seq_a", "seq_b",
+               "not_compared")
+
+
+def _describe(record: dict | None, field: int) -> str:
+    if record is None:
+        return ""
+    return " ".join(str(t[field]).replace(" ", "") for t in tensors(record))
+
+
+def csv_rows(result: Comparison) -> list[dict]:
+    out = []
+    for n, row in enumerate(result.rows):
+        a, b = row.a or {}, row.b or {}
+        judged = not row.structural and not row.not_compared
+        out.append({
+            "row": n, "step": row.step, "phase": row.phase, "module": row.module, "match": row.match,
+            "index_a": a.get("index", ""), "op_a": a.get("op", ""), "index_b": b.get("index", ""),
+            "op_b": b.get("op", ""), "difference": "" if not judged else f"{row.difference:.3g}",
+            "tolerance": "" if not judged else f"{row.tolerance:.3g}",
+            "diverged": int(row.diverged), "not_compared": row.not_compared,
+            "detail": row.detail, "dtypes_a": _describe(row.a, 1), "dtypes_b": _describe(row.b, 1),
+            "shapes_a": _describe(row.a, 2), "shapes_b": _describe(row.b, 2), "seq_a": a.get("seq", ""),
+            "seq_b": b.get("seq", ""),
+        })
+    return out
+
+
+def where(row: Row) -> str:
+    """``step 0 forward model.layers.1.mlp.act_fn #0 torch.nn.functional.silu``."""
+    record = row.record
+    return f"step {row.step} {row.phase} {row.module or '(no module)'} #{record['index']} {record['op']}"
+
+
+def unchecked_lines(result: Comparison) -> list[str]:
+    """What was not compared, as WARNING lines: pairs without a verdict (how many, the first, why), damaged lines
+    of each run (calls lost). Empty when every aligned pair was judged."""
+    lines = []
+    rows = result.not_compared
+    if rows:
+        lines.append(f"WARNING: {len(rows)} aligned pair{'s' if len(rows) != 1 else ''} not compared, the first "
+                     f"{where(rows[0])}: {rows[0].not_compared}")
+    for label, count, first in result.unreadable():
+        lines.append(f"WARNING: run {label}: {count} damaged line{'s' if count != 1 else ''} (calls not compared), "
+                     f"the first {first}")
+    return lines
+
+
+def verdict_lines(result: Comparison) -> list[str]:
+    """The first divergence per phase, the closest pair, the first structural difference; "none" is said only where
+    every aligned pair was compared (``unchecked_lines`` says what was not)."""
+    lines = []
+    damaged = ", and damaged lines" if result.unreadable() else ""  # calls of a phase no one knows
+    for phase in ("forward", "backward", "optimizer"):
+        row = result.first_divergence(phase)
+        if row is None and phase == "optimizer" and not any(r.phase == phase for r in result.rows):
+            continue
+        if row is None:
+            missed = sum(r.phase == phase for r in result.not_compared)
+            lines.append(f"first divergence in {phase}: none" if not missed and not damaged else
+                         f"first divergence in {phase}: none among the pairs compared ({missed} not compared"
+                         f"{damaged})")
+        else:
+            allowed = row.tolerance + result.tolerances.carried_growth * row.carried
+            lines.append(f"first divergence in {phase}: {where(row)}: {row.detail} differs by {row.difference:.3g}, "
+                         f"may by {allowed:.3g} (tolerance {row.tolerance:.3g}, inputs {row.carried:.3g})")
+    row = result.closest()
+    if row is not None and not result.divergences:
+        allowed = row.tolerance + result.tolerances.carried_growth * row.carried
+        lines.append(f"closest to diverging: {where(row)}: {row.detail} at {row.difference / allowed:.2f} of what "
+                     "it may differ by")
+    row = result.first_structural
+    lines.append("first structural difference: none" if row is None else
+                 f"first structural difference: {where(row)} runs in {row.match.removeprefix('only ')} only")
+    return lines
+
+
+def console_report(result: Comparison, saved: list[str]) -> str:
+    counts: dict[str, int] = {}
+    for row in result.rows:
+        counts[row.match] = counts.get(row.match, 0) + 1
+    lines = []
+    for label, header in (("A", result.header_a), ("B", result.header_b)):
+        complete = "" if header["complete"] else " (partial: the run did not stop its tool" + (
+            "; its last line was cut short)" if header.get("cut") else ")")
+        lines.append(f"run {label}: {header['path']}  torch {header['torch']}{complete}")
+    compared, diverged = len(result.compared), len(result.divergences)
+    lines.append("aligned: " + ", ".join(f"{counts.get(m, 0)} {m}" for m in ("exact", "name", "similar"))
+                 + f"; in A only: {counts.get('only A', 0)}; in B only: {counts.get('only B', 0)}; "
+                 + f"compared: {compared} ({compared - diverged} agree, {diverged} diverged); "
+                 + f"not compared: {len(result.not_compared)}"
+                 + "".join(f"; damaged lines in {label}: {n}" for label, n, _ in result.unreadable()))
+    lines += verdict_lines(result)
+    modules = [m for m in result.modules() if m["diverged"] or m["structural"] or m["not_compared"]]
+    if modules:
+        table_rows = [{**m, "module": m["module"] or "(no module)", "max_output_diff": f"{m['max_output_diff']:.3g}",
+                       "max_grad_diff": f"{m['max_grad_diff']:.3g}"} for m in modules]
+        lines.append("modules with divergent, unmatched or uncompared calls:")
+        lines.append(reporting.table(table_rows).get_string())
+    lines += [f"saved {path}" for path in saved]
+    return "\n".join(lines + unchecked_lines(result))  # last: what the verdict could not cover

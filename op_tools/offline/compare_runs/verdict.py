@@ -1,0 +1,76 @@
+"""How far apart two recorded tensors are, from their statistics alone, and how far is too far.
+
+``difference(a, b)`` is the largest of: the change of the minimum and of the maximum relative to their own size,
+the change of the mean relative to the tensors' RMS, the relative change of the norm, and the root mean square
+change of the fingerprints relative to the RMS, an estimate of the elementwise difference (tensor_stats.py).
+Elementwise noise of a relative size ``r`` moves the extremes and that estimate by about ``r``; a different count
+of nan or inf is an infinite difference.
+
+The tolerance of a pair of calls (comparison.py applies it) is the base tolerance of the lowest floating precision
+involved, the pair's own dtypes or any used before it in either run (error carried from a bfloat16 matmul into
+the float32 ops after it), grown with depth: ``base * sqrt(1 + depth / OP_COMPARE_RUNS_DEPTH_SCALE)``, ``depth``
+the number of calls before it in its step; a pair diverges when its outputs differ by more than that plus
+``OP_COMPARE_RUNS_CARRIED_GROWTH`` times what its inputs carried. Defaults: ``DEFAULT_TOLERANCES`` (as
+``OP_COMPARE_RUNS_TOLERANCES`` declares them in op_tools/config/variables.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ...config.variables import COMPARE_RUNS_TOLERANCES, parse_dtype_tolerances
+from ...numerics.tensor_stats import STAT_FIELDS
+
+_MIN, _MAX, _MEAN, _NORM, _NAN, _INF, _FINGERPRINTS = range(7)  # fingerprints: from index 6 on
+_STATS_AT = 3  # a recorded tensor is [where, dtype, shape, *stats]
+
+# Lower is less precise. Integer and bool tensors are compared exactly.
+PRECISION = {"float64": 4, "float32": 3, "complex64": 3, "complex128": 4, "float16": 2, "bfloat16": 1,
+             "float8_e4m3fn": 0, "float8_e5m2": 0}
+# One source for the defaults: the variable's declared default.
+DEFAULT_TOLERANCES = parse_dtype_tolerances(COMPARE_RUNS_TOLERANCES.default)
+
+
+def precision_of(dtype: str) -> int | None:
+    """Rank of a floating dtype (lower: less precise), None for integer and bool dtypes."""
+    if dtype in PRECISION:
+        return PRECISION[dtype]
+    return 0 if dtype.startswith("float8") else None
+
+
+def tolerance_key(precision: int | None) -> str:
+    return {None: "exact", 4: "float64", 3: "float32", 2: "float16", 1: "bfloat16", 0: "float8"}[precision]
+
+
+def _close(x: float, y: float) -> bool:
+    return x == y or (math.isnan(x) and math.isnan(y))
+
+
+def difference(a: list, b: list) -> tuple[float, str]:
+    """``(relative difference, which statistic)`` of two recorded tensors; ``(0, "")`` for equal ones."""
+    sa, sb = a[_STATS_AT:], b[_STATS_AT:]
+    if not sa or not sb:
+        return (0.0, "") if not sa and not sb else (math.inf, "empty in one run")
+    if sa[_NAN] != sb[_NAN] or sa[_INF] != sb[_INF]:
+        return math.inf, f"nan/inf {int(sa[_NAN])}/{int(sa[_INF])} vs {int(sb[_NAN])}/{int(sb[_INF])}"
+    numel_a, numel_b = math.prod(a[2]), math.prod(b[2])
+    rms = max(sa[_NORM] / math.sqrt(max(numel_a, 1)), sb[_NORM] / math.sqrt(max(numel_b, 1)))
+    worst, which = 0.0, ""
+    for field, scale in ((_MIN, None), (_MAX, None), (_MEAN, rms), (_NORM, None)):
+        x, y = sa[field], sb[field]
+        if _close(x, y):
+            continue
+        if not (math.isfinite(x) and math.isfinite(y)):
+            if sa[_NAN] or sa[_INF]:  # the same nan/inf counts: the other statistics say nothing more
+                continue
+            return math.inf, STAT_FIELDS[field]
+        denominator = max(abs(x), abs(y), rms) if scale is None else scale
+        rel = abs(x - y) / denominator if denominator > 0 else math.inf
+        if rel > worst:
+            worst, which = rel, STAT_FIELDS[field]
+    deltas = [x - y for x, y in zip(sa[_FINGERPRINTS:], sb[_FINGERPRINTS:])]
+    if deltas and rms > 0 and all(math.isfinite(d) for d in deltas):
+        rel = math.sqrt(sum(d * d for d in deltas) / len(deltas)) / rms
+        if rel > worst:
+            worst, which = rel, "fingerprints"
+    return worst, which

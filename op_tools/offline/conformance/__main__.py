@@ -1,0 +1,8 @@
+"""``python -m op_tools.conformance``: see ``op_tools.offline.conformance.cli``."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,452 @@
+"""Offline replay of captured calls: find them on disk, load them as data, rerun them on a device.
+
+A captured call is a folder holding ``input.pth`` (and, when they were captured, ``output.pth``,
+``grad_inputs.pth``, ``grad_outputs.pth``), as written by
+
+- OpCapture: ``op_capture_results/<op>/<pid>/<forward_id>/<time>/``;
+- OpAutoCompare for a failing call: ``op_capture_results/<op>/<pid>/autocompare/<forward_id>/<time>/device/``
+  (its ``cpu/`` sibling holds the CPU side and is not replayed on its own).
+
+Files are loaded with ``torch.load(weights_only=True)`` only: a capture is data, and a file that
+asks the unpickler for anything but tensors and plain values is refused without running it. The op
+is looked up by its recorded name, and only torch operators are run unless a third-party package
+is allowed by name (``allowed_modules``): a name in a file must not be able to call ``os.system``.
+
+>>> entries = find_entries("op_tools_results/op_capture_results")
+>>> results = [replay(e, "cuda", ReplayOptions(run_times=10, time=True, acc_check=True)) for e in entries]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import pickle
+import re
+import statistics
+import time
+import zipfile
+from typing import Any
+
+import torch
+
+from ..numerics.comparison import ToleranceSpec, compare_outputs
+from ..numerics.device_math import DeviceMath, emulated
+from ..numerics.device_timing import device_synchronizer
+from ..numerics.reference import DEFAULT_CAST, attempts_for
+from ..ops.arguments import iter_tensors, map_tensors
+from ..ops.naming import function_from_name
+from ..ops.random_calls import random_reason
+from ..ops.writes import call_writes
+from ..output.capture_format import AUTOCAST_KEY, load_op_args
+
+ENTRY_FILES = ("input.pth", "output.pth", "grad_inputs.pth", "grad_outputs.pth")
+
+class ReplayError(Exception):
+    """One entry cannot be replayed; the message says why, for the user."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One captured call on disk."""
+
+    directory: str
+    label: str          # the directory relative to the folder searched
+    kind: str           # "capture" or "autocompare"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayOptions:
+    run_times: int = 1
+    backward: bool = True
+    time: bool = False
+    acc_check: bool = False
+    allowed_modules: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class ReplayResult:
+    entry: Entry
+    name: str = ""
+    status: str = "ok"          # ok, mismatch (acc_check failed), reference error (the CPU reference raised), error
+    error: str = ""
+    device: str = ""
+    shapes: str = ""            # the tensor inputs' shapes and dtypes, in argument order
+    dtypes: str = ""
+    forward_ms: list[float] = dataclasses.field(default_factory=list)
+    backward_ms: list[float] = dataclasses.field(default_factory=list)
+    checks: list[dict] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return self.status != "ok"
+
+
+# --- finding entries ---
+
+def find_entries(root: str) -> list[Entry]:
+    """Every captured call under ``root`` (a folder of captures, one call's folder, or one call's ``input.pth``), in
+    path order."""
+    if os.path.isfile(root) and os.path.basename(root) in ENTRY_FILES:
+        root = os.path.dirname(root) or "."
+    elif os.path.isfile(root):
+        raise ReplayError(f"{root}: not a folder of captures nor a capture file ({', '.join(ENTRY_FILES)})")
+    elif not os.path.isdir(root):
+        raise ReplayError(f"{root}: no such file or directory")
+    entries = []
+    for directory, subdirs, files in os.walk(root):
+        subdirs.sort(key=_natural_key)
+        if not any(f in ENTRY_FILES for f in files):
+            continue
+        parent, base = os.path.split(directory)
+        if base == "cpu" and os.path.isdir(os.path.join(parent, "device")):
+            continue  # OpAutoCompare's CPU side of a device/ entry
+        parts = os.path.normpath(directory).split(os.sep)
+        kind = "autocompare" if base == "device" and "autocompare" in parts else "capture"
+        label = os.path.relpath(directory, root)
+        entries.append(Entry(directory, "." if label == "." else label, kind))
+    return entries
+
+
+def _natural_key(text: str):
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+# --- loading: data only ---
+
+def load_file(path: str) -> dict:
+    """``load_op_args(path)`` with every way a file can be bad turned into a ReplayError that says which."""
+    if not os.path.exists(path):
+        raise ReplayError(f"missing file {path}")
+    try:
+        return load_op_args(path)
+    except pickle.UnpicklingError as e:
+        wanted = re.search(r"Unsupported (?:global|operand)[^\n]*", str(e))
+        detail = f" ({wanted.group(0).strip()})" if wanted else ""
+        raise ReplayError(
+            f"refused {path}: not plain tensor data{detail}. torch.load(weights_only=True) rejected it, so "
+            "nothing in it ran; OpCapture never writes such a file: it was made or changed by something else"
+        ) from None
+    except FileNotFoundError as e:
+        raise ReplayError(f"{path} refers to a tensor stored once in {e.filename}, which is missing (OpCapture "
+                          "stores a tensor seen again by reference: move or copy the whole capture folder)") from None
+    except (EOFError, zipfile.BadZipFile) as e:
+        raise ReplayError(f"corrupt or truncated file {path} ({type(e).__name__}: {e or 'ends early'})") from None
+    except RuntimeError as e:
+        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ReplayError(f"corrupt or truncated file {path} ({first_line})") from None
+    except (OSError, KeyError, IndexError, TypeError, ValueError) as e:
+        raise ReplayError(f"cannot read {path} ({type(e).__name__}: {e})") from None
+
+
+def _load_optional(path: str) -> dict | None:
+    return load_file(path) if os.path.exists(path) else None
+
+
+# --- resolving names: torch operators only, unless a package is allowed ---
+
+@functools.cache
+def _overridable_names() -> frozenset:
+    from torch.overrides import get_overridable_functions, resolve_name
+
+    names = set()
+    for functions in get_overridable_functions().values():
+        for f in functions:
+            name = resolve_name(f)
+            if name:
+                names.add(name)
+    return frozenset(names)
+
+
+_ATEN_NAMESPACES = {"torch": "_VariableFunctions", "torch._C._nn": "_nn", "torch._C._linalg": "_linalg",
+                    "torch._C._special": "_special", "torch._C._fft": "_fft"}
+
+
+def is_torch_operator(name: str) -> bool:
+    """An op ``torch.overrides`` knows (what OpCapture intercepts) or an aten binding: never ``torch.save``,
+    ``torch.load`` or ``torch.hub.load``, which read files or run code."""
+    if name in _overridable_names() or name.startswith("torch.ops."):
+        return True
+    namespace, _, short = name.rpartition(".")
+    binding = _ATEN_NAMESPACES.get(namespace)
+    return binding is not None and hasattr(getattr(torch._C, binding), short)
+
+
+def resolve_op(name: str, allowed_modules: tuple[str, ...] = ()):
+    """The function a capture names, if it may run: a torch operator, or in a package the user allowed."""
+    if not isinstance(name, str) or not name:
+        raise ReplayError(f"the capture names no op ({name!r})")
+    top = name.split(".")[0]
+    if top != "torch" and top not in allowed_modules:  # refused before importing anything it names
+        raise ReplayError(f"refused op name {name!r}: not a torch op; to run a function of package {top!r}, "
+                          f"allow it with --allow_module {top}")
+    try:
+        func = function_from_name(name)[2]
+    except ValueError as e:
+        raise ReplayError(f"unknown op {name!r}: {e}") from None
+    if top == "torch" and not is_torch_operator(name):
+        raise ReplayError(f"refused op name {name!r}: not a torch operator (a capture names operators only)")
+    return func
+
+
+# --- running ---
+
+def replay(entry: Entry, device: str | torch.device, options: ReplayOptions) -> ReplayResult:
+    """Load ``entry``, rerun its op on ``device`` ``options.run_times`` times (and backward), check it if asked.
+
+    Never raises for a bad entry: the result's ``status`` and ``error`` say what went wrong.
+    """
+    result = ReplayResult(entry, device=str(device))
+    try:
+        _replay(entry, torch.device(device), options, result)
+    except ReplayError as e:
+        result.status, result.error = "error", str(e)
+    except Exception as e:  # the op itself raised: that is a finding, reported with the op's own words
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        result.status, result.error = "error", f"{result.name or 'op'} raised {type(e).__name__}: {first_line}"
+    return result
+
+
+def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: ReplayResult) -> None:
+    data = load_file(os.path.join(entry.directory, "input.pth"))
+    result.name = name = data.get("name", "")
+    func = resolve_op(name, options.allowed_modules)
+    args, kwargs = tuple(data.get("args", ())), dict(data.get("kwargs") or {})
+    tensors = [*iter_tensors(args), *iter_tensors(kwargs)]
+    result.shapes = " ".join(str(list(t.shape)) for t in tensors)
+    result.dtypes = " ".join(str(t.dtype).removeprefix("torch.") for t in tensors)
+    if name.endswith(("__getitem__", "__setitem__")) and len(args) > 1:
+        args = (args[0], decode_index(args[1]), *args[2:])
+    saved_output = _load_optional(os.path.join(entry.directory, "output.pth"))
+    saved_grads = _load_optional(os.path.join(entry.directory, "grad_outputs.pth")) if options.backward else None
+    upstream = tuple(saved_grads["args"]) if saved_grads else ()
+
+    on_device = functools.partial(map_tensors, fn=lambda t: t.to(device))
+    device_args, device_kwargs = on_device(args), on_device(kwargs)
+    device_upstream = on_device(upstream)
+    sync = _synchronizer(device)
+    inplace = not call_writes(name).never  # every run writes copies of the captured values, never them
+    autocast = _autocast(data.get(AUTOCAST_KEY), device, result)
+    backward = options.backward
+    first = None
+    # With timing asked for, one untimed run first: the first call pays one-time costs (lazy init,
+    # allocator growth, kernel selection) that would skew the mean of a few runs.
+    warmup = 1 if options.time else 0
+    runs, run = warmup + max(options.run_times, 1), 0
+    while run < runs:
+        call_args, call_kwargs, leaves = _prepare(device_args, device_kwargs, backward, inplace)
+        sync()
+        start = time.perf_counter_ns()
+        try:
+            with autocast():
+                output = func(*call_args, **call_kwargs)
+        except RuntimeError as e:
+            if not (backward and _no_derivative(e)):
+                raise
+            backward = False  # an op without a gradient formula (GradScaler's _amp_update_scale_): forward only
+            result.notes.append("no backward: the op has no derivative")
+            continue  # the same run again, forward only
+        sync()
+        if run >= warmup:
+            result.forward_ms.append((time.perf_counter_ns() - start) / 1e6)
+        grads = None
+        if backward:
+            roots = [t for t in iter_tensors(output) if t.grad_fn is not None]
+            if roots:
+                upstream_grads = _upstream(roots, device_upstream, result)
+                sync()
+                start = time.perf_counter_ns()
+                try:
+                    torch.autograd.backward(roots, upstream_grads)
+                except RuntimeError as e:  # some backends refuse such an op only in backward (a node that raises)
+                    if not _no_derivative(e):
+                        raise
+                    backward = False
+                    result.notes.append("no backward: the op has no derivative")
+                    if run >= warmup:
+                        result.forward_ms.pop()
+                    continue  # the same run again, forward only
+                sync()
+                if run >= warmup:
+                    result.backward_ms.append((time.perf_counter_ns() - start) / 1e6)
+                grads = [leaf.grad for leaf in leaves]
+        if first is None:
+            first = (output, grads)
+        run += 1
+    if backward and not result.backward_ms:
+        result.notes.append("no backward: no output depends on an input that required grad when captured")
+    if options.acc_check:
+        reason = random_reason(name, args, kwargs)
+        if reason is not None:
+            result.notes.append("random draws: accuracy not checked (a rerun draws other numbers)")
+            return
+        with autocast():
+            math = DeviceMath.of(device)  # the replay device's declared math, under the captured autocast
+        _check(func, args, kwargs, upstream, inplace, first, saved_output, options, result, math)
+        if result.status == "ok" and any(not c["ok"] for c in result.checks):
+            result.status = "mismatch"
+
+
+def _no_derivative(error: RuntimeError) -> bool:
+    """PyTorch's error for an op without a gradient formula (``derivative for aten::X is not implemented``)."""
+    return "derivative for" in str(error) and "not implemented" in str(error)
+
+
+_SLICE_TEXT = re.compile(r"slice\((-?\d+|None), (-?\d+|None), (-?\d+|None)\)")
+
+
+def decode_index(index):
+    """An indexing argument as OpCapture stores it (slices and ``...`` as their repr, since ``weights_only`` loading
+    allows neither) back to Python objects; only those exact forms are decoded, nothing is evaluated."""
+    if isinstance(index, (list, tuple)) and not isinstance(index, torch.Size):
+        items = [decode_index(v) for v in index]
+        return items if isinstance(index, list) else tuple(items)
+    if index == "Ellipsis":
+        return Ellipsis
+    if isinstance(index, str):
+        match = _SLICE_TEXT.fullmatch(index)
+        if match:
+            return slice(*(None if g == "None" else int(g) for g in match.groups()))
+    return index
+
+
+def _synchronizer(device: torch.device):
+    if device.type == "cpu":
+        return lambda: None
+    sync = device_synchronizer(device)
+    return lambda: sync(device)
+
+
+def _prepare(args, kwargs, with_grad: bool, inplace: bool):
+    """Fresh inputs for one run: the tensors that required grad when captured become leaves (for backward); an op
+    that writes an argument gets copies, so that every run sees the captured values and a leaf is never written."""
+    leaves: list[torch.Tensor] = []
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        if with_grad and t.requires_grad and (t.is_floating_point() or t.is_complex()):
+            leaf = t.detach().clone().requires_grad_(True)
+            leaves.append(leaf)
+            return leaf.clone() if inplace else leaf
+        if t.requires_grad:  # forward only: no graph (an op without a derivative formula would refuse to run)
+            t = t.detach()
+        return t.clone() if inplace else t
+
+    return map_tensors(args, fresh), map_tensors(kwargs, fresh), leaves
+
+
+def _upstream(roots: list, captured: tuple, result: ReplayResult) -> list:
+    """The captured upstream gradients where they fit the outputs; ones otherwise (noted)."""
+    grads = [g for g in captured if g is None or isinstance(g, torch.Tensor)]
+    if len(grads) == len(roots) and all(g is None or g.shape == r.shape for g, r in zip(grads, roots)):
+        return [torch.zeros_like(r) if g is None else g.to(r.dtype) for g, r in zip(grads, roots)]
+    if not result.notes or "ones" not in result.notes[-1]:
+        result.notes.append("backward with ones as upstream gradients" + (" (captured ones do not fit)"
+                                                                           if captured else ""))
+    return [torch.ones_like(r) for r in roots]
+
+
+# --- accuracy: OpAutoCompare's verdict ---
+
+def _autocast(state: dict | None, device: torch.device, result: ReplayResult):
+    """A context re-entering the autocast a call was captured under (on the replay device), or none."""
+    if not state:
+        return contextlib.nullcontext
+    dtype = getattr(torch, str(state.get("dtype", "")), None)
+    if not isinstance(dtype, torch.dtype):
+        result.notes.append(f"captured under autocast with an unknown dtype {state.get('dtype')!r}: replayed without")
+        return contextlib.nullcontext
+    result.notes.append(f"replayed under autocast {state['dtype']}")
+    return functools.partial(torch.autocast, device.type, dtype=dtype)
+
+
+def _check(func, args, kwargs, upstream, inplace, first, saved_output, options, result,
+           math: DeviceMath | None = None) -> None:
+    output, grads = first
+    with_grad = grads is not None
+    tolerance = ToleranceSpec.from_env()  # the user's AUTOCOMPARE_ERROR_TOLERANCE* variables, as OpAutoCompare
+
+    def same_dtype():  # the CPU in the device's dtypes, computing as the device declared (as OpAutoCompare)
+        with emulated(math or DeviceMath()):
+            return _cpu_run(func, args, kwargs, upstream, inplace, with_grad, {})
+
+    reference, error = None, None
+    for cast, note in attempts_for(DEFAULT_CAST):  # float64; float32 or the device's dtype where the CPU lacks it
+        try:
+            reference = _cpu_run(func, args, kwargs, upstream, inplace, with_grad, cast)
+        except Exception as e:  # noqa: BLE001 - the next cast, or the error reported below
+            error = e
+            continue
+        if note:
+            result.notes.append(note)
+        break
+    if reference is None:  # no verdict: the op ran on the device, the CPU could not say what it should give
+        result.status = "reference error"
+        result.error = (f"the CPU reference raised {type(error).__name__}: "
+                        f"{(str(error).strip().splitlines() or [''])[0]}")
+        return
+    same_cache: list = []
+
+    def same():
+        if not same_cache:
+            same_cache.append(same_dtype())
+        return same_cache[0]
+
+    result.checks.append(_verdict("output vs cpu float64", compare_outputs(
+        output, reference[0], lambda: same()[0], tolerance, op_name=result.name, prefix="output")))
+    if with_grad:
+        result.checks.append(_verdict("grad vs cpu float64", compare_outputs(
+            grads, reference[1], lambda: same()[1], tolerance, op_name=result.name, prefix="grad")))
+    if saved_output is not None:
+        saved = tuple(saved_output.get("args", ()))
+        actual = tuple(output) if isinstance(output, (list, tuple)) else (output,)
+        result.checks.append(_verdict("output vs captured output", compare_outputs(
+            actual, saved, None, tolerance, op_name=result.name, prefix="output")))
+
+
+def _cpu_run(func, args, kwargs, upstream, inplace, with_grad, cast: dict):
+    """The op on the CPU, its inputs' dtypes through ``cast``: (output, input grads)."""
+    convert = functools.partial(map_tensors, fn=lambda t: _to_cpu(t, cast))
+    call_args, call_kwargs, leaves = _prepare(convert(args), convert(kwargs), with_grad, inplace)
+    output = func(*call_args, **call_kwargs)
+    if not with_grad:
+        return output, None
+    roots = [t for t in iter_tensors(output) if t.grad_fn is not None]
+    if roots:
+        torch.autograd.backward(roots, _upstream(roots, convert(tuple(upstream)), ReplayResult(Entry("", "", ""))))
+    return output, [leaf.grad for leaf in leaves]
+
+
+def _to_cpu(t: torch.Tensor, cast: dict) -> torch.Tensor:
+    """``t`` on the CPU, its dtype through ``cast``, a new tensor requiring grad where ``t`` did."""
+    cpu = t.detach().to(device="cpu", dtype=cast.get(t.dtype, t.dtype))
+    return cpu.requires_grad_() if t.requires_grad else cpu
+
+
+def _verdict(check: str, comparisons: list) -> dict:
+    failed = [c for c in comparisons if not c.passed]
+    worst = max((c.max_relative_diff for c in comparisons if c.max_relative_diff == c.max_relative_diff),
+                default=0.0)
+    if failed:
+        detail = "; ".join(f"{c.name}: {c.error_info or 'differs'}" for c in failed[:3])
+        return {"check": check, "ok": False, "detail": detail}
+    return {"check": check, "ok": True, "detail": f"max relative diff {worst:.3g}"}
+
+
+def summary_row(r: ReplayResult) -> dict[str, Any]:
+    """One entry of the summary: what ran (op, inputs, device), the verdict, and its times (ms) over the runs."""
+    failed_check = next((c for c in r.checks if not c["ok"]), None)
+    checks = "; ".join(f"{c['check']}: {'pass' if c['ok'] else 'FAIL'}" for c in r.checks)
+    return {"entry": r.entry.label, "name": r.name, "shapes": r.shapes, "dtypes": r.dtypes, "device": r.device,
+            "status": r.status, "runs": len(r.forward_ms), **_time_columns("forward", r.forward_ms),
+            **_time_columns("backward", r.backward_ms), "checks": checks,
+            "detail": r.error or (f"{failed_check['check']}: {failed_check['detail']}" if failed_check else "")
+            or "; ".join(r.notes)}
+
+
+def _time_columns(phase: str, values: list[float]) -> dict[str, Any]:
+    if not values:
+        return {f"{phase}_mean_ms": "", f"{phase}_median_ms": "", f"{phase}_min_ms": ""}
+    return {f"{phase}_mean_ms": round(statistics.fmean(values), 6),
+            f"{phase}_median_ms": round(statistics.median(values), 6), f"{phase}_min_ms": round(min(values), 6)}

@@ -1,0 +1,256 @@
+"""The files op_tools writes: where (``OP_TOOLS_RESULTS_DIR``, per rank), how (atomically, with the mode the umask
+gives a new file, in the background where a step should not wait) and the tally of a session's files for its
+closing line. Messages and tables are ``reporting``'s.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import os
+import queue
+import tempfile
+import threading
+import time
+from typing import Any, Callable, TextIO
+
+import torch
+
+from ..config.variables import PROGRESS, CommonConfig
+from .reporting import logger, progress_bar
+
+_sessions = itertools.count(1)
+
+
+def session_stem() -> str:
+    """``pid<pid>_<local time>_<n>``: names a tool session's files, unique per process and session (``n`` counts
+    the sessions of this process, so sessions started within one second never overwrite each other)."""
+    return f"pid{os.getpid()}_{time.strftime('%Y-%m-%d-%H-%M-%S', time.localtime())}_{next(_sessions)}"
+
+
+def results_path(config: CommonConfig, folder: str, *parts: str) -> str:
+    """``<OP_TOOLS_RESULTS_DIR>/<folder>[/rank<N>]/<parts...>``: the rank appears only under torchrun."""
+    rank = () if config.rank is None else (f"rank{config.rank}",)
+    return os.path.join(config.results_dir, folder, *rank, *parts)
+
+
+def prepare_results_folder(config: CommonConfig, folder: str, tool: str) -> str:
+    """Create ``<OP_TOOLS_RESULTS_DIR>/<folder>[/rank<N>]`` and probe it for writing, at a tool's start: a folder that
+    cannot be written is an ``OSError`` naming the variable and the path before any work, not lost results at the
+    end."""
+    path = results_path(config, folder)
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise OSError(f"{tool} cannot write its results in {path} (OP_TOOLS_RESULTS_DIR={config.results_dir!r}): "
+                      f"{type(e).__name__}: {e.strerror or e}; set OP_TOOLS_RESULTS_DIR to a folder this process "
+                      "can write") from e
+    return path
+
+
+def _new_file_mode() -> int:
+    """``0o666`` less the process umask, read once at import (setting the umask to read it is racy in threads;
+    Linux shows it in /proc without changing it)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+FILE_MODE = _new_file_mode()
+
+
+class Tally:
+    """The files a tool session wrote: count, bytes, and the folder holding them (for its closing line): the tool's
+    results folder ``root``, or the one holding it and every other folder written."""
+
+    PROGRESS_AFTER = 2.0  # seconds of writing before a progress bar appears: short runs never show one
+    PROGRESS_EVERY = 0.5  # seconds between redraws: a clock read per file, a redraw twice a second
+
+    def __init__(self, root: str | None = None, label: str = "") -> None:
+        self.files = 0
+        self.bytes = 0
+        self._folders: set[str] = {os.path.abspath(root)} if root else set()
+        self._lock = threading.Lock()
+        # with a label: a progress bar (progress_bar's conditions) once writing lasts; OP_TOOLS_PROGRESS read now
+        self._label = label if label and PROGRESS.read() else ""
+        self._next_draw = time.monotonic() + self.PROGRESS_AFTER
+        self._bar = None
+
+    def add(self, path: str, size: int) -> int:
+        with self._lock:
+            self.files += 1
+            self.bytes += size
+            self._folders.add(os.path.dirname(path))  # made absolute in describe(): a file costs ~1 µs here
+            if self._label:
+                now = time.monotonic()
+                if now >= self._next_draw:
+                    self._next_draw = now + self.PROGRESS_EVERY
+                    self._draw()
+        return size
+
+    def _draw(self) -> None:
+        if self._bar is None:
+            self._bar = progress_bar(None, self._label, unit=" files")
+            if self._bar is None:
+                self._label = ""  # not shown here: no more clock reads
+                return
+        self._bar.n = self.files
+        self._bar.set_postfix_str(human_size(self.bytes), refresh=False)
+        self._bar.refresh()
+
+    def close(self) -> None:
+        """Remove the progress bar, if one was shown."""
+        with self._lock:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+
+    def describe(self) -> str:
+        """``wrote 12 files (3.4 MB) in <folder>``, or ``wrote no file``."""
+        if not self.files:
+            return "wrote no file"
+        with self._lock:
+            folder = os.path.commonpath(sorted({os.path.abspath(f) for f in self._folders}))
+        shown = os.path.relpath(folder) if not os.path.relpath(folder).startswith("..") else folder
+        return f"wrote {self.files} file{'s' if self.files != 1 else ''} ({human_size(self.bytes)}) in {shown}"
+
+
+def human_size(size: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return ""
+
+
+def write_atomic(path: str, write: Callable[[Any], None], mode: str = "w") -> int:
+    """Call ``write(file)`` on a temporary file beside ``path``, then move it into place; return the bytes written.
+    The file gets the mode the umask gives a new file (``mkstemp`` makes its files 0600)."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd, temp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, FILE_MODE)
+        binary = "b" in mode
+        with os.fdopen(fd, mode, newline=None if binary else "", encoding=None if binary else "utf-8") as f:
+            write(f)
+        size = os.path.getsize(temp)
+        os.replace(temp, path)
+    except BaseException:
+        if os.path.exists(temp):
+            os.unlink(temp)
+        raise
+    return size
+
+
+class BackgroundWriter:
+    """Runs file writes on a thread of its own, in order, so that a run is not stalled by them; ``drain()`` waits.
+
+    A write that fails is logged (with the file it was writing) and counted (``failed``, ``first_failure``: a
+    tool's verdict says what it lost), and the others go on.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.failed = 0
+        self.first_failure = ""  # "<file>: <error>"
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, write: Callable[[], Any], what: str) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name=f"op_tools {self.name} writer", daemon=True)
+                self._thread.start()
+        self._queue.put((write, what))
+
+    def drain(self) -> None:
+        """Wait until every submitted write is done."""
+        if self._thread is not None:
+            self._queue.join()
+
+    def _run(self) -> None:
+        while True:
+            write, what = self._queue.get()
+            try:
+                write()
+            except Exception as error:  # noqa: BLE001 - one file lost is reported, the others are still written
+                logger.exception("%s: writing %s failed", self.name, what)
+                self.failed += 1  # this thread alone writes it
+                if not self.first_failure:
+                    self.first_failure = f"{what}: {type(error).__name__}: {error}"
+            finally:
+                self._queue.task_done()
+
+
+def save_torch(path: str, obj) -> int:
+    return write_atomic(path, lambda f: torch.save(obj, f), "wb")
+
+
+def write_json(path: str, obj) -> int:
+    return write_atomic(path, lambda f: json.dump(obj, f, indent=2, default=str))
+
+
+def write_csv(path: str, rows: list[dict]) -> int:
+    columns: dict[str, None] = {}
+    for row in rows:
+        columns.update(dict.fromkeys(row))
+
+    def write(f) -> None:
+        writer = csv.DictWriter(f, fieldnames=list(columns))
+        writer.writeheader()
+        writer.writerows(rows)
+
+    return write_atomic(path, write)
+
+
+def write_text(path: str, text: str) -> int:
+    return write_atomic(path, lambda f: f.write(text))
+
+
+class JsonLinesFile:
+    """A JSON-lines file written as a run goes, one object a line, safe across threads.
+
+    It is ``<path>.partial`` until ``close()`` moves it to ``path``: a run that dies leaves a partial file whose
+    complete lines still read.
+    """
+
+    def __init__(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.path = path
+        self.partial = path + ".partial"
+        self.bytes_written = 0
+        self._lock = threading.Lock()
+        self._file: TextIO | None = open(self.partial, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
+
+    def write(self, obj) -> int:
+        """Append ``obj`` as one line; return its size in bytes."""
+        line = json.dumps(obj, separators=(",", ":"), default=str) + "\n"
+        size = len(line.encode("utf-8"))
+        with self._lock:
+            if self._file is None:
+                raise ValueError(f"{self.path} is closed")
+            self._file.write(line)
+            self.bytes_written += size
+        return size
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is None:
+                return
+            self._file.close()
+            self._file = None
+            os.replace(self.partial, self.path)

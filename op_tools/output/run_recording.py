@@ -1,0 +1,332 @@
+"""A light recording of a run (``OP_CAPTURE_MODE=stats``): per handled call, forward and backward, what ran where
+and statistics of its tensors. ``python -m op_tools.compare_runs`` reads two of them.
+
+A recording is a JSON-lines file ``<OP_TOOLS_RESULTS_DIR>/op_capture_results[/rank<N>]/run_<session>.jsonl``
+(``.partial`` until the tool stops). Its first line is the header::
+
+    {"format": "op_tools run recording", "version": 2, "tensor_fields": [...], "torch": "2.13.0", "rank": null, ...}
+
+then one line per call, in the order the calls ended::
+
+    {"seq": 7, "phase": "forward", "step": 0, "module": "model.layers.1.mlp.act_fn", "index": 0,
+     "op": "torch.nn.functional.silu", "device": "sim:0", "autocast": null,
+     "inputs": [["[0]", "float32", [2, 16, 128], min, max, mean, norm, nan, inf, fingerprint]], "outputs": [...]}
+    {"seq": 90, "phase": "backward", "step": 0, "module": ..., "index": 0, "op": ..., "forward_seq": 7,
+     "device": "sim:0", "grad_outputs": [...], "grad_inputs": [...], "complete": true}
+
+- ``step``: how many ``optimizer.step()`` calls (any ``torch.optim`` optimizer) had finished when the call's
+  forward ran, counted from the tool's start: a training loop's iteration. A backward record has its forward's step.
+- ``module``/``index``: the module running the call (``module_path.py``) and the call's rank among the calls of
+  that module path in this step, from 0. A backward record has its forward's.
+- ``phase``: ``forward``, ``backward`` (the gradients of the call's outputs and of its inputs that require grad,
+  once its whole backward ran), ``optimizer`` (a call inside ``optimizer.step()``), or ``recompute`` (a forward
+  call made while backward runs: a checkpoint's recomputation; kept apart so that it never counts as a second
+  forward).
+- ``device``: the real device of the call's first tensor (``DITORCH_SHOW_DEVICE_AS_CUDA`` does not change it).
+- a tensor: ``[where, dtype, shape, *tensor_stats.STAT_FIELDS]``, ``where`` its place in the arguments
+  (``[0]``, ``[weight]``); an empty tensor has no statistics. At most ``OP_CAPTURE_STATS_MAX_TENSORS`` per side;
+  ``"omitted": {"inputs": n}`` counts the others.
+- ``unrecorded`` (format version 2): the statistics of the call could not be computed (a sparse tensor, a kernel
+  the device lacks), the error instead of its tensors: compare_runs counts the call as not compared. OpCapture
+  counts it as not checked.
+
+The last line ``{"end": {"records": n, "bytes": b}}`` marks a complete file.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+from typing import Any
+
+import torch
+
+from ..numerics.tensor_stats import STAT_FIELDS, host_values, stats_to_host, tensor_stats
+from ..ops.arguments import iter_items, real_device
+from . import reporting, result_files
+
+FORMAT = "op_tools run recording"
+FORMAT_VERSION = 2  # 2: "unrecorded" records (a reader of version 1 would take them for equal)
+TENSOR_FIELDS = ("where", "dtype", "shape", *STAT_FIELDS)
+
+
+def _tensors(items, limit: int) -> tuple[list[tuple[str, torch.Tensor]], int]:
+    """The first ``limit`` tensors among ``(where, value)`` items, and how many more there were."""
+    found = [(where, v) for where, v in items if isinstance(v, torch.Tensor)]
+    return found[:limit], max(0, len(found) - limit)
+
+
+def _described(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".splitlines()[0]
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _float(v: float) -> float:
+    return float(f"{v:.8g}")  # float32 precision: 9 characters, not 18
+
+
+class _Side:
+    """The tensors of one side of a call, their statistics queued on their devices."""
+
+    __slots__ = ("name", "tensors", "omitted", "pieces")
+
+    def __init__(self, name: str, tensors: list[tuple[str, torch.Tensor]], omitted: int) -> None:
+        self.name, self.tensors, self.omitted = name, tensors, omitted
+        with torch.no_grad():
+            self.pieces = [tensor_stats(t) for _, t in tensors if t.numel()]
+
+    def entries(self, host: list[list[float]]) -> list[list]:
+        values = iter(host)
+        out = []
+        for where, t in self.tensors:
+            entry: list = [where, str(t.dtype).removeprefix("torch."), list(t.shape)]
+            if t.numel():  # an in-place op's input holding nan/inf is counted after the op wrote it
+                entry += [_float(v) for v in host_values(t, next(values))]
+            out.append(entry)
+        return out
+
+
+def _to_record(record: dict[str, Any], sides: list[_Side]) -> dict[str, Any]:
+    """Fill ``record`` with the sides' entries: one transfer for all their statistics."""
+    host = iter(stats_to_host([v for side in sides for v in side.pieces]))
+    omitted = {}
+    for side in sides:
+        record[side.name] = side.entries([next(host) for _ in side.pieces])
+        if side.omitted:
+            omitted[side.name] = side.omitted
+    if omitted:
+        record["omitted"] = omitted
+    return record
+
+
+class RunRecorder:
+    """Writes one run recording; ``before``/``after``/``backward`` are called by OpCapture in stats mode."""
+
+    def __init__(self, path: str, max_tensors: int, rank: int | None) -> None:
+        self.max_tensors = max_tensors
+        self.file = result_files.JsonLinesFile(path)
+        self.file.write({"format": FORMAT, "version": FORMAT_VERSION, "tensor_fields": list(TENSOR_FIELDS),
+                         "torch": torch.__version__, "rank": rank, "pid": os.getpid()})
+        self.step = 0
+        self.records = 0
+        self._seq = itertools.count()
+        self._indices: dict[str, int] = {}  # module path -> calls recorded in this step
+        self._lock = threading.Lock()
+        self._in_optimizer = False
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        self._step_hooks = (register_optimizer_step_pre_hook(self._stepping),
+                            register_optimizer_step_post_hook(self._stepped))
+
+    def _stepping(self, *_) -> None:
+        self._in_optimizer = True
+
+    def _stepped(self, *_) -> None:
+        with self._lock:
+            self._in_optimizer = False
+            self.step += 1
+            self._indices.clear()
+
+    def before(self, call) -> None:
+        """Queue the statistics of the inputs (before an in-place op changes them)."""
+        call.state["recompute"] = torch._C._current_graph_task_id() != -1
+        if torch.is_grad_enabled() and not call.state["recompute"]:
+            grads: list[torch.Tensor] = []
+            for _, t in iter_items((call.args, call.kwargs)):
+                if isinstance(t, torch.Tensor) and t.requires_grad and all(t is not u for u in grads):
+                    grads.append(t)
+            call.grad_inputs = grads
+        items = itertools.chain(iter_items(tuple(call.args)), iter_items(call.kwargs))
+        try:
+            call.state["stats_inputs"] = _Side("inputs", *_tensors(items, self.max_tensors))
+        except Exception as e:
+            call.state["unrecorded"] = _described(e)  # after() writes the call's record saying so
+            raise
+
+    def after(self, call) -> None:
+        inputs = call.state.pop("stats_inputs", None)
+        error: str | None = call.state.pop("unrecorded", None)  # before() failed, and was counted for it
+        outputs: _Side | None = None
+        raised: Exception | None = None
+        try:
+            outputs = _Side("outputs", *_tensors(iter_items(reporting.as_tuple(call.result)), self.max_tensors))
+        except Exception as e:
+            error, raised = error or _described(e), e
+        first = next(iter((inputs.tensors if inputs else []) or (outputs.tensors if outputs else [])), None)
+        device = str(real_device(first[1])) if first is not None else str(call.device)
+        recompute = call.state["recompute"]
+        with self._lock:
+            seq, step = next(self._seq), self.step
+            index = None
+            if not recompute:
+                index = self._indices.get(call.module_path, 0)
+                self._indices[call.module_path] = index + 1
+        call.state.update(seq=seq, step=step, index=index, device=device)
+        autocast = None
+        if call.device is not None and torch.is_autocast_enabled(call.device.type):
+            autocast = str(torch.get_autocast_dtype(call.device.type)).removeprefix("torch.")
+        phase = "recompute" if recompute else "optimizer" if self._in_optimizer else "forward"
+        record = {"seq": seq, "phase": phase, "step": step,
+                  "module": call.module_path, "index": index, "op": call.name, "device": device, "autocast": autocast}
+        self._write_or_mark(record, [inputs, outputs] if inputs and outputs else None, error, raised)
+
+    def backward(self, call, grad_outputs: tuple, grad_inputs: tuple, complete: bool) -> None:
+        state = call.state
+        sides: list[_Side] | None = None
+        error: str | None = None
+        raised: Exception | None = None
+        try:
+            sides = [_Side("grad_outputs", *_tensors(iter_items(tuple(grad_outputs)), self.max_tensors)),
+                     _Side("grad_inputs", *_tensors(iter_items(tuple(grad_inputs)), self.max_tensors))]
+        except Exception as e:
+            error, raised = _described(e), e
+        with self._lock:
+            seq = next(self._seq)
+        record = {"seq": seq, "phase": "backward", "step": state["step"], "module": call.module_path,
+                  "index": state["index"], "op": call.name, "forward_seq": state["seq"], "device": state["device"],
+                  "complete": complete}
+        self._write_or_mark(record, sides, error, raised)
+
+    def _write_or_mark(self, record: dict, sides: list[_Side] | None, error: str | None,
+                       raised: Exception | None) -> None:
+        """Write the record with its sides' statistics, or, where they could not be computed, with the error in
+        their place (so that a comparison names the call instead of missing it); then raise what failed here, for
+        the engine to count the call as not checked."""
+        if sides is not None and error is None:
+            try:
+                self._write(_to_record(record, sides))
+                return
+            except Exception as e:
+                error, raised = _described(e), e
+        marked = {k: v for k, v in record.items() if k not in _SIDES and k != "omitted"}  # no partial sides
+        self._write({**marked, "unrecorded": error or "its inputs were not recorded"})
+        if raised is not None:
+            raise raised
+
+    def _write(self, record: dict) -> None:
+        self.file.write(record)
+        with self._lock:
+            self.records += 1
+
+    def close(self) -> None:
+        for hook in self._step_hooks:
+            hook.remove()
+        with self._lock:
+            records = self.records
+        self.file.write({"end": {"records": records, "bytes": self.file.bytes_written}})
+        self.file.close()
+
+
+# --- reading ---
+
+class RecordingFormatError(ValueError):
+    """A file that is not a run recording, or one of a format version this op_tools cannot read."""
+
+
+def find_recording(path: str, rank: int | None = None) -> str:
+    """``path`` itself when a file; in a folder, the one recording under it, or under its ``rank<N>`` folder when
+    ``rank`` is given (torchrun's per-rank files); ``ValueError`` listing what was found when not exactly one."""
+    if os.path.isfile(path):
+        return path
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: no such file or folder")
+    found = []
+    for folder, _, files in os.walk(path):
+        if rank is not None and f"rank{rank}" not in os.path.relpath(folder, path).split(os.sep):
+            continue
+        found += [os.path.join(folder, f) for f in files
+                  if f.startswith("run_") and (f.endswith(".jsonl") or f.endswith(".jsonl.partial"))]
+    if len(found) != 1:
+        listing = "".join(f"\n  {f}" for f in sorted(found)) or " none"
+        which = "" if rank is None else f" for rank {rank}"
+        raise ValueError(f"{path}: expected one run recording (run_*.jsonl){which} under it, found{listing}"
+                         + ("\n(choose a rank with --rank N, or name a file)" if len(found) > 1 else ""))
+    return found[0]
+
+
+PHASES = ("forward", "backward", "optimizer", "recompute")
+_RECORD_KEYS = ("seq", "phase", "step", "module", "index", "op")
+_SIDES = ("inputs", "outputs", "grad_outputs", "grad_inputs")
+
+
+def _damage(record) -> str:
+    """Why a parsed line is not a call's record ('' when it is one)."""
+    if not isinstance(record, dict):
+        return f"not a record: {type(record).__name__}"
+    missing = [k for k in _RECORD_KEYS if k not in record]
+    if missing:
+        return f"no {', '.join(missing)}"
+    if record["phase"] not in PHASES:
+        return f"unknown phase {record['phase']!r}"
+    if record["phase"] == "backward" and "forward_seq" not in record:
+        return "a backward record without forward_seq"
+    return ""
+
+
+def _tensor_damage(record: dict) -> str:
+    """Why a record's tensors cannot be compared ('' when they can): each ``[where, dtype, shape]`` and either no
+    statistics (an empty tensor) or all of them, numbers."""
+    for side in _SIDES:
+        for entry in record.get(side, ()):
+            ok = (isinstance(entry, list) and len(entry) in (3, len(TENSOR_FIELDS)) and isinstance(entry[0], str)
+                  and isinstance(entry[1], str) and isinstance(entry[2], list)
+                  and all(isinstance(n, int) for n in entry[2])
+                  and all(isinstance(v, (int, float)) for v in entry[3:]))
+            if not ok:
+                return f"a malformed tensor in {side}: {json.dumps(entry)[:80]}"
+    return ""
+
+
+def read_recording(path: str, rank: int | None = None) -> tuple[dict, list[dict]]:
+    """``(header, records)`` of a recording (a file, or a folder holding one: ``find_recording``).
+
+    Raises ``RecordingFormatError`` for a file of another format or of a newer format version, naming both versions.
+    A damaged line (not JSON, not a call's record) is skipped and counted: ``header["unreadable"]`` (how many) and
+    ``header["first_unreadable"]`` (``"line 17: ..."``); the last line of a partial recording, cut short when the
+    run died, is not counted (``header["cut"]``). A record whose tensors are malformed is kept (it aligns) with
+    ``unrecorded`` saying so, as the recorder marks a call whose statistics it could not compute.
+    """
+    path = find_recording(path, rank)
+    with open(path, encoding="utf-8", errors="replace") as f:  # a damaged byte damages its line only
+        first = f.readline()
+        try:
+            header = json.loads(first)
+        except json.JSONDecodeError:
+            header = None
+        if not isinstance(header, dict) or header.get("format") != FORMAT:
+            raise RecordingFormatError(f"{path}: not a run recording (OP_CAPTURE_MODE=stats writes them); "
+                                       f"its first line is {first[:80]!r}")
+        version = header.get("version")
+        if not isinstance(version, int) or version > FORMAT_VERSION:
+            raise RecordingFormatError(
+                f"{path}: recording format version {version!r}, written by a newer op_tools; this op_tools reads "
+                f"version {FORMAT_VERSION} and older: compare with the op_tools that wrote it")
+        if list(header.get("tensor_fields", ())) != list(TENSOR_FIELDS):
+            raise RecordingFormatError(f"{path}: tensor fields {header.get('tensor_fields')} differ from "
+                                       f"{list(TENSOR_FIELDS)} (format version {version})")
+        records, complete, cut, unreadable, first_unreadable = [], False, False, 0, ""
+        for number, line in enumerate(f, 2):
+            try:
+                record = json.loads(line)
+                damage = _damage(record) if not (isinstance(record, dict) and "end" in record) else ""
+            except json.JSONDecodeError as e:
+                if not line.endswith("\n"):  # the last line of a run that died while writing it
+                    cut = True
+                    break
+                damage = f"not JSON ({e})"
+            if damage:  # a call whose record is lost: counted, so that no verdict takes it for agreeing
+                unreadable += 1
+                first_unreadable = first_unreadable or f"line {number}: {damage}"
+                continue
+            if "end" in record:
+                complete = True
+                break
+            malformed = _tensor_damage(record)
+            if malformed:
+                record = {k: v for k, v in record.items() if k not in _SIDES}
+                record["unrecorded"] = f"line {number}: {malformed}"
+            records.append(record)
+    header.update(path=path, complete=complete, cut=cut, unreadable=unreadable, first_unreadable=first_unreadable)
+    return header, records

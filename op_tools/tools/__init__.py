@@ -1,0 +1,1 @@
+"""One module per tool (OpAutoCompare, OpCapture, ...), each a small OpTool subclass."""

@@ -1,0 +1,769 @@
+"""OpAutoCompare: run every handled op on the CPU as well and say which one computes wrong, forward and backward.
+
+Per handled call (``OP_AUTOCOMPARE_LIST`` / ``OP_AUTOCOMPARE_DISABLE_LIST``):
+
+1. before the op runs, its inputs are copied to the host (``host_copies``: a copy is reused across calls only
+   while proven current; an argument the op writes is always copied fresh);
+2. the op runs on the device exactly as without the tool: the user's tensors, graph and random streams;
+3. the CPU reference (``reference``) runs on the host copies upcast to float64 (``<OPNAME>_OP_DTYPE_CAST_DICT``
+   overrides; float32, then the device's dtype, where the CPU has no float64 kernel) and, when the verdict needs
+   it, once more in the device's own dtype computing as the device declared (its autocast, TF32/HF32:
+   ``device_math``); ``comparison.compare_outputs`` gives the verdict for the outputs and for every argument the
+   op writes (in-place ops, ``out=``, BatchNorm's running statistics, a foreach op's list);
+4. once the op's whole backward ran on the user's graph (``call_backward``: hooks on the autograd nodes it
+   created, so in-place ops, ``torch.utils.checkpoint`` and double backward work as without the tool), the CPU
+   reference backward runs with the same upstream gradients and the input gradients are compared the same way.
+
+Calls that draw random numbers (by name, by a probability argument, or because the device's generator moved)
+are never rerun: a rerun would draw other numbers, and would consume the user's stream; one written in Python out of
+torch calls (attention with dropout: ``composite`` in ``op_facts``) runs with those calls handled, so the ones that
+draw nothing are compared. A call that fails is checked once more with its cached input copies re-read from the
+device, so a copy made stale by a write no call showed never raises a false alarm.
+
+Failing calls are printed (every call with ``OP_TOOLS_VERBOSE=1``) and saved (``failing_calls``) in OpCapture's format
+under ``op_capture_results/<op>/<pid>/autocompare/<forward_id>/<time>/{device,cpu}/``. At ``stop()``: a summary,
+the failing ops in execution order, and a CSV in ``op_autocompare_result/``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from ..config.settings import Family
+from ..config.variables import (
+    AUTOCOMPARE_BACKWARD,
+    AUTOCOMPARE_CAST,
+    AUTOCOMPARE_MAX_SAVED,
+    AUTOCOMPARE_TOLERANCES,
+    REFERENCE_CAST_VAR,
+    Sources,
+    convert_dtype_map,
+    parse_dtype_map,
+)
+from ..core.engine import OpCall, OpTool, feature
+from ..numerics.comparison import (
+    COLUMNS,
+    Comparison,
+    SameDtypeHistory,
+    ToleranceSpec,
+    compare_outputs,
+    compare_tensors,
+    op_key,
+)
+from ..numerics.device_math import DeviceMath
+from ..numerics.host_copies import HostCopies, snapshot
+from ..numerics.reference import (
+    DEFAULT_CAST,
+    attempts_for,
+    map_arguments,
+    meta_dtypes,
+    reference_backward,
+    run_reference,
+    run_same_dtype,
+)
+from ..ops.arguments import iter_items, iter_tensors, map_tensors
+from ..ops.op_facts import cached_on_facts, op_facts
+from ..ops.random_calls import GeneratorProbe, cpu_generator_token, random_reason, skip_text
+from ..ops.writes import call_writes
+from ..output import reporting, result_files
+from .compare_state import CompareState
+from .failing_calls import FailingCalls
+
+DEFAULT_REFERENCE_CAST = DEFAULT_CAST
+CSV_COLUMNS = ("op", "forward_id", "phase", "module", *COLUMNS, "location")
+# the console shows these columns of a comparison (fitting 120 characters); the CSV has them all
+CONSOLE_COLUMNS = ("name", "allclose", "max_abs_diff", "max_relative_diff", "verdict", "error_info")
+FAILURES_SHOWN = 20  # rows of the failing-ops table on the console; the CSV holds them all
+# Tensors this large are compared on their device, against the reference uploaded once, when the device computes
+# in float64: only the statistics come back (error_statistics.py). Smaller ones are copied to the host.
+DEVICE_STATISTICS_MIN = 1 << 20
+_RERUN_DRAWS = "random (the CPU reference drew numbers)"
+# Input elements from which an op's first call learns its output dtypes on meta tensors rather than by a same-dtype
+# run (a meta run costs about a millisecond of Python whatever the size; a run on small tensors costs less).
+META_DTYPES_MIN = 1 << 16
+
+
+class _Learnt:
+    """What compared calls taught about the CPU reference and the device's kernels, kept for the process: facts of
+    an op's signature, not of one run, so a tool started per step does not pay an op's first-call costs again."""
+
+    def __init__(self) -> None:
+        # Output dtypes a correct run gives, per (op, input dtypes, device math): the same-dtype CPU run is lazy,
+        # so without this a device returning a narrower dtype with small errors would pass.
+        self.expected_dtypes: dict[tuple, tuple] = {}
+        self.history = SameDtypeHistory()  # same-dtype errors per signature: reruns only where they decide
+        self.rng_checked: set[str] = set()  # op names whose reruns were seen to leave the CPU generator alone
+        self.drawing_reruns: set[str] = set()  # op names whose reruns drew numbers: never rerun again
+        self.float64: dict[str, bool] = {}  # device type -> whether its kernels take float64
+
+
+LEARNT = _Learnt()
+
+
+@cached_on_facts  # asked on every handled call, and a name's answer changes only with its declared facts
+def skip_reason(name: str) -> str | None:
+    """Why ``name`` is never compared whatever its arguments: ``'uninitialised'``, ``'collective'`` or ``None``."""
+    if op_facts(name).uninitialised:
+        return "uninitialised"
+    if name.startswith("torch.distributed."):
+        return "collective (the other ranks' data is not on this host)"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoCompareConfig:
+    backward: bool
+    tolerance: ToleranceSpec
+    casts: dict[str, dict[torch.dtype, torch.dtype]]  # OPNAME -> reference cast
+    max_saved: int = 3
+
+    @classmethod
+    def from_env(cls, sources: Sources | None = None) -> AutoCompareConfig:
+        sources = sources or Sources()
+        casts = dict(sources.file.get(REFERENCE_CASTS.name, {}))
+        for name in os.environ:
+            match = REFERENCE_CAST_VAR.match(name)
+            if match:
+                var = dataclasses.replace(AUTOCOMPARE_CAST, name=name, default=None, parse=parse_dtype_map)
+                casts[match.group(1)] = var.read()
+        casts.update(sources.arguments.get(REFERENCE_CASTS.name, {}))
+        tolerance = ToleranceSpec.from_env().over(sources.file.get(TOLERANCE.name))
+        given = sources.arguments.get(TOLERANCE.name)
+        return cls(AUTOCOMPARE_BACKWARD.read(sources), given.over(tolerance) if given else tolerance, casts,
+                   AUTOCOMPARE_MAX_SAVED.read(sources))
+
+
+def _reference_casts(value) -> dict[str, dict[torch.dtype, torch.dtype]]:
+    if not isinstance(value, dict):
+        raise TypeError("not a dict")
+    from ..ops.naming import resolve_op_name
+
+    return {op_key(resolve_op_name(op) if callable(op) else str(op)): convert_dtype_map(cast)
+            for op, cast in value.items()}
+
+
+# Keywords standing for families of variables (one per op and dtype).
+TOLERANCE = Family(AUTOCOMPARE_TOLERANCES[2].name, ToleranceSpec.from_value,
+                   "(atol, rtol), or a dict {torch.bfloat16: (atol, rtol), 'default': (atol, rtol), "
+                   "'torch.nn.functional.linear': {torch.float16: (atol, rtol)}}",
+                   "'atol,rtol' for every op and dtype (per dtype or op: the variables or the config file)")
+REFERENCE_CASTS = Family(AUTOCOMPARE_CAST.name, _reference_casts,
+                         "a dict {op name or function: {torch.float16: torch.float32}}")
+
+
+@feature("autocompare")
+class OpAutoCompare(OpTool):
+    """Compare every handled op, forward and backward, with a float64 CPU reference.
+
+    Keyword arguments (each overrides its variables): ``ops``, ``disable`` (``OP_AUTOCOMPARE_LIST``/
+    ``_DISABLE_LIST``: lists of op names, patterns or functions), ``backward`` (``OP_AUTOCOMPARE_BACKWARD``),
+    ``max_saved`` (``OP_AUTOCOMPARE_MAX_SAVED``), ``tolerance`` (the variables
+    ``[<OPNAME>_]AUTOCOMPARE_ERROR_TOLERANCE[_<DTYPE>]``: ``(atol, rtol)``, or a dict
+    ``{torch.bfloat16: (atol, rtol), "torch.nn.functional.linear": {torch.float16: (atol, rtol)}}``),
+    ``reference_casts`` (``<OPNAME>_OP_DTYPE_CAST_DICT``: ``{"linear": {torch.float16: torch.float32}}``), and
+    ``results_dir``, ``verbose``, ``print_stack``, ``strict`` as every tool.
+
+    >>> with op_tools.OpAutoCompare(tolerance={torch.bfloat16: (1e-2, 1e-2)}, backward=False) as compare:
+    ...     loss = model(x).sum()
+    >>> with op_tools.OpAutoCompare() as compare:       # failures and the summary; OP_TOOLS_VERBOSE=1: every call
+    ...     loss = model(x).sum(); loss.backward()
+    >>> compare.failures[:1]   # the first op, in execution order, that computes wrong (forward or backward)
+    """
+
+    hook_name = "OpAutoCompareHook"
+    env_prefix = "OP_AUTOCOMPARE"
+    results_folder = "op_autocompare_result"
+    tracks_writes = True
+    keywords = {"backward": AUTOCOMPARE_BACKWARD, "max_saved": AUTOCOMPARE_MAX_SAVED, "tolerance": TOLERANCE,
+                "reference_casts": REFERENCE_CASTS}
+    tracks_modules = True
+
+    def configure(self) -> None:
+        self.settings = AutoCompareConfig.from_env(self.sources)
+        self._tolerance = self.settings.tolerance or None  # None: no variable set, nothing to look up per call
+        self.saving = FailingCalls(self.common, self.settings.max_saved, self.pid_folder, self.tally, self._logger)
+        self.counts: collections.Counter = collections.Counter()
+        self.skipped: collections.Counter = collections.Counter()
+        self.backward_not_compared: collections.Counter = collections.Counter()
+        self.device_math: collections.Counter = collections.Counter()  # what same-dtype runs applied -> calls
+        self.stale_copies = 0  # cached host copies found out of date when a failing call re-read them
+        self.failures: list[dict] = []
+        self._failures_shown: set = set()  # (op, phase) whose first failing call's table was shown at WARNING
+        self.rows: list[tuple] = []
+        self._pending: weakref.WeakValueDictionary[int, OpCall] = weakref.WeakValueDictionary()
+        self._order_lock = threading.Lock()
+        self._copies = HostCopies()
+        self._probes: dict[torch.device, GeneratorProbe] = {}
+        self._attempts: dict[str, list] = {}  # op name -> the reference casts to try, in order
+
+    def note_writes(self, tensors: list) -> None:
+        self._copies.forget(tensors)
+
+    # --- forward ---
+
+    def before(self, call: OpCall) -> None:
+        state = call.state = CompareState()
+        spec = call_writes(call.name)
+        written = spec.written(call.args, call.kwargs)
+        state.written = written
+        reason = skip_reason(call.name) or random_reason(call.name, call.args, call.kwargs) or (
+            _RERUN_DRAWS if call.name in LEARNT.drawing_reruns else None)
+        if reason == "random" and op_facts(call.name).composite:
+            state.inside = True  # run() descends into it
+        elif reason == "random":
+            reason = skip_text(call.name)
+        if reason is not None:
+            state.skip = reason
+            return
+        # Copies are reused across calls only when every call is seen (a mode): targeted wrappers and apply_feature
+        # see only their functions, and the writes of the others (an optimizer's) would leave copies stale.
+        get, tensors = self._copies.get if self.sees_every_call else _fresh_copy, []
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            host, reused = get(t)
+            tensors.append((t, host, reused))
+            return host
+
+        # the arguments are walked once; after() drops the list (it holds device memory)
+        state.tensors = tensors
+        state.cpu_args = map_arguments(call.args, copy)
+        state.cpu_kwargs = map_arguments(call.kwargs, copy)
+        state.compared_writes = () if spec.unknown else written
+        state.math = DeviceMath.of(call.device)
+        state.rng = self._probe(call.device).token()
+        reason = self._backward_reason(call)
+        if reason is None:
+            inputs: list[torch.Tensor] = []
+            labels: list[str] = []
+            for label, t in labelled_tensors(call.args, call.kwargs):
+                if t.requires_grad and all(t is not u for u in inputs):
+                    inputs.append(t)
+                    labels.append(label)
+            call.grad_inputs, state.grad_labels = inputs, labels
+        elif reason:
+            self.backward_not_compared[reason] += 1
+
+    def run(self, call: OpCall):
+        if not call.state.inside:
+            return call.func(*call.args, **call.kwargs)
+        # A random composite: its calls are handled one by one, and after() counts it skipped with how many of them
+        # were compared.
+        compared = self.counts["forward compared"]
+        result = self.run_inside(call)
+        inside = self.counts["forward compared"] - compared
+        if inside:
+            call.state.skip = f"random (compared inside: {inside} call{'s' if inside != 1 else ''})"
+        return result
+
+    def _probe(self, device: torch.device) -> GeneratorProbe:
+        probe = self._probes.get(device)
+        if probe is None:
+            probe = self._probes[device] = GeneratorProbe(device)
+        return probe
+
+    def _backward_reason(self, call: OpCall) -> str | None:
+        """None when this call's backward is compared; '' when it has none; else why it is not compared."""
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            return ""
+        if not any(t.requires_grad for t, _, _ in call.state.tensors):
+            return ""
+        if not self.settings.backward:
+            return "OP_AUTOCOMPARE_BACKWARD=0"
+        name = call.name
+        facts = op_facts(name)
+        if facts.view or facts.conversion or name.startswith("torch.Tensor.__get"):
+            return "view or conversion (gradient passed through)"
+        return None
+
+    def after(self, call: OpCall) -> None:
+        try:
+            self._after(call)
+        except Exception:
+            self.counts["forward not checked"] += 1  # the engine reports the error and counts the call
+            raise
+        finally:
+            if call.state.host_of is not None:  # what the comparison used lives only while after() runs
+                call.state.drop_forward()
+
+    def _after(self, call: OpCall) -> None:
+        state: CompareState = call.state
+        written = state.written
+        reason = state.skip
+        if reason is not None:
+            self.skipped[reason] += 1
+            self._copies.forget(written)
+            return
+        if state.cpu_args is None:  # before() failed: reported and counted by the engine
+            self.counts["forward not checked"] += 1
+            self._copies.forget(written)
+            return
+        tensors, state.tensors = state.tensors, ()
+        if state.rng != self._probe(call.device).token():  # drew random numbers its name and arguments hid
+            self.skipped["random (the device's generator moved)"] += 1
+            self._copies.forget(written)
+            state.release()
+            call.grad_inputs = []
+            return
+        written_ids = {id(t) for t in written}
+        device_cpu = map_tensors(call.result, lambda t: self._compared_value(t, id(t) in written_ids))
+        in_result = {id(t) for t in iter_tensors(call.result)}
+        extra = [t for t in state.compared_writes if id(t) not in in_result]  # written, not returned
+        extra_cpu = [self._compared_value(t, True) for t in extra]
+        for t in written:
+            if id(t) not in in_result and all(t is not e for e in extra):
+                self._copies.forget([t])  # may have been written (an unknown function's argument)
+        host_of = {id(t): host for t, host, _ in tensors}
+        signature = (call.name, tuple(t.dtype for t, _, _ in tensors), state.math)
+        # what _compare_forward compares (dropped when after() returns)
+        state.device_cpu, state.extra, state.extra_cpu, state.host_of = device_cpu, extra, extra_cpu, host_of
+        state.extra_labels, state.signature = _labels_of(call.args, call.kwargs, extra), signature
+        state.precedent = (*signature, tuple(tuple(t.shape) for t, _, _ in tensors))
+        outcome = self._compare_forward(call, state)
+        if outcome is not None and not all(c.passed for c in outcome[0]) and any(r for _, _, r in tensors):
+            if self._recheck(state, tensors, host_of, written_ids):  # a cached copy was stale: compare again
+                outcome = self._compare_forward(call, state)
+        if outcome is None:
+            return
+        comparisons, reference = outcome
+        passed = all(c.passed for c in comparisons)
+        self.counts["forward compared"] += 1
+        self.counts["forward passed" if passed else "forward failed"] += 1
+        if state.math_used:
+            self.device_math[state.math_used.describe()] += 1
+        wants_backward = bool(call.grad_inputs)
+        # Finding the user's source line costs a stack walk: only for what is printed or may fail later.
+        level = self._table_level(call.name, "forward", passed)
+        location = call.location if not passed or self._logger.isEnabledFor(level) or wants_backward else ""
+        self._record(call.name, call.forward_id, "forward", location, comparisons, call.module_path)
+        device_out = (device_cpu, *extra_cpu)
+        ref_out = (reference.result, *[reference.mapped[id(host_of[id(t)])] for t in extra])
+        if self._logger.isEnabledFor(level):
+            self._print_forward(call, reference, comparisons, location, passed, level)
+        if not passed:
+            self._save(call.name, call.forward_id, state, device_out, ref_out)
+            state.saved_forward = True
+        if not wants_backward:
+            state.release()
+            return
+        # Kept for the backward: the CPU reference graph and what a failure report would save.
+        state.reference, state.device_out, state.ref_out = reference, device_out, ref_out
+        self._pending[call.forward_id] = call
+
+    def _compared_value(self, t: torch.Tensor, written: bool) -> torch.Tensor:
+        """What ``t`` is compared as: itself on its device when large, held in the device's own memory, and the device
+        computes in float64 (only the statistics come back); else a host copy, remembered for the next call."""
+        if t.numel() >= DEVICE_STATISTICS_MIN and _in_device_memory(t) and self._float64_on(t.device):
+            if written:
+                self._copies.forget([t])
+            return t
+        return self._copies.fresh(t, written=written)
+
+    def _float64_on(self, device: torch.device) -> bool:
+        known = LEARNT.float64.get(device.type)
+        if known is None:
+            try:
+                known = bool((torch.ones(2, dtype=torch.float64, device=device) * 2).sum().item() == 4)
+            except (RuntimeError, TypeError, NotImplementedError):  # MPS and some vendors: no float64 kernels
+                known = False
+            LEARNT.float64[device.type] = known
+        return known
+
+    def _compare_forward(self, call: OpCall, state: CompareState) -> tuple | None:
+        """``(comparisons, reference)`` for the outputs and the written arguments, or None (reported)."""
+        device_cpu, host_of, math = state.device_cpu, state.host_of, state.math
+        assert math is not None and host_of is not None  # set by before() and after() for every call copied
+        # the host copies the reruns may write into (the written arguments'), kept for the backward's rerun too
+        owned = state.owned = {id(host_of[id(t)]) for t in state.written if id(t) in host_of}
+        attempts = self._attempts.get(call.name)
+        if attempts is None:
+            attempts = self._attempts[call.name] = attempts_for(
+                self.settings.casts.get(op_key(call.name), DEFAULT_REFERENCE_CAST))
+        grad_snaps = state.grad_snaps = [host_of[id(t)] for t in call.grad_inputs]
+        # The reruns must leave the CPU generator as they found it: checked on an op's first call (a rerun of an op
+        # whose device run drew nothing draws nothing; the device run of every call is checked in after()).
+        rng = cpu_generator_token() if call.name not in LEARNT.rng_checked else None
+        reference, error = run_reference(call.func, state.cpu_args, state.cpu_kwargs, attempts, owned, grad_snaps)
+        if reference is None:
+            self._copies.forget(state.written)
+            state.release()
+            call.grad_inputs = []
+            # The call goes unchecked: the tool's failure, not the op's, reported once per op name and counted in
+            # the verdict (an error under OP_TOOLS_STRICT=1).
+            raise RuntimeError(f"the CPU reference cannot run: {error}")
+        same_cache: list = []
+
+        def same():
+            if not same_cache:
+                same_cache.append(run_same_dtype(call.func, state.cpu_args, state.cpu_kwargs, owned, math))
+            return same_cache[0]
+
+        def same_out():
+            run = same()
+            return None if run is None else run.result
+
+        signature = state.signature
+        expected = LEARNT.expected_dtypes.get(signature)
+        if expected is None and call.name.startswith("torch.") and \
+                sum(t.numel() for t in host_of.values()) >= META_DTYPES_MIN:
+            # found on meta tensors (no computation), where a same-dtype run would cost; not for a user's function,
+            # which may branch on the device it is given
+            expected = meta_dtypes(call.func, state.cpu_args, state.cpu_kwargs, math)
+            if expected is not None:
+                LEARNT.expected_dtypes[signature] = expected
+        same_value = same_out  # run only when an error is above the floor
+        if expected is None or expected != _leaf_dtypes(device_cpu):
+            same_value = same_out()  # eager: compare_outputs then checks every output's dtype
+            if expected is None:
+                LEARNT.expected_dtypes[signature] = _leaf_dtypes(device_cpu if same_value is None else same_value)
+        comparisons = compare_outputs(device_cpu, reference.result, same_value, self._tolerance, op_name=call.name,
+                                      prefix="output", history=LEARNT.history, key=state.precedent)
+        for label, t, host in zip(state.extra_labels, state.extra, state.extra_cpu):
+            before_op = host_of[id(t)]
+            comparisons.append(compare_tensors(label, host, reference.mapped[id(before_op)],
+                                               functools.partial(_written_result, same, before_op),
+                                               self._tolerance, call.name, True,
+                                               (LEARNT.history, (*state.precedent, label))))
+        if rng is not None:
+            LEARNT.rng_checked.add(call.name)
+        if rng is not None and cpu_generator_token() != rng:  # a rerun drew numbers: give them back, compare nothing
+            torch.default_generator.set_state(_state_tensor(rng))
+            LEARNT.drawing_reruns.add(call.name)
+            self.skipped[_RERUN_DRAWS] += 1
+            state.release()
+            call.grad_inputs = []
+            return None
+        used = same_cache[0].math_used if same_cache and same_cache[0] is not None else None
+        state.math_used = used
+        notes = "; ".join(filter(None, (reference.note, _math_note(used))))
+        if notes:
+            for c in comparisons:
+                c.error_info = "; ".join(filter(None, (c.error_info, notes)))
+        return comparisons, reference
+
+    def _recheck(self, state: CompareState, tensors: Sequence, host_of: dict, written_ids: set) -> bool:
+        """Re-read the inputs the cache supplied (not those the op wrote: their old values are gone); True, with
+        the copies replaced, when any was out of date."""
+        replaced = {}
+        for t, host, reused in tensors:
+            if reused and id(t) not in written_ids and id(host) not in replaced:
+                now = self._copies.fresh(t)
+                if not _same_values(now, host):
+                    replaced[id(host)] = now
+                    host_of[id(t)] = now
+        if not replaced:
+            return False
+        self.stale_copies += len(replaced)
+        swap = lambda h: replaced.get(id(h), h)  # noqa: E731
+        state.cpu_args = map_tensors(state.cpu_args, swap)
+        state.cpu_kwargs = map_tensors(state.cpu_kwargs, swap)
+        return True
+
+    # --- backward ---
+
+    def call_backward_skipped(self, call: OpCall, why: str) -> None:
+        if why:
+            self.backward_not_compared[why] += 1
+        self._pending.pop(call.forward_id, None)
+        call.state.release_backward()
+        if not call.state.saved_forward:
+            call.state.release()
+
+    def after_call_backward(self, call: OpCall, upstream: tuple, input_grads: tuple, complete: bool) -> None:
+        try:
+            self._after_call_backward(call, upstream, input_grads, complete)
+        except Exception:
+            with self._lock:
+                self.counts["backward not checked"] += 1  # the engine reports the error and counts the call
+            raise
+
+    def _after_call_backward(self, call: OpCall, upstream: tuple, input_grads: tuple, complete: bool) -> None:
+        state: CompareState = call.state
+        self._pending.pop(call.forward_id, None)
+        if state.reference is None:  # not compared in forward (random, released at stop())
+            return
+        if not complete:
+            self.backward_not_compared["the backward pass ran only part of the op's graph"] += 1
+            state.release()
+            return
+        get = self._copies.get
+        upstream_cpu: list[torch.Tensor | None] = []
+        reused = False
+        for g in upstream:
+            if g is None:
+                upstream_cpu.append(None)
+            else:
+                host, was_cached = get(g)
+                upstream_cpu.append(host)
+                reused = reused or was_cached
+        device_grads_cpu = tuple(None if g is None else self._compared_value(g, False) for g in input_grads)
+        comparisons, reference_grads = self._compare_backward(call, state, tuple(upstream_cpu), device_grads_cpu)
+        if not all(c.passed for c in comparisons) and reused:
+            now = tuple(None if g is None else self._copies.fresh(g) for g in upstream)
+            stale = sum(1 for a, b in zip(now, upstream_cpu)
+                        if a is not None and b is not None and not _same_values(a, b))
+            if stale:
+                self.stale_copies += stale
+                upstream_cpu = list(now)
+                comparisons, reference_grads = self._compare_backward(call, state, now, device_grads_cpu)
+        passed = all(c.passed for c in comparisons)
+        with self._lock:
+            self.counts["backward compared"] += 1
+            self.counts["backward passed" if passed else "backward failed"] += 1
+        location = call.location
+        self._record(call.name, call.forward_id, "backward", location, comparisons, call.module_path)
+        level = self._table_level(call.name, "backward", passed)
+        if self._logger.isEnabledFor(level):
+            rows = [_named_row(call.name, c) for c in comparisons]
+            self._logger.log(level, reporting.header(call.name, call.forward_id, location, "backward")
+                         + "\n" + reporting.call_table(call.name, rows, CONSOLE_COLUMNS))
+        if not passed or state.saved_forward:  # a call saved for its forward gets its gradients too
+            self._save(call.name, call.forward_id, state, state.device_out, state.ref_out,
+                       grads=(device_grads_cpu, tuple(upstream_cpu), reference_grads))
+        state.release()
+
+    def _compare_backward(self, call: OpCall, state: CompareState, upstream_cpu: tuple, device_grads_cpu: tuple):
+        reference = state.reference
+        assert reference is not None  # _after_call_backward returned for a call without one
+        ref_flat = _unique_tensors(reference.result)
+        if len(ref_flat) != len(upstream_cpu):
+            return [Comparison("grad", False, False, error_info="reference outputs differ in number")], ()
+        reference_grads = reference_backward(ref_flat, reference.leaves, upstream_cpu)
+        same_cache: list = []
+
+        def same():
+            if not same_cache:
+                same_cache.append(self._same_dtype_backward(call, state, upstream_cpu))
+            return same_cache[0]
+
+        comparisons = compare_outputs(device_grads_cpu, reference_grads, same, self._tolerance, op_name=call.name,
+                                      prefix="grad", history=LEARNT.history, key=("backward", *state.precedent))
+        for c, label in zip(comparisons, state.grad_labels):
+            c.name = f"{label}.grad"
+        return comparisons, reference_grads
+
+    def _same_dtype_backward(self, call: OpCall, state: CompareState, upstream_cpu: tuple):
+        """The input gradients of a CPU run in the device's dtypes and declared math, for the same upstream."""
+        math, owned = state.math, state.owned
+        assert math is not None and owned is not None  # set for every call compared in forward
+        run = run_same_dtype(call.func, state.cpu_args, state.cpu_kwargs, owned, math, state.grad_snaps)
+        if run is None:
+            return None
+        try:
+            return reference_backward(_unique_tensors(run.result), run.leaves, upstream_cpu, math)
+        except (RuntimeError, NotImplementedError, TypeError):
+            return None
+
+    # --- reporting ---
+
+    def _record(self, name: str, forward_id: int, phase: str, location: str, comparisons: list[Comparison],
+                module: str = "") -> None:
+        first_line = location.splitlines()[0] if location else ""
+        rows = [(name, forward_id, phase, c, first_line, module) for c in comparisons]  # formatted at stop()
+        failed = [c for c in comparisons if not c.passed]
+        with self._order_lock:
+            self.rows.extend(rows)
+            if failed:
+                self.failures.append({
+                    "order": len(self.failures) + 1, "op": name, "phase": phase, "forward_id": forward_id,
+                    "module": module,
+                    "failing": ", ".join(c.name for c in failed),
+                    "error_info": "; ".join(filter(None, (c.error_info for c in failed)))[:200],
+                    "location": first_line,
+                })
+
+    def _table_level(self, name: str, phase: str, passed: bool) -> int:
+        """A call's table is DEBUG, but for the first failing call of each op and phase: WARNING (the later ones are
+        in the summary and the CSV)."""
+        if passed:
+            return logging.DEBUG
+        with self._lock:
+            first = (name, phase) not in self._failures_shown
+            self._failures_shown.add((name, phase))
+        return logging.WARNING if first else logging.DEBUG
+
+    def _print_forward(self, call: OpCall, reference, comparisons, location: str, passed: bool, level: int) -> None:
+        arg_rows = reporting.value_rows(f"{call.name} inputs", call.args, call.kwargs)
+        arg_rows += reporting.value_rows(f"{call.name} cpu_inputs", reference.args, reference.kwargs)
+        rows = [_named_row(call.name, c) for c in comparisons]
+        self._logger.log(level, reporting.header(call.name, call.forward_id, location)
+                     + ("" if passed else "    FAIL") + "\n"
+                     + reporting.call_table(call.name, arg_rows) + "\n"
+                     + reporting.call_table(call.name, rows, CONSOLE_COLUMNS))
+
+    def _save(self, name: str, forward_id: int, state: CompareState, device_out, ref_out, grads=None) -> None:
+        cast = self.settings.casts.get(op_key(name), DEFAULT_REFERENCE_CAST)
+        self.saving.save(name, forward_id, state, cast, device_out, ref_out, grads)
+
+    def finish(self) -> None:
+        for call in list(self._pending.values()):  # calls whose backward never ran
+            call.state.release()
+            self.backward_not_compared["its backward had not run at stop()"] += 1
+        self.saving.drain()
+        self._pending = weakref.WeakValueDictionary()
+        self._copies = HostCopies()
+        text = self.summary()
+        if self.rows:
+            path = result_files.results_path(self.common, self.results_folder, f"op_autocompare_info_{self.stem}.csv")
+            rows = [{"op": op, "forward_id": forward_id, "phase": phase, "module": module, **c.row(),
+                     "location": location} for op, forward_id, phase, c, location, module in self.rows]
+            self.tally.add(path, result_files.write_csv(path, [{c: row.get(c, "") for c in CSV_COLUMNS}
+                                                               for row in rows]))
+            text += f"\nOpAutoCompare: {len(self.rows)} comparisons saved in {path}"
+        self._logger.log(logging.WARNING if self.failures or self.not_checked() else logging.INFO, text)
+
+    def found(self) -> str:
+        ops = len({f["op"] for f in self.failures})
+        return f"{ops} op{'s' if ops != 1 else ''} failed" if ops else ""
+
+    def unchecked_parts(self) -> list[str]:
+        parts = []
+        unaccounted = self._forward_unaccounted()
+        if unaccounted:
+            parts.append(f"{unaccounted} calls ended with no verdict (an OpAutoCompare bug: please report it)")
+        lost = self.saving.lost()
+        if lost:
+            parts.append(lost)
+        return parts
+
+    def _forward_unaccounted(self) -> int:
+        """Handled calls that ended as none of compared, skipped, not checked or raised: 0 unless a path forgot one."""
+        c = self.counts
+        return max(0, sum(self.handled.values()) - c["forward compared"] - sum(self.skipped.values())
+                   - c["forward not checked"] - sum(self.raised.values()))
+
+    def summary(self) -> str:
+        """The end-of-run account: every handled call compared (passed or failed), skipped (why), not checked (the
+        tool failed) or raised by the op itself; the device's declared math; the failing ops in order. Its last line
+        says "no op failed" only when every handled call was compared or skipped with a reason."""
+        c = self.counts
+        raised = sum(self.raised.values())
+        lines = [f"\nOpAutoCompare summary: forward {c['forward compared']} compared, {c['forward passed']} passed, "
+                 f"{c['forward failed']} failed, {c['forward not checked']} not checked; backward "
+                 f"{c['backward compared']} compared, {c['backward passed']} passed, {c['backward failed']} failed, "
+                 f"{c['backward not checked']} not checked; {sum(self.skipped.values())} skipped"
+                 + (f"; {raised} raised by the op itself" if raised else "")]
+        if self.skipped:
+            lines.append("skipped: " + ", ".join(f"{reason}: {n}" for reason, n in self.skipped.most_common()))
+        if self.backward_not_compared:
+            lines.append("backward not compared: " + ", ".join(
+                f"{reason}: {n}" for reason, n in self.backward_not_compared.most_common()))
+        if self.device_math:
+            lines.append("device math replayed by the same-dtype reference where the op used it: " + ", ".join(
+                f"{described} ({n} calls)" for described, n in self.device_math.most_common()))
+        if self.saving.saved:
+            lines.append(self.saving.summary_line())
+        if self.stale_copies:
+            lines.append(f"{self.stale_copies} cached input copies were out of date (written by something no call "
+                         "showed) and were re-read before the verdict")
+        if self.failures:
+            lines.append("failing ops in execution order (the first is where to look):")
+            shown = [{**f, "location": reporting.short_location(f["location"])} for f in self.failures[:FAILURES_SHOWN]]
+            lines.append(reporting.table_text(shown, ("order", "op", "phase", "module", "forward_id",
+                                                                               "failing", "error_info", "location"),
+                                              keep="op"))
+            if len(self.failures) > FAILURES_SHOWN:
+                lines.append(f"{len(self.failures) - FAILURES_SHOWN} more failures in the CSV")
+        problem = self.not_checked()
+        if problem:
+            lines.append(f"NOT CHECKED: {problem}")
+        if not self.failures:
+            if not c["forward compared"] and not c["backward compared"]:
+                lines.append("no call was compared")
+            elif problem:
+                lines.append("no failure among the calls compared; not every call was checked (above)")
+            else:
+                lines.append("no op failed")
+        return "\n".join(lines)
+
+
+def _written_result(same, before_op: torch.Tensor):
+    """What the same-dtype run wrote into its copy of an argument (None without a same-dtype run)."""
+    run = same()
+    return None if run is None else run.mapped.get(id(before_op))
+
+
+def _math_note(used: DeviceMath | None) -> str:
+    """Said when the same-dtype reference the verdict used computed some of the device's reduced precision."""
+    return f"reference replays the device's {used.describe()}" if used is not None and used.reduced else ""
+
+
+def _state_tensor(token: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(token), dtype=torch.uint8)
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if torch.equal(a, b):
+        return True
+    if a.is_floating_point() or a.is_complex():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return False
+
+
+def _fresh_copy(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    return snapshot(t), False
+
+
+def _in_device_memory(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage is device memory (a GPU's), not host memory seen through a device (sim's)."""
+    try:
+        return t.untyped_storage().device.type != "cpu"
+    except (RuntimeError, NotImplementedError, TypeError):
+        return True
+
+
+def _leaf_dtypes(result) -> tuple:
+    if isinstance(result, torch.Tensor):  # most ops: no walk
+        return (result.dtype,)
+    return tuple(t.dtype for t in iter_tensors(result))
+
+
+def _named_row(op: str, comparison: Comparison) -> dict:
+    row = comparison.row()
+    row["name"] = f"{op} {row['name']}"
+    return row
+
+
+def _unique_tensors(result) -> list[torch.Tensor]:
+    """The tensors of ``result``, each once, in order."""
+    if isinstance(result, torch.Tensor):  # most ops: no walk
+        return [result]
+    seen, out = set(), []
+    for t in iter_tensors(result):
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def labelled_tensors(args, kwargs):
+    """``("input[0]", tensor)``, ``("input[1][0]", ...)``, ``("input[weight]", ...)``: every tensor argument."""
+    for key, value in itertools.chain(enumerate(args), kwargs.items()):
+        if isinstance(value, torch.Tensor):  # most arguments: no walk
+            yield f"input[{key}]", value
+        else:
+            for path, v in iter_items(value, f"[{key}]"):
+                if isinstance(v, torch.Tensor):
+                    yield f"input{path}", v
+
+
+def _labels_of(args, kwargs, tensors: list) -> list[str]:
+    if not tensors:
+        return []
+    wanted = {id(t) for t in tensors}
+    found: dict[int, str] = {}
+    for label, t in labelled_tensors(args, kwargs):
+        if id(t) in wanted:
+            found.setdefault(id(t), f"written {label}")
+    return [found.get(id(t), "written input") for t in tensors]

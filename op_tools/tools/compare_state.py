@@ -1,0 +1,75 @@
+"""OpAutoCompare's per-call state (``OpCall.state``): what before() copied, what after() compares, what the backward
+needs. Its own module so that the failing calls' saving (``failing_calls.py``) reads it without importing the tool."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only: nothing is imported at run time
+    import torch
+
+    from ..numerics.device_math import DeviceMath
+    from ..numerics.reference import Reference
+
+
+class CompareState:
+    """One call's state, a slot per field where other tools keep a dict (read per call: a slot is faster than a key,
+    and a misspelt field fails at once). It holds device tensors and host copies: ``release()``,
+    ``release_backward()`` and ``drop_forward()`` let them go as soon as the call no longer needs them."""
+
+    __slots__ = ("written", "skip", "inside", "tensors", "cpu_args", "cpu_kwargs", "compared_writes", "math", "rng",
+                 "grad_labels", "device_cpu", "extra", "extra_cpu", "extra_labels", "host_of", "signature",
+                 "precedent", "math_used", "owned", "grad_snaps", "reference", "device_out", "ref_out",
+                 "saved_forward", "save_dir")
+
+    # --- set by before() ---
+    written: Sequence[torch.Tensor]  # the arguments the op writes (each once; every tensor of an unknown function)
+    skip: str | None  # why the call is not compared (counted as skipped there), or None
+    inside: bool  # a random composite: run() descends into it and its calls are compared one by one
+    # (device tensor, its host copy, whether the cache supplied it) in argument order; after() drops it
+    tensors: Sequence[tuple[torch.Tensor, torch.Tensor, bool]]
+    cpu_args: tuple | None  # the arguments with host copies for tensors; None: before() did not get that far
+    cpu_kwargs: dict | None  # the same for the keyword arguments
+    compared_writes: Sequence[torch.Tensor]  # the written arguments whose values are compared (none when unknown)
+    math: DeviceMath | None  # what the device declared it computes in (autocast, TF32): the same-dtype reruns' math
+    rng: Any  # the device generator's token before the op: another after it means the op drew random numbers
+    grad_labels: Sequence[str]  # the labels of call.grad_inputs ("input[0]"), for the gradients' rows
+    # --- what after() gives _compare_forward (dropped when after() returns, as locals were) ---
+    device_cpu: Any  # the result as compared: host copies, or large tensors on their device
+    extra: Sequence[torch.Tensor]  # the written arguments the result does not return
+    extra_cpu: Sequence[torch.Tensor]  # their values after the op, as compared
+    extra_labels: Sequence[str]  # their labels ("written input[0]")
+    host_of: dict[int, torch.Tensor] | None  # id of an argument tensor -> its host copy from before the op
+    signature: tuple  # (op, input dtypes, device math): the key of the output dtypes learnt per signature
+    # --- set by after() ---
+    precedent: tuple  # the signature and input shapes: the key of the same-dtype error history
+    math_used: DeviceMath | None  # the part of the device's math the same-dtype rerun applied (None: no rerun)
+    owned: set[int] | None  # ids of the written arguments' host copies: the reruns may write into them
+    grad_snaps: list[torch.Tensor] | tuple  # host copies of call.grad_inputs: the reference's leaves
+    # --- kept for the backward ---
+    reference: Reference | None  # the CPU reference run with its graph; None: the backward is not compared
+    device_out: tuple | None  # (result, *written arguments) as compared: saved with a failing backward
+    ref_out: tuple | None  # the reference's values of the same
+    saved_forward: bool  # the forward was saved as failing: its backward is saved beside it
+    save_dir: str | None  # the folder the call is saved in ('' past max_saved); None: not decided yet
+
+    def release(self) -> None:
+        """Every field back to its default, dropping the tensors and copies held: the call is compared no further."""
+        self.written = self.tensors = self.compared_writes = self.grad_labels = self.grad_snaps = self.precedent = ()
+        self.skip = self.cpu_args = self.cpu_kwargs = self.math = self.rng = self.math_used = self.owned = None
+        self.inside = self.saved_forward = False
+        self.reference = self.device_out = self.ref_out = self.save_dir = None
+        self.drop_forward()
+
+    __init__ = release  # a new state is a released one (one call less per handled call)
+
+    def drop_forward(self) -> None:
+        """Drop what only after()'s comparison used: the outputs' copies and the written arguments."""
+        self.device_cpu = self.host_of = None
+        self.extra = self.extra_cpu = self.extra_labels = self.signature = ()
+
+    def release_backward(self) -> None:
+        """Drop what only the backward's comparison needed: the reference graph, the outputs, the inputs' copies."""
+        self.reference = self.device_out = self.ref_out = None
+        self.grad_snaps = ()

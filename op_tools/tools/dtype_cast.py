@@ -1,0 +1,128 @@
+"""OpDtypeCast: run handled ops in a wider dtype (OP_DTYPE_CAST_DICT) and cast the results back."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from ..config.variables import DTYPE_CAST_DICT
+from ..core.engine import OpCall, OpTool, feature, tool_work
+from ..numerics.device_math import DeviceMath, emulated
+from ..ops.arguments import iter_items, iter_tensors, map_tensors
+from ..ops.op_facts import op_facts
+from ..output import reporting
+
+
+@feature("cast_dtype")
+class OpDtypeCast(OpTool):
+    """Cast inputs whose dtype is in ``OP_DTYPE_CAST_DICT``, run, cast outputs back to the original dtype.
+
+    Under the user's autocast the widened op runs with autocast off (autocast would cast it back down), and each
+    output is cast to the dtype the op returns under that autocast (found by running the op on meta tensors
+    with the device's autocast policy, ``device_math``).
+
+    Keyword arguments (each overrides its variable): ``ops``, ``disable`` (``OP_DTYPE_CAST_LIST``/``_DISABLE_LIST``:
+    lists of op names, patterns or functions), ``casts`` (``OP_DTYPE_CAST_DICT``: ``{torch.float16: torch.float32}``),
+    and ``results_dir``, ``verbose``, ``print_stack``, ``strict`` as every tool.
+
+    >>> with op_tools.OpDtypeCast():   # default torch.float16->torch.float32,torch.bfloat16->torch.float32
+    ...     y = torch.nn.functional.silu(x_fp16)      # computed in float32, returned as float16
+    >>> with op_tools.OpDtypeCast(casts={torch.bfloat16: torch.float64}):
+    ...     y = torch.nn.functional.silu(x_bf16)      # computed in float64, returned as bfloat16
+    """
+
+    hook_name = "OpDtypeCastHook"
+    env_prefix = "OP_DTYPE_CAST"
+    keywords = {"casts": DTYPE_CAST_DICT}
+
+    def configure(self) -> None:
+        self.cast = DTYPE_CAST_DICT.read(self.sources)
+        self.config_text = ",".join(f"{a}->{b}" for a, b in self.cast.items())
+
+    def accepts(self, name: str) -> bool:
+        # Views must alias their base; explicit conversions mean what they say.
+        facts = op_facts(name)
+        return not facts.view and not facts.conversion and not name.startswith("torch.Tensor.__get")
+
+    def run(self, call: OpCall):
+        with tool_work():
+            pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (original, cast copy)
+
+            def widen(t: torch.Tensor) -> torch.Tensor:
+                target = self.cast.get(t.dtype)
+                if target is None or target == t.dtype:
+                    return t
+                wide = t.to(target)  # differentiable: gradients reach the original
+                pairs.append((t, wide))
+                return wide
+
+            args, kwargs = map_tensors(call.args, widen), map_tensors(call.kwargs, widen)
+        if not pairs:
+            return call.func(*call.args, **call.kwargs)
+        math = DeviceMath.of(call.device).autocast_only()
+        expected = self._autocast_dtypes(call, math) if math else None
+        with torch.autocast(call.device.type, enabled=False) if math else contextlib.nullcontext():
+            result = call.func(*args, **kwargs)
+        with tool_work():
+            back = {wide.dtype: original.dtype for original, wide in pairs}
+            originals = {id(wide): original for original, wide in pairs}
+            rows = [{"name": call.name, "target": f"input{path}", "action": f"{o.dtype} -> {w.dtype}",
+                     "config": self.config_text}
+                    for (path, o), (_, w) in zip(_tensor_items(call.args, call.kwargs), _tensor_items(args, kwargs))
+                    if o is not w]
+            for original, wide in pairs:
+                if wide._version > 0:  # written by an in-place op or out=: the caller's tensor must change
+                    original.copy_(wide)
+
+            def narrow(t: torch.Tensor) -> torch.Tensor:
+                original = originals.get(id(t))
+                if original is not None:
+                    return original
+                if t.dtype in back:
+                    return t.to(back[t.dtype])
+                return t
+
+            if expected is not None and len(expected) == len(list(iter_tensors(result))):
+                wanted = iter(expected)
+                out = map_tensors(result, lambda t: _returned(originals, t, next(wanted)))
+            else:
+                out = map_tensors(result, narrow)
+            for (path, raw), (_, final) in zip(iter_items(reporting.as_tuple(result)),
+                                                iter_items(reporting.as_tuple(out))):
+                if isinstance(raw, torch.Tensor) and raw.dtype != final.dtype:
+                    rows.append({"name": call.name, "target": f"output{path}",
+                                 "action": f"{raw.dtype} -> {final.dtype}", "config": self.config_text})
+            call.state["rows"] = rows
+            return out
+
+    @staticmethod
+    def _autocast_dtypes(call: OpCall, math: DeviceMath) -> list | None:
+        """The dtypes of the op's tensor outputs under the user's autocast, from a run on meta tensors."""
+        try:
+            with tool_work(), emulated(math):
+                meta_args = map_tensors(call.args, lambda t: t.to("meta"))
+                meta_kwargs = map_tensors(call.kwargs, lambda t: t.to("meta"))
+                return [t.dtype for t in iter_tensors(call.func(*meta_args, **meta_kwargs))]
+        except Exception:  # noqa: BLE001 - an op without a meta kernel: outputs take back the inputs' dtypes
+            return None
+
+    def after(self, call: OpCall) -> None:
+        rows = call.state.pop("rows", None)
+        if rows and self._logger.isEnabledFor(logging.DEBUG):
+            self._logger.debug(reporting.table_text(rows, ("name", "target", "action", "config")))
+
+
+def _returned(originals: dict, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What the op hands back for ``t``: the caller's tensor it wrote (in-place, out=), or ``t`` in ``dtype``."""
+    original = originals.get(id(t))
+    if original is not None:
+        return original
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _tensor_items(args, kwargs):
+    items = [(p, v) for p, v in iter_items(tuple(args)) if isinstance(v, torch.Tensor)]
+    items += [(p, v) for p, v in iter_items(kwargs) if isinstance(v, torch.Tensor)]
+    return items

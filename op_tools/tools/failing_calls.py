@@ -1,0 +1,115 @@
+"""OpAutoCompare's failing calls, saved for the offline replay in OpCapture's file format.
+
+A call is saved under ``op_capture_results/<op>/<pid>/autocompare/<forward_id>/<time>/``: ``device/`` holds its
+inputs as they were before the call, its outputs and, once its backward ran, its gradients; ``cpu/`` the same for
+the float64 reference. At most ``OP_AUTOCOMPARE_MAX_SAVED`` calls of each op are saved, later ones counted. The
+host copies are made when the call is saved; the files are written by a background thread (``stop()`` waits), and
+a tensor two saved calls share is written once.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+
+import torch
+
+from ..config.variables import CommonConfig
+from ..numerics.host_copies import snapshot
+from ..numerics.reference import recast
+from ..ops.arguments import map_tensors
+from ..output import reporting, result_files
+from ..output.capture_format import TensorStore
+from .compare_state import CompareState
+
+
+class FailingCalls:
+    """The failing calls of one OpAutoCompare session, written in the background."""
+
+    def __init__(self, common: CommonConfig, max_saved: int, pid_folder: str, tally, logger: logging.Logger) -> None:
+        self.common, self.max_saved, self.pid_folder, self._logger = common, max_saved, pid_folder, logger
+        self.store = TensorStore(dedup=True, tally=tally)
+        self.writer = result_files.BackgroundWriter("OpAutoCompare")
+        self.saved: collections.Counter = collections.Counter()  # op -> failing calls saved
+        self.not_saved: collections.Counter = collections.Counter()  # op -> failing calls past max_saved
+        self._lock = threading.Lock()
+
+    def save(self, name: str, forward_id: int, state: CompareState, cast: dict, device_out, ref_out,
+             grads=None) -> None:
+        """Save a failing call's forward (the first time) and, given ``grads`` (device gradients, upstream gradients,
+        reference gradients), its backward; ``state`` is the call's (its folder is kept there)."""
+        base = state.save_dir
+        if base is None:
+            with self._lock:
+                allowed = self.saved[name] < self.max_saved
+                if allowed:
+                    self.saved[name] += 1
+                else:
+                    self.not_saved[name] += 1
+            base = state.save_dir = result_files.results_path(
+                self.common, "op_capture_results", name, self.pid_folder, "autocompare", str(forward_id),
+                time.strftime("%Y-%m-%d-%H-%M-%S", time.localtime())) if allowed else ""
+        if not base:
+            return
+        if not state.saved_forward:
+            # the inputs whose gradients were compared are saved requiring grad: the replay runs their backward
+            marked = {id(h) for h in state.grad_snaps}
+            device_args, device_kwargs = _marked(state.cpu_args, marked), _marked(state.cpu_kwargs, marked)
+            ref_args, ref_kwargs = recast(device_args, cast), recast(device_kwargs, cast)
+            for side, args, kwargs, out in (("device", device_args, device_kwargs, device_out),
+                                            ("cpu", ref_args, ref_kwargs, ref_out)):
+                self._write(base, side, "input", name, args, kwargs)
+                self._write(base, side, "output", name, _flat_out(out), {})
+        if grads is not None:
+            device_grads, upstream, reference_grads = grads
+            upstream64 = tuple(None if g is None else g.double() if g.is_floating_point() else g for g in upstream)
+            self._write(base, "device", "grad_inputs", name, device_grads, {})
+            self._write(base, "device", "grad_outputs", name, upstream, {})
+            self._write(base, "cpu", "grad_inputs", name, tuple(reference_grads), {})
+            self._write(base, "cpu", "grad_outputs", name, upstream64, {})
+        self._logger.debug("OpAutoCompare: saved %s", base)
+
+    def _write(self, base: str, side: str, identifier: str, name: str, args, kwargs) -> None:
+        args = map_tensors(tuple(args), _on_host)  # values compared on their device are copied now
+        path = os.path.join(base, side, f"{identifier}.pth")
+        payload = {"name": name, "args": tuple(args), "kwargs": dict(kwargs), "identifier": identifier}
+        self.writer.submit(lambda: self.store.save(path, payload), path)
+
+    def drain(self) -> None:
+        self.writer.drain()
+
+    def lost(self) -> str:
+        """The files of failing calls that could not be written ('' when none), for the verdict."""
+        if not self.writer.failed:
+            return ""
+        return (f"{self.writer.failed} file{'s' if self.writer.failed != 1 else ''} of failing calls not written "
+                f"(the first {self.writer.first_failure})")
+
+    def summary_line(self) -> str:
+        """What was saved where, for the summary ("" when nothing was)."""
+        if not self.saved:
+            return ""
+        return (f"{sum(self.saved.values())} failing calls saved for the replay under "
+                f"{result_files.results_path(self.common, 'op_capture_results')}"
+                + (f"; {sum(self.not_saved.values())} more not saved (OP_AUTOCOMPARE_MAX_SAVED="
+                   f"{self.max_saved} per op)" if self.not_saved else ""))
+
+
+def _on_host(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_cpu else snapshot(t)
+
+
+def _marked(obj, marked: set):
+    """``obj`` with the tensors whose id is in ``marked`` as new leaves requiring grad (for a saved call)."""
+    if not marked:
+        return obj
+    return map_tensors(obj, lambda t: t.detach().requires_grad_() if id(t) in marked else t)
+
+
+def _flat_out(out) -> tuple:
+    """The device and reference values a saved call holds: the outputs, then the written arguments."""
+    result, *written = out
+    return (*reporting.as_tuple(result), *written)

@@ -1,0 +1,142 @@
+"""OpFallback: run handled ops on the CPU and hand the results back on the device, in the original dtype."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..core.engine import OpCall, OpTool, feature, tool_work
+from ..numerics.device_math import DeviceMath, emulated
+from ..ops.arguments import map_tensors
+from ..ops.op_facts import op_facts
+from ..output import reporting
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+_CPU = torch.device("cpu")
+
+
+class CpuCopies:
+    """The CPU stand-ins of a call's device tensors, and how to hand results back to the device."""
+
+    def __init__(self, cast: dict | None = None) -> None:
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device tensor, cpu tensor)
+        self.cast = cast or {}  # dtype -> wider dtype used on the CPU
+
+    def to_cpu(self, obj):
+        return _map_values(obj, self._tensor_to_cpu, _device_to_cpu)
+
+    def _tensor_to_cpu(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cpu" and t.dtype not in self.cast:
+            return t
+        # .to() is differentiable: gradients flow back to the device tensor.
+        cpu = t.to(device=_CPU, dtype=self.cast.get(t.dtype, t.dtype))
+        self.pairs.append((t, cpu))
+        return cpu
+
+    def write_back(self) -> None:
+        """Device tensors whose CPU copy the op wrote (in-place ops, out=) get the new values."""
+        for device_tensor, cpu in self.pairs:
+            if cpu._version > 0 and device_tensor is not cpu:
+                device_tensor.copy_(cpu)
+
+    def to_device(self, obj, device: torch.device, dtype_back: dict):
+        originals = {id(cpu): device_tensor for device_tensor, cpu in self.pairs}
+
+        def back(t: torch.Tensor) -> torch.Tensor:
+            original = originals.get(id(t))
+            if original is not None:  # the op returned an argument (in-place, out=): the caller's tensor
+                return original
+            return t.to(device=device, dtype=dtype_back.get(t.dtype, t.dtype))
+
+        return map_tensors(obj, back)
+
+
+def _device_to_cpu(value):
+    return _CPU if isinstance(value, torch.device) and value.type != "cpu" else value
+
+
+def _map_values(obj, tensor_fn, other_fn):
+    mapped = map_tensors(obj, tensor_fn)
+    if isinstance(mapped, dict):
+        return {k: (_CPU if k == "device" and v is not None and not isinstance(v, torch.Tensor) else other_fn(v))
+                for k, v in mapped.items()}
+    if isinstance(mapped, (list, tuple)) and not hasattr(mapped, "_fields"):
+        return type(mapped)(other_fn(v) for v in mapped)
+    return mapped
+
+
+def _low_precision_dtypes(*objs) -> list[torch.dtype]:
+    found = []
+    for obj in objs:
+        for t in _tensors(obj):
+            if t.dtype in LOW_PRECISION and t.dtype not in found:
+                found.append(t.dtype)
+    return found
+
+
+def _tensors(obj):
+    from ..ops.arguments import iter_tensors
+
+    return iter_tensors(obj)
+
+
+@feature("fallback")
+class OpFallback(OpTool):
+    """Run every handled op on the CPU (the list variables narrow it down); results come back on the device.
+
+    If the CPU kernel rejects float16/bfloat16 the op runs in float32 and results are cast back.
+    In-place ops and ``out=`` update the device tensors; autograd flows through the CPU copies. Under the user's
+    autocast the CPU run casts as the device's autocast would (``device_math``), so the op returns what it returns
+    on the device.
+
+    Keyword arguments (each overrides its variable): ``ops``, ``disable`` (``OP_FALLBACK_LIST``/``_DISABLE_LIST``:
+    lists of op names, patterns or functions), and ``results_dir``, ``verbose``, ``print_stack``, ``strict`` as every
+    tool.
+
+    >>> with op_tools.OpFallback(ops=["torch.nn.functional.silu"]):   # or OP_FALLBACK_LIST=torch.nn.functional.silu
+    ...     loss = model(x).sum(); loss.backward()
+    """
+
+    hook_name = "OpFallbackHook"
+    env_prefix = "OP_FALLBACK"
+
+    def accepts(self, name: str) -> bool:
+        # Device moves must stay device moves, and views must keep aliasing their base.
+        facts = op_facts(name)
+        return not facts.conversion and not facts.view and not name.startswith("torch.Tensor.__get")
+
+    def run(self, call: OpCall):
+        with tool_work(), emulated(DeviceMath.of(call.device).autocast_only()):
+            copies = CpuCopies()
+            args, kwargs = copies.to_cpu(call.args), copies.to_cpu(call.kwargs)
+            try:
+                cpu_result = call.func(*args, **kwargs)
+                dtype_back: dict = {}
+            except (RuntimeError, NotImplementedError) as error:
+                low = _low_precision_dtypes(call.args, call.kwargs)
+                if not low:
+                    raise
+                # The CPU has no kernel for this dtype: compute in float32, hand back the original dtype.
+                copies = CpuCopies({dtype: torch.float32 for dtype in low})
+                args, kwargs = copies.to_cpu(call.args), copies.to_cpu(call.kwargs)
+                try:
+                    cpu_result = call.func(*args, **kwargs)
+                except (RuntimeError, NotImplementedError):
+                    raise error from None
+                dtype_back = {torch.float32: low[0]}
+            copies.write_back()
+            result = copies.to_device(cpu_result, call.device, dtype_back)
+            call.state.update(cpu_args=args, cpu_kwargs=kwargs, cpu_result=cpu_result)
+            return result
+
+    def after(self, call: OpCall) -> None:
+        state = call.state
+        if self._logger.isEnabledFor(logging.DEBUG):
+            rows = reporting.value_rows(f"{call.name} inputs", call.args, call.kwargs)
+            rows += reporting.value_rows(f"{call.name} cpu_inputs", state["cpu_args"], state["cpu_kwargs"])
+            rows += reporting.value_rows(f"{call.name} cpu_outputs", reporting.as_tuple(state["cpu_result"]))
+            rows += reporting.value_rows(f"{call.name} outputs", reporting.as_tuple(call.result))
+            self._logger.debug(reporting.header(call.name, call.forward_id, call.location) + "\n"
+                           + reporting.call_table(call.name, rows))
+        state.clear()

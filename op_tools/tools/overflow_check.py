@@ -1,0 +1,217 @@
+"""OpOverflowCheck: inf/nan and statistics of every handled call's tensors, forward and backward.
+
+It names the first op, in execution order, whose outputs hold inf/nan while its inputs are finite
+(``tool.first_overflow``); with ``OP_OVERFLOW_CHECK_RAISE=1`` it raises ``OverflowDetectedError`` there (for
+an op found in backward: as ``backward()`` returns, since raising inside autograd's device threads is unsafe).
+
+Where the work runs: per handled call, one fused reduction on the device (the largest magnitude of every floating
+input and output, ``torch._foreach_norm(..., inf)``: inf or nan exactly where a tensor holds one) read back in one
+transfer: at most one host synchronisation per call, none once the first overflow is found. The statistics (min,
+max, mean, std, norm) are computed only for the call that overflows, or for every call when the per-call tables
+are printed (``OP_TOOLS_VERBOSE=1``): on the device, all of a call's tensors read back in one transfer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import torch
+
+from ..config.variables import OVERFLOW_CHECK_RAISE
+from ..core.engine import OpCall, OpTool, OpToolsAbortError, feature
+from ..ops.arguments import iter_items
+from ..output import reporting
+
+STAT_COLUMNS = ("name", "inf_or_nan", "min", "max", "mean", "std", "norm")
+_STATISTICS = ("min", "max", "mean", "std", "norm")
+_INF = float("inf")
+
+
+class OverflowDetectedError(OpToolsAbortError):
+    """The first op producing inf/nan from finite inputs (OP_OVERFLOW_CHECK_RAISE=1)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Overflow:
+    name: str
+    forward_id: int
+    phase: str  # "forward" or "backward"
+    location: str
+    module: str = ""  # the module that ran the call (model.layers.3.mlp.down_proj), "" outside any
+
+    def __str__(self) -> str:
+        where = f" in {self.module}" if self.module else ""
+        return (f"first inf/nan from finite inputs: {self.name}{where} ({self.phase}) forward_id: {self.forward_id}"
+                f"\n{self.location}")
+
+
+# --- on the device: a few reductions per tensor, one transfer per device ---
+
+def _checked(t: torch.Tensor) -> bool:
+    """Whether ``t`` can hold inf/nan and is checked: a non-empty, dense, real floating tensor."""
+    return t.is_floating_point() and t.layout == torch.strided and t.numel() > 0
+
+
+_no_foreach_norm: set[str] = set()  # device types whose backend lacks _foreach_norm(..., inf)
+
+
+def _largest_magnitudes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``max |t|`` of each tensor, on its device: inf or nan exactly where ``t`` holds one (no overflow possible).
+    One fused kernel where the backend has ``_foreach_norm``, one reduction per tensor otherwise."""
+    device_type = tensors[0].device.type
+    if device_type not in _no_foreach_norm:
+        try:
+            return list(torch._foreach_norm(tensors, _INF))
+        except (RuntimeError, NotImplementedError):
+            _no_foreach_norm.add(device_type)
+    return [t.abs().max() for t in tensors]  # max propagates nan
+
+
+def nonfinite_flags(tensors: list[torch.Tensor]) -> list[bool]:
+    """For each tensor, whether it holds inf or nan: the largest magnitude of every checked tensor, computed on
+    its device by one fused reduction and read back in one transfer per device (the host synchronisation)."""
+    flags = [False] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if _checked(t):
+            by_device.setdefault(t.device, []).append(i)
+    with torch.no_grad():  # no graph, hence no detach
+        for indices in by_device.values():
+            largest = _largest_magnitudes([tensors[i] for i in indices])
+            for i, value in zip(indices, torch.stack(largest).cpu().tolist()):
+                flags[i] = not math.isfinite(value)
+    return flags
+
+
+def _statistics(t: torch.Tensor) -> torch.Tensor:
+    """``[all finite, min, max, mean, std, norm]`` of ``t`` as one device tensor (float32, or float64 for float64)."""
+    wide = t  # called under no_grad
+    if not wide.is_floating_point() or wide.element_size() < 4:
+        wide = wide.float()
+    return torch.stack([torch.isfinite(wide).all().to(wide.dtype), wide.min(), wide.max(), wide.mean(),
+                        wide.std(correction=0), wide.norm()])
+
+
+def statistics_rows(named: list[tuple[str, torch.Tensor]]) -> list[dict]:
+    """``STAT_COLUMNS`` rows for ``(name, tensor)`` pairs, computed on the device and read back in one transfer per
+    device. Empty, complex and non-dense tensors get only ``inf_or_nan: False``."""
+    rows = [{"name": name, "inf_or_nan": False} for name, _ in named]
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    with torch.no_grad():
+        for i, (_, t) in enumerate(named):
+            if t.numel() and not t.is_complex() and t.layout == torch.strided:
+                by_device.setdefault(t.device, []).append((i, _statistics(t)))
+        for items in by_device.values():
+            values = torch.stack([v for _, v in items]).cpu().tolist()  # mixed float32/float64: promoted
+            for (i, _), (finite, *stats) in zip(items, values):
+                rows[i]["inf_or_nan"] = not finite
+                rows[i].update(zip(_STATISTICS, stats))
+    return rows
+
+
+def tensor_stats(name: str, t: torch.Tensor) -> dict:
+    """inf/nan flag and min, max, mean, std, norm of ``t`` (computed in float32 or wider)."""
+    return statistics_rows([(name, t)])[0]
+
+
+def named_tensors(prefix: str, values) -> list[tuple[str, torch.Tensor]]:
+    return [(prefix + path, v) for path, v in iter_items(tuple(values)) if isinstance(v, torch.Tensor)]
+
+
+@feature("overflow_check")
+class OpOverflowCheck(OpTool):
+    """Check every handled call's inputs, outputs and gradients for inf/nan.
+
+    Keyword arguments (each overrides its variable): ``ops``, ``disable`` (``OP_OVERFLOW_CHECK_LIST``/
+    ``_DISABLE_LIST``: lists of op names, patterns or functions), ``raise_on_overflow`` (``OP_OVERFLOW_CHECK_RAISE``),
+    and ``results_dir``, ``verbose``, ``print_stack``, ``strict`` as every tool.
+
+    >>> with op_tools.OpOverflowCheck() as check:
+    ...     loss = model(x).sum(); loss.backward()
+    >>> print(check.first_overflow)     # None, or the op, forward_id, phase and source line
+    """
+
+    hook_name = "OpOverflowCheckHook"
+    env_prefix = "OP_OVERFLOW_CHECK"
+    keywords = {"raise_on_overflow": OVERFLOW_CHECK_RAISE}
+    tracks_modules = True
+
+    def configure(self) -> None:
+        self.raise_on_overflow = OVERFLOW_CHECK_RAISE.read(self.sources)
+        self.first_overflow: Overflow | None = None
+        self._pending: Overflow | None = None
+
+    def after(self, call: OpCall) -> None:
+        verbose = self._logger.isEnabledFor(logging.DEBUG)
+        if self.first_overflow is not None and not verbose:  # nothing more to find or to print
+            return
+        inputs = named_tensors(f"{call.name} input", tuple(call.args) + tuple(call.kwargs.values()))
+        outputs = named_tensors(f"{call.name} output", reporting.as_tuple(call.result))
+        header = reporting.header(call.name, call.forward_id, call.location)
+        if verbose:
+            rows = reporting.call_rows(call.name, call.args, call.kwargs, call.result)
+            header += "\n" + reporting.call_table(call.name, rows)
+        self._check(call, inputs, outputs, "forward", header if verbose else None)
+
+    def after_backward(self, call: OpCall, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        self._check_gradients(call, grad_inputs, grad_outputs, self._logger.isEnabledFor(logging.DEBUG))
+
+    def inner_node_backward(self, call: OpCall, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        # Inside a composite function: an inf/nan born there is the function's.
+        self._check_gradients(call, grad_inputs, grad_outputs, False)
+
+    def _check_gradients(self, call: OpCall, grad_inputs: tuple, grad_outputs: tuple, print_table: bool) -> None:
+        if self.first_overflow is not None and not print_table:
+            return
+        # Backward runs from grad_outputs (upstream) to grad_inputs; the table lists grad_inputs first.
+        self._check(call, named_tensors(f"{call.name} grad_outputs", grad_outputs),
+                    named_tensors(f"{call.name} grad_inputs", grad_inputs), "backward",
+                    reporting.header(call.name, call.forward_id, call.location, "backward") if print_table else None,
+                    results_first=True)
+
+    def closing_line(self) -> str:
+        found = self.found()
+        if not found:  # a clean verdict only when every handled call was checked
+            found = "no inf/nan from finite inputs" if not self.not_checked() else \
+                "no inf/nan from finite inputs among the calls checked"
+        return f"{super().closing_line()}; {found}"
+
+    def found(self) -> str:
+        return str(self.first_overflow).split("\n")[0] if self.first_overflow else ""
+
+    def backward_done(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            raise OverflowDetectedError(str(pending))
+
+    def _check(self, call: OpCall, sources: list, results: list, phase: str, table_header: str | None,
+               results_first: bool = False) -> None:
+        """Flag ``sources`` and ``results`` (``(name, tensor)`` pairs): all statistics, read in one transfer, when
+        ``table_header`` asks for the table; otherwise only the fused finiteness flags (one transfer)."""
+        ordered = results + sources if results_first else sources + results
+        if table_header is not None:
+            rows = statistics_rows(ordered)
+            self._logger.debug(table_header + "\n" + reporting.call_table(call.name, rows, STAT_COLUMNS))
+            flags = [row["inf_or_nan"] for row in rows]
+        elif not any(_checked(t) for _, t in results):  # no floating result: nothing can overflow here
+            return
+        else:
+            flags = nonfinite_flags([t for _, t in ordered])
+            rows = None
+        if self.first_overflow is not None:
+            return
+        result_flags = flags[:len(results)] if results_first else flags[len(sources):]
+        source_flags = flags[len(results):] if results_first else flags[:len(sources)]
+        if any(result_flags) and not any(source_flags):
+            self.first_overflow = Overflow(call.name, call.forward_id, phase, call.location, call.module_path)
+            if rows is None:  # the statistics of this one call, to show what overflowed
+                rows = statistics_rows(ordered)
+            self._logger.warning(f"\nOpOverflowCheck: {self.first_overflow}\n"
+                                 + reporting.call_table(call.name, rows, STAT_COLUMNS))
+            if self.raise_on_overflow:
+                if phase == "backward":  # raised when backward() returns, on the caller's thread
+                    self._pending = self.first_overflow
+                else:
+                    raise OverflowDetectedError(str(self.first_overflow))
