@@ -13,7 +13,10 @@ The contracts (``CONTRACTS``):
   PyTorch, on any device), but where the import is optional (inside ``try: ... except ImportError``: the replay
   picks ditorch's device where ditorch is installed, as a user's script would);
 * the offline code (``OFFLINE``: the replay, ``run_op_from_data``, the conformance report, ``compare_runs``)
-  never reaches the engine or a tool (``ONLINE``), directly or through other modules.
+  never reaches the engine or a tool (``ONLINE``), directly or through other modules;
+* each folder of ``op_tools`` is a layer (``LAYERS``, lowest first): a module never imports one of a higher layer,
+  nor one of another folder of its own layer, nor the package's face (``op_tools/__init__.py``, ``__main__.py``
+  and the shims kept at the original paths), which sits above every layer.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from collections.abc import Iterable
 PACKAGES = ("ditorch", "op_tools")
 OFFLINE = ("op_tools.offline", "op_tools.run_op_from_data", "op_tools.conformance", "op_tools.compare_runs")
 ONLINE = ("op_tools.core", "op_tools.tools", "op_tools.__main__")
+# op_tools' layers, lowest first; folders in one tuple are side by side (neither imports the other)
+LAYERS = (("ops",), ("numerics",), ("config",), ("output",), ("core", "offline"), ("tools",))
 
 Graph = dict[str, dict[str, str]]  # module -> imported module -> "file:line" of the first such import
 OPTIONAL = " (optional)"  # the end of a "file:line" whose import sits in try/except ImportError
@@ -189,6 +194,37 @@ def reaches(graph: Graph, start: str, targets: Iterable[str]) -> list[str] | Non
     return None
 
 
+def layer_of(module: str) -> tuple[int, str] | None:
+    """(level, folder) of an op_tools module in ``LAYERS``; None for one of the package's face."""
+    parts = module.split(".")
+    if len(parts) > 2 and parts[0] == "op_tools":
+        for level, folders in enumerate(LAYERS):
+            if parts[1] in folders:
+                return level, parts[1]
+    return None
+
+
+def upward_imports(graph: Graph) -> list[str]:
+    """Each import by a layer's module of a higher layer's, of a side-by-side folder's, or of the package's face."""
+    problems = []
+    for module, edges in sorted(graph.items()):
+        source = layer_of(module)
+        if source is None:
+            continue
+        for target, where in sorted(edges.items()):
+            if not _in(target, ("op_tools",)):
+                continue
+            dest = layer_of(target)
+            if dest is None:
+                problems.append(f"{module} imports {target} ({where}): layer {source[1]} is below the package's face")
+            elif dest[0] > source[0]:
+                problems.append(f"{module} imports {target} ({where}): layer {source[1]} is below layer {dest[1]}")
+            elif dest[0] == source[0] and dest[1] != source[1]:
+                problems.append(f"{module} imports {target} ({where}): layers {source[1]} and {dest[1]} are side by "
+                                "side")
+    return problems
+
+
 def _where(graph: Graph, path: list[str]) -> str:
     return " -> ".join(path) + f" (first import at {graph[path[0]][path[1]]})"
 
@@ -210,6 +246,7 @@ def broken_contracts(graph: Graph) -> list[str]:
         path = reaches(graph, module, ONLINE)
         if path is not None:
             problems.append(f"offline code reaches the engine or a tool: {_where(graph, path)}")
+    problems.extend(upward_imports(graph))
     return problems
 
 

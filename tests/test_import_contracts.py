@@ -1,5 +1,6 @@
 """The import contracts (scripts/check_imports.py, run by ``make lint``) hold on the tree, and each one fails on a
-deliberate violation written into a copy of it."""
+deliberate violation written into a copy of it: a circle, one package importing the other, offline code reaching
+the engine, an import from a lower layer of op_tools up to a higher one."""
 
 from __future__ import annotations
 
@@ -55,6 +56,21 @@ def test_each_contract_fails_on_a_deliberate_violation(tree, file, violation, re
     done = _check(str(tree))
     assert done.returncode == 1, done.stdout
     assert reported in done.stdout
+
+
+@pytest.mark.parametrize(("file", "violation", "reported"), [
+    # a function-level import counts: ops is the lowest layer
+    ("op_tools/ops/naming.py", "def _late():\n    from ..output import reporting",
+     "op_tools.ops.naming imports op_tools.output.reporting"),
+    ("op_tools/numerics/tensor_stats.py", "from ..config import variables", "layer numerics is below layer config"),
+    ("op_tools/core/targeting.py", "from ..offline import replay", "layers core and offline are side by side"),
+    ("op_tools/tools/observe.py", "def _late():\n    import op_tools", "layer tools is below the package's face"),
+], ids=["ops-imports-output", "numerics-imports-config", "core-imports-offline", "tool-imports-the-package"])
+def test_the_layer_contract_fails_on_an_upward_import(tree, file, violation, reported):
+    _append(tree / file, violation)
+    done = _check(str(tree))
+    assert done.returncode == 1, done.stdout
+    assert reported in done.stdout, done.stdout
 
 
 def test_imports_that_never_run_or_may_fail_are_not_violations(tree):
