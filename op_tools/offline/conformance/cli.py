@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m op_tools.conformance",
         description="Run PyTorch's OpInfo sample inputs on a device and on the CPU; report, per op, dtype and "
                     "direction, whether the device gets them right (OpAutoCompare's verdict). Exit status: 0 every "
-                    "row that ran was checked and passed, 1 a row failed (mismatch, unsupported), 4 none failed but "
-                    "some were not checked (crash, unchecked), 2 bad usage, 130 interrupted.")
+                    "row that ran was checked and passed, 1 a row failed (mismatch, unsupported, crash), 4 none "
+                    "failed but some were not checked (unchecked), 2 bad usage, 130 interrupted.")
     parser.add_argument("--device", help="the device to test (sim, cuda, npu, ...); default: the accelerator "
                                          "torch.accelerator reports")
     parser.add_argument("--setup", action="append", metavar="MODULE[:FUNCTION]",
