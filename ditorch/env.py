@@ -43,6 +43,22 @@ def parse_positive_int(text: str) -> int:
     return value
 
 
+def parse_optional_positive_int(text: str) -> int | None:
+    return None if text == "" else parse_positive_int(text)
+
+
+def local_world_size(environ: Mapping[str, str] | None = None) -> int:
+    """How many ranks this node runs (torchrun's ``LOCAL_WORLD_SIZE``), 1 outside torchrun: the device count
+    of a device that stands in for a node's accelerators (sim, the host)."""
+    text = (os.environ if environ is None else environ).get("LOCAL_WORLD_SIZE", "").strip()
+    if not text:
+        return 1
+    try:
+        return parse_positive_int(text)
+    except ValueError:
+        raise ValueError(f"LOCAL_WORLD_SIZE={text!r}: expected a positive integer (set by torchrun)") from None
+
+
 def parse_sim_faults(text: str) -> list:
     # Delegated: the fault grammar lives with the sim device, and it words its own errors.
     from .sim.fault_injection import parse_faults
@@ -81,8 +97,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("DITORCH_SHOW_DEVICE_AS_CUDA", "0 or 1", "1",
            "1 makes `tensor.device`, `repr(tensor)` and `tensor.is_cuda` report the accelerator as `cuda`.",
            parse_flag),
-    EnvVar("DITORCH_SIM_DEVICE_COUNT", "a positive integer (the number of sim devices)", "1",
-           "How many sim devices `ditorch.sim.register()` creates.", parse_positive_int),
+    EnvVar("DITORCH_SIM_DEVICE_COUNT", "a positive integer (the number of sim devices)", "",
+           "How many sim devices `ditorch.sim.register()` creates; unset: one per local rank under torchrun "
+           "(`LOCAL_WORLD_SIZE`), else 1, so `torch.cuda.set_device(local_rank)` works as on a real node.",
+           parse_optional_positive_int),
     EnvVar("DITORCH_SIM_FAULTS", "'pattern[@dtype]:kind' joined by ';' (see ditorch/sim/fault_injection.py)", "",
            "Faults the sim device injects into matching aten ops.", parse_sim_faults),
     EnvVar("DITORCH_SIM_TF32", "0, 1 (both), or a comma list of matmul, conv", "0",

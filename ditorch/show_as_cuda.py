@@ -18,15 +18,31 @@ def apply(backend, patches) -> None:
     # The bare getter: under a mode it comes back through this property, and what it shows, shows as itself.
     real_device = _device_getter
     target = backend.device_type
-    count = backend.device_module.device_count() if backend.device_type != "cpu" else 1
+    count = backend.device_module.device_count()
     # Keyed by the real device: one C-level lookup per read, devices elsewhere pass through.
     shown = {torch.device(target, i): torch.device("cuda", i) for i in range(count)}
-    if target == "cpu":
-        shown = {torch.device("cpu"): torch.device("cuda", 0)}
 
     def device(self):
         real = real_device(self)
         return shown.get(real, real)
+
+    if target == "cpu":
+        # The host has one device and CUDA scripts select an ordinal per rank (set_device(local_rank)): a host
+        # tensor shows as the ordinal selected, so `t.device == torch.device("cuda", local_rank)` holds.
+        current, cpu = backend.device_module.current_device, torch.device("cpu")
+        as_cuda = [torch.device("cuda", i) for i in range(backend.device_module.device_count())]
+
+        def device(self):
+            real = real_device(self)
+            return as_cuda[current()] if real == cpu else real
+
+    shown_as_cuda = device
+    tracing = torch._guards.TracingContext.try_get  # set while torch.compile traces (dynamo, AOTAutograd)
+
+    def device(self):  # type: ignore[no-redef]  # noqa: F811 - the shown device, less while torch.compile traces
+        # Dynamo makes its fake tensors on `t.device`: a fake "cuda" tensor would send ops to a device this
+        # torch may not have. While it traces, tensors show where they really are.
+        return shown_as_cuda(self) if tracing() is None else real_device(self)
 
     patches.set(torch.Tensor, "device", property(device, doc=f"The tensor's device; {target} shows as cuda."))
 

@@ -240,6 +240,8 @@ def _process_group(fn, ctx):
             kwargs["backend"] = _ccl_name(kwargs["backend"], ccl, remap)
         if "device_id" in kwargs:
             kwargs["device_id"] = remap(kwargs["device_id"])
+            if remap.target == "cpu":  # the host is no accelerator: gloo binds no device, and c10d refuses a CPU one
+                kwargs["device_id"] = None
         return fn(*args, **kwargs)
 
     return with_backend
@@ -293,6 +295,8 @@ ROWS: tuple[Row, ...] = (
     Row("torch.accelerator", ("is_available",), _accelerator_is_available,
         "torch.accelerator.is_available() answers for the accelerator torch.accelerator speaks of"),
     Row("torch.amp", ("is_autocast_available",), _anywhere, "torch.amp.is_autocast_available(\"cuda\")"),
+    Row("torch.nn.parallel._functions", ("_get_stream",), _anywhere,
+        "DDP's copies of inputs to `device_ids[0]` (a device shown as cuda) take the backend's side stream"),
     Row("torch.utils._device.DeviceContext", ("__init__",), _anywhere, "with torch.device(\"cuda\"):"),
     Row("torch.amp.autocast_mode.autocast", ("__init__",), _anywhere,
         "torch.autocast(\"cuda\"), torch.cuda.amp.autocast"),

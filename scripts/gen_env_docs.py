@@ -22,6 +22,8 @@ PAGE = os.path.join(ROOT, "docs", "env_variables.md")
 LAUNCHER_VARIABLES = {
     "RANK": "set by torchrun: with WORLD_SIZE, tools write under a `rank<N>/` folder",
     "WORLD_SIZE": "set by torchrun: see RANK",
+    "LOCAL_WORLD_SIZE": "set by torchrun: the ranks on this node; sim and the host offer one device per local rank "
+                        "unless `DITORCH_SIM_DEVICE_COUNT` says otherwise",
 }
 
 HEADER = """\

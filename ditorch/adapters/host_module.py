@@ -11,18 +11,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import threading
 import time
 
 import torch
 from torch.cpu import (  # noqa: F401 - re-exported as this device module's API
-    current_device,
-    device_count,
     is_available,
     is_initialized,
-    set_device,
     synchronize,
 )
 
+from ..env import local_world_size
 from ..host_rng import (  # noqa: F401 - re-exported as this device module's API
     get_rng_state,
     initial_seed,
@@ -45,11 +44,55 @@ def _is_in_bad_fork() -> bool:
     return False
 
 
-class device(contextlib.nullcontext):  # noqa: N801 - named as torch.cuda.device
-    """There is one host device: entering it changes nothing."""
+class _Selection(threading.local):
+    index = 0
+
+
+_selected = _Selection()
+
+
+def device_count() -> int:
+    """One ordinal per local rank under torchrun (``LOCAL_WORLD_SIZE``), else 1: a CUDA script's
+    ``torch.cuda.set_device(local_rank)`` runs on the host as on a node with one GPU per rank."""
+    return local_world_size()
+
+
+def _index(device) -> int:
+    if device is None:
+        return _selected.index
+    index = device if isinstance(device, int) else torch.device(device).index
+    if index is None:
+        return _selected.index
+    if not 0 <= index < device_count():
+        raise RuntimeError(f"host: invalid device ordinal {index}: torch.cuda.device_count() is {device_count()} "
+                           "(one per local rank under torchrun)")
+    return index
+
+
+def current_device() -> int:
+    """The ordinal last set (0 unless set), an int as CUDA's: every tensor is on the CPU whatever it is."""
+    return _selected.index
+
+
+def set_device(device) -> None:
+    _selected.index = _index(device)
+
+
+class device:  # noqa: N801 - named as torch.cuda.device
+    """Makes ``device``'s ordinal current for the block, as ``torch.cuda.device``; tensors stay on the CPU."""
 
     def __init__(self, device=None) -> None:
-        super().__init__()
+        self.index = None if device is None or device == -1 else _index(device)
+        self.previous = 0
+
+    def __enter__(self):
+        self.previous = _selected.index
+        if self.index is not None:
+            _selected.index = self.index
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _selected.index = self.previous
 
 
 class Stream(torch.cpu.Stream):
@@ -131,6 +174,7 @@ class DeviceProperties:
     major: int
     minor: int
     multi_processor_count: int
+    gcnArchName: str = ""  # noqa: N815 - CUDA's name; inductor reads it where torch.version.cuda is None
 
 
 def get_device_properties(device=None) -> DeviceProperties:

@@ -45,20 +45,22 @@ def _read(name: str):
 def register() -> None:
     """Make ``sim`` a PyTorch device (PrivateUse1 renamed), with ``torch.sim`` as its module.
 
-    Idempotent. Reads ``DITORCH_SIM_DEVICE_COUNT``, ``DITORCH_SIM_FAULTS``, ``DITORCH_SIM_TF32``,
-    ``DITORCH_SIM_SDPA`` and ``DITORCH_SIM_DEVICE_MEMORY``; raises ``ValueError`` naming the variable when one is
-    malformed, and ``RuntimeError`` when PrivateUse1 already belongs to another backend.
+    Idempotent. Reads ``DITORCH_SIM_DEVICE_COUNT`` (else torchrun's ``LOCAL_WORLD_SIZE``), ``DITORCH_SIM_FAULTS``,
+    ``DITORCH_SIM_TF32``, ``DITORCH_SIM_SDPA`` and ``DITORCH_SIM_DEVICE_MEMORY``; raises ``ValueError`` naming the
+    variable when one is malformed, and ``RuntimeError`` when PrivateUse1 already belongs to another backend.
     """
     with _lock:
         if _libraries:
             return
         import torch
 
+        from ..env import local_world_size
         from . import (
             attention,
             autocast,
             device_module,
             foreach_path,
+            multi_device,
             pinned_memory,
             rnn_kernels,  # noqa: F401 - registers the fused RNN cells' kernels
             serialization,
@@ -68,7 +70,8 @@ def register() -> None:
         from .fault_injection import load_from_env
         from .kernels import REGISTERED_PER_OP
 
-        count, tf32_families, sdpa = _read(COUNT_VAR), _read(tf32.ENV_VAR), _read(attention.ENV_VAR)
+        count = _read(COUNT_VAR) or local_world_size()
+        tf32_families, sdpa = _read(tf32.ENV_VAR), _read(attention.ENV_VAR)
         tensor.DEVICE_MEMORY.on = _read(tensor.DEVICE_MEMORY.ENV_VAR)
         load_from_env()
         _check_beside_cuda(torch)
@@ -79,6 +82,8 @@ def register() -> None:
 
         _setup_privateuseone_for_python_backend(NAME, backend_module=device_module)
         tensor.set_device_count(count)
+        if count > 1:
+            multi_device.install()
         factories = torch.library.Library("_", "IMPL")
         factories.fallback(_fallback, "PrivateUse1")
         # Paths that call ops with the Python key excluded (torch.tensor(data, device=...)) reach

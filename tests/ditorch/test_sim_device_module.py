@@ -83,3 +83,38 @@ def test_malformed_device_count_names_the_variable(value):
     assert result.returncode != 0
     assert f"ValueError: DITORCH_SIM_DEVICE_COUNT={value!r}" in result.stderr
     assert "positive integer" in result.stderr
+
+
+def test_one_device_per_local_rank_under_torchrun_unless_the_count_is_set():
+    code = "import torch, ditorch.sim; ditorch.sim.register(); print(torch.sim.device_count())"
+    assert _run(code, LOCAL_WORLD_SIZE="4").stdout.split() == ["4"]
+    assert _run(code, LOCAL_WORLD_SIZE="4", DITORCH_SIM_DEVICE_COUNT="2").stdout.split() == ["2"]
+    bad = _run(code, LOCAL_WORLD_SIZE="x")
+    assert "LOCAL_WORLD_SIZE='x': expected a positive integer" in bad.stderr
+
+
+BACKWARD_ON_DEVICE_1 = """
+import threading, torch, ditorch.sim
+ditorch.sim.register()
+torch.sim.set_device(1)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 1)).to("sim")
+reference = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
+reference.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+x = torch.randn(3, 4)
+model(x.to("sim")).sum().backward()
+reference(x).sum().backward()
+same = all(torch.equal(p.grad.cpu(), q.grad) and p.grad.device == torch.device("sim", 1)
+           for p, q in zip(model.parameters(), reference.parameters()))
+a = torch.ones(3, device="sim:0", requires_grad=True)
+grads = []
+def other_thread():  # backward from a thread that never registered sim, across two sim devices
+    grads.append(torch.autograd.grad(((a * 2).to("sim:1") * 3).sum(), a)[0])
+thread = threading.Thread(target=other_thread); thread.start(); thread.join()
+print(same, grads[0].device, grads[0].cpu().tolist())
+"""
+
+
+def test_backward_runs_on_a_sim_device_past_index_0():
+    # PyTorch's engine has one device queue for a Python backend; sim runs such backwards on the calling thread.
+    result = _run(BACKWARD_ON_DEVICE_1, DITORCH_SIM_DEVICE_COUNT="2")
+    assert result.stdout.split() == ["True", "sim:0", "[6.0,", "6.0,", "6.0]"], result.stderr[-2000:]

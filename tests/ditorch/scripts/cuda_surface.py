@@ -17,7 +17,8 @@ from ditorch.adapters import vendor
 COMMON = {
     "is_available": "assert torch.cuda.is_available()",
     "device_count": "assert torch.cuda.device_count() >= 1",
-    "current_device": "torch.cuda.current_device()",
+    "current_device": ("assert isinstance(torch.cuda.current_device(), int); "
+                       "torch.ones(1, device=torch.device('cuda', torch.cuda.current_device()))"),
     "set_device": "torch.cuda.set_device(0); torch.cuda.set_device('cuda:0')",
     "device": "with torch.cuda.device(0): pass",
     "get_device_name": "assert isinstance(torch.cuda.get_device_name(0), str)",

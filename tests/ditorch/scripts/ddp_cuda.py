@@ -1,4 +1,5 @@
-"""A CUDA-written DDP script (nccl, device_ids=[local_rank]), run by test_distributed under torchrun on sim."""
+"""A CUDA-written DDP script as torchrun runs it on a node with one GPU per rank (set_device(local_rank), nccl with
+device_id, device_ids=[local_rank]), run by test_distributed under torchrun on sim and on the host."""
 
 import json
 import os
@@ -10,27 +11,37 @@ from torch.nn.parallel import DistributedDataParallel
 
 import ditorch  # noqa: F401 - the device layer
 
+STEPS = 3
+
+
+def model_and_batches(seed: int, data_seed: int):
+    """The model (as seeded on ``seed``) and this rank's batches (drawn on ``data_seed``), on the CPU."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    torch.manual_seed(data_seed)
+    return model, [torch.randn(4, 8) for _ in range(STEPS)]
+
 
 def main() -> None:
-    dist.init_process_group("nccl")
-    rank, local_rank = dist.get_rank(), int(os.environ["LOCAL_RANK"])
-    # More ranks than devices share them; on sim each process has its own device 0 (autograd of a
-    # Python PrivateUse1 backend knows one device only).
-    device_index = local_rank % torch.cuda.device_count()
-    torch.cuda.set_device(device_index)
-    torch.manual_seed(rank)  # different initial weights per rank: DDP must broadcast rank 0's
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)).cuda()
-    ddp = DistributedDataParallel(model, device_ids=[device_index])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    rank = dist.get_rank()
+    model, batches = model_and_batches(rank, 100 + rank)  # DDP must broadcast rank 0's weights; data differs per rank
+    model = model.cuda()
+    ddp = DistributedDataParallel(model, device_ids=[local_rank])
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    torch.manual_seed(100 + rank)  # different data per rank: gradients must be averaged
-    for _ in range(3):
-        x = torch.randn(4, 8, device="cuda")
-        loss = ddp(x).pow(2).mean()
+    losses = []
+    for x in batches:
+        loss = ddp(x).pow(2).mean()  # x on the CPU: DDP copies it to device_ids[0]
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        losses.append(loss.item())
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().tolist()
     report = {"rank": rank, "backend": dist.get_backend(), "device": str(next(model.parameters()).device),
+              "device_count": torch.cuda.device_count(), "current_device": torch.cuda.current_device(),
+              "as_device": str(torch.device("cuda", torch.cuda.current_device())), "losses": losses,
               "params": params}
     with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
         json.dump(report, f)

@@ -1,0 +1,68 @@
+"""What sim needs to offer more than one device, as a node with one accelerator per rank does.
+
+PyTorch asks a Python backend's device guard (``torch._C._acc.DeviceGuard``) two things Python cannot override: its
+``deviceCount()`` is 1 and its ``getDevice()`` is index 0. Two consequences, each corrected here:
+
+- The autograd engine keeps one ready queue per device index, as many as ``deviceCount()``, so a backward node on
+  ``sim:1`` fails the engine's ``INTERNAL ASSERT`` ("device_ready_queues_.size()"). ``SimEngine`` runs every backward
+  with autograd multithreading off: each node runs on the calling thread's CPU ready queue. Sim computes
+  synchronously on the host, so no device thread is lost.
+- ``Tensor.to("sim")`` fills the missing index from ``getDevice()`` before any kernel runs, so it lands on ``sim:0``
+  whatever ``torch.sim.set_device`` chose. ``to`` gives a bare sim device the current index first, as
+  ``Tensor.to("cuda")`` does on CUDA (``Module.to`` goes through it).
+
+With one sim device none of this is installed: backward runs on the engine's device thread, as on hardware.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.autograd.variable import Variable
+
+from .tensor import DeviceSelection
+
+
+class SimEngine:
+    """PyTorch's autograd engine, with each backward run on the calling thread."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def run_backward(self, *args, **kwargs):
+        with torch.autograd.set_multithreading_enabled(False):
+            return self.engine.run_backward(*args, **kwargs)
+
+    def __getattr__(self, name: str):  # queue_callback, is_checkpoint_valid, ...: the engine's own
+        return getattr(self.engine, name)
+
+
+def _indexed(device):
+    """``device`` with the current sim index when it is a bare sim device (``"sim"``, ``torch.device("sim")``)."""
+    cls = device.__class__
+    if (cls is str and device == "sim") or (cls is torch.device and device.type == "sim" and device.index is None):
+        return torch.device("sim", DeviceSelection.current())
+    return device
+
+
+def _to_current_device(to):
+    @functools.wraps(to)
+    def to_current(self, *args, **kwargs):
+        if args:
+            args = (_indexed(args[0]), *args[1:])
+        if "device" in kwargs:
+            kwargs["device"] = _indexed(kwargs["device"])
+        return to(self, *args, **kwargs)
+
+    to_current._ditorch_sim_to = True  # installed once
+    return to_current
+
+
+def install() -> None:
+    """Route every backward (``Tensor.backward``, ``torch.autograd.grad``, from any thread) through ``SimEngine``, and
+    make ``Tensor.to`` place a bare sim device on the current one. Idempotent."""
+    if not isinstance(Variable._execution_engine, SimEngine):
+        Variable._execution_engine = SimEngine(Variable._execution_engine)  # type: ignore[assignment]  # a proxy
+    if not getattr(torch.Tensor.to, "_ditorch_sim_to", False):
+        torch.Tensor.to = _to_current_device(torch.Tensor.to)  # type: ignore[method-assign]  # sim's own placement
