@@ -102,9 +102,9 @@ def _replacement_object(api: str, current, backend, remap):
     if isinstance(current, types.ModuleType):
         return provided if isinstance(provided, types.ModuleType) else DeviceSubmodule(api, backend, remap)
     if isinstance(provided, type):
-        return forwarding_class(api.rsplit(".", 1)[-1], provided, remap.device_anywhere(provided))
-    if callable(provided):  # a function may stand for a class (a fallback for torch.cuda.device_of)
-        return remap.device_anywhere(provided)
+        return forwarding_class(api.rsplit(".", 1)[-1], provided, remap.device_module_arguments(provided))
+    if callable(provided):
+        return remap.device_module_arguments(provided)
     return _missing_class(api, backend) if isinstance(current, type) else _missing_function(api, backend)
 
 

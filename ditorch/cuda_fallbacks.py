@@ -158,9 +158,27 @@ for _old, _current in _ALIASES.items():
     fallback(_old, what=f"the device module's `{_current}` (the current name)", needs=(_current,))(_alias)
 
 
-@fallback("StreamContext", what="the device module's `stream(s)`: the same context manager", needs=("stream",))
+@fallback("StreamContext", what="a class whose instances enter the device module's `stream(s)`", needs=("stream",))
 def _stream_context(backend, name):
-    return backend.device_module.stream
+    stream = backend.device_module.stream
+
+    # A class, as CUDA's: torch._dynamo asks `isinstance(value, torch.cuda.StreamContext)` of every value.
+    class StreamContext:
+        """Context manager that makes ``stream`` current for the block (``None``: no change)."""
+
+        def __init__(self, stream_) -> None:
+            self.stream = stream_
+            self._entered: list = []  # the device module's context managers, innermost last (re-entrant)
+
+        def __enter__(self):
+            context = stream(self.stream)
+            self._entered.append(context)
+            return context.__enter__()
+
+        def __exit__(self, *exc_info):
+            return self._entered.pop().__exit__(*exc_info)
+
+    return StreamContext
 
 
 @fallback("memory_stats_as_nested_dict", what="the device module's `memory_stats()`, nested at the dots",
@@ -208,14 +226,19 @@ def memory_summary_of(device_name: str, module) -> Callable:
     return memory_summary
 
 
-@fallback("device_of", what="the device module's `device(...)` for the tensor's ordinal", needs=("device",))
+@fallback("device_of", what="a subclass of the device module's `device`, for the tensor's ordinal",
+          needs=("device",))
 def _device_of(backend, name):
     device = backend.device_module.device
+    on_device, indexed = backend.device_type, backend.device_type != "cpu"
 
-    def device_of(obj):
-        if isinstance(obj, torch.Tensor) and real_device(obj).type == backend.device_type:
-            return device(obj.get_device() if backend.device_type != "cpu" else None)
-        return device(None)
+    # A class, as CUDA's (a subclass of `device`): a class stays a class for isinstance checks.
+    class device_of(device):  # noqa: N801 - named as torch.cuda.device_of
+        """Context manager that makes the device of tensor ``obj`` current (not on this device: no change)."""
+
+        def __init__(self, obj) -> None:
+            ours = isinstance(obj, torch.Tensor) and real_device(obj).type == on_device
+            super().__init__(obj.get_device() if ours and indexed else None)
 
     return device_of
 

@@ -114,6 +114,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "1 makes a sim tensor's `untyped_storage()` report sim memory that the host cannot read, as a GPU "
            "tensor's does, so that tools take their device-memory branches (statistics on the device) on sim; "
            "views then do not share a storage. 0 reports the CPU storage holding the values.", parse_flag),
+    EnvVar("DITORCH_REDUCE_LOW_PRECISION_IN_FP32", "0 or 1", "0",
+           "1 carries bfloat16/float16 reductions (all_reduce, reduce, reduce_scatter, reduce_scatter_tensor) in "
+           "float32: cast up, reduce, copy back. Costs a float32 copy of each reduced tensor (twice a bf16 "
+           "tensor's memory) and a cast and a copy per collective; read when a process group is created (sim, "
+           "the host) or by `import ditorch` (vendor backends).", parse_flag),
 )}
 
 

@@ -20,8 +20,9 @@ from typing import Callable
 
 import torch
 
-from . import cuda_api
+from . import cuda_api, distributed_adapters
 from .class_forwarding import forwarding_class
+from .compile import fallback_backend, with_fallback
 from .patches import Patches
 from .show_as_cuda import real_device
 
@@ -86,6 +87,29 @@ class DeviceMap:
 
         return with_device_arguments
 
+    def device_module_arguments(self, fn: Callable) -> Callable:
+        """``fn`` of the device module answering ``torch.cuda.<name>``, with device arguments rewritten. On the host,
+        which has one device but an ordinal per local rank (``set_device(local_rank)``), a CUDA device becomes its
+        ordinal (``"cuda:1"`` is 1, ``"cuda"`` the current one), which the host module takes as CUDA's do."""
+        if self._indexed:
+            return self.device_anywhere(fn)
+
+        def ordinal(value):
+            if value.__class__ is str and (value == "cuda" or value.startswith("cuda:")):
+                value = torch.device(value)
+            if value.__class__ is torch.device and value.type == "cuda":
+                return value.index
+            return value
+
+        @functools.wraps(fn)
+        def with_ordinals(*args, **kwargs):
+            args = tuple(map(ordinal, args))
+            if "device" in kwargs:
+                kwargs["device"] = ordinal(kwargs["device"])
+            return fn(*args, **kwargs)
+
+        return with_ordinals
+
     def ordinal(self, device) -> str | torch.device:
         """What ``Tensor.cuda(device)`` means: ``None`` the current device, an int that ordinal."""
         if isinstance(device, int) and self._indexed:
@@ -123,6 +147,18 @@ def _anywhere(fn, ctx):
 def _static_anywhere(fn, ctx):
     # A classmethod, bound to its class: kept unbound on lookup from the class or an instance.
     return staticmethod(ctx.remap.device_anywhere(fn))
+
+
+def _record_stream(fn, ctx):
+    stream_class = torch.Stream
+
+    @functools.wraps(fn)
+    def record_stream(self, stream):
+        if not isinstance(stream, stream_class):
+            return None  # a device module's own Python stream (sim, the host): work is done when an op returns
+        return fn(self, stream)
+
+    return record_stream
 
 
 def _tensor_cuda(fn, ctx):
@@ -247,6 +283,11 @@ def _process_group(fn, ctx):
     return with_backend
 
 
+def _compile(fn, ctx):
+    fallback = fallback_backend(ctx.backend.adapter)
+    return fn if fallback is None else with_fallback(fn, ctx.backend.name, fallback)
+
+
 def _profiler_init(fn, ctx):
     from torch.profiler import ProfilerActivity
 
@@ -280,6 +321,10 @@ ROWS: tuple[Row, ...] = (
     Row("torch.Tensor", ("to",), _anywhere, "Tensor.to(\"cuda\")"),
     Row("torch.Tensor", ("cuda",), _tensor_cuda, "Tensor.cuda(device=None)"),
     Row("torch.Tensor", ("is_cuda",), _is_cuda, "Tensor.is_cuda"),
+    Row("torch.Tensor", ("_make_wrapper_subclass",), _static_anywhere,
+        "tensor subclasses built on a device read from a tensor shown as cuda (DTensor, FSDP2 and tensor parallel)"),
+    Row("torch.Tensor", ("record_stream",), _record_stream,
+        "Tensor.record_stream(torch.cuda.Stream) with the device module's stream (FSDP1 frees its flat parameters)"),
     Row("torch.UntypedStorage", ("_new_shared",), _static_anywhere,
         "shared-memory storages for DataLoader workers (`_new_shared(device=t.device)`, the device shown as cuda)"),
     Row("torch.nn.Module", ("to",), _anywhere, "Module.to(\"cuda\") (Module.cuda goes through Tensor.cuda)"),
@@ -307,6 +352,9 @@ ROWS: tuple[Row, ...] = (
     Row("torch.distributed.distributed_c10d", ("init_process_group", "new_group"), _process_group,
         "as above, for callers importing from distributed_c10d"),
     Row("torch.profiler.profile", ("__init__",), _profiler_init, "ProfilerActivity.CUDA profiles the device"),
+    Row("torch", ("compile",), _compile,
+        "torch.compile's default (inductor) runs the adapter's COMPILE_FALLBACK where inductor cannot target the "
+        "device (sim: \"aot_eager\"), said once on the `ditorch` logger"),
 )
 
 
@@ -345,6 +393,7 @@ def apply(backend, config, patches: Patches) -> None:
                 continue
             patches.set(owner, name, row.wrap(original, ctx))
     cuda_api.apply(backend, ctx.remap, patches)
+    distributed_adapters.apply(backend, patches)  # AVG and float32 reductions where the library lacks them
     if config.show_device_as_cuda:
         from . import show_as_cuda
 

@@ -42,16 +42,17 @@ def train_steps(model, device: str, steps: int, autocast_dtype=None) -> list:
     model.to(device)
     ids = ids.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for _ in range(steps):
-        with torch.autocast(torch.device(device).type, dtype=autocast_dtype or torch.bfloat16,
-                            enabled=autocast_dtype is not None):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return [lm_step(model, optimizer, ids, autocast_dtype) for _ in range(steps)]
+
+
+def lm_step(model, optimizer, ids: torch.Tensor, autocast_dtype=None) -> float:
+    """One optimizer step of a language model on token ids (the labels too), under autocast when asked; the loss."""
+    with torch.autocast(ids.device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
 
 
 def train_mlp(device: str, steps: int = 5, seed: int = 0):

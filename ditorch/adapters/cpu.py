@@ -11,6 +11,7 @@ import torch
 from ..backends import Backend
 
 logger = logging.getLogger("ditorch")
+CCL_SUPPORTS_AVG = False  # gloo: AVG on floating types only ("result type Float can't be cast" on integers)
 
 
 def load() -> Backend:

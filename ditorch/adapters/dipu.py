@@ -6,6 +6,7 @@ from __future__ import annotations
 from . import vendor
 
 PACKAGE = "torch_dipu"
+CCL_SUPPORTS_AVG = False  # dicl (the vendor library under it): unverified here; SUM then divide is safe
 
 
 def load():

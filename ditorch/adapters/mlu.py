@@ -6,6 +6,7 @@ from . import vendor
 
 PACKAGE = "torch_mlu"
 TRANSFER = "torch_mlu.utils.model_transfer"
+CCL_SUPPORTS_AVG = False  # cncl: sum, prod, max, min (not verified on hardware here)
 
 
 def load():

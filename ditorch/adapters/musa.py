@@ -5,6 +5,7 @@ from __future__ import annotations
 from . import vendor
 
 PACKAGE = "torch_musa"
+CCL_SUPPORTS_AVG = False  # mccl: unverified here; SUM then divide is the safe answer
 
 
 def load():

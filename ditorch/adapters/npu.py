@@ -10,6 +10,9 @@ TRANSFER = "torch_npu.contrib.transfer_to_npu"
 # (op family, the torch.npu namespace whose `allow_hf32` switches it, torch_npu's documented default):
 # `torch.npu.matmul.allow_hf32` (off unless set) and `torch.npu.conv.allow_hf32` (on unless set; the
 # same option as `torch.npu.aclnn.allow_hf32`).
+# hccl's reduce ops are sum, prod, max, min (no average); not verified on hardware here. False is the safe answer:
+# SUM then divide gives what AVG would.
+CCL_SUPPORTS_AVG = False
 HF32_SWITCHES = (("matmul", "matmul", False), ("conv", "conv", True))
 
 

@@ -24,3 +24,8 @@ def activate(backend, config, patches, forced: bool) -> None:
     distributed.register()
     transfer.apply(backend, config, patches)
 GENERATOR_DEVICE = "cpu"  # the sim device draws from the CPU default generator
+CCL_SUPPORTS_AVG = True  # simccl: gloo's AVG on floating types, SUM then divide on integers
+CCL_ADAPTS_REDUCTIONS = True  # simccl does AVG and DITORCH_REDUCE_LOW_PRECISION_IN_FP32 itself, funcol included
+# Inductor has no code generator for a Python PrivateUse1 device: torch.compile's default runs this instead
+# (ditorch/compile.py). AOTAutograd's graphs run the CPU kernels behind the sim tensors.
+COMPILE_FALLBACK = "aot_eager"

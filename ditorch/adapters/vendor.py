@@ -40,11 +40,12 @@ def load(adapter: str, package: str, arch: str, ccl: str, device_type: str | Non
 
 def activate_with_vendor_transfer(transfer_module: str, backend, config, patches) -> None:
     """Import the vendor's transfer (it patches on import, for good), then ours for the gaps."""
-    from .. import cuda_api, transfer
+    from .. import cuda_api, distributed_adapters, transfer
 
     importlib.import_module(transfer_module)
     remap = transfer.DeviceMap(backend.device_type, backend.device_module)
     cuda_api.apply(backend, remap, patches, names=gap_names())
+    distributed_adapters.apply(backend, patches)  # AVG and float32 reductions where the library lacks them
     if config.show_device_as_cuda:
         from .. import show_as_cuda
 

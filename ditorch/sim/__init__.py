@@ -64,6 +64,7 @@ def register() -> None:
             pinned_memory,
             rnn_kernels,  # noqa: F401 - registers the fused RNN cells' kernels
             serialization,
+            set_data,
             tensor,
             tf32,
         )
@@ -82,8 +83,6 @@ def register() -> None:
 
         _setup_privateuseone_for_python_backend(NAME, backend_module=device_module)
         tensor.set_device_count(count)
-        if count > 1:
-            multi_device.install()
         factories = torch.library.Library("_", "IMPL")
         factories.fallback(_fallback, "PrivateUse1")
         # Paths that call ops with the Python key excluded (torch.tensor(data, device=...)) reach
@@ -95,8 +94,13 @@ def register() -> None:
         _libraries.extend([factories, per_op, *autocast.register(NAME), pinned_memory.register()])
         serialization.install()
         foreach_path.install()
+        set_data.install()
         tf32.configure(tf32_families)
         attention.SELECTED.set(sdpa)
+        if count > 1:
+            multi_device.install()
+        elif not multi_device.engine_has_a_queue_for_sim():
+            multi_device.install_engine()
 
 
 @contextlib.contextmanager

@@ -1,8 +1,21 @@
-"""``simccl``: the sim device's collective library, staging tensors through gloo on the CPU.
+"""``simccl``: the sim device's collective library, c10d's own collectives run by gloo on the host memory.
 
-``torch.distributed.init_process_group("simccl")`` (or ``"nccl"`` under ditorch's transfer) gives a
-process group whose collectives copy sim tensors to the host, run gloo's collective there and copy
-the result back, so DDP runs on sim under ``torchrun``.
+``torch.distributed.init_process_group("simccl")`` (or ``"nccl"`` under ditorch's transfer) makes a
+``SimProcessGroup``. PyTorch 2.13 cannot construct a Python subclass of c10d's ``Backend`` (its binding has
+no constructor for Python), so a Python creator returns a ``ProcessGroup`` subclass, which c10d uses as the
+group itself (``_new_process_group_helper``). Into it goes a gloo ``Backend``, registered for the "sim" and
+"cpu" device types: c10d's dispatcher finds it for both, the group gets its name from it (functional
+collectives and ``DeviceMesh`` look groups up by name), and every collective this class does not adapt runs
+there. A sim tensor reaches gloo as the CPU tensor holding its values (the sim device runs a c10d op's CPU
+kernel as it runs any op's), so gloo works on the device's memory in place, asynchronously, with no copy.
+
+What the class adds to gloo: ``ReduceOp.AVG`` on integers and ``PREMUL_SUM`` (gloo has neither), float32
+staging of bfloat16/float16 reductions (``DITORCH_REDUCE_LOW_PRECISION_IN_FP32``), works that are done only
+once such a reduction is finished (``ditorch.distributed_adapters.FinishingWork``), and an error naming the
+call for what it does not implement, instead of the dispatcher's "No backend type associated with ...".
+
+>>> dist.init_process_group("simccl")                  # doctest: +SKIP
+>>> dist.all_reduce(torch.ones(2, device="sim"), op=dist.ReduceOp.AVG)
 """
 
 from __future__ import annotations
@@ -11,85 +24,229 @@ import threading
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d  # AllgatherOptions is not re-exported by torch.distributed
+
+from .. import distributed_adapters as adapters
+from .. import env
+from ..show_as_cuda import real_device
 
 NAME = "simccl"
+DEVICE_TYPES = ("sim", "cpu")
 _lock = threading.Lock()
 _registered = False
 
 
-class _DoneWork(dist._Work):
-    """A collective that finished before it was returned (the sim device is synchronous)."""
-
-    def __init__(self, result) -> None:
-        super().__init__()
-        self._future: torch.futures.Future = torch.futures.Future()
-        self._future.set_result(result)
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def get_future(self):
-        return self._future
-
-
-def _to_host(tensors):
-    return [t.to("cpu", copy=True) for t in tensors]
-
-
-def _copy_back(targets, hosts) -> None:
-    with torch.no_grad():
-        for target, host in zip(targets, hosts):
-            target.copy_(host)
+def _unsupported(name: str, detail: str = "") -> NotImplementedError:
+    return NotImplementedError(f"sim's process group does not implement {name}{detail}")
 
 
 class SimProcessGroup(dist.ProcessGroup):
-    """Collectives over sim (or CPU) tensors, each carried out by a gloo group on host copies."""
+    """Collectives over sim (or CPU) tensors, run by gloo through c10d's dispatcher (see the module's doc)."""
 
     def __init__(self, store, rank: int, size: int, timeout) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # an overload missing from torch's stub
-        self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self._gloo = gloo
+        # The plain group that hands each collective to c10d's dispatcher (this class's methods override it).
+        self._c10d = dist.ProcessGroup(store, rank, size)
+        for device_type in self.device_types():
+            device = torch.device(device_type)
+            self._c10d._register_backend(device, dist.ProcessGroup.BackendType.GLOO, gloo)
+            self._register_backend(device, dist.ProcessGroup.BackendType.CUSTOM, gloo)
+        self._in_fp32 = bool(env.read(adapters.VARIABLE))
+
+    @staticmethod
+    def device_types() -> tuple[str, ...]:
+        """The device types this group serves: sim's (when the sim device is registered) and the CPU."""
+        return tuple(t for t in DEVICE_TYPES if t == "cpu" or torch._C._get_privateuse1_backend_name() == t)
 
     def getBackendName(self) -> str:  # noqa: N802 - ProcessGroup's name
         return NAME
 
+    # -- what runs where: checks here, the collective in gloo, the finishing step in FinishingWork --------------
+
+    def _check(self, name: str, tensors) -> None:
+        for tensor in tensors:
+            device_type = real_device(tensor).type
+            if device_type not in DEVICE_TYPES:
+                raise _unsupported(name, f" on {device_type} tensors (only sim and cpu ones)")
+            if tensor.is_complex():
+                raise _unsupported(name, f" on complex tensors ({tensor.dtype})")
+
+    def _plan(self, name: str, op, dtype: torch.dtype) -> adapters.Reduction:
+        kind = adapters.op_name(op)
+        if kind in adapters.BITWISE and (dtype.is_floating_point or dtype.is_complex):
+            raise _unsupported(name, f" with ReduceOp.{kind} on {dtype} (bitwise ops take integer tensors)")
+        if kind == "PREMUL_SUM" and not dtype.is_floating_point:
+            raise _unsupported(name, f" with ReduceOp.PREMUL_SUM on {dtype} (floating-point tensors only)")
+        return adapters.Reduction(op, dtype, self.size(), emulate_avg=False, in_fp32=self._in_fp32,
+                                  emulate_premul=True)
+
+    @staticmethod
+    def _work(work, result, finish=None) -> adapters.FinishingWork:
+        return adapters.FinishingWork(work, result, finish)
+
+    def _reduce_in_place(self, name: str, tensors, opts, run):
+        """allreduce, reduce: the output is the input."""
+        self._check(name, tensors)
+        plan = self._plan(name, opts.reduceOp, tensors[0].dtype)
+        if not plan.changes_anything:
+            return self._work(run(tensors, opts), tensors)
+        staged = [plan.stage(t, is_output=True, is_input=True) for t in tensors]
+        work = run(staged, _with_op(opts, plan.op))
+        return self._work(work, tensors, lambda: _finish_all(plan, staged, tensors))
+
+    def _reduce_scattered(self, name: str, outputs, inputs, opts, run):
+        """reduce_scatter (inputs: a list per output), reduce_scatter_single and its coalesced form."""
+        flat_inputs = [t for i in inputs for t in (i if isinstance(i, (list, tuple)) else [i])]
+        self._check(name, [*outputs, *flat_inputs])
+        plan = self._plan(name, opts.reduceOp, outputs[0].dtype)
+        if not plan.changes_anything:
+            return self._work(run(outputs, inputs, opts), outputs)
+        staged = [plan.stage(t, is_output=True, is_input=False) for t in outputs]
+
+        def stage_input(i):
+            if isinstance(i, (list, tuple)):
+                return [plan.stage(t, is_output=False, is_input=True) for t in i]
+            return plan.stage(i, is_output=False, is_input=True)
+
+        work = run(staged, [stage_input(i) for i in inputs], _with_op(opts, plan.op))
+        return self._work(work, outputs, lambda: _finish_all(plan, staged, outputs))
+
+    # -- reductions ---------------------------------------------------------------------------------------------
+
     def allreduce(self, tensors, opts=None):
-        hosts = _to_host(tensors)
-        self._gloo.allreduce(hosts, opts or dist.AllreduceOptions()).wait()
-        _copy_back(tensors, hosts)
-        return _DoneWork(tensors)
+        opts = opts if isinstance(opts, dist.AllreduceOptions) else _allreduce_options(opts)
+        return self._reduce_in_place("allreduce", tensors, opts, self._c10d.allreduce)
 
-    def broadcast(self, tensors, opts=None):
-        hosts = _to_host(tensors)
-        self._gloo.broadcast(hosts, opts or dist.BroadcastOptions()).wait()
-        _copy_back(tensors, hosts)
-        return _DoneWork(tensors)
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = opts or dist.AllreduceCoalescedOptions()
+        return self._reduce_in_place("allreduce_coalesced", tensors, opts, self._c10d.allreduce_coalesced)
 
-    def allgather(self, output_lists, inputs, opts=None):
-        host_outputs = [_to_host(outputs) for outputs in output_lists]
-        self._gloo.allgather(host_outputs, _to_host(inputs), opts or dist.AllgatherOptions()).wait()
-        for outputs, hosts in zip(output_lists, host_outputs):
-            _copy_back(outputs, hosts)
-        return _DoneWork(output_lists)
-
-    def _allgather_base(self, output, input, opts=None):  # noqa: A002 - ProcessGroup's signature
-        host_output = output.to("cpu", copy=True)
-        self._gloo._allgather_base(host_output, input.to("cpu"), opts or dist.AllgatherOptions()).wait()
-        _copy_back([output], [host_output])
-        return _DoneWork([output])
+    def reduce(self, tensors, opts=None):
+        return self._reduce_in_place("reduce", tensors, opts or dist.ReduceOptions(), self._c10d.reduce)
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
-        host_outputs = _to_host(outputs)
-        host_inputs = [_to_host(inputs) for inputs in input_lists]
-        self._gloo.reduce_scatter(host_outputs, host_inputs, opts or dist.ReduceScatterOptions()).wait()
-        _copy_back(outputs, host_outputs)
-        return _DoneWork(outputs)
+        return self._reduce_scattered("reduce_scatter", outputs, input_lists, opts or dist.ReduceScatterOptions(),
+                                      self._c10d.reduce_scatter)
+
+    def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002 - ProcessGroup's signature
+        def run(outputs, inputs, opts):
+            return self._c10d.reduce_scatter_single(outputs[0], inputs[0], opts)
+
+        return self._reduce_scattered("reduce_scatter_single", [output], [input],
+                                      opts or dist.ReduceScatterOptions(), run)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        return self._reduce_scattered("reduce_scatter_tensor_coalesced", outputs, inputs,
+                                      opts or dist.ReduceScatterOptions(),
+                                      self._c10d.reduce_scatter_tensor_coalesced)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # -- data movement: gloo as it is --------------------------------------------------------------------------
+
+    def broadcast(self, tensors, opts=None):
+        self._check("broadcast", tensors)
+        return self._work(self._c10d.broadcast(tensors, opts or dist.BroadcastOptions()), tensors)
+
+    def allgather(self, output_lists, inputs, opts=None):
+        self._check("allgather", [*inputs, *(t for outputs in output_lists for t in outputs)])
+        return self._work(self._c10d.allgather(output_lists, inputs, opts or _c10d.AllgatherOptions()), output_lists)
+
+    def all_gather_single(self, output, input, opts=None):  # noqa: A002 - ProcessGroup's signature
+        self._check("all_gather_single", [output, input])
+        return self._work(self._c10d.all_gather_single(output, input, opts or _c10d.AllgatherOptions()), [output])
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        self._check("allgather_into_tensor_coalesced", [*outputs, *inputs])
+        work = self._c10d.allgather_into_tensor_coalesced(outputs, inputs, opts or _c10d.AllgatherOptions())
+        return self._work(work, outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        raise _unsupported("allgather_coalesced", " (deprecated by PyTorch: use all_gather_into_tensor in "
+                           "torch.distributed._coalescing_manager)")
+
+    def gather(self, output_lists, inputs, opts=None):
+        self._check("gather", [*inputs, *(t for outputs in output_lists for t in outputs)])
+        return self._work(self._c10d.gather(output_lists, inputs, opts or dist.GatherOptions()), output_lists)
+
+    def scatter(self, outputs, input_lists, opts=None):
+        self._check("scatter", [*outputs, *(t for inputs in input_lists for t in inputs)])
+        return self._work(self._c10d.scatter(outputs, input_lists, opts or dist.ScatterOptions()), outputs)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
+        self._check("all_to_all_single", [output, input])
+        work = self._c10d.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                            opts or _c10d.AllToAllOptions())
+        return self._work(work, [output])
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, outputs, inputs, opts=None):
+        self._check("alltoall", [*outputs, *inputs])
+        return self._work(self._c10d.alltoall(outputs, inputs, opts or _c10d.AllToAllOptions()), outputs)
+
+    def send(self, tensors, dst: int, tag: int = 0):
+        self._check("send", tensors)
+        return self._work(self._c10d.send(tensors, dst, tag), tensors)
+
+    def recv(self, tensors, src: int, tag: int = 0):
+        self._check("recv", tensors)
+        return self._work(self._c10d.recv(tensors, src, tag), tensors)
+
+    def recv_anysource(self, tensors, tag: int = 0):
+        self._check("recv_anysource", tensors)
+        return self._work(self._c10d.recv_anysource(tensors, tag), tensors)
 
     def barrier(self, opts=None):
-        self._gloo.barrier(opts or dist.BarrierOptions()).wait()
-        return _DoneWork([])
+        return self._work(self._c10d.barrier(opts or dist.BarrierOptions()), [])
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False):
+        monitored = self._gloo.monitored_barrier  # type: ignore[attr-defined]  # gloo's, missing from the stub
+        return monitored(timeout, wait_all_ranks) if timeout else monitored(wait_all_ranks=wait_all_ranks)
+
+    # -- group management this group does not do --------------------------------------------------------------
+
+    def split_group(self, *args, **kwargs):
+        raise _unsupported("split_group", " (use torch.distributed.new_group)")
+
+    def merge_remote_group(self, *args, **kwargs):
+        raise _unsupported("merge_remote_group")
+
+    def _start_coalescing(self, device):
+        raise _unsupported("_start_coalescing", " (collectives run one by one; batch_isend_irecv does so)")
+
+    def _end_coalescing(self, device):
+        raise _unsupported("_end_coalescing")
+
+
+def _allreduce_options(op) -> dist.AllreduceOptions:
+    opts = dist.AllreduceOptions()
+    if op is not None:  # a ReduceOp passed where the options go (ProcessGroup.allreduce(tensors, op))
+        opts.reduceOp = op if isinstance(op, dist.ReduceOp) else dist.ReduceOp(op)
+    return opts
+
+
+def _finish_all(plan: adapters.Reduction, staged: list, targets: list) -> None:
+    for staged_tensor, target in zip(staged, targets):
+        plan.finish(staged_tensor, target)
+
+
+def _with_op(opts, op):
+    """A copy of the options ``opts`` with the reduce op ``op`` (the caller's stay as they were)."""
+    copy = type(opts)()
+    for field in ("rootRank", "rootTensor", "timeout", "asyncOp"):
+        if hasattr(opts, field):
+            setattr(copy, field, getattr(opts, field))
+    copy.reduceOp = op if isinstance(op, dist.ReduceOp) else dist.ReduceOp(op)
+    return copy
 
 
 def _create(store, rank: int, size: int, timeout) -> SimProcessGroup:
@@ -102,5 +259,5 @@ def register() -> None:
     with _lock:
         if _registered or not dist.is_available():
             return
-        dist.Backend.register_backend(NAME, _create, devices=["sim", "cpu"])
+        dist.Backend.register_backend(NAME, _create, devices=list(DEVICE_TYPES))
         _registered = True

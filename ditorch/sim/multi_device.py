@@ -11,7 +11,9 @@ PyTorch asks a Python backend's device guard (``torch._C._acc.DeviceGuard``) two
   whatever ``torch.sim.set_device`` chose. ``to`` gives a bare sim device the current index first, as
   ``Tensor.to("cuda")`` does on CUDA (``Module.to`` goes through it).
 
-With one sim device none of this is installed: backward runs on the engine's device thread, as on hardware.
+With one sim device none of this is installed, and backward runs on the engine's device thread, as on hardware;
+unless the process ran a backward before sim was registered: the engine then has no queue for any sim device, and
+``SimEngine`` is installed as well (``engine_has_a_queue_for_sim``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import functools
 import torch
 from torch.autograd.variable import Variable
 
+from .fault_injection import TABLE
 from .tensor import DeviceSelection
 
 
@@ -59,10 +62,33 @@ def _to_current_device(to):
     return to_current
 
 
-def install() -> None:
-    """Route every backward (``Tensor.backward``, ``torch.autograd.grad``, from any thread) through ``SimEngine``, and
-    make ``Tensor.to`` place a bare sim device on the current one. Idempotent."""
+def engine_has_a_queue_for_sim() -> bool:
+    """Whether the autograd engine can run a node on ``sim:0``. It sizes its device queues once, at the first
+    backward of the process: one that ran before sim was registered (a CPU reference run) left none for sim."""
+    faults = TABLE.current()
+    TABLE.set([])  # the probe is sim's own op: no injected fault applies to it
+    try:
+        probe = torch.zeros((), device=torch.device("sim", 0), requires_grad=True)
+        torch.autograd.grad(probe * 2, probe)
+    except RuntimeError as error:
+        if "device_ready_queues_" not in str(error):
+            raise
+        return False
+    finally:
+        TABLE.set(faults)
+    return True
+
+
+def install_engine() -> None:
+    """Route every backward (``Tensor.backward``, ``torch.autograd.grad``, from any thread) through ``SimEngine``.
+    Idempotent."""
     if not isinstance(Variable._execution_engine, SimEngine):
         Variable._execution_engine = SimEngine(Variable._execution_engine)  # type: ignore[assignment]  # a proxy
+
+
+def install() -> None:
+    """What more than one sim device needs: ``install_engine()``, and ``Tensor.to`` placing a bare sim device on
+    the current one. Idempotent."""
+    install_engine()
     if not getattr(torch.Tensor.to, "_ditorch_sim_to", False):
         torch.Tensor.to = _to_current_device(torch.Tensor.to)  # type: ignore[method-assign]  # sim's own placement

@@ -66,6 +66,10 @@ class _Memory:
         self._lock = threading.Lock()
 
     def track(self, tensor: SimTensor, data: torch.Tensor, index: int) -> None:
+        if data.__class__ is not torch.Tensor and torch._C._dispatch_keys(data).has(DispatchKey.Python):
+            # A fake or functional tensor (torch.compile tracing through the wrapper) holds no memory.
+            tensor._storage_key = 0
+            return
         storage = data.untyped_storage()
         key = storage.data_ptr()
         tensor._storage_key = key
@@ -174,7 +178,9 @@ class SimTensor(torch.Tensor):
     def untyped_storage(self) -> torch.UntypedStorage:
         # The CPU storage holding the values, shared by views and aliases (.data, detach) as a device's storage is.
         # The wrapper's own storage has no data: copy.deepcopy of a module on sim crashed the process reading it.
-        if DEVICE_MEMORY.on:  # a GPU's answer: sim memory the host cannot read (not shared by views)
+        if DEVICE_MEMORY.on or _tracing():  # a GPU's answer: sim memory the host cannot read (not shared by views)
+            # While torch.compile fakes a sim tensor it fakes `_data` too: one storage for both would make it
+            # alias the two (meta_utils' set_ onto a meta storage, refused for a sim tensor).
             return torch.Tensor.untyped_storage(self)
         return self._data.untyped_storage()
 
@@ -202,11 +208,25 @@ class SimTensor(torch.Tensor):
         )
 
 
+_tracing_context = torch._guards.TracingContext.try_get
+_fake_mode_key = torch._C._TorchDispatchModeKey.FAKE
+
+
+def _tracing() -> bool:
+    """True while torch.compile (dynamo, AOTAutograd) traces, or a FakeTensorMode is active."""
+    return _tracing_context() is not None or torch._C._get_dispatch_mode(_fake_mode_key) is not None
+
+
 _UNVERSIONED_WRITES.sim_tensor_class = SimTensor  # the tensors an unversioned fault leaves unbumped
 
 
+# Bound before the transfer wraps torch.Tensor._make_wrapper_subclass (device arguments shown as cuda): sim names
+# its devices itself, on every op.
+_make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
+
+
 def wrap(data: torch.Tensor, index: int) -> SimTensor:
-    tensor = torch.Tensor._make_wrapper_subclass(
+    tensor = _make_wrapper_subclass(
         SimTensor, data.size(), strides=data.stride(), storage_offset=data.storage_offset(),
         dtype=data.dtype, device=_DEVICES[index],
     )

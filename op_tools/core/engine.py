@@ -53,7 +53,7 @@ from ..ops.arguments import call_device, iter_tensors
 from ..ops.naming import is_metadata_query, resolve_op_name
 from ..ops.writes import call_writes
 from ..output import reporting, result_files
-from . import module_path, targeting
+from . import compiled_regions, module_path, targeting
 from .call_backward import CallBackward
 
 _thread = threading.local()
@@ -66,6 +66,7 @@ _CPU = torch.device("cpu")
 # Calls a function skipping one hop of torch-function dispatch; absent from older torch, where composites run whole.
 _skip_one_hop = getattr(torch._C, "_skip_one_hop_torch_function", None)
 _BACKWARD_CALLS = frozenset({"torch.Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
+_is_compiling = torch.compiler.is_compiling  # True while dynamo traces (compiled_regions.py keeps that rare)
 
 
 class OpToolsAbortError(RuntimeError):
@@ -285,6 +286,7 @@ class OpTool:
         self._read_configuration()
         self._can_match = True
         self._activations.append(self._activate())
+        compiled_regions.enter(type(self).__name__, self._logger)
         # a LIST no call can match needs no module paths (the global module hooks slow every module call)
         self._tracking.append(self.tracks_modules and self._can_match)
         if self._tracking[-1]:
@@ -327,6 +329,7 @@ class OpTool:
             _remove_mode(activation)
         else:
             activation.exit()
+        compiled_regions.exit()
         if self._tracking.pop():
             module_path.release()
         if not self._activations:
@@ -353,6 +356,8 @@ class OpTool:
         self.unchecked: collections.Counter = collections.Counter()
         self.first_unchecked: tuple[str, str] | None = None
         self.raised: collections.Counter = collections.Counter()  # handled calls whose op raised, per op name
+        # calls per op name met while torch.compile traced (a region that could not be made eager): run, unchecked
+        self.compiled: collections.Counter = collections.Counter()
 
     def closing_line(self) -> str:
         """The line logged at ``stop()``: what the tool handled, what it wrote where, and what it could not check
@@ -380,6 +385,10 @@ class OpTool:
         if failed and first is not None:
             parts.append(f"{failed} call{'s' if failed != 1 else ''} not checked (the tool failed), the first "
                          f"{first[0]}: {first[1]}")
+        compiled = sum(self.compiled.values())
+        if compiled:
+            parts.append(f"{compiled} call{'s' if compiled != 1 else ''} inside torch.compile'd regions not checked "
+                         f"(traced by the compiler, the first {next(iter(self.compiled))})")
         parts.extend(self.unchecked_parts())
         return "; ".join(parts)
 
@@ -450,6 +459,9 @@ class OpTool:
                 with contextlib.suppress(TypeError):  # unhashable callables keep taking this path
                     self._skipped.add(func)
             return self._run_unhandled(name, func, args, kwargs)
+        if _is_compiling():  # a tool's steps cannot run in a graph dynamo traces: the call runs, counted unchecked
+            self.compiled[name] += 1
+            return func(*args, **kwargs)
         call = OpCall(name, func, args, kwargs, device, self.common.print_stack)
         self.handled[name] += 1
         tracker = None

@@ -118,3 +118,16 @@ def test_backward_runs_on_a_sim_device_past_index_0():
     # PyTorch's engine has one device queue for a Python backend; sim runs such backwards on the calling thread.
     result = _run(BACKWARD_ON_DEVICE_1, DITORCH_SIM_DEVICE_COUNT="2")
     assert result.stdout.split() == ["True", "sim:0", "[6.0,", "6.0,", "6.0]"], result.stderr[-2000:]
+
+
+def test_backward_on_sim_works_after_a_host_backward_ran_before_registration():
+    # The engine sizes its device queues at the first backward of the process; a CPU reference run may come first.
+    code = ("import torch\n"
+            "x = torch.ones(2, requires_grad=True); (x * 2).sum().backward()\n"
+            "import ditorch.sim; ditorch.sim.register()\n"
+            "p = torch.ones(3, device='sim', requires_grad=True); (p * 3).sum().backward()\n"
+            "print(p.grad.cpu().tolist())")
+    result = _run(code, DITORCH_SIM_FAULTS="mul:unsupported")  # the check sim makes at registration sees no fault
+    assert 'File "<string>", line 4' in result.stderr and "SimUnsupportedError" in result.stderr, result.stderr
+    result = _run(code)
+    assert result.stdout.split() == ["[3.0,", "3.0,", "3.0]"], result.stderr[-2000:]

@@ -5,6 +5,8 @@ import io
 import pytest
 import torch
 
+from ditorch.show_as_cuda import real_device
+
 
 def test_factories_create_sim_tensors(sim):
     for tensor in (
@@ -177,3 +179,21 @@ def test_deepcopy_of_a_module_on_sim_copies_its_parameters(sim):
     with torch.no_grad():
         twin.weight.add_(1)
     assert not torch.equal(twin.weight.cpu(), model.weight.cpu())
+
+
+@pytest.mark.usefixtures("sim")
+def test_assigning_a_sim_tensor_as_data_moves_the_host_parameter_itself():
+    # FSDP1 (device_id=) and FSDP2 move a host module so: `param.data = param.to(device)`.
+    param = torch.nn.Parameter(torch.arange(3.0))
+    param.marked_by_a_library = True
+    same_object = param
+    param.data = param.to("sim")
+    assert same_object is param and isinstance(param, torch.nn.Parameter) and param.requires_grad
+    assert real_device(param) == torch.device("sim", 0) and param.marked_by_a_library
+    (param * 2).sum().backward()
+    assert real_device(param.grad) == torch.device("sim", 0) and param.grad.cpu().tolist() == [2.0, 2.0, 2.0]
+    plain = torch.zeros(2)
+    plain.data = torch.ones(2)  # what PyTorch accepts stays PyTorch's
+    assert plain.tolist() == [1.0, 1.0]
+    with pytest.raises(RuntimeError, match="cannot assign a tensor on cpu as .data of a tensor on sim:0"):
+        param.data = torch.zeros(3)

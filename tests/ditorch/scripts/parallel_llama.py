@@ -1,0 +1,114 @@
+"""A tiny Llama trained by FSDP2 (`fully_shard` on `init_device_mesh("cuda", ...)`), FSDP1
+(`FullyShardedDataParallel(device_id=...)`) and tensor parallel (`parallelize_module`, Colwise/Rowwise), written for
+CUDA and run under torchrun (2 processes) by tests/ditorch/test_parallel_training.py on sim and on the host.
+
+Each mode writes, per rank, its losses and a checksum of the full parameters after training to
+``OUT/<mode>.rank<N>.json``; the test compares them with a single-process run on the same global batch.
+"""
+
+import json
+import os
+import sys
+
+import tiny_models  # tests/, on the path torchrun's children get
+import torch
+import torch.distributed as dist
+
+STEPS, BATCH, SEQ = 3, 2, 16
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    return tiny_models.tiny_llama()
+
+
+def batches(rank: int) -> list:
+    """``rank``'s batches (a data-parallel rank's half of the global batch)."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    return [torch.randint(0, 128, (BATCH, SEQ), generator=generator) for _ in range(STEPS)]
+
+
+def train(model, parameters, data, device, foreach=None) -> list:
+    optimizer = torch.optim.SGD(parameters, lr=0.5, foreach=foreach)
+    return [tiny_models.lm_step(model, optimizer, ids.to(device)) for ids in data]
+
+
+def fsdp2(rank, local_rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    model = tiny_llama()  # on the host: fully_shard moves it (`param.data = param.to(device)`)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    losses = train(model, model.parameters(), batches(rank), "cuda")
+    full = {name: p.full_tensor() for name, p in model.named_parameters()}
+    return losses, full
+
+
+def fsdp1(rank, local_rank):
+    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+
+    model = FullyShardedDataParallel(tiny_llama(), device_id=torch.device("cuda", local_rank))
+    losses = train(model, model.parameters(), batches(rank), "cuda")
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        full = model.state_dict()
+    return losses, full
+
+
+def tensor_parallel(rank, local_rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    model = tiny_llama().cuda()
+    plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, plan)
+    # Every rank trains on the same batch. foreach=False: the plan leaves norms and embeddings plain tensors, and
+    # PyTorch's foreach kernels refuse a list mixing them with DTensors (on CUDA as well).
+    losses = train(model, model.parameters(), batches(0), "cuda", foreach=False)
+    full = {name: p.full_tensor() if hasattr(p, "full_tensor") else p for name, p in model.named_parameters()}
+    return losses, full
+
+
+MODES = {"fsdp2": fsdp2, "fsdp1": fsdp1, "tp": tensor_parallel}
+
+
+def checksum(full: dict) -> dict:
+    """Per parameter: sum and sum of squares in float64, comparable across runs within float32 reassociation."""
+    out = {}
+    for name, tensor in sorted(full.items()):
+        values = tensor.detach().to("cpu", torch.float64)
+        out[name.replace("_fsdp_wrapped_module.", "")] = [values.sum().item(), values.square().sum().item()]
+    return out
+
+
+def main() -> None:
+    out, modes = sys.argv[1], sys.argv[2].split(",")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    rank = dist.get_rank()
+    for mode in modes:
+        try:
+            losses, full = MODES[mode](rank, local_rank)
+            report = {"losses": losses, "params": checksum(full)}
+        except Exception as error:  # the test shows what failed, per mode, and goes on with the next mode
+            import traceback
+
+            report = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]}
+        with open(os.path.join(out, f"{mode}.rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    # The device layer, imported here: the test imports this module's model and data for its reference run.
+    import ditorch  # noqa: F401
+
+    main()

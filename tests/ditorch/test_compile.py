@@ -1,0 +1,83 @@
+"""torch.compile after ``import ditorch``: on sim (eager, aot_eager, the default's fallback), with the patching off,
+and on the host backend (inductor); each in a fresh interpreter, since the backend is chosen at import."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from subprocess_env import env_without_settings
+
+# Runs a tiny model compiled with each backend of argv[1:], forward and backward, against the eager model; prints
+# one JSON line. DEVICE names the device ("cuda" through the transfer, "sim" with the patching off).
+CHILD = """
+import json, logging, sys
+import torch, ditorch
+
+records = []
+logging.getLogger("ditorch").addHandler(type("H", (logging.Handler,), {"emit": lambda s, r: records.append(r)})())
+DEVICE = sys.argv[1]
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to(DEVICE)
+x = torch.randn(4, 8, device=DEVICE)
+eager = model(x)
+eager.sum().backward()
+eager_grads = [p.grad.cpu().clone() for p in model.parameters()]
+report = {"classes": {name: isinstance(getattr(torch.cuda, name), type)
+                      for name in ("Stream", "Event", "device", "StreamContext", "device_of")}}
+for backend in sys.argv[2:]:
+    model.zero_grad()
+    kwargs = {} if backend == "default" else {"backend": backend}
+    compiled = torch.compile(model, **kwargs)
+    outputs = [compiled(x) for _ in range(2)]  # the second call runs the cached graph
+    outputs[0].sum().backward()
+    report[backend] = {
+        "device": str(torch._C.TensorBase.device.__get__(outputs[0])),
+        "forward_equal": all(torch.equal(out.cpu(), eager.cpu()) for out in outputs),
+        "grads_equal": all(torch.equal(p.grad.cpu(), g) for p, g in zip(model.parameters(), eager_grads)),
+    }
+    torch._dynamo.reset()
+report["compile_lines"] = [r.getMessage() for r in records if "torch.compile" in r.getMessage()]
+print(json.dumps(report))
+"""
+
+
+def _run(env: dict, device: str, *backends: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(CHILD), device, *backends],
+                          env=env_without_settings({"DITORCH_QUIET": "1", **env}),
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _assert_equal_to_eager(report: dict, backend: str, device: str) -> None:
+    assert report[backend] == {"device": device, "forward_equal": True, "grads_equal": True}, (backend, report)
+
+
+def test_sim_compiles_with_eager_aot_eager_and_the_default_falls_back_with_one_line():
+    report = _run({"DITORCH_BACKEND": "sim"}, "cuda", "eager", "aot_eager", "default", "inductor")
+    # dynamo asks isinstance(value, torch.cuda.StreamContext) of every value: the mapped names stay classes
+    assert all(report["classes"].values()), report["classes"]
+    for backend in ("eager", "aot_eager", "default", "inductor"):
+        _assert_equal_to_eager(report, backend, "sim:0")
+    # inductor asked twice (the default, then by name): said once
+    assert len(report["compile_lines"]) == 1, report["compile_lines"]
+    assert "running backend 'aot_eager' instead" in report["compile_lines"][0]
+
+
+def test_sim_compiles_with_the_patching_off():
+    # fake tensors of sim tensors (FakeTensorMode through the SimTensor wrapper)
+    report = _run({"DITORCH_BACKEND": "sim", "DITORCH_DISABLE_MOCK": "1"}, "sim", "eager", "aot_eager")
+    for backend in ("eager", "aot_eager"):
+        _assert_equal_to_eager(report, backend, "sim:0")
+    assert report["compile_lines"] == []  # no transfer, no wrapper of torch.compile
+
+
+def test_host_backend_compiles_with_inductor_as_without_ditorch():
+    report = _run({"DITORCH_BACKEND": "cpu"}, "cuda", "aot_eager", "default")
+    assert all(report["classes"].values()), report["classes"]
+    for backend in ("aot_eager", "default"):  # the default is inductor, generating C++ for the CPU
+        _assert_equal_to_eager(report, backend, "cpu")
+    assert report["compile_lines"] == []
