@@ -53,6 +53,10 @@ class SimProcessGroup(dist.ProcessGroup):
             device = torch.device(device_type)
             self._c10d._register_backend(device, dist.ProcessGroup.BackendType.GLOO, gloo)
             self._register_backend(device, dist.ProcessGroup.BackendType.CUSTOM, gloo)
+        # Python code reads a sim tensor's device as cuda (show-as-cuda) and asks the group for that device's backend
+        # (torch 2.14's batch_isend_irecv: `group._get_backend(tensor.device)`); collectives still dispatch on the
+        # real device type.
+        self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.CUSTOM, gloo)
         self._in_fp32 = bool(env.read(adapters.VARIABLE))
 
     @staticmethod
