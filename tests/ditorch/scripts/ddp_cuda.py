@@ -43,6 +43,7 @@ def main() -> None:
               "params": params}
     with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
+    dist.barrier()  # neither rank tears its connections down while the other still talks (gloo aborts then)
     dist.destroy_process_group()
 
 
