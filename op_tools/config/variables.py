@@ -251,6 +251,39 @@ PRINT_STACK = _flag("OP_TOOLS_PRINT_STACK", "0",
 STRICT = _flag("OP_TOOLS_STRICT", "0",
                "1 makes a failure inside a tool (or in an apply_feature condition_func) raise instead of being "
                "reported once per op and ignored.")
+
+
+def parse_ranks(text: str | None) -> frozenset[int] | None:
+    """``'all'`` (or unset) -> ``None`` (every rank); ``'0'``, ``'0,3'`` -> those ranks."""
+    value = (text or "").strip().lower()
+    if value in ("", "all"):
+        return None
+    ranks = set()
+    for entry in (e.strip() for e in value.split(",")):
+        if not entry.isdigit():
+            raise ValueError(f"entry {entry!r} is not a rank (an integer >= 0)")
+        ranks.add(int(entry))
+    return frozenset(ranks)
+
+
+def convert_ranks(value: Any) -> frozenset[int] | None:
+    """``'all'``/``None``, one rank (an int) or a list of ranks."""
+    if value is None or isinstance(value, str):
+        return parse_ranks(value)
+    values = [value] if isinstance(value, int) else value
+    if not isinstance(values, (list, tuple, set, frozenset)) or \
+            not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise TypeError("neither 'all', a rank nor a list of ranks (integers >= 0)")
+    return frozenset(values)
+
+
+PRINT_RANKS = declare(
+    "OP_TOOLS_PRINT_RANKS", "all, or comma-separated ranks, e.g. 0 or 0,3", "all",
+    "Under torchrun, the ranks whose op_tools console lines (INFO and DEBUG) are shown; the other ranks show "
+    "WARNING and above only (a failure on any rank is never silent) and write their files as usual. Every console "
+    "line under torchrun starts with `[rank<N>] `. Outside torchrun: no effect.", parse_ranks, convert_ranks,
+    "'all', an int or a list of ints",
+)
 CONFIG_FILE = declare(
     "OP_TOOLS_CONFIG", "a TOML file path", None,
     "A config file holding the tools' settings (docs/tools/README.md#config-file): `[op_tools]` for every tool, "
@@ -462,12 +495,13 @@ class CommonConfig:
     verbose: bool | None  # None: unset, the op_tools logger's level decides
     print_stack: bool
     strict: bool
-    rank: int | None
+    rank: int | None  # torchrun's RANK; None outside torchrun
+    print_ranks: frozenset[int] | None = None  # OP_TOOLS_PRINT_RANKS; None: every rank
 
     @classmethod
     def from_env(cls, sources: Sources | None = None) -> CommonConfig:
         return cls(RESULTS_DIR.read(sources) or "op_tools_results", VERBOSE.read(sources), PRINT_STACK.read(sources),
-                   STRICT.read(sources), _torchrun_rank())
+                   STRICT.read(sources), _torchrun_rank(), PRINT_RANKS.read(sources))
 
 
 def _torchrun_rank() -> int | None:

@@ -38,6 +38,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -55,6 +56,7 @@ from ..ops.writes import call_writes
 from ..output import reporting, result_files
 from . import compiled_regions, module_path, targeting
 from .call_backward import CallBackward
+from .steps import STEPS
 
 _thread = threading.local()
 _forward_ids = itertools.count(1)
@@ -107,7 +109,8 @@ class OpCall:
     """One handled call: what the tool sees. ``state`` is the tool's scratch space, kept for backward."""
 
     __slots__ = ("name", "func", "args", "kwargs", "result", "forward_id", "device", "state", "_location",
-                 "_full_stack", "first_node", "grad_inputs", "module_path", "unchecked", "__weakref__")
+                 "_full_stack", "first_node", "grad_inputs", "module_path", "unchecked", "step", "time",
+                 "__weakref__")
 
     def __init__(self, name: str, func, args: tuple, kwargs: dict, device: torch.device | None,
                  full_stack: bool = False) -> None:
@@ -127,6 +130,10 @@ class OpCall:
         # when no started tool tracks modules.
         self.module_path = module_path.current()
         self.unchecked = False  # a step of the tool failed on this call: counted once in OpTool.unchecked
+        # What every record of the call carries (docs/tools/README.md#ranks-steps-and-times): the optimizer steps
+        # finished since the tool started (set by OpTool.handle, steps.py) and the wall-clock time it started.
+        self.step = 0
+        self.time = time.time()
 
     @property
     def location(self) -> str:
@@ -200,6 +207,7 @@ class OpTool:
         self._open_backwards: set = set()  # CallBackward trackers whose hooks started and did not finish
         self._tracking: list[bool] = []  # per start(): whether it acquired the module hooks (module_path.py)
         self._can_match = True  # whether the LIST of the latest start() can match a call
+        self._step_base = 0  # steps.STEPS.count at start(): a call's step is counted from there
         # True while a mode shows this tool every torch call of its thread (not with targeted wrappers or
         # apply_feature, which see only the functions they wrap: writes elsewhere go unseen)
         self.sees_every_call = False
@@ -285,6 +293,7 @@ class OpTool:
         self._skipped = set()
         self._read_configuration()
         self._can_match = True
+        self._step_base = STEPS.acquire()
         self._activations.append(self._activate())
         compiled_regions.enter(type(self).__name__, self._logger)
         # a LIST no call can match needs no module paths (the global module hooks slow every module call)
@@ -330,6 +339,7 @@ class OpTool:
         else:
             activation.exit()
         compiled_regions.exit()
+        STEPS.release()
         if self._tracking.pop():
             module_path.release()
         if not self._activations:
@@ -342,7 +352,7 @@ class OpTool:
 
     def _prepare_output(self) -> None:
         """Logging levels and handler, this session's file tally, and the results folder probed for writing."""
-        reporting.configure_logging(self.common.verbose)
+        reporting.configure_logging(self.common.verbose, self.common.rank, self.common.print_ranks)
         self.tally = result_files.Tally(result_files.results_path(self.common, self.results_folder)
                                      if self.results_folder else None, f"{type(self).__name__} writing")
         self._reset_account()
@@ -416,6 +426,7 @@ class OpTool:
         """For use without a mode (apply_feature): read the configuration once."""
         if self.common is None:
             self._read_configuration()
+            self._step_base = STEPS.acquire()  # never stopped: counts steps until the process ends
             _track_unfinished(self)  # never stopped: what it aggregated is written at exit
 
     def _read_configuration(self) -> None:
@@ -463,6 +474,7 @@ class OpTool:
             self.compiled[name] += 1
             return func(*args, **kwargs)
         call = OpCall(name, func, args, kwargs, device, self.common.print_stack)
+        call.step = STEPS.count - self._step_base
         self.handled[name] += 1
         tracker = None
         with tool_work():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -24,6 +25,29 @@ def iter_items(obj, path: str = "") -> Iterator[tuple[str, Any]]:
             yield from iter_items(v, f"{path}[{k}]")
     else:
         yield path, obj
+
+
+def dtensor_class() -> type | None:
+    """``torch.distributed.tensor.DTensor`` where that module is loaded, else None (then no DTensor exists)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def local_part(value):
+    """A DTensor's part held by this rank (its local tensor), any other value as it is: what is on this host.
+
+    A shard or a replica of the global tensor, or a partial sum (``Partial``) before its reduction: an inf or nan in
+    the global tensor is one in some rank's part.
+    """
+    dtensor = dtensor_class()
+    if dtensor is not None and isinstance(value, dtensor):
+        return value._local_tensor
+    return value
+
+
+def has_dtensor(obj) -> bool:
+    dtensor = dtensor_class()
+    return dtensor is not None and any(isinstance(t, dtensor) for t in iter_tensors(obj))
 
 
 def iter_tensors(obj) -> Iterator[torch.Tensor]:

@@ -53,6 +53,7 @@ class OpFacts:
     algorithm_ratio: float | None = None  # the device kernel's algorithm legitimately errs more than the CPU's
     uninitialised: bool = False  # its results are memory never written: nothing to compare
     rounded_once: bool = False  # each forward result element is computed wide and rounded once (comparison.py)
+    collective: bool = False  # exchanges data with other ranks: this host holds only its own part of the inputs
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(OpFacts)}
@@ -254,6 +255,12 @@ for _name in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attenti
 for _name in ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "resize_as_",
               "set_"):
     register_op_facts(_name, uninitialised=True)
+
+# Collectives: torch.distributed's calls, and the functional collectives (DTensor's redistributions, FSDP2) whose
+# result is another rank's data, or becomes it when waited for.
+for _name in ("torch.distributed.*", "_c10d_functional.*", "c10d_functional.*", "_c10d_functional_autograd.*",
+              "c10d.*", "_dtensor.*"):
+    register_op_facts(_name, collective=True)
 
 # Ops that compute every output element on its own, from a few inputs, in a type wider than a narrow output, and
 # round it once (rounded_ops.py says why that matters).

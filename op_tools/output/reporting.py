@@ -6,8 +6,10 @@ and each tool's closing line INFO, per-call tables and ``apply <hook> on <op>`` 
 sets the ``op_tools`` logger's level (1: DEBUG, 0: INFO; unset: INFO unless the application set one).
 
 While the application configured no handler that would take these records, op_tools' own handler writes them to
-stdout in the original's plain form (no prefix); once the application adds one (``logging.basicConfig()``, a
-handler on ``op_tools``), op_tools' handler stays silent and the application's decides. To silence the tools::
+stdout in the original's plain form (no prefix; under torchrun each line starts with ``[rank<N>] ``, and
+``OP_TOOLS_PRINT_RANKS`` chooses the ranks whose INFO and DEBUG lines are shown); once the application adds one
+(``logging.basicConfig()``, a handler on ``op_tools``), op_tools' handler stays silent and the application's
+decides. To silence the tools::
 
     logging.getLogger("op_tools").setLevel(logging.WARNING)   # failures only
     logging.getLogger("op_tools").setLevel(logging.CRITICAL)  # nothing
@@ -41,14 +43,41 @@ _print_lock = threading.RLock()  # re-entrant: a SIGTERM flush may print while t
 
 # --- logging ---
 
+class RankFormatter(logging.Formatter):
+    """The message as it is; under torchrun (``rank`` set) every line of it, a table's and a traceback's included,
+    starts with ``[rank<N>] ``."""
+
+    def __init__(self, rank: int | None = None) -> None:
+        super().__init__("%(message)s")
+        self.prefix = "" if rank is None else f"[rank{rank}] "
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        if not self.prefix:
+            return text
+        return "\n".join(self.prefix + line for line in text.split("\n"))
+
+
 class ConsoleHandler(logging.StreamHandler):
     """op_tools' own handler: records as plain lines on the current ``sys.stdout`` (the original's console form),
-    only while no other handler would take them (the application's configuration wins, with no duplicate)."""
+    only while no other handler would take them (the application's configuration wins, with no duplicate).
 
-    def __init__(self) -> None:
+    Under torchrun its lines carry the rank (``RankFormatter``); a rank not in ``print_ranks`` (``None``: every
+    rank) shows WARNING and above only, so that a failure on any rank is never silent."""
+
+    def __init__(self, rank: int | None = None, print_ranks: frozenset[int] | None = None) -> None:
         super().__init__(sys.stdout)
-        self.setFormatter(logging.Formatter("%(message)s"))
+        self.set_rank(rank, print_ranks)
         self.addFilter(self._no_other_handler)
+        self.addFilter(self._rank_shown)
+
+    def set_rank(self, rank: int | None, print_ranks: frozenset[int] | None) -> None:
+        """The rank this process prints as (``None`` outside torchrun) and the ranks whose INFO/DEBUG show."""
+        self.setFormatter(RankFormatter(rank))
+        self._quiet = rank is not None and print_ranks is not None and rank not in print_ranks
+
+    def _rank_shown(self, record: logging.LogRecord) -> bool:
+        return not self._quiet or record.levelno >= logging.WARNING
 
     @property
     def stream(self):  # looked up at each record: tests and applications replace sys.stdout
@@ -73,12 +102,18 @@ class ConsoleHandler(logging.StreamHandler):
 _handler_lock = threading.Lock()
 
 
-def configure_logging(verbose: bool | None) -> None:
-    """At a tool's start: op_tools' handler on the ``op_tools`` logger (once), and its level from
-    ``OP_TOOLS_VERBOSE`` (1: DEBUG, 0: INFO); unset, INFO unless the application already set a level."""
+def configure_logging(verbose: bool | None, rank: int | None = None,
+                      print_ranks: frozenset[int] | None = None) -> None:
+    """At a tool's start: op_tools' handler on the ``op_tools`` logger (once), labelled with ``rank`` (torchrun's;
+    ``None`` outside torchrun) and quiet below WARNING on ranks not in ``print_ranks`` (``OP_TOOLS_PRINT_RANKS``;
+    ``None``: all), and the logger's level from ``OP_TOOLS_VERBOSE`` (1: DEBUG, 0: INFO); unset, INFO unless the
+    application already set a level."""
     with _handler_lock:
-        if not any(isinstance(h, ConsoleHandler) for h in logger.handlers):
-            logger.addHandler(ConsoleHandler())
+        handler = next((h for h in logger.handlers if isinstance(h, ConsoleHandler)), None)
+        if handler is None:
+            logger.addHandler(ConsoleHandler(rank, print_ranks))
+        else:
+            handler.set_rank(rank, print_ranks)
         # setLevel clears every logger's level cache (transformers has hundreds): only when the level changes
         if verbose is not None and logger.level != (logging.DEBUG if verbose else logging.INFO):
             logger.setLevel(logging.DEBUG if verbose else logging.INFO)

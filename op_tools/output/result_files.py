@@ -22,6 +22,16 @@ from .reporting import logger, progress_bar
 
 _sessions = itertools.count(1)
 
+# Appended to every per-call row a tool writes (docs/tools/README.md#ranks-steps-and-times): torchrun's rank ('' outside
+# torchrun), the optimizer steps finished since the tool started (core/steps.py), and the wall-clock time the call
+# started, seconds since the epoch to the microsecond. Appended after the original's columns, which keep their places.
+RECORD_COLUMNS = ("rank", "step", "time")
+
+
+def record_fields(rank: int | None, step: int, started: float) -> dict:
+    """The ``RECORD_COLUMNS`` of one row."""
+    return {"rank": "" if rank is None else rank, "step": step, "time": f"{started:.6f}"}
+
 
 def session_stem() -> str:
     """``pid<pid>_<local time>_<n>``: names a tool session's files, unique per process and session (``n`` counts

@@ -4,18 +4,23 @@ and statistics of its tensors. ``python -m op_tools.compare_runs`` reads two of 
 A recording is a JSON-lines file ``<OP_TOOLS_RESULTS_DIR>/op_capture_results[/rank<N>]/run_<session>.jsonl``
 (``.partial`` until the tool stops). Its first line is the header::
 
-    {"format": "op_tools run recording", "version": 2, "tensor_fields": [...], "torch": "2.13.0", "rank": null, ...}
+    {"format": "op_tools run recording", "version": 2, "tensor_fields": [...], "torch": "2.13.0", "rank": null,
+     "pid": 4242, "time": 1718000000.123456}
 
 then one line per call, in the order the calls ended::
 
-    {"seq": 7, "phase": "forward", "step": 0, "module": "model.layers.1.mlp.act_fn", "index": 0,
-     "op": "torch.nn.functional.silu", "device": "sim:0", "autocast": null,
+    {"seq": 7, "phase": "forward", "step": 0, "time": 1718000000.234567, "module": "model.layers.1.mlp.act_fn",
+     "index": 0, "op": "torch.nn.functional.silu", "device": "sim:0", "autocast": null,
      "inputs": [["[0]", "float32", [2, 16, 128], min, max, mean, norm, nan, inf, fingerprint]], "outputs": [...]}
-    {"seq": 90, "phase": "backward", "step": 0, "module": ..., "index": 0, "op": ..., "forward_seq": 7,
+    {"seq": 90, "phase": "backward", "step": 0, "time": ..., "module": ..., "index": 0, "op": ..., "forward_seq": 7,
      "device": "sim:0", "grad_outputs": [...], "grad_inputs": [...], "complete": true}
 
 - ``step``: how many ``optimizer.step()`` calls (any ``torch.optim`` optimizer) had finished when the call's
   forward ran, counted from the tool's start: a training loop's iteration. A backward record has its forward's step.
+  Counted once for every tool (``core/steps.py``): the same number as the other tools' ``step`` columns.
+- ``time``: wall-clock seconds since the epoch (``time.time()``, to the microsecond) when the call started (a
+  backward record: when its backward finished); the header's when the recording started. The rank is the header's
+  ``rank`` (torchrun's ``RANK``; ``null`` outside torchrun).
 - ``module``/``index``: the module running the call (``module_path.py``) and the call's rank among the calls of
   that module path in this step, from 0. A backward record has its forward's.
 - ``phase``: ``forward``, ``backward`` (the gradients of the call's outputs and of its inputs that require grad,
@@ -39,6 +44,7 @@ import itertools
 import json
 import os
 import threading
+import time
 from typing import Any
 
 import torch
@@ -61,6 +67,10 @@ def _tensors(items, limit: int) -> tuple[list[tuple[str, torch.Tensor]], int]:
 def _described(error: BaseException) -> str:
     text = f"{type(error).__name__}: {error}".splitlines()[0]
     return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _time(seconds: float) -> float:
+    return round(seconds, 6)  # microseconds: what a clock read means
 
 
 def _float(v: float) -> float:
@@ -102,32 +112,22 @@ def _to_record(record: dict[str, Any], sides: list[_Side]) -> dict[str, Any]:
 
 
 class RunRecorder:
-    """Writes one run recording; ``before``/``after``/``backward`` are called by OpCapture in stats mode."""
+    """Writes one run recording; ``before``/``after``/``backward`` are called by OpCapture in stats mode.
 
-    def __init__(self, path: str, max_tensors: int, rank: int | None) -> None:
+    A call's step is the engine's (``call.step``, ``core/steps.py``); ``steps`` is that counter, read for whether
+    an optimizer's ``step()`` is running (``in_optimizer``); without one, no call is in the optimizer phase."""
+
+    def __init__(self, path: str, max_tensors: int, rank: int | None, steps: Any = None) -> None:
         self.max_tensors = max_tensors
         self.file = result_files.JsonLinesFile(path)
         self.file.write({"format": FORMAT, "version": FORMAT_VERSION, "tensor_fields": list(TENSOR_FIELDS),
-                         "torch": torch.__version__, "rank": rank, "pid": os.getpid()})
-        self.step = 0
+                         "torch": torch.__version__, "rank": rank, "pid": os.getpid(), "time": _time(time.time())})
         self.records = 0
+        self._steps = steps
         self._seq = itertools.count()
-        self._indices: dict[str, int] = {}  # module path -> calls recorded in this step
+        self._indices: dict[str, int] = {}  # module path -> calls recorded in step _indices_step
+        self._indices_step = 0
         self._lock = threading.Lock()
-        self._in_optimizer = False
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-        self._step_hooks = (register_optimizer_step_pre_hook(self._stepping),
-                            register_optimizer_step_post_hook(self._stepped))
-
-    def _stepping(self, *_) -> None:
-        self._in_optimizer = True
-
-    def _stepped(self, *_) -> None:
-        with self._lock:
-            self._in_optimizer = False
-            self.step += 1
-            self._indices.clear()
 
     def before(self, call) -> None:
         """Queue the statistics of the inputs (before an in-place op changes them)."""
@@ -157,8 +157,12 @@ class RunRecorder:
         first = next(iter((inputs.tensors if inputs else []) or (outputs.tensors if outputs else [])), None)
         device = str(real_device(first[1])) if first is not None else str(call.device)
         recompute = call.state["recompute"]
+        step = call.step
         with self._lock:
-            seq, step = next(self._seq), self.step
+            seq = next(self._seq)
+            if step != self._indices_step:  # a new step: module paths count their calls from 0 again
+                self._indices.clear()
+                self._indices_step = step
             index = None
             if not recompute:
                 index = self._indices.get(call.module_path, 0)
@@ -167,8 +171,9 @@ class RunRecorder:
         autocast = None
         if call.device is not None and torch.is_autocast_enabled(call.device.type):
             autocast = str(torch.get_autocast_dtype(call.device.type)).removeprefix("torch.")
-        phase = "recompute" if recompute else "optimizer" if self._in_optimizer else "forward"
-        record = {"seq": seq, "phase": phase, "step": step,
+        in_optimizer = self._steps is not None and self._steps.in_optimizer
+        phase = "recompute" if recompute else "optimizer" if in_optimizer else "forward"
+        record = {"seq": seq, "phase": phase, "step": step, "time": _time(call.time),
                   "module": call.module_path, "index": index, "op": call.name, "device": device, "autocast": autocast}
         self._write_or_mark(record, [inputs, outputs] if inputs and outputs else None, error, raised)
 
@@ -184,7 +189,8 @@ class RunRecorder:
             error, raised = _described(e), e
         with self._lock:
             seq = next(self._seq)
-        record = {"seq": seq, "phase": "backward", "step": state["step"], "module": call.module_path,
+        record = {"seq": seq, "phase": "backward", "step": state["step"], "time": _time(time.time()),
+                  "module": call.module_path,
                   "index": state["index"], "op": call.name, "forward_seq": state["seq"], "device": state["device"],
                   "complete": complete}
         self._write_or_mark(record, sides, error, raised)
@@ -211,8 +217,6 @@ class RunRecorder:
             self.records += 1
 
     def close(self) -> None:
-        for hook in self._step_hooks:
-            hook.remove()
         with self._lock:
             records = self.records
         self.file.write({"end": {"records": records, "bytes": self.file.bytes_written}})

@@ -34,6 +34,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 
@@ -71,7 +72,7 @@ from ..numerics.reference import (
     run_reference,
     run_same_dtype,
 )
-from ..ops.arguments import iter_items, iter_tensors, map_tensors
+from ..ops.arguments import has_dtensor, iter_items, iter_tensors, map_tensors
 from ..ops.op_facts import cached_on_facts, op_facts
 from ..ops.random_calls import GeneratorProbe, cpu_generator_token, random_reason, skip_text
 from ..ops.writes import call_writes
@@ -80,7 +81,7 @@ from .compare_state import CompareState
 from .failing_calls import FailingCalls
 
 DEFAULT_REFERENCE_CAST = DEFAULT_CAST
-CSV_COLUMNS = ("op", "forward_id", "phase", "module", *COLUMNS, "location")
+CSV_COLUMNS = ("op", "forward_id", "phase", "module", *COLUMNS, "location", *result_files.RECORD_COLUMNS)
 # the console shows these columns of a comparison (fitting 120 characters); the CSV has them all
 CONSOLE_COLUMNS = ("name", "allclose", "max_abs_diff", "max_relative_diff", "verdict", "error_info")
 FAILURES_SHOWN = 20  # rows of the failing-ops table on the console; the CSV holds them all
@@ -115,7 +116,7 @@ def skip_reason(name: str) -> str | None:
     """Why ``name`` is never compared whatever its arguments: ``'uninitialised'``, ``'collective'`` or ``None``."""
     if op_facts(name).uninitialised:
         return "uninitialised"
-    if name.startswith("torch.distributed."):
+    if op_facts(name).collective:
         return "collective (the other ranks' data is not on this host)"
     return None
 
@@ -225,6 +226,9 @@ class OpAutoCompare(OpTool):
         if reason is not None:
             state.skip = reason
             return
+        if has_dtensor((call.args, call.kwargs)):
+            raise NotImplementedError("a DTensor argument: OpAutoCompare does not compare calls on DTensors (parts of "
+                                      "the tensor are on other ranks); the call is counted as not checked")
         # Copies are reused across calls only when every call is seen (a mode): targeted wrappers and apply_feature
         # see only their functions, and the writes of the others (an optimizer's) would leave copies stale.
         get, tensors = self._copies.get if self.sees_every_call else _fresh_copy, []
@@ -344,13 +348,15 @@ class OpAutoCompare(OpTool):
         # Finding the user's source line costs a stack walk: only for what is printed or may fail later.
         level = self._table_level(call.name, "forward", passed)
         location = call.location if not passed or self._logger.isEnabledFor(level) or wants_backward else ""
-        self._record(call.name, call.forward_id, "forward", location, comparisons, call.module_path)
+        self._record(call.name, call.forward_id, "forward", location, comparisons, call.module_path, call.step,
+                     call.time)
         device_out = (device_cpu, *extra_cpu)
         ref_out = (reference.result, *[reference.mapped[id(host_of[id(t)])] for t in extra])
         if self._logger.isEnabledFor(level):
             self._print_forward(call, reference, comparisons, location, passed, level)
         if not passed:
-            self._save(call.name, call.forward_id, state, device_out, ref_out)
+            self._save(call.name, call.forward_id, state, device_out, ref_out,
+                       record=result_files.record_fields(self.common.rank, call.step, call.time))
             state.saved_forward = True
         if not wants_backward:
             state.release()
@@ -520,7 +526,8 @@ class OpAutoCompare(OpTool):
             self.counts["backward compared"] += 1
             self.counts["backward passed" if passed else "backward failed"] += 1
         location = call.location
-        self._record(call.name, call.forward_id, "backward", location, comparisons, call.module_path)
+        self._record(call.name, call.forward_id, "backward", location, comparisons, call.module_path, call.step,
+                     time.time())
         level = self._table_level(call.name, "backward", passed)
         if self._logger.isEnabledFor(level):
             rows = [_named_row(call.name, c) for c in comparisons]
@@ -566,16 +573,18 @@ class OpAutoCompare(OpTool):
     # --- reporting ---
 
     def _record(self, name: str, forward_id: int, phase: str, location: str, comparisons: list[Comparison],
-                module: str = "") -> None:
+                module: str = "", step: int = 0, started: float = 0.0) -> None:
+        """Keep a call's comparisons for the CSV; ``step`` is its forward's, ``started`` when it (its backward
+        check, for backward) started."""
         first_line = location.splitlines()[0] if location else ""
-        rows = [(name, forward_id, phase, c, first_line, module) for c in comparisons]  # formatted at stop()
+        rows = [(name, forward_id, phase, c, first_line, module, step, started) for c in comparisons]  # at stop()
         failed = [c for c in comparisons if not c.passed]
         with self._order_lock:
             self.rows.extend(rows)
             if failed:
                 self.failures.append({
                     "order": len(self.failures) + 1, "op": name, "phase": phase, "forward_id": forward_id,
-                    "module": module,
+                    "module": module, "step": step, "time": started,
                     "failing": ", ".join(c.name for c in failed),
                     "error_info": "; ".join(filter(None, (c.error_info for c in failed)))[:200],
                     "location": first_line,
@@ -600,9 +609,10 @@ class OpAutoCompare(OpTool):
                      + reporting.call_table(call.name, arg_rows) + "\n"
                      + reporting.call_table(call.name, rows, CONSOLE_COLUMNS))
 
-    def _save(self, name: str, forward_id: int, state: CompareState, device_out, ref_out, grads=None) -> None:
+    def _save(self, name: str, forward_id: int, state: CompareState, device_out, ref_out, grads=None,
+              record: dict | None = None) -> None:
         cast = self.settings.casts.get(op_key(name), DEFAULT_REFERENCE_CAST)
-        self.saving.save(name, forward_id, state, cast, device_out, ref_out, grads)
+        self.saving.save(name, forward_id, state, cast, device_out, ref_out, grads, record)
 
     def finish(self) -> None:
         for call in list(self._pending.values()):  # calls whose backward never ran
@@ -614,8 +624,10 @@ class OpAutoCompare(OpTool):
         text = self.summary()
         if self.rows:
             path = result_files.results_path(self.common, self.results_folder, f"op_autocompare_info_{self.stem}.csv")
+            rank = self.common.rank
             rows = [{"op": op, "forward_id": forward_id, "phase": phase, "module": module, **c.row(),
-                     "location": location} for op, forward_id, phase, c, location, module in self.rows]
+                     "location": location, **result_files.record_fields(rank, step, started)}
+                    for op, forward_id, phase, c, location, module, step, started in self.rows]
             self.tally.add(path, result_files.write_csv(path, [{c: row.get(c, "") for c in CSV_COLUMNS}
                                                                for row in rows]))
             text += f"\nOpAutoCompare: {len(self.rows)} comparisons saved in {path}"

@@ -19,6 +19,7 @@ import torch
 
 from ..config.variables import CAPTURE_DEDUP, CAPTURE_MAX_BYTES, CAPTURE_MODE, CAPTURE_STATS_MAX_TENSORS, Sources
 from ..core.engine import OpCall, OpTool, feature
+from ..core.steps import STEPS
 from ..ops.arguments import iter_items
 from ..output import reporting, result_files
 from ..output.capture_format import (  # noqa: F401 - re-exported: the format was defined here before its own module
@@ -33,6 +34,7 @@ from ..output.capture_format import (  # noqa: F401 - re-exported: the format wa
 from ..output.run_recording import RunRecorder
 
 SUMMARY_SHOWN = 20  # rows of the summary table on the console; the files hold them all
+SUMMARY_COLUMNS = ("op", "count", "shapes", "dtypes", "strides", "location")  # + RECORD_COLUMNS in the CSV
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +140,7 @@ class OpCapture(OpTool):
         if self.settings.mode == "stats":
             self.handles_cpu_calls = True  # a CPU run is one side of a comparison
             path = result_files.results_path(self.common, self.results_folder, f"run_{self.stem}.jsonl")
-            self.recorder = RunRecorder(path, self.settings.stats_max_tensors, self.common.rank)
+            self.recorder = RunRecorder(path, self.settings.stats_max_tensors, self.common.rank, STEPS)
 
     def _over_limit(self, call: OpCall) -> bool:
         """Whether saving ``call``'s inputs would pass ``max_bytes``; the first time, one warning saying so."""
@@ -169,7 +171,8 @@ class OpCapture(OpTool):
         directory = result_files.results_path(self.common, self.results_folder, call.name, self.pid_folder,
                                            str(call.forward_id), stamp)
         call.state["dir"] = directory
-        payload = {"name": call.name, "args": call.args, "kwargs": call.kwargs, "identifier": "input"}
+        payload = {"name": call.name, "args": call.args, "kwargs": call.kwargs, "identifier": "input",
+                   **result_files.record_fields(self.common.rank, call.step, call.time)}
         autocast = autocast_state(call.device)
         if autocast is not None:
             payload[AUTOCAST_KEY] = autocast
@@ -223,6 +226,7 @@ class OpCapture(OpTool):
                     "strides": " ".join(f"{p}:{tuple(v.stride())}" for p, v in tensors),
                     "location": call.location.splitlines()[0],
                     "signature": signature,
+                    **result_files.record_fields(self.common.rank, call.step, call.time),  # its first call's
                 }
             entry["count"] += 1
 
@@ -237,7 +241,7 @@ class OpCapture(OpTool):
             return
         rows = sorted(self.summary.values(), key=lambda r: (r["op"], -r["count"]))
         stem = result_files.results_path(self.common, self.results_folder, f"summary_{self.stem}")
-        table_rows = [{k: r[k] for k in ("op", "count", "shapes", "dtypes", "strides", "location")} for r in rows]
+        table_rows = [{k: r[k] for k in (*SUMMARY_COLUMNS, *result_files.RECORD_COLUMNS)} for r in rows]
         self.tally.add(stem + ".csv", result_files.write_csv(stem + ".csv", table_rows))
         lines, current = [], None
         for row in rows:
@@ -247,5 +251,5 @@ class OpCapture(OpTool):
             lines.append(f"cnt: {row['count']}, {row['signature']}")
         self.tally.add(stem + ".txt", result_files.write_text(stem + ".txt", "\n".join(lines) + "\n"))
         more = len(table_rows) - SUMMARY_SHOWN
-        self._logger.info(reporting.table_text(table_rows[:SUMMARY_SHOWN])
+        self._logger.info(reporting.table_text(table_rows[:SUMMARY_SHOWN], SUMMARY_COLUMNS)
                       + (f"\n{more} more rows in the files" if more > 0 else "") + f"\nsaved {stem}.csv and {stem}.txt")

@@ -38,9 +38,10 @@ class FailingCalls:
         self._lock = threading.Lock()
 
     def save(self, name: str, forward_id: int, state: CompareState, cast: dict, device_out, ref_out,
-             grads=None) -> None:
+             grads=None, record: dict | None = None) -> None:
         """Save a failing call's forward (the first time) and, given ``grads`` (device gradients, upstream gradients,
-        reference gradients), its backward; ``state`` is the call's (its folder is kept there)."""
+        reference gradients), its backward; ``state`` is the call's (its folder is kept there). ``record``: the
+        call's rank, step and time (``result_files.record_fields``), kept in its ``input.pth`` files."""
         base = state.save_dir
         if base is None:
             with self._lock:
@@ -61,7 +62,7 @@ class FailingCalls:
             ref_args, ref_kwargs = recast(device_args, cast), recast(device_kwargs, cast)
             for side, args, kwargs, out in (("device", device_args, device_kwargs, device_out),
                                             ("cpu", ref_args, ref_kwargs, ref_out)):
-                self._write(base, side, "input", name, args, kwargs)
+                self._write(base, side, "input", name, args, kwargs, record)
                 self._write(base, side, "output", name, _flat_out(out), {})
         if grads is not None:
             device_grads, upstream, reference_grads = grads
@@ -72,10 +73,12 @@ class FailingCalls:
             self._write(base, "cpu", "grad_outputs", name, upstream64, {})
         self._logger.debug("OpAutoCompare: saved %s", base)
 
-    def _write(self, base: str, side: str, identifier: str, name: str, args, kwargs) -> None:
+    def _write(self, base: str, side: str, identifier: str, name: str, args, kwargs, record: dict | None = None
+               ) -> None:
         args = map_tensors(tuple(args), _on_host)  # values compared on their device are copied now
         path = os.path.join(base, side, f"{identifier}.pth")
-        payload = {"name": name, "args": tuple(args), "kwargs": dict(kwargs), "identifier": identifier}
+        payload = {"name": name, "args": tuple(args), "kwargs": dict(kwargs), "identifier": identifier,
+                   **(record or {})}
         self.writer.submit(lambda: self.store.save(path, payload), path)
 
     def drain(self) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from ..config.variables import OVERFLOW_CHECK_RAISE
 from ..core.engine import OpCall, OpTool, OpToolsAbortError, feature
-from ..ops.arguments import iter_items
+from ..ops.arguments import iter_items, local_part
 from ..output import reporting
 
 STAT_COLUMNS = ("name", "inf_or_nan", "min", "max", "mean", "std", "norm")
@@ -117,7 +117,8 @@ def tensor_stats(name: str, t: torch.Tensor) -> dict:
 
 
 def named_tensors(prefix: str, values) -> list[tuple[str, torch.Tensor]]:
-    return [(prefix + path, v) for path, v in iter_items(tuple(values)) if isinstance(v, torch.Tensor)]
+    # A DTensor is checked in the part this rank holds: an inf/nan anywhere in it is in some rank's part.
+    return [(prefix + path, local_part(v)) for path, v in iter_items(tuple(values)) if isinstance(v, torch.Tensor)]
 
 
 @feature("overflow_check")

@@ -38,7 +38,7 @@ from ..output import reporting, result_files
 
 RESULTS_FOLDER = "op_time_measure_result"
 CALL_COLUMNS = ("name", "forward_id", "forward_elasped", "backward_elasped", "unit", "input", "output",
-                "grad_inputs", "grad_outputs", "module")
+                "grad_inputs", "grad_outputs", "module", *result_files.RECORD_COLUMNS)
 MODULE_COLUMNS = ("module", "calls", "total_ms", "share", "self_ms", "forward_ms", "backward_ms")
 MODULE_ROWS_SHOWN = 8  # on the console, the costliest first; the CSV has them all
 SUMMARY_COLUMNS = ("name", "calls", "total_ms", "share", "forward_total_ms", "forward_mean_ms", "forward_max_ms",
@@ -63,10 +63,13 @@ def _start_on_current_stream(clock) -> tuple:
 
 class _CallRecord:
     __slots__ = ("name", "forward_id", "start_ns", "forward_ns", "backward_ns", "thread", "input", "output",
-                 "grad_inputs", "grad_outputs", "module")
+                 "grad_inputs", "grad_outputs", "module", "step", "time")
 
-    def __init__(self, name: str, forward_id: int, thread: int, module: str = "") -> None:
+    def __init__(self, name: str, forward_id: int, thread: int, module: str = "", step: int = 0,
+                 started: float = 0.0) -> None:
         self.name = name
+        self.step = step  # the call's (OpCall.step, OpCall.time): the CSV's step and time columns
+        self.time = started
         self.module = module  # the module that ran the call (module_path.py); its backward is counted there too
         self.forward_id = forward_id
         self.start_ns = 0
@@ -222,12 +225,12 @@ class Measurements:
         rows.sort(key=lambda r: -r["total_ms"])
         return rows
 
-    def call_rows(self) -> list[dict]:
+    def call_rows(self, rank: int | None = None) -> list[dict]:
         return [{
             "name": r.name, "forward_id": r.forward_id, "forward_elasped": _ms(r.forward_ns),
             "backward_elasped": "" if r.backward_ns is None else _ms(r.backward_ns), "unit": "ms",
             "input": r.input, "output": r.output, "grad_inputs": r.grad_inputs, "grad_outputs": r.grad_outputs,
-            "module": r.module,
+            "module": r.module, **result_files.record_fields(rank, r.step, r.time),
         } for r in self.records]
 
     def trace(self) -> dict:
@@ -363,7 +366,8 @@ class OpTimeMeasure(OpTool):
                 with tool_work():
                     span_range.__exit__(None, None, None)
         if end is not None:
-            record = _CallRecord(call.name, call.forward_id, threading.get_ident(), call.module_path)
+            record = _CallRecord(call.name, call.forward_id, threading.get_ident(), call.module_path, call.step,
+                                 call.time)
             call.state["span"] = _Span(record, False, clock, start, end, record.thread)
             call.state["clock"] = clock
             call.state["measurements"] = self.measurements
@@ -438,7 +442,7 @@ class OpTimeMeasure(OpTool):
         with measurements.lock:
             summary = measurements.summary_rows()
             modules = measurements.module_rows()
-            calls = measurements.call_rows()
+            calls = measurements.call_rows(self.common.rank)
             trace = measurements.trace()
         stem = self.stem
         self.written = {

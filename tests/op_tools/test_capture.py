@@ -81,7 +81,8 @@ def test_summary_mode_writes_an_aggregated_table_and_operator_input_log(sim, tmp
     (csv_file,) = folder.glob("summary_pid*.csv")
     (log_file,) = folder.glob("summary_pid*.txt")
     table = csv_file.read_text()
-    assert table.splitlines()[0] == "op,count,shapes,dtypes,strides,location"
+    # the original's columns in their places, then rank, step and time (docs/tools/README.md#ranks-steps-and-times)
+    assert table.splitlines()[0] == "op,count,shapes,dtypes,strides,location,rank,step,time"
     for op in ("torch.nn.functional.layer_norm", "torch.nn.functional.scaled_dot_product_attention"):
         assert op in table
     log = log_file.read_text()

@@ -110,3 +110,13 @@ def test_the_registry_holds_what_op_tools_knows_of_torch_ops():
     assert op_facts("torch.nn.functional.scaled_dot_product_attention").algorithm_ratio == 16.0
     assert op_facts("torch.empty_like").uninitialised and op_facts("torch.Tensor.resize_").uninitialised
     assert op_facts("torch.Tensor.mul_").rounded_once and not op_facts("torch.mm").rounded_once
+
+
+def test_functional_collectives_are_collectives_and_never_compared():
+    from op_tools.tools.autocompare import skip_reason
+
+    for name in ("torch.distributed.all_reduce", "_c10d_functional.all_reduce.default",
+                 "_c10d_functional._wrap_tensor_autograd.default", "_c10d_functional.wait_tensor.default"):
+        assert op_facts(name).collective, name
+        assert skip_reason(name).startswith("collective"), name
+    assert not op_facts("torch.nn.functional.linear").collective

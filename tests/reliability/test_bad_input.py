@@ -33,6 +33,7 @@ MALFORMED_BY_FORM = {
     "math, or chunked": "flash",
     "a size in bytes": "lots",
     "a TOML file path": "no/such/settings.toml",
+    "all, or comma-separated ranks": "rank0",
 }
 
 # Which tool reads an op_tools variable when it starts: by the variable's name.

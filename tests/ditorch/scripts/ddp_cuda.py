@@ -1,10 +1,10 @@
 """A CUDA-written DDP script as torchrun runs it on a node with one GPU per rank (set_device(local_rank), nccl with
 device_id, device_ids=[local_rank]), run by test_distributed under torchrun on sim and on the host."""
 
-import json
 import os
 import sys
 
+import rank_reports  # tests/, on the path torchrun's children get
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -41,10 +41,7 @@ def main() -> None:
               "device_count": torch.cuda.device_count(), "current_device": torch.cuda.current_device(),
               "as_device": str(torch.device("cuda", torch.cuda.current_device())), "losses": losses,
               "params": params}
-    with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
-    dist.barrier()  # neither rank tears its connections down while the other still talks (gloo aborts then)
-    dist.destroy_process_group()
+    rank_reports.finish(os.path.join(sys.argv[1], f"rank{rank}.json"), report)
 
 
 if __name__ == "__main__":

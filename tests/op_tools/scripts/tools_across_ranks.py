@@ -1,0 +1,75 @@
+"""Run by tests/op_tools/test_tools_across_ranks.py under torchrun (2 processes) on sim: each op_tools tool over a
+step of a DDP tiny Llama, and OpOverflowCheck and OpAutoCompare over a tensor-parallel MLP (DTensor). Writes each
+tool's verdict (and what it found) per rank to ``OUT/rank<N>.json``.
+"""
+
+import os
+import sys
+
+import rank_reports  # tests/, on the path torchrun's children get
+import tiny_models
+import torch
+import torch.distributed as dist
+
+import ditorch  # noqa: F401 - the device layer
+import op_tools
+
+TOOLS = ("OpAutoCompare", "OpCapture", "OpObserve", "OpTimeMeasure", "OpOverflowCheck", "OpFallback", "OpDtypeCast")
+
+
+def ddp_step(model, optimizer, generator) -> None:
+    ids = torch.randint(0, 128, (2, 16), generator=generator).cuda()
+    tiny_models.lm_step(model, optimizer, ids)
+
+
+def tensor_parallel_mlp():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    class MLP(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+        def forward(self, x):
+            return self.down(torch.nn.functional.silu(self.up(x)))
+
+    torch.manual_seed(0)
+    model = MLP().cuda()
+    parallelize_module(model, init_device_mesh("cuda", (dist.get_world_size(),)),
+                       {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return model
+
+
+def main() -> None:
+    out = sys.argv[1]
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    rank = dist.get_rank()
+    report: dict = {"ddp": {}, "tp": {}}
+    torch.manual_seed(0)
+    model = tiny_models.tiny_llama().cuda()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(100 + rank)
+    for name in TOOLS:
+        with getattr(op_tools, name)(results_dir=os.path.join(out, "results")) as tool:
+            ddp_step(ddp, optimizer, generator)
+        report["ddp"][name] = {"verdict": tool.verdict(), "found": tool.found(), "not_checked": tool.not_checked()}
+    mlp = tensor_parallel_mlp()
+    x = torch.randn(4, 16).cuda()
+    with ditorch.sim.faults("silu:nan" if rank == 1 else ""):
+        with op_tools.OpOverflowCheck(results_dir=os.path.join(out, "results")) as check:
+            mlp(x).square().mean().backward()
+    report["tp"]["OpOverflowCheck"] = {"verdict": check.verdict(), "first": str(check.first_overflow)}
+    mlp.zero_grad()
+    with op_tools.OpAutoCompare(results_dir=os.path.join(out, "results")) as compare:
+        mlp(x).square().mean().backward()
+    report["tp"]["OpAutoCompare"] = {"verdict": compare.verdict(), "found": compare.found(),
+                                     "not_checked": compare.not_checked()}
+    rank_reports.finish(os.path.join(out, f"rank{rank}.json"), report)
+
+
+if __name__ == "__main__":
+    main()

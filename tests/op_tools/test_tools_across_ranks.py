@@ -1,0 +1,69 @@
+"""op_tools under torchrun (2 processes, sim): every tool is clean over a clean DDP step on both ranks; over a
+tensor-parallel MLP (DTensor) OpOverflowCheck checks each rank's part and finds a fault on rank 1 where it is born,
+and OpAutoCompare counts the DTensor calls as not checked (never a clean verdict) and the functional collectives as
+collectives, never as failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from subprocess_env import ROOT, child_env
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "tools_across_ranks.py")
+TOOLS = ("OpAutoCompare", "OpCapture", "OpObserve", "OpTimeMeasure", "OpOverflowCheck", "OpFallback", "OpDtypeCast")
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ranks")
+    env = child_env({"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1", "OMP_NUM_THREADS": "1"},
+                    drop=("DITORCH_", "OP_"))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT, str(out)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_a_clean_ddp_step_is_clean_under_each_tool_on_both_ranks(reports, tool):
+    for report in reports:
+        assert report["ddp"][tool] == {"verdict": "clean", "found": "", "not_checked": ""}, tool
+
+
+def test_a_fault_in_a_tensor_parallel_mlp_is_found_where_it_is_born(reports):
+    on_rank1 = reports[1]["tp"]["OpOverflowCheck"]
+    assert on_rank1["verdict"] == "found"
+    assert on_rank1["first"].startswith("first inf/nan from finite inputs: torch.nn.functional.silu in MLP (forward)")
+    assert reports[0]["tp"]["OpOverflowCheck"]["verdict"] == "found"  # rank 0 receives it through the all-reduce
+    assert "silu" not in reports[0]["tp"]["OpOverflowCheck"]["first"]
+
+
+def test_dtensor_calls_are_not_checked_and_collectives_never_fail(reports):
+    for report in reports:
+        compare = report["tp"]["OpAutoCompare"]
+        assert compare["verdict"] == "unchecked" and compare["found"] == ""
+        assert "a DTensor argument" in compare["not_checked"]
+
+
+def test_fsdp2_under_op_autocompare_compares_the_unsharded_compute_and_names_what_it_could_not(tmp_path):
+    # FSDP2 all-gathers its parameters before each module runs: the forward and backward ops see whole tensors and
+    # are compared; the optimizer steps on the DTensor shards are counted as not checked, so the run exits 4.
+    script = os.path.join(ROOT, "tests", "ditorch", "scripts", "parallel_llama.py")
+    env = child_env({"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1", "OMP_NUM_THREADS": "1",
+                     "OP_TOOLS_RESULTS_DIR": str(tmp_path / "results")}, drop=("DITORCH_", "OP_"))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "op_tools",
+               "autocompare", script, str(tmp_path), "fsdp2"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    output = result.stdout + result.stderr
+    assert "exitcode  : 4" in output, output[-3000:]  # op_tools' "could not check", on the failing rank
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"fsdp2.rank{rank}.json").read_text())
+        assert "error" not in report and len(report["losses"]) == 3
+        summary = next(line for line in output.splitlines() if line.startswith(f"[rank{rank}] OpAutoCompare summary"))
+        forward = int(summary.split("forward ")[1].split(" compared")[0])
+        assert forward > 500 and " 0 failed" in summary and "not checked" in summary, summary
+        assert f"[rank{rank}] NOT CHECKED:" in output and "a DTensor argument" in output
