@@ -22,7 +22,7 @@ from op_tools.core.steps import STEPS, StepCounter
 from op_tools.output import reporting, result_files
 from op_tools.output.run_recording import read_recording
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_labels_script.py")
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "rank_labels.py")
 
 
 # --- the variable ---
