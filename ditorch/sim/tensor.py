@@ -322,7 +322,20 @@ def _target_index(kwargs: dict, unwrapped: _Unwrapped):
     return DeviceSelection.current()
 
 
+_modes_on = torch._C._is_torch_function_mode_enabled
+_no_torch_function = torch._C.DisableTorchFunction
+
+
 def run_op(func, args, kwargs):
+    """Run the aten op ``func`` as the sim device does. Its kernels' own torch calls are the device's work, not the
+    program's: a ``TorchFunctionMode`` (an op_tools tool) must not see them, as it sees no CUDA kernel's."""
+    if _modes_on():
+        with _no_torch_function():
+            return _run_op(func, args, kwargs)
+    return _run_op(func, args, kwargs)
+
+
+def _run_op(func, args, kwargs):
     info = _INFO.get(func)
     if info is None:
         info = _INFO[func] = _OpInfo(func)

@@ -54,6 +54,9 @@ class OpFacts:
     uninitialised: bool = False  # its results are memory never written: nothing to compare
     rounded_once: bool = False  # each forward result element is computed wide and rounded once (comparison.py)
     collective: bool = False  # exchanges data with other ranks: this host holds only its own part of the inputs
+    overwrites: bool = False  # writes its first argument without reading it: what was there is no input of it
+    async_result: bool = False  # its result is filled later, by another thread, until waited for (wait_tensor)
+    completes: bool = False  # waits for an async result: what it returns is that result, not something it read
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(OpFacts)}
@@ -256,11 +259,20 @@ for _name in ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_st
               "set_"):
     register_op_facts(_name, uninitialised=True)
 
+# Ops that fill their first argument whatever it held (initialisers, fill_, copy_'s destination): memory never
+# written before (an `empty` about to be initialised) is not something they read.
+for _name in ("torch.nn.init.*", "normal_", "uniform_", "fill_", "zero_", "random_", "exponential_", "geometric_",
+              "log_normal_", "cauchy_", "bernoulli_", "copy_"):
+    register_op_facts(_name, overwrites=True)
+
 # Collectives: torch.distributed's calls, and the functional collectives (DTensor's redistributions, FSDP2) whose
 # result is another rank's data, or becomes it when waited for.
 for _name in ("torch.distributed.*", "_c10d_functional.*", "c10d_functional.*", "_c10d_functional_autograd.*",
               "c10d.*", "_dtensor.*"):
     register_op_facts(_name, collective=True)
+for _namespace in ("_c10d_functional", "c10d_functional"):
+    register_op_facts(f"{_namespace}.*", async_result=True)
+    register_op_facts(f"{_namespace}.wait_tensor.*", async_result=False, completes=True)  # every overload
 
 # Ops that compute every output element on its own, from a few inputs, in a type wider than a narrow output, and
 # round it once (rounded_ops.py says why that matters).

@@ -51,6 +51,7 @@ import torch
 
 from ..numerics.tensor_stats import STAT_FIELDS, host_values, stats_to_host, tensor_stats
 from ..ops.arguments import iter_items, real_device
+from ..ops.op_facts import op_facts
 from . import reporting, result_files
 
 FORMAT = "op_tools run recording"
@@ -151,7 +152,9 @@ class RunRecorder:
         outputs: _Side | None = None
         raised: Exception | None = None
         try:
-            outputs = _Side("outputs", *_tensors(iter_items(reporting.as_tuple(call.result)), self.max_tensors))
+            # A functional collective's result is being written by its thread until waited for: not read here.
+            results = () if op_facts(call.name).async_result else reporting.as_tuple(call.result)
+            outputs = _Side("outputs", *_tensors(iter_items(results), self.max_tensors))
         except Exception as e:
             error, raised = error or _described(e), e
         first = next(iter((inputs.tensors if inputs else []) or (outputs.tensors if outputs else [])), None)

@@ -22,6 +22,7 @@ import torch
 from ..config.variables import OVERFLOW_CHECK_RAISE
 from ..core.engine import OpCall, OpTool, OpToolsAbortError, feature
 from ..ops.arguments import iter_items, local_part
+from ..ops.op_facts import op_facts
 from ..output import reporting
 
 STAT_COLUMNS = ("name", "inf_or_nan", "min", "max", "mean", "std", "norm")
@@ -148,8 +149,12 @@ class OpOverflowCheck(OpTool):
         verbose = self._logger.isEnabledFor(logging.DEBUG)
         if self.first_overflow is not None and not verbose:  # nothing more to find or to print
             return
-        inputs = named_tensors(f"{call.name} input", tuple(call.args) + tuple(call.kwargs.values()))
-        outputs = named_tensors(f"{call.name} output", reporting.as_tuple(call.result))
+        facts = op_facts(call.name)
+        # A functional collective's result is written by the collective's thread until wait_tensor: it is checked
+        # there, where an inf/nan another rank sent shows as born (what was waited for is no input).
+        inputs = [] if facts.completes else named_tensors(f"{call.name} input",
+                                                          tuple(call.args) + tuple(call.kwargs.values()))
+        outputs = [] if facts.async_result else named_tensors(f"{call.name} output", reporting.as_tuple(call.result))
         header = reporting.header(call.name, call.forward_id, call.location)
         if verbose:
             rows = reporting.call_rows(call.name, call.args, call.kwargs, call.result)

@@ -120,3 +120,11 @@ def test_functional_collectives_are_collectives_and_never_compared():
         assert op_facts(name).collective, name
         assert skip_reason(name).startswith("collective"), name
     assert not op_facts("torch.nn.functional.linear").collective
+
+
+def test_a_functional_collectives_result_is_read_only_once_waited_for():
+    assert op_facts("_c10d_functional.all_reduce.default").async_result
+    assert op_facts("_c10d_functional.all_gather_into_tensor.default").async_result
+    waited = op_facts("_c10d_functional.wait_tensor.default")
+    assert waited.completes and not waited.async_result and waited.collective
+    assert not op_facts("torch.distributed.all_reduce").async_result  # returns once done (or hands back a Work)

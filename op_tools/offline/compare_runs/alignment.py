@@ -40,6 +40,7 @@ class Row:
     tolerance: float = 0.0  # for its precision and depth; the verdict adds carried_growth * carried
     diverged: bool = False
     not_compared: str = ""  # why an aligned pair has no verdict (a call a run could not record); '' when judged
+    skipped: str = ""  # why an aligned pair needs no verdict (its outputs are uninitialised memory); '' otherwise
 
     @property
     def record(self) -> dict:

@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 from ...config.variables import COMPARE_RUNS_CARRIED_GROWTH, COMPARE_RUNS_DEPTH_SCALE, COMPARE_RUNS_TOLERANCES
+from ...ops.op_facts import op_facts
 from ...output.run_recording import read_recording
 from .alignment import PHASE_SIDES, Row, align, tensors
 from .verdict import DEFAULT_TOLERANCES, difference, precision_of, tolerance_key
@@ -50,7 +51,13 @@ class Comparison:
     @property
     def compared(self) -> list[Row]:
         """Aligned pairs judged: agreeing or diverged."""
-        return [r for r in self.rows if not r.structural and not r.not_compared]
+        return [r for r in self.rows if not r.structural and not r.not_compared and not r.skipped]
+
+    @property
+    def skipped(self) -> list[Row]:
+        """Aligned pairs needing no verdict: calls whose outputs are memory never written (``empty``), whatever
+        each run found there."""
+        return [r for r in self.rows if r.skipped]
 
     def unreadable(self) -> list[tuple[str, int, str]]:
         """``(run label, damaged lines, the first)`` per run with lines that are no call's record: calls lost."""
@@ -143,14 +150,20 @@ def _judge(rows: list[Row], tolerances: Tolerances) -> None:
             carried_precision = precision if carried_precision is None else min(carried_precision, precision)
         if row.a is None or row.b is None:  # structural: nothing to compare
             continue
+        if op_facts(row.a["op"]).uninitialised:  # what each run found in fresh memory: nothing to compare
+            row.skipped = "uninitialised memory"
+            continue
         unrecorded = [(label, r["unrecorded"]) for label, r in (("A", row.a), ("B", row.b)) if "unrecorded" in r]
         if unrecorded:
             row.not_compared = "; ".join(f"run {label} has no statistics ({why})" for label, why in unrecorded)
             continue
         into, out_of = PHASE_SIDES[row.phase]
+        read_a, read_b = row.a, row.b
+        if row.phase == "forward" and op_facts(row.a["op"]).overwrites:  # its target's old values are not read
+            read_a, read_b = ({**r, into: r.get(into, [])[1:]} for r in (row.a, row.b))
         try:
             row.difference, row.detail = _largest(row.a, row.b, out_of)
-            carried = _largest(row.a, row.b, into)[0]
+            carried = _largest(read_a, read_b, into)[0]
         except Exception as e:  # noqa: BLE001 - a pair this comparison cannot judge: counted, named, not agreeing
             row.difference, row.detail = 0.0, ""
             row.not_compared = f"the comparison failed ({type(e).__name__}: {e})"
@@ -167,7 +180,7 @@ def _judge(rows: list[Row], tolerances: Tolerances) -> None:
         row.diverged = row.difference > row.tolerance + tolerances.carried_growth * carried or (
             carried > row.tolerance and not seen_difference)
         if row.diverged and row.difference <= row.tolerance:
-            row.detail = _largest(row.a, row.b, into)[1] + " (an input: the first difference of the runs)"
+            row.detail = _largest(read_a, read_b, into)[1] + " (an input: the first difference of the runs)"
         seen_difference = seen_difference or max(row.difference, carried) > row.tolerance
 
 

@@ -97,6 +97,7 @@ def console_report(result: Comparison, saved: list[str]) -> str:
     lines.append("aligned: " + ", ".join(f"{counts.get(m, 0)} {m}" for m in ("exact", "name", "similar"))
                  + f"; in A only: {counts.get('only A', 0)}; in B only: {counts.get('only B', 0)}; "
                  + f"compared: {compared} ({compared - diverged} agree, {diverged} diverged); "
+                 + (f"skipped: {len(result.skipped)} (uninitialised memory); " if result.skipped else "")
                  + f"not compared: {len(result.not_compared)}"
                  + "".join(f"; damaged lines in {label}: {n}" for label, n, _ in result.unreadable()))
     lines += verdict_lines(result)

@@ -1,6 +1,7 @@
 """Run by tests/op_tools/test_tools_across_ranks.py under torchrun (2 processes) on sim: each op_tools tool over a
-step of a DDP tiny Llama, and OpOverflowCheck and OpAutoCompare over a tensor-parallel MLP (DTensor). Writes each
-tool's verdict (and what it found) per rank to ``OUT/rank<N>.json``.
+step of a DDP tiny Llama, two identical recordings of a DDP step (``OUT/recording_a``, ``OUT/recording_b``), and
+OpOverflowCheck and OpAutoCompare over a tensor-parallel MLP (DTensor). Writes each tool's verdict (and what it
+found) per rank to ``OUT/rank<N>.json``.
 """
 
 import os
@@ -57,6 +58,12 @@ def main() -> None:
         with getattr(op_tools, name)(results_dir=os.path.join(out, "results")) as tool:
             ddp_step(ddp, optimizer, generator)
         report["ddp"][name] = {"verdict": tool.verdict(), "found": tool.found(), "not_checked": tool.not_checked()}
+    for run in ("a", "b"):  # two identical recordings, the model built (fresh memory, initialisers) inside them
+        with op_tools.OpCapture(results_dir=os.path.join(out, f"recording_{run}"), mode="stats"):
+            torch.manual_seed(0)
+            replica = torch.nn.parallel.DistributedDataParallel(tiny_models.tiny_llama().cuda(),
+                                                                device_ids=[local_rank])
+            ddp_step(replica, torch.optim.SGD(replica.parameters(), lr=0.1), torch.Generator().manual_seed(rank))
     mlp = tensor_parallel_mlp()
     x = torch.randn(4, 16).cuda()
     with ditorch.sim.faults("silu:nan" if rank == 1 else ""):
