@@ -253,6 +253,18 @@ def find_recording(path: str, rank: int | None = None) -> str:
     return found[0]
 
 
+def recording_ranks(path: str) -> list[int]:
+    """The ranks with a recording under the folder ``path`` (torchrun's ``rank<N>`` folders), in order; [] for a
+    file or a folder without rank folders."""
+    ranks: set[int] = set()
+    if os.path.isdir(path):
+        for folder, _, files in os.walk(path):
+            parts = os.path.relpath(folder, path).split(os.sep)
+            if any(f.startswith("run_") and f.endswith((".jsonl", ".jsonl.partial")) for f in files):
+                ranks.update(int(part[4:]) for part in parts if part.startswith("rank") and part[4:].isdigit())
+    return sorted(ranks)
+
+
 PHASES = ("forward", "backward", "optimizer", "recompute")
 _RECORD_KEYS = ("seq", "phase", "step", "module", "index", "op")
 _SIDES = ("inputs", "outputs", "grad_outputs", "grad_inputs")

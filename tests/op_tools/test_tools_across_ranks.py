@@ -60,6 +60,23 @@ def test_two_identical_ddp_recordings_compare_equal_on_every_rank(reports, out, 
     assert "(uninitialised memory)" in summary  # the parameters' fresh memory, before their initialisers
 
 
+def test_compare_runs_takes_whole_run_folders_rank_by_rank_and_one_rank_against_another(reports, out):
+    def compare_runs(*args):
+        return subprocess.run([sys.executable, "-m", "op_tools.compare_runs", *map(str, args)],
+                              env=child_env({"OP_TOOLS_RESULTS_DIR": str(out / "compared")}, drop=("OP_",)),
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+    whole = compare_runs(out / "recording_a", out / "recording_b")
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-2000:]
+    assert whole.stdout.rstrip().endswith("2 ranks compared rank by rank: rank 0 agree, rank 1 agree")
+    assert whole.stdout.count("aligned: ") == 2
+    # The two ranks of one run: each drew its own batch, so the replicas' computations differ from the data on.
+    across = compare_runs(out / "recording_a", out / "recording_a", "--rank", 0, "--rank-b", 1)
+    assert across.returncode == 1, across.stdout[-3000:] + across.stderr[-2000:]
+    first = next(line for line in across.stdout.splitlines() if line.startswith("first divergence in forward:"))
+    assert "torch.randint" in first
+
+
 def test_dtensor_calls_are_not_checked_and_collectives_never_fail(reports):
     for report in reports:
         compare = report["tp"]["OpAutoCompare"]

@@ -184,8 +184,10 @@ def _judge(rows: list[Row], tolerances: Tolerances) -> None:
         seen_difference = seen_difference or max(row.difference, carried) > row.tolerance
 
 
-def compare(run_a: str, run_b: str, tolerances: Tolerances | None = None, rank: int | None = None) -> Comparison:
-    """Align and compare two recordings (files, or folders holding one each; ``rank``: the ``rank<N>`` ones).
+def compare(run_a: str, run_b: str, tolerances: Tolerances | None = None, rank: int | None = None,
+            rank_b: int | None = None) -> Comparison:
+    """Align and compare two recordings (files, or folders holding one each; ``rank``: the ``rank<N>`` ones, and
+    ``rank_b`` run B's when it is another rank: rank A against rank B of one run).
 
     >>> result = compare("cpu_run/", "npu_run/")
     >>> row = result.first_divergence()
@@ -193,7 +195,7 @@ def compare(run_a: str, run_b: str, tolerances: Tolerances | None = None, rank: 
     """
     tolerances = tolerances or Tolerances.from_env()
     header_a, records_a = read_recording(run_a, rank)
-    header_b, records_b = read_recording(run_b, rank)
+    header_b, records_b = read_recording(run_b, rank if rank_b is None else rank_b)
 
     def close(x: list, y: list) -> bool:
         precision = min((p for p in (precision_of(x[1]), precision_of(y[1])) if p is not None), default=None)
