@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from ..numerics.tensor_stats import STAT_FIELDS, host_values, stats_to_host, tensor_stats
-from ..ops.arguments import iter_items, real_device
+from ..ops.arguments import iter_items, local_part, real_device
 from ..ops.op_facts import op_facts
 from . import reporting, result_files
 
@@ -60,8 +60,9 @@ TENSOR_FIELDS = ("where", "dtype", "shape", *STAT_FIELDS)
 
 
 def _tensors(items, limit: int) -> tuple[list[tuple[str, torch.Tensor]], int]:
-    """The first ``limit`` tensors among ``(where, value)`` items, and how many more there were."""
-    found = [(where, v) for where, v in items if isinstance(v, torch.Tensor)]
+    """The first ``limit`` tensors among ``(where, value)`` items, and how many more there were; a DTensor is
+    recorded as the part this rank holds (its shape is the part's)."""
+    found = [(where, local_part(v)) for where, v in items if isinstance(v, torch.Tensor)]
     return found[:limit], max(0, len(found) - limit)
 
 

@@ -77,6 +77,15 @@ def test_compare_runs_takes_whole_run_folders_rank_by_rank_and_one_rank_against_
     assert "torch.randint" in first
 
 
+def test_a_recording_of_a_tensor_parallel_step_holds_each_ranks_part(reports, out):
+    for rank, report in enumerate(reports):
+        assert report["tp"]["OpCapture"] == {"verdict": "clean", "not_checked": ""}
+        recording = next((out / "recording_tp" / "op_capture_results" / f"rank{rank}").glob("run_*.jsonl"))
+        records = [json.loads(line) for line in recording.read_text().splitlines()[1:-1]]
+        up = next(r for r in records if r["op"] == "torch.nn.functional.linear" and r["phase"] == "forward")
+        assert up["inputs"][1][2] == [16, 16]  # the weight's shard: 32 output features over 2 ranks
+
+
 def test_dtensor_calls_are_not_checked_and_collectives_never_fail(reports):
     for report in reports:
         compare = report["tp"]["OpAutoCompare"]

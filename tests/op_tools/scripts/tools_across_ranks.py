@@ -71,6 +71,10 @@ def main() -> None:
             mlp(x).square().mean().backward()
     report["tp"]["OpOverflowCheck"] = {"verdict": check.verdict(), "first": str(check.first_overflow)}
     mlp.zero_grad()
+    with op_tools.OpCapture(results_dir=os.path.join(out, "recording_tp"), mode="stats") as capture:
+        mlp(x).square().mean().backward()
+    report["tp"]["OpCapture"] = {"verdict": capture.verdict(), "not_checked": capture.not_checked()}
+    mlp.zero_grad()
     with op_tools.OpAutoCompare(results_dir=os.path.join(out, "results")) as compare:
         mlp(x).square().mean().backward()
     report["tp"]["OpAutoCompare"] = {"verdict": compare.verdict(), "found": compare.found(),
