@@ -23,7 +23,7 @@ from ..config.variables import OVERFLOW_CHECK_RAISE
 from ..core.engine import OpCall, OpTool, OpToolsAbortError, feature
 from ..ops.arguments import iter_items, local_part
 from ..ops.op_facts import op_facts
-from ..output import reporting
+from ..output import reporting, result_files
 
 STAT_COLUMNS = ("name", "inf_or_nan", "min", "max", "mean", "std", "norm")
 _STATISTICS = ("min", "max", "mean", "std", "norm")
@@ -41,6 +41,14 @@ class Overflow:
     phase: str  # "forward" or "backward"
     location: str
     module: str = ""  # the module that ran the call (model.layers.3.mlp.down_proj), "" outside any
+    step: int = 0  # optimizer steps finished since the tool started, when the call's forward ran
+    time: float = 0.0  # wall-clock seconds (time.time()) when the call started
+
+    def record(self, rank: int | None) -> dict:
+        """What ``overflow_<session>.json`` holds: the first overflow of this rank, and where and when."""
+        return {"format": "op_tools overflow", "version": 1, "rank": rank, "step": self.step,
+                "time": round(self.time, 6), "op": self.name, "module": self.module, "phase": self.phase,
+                "forward_id": self.forward_id, "location": self.location}
 
     def __str__(self) -> str:
         where = f" in {self.module}" if self.module else ""
@@ -136,6 +144,7 @@ class OpOverflowCheck(OpTool):
     """
 
     hook_name = "OpOverflowCheckHook"
+    results_folder = "op_overflow_check_result"
     env_prefix = "OP_OVERFLOW_CHECK"
     keywords = {"raise_on_overflow": OVERFLOW_CHECK_RAISE}
     tracks_modules = True
@@ -177,6 +186,13 @@ class OpOverflowCheck(OpTool):
                     reporting.header(call.name, call.forward_id, call.location, "backward") if print_table else None,
                     results_first=True)
 
+    def finish(self) -> None:
+        """The first overflow, written for the run's other readers (each rank its own file under torchrun)."""
+        if self.first_overflow is None:
+            return
+        path = result_files.results_path(self.common, self.results_folder, f"overflow_{self.stem}.json")
+        self.tally.add(path, result_files.write_json(path, self.first_overflow.record(self.common.rank)))
+
     def closing_line(self) -> str:
         found = self.found()
         if not found:  # a clean verdict only when every handled call was checked
@@ -211,7 +227,8 @@ class OpOverflowCheck(OpTool):
         result_flags = flags[:len(results)] if results_first else flags[len(sources):]
         source_flags = flags[len(results):] if results_first else flags[:len(sources)]
         if any(result_flags) and not any(source_flags):
-            self.first_overflow = Overflow(call.name, call.forward_id, phase, call.location, call.module_path)
+            self.first_overflow = Overflow(call.name, call.forward_id, phase, call.location, call.module_path,
+                                           call.step, call.time)
             if rows is None:  # the statistics of this one call, to show what overflowed
                 rows = statistics_rows(ordered)
             self._logger.warning(f"\nOpOverflowCheck: {self.first_overflow}\n"

@@ -86,6 +86,15 @@ def test_a_recording_of_a_tensor_parallel_step_holds_each_ranks_part(reports, ou
         assert up["inputs"][1][2] == [16, 16]  # the weight's shard: 32 output features over 2 ranks
 
 
+def test_the_first_overflow_is_written_per_rank_with_its_rank_step_and_time(reports, out):
+    folder = out / "results" / "op_overflow_check_result"
+    written = {rank: json.loads(next((folder / f"rank{rank}").glob("overflow_*.json")).read_text()) for rank in (0, 1)}
+    assert written[1]["op"] == "torch.nn.functional.silu" and written[1]["phase"] == "forward"
+    assert [written[rank]["rank"] for rank in (0, 1)] == [0, 1]
+    assert written[1]["step"] == 0 and written[1]["time"] > 1.7e9 and written[1]["format"] == "op_tools overflow"
+    assert written[0]["op"] != "torch.nn.functional.silu"  # rank 0 received it
+
+
 def test_dtensor_calls_are_not_checked_and_collectives_never_fail(reports):
     for report in reports:
         compare = report["tp"]["OpAutoCompare"]
