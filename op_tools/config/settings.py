@@ -32,13 +32,24 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable
 
 from .tool_registry import find_tool, short_name, tool_sections
-from .variables import CONFIG_FILE, PRINT_STACK, RESULTS_DIR, STRICT, VERBOSE, EnvVar, Sources, declare_op_lists
+from .variables import (
+    CONFIG_FILE,
+    PRINT_RANKS,
+    PRINT_STACK,
+    RESULTS_DIR,
+    STRICT,
+    VERBOSE,
+    EnvVar,
+    Sources,
+    declare_op_lists,
+)
 
 if TYPE_CHECKING:
     from ..core.engine import OpTool
 
 SHARED_SECTION = "op_tools"
-SHARED = {"results_dir": RESULTS_DIR, "verbose": VERBOSE, "print_stack": PRINT_STACK, "strict": STRICT}
+SHARED = {"results_dir": RESULTS_DIR, "verbose": VERBOSE, "print_stack": PRINT_STACK, "strict": STRICT,
+          "print_ranks": PRINT_RANKS}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -172,7 +172,7 @@ class OpAutoCompare(OpTool):
     ``[<OPNAME>_]AUTOCOMPARE_ERROR_TOLERANCE[_<DTYPE>]``: ``(atol, rtol)``, or a dict
     ``{torch.bfloat16: (atol, rtol), "torch.nn.functional.linear": {torch.float16: (atol, rtol)}}``),
     ``reference_casts`` (``<OPNAME>_OP_DTYPE_CAST_DICT``: ``{"linear": {torch.float16: torch.float32}}``), and
-    ``results_dir``, ``verbose``, ``print_stack``, ``strict`` as every tool.
+    ``results_dir``, ``verbose``, ``print_stack``, ``strict``, ``print_ranks`` as every tool.
 
     >>> with op_tools.OpAutoCompare(tolerance={torch.bfloat16: (1e-2, 1e-2)}, backward=False) as compare:
     ...     loss = model(x).sum()

@@ -25,7 +25,7 @@ class OpDtypeCast(OpTool):
 
     Keyword arguments (each overrides its variable): ``ops``, ``disable`` (``OP_DTYPE_CAST_LIST``/``_DISABLE_LIST``:
     lists of op names, patterns or functions), ``casts`` (``OP_DTYPE_CAST_DICT``: ``{torch.float16: torch.float32}``),
-    and ``results_dir``, ``verbose``, ``print_stack``, ``strict`` as every tool.
+    and ``results_dir``, ``verbose``, ``print_stack``, ``strict``, ``print_ranks`` as every tool.
 
     >>> with op_tools.OpDtypeCast():   # default torch.float16->torch.float32,torch.bfloat16->torch.float32
     ...     y = torch.nn.functional.silu(x_fp16)      # computed in float32, returned as float16

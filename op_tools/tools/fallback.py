@@ -91,8 +91,8 @@ class OpFallback(OpTool):
     on the device.
 
     Keyword arguments (each overrides its variable): ``ops``, ``disable`` (``OP_FALLBACK_LIST``/``_DISABLE_LIST``:
-    lists of op names, patterns or functions), and ``results_dir``, ``verbose``, ``print_stack``, ``strict`` as every
-    tool.
+    lists of op names, patterns or functions), and ``results_dir``, ``verbose``, ``print_stack``, ``strict``,
+    ``print_ranks`` as every tool.
 
     >>> with op_tools.OpFallback(ops=["torch.nn.functional.silu"]):   # or OP_FALLBACK_LIST=torch.nn.functional.silu
     ...     loss = model(x).sum(); loss.backward()

@@ -13,8 +13,8 @@ class OpObserve(OpTool):
     """Print a table of every handled call's inputs and outputs.
 
     Keyword arguments (each overrides its variable): ``ops``, ``disable`` (``OP_OBSERVE_LIST``/``_DISABLE_LIST``:
-    lists of op names, patterns or functions), and ``results_dir``, ``verbose``, ``print_stack``, ``strict`` as every
-    tool.
+    lists of op names, patterns or functions), and ``results_dir``, ``verbose``, ``print_stack``, ``strict``,
+    ``print_ranks`` as every tool.
 
     >>> import op_tools, torch
     >>> with op_tools.OpObserve():

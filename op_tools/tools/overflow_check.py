@@ -136,7 +136,7 @@ class OpOverflowCheck(OpTool):
 
     Keyword arguments (each overrides its variable): ``ops``, ``disable`` (``OP_OVERFLOW_CHECK_LIST``/
     ``_DISABLE_LIST``: lists of op names, patterns or functions), ``raise_on_overflow`` (``OP_OVERFLOW_CHECK_RAISE``),
-    and ``results_dir``, ``verbose``, ``print_stack``, ``strict`` as every tool.
+    and ``results_dir``, ``verbose``, ``print_stack``, ``strict``, ``print_ranks`` as every tool.
 
     >>> with op_tools.OpOverflowCheck() as check:
     ...     loss = model(x).sum(); loss.backward()

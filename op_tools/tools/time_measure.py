@@ -294,7 +294,7 @@ class OpTimeMeasure(OpTool):
 
     Keyword arguments (each overrides its variable): ``ops``, ``disable`` (``OP_TIME_MEASURE_LIST``/``_DISABLE_LIST``:
     lists of op names, patterns or functions), ``sync`` (``OP_TIME_MEASURE_SYNC``), and ``results_dir``, ``verbose``,
-    ``print_stack``, ``strict`` as every tool.
+    ``print_stack``, ``strict``, ``print_ranks`` as every tool.
 
     >>> with op_tools.OpTimeMeasure() as timer:       # OP_TIME_MEASURE_LIST / OP_TIME_MEASURE_DISABLE_LIST
     ...     loss = model(x).sum(); loss.backward()

@@ -188,3 +188,20 @@ def test_recording_has_its_rank_in_the_header_and_a_time_per_record(torchrun_run
     assert header["rank"] == rank
     assert {r["step"] for r in records if r["phase"] == "forward" and r["module"]} == {0, 1, 2}
     assert all(started <= r["time"] <= ended for r in records)
+
+
+def test_print_ranks_is_a_keyword_of_every_tool_and_a_config_file_key(tmp_path, monkeypatch):
+    tool = op_tools.OpObserve(print_ranks=[0, 3])
+    tool.start()
+    tool.stop()
+    assert tool.common.print_ranks == frozenset({0, 3})
+    config = tmp_path / "op_tools.toml"
+    config.write_text("[op_tools]\nprint_ranks = 1\n")
+    monkeypatch.setenv("OP_TOOLS_CONFIG", str(config))
+    monkeypatch.delenv("OP_TOOLS_PRINT_RANKS", raising=False)
+    from_file = op_tools.OpTimeMeasure()
+    from_file.start()
+    from_file.stop()
+    assert from_file.common.print_ranks == frozenset({1})
+    with pytest.raises(ValueError, match=r"OpObserve\(print_ranks='x'\).*not a rank"):
+        op_tools.OpObserve(print_ranks="x")
