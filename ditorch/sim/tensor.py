@@ -324,15 +324,25 @@ def _target_index(kwargs: dict, unwrapped: _Unwrapped):
 
 _modes_on = torch._C._is_torch_function_mode_enabled
 _no_torch_function = torch._C.DisableTorchFunction
+# Dynamo's frame hook (what torch._dynamo.disable turns off), where this torch has one.
+_set_eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+_set_eval_frame = getattr(_set_eval_frame, "set_eval_frame", None)
 
 
 def run_op(func, args, kwargs):
     """Run the aten op ``func`` as the sim device does. Its kernels' own torch calls are the device's work, not the
-    program's: a ``TorchFunctionMode`` (an op_tools tool) must not see them, as it sees no CUDA kernel's."""
-    if _modes_on():
-        with _no_torch_function():
-            return _run_op(func, args, kwargs)
-    return _run_op(func, args, kwargs)
+    program's: a ``TorchFunctionMode`` (an op_tools tool) must not see them, as it sees no CUDA kernel's, and dynamo
+    must not compile them (after a graph break, a compiled region's eager code runs ops through here, and dynamo
+    would trace sim's own Python as the program's)."""
+    prior = _set_eval_frame(None) if _set_eval_frame is not None else None
+    try:
+        if _modes_on():
+            with _no_torch_function():
+                return _run_op(func, args, kwargs)
+        return _run_op(func, args, kwargs)
+    finally:
+        if prior is not None:
+            _set_eval_frame(prior)
 
 
 def _run_op(func, args, kwargs):

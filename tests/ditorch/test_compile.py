@@ -81,3 +81,26 @@ def test_host_backend_compiles_with_inductor_as_without_ditorch():
     for backend in ("aot_eager", "default"):  # the default is inductor, generating C++ for the CPU
         _assert_equal_to_eager(report, backend, "cpu")
     assert report["compile_lines"] == []
+
+
+DDP_CHILD = """
+import os, socket, torch, torch.distributed as dist, ditorch
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+dist.init_process_group("nccl", rank=0, world_size=1)
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).cuda())
+x = torch.randn(4, 8, device="cuda")
+compiled = torch.compile(model, backend="eager")
+print(torch.equal(compiled(x).cpu(), model(x).cpu()))
+dist.destroy_process_group()
+"""
+
+
+def test_a_compiled_ddp_model_runs_on_sim_without_dynamo_tracing_the_device():
+    # DDP's forward breaks the graph; the ops run eagerly then reach sim's Python kernels, which dynamo must not
+    # compile as the program's code ("'SimTensor' object has no attribute '_index'" before).
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(DDP_CHILD)], capture_output=True, text=True,
+                          env=env_without_settings({"DITORCH_QUIET": "1", "DITORCH_BACKEND": "sim"}), timeout=240)
+    assert done.returncode == 0 and done.stdout.split()[-1] == "True", done.stderr[-4000:]
