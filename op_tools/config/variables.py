@@ -284,6 +284,13 @@ PRINT_RANKS = declare(
     "line under torchrun starts with `[rank<N>] `. Outside torchrun: no effect.", parse_ranks, convert_ranks,
     "'all', an int or a list of ints",
 )
+REPLICA_FINGERPRINTS = _flag(
+    "OP_TOOLS_REPLICA_FINGERPRINTS", "1",
+    "Under torchrun with more than one rank, while a tool runs: before each optimizer step, a checksum of every "
+    "replicated parameter and its gradient (the sum of its bits, on the device, one transfer per step) written to "
+    "`op_replica_fingerprints/rank<N>/`, for `python -m op_tools.report` to tell whether the replicas still agree. "
+    "0 writes none.",
+)
 CONFIG_FILE = declare(
     "OP_TOOLS_CONFIG", "a TOML file path", None,
     "A config file holding the tools' settings (docs/tools/README.md#config-file): `[op_tools]` for every tool, "
@@ -351,6 +358,12 @@ DTYPE_CAST_DICT = declare(
 AUTOCOMPARE_BACKWARD = _flag(
     "OP_AUTOCOMPARE_BACKWARD", "1",
     "1 also compares the gradients of each compared op's inputs; 0 compares forward results only.",
+)
+AUTOCOMPARE_COLLECTIVES = _flag(
+    "OP_AUTOCOMPARE_COLLECTIVES", "1",
+    "1 checks each synchronous torch.distributed collective (DDP's gradient buckets, FSDP's all-gathers and "
+    "reduce-scatters) against a reference computed on the host from every rank's inputs, gathered through a gloo "
+    "group (a host synchronisation and world-size times the sent bytes per collective); 0 counts them as skipped.",
 )
 
 

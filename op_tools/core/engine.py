@@ -54,8 +54,9 @@ from ..ops.arguments import call_device, iter_tensors
 from ..ops.naming import is_metadata_query, resolve_op_name
 from ..ops.writes import call_writes
 from ..output import reporting, result_files
-from . import compiled_regions, module_path, targeting
+from . import compiled_regions, gradient_communication, module_path, targeting  # noqa: F401  # DDP hook: registers itself
 from .call_backward import CallBackward
+from .replicas import REPLICAS
 from .steps import STEPS
 
 _thread = threading.local()
@@ -294,6 +295,7 @@ class OpTool:
         self._read_configuration()
         self._can_match = True
         self._step_base = STEPS.acquire()
+        REPLICAS.acquire(self.common, self.stem)
         self._activations.append(self._activate())
         compiled_regions.enter(type(self).__name__, self._logger)
         # a LIST no call can match needs no module paths (the global module hooks slow every module call)
@@ -340,6 +342,7 @@ class OpTool:
             activation.exit()
         compiled_regions.exit()
         STEPS.release()
+        REPLICAS.release()
         if self._tracking.pop():
             module_path.release()
         if not self._activations:
@@ -601,6 +604,17 @@ class OpTool:
 _unfinished: dict[int, OpTool] = {}  # id -> tool, in start order; plain dict operations (atomic) for a signal handler
 _exit_hooks_installed = False
 _previous_sigterm = None
+
+
+def started_modes() -> list[_ToolMode]:
+    """The modes of the tools started now, in start order: what a hook that runs where no mode is on the stack (DDP's
+    communication hook, called by its reducer during backward) enters to have its calls handled."""
+    modes = []
+    for tool in list(_unfinished.values()):
+        activations = tool._activations
+        if activations and isinstance(activations[-1], _ToolMode):
+            modes.append(activations[-1])
+    return modes
 
 
 def _track_unfinished(tool: OpTool) -> None:

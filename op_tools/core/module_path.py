@@ -19,6 +19,7 @@ a thread-local list append and pop per module call.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 
@@ -35,6 +36,21 @@ _handles: list = []
 _WRAPPERS = frozenset({"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel"})
 # root module -> {id(module): path} for the modules registered under it
 _names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+# Called with each outermost module entered while tracking (gradient_communication.py hooks DDP models there).
+root_listeners: list = []
+
+
+def parameter_names() -> dict[int, str]:
+    """id(parameter) -> its name under the outermost modules entered while tracking (``model.layers.0.mlp.up_proj.
+    weight``, named from the module a DDP/FSDP wrapper wraps)."""
+    names: dict[int, str] = {}
+    for root in list(_names.keys()):
+        base = root.module if type(root).__name__ in _WRAPPERS and isinstance(root.module, torch.nn.Module) else root
+        for name, parameter in base.named_parameters(remove_duplicate=False):
+            names.setdefault(id(parameter), name)
+    return names
 
 
 def current() -> str:
@@ -86,6 +102,8 @@ def _enter(module: torch.nn.Module, _args) -> None:
         _local.generation = _generation
     if not stack:
         stack.append((module, type(module).__name__))
+        for listener in root_listeners:
+            listener(module)
         return
     root, parent_path = stack[0][0], stack[-1][1]
     path = _path_in(root, module)
@@ -94,6 +112,20 @@ def _enter(module: torch.nn.Module, _args) -> None:
     elif path == "":
         path = type(module).__name__  # the root entered again (a recursive call)
     stack.append((module, path))
+
+
+@contextlib.contextmanager
+def inside(path: str):
+    """Calls made inside run "in" ``path`` (what is not a module's forward: a DDP model's gradient bucket)."""
+    stack = getattr(_local, "stack", None)
+    if stack is None or _local.generation != _generation:
+        stack = _local.stack = []
+        _local.generation = _generation
+    stack.append((None, path))
+    try:
+        yield
+    finally:
+        stack.pop()
 
 
 def _leave(module: torch.nn.Module, _args, _output) -> None:

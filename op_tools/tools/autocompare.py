@@ -44,6 +44,7 @@ from ..config.settings import Family
 from ..config.variables import (
     AUTOCOMPARE_BACKWARD,
     AUTOCOMPARE_CAST,
+    AUTOCOMPARE_COLLECTIVES,
     AUTOCOMPARE_MAX_SAVED,
     AUTOCOMPARE_TOLERANCES,
     REFERENCE_CAST_VAR,
@@ -52,6 +53,7 @@ from ..config.variables import (
     parse_dtype_map,
 )
 from ..core.engine import OpCall, OpTool, feature
+from ..numerics import collective_reference
 from ..numerics.comparison import (
     COLUMNS,
     Comparison,
@@ -73,6 +75,7 @@ from ..numerics.reference import (
     run_same_dtype,
 )
 from ..ops.arguments import has_dtensor, iter_items, iter_tensors, map_tensors
+from ..ops.collectives import collective_call, signature_of
 from ..ops.op_facts import cached_on_facts, op_facts
 from ..ops.random_calls import GeneratorProbe, cpu_generator_token, random_reason, skip_text
 from ..ops.writes import call_writes
@@ -116,7 +119,7 @@ def skip_reason(name: str) -> str | None:
     """Why ``name`` is never compared whatever its arguments: ``'uninitialised'``, ``'collective'`` or ``None``."""
     if op_facts(name).uninitialised:
         return "uninitialised"
-    if op_facts(name).collective:
+    if op_facts(name).collective and signature_of(name) is None:
         return "collective (the other ranks' data is not on this host)"
     return None
 
@@ -127,6 +130,7 @@ class AutoCompareConfig:
     tolerance: ToleranceSpec
     casts: dict[str, dict[torch.dtype, torch.dtype]]  # OPNAME -> reference cast
     max_saved: int = 3
+    collectives: bool = True  # torch.distributed collectives checked against every rank's inputs
 
     @classmethod
     def from_env(cls, sources: Sources | None = None) -> AutoCompareConfig:
@@ -141,7 +145,7 @@ class AutoCompareConfig:
         tolerance = ToleranceSpec.from_env().over(sources.file.get(TOLERANCE.name))
         given = sources.arguments.get(TOLERANCE.name)
         return cls(AUTOCOMPARE_BACKWARD.read(sources), given.over(tolerance) if given else tolerance, casts,
-                   AUTOCOMPARE_MAX_SAVED.read(sources))
+                   AUTOCOMPARE_MAX_SAVED.read(sources), AUTOCOMPARE_COLLECTIVES.read(sources))
 
 
 def _reference_casts(value) -> dict[str, dict[torch.dtype, torch.dtype]]:
@@ -186,7 +190,7 @@ class OpAutoCompare(OpTool):
     results_folder = "op_autocompare_result"
     tracks_writes = True
     keywords = {"backward": AUTOCOMPARE_BACKWARD, "max_saved": AUTOCOMPARE_MAX_SAVED, "tolerance": TOLERANCE,
-                "reference_casts": REFERENCE_CASTS}
+                "reference_casts": REFERENCE_CASTS, "collectives": AUTOCOMPARE_COLLECTIVES}
     tracks_modules = True
 
     def configure(self) -> None:
@@ -223,6 +227,8 @@ class OpAutoCompare(OpTool):
             state.inside = True  # run() descends into it
         elif reason == "random":
             reason = skip_text(call.name)
+        if reason is None and signature_of(call.name) is not None:
+            reason = self._before_collective(call, state)
         if reason is not None:
             state.skip = reason
             return
@@ -256,6 +262,37 @@ class OpAutoCompare(OpTool):
             call.grad_inputs, state.grad_labels = inputs, labels
         elif reason:
             self.backward_not_compared[reason] += 1
+
+    def _before_collective(self, call: OpCall, state: CompareState) -> str | None:
+        """A collective to check against every rank's inputs (its sent tensors copied now); else why it is not."""
+        if not self.settings.collectives:
+            return "collective (OP_AUTOCOMPARE_COLLECTIVES=0)"
+        bound = collective_call(call.name, call.func, call.args, call.kwargs)
+        if bound is None:
+            return "collective (its arguments did not bind)"
+        reason = collective_reference.unverifiable(bound)
+        if reason is not None:
+            return reason
+        state.collective = (bound, collective_reference.sent_copies(bound))
+        return "collective"  # not compared as an op: after() checks it against the other ranks' inputs
+
+    def _after_collective(self, call: OpCall, state: CompareState) -> None:
+        assert state.collective is not None
+        bound, copies = state.collective
+        state.collective = None
+        comparisons = collective_reference.verify(bound, copies)  # an error: after() counts the call not checked
+        passed = all(c.passed for c in comparisons)
+        self.counts["forward compared"] += 1
+        self.counts["forward passed" if passed else "forward failed"] += 1
+        level = self._table_level(call.name, "forward", passed)
+        location = call.location if not passed or self._logger.isEnabledFor(level) else ""
+        self._record(call.name, call.forward_id, "forward", location, comparisons, call.module_path, call.step,
+                     call.time)
+        if self._logger.isEnabledFor(level):
+            self._logger.log(level, reporting.header(call.name, call.forward_id, location)
+                             + ("" if passed else "    FAIL") + "\n"
+                             + reporting.call_table(call.name, [_named_row(call.name, c) for c in comparisons],
+                                                    CONSOLE_COLUMNS))
 
     def run(self, call: OpCall):
         if not call.state.inside:
@@ -303,6 +340,10 @@ class OpAutoCompare(OpTool):
         state: CompareState = call.state
         written = state.written
         reason = state.skip
+        if state.collective is not None:
+            self._copies.forget(written)
+            self._after_collective(call, state)
+            return
         if reason is not None:
             self.skipped[reason] += 1
             self._copies.forget(written)

@@ -11,6 +11,7 @@ if TYPE_CHECKING:  # annotations only: nothing is imported at run time
 
     from ..numerics.device_math import DeviceMath
     from ..numerics.reference import Reference
+    from ..ops.collectives import CollectiveCall
 
 
 class CompareState:
@@ -21,7 +22,7 @@ class CompareState:
     __slots__ = ("written", "skip", "inside", "tensors", "cpu_args", "cpu_kwargs", "compared_writes", "math", "rng",
                  "grad_labels", "device_cpu", "extra", "extra_cpu", "extra_labels", "host_of", "signature",
                  "precedent", "math_used", "owned", "grad_snaps", "reference", "device_out", "ref_out",
-                 "saved_forward", "save_dir")
+                 "saved_forward", "save_dir", "collective")
 
     # --- set by before() ---
     written: Sequence[torch.Tensor]  # the arguments the op writes (each once; every tensor of an unknown function)
@@ -53,13 +54,15 @@ class CompareState:
     ref_out: tuple | None  # the reference's values of the same
     saved_forward: bool  # the forward was saved as failing: its backward is saved beside it
     save_dir: str | None  # the folder the call is saved in ('' past max_saved); None: not decided yet
+    # a collective checked against every rank's inputs: the bound call and the host copies of what this rank sent
+    collective: tuple[CollectiveCall, list[torch.Tensor]] | None
 
     def release(self) -> None:
         """Every field back to its default, dropping the tensors and copies held: the call is compared no further."""
         self.written = self.tensors = self.compared_writes = self.grad_labels = self.grad_snaps = self.precedent = ()
         self.skip = self.cpu_args = self.cpu_kwargs = self.math = self.rng = self.math_used = self.owned = None
         self.inside = self.saved_forward = False
-        self.reference = self.device_out = self.ref_out = self.save_dir = None
+        self.reference = self.device_out = self.ref_out = self.save_dir = self.collective = None
         self.drop_forward()
 
     __init__ = release  # a new state is a released one (one call less per handled call)

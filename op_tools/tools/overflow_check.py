@@ -22,6 +22,7 @@ import torch
 from ..config.variables import OVERFLOW_CHECK_RAISE
 from ..core.engine import OpCall, OpTool, OpToolsAbortError, feature
 from ..ops.arguments import iter_items, local_part
+from ..ops.collectives import collective_call, signature_of
 from ..ops.op_facts import op_facts
 from ..output import reporting, result_files
 
@@ -43,17 +44,19 @@ class Overflow:
     module: str = ""  # the module that ran the call (model.layers.3.mlp.down_proj), "" outside any
     step: int = 0  # optimizer steps finished since the tool started, when the call's forward ran
     time: float = 0.0  # wall-clock seconds (time.time()) when the call started
+    received: bool = False  # a collective that received it: this rank sent finite values, another rank did not
 
     def record(self, rank: int | None) -> dict:
         """What ``overflow_<session>.json`` holds: the first overflow of this rank, and where and when."""
         return {"format": "op_tools overflow", "version": 1, "rank": rank, "step": self.step,
                 "time": round(self.time, 6), "op": self.name, "module": self.module, "phase": self.phase,
-                "forward_id": self.forward_id, "location": self.location}
+                "forward_id": self.forward_id, "location": self.location, "received": self.received}
 
     def __str__(self) -> str:
         where = f" in {self.module}" if self.module else ""
-        return (f"first inf/nan from finite inputs: {self.name}{where} ({self.phase}) forward_id: {self.forward_id}"
-                f"\n{self.location}")
+        what = ("first inf/nan received from another rank (this rank sent finite values)" if self.received else
+                "first inf/nan from finite inputs")
+        return f"{what}: {self.name}{where} ({self.phase}) forward_id: {self.forward_id}\n{self.location}"
 
 
 # --- on the device: a few reductions per tensor, one transfer per device ---
@@ -154,9 +157,22 @@ class OpOverflowCheck(OpTool):
         self.first_overflow: Overflow | None = None
         self._pending: Overflow | None = None
 
+    def before(self, call: OpCall) -> None:
+        # A collective writes what it received over what it sent: what was sent is measured now (on the device).
+        if signature_of(call.name) is None or (self.first_overflow is not None
+                                               and not self._logger.isEnabledFor(logging.DEBUG)):
+            return
+        bound = collective_call(call.name, call.func, call.args, call.kwargs)
+        if bound is not None and not bound.asynchronous:
+            sent = [t for t in map(local_part, bound.sent) if _checked(t)]
+            call.state = {"collective": bound, "sent": _largest_magnitudes(sent) if sent else []}
+
     def after(self, call: OpCall) -> None:
         verbose = self._logger.isEnabledFor(logging.DEBUG)
         if self.first_overflow is not None and not verbose:  # nothing more to find or to print
+            return
+        if isinstance(call.state, dict) and "collective" in call.state:
+            self._check_collective(call, call.state["collective"], call.state["sent"])
             return
         facts = op_facts(call.name)
         # A functional collective's result is written by the collective's thread until wait_tensor: it is checked
@@ -169,6 +185,27 @@ class OpOverflowCheck(OpTool):
             rows = reporting.call_rows(call.name, call.args, call.kwargs, call.result)
             header += "\n" + reporting.call_table(call.name, rows)
         self._check(call, inputs, outputs, "forward", header if verbose else None)
+
+    def _check_collective(self, call: OpCall, bound, sent: list[torch.Tensor]) -> None:
+        """Born here when what arrived holds inf/nan and what this rank sent did not: received from another rank."""
+        received = [t for t in map(local_part, bound.received) if _checked(t)]
+        if self.first_overflow is not None or not received:
+            return
+        if not any(nonfinite_flags(received)):
+            return
+        if sent and not all(math.isfinite(v) for v in torch.stack(sent).cpu().tolist()):
+            return  # this rank sent it: an earlier call made it
+        phase = "backward" if torch._C._current_graph_task_id() >= 0 else "forward"  # DDP's buckets: in backward
+        self.first_overflow = Overflow(call.name, call.forward_id, phase, call.location, call.module_path, call.step,
+                                       call.time, received=True)
+        rows = statistics_rows([(f"{call.name} received", t) for t in received])
+        self._logger.warning(f"\nOpOverflowCheck: {self.first_overflow}\n"
+                             + reporting.call_table(call.name, rows, STAT_COLUMNS))
+        if self.raise_on_overflow:
+            if phase == "backward":
+                self._pending = self.first_overflow
+            else:
+                raise OverflowDetectedError(str(self.first_overflow))
 
     def after_backward(self, call: OpCall, grad_inputs: tuple, grad_outputs: tuple) -> None:
         self._check_gradients(call, grad_inputs, grad_outputs, self._logger.isEnabledFor(logging.DEBUG))

@@ -1,0 +1,78 @@
+"""DDP's gradient buckets as calls the tools see: a communication hook that runs DDP's all-reduce through
+``torch.distributed.all_reduce`` while a tool handles this thread's calls.
+
+DDP reduces its gradient buckets in its C++ reducer, where no tool sees them: a NaN another rank sent arrives in the
+gradients unannounced, and nothing times or checks the all-reduce. DDP's communication hook API is the place to see
+them. The hook is registered on a ``DistributedDataParallel`` model the first time it runs forward while a tool that
+tracks modules is started (``module_path.root_listeners``); a model with a hook of its own keeps it (said once).
+
+While a tool is started, a bucket is divided by the group's size and all-reduced
+synchronously (the numbers of DDP's default: divide, then sum), inside the module path
+``DistributedDataParallel (gradient bucket <i>)``, with the tools' modes entered (autograd calls the hook with no
+mode on the stack); otherwise the hook is DDP's own default, ``allreduce_hook``
+(asynchronous, overlapping backward). The hook stays registered when the tools stop: DDP cannot unregister one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+
+import torch
+
+from . import module_path
+
+_hooked: weakref.WeakSet = weakref.WeakSet()
+_logger = logging.getLogger("op_tools")
+BUCKET_PATH = "DistributedDataParallel (gradient bucket {})"
+
+
+def _modes_to_enter() -> list | None:
+    """The started tools' modes missing from this thread's stack (autograd runs DDP's hook with none), or None when
+    no tool is started."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    from .engine import started_modes
+
+    modes = started_modes()
+    if not modes:
+        return None
+    present = _get_current_function_mode_stack()
+    return [mode for mode in modes if all(mode is not other for other in present)]
+
+
+def bucket_all_reduce(process_group, bucket):
+    """DDP's default gradient all-reduce, as a call the tools see while one runs on this thread."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    modes = _modes_to_enter()
+    if modes is None:
+        return default_hooks.allreduce_hook(process_group, bucket)
+    group = process_group if process_group is not None else dist.group.WORLD
+    tensor = bucket.buffer()
+    with torch._C.DisableTorchFunction():  # DDP's own division, which its C++ reducer does unseen
+        tensor.div_(group.size())
+    with contextlib.ExitStack() as stack, module_path.inside(BUCKET_PATH.format(bucket.index())):
+        for mode in modes:
+            stack.enter_context(mode)
+        dist.all_reduce(tensor, group=group)
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(tensor)
+    return done
+
+
+def _hook_ddp(module: torch.nn.Module) -> None:
+    if type(module).__name__ != "DistributedDataParallel" or module in _hooked:
+        return
+    _hooked.add(module)
+    try:
+        module.register_comm_hook(module.process_group, bucket_all_reduce)  # type: ignore[operator]
+    except RuntimeError as error:  # "can only be called once": the user's own hook, or a builtin one
+        _logger.warning("op_tools: a DistributedDataParallel model has a communication hook of its own (%s): its "
+                        "gradient buckets are seen only where that hook calls torch.distributed synchronously",
+                        str(error).splitlines()[0])
+
+
+module_path.root_listeners.append(_hook_ddp)

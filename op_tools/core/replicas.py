@@ -1,0 +1,148 @@
+"""Replica fingerprints: whether data-parallel ranks still hold the same parameters and gradients, step by step.
+
+Under torchrun with more than one rank, while a tool runs, each rank writes before every optimizer step a checksum
+of each replicated parameter and of its gradient: the sum of the tensor's bits read as integers (any one changed
+element changes it). ``python -m op_tools.report`` compares them across ranks and names the first step and parameter
+where replicas disagree. Sharded parameters (a DTensor with a ``Shard`` placement, FSDP1's flat parameters) differ
+between ranks by design and are not written.
+
+Where the work runs: one integer reduction per parameter and per gradient on the device, stacked and read back in
+one transfer per step (a host synchronisation per step). ``OP_TOOLS_REPLICA_FINGERPRINTS=0`` switches it off.
+
+File: ``<results>/op_replica_fingerprints/rank<N>/fingerprints_<session>.jsonl``: a header line (format, rank,
+world size), then ``{"step", "time", "params": {name: checksum}, "grads": {name: checksum}}`` per step, ``step``
+counted as the tools count it (optimizer steps finished since the tool started).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import torch
+
+from ..config.variables import REPLICA_FINGERPRINTS, CommonConfig
+from ..output import result_files
+from . import module_path
+from .steps import STEPS
+
+FOLDER = "op_replica_fingerprints"
+FORMAT = "op_tools fingerprints"
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_logger = logging.getLogger("op_tools")
+
+
+def _world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def _replicated(p: torch.Tensor) -> torch.Tensor | None:
+    """The tensor every replica holds alike (a DTensor's local part when it is replicated), or None when sharded."""
+    if type(p).__name__ == "FlatParameter":  # FSDP1: this rank's shard of a flattened group of parameters
+        return None
+    placements = getattr(p, "placements", None)
+    if placements is not None:  # a DTensor
+        if any(type(placement).__name__ != "Replicate" for placement in placements):
+            return None
+        return p._local_tensor  # type: ignore[attr-defined]
+    return p
+
+
+def checksum(t: torch.Tensor) -> torch.Tensor:
+    """The sum of ``t``'s bits read as integers, an int64 on ``t``'s device."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    bits = _BITS.get(t.element_size())
+    if bits is None or t.is_complex():
+        t = t.view(torch.uint8)
+    elif t.dtype != bits:
+        t = t.view(bits)
+    return t.sum(dtype=torch.int64)
+
+
+class ReplicaFingerprints:
+    """Installed by the first tool started under torchrun (``acquire``), removed with the last (``release``)."""
+
+    def __init__(self) -> None:
+        self._users = 0
+        self._hook = None
+        self._file: result_files.JsonLinesFile | None = None
+        self._base = 0
+        self._lock = threading.Lock()
+
+    def acquire(self, common: CommonConfig, stem: str) -> None:
+        with self._lock:
+            self._users += 1
+            if self._hook is not None or common.rank is None or _world_size() < 2 or \
+                    not REPLICA_FINGERPRINTS.read():
+                return
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            path = result_files.results_path(common, FOLDER, f"fingerprints_{stem}.jsonl")
+            self._file = result_files.JsonLinesFile(path)
+            self._file.write({"format": FORMAT, "version": 1, "rank": common.rank, "world_size": _world_size()})
+            self._base = STEPS.count
+            self._hook = register_optimizer_step_pre_hook(self._before_step)
+
+    def release(self) -> None:
+        with self._lock:
+            self._users = max(0, self._users - 1)
+            if self._users or self._hook is None:
+                return
+            self._hook.remove()
+            self._hook = None
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+    def _before_step(self, optimizer, *_) -> None:
+        try:
+            self._write(optimizer)
+        except Exception:  # noqa: BLE001 - a fingerprint lost never stops the user's step; said once per process
+            if not getattr(self, "_failed", False):
+                self._failed = True
+                _logger.exception("op_tools: writing the replica fingerprints failed; the report will not compare "
+                                  "replicas after this step")
+
+    def _write(self, optimizer) -> None:
+        names = module_path.parameter_names()
+        params, grads = [], []
+        for g, group in enumerate(optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                local = _replicated(p)
+                if local is None:
+                    continue
+                name = names.get(id(p)) or f"param_groups[{g}][{i}]"
+                params.append((name, local))
+                grad = p.grad
+                if grad is not None:
+                    local_grad = _replicated(grad)
+                    if local_grad is not None:
+                        grads.append((name, local_grad))
+        if not params:
+            return
+        tensors = [t for _, t in params + grads]
+        sums: list[int] = [0] * len(tensors)
+        by_device: dict[torch.device, list[int]] = {}
+        for i, t in enumerate(tensors):
+            by_device.setdefault(t.device, []).append(i)
+        with torch.no_grad(), torch._C.DisableTorchFunction():  # the tools' own work: no tool sees these calls
+            for indices in by_device.values():  # one transfer per device
+                values = torch.stack([checksum(tensors[i]) for i in indices]).cpu().tolist()
+                for i, value in zip(indices, values):
+                    sums[i] = value
+        record = {"step": STEPS.count - self._base, "time": round(time.time(), 6),
+                  "params": dict(zip((n for n, _ in params), sums[:len(params)])),
+                  "grads": dict(zip((n for n, _ in grads), sums[len(params):]))}
+        file = self._file
+        if file is not None:
+            file.write(record)
+
+
+REPLICAS = ReplicaFingerprints()

@@ -1,0 +1,163 @@
+"""A collective's result checked against a reference computed on the host from every rank's inputs.
+
+Each rank copies what it sends to the host in float64 (int64 for integers) before the call; after it, the copies of
+every rank of the call's group are gathered through a gloo group of the same ranks (one per group, made on first use
+by its members), the reference is computed from them (the sum, average, maximum, ... of the ranks' inputs, their
+concatenation, the root's tensor) and compared with what this rank received.
+
+The tolerance is the dtype's reduction bound: a sum of ``n`` values rounded to a dtype of epsilon ``eps``, in any
+order, is within ``n * eps * sum|x_i|`` of the exact sum (an average within that over ``n``); copies (gather,
+broadcast) and maximum/minimum must be exact, as must integers.
+
+Where the work runs: two host copies per call (the sent tensor before, the received one after) and one gloo
+all-gather of the sent copies: a host synchronisation and ``world size`` times the sent bytes over gloo per
+collective. OP_AUTOCOMPARE_COLLECTIVES=0 switches it off.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..ops.collectives import CollectiveCall
+from .comparison import Comparison
+
+_VERIFIED = {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
+_REDUCTIONS = {"sum", "avg", "max", "min", "product"}
+_twins: dict[tuple[int, ...], object] = {}
+_twins_lock = threading.Lock()
+
+
+def unverifiable(call: CollectiveCall) -> str | None:
+    """Why this collective's result cannot be checked here, or None."""
+    if call.asynchronous:
+        return "asynchronous collective (its result is ready only when waited for)"
+    if call.kind not in _VERIFIED:
+        return f"collective {call.kind} (no host reference for it)"
+    if call.reduce_op and call.reduce_op not in _REDUCTIONS:
+        return f"collective with ReduceOp {call.reduce_op} (no host reference for it)"
+    if not call.sent or not call.received:
+        return "collective without tensors"
+    return None
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    dtype = torch.float64 if t.is_floating_point() else torch.int64
+    return t.to("cpu", dtype, copy=True)
+
+
+def sent_copies(call: CollectiveCall) -> list[torch.Tensor]:
+    """Host copies of what this rank sends, taken before the call writes them."""
+    return [_wide(t) for t in call.sent]
+
+
+def _twin(group) -> tuple[object, list[int]]:
+    """A gloo group of the ranks of ``group`` (the tools' own channel: never the user's group), and those ranks."""
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    key = tuple(ranks)
+    with _twins_lock:
+        twin = _twins.get(key)
+        if twin is None:
+            twin = _twins[key] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    return twin, ranks
+
+
+def _gathered(copies: list[torch.Tensor], twin, size: int) -> list[list[torch.Tensor]]:
+    """Every rank's copies, rank by rank (the ranks' sent tensors have the same shapes in these collectives)."""
+    import torch.distributed as dist
+
+    flat = torch.cat([c.reshape(-1) for c in copies]) if copies else torch.zeros(0, dtype=torch.float64)
+    out = [torch.empty_like(flat) for _ in range(size)]
+    dist.all_gather(out, flat, group=twin)
+    per_rank = []
+    for gathered in out:
+        pieces, offset = [], 0
+        for c in copies:
+            pieces.append(gathered[offset:offset + c.numel()].view(c.shape))
+            offset += c.numel()
+        per_rank.append(pieces)
+    return per_rank
+
+
+def _reduce(values: list[torch.Tensor], op: str) -> torch.Tensor:
+    stacked = torch.stack(values)
+    if op == "sum":
+        return stacked.sum(0)
+    if op == "avg":
+        return stacked.sum(0) / len(values) if stacked.is_floating_point() else stacked.sum(0) // len(values)
+    if op == "product":
+        return stacked.prod(0)
+    return stacked.amax(0) if op == "max" else stacked.amin(0)
+
+
+def _expected(call: CollectiveCall, per_rank: list[list[torch.Tensor]], index: int, ranks: list[int]):
+    """The reference for each received tensor, and the magnitudes a reduction's rounding scales with (or None)."""
+    first = [rank_copies[0] for rank_copies in per_rank]
+    kind = call.kind
+    if kind == "all_reduce":
+        scale = torch.stack(first).abs().sum(0)
+        return [_reduce(first, call.reduce_op)], [scale]
+    if kind == "broadcast":
+        src = call.arguments.get("src")
+        group_src = call.arguments.get("group_src")
+        root = group_src if group_src is not None else ranks.index(src if src is not None else 0)
+        return [per_rank[root][0]], [None]
+    if kind == "all_gather":
+        if len(call.received) == 1:  # into one tensor: the ranks' tensors one after the other
+            return [torch.cat([f.reshape(-1) for f in first]).view(call.received[0].shape)], [None]
+        return first, [None] * len(first)
+    # reduce_scatter: this rank's part of the reduction over the ranks' inputs
+    if len(call.sent) > 1:  # a list: one tensor per rank, this rank's is index `index`
+        parts = [rank_copies[index] for rank_copies in per_rank]
+    else:
+        parts = [f.reshape(len(ranks), -1)[index].view(call.received[0].shape) for f in first]
+    return [_reduce(parts, call.reduce_op)], [torch.stack(parts).abs().sum(0)]
+
+
+def verify(call: CollectiveCall, copies: list[torch.Tensor]) -> list[Comparison]:
+    """Compare what this rank received with the reference from every rank's ``copies`` (of what they sent)."""
+    import torch.distributed as dist
+
+    twin, ranks = _twin(call.group)
+    index = ranks.index(dist.get_rank())
+    per_rank = _gathered(copies, twin, len(ranks))
+    expected, scales = _expected(call, per_rank, index, ranks)
+    comparisons = []
+    for i, (received, reference, scale) in enumerate(zip(call.received, expected, scales)):
+        name = "received" if len(call.received) == 1 else f"received[{i}]"
+        comparisons.append(_compare(name, _wide(received), reference.to(_wide(received).dtype), scale,
+                                    received.dtype, len(ranks), call))
+    return comparisons
+
+
+def _compare(name: str, got: torch.Tensor, reference: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
+             n: int, call: CollectiveCall) -> Comparison:
+    if got.shape != reference.shape:
+        return Comparison(name, False, False, error_info=f"received shape {tuple(got.shape)}, the reference's "
+                                                         f"{tuple(reference.shape)}")
+    diff = (got - reference).abs()
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    ref_abs = reference.abs()
+    max_rel = float((diff / ref_abs.clamp_min(1e-300)).max()) if diff.numel() else 0.0
+    both_nan = got.isnan() & reference.isnan() if got.is_floating_point() else None
+    if dtype.is_floating_point and scale is not None and call.reduce_op in ("sum", "avg"):
+        eps = torch.finfo(dtype).eps
+        # rounding of n partial sums in the dtype, the division of an average, and the tiniest normal number
+        allowed = n * eps * scale / (n if call.reduce_op == "avg" else 1) + eps * ref_abs + torch.finfo(dtype).tiny
+        bound = f"{n} ranks × eps of {dtype} × the sum of |inputs|"
+    else:
+        allowed = torch.zeros_like(ref_abs)
+        bound = "exact"
+    bad = diff > allowed
+    if both_nan is not None:
+        bad = (bad | (got.isnan() != reference.isnan())) & ~both_nan
+    passed = not bool(bad.any())
+    what = call.reduce_op or call.kind
+    info = "" if passed else (f"{int(bad.sum())} of {bad.numel()} elements differ from the {what} of {n} ranks' "
+                              f"inputs by up to {max_abs:.3g} (allowed: {bound})")
+    return Comparison(name, passed, passed, max_abs, max_rel, atol=float(allowed.max()) if allowed.numel() else 0.0,
+                      error_info=info)

@@ -1,0 +1,104 @@
+"""What a ``torch.distributed`` collective sends and receives: one table, read by every tool that looks at one.
+
+A collective writes its received tensor from C++ (or another stream), so a tool reads what was sent before the call
+(``sent``) and what arrived after it (``received``). An asynchronous call (``async_op=True``) has received nothing
+when it returns: its result is ready when its ``Work`` is waited for, beyond what a tool sees.
+
+>>> c = collective_call("torch.distributed.all_reduce", dist.all_reduce, (t,), {"op": dist.ReduceOp.AVG})
+>>> c.kind, c.sent, c.received, c.reduce_op
+('all_reduce', [t], [t], 'avg')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveSignature:
+    """Parameter names: what the call sends, what it receives (a list parameter holds one tensor per rank)."""
+
+    kind: str
+    sent: str
+    received: str
+    reduces: bool = False  # takes ``op`` (a ReduceOp, SUM by default)
+
+
+_SIGNATURES = {
+    "all_reduce": CollectiveSignature("all_reduce", "tensor", "tensor", reduces=True),
+    "broadcast": CollectiveSignature("broadcast", "tensor", "tensor"),
+    "all_gather_into_tensor": CollectiveSignature("all_gather", "input_tensor", "output_tensor"),
+    "all_gather_single": CollectiveSignature("all_gather", "input_tensor", "output_tensor"),
+    "all_gather": CollectiveSignature("all_gather", "tensor", "tensor_list"),
+    "reduce_scatter_tensor": CollectiveSignature("reduce_scatter", "input", "output", reduces=True),
+    "reduce_scatter_single": CollectiveSignature("reduce_scatter", "input", "output", reduces=True),
+    "reduce_scatter": CollectiveSignature("reduce_scatter", "input_list", "output", reduces=True),
+    "all_to_all_single": CollectiveSignature("all_to_all", "input", "output"),
+    "reduce": CollectiveSignature("reduce", "tensor", "tensor", reduces=True),
+}
+_PREFIX = "torch.distributed."
+
+
+@dataclasses.dataclass
+class CollectiveCall:
+    """One call of a collective, its arguments bound to their names."""
+
+    name: str
+    kind: str
+    sent: list[torch.Tensor]
+    received: list[torch.Tensor]
+    reduce_op: str  # "sum", "avg", "max", "min", "product", "" when the collective does not reduce; else the op's name
+    group: object  # the ProcessGroup (None: the default group)
+    asynchronous: bool
+    arguments: dict
+
+
+def signature_of(name: str) -> CollectiveSignature | None:
+    """The signature of the ``torch.distributed`` collective ``name``, None for any other function."""
+    return _SIGNATURES.get(name[len(_PREFIX):]) if name.startswith(_PREFIX) else None
+
+
+@functools.cache
+def _parameters(func) -> inspect.Signature:
+    return inspect.signature(inspect.unwrap(func))
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for t in value if isinstance(t, torch.Tensor)]
+    return []
+
+
+_REDUCE_OPS = frozenset({"sum", "avg", "max", "min", "product", "band", "bor", "bxor", "premul_sum"})
+
+
+def _op_name(op) -> str:
+    """``"sum"`` for ``ReduceOp.SUM`` (printed ``RedOpType.SUM``); ``"other"`` for an op built at run time."""
+    if op is None:
+        return "sum"
+    text = str(op).rpartition(".")[2].lower()
+    return text if text in _REDUCE_OPS else "other"
+
+
+def collective_call(name: str, func, args: tuple, kwargs: dict) -> CollectiveCall | None:
+    """The call bound to its signature's names, or None for a function that is not one of the table's collectives
+    (or whose arguments do not bind)."""
+    signature = signature_of(name)
+    if signature is None:
+        return None
+    try:
+        bound = _parameters(func).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    return CollectiveCall(name, signature.kind, _tensors(arguments.get(signature.sent)),
+                          _tensors(arguments.get(signature.received)),
+                          _op_name(arguments.get("op")) if signature.reduces else "", arguments.get("group"),
+                          bool(arguments.get("async_op", False)), arguments)
