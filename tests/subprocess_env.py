@@ -8,6 +8,8 @@ finds through its own ``PYTHONPATH`` (packages installed outside site-packages, 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
@@ -36,3 +38,13 @@ def env_without_settings(extra: dict | None = None) -> dict:
     env = {k: v for k, v in env.items() if "_AUTOCOMPARE_" not in k and not k.endswith("_OP_DTYPE_CAST_DICT")}
     env.update(extra or {})
     return env
+
+
+def torchrun_on_sim(*arguments, extra: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node=2 ARGUMENTS`` on sim (the parent's ditorch and op_tools settings
+    dropped, ``extra`` added), from the project root; its output captured as text."""
+    env = child_env({"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1", "OMP_NUM_THREADS": "1", **(extra or {})},
+                    drop=("DITORCH_", "OP_"))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               *map(str, arguments)]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)

@@ -25,6 +25,7 @@ SMALLEST = {
                                     "OpTimeMeasure per-op forward time against torch.profiler's kernel time"),
     "conformance_sweep.py": (["--ops", "abs,add", "--limit-samples", "1"], "pass rate 100.0% of 4 rows"),
     "autocompare_sensitivity.py": (["--ops", "silu"], "| silu |"),
+    "collective_checks_cost.py": (["--rounds", "1"], "(c) OpAutoCompare default"),
 }
 
 

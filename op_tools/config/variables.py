@@ -510,11 +510,13 @@ class CommonConfig:
     strict: bool
     rank: int | None  # torchrun's RANK; None outside torchrun
     print_ranks: frozenset[int] | None = None  # OP_TOOLS_PRINT_RANKS; None: every rank
+    replica_fingerprints: bool = True  # OP_TOOLS_REPLICA_FINGERPRINTS
 
     @classmethod
     def from_env(cls, sources: Sources | None = None) -> CommonConfig:
         return cls(RESULTS_DIR.read(sources) or "op_tools_results", VERBOSE.read(sources), PRINT_STACK.read(sources),
-                   STRICT.read(sources), _torchrun_rank(), PRINT_RANKS.read(sources))
+                   STRICT.read(sources), _torchrun_rank(), PRINT_RANKS.read(sources),
+                   REPLICA_FINGERPRINTS.read(sources))
 
 
 def _torchrun_rank() -> int | None:

@@ -54,7 +54,7 @@ from ..ops.arguments import call_device, iter_tensors
 from ..ops.naming import is_metadata_query, resolve_op_name
 from ..ops.writes import call_writes
 from ..output import reporting, result_files
-from . import compiled_regions, gradient_communication, module_path, targeting  # noqa: F401  # DDP hook: registers itself
+from . import compiled_regions, gradient_communication, module_path, targeting
 from .call_backward import CallBackward
 from .replicas import REPLICAS
 from .steps import STEPS
@@ -615,6 +615,9 @@ def started_modes() -> list[_ToolMode]:
         if activations and isinstance(activations[-1], _ToolMode):
             modes.append(activations[-1])
     return modes
+
+
+gradient_communication.started_modes = started_modes
 
 
 def _track_unfinished(tool: OpTool) -> None:

@@ -18,12 +18,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
+from typing import Any, Callable
 
 import torch
 
 from . import module_path
 
 _hooked: weakref.WeakSet = weakref.WeakSet()
+# The modes of the tools started now, in start order: set by the engine (engine.started_modes), which imports this
+# module, not the other way round.
+started_modes: Callable[[], list] = list
 _logger = logging.getLogger("op_tools")
 BUCKET_PATH = "DistributedDataParallel (gradient bucket {})"
 
@@ -33,8 +37,6 @@ def _modes_to_enter() -> list | None:
     no tool is started."""
     from torch.overrides import _get_current_function_mode_stack
 
-    from .engine import started_modes
-
     modes = started_modes()
     if not modes:
         return None
@@ -42,15 +44,15 @@ def _modes_to_enter() -> list | None:
     return [mode for mode in modes if all(mode is not other for other in present)]
 
 
-def bucket_all_reduce(process_group, bucket):
-    """DDP's default gradient all-reduce, as a call the tools see while one runs on this thread."""
+def bucket_all_reduce(process_group, bucket):  # unannotated: DDP accepts no annotation but its own types
+    """DDP's default gradient all-reduce, as a call the tools see while a tool is started."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     modes = _modes_to_enter()
     if modes is None:
         return default_hooks.allreduce_hook(process_group, bucket)
-    group = process_group if process_group is not None else dist.group.WORLD
+    group: Any = process_group if process_group is not None else dist.group.WORLD
     tensor = bucket.buffer()
     with torch._C.DisableTorchFunction():  # DDP's own division, which its C++ reducer does unseen
         tensor.div_(group.size())
@@ -73,6 +75,9 @@ def _hook_ddp(module: torch.nn.Module) -> None:
         _logger.warning("op_tools: a DistributedDataParallel model has a communication hook of its own (%s): its "
                         "gradient buckets are seen only where that hook calls torch.distributed synchronously",
                         str(error).splitlines()[0])
+    except Exception:  # noqa: BLE001 - a DDP that refuses the hook still trains; the tools just do not see its buckets
+        _logger.exception("op_tools: a DistributedDataParallel model refused op_tools' communication hook: its "
+                          "gradient buckets are not seen by the tools")
 
 
 module_path.root_listeners.append(_hook_ddp)

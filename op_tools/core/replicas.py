@@ -20,10 +20,11 @@ import logging
 import os
 import threading
 import time
+from typing import Any
 
 import torch
 
-from ..config.variables import REPLICA_FINGERPRINTS, CommonConfig
+from ..config.variables import CommonConfig
 from ..output import result_files
 from . import module_path
 from .steps import STEPS
@@ -71,7 +72,7 @@ class ReplicaFingerprints:
 
     def __init__(self) -> None:
         self._users = 0
-        self._hook = None
+        self._hook: Any = None  # the optimizer pre-step hook's handle while installed
         self._file: result_files.JsonLinesFile | None = None
         self._base = 0
         self._lock = threading.Lock()
@@ -79,8 +80,7 @@ class ReplicaFingerprints:
     def acquire(self, common: CommonConfig, stem: str) -> None:
         with self._lock:
             self._users += 1
-            if self._hook is not None or common.rank is None or _world_size() < 2 or \
-                    not REPLICA_FINGERPRINTS.read():
+            if self._hook is not None or common.rank is None or _world_size() < 2 or not common.replica_fingerprints:
                 return
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 

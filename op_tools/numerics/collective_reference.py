@@ -1,7 +1,7 @@
 """A collective's result checked against a reference computed on the host from every rank's inputs.
 
-Each rank copies what it sends to the host in float64 (int64 for integers) before the call; after it, the copies of
-every rank of the call's group are gathered through a gloo group of the same ranks (one per group, made on first use
+Each rank copies what it sends to the host before the call; after it, the copies of every rank of the call's group
+are gathered (as bytes) through a gloo group of the same ranks (one per group, made on first use
 by its members), the reference is computed from them (the sum, average, maximum, ... of the ranks' inputs, their
 concatenation, the root's tensor) and compared with what this rank received.
 
@@ -9,9 +9,9 @@ The tolerance is the dtype's reduction bound: a sum of ``n`` values rounded to a
 order, is within ``n * eps * sum|x_i|`` of the exact sum (an average within that over ``n``); copies (gather,
 broadcast) and maximum/minimum must be exact, as must integers.
 
-Where the work runs: two host copies per call (the sent tensor before, the received one after) and one gloo
-all-gather of the sent copies: a host synchronisation and ``world size`` times the sent bytes over gloo per
-collective. OP_AUTOCOMPARE_COLLECTIVES=0 switches it off.
+Where the work runs: two host copies per call (the sent tensor before, the received one after), one gloo all-gather
+of the sent copies, and the reference in float64 on the host: a host synchronisation and ``world size`` times the
+sent bytes over gloo per collective. OP_AUTOCOMPARE_COLLECTIVES=0 switches it off.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
 
 
 def sent_copies(call: CollectiveCall) -> list[torch.Tensor]:
-    """Host copies of what this rank sends, taken before the call writes them."""
-    return [_wide(t) for t in call.sent]
+    """Host copies of what this rank sends (in its own dtype: gathered as bytes), taken before the call writes them."""
+    return [t.detach().to("cpu", copy=True).contiguous() for t in call.sent]
 
 
 def _twin(group) -> tuple[object, list[int]]:
@@ -67,18 +67,22 @@ def _twin(group) -> tuple[object, list[int]]:
 
 
 def _gathered(copies: list[torch.Tensor], twin, size: int) -> list[list[torch.Tensor]]:
-    """Every rank's copies, rank by rank (the ranks' sent tensors have the same shapes in these collectives)."""
+    """Every rank's copies, rank by rank, widened to float64 (int64) after the exchange. They travel as their bytes
+    (as few as the dtype has, and any dtype gloo lacks): the ranks' sent tensors have the same shapes and dtypes in
+    these collectives."""
     import torch.distributed as dist
 
-    flat = torch.cat([c.reshape(-1) for c in copies]) if copies else torch.zeros(0, dtype=torch.float64)
+    flat = torch.cat([c.reshape(-1).view(torch.uint8) for c in copies]) if copies else \
+        torch.zeros(0, dtype=torch.uint8)
     out = [torch.empty_like(flat) for _ in range(size)]
     dist.all_gather(out, flat, group=twin)
     per_rank = []
     for gathered in out:
         pieces, offset = [], 0
         for c in copies:
-            pieces.append(gathered[offset:offset + c.numel()].view(c.shape))
-            offset += c.numel()
+            size_bytes = c.numel() * c.element_size()
+            pieces.append(_wide(gathered[offset:offset + size_bytes].view(c.dtype).view(c.shape)))
+            offset += size_bytes
         per_rank.append(pieces)
     return per_rank
 
@@ -129,8 +133,8 @@ def verify(call: CollectiveCall, copies: list[torch.Tensor]) -> list[Comparison]
     comparisons = []
     for i, (received, reference, scale) in enumerate(zip(call.received, expected, scales)):
         name = "received" if len(call.received) == 1 else f"received[{i}]"
-        comparisons.append(_compare(name, _wide(received), reference.to(_wide(received).dtype), scale,
-                                    received.dtype, len(ranks), call))
+        got = _wide(received)
+        comparisons.append(_compare(name, got, reference.to(got.dtype), scale, received.dtype, len(ranks), call))
     return comparisons
 
 

@@ -175,8 +175,9 @@ class OpAutoCompare(OpTool):
     ``max_saved`` (``OP_AUTOCOMPARE_MAX_SAVED``), ``tolerance`` (the variables
     ``[<OPNAME>_]AUTOCOMPARE_ERROR_TOLERANCE[_<DTYPE>]``: ``(atol, rtol)``, or a dict
     ``{torch.bfloat16: (atol, rtol), "torch.nn.functional.linear": {torch.float16: (atol, rtol)}}``),
-    ``reference_casts`` (``<OPNAME>_OP_DTYPE_CAST_DICT``: ``{"linear": {torch.float16: torch.float32}}``), and
-    ``results_dir``, ``verbose``, ``print_stack``, ``strict``, ``print_ranks`` as every tool.
+    ``reference_casts`` (``<OPNAME>_OP_DTYPE_CAST_DICT``: ``{"linear": {torch.float16: torch.float32}}``),
+    ``collectives`` (``OP_AUTOCOMPARE_COLLECTIVES``: check torch.distributed collectives against every rank's
+    inputs), and ``results_dir``, ``verbose``, ``print_stack``, ``strict``, ``print_ranks`` as every tool.
 
     >>> with op_tools.OpAutoCompare(tolerance={torch.bfloat16: (1e-2, 1e-2)}, backward=False) as compare:
     ...     loss = model(x).sum()

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from subprocess_env import ROOT, child_env
+from subprocess_env import ROOT, child_env, torchrun_on_sim
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "tools_across_ranks.py")
 TOOLS = ("OpAutoCompare", "OpCapture", "OpObserve", "OpTimeMeasure", "OpOverflowCheck", "OpFallback", "OpDtypeCast")
@@ -24,10 +24,7 @@ def out(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reports(out):
-    env = child_env({"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1", "OMP_NUM_THREADS": "1"},
-                    drop=("DITORCH_", "OP_"))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT, str(out)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    result = torchrun_on_sim(SCRIPT, out)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 

@@ -1,6 +1,6 @@
 """Run by tests/op_tools/test_run_report.py under torchrun (2 processes) on sim: two optimizer steps of a DDP tiny
-Llama under one tool, with what the scenario injects, the results in ``OUT/<scenario>``; this rank's verdict in
-``OUT/<scenario>.rank<N>.json``.
+Llama under one tool per scenario named on the command line, with what the scenario injects, the results in
+``OUT/<scenario>``; this rank's verdicts in ``OUT/rank<N>.json``, by scenario.
 
 Scenarios: ``clean`` (OpOverflowCheck and OpAutoCompare together), ``nan`` (OpOverflowCheck, silu gives NaN on
 rank 1 in step 1), ``noise`` (OpAutoCompare, silu off by 1e-2 on rank 1 in step 1), ``desync`` (OpTimeMeasure over
@@ -23,10 +23,15 @@ NUDGED = "model.layers.0.mlp.up_proj.weight"
 
 
 def main() -> None:
-    out, scenario = sys.argv[1], sys.argv[2]
+    out, scenarios = sys.argv[1], sys.argv[2:]
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    report = {scenario: run(out, scenario, local_rank) for scenario in scenarios}
+    rank_reports.finish(os.path.join(out, f"rank{dist.get_rank()}.json"), report)
+
+
+def run(out: str, scenario: str, local_rank: int) -> dict:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = tiny_models.tiny_llama().cuda()
@@ -53,7 +58,7 @@ def main() -> None:
                     model.get_parameter(NUDGED)[0, 0] += 1e-3
     for name, tool in zip(tools, started):
         report[name] = {"verdict": tool.verdict(), "found": tool.found(), "not_checked": tool.not_checked()}
-    rank_reports.finish(os.path.join(out, f"{scenario}.rank{rank}.json"), report)
+    return report
 
 
 if __name__ == "__main__":

@@ -1,0 +1,195 @@
+"""The run's account: which rank went wrong first and how the others received it, whether replicas agreed after
+each step, and where the ranks' time went.
+
+Origin and propagation. Each rank's first anomaly is its earliest (by step, then wall-clock time) inf/nan or
+mismatch. It was *received* when OpOverflowCheck saw it arrive through a collective (this rank sent finite values),
+or when it is a collective's own result other than a failed check of that collective; otherwise the rank is an
+*origin*. A rank with no anomaly of its own while another rank is an origin received that rank's fault through the
+first collective the origin rank ran after its anomaly, when it ran that collective too (a data-parallel all-reduce
+carries noise as well as NaN, and a noisy but correct all-reduce is no anomaly on the receiving rank). The origin
+with the earliest first anomaly is what went wrong first.
+
+Replicas. Before each optimizer step each rank wrote a checksum of every replicated parameter and gradient
+(op_tools/core/replicas.py): the first step, and the first parameter in the optimizer's order, where two ranks'
+checksums differ is where the replicas stopped agreeing.
+
+Skew. Per step, each rank's time in the calls OpTimeMeasure timed, collectives left out (their time includes the
+wait for the slowest rank): the slowest rank, how much slower than the fastest, and its costliest ops there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .readers import Event, Results
+
+TOP_OPS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class RankAccount:
+    rank: int
+    status: str  # "origin", "received", "clean"
+    first: Event | None  # its first anomaly
+    through: Event | None = None  # the collective that brought another rank's fault
+    from_ranks: tuple[int, ...] = ()
+
+    def text(self) -> str:
+        if self.status == "origin":
+            assert self.first is not None
+            return (f"rank {self.rank}: went wrong at step {self.first.step}: {self.first.kind} in "
+                    f"{self.first.where()}, found by {self.first.tool}" + _detail(self.first))
+        if self.status == "received":
+            senders = ", ".join(map(str, self.from_ranks)) or "another rank"
+            through = self.through or self.first
+            assert through is not None
+            if self.first is None:
+                own = "; no anomaly of its own"
+            elif self.first is self.through:
+                own = f"; {self.first.tool} saw the {self.first.kind} arrive there ({self.first.phase})"
+            else:
+                own = f"; its first anomaly: {self.first.kind} in {self.first.where()}"
+            return (f"rank {self.rank}: received it from rank {senders} through {through.op}"
+                    f"{' in ' + through.module if through.module else ''} at step {through.step}{own}")
+        return f"rank {self.rank}: no anomaly"
+
+
+def _detail(event: Event) -> str:
+    return f" ({event.detail})" if event.detail and event.kind == "mismatch" else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Desync:
+    step: int
+    what: str  # "parameter" or "gradient"
+    name: str
+    checksums: dict[int, int]  # rank -> checksum
+    differing: int  # how many parameters (of this kind) differ at this step
+
+    def text(self) -> str:
+        groups: dict[int, list[int]] = {}
+        for rank, value in sorted(self.checksums.items()):
+            groups.setdefault(value, []).append(rank)
+        sides = " vs ".join(("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
+                            for ranks in groups.values())
+        more = f"; {self.differing} {self.what}s differ" if self.differing > 1 else ""
+        return (f"disagree from step {self.step} (before its optimizer update): {self.what} {self.name} differs, "
+                f"{sides}{more}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSkew:
+    step: int
+    ms: dict[int, float]  # rank -> milliseconds in the timed calls (collectives left out)
+    slowest: int
+    top_ops: tuple[tuple[str, float], ...]  # the slowest rank's costliest ops in the step
+
+    @property
+    def skew_ms(self) -> float:
+        return self.ms[self.slowest] - min(self.ms.values())
+
+    def text(self) -> str:
+        ops = ", ".join(f"{op} {ms:.2f} ms" for op, ms in self.top_ops)
+        return (f"step {self.step}: slowest rank {self.slowest}, {self.ms[self.slowest]:.2f} ms, {self.skew_ms:.2f} ms "
+                f"more than the fastest; its time goes to {ops}")
+
+
+@dataclasses.dataclass
+class RunReport:
+    results: Results
+    ranks: list[RankAccount]
+    first: RankAccount | None  # the origin that went wrong first
+    desync: Desync | None
+    replicas_compared: int  # steps whose fingerprints were compared across at least two ranks
+    skew: list[StepSkew]
+
+    def verdict(self) -> str:
+        """``"found"`` (an anomaly or a replica desync) or ``"clean"``; what could not be read is said aside."""
+        return "found" if self.first is not None or self.desync is not None or \
+            any(r.status != "clean" for r in self.ranks) else "clean"
+
+
+def _first_collective_after(collectives: list[Event], rank: int, after: Event) -> Event | None:
+    later = [c for c in collectives if c.rank == rank and c.order > after.order]
+    return min(later, key=lambda c: c.order) if later else None
+
+
+def _received(event: Event) -> bool:
+    # A collective's own failed check is a fault of that collective (this rank's origin); any other anomaly on a
+    # collective's result came with what it received.
+    return event.received or (event.collective and event.kind != "mismatch")
+
+
+def account_ranks(results: Results) -> tuple[list[RankAccount], RankAccount | None]:
+    firsts: dict[int, Event] = {}
+    for event in results.anomalies:
+        if event.rank not in firsts or event.order < firsts[event.rank].order:
+            firsts[event.rank] = event
+    origins = sorted((e for e in firsts.values() if not _received(e)), key=lambda e: e.order)
+    accounts: dict[int, RankAccount] = {}
+    for origin in origins:
+        accounts[origin.rank] = RankAccount(origin.rank, "origin", origin)
+    first_origin = origins[0] if origins else None
+    for rank in sorted(results.ranks | set(firsts)):
+        if rank in accounts:
+            continue
+        own = firsts.get(rank)
+        senders = tuple(o.rank for o in origins if own is None or o.order <= own.order) or \
+            tuple(o.rank for o in origins)
+        if own is not None:  # received through a collective it names
+            accounts[rank] = RankAccount(rank, "received", own, own if own.collective else None, senders)
+            continue
+        if first_origin is not None:
+            carrier = _first_collective_after(results.collectives, first_origin.rank, first_origin)
+            if carrier is not None and any(c.rank == rank and c.op == carrier.op and c.step == carrier.step
+                                           for c in results.collectives):
+                accounts[rank] = RankAccount(rank, "received", None, carrier, (first_origin.rank,))
+                continue
+        accounts[rank] = RankAccount(rank, "clean", None)
+    ordered = [accounts[rank] for rank in sorted(accounts)]
+    return ordered, (accounts[first_origin.rank] if first_origin is not None else None)
+
+
+def compare_replicas(results: Results) -> tuple[Desync | None, int]:
+    """The first step and parameter where two ranks' checksums differ, and how many steps were compared."""
+    prints = results.fingerprints
+    if len(prints) < 2:
+        return None, 0
+    compared = 0
+    for step in sorted(set().union(*(steps.keys() for steps in prints.values()))):
+        at_step = {rank: steps[step] for rank, steps in prints.items() if step in steps}
+        if len(at_step) < 2:
+            continue
+        compared += 1
+        for what, key in (("parameter", "params"), ("gradient", "grads")):
+            names = next(iter(at_step.values()))[key]
+            differing = [name for name in names
+                         if len({record[key].get(name) for record in at_step.values()} - {None}) > 1]
+            if differing:
+                name = differing[0]
+                return Desync(step, what, name, {rank: record[key][name] for rank, record in at_step.items()
+                                                 if name in record[key]}, len(differing)), compared
+    return None, compared
+
+
+def time_skew(results: Results) -> list[StepSkew]:
+    from ...ops.op_facts import op_facts
+
+    steps = sorted(set().union(*(per_step.keys() for per_step in results.times.values()))) if results.times else []
+    skews = []
+    for step in steps:
+        per_rank = {rank: {op: ms for op, ms in per_step[step].items() if not op_facts(op).collective}
+                    for rank, per_step in results.times.items() if step in per_step}
+        if len(per_rank) < 2:
+            continue
+        totals = {rank: sum(ops.values()) for rank, ops in per_rank.items()}
+        slowest = max(totals, key=lambda rank: totals[rank])
+        top = sorted(per_rank[slowest].items(), key=lambda item: -item[1])[:TOP_OPS]
+        skews.append(StepSkew(step, totals, slowest, tuple(top)))
+    return skews
+
+
+def analyse(results: Results) -> RunReport:
+    ranks, first = account_ranks(results)
+    desync, compared = compare_replicas(results)
+    return RunReport(results, ranks, first, desync, compared, time_skew(results))

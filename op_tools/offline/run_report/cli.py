@@ -1,0 +1,58 @@
+"""The command line of the run report: read a results folder, analyse, print, save the CSV and the HTML view."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+from ...output import reporting, result_files
+from .analysis import analyse
+from .html_view import render
+from .readers import ResultsError, read_results
+from .report import console_report, csv_rows
+
+EXIT_STATUS = {"clean": 0, "found": 1}
+EXIT_UNREADABLE = 2  # the folder cannot be read, or the arguments are wrong (as argparse's own)
+EXIT_FAILED = 3  # this tool failed: nothing is concluded
+OUTPUT_FOLDER = "op_run_report"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m op_tools.report",
+        description="Read what every op_tools tool wrote on every rank of a run and say what went wrong first (which "
+                    "rank, step, op, module and phase), which ranks only received it (and through which "
+                    "collective), whether the data-parallel replicas agreed after each step, and the time skew "
+                    "between ranks. Exit status: 0 no anomaly in what the tools wrote, 1 an anomaly or a replica "
+                    "desync, 2 the folder cannot be read (or a usage error), 3 the report itself failed.")
+    parser.add_argument("results_dir", help="the run's OP_TOOLS_RESULTS_DIR (holding op_overflow_check_result/, "
+                        "op_autocompare_result/, op_time_measure_result/, op_replica_fingerprints/)")
+    parser.add_argument("--csv", help=f"where to write the CSV (default: RESULTS_DIR/{OUTPUT_FOLDER}/report.csv)")
+    parser.add_argument("--html", help="where to write the HTML view (default: beside the CSV)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        report = analyse(read_results(args.results_dir))
+    except ResultsError as e:
+        print(f"op_tools.report: {e}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    except Exception:  # a failure of this tool: no verdict, neither clean nor found
+        traceback.print_exc()
+        print("op_tools.report: the report failed (a bug of op_tools.report): nothing concluded", file=sys.stderr)
+        return EXIT_FAILED
+    csv_path = args.csv or os.path.join(args.results_dir, OUTPUT_FOLDER, "report.csv")
+    html_path = args.html or os.path.splitext(csv_path)[0] + ".html"
+    try:
+        result_files.write_csv(csv_path, csv_rows(report))
+        result_files.write_text(html_path, render(report))
+    except OSError as e:
+        print(f"op_tools.report: cannot write the report: {type(e).__name__}: {e.strerror or e} ({e.filename})",
+              file=sys.stderr)
+        return EXIT_UNREADABLE
+    reporting.console(console_report(report) + f"\nwritten: {csv_path}, {html_path}")
+    return EXIT_STATUS[report.verdict()]

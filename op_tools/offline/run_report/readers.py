@@ -1,0 +1,184 @@
+"""What every tool wrote on every rank, read from one results folder (``OP_TOOLS_RESULTS_DIR``).
+
+Read, per rank (the ``rank<N>`` subfolder of each tool's folder; a run without torchrun is rank 0):
+
+- OpOverflowCheck's first overflow (``op_overflow_check_result/overflow_*.json``); its folder alone says the tool
+  ran there and found none;
+- OpAutoCompare's comparisons (``op_autocompare_result/op_autocompare_info_*.csv``): the failing rows, and the
+  collectives it checked;
+- OpTimeMeasure's calls (``op_time_measure_result/op_elasped_info_*.csv``, the original's spelling): times per
+  step, and the collectives it timed;
+- the replica fingerprints (``op_replica_fingerprints/fingerprints_*.jsonl``, ``.partial`` from a run that died).
+
+A file that cannot be read is listed in ``Results.unreadable`` with why; a folder with nothing op_tools wrote is a
+``ResultsError``.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import glob
+import json
+import os
+import re
+
+from ...ops.op_facts import op_facts
+
+OVERFLOW_FOLDER = "op_overflow_check_result"
+AUTOCOMPARE_FOLDER = "op_autocompare_result"
+TIME_FOLDER = "op_time_measure_result"
+FINGERPRINT_FOLDER = "op_replica_fingerprints"
+_RANK_FOLDER = re.compile(r"rank(\d+)$")
+
+
+class ResultsError(ValueError):
+    """The folder holds nothing the report can read."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """A call a tool wrote about: an anomaly (``kind`` "inf/nan" or "mismatch") or a collective it saw."""
+
+    rank: int
+    step: int
+    time: float
+    op: str
+    module: str
+    phase: str
+    tool: str
+    kind: str = ""  # "inf/nan", "mismatch"; "" for a collective seen
+    detail: str = ""
+    forward_id: int = 0
+    received: bool = False  # OpOverflowCheck: this rank sent finite values and received inf/nan
+
+    @property
+    def collective(self) -> bool:
+        return op_facts(self.op).collective
+
+    @property
+    def order(self) -> tuple:
+        return (self.step, self.time, self.forward_id)
+
+    def where(self) -> str:
+        module = f" in {self.module}" if self.module else ""
+        return f"{self.op}{module} ({self.phase})"
+
+
+@dataclasses.dataclass
+class Results:
+    folder: str
+    ranks: set[int] = dataclasses.field(default_factory=set)
+    tools: dict[str, set[int]] = dataclasses.field(default_factory=dict)  # tool -> ranks whose folder exists
+    anomalies: list[Event] = dataclasses.field(default_factory=list)
+    collectives: list[Event] = dataclasses.field(default_factory=list)
+    # rank -> step -> op -> milliseconds (forward + backward), from OpTimeMeasure
+    times: dict[int, dict[int, dict[str, float]]] = dataclasses.field(default_factory=dict)
+    # rank -> step -> {"params": {name: checksum}, "grads": {...}}
+    fingerprints: dict[int, dict[int, dict]] = dataclasses.field(default_factory=dict)
+    unreadable: list[str] = dataclasses.field(default_factory=list)  # "path: why"
+    files: int = 0
+
+
+def _rank_folders(root: str, folder: str) -> dict[int, str]:
+    """rank -> its folder under ``root/folder`` (``rank<N>``, or the folder itself outside torchrun: rank 0)."""
+    base = os.path.join(root, folder)
+    if not os.path.isdir(base):
+        return {}
+    ranks = {}
+    for entry in os.listdir(base):
+        match = _RANK_FOLDER.match(entry)
+        if match and os.path.isdir(os.path.join(base, entry)):
+            ranks[int(match.group(1))] = os.path.join(base, entry)
+    return ranks or {0: base}
+
+
+def _number(text, default=0.0) -> float:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return default
+
+
+def _csv_rows(path: str) -> list[dict]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def read_results(folder: str) -> Results:
+    if not os.path.isdir(folder):
+        raise ResultsError(f"{folder} is not a folder (give the OP_TOOLS_RESULTS_DIR of the run)")
+    results = Results(folder)
+    readers = ((OVERFLOW_FOLDER, "OpOverflowCheck", "overflow_*.json", _read_overflow),
+               (AUTOCOMPARE_FOLDER, "OpAutoCompare", "op_autocompare_info_*.csv", _read_autocompare),
+               (TIME_FOLDER, "OpTimeMeasure", "op_elasped_info_*.csv", _read_times),
+               (FINGERPRINT_FOLDER, "fingerprints", "fingerprints_*.jsonl*", _read_fingerprints))
+    for subfolder, tool, pattern, read in readers:
+        for rank, path in sorted(_rank_folders(folder, subfolder).items()):
+            results.tools.setdefault(tool, set()).add(rank)
+            results.ranks.add(rank)
+            for file in sorted(glob.glob(os.path.join(path, pattern))):
+                try:
+                    read(results, rank, file)
+                    results.files += 1
+                except (OSError, ValueError, KeyError, TypeError) as e:
+                    results.unreadable.append(f"{file}: {type(e).__name__}: {e}")
+    if not results.tools:
+        raise ResultsError(f"{folder} holds nothing op_tools wrote (none of {OVERFLOW_FOLDER}/, {AUTOCOMPARE_FOLDER}/, "
+                           f"{TIME_FOLDER}/, {FINGERPRINT_FOLDER}/)")
+    return results
+
+
+def _read_overflow(results: Results, rank: int, path: str) -> None:
+    with open(path, encoding="utf-8") as f:
+        record = json.load(f)
+    if record.get("format") != "op_tools overflow":
+        raise ValueError("not an OpOverflowCheck overflow file")
+    rank = record["rank"] if isinstance(record.get("rank"), int) else rank
+    results.anomalies.append(Event(rank, int(record.get("step", 0)), float(record.get("time", 0.0)), record["op"],
+                                   record.get("module", ""), record.get("phase", "forward"), "OpOverflowCheck",
+                                   "inf/nan", "inf/nan received from another rank" if record.get("received") else
+                                   "first inf/nan from finite inputs", int(record.get("forward_id", 0)),
+                                   bool(record.get("received", False))))
+
+
+def _row_event(row: dict, rank: int, tool: str, op_column: str, **fields) -> Event:
+    row_rank = row.get("rank", "")
+    return Event(int(row_rank) if str(row_rank).isdigit() else rank, int(_number(row.get("step"))),
+                 _number(row.get("time")), row[op_column], row.get("module", ""), row.get("phase", "forward"), tool,
+                 forward_id=int(_number(row.get("forward_id"))), **fields)
+
+
+def _read_autocompare(results: Results, rank: int, path: str) -> None:
+    failed: dict[tuple, Event] = {}
+    for row in _csv_rows(path):
+        if row["verdict"] == "FAIL":
+            key = (row["op"], row["forward_id"], row["phase"])
+            if key not in failed:
+                failed[key] = _row_event(row, rank, "OpAutoCompare", "op", kind="mismatch",
+                                         detail=f"{row.get('name', '')}: {row.get('error_info', '')}".strip(": "))
+        elif op_facts(row["op"]).collective:
+            results.collectives.append(_row_event(row, rank, "OpAutoCompare", "op"))
+    results.anomalies.extend(failed.values())
+
+
+def _read_times(results: Results, rank: int, path: str) -> None:
+    for row in _csv_rows(path):
+        event = _row_event(row, rank, "OpTimeMeasure", "name")
+        scale = 1e-3 if row.get("unit") == "us" else 1.0  # milliseconds
+        spent = (_number(row.get("forward_elasped")) + _number(row.get("backward_elasped"))) * scale
+        per_op = results.times.setdefault(event.rank, {}).setdefault(event.step, {})
+        per_op[event.op] = per_op.get(event.op, 0.0) + spent
+        if event.collective:
+            results.collectives.append(event)
+
+
+def _read_fingerprints(results: Results, rank: int, path: str) -> None:
+    with open(path, encoding="utf-8") as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    if not lines or lines[0].get("format") != "op_tools fingerprints":
+        raise ValueError("not a replica fingerprints file")
+    rank = lines[0].get("rank", rank)
+    steps = results.fingerprints.setdefault(rank, {})
+    for record in lines[1:]:
+        steps[int(record["step"])] = {"params": record.get("params", {}), "grads": record.get("grads", {})}

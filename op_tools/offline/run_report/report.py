@@ -1,0 +1,75 @@
+"""The run report as console lines and CSV rows (the HTML view renders the same rows: html_view.py)."""
+
+from __future__ import annotations
+
+from .analysis import RunReport
+
+CSV_COLUMNS = ("section", "rank", "step", "status", "kind", "op", "module", "phase", "tool", "detail", "through",
+               "from_ranks", "ms")
+
+
+def _ranks(ranks) -> str:
+    return ",".join(map(str, sorted(ranks)))
+
+
+def read_lines(report: RunReport) -> list[str]:
+    results = report.results
+    lines = [f"read: {results.files} file{'s' if results.files != 1 else ''} from "
+             + "; ".join(f"{tool} (ranks {_ranks(ranks)})" for tool, ranks in sorted(results.tools.items()))]
+    lines.extend(f"NOT READ: {problem}" for problem in results.unreadable)
+    return lines
+
+
+def verdict_line(report: RunReport) -> str:
+    if report.first is not None:
+        return f"what went wrong first: {report.first.text()}"
+    if report.desync is not None:
+        return f"what went wrong first: the replicas {report.desync.text()}"
+    received = [r for r in report.ranks if r.status == "received"]
+    if received:
+        return "what went wrong first: not found (no rank's anomaly was born there); " + received[0].text()
+    ranks = len(report.results.ranks)
+    return (f"no anomaly in what the tools wrote on {ranks} rank{'s' if ranks != 1 else ''}"
+            + (" (some files could not be read: above)" if report.results.unreadable else ""))
+
+
+def console_report(report: RunReport) -> str:
+    lines = [f"op_tools.report: {report.results.folder}", *read_lines(report), "ranks:"]
+    lines.extend(f"  {account.text()}" for account in report.ranks)
+    if report.desync is not None:
+        lines.append(f"replicas: {report.desync.text()}")
+    elif report.replicas_compared:
+        lines.append(f"replicas: agree at each of the {report.replicas_compared} steps compared")
+    else:
+        lines.append("replicas: not compared (no fingerprints from two ranks: one rank, or "
+                     "OP_TOOLS_REPLICA_FINGERPRINTS=0)")
+    if report.skew:
+        lines.append("time skew (the calls OpTimeMeasure timed, collectives left out):")
+        lines.extend(f"  {skew.text()}" for skew in report.skew)
+    lines.append(verdict_line(report))
+    return "\n".join(lines)
+
+
+def csv_rows(report: RunReport) -> list[dict]:
+    rows = []
+    for account in report.ranks:
+        event = account.first
+        through = account.through
+        rows.append({"section": "rank", "rank": account.rank, "status": account.status,
+                     "step": event.step if event else (through.step if through else ""),
+                     "kind": event.kind if event else "", "op": event.op if event else "",
+                     "module": event.module if event else "", "phase": event.phase if event else "",
+                     "tool": event.tool if event else "", "detail": event.detail if event else "",
+                     "through": f"{through.op} in {through.module}" if through and through.module else
+                     (through.op if through else ""), "from_ranks": _ranks(account.from_ranks)})
+    if report.desync is not None:
+        d = report.desync
+        rows.extend({"section": "replicas", "rank": rank, "step": d.step, "status": "desync", "kind": d.what,
+                     "op": "", "module": d.name, "detail": f"checksum {value}"} for rank, value in d.checksums.items())
+    for skew in report.skew:
+        for rank, ms in sorted(skew.ms.items()):
+            rows.append({"section": "skew", "rank": rank, "step": skew.step,
+                         "status": "slowest" if rank == skew.slowest else "", "ms": f"{ms:.3f}",
+                         "detail": "; ".join(f"{op} {t:.3f} ms" for op, t in skew.top_ops) if rank == skew.slowest
+                         else ""})
+    return [{c: row.get(c, "") for c in CSV_COLUMNS} for row in rows]

@@ -1,0 +1,5 @@
+import sys
+
+from ..offline.run_report import main
+
+sys.exit(main())

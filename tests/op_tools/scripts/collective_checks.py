@@ -1,0 +1,67 @@
+"""Run by tests/op_tools/test_collective_checks.py under torchrun (2 processes) on sim: each collective OpAutoCompare
+checks against every rank's inputs, in float32, bfloat16 and int32; a result tampered with on rank 1 after the
+collective ran; OpOverflowCheck on an all-reduce that receives rank 1's inf. Writes ``OUT/rank<N>.json``."""
+
+import os
+import sys
+
+import rank_reports  # tests/, on the path torchrun's children get
+import torch
+import torch.distributed as dist
+
+import ditorch  # noqa: F401 - the device layer
+import op_tools
+from op_tools.numerics import collective_reference
+from op_tools.ops.collectives import collective_call
+
+
+def collectives(rank: int, world: int, dtype: torch.dtype) -> None:
+    base = (torch.arange(12, dtype=torch.float32).reshape(3, 4) * (rank + 1) / 7).to(dtype).cuda()
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.ReduceOp.MIN):
+        if op == dist.ReduceOp.AVG and not dtype.is_floating_point:
+            continue
+        t = base.clone()
+        dist.all_reduce(t, op=op)
+    gathered = torch.empty(world * 3, 4, dtype=dtype).cuda()
+    dist.all_gather_into_tensor(gathered, base)
+    parts = [torch.empty_like(base) for _ in range(world)]
+    dist.all_gather(parts, base)
+    scattered = torch.empty(3 * 4 // world * world // world, dtype=dtype).cuda()
+    dist.reduce_scatter_tensor(scattered, base.reshape(-1)[: scattered.numel() * world])
+    root = base.clone()
+    dist.broadcast(root, src=1)
+
+
+def main() -> None:
+    out = sys.argv[1]
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    report: dict = {}
+    with op_tools.OpAutoCompare(results_dir=os.path.join(out, "results")) as compare:
+        for dtype in (torch.float32, torch.bfloat16, torch.int32):
+            collectives(rank, world, dtype)
+    report["checked"] = {"verdict": compare.verdict(), "counts": dict(compare.counts),
+                         "skipped": dict(compare.skipped), "handled": dict(compare.handled)}
+    with op_tools.OpAutoCompare(results_dir=os.path.join(out, "off"), collectives=False) as off:
+        collectives(rank, world, torch.float32)
+    report["off"] = {"verdict": off.verdict(), "counts": dict(off.counts), "skipped": dict(off.skipped)}
+    # A wrong result: the all-reduce ran, then rank 1's copy is changed before the check reads it.
+    t = torch.full((4,), float(rank + 1)).cuda()
+    bound = collective_call("torch.distributed.all_reduce", dist.all_reduce, (t,), {})
+    copies = collective_reference.sent_copies(bound)
+    dist.all_reduce(t)
+    if rank == 1:
+        t[2] += 0.5
+    report["tampered"] = [c.row() for c in collective_reference.verify(bound, copies)]
+    # An inf sent by rank 1 only: rank 0 receives it.
+    sent = torch.tensor([1.0, float("inf") if rank == 1 else 2.0]).cuda()
+    with op_tools.OpOverflowCheck(results_dir=os.path.join(out, "results")) as check:
+        dist.all_reduce(sent)
+    report["overflow"] = str(check.first_overflow).splitlines()[0] if check.first_overflow else ""
+    rank_reports.finish(os.path.join(out, f"rank{rank}.json"), report)
+
+
+if __name__ == "__main__":
+    main()

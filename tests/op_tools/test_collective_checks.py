@@ -1,0 +1,68 @@
+"""Collectives under the tools, 2 processes on sim: OpAutoCompare checks each synchronous collective against a
+reference computed on the host from every rank's inputs (sum, average, maximum, minimum, gathers, reduce-scatter,
+broadcast; float32, bfloat16, int32) and fails a result that differs from it; OP_AUTOCOMPARE_COLLECTIVES=0 counts
+them as skipped; OpOverflowCheck tells an inf received from another rank from one born here."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from subprocess_env import torchrun_on_sim
+
+from op_tools.ops.collectives import collective_call
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "collective_checks.py")
+COLLECTIVES = ("torch.distributed.all_reduce", "torch.distributed.all_gather_single", "torch.distributed.all_gather",
+               "torch.distributed.reduce_scatter_single", "torch.distributed.broadcast")
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    out = tmp_path_factory.mktemp("collectives")
+    result = torchrun_on_sim(SCRIPT, out)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_every_collective_is_checked_against_every_ranks_inputs_and_passes(reports):
+    for report in reports:
+        checked = report["checked"]
+        assert checked["verdict"] == "clean"
+        collectives = sum(checked["handled"][name] for name in COLLECTIVES)
+        assert collectives == 4 + 4 + 3 + 3 * 4  # reductions (no average of int32); per dtype 2 gathers, 2 more
+        assert "collective" not in " ".join(checked["skipped"])  # none skipped: all checked
+        assert checked["counts"]["forward passed"] == checked["counts"]["forward compared"]
+
+
+def test_a_result_that_differs_from_the_ranks_inputs_fails_on_the_rank_that_holds_it(reports):
+    assert reports[0]["tampered"][0]["verdict"] == "pass"
+    failed = reports[1]["tampered"][0]
+    assert failed["verdict"] == "FAIL" and failed["max_abs_diff"] == "0.5"
+    assert failed["error_info"].startswith("1 of 4 elements differ from the sum of 2 ranks' inputs by up to 0.5")
+
+
+def test_the_check_can_be_switched_off_and_then_counts_the_collectives_skipped(reports):
+    for report in reports:
+        assert report["off"]["skipped"]["collective (OP_AUTOCOMPARE_COLLECTIVES=0)"] == 8
+        assert report["off"]["verdict"] == "clean"
+
+
+def test_an_inf_another_rank_sent_is_received_not_born_here(reports):
+    assert reports[0]["overflow"].startswith("first inf/nan received from another rank (this rank sent finite "
+                                             "values): torch.distributed.all_reduce (forward)")
+    assert reports[1]["overflow"] == ""  # rank 1 sent it: made before the tool started, by no call it saw
+
+
+def test_a_collective_binds_what_it_sends_and_receives_by_name():
+    import torch.distributed as dist
+
+    t, out = torch.ones(4), torch.zeros(8)
+    call = collective_call("torch.distributed.all_reduce", dist.all_reduce, (t,), {"op": dist.ReduceOp.AVG})
+    assert call is not None and call.sent[0] is t and call.received[0] is t and call.reduce_op == "avg"
+    gather = collective_call("torch.distributed.all_gather_into_tensor", dist.all_gather_into_tensor, (out, t),
+                             {"async_op": True})
+    assert gather is not None and gather.sent[0] is t and gather.received[0] is out and gather.asynchronous
+    assert collective_call("torch.add", torch.add, (t, t), {}) is None

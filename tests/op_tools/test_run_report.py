@@ -1,0 +1,153 @@
+"""``python -m op_tools.report``, on 2-rank DDP runs of a tiny Llama on sim (torchrun): the rank where a fault is born,
+the rank that received it through DDP's gradient all-reduce, a replica desync named by step and parameter, the time
+skew between ranks; a clean run is clean; the HTML view in a real browser; unreadable folders exit 2."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from browser import chromium, dump_dom
+from subprocess_env import ROOT, child_env, torchrun_on_sim
+
+from op_tools.offline.run_report.analysis import account_ranks
+from op_tools.offline.run_report.readers import Event, Results
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "run_report.py")
+SILU = "torch.nn.functional.silu in model.layers.0.mlp.act_fn (forward)"
+BUCKET = "torch.distributed.all_reduce in DistributedDataParallel (gradient bucket 0)"
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run_report")
+    result = torchrun_on_sim(SCRIPT, out, "clean", "nan", "noise", "desync", timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out
+
+
+def report(folder, *args):
+    return subprocess.run([sys.executable, "-m", "op_tools.report", str(folder), *map(str, args)],
+                          env=child_env(drop=("OP_",)), capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def verdicts(out):
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_a_clean_ddp_run_is_clean_on_both_ranks_and_in_the_report(out):
+    for rank_verdicts in verdicts(out):
+        assert {tool: v["verdict"] for tool, v in rank_verdicts["clean"].items()} == \
+            {"OpOverflowCheck": "clean", "OpAutoCompare": "clean"}
+    done = report(out / "clean")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "replicas: agree at each of the 2 steps compared" in done.stdout
+    assert "\nno anomaly in what the tools wrote on 2 ranks\n" in done.stdout
+    # DDP's gradient all-reduce was checked against both ranks' inputs, once per step, and passed
+    for rank in (0, 1):
+        rows = [row for path in (out / "clean" / "op_autocompare_result" / f"rank{rank}").glob("*.csv")
+                for row in csv.DictReader(path.open())]
+        buckets = [row for row in rows if row["op"] == "torch.distributed.all_reduce"]
+        assert [(row["step"], row["verdict"], row["module"]) for row in buckets] == \
+            [("0", "pass", "DistributedDataParallel (gradient bucket 0)"),
+             ("1", "pass", "DistributedDataParallel (gradient bucket 0)")]
+
+
+def test_a_nan_born_on_rank_1_is_named_there_and_received_by_rank_0_through_the_all_reduce(out):
+    overflow = [v["nan"]["OpOverflowCheck"]["found"] for v in verdicts(out)]
+    assert overflow[0].startswith(f"first inf/nan received from another rank (this rank sent finite values): {BUCKET}")
+    assert overflow[1].startswith(f"first inf/nan from finite inputs: {SILU}")
+    done = report(out / "nan")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"  rank 1: went wrong at step 1: inf/nan in {SILU}, found by OpOverflowCheck\n" in done.stdout
+    assert (f"  rank 0: received it from rank 1 through {BUCKET} at step 1; OpOverflowCheck saw the inf/nan arrive "
+            "there (backward)\n") in done.stdout
+    assert done.stdout.splitlines()[-2].startswith("what went wrong first: rank 1: went wrong at step 1")
+    rows = list(csv.DictReader((out / "nan" / "op_run_report" / "report.csv").open()))
+    ranks = [(r["rank"], r["status"], r["step"], r["op"], r["from_ranks"]) for r in rows if r["section"] == "rank"]
+    assert ranks == [("0", "received", "1", "torch.distributed.all_reduce", "1"),
+                     ("1", "origin", "1", "torch.nn.functional.silu", "")]
+
+
+def test_noise_on_rank_1_is_found_there_and_rank_0_is_marked_as_having_received_it(out):
+    found = [v["noise"]["OpAutoCompare"]["verdict"] for v in verdicts(out)]
+    assert found == ["clean", "found"]  # rank 0's own calls, the all-reduce included, are all correct
+    done = report(out / "noise")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"  rank 1: went wrong at step 1: mismatch in {SILU}, found by OpAutoCompare (output[0]: error" \
+        in done.stdout
+    assert f"  rank 0: received it from rank 1 through {BUCKET} at step 1; no anomaly of its own\n" in done.stdout
+
+
+def test_a_parameter_nudged_on_one_rank_is_named_with_the_step_the_replicas_stopped_agreeing(out):
+    done = report(out / "desync")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert ("replicas: disagree from step 1 (before its optimizer update): parameter "
+            "model.layers.0.mlp.up_proj.weight differs, rank 0 vs rank 1\n") in done.stdout
+
+
+def test_the_slowest_rank_and_where_its_time_goes_per_step(out):
+    done = report(out / "desync")
+    skew = [line for line in done.stdout.splitlines() if re.match(r"  step \d+: slowest rank", line)]
+    assert len(skew) == 3, done.stdout
+    for line in skew:  # rank 1's matmuls were made 2 ms slower each
+        assert "slowest rank 1" in line and "its time goes to torch.nn.functional.linear" in line, line
+
+
+@pytest.mark.skipif(chromium() is None, reason="no chromium to open the view in (apt-get install chromium)")
+def test_the_html_view_shows_each_rank_the_replicas_and_the_skew(out, tmp_path):
+    for scenario in ("nan", "desync"):
+        assert report(out / scenario).returncode == 1
+    page = out / "nan" / "op_run_report" / "report.html"
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", page.read_text())  # nothing fetched from elsewhere
+    dom = dump_dom(chromium(), str(page), "", str(tmp_path / "profile"))
+    assert re.search(r'<div class="rank origin" id="rank-1"><div class="label">rank 1: origin \(first\)</div>'
+                     r'<div class="text">rank 1: went wrong at step 1: inf/nan in torch\.nn\.functional\.silu', dom)
+    assert re.search(r'<div class="rank received" id="rank-0"><div class="label">rank 0: received</div>', dom)
+    desync = dump_dom(chromium(), str(out / "desync" / "op_run_report" / "report.html"), "", str(tmp_path / "p2"))
+    assert '<p id="replicas" class="desync">disagree from step 1' in desync
+    slowest = re.findall(r'<tr class="slowest"><td>(\d+)</td><td>(\d+)</td>', desync)
+    assert slowest == [("0", "1"), ("1", "1"), ("2", "1")]
+
+
+def test_a_folder_with_nothing_op_tools_wrote_or_none_at_all_exits_2(tmp_path):
+    for folder in (tmp_path, tmp_path / "missing"):
+        done = report(folder)
+        assert done.returncode == 2 and done.stdout == ""
+        assert done.stderr.startswith("op_tools.report: "), done.stderr
+
+
+def test_a_damaged_file_is_named_and_the_rest_still_read(out, tmp_path):
+    import shutil
+
+    shutil.copytree(out / "nan", tmp_path / "nan")
+    (tmp_path / "nan" / "op_overflow_check_result" / "rank1" / "overflow_damaged.json").write_text("{")
+    done = report(tmp_path / "nan")
+    assert done.returncode == 1
+    assert "NOT READ: " in done.stdout and "overflow_damaged.json: JSONDecodeError" in done.stdout
+
+
+def _event(rank, step, op, **fields):
+    return Event(rank, step, float(step), op, "", "forward", "OpOverflowCheck", "inf/nan", **fields)
+
+
+def test_a_collective_that_itself_computed_wrong_is_an_origin_not_a_receiver():
+    results = Results("x", ranks={0, 1})
+    results.anomalies = [
+        Event(0, 0, 1.0, "torch.distributed.all_reduce", "", "forward", "OpAutoCompare", "mismatch"),
+        _event(1, 0, "torch.distributed.all_reduce", received=True)]
+    accounts, first = account_ranks(results)
+    assert [a.status for a in accounts] == ["origin", "received"]
+    assert first is not None and first.rank == 0 and accounts[1].from_ranks == (0,)
+
+
+def test_a_rank_with_no_collective_after_the_fault_is_not_said_to_have_received_it():
+    results = Results("x", ranks={0, 1})
+    results.anomalies = [_event(1, 0, "torch.nn.functional.silu")]
+    accounts, _ = account_ranks(results)
+    assert [a.status for a in accounts] == ["clean", "origin"]
