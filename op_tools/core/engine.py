@@ -296,6 +296,7 @@ class OpTool:
         self._can_match = True
         self._step_base = STEPS.acquire()
         REPLICAS.acquire(self.common, self.stem)
+        gradient_communication.acquire()
         self._activations.append(self._activate())
         compiled_regions.enter(type(self).__name__, self._logger)
         # a LIST no call can match needs no module paths (the global module hooks slow every module call)
@@ -343,6 +344,7 @@ class OpTool:
         compiled_regions.exit()
         STEPS.release()
         REPLICAS.release()
+        gradient_communication.release()
         if self._tracking.pop():
             module_path.release()
         if not self._activations:

@@ -1,27 +1,36 @@
-"""DDP's gradient buckets as calls the tools see: a communication hook that runs DDP's all-reduce through
-``torch.distributed.all_reduce`` while a tool handles this thread's calls.
+"""Gradient communication as calls the tools see: DDP's gradient buckets, and the collectives FSDP (or any hook)
+makes during backward.
 
-DDP reduces its gradient buckets in its C++ reducer, where no tool sees them: a NaN another rank sent arrives in the
-gradients unannounced, and nothing times or checks the all-reduce. DDP's communication hook API is the place to see
-them. The hook is registered on a ``DistributedDataParallel`` model the first time it runs forward while a tool that
-tracks modules is started (``module_path.root_listeners``); a model with a hook of its own keeps it (said once).
+A tool handles calls through a ``__torch_function__`` mode, and ``backward()`` runs with no mode on the stack (the
+mode is off the stack while it handles the ``backward`` call itself), so what runs inside backward is not handled:
 
-While a tool is started, a bucket is divided by the group's size and all-reduced
-synchronously (the numbers of DDP's default: divide, then sum), inside the module path
-``DistributedDataParallel (gradient bucket <i>)``, with the tools' modes entered (autograd calls the hook with no
-mode on the stack); otherwise the hook is DDP's own default, ``allreduce_hook``
-(asynchronous, overlapping backward). The hook stays registered when the tools stop: DDP cannot unregister one.
+- DDP reduces its gradient buckets in its C++ reducer, where no tool sees them: a NaN another rank sent arrives in
+  the gradients unannounced, and nothing times or checks the all-reduce. DDP's communication hook API is the place
+  to see them: ``bucket_all_reduce`` is registered on a ``DistributedDataParallel`` model the first time it runs
+  forward while a tool that tracks modules is started (``module_path.root_listeners``); a model with a hook of its
+  own keeps it (said once). While a tool is started, a bucket is divided by the group's size and all-reduced
+  synchronously (the numbers of DDP's default: divide, then sum) with the tools' modes entered, inside the module
+  path ``DistributedDataParallel (gradient bucket <i>)``; otherwise the hook is DDP's own default,
+  ``allreduce_hook`` (asynchronous, overlapping backward). It stays registered when the tools stop: DDP cannot
+  unregister one.
+- FSDP's reduce-scatters (FSDP1's and FSDP2's post-backward), and any collective a backward hook makes, call
+  ``torch.distributed``'s functions: while a tool is started (``acquire``/``release``, counted), the collectives of
+  ``collectives.py``'s table are wrappers in the ``torch.distributed`` namespace that enter the started tools' modes
+  missing from the stack, then call the function; the originals are put back with the last tool.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import threading
 import weakref
 from typing import Any, Callable
 
 import torch
 
+from ..ops.collectives import COLLECTIVE_NAMES
 from . import module_path
 
 _hooked: weakref.WeakSet = weakref.WeakSet()
@@ -81,3 +90,53 @@ def _hook_ddp(module: torch.nn.Module) -> None:
 
 
 module_path.root_listeners.append(_hook_ddp)
+
+
+_users = 0
+_originals: dict[str, Callable] = {}
+_lock = threading.Lock()
+
+
+def _entering_tools(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def collective(*args, **kwargs):
+        modes = _modes_to_enter()
+        if not modes:
+            return original(*args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            for mode in modes:
+                stack.enter_context(mode)
+            return original(*args, **kwargs)
+
+    return collective
+
+
+def acquire() -> None:
+    """While a tool is started: the table's collectives enter the tools' modes where none is on the stack."""
+    global _users
+    with _lock:
+        _users += 1
+        if _users > 1:
+            return
+        import torch.distributed as dist
+
+        for name in COLLECTIVE_NAMES:
+            original = getattr(dist, name, None)
+            if callable(original):
+                _originals[name] = original
+                setattr(dist, name, _entering_tools(original))
+
+
+def release() -> None:
+    global _users
+    with _lock:
+        if _users == 0:
+            return
+        _users -= 1
+        if _users:
+            return
+        import torch.distributed as dist
+
+        for name, original in _originals.items():
+            setattr(dist, name, original)
+        _originals.clear()

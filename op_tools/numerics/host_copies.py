@@ -26,6 +26,8 @@ import weakref
 
 import torch
 
+from ..ops.arguments import whole
+
 _CPU = torch.device("cpu")
 
 
@@ -132,9 +134,11 @@ def _locate(t: torch.Tensor):
 
 
 def snapshot(t: torch.Tensor) -> torch.Tensor:
-    """A CPU copy outside autograd: grad disabled (a detach would be one more device op) where it matters."""
+    """A CPU copy outside autograd: grad disabled (a detach would be one more device op) where it matters. A DTensor
+    is copied whole (``arguments.whole``: a collective every rank makes at the same call); it is never cached, as
+    it has no storage of its own (``_locate``)."""
     with grad_mode(False) if t.requires_grad else _UNCHANGED:
-        return t.to(device=_CPU, copy=True)
+        return whole(t).to(device=_CPU, copy=True)
 
 
 _UNCHANGED = contextlib.nullcontext()

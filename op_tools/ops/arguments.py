@@ -45,9 +45,18 @@ def local_part(value):
     return value
 
 
-def has_dtensor(obj) -> bool:
+def whole(value):
+    """A DTensor as the global tensor it stands for (``full_tensor()``: gathered, or reduced from partial sums, over
+    its mesh: a collective, which every rank makes at the same call of the same program), any other value as it is."""
     dtensor = dtensor_class()
-    return dtensor is not None and any(isinstance(t, dtensor) for t in iter_tensors(obj))
+    if dtensor is not None and isinstance(value, dtensor):
+        return value.full_tensor()
+    return value
+
+
+def is_dtensor(value) -> bool:
+    dtensor = dtensor_class()
+    return dtensor is not None and isinstance(value, dtensor)
 
 
 def iter_tensors(obj) -> Iterator[torch.Tensor]:

@@ -41,6 +41,7 @@ _SIGNATURES = {
     "reduce": CollectiveSignature("reduce", "tensor", "tensor", reduces=True),
 }
 _PREFIX = "torch.distributed."
+COLLECTIVE_NAMES = tuple(_SIGNATURES)  # their names in the torch.distributed namespace
 
 
 @dataclasses.dataclass

@@ -107,7 +107,9 @@ def _name_of(func) -> str:
     if short:  # private functions resolve_name does not list (torch._foreach_add_, …), torch.distributed.*
         for prefix, path in _NAMESPACES:
             namespace = import_path(path)
-            if namespace is not None and getattr(namespace, short, None) is func:
+            found = getattr(namespace, short, None) if namespace is not None else None
+            # the function itself, or a wrapper of it there (op_tools' own around torch.distributed's collectives)
+            if found is not None and (found is func or getattr(found, "__wrapped__", None) is func):
                 return f"{prefix}.{short}"
     qualname = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or type(func).__name__
     module = getattr(func, "__module__", None)

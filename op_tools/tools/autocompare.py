@@ -74,7 +74,7 @@ from ..numerics.reference import (
     run_reference,
     run_same_dtype,
 )
-from ..ops.arguments import has_dtensor, iter_items, iter_tensors, map_tensors
+from ..ops.arguments import is_dtensor, iter_items, iter_tensors, map_tensors
 from ..ops.collectives import collective_call, signature_of
 from ..ops.op_facts import cached_on_facts, op_facts
 from ..ops.random_calls import GeneratorProbe, cpu_generator_token, random_reason, skip_text
@@ -233,9 +233,8 @@ class OpAutoCompare(OpTool):
         if reason is not None:
             state.skip = reason
             return
-        if has_dtensor((call.args, call.kwargs)):
-            raise NotImplementedError("a DTensor argument: OpAutoCompare does not compare calls on DTensors (parts of "
-                                      "the tensor are on other ranks); the call is counted as not checked")
+        # A DTensor is compared whole: its copies are its full tensor (host_copies.snapshot), the reference runs on
+        # the global tensors, and the result is gathered the same way.
         # Copies are reused across calls only when every call is seen (a mode): targeted wrappers and apply_feature
         # see only their functions, and the writes of the others (an optimizer's) would leave copies stale.
         get, tensors = self._copies.get if self.sees_every_call else _fresh_copy, []
@@ -410,7 +409,8 @@ class OpAutoCompare(OpTool):
     def _compared_value(self, t: torch.Tensor, written: bool) -> torch.Tensor:
         """What ``t`` is compared as: itself on its device when large, held in the device's own memory, and the device
         computes in float64 (only the statistics come back); else a host copy, remembered for the next call."""
-        if t.numel() >= DEVICE_STATISTICS_MIN and _in_device_memory(t) and self._float64_on(t.device):
+        if t.numel() >= DEVICE_STATISTICS_MIN and not is_dtensor(t) and _in_device_memory(t) and \
+                self._float64_on(t.device):
             if written:
                 self._copies.forget([t])
             return t

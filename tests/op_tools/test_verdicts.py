@@ -141,12 +141,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_op_autocompare_on_a_dtensor_says_it_did_not_compare_and_exits_4(tmp_path):
+def test_op_autocompare_compares_a_dtensor_call_on_its_whole_tensor_and_finds_a_fault(tmp_path):
     output, status = _run_dtensor_script("autocompare", tmp_path)
-    assert status == 4, output[-3000:]
-    assert ("2 calls not checked (the tool failed), the first torch.nn.functional.silu: NotImplementedError: "
-            "a DTensor argument") in output
-    assert "no op failed" not in output
+    assert status == 0, output[-3000:]
+    assert "not checked;" not in output.replace("0 not checked;", "") and "no op failed" in output
+    output, status = _run_dtensor_script("autocompare", tmp_path, faults="silu:noise=1e-2")
+    assert status == 3, output[-3000:]
+    assert "|   1   | torch.nn.functional.silu | forward |" in output, output[-3000:]
 
 
 def test_op_overflow_check_checks_the_part_of_a_dtensor_this_rank_holds(tmp_path):

@@ -78,7 +78,12 @@ def main() -> None:
     with op_tools.OpAutoCompare(results_dir=os.path.join(out, "results")) as compare:
         mlp(x).square().mean().backward()
     report["tp"]["OpAutoCompare"] = {"verdict": compare.verdict(), "found": compare.found(),
-                                     "not_checked": compare.not_checked()}
+                                     "not_checked": compare.not_checked(), "counts": dict(compare.counts)}
+    mlp.zero_grad()
+    with ditorch.sim.faults("silu:noise=1e-2" if rank == 1 else ""):
+        with op_tools.OpAutoCompare(results_dir=os.path.join(out, "results_tp_noise")) as compare:
+            mlp(x).square().mean().backward()
+    report["tp"]["OpAutoCompare noise"] = {"verdict": compare.verdict(), "failures": compare.failures}
     rank_reports.finish(os.path.join(out, f"rank{rank}.json"), report)
 
 
