@@ -42,9 +42,11 @@ class OpDtypeCast(OpTool):
         self.config_text = ",".join(f"{a}->{b}" for a, b in self.cast.items())
 
     def accepts(self, name: str) -> bool:
-        # Views must alias their base; explicit conversions mean what they say.
+        # Views must alias their base; explicit conversions mean what they say; a collective's dtype is agreed with
+        # every other rank (one rank widening alone would send other bytes than the others expect).
         facts = op_facts(name)
-        return not facts.view and not facts.conversion and not name.startswith("torch.Tensor.__get")
+        return not facts.view and not facts.conversion and not facts.collective and \
+            not name.startswith("torch.Tensor.__get")
 
     def run(self, call: OpCall):
         with tool_work():

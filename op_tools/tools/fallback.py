@@ -102,9 +102,11 @@ class OpFallback(OpTool):
     env_prefix = "OP_FALLBACK"
 
     def accepts(self, name: str) -> bool:
-        # Device moves must stay device moves, and views must keep aliasing their base.
+        # Device moves must stay device moves, views must keep aliasing their base, and a collective runs with every
+        # other rank on the device's communication library (NCCL takes no host tensors).
         facts = op_facts(name)
-        return not facts.conversion and not facts.view and not name.startswith("torch.Tensor.__get")
+        return not facts.conversion and not facts.view and not facts.collective and \
+            not name.startswith("torch.Tensor.__get")
 
     def run(self, call: OpCall):
         with tool_work(), emulated(DeviceMath.of(call.device).autocast_only()):

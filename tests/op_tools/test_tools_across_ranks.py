@@ -110,24 +110,30 @@ def test_noise_in_a_tensor_parallel_mlp_is_found_in_the_faulty_op_on_the_faulty_
     assert (first["op"], first["phase"], first["module"]) == ("torch.nn.functional.silu", "forward", "MLP")
 
 
-def test_fsdp2_under_op_autocompare_compares_every_call_and_checks_its_all_gathers_and_reduce_scatters(tmp_path):
-    # FSDP2 all-gathers its parameters before each module runs (forward, and again in backward) and reduce-scatters
-    # the gradients in its post-backward hooks, which run inside backward(): each is checked against both ranks'
-    # inputs. The forward and backward ops see whole tensors; the optimizer's calls on the DTensor shards are
-    # compared on the whole tensors (gathered). Nothing goes unchecked: the run exits 0.
+# 3 steps. FSDP2: 3 all-gathers in forward and 2 more in backward per step, 3 reduce-scatters; FSDP1 (one unit,
+# flat parameters): its all-gathers and one reduce-scatter per step.
+FSDP_COLLECTIVES = {"fsdp2": {"torch.distributed.all_gather_single": 15, "torch.distributed.reduce_scatter_single": 9},
+                    "fsdp1": {"torch.distributed.all_gather_single": 4, "torch.distributed.reduce_scatter_single": 3}}
+
+
+@pytest.mark.parametrize("plan", sorted(FSDP_COLLECTIVES))
+def test_fsdp_under_op_autocompare_compares_every_call_and_checks_its_all_gathers_and_reduce_scatters(tmp_path, plan):
+    # FSDP all-gathers its parameters before a module runs (forward, and again in backward) and reduce-scatters the
+    # gradients in its post-backward hooks, which run inside backward(): each is checked against both ranks' inputs.
+    # The forward and backward ops see whole tensors; FSDP2's optimizer calls on DTensor shards are compared on the
+    # whole tensors (gathered), FSDP1's on its flat shards. Nothing goes unchecked: the run exits 0.
     script = os.path.join(ROOT, "tests", "ditorch", "scripts", "parallel_llama.py")
-    result = torchrun_on_sim("-m", "op_tools", "autocompare", script, tmp_path, "fsdp2",
+    result = torchrun_on_sim("-m", "op_tools", "autocompare", script, tmp_path, plan,
                              extra={"OP_TOOLS_RESULTS_DIR": str(tmp_path / "results")})
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     for rank in (0, 1):
-        report = json.loads((tmp_path / f"fsdp2.rank{rank}.json").read_text())
+        report = json.loads((tmp_path / f"{plan}.rank{rank}.json").read_text())
         assert "error" not in report and len(report["losses"]) == 3
         summary = next(line for line in output.splitlines() if line.startswith(f"[rank{rank}] OpAutoCompare summary"))
         assert summary.count(" 0 failed, 0 not checked;") == 2, summary  # forward and backward
         rows = [row for path in (tmp_path / "results" / "op_autocompare_result" / f"rank{rank}").glob("*.csv")
                 for row in csv.DictReader(path.open())]
         checked = collections.Counter(row["op"] for row in rows if row["op"].startswith("torch.distributed."))
-        # 3 steps: 3 all-gathers in forward, 2 more in backward, 3 reduce-scatters; all passed
-        assert checked == {"torch.distributed.all_gather_single": 15, "torch.distributed.reduce_scatter_single": 9}
+        assert checked == FSDP_COLLECTIVES[plan]
         assert all(row["verdict"] == "pass" for row in rows if row["op"] in checked)
