@@ -87,15 +87,22 @@ def _gathered(copies: list[torch.Tensor], twin, size: int) -> list[list[torch.Te
     return per_rank
 
 
-def _reduce(values: list[torch.Tensor], op: str) -> torch.Tensor:
-    stacked = torch.stack(values)
+def _reduce(stacked: torch.Tensor, op: str) -> torch.Tensor:
+    """The ranks' tensors (stacked on dim 0) reduced as ``op`` reduces them."""
     if op == "sum":
         return stacked.sum(0)
     if op == "avg":
-        return stacked.sum(0) / len(values) if stacked.is_floating_point() else stacked.sum(0) // len(values)
+        return stacked.sum(0) / len(stacked) if stacked.is_floating_point() else stacked.sum(0) // len(stacked)
     if op == "product":
         return stacked.prod(0)
     return stacked.amax(0) if op == "max" else stacked.amin(0)
+
+
+def _reduced(values: list[torch.Tensor], op: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reduction of ``values`` and the sum of their magnitudes (what its rounding scales with), from one stack."""
+    stacked = torch.stack(values)
+    result = _reduce(stacked, op)
+    return result, stacked.abs_().sum(0)
 
 
 def _expected(call: CollectiveCall, per_rank: list[list[torch.Tensor]], index: int, ranks: list[int]):
@@ -103,8 +110,8 @@ def _expected(call: CollectiveCall, per_rank: list[list[torch.Tensor]], index: i
     first = [rank_copies[0] for rank_copies in per_rank]
     kind = call.kind
     if kind == "all_reduce":
-        scale = torch.stack(first).abs().sum(0)
-        return [_reduce(first, call.reduce_op)], [scale]
+        result, scale = _reduced(first, call.reduce_op)
+        return [result], [scale]
     if kind == "broadcast":
         src = call.arguments.get("src")
         group_src = call.arguments.get("group_src")
@@ -119,7 +126,8 @@ def _expected(call: CollectiveCall, per_rank: list[list[torch.Tensor]], index: i
         parts = [rank_copies[index] for rank_copies in per_rank]
     else:
         parts = [f.reshape(len(ranks), -1)[index].view(call.received[0].shape) for f in first]
-    return [_reduce(parts, call.reduce_op)], [torch.stack(parts).abs().sum(0)]
+    result, scale = _reduced(parts, call.reduce_op)
+    return [result], [scale]
 
 
 def verify(call: CollectiveCall, copies: list[torch.Tensor]) -> list[Comparison]:
@@ -140,28 +148,35 @@ def verify(call: CollectiveCall, copies: list[torch.Tensor]) -> list[Comparison]
 
 def _compare(name: str, got: torch.Tensor, reference: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
              n: int, call: CollectiveCall) -> Comparison:
+    """``got`` (float64 or int64) against ``reference``: each element within the reduction's bound of it (in place
+    where it can: these are whole gradient buckets, tens of megabytes)."""
     if got.shape != reference.shape:
         return Comparison(name, False, False, error_info=f"received shape {tuple(got.shape)}, the reference's "
                                                          f"{tuple(reference.shape)}")
-    diff = (got - reference).abs()
-    max_abs = float(diff.max()) if diff.numel() else 0.0
+    diff = (got - reference).abs_()
     ref_abs = reference.abs()
-    max_rel = float((diff / ref_abs.clamp_min(1e-300)).max()) if diff.numel() else 0.0
-    both_nan = got.isnan() & reference.isnan() if got.is_floating_point() else None
     if dtype.is_floating_point and scale is not None and call.reduce_op in ("sum", "avg"):
-        eps = torch.finfo(dtype).eps
+        info = torch.finfo(dtype)
         # rounding of n partial sums in the dtype, the division of an average, and the tiniest normal number
-        allowed = n * eps * scale / (n if call.reduce_op == "avg" else 1) + eps * ref_abs + torch.finfo(dtype).tiny
+        allowed = scale.mul_(n * info.eps / (n if call.reduce_op == "avg" else 1)).add_(ref_abs, alpha=info.eps)
+        allowed.add_(info.tiny)
         bound = f"{n} ranks × eps of {dtype} × the sum of |inputs|"
     else:
-        allowed = torch.zeros_like(ref_abs)
+        allowed = torch.zeros((), dtype=diff.dtype)
         bound = "exact"
     bad = diff > allowed
-    if both_nan is not None:
-        bad = (bad | (got.isnan() != reference.isnan())) & ~both_nan
+    if got.is_floating_point() and bool(diff.isnan().any()):  # nan where only one side holds nan (or inf - inf)
+        bad |= got.isnan() != reference.isnan()
+    max_abs = float(diff.nan_to_num(nan=0.0).max()) if diff.numel() else 0.0
+    if not diff.numel():
+        max_rel = 0.0
+    elif diff.is_floating_point():
+        max_rel = float(diff.div_(ref_abs.clamp_min_(1e-300)).nan_to_num(nan=0.0).max())
+    else:  # integers: true division gives floats
+        max_rel = float((diff / ref_abs.clamp_min(1)).max())
     passed = not bool(bad.any())
     what = call.reduce_op or call.kind
-    info = "" if passed else (f"{int(bad.sum())} of {bad.numel()} elements differ from the {what} of {n} ranks' "
+    text = "" if passed else (f"{int(bad.sum())} of {bad.numel()} elements differ from the {what} of {n} ranks' "
                               f"inputs by up to {max_abs:.3g} (allowed: {bound})")
     return Comparison(name, passed, passed, max_abs, max_rel, atol=float(allowed.max()) if allowed.numel() else 0.0,
-                      error_info=info)
+                      error_info=text)
