@@ -16,6 +16,7 @@ sent bytes over gloo per collective. OP_AUTOCOMPARE_COLLECTIVES=0 switches it of
 
 from __future__ import annotations
 
+import datetime
 import threading
 
 import torch
@@ -27,10 +28,16 @@ _VERIFIED = {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
 _REDUCTIONS = {"sum", "avg", "max", "min", "product"}
 _twins: dict[tuple[int, ...], object] = {}
 _twins_lock = threading.Lock()
+# How long a rank waits for the others at a check: they reach it right after the collective itself, so only a rank
+# that runs no check (a tool started on some ranks only) keeps it waiting; then the checks stop for the process.
+TIMEOUT = datetime.timedelta(seconds=120)
+_stopped: list[str] = []  # why the checks stopped, once one timed out or failed
 
 
 def unverifiable(call: CollectiveCall) -> str | None:
     """Why this collective's result cannot be checked here, or None."""
+    if _stopped:
+        return _stopped[0]
     if call.asynchronous:
         return "asynchronous collective (its result is ready only when waited for)"
     if call.kind not in _VERIFIED:
@@ -62,7 +69,14 @@ def _twin(group) -> tuple[object, list[int]]:
     with _twins_lock:
         twin = _twins.get(key)
         if twin is None:
-            twin = _twins[key] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+            # Every member says it checks before the group is made: a rank that runs no tool never answers, and the
+            # store's wait ends at TIMEOUT (making a gloo group would wait minutes for it).
+            store = dist.distributed_c10d._get_default_store()
+            prefix = "op_tools/collective_checks/" + ",".join(map(str, ranks))
+            store.set(f"{prefix}/{dist.get_rank()}", "checking")
+            store.wait([f"{prefix}/{rank}" for rank in ranks], TIMEOUT)
+            twin = _twins[key] = dist.new_group(list(ranks), backend="gloo", timeout=TIMEOUT,
+                                                use_local_synchronization=True)
     return twin, ranks
 
 
@@ -134,9 +148,17 @@ def verify(call: CollectiveCall, copies: list[torch.Tensor]) -> list[Comparison]
     """Compare what this rank received with the reference from every rank's ``copies`` (of what they sent)."""
     import torch.distributed as dist
 
-    twin, ranks = _twin(call.group)
-    index = ranks.index(dist.get_rank())
-    per_rank = _gathered(copies, twin, len(ranks))
+    try:
+        twin, ranks = _twin(call.group)
+        index = ranks.index(dist.get_rank())
+        per_rank = _gathered(copies, twin, len(ranks))
+    except Exception as error:
+        # This call goes unchecked (raised: the tool counts it); the later ones are skipped with the reason, rather
+        # than each waiting TIMEOUT for ranks that do not check.
+        _stopped.append("collective (checks stopped: gathering the ranks' inputs failed or timed out, is the tool "
+                        "running on every rank?)")
+        raise RuntimeError(f"gathering every rank's inputs failed or timed out after {TIMEOUT.total_seconds():g} s "
+                           f"(is the tool running on every rank?): {type(error).__name__}: {error}") from error
     expected, scales = _expected(call, per_rank, index, ranks)
     comparisons = []
     for i, (received, reference, scale) in enumerate(zip(call.received, expected, scales)):

@@ -56,6 +56,17 @@ def test_an_inf_another_rank_sent_is_received_not_born_here(reports):
     assert reports[1]["overflow"] == ""  # rank 1 sent it: made before the tool started, by no call it saw
 
 
+def test_a_tool_on_one_rank_only_waits_for_the_others_no_longer_than_the_timeout_then_stops_checking(reports):
+    alone = reports[0]["one_sided"]
+    assert alone["verdict"] == "unchecked"  # never clean: the first all-reduce could not be checked
+    assert ("1 call not checked (the tool failed), the first torch.distributed.all_reduce: RuntimeError: gathering "
+            "every rank's inputs failed or timed out after 10 s (is the tool running on every rank?)") \
+        in alone["not_checked"]
+    assert list(alone["skipped"]) == ["collective (checks stopped: gathering the ranks' inputs failed or timed out, "
+                                      "is the tool running on every rank?)"]
+    assert reports[0]["one_sided_values"] == reports[1]["one_sided_values"] == [4.0] * 4  # the run went on
+
+
 def test_a_collective_binds_what_it_sends_and_receives_by_name():
     import torch.distributed as dist
 

@@ -2,6 +2,7 @@
 checks against every rank's inputs, in float32, bfloat16 and int32; a result tampered with on rank 1 after the
 collective ran; OpOverflowCheck on an all-reduce that receives rank 1's inf. Writes ``OUT/rank<N>.json``."""
 
+import datetime
 import os
 import sys
 
@@ -38,6 +39,7 @@ def main() -> None:
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     rank, world = dist.get_rank(), dist.get_world_size()
+    collective_reference.TIMEOUT = datetime.timedelta(seconds=10)  # the one-sided case below waits this long
     report: dict = {}
     with op_tools.OpAutoCompare(results_dir=os.path.join(out, "results")) as compare:
         for dtype in (torch.float32, torch.bfloat16, torch.int32):
@@ -60,6 +62,18 @@ def main() -> None:
     with op_tools.OpOverflowCheck(results_dir=os.path.join(out, "results")) as check:
         dist.all_reduce(sent)
     report["overflow"] = str(check.first_overflow).splitlines()[0] if check.first_overflow else ""
+    # The tool on rank 0 only: its check waits for rank 1 no longer than the timeout, then the checks stop.
+    one_sided = torch.ones(4).cuda()
+    if rank == 0:
+        with op_tools.OpAutoCompare(results_dir=os.path.join(out, "one_sided")) as alone:
+            dist.all_reduce(one_sided)
+            dist.all_reduce(one_sided)
+        report["one_sided"] = {"verdict": alone.verdict(), "not_checked": alone.not_checked(),
+                               "skipped": dict(alone.skipped)}
+    else:
+        dist.all_reduce(one_sided)
+        dist.all_reduce(one_sided)
+    report["one_sided_values"] = one_sided.cpu().tolist()
     rank_reports.finish(os.path.join(out, f"rank{rank}.json"), report)
 
 
