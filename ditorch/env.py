@@ -85,11 +85,14 @@ class EnvVar:
     default: str
     meaning: str
     parse: Callable[[str], Any]
+    # A misspelt name of such a variable is an error, not a warning: the run would go on, on another device.
+    selects_device: bool = False
 
 
 VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("DITORCH_BACKEND", "one of " + ", ".join(BACKEND_NAMES) + " (empty: detect)", "",
-           "Force the backend instead of detecting it; an unavailable backend is an error.", parse_backend),
+           "Force the backend instead of detecting it; an unavailable backend is an error.", parse_backend,
+           selects_device=True),
     EnvVar("DITORCH_QUIET", "0 or 1", "0",
            "1 silences the banner line printed by `import ditorch` (and the no-accelerator line).", parse_flag),
     EnvVar("DITORCH_DISABLE_MOCK", "0 or 1", "0",
@@ -100,12 +103,14 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("DITORCH_SIM_DEVICE_COUNT", "a positive integer (the number of sim devices)", "",
            "How many sim devices `ditorch.sim.register()` creates; unset: one per local rank under torchrun "
            "(`LOCAL_WORLD_SIZE`), else 1, so `torch.cuda.set_device(local_rank)` works as on a real node.",
-           parse_optional_positive_int),
+           parse_optional_positive_int, selects_device=True),
     EnvVar("DITORCH_SIM_FAULTS", "'pattern[@dtype]:kind' joined by ';' (see ditorch/sim/fault_injection.py)", "",
            "Faults the sim device injects into matching aten ops.", parse_sim_faults),
     EnvVar("DITORCH_SIM_TF32", "0, 1 (both), or a comma list of matmul, conv", "0",
-           "Float32 op families the sim device computes with TF32 operands, as tensor cores do "
-           "(`torch.sim.matmul.allow_tf32`, `torch.sim.conv.allow_tf32`); off keeps sim bit-identical to the CPU.",
+           "Float32 op families the sim device computes with TF32 operands, as tensor cores do, turned on by "
+           "`ditorch.sim.register()`: matmul sets `torch.backends.cuda.matmul.allow_tf32` (sim's matmuls follow it "
+           "as cuBLAS does; `torch.sim.matmul.allow_tf32` is the same switch), conv `torch.sim.conv.allow_tf32`. "
+           "0 leaves both as the script sets them; off, sim is bit-identical to the CPU.",
            parse_sim_tf32),
     EnvVar("DITORCH_SIM_SDPA", "math, or chunked[:<keys per block>]", "math",
            "The algorithm of `scaled_dot_product_attention` on the sim device: PyTorch's math path, or a "
@@ -130,13 +135,25 @@ USED_ELSEWHERE = {
 
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
-    """A warning for each ``DITORCH_*`` variable set that ditorch does not read, with the closest name it reads."""
+    """A warning for each ``DITORCH_*`` variable set that ditorch does not read, with the closest name it reads.
+
+    Raises ``ValueError`` instead for a misspelt variable that chooses the device (``DITORCH_BACKNED=sim``) while
+    the right one is unset: the run would otherwise go on, on another device, and fail far from the cause.
+
+    >>> unknown_variables({"DITORCH_QUITE": "1"})
+    ['DITORCH_QUITE is not a variable ditorch reads; did you mean DITORCH_QUIET?']
+    """
     environ = os.environ if environ is None else environ
     known = [*VARIABLES, *USED_ELSEWHERE]
     found = []
     for name in sorted(environ):
         if name.startswith("DITORCH_") and name not in known:
             close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            meant = VARIABLES.get(close[0]) if close else None
+            if meant is not None and meant.selects_device and meant.name not in environ:
+                raise ValueError(f"{name} is not a variable ditorch reads; did you mean {meant.name}? Ignored, the "
+                                 f"run would go on without it, on devices other than those it asks for: set "
+                                 f"{meant.name}={environ[name]} instead, or unset {name}.")
             hint = f"; did you mean {close[0]}?" if close else " (docs/env_variables.md lists them)"
             found.append(f"{name} is not a variable ditorch reads{hint}")
     return found

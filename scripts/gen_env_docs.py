@@ -18,8 +18,10 @@ from generated_page import write_or_check
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "docs", "env_variables.md")
 
-# Read by op_tools but set by the launcher, not by users: not declared as op_tools variables.
+# Read by op_tools but set by the launcher or the shell, not for op_tools: not declared as op_tools variables.
 LAUNCHER_VARIABLES = {
+    "COLUMNS": "set by the shell (or by hand): the terminal's width, which console tables fit when "
+               "`OP_TOOLS_TABLE_WIDTH` is unset, read as `shutil.get_terminal_size` reads it",
     "RANK": "set by torchrun: with WORLD_SIZE, tools write under a `rank<N>/` folder",
     "WORLD_SIZE": "set by torchrun: see RANK",
     "LOCAL_WORLD_SIZE": "set by torchrun: the ranks on this node; sim and the host offer one device per local rank "

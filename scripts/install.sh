@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install ditorch (editable) with its dependencies, never replacing the torch already installed.
 # Where no torch is importable, install the pinned CPU build: an unpinned `torch` would make pip
-# download gigabytes of CUDA packages. Usage: scripts/install.sh [extra]   (extra: test, npu, ...)
+# download gigabytes of CUDA packages. Usage: scripts/install.sh [extra]   (extra: test, npu, ...;
+# default: conformance)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -20,6 +21,8 @@ fi
 constraint=$(mktemp)
 trap 'rm -f "$constraint"' EXIT
 echo "torch==$version" >"$constraint"
-target="."
+# The default brings the conformance extra (expecttest, one small package): `make demo` then runs
+# `python -m op_tools.conformance` as the README writes it.
+target=".[conformance]"
 [ $# -gt 0 ] && target=".[$1]"
 "$PYTHON" -m pip install -q --disable-pip-version-check -c "$constraint" -e "$target"

@@ -8,7 +8,11 @@ its overload (``mm``, ``add.Tensor``, ``aten::rsqrt``, ``.*``). ``unversioned`` 
 in-place and ``out=`` ops leave the version counter of the sim tensors they write unchanged, as
 some kernels do on real hardware (see ``version_counter.py``).
 
-    DITORCH_SIM_FAULTS="mm:noise=1e-3;.*@float64:unsupported;add_:unversioned"
+An ``@`` part that is not a dtype name is a module path (``silu@model.layers.1:nan``, with a dtype too:
+``silu@model.layers.1@float16:nan``): the fault then hits only calls made in the forward of that module or of
+a module under it, paths named as op_tools names them (``module_scope.py``).
+
+    DITORCH_SIM_FAULTS="mm:noise=1e-3;.*@float64:unsupported;add_:unversioned;silu@model.layers.1:nan"
 
     with ditorch.sim.faults("gelu:nan"):
         ...
@@ -28,11 +32,12 @@ import time
 
 import torch
 
+from . import module_scope
 from .version_counter import WRITES
 
 ENV_VAR = "DITORCH_SIM_FAULTS"
 FORM = ("'pattern[@dtype]:kind' joined by ';', kind one of unsupported, nan, inf, noise=<rel>, slow=<ms>, "
-        "unversioned")
+        "unversioned; an '@module.path' part (with or without '@dtype') keeps a fault to that module's forward")
 KINDS_WITH_VALUE = {"noise", "slow"}
 KINDS = {"unsupported", "nan", "inf", "unversioned"} | KINDS_WITH_VALUE
 # Kinds applied by ADInplaceOrView kernels (version_counter.py), not by run_op.
@@ -49,25 +54,51 @@ class Fault:
     kind: str
     value: float = 0.0
     dtype: torch.dtype | None = None
+    module: str | None = None  # a module path: only calls in that module's forward (or under it)
 
     def matches_name(self, packet: str, full: str) -> bool:
         return bool(self.pattern.fullmatch(packet) or self.pattern.fullmatch(full))
 
+    def applies(self, dtypes) -> bool:
+        """Whether this call (its tensors' ``dtypes``, the module running now) is one the fault is kept to."""
+        if self.dtype is not None and self.dtype not in dtypes:
+            return False
+        return self.module is None or module_scope.in_scope(module_scope.current(), self.module)
+
     def __str__(self) -> str:
+        module = f"@{self.module}" if self.module else ""
         dtype = f"@{str(self.dtype).removeprefix('torch.')}" if self.dtype else ""
         value = f"={self.value:g}" if self.kind in KINDS_WITH_VALUE else ""
-        return f"{self.pattern.pattern}{dtype}:{self.kind}{value}"
+        return f"{self.pattern.pattern}{module}{dtype}:{self.kind}{value}"
 
 
 def _bad(source: str, text: str, why: str) -> ValueError:
     return ValueError(f"{source}={text!r}: {why}; expected {FORM}")
 
 
-def _parse_dtype(name: str, source: str, text: str) -> torch.dtype:
-    dtype = getattr(torch, name.strip().removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise _bad(source, text, f"unknown dtype {name!r}")
-    return dtype
+@functools.cache
+def _dtype_names() -> tuple[str, ...]:
+    return tuple(name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype))
+
+
+# Shorthands people write for dtypes (fp16, bf16, int8x): never taken for a module path.
+_DTYPE_LIKE = re.compile(r"(fp|bf|u?int|float|bfloat|complex|qu?int)\d+\w*")
+
+
+def _parse_scope(part: str, source: str, text: str) -> torch.dtype | str:
+    """An ``@`` part: a dtype when it names one, else a module path (one that looks like a dtype is an error)."""
+    name = part.strip()
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    close = difflib.get_close_matches(name, _dtype_names(), n=1, cutoff=0.75)
+    if name.startswith("torch.") or (("." not in name) and (close or _DTYPE_LIKE.fullmatch(name))):
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise _bad(source, text, f"unknown dtype {name!r}{hint} (a module path is written as named_modules() "
+                                 "names it: model.layers.1)")
+    if not name or any(not c for c in name.split(".")) or any(ch.isspace() for ch in name):
+        raise _bad(source, text, f"{name!r} is neither a dtype nor a module path (model.layers.1)")
+    return name
 
 
 def parse_faults(text: str, source: str = ENV_VAR) -> list[Fault]:
@@ -88,14 +119,27 @@ def parse_faults(text: str, source: str = ENV_VAR) -> list[Fault]:
                 raise _bad(source, text, f"{kind} needs a number, got {value_text!r}") from None
         elif value_text:
             raise _bad(source, text, f"{kind} takes no value")
-        pattern_text, _, dtype_text = target.partition("@")
-        dtype = _parse_dtype(dtype_text, source, text) if dtype_text else None
+        pattern_text, *scope_texts = target.split("@")
+        dtype, module = None, None
+        for scope_text in scope_texts:
+            scope = _parse_scope(scope_text, source, text)
+            if isinstance(scope, torch.dtype):
+                if dtype is not None:
+                    raise _bad(source, text, f"entry {entry!r} names two dtypes")
+                dtype = scope
+            elif module is not None:
+                raise _bad(source, text, f"entry {entry!r} names two module paths")
+            else:
+                module = scope
+        if module is not None and kind in VERSION_KINDS:
+            raise _bad(source, text, f"{kind} applies to every call of its ops (PyTorch's ADInplaceOrView kernel), "
+                                     "not to one module's")
         pattern_text = pattern_text.strip().removeprefix("aten::")
         try:
             pattern = re.compile(pattern_text)
         except re.error as e:
             raise _bad(source, text, f"invalid regular expression {pattern_text!r} ({e})") from None
-        faults.append(Fault(pattern, kind, value, dtype))
+        faults.append(Fault(pattern, kind, value, dtype, module))
     return faults
 
 
@@ -155,6 +199,7 @@ class FaultTable:
             self._faults = list(faults)
             self._by_op = {}
             self.active = any(f.kind not in VERSION_KINDS for f in self._faults)
+            module_scope.track(any(f.module is not None for f in self._faults))  # hooks only while they serve
             if touches_versions:
                 WRITES.apply(self._faults)
 
@@ -172,7 +217,7 @@ class FaultTable:
 
     def before(self, func, faults, dtypes) -> None:
         for fault in faults:
-            if fault.dtype is not None and fault.dtype not in dtypes:
+            if not fault.applies(dtypes):
                 continue
             if fault.kind == "unsupported":
                 dtype = f" for {fault.dtype}" if fault.dtype else ""
@@ -185,9 +230,7 @@ class FaultTable:
 
     def after(self, faults, dtypes, outputs) -> None:
         for fault in faults:
-            if fault.kind not in ("noise", "nan", "inf"):
-                continue
-            if fault.dtype is not None and fault.dtype not in dtypes:
+            if fault.kind not in ("noise", "nan", "inf") or not fault.applies(dtypes):
                 continue
             for out in outputs:
                 if out.is_floating_point() or out.is_complex():
@@ -236,9 +279,12 @@ def faults(spec: str):
         TABLE.set(previous)
 
 
-def inject_fault(op: str, kind: str, value: float | None = None, *, dtype: torch.dtype | None = None) -> None:
-    """Add one fault: ``inject_fault("mm", "noise", 1e-3)``, ``inject_fault(".*", "unsupported", dtype=torch.half)``."""
+def inject_fault(op: str, kind: str, value: float | None = None, *, dtype: torch.dtype | None = None,
+                 module: str | None = None) -> None:
+    """Add one fault: ``inject_fault("mm", "noise", 1e-3)``, ``inject_fault(".*", "unsupported", dtype=torch.half)``,
+    ``inject_fault("silu", "nan", module="model.layers.1")``."""
     dtype_text = f"@{str(dtype).removeprefix('torch.')}" if dtype is not None else ""
+    module_text = f"@{module}" if module is not None else ""
     value_text = f"={value}" if value is not None else ""
-    TABLE.set(TABLE.current() + warn_unmatched(parse_faults(f"{op}{dtype_text}:{kind}{value_text}", "inject_fault"),
-                                               "inject_fault"))
+    spec = f"{op}{module_text}{dtype_text}:{kind}{value_text}"
+    TABLE.set(TABLE.current() + warn_unmatched(parse_faults(spec, "inject_fault"), "inject_fault"))

@@ -3,10 +3,15 @@
 On an Ampere or later GPU, with ``torch.backends.cuda.matmul.allow_tf32`` (cuBLAS) or
 ``torch.backends.cudnn.allow_tf32`` (cuDNN, on by default) a float32 GEMM or convolution reads
 its operands as TF32 (1 sign, 8 exponent, 10 mantissa bits) and accumulates in float32. The sim
-device does the same when its own switches are on: ``torch.sim.matmul.allow_tf32`` and
-``torch.sim.conv.allow_tf32`` (or ``DITORCH_SIM_TF32``). The float32 operands are rounded to the
-nearest TF32 value (ties to even on the 13 dropped bits; inf and nan kept) and the CPU kernel runs
-on them in float32. Off by default, so that sim stays bit-identical to the CPU.
+device does the same when its switches are on. Matmuls follow CUDA's own switch, read at each call
+as cuBLAS reads it: ``torch.backends.cuda.matmul.allow_tf32``, which
+``torch.set_float32_matmul_precision("high")`` (or ``"medium"``) and
+``torch.backends.cuda.matmul.fp32_precision = "tf32"`` set too; ``torch.sim.matmul.allow_tf32`` is
+that same switch. Convolutions follow sim's own ``torch.sim.conv.allow_tf32``, not cuDNN's switch,
+whose default (on) would make every sim convolution TF32. ``DITORCH_SIM_TF32`` turns either on at
+``register()``. The float32 operands are rounded to the nearest TF32 value (ties to even on the 13
+dropped bits; inf and nan kept) and the CPU kernel runs on them in float32. Off by default, so that
+sim stays bit-identical to the CPU.
 
 Which ops: the GEMMs ``mm``, ``bmm``, ``addmm``, ``baddbmm``, ``addbmm``, ``_addmm_activation``
 (what ``linear``, ``matmul`` and ``einsum`` reach the device as), and ``convolution`` with its
@@ -88,19 +93,55 @@ def _overloads(family: str):
             yield getattr(packet, overload_name), names
 
 
+# Newer torch: the matmul precision as its new API resolves it ("tf32", "ieee", "none"); the legacy setters update it,
+# and unlike torch._C._get_cublas_allow_tf32 it does not raise once a script has mixed the two APIs.
+_FP32_PRECISION = getattr(torch._C, "_get_fp32_precision_getter", None)
+
+
+def cuda_matmul_allows_tf32() -> bool:
+    """Whether cuBLAS would run float32 GEMMs in TF32 now: ``torch.backends.cuda.matmul.allow_tf32``, also set
+    by ``torch.set_float32_matmul_precision("high")`` or ``("medium")`` and by ``fp32_precision = "tf32"``."""
+    if _FP32_PRECISION is not None:
+        return _FP32_PRECISION("cuda", "matmul") == "tf32"
+    return torch._C._get_cublas_allow_tf32()
+
+
+def _cuda_switched_kernel(op, names: tuple[str, ...]):
+    rounding = _rounding_kernel(op, names)
+
+    def kernel(*args, **kwargs):
+        # read at each call, as cuBLAS does: a script sets the switch whenever it likes, and no hook tells
+        return rounding(*args, **kwargs) if cuda_matmul_allows_tf32() else op(*args, **kwargs)
+
+    return kernel
+
+
 class Float32Precision:
-    """Which families run in TF32 on sim; switching one installs or removes its kernels."""
+    """Which families run in TF32 on sim. matmul follows CUDA's switch (its kernels, installed once, read it at
+    each call); switching conv installs or removes its kernels."""
 
     def __init__(self) -> None:
         self._on: set[str] = set()
         self._lock = threading.Lock()
+        self._follows_cuda = False
+
+    def follow_cuda_matmul_switch(self) -> None:
+        """Install the matmul kernels that read ``torch.backends.cuda.matmul.allow_tf32`` (idempotent)."""
+        with self._lock:
+            if not self._follows_cuda:
+                KERNELS.update((op, _cuda_switched_kernel(op, names)) for op, names in _overloads("matmul"))
+                self._follows_cuda = True
 
     def enabled(self, family: str) -> bool:
-        return family in self._on
+        return cuda_matmul_allows_tf32() if family == "matmul" else family in self._on
 
     def set(self, family: str, on: bool) -> None:
         if family not in FAMILIES:
             raise ValueError(f"sim: unknown op family {family!r}; expected one of {', '.join(FAMILIES)}")
+        if family == "matmul":
+            # the legacy setter keeps the legacy and new APIs' states in step (the new one's setter does not)
+            torch.backends.cuda.matmul.allow_tf32 = on
+            return
         with self._lock:
             if on == (family in self._on):
                 return
@@ -112,14 +153,15 @@ class Float32Precision:
             (self._on.add if on else self._on.discard)(family)
 
     def reduced(self) -> dict[str, str]:
-        return {family: "tf32" for family in FAMILIES if family in self._on}
+        return {family: "tf32" for family in FAMILIES if self.enabled(family)}
 
 
 PRECISION = Float32Precision()
 
 
 class FamilySwitch:
-    """``torch.sim.matmul`` / ``torch.sim.conv``: ``allow_tf32`` as on ``torch.backends.cuda.matmul``."""
+    """``torch.sim.matmul`` / ``torch.sim.conv``: ``allow_tf32`` as on ``torch.backends.cuda.matmul`` (the matmul
+    one is ``torch.backends.cuda.matmul.allow_tf32`` itself)."""
 
     def __init__(self, family: str) -> None:
         self._family = family
@@ -159,6 +201,9 @@ def parse_families(text: str) -> frozenset:
 
 
 def configure(families: frozenset) -> None:
-    """Turn on exactly ``families`` (what ``register()`` does with ``DITORCH_SIM_TF32``)."""
-    for family in FAMILIES:
-        PRECISION.set(family, family in families)
+    """What ``register()`` does with ``DITORCH_SIM_TF32``: matmuls follow CUDA's switch from now on, turned on if
+    ``families`` has matmul (else left as the script set it); conv on exactly if ``families`` has it."""
+    PRECISION.follow_cuda_matmul_switch()
+    if "matmul" in families:
+        PRECISION.set("matmul", True)
+    PRECISION.set("conv", "conv" in families)

@@ -20,6 +20,8 @@ from typing import Any, Callable
 
 import torch
 
+from .step_selection import convert_steps, parse_steps
+
 
 @dataclasses.dataclass(frozen=True)
 class Sources:
@@ -284,6 +286,34 @@ PRINT_RANKS = declare(
     "line under torchrun starts with `[rank<N>] `. Outside torchrun: no effect.", parse_ranks, convert_ranks,
     "'all', an int or a list of ints",
 )
+
+TERMINAL_WIDTH = 0  # OP_TOOLS_TABLE_WIDTH unset: the terminal's width, read when the tool starts
+MIN_TABLE_WIDTH = 40  # narrower, a table of a call's values has no room left for its cells
+
+
+def parse_table_width(text: str | None) -> int | None:
+    """Unset or empty: ``TERMINAL_WIDTH``; ``'full'``: ``None`` (no cell shortened); else the width (>= 40)."""
+    value = (text or "").strip().lower()
+    if not value:
+        return TERMINAL_WIDTH
+    if value == "full":
+        return None
+    try:
+        width = int(value)
+    except ValueError:
+        raise ValueError("neither an integer nor 'full'") from None
+    if width < MIN_TABLE_WIDTH:
+        raise ValueError(f"must be >= {MIN_TABLE_WIDTH}")
+    return width
+
+
+TABLE_WIDTH = declare(
+    "OP_TOOLS_TABLE_WIDTH", f"an integer >= {MIN_TABLE_WIDTH}, or full", None,
+    "The width in characters that console tables fit; their long cells are shortened with `…` (module paths keep "
+    "their indices and last name). `full` shortens nothing (cells whole, however wide). Unset: the terminal's "
+    "width when stdout or stderr is a terminal (`COLUMNS` wins, as for `shutil.get_terminal_size`), else 120. "
+    "Files always keep every cell whole.", parse_table_width,
+)
 REPLICA_FINGERPRINTS = _flag(
     "OP_TOOLS_REPLICA_FINGERPRINTS", "1",
     "Under torchrun with more than one rank, while a tool runs: before each optimizer step, a checksum of every "
@@ -336,6 +366,29 @@ CAPTURE_MAX_BYTES = declare(
     "Full capture stops saving calls once it wrote this much (checked before each call, which is saved whole), "
     "with one warning saying how much it saved. Unset: no limit.", parse_size, convert_size,
     "an int (bytes) or a size text such as '500M'",
+)
+CAPTURE_STEPS = declare(
+    "OP_CAPTURE_STEPS", "all, or comma-separated steps and ranges, e.g. 0,2-3 or 5- (5 and later)", None,
+    "Full and summary capture save only the calls of these steps, counted as every tool counts them "
+    "(optimizer.step() calls finished since the tool started: the first step is 0); the others are counted in the "
+    "closing line. Unset: every step.", parse_steps, convert_steps,
+    "an int, a list of ints, a range, or a text such as '0,2-3'",
+)
+
+
+def _optional_positive_count(text: str | None) -> int | None:
+    return None if not (text or "").strip() else parse_positive_count(text)
+
+
+def _convert_optional_positive_count(value: Any) -> int | None:
+    return None if value is None else parse_positive_count(str(convert_count(value)))
+
+
+CAPTURE_MAX_CALLS_PER_OP = declare(
+    "OP_CAPTURE_MAX_CALLS_PER_OP", "an integer >= 1", None,
+    "Full capture saves at most this many calls of each op (the first ones, in the steps chosen); the others are "
+    "counted in the closing line. Unset: no limit.", _optional_positive_count, _convert_optional_positive_count,
+    "an int >= 1",
 )
 OVERFLOW_CHECK_RAISE = _flag(
     "OP_OVERFLOW_CHECK_RAISE", "0",
@@ -511,12 +564,13 @@ class CommonConfig:
     rank: int | None  # torchrun's RANK; None outside torchrun
     print_ranks: frozenset[int] | None = None  # OP_TOOLS_PRINT_RANKS; None: every rank
     replica_fingerprints: bool = True  # OP_TOOLS_REPLICA_FINGERPRINTS
+    table_width: int | None = TERMINAL_WIDTH  # OP_TOOLS_TABLE_WIDTH; None: full, cells never shortened
 
     @classmethod
     def from_env(cls, sources: Sources | None = None) -> CommonConfig:
         return cls(RESULTS_DIR.read(sources) or "op_tools_results", VERBOSE.read(sources), PRINT_STACK.read(sources),
                    STRICT.read(sources), _torchrun_rank(), PRINT_RANKS.read(sources),
-                   REPLICA_FINGERPRINTS.read(sources))
+                   REPLICA_FINGERPRINTS.read(sources), TABLE_WIDTH.read(sources))
 
 
 def _torchrun_rank() -> int | None:

@@ -356,8 +356,10 @@ class OpTool:
     end = stop
 
     def _prepare_output(self) -> None:
-        """Logging levels and handler, this session's file tally, and the results folder probed for writing."""
+        """Logging levels and handler, the tables' width, this session's file tally, and the results folder probed
+        for writing."""
         reporting.configure_logging(self.common.verbose, self.common.rank, self.common.print_ranks)
+        reporting.configure_tables(self.common.table_width)
         self.tally = result_files.Tally(result_files.results_path(self.common, self.results_folder)
                                      if self.results_folder else None, f"{type(self).__name__} writing")
         self._reset_account()

@@ -71,6 +71,9 @@ class SyncClock(HostClock):
         return time.perf_counter_ns()
 
 
+EVENT_METHOD = "timing events ({}) on the op's stream"
+
+
 class EventClock:
     """Timing events recorded on the stream current for the device on the calling thread.
 
@@ -79,7 +82,8 @@ class EventClock:
 
     def __init__(self, device: torch.device, make_event, current_stream, kind: str) -> None:
         self.device = device
-        self.method = f"timing events ({kind}) on the op's stream"
+        self.kind = kind
+        self.method = EVENT_METHOD.format(kind)
         self._make_event = make_event
         self._current_stream = current_stream
         self._free: list = []
@@ -115,6 +119,15 @@ class EventClock:
         start_ns = self.origin_ns + round(self._origin.elapsed_time(start) * 1e6)
         self._free += (start, end)
         return start_ns, round(duration_ms * 1e6)
+
+
+def timing_methods(clocks) -> str:
+    """How ``clocks`` timed their calls, each way said once: the kinds of timing events together
+    (``timing events (torch.cuda.Event, torch.sim.Event) on the op's stream`` where a device answers to two
+    names, as sim does to ``cuda``), then the other ways."""
+    events = sorted({clock.kind for clock in clocks if isinstance(clock, EventClock)})
+    others = sorted({clock.method for clock in clocks if not isinstance(clock, EventClock)})
+    return "; ".join(([EVENT_METHOD.format(", ".join(events))] if events else []) + others)
 
 
 def _event_makers(device: torch.device):

@@ -78,6 +78,7 @@ class ReplayResult:
     backward_ms: list[float] = dataclasses.field(default_factory=list)
     checks: list[dict] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    step: int | str = ""        # the optimizer steps done when the call was captured; '' where the capture has none
 
     @property
     def failed(self) -> bool:
@@ -212,6 +213,8 @@ def replay(entry: Entry, device: str | torch.device, options: ReplayOptions) -> 
 def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: ReplayResult) -> None:
     data = load_file(os.path.join(entry.directory, "input.pth"))
     result.name = name = data.get("name", "")
+    step = data.get("step")  # saved with the call (capture_format.py); captures made before have none
+    result.step = step if isinstance(step, int) and not isinstance(step, bool) else ""
     func = resolve_op(name, options.allowed_modules)
     args, kwargs = tuple(data.get("args", ())), dict(data.get("kwargs") or {})
     tensors = [*iter_tensors(args), *iter_tensors(kwargs)]
@@ -442,7 +445,7 @@ def summary_row(r: ReplayResult) -> dict[str, Any]:
             "status": r.status, "runs": len(r.forward_ms), **_time_columns("forward", r.forward_ms),
             **_time_columns("backward", r.backward_ms), "checks": checks,
             "detail": r.error or (f"{failed_check['check']}: {failed_check['detail']}" if failed_check else "")
-            or "; ".join(r.notes)}
+            or "; ".join(r.notes), "step": r.step}
 
 
 def _time_columns(phase: str, values: list[float]) -> dict[str, Any]:

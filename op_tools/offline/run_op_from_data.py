@@ -4,9 +4,11 @@ Also ``python -m op_tools.run_op_from_data DIR`` and the console script ``op_too
 DIR is a folder of captures (OpCapture's, or OpAutoCompare's for failing ops), one call's folder, or one call's
 ``input.pth``. Each call is loaded as data (``torch.load(weights_only=True)``), rerun ``--run_times`` times on the
 device and backward with its captured upstream gradients (ones where none were captured; none for ops whose outputs
-have no gradient), then summarised: op, input shapes and dtypes, device, verdict, mean/median/min times, with the
-torch and ditorch versions and the device's name (``--report md`` writes it as Markdown). The exit status is 1 when
-any entry is not ok (could not be replayed, failed ``--acc_check``, or its CPU reference raised), 2 for bad usage.
+have no gradient), then summarised: op, input shapes and dtypes, device, verdict, mean/median/min times and the
+step the call was captured in, with the torch and ditorch versions and the device's name (``--report md`` writes
+it as Markdown; ``--failures-only`` shows on the console only the entries not ok or not checked). The exit status
+is 1 when any entry is not ok (could not be replayed, failed ``--acc_check``, or its CPU reference raised), 2 for
+bad usage.
 
     python op_tools/run_op_from_data.py op_tools_results/op_capture_results --sync_time_measure --run_times 20
     python op_tools/run_op_from_data.py op_tools_results/op_capture_results/torch.matmul --acc_check
@@ -67,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--allow_module", action="append", default=[], metavar="PACKAGE",
                         help="Also run functions of this non-torch package named in captures (e.g. flash_attn); "
                              "repeatable.")
+    parser.add_argument("--failures-only", "--failures_only", dest="failures_only", **flag,
+                        help="On the console, show only the entries that are not ok (mismatch, reference error, "
+                             "error) or, with --acc_check, were not checked (random draws), and count the ok ones "
+                             "left out; the summary CSV and the Markdown report keep every entry.")
     parser.add_argument("--report", metavar="md|PATH.md", default=None,
                         help="Also write the summary as a Markdown report, with the torch and ditorch versions and "
                              "the device's name: 'md' writes it beside the summary CSV, a path ending in .md "
@@ -139,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                             allowed_modules=tuple(args.allow_module))
     env = environment(device)
     reporting.console(f"run_op_from_data: {len(entries)} captured calls under {args.dir}, on {device} "
-                      f"({env['device name']}), {args.run_times} run(s) each"
+                      f"({env['device name']}), {args.run_times} run(s) each (times: their medians)"
                       + ("" if options.backward else ", forward only")
                       + f"; torch {env['torch']}, ditorch {env['ditorch']}")
     bar = reporting.progress_bar(len(entries), "replay", unit=" calls")
@@ -156,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                 _say(f"run_op_from_data: {entry.label}: {result.error}", bar)
             time_rows += [{"entry": entry.label, "name": result.name, "run": i + 1, "forward_elasped": round(f, 6),
                            "backward_elasped": round(result.backward_ms[i], 6) if i < len(result.backward_ms) else "",
-                           "unit": "ms"} for i, f in enumerate(result.forward_ms if options.time else ())]
+                           "unit": "ms", "step": result.step}
+                          for i, f in enumerate(result.forward_ms if options.time else ())]
     finally:
         if bar is not None:
             bar.close()
@@ -174,9 +181,14 @@ def _finish(results, time_rows, options: ReplayOptions, env: dict, args) -> int:
     common = CommonConfig.from_env()
     stem = result_files.session_stem()
     summary = [summary_row(r) for r in results]
-    shown = [console_row(row, options) for row in summary]
-    empty = {c for c in ("checks", "detail") if not any(row.get(c) for row in shown)}  # say nothing: not shown
-    lines = [reporting.table_text(shown, tuple(c for c in shown[0] if c not in empty))]
+    shown = [console_row(row, options) for row in summary
+             if not args.failures_only or needs_attention(row, options)]
+    empty = {c for c in ("checks", "detail", "step") if all(row.get(c) in ("", None) for row in shown)}  # not shown
+    lines = [reporting.table_text(shown, tuple(c for c in shown[0] if c not in empty))] if shown else []
+    if args.failures_only:
+        left_out = len(summary) - len(shown)
+        lines.append(f"--failures-only: {left_out} ok {'entry' if left_out == 1 else 'entries'} not shown"
+                     + ("" if shown else ", nothing else to show") + f" (the summary CSV has all {len(summary)})")
     summary_path = result_files.results_path(common, RESULTS_FOLDER, f"replay_summary_{stem}.csv")
     result_files.write_csv(summary_path, summary)
     lines.append(f"summary saved to {summary_path}")
@@ -199,17 +211,25 @@ def _finish(results, time_rows, options: ReplayOptions, env: dict, args) -> int:
 STATUSES = ("ok", "mismatch", "reference error", "error")
 
 
+def needs_attention(row: dict, options: ReplayOptions) -> bool:
+    """A summary row ``--failures-only`` keeps: not ok, or ok without the accuracy check asked for (random draws)."""
+    return row["status"] != "ok" or (options.acc_check and not row["checks"])
+
+
 def console_row(row: dict, options: ReplayOptions) -> dict:
-    """A summary row as the console shows it (120 characters wide): the CSV and the Markdown report add the dtypes,
+    """A summary row as the console shows it (fitting the table width): the CSV and the Markdown report add the dtypes,
     the device, mean and minimum times, the checks' full names and the entry's folder."""
     shown = {"op": row["name"], "shapes": row["shapes"], "status": row["status"]}
     if options.time:
-        shown.update({"fwd median ms": row["forward_median_ms"], "bwd median ms": row["backward_median_ms"]})
+        # medians of the runs (the line above the table says how many); short names leave the checks room
+        shown.update({"fwd ms": row["forward_median_ms"], "bwd ms": row["backward_median_ms"]})
     if options.acc_check:
         failed = [SHORT_CHECKS.get(name, name) for name, _, verdict in
                   (c.rpartition(": ") for c in row["checks"].split("; ") if c) if verdict != "pass"]
-        shown["checks"] = ("FAIL: " + ", ".join(failed)) if failed else "all pass" if row["checks"] else ""
+        shown["checks"] = ("FAIL: " + ", ".join(failed)) if failed else "all pass" if row["checks"] else \
+            "not checked" if row["status"] == "ok" else ""
     shown["detail"] = row["detail"]
+    shown["step"] = row["step"]
     return shown
 
 
@@ -225,7 +245,7 @@ def markdown_report(summary: list[dict], options: ReplayOptions, env: dict, sour
         columns += list(TIME_COLUMNS)
     if options.acc_check:
         columns.append("checks")
-    columns += ["detail", "entry"]
+    columns += ["detail", "entry", "step"]
     lines = ["# run_op_from_data report", "",
              f"- torch {env['torch']}, ditorch {env['ditorch']}, Python {env['python']}",
              f"- device: {env['device']} ({env['device name']})",

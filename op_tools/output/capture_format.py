@@ -3,7 +3,8 @@ the offline replay reads (no engine here: the offline code loads files without l
 
 Each file is ``{"name", "args", "kwargs", "identifier"}`` with tensors copied to the CPU; ``input.pth`` also
 holds ``"autocast": {"device_type", "dtype"}`` when the call ran under autocast, for the replay to re-enter, and
-the call's ``"rank"``, ``"step"`` and ``"time"`` (``result_files.RECORD_COLUMNS``; files written before have none).
+the call's ``"module"`` (the path of the module that ran it, ``""`` outside any; OpCapture's files), ``"rank"``,
+``"step"`` and ``"time"`` (``result_files.RECORD_COLUMNS``; files written before have none).
 ``grad_outputs.pth`` holds the gradients of the call's outputs and ``grad_inputs.pth`` those of its inputs that
 require grad (in argument order), once the call's whole backward ran.
 

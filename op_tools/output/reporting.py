@@ -19,22 +19,26 @@ Files are ``result_files``'.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
+import re
 import sys
 import threading
+from typing import Callable
 
 import torch
 from prettytable import PrettyTable
 
-from ..config.variables import PROGRESS
+from ..config.variables import MIN_TABLE_WIDTH, PROGRESS, TABLE_WIDTH, TERMINAL_WIDTH
 from ..ops.arguments import iter_items
 
 logger = logging.getLogger("op_tools")
 
-CONSOLE_WIDTH = 120  # console tables fit a terminal this wide; files keep every cell whole
+CONSOLE_WIDTH = 120  # console tables' width where stdout and stderr are no terminal; files keep every cell whole
 FIRST_COLUMN_KEPT = 32  # characters of a console table's first column (the row's name) kept before others shrink
+MODULE_KEPT = 16  # characters of a module path kept before other columns shrink: …layers.1…act_fn fits
 ARG_COLUMNS = ("name", "device", "dtype", "numel", "shape", "stride", "requires_grad", "layout", "data_ptr", "value")
 CONSOLE_ARG_COLUMNS = ("name", "device", "dtype", "shape", "stride", "requires_grad", "value")  # fit 120 columns
 _VALUE_WIDTH = 60
@@ -140,11 +144,47 @@ def console(text: str) -> None:
 
 # --- tables ---
 
+_UNRESOLVED = -1
+_console_width: int | None = _UNRESOLVED  # set at each tool's start; None: full width
+
+
+def terminal_width() -> int:
+    """The columns of the terminal that stdout or stderr writes to (``COLUMNS`` first, as for
+    ``shutil.get_terminal_size``), at least ``MIN_TABLE_WIDTH``; ``CONSOLE_WIDTH`` when neither is a terminal (a
+    file, a pipe, a CI log)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if not stream.isatty():
+                continue
+            columns = int(os.environ.get("COLUMNS") or 0) or os.get_terminal_size(stream.fileno()).columns
+        except (AttributeError, ValueError, OSError):  # a replaced stream (pytest's, a StringIO), a bad COLUMNS
+            continue
+        if columns > 0:  # a pseudo-terminal nobody sized says 0
+            return max(columns, MIN_TABLE_WIDTH)
+    return CONSOLE_WIDTH
+
+
+def configure_tables(width: int | None) -> None:
+    """At a tool's start: the width console tables fit from now on, ``CommonConfig.table_width`` (the parsed
+    ``OP_TOOLS_TABLE_WIDTH``): ``TERMINAL_WIDTH`` for the terminal's, read now; ``None`` for whole cells."""
+    global _console_width
+    _console_width = terminal_width() if width == TERMINAL_WIDTH else width
+
+
+def console_width() -> int | None:
+    """The width console tables fit (``None``: whole cells). Where no tool started (the command-line tools), read
+    from ``OP_TOOLS_TABLE_WIDTH`` and the terminal at the first table."""
+    if _console_width == _UNRESOLVED:
+        configure_tables(TABLE_WIDTH.read())
+    return _console_width
+
+
 def table(rows: list[dict], columns: tuple[str, ...] | None = None, width: int | None = None,
           keep: str | None = None) -> PrettyTable:
     """A prettytable of ``rows`` (dicts); columns default to the keys in first-seen order. With ``width``, the
-    longest cells are shortened (``…`` in their middle) until the table fits that many characters, if it can with
-    whole column names; column ``keep`` (default: the first, which names the row) is shortened last."""
+    longest cells are shortened (``…`` where text was left out, each column in its own way: ``COLUMN_FORMS``) until
+    the table fits that many characters, if it can with whole column names; column ``keep`` (default: the first,
+    which names the row) is shortened last."""
     if columns is None:
         seen: dict[str, None] = {}
         for row in rows:
@@ -160,11 +200,12 @@ def table(rows: list[dict], columns: tuple[str, ...] | None = None, width: int |
     return result
 
 
-def table_text(rows: list[dict], columns: tuple[str, ...] | None = None, width: int = CONSOLE_WIDTH,
+def table_text(rows: list[dict], columns: tuple[str, ...] | None = None, width: int | None = None,
                keep: str | None = None) -> str:
-    """``table(...)`` as text fitting ``width`` characters: the console's form. Console tables list the columns
-    that tell the story (``CONSOLE_ARG_COLUMNS``, ...); the files keep every column and every cell whole."""
-    return table(rows, columns, width, keep).get_string()
+    """``table(...)`` as text fitting ``width`` characters (default: ``console_width()``, set at the tool's start
+    from ``OP_TOOLS_TABLE_WIDTH`` or the terminal): the console's form. Console tables list the columns that tell
+    the story (``CONSOLE_ARG_COLUMNS``, ...); the files keep every column and every cell whole."""
+    return table(rows, columns, console_width() if width is None else width, keep).get_string()
 
 
 def call_table(op: str, rows: list[dict], columns: tuple[str, ...] = CONSOLE_ARG_COLUMNS) -> str:
@@ -177,32 +218,207 @@ def call_table(op: str, rows: list[dict], columns: tuple[str, ...] = CONSOLE_ARG
 
 
 def _fit(names, cells: list[list[str]], width: int, kept: int = 0) -> list[list[str]]:
-    """Cap the cells of every column at one width, the largest that makes the table fit (never below the column's
-    name, nor column ``kept``, which names the row, below ``FIRST_COLUMN_KEPT``): only the longest cells are
-    shortened."""
+    """Cap the cells of every column at one width (a column whose form takes a smaller share: that share of it),
+    the largest that makes the table fit, never below the column's name, nor column ``kept``, which names the row,
+    below ``FIRST_COLUMN_KEPT``, nor a column whose form keeps some characters below those: only the longest cells
+    are shortened, each line of a cell on its own."""
+    forms = [COLUMN_FORMS.get(name, CELL) for name in names]
     floors = [len(n) for n in names]
     if cells:
-        floors[kept] = max(floors[kept], min(FIRST_COLUMN_KEPT, max(len(row[kept]) for row in cells)))
-    natural = [max([floor, *(len(row[i]) for row in cells)]) for i, floor in enumerate(floors)]
+        for i, form in enumerate(forms):
+            least = FIRST_COLUMN_KEPT if i == kept else form.kept
+            floors[i] = max(floors[i], min(least, max(_longest_line(row[i]) for row in cells)))
+    natural = [max([floor, *(_longest_line(row[i]) for row in cells)]) for i, floor in enumerate(floors)]
     room = width - 3 * len(names) - 1  # "| " and " |" around each cell, "|" between
     if sum(natural) <= room:
         return cells
 
-    def used(cap: int) -> int:
-        return sum(min(w, max(cap, f)) for w, f in zip(natural, floors))
+    def caps_at(cap: int) -> list[int]:
+        return [min(w, max(int(cap * form.share), f)) for w, f, form in zip(natural, floors, forms)]
 
-    cap = 3
-    while cap < max(natural) and used(cap + 1) <= room:
+    cap, widest = 3, max(w / form.share for w, form in zip(natural, forms))
+    while cap < widest and sum(caps_at(cap + 1)) <= room:
         cap += 1
-    caps = [max(cap, f) for f in floors]
-    return [[_shorten(c, caps[i]) for i, c in enumerate(row)] for row in cells]
+    caps = caps_at(cap)
+    return [["\n".join(forms[i].shorten(line, caps[i]) for line in c.split("\n")) for i, c in enumerate(row)]
+            for row in cells]
 
 
-def _shorten(text: str, width: int) -> str:
+def _longest_line(text: str) -> int:
+    return max(len(line) for line in text.split("\n"))
+
+
+# --- shortening a cell: each keeps what tells most and says with "…" where text was left out ---
+
+def shorten_middle(text: str, width: int) -> str:
+    """Both ends of ``text`` in ``width`` characters, ``…`` for its middle."""
     if len(text) <= width:
         return text
     head = width // 2
     return text[:head] + "…" + text[len(text) - (width - 1 - head):]
+
+
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?:inf|nan)")
+
+
+def shorten_number(text: str, width: int) -> str:
+    """A number with as many significant digits as fit (``0.00328157139`` -> ``0.00328``), never cut."""
+    if len(text) <= width:
+        return text
+    value = float(text)
+    for digits in range(6, 0, -1):
+        rounded = f"{value:.{digits}g}"
+        if len(rounded) <= width:
+            return rounded
+    return shorten_middle(text, width)
+
+
+def shorten_words(text: str, width: int) -> str:
+    """Whole words: as many from the start as fit, then from the end, `` … `` for those between (the start tells
+    most: ``error 0.019 > 1 eps …``); the middle of the text where its first word alone does not fit."""
+    if len(text) <= width:
+        return text
+    words = text.split(" ")
+
+    def joined(head: int, tail: int) -> str:
+        return " ".join([*words[:head], "…", *words[len(words) - tail:]])
+
+    head = tail = 0
+    while head < len(words) - 1 and len(joined(head + 1, 0)) <= width:
+        head += 1
+    while head and head + tail < len(words) - 1 and len(joined(head, tail + 1)) <= width:
+        tail += 1
+    return joined(head, tail) if head else shorten_middle(text, width)
+
+
+_DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.\w+)+")
+
+
+def shorten_dotted(text: str, width: int) -> str:
+    """A dotted path (a module path, an op name) in ``width`` characters, whole names left out: first those that
+    name neither an index nor the end (the middle ones first), then the root, then the names of indexed containers
+    (``layers``); indices and the last name stay: ``model.layers.1.mlp.act_fn`` -> ``model.layers.1…act_fn``,
+    ``…layers.1…act_fn``, ``…1…act_fn``; narrower, the last name alone. Other text: ``shorten_words``."""
+    if len(text) <= width:
+        return text
+    if not _DOTTED.fullmatch(text):
+        return shorten_words(text, width)
+    parts = text.split(".")
+    last = len(parts) - 1
+
+    def rank(i: int) -> int | None:  # the order names are left out in; None: never
+        if parts[i].isdigit() or i == last:
+            return None
+        if parts[i + 1].isdigit():
+            return 2
+        return 1 if i == 0 else 0
+
+    order = sorted((r, abs(i - last / 2), i) for i in range(last) if (r := rank(i)) is not None)
+    kept = [True] * len(parts)
+    shortened = text
+    for _, _, i in order:
+        kept[i] = False
+        shortened = _join_kept(parts, kept)
+        if len(shortened) <= width:
+            return shortened
+    return "…" + shorten_middle(parts[last], width - 1)  # no index at all rather than a cut one
+
+
+def _join_kept(parts: list[str], kept: list[bool]) -> str:
+    """The kept names joined by ``.``, with ``…`` where names were left out."""
+    out, gap = "", False
+    for part, keep in zip(parts, kept):
+        if keep:
+            out += ("…" if gap else "." if out else "") + part
+        gap = not keep
+    return out
+
+
+_LOCATION = re.compile(r"(?P<file>[^\s:]+):(?P<line>\d+)(?P<rest>.*)")
+
+
+def shorten_location(text: str, width: int) -> str:
+    """``file:line function: code`` in ``width`` characters: the file's folders go first
+    (``…/activations.py:103 forward: return …``), then the code's last words; the file's name and line stay while
+    they fit."""
+    if len(text) <= width:
+        return text
+    match = _LOCATION.fullmatch(text)
+    if match is None:
+        return shorten_words(text, width)
+    path, line, rest = match.group("file", "line", "rest")
+    name = os.path.basename(path)
+    place = ("" if name == path else "…" + os.sep) + f"{name}:{line}"
+    if len(place) > width:
+        return "…" + place[len(place) - width + 1:]
+    return shorten_words(place + rest, width)
+
+
+_SIZE = re.compile(r"torch\.Size\((\[[^\]]*\])\)")
+_COMMA_SPACE = re.compile(r",\s+")
+_NEXT_VALUE = re.compile(r" (?=(?:\[[^\]\s]*\])+:)")  # the space before a value's label: [1]:, [0][2]:
+_NUMBER_LIST = re.compile(r"([\[(])([^\[\]()]*,[^\[\]()]*)([\])])")
+
+
+def shorten_values(text: str, width: int) -> str:
+    """Shapes, strides or dtypes (``torch.Size([4, 16, 64])``; summary capture's ``[0]:[4, 16, 64] [1]:[64]``) in
+    ``width`` characters, never cutting a number: the spaces after commas go first, then the last values
+    (``…+2`` says how many), then the middle numbers of the one left (``[0]:[4,16,…,32]``, ``[0]:[4…32]``), then
+    all of it (``…``)."""
+    if len(text) <= width:
+        return text
+    tight = _COMMA_SPACE.sub(",", _SIZE.sub(r"\1", text))
+    if len(tight) <= width:
+        return tight
+    values = _NEXT_VALUE.split(tight)
+    for shown in range(len(values) - 1, 0, -1):
+        candidate = " ".join(values[:shown]) + f" …+{len(values) - shown}"
+        if len(candidate) <= width:
+            return candidate
+    first, more = values[0], (f" …+{len(values) - 1}" if len(values) > 1 else "")
+    lists = list(_NUMBER_LIST.finditer(first))
+    if lists:
+        longest = max(lists, key=lambda m: len(m.group(2)))
+        numbers = longest.group(2).split(",")
+        inners = [",".join([*numbers[:(count + 1) // 2], "…", *numbers[len(numbers) - count // 2:]])
+                  for count in range(len(numbers) - 1, 1, -1)] + [numbers[0] + "…" + numbers[-1]]
+        for tail in dict.fromkeys((more, "…" if more else "")):  # "…+2" while it fits, then a bare "…"
+            for inner in inners:
+                candidate = first[:longest.start(2)] + inner + first[longest.end(2):] + tail
+                if len(candidate) <= width:
+                    return candidate
+        return "…"
+    return shorten_words(tight, width)
+
+
+def shorten_cell(text: str, width: int) -> str:
+    """A cell of a column with no form of its own, by what it holds: a number, a dotted path, words, other text."""
+    if len(text) <= width:
+        return text
+    if _NUMBER.fullmatch(text):
+        return shorten_number(text, width)
+    if _DOTTED.fullmatch(text):
+        return shorten_dotted(text, width)
+    return shorten_words(text, width)
+
+
+@dataclasses.dataclass(frozen=True)
+class ColumnForm:
+    """How a column's cells are shortened, how many of their characters stay before other columns shrink, and the
+    share of the other columns' width they get when the table must shrink."""
+
+    shorten: Callable[[str, int], str]
+    kept: int = 0
+    share: float = 1.0
+
+
+CELL = ColumnForm(shorten_cell)
+# The columns whose cells hold one kind of text, by name; others: ``CELL``.
+COLUMN_FORMS: dict[str, ColumnForm] = {
+    "module": ColumnForm(shorten_dotted, MODULE_KEPT),
+    "location": ColumnForm(shorten_location, share=0.5),  # the files hold it whole; a header line names it too
+    **dict.fromkeys(("shape", "stride", "shapes", "strides", "dtypes"), ColumnForm(shorten_values)),
+}
 
 
 def _cell(value) -> str:

@@ -4,12 +4,16 @@ Layout (the original ditorch's)::
 
     <OP_TOOLS_RESULTS_DIR>/op_capture_results[/rank<N>]/<op name>/<pid>/<forward_id>/<timestamp>/
         input.pth  output.pth  grad_inputs.pth  grad_outputs.pth
+    <OP_TOOLS_RESULTS_DIR>/op_capture_results[/rank<N>]/index_pid<pid>_<time>_<n>.csv   one row per saved call
 
-The files are in the capture file format (capture_format.py), which the offline replay reads.
+The files are in the capture file format (capture_format.py), which the offline replay reads. What is saved can be
+bounded: the steps (``OP_CAPTURE_STEPS``), the calls per op (``OP_CAPTURE_MAX_CALLS_PER_OP``), the bytes
+(``OP_CAPTURE_MAX_BYTES``); the closing line counts the calls not saved, per reason.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -17,7 +21,16 @@ import time
 
 import torch
 
-from ..config.variables import CAPTURE_DEDUP, CAPTURE_MAX_BYTES, CAPTURE_MODE, CAPTURE_STATS_MAX_TENSORS, Sources
+from ..config.step_selection import StepSelection
+from ..config.variables import (
+    CAPTURE_DEDUP,
+    CAPTURE_MAX_BYTES,
+    CAPTURE_MAX_CALLS_PER_OP,
+    CAPTURE_MODE,
+    CAPTURE_STATS_MAX_TENSORS,
+    CAPTURE_STEPS,
+    Sources,
+)
 from ..core.engine import OpCall, OpTool, feature
 from ..core.steps import STEPS
 from ..ops.arguments import iter_items
@@ -34,7 +47,8 @@ from ..output.capture_format import (  # noqa: F401 - re-exported: the format wa
 from ..output.run_recording import RunRecorder
 
 SUMMARY_SHOWN = 20  # rows of the summary table on the console; the files hold them all
-SUMMARY_COLUMNS = ("op", "count", "shapes", "dtypes", "strides", "location")  # + RECORD_COLUMNS in the CSV
+SUMMARY_COLUMNS = ("op", "count", "shapes", "dtypes", "strides", "location")  # + module, RECORD_COLUMNS in the CSV
+INDEX_COLUMNS = ("op", "module", "forward_id", "step", "folder", "rank", "time")  # the index of a full capture
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +57,23 @@ class CaptureConfig:
     dedup: bool
     stats_max_tensors: int
     max_bytes: int | None = None  # full mode stops saving calls once it wrote this much
+    steps: StepSelection | None = None  # full and summary modes: the steps whose calls are saved (None: all)
+    max_calls_per_op: int | None = None  # full mode: calls saved per op name at most
 
     @classmethod
     def from_env(cls, sources: Sources | None = None) -> CaptureConfig:
-        return cls(CAPTURE_MODE.read(sources), CAPTURE_DEDUP.read(sources), CAPTURE_STATS_MAX_TENSORS.read(sources),
-                   CAPTURE_MAX_BYTES.read(sources))
+        config = cls(CAPTURE_MODE.read(sources), CAPTURE_DEDUP.read(sources),
+                     CAPTURE_STATS_MAX_TENSORS.read(sources), CAPTURE_MAX_BYTES.read(sources),
+                     CAPTURE_STEPS.read(sources), CAPTURE_MAX_CALLS_PER_OP.read(sources))
+        # a bound that the mode would ignore is an error, not a capture larger than asked for
+        if config.mode == "stats" and config.steps is not None:
+            raise ValueError(f"{CAPTURE_STEPS.name}={config.steps}: stats mode records every step (compare_runs "
+                             f"aligns two recordings step by step); unset it, or use {CAPTURE_MODE.name}=full or "
+                             "summary")
+        if config.mode != "full" and config.max_calls_per_op is not None:
+            raise ValueError(f"{CAPTURE_MAX_CALLS_PER_OP.name}={config.max_calls_per_op}: applies to "
+                             f"{CAPTURE_MODE.name}=full only ({config.mode} mode keeps no call's data)")
+        return config
 
 
 def _tensors_of(args, kwargs) -> list:
@@ -114,20 +140,21 @@ class OpCapture(OpTool):
 
     Keyword arguments (each overrides its variable; docs/tools/op_capture.md): ``ops``, ``disable``
     (``OP_CAPTURE_LIST``/``_DISABLE_LIST``: lists of op names, patterns or functions), ``mode`` (``OP_CAPTURE_MODE``),
-    ``dedup`` (``OP_CAPTURE_DEDUP``), ``max_bytes`` (``OP_CAPTURE_MAX_BYTES``: an int or ``"500M"``),
-    ``stats_max_tensors`` (``OP_CAPTURE_STATS_MAX_TENSORS``), and ``results_dir``, ``verbose``, ``print_stack``,
-    ``strict`` as every tool.
+    ``dedup`` (``OP_CAPTURE_DEDUP``), ``max_bytes`` (``OP_CAPTURE_MAX_BYTES``: an int or ``"500M"``), ``steps``
+    (``OP_CAPTURE_STEPS``: an int, a list, a range or ``"0,2-3"``), ``max_calls_per_op``
+    (``OP_CAPTURE_MAX_CALLS_PER_OP``), ``stats_max_tensors`` (``OP_CAPTURE_STATS_MAX_TENSORS``), and
+    ``results_dir``, ``verbose``, ``print_stack``, ``strict`` as every tool.
 
-    >>> with op_tools.OpCapture(ops=["torch.nn.functional.linear"], max_bytes="1G"):
-    ...     loss = model(x).sum(); loss.backward()
+    >>> with op_tools.OpCapture(ops=["torch.nn.functional.linear"], max_bytes="1G", steps="2-3", max_calls_per_op=4):
+    ...     train(steps=5)
     >>> op_tools.load_op_args(".../torch.nn.functional.linear/<pid>/<id>/<time>/input.pth")["args"]
     """
 
     hook_name = "OpCaptureHook"
     env_prefix = "OP_CAPTURE"
     results_folder = "op_capture_results"
-    keywords = {"mode": CAPTURE_MODE, "dedup": CAPTURE_DEDUP, "max_bytes": CAPTURE_MAX_BYTES,
-                "stats_max_tensors": CAPTURE_STATS_MAX_TENSORS}
+    keywords = {"mode": CAPTURE_MODE, "dedup": CAPTURE_DEDUP, "max_bytes": CAPTURE_MAX_BYTES, "steps": CAPTURE_STEPS,
+                "max_calls_per_op": CAPTURE_MAX_CALLS_PER_OP, "stats_max_tensors": CAPTURE_STATS_MAX_TENSORS}
     tracks_modules = True
 
     def configure(self) -> None:
@@ -135,6 +162,11 @@ class OpCapture(OpTool):
         self.store = TensorStore(self.settings.dedup, self.tally)
         self.summary: dict[tuple[str, str], dict] = {}
         self.calls_not_saved = 0  # full mode, past max_bytes
+        self.outside_steps = 0  # calls not saved (full) or not counted (summary): their step is not in steps
+        self.saved_per_op: collections.Counter = collections.Counter()  # full mode: calls saved per op name
+        self.over_op_cap: collections.Counter = collections.Counter()  # full mode: calls past max_calls_per_op, per op
+        self.index: list[dict] = []  # full mode: one row per saved call (INDEX_COLUMNS)
+        self.index_error = ""  # why the index could not be written, for the verdict
 
         self.recorder: RunRecorder | None = None
         if self.settings.mode == "stats":
@@ -158,25 +190,54 @@ class OpCapture(OpTool):
         self.calls_not_saved += 1
         return True
 
+    def _in_steps(self, call: OpCall) -> bool:
+        """Whether ``call``'s step is among those chosen; counts it when not."""
+        if self.settings.steps is None or call.step in self.settings.steps:
+            return True
+        with self._lock:
+            self.outside_steps += 1
+        return False
+
+    def _saves(self, call: OpCall) -> bool:
+        """Whether full mode saves ``call``: in the steps chosen, under the per-op cap and the byte cap, checked in
+        that order; a call not saved is counted under the first reason."""
+        if not self._in_steps(call):
+            return False
+        cap = self.settings.max_calls_per_op
+        with self._lock:
+            if cap is not None and self.saved_per_op[call.name] >= cap:
+                self.over_op_cap[call.name] += 1
+                return False
+            if self._over_limit(call):
+                return False
+            self.saved_per_op[call.name] += 1
+        return True
+
     def before(self, call: OpCall) -> None:
         if self.recorder is not None:
             self.recorder.before(call)
             return
         if self.settings.mode == "summary":
-            self._record(call)
+            if self._in_steps(call):
+                self._record(call)
             return
-        if self._over_limit(call):
+        if not self._saves(call):
             return
         stamp = time.strftime("%Y-%m-%d-%H-%M-%S", time.localtime())
         directory = result_files.results_path(self.common, self.results_folder, call.name, self.pid_folder,
                                            str(call.forward_id), stamp)
         call.state["dir"] = directory
         payload = {"name": call.name, "args": call.args, "kwargs": call.kwargs, "identifier": "input",
-                   **result_files.record_fields(self.common.rank, call.step, call.time)}
+                   "module": call.module_path, **result_files.record_fields(self.common.rank, call.step, call.time)}
         autocast = autocast_state(call.device)
         if autocast is not None:
             payload[AUTOCAST_KEY] = autocast
         self.store.save(os.path.join(directory, "input.pth"), payload)
+        row = {"op": call.name, "module": call.module_path, "forward_id": call.forward_id, "step": call.step,
+               "folder": os.path.relpath(directory, result_files.results_path(self.common, self.results_folder)),
+               **result_files.record_fields(self.common.rank, call.step, call.time)}
+        with self._lock:
+            self.index.append(row)
         if torch.is_grad_enabled():  # its backward is saved once the call's whole backward ran
             call.grad_inputs = _inputs_requiring_grad(call.args, call.kwargs)
 
@@ -211,6 +272,18 @@ class OpCapture(OpTool):
             self._logger.debug(reporting.header(call.name, call.forward_id, call.location, "backward") + "\n"
                            + reporting.call_table(call.name, rows))
 
+    def _write_index(self) -> None:
+        """``index_<stem>.csv``: every saved call's op, module, forward_id, step and folder, in call order."""
+        path = result_files.results_path(self.common, self.results_folder, f"index_{self.stem}.csv")
+        rows = [{k: r[k] for k in INDEX_COLUMNS} for r in sorted(self.index, key=lambda r: r["forward_id"])]
+        try:
+            self.tally.add(path, result_files.write_csv(path, rows))
+        except OSError as e:  # the calls' own files are written: the verdict says the index is not
+            self.index_error = f"the index {path} not written ({type(e).__name__}: {e})"
+
+    def unchecked_parts(self) -> list[str]:
+        return [self.index_error] if self.index_error else []
+
     # --- summary mode ---
 
     def _record(self, call: OpCall) -> None:
@@ -225,6 +298,7 @@ class OpCapture(OpTool):
                     "dtypes": " ".join(f"{p}:{str(v.dtype).removeprefix('torch.')}" for p, v in tensors),
                     "strides": " ".join(f"{p}:{tuple(v.stride())}" for p, v in tensors),
                     "location": call.location.splitlines()[0],
+                    "module": call.module_path,
                     "signature": signature,
                     **result_files.record_fields(self.common.rank, call.step, call.time),  # its first call's
                 }
@@ -237,11 +311,13 @@ class OpCapture(OpTool):
             self._logger.info("run recording %s: %d records (compare two with python -m op_tools.compare_runs)",
                               self.recorder.file.path, self.recorder.records)
             return
+        if self.settings.mode == "full" and self.index:
+            self._write_index()
         if self.settings.mode != "summary" or not self.summary:
             return
         rows = sorted(self.summary.values(), key=lambda r: (r["op"], -r["count"]))
         stem = result_files.results_path(self.common, self.results_folder, f"summary_{self.stem}")
-        table_rows = [{k: r[k] for k in (*SUMMARY_COLUMNS, *result_files.RECORD_COLUMNS)} for r in rows]
+        table_rows = [{k: r[k] for k in (*SUMMARY_COLUMNS, "module", *result_files.RECORD_COLUMNS)} for r in rows]
         self.tally.add(stem + ".csv", result_files.write_csv(stem + ".csv", table_rows))
         lines, current = [], None
         for row in rows:
@@ -253,3 +329,25 @@ class OpCapture(OpTool):
         more = len(table_rows) - SUMMARY_SHOWN
         self._logger.info(reporting.table_text(table_rows[:SUMMARY_SHOWN], SUMMARY_COLUMNS)
                       + (f"\n{more} more rows in the files" if more > 0 else "") + f"\nsaved {stem}.csv and {stem}.txt")
+
+    def not_saved(self) -> str:
+        """The calls not saved, per reason: ``not saved: 120 calls outside steps 0,2-3 (OP_CAPTURE_STEPS), ...``;
+        '' when every call handled was saved (or counted, in summary mode)."""
+        parts = []
+        if self.outside_steps:
+            verb = "counted" if self.settings.mode == "summary" else "saved"
+            parts.append(f"{self.outside_steps} call{'s' if self.outside_steps != 1 else ''} outside steps "
+                         f"{self.settings.steps} ({CAPTURE_STEPS.name}) not {verb}")
+        capped = sum(self.over_op_cap.values())
+        if capped:
+            ops = len(self.over_op_cap)
+            parts.append(f"{capped} call{'s' if capped != 1 else ''} of {ops} op{'s' if ops != 1 else ''} past "
+                         f"{self.settings.max_calls_per_op} per op ({CAPTURE_MAX_CALLS_PER_OP.name}) not saved")
+        if self.calls_not_saved:
+            parts.append(f"{self.calls_not_saved} call{'s' if self.calls_not_saved != 1 else ''} past "
+                         f"{_size(self.settings.max_bytes or 0)} ({CAPTURE_MAX_BYTES.name}) not saved")
+        return "; ".join(parts)
+
+    def closing_line(self) -> str:
+        dropped = self.not_saved()
+        return f"{super().closing_line()}; {dropped}" if dropped else super().closing_line()

@@ -19,9 +19,11 @@ from ..output import reporting
 class OpDtypeCast(OpTool):
     """Cast inputs whose dtype is in ``OP_DTYPE_CAST_DICT``, run, cast outputs back to the original dtype.
 
-    Under the user's autocast the widened op runs with autocast off (autocast would cast it back down), and each
-    output is cast to the dtype the op returns under that autocast (found by running the op on meta tensors
-    with the device's autocast policy, ``device_math``).
+    Under the user's autocast the widened op runs with autocast off (autocast would cast it back down). Where the
+    table widens autocast's own dtype (``float16`` under ``torch.autocast(dtype=torch.float16)``), an op autocast
+    would run in that dtype runs in the wider one instead, its outputs in the dtype its inputs give without
+    autocast; the log's ``autocast`` row names the dtype that ran. Every other output keeps the dtype the op
+    returns under that autocast (found by running the op on meta tensors with the device's policy, ``device_math``).
 
     Keyword arguments (each overrides its variable): ``ops``, ``disable`` (``OP_DTYPE_CAST_LIST``/``_DISABLE_LIST``:
     lists of op names, patterns or functions), ``casts`` (``OP_DTYPE_CAST_DICT``: ``{torch.float16: torch.float32}``),
@@ -49,11 +51,23 @@ class OpDtypeCast(OpTool):
             not name.startswith("torch.Tensor.__get")
 
     def run(self, call: OpCall):
+        math = DeviceMath.of(call.device).autocast_only()
+        lowered_to = math.autocast_dtype if math.autocast_dtype in self.cast else None
+        if lowered_to is not None and self.cast[lowered_to] == lowered_to:
+            lowered_to = None
+        casts_some = lowered_to is not None or any(self.cast.get(t.dtype, t.dtype) != t.dtype
+                                                   for t in iter_tensors((call.args, call.kwargs)))
+        expected = self._autocast_dtypes(call, math) if math and casts_some else None  # a meta run: only if needed
+        # The tool widens what autocast would lower: where autocast runs this op in a dtype the table widens, the
+        # op runs in the wider dtype with autocast off (autocast's key would cast the widened inputs back down).
+        lowered = lowered_to is not None and expected is not None and lowered_to in expected
         with tool_work():
             pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (original, cast copy)
 
             def widen(t: torch.Tensor) -> torch.Tensor:
                 target = self.cast.get(t.dtype)
+                if target is None and lowered and _lowered_by_autocast(t, call.device):
+                    target = self.cast[lowered_to]
                 if target is None or target == t.dtype:
                     return t
                 wide = t.to(target)  # differentiable: gradients reach the original
@@ -61,10 +75,8 @@ class OpDtypeCast(OpTool):
                 return wide
 
             args, kwargs = map_tensors(call.args, widen), map_tensors(call.kwargs, widen)
-        if not pairs:
+        if not pairs and not lowered:
             return call.func(*call.args, **call.kwargs)
-        math = DeviceMath.of(call.device).autocast_only()
-        expected = self._autocast_dtypes(call, math) if math else None
         with torch.autocast(call.device.type, enabled=False) if math else contextlib.nullcontext():
             result = call.func(*args, **kwargs)
         with tool_work():
@@ -86,9 +98,18 @@ class OpDtypeCast(OpTool):
                     return t.to(back[t.dtype])
                 return t
 
-            if expected is not None and len(expected) == len(list(iter_tensors(result))):
-                wanted = iter(expected)
+            raw_tensors = list(iter_tensors(result))
+            if expected is not None and len(expected) == len(raw_tensors):
+                # An output autocast would have lowered gets the dtype the op gives its own inputs without autocast.
+                unlowered = _promoted_dtype(call.args, call.kwargs) if lowered else None
+                wanted = iter([unlowered if lowered and dtype == lowered_to and unlowered is not None else dtype
+                               for dtype in expected])
                 out = map_tensors(result, lambda t: _returned(originals, t, next(wanted)))
+                ran = {raw.dtype for raw, dtype in zip(raw_tensors, expected) if dtype == lowered_to}
+                if lowered and ran:
+                    rows.insert(0, {"name": call.name, "target": "autocast",
+                                    "action": f"{lowered_to} -> {', '.join(sorted(map(str, ran)))}",
+                                    "config": self.config_text})
             else:
                 out = map_tensors(result, narrow)
             for (path, raw), (_, final) in zip(iter_items(reporting.as_tuple(result)),
@@ -122,6 +143,20 @@ def _returned(originals: dict, t: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     if original is not None:
         return original
     return t if t.dtype == dtype else t.to(dtype)
+
+
+def _lowered_by_autocast(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether autocast would cast ``t`` down at an op it lowers: a floating tensor on its device, float64 aside."""
+    return t.is_floating_point() and t.dtype != torch.float64 and t.device.type == device.type
+
+
+def _promoted_dtype(args, kwargs) -> torch.dtype | None:
+    """The dtype type promotion gives the call's floating tensors (what the op returns with autocast off)."""
+    promoted = None
+    for t in iter_tensors((args, kwargs)):
+        if t.is_floating_point():
+            promoted = t.dtype if promoted is None else torch.promote_types(promoted, t.dtype)
+    return promoted
 
 
 def _tensor_items(args, kwargs):

@@ -33,7 +33,7 @@ from torch.autograd.profiler import record_function
 
 from ..config.variables import TIME_MEASURE_SYNC
 from ..core.engine import OpCall, OpTool, feature, tool_work
-from ..numerics.device_timing import EventClock, HostClock, clock_for
+from ..numerics.device_timing import EventClock, HostClock, clock_for, timing_methods
 from ..output import reporting, result_files
 
 RESULTS_FOLDER = "op_time_measure_result"
@@ -474,8 +474,7 @@ class OpTimeMeasure(OpTool):
                             if len(modules) > MODULE_ROWS_SHOWN else ""))
         if measurements.dropped:
             lines.append(f"{measurements.dropped} calls past the first {MAX_CALL_RECORDS} are in the summary only")
-        methods = sorted({clock.method for clock in self._clocks.values()})
-        lines.append(f"timed with {'; '.join(methods)}")
+        lines.append(f"timed with {timing_methods(self._clocks.values())}")
         lines.append(f"op elasped info saved to {self.written['calls']}\nsummary saved to {self.written['summary']}"
                      f"\ntime per module saved to {os.path.basename(self.written['modules'])}, trace to "
                      f"{os.path.basename(self.written['trace'])} beside it (open it in https://ui.perfetto.dev)")

@@ -170,3 +170,181 @@ def test_a_misspelt_fault_in_the_variable_is_warned_about_when_sim_registers(tmp
                           env=child_env({"DITORCH_SIM_FAULTS": "torch.nn.functional.gelu:nan", "DITORCH_QUIET": "1"}))
     assert done.returncode == 0, done.stderr[-2000:]
     assert "ditorch DITORCH_SIM_FAULTS: 'torch.nn.functional.gelu' matches no aten op" in done.stdout
+
+
+def _first_nan_modules(model, run) -> list:
+    """The modules whose forward output holds a nan, in the order their forwards finished."""
+    found = []
+
+    def record(name):
+        def hook(_module, _args, output):
+            value = output[0] if isinstance(output, tuple) else output
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and torch.isnan(value).any():
+                found.append(name)
+        return hook
+
+    handles = [m.register_forward_hook(record(name)) for name, m in model.named_modules()]
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found
+
+
+def test_a_fault_scoped_to_a_module_hits_that_module_only(sim):
+    from tiny_models import tiny_llama
+
+    import op_tools
+
+    model = tiny_llama().to(sim)
+    ids = torch.randint(0, 128, (2, 16), device=sim)
+    with ditorch.sim.faults("silu@model.layers.1:nan"), op_tools.OpOverflowCheck() as check:
+        nan_modules = _first_nan_modules(model, lambda: model(input_ids=ids, labels=ids).loss.backward())
+    assert nan_modules[0] == "model.layers.1.mlp.act_fn"  # layer 0 ran silu too, and stayed finite
+    assert not [name for name in nan_modules if name.startswith("model.layers.0")]
+    found = check.first_overflow  # op_tools names the module as the fault's scope did
+    assert (found.name, found.phase, found.module) == ("torch.nn.functional.silu", "forward",
+                                                       "model.layers.1.mlp.act_fn")
+    with ditorch.sim.faults("silu:nan"):
+        unscoped = _first_nan_modules(model, lambda: model(input_ids=ids))
+    assert unscoped[0] == "model.layers.0.mlp.act_fn"
+
+
+def test_a_module_scope_matches_whole_path_components(sim):
+    from ditorch.sim.module_scope import in_scope
+
+    assert in_scope("model.layers.1", "model.layers.1") and in_scope("model.layers.1.mlp.act_fn", "model.layers.1")
+    assert not in_scope("model.layers.10", "model.layers.1") and not in_scope("model.layers.10.mlp", "model.layers.1")
+    assert not in_scope("model", "model.layers.1") and not in_scope("", "model.layers.1")
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SiLU())
+                                              for _ in range(11))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    model = Stack().to(sim)
+    outputs = {}
+    hooks = [layer.register_forward_hook(lambda m, i, o, n=n: outputs.__setitem__(n, o.detach()))
+             for n, layer in enumerate(model.layers)]
+    x = torch.randn(2, 4, device=sim)
+    model(x)
+    exact = dict(outputs)
+    with ditorch.sim.faults("silu@layers.1:noise=0.5"):
+        model(x)
+    for hook in hooks:
+        hook.remove()
+    assert torch.equal(outputs[0].cpu(), exact[0].cpu())
+    relative = (outputs[1].cpu() / exact[1].cpu() - 1).abs()  # every element of layers.1's silu off by 50%
+    assert torch.allclose(relative, torch.full((2, 4), 0.5), rtol=1e-4)
+    # layers.10 ran on what layers.9 handed it, and its own silu was left alone
+    assert torch.equal(outputs[10].cpu(), model.layers[10](outputs[9]).cpu())
+
+
+def test_a_scoped_fault_hits_forward_calls_only(sim):
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 4)).to(sim)
+    x = torch.randn(3, 4, device=sim)
+    with ditorch.sim.faults("mm@0:nan"):  # a Linear's forward is addmm; its weight gradient an mm in backward
+        layer(x).sum().backward()
+    assert torch.isfinite(layer[0].weight.grad.cpu()).all()
+    layer.zero_grad()
+    with ditorch.sim.faults("mm:nan"):
+        layer(x).sum().backward()
+    assert torch.isnan(layer[0].weight.grad.cpu()).all()
+
+
+def test_a_scoped_fault_hits_the_forward_that_checkpointing_recomputes(sim):
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    from ditorch.sim import module_scope
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.act = torch.nn.Linear(4, 4), torch.nn.SiLU()
+
+        def forward(self, x):
+            return self.act(self.linear(x))
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = checkpoint(layer, x, use_reentrant=False)
+            return x
+
+    model = Checkpointed().to(sim)
+    paths, poisoned = [], []  # for each run of layers.1's act: first the forward, then its recomputation
+    act = model.layers[1].act
+    act.register_forward_pre_hook(lambda *_: paths.append(module_scope.current()))
+    act.register_forward_hook(lambda m, i, out: poisoned.append(bool(torch.isinf(out.detach().cpu()).all())))
+    model.layers[0].act.register_forward_hook(lambda m, i, out: poisoned.append(bool(torch.isinf(out.cpu()).any())))
+    x = torch.randn(3, 4, device=sim, requires_grad=True)
+    # early stop off: the recomputation runs each block to its end, so the hook sees the act's output again
+    with ditorch.sim.faults("silu@layers.1:inf"), set_checkpoint_early_stop(False):
+        model(x).sum().backward()  # recomputed outside any forward, on autograd's thread: named as in the forward
+    assert paths == ["layers.1.act", "layers.1.act"]
+    # forward: layers.0 clean, layers.1 poisoned; backward recomputes layers.1 (poisoned again), then layers.0
+    assert poisoned == [False, True, True, False]
+
+
+def test_module_tracking_hooks_exist_only_while_a_fault_is_scoped(sim):
+    from ditorch.sim import module_scope
+
+    assert not module_scope.tracking()
+    with ditorch.sim.faults("silu:nan;mm@float64:unsupported"):
+        assert not module_scope.tracking()
+        with ditorch.sim.faults("silu@model.layers.1:nan"):
+            assert module_scope.tracking() and module_scope.current() == ""
+        assert not module_scope.tracking()
+    ditorch.sim.inject_fault("silu", "nan", module="model.layers.1")
+    assert module_scope.tracking() and [str(f) for f in ditorch.sim.fault_injection.TABLE.current()] == [
+        "silu@model.layers.1:nan"]
+    ditorch.sim.clear_faults()
+    assert not module_scope.tracking()
+
+
+@pytest.mark.parametrize(("spec", "dtype", "module"), [
+    ("mm@float64:unsupported", torch.float64, None),
+    ("mm@torch.half:unsupported", torch.float16, None),
+    ("silu@model.layers.1:noise=1e-2", None, "model.layers.1"),
+    ("silu@model.layers.1@bfloat16:nan", torch.bfloat16, "model.layers.1"),
+    ("silu@float16@LlamaForCausalLM:nan", torch.float16, "LlamaForCausalLM"),
+])
+def test_an_at_part_is_a_dtype_when_it_names_one_else_a_module_path(spec, dtype, module):
+    (fault,) = ditorch.sim.parse_faults(spec)
+    assert (fault.dtype, fault.module) == (dtype, module)
+
+
+@pytest.mark.parametrize(("spec", "why"), [
+    ("silu@fp16:nan", "unknown dtype 'fp16'"),
+    ("silu@flaot16:nan", "unknown dtype 'flaot16'; did you mean 'float16'?"),
+    ("silu@float16@half:nan", "names two dtypes"),
+    ("silu@model.layers.1@model.layers.2:nan", "names two module paths"),
+    ("silu@model..1:nan", "'model..1' is neither a dtype nor a module path"),
+    ("add_@model.layers.1:unversioned", "unversioned applies to every call of its ops"),
+])
+def test_a_malformed_scope_names_the_variable(spec, why):
+    with pytest.raises(ValueError) as error:
+        ditorch.sim.parse_faults(spec, "DITORCH_SIM_FAULTS")
+    message = str(error.value)
+    assert message.startswith(f"DITORCH_SIM_FAULTS={spec!r}: ") and why in message
+
+
+def test_a_scoped_fault_from_the_environment(tmp_path):
+    code = ("import torch, ditorch.sim; ditorch.sim.register()\n"
+            "model = torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Sequential(torch.nn.SiLU())).to('sim')\n"
+            "x = torch.ones(2, device='sim')\n"
+            "print(torch.isnan(model[0](x).cpu()).any().item(), torch.isnan(model(x).cpu()).all().item())\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env=child_env({"DITORCH_SIM_FAULTS": "silu@1:nan", "DITORCH_QUIET": "1"}))
+    assert done.stdout.split() == ["False", "True"], done.stderr[-2000:]

@@ -132,3 +132,55 @@ def test_malformed_variables_name_the_variable_and_form(name, value):
     with pytest.raises(ValueError) as error:
         read(name, {name: value})
     assert str(error.value) == f"{name}={value!r}: expected {VARIABLES[name].form}"
+
+
+@pytest.fixture
+def cuda_switch_off_after():
+    yield
+    torch.set_float32_matmul_precision("highest")  # every backend's, in both APIs (allow_tf32 = False: CUDA's only)
+
+
+def _turn_on_through_the_new_api():
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+
+
+@pytest.mark.usefixtures("cuda_switch_off_after")
+@pytest.mark.parametrize("turn_on", [lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True),
+                                     lambda: torch.set_float32_matmul_precision("high"),
+                                     _turn_on_through_the_new_api],
+                         ids=["allow_tf32", "precision_high", "fp32_precision"])
+def test_cudas_matmul_switch_drives_sim_matmuls_as_it_drives_cublas(turn_on):
+    torch.manual_seed(0)
+    a, b = torch.randn(64, 256), torch.randn(256, 32)
+    exact = a.double() @ b.double()
+
+    def on_sim():
+        return (a.to("sim") @ b.to("sim")).cpu()
+
+    def median_relative_error():
+        return ((on_sim().double() - exact) / exact).abs().median().item()
+
+    assert median_relative_error() < 1e-6  # float32: 2.3e-7 measured
+    turn_on()
+    assert torch.sim.matmul.allow_tf32 and torch.sim.float32_reduced_precision() == {"matmul": "tf32"}
+    assert 1e-4 < median_relative_error() < 2e-3  # TF32's 11 significant bits: 2.9e-4 measured
+    assert torch.equal(on_sim(), tf32_reference(a) @ tf32_reference(b))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    assert median_relative_error() < 1e-6 and torch.sim.float32_reduced_precision() == {}
+
+
+@pytest.mark.usefixtures("cuda_switch_off_after")
+def test_sims_matmul_switch_is_cudas():
+    torch.sim.matmul.allow_tf32 = True
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "high"
+    torch.sim.matmul.allow_tf32 = False
+    assert not torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "highest"
+
+
+def test_the_switch_set_before_import_ditorch_holds_on_sim():
+    code = ("import torch; torch.backends.cuda.matmul.allow_tf32 = True; import ditorch; "
+            "print(torch.sim.float32_reduced_precision())")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DITORCH_")}
+    env.update(DITORCH_BACKEND="sim", DITORCH_QUIET="1")  # DITORCH_SIM_TF32 unset: 0
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert result.stdout.strip() == "{'matmul': 'tf32'}", result.stderr

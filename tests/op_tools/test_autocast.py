@@ -31,7 +31,8 @@ def _calls(device):
     return logits, probabilities, loss
 
 
-@pytest.mark.parametrize("tool", [op_tools.OpFallback, op_tools.OpDtypeCast, op_tools.OpAutoCompare])
+# OpDtypeCast is left out: asked to widen float16, it runs what autocast lowers in float32 (test_dtype_cast.py).
+@pytest.mark.parametrize("tool", [op_tools.OpFallback, op_tools.OpAutoCompare])
 def test_each_tool_returns_the_dtypes_the_op_returns_under_autocast(sim, tool):
     expected = [t.dtype for t in _calls(sim)]
     assert expected == [torch.float16, torch.float32, torch.float32]

@@ -1,8 +1,12 @@
+import collections
+import csv
 import glob
 import os
+import shutil
 
+import pytest
 import torch
-from tiny_models import tiny_gpt2, train_llama
+from tiny_models import mlp, tiny_gpt2, train_llama, train_mlp
 
 import op_tools
 
@@ -82,7 +86,9 @@ def test_summary_mode_writes_an_aggregated_table_and_operator_input_log(sim, tmp
     (log_file,) = folder.glob("summary_pid*.txt")
     table = csv_file.read_text()
     # the original's columns in their places, then rank, step and time (docs/tools/README.md#ranks-steps-and-times)
-    assert table.splitlines()[0] == "op,count,shapes,dtypes,strides,location,rank,step,time"
+    assert table.splitlines()[0] == "op,count,shapes,dtypes,strides,location,module,rank,step,time"
+    rows = {r["op"]: r for r in csv.DictReader(table.splitlines())}  # each row's first call's module
+    assert rows["torch.nn.functional.layer_norm"]["module"] == "transformer.h.0.ln_1"
     for op in ("torch.nn.functional.layer_norm", "torch.nn.functional.scaled_dot_product_attention"):
         assert op in table
     log = log_file.read_text()
@@ -108,3 +114,124 @@ def test_op_tools_does_not_import_ditorch(run_script):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert result.returncode == 0, result.stderr
+
+
+# --- bounded captures: steps, calls per op, what was dropped ---
+
+def _index(root) -> list[dict]:
+    (path,) = glob.glob(os.path.join(root, "op_capture_results", "index_pid*.csv"))
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _closing(caplog) -> str:
+    """The closing line of the last OpCapture session stopped."""
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("OpCapture:")][-1]
+
+
+def test_steps_selects_the_steps_saved_and_the_closing_line_counts_the_calls_left_out(sim, tmp_path, caplog):
+    with op_tools.OpCapture(results_dir=tmp_path / "every"):
+        train_mlp(sim, steps=5)
+    per_step = collections.Counter(int(r["step"]) for r in _index(str(tmp_path / "every")))
+    assert sorted(per_step) == [0, 1, 2, 3, 4]
+    with caplog.at_level("INFO", logger="op_tools"), op_tools.OpCapture(steps="0,2-3") as capture:
+        train_mlp(sim, steps=5)
+    root = str(tmp_path / "results")
+    index = _index(root)
+    assert collections.Counter(int(r["step"]) for r in index) == {s: per_step[s] for s in (0, 2, 3)}
+    for r in index:  # the index row names the call's folder, whose input.pth says the same
+        data = op_tools.load_op_args(os.path.join(root, "op_capture_results", r["folder"], "input.pth"))
+        assert (data["name"], data["module"], data["step"]) == (r["op"], r["module"], int(r["step"]))
+        assert r["folder"].split(os.sep)[2] == r["forward_id"]
+    left_out = per_step[1] + per_step[4]
+    assert capture.outside_steps == left_out
+    assert _closing(caplog).endswith(f"; {left_out} calls outside steps 0,2-3 (OP_CAPTURE_STEPS) not saved")
+
+
+def test_max_calls_per_op_saves_the_first_calls_of_each_op_and_counts_the_others(sim, tmp_path, caplog):
+    x = torch.randn(4, device=sim)
+    with caplog.at_level("INFO", logger="op_tools"), op_tools.OpCapture(max_calls_per_op=2) as capture:
+        for _ in range(5):
+            x = torch.add(x, 1)
+        x.sin()
+    index = _index(str(tmp_path / "results"))
+    assert [r["op"] for r in index] == ["torch.add", "torch.add", "torch.Tensor.sin"]
+    assert len(_files(str(tmp_path / "results"), "input.pth")) == 3
+    assert capture.over_op_cap == {"torch.add": 3}
+    assert "; 3 calls of 1 op past 2 per op (OP_CAPTURE_MAX_CALLS_PER_OP) not saved" in _closing(caplog)
+
+
+def test_a_bounded_capture_of_a_training_step_saves_each_op_once(sim, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("OP_CAPTURE_STEPS", "1")
+    monkeypatch.setenv("OP_CAPTURE_MAX_CALLS_PER_OP", "1")
+    with caplog.at_level("INFO", logger="op_tools"), op_tools.OpCapture() as capture:
+        train_llama(sim, steps=3)
+    index = _index(str(tmp_path / "results"))
+    ops = [r["op"] for r in index]
+    assert len(ops) == len(set(ops)) == len(capture.saved_per_op) and {r["step"] for r in index} == {"1"}
+    assert sum(capture.saved_per_op.values()) + capture.outside_steps + sum(capture.over_op_cap.values()) == \
+        sum(capture.handled.values())  # every call handled is saved or counted under one reason
+    closing = _closing(caplog)
+    assert "OP_CAPTURE_STEPS) not saved" in closing and "OP_CAPTURE_MAX_CALLS_PER_OP) not saved" in closing
+    modules = {r["module"] for r in index}
+    assert "model.layers.0.mlp.act_fn" in modules or "model.layers.1.mlp.act_fn" in modules
+
+
+def test_each_saved_call_records_its_module_path(sim, tmp_path):
+    model = mlp().to(sim)
+    with op_tools.OpCapture(ops=["torch.nn.functional.linear", "torch.nn.functional.gelu"]):
+        model(torch.randn(2, 16, device=sim))
+    index = _index(str(tmp_path / "results"))
+    assert [(r["op"], r["module"]) for r in index] == [
+        ("torch.nn.functional.linear", "0"), ("torch.nn.functional.gelu", "1"), ("torch.nn.functional.linear", "3")]
+    assert [int(r["forward_id"]) for r in index] == sorted(int(r["forward_id"]) for r in index)
+
+
+def test_summary_mode_counts_only_the_chosen_steps(sim, tmp_path, caplog):
+    with caplog.at_level("INFO", logger="op_tools"), op_tools.OpCapture(mode="summary", steps=range(1, 3)) as tool:
+        train_mlp(sim, steps=4)
+    assert {r["step"] for r in tool.summary.values()} == {1}  # each row's first call: step 1
+    linears = sum(r["count"] for r in tool.summary.values() if r["op"] == "torch.nn.functional.linear")
+    assert linears == 2 * 2  # two linears a step, steps 1 and 2
+    assert f"; {tool.outside_steps} calls outside steps 1-2 (OP_CAPTURE_STEPS) not counted" in _closing(caplog)
+
+
+@pytest.mark.parametrize(("kwargs", "env", "words"), [
+    ({"steps": "1-0"}, {}, ["steps='1-0'", "ends before it starts"]),
+    ({}, {"OP_CAPTURE_STEPS": "first"}, ["OP_CAPTURE_STEPS='first'", "not a step"]),
+    ({"max_calls_per_op": 0}, {}, ["max_calls_per_op=0", "must be >= 1"]),
+    ({}, {"OP_CAPTURE_MAX_CALLS_PER_OP": "many"}, ["OP_CAPTURE_MAX_CALLS_PER_OP='many'", "an integer >= 1"]),
+    ({"mode": "stats", "steps": 2}, {}, ["OP_CAPTURE_STEPS=2", "stats mode records every step"]),
+    ({"mode": "summary", "max_calls_per_op": 3}, {}, ["OP_CAPTURE_MAX_CALLS_PER_OP=3", "full only"]),
+])
+def test_a_bad_or_inapplicable_bound_is_an_error_naming_it(kwargs, env, words, monkeypatch):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError) as info:
+        op_tools.OpCapture(**kwargs).start()
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_step_selections_read_as_written():
+    from op_tools.config.step_selection import convert_steps, parse_steps
+
+    assert [s for s in range(8) if s in parse_steps(" 0, 2-3,6- ")] == [0, 2, 3, 6, 7]
+    assert parse_steps("all") is None and parse_steps("") is None
+    assert str(parse_steps("0,2-3,5-")) == "0,2-3,5-"
+    assert str(convert_steps([3, 1])) == "1,3" and str(convert_steps(range(2, 5))) == "2-4"
+    assert 4 not in convert_steps(3)
+    with pytest.raises(TypeError):
+        convert_steps([True])
+
+
+def test_an_index_that_cannot_be_written_leaves_the_verdict_unchecked(sim, tmp_path, caplog):
+    x = torch.randn(4, device=sim)
+    folder = tmp_path / "out" / "op_capture_results"
+    with caplog.at_level("INFO", logger="op_tools"), op_tools.OpCapture(results_dir=tmp_path / "out") as capture:
+        x.sin()
+        shutil.rmtree(folder)
+        folder.write_text("")  # the folder is gone by stop(): no index can be written there
+    closing = [r for r in caplog.records if r.getMessage().startswith("OpCapture:")][-1]
+    assert closing.levelname == "WARNING" and capture.verdict() == "unchecked"
+    assert f"the index {folder}{os.sep}index_pid" in closing.getMessage() and "not written" in closing.getMessage()

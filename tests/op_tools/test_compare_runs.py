@@ -10,7 +10,7 @@ from unittest import mock
 
 import pytest
 import torch
-from browser import chromium, dump_dom
+from browser import chromium, dump_dom, needs_browser
 from subprocess_env import child_env
 from tiny_models import tiny_llama
 
@@ -153,10 +153,20 @@ def _cli(*args, env=None):
                           env=child_env({"OP_TOOLS_VERBOSE": "1", **(env or {})}), timeout=120)
 
 
+NUMBER = r"([\d.e+-]+)"
+
+
 def test_the_command_line_reports_saves_a_csv_and_exits_1_on_a_divergence(runs, tmp_path):
     done = _cli(_cpu(runs), runs("sim_fault", "sim", fault="silu:noise=1e-3"), "--csv", str(tmp_path / "c.csv"))
     assert done.returncode == 1, done.stderr
-    assert f"first divergence in forward: step 0 forward {FAULTY_OP} #0 torch.nn.functional.silu" in done.stdout
+    # the line says why: the silu's outputs differ by more than its inputs (equal in both runs) explain
+    line = re.search(rf"first divergence in forward: step 0 forward {FAULTY_OP} #0 torch.nn.functional.silu: "
+                     rf"outputs\[0\] \w+ differs by {NUMBER}, more than the {NUMBER} its inputs explain \(tolerance "
+                     rf"{NUMBER} \+ 2 x its inputs' {NUMBER}\)\n", done.stdout)
+    assert line, done.stdout
+    difference, allowed, tolerance, carried = (float(x) for x in line.groups())
+    assert difference > allowed == pytest.approx(tolerance + 2 * carried, rel=1e-2)
+    assert "already differed" not in done.stdout and "that its inputs do not explain" not in done.stdout
     with open(tmp_path / "c.csv") as f:
         rows = list(csv.DictReader(f))
     diverged = [r for r in rows if r["diverged"] == "1"]
@@ -180,7 +190,7 @@ def test_the_command_line_refuses_a_recording_of_a_newer_format_with_exit_2(runs
     assert f"format version {FORMAT_VERSION + 1}, written by a newer op_tools" in done.stderr
 
 
-@pytest.mark.skipif(chromium() is None, reason="no chromium to open the view in (apt-get install chromium)")
+@needs_browser
 def test_the_html_view_shows_both_runs_aligned_with_the_first_divergence_highlighted(runs, tmp_path):
     result = compare(_cpu(runs), runs("sim_float_fault", "sim", extra_float=True, fault="silu:noise=1e-3"))
     page = tmp_path / "view.html"
@@ -263,3 +273,102 @@ def test_damaged_lines_of_a_recording_are_counted_never_taken_for_agreement_and_
     assert done.returncode == 1, done.stderr
     assert "first divergence in forward: step 0 forward (no module) #3 torch.sin: outputs[0] max" in done.stdout
     assert "WARNING: run B: 1 damaged line (calls not compared)" in done.stdout
+
+
+# --- a divergence said with its reason: inputs that differed from the start, or outputs their inputs do not explain
+
+def _record_embedding(folder, monkeypatch, weight_noise=0.0, scale=1.0):
+    """An embedding and a linear layer, then ``sin(...) * scale``, recorded on the CPU; ``weight_noise`` changes the
+    embedding's weight before the recording starts (as weights loaded differently would), ``scale`` the last op's
+    result (an op that adds a difference of its own)."""
+    monkeypatch.setenv("OP_CAPTURE_MODE", "stats")
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(folder))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.Linear(16, 16))
+    ids = torch.randint(0, 32, (4, 8))
+    with torch.no_grad():
+        model[0].weight.mul_(1 + weight_noise * torch.linspace(-1, 1, 16))
+    with op_tools.OpCapture() as capture:
+        torch.sin(model(ids)) * scale
+    return capture.recorder.file.path
+
+
+def test_a_divergence_whose_inputs_already_differed_says_so_and_names_the_first_difference_they_do_not_explain(
+        tmp_path, monkeypatch, capsys):
+    from op_tools.offline.compare_runs import main
+
+    a = _record_embedding(tmp_path / "a", monkeypatch)
+    b = _record_embedding(tmp_path / "b", monkeypatch, weight_noise=3e-3, scale=1.01)
+    result = compare(a, b)
+    first = result.first_divergence("forward")
+    assert first.op == "torch.nn.functional.embedding" and first.diverged
+    assert first.inputs_differed_first and not first.outputs_unexplained
+    assert first.carried > first.tolerance and first.carried_detail.startswith("inputs[1]")  # the weight
+    assert first.verdict_detail == f"{first.carried_detail} (an input: the runs differed before this call)"
+    later = result.first_unexplained("forward")
+    assert later.op == "torch.Tensor.mul" and later.outputs_unexplained and not later.inputs_differed_first
+    capsys.readouterr()
+    assert main([a, b, "--csv", str(tmp_path / "c.csv")]) == 1
+    out = capsys.readouterr().out
+    line = re.search(rf"first divergence in forward: step 0 forward 0 #0 torch.nn.functional.embedding: its inputs "
+                     rf"already differed by {NUMBER} \(inputs\[1\] \w+\), more than the tolerance {NUMBER}, and no "
+                     rf"recorded call before it differed: the difference came from outside the recording \(data, "
+                     rf"weights, a call not recorded\); its outputs differ by {NUMBER}, within the {NUMBER} those "
+                     rf"inputs explain \(tolerance {NUMBER} \+ 2 x its inputs' {NUMBER}\)\n", out)
+    assert line, out
+    carried, tolerance, difference, allowed, _, carried_again = (float(x) for x in line.groups())
+    assert carried > tolerance and difference <= allowed and carried_again == carried
+    assert re.search(r"first difference in forward that its inputs do not explain: step 0 forward \(no module\) #1 "
+                     r"torch.Tensor.mul: outputs\[0\] \w+ differs by [\d.e-]+, more than the [\d.e-]+ its inputs "
+                     r"explain", out), out
+    with open(tmp_path / "c.csv") as f:
+        embedding = next(r for r in csv.DictReader(f) if r["op_a"] == "torch.nn.functional.embedding")
+    assert embedding["diverged"] == "1" and "(an input: the runs differed before this call)" in embedding["detail"]
+    # the same inputs and nothing else: no later difference to name
+    only_weights = _record_embedding(tmp_path / "w", monkeypatch, weight_noise=3e-3)
+    capsys.readouterr()
+    assert main([a, only_weights, "--csv", str(tmp_path / "w.csv")]) == 1
+    assert "first difference in forward that its inputs do not explain: none\n" in capsys.readouterr().out
+
+
+# --- outputs that cannot be written: a message and an exit status of their own (5), never a traceback
+
+def test_an_output_folder_that_cannot_be_written_is_one_line_naming_it_and_exit_5(tmp_path, monkeypatch, capsys):
+    from op_tools.offline.compare_runs import main
+    from op_tools.offline.compare_runs.cli import _parser
+
+    a = _record_embedding(tmp_path / "a", monkeypatch)
+    (tmp_path / "a_file").write_text("")  # a file where a folder should be: unwritable even for root
+    blocked = tmp_path / "a_file" / "sub"
+    for args, results_dir, wanted in (
+            (["--csv", str(blocked / "c.csv")], tmp_path, f"the CSV in {blocked} (--csv {blocked / 'c.csv'})"),
+            (["--csv", str(tmp_path / "ok.csv"), "--html", str(blocked / "v.html")], tmp_path,
+             f"the HTML view in {blocked} (--html {blocked / 'v.html'})"),
+            ([], blocked, f"the CSV in {blocked / 'compare_runs'} (OP_TOOLS_RESULTS_DIR='{blocked}')")):
+        monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(results_dir))
+        capsys.readouterr()
+        assert main([a, a, *args]) == 5
+        out, err = capsys.readouterr()
+        assert err == (f"compare_runs: cannot write {wanted}: NotADirectoryError: Not a directory (a file stands "
+                       "where a folder should be); choose a folder this process can write\n")
+        assert out == ""  # tried before comparing
+    assert "5 the CSV or the HTML view cannot be written" in " ".join(_parser().format_help().split())
+
+
+def test_a_file_that_fails_after_the_folder_passed_its_trial_still_prints_the_verdict_and_exits_5(
+        tmp_path, monkeypatch, capsys):
+    import errno
+
+    from op_tools.offline.compare_runs import main
+    from op_tools.output import result_files
+
+    a = _record_embedding(tmp_path / "a", monkeypatch)
+    b = _record_embedding(tmp_path / "b", monkeypatch, scale=1.01)
+    full = OSError(errno.ENOSPC, "No space left on device")
+    with mock.patch.object(result_files, "write_text", side_effect=full):
+        assert main([a, b, "--csv", str(tmp_path / "c.csv")]) == 5
+    out, err = capsys.readouterr()
+    assert "first divergence in forward: step 0 forward (no module) #1 torch.Tensor.mul" in out
+    assert f"saved {tmp_path / 'c.csv'}" in out and "c.html" not in out
+    assert err == (f"compare_runs: cannot write the HTML view in {tmp_path / 'c.html'} (--csv {tmp_path / 'c.csv'}): "
+                   "OSError: No space left on device; choose a folder this process can write\n")

@@ -41,3 +41,60 @@ def test_custom_dict_and_llama_under_bf16_autocast(sim, monkeypatch):
         losses = train_llama(sim, steps=1, autocast_dtype=torch.bfloat16)
     assert tool.cast == {torch.bfloat16: torch.float32, torch.float16: torch.float64}
     assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def _overflowing_linear(device):
+    """A linear whose float16 result overflows (300 * 300 * 64 > 65504): float32 inputs, as autocast sees them."""
+    x = (300 + torch.randn(2, 64)).to(device).requires_grad_()
+    w = (300 + torch.randn(3, 64)).to(device)
+    return x, w
+
+
+def test_under_autocast_a_lowered_op_runs_in_the_wider_dtype(sim, logged, monkeypatch):
+    monkeypatch.setenv("OP_TOOLS_VERBOSE", "1")
+    x, w = _overflowing_linear(sim)
+    with torch.autocast(sim, dtype=torch.float16):
+        plain = torch.nn.functional.linear(x, w)
+        with op_tools.OpDtypeCast():
+            widened = torch.nn.functional.linear(x, w)
+    assert plain.dtype == torch.float16 and torch.isinf(plain).all()
+    # what the op gives in float32 with autocast off, exactly, and differentiable
+    assert widened.dtype == torch.float32 and torch.equal(widened, torch.nn.functional.linear(x, w))
+    widened.sum().backward()
+    assert torch.equal(x.grad.cpu(), w.sum(0).expand(2, 64).cpu())
+    assert "| torch.nn.functional.linear | autocast | torch.float16 -> torch.float32 |" in " ".join(logged().split())
+
+
+def test_under_autocast_the_table_decides_the_dtype_that_runs(sim, logged, monkeypatch):
+    monkeypatch.setenv("OP_TOOLS_VERBOSE", "1")
+    x, w = _overflowing_linear(sim)
+    with torch.autocast(sim, dtype=torch.float16), op_tools.OpDtypeCast(casts={torch.float16: torch.float64}):
+        y = torch.nn.functional.linear(x, w)
+    assert y.dtype == torch.float32  # computed in float64, returned in the inputs' own dtype
+    assert torch.equal(y, torch.nn.functional.linear(x.double(), w.double()).float())
+    out = " ".join(logged().split())  # table cells padded to their column
+    assert "| torch.nn.functional.linear | autocast | torch.float16 -> torch.float64 |" in out
+    assert "| torch.nn.functional.linear | input[1] | torch.float32 -> torch.float64 |" in out
+    # a table that does not widen autocast's dtype leaves autocast to decide
+    with torch.autocast(sim, dtype=torch.float16), op_tools.OpDtypeCast(casts={torch.bfloat16: torch.float32}):
+        y = torch.nn.functional.linear(x, w)
+    assert y.dtype == torch.float16 and torch.isinf(y).all()
+
+
+def test_under_autocast_unlowered_outputs_keep_autocasts_dtypes(sim):
+    h = torch.randn(4, 5, device=sim, dtype=torch.float16)
+    target = torch.tensor([0, 1, 2, 3], device=sim)
+    with torch.autocast(sim, dtype=torch.float16), op_tools.OpDtypeCast():
+        probabilities = torch.softmax(h, -1)              # float32 by autocast's policy
+        activated = torch.relu(h)                         # float16 in, float16 out: the tool's usual round trip
+        loss = torch.nn.functional.cross_entropy(h, target)
+    assert (probabilities.dtype, activated.dtype, loss.dtype) == (torch.float32, torch.float16, torch.float32)
+    assert torch.equal(probabilities, torch.softmax(h.float(), -1))
+
+
+def test_llama_under_fp16_autocast_trains_as_in_float32(sim, monkeypatch):
+    monkeypatch.delenv("OP_DTYPE_CAST_DICT", raising=False)
+    with op_tools.OpDtypeCast():
+        widened = train_llama(sim, steps=2, autocast_dtype=torch.float16)
+    assert widened == train_llama(sim, steps=2)
+    assert widened != train_llama(sim, steps=2, autocast_dtype=torch.float16)

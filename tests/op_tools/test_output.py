@@ -2,6 +2,7 @@
 
 import logging
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -150,12 +151,208 @@ def test_ditorch_banner_goes_through_the_ditorch_logger_to_stderr(tmp_path):
 
 def test_long_cells_are_shortened_to_fit_and_files_keep_them_whole(tmp_path):
     rows = [{"name": "torch.nn.functional.scaled_dot_product_attention inputs[0]" * 3, "value": "x" * 300, "n": 1}]
-    text = reporting.table_text(rows)
+    text = reporting.table_text(rows, width=reporting.CONSOLE_WIDTH)
     assert max(len(line) for line in text.splitlines()) <= reporting.CONSOLE_WIDTH
-    assert "…" in text and "torch.nn.func" in text and "inputs[0]" in text  # both ends of a shortened cell
+    # whole words from the start of a shortened cell, the middle of one with no space
+    assert "| torch.nn.functional.scaled_dot_product_attention … |" in text and "xxx…xxx" in text
     result_files.write_csv(str(tmp_path / "t.csv"), rows)
     assert rows[0]["value"] in (tmp_path / "t.csv").read_text()
     assert reporting.table_text([{"a": "short"}]) == reporting.table([{"a": "short"}]).get_string()
+
+
+# Two decoder layers whose module paths differ only by their index, as a transformers Llama's do.
+class _Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up_proj = torch.nn.Linear(8, 8)
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.act_fn(self.up_proj(x))
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = _Mlp()
+
+    def forward(self, x):
+        return x + self.mlp(x)
+
+
+class _Decoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Layer(), _Layer()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = _Decoder()
+
+    def forward(self, x):
+        return self.model(x)
+
+
+@pytest.fixture
+def console_width_kept():
+    """The tables' width as it was before the test (a tool's start sets it for the whole process)."""
+    before = reporting.console_width()
+    yield
+    reporting.configure_tables(before)
+
+
+def _failure_summary(sim, caplog) -> tuple[list[str], list[dict]]:
+    x = torch.randn(4, 8, device=sim)
+    model = _Model().to(sim)
+    with op_tools.OpAutoCompare() as compare, ditorch.sim.faults("silu:noise=1e-1"):
+        model(x)
+    summary = next(r.getMessage() for r in caplog.records if "OpAutoCompare summary" in r.getMessage())
+    return [line for line in summary.splitlines() if line.startswith(("+", "|"))], compare.failures
+
+
+@pytest.mark.parametrize("setting", ["220", "120", "full"])
+def test_the_failure_summary_fits_the_width_set_and_tells_the_layers_apart(sim, caplog, monkeypatch,
+                                                                           console_width_kept, setting):
+    monkeypatch.setenv("OP_TOOLS_TABLE_WIDTH", setting)
+    table, failures = _failure_summary(sim, caplog)
+    rows = [line for line in table if line.startswith("|") and "silu" in line]
+    assert [f["module"] for f in failures] == ["model.layers.0.mlp.act_fn", "model.layers.1.mlp.act_fn"]
+    assert len(rows) == 2
+    if setting == "full":  # nothing shortened: the cells as the CSV has them
+        assert all("…" not in line for line in table)
+        assert failures[0]["error_info"] in rows[0] and max(len(line) for line in table) > 220
+        return
+    assert max(len(line) for line in table) <= int(setting)
+    if setting == "220":
+        assert "model.layers.0.mlp.act_fn" in rows[0] and "model.layers.1.mlp.act_fn" in rows[1]
+    else:  # shortened by whole names, each keeping its layer's index and its last name
+        assert "model.layers.1.mlp.act_fn" not in rows[1]
+        assert [re.search(r"layers\.(\d+)…act_fn ", row).group(1) for row in rows] == ["0", "1"]
+
+
+def test_module_paths_lose_whole_names_never_their_indices():
+    path = "model.layers.1.mlp.act_fn"
+    assert reporting.shorten_dotted(path, 25) == path
+    assert reporting.shorten_dotted(path, 21) == "model.layers.1…act_fn"
+    assert reporting.shorten_dotted(path, 16) == "…layers.1…act_fn"
+    assert reporting.shorten_dotted(path, 10) == "…1…act_fn"
+    deep = "model.decoder.layers.11.encoder_attn.k_proj"
+    for width in range(8, len(deep) + 1):
+        shortened = reporting.shorten_dotted(deep, width)
+        assert len(shortened) <= width and shortened.endswith("k_proj"), shortened
+        # an index stays whole or goes whole: never "1" cut from "11"
+        assert re.findall(r"\d+", shortened) in (["11"], []), shortened
+
+
+def test_shapes_and_numbers_are_shortened_without_cutting_a_number():
+    shapes = "[0]:[4, 16, 64, 32] [1]:[64, 32] [2]:[32]"
+    assert reporting.shorten_values(shapes, 40) == "[0]:[4,16,64,32] [1]:[64,32] [2]:[32]"
+    assert reporting.shorten_values(shapes, 33) == "[0]:[4,16,64,32] [1]:[64,32] …+1"
+    assert reporting.shorten_values(shapes, 30) == "[0]:[4,16,64,32] …+2"
+    assert reporting.shorten_values(shapes, 16) == "[0]:[4,…,32] …+2"
+    assert reporting.shorten_values("torch.Size([4, 16, 64, 32])", 12) == "[4,16,64,32]"
+    assert reporting.shorten_cell("0.00328157139", 7) == "0.00328"
+    numbers = set(re.findall(r"\d+", shapes))
+    for width in range(1, len(shapes)):
+        assert set(re.findall(r"\d+", reporting.shorten_values(shapes, width))) <= numbers
+
+
+def test_summary_capture_tables_keep_whole_shapes_at_120_columns(sim, caplog, monkeypatch, console_width_kept):
+    monkeypatch.setenv("OP_CAPTURE_MODE", "summary")
+    monkeypatch.setenv("OP_TOOLS_TABLE_WIDTH", "120")
+    a, b = torch.randn(4, 16, 64, 32, device=sim), torch.randn(4, 16, 64, 32, device=sim)
+    with op_tools.OpCapture():
+        torch.addcmul(a, a, b)
+        torch.cat([a, b, a, b], dim=1)
+    table = [line for r in caplog.records for line in r.getMessage().splitlines() if line.startswith("|")]
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table]
+    names = rows[0]
+    shapes = {row[0]: row[names.index("shapes")] for row in rows[1:]}
+    assert max(len(line) for line in table) <= 120
+    assert shapes["torch.addcmul"].startswith("[0]:[4,16,64,32]") and "…+" in shapes["torch.addcmul"]
+    assert all(set(re.findall(r"\d+", cell)) <= {"0", "1", "2", "3", "4", "16", "64", "32"}
+               for cell in shapes.values())
+
+
+def test_full_width_shortens_nothing(console_width_kept):
+    reporting.configure_tables(None)
+    rows = [{"module": "model.layers.1.mlp.act_fn" * 10, "shapes": "[0]:[4, 16, 64, 32]" * 10}]
+    assert reporting.table_text(rows) == reporting.table(rows).get_string()
+
+
+def test_tables_take_the_terminals_width_and_120_columns_elsewhere(monkeypatch):
+    import fcntl
+    import io
+    import pty
+    import struct
+    import termios
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    assert reporting.terminal_width() == reporting.CONSOLE_WIDTH == 120
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 220, 0, 0))
+    try:
+        with os.fdopen(os.dup(follower), "w") as terminal:
+            monkeypatch.setattr(sys, "stderr", terminal)  # stdout piped to a file, stderr on the terminal
+            assert reporting.terminal_width() == 220
+            monkeypatch.setenv("COLUMNS", "150")  # as shutil.get_terminal_size: COLUMNS wins
+            assert reporting.terminal_width() == 150
+    finally:
+        os.close(follower)
+        os.close(leader)
+
+
+LAYERS_ON_A_TERMINAL = """
+import sys
+import torch, ditorch, op_tools
+sys.path.insert(0, sys.argv[1])
+from test_output import _Model
+
+with op_tools.OpAutoCompare():
+    _Model().cuda()(torch.randn(4, 8, device="cuda"))
+"""
+
+
+def test_a_220_column_terminal_gets_220_column_tables_and_a_pipe_120(tmp_path):
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    env = child_env({"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1", "DITORCH_SIM_FAULTS": "silu:noise=1e-1",
+                     "OP_TOOLS_RESULTS_DIR": str(tmp_path / "results")}, drop=("OP_", "COLUMNS"))
+    command = [sys.executable, "-c", LAYERS_ON_A_TERMINAL, os.path.dirname(__file__)]
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 220, 0, 0))
+    try:  # stderr on the terminal (little is written there), stdout read through a pipe
+        on_terminal = subprocess.run(command, stdout=subprocess.PIPE, stderr=follower, text=True, timeout=120,
+                                     cwd=tmp_path, env=env)
+    finally:
+        os.close(follower)
+        os.close(leader)
+    piped = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    for done, width in ((on_terminal, 220), (piped, 120)):
+        assert done.returncode == 0, done.stdout[-3000:]
+        table = [line for line in done.stdout.splitlines() if line.startswith(("+", "|"))]
+        assert table and max(len(line) for line in table) <= width
+        assert ("model.layers.1.mlp.act_fn" in done.stdout) == (width == 220)
+        assert "layers.1" in done.stdout and "act_fn" in done.stdout
+
+
+@pytest.mark.parametrize("value", ["39", "wide", "0", "-200"])
+def test_a_malformed_table_width_fails_at_start_naming_the_variable(sim, monkeypatch, value):
+    monkeypatch.setenv("OP_TOOLS_TABLE_WIDTH", value)
+    with pytest.raises(ValueError, match=f"OP_TOOLS_TABLE_WIDTH={value!r}.*an integer >= 40, or full"):
+        op_tools.OpObserve().start()
 
 
 @pytest.mark.parametrize("tool", [op_tools.OpCapture, op_tools.OpTimeMeasure, op_tools.OpAutoCompare])
@@ -210,10 +407,10 @@ def test_closing_line_counts_the_files_and_bytes_written(sim, caplog):
     line = caplog.records[-1].getMessage()
     files = [os.path.join(d, f) for d, _, names in os.walk(os.environ["OP_TOOLS_RESULTS_DIR"]) for f in names]
     size = sum(os.path.getsize(f) for f in files)
-    assert capture.tally.files == len(files) == 2 and capture.tally.bytes == size
+    assert capture.tally.files == len(files) == 3 and capture.tally.bytes == size  # input, output, the index
     folder = os.path.join(os.environ["OP_TOOLS_RESULTS_DIR"], "op_capture_results")
     shown = folder if os.path.relpath(folder).startswith("..") else os.path.relpath(folder)
-    assert line == f"OpCapture: 1 calls of 1 op handled; wrote 2 files ({result_files.human_size(size)}) in {shown}"
+    assert line == f"OpCapture: 1 calls of 1 op handled; wrote 3 files ({result_files.human_size(size)}) in {shown}"
     assert stat.S_ISREG(os.stat(files[0]).st_mode)
 
 
@@ -260,7 +457,7 @@ def test_capture_shows_a_progress_bar_on_a_terminal_only(tmp_path, env, shown):
     terminal = b"".join(chunks).decode(errors="replace")
     assert done.returncode == 0, terminal
     assert ("OpCapture writing: 10 files [" in terminal and " KB]" in terminal) == shown, terminal
-    assert done.stdout.decode().startswith("OpCapture: 5 calls of 1 op handled; wrote 10 files")
+    assert done.stdout.decode().startswith("OpCapture: 5 calls of 1 op handled; wrote 11 files")  # and the index
 
 
 def test_no_progress_bar_when_stderr_is_not_a_terminal(capfd):

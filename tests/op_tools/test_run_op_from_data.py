@@ -87,7 +87,7 @@ def test_sync_time_measure_writes_each_run_forward_and_backward(captured_step, t
     assert len(times) == 3 * len(find_entries(folder))
     assert all(float(r["forward_elasped"]) > 0 and float(r["backward_elasped"]) > 0 for r in times)
     out = capsys.readouterr().out
-    assert "fwd median ms" in out and "forward_elasped" not in out  # one summary row per entry, not a row per run
+    assert "fwd ms" in out and "forward_elasped" not in out  # one summary row per entry, not a row per run
     for row in _summary(tmp_path):
         assert row["runs"] == "3"
         for phase in ("forward", "backward"):
@@ -364,3 +364,67 @@ def _all_summaries(tmp_path):
         with open(path, newline="") as f:
             rows += list(csv.DictReader(f))
     return rows
+
+
+# --- --failures-only: the console shows what needs a look, counts the rest; the step each call was captured in
+
+def _table_rows(out: str) -> list[list[str]]:
+    """The console table's rows below its header, as lists of cells."""
+    lines = [line for line in out.splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[1:]]
+
+
+def test_failures_only_shows_the_mismatch_of_a_whole_step_and_counts_the_ok_entries(captured_step, tmp_path, sim,
+                                                                                    capsys):
+    import ditorch.sim
+
+    entries = find_entries(captured_step)
+    total = len(entries)
+    with ditorch.sim.faults("silu:noise=1e-3"):
+        assert main([captured_step, "--device", sim, "--acc_check"]) == 1
+        everything = capsys.readouterr().out
+        assert main([captured_step, "--device", sim, "--acc_check", "--failures-only"]) == 1
+    out = capsys.readouterr().out
+    assert len(_table_rows(everything)) == total  # without the option: a row per entry
+    (row,) = _table_rows(out)
+    assert row[:3] == ["torch.nn.functional.silu", "[2, 8, 128]", "mismatch"] and row[-1] == "0"  # its step
+    assert f"--failures-only: {total - 1} ok entries not shown (the summary CSV has all {total})" in out
+    assert f"{total} entries: {total - 1} ok, 1 mismatch, 0 error" in out
+    summaries = _all_summaries(tmp_path)
+    assert len(summaries) == 2 * total  # the CSV keeps every entry
+    # each row's step is the one saved with its call
+    saved = {e.label: torch.load(os.path.join(e.directory, "input.pth"), weights_only=True)["step"] for e in entries}
+    assert {r["entry"]: r["step"] for r in summaries} == {label: str(step) for label, step in saved.items()}
+    assert set(saved.values()) == {0}  # one step captured, the first
+
+
+def test_failures_only_never_hides_an_error_or_a_call_not_checked_and_step_is_appended(tmp_path, capsys):
+    root = str(tmp_path / "captures")
+    add = {"name": "torch.add", "args": (torch.ones(3), torch.ones(3)), "kwargs": {}}
+    torch.save({**add, "step": 3}, f"{_entry(root, 'torch.add', '1', 't')}/input.pth")
+    torch.save(add, f"{_entry(root, 'torch.add', '2', 't')}/input.pth")  # captured before calls had a step
+    torch.save({"name": "torch.matmul", "args": (torch.ones(2, 3), torch.ones(2, 3)), "kwargs": {}, "step": 1},
+               f"{_entry(root, 'torch.matmul', '3', 't')}/input.pth")
+    torch.save({"name": "torch.nn.functional.dropout", "args": (torch.ones(4, 4), 0.5, True), "kwargs": {},
+                "step": 2}, f"{_entry(root, 'torch.nn.functional.dropout', '4', 't')}/input.pth")
+    assert main([root, "--device", "cpu", "--acc_check", "--failures-only", "--report", "md"]) == 1
+    out = capsys.readouterr().out
+    (error, not_checked) = _table_rows(out)
+    assert error[0] == "torch.matmul" and error[2] == "error" and error[-1] == "1"
+    # ok, but its accuracy was not checked (random draws): shown, and said so
+    assert not_checked[0] == "torch.nn.functional.dropout" and not_checked[2:4] == ["ok", "not checked"]
+    assert not_checked[-1] == "2"
+    assert "--failures-only: 2 ok entries not shown (the summary CSV has all 4)" in out
+    rows = _summary(tmp_path)
+    assert list(rows[0])[-2:] == ["detail", "step"]  # appended: the other columns keep their places
+    assert sorted((r["entry"].split(os.sep)[0], r["step"]) for r in rows) == [
+        ("torch.add", ""), ("torch.add", "3"), ("torch.matmul", "1"), ("torch.nn.functional.dropout", "2")]
+    (report,) = (tmp_path / "results" / "op_replay_result").glob("replay_report_pid*.md")
+    assert "| detail | entry | step |" in report.read_text()
+    # without --acc_check nothing was asked to be checked: only the error is shown; the per-run times have the step
+    shutil.rmtree(tmp_path / "results")
+    assert main([root, "--device", "cpu", "--failures-only", "--sync_time_measure"]) == 1
+    out = capsys.readouterr().out
+    assert [row[0] for row in _table_rows(out)] == ["torch.matmul"]
+    assert "--failures-only: 3 ok entries not shown" in out
+    assert sorted(r["step"] for r in _times(tmp_path)) == ["", "2", "3"]  # matmul raised: no run timed

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from browser import chromium, dump_dom
+from browser import chromium, dump_dom, needs_browser
 from subprocess_env import ROOT, child_env, torchrun_on_sim
 
 from op_tools.offline.run_report.analysis import account_ranks
@@ -99,7 +99,7 @@ def test_the_slowest_rank_and_where_its_time_goes_per_step(out):
         assert "slowest rank 1" in line and "its time goes to torch.nn.functional.linear" in line, line
 
 
-@pytest.mark.skipif(chromium() is None, reason="no chromium to open the view in (apt-get install chromium)")
+@needs_browser
 def test_the_html_view_shows_each_rank_the_replicas_and_the_skew(out, tmp_path):
     for scenario in ("nan", "desync"):
         assert report(out / scenario).returncode == 1

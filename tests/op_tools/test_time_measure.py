@@ -284,3 +284,21 @@ def test_llama_step_on_cuda(tmp_path):
     timer, wall = _timed_llama_step("cuda", tmp_path)
     _check_llama_step(timer, wall, tmp_path)
     assert all(type(clock) is EventClock for clock in timer._clocks.values())  # CUDA's events, not synchronising
+
+
+TWO_DEVICE_NAMES = """
+import torch, ditorch, op_tools
+x = torch.randn(4, 16, device="cuda")
+with op_tools.OpTimeMeasure():
+    x.sin()
+    torch.zeros(3, device=torch.device("sim")).add(1)  # the same device by its own name: torch.sim.Event times it
+"""
+
+
+def test_the_summary_says_timing_events_once_when_a_device_has_two_names(tmp_path):
+    done = subprocess.run([sys.executable, "-c", TWO_DEVICE_NAMES], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env=child_env({"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1"},
+                                                     drop=("OP_",)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("timed with ")]
+    assert line == "timed with timing events (torch.cuda.Event, torch.sim.Event) on the op's stream"

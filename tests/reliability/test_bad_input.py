@@ -19,6 +19,7 @@ MALFORMED_BY_FORM = {
     "full or summary": "partial",
     "full, summary or stats": "partial",
     "an integer >= 1": "0",
+    "an integer >= 40, or full": "39",
     "a number >= 0": "-1",
     "comma-separated '<dtype>=<relative difference>'": "float32:1",
     "comma-separated op names or regular expressions": "torch.add,(unclosed",
@@ -34,6 +35,7 @@ MALFORMED_BY_FORM = {
     "a size in bytes": "lots",
     "a TOML file path": "no/such/settings.toml",
     "all, or comma-separated ranks": "rank0",
+    "all, or comma-separated steps": "step1",
 }
 
 # Which tool reads an op_tools variable when it starts: by the variable's name.

@@ -11,7 +11,9 @@ console, in a CSV, and in a single-file HTML side-by-side view. Every aligned pa
 diverged) or not compared, with its reason (a call a run could not record the statistics of); damaged lines of a
 recording are counted as calls not compared. Exit status: 0 when every aligned pair was compared and none
 diverges, 1 when one diverges, 2 when a recording cannot be read or the arguments are wrong, 4 when none diverges
-but some calls were not compared (the report's last lines, WARNING, say how many, the first and why).
+but some calls were not compared (the report's last lines, WARNING, say how many, the first and why), 5 when the
+CSV or the HTML view cannot be written (a one-line message names the folder and the option or variable that chose
+it).
 """
 
 from .comparison import Comparison, Tolerances, compare

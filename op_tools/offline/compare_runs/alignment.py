@@ -37,8 +37,11 @@ class Row:
     detail: str = ""  # which tensor and statistic
     carried: float = 0.0  # the largest relative difference of what the call read (inputs; in backward also upstream
     # gradients and its forward's tensors)
+    carried_detail: str = ""  # which of what it read differs the most, and in which statistic
     tolerance: float = 0.0  # for its precision and depth; the verdict adds carried_growth * carried
-    diverged: bool = False
+    diverged: bool = False  # inputs_differed_first or outputs_unexplained
+    inputs_differed_first: bool = False  # what it read differed beyond the tolerance before any recorded call did
+    outputs_unexplained: bool = False  # its outputs differ by more than tolerance + carried_growth * carried
     not_compared: str = ""  # why an aligned pair has no verdict (a call a run could not record); '' when judged
     skipped: str = ""  # why an aligned pair needs no verdict (its outputs are uninitialised memory); '' otherwise
 
@@ -48,6 +51,13 @@ class Row:
         record = self.a or self.b
         assert record is not None  # a row holds a call of at least one run
         return record
+
+    @property
+    def verdict_detail(self) -> str:
+        """``detail``, or for a pair diverged only because what it read already differed, which input did."""
+        if self.inputs_differed_first and not self.outputs_unexplained:
+            return f"{self.carried_detail} (an input: the runs differed before this call)"
+        return self.detail
 
     @property
     def op(self) -> str:

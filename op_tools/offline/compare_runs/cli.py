@@ -1,10 +1,11 @@
-"""The command line of compare_runs: read, compare, print, save the CSV and the HTML view, exit 0/1/2/4."""
+"""The command line of compare_runs: read, compare, print, save the CSV and the HTML view, exit 0/1/2/4/5."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import tempfile
 import traceback
 
 from ...config.variables import CommonConfig
@@ -14,9 +15,11 @@ from .comparison import compare
 from .html_view import render
 from .report import console_report, csv_rows
 
-# Comparison.verdict() -> exit status; 2 is an unreadable recording or a usage error (as argparse's own).
+# Comparison.verdict() -> exit status; 2 is an unreadable recording or a usage error (as argparse's own), 5 an
+# output that cannot be written: a status of its own, so that a script tells "fix the path" from "diverged".
 EXIT_STATUS = {"clean": 0, "found": 1, "unchecked": 4}
 EXIT_UNREADABLE = 2
+EXIT_UNWRITABLE = 5
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -25,7 +28,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Align two run recordings (OP_CAPTURE_MODE=stats) and report where they first diverge. "
                     "Exit status: 0 every aligned pair compared and none diverges, 1 a divergence, 2 an unreadable "
                     "recording or a usage error, 4 no divergence but some calls not compared (a call a run could "
-                    "not record, damaged lines, a failure of this tool).")
+                    "not record, damaged lines, a failure of this tool), 5 the CSV or the HTML view cannot be "
+                    "written (--csv, --html or OP_TOOLS_RESULTS_DIR names a folder this process cannot write; "
+                    "checked before comparing).")
     parser.add_argument("run_a", help="recording of run A: a run_*.jsonl file, or a folder holding one")
     parser.add_argument("run_b", help="recording of run B, likewise")
     parser.add_argument("--rank", type=int, help="under torchrun: compare the recordings of this rank (rank<N>/); "
@@ -39,11 +44,49 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    unwritable = _unwritable_output(args)
+    if unwritable:
+        print(f"compare_runs: {unwritable}", file=sys.stderr)
+        return EXIT_UNWRITABLE
     if args.rank is None and args.rank_b is None:
         ranks_a, ranks_b = recording_ranks(args.run_a), recording_ranks(args.run_b)
         if len(ranks_a) > 1 or len(ranks_b) > 1:
             return _rank_by_rank(args, ranks_a, ranks_b)
     return _compare_one(args, args.rank, args.rank_b, args.csv, args.html)
+
+
+def _results_folder() -> str:
+    return result_files.results_path(CommonConfig.from_env(), "compare_runs")
+
+
+def _unwritable_output(args) -> str:
+    """Why the CSV's or the HTML view's folder cannot be written, naming the path and what chose it ('' when both
+    can): tried before comparing, which can take minutes, by creating the folder and a file in it."""
+    csv_folder = os.path.dirname(args.csv) if args.csv else _results_folder()
+    html_folder = os.path.dirname(args.html) if args.html else csv_folder
+    for what, folder in (("the CSV", csv_folder), ("the HTML view", html_folder)):
+        try:
+            os.makedirs(folder or ".", exist_ok=True)
+            fd, probe = tempfile.mkstemp(dir=folder or ".", prefix=".probe-")
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            return _cannot_write(what, folder or ".", args, e)
+    return ""
+
+
+def _cannot_write(what: str, path: str, args, error: OSError) -> str:
+    """The one-line message for an output that cannot be written: the path, the option or variable that chose it."""
+    if what == "the HTML view" and args.html:
+        chosen_by = f"--html {args.html}"
+    elif args.csv:  # the HTML view goes beside the CSV unless --html says otherwise
+        chosen_by = f"--csv {args.csv}"
+    else:
+        chosen_by = f"OP_TOOLS_RESULTS_DIR={CommonConfig.from_env().results_dir!r}"
+    in_the_way = " (a file stands where a folder should be)" if isinstance(
+        error, (FileExistsError, NotADirectoryError)) else ""
+    return (f"cannot write {what} in {path} ({chosen_by}): {type(error).__name__}: {error.strerror or error}"
+            f"{in_the_way}; choose a folder this process can write")
 
 
 def _compare_one(args, rank: int | None, rank_b: int | None, csv_path: str | None, html_path: str | None,
@@ -58,19 +101,28 @@ def _compare_one(args, rank: int | None, rank_b: int | None, csv_path: str | Non
         print(f"compare_runs: {title}the comparison failed (a bug of compare_runs): nothing compared",
               file=sys.stderr)
         return EXIT_STATUS["unchecked"]
-    stem = result_files.results_path(CommonConfig.from_env(), "compare_runs", f"compare_{result_files.session_stem()}")
+    stem = os.path.join(_results_folder(), f"compare_{result_files.session_stem()}")
     suffix = "" if rank is None else f"_rank{rank}" + ("" if rank_b is None else f"_rank{rank_b}")
     csv_path = csv_path or stem + suffix + ".csv"
     html_path = html_path or os.path.splitext(csv_path)[0] + ".html"
-    result_files.write_csv(csv_path, csv_rows(result))
-    result_files.write_text(html_path, render(result))
-    reporting.console(title + console_report(result, [csv_path, html_path]))
+    saved: list[str] = []
+    try:
+        result_files.write_csv(csv_path, csv_rows(result))
+        saved.append(csv_path)
+        result_files.write_text(html_path, render(result))
+        saved.append(html_path)
+    except OSError as e:  # the folders passed their trial before comparing and failed since (a full disk)
+        reporting.console(title + console_report(result, saved))  # the verdict, though a file is missing
+        what, path = ("the HTML view", html_path) if saved else ("the CSV", csv_path)
+        print(f"compare_runs: {title}{_cannot_write(what, path, args, e)}", file=sys.stderr)
+        return EXIT_UNWRITABLE
+    reporting.console(title + console_report(result, saved))
     return EXIT_STATUS[result.verdict()]
 
 
 def _rank_by_rank(args, ranks_a: list[int], ranks_b: list[int]) -> int:
     """Two runs' folders of per-rank recordings, compared rank by rank; the exit status is the worst rank's (a
-    divergence, then an unreadable or missing rank, then calls not compared)."""
+    divergence, then an unreadable or missing rank, then files not written, then calls not compared)."""
     statuses = {}
     for rank in sorted(set(ranks_a) | set(ranks_b)):
         if rank not in ranks_a or rank not in ranks_b:
@@ -91,6 +143,7 @@ def _rank_by_rank(args, ranks_a: list[int], ranks_b: list[int]) -> int:
 
 
 # The worst first: what a whole run's exit status is when its ranks differ.
-RANK_ORDER = (EXIT_STATUS["found"], EXIT_UNREADABLE, EXIT_STATUS["unchecked"], EXIT_STATUS["clean"])
-STATUS_WORDS = {EXIT_STATUS["found"]: "diverged", EXIT_UNREADABLE: "unreadable",
+RANK_ORDER = (EXIT_STATUS["found"], EXIT_UNREADABLE, EXIT_UNWRITABLE, EXIT_STATUS["unchecked"],
+              EXIT_STATUS["clean"])
+STATUS_WORDS = {EXIT_STATUS["found"]: "diverged", EXIT_UNREADABLE: "unreadable", EXIT_UNWRITABLE: "files not written",
                 EXIT_STATUS["unchecked"]: "not fully compared", EXIT_STATUS["clean"]: "agree"}

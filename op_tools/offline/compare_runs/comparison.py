@@ -79,6 +79,11 @@ class Comparison:
         """The first aligned pair (in run A's order) that diverges, of ``phase`` if given."""
         return next((r for r in self.rows if r.diverged and phase in (None, r.phase)), None)
 
+    def first_unexplained(self, phase: str | None = None) -> Row | None:
+        """The first aligned pair whose outputs differ by more than what it read explains, of ``phase`` if given:
+        past a pair that diverged only because its inputs already differed (``Row.inputs_differed_first``)."""
+        return next((r for r in self.rows if r.outputs_unexplained and phase in (None, r.phase)), None)
+
     def closest(self) -> Row | None:
         """The aligned pair nearest to diverging: the largest difference relative to what it was allowed."""
         growth = self.tolerances.carried_growth
@@ -163,7 +168,7 @@ def _judge(rows: list[Row], tolerances: Tolerances) -> None:
             read_a, read_b = ({**r, into: r.get(into, [])[1:]} for r in (row.a, row.b))
         try:
             row.difference, row.detail = _largest(row.a, row.b, out_of)
-            carried = _largest(read_a, read_b, into)[0]
+            carried, carried_detail = _largest(read_a, read_b, into)
         except Exception as e:  # noqa: BLE001 - a pair this comparison cannot judge: counted, named, not agreeing
             row.difference, row.detail = 0.0, ""
             row.not_compared = f"the comparison failed ({type(e).__name__}: {e})"
@@ -171,16 +176,17 @@ def _judge(rows: list[Row], tolerances: Tolerances) -> None:
         if row.phase == "backward":  # a call's backward also reads its forward's inputs and outputs
             forward = forward_rows.get(row.a["forward_seq"])
             if forward is not None:
-                carried = max(carried, forward.carried, forward.difference)
+                for value, what in ((forward.carried, forward.carried_detail), (forward.difference, forward.detail)):
+                    if value > carried:
+                        carried, carried_detail = value, f"its forward's {what}"
         else:
             forward_rows[row.a["seq"]] = row
-        row.carried = carried
+        row.carried, row.carried_detail = carried, carried_detail
         depth = row.a["seq"] - step_start.setdefault(row.step, row.a["seq"])
         row.tolerance = tolerances.at(carried_precision, depth)
-        row.diverged = row.difference > row.tolerance + tolerances.carried_growth * carried or (
-            carried > row.tolerance and not seen_difference)
-        if row.diverged and row.difference <= row.tolerance:
-            row.detail = _largest(read_a, read_b, into)[1] + " (an input: the first difference of the runs)"
+        row.outputs_unexplained = row.difference > row.tolerance + tolerances.carried_growth * carried
+        row.inputs_differed_first = carried > row.tolerance and not seen_difference
+        row.diverged = row.outputs_unexplained or row.inputs_differed_first
         seen_difference = seen_difference or max(row.difference, carried) > row.tolerance
 
 

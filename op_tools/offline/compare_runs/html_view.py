@@ -34,7 +34,7 @@ def _row(row: Row, n: int) -> dict:
     return {"n": n, "step": row.step, "phase": row.phase, "module": row.module, "match": row.match,
             "a": _side(row.a), "b": _side(row.b), "difference": _number(row.difference),
             "tolerance": _number(row.tolerance), "carried": _number(row.carried), "diverged": row.diverged,
-            "detail": row.not_compared or row.detail, "unchecked": bool(row.not_compared)}
+            "detail": row.not_compared or row.verdict_detail, "unchecked": bool(row.not_compared)}
 
 
 def render(result: Comparison) -> str:

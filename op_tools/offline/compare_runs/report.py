@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...output import reporting
-from .alignment import Row, tensors
+from .alignment import PHASE_SIDES, Row, tensors
 from .comparison import Comparison
 
 CSV_COLUMNS = ("row", "step", "phase", "module", "match", "index_a", "op_a", "index_b", "op_b", "difference",
@@ -28,7 +28,7 @@ def csv_rows(result: Comparison) -> list[dict]:
             "op_b": b.get("op", ""), "difference": "" if not judged else f"{row.difference:.3g}",
             "tolerance": "" if not judged else f"{row.tolerance:.3g}",
             "diverged": int(row.diverged), "not_compared": row.not_compared,
-            "detail": row.detail, "dtypes_a": _describe(row.a, 1), "dtypes_b": _describe(row.b, 1),
+            "detail": row.verdict_detail, "dtypes_a": _describe(row.a, 1), "dtypes_b": _describe(row.b, 1),
             "shapes_a": _describe(row.a, 2), "shapes_b": _describe(row.b, 2), "seq_a": a.get("seq", ""),
             "seq_b": b.get("seq", ""),
         })
@@ -55,24 +55,45 @@ def unchecked_lines(result: Comparison) -> list[str]:
     return lines
 
 
+def why_diverged(row: Row, growth: float) -> str:
+    """Why a pair diverged, as the verdict decided (comparison._judge): what it read already differed beyond the
+    tolerance before any recorded call differed (a difference from outside the recording), its outputs differ by
+    more than the tolerance plus ``growth`` times what it read carried, or both."""
+    allowed = row.tolerance + growth * row.carried
+    budget = f"tolerance {row.tolerance:.3g} + {growth:g} x its inputs' {row.carried:.3g}"
+    parts = []
+    if row.inputs_differed_first:
+        parts.append(f"its inputs already differed by {row.carried:.3g} ({row.carried_detail}), more than the "
+                     f"tolerance {row.tolerance:.3g}, and no recorded call before it differed: the difference came "
+                     "from outside the recording (data, weights, a call not recorded)")
+    if row.outputs_unexplained:
+        parts.append(f"{row.detail} differs by {row.difference:.3g}, more than the {allowed:.3g} its inputs explain "
+                     f"({budget})")
+    else:
+        parts.append(f"its {PHASE_SIDES[row.phase][1]} differ by {row.difference:.3g}, within the {allowed:.3g} "
+                     f"those inputs explain ({budget})")
+    return "; ".join(parts)
+
+
 def verdict_lines(result: Comparison) -> list[str]:
     """The first divergence per phase, the closest pair, the first structural difference; "none" is said only where
     every aligned pair was compared (``unchecked_lines`` says what was not)."""
     lines = []
     damaged = ", and damaged lines" if result.unreadable() else ""  # calls of a phase no one knows
+    growth = result.tolerances.carried_growth
     for phase in ("forward", "backward", "optimizer"):
         row = result.first_divergence(phase)
         if row is None and phase == "optimizer" and not any(r.phase == phase for r in result.rows):
             continue
-        if row is None:
-            missed = sum(r.phase == phase for r in result.not_compared)
-            lines.append(f"first divergence in {phase}: none" if not missed and not damaged else
-                         f"first divergence in {phase}: none among the pairs compared ({missed} not compared"
-                         f"{damaged})")
-        else:
-            allowed = row.tolerance + result.tolerances.carried_growth * row.carried
-            lines.append(f"first divergence in {phase}: {where(row)}: {row.detail} differs by {row.difference:.3g}, "
-                         f"may by {allowed:.3g} (tolerance {row.tolerance:.3g}, inputs {row.carried:.3g})")
+        missed = sum(r.phase == phase for r in result.not_compared)
+        none = "none" if not missed and not damaged else \
+            f"none among the pairs compared ({missed} not compared{damaged})"
+        lines.append(f"first divergence in {phase}: " + (none if row is None else
+                                                          f"{where(row)}: {why_diverged(row, growth)}"))
+        if row is not None and not row.outputs_unexplained:  # where the runs part once those inputs are allowed for
+            later = result.first_unexplained(phase)
+            lines.append(f"first difference in {phase} that its inputs do not explain: " + (
+                none if later is None else f"{where(later)}: {why_diverged(later, growth)}"))
     row = result.closest()
     if row is not None and not result.divergences:
         allowed = row.tolerance + result.tolerances.carried_growth * row.carried

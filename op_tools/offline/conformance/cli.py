@@ -8,7 +8,8 @@ checked and passed, 1 when a row failed (mismatch, unsupported, crash: the op ki
 none failed but some were not checked (unchecked: no CPU reference, the tool failed, the sweep stopped), 2 for bad
 usage, 130 when interrupted (``--resume`` continues).
 
-    python -m op_tools.conformance --device sim --setup ditorch.sim:register --ops 'nn.functional.*' --dtypes float32
+    python -m op_tools.conformance --device sim --ops 'nn.functional.*' --dtypes float32   # sim: its setup implied
+    DITORCH_BACKEND=sim python -m op_tools.conformance --ops 'nn.functional.*' --dtypes float32,bfloat16
     python -m op_tools.conformance --device cuda --compare npu_run/conformance.csv
     python -m op_tools.conformance --resume op_tools_results/op_conformance_result/sim_pid42_...
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import re
 import shlex
@@ -28,7 +30,7 @@ import torch
 from ...config.variables import CommonConfig
 from ...numerics.comparison import ToleranceSpec
 from ...output import reporting, result_files
-from . import html, report
+from . import html, known_gaps, report
 from .case import CaseOptions
 from .opinfos import DEFAULT_DTYPES, OpEntry, parse_dtypes, select
 from .results import (
@@ -52,6 +54,9 @@ _REPRODUCE_ENV = re.compile(r"^(DITORCH_\w+|(\w+_)?AUTOCOMPARE_ERROR_TOLERANCE\w
 _OUTPUT_ONLY = frozenset({"DITORCH_QUIET"})  # they change what is printed, not what runs
 # Settings a resumed run takes from its results file unless given again.
 _RESUMED = ("device", "setup", "ops", "dtypes", "limit_samples", "backward")
+# Devices whose registering setup is known: --device (or, without it, DITORCH_BACKEND) naming one implies its --setup.
+DEVICE_SETUPS = {"sim": "ditorch.sim:register"}
+BACKEND_VARIABLE = "DITORCH_BACKEND"  # ditorch's choice of device, which a user running on sim has already set
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,12 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "direction, whether the device gets them right (OpAutoCompare's verdict). Exit status: 0 every "
                     "row that ran was checked and passed, 1 a row failed (mismatch, unsupported, crash), 4 none "
                     "failed but some were not checked (unchecked), 2 bad usage, 130 interrupted.")
-    parser.add_argument("--device", help="the device to test (sim, cuda, npu, ...); default: the accelerator "
+    parser.add_argument("--device", help=f"the device to test (sim, cuda, npu, ...); default: {BACKEND_VARIABLE} "
+                                         f"where it names {', '.join(DEVICE_SETUPS)}, else the accelerator "
                                          "torch.accelerator reports")
     parser.add_argument("--setup", action="append", metavar="MODULE[:FUNCTION]",
                         help="import this module (and call FUNCTION) in every worker (after op_db) and, to detect "
-                             "the device, in this process: what makes an out-of-tree device known, e.g. "
-                             "'ditorch.sim:register', 'torch_npu'; repeatable")
+                             "the device, in this process: what makes an out-of-tree device known, e.g. 'torch_npu'; "
+                             "repeatable; implied for "
+                             + ", ".join(f"{d} ({s})" for d, s in DEVICE_SETUPS.items()))
     parser.add_argument("--ops", action="append", metavar="NAMES",
                         help="comma-separated: OpInfo names (softmax: that one), stems of variants (max: all "
                              "its variants), or shell-style patterns (nn.functional.*); repeatable; default: every "
@@ -110,6 +117,7 @@ class Settings:
     dtypes: tuple[str, ...] | None   # None: each op's claimed dtypes
     limit_samples: int | None
     backward: bool
+    implied_by: str = ""             # "--device sim", "DITORCH_BACKEND=sim": what added the device's own setup
 
     def header(self) -> dict:
         return {"device": self.device, "setup": list(self.setup), "ops": self.ops,
@@ -145,9 +153,27 @@ def settings_from(args, resumed: dict | None) -> Settings:
         raise UsageError(f"--dtypes {given['dtypes']!r}: {e}") from None
     if given["limit_samples"] is not None and given["limit_samples"] < 1:
         raise UsageError("--limit-samples must be at least 1")
+    device, source = given["device"], f"--device {given['device']}"
+    backend = os.environ.get(BACKEND_VARIABLE, "").strip().lower()
+    if not device and backend in DEVICE_SETUPS:
+        device, source = backend, f"{BACKEND_VARIABLE}={backend}"
     setup = tuple(given["setup"] or ())
-    return Settings(_device(given["device"], setup), setup, given["ops"], dtypes, given["limit_samples"],
-                    given["backward"] is not False)
+    implied = implied_setup(device, setup, source)
+    return Settings(_device(device, (*implied, *setup)), (*implied, *setup), given["ops"], dtypes,
+                    given["limit_samples"], given["backward"] is not False, source if implied else "")
+
+
+def implied_setup(device: str | None, setup: tuple[str, ...], source: str) -> tuple[str, ...]:
+    """The setup ``device`` needs (``DEVICE_SETUPS``) where ``setup`` lacks it: ``("ditorch.sim:register",)`` for
+    sim; UsageError, naming ``source``, when its package is not installed."""
+    needed = DEVICE_SETUPS.get((device or "").split(":")[0])
+    if needed is None or needed in setup:
+        return ()
+    package = needed.partition(":")[0].partition(".")[0]
+    if importlib.util.find_spec(package) is None:  # looked up, not imported: op_tools never imports ditorch itself
+        raise UsageError(f"{source}: the device is registered by {needed}, and {package} is not installed here; "
+                         f"install it (pip install {package}), or name another --device")
+    return (needed,)
 
 
 def _device(name: str | None, setup: tuple[str, ...]) -> str:
@@ -159,8 +185,8 @@ def _device(name: str | None, setup: tuple[str, ...]) -> str:
         except RuntimeError as e:
             if setup:  # a device the setup registers: the workers check it after running the setup
                 return name
-            raise UsageError(f"--device {name!r}: {e}. A device registered by a package needs --setup "
-                             "(e.g. --setup ditorch.sim:register for sim, --setup torch_npu)") from None
+            raise UsageError(f"--device {name!r} is not a device torch knows; a device that a package registers "
+                             f"needs --setup naming that package (e.g. --setup torch_npu). torch says: {e}") from None
     run_setup(setup)
     accelerator = None
     if hasattr(torch, "accelerator"):
@@ -169,8 +195,9 @@ def _device(name: str | None, setup: tuple[str, ...]) -> str:
     elif torch.cuda.is_available():
         accelerator = torch.device("cuda")
     if accelerator is None:
-        raise UsageError("no accelerator found: name the device with --device (e.g. --device cuda), and with "
-                         "--setup the module that registers it (e.g. --device sim --setup ditorch.sim:register)")
+        raise UsageError("no accelerator found: name the device with --device (e.g. --device cuda, or --device sim "
+                         f"for ditorch's simulated device, as {BACKEND_VARIABLE}=sim does), and with --setup the "
+                         "package that registers it where torch does not know it (e.g. --setup torch_npu)")
     return accelerator.type
 
 
@@ -178,7 +205,8 @@ def reproduce_command(row: Row, settings: Settings) -> str:
     """The command that reruns ``row``'s sample alone (the variables that shape a run included)."""
     env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
            if _REPRODUCE_ENV.match(k) and k not in _OUTPUT_ONLY]
-    setup = [f"--setup {shlex.quote(s)}" for s in settings.setup]
+    implied = DEVICE_SETUPS.get(settings.device.split(":")[0])  # --device implies it again
+    setup = [f"--setup {shlex.quote(s)}" for s in settings.setup if s != implied]
     sample = [] if row.sample is None else [f"--sample {row.sample}"]
     return " ".join([*env, "python -m op_tools.conformance", f"--device {shlex.quote(settings.device)}", *setup,
                      f"--ops {shlex.quote(row.op)}", f"--dtypes {row.dtype}", *sample])
@@ -303,6 +331,7 @@ def _progress(pool: WorkerPool, todo: list[Task], options: CaseOptions, device: 
 
 
 def write_reports(rows: list[Row], folder: str, title: str, other: list[Row] | None, other_label: str) -> str:
+    known_gaps.mark(rows)
     write_csv(os.path.join(folder, CSV_FILE), rows)
     result_files.write_text(os.path.join(folder, HTML_FILE), html.render(rows, title, other, other_label))
     text = report.summary(rows, title, other, other_label,
@@ -372,6 +401,9 @@ def _main(args) -> int:
             raise UsageError(f"--resume {args.resume!r}: no {RESULTS_FILE} there")
         resumed = ResultsFile(path).read()[0]
     settings = settings_from(args, resumed)
+    if settings.implied_by:
+        reporting.console(f"conformance: {settings.implied_by}: each worker runs --setup "
+                          f"{DEVICE_SETUPS[settings.device.split(':')[0]]} (what registers the device)")
     if args.list:
         return _list(settings)
     if args.resume:

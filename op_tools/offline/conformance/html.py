@@ -1,10 +1,12 @@
 """The conformance report as one self-contained HTML file: the pass-rate table, then every row in a table that
 sorts by any column (click its header) and filters by status, by name, and (with ``--compare``) to the rows
-where the two runs differ.
+where the two runs differ. A row that is a known gap (known_gaps.py) keeps its status, with a "known gap" mark and
+the reason; a filter hides those rows.
 
 The rows travel as JSON inside the page and a small script renders them, so the file needs nothing else. The
 state of the filters lives in the URL fragment, e.g. ``conformance.html#status=mismatch,unsupported&sort=
-device_error:desc&q=conv``: a link reopens the same view (and a headless browser can be pointed at one).
+device_error:desc&q=conv&gaps=0`` (``gaps=0``: known gaps hidden): a link reopens the same view (and a headless
+browser can be pointed at one).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def render(rows: list[Row], title: str, other: list[Row] | None = None, other_la
     for row in rows:
         item = {c: _json_value(getattr(row, c)) for c in COLUMNS}
         item["inputs"] = row.inputs
+        item["known_gap"] = row.known_gap
         if theirs is not None:
             mate = theirs.get(row.key)
             item["other"] = mate.status if mate else ""
@@ -47,9 +50,12 @@ def render(rows: list[Row], title: str, other: list[Row] | None = None, other_la
                    for line in summary)
     payload = json.dumps({"rows": data, "columns": columns, "statuses": list(STATUSES),
                           "other_label": other_label}).replace("</", "<\\/")
+    known = sum(1 for r in rows if r.known_gap)
+    gaps = (f"<p id='known-gaps'>{known} row{'s are' if known != 1 else ' is a'} known gap{'s' if known != 1 else ''}"
+            " (marked in the table): still counted as what they are, not as passes.</p>") if known else ""
     return (_TEMPLATE.replace("__TITLE__", html.escape(title))
             .replace("__SUMMARY__", f"<table class='summary'><thead><tr>{head}</tr></thead><tbody>{body}</tbody>"
-                                    "</table>")
+                                    f"</table>{gaps}")
             .replace("__DATA__", payload))
 
 
@@ -68,12 +74,15 @@ td.reproduce { min-width: 16em; max-width: 36em; } td.reproduce code { font-size
 .status-unchecked td.status { background: #d9d9d9; font-style: italic; }
 .status-skipped td.status { background: #eee; color: #666; }
 #filters label { margin-right: 1em; white-space: nowrap; } #filters { margin: 1em 0; }
+span.known-gap { margin-left: 0.4em; padding: 0 4px; border-radius: 3px; background: #fff3b0; font-size: 12px; }
+div.known-gap { margin-top: 0.3em; color: #555; }
 </style></head>
 <body>
 <h1>__TITLE__</h1>
 __SUMMARY__
 <div id="filters"><span id="status-filters"></span>
 <label id="differ-filter" hidden><input type="checkbox" id="differ"> only where the runs differ</label>
+<label id="gaps-filter" hidden><input type="checkbox" id="gaps"> known gaps</label>
 <label>op <input type="search" id="query" placeholder="name contains"></label>
 <span id="count"></span></div>
 <table class="rows"><thead><tr id="header"></tr></thead><tbody id="rows"></tbody></table>
@@ -81,7 +90,7 @@ __SUMMARY__
 <script>
 "use strict";
 const DATA = JSON.parse(document.getElementById("data").textContent);
-const state = {statuses: new Set(DATA.statuses), differ: false, query: "", sort: "", desc: false};
+const state = {statuses: new Set(DATA.statuses), differ: false, query: "", sort: "", desc: false, gaps: true};
 const NUMERIC = new Set(["samples", "failing", "sample", "device_error", "cpu_error", "error_ratio"]);
 
 function readHash() {
@@ -89,6 +98,7 @@ function readHash() {
   if (params.has("status")) state.statuses = new Set(params.get("status").split(",").filter(Boolean));
   state.differ = params.get("differ") === "1";
   state.query = params.get("q") || "";
+  state.gaps = params.get("gaps") !== "0";
   const sort = (params.get("sort") || "").split(":");
   state.sort = sort[0] || ""; state.desc = sort[1] === "desc";
 }
@@ -98,6 +108,7 @@ function writeHash() {
   params.set("status", [...state.statuses].join(","));
   if (state.differ) params.set("differ", "1");
   if (state.query) params.set("q", state.query);
+  if (!state.gaps) params.set("gaps", "0");
   if (state.sort) params.set("sort", state.sort + (state.desc ? ":desc" : ":asc"));
   history.replaceState(null, "", "#" + params.toString());
 }
@@ -123,6 +134,14 @@ function cell(row, column) {
     if (row.inputs) td.appendChild(document.createTextNode(" inputs: " + row.inputs));
   } else if (column === "other" && row.other_detail) {
     td.textContent = value; td.title = row.other_detail;
+  } else if (column === "status" && row.known_gap) {
+    const mark = document.createElement("span");
+    mark.className = "known-gap"; mark.textContent = "known gap"; mark.title = row.known_gap;
+    td.append(value, mark);
+  } else if (column === "detail" && row.known_gap) {
+    const why = document.createElement("div");
+    why.className = "known-gap"; why.textContent = "known gap: " + row.known_gap;
+    td.append(value || "", why);
   } else {
     td.textContent = value === null ? "" : (typeof value === "number" && !Number.isInteger(value)
       ? value.toPrecision(3) : String(value));
@@ -133,12 +152,13 @@ function cell(row, column) {
 function render() {
   let rows = DATA.rows.filter(r => state.statuses.has(r.status)
     && (!state.differ || (r.other !== "" && r.other !== r.status))
-    && (!state.query || r.op.includes(state.query)));
+    && (!state.query || r.op.includes(state.query))
+    && (state.gaps || !r.known_gap));
   if (state.sort) rows = rows.slice().sort(compare);
   const body = document.getElementById("rows");
   body.replaceChildren(...rows.map(r => {
     const tr = document.createElement("tr");
-    tr.className = "row status-" + r.status;
+    tr.className = "row status-" + r.status + (r.known_gap ? " known-gap" : "");
     DATA.columns.forEach(c => tr.appendChild(cell(r, c)));
     return tr;
   }));
@@ -175,6 +195,14 @@ function build() {
   if (DATA.columns.includes("other")) document.getElementById("differ-filter").hidden = false;
   differ.checked = state.differ;
   differ.addEventListener("change", () => { state.differ = differ.checked; render(); });
+  const gaps = document.getElementById("gaps");
+  const known = DATA.rows.filter(r => r.known_gap).length;
+  if (known) {
+    document.getElementById("gaps-filter").hidden = false;
+    gaps.parentElement.lastChild.textContent = ` known gaps (${known})`;
+  }
+  gaps.defaultChecked = state.gaps;  // an attribute, so that the page's state shows in its DOM
+  gaps.addEventListener("change", () => { state.gaps = gaps.checked; render(); });
   const query = document.getElementById("query");
   query.value = state.query;
   query.addEventListener("input", () => { state.query = query.value; render(); });

@@ -8,6 +8,7 @@ import collections
 import math
 
 from ...output import reporting
+from .known_gaps import gap_of
 from .results import STATUSES, Row
 
 # A row's account: compared (pass, mismatch), raised on the device (unsupported), killed or hung its worker (crash:
@@ -36,8 +37,9 @@ def closing_lines(rows: list[Row]) -> list[str]:
     lines = [f"{len(rows)} rows: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES)]
     failed = sum(counts[s] for s in FAILED)
     if failed:
+        known = sum(1 for r in rows if r.known_gap and r.status in FAILED)
         lines.append(f"{failed} rows failed ({counts['mismatch']} mismatch, {counts['unsupported']} unsupported, "
-                     f"{counts['crash']} crash)")
+                     f"{counts['crash']} crash)" + (f", {known} of them known gaps" if known else ""))
     unchecked = [r for r in rows if r.status in NOT_CHECKED]
     if unchecked:
         first = unchecked[0]
@@ -91,13 +93,30 @@ def summary(rows: list[Row], title: str, other: list[Row] | None = None, other_l
     parts = [title, reporting.table(summary_rows(rows), columns).get_string()]
     failing = [r for r in rows if r.status in FAILING]
     if failing:
-        table = [{"op": r.op, "dtype": r.dtype, "direction": r.direction, "status": r.status,
+        table = [{"op": r.op, "dtype": r.dtype, "direction": r.direction,
+                  "status": f"{r.status} (known gap)" if r.known_gap else r.status,
                   "sample": "" if r.sample is None else r.sample, "detail": _short(r.detail)} for r in failing]
         parts += [f"{len(failing)} rows did not pass (reproduce one: see the reproduce column of the CSV or HTML):",
                   reporting.table(table).get_string()]
+        parts += known_gaps_text([r for r in failing if r.known_gap])
     if other is not None:
         parts.append(differences_text(rows, other, other_label))
     return "\n".join([*parts, *saved, *closing_lines(rows)])
+
+
+def known_gaps_text(rows: list[Row]) -> list[str]:
+    """The known gaps among ``rows`` (marked by ``known_gaps.mark``), each with its rows and why."""
+    if not rows:
+        return []
+    groups: dict[str, list[Row]] = {}
+    for row in rows:
+        gap = gap_of(row)
+        groups.setdefault(gap.label if gap is not None else row.op, []).append(row)
+    lines = [f"{len(rows)} of them {'are known gaps' if len(rows) != 1 else 'is a known gap'} (not passes: the "
+             "device's results do differ; docs/conformance.md#known-gaps):"]
+    lines += [f"  {label} ({len(group)} row{'s' if len(group) != 1 else ''}): {group[0].known_gap}"
+              for label, group in groups.items()]
+    return lines
 
 
 def differences(rows: list[Row], other: list[Row]) -> list[tuple[Row, Row]]:

@@ -45,6 +45,7 @@ class Row:
     reproduce: str = ""          # the command that reruns the sample shown
     seconds: float = 0.0         # the op x dtype's time in the worker (both directions)
     device: str = ""             # the device it ran on: "sim", "cuda", "npu"
+    known_gap: str = ""          # why the row is a known gap (known_gaps.py): still its status, not a pass
 
     @property
     def key(self) -> tuple[str, str, str]:

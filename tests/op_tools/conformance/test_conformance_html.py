@@ -7,13 +7,18 @@ import math
 import re
 
 import pytest
+from browser import require_browser
 from cli_runs import chromium, dump_dom
 
-from op_tools.offline.conformance import html
+from op_tools.offline.conformance import html, known_gaps
 from op_tools.offline.conformance.results import Row
 
 BROWSER = chromium()
-pytestmark = pytest.mark.skipif(BROWSER is None, reason="no chromium to open the report in (apt-get install chromium)")
+
+
+@pytest.fixture(autouse=True)
+def _browser_present():
+    require_browser()  # each test opens the page: skipped without a browser, failed under CI
 
 ROWS = [Row("add", "float32", "forward", "pass", samples=11, device="npu"),
         Row("add", "float32", "backward", "pass", samples=11, device="npu"),
@@ -76,3 +81,28 @@ def test_the_compare_filter_keeps_the_rows_where_the_two_runs_differ(page):
     dom = page("differ=1")
     assert [op for _, op in shown(dom)] == ["atan2", "erf", "nn.functional.conv2d", "nn.functional.dropout"]
     assert re.search(r'<th data-column="other"[^>]*>cuda</th>', dom)
+
+
+def test_a_known_gap_is_marked_with_its_reason_and_stays_a_mismatch(tmp_path):
+    rows = known_gaps.mark([
+        Row("add", "bfloat16", "forward", "pass", samples=11, device="sim"),
+        Row("nn.functional.linear_cross_entropy.chunked", "bfloat16", "forward", "mismatch", samples=161, failing=1,
+            sample=126, device_error=0.0473, detail="sample 126 output[0]: error 0.0473", device="sim"),
+        Row("atan2", "bfloat16", "forward", "mismatch", samples=9, failing=8, sample=4, detail="off", device="sim")])
+    path = tmp_path / "conformance.html"
+    path.write_text(html.render(rows, "conformance of sim"), encoding="utf-8")
+    dom = dump_dom(BROWSER, str(path), "", str(tmp_path / "profile"))
+    classes = re.findall(r'<tr class="row status-(\w+)( known-gap)?"><td class="op">([^<]+)</td>', dom)
+    assert classes == [("pass", "", "add"), ("mismatch", " known-gap", "nn.functional.linear_cross_entropy.chunked"),
+                       ("mismatch", "", "atan2")]
+    (status,) = re.findall(r'<td class="status">mismatch<span class="known-gap" title="([^"]+)">known gap</span></td>',
+                           dom)
+    assert status.startswith("PyTorch accumulates chunked linear_cross_entropy in float32")
+    assert '<div class="known-gap">known gap: PyTorch accumulates' in dom
+    assert "1 row is a known gap" in dom and "showing 3 of 3 rows" in dom
+    assert "mismatch (2)" in dom and re.search(r'<input type="checkbox" id="gaps" checked=""> known gaps \(1\)', dom)
+    assert re.search(r"<td>bfloat16</td><td>forward</td><td>3</td><td>1</td><td>2</td>", dom)  # 1 pass, 2 mismatch
+    hidden = dump_dom(BROWSER, str(path), "gaps=0", str(tmp_path / "profile"))
+    assert [op for *_, op in re.findall(r'<tr class="row status-(\w+)( known-gap)?"><td class="op">([^<]+)</td>',
+                                         hidden)] == ["add", "atan2"]
+    assert "showing 2 of 3 rows" in hidden and re.search(r'<input type="checkbox" id="gaps">', hidden)

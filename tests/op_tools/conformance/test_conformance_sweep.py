@@ -12,7 +12,8 @@ import subprocess
 import sys
 
 import pytest
-from cli_runs import SIM, chromium, dump_dom, environment, explain, finish, run, start
+from browser import require_browser
+from cli_runs import SIM, dump_dom, environment, explain, finish, run, start
 
 from op_tools.offline.conformance.results import CSV_FILE, HTML_FILE, RESULTS_FILE, read_csv
 
@@ -117,9 +118,7 @@ def test_compare_sets_two_runs_side_by_side(runs, tmp_path):
 
 
 def test_the_report_of_a_real_sweep_renders_and_filters_in_a_headless_browser(runs, tmp_path):
-    browser = chromium()
-    if browser is None:
-        pytest.skip("no chromium: apt-get install -y chromium")
+    browser = require_browser()
     _, faulty, rows = runs["faulty"]
     dom = dump_dom(browser, os.path.join(faulty, HTML_FILE), "status=mismatch,unsupported", str(tmp_path))
     shown = re.findall(r'<tr class="row status-(\w+)"><td class="op">([^<]+)</td>', dom)

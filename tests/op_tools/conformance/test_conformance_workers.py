@@ -54,9 +54,20 @@ def test_a_missing_expecttest_is_named_with_the_extra_that_installs_it(tmp_path)
 
 
 def test_a_device_torch_does_not_know_asks_for_the_setup_that_registers_it(tmp_path):
-    result = run("--device", "sim", "--ops", "abs", cwd=str(tmp_path), timeout=120)
+    result = run("--device", "tpu", "--ops", "abs", cwd=str(tmp_path), timeout=120)
     assert result.returncode == 2, explain(result)
-    assert "--device 'sim'" in result.stderr and "--setup" in result.stderr
+    assert "--device 'tpu' is not a device torch knows" in result.stderr and "--setup" in result.stderr
+
+
+def test_ditorch_backend_sim_alone_runs_the_sweep_on_sim(tmp_path):
+    # no --device, no --setup: DITORCH_BACKEND=sim names the device, which implies ditorch.sim:register
+    result = run("--ops", "abs", "--dtypes", "float32", "--limit-samples", "2", "--output", str(tmp_path / "run"),
+                 env={"DITORCH_BACKEND": "sim"}, cwd=str(tmp_path), timeout=120)
+    assert result.returncode == 0, explain(result)
+    assert "DITORCH_BACKEND=sim: each worker runs --setup ditorch.sim:register" in result.stdout
+    rows = read_csv(os.path.join(tmp_path, "run", CSV_FILE))
+    assert [(r.device, r.direction, r.status) for r in rows] == [("sim", "forward", "pass"),
+                                                                ("sim", "backward", "pass")]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is the accelerator found here")
