@@ -11,7 +11,9 @@ kept in a plain list, a function's local module) is ``<parent path>.<ClassName>`
 
 Backward calls are attributed through the forward call that created their autograd nodes (the engine keeps the
 path on the ``OpCall``), so they need no backward hooks. Under ``torch.utils.checkpoint`` the recomputation runs
-the modules' forwards again, with their hooks, so the paths of recomputed calls are right too.
+inside ``backward()``, where a tool's mode is off the stack: a tool with a mode does not handle those calls (they
+repeat forward calls it handled); targeted wrappers do, and name them from the module recomputed (``act_fn``), as
+the recomputation enters it with no module around it.
 
 The hooks are installed only while some tool holds the tracker (``acquire()``/``release()``, counted), and cost
 a thread-local list append and pop per module call.
