@@ -27,11 +27,12 @@ from .tools.fallback import OpFallback
 from .tools.observe import OpObserve
 from .tools.overflow_check import OpOverflowCheck, OverflowDetectedError
 from .tools.time_measure import OpTimeMeasure
+from .tools.training_monitor import TrainingMonitor
 
 __all__ = [
     "FEATURES", "VARIABLES", "OpAutoCompare",
     "OpCall", "OpCapture", "OpDtypeCast", "OpFallback", "OpObserve", "OpOverflowCheck",
     "OpTimeMeasure", "OpTool", "OpToolsAbortError", "OverflowDetectedError", "apply_feature", "feature", "load_op_args",
     "register_backward_hooks", "register_op_facts", "remove_feature", "tool_work", "ToleranceSpec",
-    "compare_outputs",
+    "compare_outputs", "TrainingMonitor",
 ]
