@@ -3,7 +3,8 @@ by step, with anomaly rules that fire as they happen.
 
 It is not an ``OpTool``: it intercepts no op. torch.optim's global step hooks find the steps; before each monitored
 ``optimizer.step()`` it computes every parameter's gradient and weight norm on the device (``torch._foreach_norm``,
-fused per device and dtype), stacks them with the loss and reads them back in one device->host transfer per device.
+fused per device and dtype), stacks them with the loss (and a GradScaler's scale) and reads them back in one
+device->host transfer per device; the post-step hook times the step on the host and writes its rows.
 
 >>> import torch, op_tools
 >>> model = torch.nn.Linear(4, 2)
@@ -55,18 +56,26 @@ class TrainingMonitor:
     ``spike_factor`` (a spike is a gradient norm above this times its moving average), ``warmup`` (steps observed
     before a parameter's spikes are judged), ``tensorboard`` (``None``: write event files when ``tensorboard`` is
     installed; ``True``: require it; ``False``: never), ``update_ratio`` (also ||new - old|| / ||old|| per parameter:
-    keeps a copy of the selected weights over each monitored step, and costs a second transfer per step).
+    keeps a copy of the selected weights over each monitored step, and costs a second transfer per step), ``scaler``
+    (a ``torch.amp.GradScaler``: its scale is written per monitored step as ``loss_scale``), ``scale_drops`` (the
+    ``loss_scale_dropping`` rule fires once the scale fell this many times in a row).
     """
 
     def __init__(self, results_dir: str | None = None, every: int = 1, modules: list[str] | str | None = None,
                  model: torch.nn.Module | None = None, spike_factor: float = 10.0, warmup: int = 3,
-                 tensorboard: bool | None = None, update_ratio: bool = False) -> None:
+                 tensorboard: bool | None = None, update_ratio: bool = False,
+                 scaler: torch.amp.GradScaler | None = None, scale_drops: int = 3) -> None:
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"TrainingMonitor(every={every!r}): expected an integer >= 1")
         if not isinstance(spike_factor, (int, float)) or not spike_factor > 1:
             raise ValueError(f"TrainingMonitor(spike_factor={spike_factor!r}): expected a number > 1")
         if not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"TrainingMonitor(warmup={warmup!r}): expected an integer >= 1")
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"TrainingMonitor(scaler=...): expected a torch.amp.GradScaler, "
+                            f"got {type(scaler).__name__}")
+        if not isinstance(scale_drops, int) or isinstance(scale_drops, bool) or scale_drops < 1:
+            raise ValueError(f"TrainingMonitor(scale_drops={scale_drops!r}): expected an integer >= 1")
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"TrainingMonitor(model=...): expected a torch.nn.Module, got {type(model).__name__}")
         if tensorboard and importlib.util.find_spec("tensorboard") is None:
@@ -84,6 +93,12 @@ class TrainingMonitor:
         self.warmup = warmup
         self.tensorboard = tensorboard
         self.update_ratio = bool(update_ratio)
+        self.scaler = scaler
+        self.scale_drops = scale_drops
+        self._last_scale: float | None = None  # the scale last seen (at start(), then at each monitored step)
+        self._drops = 0  # the scale's falls in a row, counted in backoff factors
+        self._scale_fired = False
+        self._step_end = 0.0  # time.perf_counter() at the last optimizer post-step hook (or start())
         self._pending: dict | None = None  # a step's host figures waiting for its update ratios (post-step)
         self.step = 0  # optimizer.step() calls finished since start()
         self.anomalies: list[dict] = []
@@ -127,6 +142,10 @@ class TrainingMonitor:
         self._names = {} if self.model is None else {id(p): n for n, p in self.model.named_parameters()}
         self.step, self._monitored, self.anomalies = 0, 0, []
         self._ema, self._spiked, self._nan_seen, self._loss, self._pending = {}, set(), False, None, None
+        self._drops, self._scale_fired, self._last_scale = 0, False, None
+        if self.scaler is not None:  # the baseline the first monitored step's scale is compared with: one sync, once
+            self._last_scale = self.scaler.get_scale()
+        self._step_end = time.perf_counter()
         self._hooks = (register_optimizer_step_pre_hook(self._before_step),
                        register_optimizer_step_post_hook(self._after_step))
         return self
@@ -137,7 +156,7 @@ class TrainingMonitor:
         for hook in self._hooks:
             hook.remove()
         self._hooks = ()
-        if self._pending is not None:  # its step never finished: written without update ratios
+        if self._pending is not None:  # its step never finished: written without update ratios nor step time
             self._write(self._pending, None)
             self._pending = None
         written = [self.csv_path, self.anomalies_path]
@@ -175,11 +194,14 @@ class TrainingMonitor:
 
     def _after_step(self, optimizer, *_) -> None:
         pending, self._pending = self._pending, None
+        now = time.perf_counter()  # the host's view: no device synchronisation added
+        step_time, self._step_end = now - self._step_end, now
         try:
-            if pending is not None and pending["optimizer"] is optimizer:
-                self._write(pending, self._update_ratios(pending))
-            elif pending is not None:
-                self._write(pending, None)
+            if pending is not None:
+                pending["scalars"]["step_time"] = step_time
+                ratios = self._update_ratios(pending) if "old" in pending and pending["optimizer"] is optimizer \
+                    else None
+                self._write(pending, ratios)
         except Exception:  # noqa: BLE001 - a monitor failing never stops the user's step; said once
             if not getattr(self, "_failed", False):
                 self._failed = True
@@ -215,7 +237,7 @@ class TrainingMonitor:
 
     def _record(self, optimizer) -> None:
         rows = self._rows(optimizer)
-        grads, weights, loss = self._norms(rows)
+        grads, weights, loss, scale = self._norms(rows)
         finite = [g for g in grads if g is not None and math.isfinite(g)]
         all_grads = [g for g in grads if g is not None]
         global_norm = math.sqrt(sum(g * g for g in all_grads)) if all_grads and len(finite) == len(all_grads) \
@@ -223,19 +245,21 @@ class TrainingMonitor:
         lrs = {f"lr/param_groups[{g}]": float(group["lr"]) for g, group in enumerate(optimizer.param_groups)
                if "lr" in group}
         scalars = {**({"loss": loss} if loss is not None else {}),
-                   **({"global_grad_norm": global_norm} if global_norm is not None else {}), **lrs}
+                   **({"global_grad_norm": global_norm} if global_norm is not None else {}), **lrs,
+                   **({"loss_scale": scale} if scale is not None else {})}
         selected = [k for k, r in enumerate(rows) if self._selected(r.name)]
         record = {"optimizer": optimizer, "step": self.step, "time": time.time(), "scalars": scalars,
                   "rows": [(rows[k].name, grads[k], weights[k]) for k in selected]}
         self._monitored += 1
         self._check(self.step, [(name, g) for name, g, _ in record["rows"] if g is not None])
+        if scale is not None:
+            self._check_scale(self.step, scale)
+        self._pending = record  # written by the post-step hook, with the step time (and the ratios)
         if not self.update_ratio:
-            self._write(record, None)
             return
         with torch.no_grad(), torch._C.DisableTorchFunction():  # the tools' own work: no tool sees these calls
             record["params"] = [rows[k].param for k in selected]
             record["old"] = [p.detach().clone() for p in record["params"]]
-        self._pending = record  # written by the post-step hook, with the ratios
 
     def _update_ratios(self, record: dict) -> list[float]:
         """||new - old|| / ||old|| of each selected weight over the step just taken: one transfer per device."""
@@ -279,17 +303,23 @@ class TrainingMonitor:
                 if ratios is not None:
                     self._writer.add_scalar(f"update_ratio/{name}", ratios[k], step)
 
-    def _norms(self, rows: list[_ParamRow]) -> tuple[list[float | None], list[float], float | None]:
-        """Every row's gradient and weight norm and the loss, on the host: norms computed on the device, fused per
-        device and dtype, and read back in one transfer per device (one per step on one device)."""
+    def _norms(self, rows: list[_ParamRow]) -> tuple[list[float | None], list[float], float | None, float | None]:
+        """Every row's gradient and weight norm, the loss and the loss scale, on the host: norms computed on the device,
+        fused per device and dtype, and read back with the loss and the scale in one transfer per device (one per step
+        on one device)."""
         tensors: list[torch.Tensor] = [r.param for r in rows] + [r.param.grad for r in rows if r.param.grad is not None]
-        values: list[float] = [0.0] * (len(tensors) + 1)
+        values: list[float] = [0.0] * (len(tensors) + 2)  # then the loss, the scale
         by_device: dict[torch.device, dict[torch.dtype, list[int]]] = {}
         for k, t in enumerate(tensors):
             by_device.setdefault(t.device, {}).setdefault(t.dtype, []).append(k)
         loss = self._loss
         if loss is not None:
             by_device.setdefault(loss.device, {})
+        # GradScaler keeps its scale in a device tensor (None until its first scale()); get_scale() would sync
+        scale_tensor = getattr(self.scaler, "_scale", None) if self.scaler is not None and self.scaler.is_enabled() \
+            else None
+        if scale_tensor is not None:
+            by_device.setdefault(scale_tensor.device, {})
         with torch.no_grad(), torch._C.DisableTorchFunction():  # the tools' own work: no tool sees these calls
             for device, groups in by_device.items():
                 order = [k for indices in groups.values() for k in indices]
@@ -298,12 +328,16 @@ class TrainingMonitor:
                 if loss is not None and loss.device == device:
                     parts.append(loss.float().reshape(1))
                     order.append(len(tensors))
+                if scale_tensor is not None and scale_tensor.device == device:
+                    parts.append(scale_tensor.detach().float().reshape(1))
+                    order.append(len(tensors) + 1)
                 for k, value in zip(order, torch.cat(parts).cpu().tolist()):
                     values[k] = value
         weights = values[:len(rows)]
         grad_values = iter(values[len(rows):len(tensors)])
         grads = [next(grad_values) if r.param.grad is not None else None for r in rows]
-        return grads, weights, (values[-1] if loss is not None else None)
+        scale = None if self.scaler is None else values[-1] if scale_tensor is not None else self.scaler.get_scale()
+        return grads, weights, (values[-2] if loss is not None else None), scale
 
     # --- anomaly rules ---
 
@@ -332,6 +366,21 @@ class TrainingMonitor:
                            "parameters": [n for n, _, _ in spikes]},
                           f"gradient norm spike at step {step}: {name} = {g:.6g} > {self.spike_factor:g} x its moving "
                           f"average {average:.6g} ({len(spikes)} parameters spiked)")
+
+    def _check_scale(self, step: int, scale: float) -> None:
+        """Count the scale's falls in a row, in backoff factors: a fall between two monitored steps spans the
+        iterations GradScaler skipped (it skips optimizer.step() on inf gradients, so no hook sees them)."""
+        last, self._last_scale = self._last_scale, scale
+        if last is None or scale >= last or scale <= 0:
+            self._drops = 0
+            return
+        backoff = getattr(self.scaler, "_backoff_factor", 0.5)
+        self._drops += max(1, round(math.log(scale / last) / math.log(backoff))) if 0 < backoff < 1 else 1
+        if self._drops >= self.scale_drops and not self._scale_fired:
+            self._scale_fired = True
+            self._anomaly({"rule": "loss_scale_dropping", "step": step, "value": scale, "drops": self._drops},
+                          f"loss scale dropping at step {step}: {scale:g} after {self._drops} drops in a row "
+                          f"(scale_drops={self.scale_drops})")
 
     def _anomaly(self, record: dict, message: str) -> None:
         record = {"rank": self._common.rank, "time": round(time.time(), 6), **record}

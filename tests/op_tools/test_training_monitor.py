@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -201,3 +202,78 @@ def test_update_ratio_equals_the_weights_change_over_their_norm(sim, tmp_path):
     for r in rows:
         assert float(r["update_ratio"]) == pytest.approx(by_hand[int(r["step"])][r["name"]], rel=1e-4)
     assert all(float(r["update_ratio"]) > 0 for r in rows)
+
+
+def test_step_time_is_written_for_every_step_and_spans_the_loop(sim, tmp_path):
+    started = time.perf_counter()
+    _, monitor, _ = _train(sim, tmp_path, steps=3)
+    elapsed = time.perf_counter() - started
+    times = {r["step"]: float(r["value"]) for r in _rows(monitor) if r["name"] == "step_time"}
+    assert sorted(times) == ["0", "1", "2"]
+    assert all(t > 0 for t in times.values()) and sum(times.values()) < elapsed
+
+
+def _train_scaled(device, results_dir, init_scale, iterations, inf_at=(), **monitor_args):
+    """Train a tiny Llama under float16 autocast and a GradScaler; the loss of the iterations in ``inf_at`` is made
+    inf. Returns the monitor and the scale read by hand at each optimizer step (GradScaler skips the steps whose
+    gradients are not finite: no optimizer hook sees them)."""
+    torch.manual_seed(0)
+    model = tiny_llama().to(device)
+    ids = torch.randint(0, 128, (2, 16)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler(device, init_scale=init_scale)
+    by_hand: list[float] = []
+    hook = register_optimizer_step_pre_hook(lambda *_: by_hand.append(scaler.get_scale()))
+    try:
+        with op_tools.TrainingMonitor(results_dir=str(results_dir), model=model, scaler=scaler,
+                                      **monitor_args) as monitor:
+            for iteration in range(iterations):
+                with torch.autocast(device, dtype=torch.float16):
+                    loss = model(input_ids=ids, labels=ids).loss
+                scaler.scale(loss * (float("inf") if iteration in inf_at else 1.0)).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad()
+    finally:
+        hook.remove()
+    return monitor, by_hand
+
+
+def test_a_huge_initial_scale_falling_before_the_first_step_fires_the_loss_scale_rule(sim, tmp_path, caplog):
+    """float16 gradients overflow at 2**24: GradScaler skips those iterations and halves the scale until they fit. The
+    first optimizer step sees the scale after all those halvings: the rule fires there, counting them."""
+    monitor, by_hand = _train_scaled(sim, tmp_path, init_scale=2.0**24, iterations=12)
+    drops = round(math.log2(2.0**24 / by_hand[0]))
+    assert drops >= 3 and len(by_hand) == 12 - drops  # the skipped iterations are no steps
+    [anomaly] = _anomalies(monitor)
+    assert anomaly["rule"] == "loss_scale_dropping" and anomaly["step"] == 0
+    assert anomaly["value"] == by_hand[0] and anomaly["drops"] == drops
+    written = {int(r["step"]): float(r["value"]) for r in _rows(monitor) if r["name"] == "loss_scale"}
+    assert written == dict(enumerate(by_hand))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name == "op_tools"]
+    assert len(warnings) == 1 and f"loss scale dropping at step 0: {by_hand[0]:g} after {drops} drops" in warnings[0]
+
+
+def test_a_scale_falling_between_consecutive_steps_fires_once_at_the_third_fall(sim, tmp_path):
+    """An inf loss on every other iteration: each optimizer step sees half the scale of the one before. With
+    scale_drops=3 the rule fires at step 3 (three falls since step 0), and once only."""
+    monitor, by_hand = _train_scaled(sim, tmp_path, init_scale=2.0**8, iterations=10, inf_at=(1, 3, 5, 7))
+    assert by_hand == [2.0**8, 2.0**7, 2.0**6, 2.0**5, 2.0**4, 2.0**4]
+    [anomaly] = _anomalies(monitor)
+    assert anomaly["rule"] == "loss_scale_dropping" and anomaly["step"] == 3
+    assert anomaly["value"] == 2.0**5 and anomaly["drops"] == 3
+
+
+def test_a_healthy_scaler_fires_no_loss_scale_rule(sim, tmp_path):
+    monitor, by_hand = _train_scaled(sim, tmp_path, init_scale=2.0**8, iterations=4)
+    assert by_hand == [2.0**8] * 4
+    written = [float(r["value"]) for r in _rows(monitor) if r["name"] == "loss_scale"]
+    assert written == by_hand
+    assert _anomalies(monitor) == []
+
+
+def test_scaler_and_scale_drops_are_validated(tmp_path):
+    with pytest.raises(TypeError, match="scaler="):
+        op_tools.TrainingMonitor(results_dir=str(tmp_path), scaler=torch.optim.SGD)
+    with pytest.raises(ValueError, match="scale_drops=0"):
+        op_tools.TrainingMonitor(results_dir=str(tmp_path), scale_drops=0)
