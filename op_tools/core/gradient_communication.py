@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import threading
 import weakref
 from typing import Any, Callable
 
@@ -32,6 +31,7 @@ import torch
 
 from ..ops.collectives import COLLECTIVE_NAMES
 from . import module_path
+from .shared_install import SharedInstall
 
 _hooked: weakref.WeakSet = weakref.WeakSet()
 # The modes of the tools started now, in start order: set by the engine (engine.started_modes), which imports this
@@ -53,6 +53,15 @@ def _modes_to_enter() -> list | None:
     return [mode for mode in modes if all(mode is not other for other in present)]
 
 
+@contextlib.contextmanager
+def _entered(modes: list):
+    """The tools' ``modes`` pushed on this thread's stack for the block (their calls handled there)."""
+    with contextlib.ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        yield
+
+
 def bucket_all_reduce(process_group, bucket):  # unannotated: DDP accepts no annotation but its own types
     """DDP's default gradient all-reduce, as a call the tools see while a tool is started."""
     import torch.distributed as dist
@@ -65,9 +74,7 @@ def bucket_all_reduce(process_group, bucket):  # unannotated: DDP accepts no ann
     tensor = bucket.buffer()
     with torch._C.DisableTorchFunction():  # DDP's own division, which its C++ reducer does unseen
         tensor.div_(group.size())
-    with contextlib.ExitStack() as stack, module_path.inside(BUCKET_PATH.format(bucket.index())):
-        for mode in modes:
-            stack.enter_context(mode)
+    with _entered(modes), module_path.inside(BUCKET_PATH.format(bucket.index())):
         dist.all_reduce(tensor, group=group)
     done: torch.futures.Future = torch.futures.Future()
     done.set_result(tensor)
@@ -92,9 +99,25 @@ def _hook_ddp(module: torch.nn.Module) -> None:
 module_path.root_listeners.append(_hook_ddp)
 
 
-_users = 0
 _originals: dict[str, Callable] = {}
-_lock = threading.Lock()
+
+
+def _install() -> None:
+    import torch.distributed as dist
+
+    for name in COLLECTIVE_NAMES:
+        original = getattr(dist, name, None)
+        if callable(original):
+            _originals[name] = original
+            setattr(dist, name, _entering_tools(original))
+
+
+def _remove() -> None:
+    import torch.distributed as dist
+
+    for name, original in _originals.items():
+        setattr(dist, name, original)
+    _originals.clear()
 
 
 def _entering_tools(original: Callable) -> Callable:
@@ -103,40 +126,12 @@ def _entering_tools(original: Callable) -> Callable:
         modes = _modes_to_enter()
         if not modes:
             return original(*args, **kwargs)
-        with contextlib.ExitStack() as stack:
-            for mode in modes:
-                stack.enter_context(mode)
+        with _entered(modes):
             return original(*args, **kwargs)
 
     return collective
 
 
-def acquire() -> None:
-    """While a tool is started: the table's collectives enter the tools' modes where none is on the stack."""
-    global _users
-    with _lock:
-        _users += 1
-        if _users > 1:
-            return
-        import torch.distributed as dist
-
-        for name in COLLECTIVE_NAMES:
-            original = getattr(dist, name, None)
-            if callable(original):
-                _originals[name] = original
-                setattr(dist, name, _entering_tools(original))
-
-
-def release() -> None:
-    global _users
-    with _lock:
-        if _users == 0:
-            return
-        _users -= 1
-        if _users:
-            return
-        import torch.distributed as dist
-
-        for name, original in _originals.items():
-            setattr(dist, name, original)
-        _originals.clear()
+# While a tool is started: the table's collectives enter the tools' modes where none is on the stack.
+_wrapping = SharedInstall(_install, _remove)
+acquire, release = _wrapping.acquire, _wrapping.release

@@ -28,9 +28,9 @@ import weakref
 import torch
 from torch.nn.modules import module as _module
 
+from .shared_install import SharedInstall
+
 _local = threading.local()  # .stack: [(module, path)], innermost last; .generation: the tracking it belongs to
-_lock = threading.Lock()
-_users = 0
 _generation = 0  # bumped at each start of tracking: a stack left by an earlier one (stopped mid-forward) is stale
 _handles: list = []
 # Wrappers whose own names would prefix every path ("module.model.layers.0"): named from the module they wrap, so
@@ -61,31 +61,25 @@ def current() -> str:
     return stack[-1][1] if stack and _local.generation == _generation else ""
 
 
-def acquire() -> None:
-    """Start tracking (install the global hooks) unless already tracking; pair with ``release()``."""
-    global _users, _generation
-    with _lock:
-        _users += 1
-        if _users == 1:
-            _generation += 1
-            _handles.append(_module.register_module_forward_pre_hook(_enter))
-            try:
-                _handles.append(_module.register_module_forward_hook(_leave, always_call=True))
-            except TypeError:  # PyTorch < 2.1: no always_call; _leave also unwinds what an exception left
-                _handles.append(_module.register_module_forward_hook(_leave))
+def _install() -> None:
+    global _generation
+    _generation += 1
+    _handles.append(_module.register_module_forward_pre_hook(_enter))
+    try:
+        _handles.append(_module.register_module_forward_hook(_leave, always_call=True))
+    except TypeError:  # PyTorch < 2.1: no always_call; _leave also unwinds what an exception left
+        _handles.append(_module.register_module_forward_hook(_leave))
 
 
-def release() -> None:
-    """Stop tracking once every ``acquire()`` was released."""
-    global _users
-    with _lock:
-        if _users == 0:
-            return
-        _users -= 1
-        if _users == 0:
-            for handle in _handles:
-                handle.remove()
-            _handles.clear()
+def _remove() -> None:
+    for handle in _handles:
+        handle.remove()
+    _handles.clear()
+
+
+# Start tracking (install the global hooks) unless already tracking; stop once every acquire() was released.
+_tracking = SharedInstall(_install, _remove)
+acquire, release = _tracking.acquire, _tracking.release
 
 
 def _path_in(root: torch.nn.Module, module: torch.nn.Module) -> str | None:
