@@ -14,6 +14,7 @@ script runs under a tool with ``python -m op_tools capture train.py``.
 ``op_tools`` does not import ``ditorch``: it works with plain PyTorch on CUDA or any backend.
 """
 
+from .config.training_monitor import TrainingMonitorConfig  # its variables' keywords and the [monitor] section
 from .config.variables import VARIABLES
 from .core.engine import FEATURES, OpCall, OpTool, OpToolsAbortError, feature, register_backward_hooks, tool_work
 from .core.features import apply_feature, remove_feature
@@ -34,5 +35,5 @@ __all__ = [
     "OpCall", "OpCapture", "OpDtypeCast", "OpFallback", "OpObserve", "OpOverflowCheck",
     "OpTimeMeasure", "OpTool", "OpToolsAbortError", "OverflowDetectedError", "apply_feature", "feature", "load_op_args",
     "register_backward_hooks", "register_op_facts", "remove_feature", "tool_work", "ToleranceSpec",
-    "compare_outputs", "TrainingMonitor",
+    "compare_outputs", "TrainingMonitor", "TrainingMonitorConfig",
 ]

@@ -4,15 +4,17 @@
     python -m op_tools capture --mode summary -m mypackage.train --steps 4
     python -m op_tools --help            # the tools
     python -m op_tools capture --help    # its options: one per keyword argument of the tool
+    python -m op_tools monitor --every 10 train.py   # TrainingMonitor: no op tool, but started and stopped alike
 
 Installed as the ``op-tools`` command too. The tool starts before the script runs and stops after it, also when
 the script raises or calls ``sys.exit`` (its exit status is kept). Each option takes the text its environment
 variable takes (``--ops`` as ``OP_CAPTURE_LIST``, ``--verbose 0``); a flag given alone means 1 (``--sync``).
 Options win over the variables, which win over the config file (``--config``, or ``OP_TOOLS_CONFIG``).
 
-Exit status: the script's own when it is not 0; else the tool's verdict (``VERDICT_EXIT_STATUS``): 0 clean (every
-handled call checked, nothing found), 3 found something (an op failed, an inf/nan), 4 could not check (some calls
-went unchecked because the tool failed on them, a file could not be written, or the op list matched no call).
+Exit status: the script's own when it is not 0 or the tool handles no op (the monitor); else the op tool's verdict
+(``VERDICT_EXIT_STATUS``): 0 clean (every handled call checked, nothing found), 3 found something (an op failed, an
+inf/nan), 4 could not check (some calls went unchecked because the tool failed on them, a file could not be written,
+or the op list matched no call).
 """
 
 from __future__ import annotations
@@ -21,24 +23,42 @@ import argparse
 import os
 import runpy
 import sys
-from typing import Any
+from typing import Any, cast
 
 from .config.settings import Family, keywords_of
 from .config.tool_registry import (  # filled by the tools: the package imported them first
     FEATURES,
+    NON_OP_TOOLS,
+    ToolClass,
     find_tool,
+    normalised_name,
     short_name,
+    tool_name,
 )
+from .config.training_monitor import TrainingMonitorConfig
 from .config.variables import CONFIG_FILE, parse_flag
 from .core.engine import OpTool
+from .tools.training_monitor import TrainingMonitor
+
+# The tools that handle no op: their config class (tool_registry.NON_OP_TOOLS, whose keywords are the command's
+# options) -> the class run, which has start() and stop(). An op tool is both.
+RUNS: dict[type, type] = {TrainingMonitorConfig: TrainingMonitor}
 
 
-def _tool_names(cls: type[OpTool]) -> list[str]:
-    names = [short_name(cls), cls.feature, cls.__name__, "op_" + short_name(cls)]
+def _tool_names(cls: type[ToolClass]) -> list[str]:
+    if cls in NON_OP_TOOLS.values():
+        return [short_name(cls), tool_name(cls)]
+    names = [short_name(cls), cast("type[OpTool]", cls).feature, cls.__name__, "op_" + short_name(cls)]
     return list(dict.fromkeys(names))
 
 
-def _add_options(parser: argparse.ArgumentParser, cls: type[OpTool]) -> None:
+def _find_tool(name: str) -> type[ToolClass] | None:
+    """The op tool ``name`` stands for (``find_tool``), or the config class of the tool that handles no op."""
+    others = {normalised_name(n): cls for cls in NON_OP_TOOLS.values() for n in _tool_names(cls)}
+    return find_tool(name) or others.get(normalised_name(name))
+
+
+def _add_options(parser: argparse.ArgumentParser, cls: type[ToolClass]) -> None:
     for keyword, setting in keywords_of(cls).items():
         if isinstance(setting, Family):
             if not setting.cli_form:
@@ -55,7 +75,7 @@ def _add_options(parser: argparse.ArgumentParser, cls: type[OpTool]) -> None:
 _FLAG_WORDS = {"0", "1", "true", "false", "yes", "no", "on", "off"}
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict[type, argparse.ArgumentParser]]:
+def build_parser() -> tuple[argparse.ArgumentParser, dict[type[ToolClass], argparse.ArgumentParser]]:
     """The top parser (its help lists the tools) and one parser per tool for the options before the script."""
     parser = argparse.ArgumentParser(
         prog="python -m op_tools", description="Run a Python script under an op_tools tool, with no edit to it.",
@@ -65,9 +85,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[type, argparse.Argumen
                "'python -m op_tools TOOL --help' lists a tool's options.")
     tools = parser.add_subparsers(dest="tool", metavar="TOOL", required=True)
     by_class = {}
-    for cls in FEATURES.values():
+    for cls in [*FEATURES.values(), *NON_OP_TOOLS.values()]:
         names = _tool_names(cls)
-        doc = (cls.__doc__ or "").strip().splitlines()[0]
+        doc = " ".join((RUNS.get(cls, cls).__doc__ or "").strip().split("\n\n")[0].split())  # its first paragraph
         sub = by_class[cls] = tools.add_parser(
             names[0], aliases=names[1:], help=doc, description=doc, prog=f"python -m op_tools {names[0]}",
             usage=f"python -m op_tools {names[0]} [options] (script.py | -m module) [args ...]",
@@ -78,7 +98,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[type, argparse.Argumen
     return parser, by_class
 
 
-def split_command(cls: type, argv: list[str]) -> tuple[list[str], str | None, str | None, list[str]]:
+def split_command(cls: type[ToolClass], argv: list[str]) -> tuple[list[str], str | None, str | None, list[str]]:
     """``argv`` after the tool name -> (the tool's options, script, module, the script's arguments): the first
     argument that is neither an option nor an option's value is the script (``-m name``: a module)."""
     flags, valued = {"-h", "--help"}, {"--config"}
@@ -106,8 +126,8 @@ VERDICT_EXIT_STATUS = {"clean": 0, "found": 3, "unchecked": 4}
 
 def run_under(tool, script: str | None, argv: list[str], module: str | None = None) -> int | str | None:
     """Run ``script`` (or ``module``) as ``__main__`` with ``sys.argv`` set, between ``tool.start()`` and
-    ``tool.stop()``; its exit status (``SystemExit``'s code; 0 when it returns), or when that is 0 the tool's verdict
-    (``VERDICT_EXIT_STATUS``). Its exceptions propagate."""
+    ``tool.stop()``; its exit status (``SystemExit``'s code; 0 when it returns), or when that is 0 an op tool's
+    verdict (``VERDICT_EXIT_STATUS``). Its exceptions propagate."""
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     if module is None:
         assert script is not None  # main() gives a script or a module
@@ -132,14 +152,14 @@ def run_under(tool, script: str | None, argv: list[str], module: str | None = No
         finally:
             sys.argv, sys.path[:] = saved_argv, saved_path
     if status in (0, None):
-        return VERDICT_EXIT_STATUS[tool.verdict()]
+        return VERDICT_EXIT_STATUS[tool.verdict()] if isinstance(tool, OpTool) else 0
     return status
 
 
 def main(argv: list[str] | None = None) -> int | str | None:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser, by_class = build_parser()
-    cls = find_tool(argv[0]) if argv and not argv[0].startswith("-") else None
+    cls = _find_tool(argv[0]) if argv and not argv[0].startswith("-") else None
     if cls is None:
         parser.parse_args(argv[:1] or argv)  # help, or argparse's error naming the valid tools
         parser.error(f"unknown tool {argv[0]!r}")
@@ -154,7 +174,7 @@ def main(argv: list[str] | None = None) -> int | str | None:
         os.environ[CONFIG_FILE.name] = options.config
     settings = {k: getattr(options, k) for k in keywords_of(cls) if getattr(options, k, None) is not None}
     try:
-        tool = cls(**settings)
+        tool = RUNS.get(cls, cls)(**settings)
     except (TypeError, ValueError) as e:
         sub.error(str(e))  # "OpCapture(mode='everything'): unknown choice ...; expected full or summary"
     return run_under(tool, script, args, module)

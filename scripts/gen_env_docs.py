@@ -89,12 +89,20 @@ def code(text) -> str:
 def keyword_of(op_tools) -> dict[str, str]:
     """Variable (or family) name -> the keyword argument standing for it."""
     from op_tools.config.settings import keywords_of
+    from op_tools.config.tool_registry import NON_OP_TOOLS
 
     found = {}
-    for cls in op_tools.FEATURES.values():
+    for cls in [*op_tools.FEATURES.values(), *NON_OP_TOOLS.values()]:
         for keyword, setting in keywords_of(cls).items():
             found.setdefault(setting.name, keyword)
     return found
+
+
+def non_op_readers() -> dict[str, str]:
+    """Variable name -> the tool that handles no op and reads it (``TrainingMonitor``): its own keywords'."""
+    from op_tools.config.tool_registry import NON_OP_TOOLS, tool_name
+
+    return {setting.name: tool_name(cls) for cls in NON_OP_TOOLS.values() for setting in cls.keywords.values()}
 
 
 def render() -> str:
@@ -107,6 +115,7 @@ def render() -> str:
     sections = [("ditorch (the device layer)", "ditorch/env.py", ditorch_env.VARIABLES),
                 ("op_tools", "op_tools/config/variables.py", op_tools.VARIABLES)]
     keywords = keyword_of(op_tools)
+    readers = non_op_readers()
     lines = [HEADER]
     for title, source, variables in sections:
         arguments = variables is op_tools.VARIABLES
@@ -118,7 +127,8 @@ def render() -> str:
             if var.name.endswith("_AUTOCOMPARE_ERROR_TOLERANCE") or var.name.startswith("AUTOCOMPARE_"):
                 keyword = "tolerance"  # one keyword for the whole family
             extra = (f" `{keyword}=` |" if keyword else " |") if arguments else ""
-            lines.append(f"| {tool_of(var.name, tool_prefixes)} | `{cell(var.name)}` | {cell(var.form)} | "
+            reader = readers.get(var.name) or tool_of(var.name, tool_prefixes)
+            lines.append(f"| {reader} | `{cell(var.name)}` | {cell(var.form)} | "
                          f"{code(var.default)} | {cell(var.meaning)} |" + extra)
         lines.append("")
     lines += ["## Set by the launcher", "", "| variable | meaning |", "|---|---|"]

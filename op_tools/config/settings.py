@@ -29,9 +29,9 @@ import inspect
 import os
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-from .tool_registry import find_tool, short_name, tool_sections
+from .tool_registry import ToolClass, find_tool, short_name, tool_name, tool_sections
 from .variables import (
     CONFIG_FILE,
     PRINT_RANKS,
@@ -43,9 +43,6 @@ from .variables import (
     Sources,
     declare_op_lists,
 )
-
-if TYPE_CHECKING:
-    from ..core.engine import OpTool
 
 SHARED_SECTION = "op_tools"
 SHARED = {"results_dir": RESULTS_DIR, "verbose": VERBOSE, "print_stack": PRINT_STACK, "strict": STRICT,
@@ -66,7 +63,7 @@ class Family:
         return self.convert(value)
 
 
-def keywords_of(cls: type[OpTool]) -> dict[str, EnvVar | Family]:
+def keywords_of(cls: type[ToolClass]) -> dict[str, EnvVar | Family]:
     """Every keyword ``cls`` takes, with the variable (or family) it stands for: ``ops``/``disable`` (its LIST and
     DISABLE_LIST), its own (``cls.keywords``), then those every tool shares."""
     table: dict[str, EnvVar | Family] = {}
@@ -77,7 +74,7 @@ def keywords_of(cls: type[OpTool]) -> dict[str, EnvVar | Family]:
     return table
 
 
-def signature_of(cls: type[OpTool]) -> inspect.Signature:
+def signature_of(cls: type[ToolClass]) -> inspect.Signature:
     """``Tool(*, ops=None, disable=None, …)``: what ``help()`` and editors show for the keyword table."""
     return inspect.Signature([inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None)
                               for k in keywords_of(cls)])
@@ -95,7 +92,7 @@ def _value(setting: EnvVar | Family, value: Any, where: str) -> Any:
         raise type(e)(f"{where}: {e}; expected {setting.argument_form}") from None
 
 
-def validate_arguments(cls: type[OpTool], given: dict[str, Any]) -> dict[str, Any]:
+def validate_arguments(cls: type[ToolClass], given: dict[str, Any]) -> dict[str, Any]:
     """The parsed values of a tool's keyword arguments, by variable name (``None``: not given, the variable or the
     file decides). An unknown keyword is a TypeError, a malformed value a ValueError or TypeError, each naming it."""
     table = keywords_of(cls)
@@ -103,10 +100,10 @@ def validate_arguments(cls: type[OpTool], given: dict[str, Any]) -> dict[str, An
     for key, value in given.items():
         setting = table.get(key)
         if setting is None:
-            raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {key!r}"
+            raise TypeError(f"{tool_name(cls)}() got an unexpected keyword argument {key!r}"
                             f"{did_you_mean(key, table)} (it takes {', '.join(table)})")
         if value is not None:
-            parsed[setting.name] = _value(setting, value, f"{cls.__name__}({key}={value!r})")
+            parsed[setting.name] = _value(setting, value, f"{tool_name(cls)}({key}={value!r})")
     return parsed
 
 
@@ -127,7 +124,7 @@ def origin(tool, keyword: str) -> str:
 
 # --- the config file ---
 
-def file_values(cls: type[OpTool]) -> dict[str, Any]:
+def file_values(cls: type[ToolClass]) -> dict[str, Any]:
     """The config file's values for ``cls`` by variable name: ``[op_tools]``, then its own section over it."""
     path = CONFIG_FILE.read()
     if not path:

@@ -581,3 +581,119 @@ def _torchrun_rank() -> int | None:
         except ValueError:
             return None
     return None
+
+
+# --- TrainingMonitor (config/training_monitor.py gathers them into TrainingMonitorConfig) ---
+
+BLOCKS = "blocks"  # OP_TRAINING_MONITOR_ACTIVATIONS: the items of every nn.ModuleList (a transformer's layers)
+
+
+def convert_positive_count(value: Any) -> int:
+    return parse_positive_count(str(convert_count(value)))
+
+
+def parse_factor(text: str | None) -> float:
+    try:
+        value = float((text or "").strip())
+    except ValueError:
+        raise ValueError("not a number") from None
+    if not 1 < value < float("inf"):  # nan fails too
+        raise ValueError("must be > 1")
+    return value
+
+
+def convert_factor(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError("not a number")
+    return parse_factor(repr(float(value)))
+
+
+def parse_auto_flag(text: str | None) -> bool | None:
+    """``auto`` (or empty) -> ``None``: the tool decides; else a flag."""
+    return None if (text or "").strip().lower() in ("", "auto") else parse_flag(text)
+
+
+def convert_patterns(value: Any) -> tuple[re.Pattern, ...]:
+    """A list of regular expressions (a text is the variable's comma-separated form: ``EnvVar.value_of``)."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(entry, str) for entry in value):
+        raise TypeError("not a list of regular expressions (str)")
+    return _compile_patterns(value)
+
+
+def parse_activations(text: str | None) -> str | tuple[re.Pattern, ...]:
+    """``blocks`` -> ``BLOCKS``; ``none`` or empty -> ``()``; else the compiled patterns."""
+    value = (text or "").strip()
+    if value.lower() in (BLOCKS, "none"):
+        return BLOCKS if value.lower() == BLOCKS else ()
+    return _no_keyword_among(_compile_patterns(value.split(",")))
+
+
+def convert_activations(value: Any) -> tuple[re.Pattern, ...]:
+    return _no_keyword_among(convert_patterns(value))
+
+
+def _no_keyword_among(patterns: tuple[re.Pattern, ...]) -> tuple[re.Pattern, ...]:
+    if any(p.pattern.lower() in (BLOCKS, "none") for p in patterns):
+        raise ValueError(f"{BLOCKS} and none stand alone, not in a list")
+    return patterns
+
+
+_MONITOR = "OP_TRAINING_MONITOR"
+TRAINING_MONITOR_EVERY = declare(
+    f"{_MONITOR}_EVERY", "an integer >= 1", "1",
+    "TrainingMonitor records every N-th optimizer step, from step 0; the steps between cost nothing.",
+    parse_positive_count, convert_positive_count, "an int >= 1",
+)
+TRAINING_MONITOR_PARAMETERS = declare(
+    f"{_MONITOR}_PARAMETERS", r"comma-separated regular expressions matched at the start of parameter names, e.g. "
+    r"'model\.layers\.0\.,lm_head'", None,
+    "The parameters whose figures TrainingMonitor records (grad_norm, weight_norm, update_ratio, moments): those "
+    "whose name one of them matches from its start. Unset: every parameter; empty: none.",
+    parse_name_patterns, convert_patterns, r"a list of regular expressions, e.g. [r'model\.layers\.0\.', 'lm_head'] "
+    "(or the variable's comma-separated text)",
+)
+TRAINING_MONITOR_ACTIVATIONS = declare(
+    f"{_MONITOR}_ACTIVATIONS", "blocks, none, or comma-separated regular expressions matching whole module names, "
+    r"e.g. 'model\.layers\.\d+\.mlp'", BLOCKS,
+    "The modules whose output statistics (forward) and output-gradient statistics (backward) TrainingMonitor "
+    "records, named as `model.named_modules()` names them: `blocks` the items of every nn.ModuleList "
+    "(`model.layers.0`, …), `none` no module.",
+    parse_activations, convert_activations, "'blocks', 'none' or a list of regular expressions",
+)
+TRAINING_MONITOR_SPIKE_FACTOR = declare(
+    f"{_MONITOR}_SPIKE_FACTOR", "a number > 1", "10",
+    "TrainingMonitor's grad_norm_spike rule fires when a parameter's gradient norm exceeds this times its moving "
+    "average.", parse_factor, convert_factor, "a number > 1",
+)
+TRAINING_MONITOR_WARMUP = declare(
+    f"{_MONITOR}_WARMUP", "an integer >= 1", "3",
+    "The monitored steps a parameter's gradient norm is seen before TrainingMonitor's spike rule judges it.",
+    parse_positive_count, convert_positive_count, "an int >= 1",
+)
+TRAINING_MONITOR_TENSORBOARD = declare(
+    f"{_MONITOR}_TENSORBOARD", "auto, 0 or 1", "auto",
+    "auto: TrainingMonitor writes TensorBoard event files when the tensorboard package is installed; 1 requires "
+    "it (an ImportError when it is missing); 0 writes none.", parse_auto_flag, convert_flag, "None, True or False",
+)
+TRAINING_MONITOR_UPDATE_RATIO = _flag(
+    f"{_MONITOR}_UPDATE_RATIO", "1",
+    "1: TrainingMonitor also records each selected parameter's update ratio ‖new − old‖ / ‖old‖ over each "
+    "monitored step (it keeps a copy of the selected weights over the step).",
+)
+TRAINING_MONITOR_MOMENTS = _flag(
+    f"{_MONITOR}_MOMENTS", "1",
+    "1: TrainingMonitor also records the norms of Adam's moments (exp_avg, exp_avg_sq) of each selected parameter.",
+)
+TRAINING_MONITOR_SCALE_DROPS = declare(
+    f"{_MONITOR}_SCALE_DROPS", "an integer >= 1", "3",
+    "TrainingMonitor's loss_scale_dropping rule fires once a GradScaler's scale fell this many times in a row.",
+    parse_positive_count, convert_positive_count, "an int >= 1",
+)
+TRAINING_MONITOR_REPLICAS = _flag(
+    f"{_MONITOR}_REPLICAS", "1",
+    "Under data parallel (more than one rank): 1 makes TrainingMonitor compare the gradients of each replicated "
+    "parameter across ranks each monitored step (the replica_mismatch rule).",
+)
+TRAINING_MONITOR_HTML = _flag(
+    f"{_MONITOR}_HTML", "1", "1: TrainingMonitor writes the run's single-file HTML page at stop().",
+)

@@ -105,3 +105,18 @@ def stats_to_host(pieces: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]) -
             start = 3 * len(indices) + k * width
             out[i] = [*values[3 * k: 3 * k + 3], *values[start: start + width]]
     return out
+
+
+SUMMARY_FIELDS = ("norm", "mean", "std", "min", "max")
+
+
+def summary(t: torch.Tensor) -> torch.Tensor:
+    """``SUMMARY_FIELDS`` of a non-empty tensor as one float32 vector on its device: three reductions (``aminmax``,
+    ``std_mean``, ``vector_norm``) accumulating in float32 (float64 for float64), no transfer. What the training
+    monitor keeps of an activation or an output gradient; call it under ``torch.no_grad()``."""
+    x = _flat(t)
+    if x.dtype not in (torch.float32, torch.float64):  # std_mean returns (and rounds to) its input's dtype
+        x = x.float()
+    low, high = torch.aminmax(x)
+    std, mean = torch.std_mean(x, correction=1 if x.numel() > 1 else 0)
+    return torch.stack([torch.linalg.vector_norm(x), mean, std, low, high]).float()

@@ -1,18 +1,24 @@
-"""TrainingMonitor: per-parameter gradient and weight norms, loss, learning rates and the global gradient norm, step
-by step, with anomaly rules that fire as they happen.
+"""TrainingMonitor: per-layer trends over optimizer steps, and anomaly rules that fire as they happen.
 
-It is not an ``OpTool``: it intercepts no op. torch.optim's global step hooks find the steps; before each monitored
-``optimizer.step()`` it computes every parameter's gradient and weight norm on the device (``torch._foreach_norm``,
-fused per device and dtype), stacks them with the loss (and a GradScaler's scale) and reads them back in one
-device->host transfer per device; the post-step hook times the step on the host and writes its rows.
+It is not an ``OpTool``: it intercepts no op. What it hooks, while started:
+
+- torch.optim's global step hooks find the steps (``optimizer.step()``; GradScaler's skipped iterations are none);
+- the model (``model=``, or the outermost modules called once started): forward hooks on the selected modules
+  record their output's statistics, and a hook on that output its gradient's, in backward; under DDP, a hook on each
+  parameter's accumulated gradient reads it before the data-parallel reduction;
+- ``torch.autograd.backward`` (the loss is the root of the backward, unscaled when GradScaler scaled it) and
+  ``GradScaler.scale`` (the scale is found without ``scaler=``).
+
+Where the work runs: every figure is computed on the device, without a host synchronisation (``_StepFigures``):
+norms fused by ``torch._foreach_norm`` per device and dtype, a sharded tensor's squares summed across its shards
+(``core/shards.py``, one ``all_reduce`` per group per step), and everything read back in one device->host transfer
+per device in the post-step hook. The rules then run on the host, on floats.
 
 >>> import torch, op_tools
 >>> model = torch.nn.Linear(4, 2)
 >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 >>> with op_tools.TrainingMonitor(model=model, results_dir="/tmp/monitor_doctest") as monitor:  # doctest: +SKIP
-...     loss = model(torch.randn(8, 4)).square().mean()
-...     loss.backward()
-...     monitor.log_loss(loss)
+...     model(torch.randn(8, 4)).square().mean().backward()
 ...     optimizer.step()
 
 Files (``<results_dir>/op_training_monitor/[rank<N>/]``): ``monitor_<session>.csv`` and
@@ -21,98 +27,195 @@ Files (``<results_dir>/op_training_monitor/[rank<N>/]``): ``monitor_<session>.cs
 
 from __future__ import annotations
 
+import collections
 import csv
 import dataclasses
+import functools
 import importlib.util
 import math
+import os
 import re
 import time
+import weakref
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import torch
 
-from ..config.variables import CommonConfig
+from ..config.training_monitor import TrainingMonitorConfig
+from ..config.variables import BLOCKS
+from ..core import shards
+from ..numerics.tensor_stats import SUMMARY_FIELDS, summary
 from ..output import result_files
 from ..output.reporting import logger
 
 FOLDER = "op_training_monitor"
-CSV_COLUMNS = ("rank", "step", "time", "name", "grad_norm", "weight_norm", "update_ratio", "value")
+CSV_COLUMNS = ("rank", "step", "time", "kind", "name", "statistic", "value")
 EMA_DECAY = 0.9  # the moving average a spike is measured against: new = 0.9 * old + 0.1 * value
+MOMENTS = {"exp_avg": "exp_avg_norm", "exp_avg_sq": "exp_avg_sq_norm"}  # Adam's state -> its statistic
+# figures every data-parallel rank holds alike: written by rank 0 only
+GLOBAL_STATISTICS = {"grad_norm", "weight_norm", "update_ratio", *MOMENTS.values(), "global_grad_norm", "loss_scale"}
+PHASES = {"activation": "forward", "loss": "forward", "output_grad": "backward", "grad_norm_before_reduction":
+          "backward", "grad_norm": "backward"}  # what the first non-finite figure says of where it arose
+
+Key = tuple[str, str, str]  # kind, name, statistic
+
+
+def tensorboard_tag(kind: str, name: str, statistic: str) -> str:
+    if kind == "step":
+        return statistic
+    return f"{statistic}/{name}" if kind == "parameter" else f"{kind}_{statistic}/{name}"
+
+
+def _combined(statistic: str, values: list[float]) -> float:
+    """One figure from a module's several calls in a step (gradient accumulation): norms add as squares, extremes
+    stay extreme, means and standard deviations are averaged over the calls."""
+    if len(values) == 1:
+        return values[0]
+    if statistic in ("norm", "loss"):
+        return math.sqrt(sum(v * v for v in values)) if statistic == "norm" else sum(values)
+    if statistic == "min":
+        return min(values)
+    if statistic == "max":
+        return max(values)
+    return sum(values) / len(values)
+
+
+class _StepFigures:
+    """A step's figures on the device until ``read``: squares summed across their shards, then every figure read
+    back in one transfer per device. Keys may repeat (a module called twice); ``read`` keeps them in order."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[torch.Tensor, list[Key], bool, shards.Groups]] = []
+
+    def add(self, values: torch.Tensor, keys: list[Key], squared: bool = False, groups: shards.Groups = ()) -> None:
+        self.parts.append((values.reshape(-1).float(), keys, squared, groups))
+
+    def read(self) -> list[tuple[Key, float]]:
+        summed = shards.sum_across_shards((values, groups) for values, _, _, groups in self.parts)
+        by_device: dict[torch.device, list[int]] = {}
+        for k, values in enumerate(summed):
+            by_device.setdefault(values.device, []).append(k)
+        host: list[list[float]] = [[] for _ in summed]
+        for indices in by_device.values():
+            flat = torch.cat([summed[k] for k in indices]).cpu().tolist()
+            start = 0
+            for k in indices:
+                host[k], start = flat[start: start + summed[k].numel()], start + summed[k].numel()
+        out = []
+        for (_, keys, squared, _), floats in zip(self.parts, host):
+            for key, value in zip(keys, floats):
+                out.append((key, math.sqrt(value) if squared and value >= 0 else value))
+        return out
+
+
+def _squared_norms(items: list[tuple[Key, torch.Tensor, shards.Groups]], figures: _StepFigures) -> None:
+    """Each tensor's squared norm added to ``figures``, one part per device and shard groups, in the items' order
+    (the order every rank sums in, whatever the dtypes): one ``_foreach_norm`` per dtype within a part."""
+    batches: dict[tuple, list[int]] = {}
+    for k, (_, t, groups) in enumerate(items):
+        batches.setdefault((t.device, tuple(id(g) for g in groups)), []).append(k)
+    for indices in batches.values():
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for k in indices:
+            by_dtype.setdefault(items[k][1].dtype, []).append(k)
+        squares = torch.cat([torch.stack(torch._foreach_norm([items[k][1] for k in ks])).float().square()
+                             for ks in by_dtype.values()])
+        if len(by_dtype) > 1:  # back to the items' order
+            order = [k for ks in by_dtype.values() for k in ks]
+            position = {k: i for i, k in enumerate(order)}
+            squares = squares[torch.tensor([position[k] for k in indices], device=squares.device)]
+        figures.add(squares, [items[k][0] for k in indices], squared=True, groups=items[indices[0]][2])
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    """The tensor a module returns, or the first of a tuple, list or mapping (a transformers ModelOutput)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
+    return next((v for v in values if isinstance(v, torch.Tensor)), None)
+
+
+_WRAPPERS = re.compile(r"(?:_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
+
+
+def _unwrapped(name: str, root: torch.nn.Module) -> str:
+    """A name as the model's own, whatever wraps it: without DDP's ``module.``, FSDP1's, checkpoint_wrapper's and
+    torch.compile's wrapper components, so that a run on many ranks names what a single process names."""
+    if type(root).__name__ in ("DistributedDataParallel", "DataParallel") and name.startswith("module."):
+        name = name[len("module."):]
+    return _WRAPPERS.sub("", name)
 
 
 @dataclasses.dataclass
-class _ParamRow:
+class _Param:
     name: str
     param: torch.Tensor
+    selected: bool
+    groups: shards.Groups  # FSDP1's group for its parameters; DTensors carry theirs
 
 
 class TrainingMonitor:
-    """Record per-parameter gradient/weight norms, the loss, learning rates and the global gradient norm per optimizer
-    step, and flag the first non-finite gradient norm and gradient-norm spikes as they happen.
+    """Record per-parameter gradient/weight norms, update ratios and Adam moment norms, per-module output and
+    output-gradient statistics, the loss, learning rates, the global gradient norm, the loss scale and the step
+    time per optimizer step; flag the first non-finite figure, gradient-norm spikes, a dropping loss scale and
+    replicas whose gradients disagree, as they happen.
 
     Arguments: ``results_dir`` (default ``OP_TOOLS_RESULTS_DIR``), ``every`` (monitor every N-th step, from step 0),
-    ``model`` (names parameters through ``named_parameters()``; without it ``param_groups[g][i]``), ``modules`` (regular
-    expressions; a parameter is recorded when one matches the start of its name; ``None``: every parameter),
-    ``spike_factor`` (a spike is a gradient norm above this times its moving average), ``warmup`` (steps observed
-    before a parameter's spikes are judged), ``tensorboard`` (``None``: write event files when ``tensorboard`` is
-    installed; ``True``: require it; ``False``: never), ``update_ratio`` (also ||new - old|| / ||old|| per parameter:
-    keeps a copy of the selected weights over each monitored step, and costs a second transfer per step), ``scaler``
-    (a ``torch.amp.GradScaler``: its scale is written per monitored step as ``loss_scale``), ``scale_drops`` (the
-    ``loss_scale_dropping`` rule fires once the scale fell this many times in a row).
+    ``model`` (names parameters and modules; without it, the outermost modules called once started),
+    ``parameters`` (regular expressions matched at the start of parameter names; ``None``: every parameter),
+    ``activations`` (regular expressions matched against whole module names; ``"blocks"``: the items of every
+    ``nn.ModuleList``; ``"none"`` or ``[]``: none), ``spike_factor`` (a spike is a gradient norm above this times its
+    moving average), ``warmup`` (steps observed before a parameter's spikes are judged), ``tensorboard`` (``None``:
+    event files when ``tensorboard`` is installed; ``True``: require it; ``False``: never), ``update_ratio``
+    (||new - old|| / ||old|| per parameter: keeps a copy of the selected weights over the step), ``moments`` (norms
+    of Adam's ``exp_avg`` and ``exp_avg_sq``), ``scaler`` (a ``torch.amp.GradScaler``; found without it when the
+    script calls ``scaler.scale``), ``scale_drops`` (the ``loss_scale_dropping`` rule fires once the scale fell this
+    many times in a row), ``replicas`` (under DDP, compare the ranks' gradient fingerprints each monitored step).
     """
 
-    def __init__(self, results_dir: str | None = None, every: int = 1, modules: list[str] | str | None = None,
-                 model: torch.nn.Module | None = None, spike_factor: float = 10.0, warmup: int = 3,
-                 tensorboard: bool | None = None, update_ratio: bool = False,
-                 scaler: torch.amp.GradScaler | None = None, scale_drops: int = 3) -> None:
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ValueError(f"TrainingMonitor(every={every!r}): expected an integer >= 1")
-        if not isinstance(spike_factor, (int, float)) or not spike_factor > 1:
-            raise ValueError(f"TrainingMonitor(spike_factor={spike_factor!r}): expected a number > 1")
-        if not isinstance(warmup, int) or warmup < 1:
-            raise ValueError(f"TrainingMonitor(warmup={warmup!r}): expected an integer >= 1")
+    def __init__(self, results_dir: str | None = None, every: int | None = None,
+                 parameters: list[str] | str | None = None, model: torch.nn.Module | None = None,
+                 activations: list[str] | str | None = None, spike_factor: float | None = None,
+                 warmup: int | None = None, tensorboard: bool | None = None, update_ratio: bool | None = None,
+                 moments: bool | None = None, scaler: torch.amp.GradScaler | None = None,
+                 scale_drops: int | None = None, replicas: bool | None = None, html: bool | None = None,
+                 **shared: Any) -> None:
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(f"TrainingMonitor(scaler=...): expected a torch.amp.GradScaler, "
                             f"got {type(scaler).__name__}")
-        if not isinstance(scale_drops, int) or isinstance(scale_drops, bool) or scale_drops < 1:
-            raise ValueError(f"TrainingMonitor(scale_drops={scale_drops!r}): expected an integer >= 1")
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"TrainingMonitor(model=...): expected a torch.nn.Module, got {type(model).__name__}")
-        if tensorboard and importlib.util.find_spec("tensorboard") is None:
+        # None: not given (the variable, the config file's [monitor] key, then the default)
+        config = TrainingMonitorConfig.resolve(
+            results_dir=results_dir, every=every, parameters=parameters, activations=activations,
+            spike_factor=spike_factor, warmup=warmup, tensorboard=tensorboard, update_ratio=update_ratio,
+            moments=moments, scale_drops=scale_drops, replicas=replicas, html=html, **shared)
+        if config.tensorboard and importlib.util.find_spec("tensorboard") is None:
             raise ImportError("TrainingMonitor(tensorboard=True) needs the tensorboard package: "
                               "pip install tensorboard")
-        patterns = [modules] if isinstance(modules, str) else modules
-        try:
-            self._patterns = None if patterns is None else [re.compile(p) for p in patterns]
-        except re.error as e:
-            raise ValueError(f"TrainingMonitor(modules={modules!r}): not a regular expression: {e}") from e
-        self.results_dir = results_dir
-        self.every = every
+        self.config = config
+        self._parameter_patterns = None if config.parameters is None else list(config.parameters)
+        self._activations_blocks = config.activations == BLOCKS
+        self._activation_patterns = [] if isinstance(config.activations, str) else list(config.activations)
+        self.every = config.every
         self.model = model
-        self.spike_factor = float(spike_factor)
-        self.warmup = warmup
-        self.tensorboard = tensorboard
-        self.update_ratio = bool(update_ratio)
+        self.spike_factor = config.spike_factor
+        self.warmup = config.warmup
+        self.tensorboard = config.tensorboard
+        self.update_ratio = config.update_ratio
+        self.moments = config.moments
         self.scaler = scaler
-        self.scale_drops = scale_drops
-        self._last_scale: float | None = None  # the scale last seen (at start(), then at each monitored step)
-        self._drops = 0  # the scale's falls in a row, counted in backoff factors
-        self._scale_fired = False
-        self._step_end = 0.0  # time.perf_counter() at the last optimizer post-step hook (or start())
-        self._pending: dict | None = None  # a step's host figures waiting for its update ratios (post-step)
+        self.scale_drops = config.scale_drops
+        self.replicas = config.replicas
+        self.html = config.html
+        self._hooks: list = []
+        self._patches: list[tuple[Any, str, Any]] = []
         self.step = 0  # optimizer.step() calls finished since start()
         self.anomalies: list[dict] = []
-        self._hooks: tuple = ()
-        self._loss: torch.Tensor | None = None
-        self._ema: dict[str, tuple[float, int]] = {}  # name -> (moving average, values seen)
-        self._spiked: set[str] = set()
-        self._nan_seen = False
-        self._monitored = 0
         self._csv_file: TextIO | None = None
-        self._csv: Any = None
         self._anomaly_file: result_files.JsonLinesFile | None = None
         self._writer: Any = None
-        self._names: dict[int, str] = {}
 
     # --- lifecycle ---
 
@@ -121,12 +224,11 @@ class TrainingMonitor:
             return self
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        common = CommonConfig.from_env()
-        if self.results_dir is not None:
-            common = dataclasses.replace(common, results_dir=str(self.results_dir))
-        self._common = common
+        common = self._common = self.config.common
+        self._writes_global = common.rank in (None, 0)
         folder = result_files.prepare_results_folder(common, FOLDER, "TrainingMonitor")
         stem = result_files.session_stem()
+        self._folder, self._stem = folder, stem
         self.csv_path = f"{folder}/monitor_{stem}.csv"
         self.anomalies_path = f"{folder}/anomalies_{stem}.jsonl"
         self._csv_file = open(self.csv_path, "w", newline="", encoding="utf-8")  # noqa: SIM115 - closed by stop()
@@ -139,35 +241,63 @@ class TrainingMonitor:
 
             self.tensorboard_dir = f"{folder}/tensorboard_{stem}"
             self._writer = SummaryWriter(self.tensorboard_dir)
-        self._names = {} if self.model is None else {id(p): n for n, p in self.model.named_parameters()}
         self.step, self._monitored, self.anomalies = 0, 0, []
-        self._ema, self._spiked, self._nan_seen, self._loss, self._pending = {}, set(), False, None, None
-        self._drops, self._scale_fired, self._last_scale = 0, False, None
+        self._figures = _StepFigures()
+        self._recording = True
+        self._ema: dict[str, tuple[float, int]] = {}  # name -> (moving average, values seen)
+        self._spiked: set[str] = set()
+        self._fired: set[str] = set()  # the rules that fire once per run (nonfinite, loss scale, replicas)
+        self._loss: torch.Tensor | None = None  # log_loss()'s
+        self._roots: torch.Tensor | None = None  # the sum of the backward roots since the last step
+        self._scaled: tuple[weakref.ref, torch.amp.GradScaler] | None = None  # GradScaler.scale's last output
+        self._before_reduction: dict[str, torch.Tensor] = {}
+        self._old: list[torch.Tensor] | None = None
+        self._unmeasured: collections.Counter[str] = collections.Counter()
+        self._failed = False
+        self._drops, self._last_scale = 0, None
         if self.scaler is not None:  # the baseline the first monitored step's scale is compared with: one sync, once
             self._last_scale = self.scaler.get_scale()
+        self._names: dict[int, str] = {}
+        self._roots_attached: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self._groups: dict[int, shards.Groups] = {}
+        self._ddp_groups: list = []  # the process groups of the DDP modules found (replicas compared within)
         self._step_end = time.perf_counter()
-        self._hooks = (register_optimizer_step_pre_hook(self._before_step),
-                       register_optimizer_step_post_hook(self._after_step))
+        self._hooks = [register_optimizer_step_pre_hook(self._before_step),
+                       register_optimizer_step_post_hook(self._after_step)]
+        if self.model is not None:
+            self._attach(self.model)
+        else:  # the outermost modules called: found by a global hook until the first step
+            self._depth = 0
+            self._finders = [torch.nn.modules.module.register_module_forward_pre_hook(self._enter_module),
+                             torch.nn.modules.module.register_module_forward_hook(self._leave_module,
+                                                                                     always_call=True)]
+        self._patch(torch.autograd, "backward", self._backward_wrapper)
+        self._patch(torch.amp.GradScaler, "scale", self._scale_wrapper)
+        self._patch(torch.amp.GradScaler, "update", self._update_wrapper)
+        self._stepped = False  # an optimizer step since GradScaler's last update()
+        self.skipped_iterations = 0
         return self
 
     def stop(self) -> None:
         if not self._hooks:
             return
-        for hook in self._hooks:
+        for hook in [*self._hooks, *getattr(self, "_finders", ())]:
             hook.remove()
-        self._hooks = ()
-        if self._pending is not None:  # its step never finished: written without update ratios nor step time
-            self._write(self._pending, None)
-            self._pending = None
+        self._hooks, self._finders = [], []
+        for owner, name, original in reversed(self._patches):
+            setattr(owner, name, original)
+        self._patches = []
         written = [self.csv_path, self.anomalies_path]
-        if self._csv_file is not None:
-            self._csv_file.close()
-            self._csv_file = None
-        if self._anomaly_file is not None:
-            self._anomaly_file.close()
-            self._anomaly_file = None
+        for f in (self._csv_file, self._anomaly_file, self._writer):
+            if f is not None:
+                f.close()
+        self._csv_file = self._anomaly_file = None
+        self.page_path: str | None = None
+        if self.html and self._writes_global:  # rank 0's page holds what the other ranks had written by then
+            self._guarded("writing the HTML page", self._write_page)
+            if self.page_path:
+                written.append(self.page_path)
         if self._writer is not None:
-            self._writer.close()
             self._writer = None
             written.append(f"TensorBoard event files in {self.tensorboard_dir}")
             board = ""
@@ -175,8 +305,11 @@ class TrainingMonitor:
             board = "; no TensorBoard files (tensorboard=False)"
         else:
             board = "; no TensorBoard files (tensorboard is not installed: pip install tensorboard)"
-        logger.info("TrainingMonitor: %d steps, %d monitored, %d anomalies; wrote %s%s", self.step, self._monitored,
-                    len(self.anomalies), ", ".join(written), board)
+        unmeasured = "".join(f"; not measured: {n} x {what}" for what, n in sorted(self._unmeasured.items()))
+        if self.skipped_iterations:
+            unmeasured += f"; {self.skipped_iterations} iterations skipped by GradScaler (no step, figures dropped)"
+        logger.info("TrainingMonitor: %d steps, %d monitored, %d anomalies%s; wrote %s%s", self.step,
+                    self._monitored, len(self.anomalies), unmeasured, ", ".join(written), board)
 
     end = stop
 
@@ -186,170 +319,350 @@ class TrainingMonitor:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def _write_page(self) -> None:
+        from ..offline.monitor_page import write_monitor_page
+
+        results = self._folder if self._common.rank is None else os.path.dirname(self._folder)
+        self.page_path = write_monitor_page(results, session=self._stem)
+
     def log_loss(self, loss: torch.Tensor | float) -> None:
-        """The loss of the step about to be taken; a tensor is read with that step's statistics (no sync here)."""
+        """The loss of the step about to be taken (instead of the backward roots); a tensor is read with that step's
+        figures (no sync here)."""
         self._loss = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+
+    def _patch(self, owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+        original = getattr(owner, name)
+        self._patches.append((owner, name, original))
+        setattr(owner, name, functools.wraps(original)(make(original)))
+
+    def _guarded(self, what: str, work: Callable[[], None]) -> None:
+        """A monitor failing never stops the user's step: said once, counted, later steps tried again."""
+        try:
+            work()
+        except Exception:  # noqa: BLE001 - see the docstring
+            self._unmeasured[f"{what} failed"] += 1
+            if not self._failed:
+                self._failed = True
+                logger.exception("TrainingMonitor: %s at step %d failed; later steps are tried again", what, self.step)
+
+    # --- the model: names, selected modules, hooks ---
+
+    def _enter_module(self, module: torch.nn.Module, _args) -> None:
+        if self._depth == 0 and module not in self._roots_attached:
+            self._guarded("attaching to the model", lambda: self._attach(module))
+        self._depth += 1
+
+    def _leave_module(self, *_) -> None:
+        self._depth = max(0, self._depth - 1)
+
+    def _attach(self, root: torch.nn.Module) -> None:
+        self._roots_attached.add(root)
+        for name, p in root.named_parameters():
+            self._names.setdefault(id(p), _unwrapped(name, root))
+        self._groups.update(shards.fsdp1_groups(root))
+        for name, module in self._activation_modules(root):
+            self._hooks.append(module.register_forward_hook(functools.partial(self._after_forward, name)))
+        from torch.nn.parallel import DistributedDataParallel
+
+        for ddp in (m for m in root.modules() if isinstance(m, DistributedDataParallel)):
+            self._ddp_groups.append(ddp.process_group)
+            for p in ddp.parameters():
+                if p.requires_grad:
+                    hook = functools.partial(self._accumulated, self._names.get(id(p), ""))
+                    self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+
+    def _activation_modules(self, root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+        if self._activations_blocks:
+            return [(_unwrapped(f"{name}.{child}" if name else child, root), m) for name, lst in root.named_modules()
+                    if isinstance(lst, torch.nn.ModuleList) for child, m in lst.named_children()]
+        named = [(_unwrapped(name, root), m) for name, m in root.named_modules() if name]
+        return [(name, m) for name, m in named if any(p.fullmatch(name) for p in self._activation_patterns)]
+
+    def _after_forward(self, name: str, module: torch.nn.Module, _args, output) -> None:
+        # training forwards only (not eval mode; not grad mode: a reentrant checkpoint runs the training forward
+        # under no_grad), once: a checkpoint's recomputation inside backward only gives the output whose gradient
+        # backward computes (a reentrant checkpoint's first output had none)
+        if not self._recording or not module.training:
+            return
+        t = _first_tensor(output)
+        if t is None or not t.is_floating_point() or t.numel() == 0:
+            return
+        if hasattr(t, "placements"):
+            self._unmeasured["DTensor module outputs"] += 1
+            return
+        if torch._C._current_graph_task_id() == -1:
+            with torch.no_grad(), torch._C.DisableTorchFunction():  # the tools' own work: no tool sees these calls
+                self._figures.add(summary(t.detach()), [("activation", name, s) for s in SUMMARY_FIELDS])
+        if t.requires_grad:
+            t.register_hook(functools.partial(self._output_grad, name))
+
+    def _output_grad(self, name: str, grad: torch.Tensor) -> None:
+        if grad is None or grad.numel() == 0:
+            return
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            self._figures.add(summary(grad.detach()), [("output_grad", name, s) for s in SUMMARY_FIELDS])
+
+    def _accumulated(self, name: str, p: torch.Tensor) -> None:
+        """DDP: the gradient as this rank accumulated it, before the reduction (DDP's hooks run after this one)."""
+        if self._recording and p.grad is not None:
+            with torch.no_grad(), torch._C.DisableTorchFunction():
+                self._before_reduction[name] = torch.linalg.vector_norm(p.grad).float().square()
+
+    def _backward_wrapper(self, original: Callable) -> Callable:
+        def backward(tensors, *args, **kwargs):
+            if self._recording:
+                self._guarded("reading the loss", lambda: self._root(tensors))
+            return original(tensors, *args, **kwargs)
+        return backward
+
+    def _root(self, tensors: Any) -> None:
+        if not isinstance(tensors, torch.Tensor) or tensors.numel() != 1:
+            return
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            root = tensors.detach().float().reshape(1)
+            scaled = self._scaled
+            if scaled is not None and scaled[0]() is tensors:  # GradScaler multiplied the loss by its scale
+                root = root / scaled[1]._scale.float()  # type: ignore[union-attr]
+            self._roots = root if self._roots is None else self._roots + root
+
+    def _scale_wrapper(self, original: Callable) -> Callable:
+        def scale(scaler, outputs):
+            scaled = original(scaler, outputs)
+            if isinstance(scaled, torch.Tensor) and scaler.is_enabled():
+                self._scaled = (weakref.ref(scaled), scaler)
+                if self.scaler is None:
+                    self.scaler, self._last_scale = scaler, scaler.get_scale()
+            return scaled
+        return scale
+
+    def _update_wrapper(self, original: Callable) -> Callable:
+        def update(scaler, *args, **kwargs):
+            if not self._stepped:  # GradScaler skipped this iteration's step (inf gradients): its figures are none
+                self.skipped_iterations += 1
+                self._figures, self._old, self._loss, self._roots = _StepFigures(), None, None, None
+                self._before_reduction = {}
+            self._stepped = False
+            return original(scaler, *args, **kwargs)
+        return update
 
     # --- the optimizer's hooks ---
 
+    def _before_step(self, optimizer, *_) -> None:
+        if self.step == 0 and getattr(self, "_finders", None):  # the model is known by its first step
+            for hook in self._finders:
+                hook.remove()
+            self._finders = []
+        if self._recording:
+            self._guarded("recording", lambda: self._record_before(optimizer))
+
     def _after_step(self, optimizer, *_) -> None:
-        pending, self._pending = self._pending, None
         now = time.perf_counter()  # the host's view: no device synchronisation added
         step_time, self._step_end = now - self._step_end, now
         try:
-            if pending is not None:
-                pending["scalars"]["step_time"] = step_time
-                ratios = self._update_ratios(pending) if "old" in pending and pending["optimizer"] is optimizer \
-                    else None
-                self._write(pending, ratios)
-        except Exception:  # noqa: BLE001 - a monitor failing never stops the user's step; said once
-            if not getattr(self, "_failed", False):
-                self._failed = True
-                logger.exception("TrainingMonitor: recording step %d failed; later steps are tried again", self.step)
+            if self._recording:
+                self._guarded("recording", lambda: self._record_after(optimizer, step_time))
         finally:
+            self._figures, self._old, self._loss, self._roots = _StepFigures(), None, None, None
+            self._before_reduction = {}
+            self._stepped = True
             self.step += 1
+            self._recording = self.step % self.every == 0
 
-    def _before_step(self, optimizer, *_) -> None:
-        if self.step % self.every:
-            self._loss = None
-            return
-        try:
-            self._record(optimizer)
-        except Exception:  # noqa: BLE001 - a monitor failing never stops the user's step; said once
-            if not getattr(self, "_failed", False):
-                self._failed = True
-                logger.exception("TrainingMonitor: recording step %d failed; later steps are tried again", self.step)
-        finally:
-            self._loss = None
-
-    def _selected(self, name: str) -> bool:
-        return self._patterns is None or any(p.match(name) for p in self._patterns)
-
-    def _rows(self, optimizer) -> list[_ParamRow]:
-        rows = []
+    def _params(self, optimizer) -> list[_Param]:
+        found = []
         for g, group in enumerate(optimizer.param_groups):
             for i, p in enumerate(group["params"]):
-                rows.append(_ParamRow(self._names.get(id(p)) or f"param_groups[{g}][{i}]", p))
+                name = self._names.get(id(p)) or f"param_groups[{g}][{i}]"
+                selected = self._parameter_patterns is None or any(r.match(name) for r in self._parameter_patterns)
+                found.append(_Param(name, p, selected, self._groups.get(id(p), ())))
         if self._names:  # model order: the order named_parameters() gives
             order = {name: k for k, name in enumerate(self._names.values())}
-            rows.sort(key=lambda r: order.get(r.name, len(order)))
-        return rows
+            found.sort(key=lambda r: order.get(r.name, len(order)))
+        return found
 
-    def _record(self, optimizer) -> None:
-        rows = self._rows(optimizer)
-        grads, weights, loss, scale = self._norms(rows)
-        finite = [g for g in grads if g is not None and math.isfinite(g)]
-        all_grads = [g for g in grads if g is not None]
-        global_norm = math.sqrt(sum(g * g for g in all_grads)) if all_grads and len(finite) == len(all_grads) \
-            else (float("nan") if all_grads else None)
-        lrs = {f"lr/param_groups[{g}]": float(group["lr"]) for g, group in enumerate(optimizer.param_groups)
-               if "lr" in group}
-        scalars = {**({"loss": loss} if loss is not None else {}),
-                   **({"global_grad_norm": global_norm} if global_norm is not None else {}), **lrs,
-                   **({"loss_scale": scale} if scale is not None else {})}
-        selected = [k for k, r in enumerate(rows) if self._selected(r.name)]
-        record = {"optimizer": optimizer, "step": self.step, "time": time.time(), "scalars": scalars,
-                  "rows": [(rows[k].name, grads[k], weights[k]) for k in selected]}
-        self._monitored += 1
-        self._check(self.step, [(name, g) for name, g, _ in record["rows"] if g is not None])
-        if scale is not None:
-            self._check_scale(self.step, scale)
-        self._pending = record  # written by the post-step hook, with the step time (and the ratios)
-        if not self.update_ratio:
-            return
+    def _tensor_groups(self, param: _Param, t: torch.Tensor) -> shards.Groups | None:
+        """The groups ``t`` (the parameter, its gradient or its state) is sharded over; None when its local values
+        are pending sums (no norm of them is the full tensor's)."""
+        if shards.is_partial(t):
+            return None
+        return shards.dtensor_groups(t) if hasattr(t, "placements") else param.groups
+
+    def _record_before(self, optimizer) -> None:
+        params = self._params(optimizer)
+        figures = self._figures
         with torch.no_grad(), torch._C.DisableTorchFunction():  # the tools' own work: no tool sees these calls
-            record["params"] = [rows[k].param for k in selected]
-            record["old"] = [p.detach().clone() for p in record["params"]]
-
-    def _update_ratios(self, record: dict) -> list[float]:
-        """||new - old|| / ||old|| of each selected weight over the step just taken: one transfer per device."""
-        params, old = record["params"], record.pop("old")
-        ratios: list[float] = [0.0] * len(params)
-        by_device: dict[tuple, list[int]] = {}
-        for k, p in enumerate(params):
-            by_device.setdefault((p.device, p.dtype), []).append(k)
-        with torch.no_grad(), torch._C.DisableTorchFunction():
-            parts: dict[torch.device, list[torch.Tensor]] = {}
-            order: dict[torch.device, list[int]] = {}
-            for (device, _), indices in by_device.items():
-                new = [params[k].detach() for k in indices]
-                before = [old[k] for k in indices]
-                delta = torch.stack(torch._foreach_norm(torch._foreach_sub(new, before))).float()
-                ratio = delta / torch.stack(torch._foreach_norm(before)).float()
-                parts.setdefault(device, []).append(ratio)
-                order.setdefault(device, []).extend(indices)
-            for device, tensors in parts.items():
-                for k, value in zip(order[device], torch.cat(tensors).cpu().tolist()):
-                    ratios[k] = value
-        return ratios
-
-    def _write(self, record: dict, ratios: list[float] | None) -> None:
-        """A step's rows in the CSV (and TensorBoard): a row per selected parameter, then the step's scalars."""
-        step, now = record["step"], f"{record['time']:.6f}"
-        rank = "" if self._common.rank is None else self._common.rank
-        write = self._csv.writerow
-        for k, (name, grad, weight) in enumerate(record["rows"]):
-            ratio = "" if ratios is None else repr(ratios[k])
-            write((rank, step, now, name, "" if grad is None else repr(grad), repr(weight), ratio, ""))
-        for name, value in record["scalars"].items():
-            write((rank, step, now, name, "", "", "", repr(value)))
-        if self._writer is not None:
-            for name, value in record["scalars"].items():
-                self._writer.add_scalar(name, value, step)
-            for k, (name, grad, weight) in enumerate(record["rows"]):
+            loss = self._loss if self._loss is not None else self._roots
+            if loss is not None:
+                figures.add(loss.float(), [("step", "", "loss")])
+            if self._before_reduction:
+                names = list(self._before_reduction)
+                figures.add(torch.stack([self._before_reduction[n] for n in names]),
+                            [("parameter", n, "grad_norm_before_reduction") for n in names], squared=True)
+            items: list[tuple[Key, torch.Tensor, shards.Groups]] = []
+            # FSDP1 (use_orig_params): a rank holding none of a parameter has no gradient nor Adam state for it, yet
+            # every rank must add a part to each sum: an empty one, and a count of the ranks that have a gradient
+            held: dict[tuple[int, ...], tuple[shards.Groups, list[Key], list[float]]] = {}
+            for p in params:
+                grad = p.param.grad
+                if p.groups:
+                    entry = held.setdefault(tuple(id(g) for g in p.groups), (p.groups, [], []))
+                    entry[1].append(("_held", p.name, "grad"))
+                    entry[2].append(0.0 if grad is None else 1.0)
                 if grad is not None:
-                    self._writer.add_scalar(f"grad_norm/{name}", grad, step)
-                self._writer.add_scalar(f"weight_norm/{name}", weight, step)
-                if ratios is not None:
-                    self._writer.add_scalar(f"update_ratio/{name}", ratios[k], step)
+                    groups = self._tensor_groups(p, grad)
+                    if groups is None:
+                        self._unmeasured["gradients holding partial sums"] += 1
+                    else:
+                        items.append((("parameter", p.name, "grad_norm"), shards.local_part(grad), groups))
+                elif p.groups:
+                    items.append((("parameter", p.name, "grad_norm"), p.param.new_zeros(0), p.groups))
+                if p.selected:
+                    items.append((("parameter", p.name, "weight_norm"), shards.local_part(p.param),
+                                  self._tensor_groups(p, p.param) or ()))
+            _squared_norms(items, figures)
+            for groups, keys, counts in held.values():
+                figures.add(torch.tensor(counts, device=shards.local_part(params[0].param).device), keys,
+                            groups=groups)
+            scale = getattr(self.scaler, "_scale", None) if self.scaler is not None and self.scaler.is_enabled() \
+                else None  # GradScaler keeps its scale in a device tensor (None until its first scale())
+            if scale is not None:
+                figures.add(scale.detach(), [("step", "", "loss_scale")])
+            if self.replicas and self._ddp_groups:
+                self._replica_flags(params, figures)
+            if self.update_ratio:
+                self._selected_params = [p for p in params if p.selected]
+                self._old = [shards.local_part(p.param).detach().clone() for p in self._selected_params]
+        self._lrs = {f"lr/param_groups[{g}]": float(group["lr"]) for g, group in enumerate(optimizer.param_groups)
+                     if "lr" in group}
 
-    def _norms(self, rows: list[_ParamRow]) -> tuple[list[float | None], list[float], float | None, float | None]:
-        """Every row's gradient and weight norm, the loss and the loss scale, on the host: norms computed on the device,
-        fused per device and dtype, and read back with the loss and the scale in one transfer per device (one per step
-        on one device)."""
-        tensors: list[torch.Tensor] = [r.param for r in rows] + [r.param.grad for r in rows if r.param.grad is not None]
-        values: list[float] = [0.0] * (len(tensors) + 2)  # then the loss, the scale
-        by_device: dict[torch.device, dict[torch.dtype, list[int]]] = {}
-        for k, t in enumerate(tensors):
-            by_device.setdefault(t.device, {}).setdefault(t.dtype, []).append(k)
-        loss = self._loss
-        if loss is not None:
-            by_device.setdefault(loss.device, {})
-        # GradScaler keeps its scale in a device tensor (None until its first scale()); get_scale() would sync
-        scale_tensor = getattr(self.scaler, "_scale", None) if self.scaler is not None and self.scaler.is_enabled() \
-            else None
-        if scale_tensor is not None:
-            by_device.setdefault(scale_tensor.device, {})
-        with torch.no_grad(), torch._C.DisableTorchFunction():  # the tools' own work: no tool sees these calls
-            for device, groups in by_device.items():
-                order = [k for indices in groups.values() for k in indices]
-                parts = [torch.stack(torch._foreach_norm([tensors[k].detach() for k in indices])).float()
-                         for indices in groups.values()]
-                if loss is not None and loss.device == device:
-                    parts.append(loss.float().reshape(1))
-                    order.append(len(tensors))
-                if scale_tensor is not None and scale_tensor.device == device:
-                    parts.append(scale_tensor.detach().float().reshape(1))
-                    order.append(len(tensors) + 1)
-                for k, value in zip(order, torch.cat(parts).cpu().tolist()):
-                    values[k] = value
-        weights = values[:len(rows)]
-        grad_values = iter(values[len(rows):len(tensors)])
-        grads = [next(grad_values) if r.param.grad is not None else None for r in rows]
-        scale = None if self.scaler is None else values[-1] if scale_tensor is not None else self.scaler.get_scale()
-        return grads, weights, (values[-2] if loss is not None else None), scale
+    def _replica_flags(self, params: list[_Param], figures: _StepFigures) -> None:
+        """DDP: each rank's gradient checksums gathered from every rank of the DDP group, compared on the device:
+        per parameter, whether any rank differs from the group's first; per rank, whether it differs anywhere."""
+        from torch.distributed import distributed_c10d
 
-    # --- anomaly rules ---
+        from ..core.replicas import checksum
 
-    def _check(self, step: int, grads: list[tuple[str, float]]) -> None:
-        bad = [(name, g) for name, g in grads if not math.isfinite(g)]
-        if bad and not self._nan_seen:
-            self._nan_seen = True
-            self._anomaly({"rule": "nonfinite_grad", "step": step, "parameter": bad[0][0], "value": bad[0][1],
-                           "nearest_output": bad[-1][0], "count": len(bad), "of": len(grads)},
-                          f"first non-finite gradient norm at step {step}: {bad[0][0]} = {bad[0][1]} (first in model "
-                          f"order; {len(bad)} of {len(grads)} gradients non-finite, the nearest the output "
-                          f"{bad[-1][0]})")
+        replicated = [p for p in params if p.param.grad is not None and not p.groups and
+                      not hasattr(p.param, "placements")]
+        if not replicated:
+            return
+        group = self._ddp_groups[0]
+        local = torch.stack([checksum(p.param.grad) for p in replicated])  # type: ignore[arg-type]
+        gathered = [torch.empty_like(local) for _ in range(distributed_c10d.get_world_size(group))]
+        distributed_c10d.all_gather(gathered, local, group=group)
+        differs = torch.stack(gathered) != gathered[0]
+        ranks = distributed_c10d.get_process_group_ranks(group)
+        figures.add(torch.cat([differs.any(0), differs.any(1)]),
+                    [("_replica", p.name, "differs") for p in replicated] +
+                    [("_replica_rank", str(r), "differs") for r in ranks])
+
+    def _record_after(self, optimizer, step_time: float) -> None:
+        figures = self._figures
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            items: list[tuple[Key, torch.Tensor, shards.Groups]] = []
+            if self._old is not None:
+                new = [shards.local_part(p.param).detach() for p in self._selected_params]
+                for p, delta in zip(self._selected_params, torch._foreach_sub(new, self._old)):
+                    items.append((("parameter", p.name, "_update"), delta, self._tensor_groups(p, p.param) or ()))
+            if self.moments:
+                kept = {m for state in optimizer.state.values() for m in MOMENTS if m in state}
+                for p in self._params(optimizer):
+                    state = optimizer.state.get(p.param, {}) if p.selected else {}
+                    for moment, statistic in MOMENTS.items():
+                        t = state.get(moment)
+                        if isinstance(t, torch.Tensor) and t.shape == p.param.shape:  # not Adam's step count
+                            items.append((("parameter", p.name, statistic), shards.local_part(t),
+                                          self._tensor_groups(p, t) or ()))
+                        elif p.selected and p.groups and moment in kept:  # FSDP1: see _record_before
+                            items.append((("parameter", p.name, statistic), p.param.new_zeros(0), p.groups))
+            _squared_norms(items, figures)
+        read = figures.read()
+        self._monitored += 1
+        self._write(read, step_time)
+
+    # --- host: rows, files, rules ---
+
+    def _write(self, read: list[tuple[Key, float]], step_time: float) -> None:
+        step, now = self.step, time.time()
+        values: dict[Key, list[float]] = {}
+        for key, value in read:
+            values.setdefault(key, []).append(value)
+        figures = {key: _combined(key[2], vs) for key, vs in values.items()}
+        for (kind, name, _), count in list(figures.items()):
+            if kind == "_held" and not count:  # no rank has its gradient: nothing to write but zeros
+                for statistic in ("grad_norm", *MOMENTS.values()):
+                    figures.pop(("parameter", name, statistic), None)
+        for (kind, name, statistic), value in list(figures.items()):
+            if statistic == "_update":
+                weight = figures.get((kind, name, "weight_norm"))
+                figures[(kind, name, "update_ratio")] = value / weight if weight else float("nan")
+        grads = [v for (kind, _, s), v in figures.items() if kind == "parameter" and s == "grad_norm"]
+        if grads:
+            figures[("step", "", "global_grad_norm")] = math.sqrt(sum(g * g for g in grads))
+        for name, lr in self._lrs.items():
+            figures[("step", "", name)] = float(lr)
+        figures[("step", "", "step_time")] = step_time
+        self._rules(step, read, figures)
+        rank = "" if self._common.rank is None else self._common.rank
+        order = {"step": 0, "parameter": 1, "activation": 2, "output_grad": 3}
+        rows = sorted(((k, v) for k, v in figures.items() if k[0] in order and not k[2].startswith("_")
+                       and self._writes(k)), key=lambda kv: order[kv[0][0]])
+        stamp = f"{now:.6f}"
+        for (kind, name, statistic), value in rows:
+            self._csv.writerow((rank, step, stamp, kind, name, statistic, repr(value)))
+        if self._writer is not None:
+            for (kind, name, statistic), value in rows:
+                self._writer.add_scalar(tensorboard_tag(kind, name, statistic), value, step)
+
+    def _writes(self, key: Key) -> bool:
+        kind, name, statistic = key
+        if kind == "parameter" and not self._is_selected(name):
+            return False
+        is_global = statistic in GLOBAL_STATISTICS or statistic.startswith("lr/")
+        return self._writes_global or not is_global
+
+    def _is_selected(self, name: str) -> bool:
+        return self._parameter_patterns is None or any(r.match(name) for r in self._parameter_patterns)
+
+    def _rules(self, step: int, read: list[tuple[Key, float]], figures: dict[Key, float]) -> None:
+        self._nonfinite(step, read)
+        self._spikes(step, [(name, v) for (kind, name, s), v in figures.items()
+                            if kind == "parameter" and s == "grad_norm" and self._is_selected(name)])
+        scale = figures.get(("step", "", "loss_scale"))
+        if scale is not None:
+            self._check_scale(step, scale)
+        differing = [name for (kind, name, _), v in figures.items() if kind == "_replica" and v]
+        if differing and "replica_mismatch" not in self._fired:
+            self._fired.add("replica_mismatch")
+            ranks = [int(r) for (kind, r, _), v in figures.items() if kind == "_replica_rank" and v]
+            self._anomaly({"rule": "replica_mismatch", "step": step, "module": differing[0], "phase": "backward",
+                           "value": None, "ranks": ranks, "parameters": differing},
+                          f"replicas disagree at step {step}: the gradient of {differing[0]} differs between "
+                          f"data-parallel ranks (ranks {ranks} differ from the group's first; {len(differing)} "
+                          f"parameters differ)")
+
+    def _nonfinite(self, step: int, read: list[tuple[Key, float]]) -> None:
+        """The first non-finite figure in the order it arose: forward outputs, the loss, output gradients in backward
+        order, gradients before and after the reduction."""
+        if "nonfinite" in self._fired:
+            return
+        for (kind, name, statistic), value in read:
+            what = "loss" if statistic == "loss" else kind if kind in ("activation", "output_grad") else statistic
+            if what in PHASES and not math.isfinite(value):
+                self._fired.add("nonfinite")
+                count = sum(1 for (k, _, s), v in read if k == "parameter" and s == "grad_norm" and
+                            not math.isfinite(v))
+                label = {"activation": f"the output of {name}", "output_grad": f"the gradient of {name}'s output",
+                         "loss": "the loss"}.get(what, f"the gradient of {name}" +
+                                                 (" before the reduction" if what != "grad_norm" else ""))
+                self._anomaly({"rule": "nonfinite", "step": step, "module": name, "phase": PHASES[what],
+                               "statistic": f"{kind}:{statistic}" if kind != "step" else statistic, "value": value,
+                               "nonfinite_gradients": count},
+                              f"first non-finite value at step {step} in {PHASES[what]}: {label} "
+                              f"({statistic} = {value}); {count} parameter gradients non-finite")
+                return
+
+    def _spikes(self, step: int, grads: list[tuple[str, float]]) -> None:
         spikes = []
         for name, g in grads:
             if not math.isfinite(g):
@@ -361,8 +674,8 @@ class TrainingMonitor:
         if spikes:
             self._spiked.update(name for name, _, _ in spikes)
             name, g, average = spikes[0]
-            self._anomaly({"rule": "grad_norm_spike", "step": step, "parameter": name, "value": g,
-                           "moving_average": average, "factor": self.spike_factor, "count": len(spikes),
+            self._anomaly({"rule": "grad_norm_spike", "step": step, "module": name, "phase": "backward",
+                           "value": g, "moving_average": average, "factor": self.spike_factor,
                            "parameters": [n for n, _, _ in spikes]},
                           f"gradient norm spike at step {step}: {name} = {g:.6g} > {self.spike_factor:g} x its moving "
                           f"average {average:.6g} ({len(spikes)} parameters spiked)")
@@ -376,15 +689,17 @@ class TrainingMonitor:
             return
         backoff = getattr(self.scaler, "_backoff_factor", 0.5)
         self._drops += max(1, round(math.log(scale / last) / math.log(backoff))) if 0 < backoff < 1 else 1
-        if self._drops >= self.scale_drops and not self._scale_fired:
-            self._scale_fired = True
-            self._anomaly({"rule": "loss_scale_dropping", "step": step, "value": scale, "drops": self._drops},
+        if self._drops >= self.scale_drops and "loss_scale_dropping" not in self._fired:
+            self._fired.add("loss_scale_dropping")
+            self._anomaly({"rule": "loss_scale_dropping", "step": step, "module": "", "phase": "optimizer",
+                           "value": scale, "drops": self._drops},
                           f"loss scale dropping at step {step}: {scale:g} after {self._drops} drops in a row "
                           f"(scale_drops={self.scale_drops})")
 
     def _anomaly(self, record: dict, message: str) -> None:
-        record = {"rank": self._common.rank, "time": round(time.time(), 6), **record}
+        record = {"rank": self._common.rank, "time": round(time.time(), 6), **record, "message": message}
         self.anomalies.append(record)
         if self._anomaly_file is not None:
             self._anomaly_file.write(record)
-        logger.warning("TrainingMonitor: %s", message)
+        logger.warning("TrainingMonitor: %s%s", "" if self._common.rank is None else f"rank {self._common.rank}: ",
+                       message)

@@ -151,3 +151,126 @@ def test_a_rank_with_no_collective_after_the_fault_is_not_said_to_have_received_
     results.anomalies = [_event(1, 0, "torch.nn.functional.silu")]
     accounts, _ = account_ranks(results)
     assert [a.status for a in accounts] == ["clean", "origin"]
+
+
+# --- TrainingMonitor's anomalies files (docs/tools/training_monitor.md), written by the monitor's own writer ---
+
+SESSION = "pid1_2025-01-01-00-00-00_0"
+ACT_FN = "model.layers.0.mlp.act_fn"
+UP_PROJ = "model.layers.0.mlp.up_proj.weight"
+
+
+def _anomaly(rank, step, time, rule, module, phase, value, message, **extra):
+    return {"rank": rank, "time": time, "rule": rule, "step": step, "module": module, "phase": phase, "value": value,
+            "message": message, **extra}
+
+
+def _write_anomalies(folder, records, rank=None):
+    from op_tools.output.result_files import JsonLinesFile
+
+    path = folder / "op_training_monitor" / (f"rank{rank}" if rank is not None else "") / f"anomalies_{SESSION}.jsonl"
+    anomalies = JsonLinesFile(str(path))
+    for record in records:
+        anomalies.write(record)
+    anomalies.close()
+    return path
+
+
+@pytest.fixture
+def monitor_run(tmp_path):
+    """Rank 1's activation went NaN in forward at step 3; rank 0 saw its gradient non-finite only at the optimizer
+    step (after DDP's all-reduce), by its own clock earlier; later rank 0's loss scale kept dropping."""
+    _write_anomalies(tmp_path, [
+        _anomaly(0, 3, 1000.25, "nonfinite", UP_PROJ, "optimizer", float("inf"),
+                 f"first non-finite at step 3: gradient of {UP_PROJ} grad_norm = inf", statistic="grad_norm"),
+        _anomaly(0, 5, 1002.0, "loss_scale_dropping", "", "optimizer", 128.0,
+                 "loss scale dropping at step 5: 128 after 3 drops in a row", drops=3)], rank=0)
+    _write_anomalies(tmp_path, [_anomaly(1, 3, 1000.5, "nonfinite", ACT_FN, "forward", float("nan"),
+                                         f"first non-finite at step 3: activation of {ACT_FN} norm = nan",
+                                         statistic="norm")], rank=1)
+    return tmp_path
+
+
+def test_monitor_anomalies_alone_name_the_rank_step_and_module_where_it_went_wrong_and_exit_1(monitor_run):
+    done = report(monitor_run)
+    assert done.returncode == 1, done.stdout + done.stderr
+    origin = f"rank 1: went wrong at step 3: nonfinite in {ACT_FN} (forward), found by TrainingMonitor (value nan)"
+    assert f"\n  {origin}\n" in done.stdout
+    # rank 0's clock says first, but its non-finite came in a later phase of the same step: received
+    assert (f"\n  rank 0: received it from rank 1 at step 3, in a later phase of the step (the monitor sees no "
+            f"collective); its first anomaly: nonfinite in {UP_PROJ} (optimizer), found by TrainingMonitor "
+            "(value inf)\n") in done.stdout
+    assert done.stdout.splitlines()[-2] == f"what went wrong first: {origin}"
+    assert "training monitor: 3 anomalies\n" in done.stdout
+    rows = list(csv.DictReader((monitor_run / "op_run_report" / "report.csv").open()))
+    assert [(r["kind"], r["rank"], r["step"], r["module"], r["phase"], r["value"], r["detail"][:24])
+            for r in rows if r["section"] == "training monitor"] == [
+        ("nonfinite", "0", "3", UP_PROJ, "optimizer", "inf", "first non-finite at step"),
+        ("nonfinite", "1", "3", ACT_FN, "forward", "nan", "first non-finite at step"),
+        ("loss_scale_dropping", "0", "5", "", "optimizer", "128.0", "loss scale dropping at s")]
+
+
+@needs_browser
+def test_the_html_view_lists_the_monitor_anomalies(monitor_run, tmp_path):
+    assert report(monitor_run).returncode == 1
+    dom = dump_dom(chromium(), str(monitor_run / "op_run_report" / "report.html"), "", str(tmp_path / "profile"))
+    assert (f'<tr class="anomaly nonfinite"><td>nonfinite</td><td>1</td><td>3</td><td>{ACT_FN}</td>'
+            f'<td>forward</td><td>nan</td><td>first non-finite at step 3: activation of {ACT_FN} norm = nan</td>'
+            "</tr>") in dom
+    assert '<div class="rank origin" id="rank-1"><div class="label">rank 1: origin (first)</div>' in dom
+
+
+def test_a_monitor_folder_with_an_empty_anomalies_file_is_clean(tmp_path):
+    _write_anomalies(tmp_path, [])
+    done = report(tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "read: 1 file from TrainingMonitor (ranks 0)\n" in done.stdout
+    assert "\ntraining monitor: no anomaly (ranks 0)\nno anomaly in what the tools wrote on 1 rank\n" in done.stdout
+
+
+def test_a_malformed_monitor_line_is_named_with_its_file_and_nothing_is_concluded(tmp_path):
+    path = _write_anomalies(tmp_path, [_anomaly(None, 0, 1.0, "grad_norm_spike", UP_PROJ, "optimizer", 9.0, "spike")])
+    with path.open("a") as f:
+        f.write('{"rank": null, "time": 2.0, "rule": "nonfinite", "step": 1, "module": "", "phase": "optimiser", '
+                '"value": NaN, "message": "loss = nan"}\n')
+    done = report(tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"NOT READ: {path}: ValueError: line 2: ValueError: phase is 'optimiser', not one of forward, " \
+        "backward, optimizer\n" in done.stdout
+    assert done.stdout.splitlines()[-2] == ("nothing concluded: no anomaly in what the tools wrote on 1 rank, but "
+                                            "1 file could not be read (above)")
+
+
+def test_a_partial_anomalies_file_of_a_run_that_died_reads_its_complete_lines(tmp_path):
+    folder = tmp_path / "op_training_monitor"
+    folder.mkdir()
+    loss = _anomaly(None, 2, 5.0, "nonfinite", "", "optimizer", float("nan"), "loss = nan", statistic="loss")
+    (folder / f"anomalies_{SESSION}.jsonl.partial").write_text(json.dumps(loss) + '\n{"rank": null, "ti')
+    done = report(tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "what went wrong first: rank 0: went wrong at step 2: nonfinite in the step (optimizer), found by " \
+        "TrainingMonitor (value nan)\n" in done.stdout
+
+
+def _monitor_nonfinite(rank, step, time, phase, module="model.layers.0"):
+    return Event(rank, step, time, "", module, phase, "TrainingMonitor", "nonfinite", value=float("nan"))
+
+
+def test_a_nonfinite_first_seen_on_two_ranks_in_the_same_phase_names_both_and_guesses_no_sender():
+    results = Results("x", ranks={0, 1, 2})
+    results.anomalies = [_monitor_nonfinite(0, 2, 10.2, "backward"), _monitor_nonfinite(1, 2, 10.1, "backward"),
+                         _monitor_nonfinite(2, 2, 10.0, "optimizer")]
+    accounts, first = account_ranks(results)
+    assert [(a.status, a.first_seen_on, a.from_ranks) for a in accounts] == [
+        ("origin", (0, 1), ()), ("origin", (0, 1), ()), ("received", (), (0, 1))]
+    assert first is not None and first.text().startswith(
+        "rank 1: first seen on ranks 0, 1 at step 2 (which one sent it cannot be told): nonfinite in model.layers.0 "
+        "(backward), found by TrainingMonitor")
+
+
+def test_an_inf_nan_overflow_check_found_from_finite_inputs_stays_the_origin_over_a_later_monitor_one():
+    results = Results("x", ranks={0, 1})
+    results.anomalies = [_event(0, 1, "torch.nn.functional.silu"), _monitor_nonfinite(1, 1, 0.5, "optimizer")]
+    accounts, first = account_ranks(results)
+    assert [(a.status, a.from_ranks) for a in accounts] == [("origin", ()), ("received", (0,))]
+    assert first is not None and first.rank == 0

@@ -9,6 +9,14 @@ first collective the origin rank ran after its anomaly, when it ran that collect
 carries noise as well as NaN, and a noisy but correct all-reduce is no anomaly on the receiving rank). The origin
 with the earliest first anomaly is what went wrong first.
 
+TrainingMonitor's anomalies are anomalies like the others (their kind is the monitor's rule), with one more piece of
+causality: every rank runs a step's phases in the same order (forward, backward, the optimizer step), the
+collectives between them keeping the ranks in step. A rank whose first anomaly is the monitor's non-finite, at a
+step where another rank saw an inf/nan in an earlier phase, received it from that rank (it was finite until then).
+The monitor cannot see which collective brought it, and sees no collective inside a phase: when the first inf/nan
+was seen at the same step and phase on several ranks and the monitor saw one of them, the report says it was first
+seen on those ranks rather than guess which sent it.
+
 Replicas. Before each optimizer step each rank wrote a checksum of every replicated parameter and gradient
 (op_tools/core/replicas.py): the first step, and the first parameter in the optimizer's order, where two ranks'
 checksums differ is where the replicas stopped agreeing.
@@ -21,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .readers import Event, Results
+from .readers import MONITOR, MONITOR_PHASES, Event, Results
 
 TOP_OPS = 3
 
@@ -33,14 +41,23 @@ class RankAccount:
     first: Event | None  # its first anomaly
     through: Event | None = None  # the collective that brought another rank's fault
     from_ranks: tuple[int, ...] = ()
+    # origins whose first inf/nan came at the same step and phase, which sent it unknown (TrainingMonitor's)
+    first_seen_on: tuple[int, ...] = ()
 
     def text(self) -> str:
         if self.status == "origin":
             assert self.first is not None
-            return (f"rank {self.rank}: went wrong at step {self.first.step}: {self.first.kind} in "
-                    f"{self.first.where()}, found by {self.first.tool}" + _detail(self.first))
+            found = f"{self.first.kind} in {self.first.where()}, found by {self.first.tool}" + _detail(self.first)
+            if self.first_seen_on:
+                return (f"rank {self.rank}: first seen on ranks {', '.join(map(str, self.first_seen_on))} at step "
+                        f"{self.first.step} (which one sent it cannot be told): {found}")
+            return f"rank {self.rank}: went wrong at step {self.first.step}: {found}"
         if self.status == "received":
             senders = ", ".join(map(str, self.from_ranks)) or "another rank"
+            if self.through is None and self.first is not None and self.first.tool == MONITOR:
+                return (f"rank {self.rank}: received it from rank {senders} at step {self.first.step}, in a later "
+                        f"phase of the step (the monitor sees no collective); its first anomaly: {self.first.kind} "
+                        f"in {self.first.where()}, found by {self.first.tool}" + _detail(self.first))
             through = self.through or self.first
             assert through is not None
             if self.first is None:
@@ -55,6 +72,8 @@ class RankAccount:
 
 
 def _detail(event: Event) -> str:
+    if event.value is not None:  # TrainingMonitor's; its message is in the report's training monitor section
+        return f" (value {event.value:.6g})"
     return f" ({event.detail})" if event.detail and event.kind == "mismatch" else ""
 
 
@@ -103,10 +122,17 @@ class RunReport:
     replicas_compared: int  # steps whose fingerprints were compared across at least two ranks
     skew: list[StepSkew]
 
+    @property
+    def monitor_anomalies(self) -> list[Event]:
+        """TrainingMonitor's anomalies on every rank, in the order they came (step, then time)."""
+        return sorted((e for e in self.results.anomalies if e.tool == MONITOR), key=lambda e: (e.order, e.rank))
+
     def verdict(self) -> str:
-        """``"found"`` (an anomaly or a replica desync) or ``"clean"``; what could not be read is said aside."""
-        return "found" if self.first is not None or self.desync is not None or \
-            any(r.status != "clean" for r in self.ranks) else "clean"
+        """``"found"`` (an anomaly or a replica desync), ``"unread"`` (none in what was read, but some file could
+        not be read: a clean verdict is not earned) or ``"clean"``."""
+        if self.first is not None or self.desync is not None or any(r.status != "clean" for r in self.ranks):
+            return "found"
+        return "unread" if self.results.unreadable else "clean"
 
 
 def _first_collective_after(collectives: list[Event], rank: int, after: Event) -> Event | None:
@@ -120,18 +146,46 @@ def _received(event: Event) -> bool:
     return event.received or (event.collective and event.kind != "mismatch")
 
 
+def _phase_senders(event: Event, anomalies: list[Event]) -> tuple[int, ...]:
+    """The ranks that saw an inf/nan in an earlier phase of the step where the monitor first saw ``event``'s
+    non-finite: every rank runs the phases in the same order, so it came from them."""
+    if event.tool != MONITOR or event.kind != "nonfinite":
+        return ()
+    phase = MONITOR_PHASES.index(event.phase)
+    return tuple(sorted({e.rank for e in anomalies if e.nonfinite and e.rank != event.rank and e.step == event.step
+                         and e.phase in MONITOR_PHASES and MONITOR_PHASES.index(e.phase) < phase}))
+
+
+def _first_seen_together(origins: list[Event]) -> tuple[int, ...]:
+    """The origins whose first inf/nan came at the same step and phase as the earliest's, when TrainingMonitor saw
+    one of the two: it sees no collective inside a phase, so which rank sent it cannot be told (OpOverflowCheck
+    can: an inf/nan it found from finite inputs was born there). One rank alone: ()."""
+    first = origins[0]
+    together = [o.rank for o in origins if o is first or (
+        first.nonfinite and o.nonfinite and (o.step, o.phase) == (first.step, first.phase) and MONITOR in
+        (o.tool, first.tool))]
+    return tuple(sorted(together)) if len(together) > 1 else ()
+
+
 def account_ranks(results: Results) -> tuple[list[RankAccount], RankAccount | None]:
     firsts: dict[int, Event] = {}
     for event in results.anomalies:
         if event.rank not in firsts or event.order < firsts[event.rank].order:
             firsts[event.rank] = event
-    origins = sorted((e for e in firsts.values() if not _received(e)), key=lambda e: e.order)
+    later_in_step = {rank: _phase_senders(e, results.anomalies) for rank, e in firsts.items()}
+    origins = sorted((e for e in firsts.values() if not _received(e) and not later_in_step[e.rank]),
+                     key=lambda e: e.order)
+    seen_together = _first_seen_together(origins) if origins else ()
     accounts: dict[int, RankAccount] = {}
     for origin in origins:
-        accounts[origin.rank] = RankAccount(origin.rank, "origin", origin)
+        accounts[origin.rank] = RankAccount(origin.rank, "origin", origin,
+                                            first_seen_on=seen_together if origin.rank in seen_together else ())
     first_origin = origins[0] if origins else None
     for rank in sorted(results.ranks | set(firsts)):
         if rank in accounts:
+            continue
+        if later_in_step.get(rank):
+            accounts[rank] = RankAccount(rank, "received", firsts[rank], None, later_in_step[rank])
             continue
         own = firsts.get(rank)
         senders = tuple(o.rank for o in origins if own is None or o.order <= own.order) or \

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import sys
 import traceback
 
 from ...output import reporting, result_files
+from .. import monitor_page
 from .analysis import analyse
 from .html_view import render
 from .readers import ResultsError, read_results
 from .report import console_report, csv_rows
 
-EXIT_STATUS = {"clean": 0, "found": 1}
 EXIT_UNREADABLE = 2  # the folder cannot be read, or the arguments are wrong (as argparse's own)
+# a file that could not be read, with no anomaly in the rest: unread, nothing concluded (an anomaly found stands)
+EXIT_STATUS = {"clean": 0, "found": 1, "unread": EXIT_UNREADABLE}
 EXIT_FAILED = 3  # this tool failed: nothing is concluded
 OUTPUT_FOLDER = "op_run_report"
 
@@ -26,9 +29,11 @@ def _parser() -> argparse.ArgumentParser:
                     "rank, step, op, module and phase), which ranks only received it (and through which "
                     "collective), whether the data-parallel replicas agreed after each step, and the time skew "
                     "between ranks. Exit status: 0 no anomaly in what the tools wrote, 1 an anomaly or a replica "
-                    "desync, 2 the folder cannot be read (or a usage error), 3 the report itself failed.")
+                    "desync, 2 the folder cannot be read, or some file in it and no anomaly in the rest (or a usage "
+                    "error), 3 the report itself failed.")
     parser.add_argument("results_dir", help="the run's OP_TOOLS_RESULTS_DIR (holding op_overflow_check_result/, "
-                        "op_autocompare_result/, op_time_measure_result/, op_replica_fingerprints/)")
+                        "op_autocompare_result/, op_time_measure_result/, op_replica_fingerprints/, "
+                        "op_training_monitor/)")
     parser.add_argument("--csv", help=f"where to write the CSV (default: RESULTS_DIR/{OUTPUT_FOLDER}/report.csv)")
     parser.add_argument("--html", help="where to write the HTML view (default: beside the CSV)")
     return parser
@@ -54,5 +59,19 @@ def main(argv=None) -> int:
         print(f"op_tools.report: cannot write the report: {type(e).__name__}: {e.strerror or e} ({e.filename})",
               file=sys.stderr)
         return EXIT_UNREADABLE
-    reporting.console(console_report(report) + f"\nwritten: {csv_path}, {html_path}")
+    written = [csv_path, html_path, *_monitor_page(args.results_dir)]
+    reporting.console(console_report(report) + f"\nwritten: {', '.join(written)}")
     return EXIT_STATUS[report.verdict()]
+
+
+def _monitor_page(results_dir: str) -> list[str]:
+    """TrainingMonitor's page over every rank's files, rewritten now that every rank has finished (the page written at
+    rank 0's stop holds only what the other ranks had written by then)."""
+    folder = os.path.join(results_dir, monitor_page.FOLDER)
+    if not glob.glob(os.path.join(folder, "**", "monitor_*.csv"), recursive=True):
+        return []
+    try:
+        return [monitor_page.write_monitor_page(folder)]
+    except (ValueError, OSError) as e:
+        print(f"op_tools.report: the training monitor's page was not written: {e}", file=sys.stderr)
+        return []

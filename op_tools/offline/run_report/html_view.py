@@ -1,10 +1,12 @@
-"""The run report as one self-contained HTML file: the verdict, a card per rank, the replicas, the time skew.
+"""The run report as one self-contained HTML file: the verdict, a card per rank, the replicas, the time skew, the
+training monitor's anomalies.
 
 Each rank's card is coloured by what it was: where the fault was born (red), where it arrived through a collective
 (orange, naming the collective and the sending rank), clean (green). The replica check names the first step and
 parameter where ranks disagreed. The skew is a bar per rank and step, the slowest rank's marked, with its
-costliest ops. The rows travel as JSON inside the page and a small script renders them: the file needs nothing
-else (no network, no external script or style).
+costliest ops. TrainingMonitor's anomalies are a table, one row each, in the order they came. The rows travel as
+JSON inside the page and a small script renders them: the file needs nothing else (no network, no external script
+or style).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import html
 import json
 
 from .analysis import RunReport
-from .report import read_lines, verdict_line
+from .readers import MONITOR
+from .report import MONITOR_COLUMNS, monitor_rows, read_lines, verdict_line
 
 
 def render(report: RunReport) -> str:
@@ -24,13 +27,16 @@ def render(report: RunReport) -> str:
     replicas = (report.desync.text() if report.desync is not None else
                 f"agree at each of the {report.replicas_compared} steps compared" if report.replicas_compared else
                 "not compared (no fingerprints from two ranks)")
+    monitor = ("no anomaly" if MONITOR in report.results.tools else "not run (no op_training_monitor/)")
+    # values travel as text: JSON has no NaN or Infinity
     payload = {"ranks": ranks, "skew": skew, "replicas": replicas, "desync": report.desync is not None,
-               "first": report.first.rank if report.first else None}
+               "first": report.first.rank if report.first else None, "monitor": monitor_rows(report),
+               "monitor_columns": MONITOR_COLUMNS, "monitor_none": monitor}
     data = json.dumps(payload, separators=(",", ":")).replace("</", "<\\/")
     read = "".join(f"<li>{html.escape(line)}</li>" for line in read_lines(report))
     return (_TEMPLATE.replace("__FOLDER__", html.escape(report.results.folder))
             .replace("__VERDICT__", html.escape(verdict_line(report)))
-            .replace("__VERDICT_CLASS__", "found" if report.verdict() == "found" else "clean")
+            .replace("__VERDICT_CLASS__", report.verdict())
             .replace("__READ__", read).replace("__DATA__", data))
 
 
@@ -40,6 +46,7 @@ _TEMPLATE = """<!DOCTYPE html>
 body { font: 13px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222; }
 #verdict { font-size: 15px; font-weight: 600; padding: 0.5em 0.8em; border-radius: 4px; }
 #verdict.found { background: #ffd6d6; } #verdict.clean { background: #d8f3dc; }
+#verdict.unread { background: #fff0c2; }
 #ranks { display: flex; flex-wrap: wrap; gap: 0.6em; margin: 1em 0; }
 .rank { border: 1px solid #ccc; border-radius: 4px; padding: 0.5em 0.7em; width: 26em; }
 .rank.origin { background: #ffd6d6; border-color: #c00; } .rank.received { background: #ffe8c8; }
@@ -57,6 +64,7 @@ td.bar div { background: #7aa6d8; height: 10px; } tr.slowest td.bar div { backgr
 <h2>Replicas</h2><p id="replicas"></p>
 <h2>Time per step</h2><table id="skew"><thead><tr><th>step</th><th>rank</th><th>ms</th><th></th>
 <th>the slowest rank's costliest ops</th></tr></thead></table>
+<h2>Training monitor</h2><p id="monitor-none"></p><table id="monitor"></table>
 <script type="application/json" id="data">__DATA__</script>
 <script>
 "use strict";
@@ -94,6 +102,19 @@ for (const s of data.skew) {
     body.append(tr);
   }
   table.append(body);
+}
+const monitor = document.getElementById("monitor");
+if (data.monitor.length) {
+  const head = el("tr");
+  for (const column of data.monitor_columns) head.append(el("th", column));
+  monitor.append(head);
+  for (const row of data.monitor) {
+    const tr = el("tr", undefined, "anomaly " + row.rule);
+    for (const column of data.monitor_columns) tr.append(el("td", String(row[column])));
+    monitor.append(tr);
+  }
+} else {
+  document.getElementById("monitor-none").textContent = data.monitor_none;
 }
 </script>
 </body></html>

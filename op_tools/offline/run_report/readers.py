@@ -8,7 +8,10 @@ Read, per rank (the ``rank<N>`` subfolder of each tool's folder; a run without t
   collectives it checked;
 - OpTimeMeasure's calls (``op_time_measure_result/op_elasped_info_*.csv``, the original's spelling): times per
   step, and the collectives it timed;
-- the replica fingerprints (``op_replica_fingerprints/fingerprints_*.jsonl``, ``.partial`` from a run that died).
+- the replica fingerprints (``op_replica_fingerprints/fingerprints_*.jsonl``, ``.partial`` from a run that died);
+- TrainingMonitor's anomalies (``op_training_monitor/anomalies_*.jsonl``, ``.partial`` from a run that died): each
+  an anomaly whose ``kind`` is the monitor's rule and whose ``op`` is empty (the monitor watches modules and
+  parameters, not calls).
 
 A file that cannot be read is listed in ``Results.unreadable`` with why; a folder with nothing op_tools wrote is a
 ``ResultsError``.
@@ -29,6 +32,9 @@ OVERFLOW_FOLDER = "op_overflow_check_result"
 AUTOCOMPARE_FOLDER = "op_autocompare_result"
 TIME_FOLDER = "op_time_measure_result"
 FINGERPRINT_FOLDER = "op_replica_fingerprints"
+MONITOR_FOLDER = "op_training_monitor"  # op_tools/tools/training_monitor.py's FOLDER (offline never imports tools)
+MONITOR = "TrainingMonitor"
+MONITOR_PHASES = ("forward", "backward", "optimizer")  # a step's phases, in the order every rank runs them
 _RANK_FOLDER = re.compile(r"rank(\d+)$")
 
 
@@ -38,7 +44,8 @@ class ResultsError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """A call a tool wrote about: an anomaly (``kind`` "inf/nan" or "mismatch") or a collective it saw."""
+    """A call a tool wrote about: an anomaly (``kind`` "inf/nan", "mismatch" or a TrainingMonitor rule such as
+    "nonfinite") or a collective it saw."""
 
     rank: int
     step: int
@@ -51,16 +58,23 @@ class Event:
     detail: str = ""
     forward_id: int = 0
     received: bool = False  # OpOverflowCheck: this rank sent finite values and received inf/nan
+    value: float | None = None  # TrainingMonitor: the figure its rule judged (nan, inf possible)
 
     @property
     def collective(self) -> bool:
-        return op_facts(self.op).collective
+        return bool(self.op) and op_facts(self.op).collective
+
+    @property
+    def nonfinite(self) -> bool:
+        return self.kind in ("inf/nan", "nonfinite")
 
     @property
     def order(self) -> tuple:
         return (self.step, self.time, self.forward_id)
 
     def where(self) -> str:
+        if not self.op:  # TrainingMonitor's: a module or parameter, or "" for the step's own figures (the loss)
+            return f"{self.module or 'the step'} ({self.phase})"
         module = f" in {self.module}" if self.module else ""
         return f"{self.op}{module} ({self.phase})"
 
@@ -112,7 +126,8 @@ def read_results(folder: str) -> Results:
     readers = ((OVERFLOW_FOLDER, "OpOverflowCheck", "overflow_*.json", _read_overflow),
                (AUTOCOMPARE_FOLDER, "OpAutoCompare", "op_autocompare_info_*.csv", _read_autocompare),
                (TIME_FOLDER, "OpTimeMeasure", "op_elasped_info_*.csv", _read_times),
-               (FINGERPRINT_FOLDER, "fingerprints", "fingerprints_*.jsonl*", _read_fingerprints))
+               (FINGERPRINT_FOLDER, "fingerprints", "fingerprints_*.jsonl*", _read_fingerprints),
+               (MONITOR_FOLDER, MONITOR, "anomalies_*.jsonl*", _read_monitor_anomalies))
     for subfolder, tool, pattern, read in readers:
         for rank, path in sorted(_rank_folders(folder, subfolder).items()):
             results.tools.setdefault(tool, set()).add(rank)
@@ -125,7 +140,7 @@ def read_results(folder: str) -> Results:
                     results.unreadable.append(f"{file}: {type(e).__name__}: {e}")
     if not results.tools:
         raise ResultsError(f"{folder} holds nothing op_tools wrote (none of {OVERFLOW_FOLDER}/, {AUTOCOMPARE_FOLDER}/, "
-                           f"{TIME_FOLDER}/, {FINGERPRINT_FOLDER}/)")
+                           f"{TIME_FOLDER}/, {FINGERPRINT_FOLDER}/, {MONITOR_FOLDER}/)")
     return results
 
 
@@ -182,3 +197,41 @@ def _read_fingerprints(results: Results, rank: int, path: str) -> None:
     steps = results.fingerprints.setdefault(rank, {})
     for record in lines[1:]:
         steps[int(record["step"])] = {"params": record.get("params", {}), "grads": record.get("grads", {})}
+
+
+def _read_monitor_anomalies(results: Results, rank: int, path: str) -> None:
+    """One JSON object a line (the monitor's contract: docs/tools/training_monitor.md); an empty file is a clean
+    session. A line that is not an anomaly makes the whole file unreadable, as for the other readers."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    lines = text.split("\n")
+    if path.endswith(".partial") and lines[-1]:
+        lines.pop()  # a run that died while writing it: the last line was cut short
+    events = []
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                events.append(_monitor_event(json.loads(line), rank))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"line {number}: not JSON ({e.msg}, column {e.colno})") from e
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"line {number}: {type(e).__name__}: {e}") from e
+    results.anomalies.extend(events)
+
+
+def _monitor_event(record: dict, rank: int) -> Event:
+    def typed(key: str, *types: type):
+        value = record[key]
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise TypeError(f"{key} is {value!r}, not {' or '.join(t.__name__ for t in types)}")
+        return value
+
+    if not isinstance(record, dict):
+        raise TypeError(f"{record!r} is not an object")
+    if record["phase"] not in MONITOR_PHASES:
+        raise ValueError(f"phase is {record['phase']!r}, not one of {', '.join(MONITOR_PHASES)}")
+    value = record["value"]
+    return Event(record["rank"] if isinstance(record.get("rank"), int) else rank, typed("step", int),
+                 float(typed("time", int, float)), "", typed("module", str), record["phase"], MONITOR,
+                 typed("rule", str), typed("message", str), value=None if value is None else
+                 float(typed("value", int, float)))

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
+from ...output import reporting
 from .analysis import RunReport
+from .readers import MONITOR, MONITOR_FOLDER, Event
 
 CSV_COLUMNS = ("section", "rank", "step", "status", "kind", "op", "module", "phase", "tool", "detail", "through",
-               "from_ranks", "ms")
+               "from_ranks", "ms", "value")
+MONITOR_COLUMNS = ("rule", "rank", "step", "module", "phase", "value", "message")
 
 
 def _ranks(ranks) -> str:
@@ -20,6 +25,30 @@ def read_lines(report: RunReport) -> list[str]:
     return lines
 
 
+def value_text(value: float | None) -> str:
+    return "" if value is None else f"{value:.6g}"
+
+
+def monitor_rows(report: RunReport) -> list[dict]:
+    """TrainingMonitor's anomalies, one row each (``MONITOR_COLUMNS``), in the order they came."""
+    return [{"rule": e.kind, "rank": e.rank, "step": e.step, "module": e.module, "phase": e.phase,
+             "value": value_text(e.value), "message": e.detail} for e in report.monitor_anomalies]
+
+
+def monitor_lines(report: RunReport) -> list[str]:
+    ranks = report.results.tools.get(MONITOR)
+    if not ranks:
+        return []
+    rows = monitor_rows(report)
+    if not rows:
+        folder = os.path.join(report.results.folder, MONITOR_FOLDER)
+        unread = any(problem.startswith(folder) for problem in report.results.unreadable)
+        return [f"training monitor: no anomaly (ranks {_ranks(ranks)})" if not unread else
+                f"training monitor: no anomaly in the files read (ranks {_ranks(ranks)}; some not read: above)"]
+    return [f"training monitor: {len(rows)} anomal{'ies' if len(rows) != 1 else 'y'}",
+            reporting.table_text(rows, MONITOR_COLUMNS, keep="module")]
+
+
 def verdict_line(report: RunReport) -> str:
     if report.first is not None:
         return f"what went wrong first: {report.first.text()}"
@@ -29,8 +58,11 @@ def verdict_line(report: RunReport) -> str:
     if received:
         return "what went wrong first: not found (no rank's anomaly was born there); " + received[0].text()
     ranks = len(report.results.ranks)
-    return (f"no anomaly in what the tools wrote on {ranks} rank{'s' if ranks != 1 else ''}"
-            + (" (some files could not be read: above)" if report.results.unreadable else ""))
+    if report.verdict() == "unread":
+        unread = len(report.results.unreadable)
+        return (f"nothing concluded: no anomaly in what the tools wrote on {ranks} rank{'s' if ranks != 1 else ''}, "
+                f"but {unread} file{'s' if unread != 1 else ''} could not be read (above)")
+    return f"no anomaly in what the tools wrote on {ranks} rank{'s' if ranks != 1 else ''}"
 
 
 def console_report(report: RunReport) -> str:
@@ -46,6 +78,7 @@ def console_report(report: RunReport) -> str:
     if report.skew:
         lines.append("time skew (the calls OpTimeMeasure timed, collectives left out):")
         lines.extend(f"  {skew.text()}" for skew in report.skew)
+    lines.extend(monitor_lines(report))
     lines.append(verdict_line(report))
     return "\n".join(lines)
 
@@ -61,7 +94,8 @@ def csv_rows(report: RunReport) -> list[dict]:
                      "module": event.module if event else "", "phase": event.phase if event else "",
                      "tool": event.tool if event else "", "detail": event.detail if event else "",
                      "through": f"{through.op} in {through.module}" if through and through.module else
-                     (through.op if through else ""), "from_ranks": _ranks(account.from_ranks)})
+                     (through.op if through else ""), "from_ranks": _ranks(account.from_ranks),
+                     "value": _csv_value(event)})
     if report.desync is not None:
         d = report.desync
         rows.extend({"section": "replicas", "rank": rank, "step": d.step, "status": "desync", "kind": d.what,
@@ -72,4 +106,11 @@ def csv_rows(report: RunReport) -> list[dict]:
                          "status": "slowest" if rank == skew.slowest else "", "ms": f"{ms:.3f}",
                          "detail": "; ".join(f"{op} {t:.3f} ms" for op, t in skew.top_ops) if rank == skew.slowest
                          else ""})
+    rows.extend({"section": "training monitor", "rank": e.rank, "step": e.step, "kind": e.kind, "module": e.module,
+                 "phase": e.phase, "tool": e.tool, "detail": e.detail, "value": _csv_value(e)}
+                for e in report.monitor_anomalies)
     return [{c: row.get(c, "") for c in CSV_COLUMNS} for row in rows]
+
+
+def _csv_value(event: Event | None) -> str:
+    return "" if event is None or event.value is None else repr(event.value)  # whole, as the monitor's CSV
