@@ -1,7 +1,8 @@
 """TrainingMonitor under torchrun (2 processes, sim): a tiny Llama trained 3 AdamW steps, each rank on its half of a
-fixed global batch, by FSDP2, DDP and FSDP1 (``use_orig_params=True``). The global figures rank 0 writes (every
-parameter's gradient norm, weight norm, update ratio and Adam moment norms; the global gradient norm) equal a single
-process's on the whole batch, as full tensors' norms, not a shard's; rank 1 writes only its own rows. Under DDP
+fixed global batch, by FSDP2, DDP and FSDP1 (``use_orig_params=True``), and by tensor parallelism (attention and MLP
+projections split over both ranks, both on the whole batch). The global figures rank 0 writes (every parameter's
+gradient norm, weight norm, update ratio and Adam moment norms; the global gradient norm) equal a single process's on
+the whole batch, as full tensors' norms, not a shard's; rank 1 writes only its own rows. Under DDP
 each rank's gradient norm before the reduction is its own, and a gradient changed on one rank after the reduction
 is one replica mismatch, written by both ranks."""
 
@@ -23,10 +24,12 @@ SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 sys.path.insert(0, SCRIPTS)
 import monitor_ranks  # noqa: E402 - the script's model, data and loop, for the single-process reference
 
-PLANS = ("fsdp2", "ddp", "fsdp1")
+DATA_PARALLEL = ("fsdp2", "ddp", "fsdp1")
+PLANS = (*DATA_PARALLEL, "tp")
 COMPARED = ("grad_norm", "weight_norm", "update_ratio", "exp_avg_norm", "exp_avg_sq_norm", "global_grad_norm")
-# float32 reassociation (two half-batch gradients averaged vs one whole-batch gradient) moves these figures by up to
-# 5e-6 relative on sim; a shard's norm instead of the full tensor's is off by 20% or more
+# float32 reassociation (two half-batch gradients averaged vs one whole-batch gradient; TP's row-wise layers' two
+# partial products summed) moves these figures by up to 8e-6 relative on sim; a shard's norm instead of the full
+# tensor's is off by 20% or more
 RELATIVE = 1e-5
 
 
@@ -71,7 +74,7 @@ def reference(sim, tmp_path_factory):
     return _figures(results / "op_training_monitor")
 
 
-@pytest.mark.parametrize("plan", ["fsdp2", "ddp", "fsdp1"])
+@pytest.mark.parametrize("plan", PLANS)
 def test_rank_0_writes_the_single_processs_global_figures_at_every_step(reports, out, reference, plan):
     written = _figures(folder(out, plan, 0))
     expected = {k: v for k, v in reference.items() if k[3] in COMPARED}
@@ -96,19 +99,51 @@ def test_fsdp2_gradient_norms_are_the_full_tensors_not_rank_0s_shard(reports, ou
             assert shard_norm < 0.9 * full, (step, name, shard_norm, full)
 
 
+def test_tp_norms_are_the_full_tensors_not_rank_0s_shard(reports, out, reference):
+    """Attention's and the MLP's projections are split over both ranks (q/k/v, gate/up by rows: ``Shard(0)``; o,
+    down by columns: ``Shard(1)``): a norm over rank 0's shard alone, of the gradient or the weight, is lower than
+    the full tensor's that rank 0 writes (which the test above finds equal to the single process's)."""
+    written = _figures(folder(out, "tp", 0))
+    local = reports[0]["tp"]["local_norms"]
+    assert len(local) == 3
+    for step, shards in enumerate(local):
+        assert {name.split(".", 3)[3]: shard["placements"] for name, shard in shards.items()} == {
+            **dict.fromkeys(("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                             "mlp.gate_proj.weight", "mlp.up_proj.weight"), "(Shard(dim=0),)"),
+            "self_attn.o_proj.weight": "(Shard(dim=1),)", "mlp.down_proj.weight": "(Shard(dim=1),)"}
+        assert len(shards) == 2 * 7
+        for name, shard in shards.items():
+            for statistic in ("grad", "weight"):
+                full = written[(step, "parameter", name, f"{statistic}_norm")]
+                assert shard[statistic] < 0.9 * full, (step, name, statistic, shard[statistic], full)
+
+
 @pytest.mark.parametrize("plan", PLANS)
-def test_rank_1_writes_its_own_loss_and_layer_rows_and_no_global_rows(reports, out, reference, plan):
-    by_rank = [_figures(folder(out, plan, rank)) for rank in (0, 1)]
-    rank1 = by_rank[1]
+def test_rank_1_writes_its_own_loss_and_layer_rows_and_no_global_rows(reports, out, plan):
+    rank1 = _figures(folder(out, plan, 1))
     assert not [k for k in rank1 if k[3] in GLOBAL_STATISTICS or k[3].startswith("lr/")]
     kinds = collections.Counter((kind, name) for _, kind, name, s in rank1 if s in ("loss", "norm"))
     assert kinds == {("step", ""): 3, **{(kind, f"model.layers.{i}"): 3 for kind in ("activation", "output_grad")
                                          for i in (0, 1)}}
+
+
+@pytest.mark.parametrize("plan", DATA_PARALLEL)
+def test_data_parallel_ranks_losses_are_their_halves_and_average_to_the_single_processs(reports, out, reference,
+                                                                                       plan):
+    by_rank = [_figures(folder(out, plan, rank)) for rank in (0, 1)]
     for step in range(3):
         losses = [figures[(step, "step", "", "loss")] for figures in by_rank]
         assert losses[0] != losses[1]  # each rank's loss over its own half batch
         # both halves hold as many tokens: the mean of the ranks' losses is the single process's
         assert sum(losses) / 2 == pytest.approx(reference[(step, "step", "", "loss")], rel=RELATIVE)
+
+
+def test_tp_ranks_both_write_the_single_processs_loss(reports, out, reference):
+    for rank in (0, 1):
+        written = _figures(folder(out, "tp", rank))
+        for step in range(3):
+            key = (step, "step", "", "loss")
+            assert written[key] == pytest.approx(reference[key], rel=RELATIVE), (rank, step)
 
 
 @pytest.mark.parametrize("plan", PLANS)

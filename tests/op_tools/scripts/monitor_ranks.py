@@ -6,11 +6,14 @@ STEPS AdamW steps under TrainingMonitor, each rank on its half of a fixed global
 - ``ddp_mismatch``: DDP, one step more, rank 1 adding to one gradient after DDP's reduction from step
   ``PERTURBED_FROM`` on (an optimizer pre-step hook of ours, registered before the monitor starts, runs before the
   monitor's);
-- ``fsdp1``: FullyShardedDataParallel per decoder layer and on the root, ``use_orig_params=True``.
+- ``fsdp1``: FullyShardedDataParallel per decoder layer and on the root, ``use_orig_params=True``;
+- ``tp``: tensor parallel over both ranks (``parallelize_module``: q/k/v and gate/up column-wise, o and down
+  row-wise), both ranks on the whole global batch (the two halves): tensor parallelism splits the model, not the data.
 
 The monitor writes its files under ``OUT/<plan>/``; what only the script can see goes to ``OUT/rank<N>.json``, per
-plan and step: the norms of this rank's local gradient shards (FSDP2), and the norms of the gradients a plain copy of
-the model computes on this rank's half batch, which is what DDP holds before its reduction.
+plan and step: the norms of this rank's local gradient shards (FSDP2) and local gradient and weight shards (TP), and
+the norms of the gradients a plain copy of the model computes on this rank's half batch, which is what DDP holds
+before its reduction.
 """
 
 import os
@@ -40,10 +43,11 @@ def batches(rank: int) -> list:
     return [torch.randint(0, 128, (BATCH, SEQ), generator=generator) for _ in range(STEPS)]
 
 
-def train(model, data, results_dir: str, device: str = "cuda", before_step=None) -> op_tools.TrainingMonitor:
+def train(model, data, results_dir: str, device: str = "cuda", before_step=None,
+          foreach: bool | None = None) -> op_tools.TrainingMonitor:
     """AdamW steps on ``data`` under a TrainingMonitor (the test's single-process reference runs this too);
     ``before_step(model, step)``, when given, runs at each optimizer pre-step hook, before the monitor's."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
     state = {"step": 0}
     hook = register_optimizer_step_pre_hook(lambda *_: before_step(model, state["step"])) if before_step else None
     try:
@@ -117,7 +121,33 @@ def fsdp1(rank: int, out: str) -> dict:
     return {}
 
 
-PLANS = {"fsdp2": fsdp2, "ddp": ddp, "ddp_mismatch": ddp_mismatch, "fsdp1": fsdp1}
+def tp(rank: int, out: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    model = tiny_llama().cuda()
+    # 4 query and 2 key/value heads: 2 and 1 per rank; the attention's reshapes infer the local head count
+    plan = {**dict.fromkeys(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                             "mlp.up_proj"), ColwiseParallel()),
+            "self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, plan)
+    local: list[dict] = []
+
+    def local_shard_norms(model, step):
+        local.append({name: {"placements": str(p.placements), "grad": p.grad.to_local().double().norm().item(),
+                             "weight": p.to_local().double().norm().item()}
+                      for name, p in model.named_parameters() if hasattr(p, "placements")})
+
+    whole = [torch.cat(halves) for halves in zip(batches(0), batches(1))]
+    # AdamW's foreach kernels refuse a list mixing DTensors and plain tensors (the embedding, norms, head): one
+    # parameter at a time, the same arithmetic
+    train(model, whole, os.path.join(out, "tp"), before_step=local_shard_norms, foreach=False)
+    return {"local_norms": local}
+
+
+PLANS = {"fsdp2": fsdp2, "ddp": ddp, "ddp_mismatch": ddp_mismatch, "fsdp1": fsdp1, "tp": tp}
 
 
 def main() -> None:
