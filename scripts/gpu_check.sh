@@ -72,6 +72,7 @@ run_step "tools on the launch-bound step" "$PYTHON" benchmarks/overhead.py --dev
 run_step "same, bf16 autocast" "$PYTHON" benchmarks/overhead.py --device cuda --size launch-bound --work-only \
   --autocast bf16 --tools OpTimeMeasure,OpOverflowCheck
 run_step "OpAutoCompare cost" "$PYTHON" benchmarks/autocompare_cost.py --device cuda --size real --rounds 3
+run_step "TrainingMonitor cost (target <= 1.05x)" "$PYTHON" benchmarks/training_monitor_cost.py --devices cuda --rounds 3
 
 failed=0
 echo

@@ -26,6 +26,8 @@ SMALLEST = {
     "conformance_sweep.py": (["--ops", "abs,add", "--limit-samples", "1"], "pass rate 100.0% of 4 rows"),
     "autocompare_sensitivity.py": (["--ops", "silu"], "| silu |"),
     "collective_checks_cost.py": (["--rounds", "1"], "(c) OpAutoCompare default"),
+    "training_monitor_cost.py": (["--size", "tiny", "--rounds", "1", "--steps", "1"],
+                                 "(c) TrainingMonitor(model=model, every=10)"),
 }
 
 

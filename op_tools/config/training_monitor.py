@@ -27,6 +27,7 @@ from .variables import (
     TRAINING_MONITOR_REPLICAS,
     TRAINING_MONITOR_SCALE_DROPS,
     TRAINING_MONITOR_SPIKE_FACTOR,
+    TRAINING_MONITOR_STATE_EVERY,
     TRAINING_MONITOR_TENSORBOARD,
     TRAINING_MONITOR_UPDATE_RATIO,
     TRAINING_MONITOR_WARMUP,
@@ -45,7 +46,8 @@ class TrainingMonitorConfig:
     tool_name: ClassVar[str] = "TrainingMonitor"  # in messages: TrainingMonitor(every=0): ...
     env_prefix: ClassVar[str] = ""  # no op lists
     keywords: ClassVar[dict[str, EnvVar]] = {
-        "every": TRAINING_MONITOR_EVERY, "parameters": TRAINING_MONITOR_PARAMETERS,
+        "every": TRAINING_MONITOR_EVERY, "state_every": TRAINING_MONITOR_STATE_EVERY,
+        "parameters": TRAINING_MONITOR_PARAMETERS,
         "activations": TRAINING_MONITOR_ACTIVATIONS, "spike_factor": TRAINING_MONITOR_SPIKE_FACTOR,
         "warmup": TRAINING_MONITOR_WARMUP, "tensorboard": TRAINING_MONITOR_TENSORBOARD,
         "update_ratio": TRAINING_MONITOR_UPDATE_RATIO, "moments": TRAINING_MONITOR_MOMENTS,
@@ -54,6 +56,7 @@ class TrainingMonitorConfig:
     }
 
     every: int  # record every N-th optimizer step, from step 0
+    state_every: int  # weights, update ratios and moments every N-th monitored step (a pass over every weight each)
     parameters: tuple[re.Pattern, ...] | None  # matched at the start of parameter names; None: every parameter
     activations: str | tuple[re.Pattern, ...]  # variables.BLOCKS, or patterns matching whole module names; (): none
     spike_factor: float  # > 1

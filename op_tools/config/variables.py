@@ -644,6 +644,12 @@ TRAINING_MONITOR_EVERY = declare(
     "TrainingMonitor records every N-th optimizer step, from step 0; the steps between cost nothing.",
     parse_positive_count, convert_positive_count, "an int >= 1",
 )
+TRAINING_MONITOR_STATE_EVERY = declare(
+    f"{_MONITOR}_STATE_EVERY", "an integer >= 1", "20",
+    "TrainingMonitor records the weight norms, update ratios and Adam moment norms (each a pass over every weight) "
+    "at every N-th monitored step, from step 0; gradients, the loss and module outputs at every monitored step.",
+    parse_positive_count, convert_positive_count, "an int >= 1",
+)
 TRAINING_MONITOR_PARAMETERS = declare(
     f"{_MONITOR}_PARAMETERS", r"comma-separated regular expressions matched at the start of parameter names, e.g. "
     r"'model\.layers\.0\.,lm_head'", None,

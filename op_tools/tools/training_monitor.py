@@ -161,7 +161,9 @@ class TrainingMonitor:
     time per optimizer step; flag the first non-finite figure, gradient-norm spikes, a dropping loss scale and
     replicas whose gradients disagree, as they happen.
 
-    Arguments: ``results_dir`` (default ``OP_TOOLS_RESULTS_DIR``), ``every`` (monitor every N-th step, from step 0),
+    Arguments (``None``: the ``OP_TRAINING_MONITOR_*`` variable, the config file's ``[monitor]`` key, the default):
+    ``results_dir`` (default ``OP_TOOLS_RESULTS_DIR``), ``every`` (monitor every N-th step, from step 0),
+    ``state_every`` (weight norms, update ratios and moment norms at every N-th monitored step; default 20),
     ``model`` (names parameters and modules; without it, the outermost modules called once started),
     ``parameters`` (regular expressions matched at the start of parameter names; ``None``: every parameter),
     ``activations`` (regular expressions matched against whole module names; ``"blocks"``: the items of every
@@ -171,10 +173,11 @@ class TrainingMonitor:
     (||new - old|| / ||old|| per parameter: keeps a copy of the selected weights over the step), ``moments`` (norms
     of Adam's ``exp_avg`` and ``exp_avg_sq``), ``scaler`` (a ``torch.amp.GradScaler``; found without it when the
     script calls ``scaler.scale``), ``scale_drops`` (the ``loss_scale_dropping`` rule fires once the scale fell this
-    many times in a row), ``replicas`` (under DDP, compare the ranks' gradient fingerprints each monitored step).
+    many times in a row), ``replicas`` (under DDP, compare the ranks' gradient fingerprints each monitored step),
+    ``html`` (the page at ``stop()``).
     """
 
-    def __init__(self, results_dir: str | None = None, every: int | None = None,
+    def __init__(self, results_dir: str | None = None, every: int | None = None, state_every: int | None = None,
                  parameters: list[str] | str | None = None, model: torch.nn.Module | None = None,
                  activations: list[str] | str | None = None, spike_factor: float | None = None,
                  warmup: int | None = None, tensorboard: bool | None = None, update_ratio: bool | None = None,
@@ -188,9 +191,9 @@ class TrainingMonitor:
             raise TypeError(f"TrainingMonitor(model=...): expected a torch.nn.Module, got {type(model).__name__}")
         # None: not given (the variable, the config file's [monitor] key, then the default)
         config = TrainingMonitorConfig.resolve(
-            results_dir=results_dir, every=every, parameters=parameters, activations=activations,
-            spike_factor=spike_factor, warmup=warmup, tensorboard=tensorboard, update_ratio=update_ratio,
-            moments=moments, scale_drops=scale_drops, replicas=replicas, html=html, **shared)
+            results_dir=results_dir, every=every, state_every=state_every, parameters=parameters,
+            activations=activations, spike_factor=spike_factor, warmup=warmup, tensorboard=tensorboard,
+            update_ratio=update_ratio, moments=moments, scale_drops=scale_drops, replicas=replicas, html=html, **shared)
         if config.tensorboard and importlib.util.find_spec("tensorboard") is None:
             raise ImportError("TrainingMonitor(tensorboard=True) needs the tensorboard package: "
                               "pip install tensorboard")
@@ -199,6 +202,7 @@ class TrainingMonitor:
         self._activations_blocks = config.activations == BLOCKS
         self._activation_patterns = [] if isinstance(config.activations, str) else list(config.activations)
         self.every = config.every
+        self.state_every = config.state_every
         self.model = model
         self.spike_factor = config.spike_factor
         self.warmup = config.warmup
@@ -241,7 +245,7 @@ class TrainingMonitor:
 
             self.tensorboard_dir = f"{folder}/tensorboard_{stem}"
             self._writer = SummaryWriter(self.tensorboard_dir)
-        self.step, self._monitored, self.anomalies = 0, 0, []
+        self.step, self._monitored, self.anomalies, self._state = 0, 0, [], False
         self._figures = _StepFigures()
         self._recording = True
         self._ema: dict[str, tuple[float, int]] = {}  # name -> (moving average, values seen)
@@ -490,6 +494,8 @@ class TrainingMonitor:
     def _record_before(self, optimizer) -> None:
         params = self._params(optimizer)
         figures = self._figures
+        # weights, updates and moments (a pass over every weight each) at every state_every-th monitored step
+        self._state = (self.step // self.every) % self.state_every == 0
         with torch.no_grad(), torch._C.DisableTorchFunction():  # the tools' own work: no tool sees these calls
             loss = self._loss if self._loss is not None else self._roots
             if loss is not None:
@@ -516,7 +522,7 @@ class TrainingMonitor:
                         items.append((("parameter", p.name, "grad_norm"), shards.local_part(grad), groups))
                 elif p.groups:
                     items.append((("parameter", p.name, "grad_norm"), p.param.new_zeros(0), p.groups))
-                if p.selected:
+                if p.selected and self._state:
                     items.append((("parameter", p.name, "weight_norm"), shards.local_part(p.param),
                                   self._tensor_groups(p, p.param) or ()))
             _squared_norms(items, figures)
@@ -529,7 +535,7 @@ class TrainingMonitor:
                 figures.add(scale.detach(), [("step", "", "loss_scale")])
             if self.replicas and self._ddp_groups:
                 self._replica_flags(params, figures)
-            if self.update_ratio:
+            if self.update_ratio and self._state:
                 self._selected_params = [p for p in params if p.selected]
                 self._old = [shards.local_part(p.param).detach().clone() for p in self._selected_params]
         self._lrs = {f"lr/param_groups[{g}]": float(group["lr"]) for g, group in enumerate(optimizer.param_groups)
@@ -561,10 +567,10 @@ class TrainingMonitor:
         with torch.no_grad(), torch._C.DisableTorchFunction():
             items: list[tuple[Key, torch.Tensor, shards.Groups]] = []
             if self._old is not None:
-                new = [shards.local_part(p.param).detach() for p in self._selected_params]
-                for p, delta in zip(self._selected_params, torch._foreach_sub(new, self._old)):
+                torch._foreach_sub_(self._old, [shards.local_part(p.param).detach() for p in self._selected_params])
+                for p, delta in zip(self._selected_params, self._old):  # old - new, in place: no more memory
                     items.append((("parameter", p.name, "_update"), delta, self._tensor_groups(p, p.param) or ()))
-            if self.moments:
+            if self.moments and self._state:
                 kept = {m for state in optimizer.state.values() for m in MOMENTS if m in state}
                 for p in self._params(optimizer):
                     state = optimizer.state.get(p.param, {}) if p.selected else {}
@@ -610,9 +616,13 @@ class TrainingMonitor:
         stamp = f"{now:.6f}"
         for (kind, name, statistic), value in rows:
             self._csv.writerow((rank, step, stamp, kind, name, statistic, repr(value)))
-        if self._writer is not None:
-            for (kind, name, statistic), value in rows:
-                self._writer.add_scalar(tensorboard_tag(kind, name, statistic), value, step)
+        if self._writer is not None:  # one event per step holding every scalar: add_scalar writes one per value
+            from tensorboard.compat.proto.summary_pb2 import Summary
+            from torch.utils.tensorboard.summary import scalar
+
+            scalars = [v for (kind, name, statistic), value in rows
+                      for v in scalar(tensorboard_tag(kind, name, statistic), value).value]
+            self._writer._get_file_writer().add_summary(Summary(value=scalars), step)
 
     def _writes(self, key: Key) -> bool:
         kind, name, statistic = key

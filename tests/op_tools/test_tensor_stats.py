@@ -8,9 +8,11 @@ import torch
 from op_tools.numerics.tensor_stats import (
     _BLOCKS,
     STAT_FIELDS,
+    SUMMARY_FIELDS,
     _fingerprint_weights,
     host_values,
     stats_to_host,
+    summary,
     tensor_stats,
 )
 
@@ -82,3 +84,19 @@ def test_fingerprints_estimate_an_elementwise_relative_change():
     change = math.sqrt(sum((a[f"fp{j}"] - b[f"fp{j}"]) ** 2 for j in range(16)) / 16) / rms
     assert 0.6e-3 < change < 1.4e-3  # the true elementwise relative change: 1e-3 (rms)
     assert abs(a["mean"] - b["mean"]) < 1e-5 and a["norm"] == pytest.approx(b["norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_summary_equals_torchs_own_statistics_computed_in_float64(dtype):
+    x = (torch.randn(2, 64, 96, dtype=torch.float64) * 3 + 1).to(dtype)
+    wide = x.double()
+    expected = [wide.norm(), wide.mean(), wide.std(), wide.min(), wide.max()]
+    got = summary(x)
+    assert got.dtype == torch.float32 and got.shape == (len(SUMMARY_FIELDS),)
+    assert got.tolist() == pytest.approx([e.item() for e in expected], rel=1e-5)
+
+
+def test_summary_std_keeps_a_small_spread_under_a_large_mean_and_is_zero_for_one_element():
+    x = (1e4 + torch.randn(100_000) * 1e-1).float()  # a sum-of-squares formula in float32 loses it all
+    assert summary(x)[2].item() == pytest.approx(x.double().std().item(), rel=1e-3)
+    assert summary(torch.tensor([5.0])).tolist() == [5.0, 5.0, 0.0, 5.0, 5.0]

@@ -310,7 +310,7 @@ def test_update_ratio_and_adam_moments_equal_a_hand_computation(sim, tmp_path):
 
     hooks = (register_optimizer_step_pre_hook(keep), register_optimizer_step_post_hook(after))
     try:
-        with op_tools.TrainingMonitor(results_dir=str(tmp_path), model=model) as monitor:
+        with op_tools.TrainingMonitor(results_dir=str(tmp_path), model=model, state_every=1) as monitor:
             for _ in range(3):
                 lm_step(model, optimizer, ids)
     finally:
@@ -323,6 +323,20 @@ def test_update_ratio_and_adam_moments_equal_a_hand_computation(sim, tmp_path):
             assert figures[step][("parameter", name, "exp_avg_norm")] == pytest.approx(exp_avg, rel=1e-5)
             assert figures[step][("parameter", name, "exp_avg_sq_norm")] == pytest.approx(exp_avg_sq, rel=1e-5)
             assert ratio > 0
+
+
+def test_weights_updates_and_moments_are_recorded_every_state_every_monitored_step(sim, tmp_path):
+    """They cost a pass over every weight each: at monitored steps 0, state_every, 2 * state_every... (20 by default);
+    gradients, the loss and the layers' outputs at every monitored step."""
+    assert op_tools.TrainingMonitor(results_dir=str(tmp_path)).state_every == 20
+    _, monitor, _ = _train(sim, tmp_path, steps=12, state_every=5)
+    figures = _figures(monitor)
+    for statistic in ("weight_norm", "update_ratio", "exp_avg_norm", "exp_avg_sq_norm"):
+        assert {s for s, f in figures.items() if any(k[2] == statistic for k in f)} == {0, 5, 10}, statistic
+    for statistic in ("grad_norm", "loss", "norm"):
+        assert {s for s, f in figures.items() if any(k[2] == statistic for k in f)} == set(range(12)), statistic
+    _, every_2, _ = _train(sim, tmp_path / "every_2", steps=8, every=2, state_every=2)
+    assert {s for s, f in _figures(every_2).items() if ("parameter", "lm_head.weight", "weight_norm") in f} == {0, 4}
 
 
 def test_step_time_is_written_for_every_step_and_spans_the_loop(sim, tmp_path):

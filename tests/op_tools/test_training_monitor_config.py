@@ -38,11 +38,12 @@ def test_unset_variables_give_the_defaults():
     config = TrainingMonitorConfig.from_env()
     assert (config.every, config.parameters, config.activations, config.spike_factor, config.warmup,
             config.tensorboard, config.update_ratio, config.moments, config.scale_drops, config.replicas,
-            config.html) == (1, None, BLOCKS, 10.0, 3, None, True, True, 3, True, True)
+            config.html, config.state_every) == (1, None, BLOCKS, 10.0, 3, None, True, True, 3, True, True, 20)
 
 
 @pytest.mark.parametrize(("variable", "text", "field", "expected"), [
     ("EVERY", "4", "every", 4),
+    ("STATE_EVERY", "1", "state_every", 1),
     ("PARAMETERS", r"model\.layers\.0\., lm_head", "parameters", [r"model\.layers\.0\.", "lm_head"]),
     ("PARAMETERS", "", "parameters", []),  # empty: no parameter
     ("ACTIVATIONS", r"layers\.\d+\.mlp,model\.norm", "activations", [r"layers\.\d+\.mlp", r"model\.norm"]),

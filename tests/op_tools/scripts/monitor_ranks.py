@@ -51,7 +51,8 @@ def train(model, data, results_dir: str, device: str = "cuda", before_step=None,
     state = {"step": 0}
     hook = register_optimizer_step_pre_hook(lambda *_: before_step(model, state["step"])) if before_step else None
     try:
-        with op_tools.TrainingMonitor(results_dir=results_dir, model=model, tensorboard=False) as monitor:
+        with op_tools.TrainingMonitor(results_dir=results_dir, model=model, tensorboard=False,
+                                      state_every=1) as monitor:  # every figure at every step
             for ids in data:
                 tiny_models.lm_step(model, optimizer, ids.to(device))
                 state["step"] += 1
