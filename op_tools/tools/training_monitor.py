@@ -500,8 +500,9 @@ class TrainingMonitor:
             loss = self._loss if self._loss is not None else self._roots
             if loss is not None:
                 figures.add(loss.float(), [("step", "", "loss")])
-            if self._before_reduction:
-                names = list(self._before_reduction)
+            if self._before_reduction:  # filled in backward order: written in model order
+                order = {name: k for k, name in enumerate(self._names.values())}
+                names = sorted(self._before_reduction, key=lambda n: order.get(n, len(order)))
                 figures.add(torch.stack([self._before_reduction[n] for n in names]),
                             [("parameter", n, "grad_norm_before_reduction") for n in names], squared=True)
             items: list[tuple[Key, torch.Tensor, shards.Groups]] = []
