@@ -36,13 +36,18 @@ MALFORMED_BY_FORM = {
     "a TOML file path": "no/such/settings.toml",
     "all, or comma-separated ranks": "rank0",
     "all, or comma-separated steps": "step1",
+    "a number > 1": "1",
+    "auto, 0 or 1": "maybe",
+    "comma-separated regular expressions": "model,(unclosed",
+    "blocks, none, or comma-separated regular expressions": "model,(unclosed",
 }
 
 # Which tool reads an op_tools variable when it starts: by the variable's name.
 TOOL_BY_PREFIX = {"OP_CAPTURE": op_tools.OpCapture, "OP_OBSERVE": op_tools.OpObserve,
                   "OP_OVERFLOW_CHECK": op_tools.OpOverflowCheck, "OP_FALLBACK": op_tools.OpFallback,
                   "OP_DTYPE_CAST": op_tools.OpDtypeCast, "OP_TIME_MEASURE": op_tools.OpTimeMeasure,
-                  "OP_AUTOCOMPARE": op_tools.OpAutoCompare, "OP_TOOLS": op_tools.OpObserve}
+                  "OP_AUTOCOMPARE": op_tools.OpAutoCompare, "OP_TOOLS": op_tools.OpObserve,
+                  "OP_TRAINING_MONITOR": op_tools.TrainingMonitor}
 
 
 def malformed_value(form: str, tmp_path) -> str:
@@ -80,10 +85,12 @@ def test_op_tools_variable_malformed_fails_at_tool_start(declared, tmp_path, mon
         with pytest.raises(ValueError) as info:
             Tolerances.from_env()
     else:
-        tool = tool_reading(declared)()
-        with pytest.raises(ValueError) as info:
-            tool.start()
-        tool.stop()  # nothing was started: a no-op
+        made = []
+        with pytest.raises(ValueError) as info:  # an op tool reads its variables at start, TrainingMonitor when made
+            made.append(tool_reading(declared)())
+            made[-1].start()
+        for tool in made:
+            tool.stop()  # nothing was started: a no-op
     message = str(info.value)
     assert name in message and repr(value) in message and var.form in message, message
 
