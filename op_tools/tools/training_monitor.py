@@ -201,18 +201,8 @@ class TrainingMonitor:
         self._parameter_patterns = None if config.parameters is None else list(config.parameters)
         self._activations_blocks = config.activations == BLOCKS
         self._activation_patterns = [] if isinstance(config.activations, str) else list(config.activations)
-        self.every = config.every
-        self.state_every = config.state_every
         self.model = model
-        self.spike_factor = config.spike_factor
-        self.warmup = config.warmup
-        self.tensorboard = config.tensorboard
-        self.update_ratio = config.update_ratio
-        self.moments = config.moments
         self.scaler = scaler
-        self.scale_drops = config.scale_drops
-        self.replicas = config.replicas
-        self.html = config.html
         self._hooks: list = []
         self._patches: list[tuple[Any, str, Any]] = []
         self.step = 0  # optimizer.step() calls finished since start()
@@ -220,6 +210,14 @@ class TrainingMonitor:
         self._csv_file: TextIO | None = None
         self._anomaly_file: result_files.JsonLinesFile | None = None
         self._writer: Any = None
+
+    @property
+    def every(self) -> int:
+        return self.config.every
+
+    @property
+    def state_every(self) -> int:
+        return self.config.state_every
 
     # --- lifecycle ---
 
@@ -240,7 +238,7 @@ class TrainingMonitor:
         self._csv.writerow(CSV_COLUMNS)
         self._anomaly_file = result_files.JsonLinesFile(self.anomalies_path)
         self.tensorboard_dir = None
-        if self.tensorboard is not False and importlib.util.find_spec("tensorboard") is not None:
+        if self.config.tensorboard is not False and importlib.util.find_spec("tensorboard") is not None:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tensorboard_dir = f"{folder}/tensorboard_{stem}"
@@ -257,11 +255,14 @@ class TrainingMonitor:
         self._before_reduction: dict[str, torch.Tensor] = {}
         self._old: list[torch.Tensor] | None = None
         self._unmeasured: collections.Counter[str] = collections.Counter()
+        self._compiled: set[str] = set()  # selected modules met inside a torch.compile region
         self._failed = False
         self._drops, self._last_scale = 0, None
         if self.scaler is not None:  # the baseline the first monitored step's scale is compared with: one sync, once
             self._last_scale = self.scaler.get_scale()
         self._names: dict[int, str] = {}
+        self._order: dict[str, int] = {}  # parameter name -> its place in the model
+        self._step_params: list[_Param] = []  # the monitored step's, from its pre-step hook
         self._roots_attached: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._groups: dict[int, shards.Groups] = {}
         self._ddp_groups: list = []  # the process groups of the DDP modules found (replicas compared within)
@@ -297,7 +298,7 @@ class TrainingMonitor:
                 f.close()
         self._csv_file = self._anomaly_file = None
         self.page_path: str | None = None
-        if self.html and self._writes_global:  # rank 0's page holds what the other ranks had written by then
+        if self.config.html and self._writes_global:  # rank 0's page holds what the other ranks had written by then
             self._guarded("writing the HTML page", self._write_page)
             if self.page_path:
                 written.append(self.page_path)
@@ -305,10 +306,13 @@ class TrainingMonitor:
             self._writer = None
             written.append(f"TensorBoard event files in {self.tensorboard_dir}")
             board = ""
-        elif self.tensorboard is False:
+        elif self.config.tensorboard is False:
             board = "; no TensorBoard files (tensorboard=False)"
         else:
             board = "; no TensorBoard files (tensorboard is not installed: pip install tensorboard)"
+        if self._compiled:  # said, not skipped in silence
+            self._unmeasured[f"module outputs inside torch.compile regions ({', '.join(sorted(self._compiled))})"] = \
+                len(self._compiled)
         unmeasured = "".join(f"; not measured: {n} x {what}" for what, n in sorted(self._unmeasured.items()))
         if self.skipped_iterations:
             unmeasured += f"; {self.skipped_iterations} iterations skipped by GradScaler (no step, figures dropped)"
@@ -363,6 +367,7 @@ class TrainingMonitor:
         self._roots_attached.add(root)
         for name, p in root.named_parameters():
             self._names.setdefault(id(p), _unwrapped(name, root))
+        self._order = {name: k for k, name in enumerate(self._names.values())}
         self._groups.update(shards.fsdp1_groups(root))
         for name, module in self._activation_modules(root):
             self._hooks.append(module.register_forward_hook(functools.partial(self._after_forward, name)))
@@ -386,6 +391,9 @@ class TrainingMonitor:
         # training forwards only (not eval mode; not grad mode: a reentrant checkpoint runs the training forward
         # under no_grad), once: a checkpoint's recomputation inside backward only gives the output whose gradient
         # backward computes (a reentrant checkpoint's first output had none)
+        if torch.compiler.is_compiling():  # traced into a graph once: a hook's figures would not be taken per call
+            self._compiled.add(name)
+            return
         if not self._recording or not module.training:
             return
         t = _first_tensor(output)
@@ -467,7 +475,7 @@ class TrainingMonitor:
                 self._guarded("recording", lambda: self._record_after(optimizer, step_time))
         finally:
             self._figures, self._old, self._loss, self._roots = _StepFigures(), None, None, None
-            self._before_reduction = {}
+            self._before_reduction, self._step_params = {}, []
             self._stepped = True
             self.step += 1
             self._recording = self.step % self.every == 0
@@ -479,9 +487,8 @@ class TrainingMonitor:
                 name = self._names.get(id(p)) or f"param_groups[{g}][{i}]"
                 selected = self._parameter_patterns is None or any(r.match(name) for r in self._parameter_patterns)
                 found.append(_Param(name, p, selected, self._groups.get(id(p), ())))
-        if self._names:  # model order: the order named_parameters() gives
-            order = {name: k for k, name in enumerate(self._names.values())}
-            found.sort(key=lambda r: order.get(r.name, len(order)))
+        if self._order:  # model order: the order named_parameters() gives
+            found.sort(key=lambda r: self._order.get(r.name, len(self._order)))
         return found
 
     def _tensor_groups(self, param: _Param, t: torch.Tensor) -> shards.Groups | None:
@@ -492,7 +499,7 @@ class TrainingMonitor:
         return shards.dtensor_groups(t) if hasattr(t, "placements") else param.groups
 
     def _record_before(self, optimizer) -> None:
-        params = self._params(optimizer)
+        params = self._step_params = self._params(optimizer)
         figures = self._figures
         # weights, updates and moments (a pass over every weight each) at every state_every-th monitored step
         self._state = (self.step // self.every) % self.state_every == 0
@@ -501,8 +508,7 @@ class TrainingMonitor:
             if loss is not None:
                 figures.add(loss.float(), [("step", "", "loss")])
             if self._before_reduction:  # filled in backward order: written in model order
-                order = {name: k for k, name in enumerate(self._names.values())}
-                names = sorted(self._before_reduction, key=lambda n: order.get(n, len(order)))
+                names = sorted(self._before_reduction, key=lambda n: self._order.get(n, len(self._order)))
                 figures.add(torch.stack([self._before_reduction[n] for n in names]),
                             [("parameter", n, "grad_norm_before_reduction") for n in names], squared=True)
             items: list[tuple[Key, torch.Tensor, shards.Groups]] = []
@@ -534,11 +540,10 @@ class TrainingMonitor:
                 else None  # GradScaler keeps its scale in a device tensor (None until its first scale())
             if scale is not None:
                 figures.add(scale.detach(), [("step", "", "loss_scale")])
-            if self.replicas and self._ddp_groups:
+            if self.config.replicas and self._ddp_groups:
                 self._replica_flags(params, figures)
-            if self.update_ratio and self._state:
-                self._selected_params = [p for p in params if p.selected]
-                self._old = [shards.local_part(p.param).detach().clone() for p in self._selected_params]
+            if self.config.update_ratio and self._state:
+                self._old = [shards.local_part(p.param).detach().clone() for p in params if p.selected]
         self._lrs = {f"lr/param_groups[{g}]": float(group["lr"]) for g, group in enumerate(optimizer.param_groups)
                      if "lr" in group}
 
@@ -567,13 +572,14 @@ class TrainingMonitor:
         figures = self._figures
         with torch.no_grad(), torch._C.DisableTorchFunction():
             items: list[tuple[Key, torch.Tensor, shards.Groups]] = []
+            selected = [p for p in self._step_params if p.selected]
             if self._old is not None:
-                torch._foreach_sub_(self._old, [shards.local_part(p.param).detach() for p in self._selected_params])
-                for p, delta in zip(self._selected_params, self._old):  # old - new, in place: no more memory
+                torch._foreach_sub_(self._old, [shards.local_part(p.param).detach() for p in selected])
+                for p, delta in zip(selected, self._old):  # old - new, in place: no more memory
                     items.append((("parameter", p.name, "_update"), delta, self._tensor_groups(p, p.param) or ()))
-            if self.moments and self._state:
+            if self.config.moments and self._state:
                 kept = {m for state in optimizer.state.values() for m in MOMENTS if m in state}
-                for p in self._params(optimizer):
+                for p in self._step_params:
                     state = optimizer.state.get(p.param, {}) if p.selected else {}
                     for moment, statistic in MOMENTS.items():
                         t = state.get(moment)
@@ -679,16 +685,17 @@ class TrainingMonitor:
             if not math.isfinite(g):
                 continue
             average, seen = self._ema.get(name, (g, 0))
-            if seen >= self.warmup and g > self.spike_factor * average and name not in self._spiked:
+            if seen >= self.config.warmup and g > self.config.spike_factor * average and name not in self._spiked:
                 spikes.append((name, g, average))
             self._ema[name] = (EMA_DECAY * average + (1 - EMA_DECAY) * g, seen + 1)
         if spikes:
+            factor = self.config.spike_factor
             self._spiked.update(name for name, _, _ in spikes)
             name, g, average = spikes[0]
             self._anomaly({"rule": "grad_norm_spike", "step": step, "module": name, "phase": "backward",
-                           "value": g, "moving_average": average, "factor": self.spike_factor,
+                           "value": g, "moving_average": average, "factor": factor,
                            "parameters": [n for n, _, _ in spikes]},
-                          f"gradient norm spike at step {step}: {name} = {g:.6g} > {self.spike_factor:g} x its moving "
+                          f"gradient norm spike at step {step}: {name} = {g:.6g} > {factor:g} x its moving "
                           f"average {average:.6g} ({len(spikes)} parameters spiked)")
 
     def _check_scale(self, step: int, scale: float) -> None:
@@ -700,12 +707,12 @@ class TrainingMonitor:
             return
         backoff = getattr(self.scaler, "_backoff_factor", 0.5)
         self._drops += max(1, round(math.log(scale / last) / math.log(backoff))) if 0 < backoff < 1 else 1
-        if self._drops >= self.scale_drops and "loss_scale_dropping" not in self._fired:
+        if self._drops >= self.config.scale_drops and "loss_scale_dropping" not in self._fired:
             self._fired.add("loss_scale_dropping")
             self._anomaly({"rule": "loss_scale_dropping", "step": step, "module": "", "phase": "optimizer",
                            "value": scale, "drops": self._drops},
                           f"loss scale dropping at step {step}: {scale:g} after {self._drops} drops in a row "
-                          f"(scale_drops={self.scale_drops})")
+                          f"(scale_drops={self.config.scale_drops})")
 
     def _anomaly(self, record: dict, message: str) -> None:
         record = {"rank": self._common.rank, "time": round(time.time(), 6), **record, "message": message}

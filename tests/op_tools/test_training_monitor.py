@@ -138,16 +138,19 @@ def test_layer_outputs_and_their_gradients_equal_a_hand_computation(sim, tmp_pat
 
 
 class _Checkpointed(torch.nn.Module):
-    """Two blocks, each run under torch.utils.checkpoint: backward calls each block a second time."""
+    """Two blocks, each run under torch.utils.checkpoint when ``checkpointed`` (then backward calls each block a
+    second time)."""
 
-    def __init__(self):
+    def __init__(self, checkpointed=True):
         super().__init__()
+        self.checkpointed = checkpointed
         self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
                                           for _ in range(2))
 
     def forward(self, x):
         for layer in self.layers:
-            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=True) if self.training else layer(x)
+            use = self.checkpointed and self.training
+            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=True) if use else layer(x)
         return x  # a reentrant checkpoint recomputes whole blocks
 
 
@@ -463,3 +466,30 @@ def test_arguments_are_validated(tmp_path):
         op_tools.TrainingMonitor(results_dir=str(tmp_path), scale_drops=0)
     with pytest.raises(ValueError, match=r"parameters=\['\('\]"):
         op_tools.TrainingMonitor(results_dir=str(tmp_path), parameters=["("])
+
+
+def test_under_torch_compile_parameters_are_measured_and_module_outputs_said_not_measured(tmp_path, caplog):
+    """A compiled region traces the forward hooks into its graph once: no figure of a module output per call. The
+    parameters' figures (the optimizer's hooks run outside) equal an eager run's, and the closing line names the
+    modules whose outputs were not measured."""
+    def train(compiled):
+        torch.manual_seed(0)
+        model = _Checkpointed(checkpointed=False)
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        x = torch.randn(4, 8)
+        with op_tools.TrainingMonitor(results_dir=str(tmp_path / str(compiled)), model=model) as monitor:
+            for _ in range(2):
+                run(x).square().sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        return _figures(monitor)
+
+    caplog.set_level(logging.INFO, logger="op_tools")
+    eager, compiled = train(False), train(True)
+    for step in (0, 1):
+        grads = {k: v for k, v in eager[step].items() if k[2] == "grad_norm"}
+        assert grads and {k: compiled[step][k] for k in grads} == pytest.approx(grads, rel=1e-5)
+        assert any(k[0] == "activation" for k in eager[step])
+        assert not any(k[0] in ("activation", "output_grad") for k in compiled[step])
+    assert "not measured: 2 x module outputs inside torch.compile regions (layers.0, layers.1)" in caplog.text
