@@ -25,7 +25,7 @@ def tool_rows(readme: str) -> dict[str, list[str]]:
 
 def test_both_readmes_show_the_same_tools_and_one_liners():
     english, chinese = (tool_rows(r) for r in READMES)
-    assert len(english) == 10
+    assert len(english) == 11
     assert english == chinese
 
 
