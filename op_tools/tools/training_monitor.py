@@ -46,7 +46,7 @@ from ..config.training_monitor import TrainingMonitorConfig
 from ..config.variables import BLOCKS
 from ..core import shards
 from ..numerics.tensor_stats import SUMMARY_FIELDS, summary
-from ..output import result_files
+from ..output import reporting, result_files
 from ..output.reporting import logger
 
 FOLDER = "op_training_monitor"
@@ -227,6 +227,7 @@ class TrainingMonitor:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         common = self._common = self.config.common
+        reporting.configure_logging(common.verbose, common.rank, common.print_ranks)  # as every tool: rank labels
         self._writes_global = common.rank in (None, 0)
         folder = result_files.prepare_results_folder(common, FOLDER, "TrainingMonitor")
         stem = result_files.session_stem()
@@ -316,8 +317,9 @@ class TrainingMonitor:
         unmeasured = "".join(f"; not measured: {n} x {what}" for what, n in sorted(self._unmeasured.items()))
         if self.skipped_iterations:
             unmeasured += f"; {self.skipped_iterations} iterations skipped by GradScaler (no step, figures dropped)"
-        logger.info("TrainingMonitor: %d steps, %d monitored, %d anomalies%s; wrote %s%s", self.step,
-                    self._monitored, len(self.anomalies), unmeasured, ", ".join(written), board)
+        count = len(self.anomalies)
+        logger.info("TrainingMonitor: %d steps, %d monitored, %d %s%s; wrote %s%s", self.step, self._monitored, count,
+                    "anomaly" if count == 1 else "anomalies", unmeasured, ", ".join(written), board)
 
     end = stop
 
@@ -719,5 +721,4 @@ class TrainingMonitor:
         self.anomalies.append(record)
         if self._anomaly_file is not None:
             self._anomaly_file.write(record)
-        logger.warning("TrainingMonitor: %s%s", "" if self._common.rank is None else f"rank {self._common.rank}: ",
-                       message)
+        logger.warning("TrainingMonitor: %s", message)
