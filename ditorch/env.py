@@ -47,6 +47,13 @@ def parse_optional_positive_int(text: str) -> int | None:
     return None if text == "" else parse_positive_int(text)
 
 
+def parse_sim_async(text: str) -> int:
+    value = int(text or "0")  # ValueError on non-integers, reworded by read()
+    if value < 0:
+        raise ValueError("negative")
+    return value
+
+
 def local_world_size(environ: Mapping[str, str] | None = None) -> int:
     """How many ranks this node runs (torchrun's ``LOCAL_WORLD_SIZE``), 1 outside torchrun: the device count
     of a device that stands in for a node's accelerators (sim, the host)."""
@@ -119,6 +126,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "1 makes a sim tensor's `untyped_storage()` report sim memory that the host cannot read, as a GPU "
            "tensor's does, so that tools take their device-memory branches (statistics on the device) on sim; "
            "views then do not share a storage. 0 reports the CPU storage holding the values.", parse_flag),
+    EnvVar("DITORCH_SIM_ASYNC", "a number of kernel launches, 0 or more", "0",
+           "N makes the sim device asynchronous as a GPU is: an event completes, and a non-blocking copy to the host "
+           "lands (its destination holds NaN until then), N kernel launches after it was recorded or made, or at a "
+           "synchronisation. 0 keeps sim synchronous: every event complete, every copy landed.", parse_sim_async),
     EnvVar("DITORCH_REDUCE_LOW_PRECISION_IN_FP32", "0 or 1", "0",
            "1 carries bfloat16/float16 reductions (all_reduce, reduce, reduce_scatter, reduce_scatter_tensor) in "
            "float32: cast up, reduce, copy back. Costs a float32 copy of each reduced tensor (twice a bf16 "

@@ -46,8 +46,9 @@ def register() -> None:
     """Make ``sim`` a PyTorch device (PrivateUse1 renamed), with ``torch.sim`` as its module.
 
     Idempotent. Reads ``DITORCH_SIM_DEVICE_COUNT`` (else torchrun's ``LOCAL_WORLD_SIZE``), ``DITORCH_SIM_FAULTS``,
-    ``DITORCH_SIM_TF32``, ``DITORCH_SIM_SDPA`` and ``DITORCH_SIM_DEVICE_MEMORY``; raises ``ValueError`` naming the
-    variable when one is malformed, and ``RuntimeError`` when PrivateUse1 already belongs to another backend.
+    ``DITORCH_SIM_TF32``, ``DITORCH_SIM_SDPA``, ``DITORCH_SIM_DEVICE_MEMORY`` and ``DITORCH_SIM_ASYNC``; raises
+    ``ValueError`` naming the variable when one is malformed, and ``RuntimeError`` when PrivateUse1 already belongs
+    to another backend.
     """
     with _lock:
         if _libraries:
@@ -56,6 +57,7 @@ def register() -> None:
 
         from ..env import local_world_size
         from . import (
+            async_completion,
             attention,
             autocast,
             device_module,
@@ -74,6 +76,7 @@ def register() -> None:
         count = _read(COUNT_VAR) or local_world_size()
         tf32_families, sdpa = _read(tf32.ENV_VAR), _read(attention.ENV_VAR)
         tensor.DEVICE_MEMORY.on = _read(tensor.DEVICE_MEMORY.ENV_VAR)
+        async_completion.LAG.kernels = _read(async_completion.ENV_VAR)
         load_from_env()
         _check_beside_cuda(torch)
         taken = torch._C._get_privateuse1_backend_name()
@@ -121,6 +124,35 @@ def device_memory(on: bool = True):
         yield
     finally:
         DEVICE_MEMORY.on = previous
+
+
+@contextlib.contextmanager
+def asynchronous(lag: int = 64):
+    """Within the block, sim's events complete and its non-blocking copies to the host land ``lag`` kernel launches
+    late, as a GPU's do (``DITORCH_SIM_ASYNC=<lag>`` for the whole run): code that reads a non-blocking copy before
+    waiting for an event after it reads NaN. The block's end lands every copy.
+
+    >>> import torch, ditorch.sim
+    >>> ditorch.sim.register()
+    >>> with ditorch.sim.asynchronous(lag=8):
+    ...     host = torch.ones(2, device="sim").to("cpu", non_blocking=True)
+    ...     event = torch.sim.Event(); event.record()
+    ...     early = host.tolist()          # not landed yet
+    ...     event.synchronize()
+    ...     late = host.tolist()
+    >>> early, late
+    ([nan, nan], [1.0, 1.0])
+    """
+    from . import async_completion as lagging
+
+    if lag < 0:
+        raise ValueError(f"ditorch.sim.asynchronous(lag={lag}): expected 0 or more kernel launches")
+    previous, lagging.LAG.kernels = lagging.LAG.kernels, lag
+    try:
+        yield
+    finally:
+        lagging.LAG.kernels = previous
+        lagging.synchronize_all()
 
 
 # Why sim and CUDA autograd cannot share a process (PyTorch 2.8 and later, where the engine asks for the

@@ -23,6 +23,14 @@ from ..host_rng import (  # noqa: F401 - re-exported: the sim device draws from 
     set_rng_state,
     set_rng_state_all,
 )
+from .async_completion import EventClock, synchronize_all
+from .device_counters import (  # noqa: F401 - part of the device module: what a real device would charge
+    COUNTERS,
+    DeviceCounts,
+    count_synchronization,
+    device_counts,
+    reset_device_counts,
+)
 from .tensor import MEMORY, DeviceSelection, raise_deferred_errors
 from .tf32 import FamilySwitch, float32_reduced_precision  # noqa: F401 - part of the device module
 
@@ -92,6 +100,8 @@ class device:  # noqa: N801 - named as torch.cuda.device
 def synchronize(device=None) -> None:
     """Every op has finished when it returns; raises an error a backward op left to report."""
     _index(device)
+    count_synchronization()
+    synchronize_all()
     raise_deferred_errors()
 
 
@@ -184,7 +194,8 @@ class Stream:
         self.priority = priority
 
     def synchronize(self) -> None:
-        pass
+        count_synchronization()
+        synchronize_all()
 
     def wait_stream(self, stream) -> None:
         pass
@@ -247,21 +258,29 @@ def stream(s: Stream | None):
             _CURRENT_STREAM[s.device.index] = previous
 
 
+def _launches() -> int:
+    return COUNTERS.launches
+
+
 class Event:
-    """A sim event records the host clock; ``elapsed_time`` is in milliseconds, as for CUDA."""
+    """A sim event records the host clock; ``elapsed_time`` is in milliseconds, as for CUDA. It completes at once,
+    or kernels later where sim is asynchronous (``DITORCH_SIM_ASYNC``, ``async_completion.py``)."""
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
         self.enable_timing = enable_timing
         self._time: float | None = None
+        self._clock = EventClock(_launches)
 
     def record(self, stream: Stream | None = None) -> None:
         self._time = time.perf_counter()
+        self._clock.record()
 
     def query(self) -> bool:
-        return True
+        return self._clock.query()
 
     def synchronize(self) -> None:
-        pass
+        count_synchronization()
+        self._clock.synchronize()
 
     def wait(self, stream: Stream | None = None) -> None:
         pass

@@ -16,6 +16,7 @@ from torch._C import DispatchKey, DispatchKeySet
 
 # The real device, also under DITORCH_SHOW_DEVICE_AS_CUDA (which makes Tensor.device say cuda) and under any mode.
 from ..show_as_cuda import real_device
+from . import device_counters as _counters
 from . import fault_injection as _faults
 from .kernels import KERNELS as _KERNELS
 from .version_counter import WRITES as _UNVERSIONED_WRITES
@@ -170,6 +171,7 @@ class SimTensor(torch.Tensor):
         return object.__format__(self, spec)
 
     def tolist(self):
+        _counters.count_tolist(self)
         return self._data.tolist()
 
     def data_ptr(self) -> int:
@@ -251,7 +253,7 @@ def _sync_metadata(tensor: SimTensor) -> None:
 class _OpInfo:
     """What run_op needs to know of an op, computed once from its schema."""
 
-    __slots__ = ("name", "mutated_args", "mutated_kwargs", "is_view", "mixed_ok")
+    __slots__ = ("name", "mutated_args", "mutated_kwargs", "is_view", "mixed_ok", "launches")
 
     def __init__(self, func) -> None:
         schema = func._schema
@@ -265,6 +267,7 @@ class _OpInfo:
                     arg.name if arg.kwarg_only else position
                 )
         self.is_view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+        self.launches = _counters.launches_kernel(schema.name, self.is_view)
 
 
 _INFO: dict = {}
@@ -375,6 +378,7 @@ def _run_op(func, args, kwargs):
         if torch._C._current_graph_task_id() == -1:
             raise
         out = _DEFERRED.defer(func, error, cpu_args, cpu_kwargs)
+    _counters.charge(info.name, info.launches, _is_sim, args, kwargs, out)  # what a real device would charge
 
     if info.mutated_args:
         for position in info.mutated_args:
@@ -439,6 +443,10 @@ _DEFERRED = _DeferredErrors()
 def raise_deferred_errors() -> None:
     """Raise the first error of a backward op not yet reported (``torch.sim.synchronize`` calls this)."""
     _DEFERRED.raise_outside_backward()
+
+
+def _is_sim(x) -> bool:
+    return isinstance(x, SimTensor)
 
 
 def _sync_if_sim(x) -> None:

@@ -5,22 +5,29 @@ It names the first op, in execution order, whose outputs hold inf/nan while its 
 an op found in backward: as ``backward()`` returns, since raising inside autograd's device threads is unsafe).
 
 Where the work runs: per handled call, one fused reduction on the device (the largest magnitude of every floating
-input and output, ``torch._foreach_norm(..., inf)``: inf or nan exactly where a tensor holds one) read back in one
-transfer: at most one host synchronisation per call, none once the first overflow is found. The statistics (min,
-max, mean, std, norm) are computed only for the call that overflows, or for every call when the per-call tables
-are printed (``OP_TOOLS_VERBOSE=1``): on the device, all of a call's tensors read back in one transfer.
+input and output, ``torch._foreach_norm(..., inf)``: inf or nan exactly where a tensor holds one), kept there and
+read back in batches of 64 calls without blocking (``numerics/device_readback.py``): no host synchronisation in a
+step, one when the tool stops (or when ``first_overflow`` is read while checks are in flight). The calls are judged
+in execution order as their batch arrives, so the first overflow is the same call as when each call was read at
+once; nothing is queued once it is found. Its statistics (min, max, mean, std, norm) are then computed from the
+call's tensors, held by weak reference meanwhile (no memory kept alive): a tensor freed or written in place since is
+shown with its flag only, and said so. ``OP_OVERFLOW_CHECK_RAISE=1`` (raise at the op) and the per-call tables
+(``OP_TOOLS_VERBOSE=1``) read each call as it runs: one transfer per call, the statistics computed on the device.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
+import threading
 
 import torch
 
 from ..config.variables import OVERFLOW_CHECK_RAISE
-from ..core.engine import OpCall, OpTool, OpToolsAbortError, feature
+from ..core.engine import OpCall, OpTool, OpToolsAbortError, feature, tool_work
+from ..numerics.device_readback import DeviceReadback
 from ..ops.arguments import iter_items, local_part
 from ..ops.collectives import collective_call, signature_of
 from ..ops.op_facts import op_facts
@@ -29,6 +36,11 @@ from ..output import reporting, result_files
 STAT_COLUMNS = ("name", "inf_or_nan", "min", "max", "mean", "std", "norm")
 _STATISTICS = ("min", "max", "mean", "std", "norm")
 _INF = float("inf")
+READBACK_BATCH = 64  # calls whose flags travel to the host together: one copy, no synchronisation
+# Bytes of tensors the calls in flight may keep alive for their statistics (beyond it the oldest let go): the step's
+# own tensors mostly, which are alive anyway; the bound holds for the temporaries a step would have freed.
+HELD_BYTES = 256 * 2**20
+NOT_KEPT = "not kept"
 
 
 class OverflowDetectedError(OpToolsAbortError):
@@ -133,6 +145,45 @@ def named_tensors(prefix: str, values) -> list[tuple[str, torch.Tensor]]:
     return [(prefix + path, local_part(v)) for path, v in iter_items(tuple(values)) if isinstance(v, torch.Tensor)]
 
 
+class _PendingCheck:
+    """A call whose flags are on their way from the device: what judging it, and showing it, needs."""
+
+    __slots__ = ("call", "phase", "named", "versions", "split", "results_first", "flags", "remaining", "table",
+                 "held_bytes")
+
+    def __init__(self, call: OpCall, phase: str, named: list, split: int, results_first: bool) -> None:
+        self.call, self.phase, self.split, self.results_first = call, phase, split, results_first
+        # Aliases of the call's tensors, not the tensors: holding the caller's tensor objects is visible to the
+        # program (torch.utils.swap_tensors, which Module.to() uses, refuses a tensor referenced elsewhere).
+        self.named: list = [(name, t.detach()) for name, t in named]
+        self.versions = [t._version for _, t in named]  # an alias shares the version counter: writes show
+        self.held_bytes = sum(t.numel() * t.element_size() for _, t in named)
+        self.flags = [False] * len(named)
+        self.remaining = 0  # device groups not yet read back
+        self.table: list[dict] | None = None  # the statistics, where computed with the flags
+
+    def let_go(self) -> None:
+        """Drop the aliases (the held-memory budget): the call is still judged, its table shows flags only."""
+        self.named = [(name, None) for name, _ in self.named]
+        self.held_bytes = 0
+
+    def sources_and_results(self) -> tuple[list[bool], list[bool]]:
+        first, second = self.flags[:self.split], self.flags[self.split:]
+        return (second, first) if self.results_first else (first, second)
+
+    def rows(self) -> list[dict]:
+        """The statistics table of the call, from its tensors as they are now: a tensor let go of or written in
+        place since the call shows its flag (read at the call) and no statistics."""
+        if self.table is not None:
+            return self.table
+        kept = [(name, t) if t is not None and t._version == version else None
+                for (name, t), version in zip(self.named, self.versions)]
+        computed = iter(statistics_rows([pair for pair in kept if pair is not None]))
+        return [next(computed) if pair is not None else
+                {"name": name, "inf_or_nan": flag, **{s: NOT_KEPT for s in _STATISTICS}}
+                for (name, _), pair, flag in zip(self.named, kept, self.flags)]
+
+
 @feature("overflow_check")
 class OpOverflowCheck(OpTool):
     """Check every handled call's inputs, outputs and gradients for inf/nan.
@@ -154,12 +205,25 @@ class OpOverflowCheck(OpTool):
 
     def configure(self) -> None:
         self.raise_on_overflow = OVERFLOW_CHECK_RAISE.read(self.sources)
-        self.first_overflow: Overflow | None = None
+        self._first_overflow: Overflow | None = None
         self._pending: Overflow | None = None
+        self._readback = DeviceReadback(READBACK_BATCH)
+        self._checks: collections.deque[_PendingCheck] = collections.deque()  # in execution order
+        self._checks_lock = threading.Lock()
+        self._held = 0  # bytes the checks in flight hold (HELD_BYTES)
+
+    @property
+    def first_overflow(self) -> Overflow | None:
+        """The first op, in execution order, whose outputs hold inf/nan while its inputs are finite (None: none so
+        far). Reading it while checks are in flight waits for them (one synchronisation)."""
+        if self._first_overflow is None and self._checks:
+            with tool_work():  # read from the program's own code: the tool's torch calls are not the program's
+                self._judge(wait=True)
+        return self._first_overflow
 
     def before(self, call: OpCall) -> None:
         # A collective writes what it received over what it sent: what was sent is measured now (on the device).
-        if signature_of(call.name) is None or (self.first_overflow is not None
+        if signature_of(call.name) is None or (self._first_overflow is not None
                                                and not self._logger.isEnabledFor(logging.DEBUG)):
             return
         bound = collective_call(call.name, call.func, call.args, call.kwargs)
@@ -169,7 +233,7 @@ class OpOverflowCheck(OpTool):
 
     def after(self, call: OpCall) -> None:
         verbose = self._logger.isEnabledFor(logging.DEBUG)
-        if self.first_overflow is not None and not verbose:  # nothing more to find or to print
+        if self._first_overflow is not None and not verbose:  # nothing more to find or to print
             return
         if isinstance(call.state, dict) and "collective" in call.state:
             self._check_collective(call, call.state["collective"], call.state["sent"])
@@ -189,23 +253,20 @@ class OpOverflowCheck(OpTool):
     def _check_collective(self, call: OpCall, bound, sent: list[torch.Tensor]) -> None:
         """Born here when what arrived holds inf/nan and what this rank sent did not: received from another rank."""
         received = [t for t in map(local_part, bound.received) if _checked(t)]
-        if self.first_overflow is not None or not received:
+        if self._first_overflow is not None or not received:
             return
-        if not any(nonfinite_flags(received)):
+        if not any(nonfinite_flags(received)):  # read at once: collectives are few per step
             return
         if sent and not all(math.isfinite(v) for v in torch.stack(sent).cpu().tolist()):
             return  # this rank sent it: an earlier call made it
+        if self._checks:  # an earlier call still in flight may be the first
+            self._judge(wait=True)
+            if self._first_overflow is not None:
+                return
         phase = "backward" if torch._C._current_graph_task_id() >= 0 else "forward"  # DDP's buckets: in backward
-        self.first_overflow = Overflow(call.name, call.forward_id, phase, call.location, call.module_path, call.step,
-                                       call.time, received=True)
         rows = statistics_rows([(f"{call.name} received", t) for t in received])
-        self._logger.warning(f"\nOpOverflowCheck: {self.first_overflow}\n"
-                             + reporting.call_table(call.name, rows, STAT_COLUMNS))
-        if self.raise_on_overflow:
-            if phase == "backward":
-                self._pending = self.first_overflow
-            else:
-                raise OverflowDetectedError(str(self.first_overflow))
+        self._found(Overflow(call.name, call.forward_id, phase, call.location, call.module_path, call.step,
+                             call.time, received=True), call.name, rows)
 
     def after_backward(self, call: OpCall, grad_inputs: tuple, grad_outputs: tuple) -> None:
         self._check_gradients(call, grad_inputs, grad_outputs, self._logger.isEnabledFor(logging.DEBUG))
@@ -215,7 +276,7 @@ class OpOverflowCheck(OpTool):
         self._check_gradients(call, grad_inputs, grad_outputs, False)
 
     def _check_gradients(self, call: OpCall, grad_inputs: tuple, grad_outputs: tuple, print_table: bool) -> None:
-        if self.first_overflow is not None and not print_table:
+        if self._first_overflow is not None and not print_table:
             return
         # Backward runs from grad_outputs (upstream) to grad_inputs; the table lists grad_inputs first.
         self._check(call, named_tensors(f"{call.name} grad_outputs", grad_outputs),
@@ -225,7 +286,7 @@ class OpOverflowCheck(OpTool):
 
     def finish(self) -> None:
         """The first overflow, written for the run's other readers (each rank its own file under torchrun)."""
-        if self.first_overflow is None:
+        if self.first_overflow is None:  # what is still in flight is read first
             return
         path = result_files.results_path(self.common, self.results_folder, f"overflow_{self.stem}.json")
         self.tally.add(path, result_files.write_json(path, self.first_overflow.record(self.common.rank)))
@@ -248,30 +309,97 @@ class OpOverflowCheck(OpTool):
     def _check(self, call: OpCall, sources: list, results: list, phase: str, table_header: str | None,
                results_first: bool = False) -> None:
         """Flag ``sources`` and ``results`` (``(name, tensor)`` pairs): all statistics, read in one transfer, when
-        ``table_header`` asks for the table; otherwise only the fused finiteness flags (one transfer)."""
+        ``table_header`` asks for the table; at once when an overflow must raise at its op; otherwise queued on
+        the device and judged when its batch arrives (``_queue``)."""
         ordered = results + sources if results_first else sources + results
+        split = len(results) if results_first else len(sources)
         if table_header is not None:
             rows = statistics_rows(ordered)
             self._logger.debug(table_header + "\n" + reporting.call_table(call.name, rows, STAT_COLUMNS))
             flags = [row["inf_or_nan"] for row in rows]
         elif not any(_checked(t) for _, t in results):  # no floating result: nothing can overflow here
             return
+        elif not self.raise_on_overflow:
+            self._queue(_PendingCheck(call, phase, ordered, split, results_first), [t for _, t in ordered])
+            return
         else:
             flags = nonfinite_flags([t for _, t in ordered])
             rows = None
-        if self.first_overflow is not None:
+        if self._checks:  # judged in execution order: the calls in flight first
+            self._judge(wait=True)
+        if self._first_overflow is not None:
             return
-        result_flags = flags[:len(results)] if results_first else flags[len(sources):]
-        source_flags = flags[len(results):] if results_first else flags[:len(sources)]
+        check = _PendingCheck(call, phase, ordered, split, results_first)
+        check.flags, check.table = flags, rows
+        self._verdict(check)
+
+    # --- checks in flight: flags computed on the device, judged in call order as their batch arrives ---
+
+    def _queue(self, check: _PendingCheck, tensors: list[torch.Tensor]) -> None:
+        """One fused reduction per device for the call's tensors, queued for the host; CPU tensors flagged now."""
+        by_device: dict[torch.device, list[int]] = {}
+        for i, t in enumerate(tensors):
+            if _checked(t):
+                by_device.setdefault(t.device, []).append(i)
+        with self._checks_lock:
+            self._checks.append(check)
+            self._held += check.held_bytes
+            for older in self._checks:  # oldest first
+                if self._held <= HELD_BYTES:
+                    break
+                self._held -= older.held_bytes
+                older.let_go()
+            with torch.no_grad():
+                for device, indices in by_device.items():
+                    largest = _largest_magnitudes([tensors[i] for i in indices])  # joined when the batch is sent
+                    if device.type == "cpu":  # host memory: nothing to wait for
+                        for i, value in zip(indices, torch.stack(largest).tolist()):
+                            check.flags[i] = not math.isfinite(value)
+                    else:
+                        check.remaining += 1
+                        self._readback.put(largest, (check, indices))
+        self._judge(wait=False)
+
+    def _judge(self, wait: bool) -> None:
+        """Take in the flags that arrived (all of them, waiting, with ``wait``) and judge the calls complete, in
+        order, up to the first one still in flight."""
+        with self._checks_lock:
+            for (check, indices), values in (self._readback.drain() if wait else self._readback.ready()):
+                for i, value in zip(indices, values):
+                    check.flags[i] = not math.isfinite(value)
+                check.remaining -= 1
+            complete = []
+            while self._checks and self._checks[0].remaining == 0:
+                complete.append(self._checks.popleft())
+                self._held -= complete[-1].held_bytes
+        for check in complete:
+            if self._first_overflow is not None:
+                break
+            self._verdict(check)
+
+    def _verdict(self, check: _PendingCheck) -> None:
+        source_flags, result_flags = check.sources_and_results()
         if any(result_flags) and not any(source_flags):
-            self.first_overflow = Overflow(call.name, call.forward_id, phase, call.location, call.module_path,
-                                           call.step, call.time)
-            if rows is None:  # the statistics of this one call, to show what overflowed
-                rows = statistics_rows(ordered)
-            self._logger.warning(f"\nOpOverflowCheck: {self.first_overflow}\n"
-                                 + reporting.call_table(call.name, rows, STAT_COLUMNS))
-            if self.raise_on_overflow:
-                if phase == "backward":  # raised when backward() returns, on the caller's thread
-                    self._pending = self.first_overflow
-                else:
-                    raise OverflowDetectedError(str(self.first_overflow))
+            call = check.call
+            self._found(Overflow(call.name, call.forward_id, check.phase, call.location, call.module_path, call.step,
+                                 call.time), call.name, check.rows())
+
+    def _found(self, overflow: Overflow, name: str, rows: list[dict]) -> None:
+        """The first overflow: said with its call's statistics, nothing more queued, raised if asked."""
+        self._first_overflow = overflow
+        with self._checks_lock:
+            self._readback.discard()
+            self._checks.clear()
+            self._held = 0
+        note = ""
+        if any(row.get("min") == NOT_KEPT for row in rows):
+            note = ("\n(statistics not kept: tensors written in place, or let go of to bound memory, before this "
+                    "call's check was read; OP_OVERFLOW_CHECK_RAISE=1 or OP_TOOLS_VERBOSE=1 reads each call as it "
+                    "runs)")
+        self._logger.warning(f"\nOpOverflowCheck: {overflow}\n" + reporting.call_table(name, rows, STAT_COLUMNS)
+                             + note)
+        if self.raise_on_overflow:
+            if overflow.phase == "backward":  # raised when backward() returns, on the caller's thread
+                self._pending = overflow
+            else:
+                raise OverflowDetectedError(str(overflow))

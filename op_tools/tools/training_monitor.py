@@ -11,8 +11,12 @@ It is not an ``OpTool``: it intercepts no op. What it hooks, while started:
 
 Where the work runs: every figure is computed on the device, without a host synchronisation (``_StepFigures``):
 norms fused by ``torch._foreach_norm`` per device and dtype, a sharded tensor's squares summed across its shards
-(``core/shards.py``, one ``all_reduce`` per group per step), and everything read back in one device->host transfer
-per device in the post-step hook. The rules then run on the host, on floats.
+(``core/shards.py``, one ``all_reduce`` per group per step), and everything copied to the host in one non-blocking
+transfer per device in the post-step hook (``numerics/device_readback.py``): the step never waits for the device.
+The figures are taken in when their copy has arrived (at a later step's hook, polled, or at ``stop()``, which waits),
+in step order; then the rules, the CSV rows and the TensorBoard event run on a writer thread, off the training
+thread. A rule still names the step its figure belongs to; ``stop()`` waits for every step, so the closing line and
+the files count everything.
 
 >>> import torch, op_tools
 >>> model = torch.nn.Linear(4, 2)
@@ -34,7 +38,9 @@ import functools
 import importlib.util
 import math
 import os
+import queue
 import re
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -45,6 +51,7 @@ import torch
 from ..config.training_monitor import TrainingMonitorConfig
 from ..config.variables import BLOCKS
 from ..core import shards
+from ..numerics.device_readback import DeviceReadback
 from ..numerics.tensor_stats import SUMMARY_FIELDS, summary
 from ..output import reporting, result_files
 from ..output.reporting import logger
@@ -82,31 +89,73 @@ def _combined(statistic: str, values: list[float]) -> float:
 
 
 class _StepFigures:
-    """A step's figures on the device until ``read``: squares summed across their shards, then every figure read
-    back in one transfer per device. Keys may repeat (a module called twice); ``read`` keeps them in order."""
+    """A step's figures on the device until sent: squares summed across their shards, then every figure copied to
+    the host in one non-blocking transfer per device (``send``); ``read`` once they all arrived. Keys may repeat (a
+    module called twice); ``read`` keeps them in order."""
 
     def __init__(self) -> None:
         self.parts: list[tuple[torch.Tensor, list[Key], bool, shards.Groups]] = []
+        self._host: list[list[float]] = []
+        self.remaining = 0  # devices whose transfer has not arrived
 
     def add(self, values: torch.Tensor, keys: list[Key], squared: bool = False, groups: shards.Groups = ()) -> None:
         self.parts.append((values.reshape(-1).float(), keys, squared, groups))
 
-    def read(self) -> list[tuple[Key, float]]:
+    def send(self, readback: DeviceReadback) -> None:
         summed = shards.sum_across_shards((values, groups) for values, _, _, groups in self.parts)
         by_device: dict[torch.device, list[int]] = {}
         for k, values in enumerate(summed):
             by_device.setdefault(values.device, []).append(k)
-        host: list[list[float]] = [[] for _ in summed]
+        self._host = [[] for _ in summed]
+        self._sizes = [values.numel() for values in summed]
+        self.remaining = len(by_device)
         for indices in by_device.values():
-            flat = torch.cat([summed[k] for k in indices]).cpu().tolist()
-            start = 0
-            for k in indices:
-                host[k], start = flat[start: start + summed[k].numel()], start + summed[k].numel()
+            readback.put(torch.cat([summed[k] for k in indices]), (self, indices))
+
+    def arrived(self, indices: list[int], flat: list[float]) -> None:
+        start = 0
+        for k in indices:
+            self._host[k], start = flat[start: start + self._sizes[k]], start + self._sizes[k]
+        self.remaining -= 1
+
+    def read(self) -> list[tuple[Key, float]]:
         out = []
-        for (_, keys, squared, _), floats in zip(self.parts, host):
+        for (_, keys, squared, _), floats in zip(self.parts, self._host):
             for key, value in zip(keys, floats):
                 out.append((key, math.sqrt(value) if squared and value >= 0 else value))
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sent:
+    """A monitored step whose figures are on their way: what writing them needs besides the figures."""
+
+    figures: _StepFigures
+    step: int
+    time: float  # time.time() at the step's end
+    step_time: float
+    lrs: dict[str, float]
+
+
+class _HostWriter:
+    """One thread doing the host's share of the monitored steps, in step order: rules, CSV rows, TensorBoard."""
+
+    def __init__(self) -> None:
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="op_tools TrainingMonitor writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, work: Callable[[], None]) -> None:
+        self._work.put(work)
+
+    def close(self) -> None:
+        """Every submitted step written, then the thread ends."""
+        self._work.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (work := self._work.get()) is not None:
+            work()
 
 
 def _squared_norms(items: list[tuple[Key, torch.Tensor, shards.Groups]], figures: _StepFigures) -> None:
@@ -268,6 +317,9 @@ class TrainingMonitor:
         self._groups: dict[int, shards.Groups] = {}
         self._ddp_groups: list = []  # the process groups of the DDP modules found (replicas compared within)
         self._step_end = time.perf_counter()
+        self._readback = DeviceReadback(batch=1)  # each step's figures leave as soon as they are computed
+        self._sent: collections.deque[_Sent] = collections.deque()
+        self._host_writer = _HostWriter()
         self._hooks = [register_optimizer_step_pre_hook(self._before_step),
                        register_optimizer_step_post_hook(self._after_step)]
         if self.model is not None:
@@ -293,6 +345,8 @@ class TrainingMonitor:
         for owner, name, original in reversed(self._patches):
             setattr(owner, name, original)
         self._patches = []
+        self._guarded("reading the last steps' figures", lambda: self._take_in(wait=True))
+        self._host_writer.close()  # every step's rows and rules done: the files below are complete
         written = [self.csv_path, self.anomalies_path]
         for f in (self._csv_file, self._anomaly_file, self._writer):
             if f is not None:
@@ -345,15 +399,17 @@ class TrainingMonitor:
         self._patches.append((owner, name, original))
         setattr(owner, name, functools.wraps(original)(make(original)))
 
-    def _guarded(self, what: str, work: Callable[[], None]) -> None:
-        """A monitor failing never stops the user's step: said once, counted, later steps tried again."""
+    def _guarded(self, what: str, work: Callable[[], None], step: int | None = None) -> None:
+        """A monitor failing never stops the user's step: said once, counted, later steps tried again (``step``: the
+        step the work is for, when not the current one)."""
         try:
             work()
         except Exception:  # noqa: BLE001 - see the docstring
             self._unmeasured[f"{what} failed"] += 1
             if not self._failed:
                 self._failed = True
-                logger.exception("TrainingMonitor: %s at step %d failed; later steps are tried again", what, self.step)
+                logger.exception("TrainingMonitor: %s at step %d failed; later steps are tried again", what,
+                                 self.step if step is None else step)
 
     # --- the model: names, selected modules, hooks ---
 
@@ -475,6 +531,8 @@ class TrainingMonitor:
         try:
             if self._recording:
                 self._guarded("recording", lambda: self._record_after(optimizer, step_time))
+            if self._sent:  # never waits: what has arrived, from this step or earlier ones
+                self._guarded("reading", lambda: self._take_in(wait=False))
         finally:
             self._figures, self._old, self._loss, self._roots = _StepFigures(), None, None, None
             self._before_reduction, self._step_params = {}, []
@@ -591,14 +649,25 @@ class TrainingMonitor:
                         elif p.selected and p.groups and moment in kept:  # FSDP1: see _record_before
                             items.append((("parameter", p.name, statistic), p.param.new_zeros(0), p.groups))
             _squared_norms(items, figures)
-        read = figures.read()
+            figures.send(self._readback)
         self._monitored += 1
-        self._write(read, step_time)
+        self._sent.append(_Sent(figures, self.step, time.time(), step_time, self._lrs))
+
+    def _take_in(self, wait: bool) -> None:
+        """The figures that arrived (all of them, waiting, with ``wait``), handed to the writer in step order."""
+        for (figures, indices), flat in (self._readback.drain() if wait else self._readback.ready()):
+            figures.arrived(indices, flat)
+        while self._sent and self._sent[0].figures.remaining == 0:
+            self._host_writer.submit(functools.partial(self._write_guarded, self._sent.popleft()))
+
+    def _write_guarded(self, sent: _Sent) -> None:
+        self._guarded("writing", lambda: self._write(sent), sent.step)
 
     # --- host: rows, files, rules ---
 
-    def _write(self, read: list[tuple[Key, float]], step_time: float) -> None:
-        step, now = self.step, time.time()
+    def _write(self, sent: _Sent) -> None:
+        """On the writer thread: the step's figures combined, judged by the rules, written."""
+        read, step, now, step_time = sent.figures.read(), sent.step, sent.time, sent.step_time
         values: dict[Key, list[float]] = {}
         for key, value in read:
             values.setdefault(key, []).append(value)
@@ -614,7 +683,7 @@ class TrainingMonitor:
         grads = [v for (kind, _, s), v in figures.items() if kind == "parameter" and s == "grad_norm"]
         if grads:
             figures[("step", "", "global_grad_norm")] = math.sqrt(sum(g * g for g in grads))
-        for name, lr in self._lrs.items():
+        for name, lr in sent.lrs.items():
             figures[("step", "", name)] = float(lr)
         figures[("step", "", "step_time")] = step_time
         self._rules(step, read, figures)

@@ -439,24 +439,81 @@ def test_the_scaler_is_found_without_being_passed_and_the_loss_is_unscaled(sim, 
     assert _anomalies(monitor) == []
 
 
-def test_a_failure_inside_the_monitor_is_said_counted_and_the_run_goes_on(sim, tmp_path, caplog, monkeypatch):
+def test_a_monitored_step_never_waits_for_the_device(sim, tmp_path):
+    # counted on sim: the monitor adds one non-blocking copy per step and no synchronisation
+    def counted(monitored: bool):
+        before = torch.sim.device_counts()
+        _train(sim, tmp_path / str(monitored), steps=4) if monitored else _plain_steps(sim, 4)
+        return torch.sim.device_counts() - before
+
+    plain, monitored = counted(False), counted(True)
+    # _train reads each gradient and the loss by hand for the other tests: the same reads as _plain_steps makes
+    assert monitored.synchronizations == plain.synchronizations
+    assert monitored.device_to_host_copies - plain.device_to_host_copies == 4
+
+
+def test_on_an_asynchronous_device_every_step_is_written_with_its_own_figures(sim, tmp_path):
+    # the figures of a step arrive 10,000 kernels later (steps later): the files must equal a synchronous run's
+    import ditorch.sim
+
+    _, synchronous, _ = _train(sim, tmp_path / "sync", steps=4, before_step=_nan_at(2))
+    with ditorch.sim.asynchronous(lag=10_000):
+        _, late, _ = _train(sim, tmp_path / "async", steps=4, before_step=_nan_at(2))
+    def comparable(monitor):  # the step's wall time aside; nan equal to nan
+        return {step: {k: ("nan" if math.isnan(v) else v) for k, v in figures.items() if k[2] != "step_time"}
+                for step, figures in _figures(monitor).items()}
+
+    assert comparable(late) == comparable(synchronous) and sorted(comparable(late)) == [0, 1, 2, 3]
+    assert [(a["rule"], a["step"], a["module"]) for a in _anomalies(late)] == \
+        [(a["rule"], a["step"], a["module"]) for a in _anomalies(synchronous)] == [("nonfinite", 2, "model.layers.0")]
+
+
+def _plain_steps(device, steps: int) -> None:
+    """_train's loop and its reads by hand, without a monitor."""
+    from tiny_models import tiny_llama
+
+    torch.manual_seed(0)
+    model = tiny_llama().to(device)
+    ids = torch.randint(0, 128, (2, 16)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        {n: p.grad.cpu().double().norm().item() for n, p in model.named_parameters() if p.grad is not None}
+        loss.item()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _nan_at(step: int):
+    def before_step(k, model):
+        if k == step:
+            with torch.no_grad():
+                model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    return before_step
+
+
+@pytest.mark.parametrize("where, said", [("send", "recording"), ("read", "writing")])
+def test_a_failure_inside_the_monitor_is_said_counted_and_the_run_goes_on(sim, tmp_path, caplog, monkeypatch, where,
+                                                                         said):
+    # send: on the training thread, in the post-step hook; read: on the writer thread, which writes the figures
     from op_tools.tools import training_monitor
 
     calls = {"n": 0}
-    real = training_monitor._StepFigures.read
+    real = getattr(training_monitor._StepFigures, where)
 
-    def flaky(self):
+    def flaky(self, *args):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected")
-        return real(self)
+        return real(self, *args)
 
-    monkeypatch.setattr(training_monitor._StepFigures, "read", flaky)
+    monkeypatch.setattr(training_monitor._StepFigures, where, flaky)
     caplog.set_level(logging.INFO, logger="op_tools")
     _, monitor, _ = _train(sim, tmp_path, steps=3)
     assert sorted(_figures(monitor)) == [0, 2]
-    assert "recording at step 1 failed" in caplog.text
-    assert "not measured: 1 x recording failed" in caplog.text
+    assert f"{said} at step 1 failed" in caplog.text
+    assert f"not measured: 1 x {said} failed" in caplog.text
 
 
 def test_arguments_are_validated(tmp_path):

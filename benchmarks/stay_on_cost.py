@@ -1,0 +1,130 @@
+"""What the tools meant to stay on for a whole run cost a real-size training step: time, and what a real device
+would charge the host per step (synchronisations, copies, kernels), counted on sim.
+
+Conditions, each a round of ``--steps`` consecutive steps with the tool started before the round and stopped after:
+
+    (a) no tool
+    (b) TrainingMonitor(model=model)
+    (c) OpOverflowCheck()
+    (d) OpCapture(mode="stats"): the run recording
+
+The step is a transformers Llama (hidden 512, intermediate 1376, 4 layers, 8 heads, vocab 8192; batch 2x256), forward,
+backward, AdamW step, ``zero_grad()`` and ``loss.item()`` (one synchronisation of the step's own). After a warm-up
+round each, ``--rounds`` rounds alternate, order rotated; the medians of the per-step wall time are printed against
+(a). On sim the per-step counts come beside them (``benchmarks/device_charges.py``): on a fast device a tool's
+synchronisations and copies, not its arithmetic, set its cost, and sim's host memory cannot show that in time.
+
+    python benchmarks/stay_on_cost.py [--device sim|cpu|cuda] [--size real|tiny] [--rounds 3] [--steps 3]
+        [--tools TrainingMonitor,OpOverflowCheck,OpCapture]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("DITORCH_QUIET", "1")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.dirname(os.path.abspath(__file__))]
+
+import device_charges  # noqa: E402
+import torch  # noqa: E402
+from training_monitor_cost import build_step  # noqa: E402
+
+import op_tools  # noqa: E402
+
+# --size: hidden, intermediate, layers, heads, vocab, batch, sequence length
+SIZES = {"real": (512, 1376, 4, 8, 8192, 2, 256), "tiny": (64, 176, 2, 4, 128, 2, 16)}
+TOOLS = {
+    "TrainingMonitor": lambda model, results: op_tools.TrainingMonitor(model=model, results_dir=results),
+    "OpOverflowCheck": lambda model, results: op_tools.OpOverflowCheck(results_dir=results),
+    "OpCapture": lambda model, results: op_tools.OpCapture(mode="stats", results_dir=results),
+}
+TARGETS = {"TrainingMonitor": {"sim": 1.03, "cuda": 1.05}, "OpOverflowCheck": {"sim": 1.5, "cuda": 1.5},
+           "OpCapture": {"sim": 1.5, "cuda": 1.5}}  # issue 33, wall time against (a)
+
+
+def run_round(model, step, tool: str | None, steps: int, results: str) -> tuple[list[float], dict | None]:
+    """Wall seconds per step over ``steps`` steps under ``tool`` (None: no tool), and the counts per step."""
+    gc.collect()
+    monitor = None
+    started = TOOLS[tool](model, results).start() if tool else None
+    if tool == "TrainingMonitor":
+        monitor = started
+    times = []
+    before = device_charges.counts()
+    try:
+        for _ in range(steps):
+            begin = time.perf_counter()
+            step(monitor)
+            times.append(time.perf_counter() - begin)
+        after = device_charges.counts()
+    finally:
+        if started is not None:
+            started.stop()
+    return times, device_charges.per_step(before, after, steps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="sim", help="sim (default), cpu or cuda")
+    parser.add_argument("--size", choices=sorted(SIZES), default="real")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="training steps per round")
+    parser.add_argument("--tools", default=",".join(TOOLS), help="comma-separated, of " + ", ".join(TOOLS))
+    args = parser.parse_args()
+    tools = [t for t in args.tools.split(",") if t]
+    if unknown := set(tools) - set(TOOLS):
+        parser.error(f"--tools: unknown {', '.join(sorted(unknown))}; expected {', '.join(TOOLS)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("stay_on_cost: no CUDA GPU here")
+        return
+    if args.device == "sim":
+        import ditorch.sim
+
+        ditorch.sim.register()
+    logging.getLogger("op_tools").setLevel(logging.WARNING)
+    sizes = SIZES[args.size]
+    print(f"torch {torch.__version__}, {args.device}, {os.cpu_count()} cpus, {torch.get_num_threads()} threads; "
+          f"Llama hidden {sizes[0]}, {sizes[2]} layers, vocab {sizes[4]}, batch {sizes[5]}x{sizes[6]}, AdamW; "
+          f"{args.rounds} alternating rounds of {args.steps} steps after a warm-up round each")
+    results = tempfile.mkdtemp(prefix="stay_on_cost_")
+    conditions: list[str | None] = [None, *tools]
+    times: dict[str | None, list[float]] = {c: [] for c in conditions}
+    charged: dict[str | None, dict | None] = {}
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            model, step = build_step(args.device, *sizes)
+            for condition in conditions:  # warm-up: AdamW's state, the allocator, the tools' first calls
+                run_round(model, step, condition, 1, results)
+            for r in range(args.rounds):
+                for condition in conditions[r % len(conditions):] + conditions[:r % len(conditions)]:
+                    round_times, charged[condition] = run_round(model, step, condition, args.steps, results)
+                    times[condition].append(statistics.median(round_times))
+    finally:
+        shutil.rmtree(results, ignore_errors=True)
+    plain = statistics.median(times[None])
+    print(f"{'condition':<22}{'ms/step':>10}{'x (a)':>8}{device_charges.header()}")
+    for condition in conditions:
+        ms = statistics.median(times[condition])
+        counted = device_charges.cells(charged[condition])
+        print(f"{condition or 'no tool':<22}{ms * 1e3:>10.1f}{ms / plain:>8.2f}{counted}")
+    for tool in tools:
+        ratio = statistics.median(times[tool]) / plain
+        target = TARGETS[tool].get(args.device)
+        verdict = f" (target <= {target}: {'met' if ratio <= target else 'NOT met'})" if target else ""
+        counted = device_charges.summary(charged[tool])
+        print(f"summary: stay_on_cost: {args.device}: {tool} {ratio:.2f}x the step{verdict}"
+              + (f"; {counted}" if counted else ""))
+
+
+if __name__ == "__main__":
+    main()

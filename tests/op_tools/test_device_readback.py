@@ -1,0 +1,63 @@
+"""DeviceReadback: per-call values read back in batches, in put order, without synchronising until drained."""
+
+import pytest
+import torch
+
+from op_tools.numerics.device_readback import DeviceReadback
+
+
+def charged(work):
+    before = torch.sim.device_counts()
+    result = work()
+    return result, torch.sim.device_counts() - before
+
+
+def test_values_come_back_in_put_order_one_copy_per_batch_and_no_synchronisation(sim):
+    readback = DeviceReadback(batch=4)
+
+    def work():
+        for k in range(10):
+            readback.put(torch.full((2,), float(k), device=sim), token=k)
+        return list(readback.ready())
+
+    ready, counts = charged(work)
+    # sim's events complete at once: the two full batches are ready, the last two puts wait for a send
+    assert ready == [(k, [float(k), float(k)]) for k in range(8)] and len(readback) == 2
+    assert (counts.synchronizations, counts.device_to_host_copies) == (0, 2)
+    rest, counts = charged(lambda: list(readback.drain()))
+    assert rest == [(8, [8.0, 8.0]), (9, [9.0, 9.0])] and len(readback) == 0
+    assert (counts.synchronizations, counts.device_to_host_copies) == (1, 1)  # the drain's one wait
+
+
+def test_lists_of_scalars_of_mixed_dtypes_are_joined_when_sent(sim):
+    readback = DeviceReadback(batch=64)
+    half, wide = torch.tensor(1.5, dtype=torch.bfloat16, device=sim), torch.tensor(float("inf"), device=sim)
+    _, counts = charged(lambda: readback.put([half, wide], token="a"))
+    assert counts.kernel_launches == 0  # nothing joined before the batch is sent
+    assert list(readback.drain()) == [("a", [1.5, float("inf")])]
+
+
+def test_a_change_of_device_sends_the_batch_so_order_holds(sim):
+    readback = DeviceReadback(batch=64)
+    readback.put(torch.ones(1, device=sim), token="device")
+    readback.put(torch.zeros(1), token="host")  # host values: no copy, no event
+    readback.put(torch.full((1,), 2.0, device=sim), token="device again")
+    assert [token for token, _ in readback.drain()] == ["device", "host", "device again"]
+
+
+def test_a_device_module_without_events_reads_each_batch_with_one_blocking_copy(sim, monkeypatch):
+    monkeypatch.delattr(torch.sim, "Event")
+    readback = DeviceReadback(batch=2)
+
+    def work():
+        for k in range(4):
+            readback.put(torch.full((1,), float(k), device=sim), token=k)
+        return list(readback.ready())
+
+    ready, counts = charged(work)
+    assert [token for token, _ in ready] == [0, 1, 2, 3] and counts.synchronizations == 2
+
+
+def test_a_batch_below_one_is_refused():
+    with pytest.raises(ValueError, match="batch must be at least 1, not 0"):
+        DeviceReadback(batch=0)
