@@ -126,7 +126,7 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "1 makes a sim tensor's `untyped_storage()` report sim memory that the host cannot read, as a GPU "
            "tensor's does, so that tools take their device-memory branches (statistics on the device) on sim; "
            "views then do not share a storage. 0 reports the CPU storage holding the values.", parse_flag),
-    EnvVar("DITORCH_SIM_ASYNC", "a number of kernel launches, 0 or more", "0",
+    EnvVar("DITORCH_SIM_ASYNC", "an integer >= 0 (kernel launches)", "0",
            "N makes the sim device asynchronous as a GPU is: an event completes, and a non-blocking copy to the host "
            "lands (its destination holds NaN until then), N kernel launches after it was recorded or made, or at a "
            "synchronisation. 0 keeps sim synchronous: every event complete, every copy landed.", parse_sim_async),

@@ -30,12 +30,13 @@ _CPU = torch.device("cpu")
 
 
 class _Batch:
-    """Values of several puts on one device, joined and on their way to the host."""
+    """Values of several puts, those on the device joined and on their way to the host, those on the host as they
+    are (``None`` in ``on_host``: the put's values are the next ones of the joined copy)."""
 
-    __slots__ = ("tokens", "sizes", "host", "event")
+    __slots__ = ("tokens", "sizes", "on_host", "host", "event")
 
-    def __init__(self, tokens: list, sizes: list[int], host: torch.Tensor, event) -> None:
-        self.tokens, self.sizes, self.host, self.event = tokens, sizes, host, event
+    def __init__(self, tokens: list, sizes: list[int], on_host: list, host: torch.Tensor | None, event) -> None:
+        self.tokens, self.sizes, self.on_host, self.host, self.event = tokens, sizes, on_host, host, event
 
     def done(self) -> bool:
         return self.event is None or self.event.query()
@@ -45,11 +46,14 @@ class _Batch:
             self.event.synchronize()
 
     def items(self) -> Iterator[tuple[Any, list[float]]]:
-        values = self.host.tolist()  # a host tensor: no device read
+        values = self.host.tolist() if self.host is not None else []  # host memory: no device read
         start = 0
-        for token, size in zip(self.tokens, self.sizes):
-            yield token, values[start:start + size]
-            start += size
+        for token, size, on_host in zip(self.tokens, self.sizes, self.on_host):
+            if on_host is not None:
+                yield token, on_host
+            else:
+                yield token, values[start:start + size]
+                start += size
 
 
 class DeviceReadback:
@@ -62,6 +66,7 @@ class DeviceReadback:
         self._lock = threading.Lock()
         self._queued: list[tuple[Any, torch.Tensor | list[torch.Tensor]]] = []  # since the last send, one device
         self._in_flight: collections.deque[_Batch] = collections.deque()
+        self._queued_device: torch.device | None = None  # the device of the values queued (host values aside)
 
     def __len__(self) -> int:
         """Puts not yet handed back."""
@@ -72,9 +77,11 @@ class DeviceReadback:
         """Queue ``values`` to be read back, flat, with ``token``: a tensor (any shape and floating dtype, on any
         device), or a list of 0-dim tensors on one device, joined only when the batch is sent (no kernel now)."""
         with self._lock:
-            device = values.device if isinstance(values, torch.Tensor) else values[0].device
-            if self._queued and self._device(self._queued[0][1]) != device:
-                self._send()  # one device per batch: batches stay in put order
+            device = self._device(values)
+            if device.type != "cpu":  # one device per batch (host values join any): batches stay in put order
+                if self._queued_device is not None and self._queued_device != device:
+                    self._send()
+                self._queued_device = device
             self._queued.append((token, values))
             if len(self._queued) >= self.batch:
                 self._send()
@@ -101,35 +108,100 @@ class DeviceReadback:
     def discard(self) -> None:
         """Forget what is queued and in flight (a tool that found what it looked for)."""
         with self._lock:
-            self._queued, self._in_flight = [], collections.deque()
+            self._queued, self._in_flight, self._queued_device = [], collections.deque(), None
 
     @staticmethod
     def _device(values) -> torch.device:
         return values.device if isinstance(values, torch.Tensor) else values[0].device
 
     def _send(self) -> None:
-        """Join the queued values on their device (one kernel) and start their copy to the host."""
-        tokens = [token for token, _ in self._queued]
-        sizes = [v.numel() if isinstance(v, torch.Tensor) else len(v) for _, v in self._queued]
+        """Join the queued device values on their device (one kernel) and start their copy to the host; host values
+        are read as they are."""
+        tokens: list = []
+        sizes: list[int] = []
+        on_host: list[list[float] | None] = []
         parts: list[torch.Tensor] = []
-        for _, values in self._queued:
-            parts.extend([values] if isinstance(values, torch.Tensor) else values)
-        self._queued = []
-        device = parts[0].device
+        for token, values in self._queued:
+            tensors = [values] if isinstance(values, torch.Tensor) else values
+            tokens.append(token)
+            sizes.append(sum(t.numel() for t in tensors))
+            if tensors[0].device.type == "cpu":
+                on_host.append([v for t in tensors for v in t.reshape(-1).tolist()])
+            else:
+                on_host.append(None)
+                parts.extend(tensors)
+        device, self._queued, self._queued_device = self._queued_device, [], None
+        if not parts or device is None:
+            self._in_flight.append(_Batch(tokens, sizes, on_host, None, None))
+            return
         with torch.no_grad():
             # stack and cat promote mixed dtypes (bfloat16 flags beside float32 statistics) in the same kernel
-            if all(p.dim() == 0 for p in parts):
-                joined = torch.stack(parts)
-            else:
-                joined = torch.cat([p.reshape(-1) for p in parts])
-            if device.type == "cpu":
-                self._in_flight.append(_Batch(tokens, sizes, joined, None))
-                return
+            joined = torch.stack(parts) if all(p.dim() == 0 for p in parts) else \
+                torch.cat([p.reshape(-1) for p in parts])
             event_class = getattr(getattr(torch, device.type, None), "Event", None)
             if event_class is None:  # no events to poll: read now, one synchronisation per batch
-                self._in_flight.append(_Batch(tokens, sizes, joined.to(_CPU), None))
+                self._in_flight.append(_Batch(tokens, sizes, on_host, joined.to(_CPU), None))
                 return
             host = joined.to(_CPU, non_blocking=True)  # PyTorch pins a non-blocking copy's host memory
             event = event_class()
             event.record(getattr(torch, device.type).current_stream(device))
-        self._in_flight.append(_Batch(tokens, sizes, host, event))
+        self._in_flight.append(_Batch(tokens, sizes, on_host, host, event))
+
+
+class KeptTensors:
+    """Aliases of one call's tensors, kept until its values have been read back, for what only the tensors can still
+    tell then (a table of their statistics, their nan and inf counts).
+
+    Aliases, not the tensors: holding the program's tensor objects is visible to it (``torch.utils.swap_tensors``,
+    which ``Module.to()`` uses, refuses a tensor referenced elsewhere). An alias shares its tensor's version counter,
+    so ``get`` gives None for a tensor written in place since it was kept, and for one let go of (``KeepBudget``).
+    """
+
+    __slots__ = ("_aliases", "_versions", "nbytes", "done")
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._aliases: list[torch.Tensor | None] = [t.detach() for t in tensors]
+        self._versions = [t._version for t in tensors]
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.done = False
+
+    def get(self, i: int) -> torch.Tensor | None:
+        alias = self._aliases[i]
+        return alias if alias is not None and alias._version == self._versions[i] else None
+
+    def let_go(self) -> None:
+        self._aliases = [None] * len(self._aliases)
+
+
+class KeepBudget:
+    """At most ``limit`` bytes of ``KeptTensors`` at a time, the oldest let go of first: the calls in flight mostly
+    keep tensors the step holds anyway, and the bound holds for the temporaries it would have freed."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._kept: collections.deque[KeptTensors] = collections.deque()
+        self._total = 0
+        self._lock = threading.Lock()
+
+    def keep(self, tensors: list[torch.Tensor]) -> KeptTensors:
+        kept = KeptTensors(tensors)
+        with self._lock:
+            self._kept.append(kept)
+            self._total += kept.nbytes
+            while self._total > self.limit and self._kept:
+                oldest = self._kept.popleft()
+                if not oldest.done:  # done: no longer counted
+                    oldest.done = True
+                    self._total -= oldest.nbytes
+                    oldest.let_go()
+        return kept
+
+    def release(self, kept: KeptTensors) -> None:
+        """The call's values were read: its tensors are no longer needed."""
+        with self._lock:
+            if not kept.done:
+                kept.done = True
+                self._total -= kept.nbytes
+            while self._kept and self._kept[0].done:
+                self._kept.popleft()
+        kept.let_go()

@@ -16,9 +16,9 @@ The divisions by ``numel`` and ``sqrt(numel)`` are left to the host (``host_valu
 are not computed on this path: when the minimum, maximum, sum and norm read back are all finite there is none;
 otherwise ``nonfinite_counts`` counts them (a second transfer, for tensors holding nan or inf only).
 
-Where it runs: every step of ``tensor_stats`` on the tensor's device, asynchronously; ``stats_to_host`` joins a
-call's pieces into one tensor per device, so that a call costs one device-to-host transfer (one per device for a
-call spanning devices, ``Tensor.to``).
+Where it runs: every step of ``tensor_stats`` on the tensor's device, asynchronously; ``joined_stats`` joins a
+call's pieces into one tensor per device, which the run recording hands to a ``DeviceReadback`` (copied to the host
+in batches of calls, without a synchronisation); ``stats_to_host`` reads them at once (one transfer per device).
 """
 
 from __future__ import annotations
@@ -74,11 +74,16 @@ def tensor_stats(t: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tenso
 
 def host_values(t: torch.Tensor, values: list[float]) -> list[float]:
     """``tensor_stats(t)`` read back, as the ``STAT_FIELDS`` of ``t``."""
-    n = t.numel() * (2 if t.is_complex() else 1)
+    return finished_values(t.numel() * (2 if t.is_complex() else 1), values, lambda: nonfinite_counts(t))
+
+
+def finished_values(n: int, values: list[float], counts) -> list[float]:
+    """``tensor_stats`` read back for a tensor of ``n`` real values, as its ``STAT_FIELDS``; ``counts()`` gives its
+    ``(nan, inf)`` counts, asked only where a statistic is not finite."""
     low, high, norm, total, *fingerprints = values
     nan = inf = 0
     if not all(math.isfinite(v) for v in values[:4]):
-        nan, inf = nonfinite_counts(t)
+        nan, inf = counts()
     scale = 1 / math.sqrt(n)
     return [low, high, total / n, norm, nan, inf, *(f * scale for f in fingerprints)]
 
@@ -90,20 +95,35 @@ def nonfinite_counts(t: torch.Tensor) -> tuple[int, int]:
     return nan, inf
 
 
-def stats_to_host(pieces: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]) -> list[list[float]]:
-    """``tensor_stats``' results as lists of floats (``min, max, norm, sum, *fingerprints``), in order: per device
-    one ``stack``, one ``cat`` and one transfer."""
+def joined_stats(pieces: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]) \
+        -> list[tuple[list[int], torch.Tensor]]:
+    """``tensor_stats``' results joined per device, on the device: ``(indices of the pieces, one 1-D tensor)`` for
+    each, one ``stack`` and one ``cat``; ``split_stats`` takes them apart once read back."""
     by_device: dict[torch.device, list[int]] = {}
     for i, (_, sums) in enumerate(pieces):
         by_device.setdefault(sums.device, []).append(i)
-    out: list[list[float]] = [[] for _ in pieces]
+    joined = []
     for indices in by_device.values():
         scalars = torch.stack([s for i in indices for s in pieces[i][0]])
-        values = torch.cat([scalars, *(pieces[i][1] for i in indices)]).tolist()
-        width = pieces[indices[0]][1].numel()
-        for k, i in enumerate(indices):
-            start = 3 * len(indices) + k * width
-            out[i] = [*values[3 * k: 3 * k + 3], *values[start: start + width]]
+        joined.append((indices, torch.cat([scalars, *(pieces[i][1] for i in indices)])))
+    return joined
+
+
+def split_stats(count: int, values: list[float]) -> list[list[float]]:
+    """One device's ``joined_stats`` read back, for its ``count`` pieces: ``min, max, norm, sum, *fingerprints``
+    each."""
+    width = (len(values) - 3 * count) // count if count else 0
+    return [[*values[3 * k: 3 * k + 3], *values[3 * count + k * width: 3 * count + (k + 1) * width]]
+            for k in range(count)]
+
+
+def stats_to_host(pieces: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]) -> list[list[float]]:
+    """``tensor_stats``' results as lists of floats (``min, max, norm, sum, *fingerprints``), in order: per device
+    one ``stack``, one ``cat`` and one transfer (a synchronisation: ``DeviceReadback`` reads them without)."""
+    out: list[list[float]] = [[] for _ in pieces]
+    for indices, joined in joined_stats(pieces):
+        for i, values in zip(indices, split_stats(len(indices), joined.tolist())):
+            out[i] = values
     return out
 
 

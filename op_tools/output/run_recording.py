@@ -40,6 +40,7 @@ The last line ``{"end": {"records": n, "bytes": b}}`` marks a complete file.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import os
@@ -49,7 +50,15 @@ from typing import Any
 
 import torch
 
-from ..numerics.tensor_stats import STAT_FIELDS, host_values, stats_to_host, tensor_stats
+from ..numerics.device_readback import DeviceReadback, KeepBudget, KeptTensors
+from ..numerics.tensor_stats import (
+    STAT_FIELDS,
+    finished_values,
+    joined_stats,
+    nonfinite_counts,
+    split_stats,
+    tensor_stats,
+)
 from ..ops.arguments import iter_items, local_part, real_device
 from ..ops.op_facts import op_facts
 from . import reporting, result_files
@@ -79,38 +88,69 @@ def _float(v: float) -> float:
     return float(f"{v:.8g}")  # float32 precision: 9 characters, not 18
 
 
-class _Side:
-    """The tensors of one side of a call, their statistics queued on their devices."""
+READBACK_BATCH = 64  # calls whose statistics travel to the host together: one copy, no synchronisation
+KEPT_BYTES = 256 * 2**20  # tensors kept for their nan/inf counts until read (numerics/device_readback.py)
+UNKNOWN_COUNT = -1  # the nan or inf count of a tensor written in place, or let go of, before its statistics arrived
 
-    __slots__ = ("name", "tensors", "omitted", "pieces")
+
+class _Side:
+    """The tensors of one side of a call, their statistics queued on their devices; what the record says of each
+    tensor is taken now, the tensors themselves are not kept (``kept``: aliases, for nan/inf counts)."""
+
+    __slots__ = ("name", "described", "omitted", "pieces", "kept", "device")
 
     def __init__(self, name: str, tensors: list[tuple[str, torch.Tensor]], omitted: int) -> None:
-        self.name, self.tensors, self.omitted = name, tensors, omitted
+        self.name, self.omitted = name, omitted
+        self.device = str(real_device(tensors[0][1])) if tensors else None  # of its first tensor
+        # where, dtype, shape, and the number of real values (0: empty, no statistics)
+        self.described = [(where, str(t.dtype).removeprefix("torch."), list(t.shape),
+                           t.numel() * (2 if t.is_complex() else 1)) for where, t in tensors]
         with torch.no_grad():
             self.pieces = [tensor_stats(t) for _, t in tensors if t.numel()]
+        self.kept: list[torch.Tensor] = [t for _, t in tensors if t.numel()]  # until the call's record is queued
 
-    def entries(self, host: list[list[float]]) -> list[list]:
+    def entries(self, host: list[list[float]], kept: KeptTensors | None, first: int) -> list[list]:
+        """The record's entries, from the statistics read back; ``kept`` holds this side's non-empty tensors from
+        position ``first`` on."""
         values = iter(host)
-        out = []
-        for where, t in self.tensors:
-            entry: list = [where, str(t.dtype).removeprefix("torch."), list(t.shape)]
-            if t.numel():  # an in-place op's input holding nan/inf is counted after the op wrote it
-                entry += [_float(v) for v in host_values(t, next(values))]
+        out, k = [], first
+        for where, dtype, shape, n in self.described:
+            entry: list = [where, dtype, shape]
+            if n:  # an in-place op's input holding nan/inf is counted after the op wrote it
+                entry += [_float(v) for v in finished_values(n, next(values), lambda k=k: _counts(kept, k))]
+                k += 1
             out.append(entry)
         return out
 
 
-def _to_record(record: dict[str, Any], sides: list[_Side]) -> dict[str, Any]:
-    """Fill ``record`` with the sides' entries: one transfer for all their statistics."""
-    host = iter(stats_to_host([v for side in sides for v in side.pieces]))
-    omitted = {}
-    for side in sides:
-        record[side.name] = side.entries([next(host) for _ in side.pieces])
-        if side.omitted:
-            omitted[side.name] = side.omitted
-    if omitted:
-        record["omitted"] = omitted
-    return record
+def _counts(kept: KeptTensors | None, k: int) -> tuple[int, int]:
+    tensor = kept.get(k) if kept is not None else None
+    return nonfinite_counts(tensor) if tensor is not None else (UNKNOWN_COUNT, UNKNOWN_COUNT)
+
+
+class _Pending:
+    """A record whose statistics are on their way from the device; ``sides`` None: written as it is."""
+
+    __slots__ = ("record", "sides", "kept", "host", "remaining")
+
+    def __init__(self, record: dict, sides: list[_Side] | None, kept: KeptTensors | None) -> None:
+        self.record, self.sides, self.kept = record, sides, kept
+        self.host: list[list[float]] = [[] for side in sides or () for _ in side.pieces]
+        self.remaining = 0  # devices whose statistics have not arrived
+
+    def finished(self) -> dict[str, Any]:
+        """The record with its sides' entries."""
+        record, host, first = self.record, iter(self.host), 0
+        assert self.sides is not None
+        omitted = {}
+        for side in self.sides:
+            record[side.name] = side.entries([next(host) for _ in side.pieces], self.kept, first)
+            first += len(side.pieces)
+            if side.omitted:
+                omitted[side.name] = side.omitted
+        if omitted:
+            record["omitted"] = omitted
+        return record
 
 
 class RunRecorder:
@@ -130,6 +170,11 @@ class RunRecorder:
         self._indices: dict[str, int] = {}  # module path -> calls recorded in step _indices_step
         self._indices_step = 0
         self._lock = threading.Lock()
+        self._readback = DeviceReadback(READBACK_BATCH)
+        self._pending: collections.deque[_Pending] = collections.deque()  # in the order the calls ended
+        self._pending_lock = threading.Lock()
+        self._kept = KeepBudget(KEPT_BYTES)
+        self.unread = 0  # records whose statistics could not be read back (written marked unrecorded)
 
     def before(self, call) -> None:
         """Queue the statistics of the inputs (before an in-place op changes them)."""
@@ -158,8 +203,7 @@ class RunRecorder:
             outputs = _Side("outputs", *_tensors(iter_items(results), self.max_tensors))
         except Exception as e:
             error, raised = error or _described(e), e
-        first = next(iter((inputs.tensors if inputs else []) or (outputs.tensors if outputs else [])), None)
-        device = str(real_device(first[1])) if first is not None else str(call.device)
+        device = (inputs.device if inputs else None) or (outputs.device if outputs else None) or str(call.device)
         recompute = call.state["recompute"]
         step = call.step
         with self._lock:
@@ -201,19 +245,68 @@ class RunRecorder:
 
     def _write_or_mark(self, record: dict, sides: list[_Side] | None, error: str | None,
                        raised: Exception | None) -> None:
-        """Write the record with its sides' statistics, or, where they could not be computed, with the error in
-        their place (so that a comparison names the call instead of missing it); then raise what failed here, for
-        the engine to count the call as not checked."""
+        """Queue the record with its sides' statistics (written once they arrive, in order), or, where they could not
+        be computed, write it with the error in their place (so that a comparison names the call instead of missing
+        it); then raise what failed here, for the engine to count the call as not checked."""
         if sides is not None and error is None:
             try:
-                self._write(_to_record(record, sides))
+                self._queue(record, sides)
                 return
             except Exception as e:
                 error, raised = _described(e), e
         marked = {k: v for k, v in record.items() if k not in _SIDES and k != "omitted"}  # no partial sides
-        self._write({**marked, "unrecorded": error or "its inputs were not recorded"})
+        self._queue({**marked, "unrecorded": error or "its inputs were not recorded"}, None)
         if raised is not None:
             raise raised
+
+    def _queue(self, record: dict, sides: list[_Side] | None) -> None:
+        """The record after those queued before it; its statistics joined per device and sent without waiting."""
+        kept = None
+        if sides is not None:
+            kept = self._kept.keep([t for side in sides for t in side.kept])
+            for side in sides:
+                side.kept = []
+        pending = _Pending(record, sides, kept)
+        with self._pending_lock:
+            if sides is not None:
+                with torch.no_grad():
+                    joined = joined_stats([piece for side in sides for piece in side.pieces])
+                for indices, values in joined:
+                    pending.remaining += 1
+                    self._readback.put(values, (pending, indices))
+            self._pending.append(pending)
+        self._write_arrived(wait=False)
+
+    def _write_arrived(self, wait: bool) -> None:
+        """Write the records whose statistics arrived (all, waiting, with ``wait``), in order."""
+        with self._pending_lock:
+            try:
+                for (pending, indices), values in (self._readback.drain() if wait else self._readback.ready()):
+                    for i, piece in zip(indices, split_stats(len(indices), values)):
+                        pending.host[i] = piece
+                    pending.remaining -= 1
+            except Exception as e:  # a transfer failed: the records in flight say so
+                self._readback.discard()
+                for pending in self._pending:
+                    if pending.remaining:
+                        self.unread += 1
+                        pending.sides, pending.remaining = None, 0
+                        pending.record = {**{k: v for k, v in pending.record.items() if k not in _SIDES},
+                                          "unrecorded": f"its statistics were not read back: {_described(e)}"}
+            ready = []
+            while self._pending and self._pending[0].remaining == 0:
+                ready.append(self._pending.popleft())
+            for pending in ready:
+                try:
+                    record = pending.finished() if pending.sides is not None else pending.record
+                except Exception as e:  # the nan/inf counts of a tensor could not be read
+                    self.unread += 1
+                    record = {**{k: v for k, v in pending.record.items() if k not in _SIDES and k != "omitted"},
+                              "unrecorded": _described(e)}
+                finally:
+                    if pending.kept is not None:
+                        self._kept.release(pending.kept)
+                self._write(record)
 
     def _write(self, record: dict) -> None:
         self.file.write(record)
@@ -221,6 +314,7 @@ class RunRecorder:
             self.records += 1
 
     def close(self) -> None:
+        self._write_arrived(wait=True)  # the records still in flight
         with self._lock:
             records = self.records
         self.file.write({"end": {"records": records, "bytes": self.file.bytes_written}})

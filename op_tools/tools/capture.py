@@ -282,7 +282,11 @@ class OpCapture(OpTool):
             self.index_error = f"the index {path} not written ({type(e).__name__}: {e})"
 
     def unchecked_parts(self) -> list[str]:
-        return [self.index_error] if self.index_error else []
+        parts = [self.index_error] if self.index_error else []
+        unread = self.recorder.unread if self.recorder is not None else 0
+        if unread:  # written marked unrecorded: compare_runs counts them as not compared
+            parts.append(f"{unread} record{'s' if unread != 1 else ''}' statistics not read back from the device")
+        return parts
 
     # --- summary mode ---
 

@@ -10,9 +10,10 @@ read back in batches of 64 calls without blocking (``numerics/device_readback.py
 step, one when the tool stops (or when ``first_overflow`` is read while checks are in flight). The calls are judged
 in execution order as their batch arrives, so the first overflow is the same call as when each call was read at
 once; nothing is queued once it is found. Its statistics (min, max, mean, std, norm) are then computed from the
-call's tensors, held by weak reference meanwhile (no memory kept alive): a tensor freed or written in place since is
-shown with its flag only, and said so. ``OP_OVERFLOW_CHECK_RAISE=1`` (raise at the op) and the per-call tables
-(``OP_TOOLS_VERBOSE=1``) read each call as it runs: one transfer per call, the statistics computed on the device.
+call's tensors, kept meanwhile as aliases (``KeptTensors``, at most ``KEPT_BYTES`` of them): a tensor written in
+place since, or let go of, is shown with its flag only, and said so. ``OP_OVERFLOW_CHECK_RAISE=1`` (raise at the
+op) and the per-call tables (``OP_TOOLS_VERBOSE=1``) read each call as it runs: one transfer per call, the
+statistics computed on the device.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 from ..config.variables import OVERFLOW_CHECK_RAISE
 from ..core.engine import OpCall, OpTool, OpToolsAbortError, feature, tool_work
-from ..numerics.device_readback import DeviceReadback
+from ..numerics.device_readback import DeviceReadback, KeepBudget, KeptTensors
 from ..ops.arguments import iter_items, local_part
 from ..ops.collectives import collective_call, signature_of
 from ..ops.op_facts import op_facts
@@ -39,7 +40,7 @@ _INF = float("inf")
 READBACK_BATCH = 64  # calls whose flags travel to the host together: one copy, no synchronisation
 # Bytes of tensors the calls in flight may keep alive for their statistics (beyond it the oldest let go): the step's
 # own tensors mostly, which are alive anyway; the bound holds for the temporaries a step would have freed.
-HELD_BYTES = 256 * 2**20
+KEPT_BYTES = 256 * 2**20
 NOT_KEPT = "not kept"
 
 
@@ -148,24 +149,16 @@ def named_tensors(prefix: str, values) -> list[tuple[str, torch.Tensor]]:
 class _PendingCheck:
     """A call whose flags are on their way from the device: what judging it, and showing it, needs."""
 
-    __slots__ = ("call", "phase", "named", "versions", "split", "results_first", "flags", "remaining", "table",
-                 "held_bytes")
+    __slots__ = ("call", "phase", "names", "kept", "split", "results_first", "flags", "remaining", "table")
 
-    def __init__(self, call: OpCall, phase: str, named: list, split: int, results_first: bool) -> None:
+    def __init__(self, call: OpCall, phase: str, named: list, split: int, results_first: bool,
+                 kept: KeptTensors | None = None) -> None:
         self.call, self.phase, self.split, self.results_first = call, phase, split, results_first
-        # Aliases of the call's tensors, not the tensors: holding the caller's tensor objects is visible to the
-        # program (torch.utils.swap_tensors, which Module.to() uses, refuses a tensor referenced elsewhere).
-        self.named: list = [(name, t.detach()) for name, t in named]
-        self.versions = [t._version for _, t in named]  # an alias shares the version counter: writes show
-        self.held_bytes = sum(t.numel() * t.element_size() for _, t in named)
+        self.names = [name for name, _ in named]
+        self.kept = kept  # the tensors, for the statistics of the call that overflows
         self.flags = [False] * len(named)
         self.remaining = 0  # device groups not yet read back
         self.table: list[dict] | None = None  # the statistics, where computed with the flags
-
-    def let_go(self) -> None:
-        """Drop the aliases (the held-memory budget): the call is still judged, its table shows flags only."""
-        self.named = [(name, None) for name, _ in self.named]
-        self.held_bytes = 0
 
     def sources_and_results(self) -> tuple[list[bool], list[bool]]:
         first, second = self.flags[:self.split], self.flags[self.split:]
@@ -176,12 +169,11 @@ class _PendingCheck:
         place since the call shows its flag (read at the call) and no statistics."""
         if self.table is not None:
             return self.table
-        kept = [(name, t) if t is not None and t._version == version else None
-                for (name, t), version in zip(self.named, self.versions)]
-        computed = iter(statistics_rows([pair for pair in kept if pair is not None]))
-        return [next(computed) if pair is not None else
+        tensors = [self.kept.get(i) if self.kept is not None else None for i in range(len(self.names))]
+        computed = iter(statistics_rows([(name, t) for name, t in zip(self.names, tensors) if t is not None]))
+        return [next(computed) if t is not None else
                 {"name": name, "inf_or_nan": flag, **{s: NOT_KEPT for s in _STATISTICS}}
-                for (name, _), pair, flag in zip(self.named, kept, self.flags)]
+                for name, t, flag in zip(self.names, tensors, self.flags)]
 
 
 @feature("overflow_check")
@@ -210,7 +202,7 @@ class OpOverflowCheck(OpTool):
         self._readback = DeviceReadback(READBACK_BATCH)
         self._checks: collections.deque[_PendingCheck] = collections.deque()  # in execution order
         self._checks_lock = threading.Lock()
-        self._held = 0  # bytes the checks in flight hold (HELD_BYTES)
+        self._kept = KeepBudget(KEPT_BYTES)
 
     @property
     def first_overflow(self) -> Overflow | None:
@@ -320,7 +312,8 @@ class OpOverflowCheck(OpTool):
         elif not any(_checked(t) for _, t in results):  # no floating result: nothing can overflow here
             return
         elif not self.raise_on_overflow:
-            self._queue(_PendingCheck(call, phase, ordered, split, results_first), [t for _, t in ordered])
+            tensors = [t for _, t in ordered]
+            self._queue(_PendingCheck(call, phase, ordered, split, results_first, self._kept.keep(tensors)), tensors)
             return
         else:
             flags = nonfinite_flags([t for _, t in ordered])
@@ -343,12 +336,6 @@ class OpOverflowCheck(OpTool):
                 by_device.setdefault(t.device, []).append(i)
         with self._checks_lock:
             self._checks.append(check)
-            self._held += check.held_bytes
-            for older in self._checks:  # oldest first
-                if self._held <= HELD_BYTES:
-                    break
-                self._held -= older.held_bytes
-                older.let_go()
             with torch.no_grad():
                 for device, indices in by_device.items():
                     largest = _largest_magnitudes([tensors[i] for i in indices])  # joined when the batch is sent
@@ -371,11 +358,11 @@ class OpOverflowCheck(OpTool):
             complete = []
             while self._checks and self._checks[0].remaining == 0:
                 complete.append(self._checks.popleft())
-                self._held -= complete[-1].held_bytes
         for check in complete:
-            if self._first_overflow is not None:
-                break
-            self._verdict(check)
+            if self._first_overflow is None:
+                self._verdict(check)
+            if check.kept is not None:
+                self._kept.release(check.kept)
 
     def _verdict(self, check: _PendingCheck) -> None:
         source_flags, result_flags = check.sources_and_results()
@@ -389,8 +376,10 @@ class OpOverflowCheck(OpTool):
         self._first_overflow = overflow
         with self._checks_lock:
             self._readback.discard()
+            for check in self._checks:
+                if check.kept is not None:
+                    self._kept.release(check.kept)
             self._checks.clear()
-            self._held = 0
         note = ""
         if any(row.get("min") == NOT_KEPT for row in rows):
             note = ("\n(statistics not kept: tensors written in place, or let go of to bound memory, before this "

@@ -31,6 +31,9 @@ COMPARED = ("grad_norm", "weight_norm", "update_ratio", "exp_avg_norm", "exp_avg
 # partial products summed) moves these figures by up to 8e-6 relative on sim; a shard's norm instead of the full
 # tensor's is off by 20% or more
 RELATIVE = 1e-5
+# update_ratio is ||old - new|| of float32 weights a step of 1e-3 apart: the reassociation above, seen through that
+# cancellation, reached 1.05e-5 (FSDP2, transformers 5.24); a shard's norm is still 20% off
+BOUNDS = {"update_ratio": 5e-5}
 
 
 def _figures(folder) -> dict[tuple[int, str, str, str], float]:
@@ -83,7 +86,7 @@ def test_rank_0_writes_the_single_processs_global_figures_at_every_step(reports,
     worst: dict[str, float] = collections.defaultdict(float)
     for key, value in expected.items():
         worst[key[3]] = max(worst[key[3]], abs(written[key] - value) / abs(value))
-    assert max(worst.values()) <= RELATIVE, dict(worst)
+    assert all(worst[s] <= BOUNDS.get(s, RELATIVE) for s in worst), dict(worst)
 
 
 def test_fsdp2_gradient_norms_are_the_full_tensors_not_rank_0s_shard(reports, out, reference):
