@@ -349,7 +349,8 @@ class OpTool:
             module_path.release()
         if not self._activations:
             _unfinished.pop(id(self), None)
-        self.finish()
+        with tool_work():  # what finish() computes (results still in flight) is no program call of a tool still on
+            self.finish()
         self.tally.close()
         self._logger.log(self._closing_level(), self.closing_line())
 

@@ -168,11 +168,15 @@ def named_tensors(prefix: str, values) -> list[tuple[str, torch.Tensor]]:
 class _PendingCheck:
     """A call whose flags are on their way from the device: what judging it, and showing it, needs."""
 
-    __slots__ = ("call", "phase", "names", "kept", "split", "results_first", "flags", "remaining", "table")
+    __slots__ = ("overflow", "names", "kept", "split", "results_first", "flags", "remaining", "table")
 
     def __init__(self, call: OpCall, phase: str, named: list, split: int, results_first: bool,
                  kept: KeptTensors | None = None) -> None:
-        self.call, self.phase, self.split, self.results_first = call, phase, split, results_first
+        # What the report says of the call, taken now (its source line while its frames are on the stack); not the
+        # call, whose arguments and result would stay alive until the batch is read.
+        self.overflow = Overflow(call.name, call.forward_id, phase, call.location, call.module_path, call.step,
+                                 call.time)
+        self.split, self.results_first = split, results_first
         self.names = [name for name, _ in named]
         self.kept = kept  # the tensors, for the statistics of the call that overflows
         self.flags = [False] * len(named)
@@ -386,9 +390,7 @@ class OpOverflowCheck(OpTool):
     def _verdict(self, check: _PendingCheck) -> None:
         source_flags, result_flags = check.sources_and_results()
         if any(result_flags) and not any(source_flags):
-            call = check.call
-            self._found(Overflow(call.name, call.forward_id, check.phase, call.location, call.module_path, call.step,
-                                 call.time), call.name, check.rows())
+            self._found(check.overflow, check.overflow.name, check.rows())
 
     def _found(self, overflow: Overflow, name: str, rows: list[dict]) -> None:
         """The first overflow: said with its call's statistics, nothing more queued, raised if asked."""

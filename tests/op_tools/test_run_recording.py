@@ -224,12 +224,12 @@ def _without_times(records):
 def test_a_recording_waits_for_the_device_once_and_reads_its_statistics_in_batches(sim):
     _record_llama_steps(sim, steps=1)  # the fingerprints' weights go to the device once per process and dtype
     before = torch.sim.device_counts()
-    header, records = _record_llama_steps(sim, steps=2)
+    header, records = _record_llama_steps(sim, steps=1)
     counts = torch.sim.device_counts() - before
     before = torch.sim.device_counts()
-    _record_llama_steps(sim, steps=2, record=False)
+    _record_llama_steps(sim, steps=1, record=False)
     plain = torch.sim.device_counts() - before
-    assert header["complete"] and len(records) > 500
+    assert header["complete"] and len(records) > 400
     # the tool's one wait is its stop's: none per call, none per step
     assert counts.synchronizations - plain.synchronizations == 1
     assert counts.device_to_host_copies <= len(records) // 64 + 3  # 64 calls a copy (a few CPU calls end a batch)
@@ -238,9 +238,9 @@ def test_a_recording_waits_for_the_device_once_and_reads_its_statistics_in_batch
 def test_a_recording_on_an_asynchronous_device_equals_a_synchronous_ones(sim):
     import ditorch.sim
 
-    _, synchronous = _record_llama_steps(sim)
+    _, synchronous = _record_llama_steps(sim, steps=1)
     with ditorch.sim.asynchronous(lag=500):  # statistics arrive 500 kernels late: more than a batch's worth
-        _, late = _record_llama_steps(sim)
+        _, late = _record_llama_steps(sim, steps=1)
     assert _without_times(late) == _without_times(synchronous)
 
 
