@@ -22,6 +22,8 @@ import threading
 
 import torch
 
+from ..numerics import fused_statistics
+
 _lock = threading.RLock()
 _active: list = []  # the started tools' loggers, one per activation, in start order
 _stance = None  # the set_stance object that forced eager (its __exit__ restores the stance before), or None
@@ -79,7 +81,7 @@ def _compiled_anything() -> bool:
     try:
         from torch._dynamo.utils import counters
 
-        return counters["frames"]["total"] > 0
+        return counters["frames"]["total"] > fused_statistics.own_frames()  # the tools' own compiled statistics
     except (ImportError, AttributeError, KeyError):  # another dynamo: say it rather than stay silent
         return True
 

@@ -10,7 +10,8 @@ least)``: the measure of an op rounded once (``comparison.ERROR_RULES``).
 - small tensors on the host (below ``TORCH_MIN`` elements): numpy, whose per-call overhead is a fraction of
   torch's on the little tensors of a real model's many small ops;
 - larger tensors, on the host or on a device: torch ops chunk by chunk (on the host, chunks that stay in the
-  processor's cache), every statistic read back in one transfer. ``r`` is moved to ``d``'s device once (``d`` is
+  processor's cache), every statistic read back in one transfer; on the host, once a process has compared enough
+  to pay for compiling it, one fused pass (``fused_statistics``). ``r`` is moved to ``d``'s device once (``d`` is
   never copied). OpAutoCompare decides where a tensor is compared (``autocompare._compared_value``).
 """
 
@@ -21,6 +22,8 @@ import threading
 
 import numpy as np
 import torch
+
+from . import fused_statistics
 
 TORCH_MIN = 1 << 15
 _TINY = float(np.finfo(np.float64).tiny)
@@ -125,11 +128,13 @@ def _torch_stats(d: torch.Tensor, r: torch.Tensor, atol: float, rtol: float, rel
             d = wide(d)
         flat = d.detach().reshape(-1)
         rw = wide(r).to(d.device).reshape(-1)
-        n = rw.numel()
-        scale = _scale(torch.linalg.vector_norm(rw, 1).div_(n), relative)
-        # per chunk: max |d-r|, max relative, normalised error, allclose margin; sums of d*d, r*r, d*r
-        table = torch.stack(_over_ranges(_range_stats, flat, rw, scale, -rtol, relative is not None))
-        values = torch.cat([table[:, :4].amax(0), table[:, 4:].sum(0)]).tolist()  # the one read back
+        share, least = (1.0, _TINY) if relative is None else relative
+        values = fused_statistics.fused(flat, rw, -rtol, share, least, relative is not None)  # None: not used here
+        if values is None:
+            scale = _scale(torch.linalg.vector_norm(rw, 1).div_(rw.numel()), relative)
+            # per chunk: max |d-r|, max relative, normalised error, allclose margin; sums of d*d, r*r, d*r
+            table = torch.stack(_over_ranges(_range_stats, flat, rw, scale, -rtol, relative is not None))
+            values = torch.cat([table[:, :4].amax(0), table[:, 4:].sum(0)]).tolist()  # the one read back
     max_abs, max_rel, error, margin, dd, rr, dr = values
     if not math.isfinite(max_abs):
         return None
