@@ -75,7 +75,8 @@ class DeviceReadback:
 
     def put(self, values: torch.Tensor | list[torch.Tensor], token: Any) -> None:
         """Queue ``values`` to be read back, flat, with ``token``: a tensor (any shape and floating dtype, on any
-        device), or a list of 0-dim tensors on one device, joined only when the batch is sent (no kernel now)."""
+        device), or a list of tensors on one device (0-dim, or of any shape), joined only when the batch is sent (no
+        kernel now)."""
         with self._lock:
             device = self._device(values)
             if device.type != "cpu":  # one device per batch (host values join any): batches stay in put order

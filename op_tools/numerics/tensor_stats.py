@@ -8,17 +8,18 @@ hardly move, while each fingerprint moves by about ``r * rms``, independently: t
 estimates the elementwise difference of two runs to about 18%.
 
 Three passes over the tensor, each a reduction accumulating in float32 (float64 for float64 tensors), no copy of a
-contiguous floating tensor, no matmul (TF32 would round the operands): ``aminmax``, the block sums,
-``vector_norm``; then 17 x 1021 products, whose first row (all ones) gives the sum. As few launches as that
-allows, and the pieces of all the tensors of a call joined by one ``stack`` and one ``cat`` (``stats_to_host``):
-on a host or sim each op costs microseconds of Python whatever its size, and most tensors of a step are small.
-The divisions by ``numel`` and ``sqrt(numel)`` are left to the host (``host_values``). The nan and inf counts
-are not computed on this path: when the minimum, maximum, sum and norm read back are all finite there is none;
-otherwise ``nonfinite_counts`` counts them (a second transfer, for tensors holding nan or inf only).
+contiguous floating tensor, no matmul (TF32 would round the operands): ``aminmax``, the block sums, the norm; then
+17 x 1021 products, whose first row (all ones) gives the sum. The tensors of a call together (``calls_stats``):
+per tensor its block sums and ``aminmax``, per device one ``_foreach_norm`` for all their norms, one product of all
+their block sums with the weights and one ``cat``: on a fast device or sim each launch costs
+microseconds of host work whatever its size, and most tensors of a step are small. The divisions by ``numel`` and
+``sqrt(numel)`` are left to the host (``host_values``). The nan and inf counts are not computed on this path: when
+the minimum, maximum, sum and norm read back are all finite there is none; otherwise ``nonfinite_counts`` counts them
+(a second transfer, for tensors holding nan or inf only).
 
-Where it runs: every step of ``tensor_stats`` on the tensor's device, asynchronously; ``joined_stats`` joins a
-call's pieces into one tensor per device, which the run recording hands to a ``DeviceReadback`` (copied to the host
-in batches of calls, without a synchronisation); ``stats_to_host`` reads them at once (one transfer per device).
+Where it runs: ``calls_stats`` on the tensors' device, asynchronously, one tensor per device, which the run recording
+hands to a ``DeviceReadback`` (copied to the host in batches of calls, without a synchronisation); ``stats_to_host``
+reads them at once (one transfer per device).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 FINGERPRINTS = 16
 STAT_FIELDS = ("min", "max", "mean", "norm", "nan", "inf", *(f"fp{j}" for j in range(FINGERPRINTS)))
+STATS_WIDTH = 3 + 1 + FINGERPRINTS  # values per tensor read back: min, max, norm, sum, fingerprints
 _BLOCKS = 1021  # prime: a tensor's own periodic structure rarely lines up with the blocks'
 _weights: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
@@ -52,33 +54,71 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1)
 
 
-def tensor_stats(t: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """A non-empty tensor's statistics, on its device: ``(min, max, norm)`` as 0-d tensors, and the sum and the 16
-    fingerprints before their division by ``sqrt(numel)`` (accumulated in float32, or float64). Call it under
-    ``torch.no_grad()``: with grad mode on it still computes the same values, and records a graph for nothing."""
-    x = _flat(t)
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+def _accumulation(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _folded(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``(_BLOCKS,)`` block sums of the flat ``x`` in ``acc``: consecutive runs, the ``r`` elements left over added to
+    blocks ``0..r-1``; a tensor of fewer elements than blocks is its own values, padded with zeros."""
     n = x.numel()
     blocks, rest = divmod(n, _BLOCKS)
-    w = _fingerprint_weights(x.device, acc)
-    if blocks:
-        whole = x[: blocks * _BLOCKS] if rest else x
-        folded = whole.view(_BLOCKS, blocks).sum(1, dtype=acc)  # contiguous rows: the fast sum
-        if rest:
-            folded[:rest] += x[blocks * _BLOCKS:]  # a fresh tensor of ours
-    else:
-        folded, w = x, w[:, :n]
-    low, high = torch.aminmax(x)  # exact in any dtype: promoted to float32 when joined
-    return (low, high, torch.linalg.vector_norm(x, dtype=acc)), (w * folded).sum(1, dtype=acc)
+    if not blocks:
+        return torch.nn.functional.pad(x.to(acc), (0, _BLOCKS - n))  # zeros: nothing added to the sums
+    whole = x[: blocks * _BLOCKS] if rest else x
+    folded = whole.view(_BLOCKS, blocks).sum(1, dtype=acc)  # contiguous rows: the fast sum
+    if rest:
+        folded[:rest].add_(x[blocks * _BLOCKS:])  # a fresh tensor of ours; not ``+=``, whose store back is a copy
+    return folded
+
+
+_no_foreach_norm: set[tuple[str, torch.dtype]] = set()  # (device type, accumulation) where _foreach_norm fails
+
+
+def _norms(xs: list[torch.Tensor], acc: torch.dtype) -> list[torch.Tensor]:
+    """The L2 norm of each tensor, accumulated in ``acc``: one fused ``_foreach_norm`` where the backend has it."""
+    key = (xs[0].device.type, acc)
+    if len(xs) > 1 and key not in _no_foreach_norm:
+        try:
+            return list(torch._foreach_norm(xs, 2, dtype=acc))
+        except (RuntimeError, NotImplementedError, TypeError):  # no foreach kernel, or a torch without ``dtype``
+            _no_foreach_norm.add(key)
+    return [torch.linalg.vector_norm(x, dtype=acc) for x in xs]
+
+
+def calls_stats(tensors: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
+    """The statistics of non-empty tensors, on their devices, joined per device (and accumulation dtype):
+    ``(indices of the tensors, one 1-D tensor)`` each, ``split_stats`` takes it apart once read back: ``(min, max,
+    norm)`` of every tensor, then the sum and the 16 fingerprints of each before their division by ``sqrt(numel)``
+    (accumulated in float32, or float64 for float64 tensors). Per tensor
+    its block sums and ``aminmax``; per group one ``_foreach_norm``, one product with the fingerprint weights for all
+    the block sums, one ``stack`` and one ``cat``: a run recording's calls have a few tensors each, and on a fast
+    device or sim each launch, not its arithmetic, is the cost. Call it under ``torch.no_grad()``."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    flats = [_flat(t) for t in tensors]
+    for i, x in enumerate(flats):
+        groups.setdefault((x.device, _accumulation(x)), []).append(i)
+    joined = []
+    for (device, acc), indices in groups.items():
+        xs = [flats[i] for i in indices]
+        folded = [_folded(x, acc) for x in xs]
+        stacked = folded[0].unsqueeze(0) if len(folded) == 1 else torch.stack(folded)  # (k, _BLOCKS)
+        sums = (stacked.unsqueeze(1) * _fingerprint_weights(device, acc)).sum(2, dtype=acc)  # (k, 1 + FINGERPRINTS)
+        pieces = []
+        for x, norm in zip(xs, _norms(xs, acc)):
+            low, high = torch.aminmax(x)  # exact in any dtype: promoted by the cat
+            pieces += [low.reshape(1), high.reshape(1), norm.reshape(1)]
+        joined.append((indices, torch.cat([*pieces, sums.reshape(-1)])))  # one kernel, promoting to the widest
+    return joined
 
 
 def host_values(t: torch.Tensor, values: list[float]) -> list[float]:
-    """``tensor_stats(t)`` read back, as the ``STAT_FIELDS`` of ``t``."""
+    """``t``'s statistics read back, as the ``STAT_FIELDS`` of ``t``."""
     return finished_values(t.numel() * (2 if t.is_complex() else 1), values, lambda: nonfinite_counts(t))
 
 
 def finished_values(n: int, values: list[float], counts) -> list[float]:
-    """``tensor_stats`` read back for a tensor of ``n`` real values, as its ``STAT_FIELDS``; ``counts()`` gives its
+    """A tensor's statistics read back for a tensor of ``n`` real values, as its ``STAT_FIELDS``; ``counts()`` gives its
     ``(nan, inf)`` counts, asked only where a statistic is not finite."""
     low, high, norm, total, *fingerprints = values
     nan = inf = 0
@@ -95,35 +135,22 @@ def nonfinite_counts(t: torch.Tensor) -> tuple[int, int]:
     return nan, inf
 
 
-def joined_stats(pieces: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]) \
-        -> list[tuple[list[int], torch.Tensor]]:
-    """``tensor_stats``' results joined per device, on the device: ``(indices of the pieces, one 1-D tensor)`` for
-    each, one ``stack`` and one ``cat``; ``split_stats`` takes them apart once read back."""
-    by_device: dict[torch.device, list[int]] = {}
-    for i, (_, sums) in enumerate(pieces):
-        by_device.setdefault(sums.device, []).append(i)
-    joined = []
-    for indices in by_device.values():
-        scalars = torch.stack([s for i in indices for s in pieces[i][0]])
-        joined.append((indices, torch.cat([scalars, *(pieces[i][1] for i in indices)])))
-    return joined
-
-
 def split_stats(count: int, values: list[float]) -> list[list[float]]:
-    """One device's ``joined_stats`` read back, for its ``count`` pieces: ``min, max, norm, sum, *fingerprints``
+    """One group of ``calls_stats`` read back, for its ``count`` tensors: ``min, max, norm, sum, *fingerprints``
     each."""
     width = (len(values) - 3 * count) // count if count else 0
     return [[*values[3 * k: 3 * k + 3], *values[3 * count + k * width: 3 * count + (k + 1) * width]]
             for k in range(count)]
 
 
-def stats_to_host(pieces: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]) -> list[list[float]]:
-    """``tensor_stats``' results as lists of floats (``min, max, norm, sum, *fingerprints``), in order: per device
-    one ``stack``, one ``cat`` and one transfer (a synchronisation: ``DeviceReadback`` reads them without)."""
-    out: list[list[float]] = [[] for _ in pieces]
-    for indices, joined in joined_stats(pieces):
-        for i, values in zip(indices, split_stats(len(indices), joined.tolist())):
-            out[i] = values
+def stats_to_host(tensors: list[torch.Tensor]) -> list[list[float]]:
+    """``calls_stats`` of non-empty tensors read at once, as lists of floats (``min, max, norm, sum,
+    *fingerprints``) in order: one transfer per group (a synchronisation: ``DeviceReadback`` reads them without)."""
+    out: list[list[float]] = [[] for _ in tensors]
+    with torch.no_grad():
+        for indices, joined in calls_stats(tensors):
+            for i, values in zip(indices, split_stats(len(indices), joined.tolist())):
+                out[i] = values
     return out
 
 

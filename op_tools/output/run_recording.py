@@ -53,14 +53,15 @@ import torch
 from ..numerics.device_readback import DeviceReadback, KeepBudget, KeptTensors
 from ..numerics.tensor_stats import (
     STAT_FIELDS,
+    STATS_WIDTH,
+    calls_stats,
     finished_values,
-    joined_stats,
     nonfinite_counts,
     split_stats,
-    tensor_stats,
 )
 from ..ops.arguments import iter_items, local_part, real_device
 from ..ops.op_facts import op_facts
+from ..ops.writes import call_writes
 from . import reporting, result_files
 
 FORMAT = "op_tools run recording"
@@ -94,10 +95,11 @@ UNKNOWN_COUNT = -1  # the nan or inf count of a tensor written in place, or let 
 
 
 class _Side:
-    """The tensors of one side of a call, their statistics queued on their devices; what the record says of each
-    tensor is taken now, the tensors themselves are not kept (``kept``: aliases, for nan/inf counts)."""
+    """The tensors of one side of a call; what the record says of each tensor is taken now, the tensors themselves are
+    not kept (``kept``: aliases, for nan/inf counts). Their statistics (``groups``, ``tensor_stats.calls_stats``) are
+    computed by ``measure``, or with the other side's (``_measured``), which costs fewer launches."""
 
-    __slots__ = ("name", "described", "omitted", "pieces", "kept", "device")
+    __slots__ = ("name", "described", "omitted", "groups", "count", "kept", "device")
 
     def __init__(self, name: str, tensors: list[tuple[str, torch.Tensor]], omitted: int) -> None:
         self.name, self.omitted = name, omitted
@@ -105,9 +107,14 @@ class _Side:
         # where, dtype, shape, and the number of real values (0: empty, no statistics)
         self.described = [(where, str(t.dtype).removeprefix("torch."), list(t.shape),
                            t.numel() * (2 if t.is_complex() else 1)) for where, t in tensors]
-        with torch.no_grad():
-            self.pieces = [tensor_stats(t) for _, t in tensors if t.numel()]
         self.kept: list[torch.Tensor] = [t for _, t in tensors if t.numel()]  # until the call's record is queued
+        self.count = len(self.kept)
+        self.groups: list[tuple[list[int], torch.Tensor]] | None = None  # None: not measured on its own
+
+    def measure(self) -> None:
+        """Its statistics now, on its own: (indices among its non-empty tensors, the statistics) per device."""
+        with torch.no_grad():
+            self.groups = calls_stats(self.kept) if self.kept else []
 
     def entries(self, host: list[list[float]], kept: KeptTensors | None, first: int) -> list[list]:
         """The record's entries, from the statistics read back; ``kept`` holds this side's non-empty tensors from
@@ -123,6 +130,23 @@ class _Side:
         return out
 
 
+def _measured(sides: list[_Side]) -> list[tuple[list[int], torch.Tensor]]:
+    """The statistics of a call's sides, indexed over their non-empty tensors in order: those of the sides not yet
+    measured computed together, now."""
+    groups, together, first = [], [], 0
+    for side in sides:
+        if side.groups is None:
+            together += [(first + i, t) for i, t in enumerate(side.kept)]
+        else:
+            groups += [([first + i for i in indices], values) for indices, values in side.groups]
+        first += side.count
+    if together:
+        with torch.no_grad():
+            groups += [([together[i][0] for i in indices], values)
+                       for indices, values in calls_stats([t for _, t in together])]
+    return groups
+
+
 def _counts(kept: KeptTensors | None, k: int) -> tuple[int, int]:
     tensor = kept.get(k) if kept is not None else None
     return nonfinite_counts(tensor) if tensor is not None else (UNKNOWN_COUNT, UNKNOWN_COUNT)
@@ -135,7 +159,7 @@ class _Pending:
 
     def __init__(self, record: dict, sides: list[_Side] | None, kept: KeptTensors | None) -> None:
         self.record, self.sides, self.kept = record, sides, kept
-        self.host: list[list[float]] = [[] for side in sides or () for _ in side.pieces]
+        self.host: list[list[float]] = [[] for side in sides or () for _ in range(side.count)]
         self.remaining = 0  # devices whose statistics have not arrived
 
     def finished(self) -> dict[str, Any]:
@@ -144,8 +168,8 @@ class _Pending:
         assert self.sides is not None
         omitted = {}
         for side in self.sides:
-            record[side.name] = side.entries([next(host) for _ in side.pieces], self.kept, first)
-            first += len(side.pieces)
+            record[side.name] = side.entries([next(host) for _ in range(side.count)], self.kept, first)
+            first += side.count
             if side.omitted:
                 omitted[side.name] = side.omitted
         if omitted:
@@ -187,7 +211,10 @@ class RunRecorder:
             call.grad_inputs = grads
         items = itertools.chain(iter_items(tuple(call.args)), iter_items(call.kwargs))
         try:
-            call.state["stats_inputs"] = _Side("inputs", *_tensors(items, self.max_tensors))
+            inputs = _Side("inputs", *_tensors(items, self.max_tensors))
+            if not call_writes(call.name).never:  # measured before the op may write them; else with the outputs
+                inputs.measure()
+            call.state["stats_inputs"] = inputs
         except Exception as e:
             call.state["unrecorded"] = _described(e)  # after() writes the call's record saying so
             raise
@@ -260,20 +287,23 @@ class RunRecorder:
             raise raised
 
     def _queue(self, record: dict, sides: list[_Side] | None) -> None:
-        """The record after those queued before it; its statistics joined per device and sent without waiting."""
+        """The record after those queued before it; its statistics (joined per device) sent without waiting."""
         kept = None
+        # one put per device for the whole call (batches count calls): its groups' tensors, joined when sent
+        by_device: dict[torch.device, tuple[list, list]] = {}
         if sides is not None:
+            for indices, values in _measured(sides):
+                groups, tensors = by_device.setdefault(values.device, ([], []))
+                groups.append(indices)
+                tensors.append(values)
             kept = self._kept.keep([t for side in sides for t in side.kept])
             for side in sides:
-                side.kept = []
+                side.kept, side.groups = [], []
         pending = _Pending(record, sides, kept)
         with self._pending_lock:
-            if sides is not None:
-                with torch.no_grad():
-                    joined = joined_stats([piece for side in sides for piece in side.pieces])
-                for indices, values in joined:
-                    pending.remaining += 1
-                    self._readback.put(values, (pending, indices))
+            for groups, tensors in by_device.values():
+                pending.remaining += 1
+                self._readback.put(tensors, (pending, groups))
             self._pending.append(pending)
         self._write_arrived(wait=False)
 
@@ -281,9 +311,13 @@ class RunRecorder:
         """Write the records whose statistics arrived (all, waiting, with ``wait``), in order."""
         with self._pending_lock:
             try:
-                for (pending, indices), values in (self._readback.drain() if wait else self._readback.ready()):
-                    for i, piece in zip(indices, split_stats(len(indices), values)):
-                        pending.host[i] = piece
+                for (pending, groups), values in (self._readback.drain() if wait else self._readback.ready()):
+                    start = 0
+                    for indices in groups:
+                        stop = start + len(indices) * STATS_WIDTH
+                        for i, piece in zip(indices, split_stats(len(indices), values[start:stop])):
+                            pending.host[i] = piece
+                        start = stop
                     pending.remaining -= 1
             except Exception as e:  # a transfer failed: the records in flight say so
                 self._readback.discard()

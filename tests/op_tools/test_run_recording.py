@@ -88,6 +88,27 @@ def test_a_call_records_at_most_the_configured_number_of_tensors(monkeypatch):
     assert record["omitted"] == {"inputs": 3}
 
 
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_inputs_are_recorded_as_they_were_before_the_op_wrote_them(device, request):
+    """An op that writes its inputs has them measured before it runs; one that cannot, with its outputs, after: the
+    same values either way."""
+    if device == "sim":
+        request.getfixturevalue("sim")
+    x = torch.arange(1.0, 2049.0, device=device)
+    y = torch.full((2048,), 2.0, device=device)
+    with op_tools.OpCapture() as capture:
+        torch.mul(x, y)  # writes nothing: inputs measured with the output
+        x.mul_(y)  # writes x: x measured before
+        torch.add(x, 1, out=y)  # writes y (out=)
+    _, (mul, mul_, add) = read_recording(capture.recorder.file.path)
+    assert mul["inputs"][0][3:6] == [1.0, 2048.0, 1024.5] and mul["outputs"][0][3:5] == [2.0, 4096.0]
+    assert mul_["inputs"][0][3:5] == [1.0, 2048.0] and mul_["outputs"][0][3:5] == [2.0, 4096.0]
+    assert add["inputs"][0][3:5] == [2.0, 4096.0]
+    assert [e[3:5] for e in add["inputs"][1:]] == [[2.0, 2.0]]  # y before add wrote it
+    assert add["outputs"][0][3:5] == [3.0, 4097.0]
+    assert mul["inputs"][0][6:] == mul_["inputs"][0][6:]  # the same tensor values: the same statistics
+
+
 def test_statistics_count_nan_and_inf_and_empty_tensors_have_none():
     x, nothing = torch.tensor([1.0, float("nan"), float("inf"), -2.0]), torch.empty(0)
     with op_tools.OpCapture() as capture:
@@ -233,6 +254,9 @@ def test_a_recording_waits_for_the_device_once_and_reads_its_statistics_in_batch
     # the tool's one wait is its stop's: none per call, none per step
     assert counts.synchronizations - plain.synchronizations == 1
     assert counts.device_to_host_copies <= len(records) // 64 + 3  # 64 calls a copy (a few CPU calls end a batch)
+    # kernels: a call's tensors measured together, inputs with outputs unless the op writes them (13.0 a record;
+    # 16.0 measured one tensor at a time)
+    assert (counts.kernel_launches - plain.kernel_launches) / len(records) <= 14
 
 
 def test_a_recording_on_an_asynchronous_device_equals_a_synchronous_ones(sim):
