@@ -24,7 +24,7 @@ import threading
 import torch
 
 COMPILE_AFTER = 1 << 26  # elements compared eagerly in this process before compiling pays for itself (~one step)
-FUSED_MIN = 1 << 16  # smaller tensors: the compiled call's fixed cost (~50 us) is above the eager one's gain
+FUSED_MIN = 1 << 16  # smaller: the compiled call's fixed cost (dynamo's guards and wrappers, ~100 us) outweighs it
 
 _lock = threading.Lock()
 _seen = 0  # elements compared eagerly so far
@@ -74,6 +74,8 @@ def _run(d: torch.Tensor, r: torch.Tensor, scalars: torch.Tensor, relative: bool
         from torch._dynamo.utils import counters
 
         if _compiled is None:
+            logging.getLogger("op_tools").info("op_tools: compiling the comparison statistics into one pass "
+                                               "(once per process, about 10 s)")
             compile_ = getattr(torch.compile, "__wrapped_by_op_tools__", torch.compile)  # not compiled_regions' watch
             _compiled = compile_(_statistics, dynamic=True)
         before = counters["frames"]["total"]
