@@ -72,27 +72,30 @@ def _folded(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return folded
 
 
-_no_foreach_norm: set[tuple[str, torch.dtype]] = set()  # (device type, accumulation) where _foreach_norm fails
+_no_foreach_norm: set[tuple[str, torch.dtype | None]] = set()  # (device type, dtype) where _foreach_norm fails
 
 
-def _norms(xs: list[torch.Tensor], acc: torch.dtype) -> list[torch.Tensor]:
-    """The L2 norm of each tensor, accumulated in ``acc``: one fused ``_foreach_norm`` where the backend has it."""
-    key = (xs[0].device.type, acc)
-    if len(xs) > 1 and key not in _no_foreach_norm:
+def foreach_norms(xs: list[torch.Tensor], order: float = 2, dtype: torch.dtype | None = None,
+                  one=None) -> list[torch.Tensor]:
+    """The ``order``-norm of each tensor (accumulated in ``dtype``), on its device: one fused ``_foreach_norm`` where
+    the backend has it (remembered per device type where it has not), else ``one(x)`` per tensor (by default
+    ``vector_norm``)."""
+    key = (xs[0].device.type, dtype)
+    if key not in _no_foreach_norm:
         try:
-            return list(torch._foreach_norm(xs, 2, dtype=acc))
+            return list(torch._foreach_norm(xs, order, dtype=dtype))
         except (RuntimeError, NotImplementedError, TypeError):  # no foreach kernel, or a torch without ``dtype``
             _no_foreach_norm.add(key)
-    return [torch.linalg.vector_norm(x, dtype=acc) for x in xs]
+    return [one(x) if one is not None else torch.linalg.vector_norm(x, order, dtype=dtype) for x in xs]
 
 
 def calls_stats(tensors: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
     """The statistics of non-empty tensors, on their devices, joined per device (and accumulation dtype):
     ``(indices of the tensors, one 1-D tensor)`` each, ``split_stats`` takes it apart once read back: ``(min, max,
     norm)`` of every tensor, then the sum and the 16 fingerprints of each before their division by ``sqrt(numel)``
-    (accumulated in float32, or float64 for float64 tensors). Per tensor
-    its block sums and ``aminmax``; per group one ``_foreach_norm``, one product with the fingerprint weights for all
-    the block sums, one ``stack`` and one ``cat``: a run recording's calls have a few tensors each, and on a fast
+    (accumulated in float32, or float64 for float64 tensors). Per tensor its block sums and ``aminmax``; per group
+    one ``_foreach_norm``, one product with the fingerprint weights for all the block sums and one ``cat``: a run
+    recording's calls have a few tensors each, and on a fast
     device or sim each launch, not its arithmetic, is the cost. Call it under ``torch.no_grad()``."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     flats = [_flat(t) for t in tensors]
@@ -105,7 +108,7 @@ def calls_stats(tensors: list[torch.Tensor]) -> list[tuple[list[int], torch.Tens
         stacked = folded[0].unsqueeze(0) if len(folded) == 1 else torch.stack(folded)  # (k, _BLOCKS)
         sums = (stacked.unsqueeze(1) * _fingerprint_weights(device, acc)).sum(2, dtype=acc)  # (k, 1 + FINGERPRINTS)
         pieces = []
-        for x, norm in zip(xs, _norms(xs, acc)):
+        for x, norm in zip(xs, foreach_norms(xs, 2, acc)):
             low, high = torch.aminmax(x)  # exact in any dtype: promoted by the cat
             pieces += [low.reshape(1), high.reshape(1), norm.reshape(1)]
         joined.append((indices, torch.cat([*pieces, sums.reshape(-1)])))  # one kernel, promoting to the widest

@@ -30,6 +30,7 @@ import torch
 from ..config.variables import OVERFLOW_CHECK_RAISE
 from ..core.engine import OpCall, OpTool, OpToolsAbortError, feature, tool_work
 from ..numerics.device_readback import DeviceReadback, KeepBudget, KeptTensors
+from ..numerics.tensor_stats import foreach_norms
 from ..ops.arguments import iter_items, local_part
 from ..ops.collectives import collective_call, signature_of
 from ..ops.op_facts import op_facts
@@ -80,20 +81,18 @@ def _checked(t: torch.Tensor) -> bool:
     return t.is_floating_point() and t.layout == torch.strided and t.numel() > 0
 
 
-_no_foreach_norm: set[str] = set()  # device types whose backend lacks _foreach_norm(..., inf)
 _host_memory: dict[str, bool] = {}  # device type -> whether its tensors live in host memory (the CPU, sim)
 
 
 def _largest_magnitudes(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """``max |t|`` of each tensor, on its device: inf or nan exactly where ``t`` holds one (no overflow possible).
-    One fused kernel where the backend has ``_foreach_norm``, one reduction per tensor otherwise."""
-    device_type = tensors[0].device.type
-    if device_type not in _no_foreach_norm:
-        try:
-            return list(torch._foreach_norm(tensors, _INF))
-        except (RuntimeError, NotImplementedError):
-            _no_foreach_norm.add(device_type)
-    return [t.abs().max() for t in tensors]  # max propagates nan
+    One fused kernel where the backend has ``_foreach_norm``, one reduction per tensor otherwise (max propagates
+    nan)."""
+    return foreach_norms(tensors, _INF, one=_abs_max)
+
+
+def _abs_max(t: torch.Tensor) -> torch.Tensor:
+    return t.abs().max()
 
 
 LARGE = 2**16  # elements: in host memory, a tensor this large is reduced by aminmax, smaller ones by one fused call

@@ -12,15 +12,19 @@ def charged(work):
     return result, torch.sim.device_counts() - before
 
 
-def test_values_come_back_in_put_order_one_copy_per_batch_and_no_synchronisation(sim):
-    readback = DeviceReadback(batch=4)
-
+def put_and_read(readback, sim, puts: int, width: int):
+    """``puts`` values ``[k] * width`` put with token ``k``, then what is ready, and what that charged."""
     def work():
-        for k in range(10):
-            readback.put(torch.full((2,), float(k), device=sim), token=k)
+        for k in range(puts):
+            readback.put(torch.full((width,), float(k), device=sim), token=k)
         return list(readback.ready())
 
-    ready, counts = charged(work)
+    return charged(work)
+
+
+def test_values_come_back_in_put_order_one_copy_per_batch_and_no_synchronisation(sim):
+    readback = DeviceReadback(batch=4)
+    ready, counts = put_and_read(readback, sim, puts=10, width=2)
     # sim's events complete at once: the two full batches are ready, the last two puts wait for a send
     assert ready == [(k, [float(k), float(k)]) for k in range(8)] and len(readback) == 2
     assert (counts.synchronizations, counts.device_to_host_copies) == (0, 2)
@@ -48,13 +52,7 @@ def test_a_change_of_device_sends_the_batch_so_order_holds(sim):
 def test_a_device_module_without_events_reads_each_batch_with_one_blocking_copy(sim, monkeypatch):
     monkeypatch.delattr(torch.sim, "Event")
     readback = DeviceReadback(batch=2)
-
-    def work():
-        for k in range(4):
-            readback.put(torch.full((1,), float(k), device=sim), token=k)
-        return list(readback.ready())
-
-    ready, counts = charged(work)
+    ready, counts = put_and_read(readback, sim, puts=4, width=1)
     assert [token for token, _ in ready] == [0, 1, 2, 3] and counts.synchronizations == 2
 
 

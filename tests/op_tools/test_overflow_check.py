@@ -190,7 +190,7 @@ def test_a_backend_without_foreach_norm_is_checked_tensor_by_tensor(sim, monkeyp
         raise NotImplementedError("_foreach_norm is not implemented for this backend")
 
     monkeypatch.setattr(torch, "_foreach_norm", unsupported)
-    monkeypatch.setattr("op_tools.tools.overflow_check._no_foreach_norm", set())
+    monkeypatch.setattr("op_tools.numerics.tensor_stats._no_foreach_norm", set())
     with ditorch.sim.faults("silu:nan"), op_tools.OpOverflowCheck() as check:
         train_llama(sim, steps=1)
     assert (check.first_overflow.name, check.first_overflow.phase) == ("torch.nn.functional.silu", "forward")
