@@ -73,6 +73,24 @@ def run_round(model, step, tool: str | None, steps: int, results: str) -> tuple[
     return times, device_charges.per_step(before, after, steps)
 
 
+def prepare(script: str, args: argparse.Namespace) -> tuple | None:
+    """The model's sizes for ``args.size`` on ``args.device`` (sim registered, the tools' messages quietened), the
+    conditions printed; None, said, where ``cuda`` is asked for and absent."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"{script}: no CUDA GPU here")
+        return None
+    if args.device == "sim":
+        import ditorch.sim
+
+        ditorch.sim.register()
+    logging.getLogger("op_tools").setLevel(logging.WARNING)
+    sizes = SIZES[args.size]
+    print(f"torch {torch.__version__}, {args.device}, {os.cpu_count()} cpus, {torch.get_num_threads()} threads; "
+          f"Llama hidden {sizes[0]}, {sizes[2]} layers, vocab {sizes[4]}, batch {sizes[5]}x{sizes[6]}, AdamW; "
+          f"{args.rounds} alternating rounds of {args.steps} steps after a warm-up round each")
+    return sizes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="sim", help="sim (default), cpu or cuda")
@@ -84,18 +102,9 @@ def main() -> None:
     tools = [t for t in args.tools.split(",") if t]
     if unknown := set(tools) - set(TOOLS):
         parser.error(f"--tools: unknown {', '.join(sorted(unknown))}; expected {', '.join(TOOLS)}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("stay_on_cost: no CUDA GPU here")
+    sizes = prepare("stay_on_cost", args)
+    if sizes is None:
         return
-    if args.device == "sim":
-        import ditorch.sim
-
-        ditorch.sim.register()
-    logging.getLogger("op_tools").setLevel(logging.WARNING)
-    sizes = SIZES[args.size]
-    print(f"torch {torch.__version__}, {args.device}, {os.cpu_count()} cpus, {torch.get_num_threads()} threads; "
-          f"Llama hidden {sizes[0]}, {sizes[2]} layers, vocab {sizes[4]}, batch {sizes[5]}x{sizes[6]}, AdamW; "
-          f"{args.rounds} alternating rounds of {args.steps} steps after a warm-up round each")
     results = tempfile.mkdtemp(prefix="stay_on_cost_")
     conditions: list[str | None] = [None, *tools]
     times: dict[str | None, list[float]] = {c: [] for c in conditions}

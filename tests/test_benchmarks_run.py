@@ -29,6 +29,7 @@ SMALLEST = {
     "training_monitor_cost.py": (["--size", "tiny", "--rounds", "1", "--steps", "1"],
                                  "(c) TrainingMonitor(model=model, every=10)"),
     "stay_on_cost.py": (["--size", "tiny", "--rounds", "1", "--steps", "1"], "summary: stay_on_cost: sim: OpCapture"),
+    "engine_cost.py": (["--rounds", "1", "--steps", "1"], "summary: engine_cost: cpu tiny: engine, forward+backward"),
 }
 
 

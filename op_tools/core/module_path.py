@@ -30,7 +30,16 @@ from torch.nn.modules import module as _module
 
 from .shared_install import SharedInstall
 
-_local = threading.local()  # .stack: [(module, path)], innermost last; .generation: the tracking it belongs to
+
+class _ThreadState(threading.local):
+    """Per thread: ``stack``, [(module, path)] innermost last, and ``generation``, the tracking it belongs to.
+    Defaults on the class: every call's ``current()`` reads them, and a missing attribute costs ~1 µs to look up."""
+
+    stack: list | None = None
+    generation = -1
+
+
+_local = _ThreadState()
 _generation = 0  # bumped at each start of tracking: a stack left by an earlier one (stopped mid-forward) is stale
 _handles: list = []
 # Wrappers whose own names would prefix every path ("module.model.layers.0"): named from the module they wrap, so
@@ -57,7 +66,7 @@ def parameter_names() -> dict[int, str]:
 
 def current() -> str:
     """The path of the innermost module running on this thread, ``""`` outside any (or when not tracking)."""
-    stack = getattr(_local, "stack", None)
+    stack = _local.stack
     return stack[-1][1] if stack and _local.generation == _generation else ""
 
 
@@ -92,7 +101,7 @@ def _path_in(root: torch.nn.Module, module: torch.nn.Module) -> str | None:
 
 
 def _enter(module: torch.nn.Module, _args) -> None:
-    stack = getattr(_local, "stack", None)
+    stack = _local.stack
     if stack is None or _local.generation != _generation:
         stack = _local.stack = []
         _local.generation = _generation
@@ -113,7 +122,7 @@ def _enter(module: torch.nn.Module, _args) -> None:
 @contextlib.contextmanager
 def inside(path: str):
     """Calls made inside run "in" ``path`` (what is not a module's forward: a DDP model's gradient bucket)."""
-    stack = getattr(_local, "stack", None)
+    stack = _local.stack
     if stack is None or _local.generation != _generation:
         stack = _local.stack = []
         _local.generation = _generation
@@ -125,7 +134,7 @@ def inside(path: str):
 
 
 def _leave(module: torch.nn.Module, _args, _output) -> None:
-    stack = getattr(_local, "stack", None)
+    stack = _local.stack
     if not stack:
         return
     for i in range(len(stack) - 1, -1, -1):  # normally the top; deeper when an exception skipped some exits

@@ -137,8 +137,9 @@ class DeviceReadback:
             return
         with torch.no_grad():
             # stack and cat promote mixed dtypes (bfloat16 flags beside float32 statistics) in the same kernel
-            joined = torch.stack(parts) if all(p.dim() == 0 for p in parts) else \
-                torch.cat([p.reshape(-1) for p in parts])
+            dims = {p.dim() for p in parts}
+            joined = torch.stack(parts) if dims == {0} else \
+                torch.cat(parts if dims == {1} else [p.reshape(-1) for p in parts])
             event_class = getattr(getattr(torch, device.type, None), "Event", None)
             if event_class is None:  # no events to poll: read now, one synchronisation per batch
                 self._in_flight.append(_Batch(tokens, sizes, on_host, joined.to(_CPU), None))

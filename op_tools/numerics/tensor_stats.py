@@ -89,14 +89,15 @@ def foreach_norms(xs: list[torch.Tensor], order: float = 2, dtype: torch.dtype |
     return [one(x) if one is not None else torch.linalg.vector_norm(x, order, dtype=dtype) for x in xs]
 
 
-def calls_stats(tensors: list[torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
-    """The statistics of non-empty tensors, on their devices, joined per device (and accumulation dtype):
-    ``(indices of the tensors, one 1-D tensor)`` each, ``split_stats`` takes it apart once read back: ``(min, max,
-    norm)`` of every tensor, then the sum and the 16 fingerprints of each before their division by ``sqrt(numel)``
-    (accumulated in float32, or float64 for float64 tensors). Per tensor its block sums and ``aminmax``; per group
-    one ``_foreach_norm``, one product with the fingerprint weights for all the block sums and one ``cat``: a run
-    recording's calls have a few tensors each, and on a fast
-    device or sim each launch, not its arithmetic, is the cost. Call it under ``torch.no_grad()``."""
+def calls_stats(tensors: list[torch.Tensor]) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """The statistics of non-empty tensors, on their devices, per device (and accumulation dtype): ``(indices of the
+    tensors, two 1-D tensors)`` each, which ``split_stats`` takes apart once read back one after the other: ``(min,
+    max, norm)`` of every tensor, then the sum and the 16 fingerprints of each before their division by
+    ``sqrt(numel)`` (accumulated in float32, or float64 for float64 tensors). Per tensor its block sums and
+    ``aminmax``; per group one ``_foreach_norm``, one product with the fingerprint weights for all the block sums and
+    one ``stack``, left unjoined for ``DeviceReadback``'s one ``cat`` per batch: a run recording's calls have a few
+    tensors each, and on a fast device or sim each launch, and each call into torch, not its arithmetic, is the cost.
+    Call it under ``torch.no_grad()``."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     flats = [_flat(t) for t in tensors]
     for i, x in enumerate(flats):
@@ -109,9 +110,8 @@ def calls_stats(tensors: list[torch.Tensor]) -> list[tuple[list[int], torch.Tens
         sums = (stacked.unsqueeze(1) * _fingerprint_weights(device, acc)).sum(2, dtype=acc)  # (k, 1 + FINGERPRINTS)
         pieces = []
         for x, norm in zip(xs, foreach_norms(xs, 2, acc)):
-            low, high = torch.aminmax(x)  # exact in any dtype: promoted by the cat
-            pieces += [low.reshape(1), high.reshape(1), norm.reshape(1)]
-        joined.append((indices, torch.cat([*pieces, sums.reshape(-1)])))  # one kernel, promoting to the widest
+            pieces += [*torch.aminmax(x), norm]  # 0-d each; min and max exact in any dtype: promoted by the stack
+        joined.append((indices, [torch.stack(pieces), sums.reshape(-1)]))
     return joined
 
 
@@ -151,8 +151,8 @@ def stats_to_host(tensors: list[torch.Tensor]) -> list[list[float]]:
     *fingerprints``) in order: one transfer per group (a synchronisation: ``DeviceReadback`` reads them without)."""
     out: list[list[float]] = [[] for _ in tensors]
     with torch.no_grad():
-        for indices, joined in calls_stats(tensors):
-            for i, values in zip(indices, split_stats(len(indices), joined.tolist())):
+        for indices, parts in calls_stats(tensors):
+            for i, values in zip(indices, split_stats(len(indices), torch.cat(parts).tolist())):
                 out[i] = values
     return out
 

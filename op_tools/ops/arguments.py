@@ -27,10 +27,41 @@ def iter_items(obj, path: str = "") -> Iterator[tuple[str, Any]]:
         yield path, obj
 
 
+_NESTED = (list, tuple, dict)
+
+
+def tensor_items(obj, path: str = "") -> list[tuple[str, torch.Tensor]]:
+    """The tensors among the leaves of ``obj`` with their ``iter_items`` paths, in the same order: asked per handled
+    call by the tools meant to stay on, so built in one list with a path string only per tensor and container (a
+    call's arguments are mostly flat, and mostly not tensors: sizes, dims, flags)."""
+    found: list[tuple[str, torch.Tensor]] = []
+    if isinstance(obj, torch.Tensor):
+        found.append((path, obj))
+    elif isinstance(obj, _NESTED):
+        _add_tensor_items(obj, path, found)
+    return found
+
+
+def _add_tensor_items(obj, path: str, found: list) -> None:
+    for key, v in (obj.items() if isinstance(obj, dict) else enumerate(obj)):
+        if isinstance(v, torch.Tensor):
+            found.append((f"{path}[{key}]", v))
+        elif isinstance(v, _NESTED) and v:
+            _add_tensor_items(v, f"{path}[{key}]", found)
+
+
+_dtensor: list[type] = []  # DTensor, once its module is loaded (it never unloads)
+
+
 def dtensor_class() -> type | None:
     """``torch.distributed.tensor.DTensor`` where that module is loaded, else None (then no DTensor exists)."""
+    if _dtensor:
+        return _dtensor[0]
     module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
+    dtensor = getattr(module, "DTensor", None)
+    if dtensor is not None:
+        _dtensor.append(dtensor)
+    return dtensor
 
 
 def local_part(value):
@@ -100,13 +131,23 @@ def real_device(tensor: torch.Tensor) -> torch.device:
 
 def call_device(args, kwargs, name: str = "") -> torch.device | None:
     """The first non-CPU device among the tensors and devices of a call, or None (the call is on the CPU)."""
-    for obj in (args, kwargs):
-        device = _device_in(obj)
+    device: torch.device | None
+    for obj in args:  # _device_in(args) unrolled: asked once per handled call, mostly of a tensor first
+        if isinstance(obj, torch.Tensor):
+            device = obj.device
+            if device.type != _CPU:
+                return device
+        elif isinstance(obj, _CONTAINERS):
+            device = _device_in(obj)
+            if device is not None:
+                return device
+    if kwargs:
+        device = _device_in(kwargs)
         if device is not None:
             return device
-    device = kwargs.get("device")
-    if isinstance(device, (str, int)) and not isinstance(device, bool):
-        return _non_cpu(device)
+        device = kwargs.get("device")
+        if isinstance(device, (str, int)) and not isinstance(device, bool):
+            return _non_cpu(device)
     if name.endswith(".to"):  # Tensor.to("sim"), Tensor.to("sim", torch.float16)
         for arg in args[1:]:
             if isinstance(arg, str):
@@ -114,9 +155,13 @@ def call_device(args, kwargs, name: str = "") -> torch.device | None:
     return None
 
 
+_CONTAINERS = (list, tuple, dict, torch.device)
+
+
 def _device_in(obj) -> torch.device | None:
     if isinstance(obj, torch.Tensor):
-        return obj.device if obj.device.type != _CPU else None
+        shown = obj.device
+        return shown if shown.type != _CPU else None
     if isinstance(obj, torch.device):
         return obj if obj.type != _CPU else None
     if isinstance(obj, (list, tuple)):

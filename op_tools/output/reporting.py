@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import linecache
 import logging
 import os
 import re
 import sys
 import threading
+from types import FrameType
 from typing import Callable
 
 import torch
@@ -492,27 +494,66 @@ def progress_bar(total: int | None, desc: str, unit: str = "it"):
 _SKIPPED_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
 
 
-def _user_frames():
-    frame = sys._getframe(0)
+_is_user: dict[str, bool] = {}  # file name -> whether it lies outside torch and op_tools
+
+
+def _user_file(filename: str) -> bool:
+    user = _is_user.get(filename)
+    if user is None:
+        user = _is_user[filename] = not filename.startswith((*_SKIPPED_DIRS, "<frozen"))
+    return user
+
+
+def _user_frames(full_stack: bool) -> tuple:
+    """(file, line, function) of the user's frames, innermost first (the innermost only, unless ``full_stack``)."""
+    frames = []
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith(_SKIPPED_DIRS) and not filename.startswith("<frozen"):
-            yield frame
+        code = frame.f_code
+        user = _is_user.get(code.co_filename)
+        if user is None:
+            user = _user_file(code.co_filename)
+        if user:
+            frames.append((code.co_filename, frame.f_lineno, code.co_name))
+            if not full_stack:
+                break
         frame = frame.f_back
+    return tuple(frames)
+
+
+class Site:
+    """Where a call came from, taken cheaply (``user_site``: file, line and function of the user's frames) and
+    formatted on first use (``text``, each line read once per process): the engine takes one per handled call that
+    has backward hooks, whose user frames are gone by the time they run, and most are never shown."""
+
+    __slots__ = ("_frames", "_text")
+
+    def __init__(self, frames: tuple) -> None:
+        self._frames = frames
+        self._text: str | None = None
+
+    def text(self) -> str:
+        """``file:line function: code`` of the innermost frame outside torch and op_tools (of all such frames,
+        innermost first, one per line, when taken with ``full_stack``)."""
+        if self._text is None:
+            frames = self._frames
+            self._text = "\n".join(_frame_line(*frame) for frame in frames) if frames else "<unknown location>"
+        return self._text
+
+
+def user_site(full_stack: bool = False) -> Site:
+    """Where the caller is, for ``Site.text()`` to format when shown."""
+    return Site(_user_frames(full_stack))
+
+
+@functools.lru_cache(maxsize=4096)
+def _frame_line(filename: str, lineno: int, function: str) -> str:
+    return f"{filename}:{lineno} {function}: {linecache.getline(filename, lineno).strip()}"
 
 
 def user_location(full_stack: bool = False) -> str:
     """``file:line function: code`` of the innermost frame outside torch and op_tools (all such frames if asked)."""
-    import linecache
-
-    lines = []
-    for frame in _user_frames():
-        filename, lineno = frame.f_code.co_filename, frame.f_lineno
-        code = linecache.getline(filename, lineno).strip()
-        lines.append(f"{filename}:{lineno} {frame.f_code.co_name}: {code}")
-        if not full_stack:
-            break
-    return "\n".join(lines) if lines else "<unknown location>"
+    return user_site(full_stack).text()
 
 
 def short_location(location: str) -> str:

@@ -59,7 +59,7 @@ from ..numerics.tensor_stats import (
     nonfinite_counts,
     split_stats,
 )
-from ..ops.arguments import iter_items, local_part, real_device
+from ..ops.arguments import local_part, real_device, tensor_items
 from ..ops.op_facts import op_facts
 from ..ops.writes import call_writes
 from . import reporting, result_files
@@ -70,9 +70,9 @@ TENSOR_FIELDS = ("where", "dtype", "shape", *STAT_FIELDS)
 
 
 def _tensors(items, limit: int) -> tuple[list[tuple[str, torch.Tensor]], int]:
-    """The first ``limit`` tensors among ``(where, value)`` items, and how many more there were; a DTensor is
+    """The first ``limit`` of ``(where, tensor)`` items, and how many more there were; a DTensor is
     recorded as the part this rank holds (its shape is the part's)."""
-    found = [(where, local_part(v)) for where, v in items if isinstance(v, torch.Tensor)]
+    found = [(where, local_part(v)) for where, v in items]
     return found[:limit], max(0, len(found) - limit)
 
 
@@ -109,7 +109,7 @@ class _Side:
                            t.numel() * (2 if t.is_complex() else 1)) for where, t in tensors]
         self.kept: list[torch.Tensor] = [t for _, t in tensors if t.numel()]  # until the call's record is queued
         self.count = len(self.kept)
-        self.groups: list[tuple[list[int], torch.Tensor]] | None = None  # None: not measured on its own
+        self.groups: list[tuple[list[int], list[torch.Tensor]]] | None = None  # None: not measured on its own
 
     def measure(self) -> None:
         """Its statistics now, on its own: (indices among its non-empty tensors, the statistics) per device."""
@@ -130,7 +130,7 @@ class _Side:
         return out
 
 
-def _measured(sides: list[_Side]) -> list[tuple[list[int], torch.Tensor]]:
+def _measured(sides: list[_Side]) -> list[tuple[list[int], list[torch.Tensor]]]:
     """The statistics of a call's sides, indexed over their non-empty tensors in order: those of the sides not yet
     measured computed together, now."""
     groups, together, first = [], [], 0
@@ -205,11 +205,13 @@ class RunRecorder:
         call.state["recompute"] = torch._C._current_graph_task_id() != -1
         if torch.is_grad_enabled() and not call.state["recompute"]:
             grads: list[torch.Tensor] = []
-            for _, t in iter_items((call.args, call.kwargs)):
-                if isinstance(t, torch.Tensor) and t.requires_grad and all(t is not u for u in grads):
+            items = tensor_items(tuple(call.args)) + tensor_items(call.kwargs)
+            for _, t in items:
+                if t.requires_grad and all(t is not u for u in grads):
                     grads.append(t)
             call.grad_inputs = grads
-        items = itertools.chain(iter_items(tuple(call.args)), iter_items(call.kwargs))
+        else:
+            items = tensor_items(tuple(call.args)) + tensor_items(call.kwargs)
         try:
             inputs = _Side("inputs", *_tensors(items, self.max_tensors))
             if not call_writes(call.name).never:  # measured before the op may write them; else with the outputs
@@ -227,7 +229,7 @@ class RunRecorder:
         try:
             # A functional collective's result is being written by its thread until waited for: not read here.
             results = () if op_facts(call.name).async_result else reporting.as_tuple(call.result)
-            outputs = _Side("outputs", *_tensors(iter_items(results), self.max_tensors))
+            outputs = _Side("outputs", *_tensors(tensor_items(results), self.max_tensors))
         except Exception as e:
             error, raised = error or _described(e), e
         device = (inputs.device if inputs else None) or (outputs.device if outputs else None) or str(call.device)
@@ -258,8 +260,8 @@ class RunRecorder:
         error: str | None = None
         raised: Exception | None = None
         try:
-            sides = [_Side("grad_outputs", *_tensors(iter_items(tuple(grad_outputs)), self.max_tensors)),
-                     _Side("grad_inputs", *_tensors(iter_items(tuple(grad_inputs)), self.max_tensors))]
+            sides = [_Side("grad_outputs", *_tensors(tensor_items(tuple(grad_outputs)), self.max_tensors)),
+                     _Side("grad_inputs", *_tensors(tensor_items(tuple(grad_inputs)), self.max_tensors))]
         except Exception as e:
             error, raised = _described(e), e
         with self._lock:
@@ -292,10 +294,10 @@ class RunRecorder:
         # one put per device for the whole call (batches count calls): its groups' tensors, joined when sent
         by_device: dict[torch.device, tuple[list, list]] = {}
         if sides is not None:
-            for indices, values in _measured(sides):
-                groups, tensors = by_device.setdefault(values.device, ([], []))
+            for indices, parts in _measured(sides):
+                groups, tensors = by_device.setdefault(parts[0].device, ([], []))
                 groups.append(indices)
-                tensors.append(values)
+                tensors += parts
             kept = self._kept.keep([t for side in sides for t in side.kept])
             for side in sides:
                 side.kept, side.groups = [], []

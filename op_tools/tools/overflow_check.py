@@ -31,7 +31,7 @@ from ..config.variables import OVERFLOW_CHECK_RAISE
 from ..core.engine import OpCall, OpTool, OpToolsAbortError, feature, tool_work
 from ..numerics.device_readback import DeviceReadback, KeepBudget, KeptTensors
 from ..numerics.tensor_stats import foreach_norms
-from ..ops.arguments import iter_items, local_part
+from ..ops.arguments import local_part, tensor_items
 from ..ops.collectives import collective_call, signature_of
 from ..ops.op_facts import op_facts
 from ..output import reporting, result_files
@@ -107,7 +107,9 @@ def _witnesses(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[in
     host = _host_memory.get(device_type)
     if host is None:
         host = _host_memory[device_type] = tensors[0].untyped_storage().device.type == "cpu"
-    large = [t.numel() >= LARGE for t in tensors] if host else [False] * len(tensors)
+    if not host:  # a device's own memory: one fused reduction for all
+        return _largest_magnitudes(tensors), [1] * len(tensors)
+    large = [t.numel() >= LARGE for t in tensors]
     small = [t for t, is_large in zip(tensors, large) if not is_large]
     norms = iter(_largest_magnitudes(small) if small else [])
     witnesses: list[torch.Tensor] = []
@@ -124,8 +126,11 @@ def _witnesses(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[in
 
 def _flags_of(values: list[float], counts: list[int]) -> list[bool]:
     flags, start = [], 0
-    for count in counts:
-        flags.append(not all(math.isfinite(v) for v in values[start:start + count]))
+    for count in counts:  # mostly 1 each: no generator per tensor
+        flag = not math.isfinite(values[start])
+        if count == 2:
+            flag = flag or not math.isfinite(values[start + 1])
+        flags.append(flag)
         start += count
     return flags
 
@@ -179,26 +184,32 @@ def tensor_stats(name: str, t: torch.Tensor) -> dict:
 
 def named_tensors(prefix: str, values) -> list[tuple[str, torch.Tensor]]:
     # A DTensor is checked in the part this rank holds: an inf/nan anywhere in it is in some rank's part.
-    return [(prefix + path, local_part(v)) for path, v in iter_items(tuple(values)) if isinstance(v, torch.Tensor)]
+    return [(prefix + path, local_part(v)) for path, v in tensor_items(tuple(values))]
 
 
 class _PendingCheck:
     """A call whose flags are on their way from the device: what judging it, and showing it, needs."""
 
-    __slots__ = ("overflow", "names", "kept", "split", "results_first", "flags", "remaining", "table")
+    __slots__ = ("facts", "site", "names", "kept", "split", "results_first", "flags", "remaining", "table")
 
     def __init__(self, call: OpCall, phase: str, named: list, split: int, results_first: bool,
                  kept: KeptTensors | None = None) -> None:
-        # What the report says of the call, taken now (its source line while its frames are on the stack); not the
-        # call, whose arguments and result would stay alive until the batch is read.
-        self.overflow = Overflow(call.name, call.forward_id, phase, call.location, call.module_path, call.step,
-                                 call.time)
+        # What the report says of the call, taken now: its source line while its frames are on the stack (formatted
+        # only for a call that overflows), name, id, module, step and time; not the call, whose arguments and result
+        # would stay alive until the batch is read.
+        self.facts = (call.name, call.forward_id, phase, call.module_path, call.step, call.time)
+        self.site = call.keep_location()
         self.split, self.results_first = split, results_first
         self.names = [name for name, _ in named]
         self.kept = kept  # the tensors, for the statistics of the call that overflows
         self.flags = [False] * len(named)
         self.remaining = 0  # device groups not yet read back
         self.table: list[dict] | None = None  # the statistics, where computed with the flags
+
+    @property
+    def overflow(self) -> Overflow:
+        name, forward_id, phase, module, step, started = self.facts
+        return Overflow(name, forward_id, phase, self.site.text(), module, step, started)
 
     def sources_and_results(self) -> tuple[list[bool], list[bool]]:
         first, second = self.flags[:self.split], self.flags[self.split:]
@@ -276,11 +287,12 @@ class OpOverflowCheck(OpTool):
         inputs = [] if facts.completes else named_tensors(f"{call.name} input",
                                                           tuple(call.args) + tuple(call.kwargs.values()))
         outputs = [] if facts.async_result else named_tensors(f"{call.name} output", reporting.as_tuple(call.result))
-        header = reporting.header(call.name, call.forward_id, call.location)
+        header = None
         if verbose:
             rows = reporting.call_rows(call.name, call.args, call.kwargs, call.result)
-            header += "\n" + reporting.call_table(call.name, rows)
-        self._check(call, inputs, outputs, "forward", header if verbose else None)
+            header = reporting.header(call.name, call.forward_id, call.location) + "\n" + \
+                reporting.call_table(call.name, rows)
+        self._check(call, inputs, outputs, "forward", header)
 
     def _check_collective(self, call: OpCall, bound, sent: list[torch.Tensor]) -> None:
         """Born here when what arrived holds inf/nan and what this rank sent did not: received from another rank."""
@@ -407,7 +419,8 @@ class OpOverflowCheck(OpTool):
     def _verdict(self, check: _PendingCheck) -> None:
         source_flags, result_flags = check.sources_and_results()
         if any(result_flags) and not any(source_flags):
-            self._found(check.overflow, check.overflow.name, check.rows())
+            overflow = check.overflow
+            self._found(overflow, overflow.name, check.rows())
 
     def _found(self, overflow: Overflow, name: str, rows: list[dict]) -> None:
         """The first overflow: said with its call's statistics, nothing more queued, raised if asked."""
