@@ -288,7 +288,7 @@ def _failure(name: str, info: str) -> Comparison:
 
 def compare_outputs(device_out, reference_out, same_dtype_out=None, tolerance: ToleranceSpec | None = None,
                     *, op_name: str = "", prefix: str = "", history: SameDtypeHistory | None = None,
-                    key: tuple = ()) -> list[Comparison]:
+                    key: tuple = (), sums: Callable[[int], Any] | None = None) -> list[Comparison]:
     """Compare every leaf of ``device_out`` with ``reference_out`` (see the module docstring for the verdict).
 
     ``same_dtype_out`` is the result of a correct run in the device's own dtype (e.g. the CPU's), or a
@@ -296,7 +296,9 @@ def compare_outputs(device_out, reference_out, same_dtype_out=None, tolerance: T
     ``prefix`` names the leaves (``"output"``, ``"grad"``: gradients, never 'rounded once'); each is named
     ``prefix[i]``. ``history`` (with
     ``key``, the call's signature) lets a device error well within what a correct run had on the same signature
-    pass without a same-dtype run.
+    pass without a same-dtype run. ``sums(i)``, asked only for a leaf about to fail, gives ``(magnitudes, n)`` where
+    leaf ``i`` is a sum of ``n`` terms per element whose magnitudes sum to ``magnitudes`` (float64, its shape), or
+    None: such a leaf also passes within what summing in any order may give (``_within_any_order``).
     """
     if isinstance(device_out, torch.Tensor) and isinstance(reference_out, torch.Tensor):  # most ops: no walk
         device_leaves, reference_leaves = [("[0]", device_out)], [("[0]", reference_out)]
@@ -312,8 +314,9 @@ def compare_outputs(device_out, reference_out, same_dtype_out=None, tolerance: T
     for index, ((path, d), (_, r)) in enumerate(zip(device_leaves, reference_leaves)):
         name = f"{prefix}{path}"
         precedent = None if history is None else (history, (*key, name))
+        leaf_sums = None if sums is None else functools.partial(sums, index)
         results.append(_compare_leaf(name, d, r, lambda i=index: same.leaf(i), tolerance, op_name, same.lazy,  # type: ignore[misc]  # mypy cannot type a lambda's default
-                                     precedent, backward))
+                                     precedent, backward, leaf_sums))
     return results
 
 
@@ -368,11 +371,12 @@ def _describe(value) -> str:
 
 
 def _compare_leaf(name: str, d, r, same: Callable[[], Any], tolerance: ToleranceSpec | None,
-                  op_name: str, lazy: bool, precedent=None, backward: bool = False) -> Comparison:
+                  op_name: str, lazy: bool, precedent=None, backward: bool = False,
+                  sums: Callable[[], Any] | None = None) -> Comparison:
     if d is None and r is None:
         return Comparison(name, True)
     if isinstance(d, torch.Tensor) and isinstance(r, torch.Tensor):
-        return compare_tensors(name, d, r, same, tolerance, op_name, lazy, precedent, backward)
+        return compare_tensors(name, d, r, same, tolerance, op_name, lazy, precedent, backward, sums)
     if isinstance(d, torch.Tensor) and r is None or d is None and isinstance(r, torch.Tensor):
         t = d if d is not None else r
         if not t.is_floating_point() or not bool((t == 0).all()):  # type: ignore[union-attr]  # t is whichever is a tensor; an unused gradient: None or zeros alike
@@ -419,11 +423,13 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
 
 def compare_tensors(name: str, d: torch.Tensor, r: torch.Tensor, same: Callable[[], Any] = lambda: None,
                     tolerance: ToleranceSpec | None = None, op_name: str = "", lazy: bool = False,
-                    precedent: tuple | None = None, backward: bool = False) -> Comparison:
+                    precedent: tuple | None = None, backward: bool = False,
+                    sums: Callable[[], Any] | None = None) -> Comparison:
     """The verdict for one device tensor ``d`` (on any device) against its reference ``r``.
 
     ``same()`` gives the same-dtype run's tensor (or None); with ``lazy`` it is asked for only when needed;
-    ``precedent`` is ``(SameDtypeHistory, key)``; ``backward``: ``d`` is a gradient.
+    ``precedent`` is ``(SameDtypeHistory, key)``; ``backward``: ``d`` is a gradient; ``sums()``: see
+    ``compare_outputs``.
     """
     if d.shape != r.shape:
         return _failure(name, f"shape differs: device {tuple(d.shape)}, reference {tuple(r.shape)}")
@@ -486,7 +492,7 @@ def compare_tensors(name: str, d: torch.Tensor, r: torch.Tensor, same: Callable[
             infos.append(f"not allclose under {user[2]}={user[0]:g},{user[1]:g}")
     elif result.passed:
         _default_verdict(result, d, r, get_same, lazy, finite_d, finite_r, all_finite, infos, op_name, precedent,
-                         rule, relative)
+                         rule, relative, sums)
     result.error_info = "; ".join(infos)
     return result
 
@@ -517,7 +523,7 @@ def _tiny(dtype: torch.dtype) -> float:
 
 def _default_verdict(result: Comparison, d, r, get_same, lazy, finite_d, finite_r, all_finite, infos,
                      op_name: str, precedent, rule: ErrorRule = ERROR_RULES["summed"],
-                     relative: tuple | None = None) -> None:
+                     relative: tuple | None = None, sums: Callable[[], Any] | None = None) -> None:
     eps, ref_eps = _eps(d.dtype), _eps(r.dtype)
     if ref_eps >= eps:  # the reference is no more precise than the device: only a loose floor is meaningful
         bound = SAME_PRECISION_FLOOR_EPS * eps
@@ -546,6 +552,11 @@ def _default_verdict(result: Comparison, d, r, get_same, lazy, finite_d, finite_
     cpu_error = 0.0 if math.isnan(result.cpu_error) else result.cpu_error
     if result.device_error <= rule.bound(ratio, cpu_error, floor):
         return
+    if sums is not None and not rule.rounded and all_finite:
+        within = _within_any_order(d, r, sums())
+        if within:
+            infos.append(within)
+            return
     result.passed = False
     if rule.rounded:
         infos.append(f"error {result.device_error:.3g} > {rule.floor_eps:g} eps of {d.dtype} (2 ulps of a result "
@@ -553,6 +564,33 @@ def _default_verdict(result: Comparison, d, r, get_same, lazy, finite_d, finite_
     else:
         infos.append(f"error {result.device_error:.3g} > {ratio:g} x cpu {d.dtype} error {cpu_error:.3g} "
                      f"+ {FLOOR_EPS:g} eps")
+
+
+def _within_any_order(d: torch.Tensor, r: torch.Tensor, sums) -> str:
+    """'' unless every element of ``d``, a sum of ``n`` terms whose magnitudes sum to ``magnitudes`` (``sums`` is
+    ``(magnitudes, n)``, or None), is within what rounding gives summing them in any order: then what it says.
+
+    Summing ``n`` terms in floating point, in whatever order (left to right, blocked, a tree, split across threads),
+    errs by at most ``gamma_{n} * sum |terms|`` with ``gamma_{k} = k u / (1 - k u)`` (Higham, Accuracy and Stability
+    of Numerical Algorithms, 2nd ed., 4.2), ``u`` half the accumulation type's eps; each term, a product or quotient
+    rounded once, adds one ``u``; a narrow result is rounded once more at the end. The CPU's own error on the call,
+    the rule's other measure, is one order among many, and a GPU's blocked sums may err several times more: the
+    H200's RMSNorm gradient of a (..., 1) factor summed over 512 elements did, at ~46 float32 eps."""
+    if sums is None:
+        return ""
+    magnitudes, n = sums
+    accumulation = torch.float32 if d.dtype in _NARROW else d.dtype
+    u = _eps(accumulation) / 2
+    if (n + 1) * u >= 1:
+        return ""
+    gamma = (n + 1) * u / (1 - (n + 1) * u)
+    rw = _wide(r)
+    allowed = gamma * _wide(magnitudes) + n * _tiny(accumulation)
+    if d.dtype in _NARROW:
+        allowed += _eps(d.dtype) / 2 * rw.abs()
+    if not bool(((_wide(d) - rw).abs() <= allowed).all()):
+        return ""
+    return f"within the rounding of a sum of {n} terms in any order"
 
 
 def _nonfinite(values: torch.Tensor) -> str:

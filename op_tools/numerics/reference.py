@@ -241,6 +241,28 @@ def reference_backward(outputs: list[torch.Tensor], leaves: list, upstream: tupl
     return tuple(None if leaf is None else next(grads) for leaf in leaves)
 
 
+def magnitudes_backward(func, reference: Reference, upstream: tuple) -> tuple:
+    """The gradients of ``reference.leaves`` for the op rerun on the absolute values of every floating argument, with
+    the upstream gradients' absolute values: for an op whose gradient elements are sums of products and quotients of
+    the upstream gradient and the inputs (``op_facts``' ``broadcast_sums``), each element's sum of the magnitudes of
+    its terms, in float64, up to its sign."""
+    leaves = {id(leaf): leaf.detach().abs().requires_grad_() for leaf in reference.leaves if leaf is not None}
+
+    def absolute(t: torch.Tensor) -> torch.Tensor:
+        leaf = leaves.get(id(t))
+        if leaf is not None:
+            return leaf.clone()  # an in-place op cannot write a leaf; the clone's gradient reaches it
+        return t.detach().abs() if t.is_floating_point() else t
+
+    with isolated(), torch.enable_grad():
+        args, kwargs = map_tensors(reference.args, absolute), map_tensors(reference.kwargs, absolute)
+        result = func(*args, **kwargs)
+    outputs = [result] if isinstance(result, torch.Tensor) else list(iter_tensors(result))
+    upstream = tuple(None if g is None else g.abs() for g in upstream)
+    ordered = [None if leaf is None else leaves[id(leaf)] for leaf in reference.leaves]
+    return tuple(None if g is None else g.abs() for g in reference_backward(outputs, ordered, upstream))
+
+
 # torch.autograd.grad's checks and conversions cost about as much as a small op's float64 backward; the engine's
 # entry (PyTorch >= 2.3) is taken where those checks hold by construction (one gradient per output, same shapes)
 _engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)

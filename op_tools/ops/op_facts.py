@@ -57,6 +57,10 @@ class OpFacts:
     overwrites: bool = False  # writes its first argument without reading it: what was there is no input of it
     async_result: bool = False  # its result is filled later, by another thread, until waited for (wait_tensor)
     completes: bool = False  # waits for an async result: what it returns is that result, not something it read
+    # Its gradient for an input broadcast over the output is a sum, over the broadcast elements, of products and
+    # quotients of the upstream gradient and the inputs (add, mul, div): a device may sum them in any order, and
+    # the op rerun on the inputs' absolute values gives each sum's magnitudes (comparison.py's reduction bound).
+    broadcast_sums: bool = False
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(OpFacts)}
@@ -273,6 +277,12 @@ for _name in ("torch.distributed.*", "_c10d_functional.*", "c10d_functional.*", 
 for _namespace in ("_c10d_functional", "c10d_functional"):
     register_op_facts(f"{_namespace}.*", async_result=True)
     register_op_facts(f"{_namespace}.wait_tensor.*", async_result=False, completes=True)  # every overload
+
+# Elementwise ops whose gradient for a broadcast input sums products and quotients of the upstream gradient and the
+# inputs (not lerp or pow: their gradients' terms hold other functions of the inputs).
+for _name in ("add", "sub", "subtract", "rsub", "mul", "multiply", "div", "divide", "true_divide",
+              *(f"__{side}{op}__" for op in ("add", "sub", "mul", "truediv", "div") for side in ("", "r", "i"))):
+    register_op_facts(_name, broadcast_sums=True)
 
 # Ops that compute every output element on its own, from a few inputs, in a type wider than a narrow output, and
 # round it once (rounded_ops.py says why that matters).

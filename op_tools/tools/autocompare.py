@@ -67,7 +67,9 @@ from ..numerics.device_math import DeviceMath
 from ..numerics.host_copies import HostCopies, snapshot
 from ..numerics.reference import (
     DEFAULT_CAST,
+    Reference,
     attempts_for,
+    magnitudes_backward,
     map_arguments,
     meta_dtypes,
     reference_backward,
@@ -595,7 +597,8 @@ class OpAutoCompare(OpTool):
             return same_cache[0]
 
         comparisons = compare_outputs(device_grads_cpu, reference_grads, same, self._tolerance, op_name=call.name,
-                                      prefix="grad", history=LEARNT.history, key=("backward", *state.precedent))
+                                      prefix="grad", history=LEARNT.history, key=("backward", *state.precedent),
+                                      sums=_broadcast_sums(call, reference, ref_flat, upstream_cpu))
         for c, label in zip(comparisons, state.grad_labels):
             c.name = f"{label}.grad"
         return comparisons, reference_grads
@@ -787,6 +790,30 @@ def _named_row(op: str, comparison: Comparison) -> dict:
     row = comparison.row()
     row["name"] = f"{op} {row['name']}"
     return row
+
+
+def _broadcast_sums(call: OpCall, reference: Reference, outputs: list[torch.Tensor], upstream: tuple):
+    """For an op whose gradient for a broadcast input is a sum over the broadcast elements (``broadcast_sums``):
+    ``sums(i)``, ``(magnitudes, n)`` for leaf ``i`` when it was broadcast (fewer elements than the one output), else
+    None; the magnitudes from one more float64 run, made only for a leaf about to fail. None for other ops."""
+    if not op_facts(call.name).broadcast_sums or len(outputs) != 1:
+        return None
+    size = outputs[0].numel()
+    computed: list = []
+
+    def sums(i: int):
+        leaf = reference.leaves[i] if i < len(reference.leaves) else None
+        if leaf is None or not leaf.numel() or leaf.numel() >= size or size % leaf.numel():
+            return None
+        if not computed:
+            try:
+                computed.append(magnitudes_backward(call.func, reference, upstream))
+            except (RuntimeError, NotImplementedError, TypeError):  # no such rerun: the usual verdict stands
+                computed.append(None)
+        magnitudes = computed[0][i] if computed[0] is not None else None
+        return None if magnitudes is None else (magnitudes, size // leaf.numel())
+
+    return sums
 
 
 def _unique_tensors(result) -> list[torch.Tensor]:
