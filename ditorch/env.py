@@ -79,6 +79,12 @@ def parse_sim_tf32(text: str) -> frozenset:
     return parse_families(text)
 
 
+def parse_sim_numerics(text: str):
+    from .sim.gpu_numerics import parse_mode
+
+    return parse_mode(text)
+
+
 def parse_sim_sdpa(text: str):
     from .sim.attention import parse_algorithm
 
@@ -119,6 +125,12 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "as cuBLAS does; `torch.sim.matmul.allow_tf32` is the same switch), conv `torch.sim.conv.allow_tf32`. "
            "0 leaves both as the script sets them; off, sim is bit-identical to the CPU.",
            parse_sim_tf32),
+    EnvVar("DITORCH_SIM_NUMERICS", "cpu or gpu", "cpu",
+           "gpu makes the sim device sum (`sum`, `mean`) in the order of a CUDA reduction kernel (a warp of 32 "
+           "threads with 4 accumulators each and a pairwise tree over contiguous terms, a thread per result over "
+           "strided ones, float32 accumulation for half types), which differs legitimately from the CPU's; cpu "
+           "keeps sim bit-identical to the CPU.",
+           parse_sim_numerics),
     EnvVar("DITORCH_SIM_SDPA", "math, or chunked[:<keys per block>]", "math",
            "The algorithm of `scaled_dot_product_attention` on the sim device: PyTorch's math path, or a "
            "flash-attention-style chunked online softmax through the fused-attention ops.", parse_sim_sdpa),

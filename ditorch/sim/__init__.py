@@ -46,7 +46,8 @@ def register() -> None:
     """Make ``sim`` a PyTorch device (PrivateUse1 renamed), with ``torch.sim`` as its module.
 
     Idempotent. Reads ``DITORCH_SIM_DEVICE_COUNT`` (else torchrun's ``LOCAL_WORLD_SIZE``), ``DITORCH_SIM_FAULTS``,
-    ``DITORCH_SIM_TF32``, ``DITORCH_SIM_SDPA``, ``DITORCH_SIM_DEVICE_MEMORY`` and ``DITORCH_SIM_ASYNC``; raises
+    ``DITORCH_SIM_TF32``, ``DITORCH_SIM_SDPA``, ``DITORCH_SIM_NUMERICS``, ``DITORCH_SIM_DEVICE_MEMORY`` and
+    ``DITORCH_SIM_ASYNC``; raises
     ``ValueError`` naming the variable when one is malformed, and ``RuntimeError`` when PrivateUse1 already belongs
     to another backend.
     """
@@ -62,6 +63,7 @@ def register() -> None:
             autocast,
             device_module,
             foreach_path,
+            gpu_numerics,
             multi_device,
             pinned_memory,
             rnn_kernels,  # noqa: F401 - registers the fused RNN cells' kernels
@@ -75,6 +77,7 @@ def register() -> None:
 
         count = _read(COUNT_VAR) or local_world_size()
         tf32_families, sdpa = _read(tf32.ENV_VAR), _read(attention.ENV_VAR)
+        numerics_mode = _read(gpu_numerics.ENV_VAR)
         tensor.DEVICE_MEMORY.on = _read(tensor.DEVICE_MEMORY.ENV_VAR)
         async_completion.LAG.kernels = _read(async_completion.ENV_VAR)
         load_from_env()
@@ -100,10 +103,31 @@ def register() -> None:
         set_data.install()
         tf32.configure(tf32_families)
         attention.SELECTED.set(sdpa)
+        gpu_numerics.NUMERICS.set(numerics_mode)
         if count > 1:
             multi_device.install()
         elif not multi_device.engine_has_a_queue_for_sim():
             multi_device.install_engine()
+
+
+@contextlib.contextmanager
+def numerics(mode: str = "gpu"):
+    """Within the block, sim sums as a GPU's reduction kernels do (``"gpu"``) or as the CPU's (``"cpu"``); for the
+    whole run, ``DITORCH_SIM_NUMERICS=gpu`` (``ditorch/sim/gpu_numerics.py`` says which ops and in which order).
+
+    >>> import torch, ditorch.sim
+    >>> ditorch.sim.register()
+    >>> with ditorch.sim.numerics("gpu"):
+    ...     total = torch.ones(1000, device="sim").sum()
+    """
+    from .gpu_numerics import NUMERICS
+
+    previous = NUMERICS.mode
+    NUMERICS.set(mode)
+    try:
+        yield
+    finally:
+        NUMERICS.set(previous)
 
 
 @contextlib.contextmanager

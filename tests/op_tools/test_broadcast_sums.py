@@ -2,8 +2,9 @@
 
 On an H200, OpAutoCompare failed the gradient of RMSNorm's ``(..., 1)`` factor (``hidden * rsqrt(variance)``) on a
 clean float32 Llama: the GPU sums the 512 products in another order than the CPU, and 4x the CPU's own error did not
-cover it. sim's kernels are the CPU's, so a sum in another order is played by a fault on ``sum`` of a given relative
-size: a few ulps pass now, as any order may give; a real fault still fails.
+cover it. sim in ``DITORCH_SIM_NUMERICS=gpu`` sums in a GPU reduction kernel's order and shows that shape; with the
+CPU's numerics a sum in another order is played by a fault on ``sum`` of a given relative size: a few ulps pass now,
+as any order may give; a real fault still fails.
 """
 
 import os
@@ -88,3 +89,49 @@ def test_the_bound_is_for_sums_only():
     assert not no_sums.passed
     assert op_facts("torch.Tensor.mul").broadcast_sums and op_facts("torch.Tensor.__imul__").broadcast_sums
     assert not op_facts("torch.nn.functional.linear").broadcast_sums and not op_facts("torch.lerp").broadcast_sums
+
+
+def _rmsnorm_factor_backward(sim, sums_bound: bool = True):
+    """The H200's shape on sim summing as a GPU: ``hidden * factor`` with ``factor`` of shape (4, 1, 1), backward, the
+    8192 products of each row +1, 8190 terms of 0.75 * 2**-24 and -1: in a CUDA reduction's order the small terms
+    that share the +1's accumulator vanish against it (~0.8% of the sum), where the CPU's cascade keeps most of them.
+    Both are sums of the same terms in some order."""
+    import ditorch.sim
+    import op_tools.tools.autocompare as autocompare
+
+    upstream = torch.full((4, 1, 8192), 0.75 * 2.0**-24)
+    upstream[..., 0], upstream[..., -1] = 1.0, -1.0
+    hidden = torch.ones(4, 1, 8192).to(sim)
+    factor = torch.ones(4, 1, 1).to(sim).requires_grad_()
+    saved = autocompare._broadcast_sums
+    if not sums_bound:
+        autocompare._broadcast_sums = lambda *args: None
+    try:
+        with ditorch.sim.numerics("gpu"), op_tools.OpAutoCompare() as tool:
+            (hidden * factor).backward(upstream.to(sim))
+    finally:
+        autocompare._broadcast_sums = saved
+    cpu = torch.ones(4, 1, 1, requires_grad=True)
+    (torch.ones(4, 1, 8192) * cpu).backward(upstream)
+    assert not torch.equal(factor.grad.cpu(), cpu.grad)  # the device really summed in another order
+    return tool
+
+
+def test_a_gpu_order_of_the_rmsnorm_factor_gradient_passes(sim):
+    tool = _rmsnorm_factor_backward(sim)
+    assert tool.counts["backward compared"] == 1 and tool.counts["backward failed"] == 0, tool.failures
+
+
+def test_without_the_bound_the_gpu_order_was_a_false_failure(sim):
+    tool = _rmsnorm_factor_backward(sim, sums_bound=False)
+    assert [(f["op"], f["phase"], f["failing"]) for f in tool.failures] == \
+        [("torch.Tensor.mul", "backward", "input[1].grad")]
+
+
+def test_in_gpu_numerics_a_fault_in_the_sum_still_fails(sim):
+    import ditorch.sim
+
+    with ditorch.sim.numerics("gpu"):
+        assert not _scaled_backward(sim, "sum:noise=2e-6").failures
+        tool = _scaled_backward(sim, "sum:noise=1e-4")
+    assert [(f["op"], f["phase"]) for f in tool.failures] == [("torch.Tensor.mul", "backward")]

@@ -71,6 +71,26 @@ def test_backward_fault_is_the_first_failure(sim, workload):
 
 
 @pytest.mark.parametrize("workload", zoo.ZOO, ids=IDS)
+def test_summing_as_a_gpu_a_clean_run_fails_nothing_and_the_faults_are_found_first(sim, workload):
+    """``DITORCH_SIM_NUMERICS=gpu``: sim's sums in a CUDA reduction's order, legitimately not the CPU's (issue 34)."""
+    import ditorch.sim
+
+    _expected(workload, sim)
+    with ditorch.sim.numerics("gpu"):
+        with op_tools.OpAutoCompare() as clean:
+            workload.run(sim)
+        assert clean.failures == [] and clean.counts["forward compared"] > 10, clean.failures[:3]
+        for fault, phase in ((workload.forward_fault, "forward"), (workload.backward_fault, "backward")):
+            if fault is None:
+                continue
+            spec, suffix = fault
+            with op_tools.OpAutoCompare() as tool, ditorch.sim.faults(spec):
+                workload.run(sim)
+            assert tool.failures, f"{spec} was not found"
+            assert tool.failures[0]["op"].endswith(suffix) and tool.failures[0]["phase"] == phase, tool.failures[0]
+
+
+@pytest.mark.parametrize("workload", zoo.ZOO, ids=IDS)
 def test_clean_capture_replays_ok_for_every_entry(sim, workload, tmp_path):
     _expected(workload, sim)
     with op_tools.OpCapture():

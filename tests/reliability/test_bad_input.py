@@ -32,6 +32,7 @@ MALFORMED_BY_FORM = {
     "'pattern[@dtype]:kind'": "mm:boom",
     "0, 1 (both), or a comma list of matmul, conv": "gemm",
     "math, or chunked": "flash",
+    "cpu or gpu": "tpu",
     "a size in bytes": "lots",
     "a TOML file path": "no/such/settings.toml",
     "all, or comma-separated ranks": "rank0",

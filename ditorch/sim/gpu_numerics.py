@@ -1,0 +1,144 @@
+"""``DITORCH_SIM_NUMERICS=gpu``: sim sums as a GPU's reduction kernels do, in another order than the CPU's.
+
+A GPU's result of a sum legitimately differs from the CPU's: its kernels add the same terms in another order. On an
+NVIDIA H200 that difference made OpAutoCompare fail a clean float32 Llama (issue 34): the gradient of RMSNorm's
+``(..., 1)`` factor, a sum over 512 products, erred ~46 float32 eps where the CPU's sum erred ~10. sim runs the CPU's
+kernels, so by default it is bit-identical to the CPU and such a difference never shows in CI; in this mode it does.
+
+Which ops: ``sum`` and ``mean`` of floating tensors, over some dimensions or all (``sum.dim_IntList``,
+``sum.default``, ``mean.dim``, ``mean.default``): what the gradients of broadcasting ops (``sum_to_size``), bias
+gradients, norms' statistics and losses reach the device as. In the order of CUDA's reduction kernels:
+
+- over the innermost dimensions (contiguous terms): a warp of 32 threads, each loading 4 consecutive terms at a time
+  into 4 accumulators (term ``i`` to accumulator ``i % 128``), each accumulator adding its terms in order, each
+  thread its 4 accumulators, then the threads' sums added pairwise, neighbours first (the warp's shuffle tree);
+- over outer dimensions (terms strided in memory): one thread per result, adding its terms in order (CUDA's
+  configuration for such reductions, and a bias gradient's);
+- more than 1024 terms per accumulator are split into blocks so reduced, whose sums are added pairwise;
+- accumulated in float32 for float16 and bfloat16 (``acc_type``), in the tensor's own dtype otherwise, and a mean
+  multiplies the sum by ``1/n`` rounded to the accumulation type (CUDA's ``MeanOps``), rather than dividing.
+
+Off by default. ``ditorch.sim.numerics("gpu")`` switches it for a block; ``torch.sim.numerics()`` says which is on.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .kernels import KERNELS, accumulate_dtype, overload
+
+ENV_VAR = "DITORCH_SIM_NUMERICS"
+FORM = "cpu or gpu"
+MODES = ("cpu", "gpu")
+WARP = 32  # threads a reduction over contiguous terms is dealt to
+VECTOR = 4  # consecutive terms a thread loads at once, into as many accumulators
+MAX_PER_LANE = 1024  # terms one accumulator adds before the reduction is split into blocks
+_OPS = ("sum.dim_IntList", "sum.default", "mean.dim", "mean.default")
+
+
+def parse_mode(text: str) -> str:
+    """``DITORCH_SIM_NUMERICS``' value; ValueError if it is neither ``cpu`` nor ``gpu``."""
+    mode = text.strip() or "cpu"
+    if mode not in MODES:
+        raise ValueError(f"{ENV_VAR}={text!r}: expected {FORM}")
+    return mode
+
+
+def ordered_sum(rows: torch.Tensor, lanes: int, vector: int = 1) -> torch.Tensor:
+    """``(M, n) -> (M,)``: each row's sum in the order of a CUDA reduction, in ``rows``' dtype (the accumulation
+    type). ``lanes`` threads each keep ``vector`` accumulators (loads of ``vector`` consecutive terms): term ``i`` goes
+    to accumulator ``i % (lanes * vector)``, which adds its terms in order; each thread adds its accumulators in order,
+    then the threads' sums are added pairwise, neighbours first (a warp's shuffle tree). A row of more than
+    ``MAX_PER_LANE`` terms per accumulator is split into blocks reduced so, whose sums are added pairwise."""
+    m, n = rows.shape
+    if n == 0:
+        return rows.new_zeros(m)
+    per_block = lanes * vector * MAX_PER_LANE
+    if n <= per_block:
+        return _block_sum(rows, lanes, vector)
+    blocks = -(-n // per_block)
+    rows = torch.nn.functional.pad(rows, (0, blocks * per_block - n))  # zeros: adding them changes no sum
+    return _pairwise(_block_sum(rows.reshape(m * blocks, per_block), lanes, vector).view(m, blocks))
+
+
+def _block_sum(rows: torch.Tensor, lanes: int, vector: int) -> torch.Tensor:
+    m, n = rows.shape
+    slots = lanes * vector
+    if n % slots:
+        rows = torch.nn.functional.pad(rows, (0, slots - n % slots))
+    dealt = rows.reshape(m, -1, slots)
+    accumulators = dealt[:, 0, :].clone()
+    for j in range(1, dealt.shape[1]):
+        accumulators += dealt[:, j, :]
+    per_thread = accumulators.view(m, lanes, vector)
+    threads = per_thread[..., 0].clone()
+    for k in range(1, vector):
+        threads += per_thread[..., k]
+    return _pairwise(threads)
+
+
+def _pairwise(partial: torch.Tensor) -> torch.Tensor:
+    while partial.shape[1] > 1:
+        if partial.shape[1] % 2:
+            partial = torch.nn.functional.pad(partial, (0, 1))
+        partial = partial[:, 0::2] + partial[:, 1::2]
+    return partial[:, 0]
+
+
+def _reduce(x: torch.Tensor, dim, keepdim: bool, dtype, mean: bool) -> torch.Tensor | None:
+    """The sum (or mean) in a GPU's order; None for what this mode leaves to the CPU's kernel (integers, complex)."""
+    if not x.is_floating_point() or (dtype is not None and not dtype.is_floating_point):
+        return None
+    out_dtype = dtype or x.dtype
+    acc = accumulate_dtype(out_dtype)
+    dims = sorted({d % x.dim() for d in dim}) if dim else list(range(x.dim()))
+    if x.dim() == 0:
+        dims = []
+    kept = [d for d in range(x.dim()) if d not in dims]
+    n = 1
+    for d in dims:
+        n *= x.shape[d]
+    innermost = dims == list(range(x.dim() - len(dims), x.dim()))
+    rows = x.permute(*kept, *dims).reshape(-1, n).to(acc)
+    total = ordered_sum(rows, WARP, VECTOR) if innermost else ordered_sum(rows, 1)
+    if mean:
+        total = total * torch.tensor(1.0 / n if n else float("nan"), dtype=acc)
+    shape = [1 if d in dims else x.shape[d] for d in range(x.dim())] if keepdim else [x.shape[d] for d in kept]
+    return total.reshape(shape).to(out_dtype)
+
+
+def _kernel(op, mean: bool, with_dim: bool):
+    def kernel(x, *args, **kwargs):
+        if with_dim:
+            dim = args[0] if args else kwargs.get("dim")
+            keepdim = args[1] if len(args) > 1 else kwargs.get("keepdim", False)
+        else:
+            dim, keepdim = None, False
+        result = _reduce(x, dim, keepdim, kwargs.get("dtype"), mean)
+        return op(x, *args, **kwargs) if result is None else result
+
+    return kernel
+
+
+class Numerics:
+    """Which numerics sim computes with: ``cpu`` (the CPU's kernels) or ``gpu`` (this module's sums)."""
+
+    def __init__(self) -> None:
+        self.mode = "cpu"
+        self._lock = threading.Lock()
+
+    def set(self, mode: str) -> None:
+        mode = parse_mode(mode)
+        with self._lock:
+            for name in _OPS:
+                op = overload(name)
+                if mode == "gpu":
+                    KERNELS[op] = _kernel(op, name.startswith("mean"), "dim" in name)
+                else:
+                    KERNELS.pop(op, None)
+            self.mode = mode
+
+
+NUMERICS = Numerics()

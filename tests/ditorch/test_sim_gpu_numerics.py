@@ -1,0 +1,80 @@
+"""``DITORCH_SIM_NUMERICS=gpu``: sim's sums in a GPU reduction kernel's order (ditorch/sim/gpu_numerics.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+@pytest.fixture
+def gpu_numerics(sim):
+    import ditorch.sim
+
+    with ditorch.sim.numerics("gpu"):
+        yield sim
+
+
+def _rows(seed: int = 0) -> torch.Tensor:
+    return torch.randn(64, 512, generator=torch.Generator().manual_seed(seed))
+
+
+def in_order(x: torch.Tensor) -> torch.Tensor:
+    """The rows of ``x`` added one after the other in float32: what a thread per result computes."""
+    total = torch.zeros(x.shape[1:])
+    for row in x.float():
+        total = total + row
+    return total
+
+
+def test_off_by_default_sim_sums_as_the_cpu(sim):
+    x = _rows()
+    assert torch.equal(x.to(sim).sum(-1).cpu(), x.sum(-1))
+    assert torch.equal(x.to(sim).mean(0).cpu(), x.mean(0))
+
+
+def test_contiguous_terms_are_summed_in_another_legitimate_order(gpu_numerics):
+    x = _rows()
+    device = x.to(gpu_numerics).sum(-1).cpu()
+    assert (device != x.sum(-1)).any()  # another order: another rounding, on some rows
+    exact = x.double().sum(-1)
+    magnitudes = x.double().abs().sum(-1)
+    n = x.shape[-1]
+    assert ((device.double() - exact).abs() <= n * EPS32 / 2 * magnitudes).all()  # as any order may give
+
+
+def test_strided_terms_are_summed_in_order_one_thread_per_result(gpu_numerics):
+    x = _rows()
+    assert torch.equal(x.to(gpu_numerics).sum(0).cpu(), in_order(x))
+
+
+def test_half_types_accumulate_in_float32_and_a_mean_multiplies(gpu_numerics):
+    x = _rows(1)
+    bf16 = x.to(torch.bfloat16)
+    total = bf16.to(gpu_numerics).sum(0).cpu()
+    assert total.dtype == torch.bfloat16
+    assert torch.equal(total, in_order(bf16).to(torch.bfloat16))
+    mean = x.to(gpu_numerics).mean(0, keepdim=True).cpu()
+    assert mean.shape == (1, 512)
+    assert torch.equal(mean, (in_order(x) * torch.tensor(1 / 64, dtype=torch.float32)).reshape(1, 512))
+
+
+def test_whole_tensor_sums_and_integers(gpu_numerics):
+    x = _rows(2)
+    whole = x.to(gpu_numerics).sum().cpu()
+    assert abs(whole.double().item() - x.double().sum().item()) <= x.numel() * EPS32 * x.abs().sum().item()
+    ints = torch.arange(10)
+    assert x.to(gpu_numerics).sum(dtype=torch.float64).dtype == torch.float64
+    assert torch.equal(ints.to(gpu_numerics).sum().cpu(), ints.sum())  # integers: exact, the CPU's kernel
+
+
+def test_the_switch_is_scoped(sim):
+    import ditorch.sim
+    from ditorch.sim.gpu_numerics import NUMERICS
+
+    with ditorch.sim.numerics("gpu"):
+        assert NUMERICS.mode == "gpu"
+    assert NUMERICS.mode == "cpu"
+    with pytest.raises(ValueError, match="DITORCH_SIM_NUMERICS='fast': expected cpu or gpu"):
+        ditorch.sim.numerics("fast").__enter__()
