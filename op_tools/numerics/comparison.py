@@ -573,7 +573,8 @@ def _within_any_order(d: torch.Tensor, r: torch.Tensor, sums) -> str:
     Summing ``n`` terms in floating point, in whatever order (left to right, blocked, a tree, split across threads),
     errs by at most ``gamma_{n} * sum |terms|`` with ``gamma_{k} = k u / (1 - k u)`` (Higham, Accuracy and Stability
     of Numerical Algorithms, 2nd ed., 4.2), ``u`` half the accumulation type's eps; each term, a product or quotient
-    rounded once, adds one ``u``; a narrow result is rounded once more at the end. The CPU's own error on the call,
+    rounded once, adds one ``u``; the result's own last roundings (to a narrow dtype, a mean's scaling) add an eps of
+    it. The CPU's own error on the call,
     the rule's other measure, is one order among many, and a GPU's blocked sums may err several times more: the
     H200's RMSNorm gradient of a (..., 1) factor summed over 512 elements did, at ~46 float32 eps."""
     if sums is None:
@@ -585,9 +586,7 @@ def _within_any_order(d: torch.Tensor, r: torch.Tensor, sums) -> str:
         return ""
     gamma = (n + 1) * u / (1 - (n + 1) * u)
     rw = _wide(r)
-    allowed = gamma * _wide(magnitudes) + n * _tiny(accumulation)
-    if d.dtype in _NARROW:
-        allowed += _eps(d.dtype) / 2 * rw.abs()
+    allowed = gamma * _wide(magnitudes) + n * _tiny(accumulation) + _eps(d.dtype) * rw.abs()
     if not bool(((_wide(d) - rw).abs() <= allowed).all()):
         return ""
     return f"within the rounding of a sum of {n} terms in any order"

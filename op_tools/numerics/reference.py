@@ -252,7 +252,7 @@ def magnitudes_backward(func, reference: Reference, upstream: tuple) -> tuple:
         leaf = leaves.get(id(t))
         if leaf is not None:
             return leaf.clone()  # an in-place op cannot write a leaf; the clone's gradient reaches it
-        return t.detach().abs() if t.is_floating_point() else t
+        return _absolute(t)
 
     with isolated(), torch.enable_grad():
         args, kwargs = map_tensors(reference.args, absolute), map_tensors(reference.kwargs, absolute)
@@ -261,6 +261,17 @@ def magnitudes_backward(func, reference: Reference, upstream: tuple) -> tuple:
     upstream = tuple(None if g is None else g.abs() for g in upstream)
     ordered = [None if leaf is None else leaves[id(leaf)] for leaf in reference.leaves]
     return tuple(None if g is None else g.abs() for g in reference_backward(outputs, ordered, upstream))
+
+
+def magnitudes_forward(func, reference: Reference):
+    """The op rerun in float64 on the absolute values of every floating argument: for an op whose result elements are
+    sums or means of its input's elements (``op_facts``' ``sums_elements``), the magnitudes each one sums."""
+    with isolated(), torch.no_grad():
+        return func(*map_tensors(reference.args, _absolute), **map_tensors(reference.kwargs, _absolute))
+
+
+def _absolute(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().abs() if t.is_floating_point() else t
 
 
 # torch.autograd.grad's checks and conversions cost about as much as a small op's float64 backward; the engine's

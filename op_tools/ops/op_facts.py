@@ -61,6 +61,9 @@ class OpFacts:
     # quotients of the upstream gradient and the inputs (add, mul, div): a device may sum them in any order, and
     # the op rerun on the inputs' absolute values gives each sum's magnitudes (comparison.py's reduction bound).
     broadcast_sums: bool = False
+    # Each result element is a sum (or a mean) of elements of its first argument (sum, mean): in any order on a
+    # device, and the op on that argument's absolute values gives the magnitudes summed.
+    sums_elements: bool = False
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(OpFacts)}
@@ -283,6 +286,9 @@ for _namespace in ("_c10d_functional", "c10d_functional"):
 for _name in ("add", "sub", "subtract", "rsub", "mul", "multiply", "div", "divide", "true_divide",
               *(f"__{side}{op}__" for op in ("add", "sub", "mul", "truediv", "div") for side in ("", "r", "i"))):
     register_op_facts(_name, broadcast_sums=True)
+
+for _name in ("sum", "mean", "nansum", "nanmean", "sum_to_size"):
+    register_op_facts(_name, sums_elements=True)
 
 # Ops that compute every output element on its own, from a few inputs, in a type wider than a narrow output, and
 # round it once (rounded_ops.py says why that matters).

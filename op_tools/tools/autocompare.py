@@ -70,6 +70,7 @@ from ..numerics.reference import (
     Reference,
     attempts_for,
     magnitudes_backward,
+    magnitudes_forward,
     map_arguments,
     meta_dtypes,
     reference_backward,
@@ -476,7 +477,8 @@ class OpAutoCompare(OpTool):
             if expected is None:
                 LEARNT.expected_dtypes[signature] = _leaf_dtypes(device_cpu if same_value is None else same_value)
         comparisons = compare_outputs(device_cpu, reference.result, same_value, self._tolerance, op_name=call.name,
-                                      prefix="output", history=LEARNT.history, key=state.precedent)
+                                      prefix="output", history=LEARNT.history, key=state.precedent,
+                                      sums=_element_sums(call, reference))
         for label, t, host in zip(state.extra_labels, state.extra, state.extra_cpu):
             before_op = host_of[id(t)]
             comparisons.append(compare_tensors(label, host, reference.mapped[id(before_op)],
@@ -812,6 +814,30 @@ def _broadcast_sums(call: OpCall, reference: Reference, outputs: list[torch.Tens
                 computed.append(None)
         magnitudes = computed[0][i] if computed[0] is not None else None
         return None if magnitudes is None else (magnitudes, size // leaf.numel())
+
+    return sums
+
+
+def _element_sums(call: OpCall, reference: Reference):
+    """For an op whose result elements are sums or means of its first argument's (``sums_elements``): ``sums(0)``,
+    ``(magnitudes, n)`` of its one result, from one more float64 run, made only for a result about to fail."""
+    if not op_facts(call.name).sums_elements:
+        return None
+    source = next(iter_tensors(reference.args), None)
+    computed: list = []
+
+    def sums(i: int):
+        if i != 0 or source is None:
+            return None
+        if not computed:
+            try:
+                computed.append(magnitudes_forward(call.func, reference))
+            except (RuntimeError, NotImplementedError, TypeError):  # no such rerun: the usual verdict stands
+                computed.append(None)
+        magnitudes = computed[0]
+        if not isinstance(magnitudes, torch.Tensor) or not magnitudes.numel() or source.numel() < magnitudes.numel():
+            return None
+        return magnitudes.abs(), max(1, source.numel() // magnitudes.numel())
 
     return sums
 

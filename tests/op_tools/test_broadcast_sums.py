@@ -135,3 +135,37 @@ def test_in_gpu_numerics_a_fault_in_the_sum_still_fails(sim):
         assert not _scaled_backward(sim, "sum:noise=2e-6").failures
         tool = _scaled_backward(sim, "sum:noise=1e-4")
     assert [(f["op"], f["phase"]) for f in tool.failures] == [("torch.Tensor.mul", "backward")]
+
+
+def _forward_sum(sim, x: torch.Tensor, dim: int, fault: str = "", bound: bool = True):
+    import ditorch.sim
+    import op_tools.tools.autocompare as autocompare
+
+    saved = autocompare._element_sums
+    if not bound:
+        autocompare._element_sums = lambda *args: None
+    on_sim = x.to(sim)
+    try:
+        with ditorch.sim.numerics("gpu"), ditorch.sim.faults(fault), op_tools.OpAutoCompare() as tool:
+            on_sim.sum(dim)
+    finally:
+        autocompare._element_sums = saved
+    return tool
+
+
+def test_a_forward_sum_in_a_gpu_order_passes_and_a_fault_in_it_fails(sim):
+    # 4096 rows summed by a thread per column, in order: legitimately worse than the CPU's cascade, which the former
+    # rule failed on 6 of 30 such random tensors (this is one); a 1e-2 fault is still far outside what any order gives
+    # to these signed terms
+    x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(22))
+    assert [f["op"] for f in _forward_sum(sim, x, 0, bound=False).failures] == ["torch.Tensor.sum"]
+    tool = _forward_sum(sim, x, 0)
+    assert tool.counts["forward failed"] == 0 and tool.counts["forward compared"] == 1
+    assert [f["op"] for f in _forward_sum(sim, x, 0, "sum:noise=1e-2").failures] == ["torch.Tensor.sum"]
+
+
+def test_a_sum_of_magnitudes_keeps_its_sensitivity(sim):
+    # terms of one sign (a norm's mean of squares): what any order gives is n u of the sum, 512 terms ~3e-5
+    x = torch.rand(64, 512, generator=torch.Generator().manual_seed(1))
+    assert not _forward_sum(sim, x, -1).failures
+    assert [f["op"] for f in _forward_sum(sim, x, -1, "sum:noise=1e-4").failures] == ["torch.Tensor.sum"]
