@@ -1,11 +1,15 @@
-"""``DITORCH_SIM_NUMERICS=gpu``: sim sums as a GPU's reduction kernels do, in another order than the CPU's.
+"""``DITORCH_SIM_NUMERICS=gpu``: sim sums, and splits long GEMMs, as a GPU's kernels do: in another order than the CPU.
 
 A GPU's result of a sum legitimately differs from the CPU's: its kernels add the same terms in another order. On an
 NVIDIA H200 that difference made OpAutoCompare fail a clean float32 Llama (issue 34): the gradient of RMSNorm's
 ``(..., 1)`` factor, a sum over 512 products, erred ~46 float32 eps where the CPU's sum erred ~10. sim runs the CPU's
 kernels, so by default it is bit-identical to the CPU and such a difference never shows in CI; in this mode it does.
 
-Which ops: ``sum`` and ``mean`` of floating tensors, over some dimensions or all (``sum.dim_IntList``,
+Which ops: the GEMMs ``mm``, ``bmm``, ``addmm`` and ``baddbmm`` of float32 and half types (what ``linear`` and
+``matmul`` reach the device as, forward and backward) with an inner dimension of more than 256: split along it into
+at most 16 slices, each slice's product computed in float32 (with TF32 operands where that switch is on) and the
+slices' products added in order (split-K); and ``sum`` and ``mean`` of floating tensors, over some dimensions or all
+(``sum.dim_IntList``,
 ``sum.default``, ``mean.dim``, ``mean.default``): what the gradients of broadcasting ops (``sum_to_size``), bias
 gradients, norms' statistics and losses reach the device as. In the order of CUDA's reduction kernels:
 
@@ -122,22 +126,71 @@ def _kernel(op, mean: bool, with_dim: bool):
     return kernel
 
 
+K_SLICE = 256  # a GEMM's inner dimension beyond this is split (split-K): each slice's product in float32, in order
+MAX_SLICES = 16
+_GEMMS = {"mm": None, "bmm": None, "addmm": "mm", "baddbmm": "bmm"}  # op -> the product of its two factors
+
+
+def _split_k(op, name: str):
+    """``op`` with its inner dimension split into slices whose float32 products are added in order, as a GPU's
+    split-K GEMM does; the slices' products by the kernel the op had before (TF32 rounding, where on, included)."""
+    product_name = _GEMMS[name] or name
+    product = KERNELS.get(overload(product_name), overload(product_name))
+    plain = KERNELS.get(op, op)
+    accumulate = _GEMMS[name] is not None
+
+    def kernel(*args, **kwargs):
+        a, b = (args[1], args[2]) if accumulate else (args[0], args[1])
+        k = a.shape[-1]
+        if len(args) != (3 if accumulate else 2) or not a.is_floating_point() or a.dtype == torch.float64 \
+                or k <= K_SLICE:
+            return plain(*args, **kwargs)
+        slices = min(MAX_SLICES, -(-k // K_SLICE))
+        bounds = [k * i // slices for i in range(slices + 1)]
+        total = None
+        for start, stop in zip(bounds, bounds[1:]):
+            part = product(a[..., start:stop].float(), b[..., start:stop, :].float())
+            total = part if total is None else total.add_(part)
+        assert total is not None
+        if accumulate:
+            beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+            total = total * alpha if alpha != 1 else total
+            total = total + args[0].float() * beta if beta != 0 else total
+        return total.to(a.dtype)
+
+    return kernel
+
+
 class Numerics:
     """Which numerics sim computes with: ``cpu`` (the CPU's kernels) or ``gpu`` (this module's sums)."""
 
     def __init__(self) -> None:
         self.mode = "cpu"
         self._lock = threading.Lock()
+        self._gemms: dict = {}  # GEMM overload -> the kernel it had before this mode
 
     def set(self, mode: str) -> None:
         mode = parse_mode(mode)
         with self._lock:
+            if mode == self.mode:
+                return
             for name in _OPS:
                 op = overload(name)
                 if mode == "gpu":
                     KERNELS[op] = _kernel(op, name.startswith("mean"), "dim" in name)
                 else:
                     KERNELS.pop(op, None)
+            for name in _GEMMS:  # the kernels they had (TF32's, which read CUDA's switch) back when off
+                op = overload(name)
+                if mode == "gpu":
+                    self._gemms[op] = KERNELS.get(op)
+                    KERNELS[op] = _split_k(op, name)
+                else:
+                    previous = self._gemms.pop(op, None)
+                    if previous is None:
+                        KERNELS.pop(op, None)
+                    else:
+                        KERNELS[op] = previous
             self.mode = mode
 
 

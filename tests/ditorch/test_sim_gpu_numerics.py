@@ -78,3 +78,18 @@ def test_the_switch_is_scoped(sim):
     assert NUMERICS.mode == "cpu"
     with pytest.raises(ValueError, match="DITORCH_SIM_NUMERICS='fast': expected cpu or gpu"):
         ditorch.sim.numerics("fast").__enter__()
+
+
+def test_a_long_gemm_is_split_along_its_inner_dimension(gpu_numerics):
+    generator = torch.Generator().manual_seed(3)
+    a, b = torch.randn(64, 1024, generator=generator), torch.randn(1024, 32, generator=generator)
+    slices = [a[:, s:s + 256] @ b[s:s + 256] for s in range(0, 1024, 256)]
+    expected = slices[0]
+    for part in slices[1:]:
+        expected = expected + part
+    device = (a.to(gpu_numerics) @ b.to(gpu_numerics)).cpu()
+    assert torch.equal(device, expected) and not torch.equal(device, a @ b)
+    bias = torch.randn(32, generator=generator)
+    linear = torch.nn.functional.linear(a.to(gpu_numerics), b.t().contiguous().to(gpu_numerics), bias.to(gpu_numerics))
+    assert torch.equal(linear.cpu(), expected + bias)
+

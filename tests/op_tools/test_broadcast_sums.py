@@ -169,3 +169,19 @@ def test_a_sum_of_magnitudes_keeps_its_sensitivity(sim):
     x = torch.rand(64, 512, generator=torch.Generator().manual_seed(1))
     assert not _forward_sum(sim, x, -1).failures
     assert [f["op"] for f in _forward_sum(sim, x, -1, "sum:noise=1e-4").failures] == ["torch.Tensor.sum"]
+
+
+def test_split_gemms_pass_and_a_fault_in_them_is_found(sim):
+    import ditorch.sim
+
+    generator = torch.Generator().manual_seed(4)
+    for dtype, noise in ((torch.float32, 1e-2), (torch.bfloat16, 1e-1)):  # the sensitivity table's linear
+        x = torch.randn(2, 64, 2048, generator=generator).to(dtype).to(sim).requires_grad_()
+        weight = torch.randn(512, 2048, generator=generator).to(dtype).to(sim).requires_grad_()
+        with ditorch.sim.numerics("gpu"), op_tools.OpAutoCompare() as clean:
+            torch.nn.functional.linear(x, weight).square().mean().backward()
+        assert clean.failures == [] and clean.counts["backward compared"] >= 1, clean.failures[:2]
+        with ditorch.sim.numerics("gpu"), ditorch.sim.faults(f"addmm|mm|bmm:noise={noise:g}"), \
+                op_tools.OpAutoCompare() as faulty:
+            torch.nn.functional.linear(x, weight)
+        assert [f["op"] for f in faulty.failures] == ["torch.nn.functional.linear"]
