@@ -42,6 +42,7 @@ bench: install-test
 	$(PYTHON) benchmarks/collective_checks_cost.py
 	$(PYTHON) benchmarks/training_monitor_cost.py
 	$(PYTHON) benchmarks/stay_on_cost.py
+	$(PYTHON) benchmarks/engine_cost.py
 
 # On a machine with a CUDA GPU: the gpu-marked tests and the GPU benchmarks, one summary table at the end.
 # Installs nothing (a missing dependency is named); without a GPU it says so and exits 0.
