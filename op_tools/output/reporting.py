@@ -497,13 +497,6 @@ _SKIPPED_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.pa
 _is_user: dict[str, bool] = {}  # file name -> whether it lies outside torch and op_tools
 
 
-def _user_file(filename: str) -> bool:
-    user = _is_user.get(filename)
-    if user is None:
-        user = _is_user[filename] = not filename.startswith((*_SKIPPED_DIRS, "<frozen"))
-    return user
-
-
 def _user_frames(full_stack: bool) -> tuple:
     """(file, line, function) of the user's frames, innermost first (the innermost only, unless ``full_stack``)."""
     frames = []
@@ -512,7 +505,7 @@ def _user_frames(full_stack: bool) -> tuple:
         code = frame.f_code
         user = _is_user.get(code.co_filename)
         if user is None:
-            user = _user_file(code.co_filename)
+            user = _is_user[code.co_filename] = not code.co_filename.startswith((*_SKIPPED_DIRS, "<frozen"))
         if user:
             frames.append((code.co_filename, frame.f_lineno, code.co_name))
             if not full_stack:
@@ -549,11 +542,6 @@ def user_site(full_stack: bool = False) -> Site:
 @functools.lru_cache(maxsize=4096)
 def _frame_line(filename: str, lineno: int, function: str) -> str:
     return f"{filename}:{lineno} {function}: {linecache.getline(filename, lineno).strip()}"
-
-
-def user_location(full_stack: bool = False) -> str:
-    """``file:line function: code`` of the innermost frame outside torch and op_tools (all such frames if asked)."""
-    return user_site(full_stack).text()
 
 
 def short_location(location: str) -> str:

@@ -801,19 +801,14 @@ def _broadcast_sums(call: OpCall, reference: Reference, outputs: list[torch.Tens
     if not op_facts(call.name).broadcast_sums or len(outputs) != 1:
         return None
     size = outputs[0].numel()
-    computed: list = []
+    magnitudes = _once(lambda: magnitudes_backward(call.func, reference, upstream))
 
     def sums(i: int):
         leaf = reference.leaves[i] if i < len(reference.leaves) else None
         if leaf is None or not leaf.numel() or leaf.numel() >= size or size % leaf.numel():
             return None
-        if not computed:
-            try:
-                computed.append(magnitudes_backward(call.func, reference, upstream))
-            except (RuntimeError, NotImplementedError, TypeError):  # no such rerun: the usual verdict stands
-                computed.append(None)
-        magnitudes = computed[0][i] if computed[0] is not None else None
-        return None if magnitudes is None else (magnitudes, size // leaf.numel())
+        grads = magnitudes()
+        return None if grads is None or grads[i] is None else (grads[i], size // leaf.numel())
 
     return sums
 
@@ -824,22 +819,32 @@ def _element_sums(call: OpCall, reference: Reference):
     if not op_facts(call.name).sums_elements:
         return None
     source = next(iter_tensors(reference.args), None)
-    computed: list = []
+    rerun = _once(lambda: magnitudes_forward(call.func, reference))
 
     def sums(i: int):
         if i != 0 or source is None:
             return None
-        if not computed:
-            try:
-                computed.append(magnitudes_forward(call.func, reference))
-            except (RuntimeError, NotImplementedError, TypeError):  # no such rerun: the usual verdict stands
-                computed.append(None)
-        magnitudes = computed[0]
+        magnitudes = rerun()
         if not isinstance(magnitudes, torch.Tensor) or not magnitudes.numel() or source.numel() < magnitudes.numel():
             return None
         return magnitudes.abs(), max(1, source.numel() // magnitudes.numel())
 
     return sums
+
+
+def _once(rerun):
+    """``rerun()`` on the first call, kept; None when it raised (no such rerun: the usual verdict stands)."""
+    kept: list = []
+
+    def get():
+        if not kept:
+            try:
+                kept.append(rerun())
+            except (RuntimeError, NotImplementedError, TypeError):
+                kept.append(None)
+        return kept[0]
+
+    return get
 
 
 def _unique_tensors(result) -> list[torch.Tensor]:
