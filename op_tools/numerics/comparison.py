@@ -46,6 +46,7 @@ from ..ops.arguments import iter_items
 from ..ops.op_facts import cached_on_facts, op_facts
 from ..ops.rounded_ops import rounded_once
 from .error_statistics import error_stats, normalised_error
+from .rounding_bounds import NARROW as _NARROW
 
 RATIO = 4.0
 FLOOR_EPS = 4.0
@@ -57,19 +58,19 @@ SAME_PRECISION_FLOOR_EPS = 256.0
 ROUNDED_SHARE = 2.0 ** -8
 ROUNDED_FLOOR_EPS = 1.0
 ROUNDED_RATIO = 2.0
-_NARROW = frozenset(t for t in (torch.float16, torch.bfloat16, getattr(torch, "float8_e4m3fn", None),
-                                getattr(torch, "float8_e5m2", None)) if t is not None)
 
 
 @dataclasses.dataclass(frozen=True)
 class ErrorRule:
     """How an error is measured and bounded. ``rounded``: the relative error (``error_statistics``' ``relative``)
     within the larger of ``floor_eps`` eps and ``ratio`` times the same-dtype run's; otherwise the normalised error
-    within their sum."""
+    within their sum. ``modelled``: the result's rounding bound (``rounding_bounds``), element by element, decides
+    instead, where the comparison is given one."""
 
     floor_eps: float
     ratio: float | None  # None: the op's (``ratio_for``)
     rounded: bool
+    modelled: bool = False
 
     def bound(self, ratio: float, cpu_error: float, floor: float) -> float:
         return max(ratio * cpu_error, floor) if self.rounded else ratio * cpu_error + floor
@@ -78,15 +79,20 @@ class ErrorRule:
 ERROR_RULES = {
     "summed": ErrorRule(FLOOR_EPS, None, False),  # reductions, matmuls, attention: anything not rounded once
     "rounded once": ErrorRule(ROUNDED_FLOOR_EPS, ROUNDED_RATIO, True),
+    # fused attention in a narrow dtype: another algorithm than the CPU's, bounded by what it rounds
+    "attention": ErrorRule(FLOOR_EPS, None, False, modelled=True),
 }
 
 
 def error_rule(op_name: str, dtype: torch.dtype, reference_dtype: torch.dtype = torch.float64,
                backward: bool = False) -> ErrorRule:
-    """The rule for one result: 'rounded once' for a forward result of a ``rounded_ops`` op in a narrow dtype
-    against a wider reference, 'summed' otherwise."""
-    if dtype in _NARROW and not backward and _eps(reference_dtype) < _eps(dtype) and rounded_once(op_name):
-        return ERROR_RULES["rounded once"]
+    """The rule for one result: for a forward result in a narrow dtype against a wider reference, 'rounded once' for
+    a ``rounded_ops`` op and 'attention' for one with ``op_facts``' ``attention_rounding``; 'summed' otherwise."""
+    if dtype in _NARROW and not backward and _eps(reference_dtype) < _eps(dtype):
+        if rounded_once(op_name):
+            return ERROR_RULES["rounded once"]
+        if op_facts(op_name).attention_rounding:
+            return ERROR_RULES["attention"]
     return ERROR_RULES["summed"]
 
 
@@ -288,7 +294,7 @@ def _failure(name: str, info: str) -> Comparison:
 
 def compare_outputs(device_out, reference_out, same_dtype_out=None, tolerance: ToleranceSpec | None = None,
                     *, op_name: str = "", prefix: str = "", history: SameDtypeHistory | None = None,
-                    key: tuple = (), sums: Callable[[int], Any] | None = None) -> list[Comparison]:
+                    key: tuple = (), bounds: Callable[[int], Any] | None = None) -> list[Comparison]:
     """Compare every leaf of ``device_out`` with ``reference_out`` (see the module docstring for the verdict).
 
     ``same_dtype_out`` is the result of a correct run in the device's own dtype (e.g. the CPU's), or a
@@ -296,9 +302,8 @@ def compare_outputs(device_out, reference_out, same_dtype_out=None, tolerance: T
     ``prefix`` names the leaves (``"output"``, ``"grad"``: gradients, never 'rounded once'); each is named
     ``prefix[i]``. ``history`` (with
     ``key``, the call's signature) lets a device error well within what a correct run had on the same signature
-    pass without a same-dtype run. ``sums(i)``, asked only for a leaf about to fail, gives ``(magnitudes, n)`` where
-    leaf ``i`` is a sum of ``n`` terms per element whose magnitudes sum to ``magnitudes`` (float64, its shape), or
-    None: such a leaf also passes within what summing in any order may give (``_within_any_order``).
+    pass without a same-dtype run. ``bounds(i)`` gives leaf ``i``'s rounding bound (``rounding_bounds``), or None: a
+    leaf whose rule is ``modelled`` is judged by it; any other, asked only when about to fail, also passes within it.
     """
     if isinstance(device_out, torch.Tensor) and isinstance(reference_out, torch.Tensor):  # most ops: no walk
         device_leaves, reference_leaves = [("[0]", device_out)], [("[0]", reference_out)]
@@ -314,9 +319,9 @@ def compare_outputs(device_out, reference_out, same_dtype_out=None, tolerance: T
     for index, ((path, d), (_, r)) in enumerate(zip(device_leaves, reference_leaves)):
         name = f"{prefix}{path}"
         precedent = None if history is None else (history, (*key, name))
-        leaf_sums = None if sums is None else functools.partial(sums, index)
+        leaf_bound = None if bounds is None else functools.partial(bounds, index)
         results.append(_compare_leaf(name, d, r, lambda i=index: same.leaf(i), tolerance, op_name, same.lazy,  # type: ignore[misc]  # mypy cannot type a lambda's default
-                                     precedent, backward, leaf_sums))
+                                     precedent, backward, leaf_bound))
     return results
 
 
@@ -372,11 +377,11 @@ def _describe(value) -> str:
 
 def _compare_leaf(name: str, d, r, same: Callable[[], Any], tolerance: ToleranceSpec | None,
                   op_name: str, lazy: bool, precedent=None, backward: bool = False,
-                  sums: Callable[[], Any] | None = None) -> Comparison:
+                  bound: Callable[[], Any] | None = None) -> Comparison:
     if d is None and r is None:
         return Comparison(name, True)
     if isinstance(d, torch.Tensor) and isinstance(r, torch.Tensor):
-        return compare_tensors(name, d, r, same, tolerance, op_name, lazy, precedent, backward, sums)
+        return compare_tensors(name, d, r, same, tolerance, op_name, lazy, precedent, backward, bound)
     if isinstance(d, torch.Tensor) and r is None or d is None and isinstance(r, torch.Tensor):
         t = d if d is not None else r
         if not t.is_floating_point() or not bool((t == 0).all()):  # type: ignore[union-attr]  # t is whichever is a tensor; an unused gradient: None or zeros alike
@@ -424,12 +429,12 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
 def compare_tensors(name: str, d: torch.Tensor, r: torch.Tensor, same: Callable[[], Any] = lambda: None,
                     tolerance: ToleranceSpec | None = None, op_name: str = "", lazy: bool = False,
                     precedent: tuple | None = None, backward: bool = False,
-                    sums: Callable[[], Any] | None = None) -> Comparison:
+                    bound: Callable[[], Any] | None = None) -> Comparison:
     """The verdict for one device tensor ``d`` (on any device) against its reference ``r``.
 
     ``same()`` gives the same-dtype run's tensor (or None); with ``lazy`` it is asked for only when needed;
-    ``precedent`` is ``(SameDtypeHistory, key)``; ``backward``: ``d`` is a gradient; ``sums()``: see
-    ``compare_outputs``.
+    ``precedent`` is ``(SameDtypeHistory, key)``; ``backward``: ``d`` is a gradient; ``bound()``: see
+    ``compare_outputs``' ``bounds``.
     """
     if d.shape != r.shape:
         return _failure(name, f"shape differs: device {tuple(d.shape)}, reference {tuple(r.shape)}")
@@ -492,7 +497,7 @@ def compare_tensors(name: str, d: torch.Tensor, r: torch.Tensor, same: Callable[
             infos.append(f"not allclose under {user[2]}={user[0]:g},{user[1]:g}")
     elif result.passed:
         _default_verdict(result, d, r, get_same, lazy, finite_d, finite_r, all_finite, infos, op_name, precedent,
-                         rule, relative, sums)
+                         rule, relative, bound)
     result.error_info = "; ".join(infos)
     return result
 
@@ -523,14 +528,16 @@ def _tiny(dtype: torch.dtype) -> float:
 
 def _default_verdict(result: Comparison, d, r, get_same, lazy, finite_d, finite_r, all_finite, infos,
                      op_name: str, precedent, rule: ErrorRule = ERROR_RULES["summed"],
-                     relative: tuple | None = None, sums: Callable[[], Any] | None = None) -> None:
+                     relative: tuple | None = None, bound: Callable[[], Any] | None = None) -> None:
     eps, ref_eps = _eps(d.dtype), _eps(r.dtype)
     if ref_eps >= eps:  # the reference is no more precise than the device: only a loose floor is meaningful
-        bound = SAME_PRECISION_FLOOR_EPS * eps
-        if result.device_error > bound:
+        limit = SAME_PRECISION_FLOOR_EPS * eps
+        if result.device_error > limit:
             result.passed = False
             infos.append(f"error {result.device_error:.3g} above {SAME_PRECISION_FLOOR_EPS:g} eps of {d.dtype} "
                          f"(reference computed in {r.dtype})")
+        return
+    if rule.modelled and bound is not None and all_finite and _modelled_verdict(result, d, r, bound, infos):
         return
     floor = rule.floor_eps * eps
     if result.device_error <= floor and lazy:
@@ -552,10 +559,10 @@ def _default_verdict(result: Comparison, d, r, get_same, lazy, finite_d, finite_
     cpu_error = 0.0 if math.isnan(result.cpu_error) else result.cpu_error
     if result.device_error <= rule.bound(ratio, cpu_error, floor):
         return
-    if sums is not None and not rule.rounded and all_finite:
-        within = _within_any_order(d, r, sums())
-        if within:
-            infos.append(within)
+    if bound is not None and not rule.rounded and all_finite:
+        model = bound()
+        if model is not None and _worst_share(d, r, model) <= 1:
+            infos.append(model.says)
             return
     result.passed = False
     if rule.rounded:
@@ -566,30 +573,39 @@ def _default_verdict(result: Comparison, d, r, get_same, lazy, finite_d, finite_
                      f"+ {FLOOR_EPS:g} eps")
 
 
-def _within_any_order(d: torch.Tensor, r: torch.Tensor, sums) -> str:
-    """'' unless every element of ``d``, a sum of ``n`` terms whose magnitudes sum to ``magnitudes`` (``sums`` is
-    ``(magnitudes, n)``, or None), is within what rounding gives summing them in any order: then what it says.
+def _modelled_verdict(result: Comparison, d: torch.Tensor, r: torch.Tensor, bound: Callable[[], Any],
+                      infos: list) -> bool:
+    """Judge ``d`` by its rounding bound alone; False when there is none (the ratio rule then decides). Every such
+    bound allows at least an eps of each element (its rounding and one more rounding inside), so a result within
+    that passes without computing it."""
+    dw, rw = _wide(d), _wide(r)
+    if bool(((dw - rw).abs() <= _eps(d.dtype) * rw.abs()).all()):
+        return True
+    model = bound()
+    if model is None:
+        return False
+    share = _worst_share(d, r, model, dw, rw)
+    if math.isnan(share):
+        return False
+    if share <= 1:
+        infos.append(model.says)
+    else:
+        result.passed = False
+        infos.append(f"error {share:.3g} x what rounding allows ({model.says.removeprefix('within ')})")
+    return True
 
-    Summing ``n`` terms in floating point, in whatever order (left to right, blocked, a tree, split across threads),
-    errs by at most ``gamma_{n} * sum |terms|`` with ``gamma_{k} = k u / (1 - k u)`` (Higham, Accuracy and Stability
-    of Numerical Algorithms, 2nd ed., 4.2), ``u`` half the accumulation type's eps; each term, a product or quotient
-    rounded once, adds one ``u``; the result's own last roundings (to a narrow dtype, a mean's scaling) add an eps of
-    it. The CPU's own error on the call,
-    the rule's other measure, is one order among many, and a GPU's blocked sums may err several times more: the
-    H200's RMSNorm gradient of a (..., 1) factor summed over 512 elements did, at ~46 float32 eps."""
-    if sums is None:
-        return ""
-    magnitudes, n = sums
-    accumulation = torch.float32 if d.dtype in _NARROW else d.dtype
-    u = _eps(accumulation) / 2
-    if (n + 1) * u >= 1:
-        return ""
-    gamma = (n + 1) * u / (1 - (n + 1) * u)
-    rw = _wide(r)
-    allowed = gamma * _wide(magnitudes) + n * _tiny(accumulation) + _eps(d.dtype) * rw.abs()
-    if not bool(((_wide(d) - rw).abs() <= allowed).all()):
-        return ""
-    return f"within the rounding of a sum of {n} terms in any order"
+
+def _worst_share(d: torch.Tensor, r: torch.Tensor, model, dw: torch.Tensor | None = None,
+                 rw: torch.Tensor | None = None) -> float:
+    """The largest ``|d - r|`` as a share of what ``model`` allows per element (above 1: beyond any correct
+    rounding); nan when the model has no bound for this dtype."""
+    dw = _wide(d) if dw is None else dw
+    rw = _wide(r) if rw is None else rw
+    allowed = model.allowed(d.dtype, rw)
+    if allowed is None:
+        return math.nan
+    excess = (dw - rw).abs() / allowed
+    return float(excess.max()) if excess.numel() else 0.0
 
 
 def _nonfinite(values: torch.Tensor) -> str:

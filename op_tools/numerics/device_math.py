@@ -34,6 +34,7 @@ import torch
 from torch._C import DispatchKey
 
 from ..ops.op_facts import OpsWith, op_facts
+from .attention import attention_math
 
 logger = logging.getLogger("op_tools")
 
@@ -75,12 +76,7 @@ for _name in OpsWith("lower_precision"):
     REDUCED_PRECISION_OPERANDS.setdefault(str(_facts.lower_precision), {})[_name] = _facts.rounded_operands
 # Ops whose CPU kernel does its products inside (the CPU's fused attention), run unfused while a reduced matmul
 # precision is replayed, so that their matrix products are rounded as the device's are.
-def _sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
-    return torch.ops.aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal,
-                                                             scale=scale, enable_gqa=enable_gqa)[0]
-
-
-UNFUSED = {"scaled_dot_product_attention": _sdpa_math}
+UNFUSED = {"scaled_dot_product_attention": attention_math}
 # Mantissa bits kept by each reduced float32 format (float32 has 23).
 MANTISSA_BITS = {"tf32": 10, "hf32": 11, "bf16": 7}
 

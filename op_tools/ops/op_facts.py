@@ -64,6 +64,12 @@ class OpFacts:
     # Each result element is a sum (or a mean) of elements of its first argument (sum, mean): in any order on a
     # device, and the op on that argument's absolute values gives the magnitudes summed.
     sums_elements: bool = False
+    # Its result is softmax(q k^T scale + mask) v, as scaled_dot_product_attention takes them: in a narrow dtype its
+    # forward result is judged by what a fused kernel's roundings allow (rounding_bounds.AttentionRounding).
+    attention_rounding: bool = False
+    # A random call whose draws PyTorch's math path, rerun on the device from the generator state the call started
+    # from, gives back when the device took that path: compared with them (numerics/attention.py).
+    replays_dropout: bool = False
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(OpFacts)}
@@ -238,8 +244,10 @@ for _names, _probability, _training in (
 for _name in ("torch.nn.functional.multi_head_attention_forward", "torch.nn.functional.gumbel_softmax"):
     register_op_facts(_name, composite=True)
 # Random calls that are one op with more than the draw inside (no Python calls to descend into).
-for _name in ("scaled_dot_product_attention", "_scaled_dot_product_attention_math"):
-    register_op_facts(_name, random_note="random (attention with dropout, one op: nothing inside compared)")
+register_op_facts("scaled_dot_product_attention", replays_dropout=True,
+                  random_note="random (attention with dropout in a fused kernel: its mask cannot be replayed)")
+register_op_facts("_scaled_dot_product_attention_math",
+                  random_note="random (attention with dropout, one op: nothing inside compared)")
 
 # aten ops whose float32 operands a device's reduced-precision mode rounds: the matrix products (cuBLAS GEMMs) and
 # the convolutions (cuDNN), forward and backward.
@@ -290,12 +298,16 @@ for _name in ("add", "sub", "subtract", "rsub", "mul", "multiply", "div", "divid
 for _name in ("sum", "mean", "nansum", "nanmean", "sum_to_size"):
     register_op_facts(_name, sums_elements=True)
 
+register_op_facts("scaled_dot_product_attention", attention_rounding=True)
+
 # Ops that compute every output element on its own, from a few inputs, in a type wider than a narrow output, and
 # round it once (rounded_ops.py says why that matters).
 for _name in (
     # activations
     "silu", "gelu", "relu", "relu6", "leaky_relu", "elu", "selu", "celu", "mish", "hardswish", "hardsigmoid",
     "hardtanh", "sigmoid", "tanh", "softplus", "softsign", "logsigmoid", "tanhshrink", "threshold",
+    # a row's float32 sum inside, of positive terms: its error is far below the rounding (rounded_ops.py)
+    "softmax", "_softmax", "_safe_softmax",
     # elementwise
     "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "reciprocal", "neg", "negative", "abs",
     "sin", "cos", "erf", "square", "clamp", "clip", "clamp_min", "clamp_max", "add", "sub", "subtract", "rsub", "mul",

@@ -14,6 +14,8 @@ True
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .op_facts import OpsWith, op_facts
@@ -97,6 +99,18 @@ def _current(module) -> int | None:
         return current() if callable(current) else 0
     except Exception:  # noqa: BLE001 - a device module that cannot answer: use its first generator
         return 0
+
+
+def device_rng(device: torch.device) -> tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], None]] | None:
+    """``(get_state, set_state)`` of the device's default generator, through its device module; None without one."""
+    if device.type == "cpu":
+        return torch.get_rng_state, torch.set_rng_state
+    module = getattr(torch, device.type, None)
+    get_state, set_state = getattr(module, "get_rng_state", None), getattr(module, "set_rng_state", None)
+    if not callable(get_state) or not callable(set_state):
+        return None
+    index = device.index if device.index is not None else _current(module)
+    return (lambda: get_state(index)), (lambda state: set_state(state, index))
 
 
 def cpu_generator_token() -> bytes:

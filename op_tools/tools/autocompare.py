@@ -54,6 +54,7 @@ from ..config.variables import (
 )
 from ..core.engine import OpCall, OpTool, feature
 from ..numerics import collective_reference
+from ..numerics.attention import replayed_dropout_mask, with_dropout_mask
 from ..numerics.comparison import (
     COLUMNS,
     Comparison,
@@ -77,10 +78,11 @@ from ..numerics.reference import (
     run_reference,
     run_same_dtype,
 )
+from ..numerics.rounding_bounds import AnyOrderSum, attention_rounding
 from ..ops.arguments import is_dtensor, iter_items, iter_tensors, map_tensors
 from ..ops.collectives import collective_call, signature_of
 from ..ops.op_facts import cached_on_facts, op_facts
-from ..ops.random_calls import GeneratorProbe, cpu_generator_token, random_reason, skip_text
+from ..ops.random_calls import GeneratorProbe, cpu_generator_token, device_rng, random_reason, skip_text
 from ..ops.writes import call_writes
 from ..output import reporting, result_files
 from .compare_state import CompareState
@@ -229,6 +231,9 @@ class OpAutoCompare(OpTool):
             _RERUN_DRAWS if call.name in LEARNT.drawing_reruns else None)
         if reason == "random" and op_facts(call.name).composite:
             state.inside = True  # run() descends into it
+        elif reason == "random" and op_facts(call.name).replays_dropout and \
+                (rng := device_rng(call.device)) is not None:
+            state.replay, reason = (rng, rng[0]()), None  # after() replays its mask
         elif reason == "random":
             reason = skip_text(call.name)
         if reason is None and signature_of(call.name) is not None:
@@ -356,12 +361,13 @@ class OpAutoCompare(OpTool):
             self._copies.forget(written)
             return
         tensors, state.tensors = state.tensors, ()
-        if state.rng != self._probe(call.device).token():  # drew random numbers its name and arguments hid
-            self.skipped["random (the device's generator moved)"] += 1
-            self._copies.forget(written)
-            state.release()
-            call.grad_inputs = []
-            return
+        if state.replay is not None:
+            keep = replayed_dropout_mask(call.args, call.kwargs, call.result, *state.replay)
+            if keep is None:
+                return self._skip_random(call, skip_text(call.name))
+            state.func = with_dropout_mask(keep)
+        elif state.rng != self._probe(call.device).token():  # drew random numbers its name and arguments hid
+            return self._skip_random(call, "random (the device's generator moved)")
         written_ids = {id(t) for t in written}
         device_cpu = map_tensors(call.result, lambda t: self._compared_value(t, id(t) in written_ids))
         in_result = {id(t) for t in iter_tensors(call.result)}
@@ -409,6 +415,12 @@ class OpAutoCompare(OpTool):
         state.reference, state.device_out, state.ref_out = reference, device_out, ref_out
         self._pending[call.forward_id] = call
 
+    def _skip_random(self, call: OpCall, reason: str) -> None:
+        self.skipped[reason] += 1
+        self._copies.forget(call.state.written)
+        call.state.release()
+        call.grad_inputs = []
+
     def _compared_value(self, t: torch.Tensor, written: bool) -> torch.Tensor:
         """What ``t`` is compared as: itself on its device when large, held in the device's own memory, and the device
         computes in float64 (only the statistics come back); else a host copy, remembered for the next call."""
@@ -443,7 +455,8 @@ class OpAutoCompare(OpTool):
         # The reruns must leave the CPU generator as they found it: checked on an op's first call (a rerun of an op
         # whose device run drew nothing draws nothing; the device run of every call is checked in after()).
         rng = cpu_generator_token() if call.name not in LEARNT.rng_checked else None
-        reference, error = run_reference(call.func, state.cpu_args, state.cpu_kwargs, attempts, owned, grad_snaps)
+        func = state.func or call.func
+        reference, error = run_reference(func, state.cpu_args, state.cpu_kwargs, attempts, owned, grad_snaps)
         if reference is None:
             self._copies.forget(state.written)
             state.release()
@@ -455,7 +468,7 @@ class OpAutoCompare(OpTool):
 
         def same():
             if not same_cache:
-                same_cache.append(run_same_dtype(call.func, state.cpu_args, state.cpu_kwargs, owned, math))
+                same_cache.append(run_same_dtype(func, state.cpu_args, state.cpu_kwargs, owned, math))
             return same_cache[0]
 
         def same_out():
@@ -468,7 +481,7 @@ class OpAutoCompare(OpTool):
                 sum(t.numel() for t in host_of.values()) >= META_DTYPES_MIN:
             # found on meta tensors (no computation), where a same-dtype run would cost; not for a user's function,
             # which may branch on the device it is given
-            expected = meta_dtypes(call.func, state.cpu_args, state.cpu_kwargs, math)
+            expected = meta_dtypes(func, state.cpu_args, state.cpu_kwargs, math)
             if expected is not None:
                 LEARNT.expected_dtypes[signature] = expected
         same_value = same_out  # run only when an error is above the floor
@@ -478,7 +491,7 @@ class OpAutoCompare(OpTool):
                 LEARNT.expected_dtypes[signature] = _leaf_dtypes(device_cpu if same_value is None else same_value)
         comparisons = compare_outputs(device_cpu, reference.result, same_value, self._tolerance, op_name=call.name,
                                       prefix="output", history=LEARNT.history, key=state.precedent,
-                                      sums=_element_sums(call, reference))
+                                      bounds=_forward_bounds(call.name, func, reference))
         for label, t, host in zip(state.extra_labels, state.extra, state.extra_cpu):
             before_op = host_of[id(t)]
             comparisons.append(compare_tensors(label, host, reference.mapped[id(before_op)],
@@ -600,7 +613,8 @@ class OpAutoCompare(OpTool):
 
         comparisons = compare_outputs(device_grads_cpu, reference_grads, same, self._tolerance, op_name=call.name,
                                       prefix="grad", history=LEARNT.history, key=("backward", *state.precedent),
-                                      sums=_broadcast_sums(call, reference, ref_flat, upstream_cpu))
+                                      bounds=_broadcast_sums(call.name, state.func or call.func, reference, ref_flat,
+                                                             upstream_cpu))
         for c, label in zip(comparisons, state.grad_labels):
             c.name = f"{label}.grad"
         return comparisons, reference_grads
@@ -609,7 +623,7 @@ class OpAutoCompare(OpTool):
         """The input gradients of a CPU run in the device's dtypes and declared math, for the same upstream."""
         math, owned = state.math, state.owned
         assert math is not None and owned is not None  # set for every call compared in forward
-        run = run_same_dtype(call.func, state.cpu_args, state.cpu_kwargs, owned, math, state.grad_snaps)
+        run = run_same_dtype(state.func or call.func, state.cpu_args, state.cpu_kwargs, owned, math, state.grad_snaps)
         if run is None:
             return None
         try:
@@ -794,42 +808,47 @@ def _named_row(op: str, comparison: Comparison) -> dict:
     return row
 
 
-def _broadcast_sums(call: OpCall, reference: Reference, outputs: list[torch.Tensor], upstream: tuple):
+def _broadcast_sums(name: str, func, reference: Reference, outputs: list[torch.Tensor], upstream: tuple):
     """For an op whose gradient for a broadcast input is a sum over the broadcast elements (``broadcast_sums``):
-    ``sums(i)``, ``(magnitudes, n)`` for leaf ``i`` when it was broadcast (fewer elements than the one output), else
+    ``bounds(i)``, the ``AnyOrderSum`` of leaf ``i`` when it was broadcast (fewer elements than the one output), else
     None; the magnitudes from one more float64 run, made only for a leaf about to fail. None for other ops."""
-    if not op_facts(call.name).broadcast_sums or len(outputs) != 1:
+    if not op_facts(name).broadcast_sums or len(outputs) != 1:
         return None
     size = outputs[0].numel()
-    magnitudes = _once(lambda: magnitudes_backward(call.func, reference, upstream))
+    magnitudes = _once(lambda: magnitudes_backward(func, reference, upstream))
 
-    def sums(i: int):
+    def bounds(i: int):
         leaf = reference.leaves[i] if i < len(reference.leaves) else None
         if leaf is None or not leaf.numel() or leaf.numel() >= size or size % leaf.numel():
             return None
         grads = magnitudes()
-        return None if grads is None or grads[i] is None else (grads[i], size // leaf.numel())
+        return None if grads is None or grads[i] is None else AnyOrderSum(grads[i], size // leaf.numel())
 
-    return sums
+    return bounds
 
 
-def _element_sums(call: OpCall, reference: Reference):
-    """For an op whose result elements are sums or means of its first argument's (``sums_elements``): ``sums(0)``,
-    ``(magnitudes, n)`` of its one result, from one more float64 run, made only for a result about to fail."""
-    if not op_facts(call.name).sums_elements:
+def _forward_bounds(name: str, func, reference: Reference):
+    """``bounds(0)``, the rounding bound of the one result of an op whose algorithm bounds it (``op_facts``'
+    ``sums_elements``: an ``AnyOrderSum``; ``attention_rounding``: an ``AttentionRounding``), from one more float64
+    run made only when the verdict asks; None for other ops."""
+    facts = op_facts(name)
+    if facts.attention_rounding:
+        rerun = _once(lambda: attention_rounding(func, reference.args, reference.kwargs))
+        return lambda i: rerun() if i == 0 else None
+    if not facts.sums_elements:
         return None
     source = next(iter_tensors(reference.args), None)
-    rerun = _once(lambda: magnitudes_forward(call.func, reference))
+    magnitudes_of = _once(lambda: magnitudes_forward(func, reference))
 
-    def sums(i: int):
+    def bounds(i: int):
         if i != 0 or source is None:
             return None
-        magnitudes = rerun()
+        magnitudes = magnitudes_of()
         if not isinstance(magnitudes, torch.Tensor) or not magnitudes.numel() or source.numel() < magnitudes.numel():
             return None
-        return magnitudes.abs(), max(1, source.numel() // magnitudes.numel())
+        return AnyOrderSum(magnitudes.abs(), max(1, source.numel() // magnitudes.numel()))
 
-    return sums
+    return bounds
 
 
 def _once(rerun):

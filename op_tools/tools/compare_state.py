@@ -22,7 +22,7 @@ class CompareState:
     __slots__ = ("written", "skip", "inside", "tensors", "cpu_args", "cpu_kwargs", "compared_writes", "math", "rng",
                  "grad_labels", "device_cpu", "extra", "extra_cpu", "extra_labels", "host_of", "signature",
                  "precedent", "math_used", "owned", "grad_snaps", "reference", "device_out", "ref_out",
-                 "saved_forward", "save_dir", "collective")
+                 "saved_forward", "save_dir", "collective", "replay", "func")
 
     # --- set by before() ---
     written: Sequence[torch.Tensor]  # the arguments the op writes (each once; every tensor of an unknown function)
@@ -35,6 +35,9 @@ class CompareState:
     compared_writes: Sequence[torch.Tensor]  # the written arguments whose values are compared (none when unknown)
     math: DeviceMath | None  # what the device declared it computes in (autocast, TF32): the same-dtype reruns' math
     rng: Any  # the device generator's token before the op: another after it means the op drew random numbers
+    # a call whose dropout mask is replayed (numerics/attention.py): ((get_state, set_state), the state before it)
+    replay: tuple | None
+    func: Any  # what the reruns run in place of call.func (the call with its replayed mask); None: call.func
     grad_labels: Sequence[str]  # the labels of call.grad_inputs ("input[0]"), for the gradients' rows
     # --- what after() gives _compare_forward (dropped when after() returns, as locals were) ---
     device_cpu: Any  # the result as compared: host copies, or large tensors on their device
@@ -63,6 +66,7 @@ class CompareState:
         self.skip = self.cpu_args = self.cpu_kwargs = self.math = self.rng = self.math_used = self.owned = None
         self.inside = self.saved_forward = False
         self.reference = self.device_out = self.ref_out = self.save_dir = self.collective = None
+        self.replay = self.func = None
         self.drop_forward()
 
     __init__ = release  # a new state is a released one (one call less per handled call)

@@ -14,6 +14,7 @@ import torch
 
 import op_tools
 from op_tools.numerics.comparison import compare_outputs
+from op_tools.numerics.rounding_bounds import AnyOrderSum
 from op_tools.ops.op_facts import op_facts
 
 
@@ -78,14 +79,14 @@ def test_the_bound_holds_for_a_left_to_right_sum():
     [without] = compare_outputs(device, reference, cpu, op_name="torch.Tensor.mul", prefix="grad")
     assert not without.passed  # 4x the CPU's error: the order the CPU did not take fails
     [within] = compare_outputs(device, reference, cpu, op_name="torch.Tensor.mul", prefix="grad",
-                               sums=lambda i: (magnitudes, n))
+                               bounds=lambda i: AnyOrderSum(magnitudes, n))
     assert within.passed and "any order" in within.error_info
 
 
 def test_the_bound_is_for_sums_only():
     device, reference, cpu, magnitudes, n = _sequential_sum_case()
     [no_sums] = compare_outputs(device, reference, cpu, op_name="torch.Tensor.mul", prefix="grad",
-                                sums=lambda i: None)  # a leaf that was not broadcast: the usual rule alone
+                                bounds=lambda i: None)  # a leaf that was not broadcast: the usual rule alone
     assert not no_sums.passed
     assert op_facts("torch.Tensor.mul").broadcast_sums and op_facts("torch.Tensor.__imul__").broadcast_sums
     assert not op_facts("torch.nn.functional.linear").broadcast_sums and not op_facts("torch.lerp").broadcast_sums
@@ -141,15 +142,15 @@ def _forward_sum(sim, x: torch.Tensor, dim: int, fault: str = "", bound: bool = 
     import ditorch.sim
     import op_tools.tools.autocompare as autocompare
 
-    saved = autocompare._element_sums
+    saved = autocompare._forward_bounds
     if not bound:
-        autocompare._element_sums = lambda *args: None
+        autocompare._forward_bounds = lambda *args: None
     on_sim = x.to(sim)
     try:
         with ditorch.sim.numerics("gpu"), ditorch.sim.faults(fault), op_tools.OpAutoCompare() as tool:
             on_sim.sum(dim)
     finally:
-        autocompare._element_sums = saved
+        autocompare._forward_bounds = saved
     return tool
 
 

@@ -56,9 +56,41 @@ def test_attention_with_dropout_under_the_tool_draws_and_computes_as_without(sim
     assert tool.counts["forward compared"] >= 8 and tool.counts["backward compared"] >= 4  # linear, bmm, softmax
 
 
-def test_attention_as_one_op_with_dropout_is_skipped_saying_nothing_inside_was_compared(sim):
+def test_attention_as_one_op_with_dropout_is_compared_with_its_replayed_mask(sim):
+    expected = attention_step(sim, need_weights=False)  # multi_head_attention_forward calls SDPA with dropout_p
     tool = op_tools.OpAutoCompare()
-    attention_step(sim, need_weights=False, tool=tool)  # multi_head_attention_forward calls SDPA with dropout_p
+    got = attention_step(sim, need_weights=False, tool=tool)
+    for a, b in zip(got, expected):
+        assert a is None and b is None or torch.equal(a.cpu(), b.cpu())  # results and the random stream untouched
     assert tool.failures == []
-    one_op = [reason for reason in tool.skipped if "nothing inside compared" in reason]
-    assert len(one_op) == 1 and "attention" in one_op[0]
+    sdpa = [(phase, c.passed) for name, _, phase, c, *_ in tool.rows if name.endswith("scaled_dot_product_attention")]
+    assert ("forward", True) in sdpa and ("backward", True) in sdpa
+    assert not [reason for reason in tool.skipped if "attention" in reason]
+
+
+@pytest.mark.parametrize("need_weights", [False, True], ids=["sdpa", "softmax_and_dropout"])
+def test_softmax_fault_under_attention_dropout_in_a_transformer_layer_is_found_first(sim, need_weights):
+    import ditorch.sim
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True).to(sim).train()
+    if need_weights:  # the attention as softmax, dropout and bmm calls, each handled
+        forward = layer.self_attn.forward
+        layer.self_attn.forward = lambda *a, **k: forward(*a, **{**k, "need_weights": True})
+    x = torch.randn(2, 6, 16).to(sim)
+    tool = op_tools.OpAutoCompare()
+    with ditorch.sim.faults("_safe_softmax:noise=1e-2;_softmax:noise=1e-2"), tool:
+        layer(x).sum().backward()
+    first = tool.failures[0]
+    expected = "torch.nn.functional.softmax" if need_weights else "torch.nn.functional.scaled_dot_product_attention"
+    assert (first["op"], first["phase"], first["module"]) == (expected, "forward", "self_attn")
+
+
+def test_attention_with_dropout_in_a_fused_kernel_is_skipped_saying_its_mask_cannot_be_replayed(sim, monkeypatch):
+    # MOCK: a device whose attention kernel draws its own dropout mask (flash on CUDA); sim has none
+    monkeypatch.setattr(torch, "_fused_sdp_choice", lambda *args, **kwargs: 1)
+    tool = op_tools.OpAutoCompare()
+    attention_step(sim, need_weights=False, tool=tool)
+    assert tool.failures == []
+    fused = [reason for reason in tool.skipped if "fused kernel" in reason]
+    assert len(fused) == 1 and "mask cannot be replayed" in fused[0]
