@@ -8,6 +8,7 @@ with the ratio. Sizes: ``tiny`` (hidden 64, 2 layers, batch 2x16: per-call Pytho
 reference runs dominate, as on a fast device; hidden 1024 and batch 2x512 with ``--size large``).
 
     python benchmarks/autocompare_cost.py [--size tiny,real] [--device sim|cuda] [--rounds 5] [--dtype float32]
+        [--autocast bfloat16]
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ SIZES = {
 class Trainer:
     """A Llama of one size, its batch and an AdamW optimizer on one device in one dtype."""
 
-    def __init__(self, size: str, device: str, dtype: torch.dtype) -> None:
+    def __init__(self, size: str, device: str, dtype: torch.dtype, autocast: torch.dtype | None = None) -> None:
         from transformers import LlamaConfig, LlamaForCausalLM
 
+        self.autocast = autocast
         fields, batch, length = SIZES[size]
         torch.manual_seed(0)
         config = LlamaConfig(max_position_embeddings=max(length, 64), **fields)
@@ -57,7 +59,8 @@ class Trainer:
         self.device = torch.device(device)
 
     def step(self) -> float:
-        loss = self.model(input_ids=self.ids, labels=self.ids).loss
+        with torch.autocast(self.device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
+            loss = self.model(input_ids=self.ids, labels=self.ids).loss
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
@@ -78,9 +81,10 @@ def counted(fn, steps: int) -> dict | None:
     return device_charges.per_step(before, device_charges.counts(), steps)
 
 
-def measure(size: str, device: str, dtype: torch.dtype, rounds: int, steps: int) -> dict:
-    on_device, reference, compared = (Trainer(size, device, dtype), Trainer(size, "cpu", torch.float64),
-                                      Trainer(size, device, dtype))
+def measure(size: str, device: str, dtype: torch.dtype, rounds: int, steps: int,
+            autocast: torch.dtype | None = None) -> dict:
+    on_device, reference, compared = (Trainer(size, device, dtype, autocast), Trainer(size, "cpu", torch.float64),
+                                      Trainer(size, device, dtype, autocast))
     tool = op_tools.OpAutoCompare()
     failures = []
 
@@ -116,6 +120,8 @@ def main() -> None:
     parser.add_argument("--size", default="tiny,real", help="comma-separated: tiny, real, large")
     parser.add_argument("--device", default="sim", help="sim (registered here) or cuda")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--autocast", choices=("bfloat16", "float16"), default=None,
+                        help="the forward under torch.autocast in this dtype (the weights stay in --dtype)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds for the tiny size (larger sizes: fewer)")
     parser.add_argument("--steps", type=int, default=1, help="training steps per measurement")
     args = parser.parse_args()
@@ -127,13 +133,15 @@ def main() -> None:
         print("summary: autocompare_cost: skipped, no CUDA GPU")
         return
     dtype = getattr(torch, args.dtype)
+    autocast = getattr(torch, args.autocast) if args.autocast else None
+    what = f"{args.dtype}" + (f", {args.autocast} autocast" if autocast else "")
     sizes = [s.strip() for s in args.size.split(",") if s.strip()]
-    print(f"Llama training step (forward, backward, AdamW) on {args.device} in {args.dtype}, {args.steps} step(s) per "
+    print(f"Llama training step (forward, backward, AdamW) on {args.device} in {what}, {args.steps} step(s) per "
           f"sample, alternating rounds, torch {torch.__version__}, {os.cpu_count()} CPUs")
     print(f"{'size':<7}{'':<26}{'wall ms':>11}{'cpu ms':>11}   per step: {device_charges.header()}")
     for size in sizes:
         rounds = args.rounds if size == "tiny" else max(1, min(args.rounds, 3))
-        medians = measure(size, args.device, dtype, rounds, args.steps)
+        medians = measure(size, args.device, dtype, rounds, args.steps, autocast)
         for name in ("device", "cpu float64", "OpAutoCompare", "floor"):
             wall, cpu = medians[name]
             counts = device_charges.cells(medians["charged"][name]) if name in medians["charged"] else ""
@@ -141,7 +149,7 @@ def main() -> None:
         (tool_wall, tool_cpu), (floor_wall, floor_cpu) = medians["OpAutoCompare"], medians["floor"]
         print(f"{size:<7}{'OpAutoCompare / floor':<26}{tool_wall / floor_wall:>10.2f}x{tool_cpu / floor_cpu:>10.2f}x"
               f"   (median of {rounds}; {medians['failures']} failing calls)")
-        print(f"summary: autocompare_cost: {size} Llama on {args.device} {args.dtype}: "
+        print(f"summary: autocompare_cost: {size} Llama on {args.device} {what}: "
               f"{tool_wall / floor_wall:.2f}x the floor in wall time, {medians['failures']} failures"
               + (" (target <= 2.5x, issue 33)" if size != "tiny" else ""))
         counts = device_charges.summary(medians["charged"]["OpAutoCompare"])

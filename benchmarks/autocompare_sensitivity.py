@@ -6,7 +6,8 @@ kernel (every element times ``1 +- noise``, in the op's dtype), for noise 1e-1 d
 smallest noise whose forward call failed (''-'': none), and, as a false-alarm check, whether the clean step passed.
 ``--errors`` prints each run's device error instead.
 
-    python benchmarks/autocompare_sensitivity.py            # the table in docs/tools/op_autocompare.md
+    python benchmarks/autocompare_sensitivity.py                   # the table in docs/tools/op_autocompare.md
+    python benchmarks/autocompare_sensitivity.py --numerics gpu    # sim summing in a GPU's order
 """
 
 from __future__ import annotations
@@ -81,10 +82,10 @@ CASES = (
 )
 
 
-def step(call, dtype, fault: str, op: str):
+def step(call, dtype, fault: str, op: str, numerics: str = "cpu"):
     """One forward and backward under OpAutoCompare: (the op's forward failed, its forward comparison)."""
     torch.manual_seed(0)
-    with op_tools.OpAutoCompare() as tool, ditorch.sim.faults(fault):
+    with op_tools.OpAutoCompare() as tool, ditorch.sim.faults(fault), ditorch.sim.numerics(numerics):
         out = call(dtype)
         out.float().square().sum().backward()
     rows = [c for name, _, phase, c, *_ in tool.rows if phase == "forward" and name.endswith(op)]
@@ -96,6 +97,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--errors", action="store_true", help="print each run's device error")
     parser.add_argument("--ops", default=",".join(c[0] for c in CASES))
+    parser.add_argument("--numerics", choices=("cpu", "gpu"), default="cpu",
+                        help="sim's numerics: the CPU's kernels, or sums and GEMMs in a GPU's order")
     args = parser.parse_args()
     logging.getLogger("op_tools").setLevel(logging.ERROR)  # the tables of failing calls: not wanted here
     ditorch.sim.register()
@@ -105,11 +108,11 @@ def main() -> None:
     for name, call, kernel, op in (c for c in CASES if c[0] in args.ops.split(",")):
         cells, clean = [], []
         for dtype in dtypes:
-            clean_failed, clean_error = step(call, dtype, "", op)
+            clean_failed, clean_error = step(call, dtype, "", op, args.numerics)
             clean.append("yes" if not clean_failed else "NO")
             smallest = None
             for noise in NOISES:
-                failed, error = step(call, dtype, f"{kernel}:noise={noise:g}", op)
+                failed, error = step(call, dtype, f"{kernel}:noise={noise:g}", op, args.numerics)
                 if args.errors:
                     print(f"  {name} {dtype} noise={noise:g}: failed={failed} error={error.device_error:.3g} "
                           f"cpu error {error.cpu_error:.3g} (clean {clean_error.device_error:.3g})", file=sys.stderr)

@@ -72,6 +72,10 @@ run_step "tools on the launch-bound step" "$PYTHON" benchmarks/overhead.py --dev
 run_step "same, bf16 autocast" "$PYTHON" benchmarks/overhead.py --device cuda --size launch-bound --work-only \
   --autocast bf16 --tools OpTimeMeasure,OpOverflowCheck
 run_step "OpAutoCompare cost" "$PYTHON" benchmarks/autocompare_cost.py --device cuda --size real --rounds 3
+run_step "same, bf16 (0 failures, issue 34)" "$PYTHON" benchmarks/autocompare_cost.py --device cuda --size real \
+  --rounds 1 --dtype bfloat16
+run_step "same, bf16 autocast" "$PYTHON" benchmarks/autocompare_cost.py --device cuda --size real --rounds 1 \
+  --autocast bfloat16
 run_step "TrainingMonitor cost (target <= 1.05x)" "$PYTHON" benchmarks/training_monitor_cost.py --devices cuda --rounds 3
 run_step "the engine alone, real size" "$PYTHON" benchmarks/engine_cost.py --device cuda --size real --rounds 3
 run_step "tools meant to stay on (<= 1.05x, 1.5x, 1.5x)" "$PYTHON" benchmarks/stay_on_cost.py --device cuda --rounds 3

@@ -24,7 +24,7 @@ SMALLEST = {
     "time_measure_vs_profiler.py": (["--rounds", "1", "--calls", "2", "--ops", "add"],
                                     "OpTimeMeasure per-op forward time against torch.profiler's kernel time"),
     "conformance_sweep.py": (["--ops", "abs,add", "--limit-samples", "1"], "pass rate 100.0% of 4 rows"),
-    "autocompare_sensitivity.py": (["--ops", "silu"], "| silu |"),
+    "autocompare_sensitivity.py": (["--ops", "silu,sdpa", "--numerics", "gpu"], "| sdpa | 0.003 | 0.0003 |"),
     "collective_checks_cost.py": (["--rounds", "1"], "(c) OpAutoCompare default"),
     "training_monitor_cost.py": (["--size", "tiny", "--rounds", "1", "--steps", "1"],
                                  "(c) TrainingMonitor(model=model, every=10)"),

@@ -22,6 +22,11 @@ gradients, norms' statistics and losses reach the device as. In the order of CUD
 - accumulated in float32 for float16 and bfloat16 (``acc_type``), in the tensor's own dtype otherwise, and a mean
   multiplies the sum by ``1/n`` rounded to the accumulation type (CUDA's ``MeanOps``), rather than dividing.
 
+And ``addcmul`` and ``addcdiv`` (in place too: Adam's moments, when not through ``_foreach``) with a fused multiply-add,
+as nvcc contracts CUDA's ``self + alpha * t1 * t2`` and ``self + alpha * (t1 / t2)``: the last product is not rounded
+before the addition. Subnormals are kept, as in PyTorch's CUDA kernels, which are built without fast math (flash
+attention's exponentials flush below 2^-126, where a probability weighs less than any rounding).
+
 Off by default. ``ditorch.sim.numerics("gpu")`` switches it for a block; ``torch.sim.numerics()`` says which is on.
 """
 
@@ -161,6 +166,29 @@ def _split_k(op, name: str):
     return kernel
 
 
+_FUSED_MULTIPLY_ADDS = ("addcmul.default", "addcmul_.default", "addcdiv.default", "addcdiv_.default")
+
+
+def _fused_multiply_add(op, name: str):
+    """``addcmul``/``addcdiv`` as CUDA computes them: ``fma(alpha * t1, t2, self)`` and ``fma(alpha, t1 / t2, self)``
+    in the accumulation type, rounded once at the end (the exact product and sum in float64, then rounded)."""
+    divide, in_place = name.startswith("addcdiv"), "_." in name
+    plain = KERNELS.get(op, op)
+
+    def kernel(self, tensor1, tensor2, *, value=1):
+        if not self.is_floating_point() or self.dtype == torch.float64 or self.is_complex():
+            return plain(self, tensor1, tensor2, value=value)
+        acc = accumulate_dtype(self.dtype)
+        if divide:
+            factor, other = torch.tensor(value, dtype=acc), tensor1.to(acc) / tensor2.to(acc)
+        else:
+            factor, other = tensor1.to(acc) * value, tensor2.to(acc)
+        result = (self.double() + factor.double() * other.double()).to(acc).to(self.dtype)
+        return self.copy_(result) if in_place else result
+
+    return kernel
+
+
 class Numerics:
     """Which numerics sim computes with: ``cpu`` (the CPU's kernels) or ``gpu`` (this module's sums)."""
 
@@ -178,6 +206,12 @@ class Numerics:
                 op = overload(name)
                 if mode == "gpu":
                     KERNELS[op] = _kernel(op, name.startswith("mean"), "dim" in name)
+                else:
+                    KERNELS.pop(op, None)
+            for name in _FUSED_MULTIPLY_ADDS:
+                op = overload(name)
+                if mode == "gpu":
+                    KERNELS[op] = _fused_multiply_add(op, name)
                 else:
                     KERNELS.pop(op, None)
             for name in _GEMMS:  # the kernels they had (TF32's, which read CUDA's switch) back when off

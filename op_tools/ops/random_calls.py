@@ -4,7 +4,8 @@ A rerun of such a call on the CPU draws other numbers (another generator, anothe
 says nothing, and the rerun would consume the user's random stream. OpAutoCompare never reruns them; it
 counts them as not comparable. A random call written in Python out of torch calls (``COMPOSITES``: attention with
 dropout) is run with those calls handled one by one, so the ones that draw nothing are compared; a random call
-that is one op with more inside (``scaled_dot_product_attention`` with ``dropout_p``) says so in its reason.
+that is one op with more inside (``scaled_dot_product_attention`` with ``dropout_p``) is compared with its draws
+replayed where they can be (``op_facts``' ``replays_dropout``), else says why not in its reason.
 
 >>> random_reason("torch.nn.functional.dropout", (x,), {"p": 0.1, "training": True})
 'random'

@@ -17,8 +17,10 @@ Per handled call (``OP_AUTOCOMPARE_LIST`` / ``OP_AUTOCOMPARE_DISABLE_LIST``):
 Calls that draw random numbers (by name, by a probability argument, or because the device's generator moved)
 are never rerun: a rerun would draw other numbers, and would consume the user's stream; one written in Python out of
 torch calls (attention with dropout: ``composite`` in ``op_facts``) runs with those calls handled, so the ones that
-draw nothing are compared. A call that fails is checked once more with its cached input copies re-read from the
-device, so a copy made stale by a write no call showed never raises a false alarm.
+draw nothing are compared; attention with dropout as one op (``replays_dropout``) is compared with its mask,
+replayed from the device's generator (``numerics/attention.py``). A call that fails is checked once more with its
+cached input copies re-read from the device, so a copy made stale by a write no call showed never raises a false
+alarm.
 
 Failing calls are printed (every call with ``OP_TOOLS_VERBOSE=1``) and saved (``failing_calls``) in OpCapture's format
 under ``op_capture_results/<op>/<pid>/autocompare/<forward_id>/<time>/{device,cpu}/``. At ``stop()``: a summary,

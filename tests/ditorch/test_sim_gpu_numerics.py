@@ -93,3 +93,23 @@ def test_a_long_gemm_is_split_along_its_inner_dimension(gpu_numerics):
     linear = torch.nn.functional.linear(a.to(gpu_numerics), b.t().contiguous().to(gpu_numerics), bias.to(gpu_numerics))
     assert torch.equal(linear.cpu(), expected + bias)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_addcmul_and_addcdiv_round_once_after_a_fused_multiply_add(gpu_numerics, dtype):
+    generator = torch.Generator().manual_seed(4)
+    x, t1, t2 = (torch.randn(4096, generator=generator).to(dtype) for _ in range(3))
+    t2 = t2.abs() + 0.5
+    acc = torch.float32
+    fma_mul = (x.double() + (t1.to(acc) * 0.3).double() * t2.double()).to(acc).to(dtype)
+    alpha = float(torch.tensor(0.3, dtype=acc))  # CUDA holds the scalar in the accumulation type
+    fma_div = (x.double() + alpha * (t1.to(acc) / t2.to(acc)).double()).to(acc).to(dtype)
+    on = [t.to(gpu_numerics) for t in (x, t1, t2)]
+    assert torch.equal(torch.addcmul(*on, value=0.3).cpu(), fma_mul)
+    divided = torch.addcdiv(*on, value=0.3).cpu()
+    assert torch.equal(divided, fma_div)
+    if dtype == torch.float32:  # the CPU rounds the quotient's product before adding: another, legitimate result
+        assert not torch.equal(divided, torch.addcdiv(x, t1, t2, value=0.3))
+    in_place = on[0].clone()
+    in_place.addcdiv_(on[1], on[2], value=0.3)  # Adam's update, written into its argument
+    assert torch.equal(in_place.cpu(), fma_div)
