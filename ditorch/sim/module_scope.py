@@ -12,7 +12,9 @@ One difference: a module entered outside any forward that an earlier forward nam
 forward activation checkpointing recomputes on autograd's thread) keeps that name (``model.layers.1.mlp``), where
 op_tools names it as a root, by its class. So a fault in a module hits its recomputed forward as it hit the first.
 
-The hooks are installed only while some fault has a module scope (``track(True)``). Backward runs on autograd's
+The hooks are installed only while some fault has a module scope (``track(True)``); compiled code then runs eagerly
+(``_compiled_code_eager``), and ``_orig_mod`` (the compiled module's wrapper) is no part of a path, so a scoped fault
+fires in a compiled model as in eager. Backward runs on autograd's
 threads, outside any forward, so a scoped fault hits forward calls only (the recomputed forward included).
 
 >>> in_scope("model.layers.1.mlp.act_fn", "model.layers.1"), in_scope("model.layers.10.mlp", "model.layers.1")
@@ -21,6 +23,7 @@ threads, outside any forward, so a scoped fault hits forward calls only (the rec
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 
@@ -61,17 +64,46 @@ def track(on: bool) -> None:
             _generation += 1
             _handles.append(_module.register_module_forward_pre_hook(_enter))
             _handles.append(_module.register_module_forward_hook(_leave, always_call=True))
+            _compiled_code_eager(True)
         elif not on and _handles:
             for handle in _handles:
                 handle.remove()
             _handles.clear()
+            _compiled_code_eager(False)
+
+
+_forced_eager = False  # whether tracking set torch.compile's stance to force_eager (and so puts it back)
+
+
+def _compiled_code_eager(on: bool) -> None:
+    """While a fault has a module scope, compiled code runs eagerly (``set_stance("force_eager")``): a compiled graph
+    runs its kernels after tracing, outside the hooks of the modules they came from, so a scoped fault would miss
+    them (and dynamo tracing the hooks fails). Only where dynamo is loaded: importing it costs a second, and without
+    it nothing was compiled yet. The stance is put back only if it is still the one set here."""
+    global _forced_eager
+    if "torch._dynamo" not in sys.modules:
+        return
+    stance = torch._dynamo.eval_frame._stance.stance
+    if on and stance == "default":
+        torch.compiler.set_stance("force_eager")
+        _forced_eager = True
+    elif not on and _forced_eager:
+        _forced_eager = False
+        if stance == "force_eager":
+            torch.compiler.set_stance("default")
+
+
+def _unwrapped(name: str) -> str:
+    """A module's name without ``torch.compile``'s ``_orig_mod`` components (a compiled model, or a compiled layer in
+    one), so that compiled and eager runs name their layers alike: ``_orig_mod.h.1`` is ``h.1``."""
+    return name if "_orig_mod" not in name else ".".join(p for p in name.split(".") if p != "_orig_mod")
 
 
 def _path_in(root: torch.nn.Module, module: torch.nn.Module) -> str | None:
     names = _names.get(root)
     if names is None or id(module) not in names:
         base = root.module if type(root).__name__ in _WRAPPERS and isinstance(root.module, torch.nn.Module) else root
-        names = _names[root] = {id(m): name for name, m in base.named_modules(remove_duplicate=False)}
+        names = _names[root] = {id(m): _unwrapped(name) for name, m in base.named_modules(remove_duplicate=False)}
         names.setdefault(id(module), None)  # not registered under the root: not looked for again
     return names[id(module)]
 

@@ -120,6 +120,22 @@ DEVICE_MEMORY = _DeviceMemory()
 _DEVICES: list = []  # filled by set_device_count once "sim" is a device name
 
 
+def _never_compiled(function):
+    """Tell torch.compile never to compile ``function``'s frames (through the C extension: importing dynamo costs
+    a second). A finalizer runs whenever the garbage collector runs, inside compiled code too, where dynamo would try
+    to trace it, fail, and print a traceback per tensor freed, leaving its memory counted (issue 35)."""
+    eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    try:
+        strategy = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP,
+                                                 eval_frame._FrameAction.DEFAULT)
+        eval_frame.set_code_exec_strategy(function.__code__, strategy)
+    except (AttributeError, TypeError):  # another PyTorch: its older entry, where it has one
+        skip = getattr(eval_frame, "skip_code", None)
+        if callable(skip):
+            skip(function.__code__)
+    return function
+
+
 class SimTensor(torch.Tensor):
     """A tensor on the sim device; ``_data`` is the CPU tensor holding its values."""
 
@@ -134,6 +150,7 @@ class SimTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return run_op(func, args, kwargs or {})
 
+    @_never_compiled
     def __del__(self):
         # Cheaper than a weakref finalizer per tensor; at interpreter exit MEMORY may be gone.
         memory = MEMORY

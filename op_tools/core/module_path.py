@@ -4,7 +4,8 @@ Global module forward hooks (``torch.nn.modules.module.register_module_forward_p
 ``register_module_forward_hook``) keep, per thread, the stack of module paths being run; no model is changed.
 Names come from ``named_modules()`` of the outermost module entered (the root: a ``LlamaForCausalLM``), computed
 once per root and refreshed when a module not seen before runs under it; under a DDP/FSDP/DataParallel root the
-names come from the module it wraps, so that runs with and without it name their layers alike. The root itself is
+names come from the module it wraps, and ``torch.compile``'s ``_orig_mod`` is left out, so that runs with and
+without them name their layers alike. The root itself is
 named by its class (``LlamaForCausalLM``); a module run inside another without being registered in it (a module
 kept in a plain list, a function's local module) is ``<parent path>.<ClassName>``; outside any module the path is
 ``""``.
@@ -91,11 +92,17 @@ _tracking = SharedInstall(_install, _remove)
 acquire, release = _tracking.acquire, _tracking.release
 
 
+def _unwrapped(name: str) -> str:
+    """A module's name without ``torch.compile``'s ``_orig_mod`` components (a compiled model, or a compiled layer in
+    one), so that compiled and eager runs name their layers alike: ``_orig_mod.h.1`` is ``h.1``."""
+    return name if "_orig_mod" not in name else ".".join(p for p in name.split(".") if p != "_orig_mod")
+
+
 def _path_in(root: torch.nn.Module, module: torch.nn.Module) -> str | None:
     names = _names.get(root)
     if names is None or id(module) not in names:
         base = root.module if type(root).__name__ in _WRAPPERS and isinstance(root.module, torch.nn.Module) else root
-        names = _names[root] = {id(m): name for name, m in base.named_modules(remove_duplicate=False)}
+        names = _names[root] = {id(m): _unwrapped(name) for name, m in base.named_modules(remove_duplicate=False)}
         names.setdefault(id(module), None)  # not registered under the root: not looked for again
     return names[id(module)]
 

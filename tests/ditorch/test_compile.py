@@ -104,3 +104,53 @@ def test_a_compiled_ddp_model_runs_on_sim_without_dynamo_tracing_the_device():
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(DDP_CHILD)], capture_output=True, text=True,
                           env=env_without_settings({"DITORCH_QUIET": "1", "DITORCH_BACKEND": "sim"}), timeout=240)
     assert done.returncode == 0 and done.stdout.split()[-1] == "True", done.stderr[-4000:]
+
+
+FREED_CHILD = """
+import gc, json, torch, ditorch, ditorch.sim
+torch.manual_seed(0)
+x = torch.randn(8, 16).cuda()
+
+def step(x):
+    y = x * 2
+    z = y.sum().item()  # a graph break: the rest runs in a resumed frame, where temporaries are freed
+    w = torch.relu(y) + z
+    del y
+    return w.sum()
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.fc(x))
+
+base = torch.cuda.memory_allocated()
+step(x)
+gc.collect()
+eager = torch.cuda.memory_allocated() - base
+compiled = torch.compile(step, backend="aot_eager")
+for _ in range(3):
+    compiled(x)
+gc.collect()
+report = {"eager": eager, "compiled": torch.cuda.memory_allocated() - base}
+model = torch.nn.Sequential(Block(), Block()).cuda()
+fast = torch.compile(model, backend="aot_eager")
+for scope in ("1", "0.fc"):  # gelu in the second block; the first block's linear holds no gelu
+    with ditorch.sim.faults(f"gelu@{scope}:nan"):
+        report[scope] = [bool(m(x).isnan().any()) for m in (model, fast)]
+print(json.dumps(report))
+"""
+
+
+def test_a_compiled_run_on_sim_prints_no_traceback_frees_its_memory_and_takes_scoped_faults():
+    # dynamo compiled sim tensors' finalizer when a collection ran inside compiled code: a traceback per tensor
+    # freed, and its memory left counted; and a fault scoped to a module of a compiled model never fired (its paths
+    # began with "_orig_mod.") or crashed dynamo, which traced the scope's hooks
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(FREED_CHILD)], capture_output=True, text=True,
+                          env=env_without_settings({"DITORCH_QUIET": "1", "DITORCH_BACKEND": "sim"}), timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report == {"eager": 0, "compiled": 0, "1": [True, True], "0.fc": [False, False]}, report

@@ -43,6 +43,14 @@ for name in ("OpAutoCompare", "OpCapture", "OpObserve"):
     report[name] = {"eager": eager, "compiled": seen,
                     "compile_lines": [l for l in lines if "torch.compile" in l]}
 report["stance_after"] = torch._dynamo.eval_frame._stance.stance
+# Reports name a compiled model's modules as the eager model's: no "_orig_mod." (torch.compile's wrapper)
+import ditorch.sim
+failing = {}
+for label, m in (("eager", model), ("compiled", compiled)):
+    with ditorch.sim.faults("relu:noise=1e-1"), op_tools.OpAutoCompare() as tool:
+        m(x)
+    failing[label] = sorted({f["module"] for f in tool.failures})
+report["failing_modules"] = failing
 
 
 # Where the stance cannot be forced, the calls the compiler traces run, and are counted as not checked.
@@ -76,6 +84,7 @@ def test_tools_see_the_calls_of_a_compiled_model_as_of_the_eager_one(run_script)
         assert all(line.startswith(f"{name}: torch.compile'd code runs eagerly while the tool is active")
                    for line in report[name]["compile_lines"])
     assert report["stance_after"] == "default"  # the stance before is back after the last tool stopped
+    assert report["failing_modules"] == {"eager": ["1"], "compiled": ["1"]}, report["failing_modules"]
     assert not report["dynamo_loaded_first"]
     assert report["late"] == {"calls": report["OpObserve"]["eager"][0], "lines": 1}, report  # forward only: 4 calls
     traced = report["traced"]
