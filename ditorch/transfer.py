@@ -229,6 +229,34 @@ def _accelerator_is_available(fn, ctx):
     return is_available
 
 
+def _accelerator_index(fn, ctx):
+    device_type, module = ctx.backend.device_type, ctx.backend.device_module
+    accelerator = torch._C._accelerator_getAccelerator()
+    if accelerator is None or accelerator.type != device_type:
+        return fn  # torch.accelerator speaks of another device (the host forced on a CUDA build): its own index
+
+    def set_index(index: int) -> None:
+        if index >= 0:  # negative: a no-op, as torch.accelerator.set_device_index documents
+            module.set_device(index)
+
+    def exchange(index: int) -> int:
+        previous = module.current_device()
+        module.set_device(index)
+        return previous
+
+    def maybe_exchange(index: int) -> int:
+        previous = module.current_device()
+        if 0 <= index < module.device_count():  # device_index's exit hands back -1 when it never exchanged
+            module.set_device(index)
+        return previous
+
+    # C++ asks a device guard for the index, and a backend written in Python (sim) has one fixed at 0: the index
+    # torch.accelerator sets and reads is the device module's, the one torch.cuda.set_device sets.
+    answers = {"_accelerator_getDeviceIndex": module.current_device, "_accelerator_setDeviceIndex": set_index,
+               "_accelerator_exchangeDevice": exchange, "_accelerator_maybeExchangeDevice": maybe_exchange}
+    return functools.wraps(fn)(answers[fn.__name__])
+
+
 def _grad_scaler_init(fn, ctx):
     remap = ctx.remap
 
@@ -339,6 +367,13 @@ ROWS: tuple[Row, ...] = (
         "torch.get_device_module(\"cuda\") is the backend's device module (fork_rng, checkpointing)"),
     Row("torch.accelerator", ("is_available",), _accelerator_is_available,
         "torch.accelerator.is_available() answers for the accelerator torch.accelerator speaks of"),
+    Row("torch._C", ("_accelerator_getDeviceIndex", "_accelerator_setDeviceIndex", "_accelerator_exchangeDevice",
+                     "_accelerator_maybeExchangeDevice"), _accelerator_index,
+        "torch.accelerator.set_device_index, current_device_index and device_index(i) select the device "
+        "torch.cuda.set_device selects"),
+    Row("torch.accelerator", ("_get_device_index",), _anywhere,
+        "torch.accelerator's device arguments: set_device_index(\"cuda:1\"), a device shown as cuda"),
+    Row("torch.accelerator.memory", ("_get_device_index",), _anywhere, "as above, for torch.accelerator.memory_*"),
     Row("torch.amp", ("is_autocast_available",), _anywhere, "torch.amp.is_autocast_available(\"cuda\")"),
     Row("torch.nn.parallel._functions", ("_get_stream",), _anywhere,
         "DDP's copies of inputs to `device_ids[0]` (a device shown as cuda) take the backend's side stream"),
