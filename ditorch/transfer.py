@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from . import cuda_api, distributed_adapters
+from . import cuda_api, distributed_adapters, pinned_memory
 from .class_forwarding import forwarding_class
 from .compile import fallback_backend, with_fallback
 from .patches import Patches
@@ -137,6 +137,8 @@ class Context:
 
 
 def _keyword(fn, ctx):
+    if getattr(ctx.backend.adapter, "PINS_BY_COPY", False):  # pin_memory=True would reach an allocator it lacks
+        fn = pinned_memory.pinned_by_copy(fn)
     return ctx.remap.device_keyword(fn)
 
 
@@ -427,6 +429,8 @@ def apply(backend, config, patches: Patches) -> None:
                 logger.debug("ditorch: %s.%s does not exist in this torch; not patched", row.owner, name)
                 continue
             patches.set(owner, name, row.wrap(original, ctx))
+    if getattr(backend.adapter, "PINS_BY_COPY", False):
+        patches.on_undo(pinned_memory.hold())  # pin_memory() copies while the transfer is active
     cuda_api.apply(backend, ctx.remap, patches)
     distributed_adapters.apply(backend, patches)  # AVG and float32 reductions where the library lacks them
     if config.show_device_as_cuda:
