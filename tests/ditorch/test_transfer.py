@@ -337,6 +337,29 @@ def test_show_device_as_cuda_trains_a_model(shown_as_cuda):
     assert torch.isfinite(loss).item() and all(on_sim(p) for p in model.parameters())
 
 
+def test_fsdp_devices_from_the_accelerator_are_cuda_while_tensors_show_as_cuda(sim):
+    from torch.distributed.fsdp import _init_utils
+    from torch.distributed.fsdp._fully_shard import _fsdp_init, _fully_shard
+
+    from ditorch import activation
+
+    _activate(show_as_cuda=True)
+    try:
+        from torch.distributed.fsdp._init_utils import _get_device_from_device_id  # bound by name while active
+
+        handle = _init_utils._FSDPDeviceHandle.from_device(torch.device("cuda"))
+        assert _get_device_from_device_id(0, 0, handle) == torch.device("cuda", 0)
+        assert _get_device_from_device_id(torch.device("sim", 0), 0, handle) == torch.device("cuda", 0)
+        mesh = type("Mesh", (), {"device_type": "sim"})()
+        assert _fully_shard._get_device_from_mesh(mesh) == _fsdp_init._get_device_from_mesh(mesh) == torch.device(
+            "cuda", 0)
+        mesh.device_type = "cuda"  # a "cuda" mesh already works: left as it is
+        assert _fully_shard._get_device_from_mesh(mesh) == torch.device("cuda", 0)
+    finally:
+        activation.deactivate()
+    assert _get_device_from_device_id(0, 0, handle) == torch.device("sim", 0)  # kept by name, it maps nothing more
+
+
 # -- deactivate ---------------------------------------------------------------------------------------
 
 def _snapshot():
