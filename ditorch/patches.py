@@ -1,10 +1,11 @@
-"""A reversible record of attribute patches: every ``set`` is undone, in reverse order, by ``undo``."""
+"""A reversible record of patches: every ``set`` (and ``on_undo``) is undone, in reverse order, by ``undo``."""
 
 from __future__ import annotations
 
 import threading
 
 _ABSENT = object()
+_CALL = object()  # an entry whose owner is a function that undoes something other than an attribute
 
 
 class Patches:
@@ -30,11 +31,19 @@ class Patches:
             self._undo.append((owner, name, previous))
         setattr(owner, name, value)
 
+    def on_undo(self, restore) -> None:
+        """Call ``restore()`` at ``undo``, in turn with the attributes: a change that is no attribute (a kernel
+        registered with the dispatcher)."""
+        with self._lock:
+            self._undo.append((restore, "", _CALL))
+
     def undo(self) -> None:
         with self._lock:
             entries, self._undo = self._undo, []
         for owner, name, previous in reversed(entries):
-            if previous is _ABSENT:
+            if previous is _CALL:
+                owner()  # type: ignore[operator]  # on_undo's function
+            elif previous is _ABSENT:
                 delattr(owner, name)
             else:
                 setattr(owner, name, previous)

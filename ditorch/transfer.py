@@ -16,11 +16,12 @@ import dataclasses
 import functools
 import importlib
 import logging
+import threading
 from typing import Callable
 
 import torch
 
-from . import cuda_api, distributed_adapters
+from . import after_import, cuda_api, distributed_adapters, pinned_memory
 from .class_forwarding import forwarding_class
 from .compile import fallback_backend, with_fallback
 from .patches import Patches
@@ -128,15 +129,20 @@ class Row:
     names: tuple[str, ...]
     wrap: Callable
     what: str  # for the docs and for log lines
+    when_imported: bool = False  # patched once the script imports ``owner`` (too heavy for `import ditorch`)
 
 
 @dataclasses.dataclass(frozen=True)
 class Context:
     backend: object
     remap: DeviceMap
+    shows_as_cuda: bool = False
+    live: threading.Event = dataclasses.field(default_factory=threading.Event)  # cleared when the transfer is undone
 
 
 def _keyword(fn, ctx):
+    if getattr(ctx.backend.adapter, "PINS_BY_COPY", False):  # pin_memory=True would reach an allocator it lacks
+        fn = pinned_memory.pinned_by_copy(fn)
     return ctx.remap.device_keyword(fn)
 
 
@@ -229,6 +235,34 @@ def _accelerator_is_available(fn, ctx):
     return is_available
 
 
+def _accelerator_index(fn, ctx):
+    device_type, module = ctx.backend.device_type, ctx.backend.device_module
+    accelerator = torch._C._accelerator_getAccelerator()
+    if accelerator is None or accelerator.type != device_type:
+        return fn  # torch.accelerator speaks of another device (the host forced on a CUDA build): its own index
+
+    def set_index(index: int) -> None:
+        if index >= 0:  # negative: a no-op, as torch.accelerator.set_device_index documents
+            module.set_device(index)
+
+    def exchange(index: int) -> int:
+        previous = module.current_device()
+        module.set_device(index)
+        return previous
+
+    def maybe_exchange(index: int) -> int:
+        previous = module.current_device()
+        if 0 <= index < module.device_count():  # device_index's exit hands back -1 when it never exchanged
+            module.set_device(index)
+        return previous
+
+    # C++ asks a device guard for the index, and a backend written in Python (sim) has one fixed at 0: the index
+    # torch.accelerator sets and reads is the device module's, the one torch.cuda.set_device sets.
+    answers = {"_accelerator_getDeviceIndex": module.current_device, "_accelerator_setDeviceIndex": set_index,
+               "_accelerator_exchangeDevice": exchange, "_accelerator_maybeExchangeDevice": maybe_exchange}
+    return functools.wraps(fn)(answers[fn.__name__])
+
+
 def _grad_scaler_init(fn, ctx):
     remap = ctx.remap
 
@@ -281,6 +315,84 @@ def _process_group(fn, ctx):
         return fn(*args, **kwargs)
 
     return with_backend
+
+
+def _device_as_shown(ctx) -> Callable:
+    """``device`` as tensors show it: a device of the backend's type (``sim:1``; on the host ``cpu``, every tensor
+    there showing the current ordinal) is ``cuda`` of that index, or of the current one."""
+    target, module = ctx.remap.target, ctx.backend.device_module
+
+    def as_shown(device):
+        if not (ctx.live.is_set() and isinstance(device, torch.device) and device.type == target):
+            return device
+        index = device.index if device.index is not None and target != "cpu" else module.current_device()
+        return torch.device("cuda", index)
+
+    return as_shown
+
+
+def _fsdp_device(fn, ctx):
+    # FSDP2 takes its device from the mesh's type, the accelerator's by default (sim:N), while the parameters a
+    # CUDA script moved show cuda:N: "Expects the parameter to already be moved to device sim:0 but got cuda:0".
+    if not ctx.shows_as_cuda:
+        return fn
+    as_shown = _device_as_shown(ctx)
+
+    @functools.wraps(fn)
+    def device_from_mesh(*args, **kwargs):
+        return as_shown(fn(*args, **kwargs))
+
+    return device_from_mesh
+
+
+def _fsdp_device_id(fn, ctx):
+    # FSDP1 reads an ordinal device_id (torch.cuda.current_device()) as the accelerator's device (sim:N; on the
+    # host, an error): a CUDA script means cuda:N, the device its parameters show.
+    if not ctx.shows_as_cuda:
+        return fn
+    as_shown = _device_as_shown(ctx)
+
+    @functools.wraps(fn)
+    def device_from_device_id(device_id, *args, **kwargs):
+        if isinstance(device_id, int) and ctx.live.is_set():
+            device_id = torch.device("cuda", device_id)
+        return as_shown(fn(device_id, *args, **kwargs))
+
+    return device_from_device_id
+
+
+def _fsdp_device_handle(fn, ctx):
+    # As above, for the device module FSDP1 picks from device_id first (the host has no accelerator to read it by).
+    if not ctx.shows_as_cuda:
+        return fn
+
+    @functools.wraps(fn)
+    def init_device_handle(state, module, ignored_params, device_id):
+        if isinstance(device_id, int) and ctx.live.is_set():
+            device_id = torch.device("cuda", device_id)
+        return fn(state, module, ignored_params, device_id)
+
+    return init_device_handle
+
+
+def _fsdp_compute_device(fn, ctx):
+    # FSDP1's compute device is the parameters' (cuda:N, shown), else the accelerator's current one (sim:N); it
+    # must equal device_id's, compared here as shown ("Inconsistent compute device and `device_id`").
+    if not ctx.shows_as_cuda:
+        return fn
+    as_shown = _device_as_shown(ctx)
+
+    @functools.wraps(fn)
+    def compute_device(module, ignored_params, device_from_device_id, rank, device_handle):
+        if not ctx.live.is_set():
+            return fn(module, ignored_params, device_from_device_id, rank, device_handle)
+        device = as_shown(fn(module, ignored_params, None, rank, device_handle))
+        if device_from_device_id is not None and device != as_shown(device_from_device_id):
+            raise ValueError(f"Inconsistent compute device and `device_id` on rank {rank}: "
+                             f"{device} vs {device_from_device_id}")
+        return device
+
+    return compute_device
 
 
 def _compile(fn, ctx):
@@ -339,6 +451,13 @@ ROWS: tuple[Row, ...] = (
         "torch.get_device_module(\"cuda\") is the backend's device module (fork_rng, checkpointing)"),
     Row("torch.accelerator", ("is_available",), _accelerator_is_available,
         "torch.accelerator.is_available() answers for the accelerator torch.accelerator speaks of"),
+    Row("torch._C", ("_accelerator_getDeviceIndex", "_accelerator_setDeviceIndex", "_accelerator_exchangeDevice",
+                     "_accelerator_maybeExchangeDevice"), _accelerator_index,
+        "torch.accelerator.set_device_index, current_device_index and device_index(i) select the device "
+        "torch.cuda.set_device selects"),
+    Row("torch.accelerator", ("_get_device_index",), _anywhere,
+        "torch.accelerator's device arguments: set_device_index(\"cuda:1\"), a device shown as cuda"),
+    Row("torch.accelerator.memory", ("_get_device_index",), _anywhere, "as above, for torch.accelerator.memory_*"),
     Row("torch.amp", ("is_autocast_available",), _anywhere, "torch.amp.is_autocast_available(\"cuda\")"),
     Row("torch.nn.parallel._functions", ("_get_stream",), _anywhere,
         "DDP's copies of inputs to `device_ids[0]` (a device shown as cuda) take the backend's side stream"),
@@ -351,6 +470,23 @@ ROWS: tuple[Row, ...] = (
         "init_process_group(\"nccl\") uses the backend's collective library"),
     Row("torch.distributed.distributed_c10d", ("init_process_group", "new_group"), _process_group,
         "as above, for callers importing from distributed_c10d"),
+    Row("torch.distributed.fsdp._fully_shard._fsdp_init", ("_get_device_from_mesh",), _fsdp_device,
+        "FSDP2's device, from its mesh (the default mesh is the accelerator's), is cuda:N where tensors show as cuda",
+        when_imported=True),
+    Row("torch.distributed.fsdp._fully_shard._fully_shard", ("_get_device_from_mesh",), _fsdp_device,
+        "as above, where fully_shard imported it by name", when_imported=True),
+    Row("torch.distributed._composable.replicate_with_fsdp", ("_get_device_from_mesh",), _fsdp_device,
+        "as above, for replicate", when_imported=True),
+    Row("torch.distributed.fsdp._init_utils", ("_get_device_from_device_id",), _fsdp_device_id,
+        "FSDP1's device_id=torch.cuda.current_device() is cuda:N where tensors show as cuda", when_imported=True),
+    Row("torch.distributed.fsdp._init_utils", ("_init_device_handle",), _fsdp_device_handle,
+        "FSDP1's device module, from device_id=torch.cuda.current_device(): cuda's where tensors show as cuda",
+        when_imported=True),
+    Row("torch.distributed.fsdp.fully_sharded_data_parallel", ("_init_device_handle",), _fsdp_device_handle,
+        "as above, where FullyShardedDataParallel imported it by name", when_imported=True),
+    Row("torch.distributed.fsdp._init_utils", ("_get_compute_device",), _fsdp_compute_device,
+        "FSDP1's compute device, from the accelerator where the module is on the host, is cuda:N where tensors show "
+        "as cuda", when_imported=True),
     Row("torch.profiler.profile", ("__init__",), _profiler_init, "ProfilerActivity.CUDA profiles the device"),
     Row("torch", ("compile",), _compile,
         "torch.compile's default (inductor) runs the adapter's COMPILE_FALLBACK where inductor cannot target the "
@@ -372,26 +508,42 @@ def _resolve(path: str):
     raise ImportError(path)
 
 
+def _patch_row(row: Row, ctx: Context, patches: Patches, owner) -> None:
+    for name in row.names:
+        original = getattr(owner, name, None)
+        if original is None:
+            logger.debug("ditorch: %s.%s does not exist in this torch; not patched", row.owner, name)
+            continue
+        if getattr(original, "_ditorch_context", None) is ctx:
+            continue  # imported by name from a module this transfer patched already (it does nothing once undone)
+        wrapped = row.wrap(original, ctx)
+        if row.when_imported and wrapped is not original:
+            wrapped._ditorch_context = ctx
+        patches.set(owner, name, wrapped)
+
+
 def apply(backend, config, patches: Patches) -> None:
     """Rewrite every row of ``ROWS`` and map ``torch.cuda`` to the backend's device module."""
-    ctx = Context(backend, DeviceMap(backend.device_type, backend.device_module))
+    ctx = Context(backend, DeviceMap(backend.device_type, backend.device_module), config.show_device_as_cuda)
+    ctx.live.set()
+    patches.on_undo(ctx.live.clear)  # a wrapper a module imported by name, and kept, does nothing more
     # `with torch.device(...)` recognises factories by identity in a cached set: fill it with the
     # originals before they are wrapped.
     importlib.import_module("torch.utils._device")._device_constructors()
     for row in ROWS:
         if row.owner.startswith("torch.distributed") and not torch.distributed.is_available():
             continue
+        if row.when_imported:
+            patches.on_undo(after_import.when_imported(row.owner, functools.partial(_patch_row, row, ctx, patches)))
+            continue
         try:
             owner = _resolve(row.owner)
         except (ImportError, AttributeError):
             logger.debug("ditorch: %s does not exist in this torch; not patched", row.owner)
             continue
-        for name in row.names:
-            original = getattr(owner, name, None)
-            if original is None:
-                logger.debug("ditorch: %s.%s does not exist in this torch; not patched", row.owner, name)
-                continue
-            patches.set(owner, name, row.wrap(original, ctx))
+        _patch_row(row, ctx, patches, owner)
+    if getattr(backend.adapter, "PINS_BY_COPY", False):
+        patches.on_undo(pinned_memory.hold())  # pin_memory() copies while the transfer is active
     cuda_api.apply(backend, ctx.remap, patches)
     distributed_adapters.apply(backend, patches)  # AVG and float32 reductions where the library lacks them
     if config.show_device_as_cuda:

@@ -12,6 +12,8 @@ from ..backends import Backend
 
 logger = logging.getLogger("ditorch")
 CCL_SUPPORTS_AVG = False  # gloo: AVG on floating types only ("result type Float can't be cast" on integers)
+# No pinned-memory allocator here, none needed: pin_memory() and pin_memory=True copy (ditorch/pinned_memory.py).
+PINS_BY_COPY = True
 
 
 def load() -> Backend:

@@ -29,3 +29,5 @@ CCL_ADAPTS_REDUCTIONS = True  # simccl does AVG and DITORCH_REDUCE_LOW_PRECISION
 # Inductor has no code generator for a Python PrivateUse1 device: torch.compile's default runs this instead
 # (ditorch/compile.py). AOTAutograd's graphs run the CPU kernels behind the sim tensors.
 COMPILE_FALLBACK = "aot_eager"
+# No pinned-memory allocator here, none needed: pin_memory() and pin_memory=True copy (ditorch/pinned_memory.py).
+PINS_BY_COPY = True

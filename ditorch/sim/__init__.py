@@ -56,6 +56,7 @@ def register() -> None:
             return
         import torch
 
+        from .. import pinned_memory
         from ..env import local_world_size
         from . import (
             async_completion,
@@ -65,13 +66,13 @@ def register() -> None:
             foreach_path,
             gpu_numerics,
             multi_device,
-            pinned_memory,
             rnn_kernels,  # noqa: F401 - registers the fused RNN cells' kernels
             serialization,
             set_data,
             tensor,
             tf32,
         )
+        from .device_counters import note_pinned
         from .fault_injection import load_from_env
         from .kernels import REGISTERED_PER_OP
 
@@ -97,7 +98,8 @@ def register() -> None:
         copies = [getattr(torch.ops.aten, name).default for name in ("_copy_from", "_copy_from_and_resize", "copy_")]
         for op in copies + REGISTERED_PER_OP:  # and the ops sim has its own kernels for
             per_op.impl(op, _per_op(op), "PrivateUse1")
-        _libraries.extend([factories, per_op, *autocast.register(NAME), pinned_memory.register()])
+        _libraries.extend([factories, per_op, *autocast.register(NAME)])
+        pinned_memory.hold(note_pinned)  # for good, as the device; copies into pinned tensors do not synchronise
         serialization.install()
         foreach_path.install()
         set_data.install()

@@ -1,5 +1,6 @@
-"""FSDP2, FSDP1 and tensor parallel train a tiny transformers Llama under torchrun (2 processes), written for CUDA:
-losses and parameters equal a single-process run on the same global batch, within float32 reassociation."""
+"""FSDP2 (on a "cuda" mesh, and on its default mesh), FSDP1 (device_id a cuda device, and an ordinal) and tensor
+parallel train a tiny transformers Llama under torchrun (2 processes), written for CUDA: losses and parameters equal
+a single-process run on the same global batch, within float32 reassociation."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 sys.path.insert(0, SCRIPTS)
 import parallel_llama  # noqa: E402 - the script's own model and data, for the single-process reference
 
-MODES = ("fsdp2", "fsdp1", "tp")
+MODES = ("fsdp2", "fsdp2_default_mesh", "fsdp1", "fsdp1_current_device", "tp")
 
 
 def single_process(global_batches: list) -> tuple[list, dict]:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import io
+import json
+import subprocess
+import sys
 import warnings
 
 import pytest
 import torch
 from hardware import cuda_gpu_present
+from subprocess_env import child_env
 
 REAL_DEVICE = torch._C.TensorBase.device.__get__
 CUDA_SPELLINGS = ["cuda", "cuda:0", torch.device("cuda"), torch.device("cuda", 0), 0]
@@ -154,6 +158,44 @@ def test_torch_cuda_queries_answer_for_the_device(transfer):
         assert torch.cuda.current_device() == 0
 
 
+ACCELERATOR_INDEX = """
+import json, torch, ditorch
+from ditorch.show_as_cuda import real_device
+seen = []
+def note():
+    seen.append([torch.accelerator.current_device_index(), torch.cuda.current_device()])
+note()
+torch.accelerator.set_device_index(1); note()
+on_index = str(real_device(torch.ones(1, device="cuda")))
+torch.cuda.set_device(0); note()
+with torch.accelerator.device_index(1):
+    note()
+    with torch.cuda.device(0):
+        note()
+    note()
+note()
+torch.accelerator.set_device_index("cuda:1"); note()
+torch.accelerator.set_device_index(-1); note()
+acc = torch.accelerator.current_accelerator(check_available=True)
+agrees = (torch.get_device_module(acc) is torch.get_device_module("cuda") and acc.index is None
+          and torch.accelerator.device_count() == torch.cuda.device_count() == 2
+          and real_device(torch.ones(1, device=acc)) == real_device(torch.ones(1).cuda()) == torch.device("sim", 1))
+print(json.dumps({"seen": seen, "on_index": on_index, "agrees": agrees}))
+"""
+
+
+@pytest.mark.parametrize("show_as_cuda", ["1", "0"])
+def test_accelerator_device_index_is_the_one_torch_cuda_selects(show_as_cuda):
+    # A Python backend's device guard in C++ keeps index 0 whatever is set: torch.accelerator reads sim's own.
+    done = subprocess.run([sys.executable, "-c", ACCELERATOR_INDEX], capture_output=True, text=True, timeout=120,
+                          env=child_env({"DITORCH_BACKEND": "sim", "DITORCH_SIM_DEVICE_COUNT": "2",
+                                         "DITORCH_SHOW_DEVICE_AS_CUDA": show_as_cuda, "DITORCH_QUIET": "1"}))
+    assert done.returncode == 0, done.stderr[-2000:]
+    # (torch.accelerator's index, torch.cuda's) after each step; set_device_index(-1) is documented as a no-op
+    assert json.loads(done.stdout) == {"seen": [[0, 0], [1, 1], [0, 0], [1, 1], [0, 0], [1, 1], [0, 0], [1, 1],
+                                                [1, 1]], "on_index": "sim:1", "agrees": True}
+
+
 def test_torch_cuda_seeds_drive_the_device_random_numbers(transfer):
     torch.cuda.manual_seed(3)
     first = torch.rand(3, device="cuda").cpu()
@@ -293,6 +335,29 @@ def test_show_device_as_cuda_trains_a_model(shown_as_cuda):
         optimizer.step()
         optimizer.zero_grad()
     assert torch.isfinite(loss).item() and all(on_sim(p) for p in model.parameters())
+
+
+def test_fsdp_devices_from_the_accelerator_are_cuda_while_tensors_show_as_cuda(sim):
+    from torch.distributed.fsdp import _init_utils
+    from torch.distributed.fsdp._fully_shard import _fsdp_init, _fully_shard
+
+    from ditorch import activation
+
+    _activate(show_as_cuda=True)
+    try:
+        from torch.distributed.fsdp._init_utils import _get_device_from_device_id  # bound by name while active
+
+        handle = _init_utils._FSDPDeviceHandle.from_device(torch.device("cuda"))
+        assert _get_device_from_device_id(0, 0, handle) == torch.device("cuda", 0)
+        assert _get_device_from_device_id(torch.device("sim", 0), 0, handle) == torch.device("cuda", 0)
+        mesh = type("Mesh", (), {"device_type": "sim"})()
+        assert _fully_shard._get_device_from_mesh(mesh) == _fsdp_init._get_device_from_mesh(mesh) == torch.device(
+            "cuda", 0)
+        mesh.device_type = "cuda"  # a "cuda" mesh already works: left as it is
+        assert _fully_shard._get_device_from_mesh(mesh) == torch.device("cuda", 0)
+    finally:
+        activation.deactivate()
+    assert _get_device_from_device_id(0, 0, handle) == torch.device("sim", 0)  # kept by name, it maps nothing more
 
 
 # -- deactivate ---------------------------------------------------------------------------------------

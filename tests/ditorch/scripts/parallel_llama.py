@@ -1,5 +1,6 @@
-"""A tiny Llama trained by FSDP2 (`fully_shard` on `init_device_mesh("cuda", ...)`), FSDP1
-(`FullyShardedDataParallel(device_id=...)`) and tensor parallel (`parallelize_module`, Colwise/Rowwise), written for
+"""A tiny Llama trained by FSDP2 (`fully_shard` on `init_device_mesh("cuda", ...)`, or on its default mesh), FSDP1
+(`FullyShardedDataParallel(device_id=torch.device("cuda", n))` or `device_id=torch.cuda.current_device()`) and
+tensor parallel (`parallelize_module`, Colwise/Rowwise), written for
 CUDA and run under torchrun (2 processes) by tests/ditorch/test_parallel_training.py on sim and on the host.
 
 Each mode writes, per rank, its losses and a checksum of the full parameters after training to
@@ -47,10 +48,33 @@ def fsdp2(rank, local_rank):
     return losses, full
 
 
+def fsdp2_default_mesh(rank, local_rank):
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_llama().cuda()  # no mesh: FSDP2 makes one on the accelerator and takes the current device
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    losses = train(model, model.parameters(), batches(rank), "cuda")
+    full = {name: p.full_tensor() for name, p in model.named_parameters()}
+    return losses, full
+
+
 def fsdp1(rank, local_rank):
     from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
 
     model = FullyShardedDataParallel(tiny_llama(), device_id=torch.device("cuda", local_rank))
+    losses = train(model, model.parameters(), batches(rank), "cuda")
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        full = model.state_dict()
+    return losses, full
+
+
+def fsdp1_current_device(rank, local_rank):
+    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+
+    # device_id as PyTorch's FSDP tutorial gives it, an ordinal: the current device's
+    model = FullyShardedDataParallel(tiny_llama().cuda(), device_id=torch.cuda.current_device())
     losses = train(model, model.parameters(), batches(rank), "cuda")
     with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
         full = model.state_dict()
@@ -75,7 +99,8 @@ def tensor_parallel(rank, local_rank):
     return losses, full
 
 
-MODES = {"fsdp2": fsdp2, "fsdp1": fsdp1, "tp": tensor_parallel}
+MODES = {"fsdp2": fsdp2, "fsdp2_default_mesh": fsdp2_default_mesh, "fsdp1": fsdp1,
+         "fsdp1_current_device": fsdp1_current_device, "tp": tensor_parallel}
 
 
 def checksum(full: dict) -> dict:
