@@ -124,21 +124,30 @@ def _witnesses(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[in
     return witnesses, counts
 
 
-def _flags_of(values: list[float], counts: list[int]) -> list[bool]:
-    flags, start = [], 0
+# What a tensor (or a scalar argument) holds, in order of what it says about an inf/nan: nan outranks inf, since a nan
+# is born from infs (inf - inf, 0 * inf) and an inf is not born from a nan.
+FINITE, INF, NAN = 0, 1, 2
+
+
+def _kind(value: float) -> int:
+    return FINITE if math.isfinite(value) else NAN if value != value else INF
+
+
+def _kinds_of(values: list[float], counts: list[int]) -> list[int]:
+    kinds, start = [], 0
     for count in counts:  # mostly 1 each: no generator per tensor
-        flag = not math.isfinite(values[start])
+        kind = _kind(values[start])
         if count == 2:
-            flag = flag or not math.isfinite(values[start + 1])
-        flags.append(flag)
+            kind = max(kind, _kind(values[start + 1]))
+        kinds.append(kind)
         start += count
-    return flags
+    return kinds
 
 
-def nonfinite_flags(tensors: list[torch.Tensor]) -> list[bool]:
-    """For each tensor, whether it holds inf or nan (``_witnesses``), computed on its device and read back in one
-    transfer per device (the host synchronisation)."""
-    flags = [False] * len(tensors)
+def nonfinite_kinds(tensors: list[torch.Tensor]) -> list[int]:
+    """For each tensor, ``FINITE``, ``INF`` or ``NAN`` (it holds a nan), from its ``_witnesses``, computed on its
+    device and read back in one transfer per device (the host synchronisation)."""
+    kinds = [FINITE] * len(tensors)
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         if _checked(t):
@@ -146,9 +155,35 @@ def nonfinite_flags(tensors: list[torch.Tensor]) -> list[bool]:
     with torch.no_grad():  # no graph, hence no detach
         for indices in by_device.values():
             witnesses, counts = _witnesses([tensors[i] for i in indices])
-            for i, flag in zip(indices, _flags_of(torch.stack(witnesses).cpu().tolist(), counts)):
-                flags[i] = flag
-    return flags
+            for i, kind in zip(indices, _kinds_of(torch.stack(witnesses).cpu().tolist(), counts)):
+                kinds[i] = kind
+    return kinds
+
+
+def nonfinite_flags(tensors: list[torch.Tensor]) -> list[bool]:
+    """For each tensor, whether it holds inf or nan (``nonfinite_kinds``)."""
+    return [kind != FINITE for kind in nonfinite_kinds(tensors)]
+
+
+def scalar_kind(args: tuple, kwargs: dict) -> int:
+    """The worst of the Python float arguments (``masked_fill(mask, float("-inf"))``, ``clamp(min=-inf)``): an inf
+    such an argument puts in a result is not born there. Top-level arguments only: a per-call cost."""
+    kind = FINITE
+    for value in args:
+        if type(value) is float and not math.isfinite(value):
+            kind = max(kind, _kind(value))
+    for value in kwargs.values():
+        if type(value) is float and not math.isfinite(value):
+            kind = max(kind, _kind(value))
+    return kind
+
+
+def born_here(source_kinds, result_kinds, scalars: int = FINITE) -> bool:
+    """Whether a call's results hold an inf/nan its inputs did not bring: a nan where no input held one (a nan from
+    infs is born here), or an inf where every input, scalar arguments included, was finite."""
+    result = max(result_kinds, default=FINITE)
+    source = max(max(source_kinds, default=FINITE), scalars)
+    return result == NAN and source != NAN or result == INF and source == FINITE
 
 
 def _statistics(t: torch.Tensor) -> torch.Tensor:
@@ -190,10 +225,11 @@ def named_tensors(prefix: str, values) -> list[tuple[str, torch.Tensor]]:
 class _PendingCheck:
     """A call whose flags are on their way from the device: what judging it, and showing it, needs."""
 
-    __slots__ = ("facts", "site", "names", "kept", "split", "results_first", "flags", "remaining", "table")
+    __slots__ = ("facts", "site", "names", "kept", "split", "results_first", "flags", "remaining", "table",
+                 "scalars")
 
     def __init__(self, call: OpCall, phase: str, named: list, split: int, results_first: bool,
-                 kept: KeptTensors | None = None) -> None:
+                 kept: KeptTensors | None = None, scalars: int = FINITE) -> None:
         # What the report says of the call, taken now: its source line while its frames are on the stack (formatted
         # only for a call that overflows), name, id, module, step and time; not the call, whose arguments and result
         # would stay alive until the batch is read.
@@ -202,7 +238,8 @@ class _PendingCheck:
         self.split, self.results_first = split, results_first
         self.names = [name for name, _ in named]
         self.kept = kept  # the tensors, for the statistics of the call that overflows
-        self.flags = [False] * len(named)
+        self.flags = [FINITE] * len(named)  # each tensor's kind (FINITE, INF, NAN)
+        self.scalars = scalars  # the worst of the call's float arguments
         self.remaining = 0  # device groups not yet read back
         self.table: list[dict] | None = None  # the statistics, where computed with the flags
 
@@ -211,7 +248,7 @@ class _PendingCheck:
         name, forward_id, phase, module, step, started = self.facts
         return Overflow(name, forward_id, phase, self.site.text(), module, step, started)
 
-    def sources_and_results(self) -> tuple[list[bool], list[bool]]:
+    def sources_and_results(self) -> tuple[list[int], list[int]]:
         first, second = self.flags[:self.split], self.flags[self.split:]
         return (second, first) if self.results_first else (first, second)
 
@@ -223,7 +260,7 @@ class _PendingCheck:
         tensors = [self.kept.get(i) if self.kept is not None else None for i in range(len(self.names))]
         computed = iter(statistics_rows([(name, t) for name, t in zip(self.names, tensors) if t is not None]))
         return [next(computed) if t is not None else
-                {"name": name, "inf_or_nan": flag, **{s: NOT_KEPT for s in _STATISTICS}}
+                {"name": name, "inf_or_nan": flag != FINITE, **{s: NOT_KEPT for s in _STATISTICS}}
                 for name, t, flag in zip(self.names, tensors, self.flags)]
 
 
@@ -292,7 +329,7 @@ class OpOverflowCheck(OpTool):
             rows = reporting.call_rows(call.name, call.args, call.kwargs, call.result)
             header = reporting.header(call.name, call.forward_id, call.location) + "\n" + \
                 reporting.call_table(call.name, rows)
-        self._check(call, inputs, outputs, "forward", header)
+        self._check(call, inputs, outputs, "forward", header, scalars=scalar_kind(call.args, call.kwargs))
 
     def _check_collective(self, call: OpCall, bound, sent: list[torch.Tensor]) -> None:
         """Born here when what arrived holds inf/nan and what this rank sent did not: received from another rank."""
@@ -351,7 +388,7 @@ class OpOverflowCheck(OpTool):
             raise OverflowDetectedError(str(pending))
 
     def _check(self, call: OpCall, sources: list, results: list, phase: str, table_header: str | None,
-               results_first: bool = False) -> None:
+               results_first: bool = False, scalars: int = FINITE) -> None:
         """Flag ``sources`` and ``results`` (``(name, tensor)`` pairs): all statistics, read in one transfer, when
         ``table_header`` asks for the table; at once when an overflow must raise at its op; otherwise queued on
         the device and judged when its batch arrives (``_queue``)."""
@@ -360,21 +397,23 @@ class OpOverflowCheck(OpTool):
         if table_header is not None:
             rows = statistics_rows(ordered)
             self._logger.debug(table_header + "\n" + reporting.call_table(call.name, rows, STAT_COLUMNS))
-            flags = [row["inf_or_nan"] for row in rows]
+            flags = nonfinite_kinds([t for _, t in ordered]) if any(row["inf_or_nan"] for row in rows) else \
+                [FINITE] * len(rows)
         elif not any(_checked(t) for _, t in results):  # no floating result: nothing can overflow here
             return
         elif not self.raise_on_overflow:
             tensors = [t for _, t in ordered]
-            self._queue(_PendingCheck(call, phase, ordered, split, results_first, self._kept.keep(tensors)), tensors)
+            self._queue(_PendingCheck(call, phase, ordered, split, results_first, self._kept.keep(tensors), scalars),
+                        tensors)
             return
         else:
-            flags = nonfinite_flags([t for _, t in ordered])
+            flags = nonfinite_kinds([t for _, t in ordered])
             rows = None
         if self._checks:  # judged in execution order: the calls in flight first
             self._judge(wait=True)
         if self._first_overflow is not None:
             return
-        check = _PendingCheck(call, phase, ordered, split, results_first)
+        check = _PendingCheck(call, phase, ordered, split, results_first, scalars=scalars)
         check.flags, check.table = flags, rows
         self._verdict(check)
 
@@ -392,8 +431,8 @@ class OpOverflowCheck(OpTool):
                 for device, indices in by_device.items():
                     witnesses, counts = _witnesses([tensors[i] for i in indices])  # joined when the batch is sent
                     if device.type == "cpu":  # host memory: nothing to wait for
-                        for i, flag in zip(indices, _flags_of(torch.stack(witnesses).tolist(), counts)):
-                            check.flags[i] = flag
+                        for i, kind in zip(indices, _kinds_of(torch.stack(witnesses).tolist(), counts)):
+                            check.flags[i] = kind
                     else:
                         check.remaining += 1
                         self._readback.put(witnesses, (check, indices, counts))
@@ -404,8 +443,8 @@ class OpOverflowCheck(OpTool):
         order, up to the first one still in flight."""
         with self._checks_lock:
             for (check, indices, counts), values in (self._readback.drain() if wait else self._readback.ready()):
-                for i, flag in zip(indices, _flags_of(values, counts)):
-                    check.flags[i] = flag
+                for i, kind in zip(indices, _kinds_of(values, counts)):
+                    check.flags[i] = kind
                 check.remaining -= 1
             complete = []
             while self._checks and self._checks[0].remaining == 0:
@@ -417,8 +456,8 @@ class OpOverflowCheck(OpTool):
                 self._kept.release(check.kept)
 
     def _verdict(self, check: _PendingCheck) -> None:
-        source_flags, result_flags = check.sources_and_results()
-        if any(result_flags) and not any(source_flags):
+        source_kinds, result_kinds = check.sources_and_results()
+        if born_here(source_kinds, result_kinds, check.scalars):
             overflow = check.overflow
             self._found(overflow, overflow.name, check.rows())
 

@@ -244,3 +244,37 @@ def test_checks_in_flight_keep_no_tensor_object_of_the_program_alive(sim):
         ref = weakref.ref(y)
         del y
         assert ref() is None and len(check._checks) == 2  # ones and exp in flight, the tensor object gone
+
+
+def _causal_block(sim, fault: str = ""):
+    """A causal mask filled with -inf (how many models build it), softmax, then a gelu: (first overflow, result)."""
+    import ditorch.sim
+
+    torch.manual_seed(0)
+    scores = torch.randn(2, 8, 8).to(sim)
+    mask = torch.ones(8, 8, dtype=torch.bool).triu(1).to(sim)
+    with ditorch.sim.faults(fault), op_tools.OpOverflowCheck(raise_on_overflow=False) as check:
+        masked = scores.masked_fill(mask, float("-inf"))
+        filled = torch.full((2, 8), float("-inf"), device=sim)  # a scalar fill value, positional
+        clamped = torch.clamp(masked, min=float("-inf"))  # and by keyword
+        out = torch.nn.functional.gelu(torch.softmax(clamped, dim=-1) @ scores)
+    return check.first_overflow, (masked, filled, out)
+
+
+@pytest.mark.parametrize("raise_on_overflow", ["0", "1"])
+def test_an_inf_a_scalar_argument_puts_there_is_not_born_there_and_the_nan_after_it_is_found(sim, monkeypatch,
+                                                                                               raise_on_overflow):
+    monkeypatch.setenv("OP_OVERFLOW_CHECK_RAISE", raise_on_overflow)  # read call by call, or in batches
+    clean, (masked, filled, _) = _causal_block(sim)
+    assert clean is None and bool(masked.isinf().any()) and bool(filled.isinf().all())
+    found, _ = _causal_block(sim, "gelu:nan")
+    assert (found.name, found.phase) == ("torch.nn.functional.gelu", "forward"), found
+
+
+def test_a_nan_born_from_infs_is_born_there(sim):
+    x = torch.tensor([1.0, float("inf")]).to(sim)
+    with op_tools.OpOverflowCheck() as check:
+        y = x * 2  # inf in, inf out: not born here
+        z = y - y  # inf - inf: a nan, born here
+    assert bool(z.isnan().any())
+    assert check.first_overflow is not None and check.first_overflow.name == "torch.Tensor.sub", check.first_overflow
