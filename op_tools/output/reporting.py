@@ -9,7 +9,7 @@ While the application configured no handler that would take these records, op_to
 stdout in the original's plain form (no prefix; under torchrun each line starts with ``[rank<N>] ``, and
 ``OP_TOOLS_PRINT_RANKS`` chooses the ranks whose INFO and DEBUG lines are shown); once the application adds one
 (``logging.basicConfig()``, a handler on ``op_tools``), op_tools' handler stays silent and the application's
-decides. To silence the tools::
+decides; under torchrun the records reach it with their ``[rank<N>] `` labels. To silence the tools::
 
     logging.getLogger("op_tools").setLevel(logging.WARNING)   # failures only
     logging.getLogger("op_tools").setLevel(logging.CRITICAL)  # nothing
@@ -79,7 +79,8 @@ class ConsoleHandler(logging.StreamHandler):
 
     def set_rank(self, rank: int | None, print_ranks: frozenset[int] | None) -> None:
         """The rank this process prints as (``None`` outside torchrun) and the ranks whose INFO/DEBUG show."""
-        self.setFormatter(RankFormatter(rank))
+        self._labels = RankFormatter(rank)
+        self.setFormatter(self._labels)
         self._quiet = rank is not None and print_ranks is not None and rank not in print_ranks
 
     def _rank_shown(self, record: logging.LogRecord) -> bool:
@@ -98,11 +99,21 @@ class ConsoleHandler(logging.StreamHandler):
         current: logging.Logger | None = logging.getLogger(record.name)
         while current is not None:
             if any(h is not self for h in current.handlers):
+                self._label(record)
                 return False
             if not current.propagate:
                 break
             current = current.parent
         return True
+
+    def _label(self, record: logging.LogRecord) -> None:
+        """Under torchrun, the record's lines labelled with the rank for the application's handlers (its
+        ``logging.basicConfig()``), which this handler, on the ``op_tools`` logger, comes before: without the label
+        two ranks print identical lines."""
+        if self._labels.prefix and not getattr(record, "op_tools_labelled", False):
+            record.msg, record.args = self._labels.format(record), None
+            record.exc_info = record.exc_text = record.stack_info = None  # formatted into the message
+            record.op_tools_labelled = True
 
 
 _handler_lock = threading.Lock()

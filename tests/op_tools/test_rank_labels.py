@@ -149,6 +149,16 @@ def test_every_console_line_under_torchrun_starts_with_its_rank(torchrun_run, ra
     assert any(line.startswith(f"[rank{rank}] OpTimeMeasure: ") for line in lines)
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_rank_labels_survive_the_scripts_own_logging_configuration(torchrun_run, rank):
+    out, _, _ = torchrun_run
+    lines = (out / f"basic{rank}.txt").read_text().splitlines()
+    closing = [line for line in lines if line.startswith(f"INFO op_tools.observe: [rank{rank}] OpObserve: ")]
+    assert len(closing) == 1, lines[-5:]  # through the script's handler, once: op_tools' own stays silent
+    tables = [line for line in lines if not line.startswith(("INFO ", "DEBUG ", "WARNING "))]
+    assert tables and all(line.startswith(f"[rank{rank}] ") for line in tables)  # every line of a table too
+
+
 def test_print_ranks_0_leaves_rank_1_its_warnings_only(torchrun_run):
     out, _, _ = torchrun_run
     rank0 = (out / "only00.txt").read_text().splitlines()

@@ -3,9 +3,11 @@
 Each session's console goes to ``<out>/<session><rank>.txt`` (op_tools' handler writes to the current sys.stdout),
 so that the two ranks' lines never interleave. Session ``all``: OpTimeMeasure, OpCapture (stats) and OpAutoCompare
 for 3 steps, every rank printing. Session ``only0``: OP_TOOLS_PRINT_RANKS=0, OpObserve and OpOverflowCheck for 1
-step, then an op making nan from finite inputs (a WARNING, which every rank shows).
+step, then an op making nan from finite inputs (a WARNING, which every rank shows). Session ``basic``: the script
+configures logging itself (``logging.basicConfig``, as PyTorch's examples do), OpObserve for 1 step.
 """
 
+import logging
 import os
 import sys
 
@@ -44,5 +46,12 @@ session("only0")
 with op_tools.OpObserve(), op_tools.OpOverflowCheck():
     train(1)
     torch.log(-torch.ones(2, device="cuda"))
+
+del os.environ["OP_TOOLS_PRINT_RANKS"]
+session("basic")
+logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
+with op_tools.OpObserve():
+    train(1)
+logging.getLogger().handlers[0].flush()
 sys.stdout.close()
 sys.stdout = sys.__stdout__
