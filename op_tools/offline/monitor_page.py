@@ -145,10 +145,11 @@ def _session_files(rank: int | None, folder: str, session: str | None) -> Sessio
 
 
 def _last_line_cut(path: str) -> bool:
-    """True when the file's last line has no newline: the run is still writing it, or died mid-line."""
+    """True when the file's last line has no newline, or it has none yet: the run is still writing it (another rank
+    just started), or died mid-line."""
     with open(path, "rb") as f:
         if f.seek(0, os.SEEK_END) == 0:
-            return False
+            return True
         f.seek(-1, os.SEEK_END)
         return f.read(1) != b"\n"
 
@@ -161,7 +162,9 @@ def _read_csv(path: str, folder_rank: int | None, rows: list[MonitorRow]) -> boo
             lines = list(csv.reader(f))
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise ValueError(f"{path}: cannot be read: {type(e).__name__}: {e}") from e
-    if not lines or tuple(lines[0]) != CSV_COLUMNS:
+    if not lines or cut and len(lines) == 1:  # created, its header not yet complete: another rank just starting
+        return True
+    if tuple(lines[0]) != CSV_COLUMNS:
         raise ValueError(f"{path}: not a TrainingMonitor CSV (the first line should be {','.join(CSV_COLUMNS)}, "
                          f"not {','.join(lines[0]) if lines else 'empty'})")
     body = lines[1:-1] if cut and len(lines) > 1 else lines[1:]
@@ -383,8 +386,8 @@ def _anomaly_rows(run: MonitorRun) -> str:
 def _notes(run: MonitorRun) -> str:
     notes = [f"{f.anomalies_path}: still being written (or the run died): its complete lines are read"
              for f in run.files if f.anomalies_path.endswith(".partial")]
-    notes += [f"{f.csv_path}: its last line was cut (still being written, or the run died) and is left out"
-              for f in run.files if f.cut_line]
+    notes += [f"{f.csv_path}: its last line was cut or not written yet (still being written, or the run died): "
+              "its complete lines are read" for f in run.files if f.cut_line]
     return "".join(f"<li>{html.escape(note)}</li>" for note in notes)
 
 

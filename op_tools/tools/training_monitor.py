@@ -286,6 +286,7 @@ class TrainingMonitor:
         self._csv_file = open(self.csv_path, "w", newline="", encoding="utf-8")  # noqa: SIM115 - closed by stop()
         self._csv = csv.writer(self._csv_file)
         self._csv.writerow(CSV_COLUMNS)
+        self._csv_file.flush()  # another rank's page reads this file: its header at once
         self._anomaly_file = result_files.JsonLinesFile(self.anomalies_path)
         self.tensorboard_dir = None
         if self.config.tensorboard is not False and importlib.util.find_spec("tensorboard") is not None:

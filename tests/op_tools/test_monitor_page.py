@@ -222,6 +222,18 @@ def test_a_run_still_writing_is_read_up_to_its_last_complete_line_and_the_page_s
     assert f"{csv_path}: its last line was cut" in page and f"{jsonl}.partial: still being written" in page
 
 
+@pytest.mark.parametrize("started", ["", "rank,step,ti"], ids=["empty", "header cut"])
+def test_another_rank_just_starting_is_read_as_in_progress_not_an_error(tmp_path, started):
+    # rank 0's page at its stop may find rank 1's file created and its header not yet written (2 of 8 torchrun runs)
+    write_run(tmp_path / "op_training_monitor" / "rank0", rank=0, session="pid0_s_1")
+    rank1 = tmp_path / "op_training_monitor" / "rank1"
+    write_run(rank1, rank=1, session="pid1_s_1")
+    (rank1 / "monitor_pid1_s_1.csv").write_text(started)
+    run = read_monitor(str(tmp_path))
+    assert {row.rank for row in run.rows} == {0} and [f.cut_line for f in run.files] == [False, True]
+    assert "monitor_pid1_s_1.csv: its last line was cut or not written yet" in render_page(run)
+
+
 def test_several_ranks_have_a_line_each_where_each_wrote_its_own(tmp_path):
     for rank in (0, 1):
         write_run(tmp_path / "op_training_monitor" / f"rank{rank}", rank=rank, session=f"pid{rank}_s_1")
