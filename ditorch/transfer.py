@@ -182,6 +182,20 @@ def _is_cuda(fn, ctx):
     return property(lambda self: real_device(self).type == target, doc="True for tensors on the backend's device.")
 
 
+def _cudnn_is_acceptable(fn, ctx):
+    target = ctx.remap.target
+
+    @functools.wraps(fn)
+    def is_acceptable(tensor: torch.Tensor) -> bool:
+        # An RNN asks before it flattens its weights; a tensor shown as cuda would reach the check's warning that
+        # this torch "was compiled without cuDNN/MIOpen support", where a CUDA run finds cuDNN and says nothing.
+        if real_device(tensor).type == target:
+            return False
+        return fn(tensor)
+
+    return is_acceptable
+
+
 def _load(fn, ctx):
     remap = ctx.remap
     count = remap.device_module.device_count()
@@ -488,6 +502,8 @@ ROWS: tuple[Row, ...] = (
         "FSDP1's compute device, from the accelerator where the module is on the host, is cuda:N where tensors show "
         "as cuda", when_imported=True),
     Row("torch.profiler.profile", ("__init__",), _profiler_init, "ProfilerActivity.CUDA profiles the device"),
+    Row("torch.backends.cudnn", ("is_acceptable",), _cudnn_is_acceptable,
+        "cuDNN's check of an RNN's tensors: the device's are not CUDA's (no cuDNN warning)"),
     Row("torch", ("compile",), _compile,
         "torch.compile's default (inductor) runs the adapter's COMPILE_FALLBACK where inductor cannot target the "
         "device (sim: \"aot_eager\"), said once on the `ditorch` logger"),

@@ -38,7 +38,7 @@ from .tf32 import FamilySwitch, float32_reduced_precision  # noqa: F401 - part o
 matmul = FamilySwitch("matmul")
 conv = FamilySwitch("conv")
 
-_AMP_DTYPES = [torch.float16, torch.bfloat16]
+_AMP_DTYPES = [torch.float16, torch.bfloat16, torch.float32]  # CUDA's autocast takes float32 too
 
 
 def is_available() -> bool:

@@ -233,6 +233,11 @@ class TrainingMonitor:
                  moments: bool | None = None, scaler: torch.amp.GradScaler | None = None,
                  scale_drops: int | None = None, replicas: bool | None = None, html: bool | None = None,
                  **shared: Any) -> None:
+        if isinstance(results_dir, torch.nn.Module):  # TrainingMonitor(model), as other monitors are called
+            if model is not None:
+                raise TypeError(f"TrainingMonitor(): a module ({type(results_dir).__name__}) given first and model= "
+                                "too; give the model once, as model=, and results_dir= a directory path")
+            results_dir, model = None, results_dir
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(f"TrainingMonitor(scaler=...): expected a torch.amp.GradScaler, "
                             f"got {type(scaler).__name__}")

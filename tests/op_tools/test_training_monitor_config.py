@@ -220,3 +220,16 @@ def test_a_bad_option_is_an_error_naming_it_before_the_script_runs(tmp_path, mon
     assert done.value.code == 2
     assert "TrainingMonitor(every='0')" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "results" / "op_training_monitor")  # never started
+
+
+def test_a_module_given_first_is_the_model(tmp_path, monkeypatch):
+    import torch
+
+    import op_tools
+
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path))
+    model = torch.nn.Linear(2, 2)
+    monitor = op_tools.TrainingMonitor(model, html=False)  # as other monitors are called
+    assert monitor.model is model and monitor.config.common.results_dir == str(tmp_path)
+    with pytest.raises(TypeError, match=r"a module \(Linear\) given first and model= too"):
+        op_tools.TrainingMonitor(model, model=model)

@@ -138,11 +138,26 @@ def coverage_report() -> dict:
     return {api: [cuda_api.resolve(api, backend)[0], behaviour(api)] for api in apis}
 
 
+def warnings_given() -> list[str]:
+    """The warnings of an LSTM step and a float32 autocast, which a CUDA run gives none of."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as given:
+        warnings.simplefilter("always")
+        lstm = torch.nn.LSTM(4, 4, batch_first=True).cuda()
+        lstm(torch.randn(2, 3, 4).cuda())[0].sum().backward()
+        if ditorch.backend.name == "sim":  # the host's is torch's CPU autocast, which refuses float32 itself
+            with torch.autocast("cuda", dtype=torch.float32):
+                torch.ones(2, 2).cuda() @ torch.ones(2, 2).cuda()
+    return [str(w.message).splitlines()[0] for w in given]
+
+
 def main() -> None:
     report = {"backend": ditorch.backend.name, "coverage": coverage_report()}
     if "--common" in sys.argv:
         report["common"] = run(COMMON)
         report["flows"] = run(FLOWS)
+        report["warnings"] = warnings_given()
     print(json.dumps(report))
 
 
