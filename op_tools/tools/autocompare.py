@@ -127,7 +127,7 @@ def skip_reason(name: str) -> str | None:
     if op_facts(name).uninitialised:
         return "uninitialised"
     if op_facts(name).collective and signature_of(name) is None:
-        return "collective (the other ranks' data is not on this host)"
+        return "collective (op_tools has no check for this one)"  # its result is other ranks' data
     return None
 
 

@@ -77,3 +77,12 @@ def test_a_collective_binds_what_it_sends_and_receives_by_name():
                              {"async_op": True})
     assert gather is not None and gather.sent[0] is t and gather.received[0] is out and gather.asynchronous
     assert collective_call("torch.add", torch.add, (t, t), {}) is None
+
+
+def test_a_collective_without_a_check_says_so_not_where_the_ranks_are():
+    from op_tools.tools.autocompare import skip_reason
+
+    # both ranks of a torchrun on one host were told "the other ranks' data is not on this host"
+    assert [skip_reason(name) for name in ("torch.distributed.barrier", "_c10d_functional.all_reduce")] == \
+        ["collective (op_tools has no check for this one)"] * 2
+    assert skip_reason("torch.distributed.all_reduce") is None  # checked against every rank's inputs
