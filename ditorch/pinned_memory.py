@@ -12,6 +12,13 @@ A factory asked for pinned memory (``torch.empty(n, pin_memory=True)``) reaches 
 the transfer makes such a tensor unpinned and pins it (``ditorch/transfer.py``, for an adapter declaring
 ``PINS_BY_COPY``).
 
+C++ code that allocates pinned staging memory itself cannot be wrapped so: DDP's reducer, finding unused parameters
+on a PrivateUse1 device, stages its map of used parameters in ``empty_like(..., pin_memory=true)`` and asserts
+``is_pinned()`` (``reducer.cpp``, ``all_reduce_local_used_map``). While ``hold_staging`` is held, the CPU kernel of
+``empty_strided`` (which that ``empty_like`` calls) allocates plain memory for ``pin_memory=True`` too, and
+``is_pinned()`` is True for such a tensor alone. Every CPU ``empty_strided`` call then runs in Python (a few
+microseconds), so sim holds it only while a DDP module that finds unused parameters lives (``ditorch/sim/ddp.py``).
+
 >>> import torch
 >>> release = hold()
 >>> torch.arange(3.0).pin_memory()
@@ -23,6 +30,8 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
+import weakref
 from typing import Callable
 
 import torch
@@ -63,6 +72,53 @@ def hold(note: Callable[[torch.Tensor], None] | None = None) -> Callable[[], Non
             if _holds == 0 and _library is not None:
                 _library._destroy()  # pin_memory() is PyTorch's own again
                 _library = None
+
+    return release
+
+
+_staging_library: torch.library.Library | None = None
+_staging_holds = 0
+_staged: set[int] = set()  # data pointers of the live storages allocated as pinned
+
+
+def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None) -> torch.Tensor:
+    dtype = dtype or torch.get_default_dtype()
+    extent = 1 + sum((n - 1) * step for n, step in zip(size, stride)) if all(size) else 0
+    storage = torch.UntypedStorage(extent * dtype.itemsize)
+    if pin_memory:
+        _staged.add(storage.data_ptr())
+        weakref.finalize(storage, _staged.discard, storage.data_ptr())  # storages keep their Python object
+    return torch.empty(0, dtype=dtype).set_(storage, 0, size, stride)
+
+
+def _is_pinned(self: torch.Tensor, device=None) -> bool:
+    return self.untyped_storage().data_ptr() in _staged
+
+
+def hold_staging() -> Callable[[], None]:
+    """Let C++ callers allocate pinned CPU staging tensors (see the module's doc) until every hold is released.
+    Returns what releases this hold (once; later calls do nothing)."""
+    global _staging_library, _staging_holds
+    with _lock:
+        if _staging_library is None:
+            _staging_library = torch.library.Library("aten", "IMPL")
+            with warnings.catch_warnings():  # "Overriding a previously registered kernel": the CPU one, meant
+                warnings.simplefilter("ignore", UserWarning)
+                _staging_library.impl("empty_strided", _empty_strided, "CPU")
+            _staging_library.impl("is_pinned", _is_pinned, "CPU")
+        _staging_holds += 1
+    released = threading.Event()
+
+    def release() -> None:
+        global _staging_library, _staging_holds
+        with _lock:
+            if released.is_set():
+                return
+            released.set()
+            _staging_holds -= 1
+            if _staging_holds == 0 and _staging_library is not None:
+                _staging_library._destroy()  # PyTorch's kernels again
+                _staging_library = None
 
     return release
 

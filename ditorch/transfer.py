@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from . import after_import, cuda_api, distributed_adapters, pinned_memory
+from . import after_import, cuda_api, distributed_adapters, host_rng, pinned_memory
 from .class_forwarding import forwarding_class
 from .compile import fallback_backend, with_fallback
 from .patches import Patches
@@ -409,6 +409,24 @@ def _fsdp_compute_device(fn, ctx):
     return compute_device
 
 
+def _philox_state(cls, ctx):
+    # DTensor's random ops read the device generator's state as CUDA's Philox (seed, offset) and move the offset
+    # (torch/distributed/tensor/_random.py); a device drawing from the host's generator has a CPU-layout state.
+    if ctx.backend.device_module.get_rng_state is not host_rng.get_rng_state:
+        return cls
+
+    class PhiloxState(cls):
+        """DTensor's view of a generator state; a CPU-layout one is read as ``host_rng.philox_state()``."""
+
+        def __init__(self, state: torch.Tensor) -> None:
+            if state.numel() != host_rng.PHILOX_STATE_BYTES and ctx.live.is_set():
+                state = host_rng.philox_state()  # DTensor passes the device generator's: the host's, here
+            super().__init__(state)
+
+    PhiloxState.__qualname__ = PhiloxState.__name__ = cls.__name__
+    return PhiloxState
+
+
 def _compile(fn, ctx):
     fallback = fallback_backend(ctx.backend.adapter)
     return fn if fallback is None else with_fallback(fn, ctx.backend.name, fallback)
@@ -501,6 +519,9 @@ ROWS: tuple[Row, ...] = (
     Row("torch.distributed.fsdp._init_utils", ("_get_compute_device",), _fsdp_compute_device,
         "FSDP1's compute device, from the accelerator where the module is on the host, is cuda:N where tensors show "
         "as cuda", when_imported=True),
+    Row("torch.distributed.tensor._random", ("_PhiloxState",), _philox_state,
+        "DTensor's random ops (and meta-device init's reset_parameters under FSDP2) read the host generator's stream "
+        "in CUDA's Philox layout (host_rng.philox_state), on sim and the host", when_imported=True),
     Row("torch.profiler.profile", ("__init__",), _profiler_init, "ProfilerActivity.CUDA profiles the device"),
     Row("torch.backends.cudnn", ("is_acceptable",), _cudnn_is_acceptable,
         "cuDNN's check of an RNN's tensors: the device's are not CUDA's (no cuDNN warning)"),

@@ -62,6 +62,7 @@ def register() -> None:
             async_completion,
             attention,
             autocast,
+            ddp,
             device_module,
             foreach_path,
             gpu_numerics,
@@ -103,6 +104,7 @@ def register() -> None:
         serialization.install()
         foreach_path.install()
         set_data.install()
+        ddp.install()
         tf32.configure(tf32_families)
         attention.SELECTED.set(sdpa)
         gpu_numerics.NUMERICS.set(numerics_mode)

@@ -1,5 +1,6 @@
 """A CUDA-written torchrun script (set_device(local_rank), init_process_group("nccl", device_id=...), DDP with
-device_ids=[local_rank]) on sim and on the host, two processes: one device per rank, as on a real node."""
+device_ids=[local_rank]) on sim and on the host, two processes: one device per rank, as on a real node; and DDP
+finding unused parameters."""
 
 from __future__ import annotations
 
@@ -44,3 +45,9 @@ def test_torchrun_ddp_runs_one_device_per_rank_and_matches_one_process(tmp_path,
     assert [r["as_device"] for r in reports] == ["cuda:0", "cuda:1"]
     assert reports[0]["params"] == reports[1]["params"]
     torch.testing.assert_close(torch.tensor(reports[0]["params"]), single_process_params(), rtol=1e-5, atol=1e-6)
+    # find_unused_parameters=True (the reducer stages its map of used parameters in pinned memory): the same
+    # training beside a layer never used, which gets no gradient
+    assert [r["unused_grads"] for r in reports] == [[True, True], [True, True]]
+    assert reports[0]["params_beside_unused"] == reports[1]["params_beside_unused"]
+    torch.testing.assert_close(torch.tensor(reports[0]["params_beside_unused"]), single_process_params(), rtol=1e-5,
+                               atol=1e-6)

@@ -1,6 +1,7 @@
-"""FSDP2 (on a "cuda" mesh, and on its default mesh), FSDP1 (device_id a cuda device, and an ordinal) and tensor
-parallel train a tiny transformers Llama under torchrun (2 processes), written for CUDA: losses and parameters equal
-a single-process run on the same global batch, within float32 reassociation."""
+"""FSDP2 (on a "cuda" mesh, on its default mesh, and built on the meta device then initialised by DTensor random ops),
+FSDP1 (device_id a cuda device, and an ordinal) and tensor parallel train a tiny transformers Llama under torchrun
+(2 processes), written for CUDA: losses and parameters equal a single-process run on the same global batch, within
+float32 reassociation. The same launch checks what DTensor's random ops draw on each rank."""
 
 from __future__ import annotations
 
@@ -13,37 +14,58 @@ import pytest
 import torch
 from subprocess_env import ROOT, child_env
 
+from ditorch import host_rng
+
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 sys.path.insert(0, SCRIPTS)
 import parallel_llama  # noqa: E402 - the script's own model and data, for the single-process reference
 
-MODES = ("fsdp2", "fsdp2_default_mesh", "fsdp1", "fsdp1_current_device", "tp")
+MODES = ("fsdp2", "fsdp2_default_mesh", "fsdp2_meta_init", "fsdp1", "fsdp1_current_device", "tp")
 
 
-def single_process(global_batches: list) -> tuple[list, dict]:
+def single_process(global_batches: list, initial: dict | None = None) -> tuple[list, dict]:
     model = parallel_llama.tiny_llama()
+    if initial is not None:
+        model.load_state_dict(initial)
     losses = parallel_llama.train(model, model.parameters(), global_batches, "cpu")
     return losses, parallel_llama.checksum(dict(model.named_parameters()))
 
 
+def global_batches() -> list:
+    return [torch.cat(pair) for pair in zip(parallel_llama.batches(0), parallel_llama.batches(1))]
+
+
 @pytest.fixture(scope="module")
 def references():
-    data_parallel = [torch.cat(pair) for pair in zip(parallel_llama.batches(0), parallel_llama.batches(1))]
-    return {"dp": single_process(data_parallel), "tp": single_process(parallel_llama.batches(0))}
+    return {"dp": single_process(global_batches()), "tp": single_process(parallel_llama.batches(0))}
 
 
-@pytest.mark.parametrize("backend", ["sim", "cpu"])
-def test_fsdp2_fsdp1_and_tensor_parallel_train_as_one_process(tmp_path, backend, references):
+@pytest.fixture(scope="module", params=["sim", "cpu"])
+def launch(request, tmp_path_factory):
+    """One torchrun launch per backend, running every mode; ``(backend, its output folder)``."""
+    backend, out = request.param, tmp_path_factory.mktemp(f"parallel_{request.param}")
     env = child_env({"DITORCH_BACKEND": backend, "DITORCH_QUIET": "1", "OMP_NUM_THREADS": "1"}, drop=("DITORCH_",))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               os.path.join(SCRIPTS, "parallel_llama.py"), str(tmp_path), ",".join(MODES)]
+               os.path.join(SCRIPTS, "parallel_llama.py"), str(out), ",".join((*MODES, "dtensor_random"))]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return backend, out
+
+
+def rank_reports(out, mode: str) -> list:
+    reports = [json.loads((out / f"{mode}.rank{rank}.json").read_text()) for rank in (0, 1)]
+    errors = [r["traceback"] for r in reports if "error" in r]
+    assert not errors, f"{mode}: {errors[0]}"
+    return reports
+
+
+def test_fsdp2_fsdp1_and_tensor_parallel_train_as_one_process(launch, references):
+    backend, out = launch
+    initial = torch.load(out / "fsdp2_meta_init.initial.pt")
+    references = {**references, "fsdp2_meta_init": single_process(global_batches(), initial)}
     for mode in MODES:
-        reports = [json.loads((tmp_path / f"{mode}.rank{rank}.json").read_text()) for rank in (0, 1)]
-        errors = [r["traceback"] for r in reports if "error" in r]
-        assert not errors, f"{mode}: {errors[0]}"
-        expected_losses, expected_params = references["tp" if mode == "tp" else "dp"]
+        reports = rank_reports(out, mode)
+        expected_losses, expected_params = references[mode if mode in ("tp", "fsdp2_meta_init") else "dp"]
         if mode == "tp":  # both ranks compute the whole loss of the same batch
             losses = reports[0]["losses"]
             assert reports[1]["losses"] == losses
@@ -57,3 +79,39 @@ def test_fsdp2_fsdp1_and_tensor_parallel_train_as_one_process(tmp_path, backend,
             torch.testing.assert_close(torch.tensor([params[k] for k in sorted(params)]),
                                        torch.tensor([expected_params[k] for k in sorted(params)]),
                                        rtol=1e-4, atol=1e-4, msg=lambda m, mode=mode: f"{mode} parameters: {m}")
+
+
+def test_meta_device_init_draws_each_shard_from_dtensors_offsets(launch):
+    backend, out = launch
+    initial = torch.load(out / "fsdp2_meta_init.initial.pt")
+    weights = {name: w for name, w in initial.items() if w.dim() == 2}
+    for name, weight in weights.items():  # transformers' init: normal, std initializer_range
+        assert abs(weight.std().item() - 0.02) < 0.002, name
+    if backend == "sim":  # the host's default mesh is a cpu mesh: PyTorch draws each rank's shard unoffset there
+        for name, weight in weights.items():
+            half = weight.shape[0] // 2
+            assert not weight[:half].equal(weight[half:]), f"{name}: both ranks drew the same shard"
+
+
+def drawn_at(seed: int, offset: int, shape: tuple) -> list:
+    """What the host generator draws from the Philox state ``(seed, offset)`` in DTensor's layout."""
+    with torch.random.fork_rng(devices=[]):
+        host_rng.set_rng_state(torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint8))
+        return torch.empty(shape).normal_().tolist()
+
+
+def test_dtensor_random_ops_draw_at_the_offsets_dtensor_sets(launch):
+    backend, out = launch
+    reports = rank_reports(out, "dtensor_random")
+    assert reports[0]["replicated"] == reports[1]["replicated"]  # Replicate: every rank the same numbers
+    first, second = reports[0]["replicated"]
+    assert first != second
+    assert reports[0]["sharded"] != reports[1]["sharded"]  # Shard(0): each rank its own
+    # After torch.manual_seed(0), each op starts where the last ended (8 x 8 numbers), a shard at its rank's rows.
+    assert first == drawn_at(0, 0, (8, 8))
+    assert second == drawn_at(0, 64, (8, 8))
+    for rank in (0, 1):
+        assert reports[rank]["sharded"] == drawn_at(0, 128 + 32 * rank, (4, 8)), rank
+    # The user's stream after torch.cuda.manual_seed: the CPU's, as before
+    torch.manual_seed(0)
+    assert reports[0]["reseeded"] == reports[1]["reseeded"] == torch.randn(4).tolist()

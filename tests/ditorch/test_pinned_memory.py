@@ -30,6 +30,31 @@ def test_dataloader_pins_batches_for_the_sim_device(sim):
 
 
 
+def test_staging_gives_cpp_callers_pinned_cpu_tensors_while_held(sim):
+    import gc
+
+    from ditorch import pinned_memory
+
+    # DDP's reducer calls empty_like(..., pin_memory=true) from C++, which reaches empty_strided's CPU kernel.
+    empty_strided = torch.ops.aten.empty_strided.default
+    release = pinned_memory.hold_staging()
+    try:
+        staged = empty_strided([2, 3], [1, 2], dtype=torch.int32, pin_memory=True)
+        plain = empty_strided([2, 3], [3, 1], pin_memory=False)
+        assert (staged.shape, staged.stride(), staged.dtype, staged._is_view()) == ((2, 3), (1, 2), torch.int32, False)
+        assert staged.is_pinned() and not plain.is_pinned() and plain.dtype == torch.get_default_dtype()
+        assert not staged[:, :1].clone().is_pinned()
+        staged.copy_(torch.arange(6, dtype=torch.int32).reshape(2, 3))
+        assert torch.equal(staged.to(sim).cpu(), torch.arange(6, dtype=torch.int32).reshape(2, 3))
+        del staged
+        gc.collect()
+        assert not pinned_memory._staged  # forgotten with its storage: a later tensor there is not pinned
+    finally:
+        release()
+    with pytest.raises(NotImplementedError, match="getPinnedMemoryAllocator"):  # PyTorch's kernel again
+        empty_strided([2], [1], pin_memory=True)
+
+
 PINNING_SCRIPT = """
 import json, torch, ditorch
 x = torch.arange(12.0).reshape(3, 4).t()

@@ -208,6 +208,27 @@ def test_torch_cuda_seeds_drive_the_device_random_numbers(transfer):
     assert torch.cuda.initial_seed() == 3
 
 
+def test_torch_cuda_set_rng_state_takes_cudas_philox_layout(transfer):
+    from ditorch import host_rng
+
+    def philox(seed, offset):
+        return torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint8)
+
+    torch.cuda.set_rng_state(philox(7, 64))  # a CUDA generator's state (seed, offset), as a CUDA checkpoint holds
+    first = torch.rand(8, device="cuda").cpu()
+    torch.cuda.set_rng_state(philox(7, 64))
+    assert torch.equal(torch.rand(8, device="cuda").cpu(), first)
+    torch.cuda.set_rng_state(philox(7, 68))
+    assert not torch.equal(torch.rand(8, device="cuda").cpu(), first)
+    torch.cuda.set_rng_state(philox(7, 64))
+    assert torch.equal(host_rng.philox_state(), philox(7, 64))  # read back as set, until the stream is drawn from
+    torch.rand(1, device="cuda")
+    assert torch.equal(host_rng.philox_state(), philox(7, 68))
+    torch.cuda.manual_seed(3)
+    assert torch.equal(host_rng.philox_state(), philox(3, 0))
+    assert torch.cuda.get_rng_state().numel() == torch.get_rng_state().numel()  # still the CPU generator's
+
+
 def test_torch_cuda_memory_statistics_count_device_tensors(transfer):
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()

@@ -1,10 +1,12 @@
 """A tiny Llama trained by FSDP2 (`fully_shard` on `init_device_mesh("cuda", ...)`, or on its default mesh), FSDP1
 (`FullyShardedDataParallel(device_id=torch.device("cuda", n))` or `device_id=torch.cuda.current_device()`) and
-tensor parallel (`parallelize_module`, Colwise/Rowwise), written for
+tensor parallel (`parallelize_module`, Colwise/Rowwise), FSDP2 on a model built on the meta device and initialised
+by DTensor random ops (PyTorch's FSDP2 example), written for
 CUDA and run under torchrun (2 processes) by tests/ditorch/test_parallel_training.py on sim and on the host.
 
-Each mode writes, per rank, its losses and a checksum of the full parameters after training to
+Each training mode writes, per rank, its losses and a checksum of the full parameters after training to
 ``OUT/<mode>.rank<N>.json``; the test compares them with a single-process run on the same global batch.
+``dtensor_random`` writes what DTensor's random ops drew on each rank.
 """
 
 import json
@@ -60,6 +62,38 @@ def fsdp2_default_mesh(rank, local_rank):
     return losses, full
 
 
+def fsdp2_meta_init(rank, out):
+    from torch.distributed.fsdp import fully_shard
+
+    with torch.device("meta"):
+        model = tiny_llama()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device="cuda")
+    model.init_weights()  # transformers' reset_parameters: each weight a DTensor random op on its shards
+    initial = {name: p.full_tensor().cpu() for name, p in model.named_parameters()}
+    if rank == 0:  # the test trains one process from these
+        torch.save(initial, os.path.join(out, "fsdp2_meta_init.initial.pt"))
+    losses = train(model, model.parameters(), batches(rank), "cuda")
+    full = {name: p.full_tensor() for name, p in model.named_parameters()}
+    return losses, full
+
+
+def dtensor_random() -> dict:
+    """Draws of DTensor random ops on this rank, then of the user's stream reseeded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    replicated = [distribute_tensor(torch.empty(8, 8, device="cuda"), mesh, [Replicate()]).normal_() for _ in "ab"]
+    sharded = distribute_tensor(torch.empty(8, 8, device="cuda"), mesh, [Shard(0)]).normal_()
+    torch.cuda.manual_seed(0)
+    return {"replicated": [t.to_local().tolist() for t in replicated], "sharded": sharded.to_local().tolist(),
+            "reseeded": torch.randn(4, device="cuda").tolist()}
+
+
 def fsdp1(rank, local_rank):
     from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
 
@@ -103,6 +137,13 @@ MODES = {"fsdp2": fsdp2, "fsdp2_default_mesh": fsdp2_default_mesh, "fsdp1": fsdp
          "fsdp1_current_device": fsdp1_current_device, "tp": tensor_parallel}
 
 
+def run_mode(mode: str, rank: int, local_rank: int, out: str) -> dict:
+    if mode == "dtensor_random":
+        return dtensor_random()
+    losses, full = fsdp2_meta_init(rank, out) if mode == "fsdp2_meta_init" else MODES[mode](rank, local_rank)
+    return {"losses": losses, "params": checksum(full)}
+
+
 def checksum(full: dict) -> dict:
     """Per parameter: sum and sum of squares in float64, comparable across runs within float32 reassociation."""
     out = {}
@@ -120,8 +161,7 @@ def main() -> None:
     rank = dist.get_rank()
     for mode in modes:
         try:
-            losses, full = MODES[mode](rank, local_rank)
-            report = {"losses": losses, "params": checksum(full)}
+            report = run_mode(mode, rank, local_rank, out)
         except Exception as error:  # the test shows what failed, per mode, and goes on with the next mode
             import traceback
 

@@ -36,11 +36,7 @@ def hf_trainer(out: str) -> list:
 
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=PER_DEVICE, max_steps=STEPS,
                              learning_rate=0.05, lr_scheduler_type="constant", optim="sgd", logging_steps=1,
-                             report_to=[], save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
-                             # Trainer's default (True for a PreTrainedModel) makes DDP stage its unused-parameter
-                             # map through pinned memory, which a Python PrivateUse1 device such as sim cannot
-                             # allocate (docs/sim_device.md); every parameter is used here.
-                             ddp_find_unused_parameters=False)
+                             report_to=[], save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
     trainer = Trainer(model=tiny_llama(), args=args, train_dataset=examples())
     trainer.train()
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]  # mean over the ranks
