@@ -435,6 +435,12 @@ AUTOCOMPARE_MAX_SAVED = declare(
     "How many failing calls of each op are saved for the offline replay (written in the background); the rest "
     "are counted in the summary. 0 saves none.", parse_count, convert_count, "an int >= 0",
 )
+AUTOCOMPARE_MAX_SAVE_BYTES = declare(
+    "OP_AUTOCOMPARE_MAX_SAVE_BYTES", "a size in bytes, e.g. 67108864, 64M, 1G (powers of 1024)", "64M",
+    "How much the failing calls saved for the offline replay may take in a run, inputs, outputs and gradients on "
+    "both sides (a call with a real vocabulary's logits is gigabytes): a call that would go past it is not saved, "
+    "and the summary counts it.", parse_size, convert_size, "an int (bytes) or a size text such as '64M'",
+)
 _TOLERANCE_FORM = "'atol,rtol', e.g. '1e-3,1e-3'"
 _TOLERANCE_MEANING = ("When any tolerance variable applies to an output, allclose under it decides instead of the "
                       "comparison with a same-dtype CPU run. Priority: per op and dtype > per dtype > global.")

@@ -47,6 +47,7 @@ from ..config.variables import (
     AUTOCOMPARE_BACKWARD,
     AUTOCOMPARE_CAST,
     AUTOCOMPARE_COLLECTIVES,
+    AUTOCOMPARE_MAX_SAVE_BYTES,
     AUTOCOMPARE_MAX_SAVED,
     AUTOCOMPARE_TOLERANCES,
     REFERENCE_CAST_VAR,
@@ -138,6 +139,7 @@ class AutoCompareConfig:
     casts: dict[str, dict[torch.dtype, torch.dtype]]  # OPNAME -> reference cast
     max_saved: int = 3
     collectives: bool = True  # torch.distributed collectives checked against every rank's inputs
+    max_save_bytes: int = 64 << 20  # what the saved failing calls may take in all
 
     @classmethod
     def from_env(cls, sources: Sources | None = None) -> AutoCompareConfig:
@@ -152,7 +154,8 @@ class AutoCompareConfig:
         tolerance = ToleranceSpec.from_env().over(sources.file.get(TOLERANCE.name))
         given = sources.arguments.get(TOLERANCE.name)
         return cls(AUTOCOMPARE_BACKWARD.read(sources), given.over(tolerance) if given else tolerance, casts,
-                   AUTOCOMPARE_MAX_SAVED.read(sources), AUTOCOMPARE_COLLECTIVES.read(sources))
+                   AUTOCOMPARE_MAX_SAVED.read(sources), AUTOCOMPARE_COLLECTIVES.read(sources),
+                   AUTOCOMPARE_MAX_SAVE_BYTES.read(sources))
 
 
 def _reference_casts(value) -> dict[str, dict[torch.dtype, torch.dtype]]:
@@ -179,7 +182,8 @@ class OpAutoCompare(OpTool):
 
     Keyword arguments (each overrides its variables): ``ops``, ``disable`` (``OP_AUTOCOMPARE_LIST``/
     ``_DISABLE_LIST``: lists of op names, patterns or functions), ``backward`` (``OP_AUTOCOMPARE_BACKWARD``),
-    ``max_saved`` (``OP_AUTOCOMPARE_MAX_SAVED``), ``tolerance`` (the variables
+    ``max_saved`` (``OP_AUTOCOMPARE_MAX_SAVED``), ``max_save_bytes`` (``OP_AUTOCOMPARE_MAX_SAVE_BYTES``),
+    ``tolerance`` (the variables
     ``[<OPNAME>_]AUTOCOMPARE_ERROR_TOLERANCE[_<DTYPE>]``: ``(atol, rtol)``, or a dict
     ``{torch.bfloat16: (atol, rtol), "torch.nn.functional.linear": {torch.float16: (atol, rtol)}}``),
     ``reference_casts`` (``<OPNAME>_OP_DTYPE_CAST_DICT``: ``{"linear": {torch.float16: torch.float32}}``),
@@ -197,14 +201,16 @@ class OpAutoCompare(OpTool):
     env_prefix = "OP_AUTOCOMPARE"
     results_folder = "op_autocompare_result"
     tracks_writes = True
-    keywords = {"backward": AUTOCOMPARE_BACKWARD, "max_saved": AUTOCOMPARE_MAX_SAVED, "tolerance": TOLERANCE,
+    keywords = {"backward": AUTOCOMPARE_BACKWARD, "max_saved": AUTOCOMPARE_MAX_SAVED,
+                "max_save_bytes": AUTOCOMPARE_MAX_SAVE_BYTES, "tolerance": TOLERANCE,
                 "reference_casts": REFERENCE_CASTS, "collectives": AUTOCOMPARE_COLLECTIVES}
     tracks_modules = True
 
     def configure(self) -> None:
         self.settings = AutoCompareConfig.from_env(self.sources)
         self._tolerance = self.settings.tolerance or None  # None: no variable set, nothing to look up per call
-        self.saving = FailingCalls(self.common, self.settings.max_saved, self.pid_folder, self.tally, self._logger)
+        self.saving = FailingCalls(self.common, self.settings.max_saved, self.pid_folder, self.tally, self._logger,
+                                   self.settings.max_save_bytes)
         self.counts: collections.Counter = collections.Counter()
         self.skipped: collections.Counter = collections.Counter()
         self.backward_not_compared: collections.Counter = collections.Counter()

@@ -2,7 +2,9 @@
 
 A call is saved under ``op_capture_results/<op>/<pid>/autocompare/<forward_id>/<time>/``: ``device/`` holds its
 inputs as they were before the call, its outputs and, once its backward ran, its gradients; ``cpu/`` the same for
-the float64 reference. At most ``OP_AUTOCOMPARE_MAX_SAVED`` calls of each op are saved, later ones counted. The
+the float64 reference. At most ``OP_AUTOCOMPARE_MAX_SAVED`` calls of each op are saved, and at most
+``OP_AUTOCOMPARE_MAX_SAVE_BYTES`` in all (a call's size counted before it is saved, its gradients' when they come);
+later ones are counted. The
 host copies are made when the call is saved; the files are written by a background thread (``stop()`` waits), and
 a tensor two saved calls share is written once.
 """
@@ -20,7 +22,7 @@ import torch
 from ..config.variables import CommonConfig
 from ..numerics.host_copies import snapshot
 from ..numerics.reference import recast
-from ..ops.arguments import map_tensors
+from ..ops.arguments import iter_tensors, map_tensors
 from ..output import reporting, result_files
 from ..output.capture_format import TensorStore
 from .compare_state import CompareState
@@ -29,8 +31,11 @@ from .compare_state import CompareState
 class FailingCalls:
     """The failing calls of one OpAutoCompare session, written in the background."""
 
-    def __init__(self, common: CommonConfig, max_saved: int, pid_folder: str, tally, logger: logging.Logger) -> None:
+    def __init__(self, common: CommonConfig, max_saved: int, pid_folder: str, tally, logger: logging.Logger,
+                 max_bytes: int = 64 << 20) -> None:
         self.common, self.max_saved, self.pid_folder, self._logger = common, max_saved, pid_folder, logger
+        self.max_bytes, self.used = max_bytes, 0  # bytes the saved calls may take, and take so far
+        self.over_bytes: collections.Counter = collections.Counter()  # op -> failing calls past max_bytes
         self.store = TensorStore(dedup=True, tally=tally)
         self.writer = result_files.BackgroundWriter("OpAutoCompare")
         self.saved: collections.Counter = collections.Counter()  # op -> failing calls saved
@@ -44,12 +49,17 @@ class FailingCalls:
         call's rank, step and time (``result_files.record_fields``), kept in its ``input.pth`` files."""
         base = state.save_dir
         if base is None:
+            size = _size((state.cpu_args, state.cpu_kwargs, device_out)) * 2 + _size(ref_out)  # float64 inputs
             with self._lock:
                 allowed = self.saved[name] < self.max_saved
-                if allowed:
-                    self.saved[name] += 1
-                else:
+                if not allowed:
                     self.not_saved[name] += 1
+                elif self.used + size > self.max_bytes:
+                    allowed = False
+                    self.over_bytes[name] += 1
+                else:
+                    self.saved[name] += 1
+                    self.used += size
             base = state.save_dir = result_files.results_path(
                 self.common, "op_capture_results", name, self.pid_folder, "autocompare", str(forward_id),
                 time.strftime("%Y-%m-%d-%H-%M-%S", time.localtime())) if allowed else ""
@@ -66,6 +76,8 @@ class FailingCalls:
                 self._write(base, side, "output", name, _flat_out(out), {})
         if grads is not None:
             device_grads, upstream, reference_grads = grads
+            with self._lock:  # the call was saved within the budget: its gradients are its own
+                self.used += _size((device_grads, upstream)) * 2 + _size(tuple(reference_grads))
             upstream64 = tuple(None if g is None else g.double() if g.is_floating_point() else g for g in upstream)
             self._write(base, "device", "grad_inputs", name, device_grads, {})
             self._write(base, "device", "grad_outputs", name, upstream, {})
@@ -92,13 +104,24 @@ class FailingCalls:
                 f"(the first {self.writer.first_failure})")
 
     def summary_line(self) -> str:
-        """What was saved where, for the summary ("" when nothing was)."""
-        if not self.saved:
+        """What was saved where, and what was not, for the summary ("" when no failing call was met)."""
+        if not (self.saved or self.over_bytes):
             return ""
-        return (f"{sum(self.saved.values())} failing calls saved for the replay under "
-                f"{result_files.results_path(self.common, 'op_capture_results')}"
-                + (f"; {sum(self.not_saved.values())} more not saved (OP_AUTOCOMPARE_MAX_SAVED="
-                   f"{self.max_saved} per op)" if self.not_saved else ""))
+        parts = [f"{sum(self.saved.values())} failing calls saved for the replay under "
+                 f"{result_files.results_path(self.common, 'op_capture_results')}"
+                 + (f" ({self.used / 2**20:.1f} MiB at most)" if self.used else "")]
+        if self.not_saved:
+            parts.append(f"{sum(self.not_saved.values())} more not saved (OP_AUTOCOMPARE_MAX_SAVED={self.max_saved} "
+                         "per op)")
+        if self.over_bytes:
+            parts.append(f"{sum(self.over_bytes.values())} not saved for their size (OP_AUTOCOMPARE_MAX_SAVE_BYTES="
+                         f"{self.max_bytes / 2**20:g}M in all; the largest: {self.over_bytes.most_common(1)[0][0]})")
+        return "; ".join(parts)
+
+
+def _size(obj) -> int:
+    """The bytes of the tensors in ``obj`` (a call's arguments, outputs or gradients), as saved."""
+    return sum(t.numel() * t.element_size() for t in iter_tensors(obj))
 
 
 def _on_host(t: torch.Tensor) -> torch.Tensor:

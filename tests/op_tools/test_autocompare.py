@@ -91,6 +91,23 @@ def test_backward_fault_in_an_mlp_names_its_op(sim, fault, op):
     assert [(f["op"], f["phase"]) for f in tool.failures] == [(op, "backward")]
 
 
+def test_saved_failing_calls_stay_within_their_byte_budget_and_the_summary_counts_the_rest(sim, tmp_path, logged):
+    import ditorch.sim
+
+    small, large = (torch.randn(n).to(sim) for n in (64, 64 * 1024))  # 1.5 KiB and 1.5 MiB saved, float64 included
+    with ditorch.sim.faults("exp:noise=1e-1"), op_tools.OpAutoCompare(max_save_bytes="64K", max_saved=5) as tool:
+        torch.exp(small)
+        torch.exp(large)  # a failing call too large for what is left: counted, not written
+        torch.exp(small * 2)
+    assert [f["op"] for f in tool.failures] == ["torch.exp"] * 3
+    assert tool.saving.saved["torch.exp"] == 2 and tool.saving.over_bytes["torch.exp"] == 1
+    assert tool.saving.used <= 64 << 10
+    saved = glob.glob(str(tmp_path / "results" / "op_capture_results" / "torch.exp" / "*" / "autocompare" / "*"))
+    assert len(saved) == 2
+    assert "1 not saved for their size (OP_AUTOCOMPARE_MAX_SAVE_BYTES=0.0625M in all; the largest: torch.exp)" in \
+        logged()
+
+
 def test_failing_call_is_saved_for_the_offline_replay(sim, tmp_path):
     tool = llama_step("silu:noise=1e-3", "forward")
     first = tool.failures[0]
