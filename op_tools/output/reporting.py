@@ -503,9 +503,22 @@ def progress_bar(total: int | None, desc: str, unit: str = "it"):
 # --- where a call comes from ---
 
 _SKIPPED_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
+# Device layers between the user's code and torch (sim's engine runs backward from ditorch/sim): never the user's
+# line. Looked up among the loaded modules, not imported: op_tools runs without them.
+_DEVICE_LAYERS = ("ditorch", "torch_npu", "torch_mlu")
 
 
-_is_user: dict[str, bool] = {}  # file name -> whether it lies outside torch and op_tools
+_is_user: dict[str, bool] = {}  # file name -> whether it lies outside torch, op_tools and the device layers
+
+
+def _user_file(filename: str) -> bool:
+    """Asked once per file name: outside torch, op_tools and the loaded device layers."""
+    skipped = list(_SKIPPED_DIRS)
+    for name in _DEVICE_LAYERS:
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path:
+            skipped.append(os.path.dirname(path) + os.sep)
+    return not filename.startswith((*skipped, "<frozen"))
 
 
 def _user_frames(full_stack: bool) -> tuple:
@@ -516,7 +529,7 @@ def _user_frames(full_stack: bool) -> tuple:
         code = frame.f_code
         user = _is_user.get(code.co_filename)
         if user is None:
-            user = _is_user[code.co_filename] = not code.co_filename.startswith((*_SKIPPED_DIRS, "<frozen"))
+            user = _is_user[code.co_filename] = _user_file(code.co_filename)
         if user:
             frames.append((code.co_filename, frame.f_lineno, code.co_name))
             if not full_stack:
@@ -537,8 +550,8 @@ class Site:
         self._text: str | None = None
 
     def text(self) -> str:
-        """``file:line function: code`` of the innermost frame outside torch and op_tools (of all such frames,
-        innermost first, one per line, when taken with ``full_stack``)."""
+        """``file:line function: code`` of the innermost frame outside torch, op_tools and the device layers (of all
+        such frames, innermost first, one per line, when taken with ``full_stack``)."""
         if self._text is None:
             frames = self._frames
             self._text = "\n".join(_frame_line(*frame) for frame in frames) if frames else "<unknown location>"

@@ -480,3 +480,27 @@ def test_an_apply_line_not_shown_at_info_is_shown_by_a_later_verbose_session(sim
         with Quiet():
             x.cos()
     assert [r.getMessage() for r in caplog.records].count("apply QuietHook on torch.Tensor.cos") == 1
+
+
+SITE_CHILD = """
+import torch, ditorch.sim
+from op_tools.output import reporting
+ditorch.sim.register()
+x = torch.ones(2, device="sim", requires_grad=True)
+seen = []
+x.register_hook(lambda g: seen.append(reporting.user_site(full_stack=True).text()))
+(x * 2).sum().backward()  # the line to find
+print(repr(seen[0]))
+"""
+
+
+def test_a_location_skips_the_device_layer_between_the_users_line_and_torch(tmp_path):
+    # With several sim devices backward runs through sim's engine (ditorch/sim/multi_device.py): OpOverflowCheck's
+    # "received" line named its run_backward where the user's loss.backward() was
+    script = tmp_path / "train.py"
+    script.write_text(SITE_CHILD)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env=child_env({"DITORCH_SIM_DEVICE_COUNT": "2", "DITORCH_QUIET": "1"}, drop=("DITORCH_",)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    frames = eval(done.stdout.strip().splitlines()[-1]).splitlines()  # noqa: S307 - our own repr
+    assert "ditorch" not in "".join(frames) and frames[-1].endswith("(x * 2).sum().backward()  # the line to find")
