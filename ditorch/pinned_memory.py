@@ -36,9 +36,41 @@ from typing import Callable
 
 import torch
 
+
+class _HeldKernels:
+    """CPU kernels registered while at least one hold is kept, PyTorch's own again when the last is released."""
+
+    def __init__(self, kernels: dict[str, Callable]) -> None:
+        self.kernels = kernels
+        self._library: torch.library.Library | None = None
+        self._holds = 0
+
+    def hold(self) -> Callable[[], None]:
+        """Register the kernels (on the first hold); returns what releases this hold (once; later calls do nothing)."""
+        with _lock:
+            if self._library is None:
+                self._library = torch.library.Library("aten", "IMPL")
+                with warnings.catch_warnings():  # "Overriding a previously registered kernel": the CPU one, meant
+                    warnings.simplefilter("ignore", UserWarning)
+                    for name, kernel in self.kernels.items():
+                        self._library.impl(name, kernel, "CPU")
+            self._holds += 1
+        released = threading.Event()
+
+        def release() -> None:
+            with _lock:
+                if released.is_set():
+                    return
+                released.set()
+                self._holds -= 1
+                if self._holds == 0 and self._library is not None:
+                    self._library._destroy()  # PyTorch's kernels again
+                    self._library = None
+
+        return release
+
+
 _lock = threading.Lock()
-_library: torch.library.Library | None = None
-_holds = 0
 _notes: list[Callable[[torch.Tensor], None]] = []  # told of each pinned copy (sim: its device counters)
 
 
@@ -52,32 +84,13 @@ def _pin_memory(self: torch.Tensor, device=None) -> torch.Tensor:
 def hold(note: Callable[[torch.Tensor], None] | None = None) -> Callable[[], None]:
     """Give dense CPU tensors the copying ``_pin_memory`` kernel until every hold is released; ``note`` is told of
     each pinned copy from now on. Returns what releases this hold (once; later calls do nothing)."""
-    global _library, _holds
+    release = _PINNING.hold()
     with _lock:
-        if _library is None:
-            _library = torch.library.Library("aten", "IMPL")
-            _library.impl("_pin_memory", _pin_memory, "CPU")
-        _holds += 1
         if note is not None and note not in _notes:
             _notes.append(note)
-    released = threading.Event()
-
-    def release() -> None:
-        global _library, _holds
-        with _lock:
-            if released.is_set():
-                return
-            released.set()
-            _holds -= 1
-            if _holds == 0 and _library is not None:
-                _library._destroy()  # pin_memory() is PyTorch's own again
-                _library = None
-
     return release
 
 
-_staging_library: torch.library.Library | None = None
-_staging_holds = 0
 _staged: set[int] = set()  # data pointers of the live storages allocated as pinned
 
 
@@ -98,29 +111,11 @@ def _is_pinned(self: torch.Tensor, device=None) -> bool:
 def hold_staging() -> Callable[[], None]:
     """Let C++ callers allocate pinned CPU staging tensors (see the module's doc) until every hold is released.
     Returns what releases this hold (once; later calls do nothing)."""
-    global _staging_library, _staging_holds
-    with _lock:
-        if _staging_library is None:
-            _staging_library = torch.library.Library("aten", "IMPL")
-            with warnings.catch_warnings():  # "Overriding a previously registered kernel": the CPU one, meant
-                warnings.simplefilter("ignore", UserWarning)
-                _staging_library.impl("empty_strided", _empty_strided, "CPU")
-            _staging_library.impl("is_pinned", _is_pinned, "CPU")
-        _staging_holds += 1
-    released = threading.Event()
+    return _STAGING.hold()
 
-    def release() -> None:
-        global _staging_library, _staging_holds
-        with _lock:
-            if released.is_set():
-                return
-            released.set()
-            _staging_holds -= 1
-            if _staging_holds == 0 and _staging_library is not None:
-                _staging_library._destroy()  # PyTorch's kernels again
-                _staging_library = None
 
-    return release
+_PINNING = _HeldKernels({"_pin_memory": _pin_memory})
+_STAGING = _HeldKernels({"empty_strided": _empty_strided, "is_pinned": _is_pinned})
 
 
 def _on_host(device) -> bool:
