@@ -44,7 +44,8 @@ def main() -> None:
         env["DITORCH_BACKEND"] = "sim"  # replay where the capture ran (the variable also maps "cuda" onto sim)
     print("\n$ python " + " ".join(replay[1:]), flush=True)
     status = subprocess.run(replay, env=env).returncode  # the replay prints its own tables
-    print(f"\nreplay exit status: {status} ({'every call ok' if status == 0 else 'a call failed or mismatched'})")
+    meaning = {0: "every call ok", 3: "a call mismatched or raised", 4: "a call could not be checked"}
+    print(f"\nreplay exit status: {status} ({meaning.get(status, 'the replay failed')})")
     sys.exit(status)
 
 

@@ -11,10 +11,11 @@ the script raises or calls ``sys.exit`` (its exit status is kept). Each option t
 variable takes (``--ops`` as ``OP_CAPTURE_LIST``, ``--verbose 0``); a flag given alone means 1 (``--sync``).
 Options win over the variables, which win over the config file (``--config``, or ``OP_TOOLS_CONFIG``).
 
-Exit status: the script's own when it is not 0 or the tool handles no op (the monitor); else the op tool's verdict
-(``VERDICT_EXIT_STATUS``): 0 clean (every handled call checked, nothing found), 3 found something (an op failed, an
-inf/nan), 4 could not check (some calls went unchecked because the tool failed on them, a file could not be written,
-or the op list matched no call).
+Exit status (``op_tools.output.exit_status``): the script's own when it is not 0; else the tool's verdict: 0 clean
+(every handled call checked, nothing found), 3 found something (an op failed, an inf/nan, the monitor's anomaly), 4
+could not check (some calls went unchecked because the tool failed on them, a file could not be written, or the op
+list matched no call). Under torchrun each rank says so in one line before a verdict's 3 or 4, so that torchrun's
+``ChildFailedError`` after it is not read as a crash.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from .config.tool_registry import (  # filled by the tools: the package imported
 from .config.training_monitor import TrainingMonitorConfig
 from .config.variables import CONFIG_FILE, parse_flag
 from .core.engine import OpTool
+from .output import exit_status
 from .tools.training_monitor import TrainingMonitor
 
 # The tools that handle no op: their config class (tool_registry.NON_OP_TOOLS, whose keywords are the command's
@@ -120,14 +122,10 @@ def split_command(cls: type[ToolClass], argv: list[str]) -> tuple[list[str], str
     return argv, None, None, []
 
 
-# The tool's verdict as the exit status of a script that exited 0 (distinct from Python's 1 and argparse's 2).
-VERDICT_EXIT_STATUS = {"clean": 0, "found": 3, "unchecked": 4}
-
-
 def run_under(tool, script: str | None, argv: list[str], module: str | None = None) -> int | str | None:
     """Run ``script`` (or ``module``) as ``__main__`` with ``sys.argv`` set, between ``tool.start()`` and
-    ``tool.stop()``; its exit status (``SystemExit``'s code; 0 when it returns), or when that is 0 an op tool's
-    verdict (``VERDICT_EXIT_STATUS``). Its exceptions propagate."""
+    ``tool.stop()``; its exit status (``SystemExit``'s code; 0 when it returns), or when that is 0 the tool's
+    verdict (``exit_status.status_of``), said in a line on each rank under torchrun. Its exceptions propagate."""
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     if module is None:
         assert script is not None  # main() gives a script or a module
@@ -152,7 +150,9 @@ def run_under(tool, script: str | None, argv: list[str], module: str | None = No
         finally:
             sys.argv, sys.path[:] = saved_argv, saved_path
     if status in (0, None):
-        return VERDICT_EXIT_STATUS[tool.verdict()] if isinstance(tool, OpTool) else 0
+        verdict = exit_status.status_of(tool.verdict())  # an op tool's, or the monitor's: each has verdict()
+        exit_status.explain_under_torchrun(verdict)
+        return verdict
     return status
 
 

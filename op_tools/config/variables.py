@@ -575,12 +575,13 @@ class CommonConfig:
     @classmethod
     def from_env(cls, sources: Sources | None = None) -> CommonConfig:
         return cls(RESULTS_DIR.read(sources) or "op_tools_results", VERBOSE.read(sources), PRINT_STACK.read(sources),
-                   STRICT.read(sources), _torchrun_rank(), PRINT_RANKS.read(sources),
+                   STRICT.read(sources), torchrun_rank(), PRINT_RANKS.read(sources),
                    REPLICA_FINGERPRINTS.read(sources), TABLE_WIDTH.read(sources))
 
 
-def _torchrun_rank() -> int | None:
-    # torchrun (and torch.distributed.launch) export RANK and WORLD_SIZE to every worker.
+def torchrun_rank() -> int | None:
+    """This process's rank under torchrun, ``None`` outside it: torchrun (and torch.distributed.launch) export
+    RANK and WORLD_SIZE to every worker."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         try:
             return int(os.environ["RANK"])

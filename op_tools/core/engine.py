@@ -436,7 +436,7 @@ class OpTool:
 
     def verdict(self) -> str:
         """``"found"`` (the tool found something wrong), ``"unchecked"`` (some calls went unchecked) or
-        ``"clean"``: the exit status of ``python -m op_tools`` (``VERDICT_EXIT_STATUS``)."""
+        ``"clean"``: the exit status of ``python -m op_tools`` (``exit_status.status_of``: 3, 4 or 0)."""
         if self.found():
             return "found"
         return "unchecked" if self.not_checked() else "clean"

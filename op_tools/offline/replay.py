@@ -79,10 +79,18 @@ class ReplayResult:
     checks: list[dict] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     step: int | str = ""        # the optimizer steps done when the call was captured; '' where the capture has none
+    op_raised: bool = False     # an "error" of the op itself on the device, not of the capture
 
     @property
     def failed(self) -> bool:
         return self.status != "ok"
+
+    def verdict(self) -> str:
+        """``"found"`` (a mismatch, or the op raised on the device), ``"unchecked"`` (not replayed: a refused or
+        broken capture; or the CPU reference raised, so nothing to check against) or ``"clean"``."""
+        if self.status == "mismatch" or self.op_raised:
+            return "found"
+        return "unchecked" if self.failed else "clean"
 
 
 # --- finding entries ---
@@ -207,6 +215,7 @@ def replay(entry: Entry, device: str | torch.device, options: ReplayOptions) -> 
     except Exception as e:  # the op itself raised: that is a finding, reported with the op's own words
         first_line = (str(e).strip().splitlines() or [""])[0]
         result.status, result.error = "error", f"{result.name or 'op'} raised {type(e).__name__}: {first_line}"
+        result.op_raised = True
     return result
 
 

@@ -6,9 +6,10 @@ DIR is a folder of captures (OpCapture's, or OpAutoCompare's for failing ops), o
 device and backward with its captured upstream gradients (ones where none were captured; none for ops whose outputs
 have no gradient), then summarised: op, input shapes and dtypes, device, verdict, mean/median/min times and the
 step the call was captured in, with the torch and ditorch versions and the device's name (``--report md`` writes
-it as Markdown; ``--failures-only`` shows on the console only the entries not ok or not checked). The exit status
-is 1 when any entry is not ok (could not be replayed, failed ``--acc_check``, or its CPU reference raised), 2 for
-bad usage.
+it as Markdown; ``--failures-only`` shows on the console only the entries not ok or not checked). Exit status
+(``op_tools.output.exit_status``): 0 every entry ok, 3 an entry failed ``--acc_check`` (mismatch) or its op raised on
+the device, 4 none did but some entry was not replayed (a refused or broken capture) or its CPU reference raised, 2
+bad usage or no captured call under DIR, 5 the summary could not be written.
 
     python op_tools/run_op_from_data.py op_tools_results/op_capture_results --sync_time_measure --run_times 20
     python op_tools/run_op_from_data.py op_tools_results/op_capture_results/torch.matmul --acc_check
@@ -23,6 +24,7 @@ from typing import Any
 
 from ..config.variables import CommonConfig
 from ..output import reporting, result_files
+from ..output.exit_status import ExitStatus, status_of
 from .replay import ReplayError, ReplayOptions, find_entries, replay, summary_row
 
 RESULTS_FOLDER = "op_replay_result"
@@ -45,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the operators captured by OpCapture (or saved by OpAutoCompare for a failing op) again on "
                     "this machine's device, and summarise each one: op, input shapes and dtypes, device, verdict, "
                     "times.",
-        epilog="The exit status is 0 when every entry is ok, 1 when any is not (or none was found), 2 for bad usage.")
+        epilog="Exit status: 0 every entry ok, 3 a mismatch or an op that raised on the device, 4 none, but an "
+               "entry not replayed or its CPU reference raised, 2 bad usage or no captured call, 5 the summary "
+               "could not be written.")
     parser.add_argument("dir", help="What to replay: a folder of captures (e.g. op_tools_results/op_capture_results), "
                                     "one op's or one call's folder, or one call's input.pth file. Every folder below "
                                     "it that holds an input.pth is one entry.")
@@ -126,19 +130,24 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.run_times < 1:
         print("run_op_from_data: --run_times must be at least 1", file=sys.stderr)
-        return 2
+        return ExitStatus.USAGE
     if args.report is not None and args.report != "md" and not args.report.endswith(".md"):
         print(f"run_op_from_data: --report {args.report}: expected md or a path ending in .md", file=sys.stderr)
-        return 2
+        return ExitStatus.USAGE
+    try:
+        common = CommonConfig.from_env()  # a malformed variable (OP_TOOLS_RESULTS_DIR) said now, not after the replay
+    except ValueError as e:
+        print(f"run_op_from_data: {e}", file=sys.stderr)
+        return ExitStatus.USAGE
     try:
         entries = find_entries(args.dir)
     except ReplayError as e:
         print(f"run_op_from_data: {e}", file=sys.stderr)
-        return 2
-    if not entries:
+        return ExitStatus.USAGE
+    if not entries:  # nothing to replay is a wrong folder, as one that does not exist
         print(f"run_op_from_data: no captured call under {args.dir} (looked for folders holding input.pth)",
               file=sys.stderr)
-        return 1
+        return ExitStatus.USAGE
     device = args.device or active_device()
     options = ReplayOptions(run_times=args.run_times, backward=not args.only_run_forward,
                             time=args.sync_time_measure, acc_check=args.acc_check,
@@ -167,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if bar is not None:
             bar.close()
-    return _finish(results, time_rows, options, env, args)
+    return _finish(results, time_rows, options, env, args, common)
 
 
 def _say(message: str, bar) -> None:
@@ -177,8 +186,7 @@ def _say(message: str, bar) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _finish(results, time_rows, options: ReplayOptions, env: dict, args) -> int:
-    common = CommonConfig.from_env()
+def _finish(results, time_rows, options: ReplayOptions, env: dict, args, common: CommonConfig) -> int:
     stem = result_files.session_stem()
     summary = [summary_row(r) for r in results]
     shown = [console_row(row, options) for row in summary
@@ -189,23 +197,31 @@ def _finish(results, time_rows, options: ReplayOptions, env: dict, args) -> int:
         left_out = len(summary) - len(shown)
         lines.append(f"--failures-only: {left_out} ok {'entry' if left_out == 1 else 'entries'} not shown"
                      + ("" if shown else ", nothing else to show") + f" (the summary CSV has all {len(summary)})")
-    summary_path = result_files.results_path(common, RESULTS_FOLDER, f"replay_summary_{stem}.csv")
-    result_files.write_csv(summary_path, summary)
-    lines.append(f"summary saved to {summary_path}")
-    if time_rows:
-        times_path = result_files.results_path(common, RESULTS_FOLDER, f"replay_times_{stem}.csv")
-        result_files.write_csv(times_path, time_rows)
-        lines.append(f"per-run times saved to {times_path}")
-    if args.report is not None:
-        report_path = (result_files.results_path(common, RESULTS_FOLDER, f"replay_report_{stem}.md")
-                       if args.report == "md" else args.report)
-        result_files.write_text(report_path, markdown_report(summary, options, env, args.dir))
-        lines.append(f"Markdown report saved to {report_path}")
+    not_written = ""
+    try:
+        summary_path = result_files.results_path(common, RESULTS_FOLDER, f"replay_summary_{stem}.csv")
+        result_files.write_csv(summary_path, summary)
+        lines.append(f"summary saved to {summary_path}")
+        if time_rows:
+            times_path = result_files.results_path(common, RESULTS_FOLDER, f"replay_times_{stem}.csv")
+            result_files.write_csv(times_path, time_rows)
+            lines.append(f"per-run times saved to {times_path}")
+        if args.report is not None:
+            report_path = (result_files.results_path(common, RESULTS_FOLDER, f"replay_report_{stem}.md")
+                           if args.report == "md" else args.report)
+            result_files.write_text(report_path, markdown_report(summary, options, env, args.dir))
+            lines.append(f"Markdown report saved to {report_path}")
+    except OSError as e:  # the verdict is still printed below; the status says the files are missing
+        not_written = f"cannot write {e.filename or 'the summary'}: {type(e).__name__}: {e.strerror or e}"
     counts = collections.Counter(r.status for r in results)
     lines.append(f"{len(results)} entries: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s] or s in
                                                           ("ok", "mismatch", "error")))
     reporting.console("\n".join(lines))
-    return 1 if any(r.failed for r in results) else 0
+    if not_written:
+        print(f"run_op_from_data: {not_written}", file=sys.stderr)
+        return ExitStatus.NOT_WRITTEN
+    verdicts = {r.verdict() for r in results}
+    return status_of(next((v for v in ("found", "unchecked") if v in verdicts), "clean"))
 
 
 STATUSES = ("ok", "mismatch", "reference error", "error")

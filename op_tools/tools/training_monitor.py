@@ -383,6 +383,14 @@ class TrainingMonitor:
 
     end = stop
 
+    def verdict(self) -> str:
+        """``"found"`` (a rule fired: ``anomalies``), ``"unchecked"`` (none fired, but the monitor failed on some
+        work, so what it would have judged went unjudged) or ``"clean"``, as an op tool's verdict: the exit status of
+        ``python -m op_tools monitor`` (3, 4 or 0)."""
+        if self.anomalies:
+            return "found"
+        return "unchecked" if getattr(self, "_failed", False) else "clean"  # no _failed before the first start()
+
     def __enter__(self) -> TrainingMonitor:
         return self.start()
 

@@ -75,10 +75,11 @@ def test_capture_then_replay_offline_passes_on_a_correct_device(tmp_path):
 
 
 def test_capture_then_replay_reproduces_a_faulty_kernel(tmp_path):
-    out = run_example("capture_and_replay.py", cwd=tmp_path, expect_status=1,
+    out = run_example("capture_and_replay.py", cwd=tmp_path, expect_status=3,
                       env={"DITORCH_BACKEND": "sim", "DITORCH_SIM_FAULTS": "gelu:noise=1e-2"})
     assert "FAIL: output" in out
     assert "2 entries: 0 ok, 2 mismatch, 0 error" in out
+    assert "replay exit status: 3 (a call mismatched or raised)" in out
 
 
 def test_apply_feature_acts_only_on_calls_meeting_the_condition(tmp_path):

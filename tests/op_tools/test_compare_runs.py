@@ -156,9 +156,9 @@ def _cli(*args, env=None):
 NUMBER = r"([\d.e+-]+)"
 
 
-def test_the_command_line_reports_saves_a_csv_and_exits_1_on_a_divergence(runs, tmp_path):
+def test_the_command_line_reports_saves_a_csv_and_exits_3_on_a_divergence(runs, tmp_path):
     done = _cli(_cpu(runs), runs("sim_fault", "sim", fault="silu:noise=1e-3"), "--csv", str(tmp_path / "c.csv"))
-    assert done.returncode == 1, done.stderr
+    assert done.returncode == 3, done.stderr
     # the line says why: the silu's outputs differ by more than its inputs (equal in both runs) explain
     line = re.search(rf"first divergence in forward: step 0 forward {FAULTY_OP} #0 torch.nn.functional.silu: "
                      rf"outputs\[0\] \w+ differs by {NUMBER}, more than the {NUMBER} its inputs explain \(tolerance "
@@ -262,7 +262,7 @@ def test_damaged_lines_of_a_recording_are_counted_never_taken_for_agreement_and_
     assert "first divergence in forward: none among the pairs compared (1 not compared, and damaged lines)" \
         in done.stdout
     assert "WARNING: run B: 2 damaged lines (calls not compared), the first line 3: not JSON" in done.stdout
-    # a divergence found is the verdict (exit 1), what was not compared is still said
+    # a divergence found is the verdict (exit 3), what was not compared is still said
     sin = next(i for i, line in enumerate(lines) if '"op":"torch.sin"' in line)
     record = json.loads(lines[sin])
     record["outputs"][0][4] *= 1.5  # its maximum
@@ -270,7 +270,7 @@ def test_damaged_lines_of_a_recording_are_counted_never_taken_for_agreement_and_
     changed.write_text("".join([*lines[:2], lines[2][:50] + "\n", *lines[3:sin], json.dumps(record) + "\n",
                                 *lines[sin + 1:]]))
     done = _cli(a, str(changed), "--csv", str(tmp_path / "d.csv"))
-    assert done.returncode == 1, done.stderr
+    assert done.returncode == 3, done.stderr
     assert "first divergence in forward: step 0 forward (no module) #3 torch.sin: outputs[0] max" in done.stdout
     assert "WARNING: run B: 1 damaged line (calls not compared)" in done.stdout
 
@@ -308,7 +308,7 @@ def test_a_divergence_whose_inputs_already_differed_says_so_and_names_the_first_
     later = result.first_unexplained("forward")
     assert later.op == "torch.Tensor.mul" and later.outputs_unexplained and not later.inputs_differed_first
     capsys.readouterr()
-    assert main([a, b, "--csv", str(tmp_path / "c.csv")]) == 1
+    assert main([a, b, "--csv", str(tmp_path / "c.csv")]) == 3  # found, in-process
     out = capsys.readouterr().out
     line = re.search(rf"first divergence in forward: step 0 forward 0 #0 torch.nn.functional.embedding: its inputs "
                      rf"already differed by {NUMBER} \(inputs\[1\] \w+\), more than the tolerance {NUMBER}, and no "
@@ -327,7 +327,7 @@ def test_a_divergence_whose_inputs_already_differed_says_so_and_names_the_first_
     # the same inputs and nothing else: no later difference to name
     only_weights = _record_embedding(tmp_path / "w", monkeypatch, weight_noise=3e-3)
     capsys.readouterr()
-    assert main([a, only_weights, "--csv", str(tmp_path / "w.csv")]) == 1
+    assert main([a, only_weights, "--csv", str(tmp_path / "w.csv")]) == 3
     assert "first difference in forward that its inputs do not explain: none\n" in capsys.readouterr().out
 
 
@@ -372,3 +372,12 @@ def test_a_file_that_fails_after_the_folder_passed_its_trial_still_prints_the_ve
     assert f"saved {tmp_path / 'c.csv'}" in out and "c.html" not in out
     assert err == (f"compare_runs: cannot write the HTML view in {tmp_path / 'c.html'} (--csv {tmp_path / 'c.csv'}): "
                    "OSError: No space left on device; choose a folder this process can write\n")
+
+
+def test_a_failure_of_compare_runs_itself_exits_1_as_a_crash_not_as_a_verdict(tmp_path, monkeypatch, capsys):
+    from op_tools.offline.compare_runs import cli, main
+
+    a = _record_embedding(tmp_path / "a", monkeypatch)
+    with mock.patch.object(cli, "compare", side_effect=RuntimeError("a bug")):
+        assert main([a, a, "--csv", str(tmp_path / "c.csv")]) == 1
+    assert "the comparison failed (a bug of compare_runs): nothing compared" in capsys.readouterr().err

@@ -111,7 +111,7 @@ def test_acc_check_of_the_whole_step_passes_on_a_correct_device(captured_step, t
 def test_script_reproduces_a_faulty_kernel_and_exits_non_zero(captured_step, tmp_path):
     folder = os.path.join(captured_step, "torch.nn.functional.linear")
     done = _run_cli([folder, "--acc_check"], tmp_path, env={"DITORCH_SIM_FAULTS": "mm:noise=1e-3"})
-    assert done.returncode == 1, done.stderr
+    assert done.returncode == 3, done.stderr  # found
     rows = _summary(tmp_path)
     assert rows and all(r["status"] == "mismatch" and "output vs cpu float64: FAIL" in r["checks"] for r in rows)
     assert "mismatch" in done.stdout
@@ -176,7 +176,7 @@ def test_bad_entries_are_each_reported_and_the_run_goes_on(tmp_path):
                 "kwargs": {}}, f"{dangling}/input.pth")
 
     done = _run_cli([root, "--acc_check"], tmp_path)
-    assert done.returncode == 1
+    assert done.returncode == 3  # found: torch.matmul raised on the device (the refused captures alone would be 4)
     assert not marker.exists()  # no file's content ever ran
     detail = {r["name"] or r["entry"].split(os.sep)[0]: (r["status"], r["detail"]) for r in _summary(tmp_path)}
     assert detail["torch.add"][0] == "ok"
@@ -192,6 +192,24 @@ def test_bad_entries_are_each_reported_and_the_run_goes_on(tmp_path):
     assert "refused" in done.stderr  # each error is also logged as it happens
 
 
+def test_a_capture_not_replayed_exits_4_no_capture_2_and_a_summary_not_written_5(tmp_path, capsys, monkeypatch):
+    root = str(tmp_path / "captures")
+    unknown = _entry(root, "torch.no_such_op", "1", "t")
+    torch.save({"name": "torch.no_such_op", "args": (torch.ones(2),), "kwargs": {}}, f"{unknown}/input.pth")
+    assert main([root, "--device", "cpu"]) == 4  # not replayed: nothing found, nothing concluded
+    os.makedirs(tmp_path / "empty")
+    assert main([str(tmp_path / "empty"), "--device", "cpu"]) == 2
+    assert "no captured call under" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("")  # a file where a folder should be: unwritable even for root
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / "a_file"))
+    assert main([root, "--device", "cpu"]) == 2  # a malformed variable: said before replaying
+    capsys.readouterr()
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / "a_file" / "sub"))
+    assert main([root, "--device", "cpu"]) == 5
+    out, err = capsys.readouterr()
+    assert "1 entries: 0 ok, 0 mismatch, 1 error" in out and "run_op_from_data: cannot write " in err
+
+
 def test_an_autocompare_failure_folder_is_replayed_from_its_device_side(captured_step, tmp_path, sim):
     """OpAutoCompare's layout <op>/<pid>/autocompare/<forward_id>/<time>/{device,cpu}/: the device side replays."""
     source = find_entries(os.path.join(captured_step, "torch.nn.functional.linear"))[0].directory
@@ -205,7 +223,7 @@ def test_an_autocompare_failure_folder_is_replayed_from_its_device_side(captured
     import ditorch.sim
 
     with ditorch.sim.faults("mm:noise=1e-3"):
-        assert main([str(tmp_path / "captures"), "--device", sim, "--acc_check"]) == 1
+        assert main([str(tmp_path / "captures"), "--device", sim, "--acc_check"]) == 3
     assert _summary(tmp_path)[0]["status"] == "mismatch"
 
 
@@ -248,7 +266,7 @@ def test_replay_of_a_real_autocompare_failure_reproduces_it_only_with_the_fault(
     (entry,) = [e for e in find_entries(folder) if e.kind == "autocompare"]
     monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / "results"))
     with ditorch.sim.faults("mm:noise=1e-3"):
-        assert main([entry.directory, "--device", sim, "--acc_check"]) == 1
+        assert main([entry.directory, "--device", sim, "--acc_check"]) == 3
     assert _summary(tmp_path)[0]["status"] == "mismatch"
     shutil.rmtree(tmp_path / "results")
     main([entry.directory, "--device", sim, "--acc_check"])
@@ -313,7 +331,8 @@ def test_a_reference_that_raises_is_its_own_status_not_a_mismatch(tmp_path, sim,
     call.mkdir(parents=True)
     torch.save({"name": "fusedpkg.fused_gelu", "args": (torch.randn(4, 8),), "kwargs": {}, "identifier": "input"},
                call / "input.pth")
-    assert main([str(tmp_path / "captures"), "--device", sim, "--acc_check", "--allow_module", "fusedpkg"]) == 1
+    # incomplete: the device ran it, nothing to check it against
+    assert main([str(tmp_path / "captures"), "--device", sim, "--acc_check", "--allow_module", "fusedpkg"]) == 4
     (row,) = _summary(tmp_path)
     assert row["status"] == "reference error" and row["checks"] == ""
     assert "the CPU reference raised RuntimeError: fused_gelu: no CPU kernel" in row["detail"]
@@ -381,9 +400,9 @@ def test_failures_only_shows_the_mismatch_of_a_whole_step_and_counts_the_ok_entr
     entries = find_entries(captured_step)
     total = len(entries)
     with ditorch.sim.faults("silu:noise=1e-3"):
-        assert main([captured_step, "--device", sim, "--acc_check"]) == 1
+        assert main([captured_step, "--device", sim, "--acc_check"]) == 3
         everything = capsys.readouterr().out
-        assert main([captured_step, "--device", sim, "--acc_check", "--failures-only"]) == 1
+        assert main([captured_step, "--device", sim, "--acc_check", "--failures-only"]) == 3
     out = capsys.readouterr().out
     assert len(_table_rows(everything)) == total  # without the option: a row per entry
     (row,) = _table_rows(out)
@@ -407,7 +426,7 @@ def test_failures_only_never_hides_an_error_or_a_call_not_checked_and_step_is_ap
                f"{_entry(root, 'torch.matmul', '3', 't')}/input.pth")
     torch.save({"name": "torch.nn.functional.dropout", "args": (torch.ones(4, 4), 0.5, True), "kwargs": {},
                 "step": 2}, f"{_entry(root, 'torch.nn.functional.dropout', '4', 't')}/input.pth")
-    assert main([root, "--device", "cpu", "--acc_check", "--failures-only", "--report", "md"]) == 1
+    assert main([root, "--device", "cpu", "--acc_check", "--failures-only", "--report", "md"]) == 3  # matmul raised
     out = capsys.readouterr().out
     (error, not_checked) = _table_rows(out)
     assert error[0] == "torch.matmul" and error[2] == "error" and error[-1] == "1"
@@ -423,7 +442,7 @@ def test_failures_only_never_hides_an_error_or_a_call_not_checked_and_step_is_ap
     assert "| detail | entry | step |" in report.read_text()
     # without --acc_check nothing was asked to be checked: only the error is shown; the per-run times have the step
     shutil.rmtree(tmp_path / "results")
-    assert main([root, "--device", "cpu", "--failures-only", "--sync_time_measure"]) == 1
+    assert main([root, "--device", "cpu", "--failures-only", "--sync_time_measure"]) == 3
     out = capsys.readouterr().out
     assert [row[0] for row in _table_rows(out)] == ["torch.matmul"]
     assert "--failures-only: 3 ok entries not shown" in out

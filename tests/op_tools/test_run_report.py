@@ -1,6 +1,7 @@
 """``python -m op_tools.report``, on 2-rank DDP runs of a tiny Llama on sim (torchrun): the rank where a fault is born,
 the rank that received it through DDP's gradient all-reduce, a replica desync named by step and parameter, the time
-skew between ranks; a clean run is clean; the HTML view in a real browser; unreadable folders exit 2."""
+skew between ranks; a clean run is clean; the HTML view in a real browser; what is found exits 3, unreadable folders
+exit 2."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def test_a_nan_born_on_rank_1_is_named_there_and_received_by_rank_0_through_the_
     assert overflow[0].startswith(f"first inf/nan received from another rank (this rank sent finite values): {BUCKET}")
     assert overflow[1].startswith(f"first inf/nan from finite inputs: {SILU}")
     done = report(out / "nan")
-    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.returncode == 3, done.stdout + done.stderr
     assert f"  rank 1: went wrong at step 1: inf/nan in {SILU}, found by OpOverflowCheck\n" in done.stdout
     assert (f"  rank 0: received it from rank 1 through {BUCKET} at step 1; OpOverflowCheck saw the inf/nan arrive "
             "there (backward)\n") in done.stdout
@@ -78,7 +79,7 @@ def test_noise_on_rank_1_is_found_there_and_rank_0_is_marked_as_having_received_
     found = [v["noise"]["OpAutoCompare"]["verdict"] for v in verdicts(out)]
     assert found == ["clean", "found"]  # rank 0's own calls, the all-reduce included, are all correct
     done = report(out / "noise")
-    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.returncode == 3, done.stdout + done.stderr
     assert f"  rank 1: went wrong at step 1: mismatch in {SILU}, found by OpAutoCompare (output[0]: error" \
         in done.stdout
     assert f"  rank 0: received it from rank 1 through {BUCKET} at step 1; no anomaly of its own\n" in done.stdout
@@ -86,7 +87,7 @@ def test_noise_on_rank_1_is_found_there_and_rank_0_is_marked_as_having_received_
 
 def test_a_parameter_nudged_on_one_rank_is_named_with_the_step_the_replicas_stopped_agreeing(out):
     done = report(out / "desync")
-    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.returncode == 3, done.stdout + done.stderr
     assert ("replicas: disagree from step 1 (before its optimizer update): parameter "
             "model.layers.0.mlp.up_proj.weight differs, rank 0 vs rank 1\n") in done.stdout
 
@@ -102,7 +103,7 @@ def test_the_slowest_rank_and_where_its_time_goes_per_step(out):
 @needs_browser
 def test_the_html_view_shows_each_rank_the_replicas_and_the_skew(out, tmp_path):
     for scenario in ("nan", "desync"):
-        assert report(out / scenario).returncode == 1
+        assert report(out / scenario).returncode == 3
     page = out / "nan" / "op_run_report" / "report.html"
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", page.read_text())  # nothing fetched from elsewhere
     dom = dump_dom(chromium(), str(page), "", str(tmp_path / "profile"))
@@ -128,7 +129,7 @@ def test_a_damaged_file_is_named_and_the_rest_still_read(out, tmp_path):
     shutil.copytree(out / "nan", tmp_path / "nan")
     (tmp_path / "nan" / "op_overflow_check_result" / "rank1" / "overflow_damaged.json").write_text("{")
     done = report(tmp_path / "nan")
-    assert done.returncode == 1
+    assert done.returncode == 3
     assert "NOT READ: " in done.stdout and "overflow_damaged.json: JSONDecodeError" in done.stdout
 
 
@@ -191,9 +192,9 @@ def monitor_run(tmp_path):
     return tmp_path
 
 
-def test_monitor_anomalies_alone_name_the_rank_step_and_module_where_it_went_wrong_and_exit_1(monitor_run):
+def test_monitor_anomalies_alone_name_the_rank_step_and_module_where_it_went_wrong_and_exit_3(monitor_run):
     done = report(monitor_run)
-    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.returncode == 3, done.stdout + done.stderr
     origin = f"rank 1: went wrong at step 3: nonfinite in {ACT_FN} (forward), found by TrainingMonitor (value nan)"
     assert f"\n  {origin}\n" in done.stdout
     # rank 0's clock says first, but its non-finite came in a later phase of the same step: received
@@ -210,9 +211,25 @@ def test_monitor_anomalies_alone_name_the_rank_step_and_module_where_it_went_wro
         ("loss_scale_dropping", "0", "5", "", "optimizer", "128.0", "loss scale dropping at s")]
 
 
+def test_in_process_the_report_exits_3_found_5_files_not_written_1_its_own_failure(monitor_run, capsys):
+    from unittest import mock
+
+    from op_tools.offline.run_report import main
+
+    assert main([str(monitor_run)]) == 3
+    (monitor_run / "a_file").write_text("")  # a file where a folder should be: unwritable even for root
+    capsys.readouterr()
+    assert main([str(monitor_run), "--csv", str(monitor_run / "a_file" / "report.csv")]) == 5
+    out, err = capsys.readouterr()
+    assert "what went wrong first: rank 1" in out and err.startswith("op_tools.report: cannot write the report: ")
+    with mock.patch("op_tools.offline.run_report.cli.analyse", side_effect=RuntimeError("a bug")):
+        assert main([str(monitor_run)]) == 1  # the status of a crash, not a verdict
+    assert "nothing concluded" in capsys.readouterr().err
+
+
 @needs_browser
 def test_the_html_view_lists_the_monitor_anomalies(monitor_run, tmp_path):
-    assert report(monitor_run).returncode == 1
+    assert report(monitor_run).returncode == 3
     dom = dump_dom(chromium(), str(monitor_run / "op_run_report" / "report.html"), "", str(tmp_path / "profile"))
     assert (f'<tr class="anomaly nonfinite"><td>nonfinite</td><td>1</td><td>3</td><td>{ACT_FN}</td>'
             f'<td>forward</td><td>nan</td><td>first non-finite at step 3: activation of {ACT_FN} norm = nan</td>'
@@ -234,7 +251,7 @@ def test_a_malformed_monitor_line_is_named_with_its_file_and_nothing_is_conclude
         f.write('{"rank": null, "time": 2.0, "rule": "nonfinite", "step": 1, "module": "", "phase": "optimiser", '
                 '"value": NaN, "message": "loss = nan"}\n')
     done = report(tmp_path)
-    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.returncode == 4, done.stdout + done.stderr  # incomplete: nothing found, not everything read
     assert f"NOT READ: {path}: ValueError: line 2: ValueError: phase is 'optimiser', not one of forward, " \
         "backward, optimizer\n" in done.stdout
     assert done.stdout.splitlines()[-2] == ("nothing concluded: no anomaly in what the tools wrote on 1 rank, but "
@@ -247,7 +264,7 @@ def test_a_partial_anomalies_file_of_a_run_that_died_reads_its_complete_lines(tm
     loss = _anomaly(None, 2, 5.0, "nonfinite", "", "optimizer", float("nan"), "loss = nan", statistic="loss")
     (folder / f"anomalies_{SESSION}.jsonl.partial").write_text(json.dumps(loss) + '\n{"rank": null, "ti')
     done = report(tmp_path)
-    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.returncode == 3, done.stdout + done.stderr
     assert "what went wrong first: rank 0: went wrong at step 2: nonfinite in the step (optimizer), found by " \
         "TrainingMonitor (value nan)\n" in done.stdout
 

@@ -9,11 +9,11 @@ against a tolerance that knows the dtypes and the depth (verdict.py), and the re
 in forward and in backward, the first structural difference, and per module the largest differences: on the
 console, in a CSV, and in a single-file HTML side-by-side view. Every aligned pair is compared (agreeing or
 diverged) or not compared, with its reason (a call a run could not record the statistics of); damaged lines of a
-recording are counted as calls not compared. Exit status: 0 when every aligned pair was compared and none
-diverges, 1 when one diverges, 2 when a recording cannot be read or the arguments are wrong, 4 when none diverges
-but some calls were not compared (the report's last lines, WARNING, say how many, the first and why), 5 when the
-CSV or the HTML view cannot be written (a one-line message names the folder and the option or variable that chose
-it).
+recording are counted as calls not compared. Exit status (``op_tools.output.exit_status``): 0 when every aligned
+pair was compared and none diverges, 3 when one diverges, 2 when a recording cannot be read or the arguments are
+wrong, 4 when none diverges but some calls were not compared (the report's last lines, WARNING, say how many, the
+first and why), 5 when the CSV or the HTML view cannot be written (a one-line message names the folder and the
+option or variable that chose it), 1 when compare_runs itself failed.
 """
 
 from .comparison import Comparison, Tolerances, compare

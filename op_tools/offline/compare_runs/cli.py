@@ -1,4 +1,4 @@
-"""The command line of compare_runs: read, compare, print, save the CSV and the HTML view, exit 0/1/2/4/5."""
+"""The command line of compare_runs: read, compare, print, save the CSV and the HTML view, exit 0/3/4/2/5/1."""
 
 from __future__ import annotations
 
@@ -10,27 +10,22 @@ import traceback
 
 from ...config.variables import CommonConfig
 from ...output import reporting, result_files
+from ...output.exit_status import ExitStatus, status_of, worst
 from ...output.run_recording import RecordingFormatError, recording_ranks
 from .comparison import compare
 from .html_view import render
 from .report import console_report, csv_rows
-
-# Comparison.verdict() -> exit status; 2 is an unreadable recording or a usage error (as argparse's own), 5 an
-# output that cannot be written: a status of its own, so that a script tells "fix the path" from "diverged".
-EXIT_STATUS = {"clean": 0, "found": 1, "unchecked": 4}
-EXIT_UNREADABLE = 2
-EXIT_UNWRITABLE = 5
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m op_tools.compare_runs",
         description="Align two run recordings (OP_CAPTURE_MODE=stats) and report where they first diverge. "
-                    "Exit status: 0 every aligned pair compared and none diverges, 1 a divergence, 2 an unreadable "
+                    "Exit status: 0 every aligned pair compared and none diverges, 3 a divergence, 2 an unreadable "
                     "recording or a usage error, 4 no divergence but some calls not compared (a call a run could "
                     "not record, damaged lines, a failure of this tool), 5 the CSV or the HTML view cannot be "
                     "written (--csv, --html or OP_TOOLS_RESULTS_DIR names a folder this process cannot write; "
-                    "checked before comparing).")
+                    "checked before comparing), 1 compare_runs itself failed.")
     parser.add_argument("run_a", help="recording of run A: a run_*.jsonl file, or a folder holding one")
     parser.add_argument("run_b", help="recording of run B, likewise")
     parser.add_argument("--rank", type=int, help="under torchrun: compare the recordings of this rank (rank<N>/); "
@@ -47,7 +42,7 @@ def main(argv=None) -> int:
     unwritable = _unwritable_output(args)
     if unwritable:
         print(f"compare_runs: {unwritable}", file=sys.stderr)
-        return EXIT_UNWRITABLE
+        return ExitStatus.NOT_WRITTEN
     if args.rank is None and args.rank_b is None:
         ranks_a, ranks_b = recording_ranks(args.run_a), recording_ranks(args.run_b)
         if len(ranks_a) > 1 or len(ranks_b) > 1:
@@ -90,17 +85,17 @@ def _cannot_write(what: str, path: str, args, error: OSError) -> str:
 
 
 def _compare_one(args, rank: int | None, rank_b: int | None, csv_path: str | None, html_path: str | None,
-                 title: str = "") -> int:
+                 title: str = "") -> ExitStatus:
     try:
         result = compare(args.run_a, args.run_b, rank=rank, rank_b=rank_b)
     except (RecordingFormatError, ValueError, OSError) as e:
         print(f"compare_runs: {title}{e}", file=sys.stderr)
-        return EXIT_UNREADABLE
-    except Exception:  # a failure of this tool: nothing was compared, which is no divergence found (exit 1)
+        return ExitStatus.USAGE
+    except Exception:  # a failure of this tool: nothing compared, no verdict; the status of a crash
         traceback.print_exc()
         print(f"compare_runs: {title}the comparison failed (a bug of compare_runs): nothing compared",
               file=sys.stderr)
-        return EXIT_STATUS["unchecked"]
+        return ExitStatus.RAISED
     stem = os.path.join(_results_folder(), f"compare_{result_files.session_stem()}")
     suffix = "" if rank is None else f"_rank{rank}" + ("" if rank_b is None else f"_rank{rank_b}")
     csv_path = csv_path or stem + suffix + ".csv"
@@ -115,20 +110,21 @@ def _compare_one(args, rank: int | None, rank_b: int | None, csv_path: str | Non
         reporting.console(title + console_report(result, saved))  # the verdict, though a file is missing
         what, path = ("the HTML view", html_path) if saved else ("the CSV", csv_path)
         print(f"compare_runs: {title}{_cannot_write(what, path, args, e)}", file=sys.stderr)
-        return EXIT_UNWRITABLE
+        return ExitStatus.NOT_WRITTEN
     reporting.console(title + console_report(result, saved))
-    return EXIT_STATUS[result.verdict()]
+    return status_of(result.verdict())
 
 
 def _rank_by_rank(args, ranks_a: list[int], ranks_b: list[int]) -> int:
-    """Two runs' folders of per-rank recordings, compared rank by rank; the exit status is the worst rank's (a
-    divergence, then an unreadable or missing rank, then files not written, then calls not compared)."""
-    statuses = {}
+    """Two runs' folders of per-rank recordings, compared rank by rank; the exit status is the worst rank's
+    (``exit_status.worst``: a divergence, then a failure of compare_runs, an unreadable or missing rank, files not
+    written, then calls not compared)."""
+    statuses: dict[int, ExitStatus] = {}
     for rank in sorted(set(ranks_a) | set(ranks_b)):
         if rank not in ranks_a or rank not in ranks_b:
             missing = "A" if rank not in ranks_a else "B"
             print(f"compare_runs: rank {rank}: run {missing} has no recording for it", file=sys.stderr)
-            statuses[rank] = EXIT_UNREADABLE
+            statuses[rank] = ExitStatus.USAGE
             continue
         csv_path = html_path = None
         if args.csv:
@@ -136,14 +132,12 @@ def _rank_by_rank(args, ranks_a: list[int], ranks_b: list[int]) -> int:
         if args.html:
             html_path = f"{os.path.splitext(args.html)[0]}_rank{rank}.html"
         statuses[rank] = _compare_one(args, rank, None, csv_path, html_path, title=f"rank {rank}: ")
-    worst = next((status for status in RANK_ORDER if status in statuses.values()), EXIT_STATUS["clean"])
     verdicts = ", ".join(f"rank {rank} {STATUS_WORDS[status]}" for rank, status in statuses.items())
     reporting.console(f"compare_runs: {len(statuses)} ranks compared rank by rank: {verdicts}")
-    return worst
+    return worst(statuses.values())
 
 
-# The worst first: what a whole run's exit status is when its ranks differ.
-RANK_ORDER = (EXIT_STATUS["found"], EXIT_UNREADABLE, EXIT_UNWRITABLE, EXIT_STATUS["unchecked"],
-              EXIT_STATUS["clean"])
-STATUS_WORDS = {EXIT_STATUS["found"]: "diverged", EXIT_UNREADABLE: "unreadable", EXIT_UNWRITABLE: "files not written",
-                EXIT_STATUS["unchecked"]: "not fully compared", EXIT_STATUS["clean"]: "agree"}
+# A rank's status as the closing line says it.
+STATUS_WORDS = {ExitStatus.FOUND: "diverged", ExitStatus.RAISED: "comparison failed", ExitStatus.USAGE: "unreadable",
+                ExitStatus.NOT_WRITTEN: "files not written", ExitStatus.INCOMPLETE: "not fully compared",
+                ExitStatus.CLEAN: "agree"}

@@ -66,7 +66,7 @@ class Comparison:
 
     def verdict(self) -> str:
         """``"found"`` (a pair diverges), ``"unchecked"`` (none does, but some calls were not compared: pairs
-        without statistics, damaged lines) or ``"clean"``; the command's exit status (``cli.EXIT_STATUS``)."""
+        without statistics, damaged lines) or ``"clean"``; the command's exit status (``exit_status.status_of``)."""
         if self.divergences:
             return "found"
         return "unchecked" if self.not_compared or self.unreadable() else "clean"

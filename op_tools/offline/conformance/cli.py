@@ -3,10 +3,11 @@
 Runs the sample inputs of PyTorch's OpInfos on the device and on the CPU, forward and backward, and gives
 each op x dtype x direction one status (pass, mismatch, unsupported, crash, unchecked, skipped) by
 OpAutoCompare's verdict. Writes ``results.jsonl``, ``conformance.csv`` and ``conformance.html`` in the output
-folder and prints the pass rate per dtype and the failing ops. Exit status: 0 when every row that ran was
-checked and passed, 1 when a row failed (mismatch, unsupported, crash: the op killed or hung its worker), 4 when
-none failed but some were not checked (unchecked: no CPU reference, the tool failed, the sweep stopped), 2 for bad
-usage, 130 when interrupted (``--resume`` continues).
+folder and prints the pass rate per dtype and the failing ops. Exit status (``op_tools.output.exit_status``): 0
+when every row that ran was checked and passed, 3 when a row failed (mismatch, unsupported, crash: the op killed or
+hung its worker), 4 when none failed but some were not checked (unchecked: no CPU reference, the tool failed, the
+sweep stopped), 2 for bad usage, 5 when the reports cannot be written, 130 when interrupted (``--resume``
+continues).
 
     python -m op_tools.conformance --device sim --ops 'nn.functional.*' --dtypes float32   # sim: its setup implied
     DITORCH_BACKEND=sim python -m op_tools.conformance --ops 'nn.functional.*' --dtypes float32,bfloat16
@@ -30,6 +31,7 @@ import torch
 from ...config.variables import CommonConfig
 from ...numerics.comparison import ToleranceSpec
 from ...output import reporting, result_files
+from ...output.exit_status import ExitStatus, status_of
 from . import html, known_gaps, report
 from .case import CaseOptions
 from .opinfos import DEFAULT_DTYPES, OpEntry, parse_dtypes, select
@@ -47,7 +49,6 @@ from .results import (
 from .workers import SweepError, Task, TaskResult, WorkerConfig, WorkerPool, run_setup
 
 RESULTS_FOLDER = "op_conformance_result"
-EXIT_STATUS = {"clean": 0, "found": 1, "unchecked": 4}  # report.verdict(rows) -> exit status; 2 usage, 130 Ctrl-C
 DEFAULT_TIMEOUT = 300.0
 _DEVICE_LAYER_ENV = re.compile(r"^DITORCH_\w+$")  # the device layer's variables: they shape a replay too
 _REPRODUCE_ENV = re.compile(r"^(DITORCH_\w+|(\w+_)?AUTOCOMPARE_ERROR_TOLERANCE\w*)$")
@@ -64,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m op_tools.conformance",
         description="Run PyTorch's OpInfo sample inputs on a device and on the CPU; report, per op, dtype and "
                     "direction, whether the device gets them right (OpAutoCompare's verdict). Exit status: 0 every "
-                    "row that ran was checked and passed, 1 a row failed (mismatch, unsupported, crash), 4 none "
-                    "failed but some were not checked (unchecked), 2 bad usage, 130 interrupted.")
+                    "row that ran was checked and passed, 3 a row failed (mismatch, unsupported, crash), 4 none "
+                    "failed but some were not checked (unchecked), 2 bad usage, 5 the reports cannot be written, "
+                    "130 interrupted.")
     parser.add_argument("--device", help=f"the device to test (sim, cuda, npu, ...); default: {BACKEND_VARIABLE} "
                                          f"where it names {', '.join(DEVICE_SETUPS)}, else the accelerator "
                                          "torch.accelerator reports")
@@ -127,7 +129,7 @@ class Settings:
 
 
 class UsageError(ValueError):
-    """A bad command line or environment; printed with the program's name, exit status 2."""
+    """A bad command line or environment; printed with the program's name, exit status 2 (``ExitStatus.USAGE``)."""
 
 
 def _ops(values: list[str] | None) -> list[str] | None:
@@ -330,10 +332,19 @@ def _progress(pool: WorkerPool, todo: list[Task], options: CaseOptions, device: 
             bar.close()
 
 
+class ReportsNotWrittenError(Exception):
+    """The CSV or the HTML report could not be written: exit status 5 (``ExitStatus.NOT_WRITTEN``)."""
+
+
 def write_reports(rows: list[Row], folder: str, title: str, other: list[Row] | None, other_label: str) -> str:
     known_gaps.mark(rows)
-    write_csv(os.path.join(folder, CSV_FILE), rows)
-    result_files.write_text(os.path.join(folder, HTML_FILE), html.render(rows, title, other, other_label))
+    try:
+        write_csv(os.path.join(folder, CSV_FILE), rows)
+        result_files.write_text(os.path.join(folder, HTML_FILE), html.render(rows, title, other, other_label))
+    except OSError as e:  # 5, not a traceback: the rows were read or run, only their reports are missing
+        raise ReportsNotWrittenError(f"cannot write the reports in {folder}: {type(e).__name__}: {e.strerror or e}; "
+                                f"--report RUN --output DIR writes them elsewhere from the run's {RESULTS_FILE}"
+                                ) from None
     text = report.summary(rows, title, other, other_label,
                           (f"CSV: {os.path.join(folder, CSV_FILE)}", f"HTML: {os.path.join(folder, HTML_FILE)}"))
     reporting.console(text)
@@ -371,15 +382,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _main(args)
-    except UsageError as e:
+    except (UsageError, SweepError, ValueError) as e:
         print(f"conformance: {e}", file=sys.stderr)
-        return 2
-    except (SweepError, ValueError) as e:
+        return ExitStatus.USAGE
+    except ReportsNotWrittenError as e:
         print(f"conformance: {e}", file=sys.stderr)
-        return 2
+        return ExitStatus.NOT_WRITTEN
     except KeyboardInterrupt:  # before the sweep began, or while its reports were written
         print("conformance: interrupted", file=sys.stderr)
-        return 130
+        return ExitStatus.INTERRUPTED
 
 
 def _main(args) -> int:
@@ -393,7 +404,7 @@ def _main(args) -> int:
         rows = read_rows(args.report)
         folder = args.output or os.path.dirname(find_results_file(args.report)) or "."
         write_reports(rows, folder, _title(rows[0].device if rows else "?"), other, other_label)
-        return EXIT_STATUS[report.verdict(rows)]
+        return status_of(report.verdict(rows))
     resumed = None
     if args.resume:
         path = find_results_file(args.resume)
@@ -418,8 +429,8 @@ def _main(args) -> int:
         _print_sample(rows, details, settings.device)
     if interrupted:
         reporting.console(f"interrupted: continue with --resume {folder}")
-        return 130
-    return EXIT_STATUS[report.verdict(rows)]
+        return ExitStatus.INTERRUPTED
+    return status_of(report.verdict(rows))
 
 
 def _list(settings: Settings) -> int:

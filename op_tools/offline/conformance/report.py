@@ -23,7 +23,7 @@ _DETAIL_WIDTH = 110
 
 def verdict(rows: list[Row]) -> str:
     """``"found"`` (a row failed), ``"unchecked"`` (none failed, some were not checked) or ``"clean"``: the exit
-    status of the command (``cli.EXIT_STATUS``)."""
+    status of the command (``exit_status.status_of``)."""
     statuses = {r.status for r in rows}
     if statuses & set(FAILED):
         return "found"

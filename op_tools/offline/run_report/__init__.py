@@ -3,9 +3,9 @@
 It reads what every tool wrote on every rank (readers.py), tells the rank where a fault was born from the ranks
 that received it through a collective, compares the replicas' fingerprints step by step, and shows the time skew
 between ranks (analysis.py); on the console, in a CSV and in a single-file HTML view. TrainingMonitor's anomalies
-count as anomalies and have their own section. Exit status: 0 no anomaly in what the tools wrote, 1 an anomaly or a
-replica desync, 2 the folder cannot be read (or a file in it, and no anomaly in the rest), 3 the report itself
-failed.
+count as anomalies and have their own section. Exit status (``op_tools.output.exit_status``): 0 no anomaly in what
+the tools wrote, 3 an anomaly or a replica desync, 4 no anomaly but a file could not be read, 2 the folder cannot be
+read, 5 the report could not be written, 1 the report itself failed.
 
 >>> report = analyse(read_results("op_tools_results"))
 >>> report.first.text()

@@ -9,16 +9,13 @@ import sys
 import traceback
 
 from ...output import reporting, result_files
+from ...output.exit_status import ExitStatus, status_of
 from .. import monitor_page
 from .analysis import analyse
 from .html_view import render
 from .readers import ResultsError, read_results
 from .report import console_report, csv_rows
 
-EXIT_UNREADABLE = 2  # the folder cannot be read, or the arguments are wrong (as argparse's own)
-# a file that could not be read, with no anomaly in the rest: unread, nothing concluded (an anomaly found stands)
-EXIT_STATUS = {"clean": 0, "found": 1, "unread": EXIT_UNREADABLE}
-EXIT_FAILED = 3  # this tool failed: nothing is concluded
 OUTPUT_FOLDER = "op_run_report"
 
 
@@ -28,9 +25,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Read what every op_tools tool wrote on every rank of a run and say what went wrong first (which "
                     "rank, step, op, module and phase), which ranks only received it (and through which "
                     "collective), whether the data-parallel replicas agreed after each step, and the time skew "
-                    "between ranks. Exit status: 0 no anomaly in what the tools wrote, 1 an anomaly or a replica "
-                    "desync, 2 the folder cannot be read, or some file in it and no anomaly in the rest (or a usage "
-                    "error), 3 the report itself failed.")
+                    "between ranks. Exit status: 0 no anomaly in what the tools wrote, 3 an anomaly or a replica "
+                    "desync, 4 no anomaly but some file could not be read (nothing concluded), 2 the folder cannot "
+                    "be read (or a usage error), 5 the report could not be written, 1 the report itself failed.")
     parser.add_argument("results_dir", help="the run's OP_TOOLS_RESULTS_DIR (holding op_overflow_check_result/, "
                         "op_autocompare_result/, op_time_measure_result/, op_replica_fingerprints/, "
                         "op_training_monitor/)")
@@ -45,23 +42,24 @@ def main(argv=None) -> int:
         report = analyse(read_results(args.results_dir))
     except ResultsError as e:
         print(f"op_tools.report: {e}", file=sys.stderr)
-        return EXIT_UNREADABLE
-    except Exception:  # a failure of this tool: no verdict, neither clean nor found
+        return ExitStatus.USAGE
+    except Exception:  # a failure of this tool: no verdict, neither clean nor found; the status of a crash
         traceback.print_exc()
         print("op_tools.report: the report failed (a bug of op_tools.report): nothing concluded", file=sys.stderr)
-        return EXIT_FAILED
+        return ExitStatus.RAISED
     csv_path = args.csv or os.path.join(args.results_dir, OUTPUT_FOLDER, "report.csv")
     html_path = args.html or os.path.splitext(csv_path)[0] + ".html"
     try:
         result_files.write_csv(csv_path, csv_rows(report))
         result_files.write_text(html_path, render(report))
     except OSError as e:
+        reporting.console(console_report(report))  # the verdict still, though its files are missing
         print(f"op_tools.report: cannot write the report: {type(e).__name__}: {e.strerror or e} ({e.filename})",
               file=sys.stderr)
-        return EXIT_UNREADABLE
+        return ExitStatus.NOT_WRITTEN
     written = [csv_path, html_path, *_monitor_page(args.results_dir)]
     reporting.console(console_report(report) + f"\nwritten: {', '.join(written)}")
-    return EXIT_STATUS[report.verdict()]
+    return status_of(report.verdict())
 
 
 def _monitor_page(results_dir: str) -> list[str]:

@@ -1,6 +1,6 @@
 """The conformance account: each row compared (pass, mismatch), raised on the device (unsupported), not checked
 (crash, unchecked) or skipped; "every op that ran passed" only when every row that ran was checked; exit 0 clean,
-1 a row failed, 4 none failed but some were not checked."""
+3 a row failed, 4 none failed but some were not checked, 5 the reports not written."""
 
 from __future__ import annotations
 
@@ -59,13 +59,23 @@ def test_the_summary_says_every_op_passed_only_when_every_row_that_ran_was_check
     assert [report.verdict(rows) for rows in (clean, unchecked, found)] == ["clean", "unchecked", "found"]
 
 
-@pytest.mark.parametrize(("statuses", "status"), [(("pass", "skipped"), 0), (("pass", "crash"), 1),
-                                                   (("pass", "unchecked"), 4), (("crash", "mismatch"), 1)])
+@pytest.mark.parametrize(("statuses", "status"), [(("pass", "skipped"), 0), (("pass", "crash"), 3),
+                                                   (("pass", "unchecked"), 4), (("crash", "mismatch"), 3)])
 def test_the_exit_status_tells_clean_from_failed_from_not_checked(tmp_path, statuses, status):
     results = ResultsFile(str(tmp_path / RESULTS_FILE))
     results.start({"device": "sim"})
     results.append([_row(f"op{i}", s) for i, s in enumerate(statuses)])
     assert cli.main(["--report", str(tmp_path)]) == status
+
+
+def test_reports_that_cannot_be_written_exit_5_naming_the_folder(tmp_path, capsys):
+    results = ResultsFile(str(tmp_path / RESULTS_FILE))
+    results.start({"device": "sim"})
+    results.append([_row("abs", "mismatch")])
+    (tmp_path / "a_file").write_text("")  # a file where a folder should be: unwritable even for root
+    blocked = tmp_path / "a_file" / "sub"
+    assert cli.main(["--report", str(tmp_path), "--output", str(blocked)]) == 5
+    assert capsys.readouterr().err.startswith(f"conformance: cannot write the reports in {blocked}: ")
 
 
 def test_a_failure_of_the_tool_on_an_op_is_unchecked_not_a_crash(tmp_path):
@@ -80,12 +90,12 @@ def test_a_failure_of_the_tool_on_an_op_is_unchecked_not_a_crash(tmp_path):
     assert [r.status for r in cli.crash_rows(result, settings, gradients=True)] == ["unchecked", "unchecked"]
 
 
-def test_a_sweep_whose_device_is_gone_reports_what_ran_and_what_did_not_and_exits_1(tmp_path):
+def test_a_sweep_whose_device_is_gone_reports_what_ran_and_what_did_not_and_exits_3(tmp_path):
     # abs passes; neg kills its worker and leaves the device gone; sin never runs: no worker starts any more
     result = run("--device", "sim", "--setup", "conformance_setups:sim_gone_after_neg", "--ops", "abs,neg,sin",
                  "--dtypes", "float32", "--output", str(tmp_path / "run"),
                  env={"CONFORMANCE_TEST_GONE": str(tmp_path / "gone")}, cwd=str(tmp_path))
-    assert result.returncode == 1, explain(result)  # the crash is found; the ops not run are not checked
+    assert result.returncode == 3, explain(result)  # the crash is found; the ops not run are not checked
     rows = {(r.op, r.direction): r for r in read_csv(os.path.join(tmp_path, "run", CSV_FILE))}
     assert {key: r.status for key, r in rows.items()} == {
         ("abs", "forward"): "pass", ("abs", "backward"): "pass", ("neg", "forward"): "crash",
