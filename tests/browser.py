@@ -6,7 +6,9 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import struct
 import subprocess
+import zlib
 
 import pytest
 
@@ -57,3 +59,51 @@ def dump_dom(browser: str, page: str, fragment: str, profile: str) -> str:
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout
+
+
+def screenshot(browser: str, page: str, out: str, profile: str, size: tuple[int, int] = (1400, 1000)) -> str:
+    """A PNG of the page as a ``size`` window shows it once its scripts ran, written to ``out`` and copied to
+    ``$OP_TOOLS_TEST_ARTEFACTS`` when set (where CI keeps what a test run leaves to look at); ``out``."""
+    result = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}",
+                             "--hide-scrollbars", f"--window-size={size[0]},{size[1]}", "--virtual-time-budget=5000",
+                             f"--screenshot={out}", "file://" + os.path.abspath(page)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and os.path.getsize(out) > 0, result.stderr[-2000:]
+    artefacts = os.environ.get("OP_TOOLS_TEST_ARTEFACTS")
+    if artefacts:
+        os.makedirs(artefacts, exist_ok=True)
+        shutil.copy(out, os.path.join(artefacts, os.path.basename(out)))
+    return out
+
+
+def top_rows(png: str, count: int) -> list[list[tuple[int, int, int]]]:
+    """The RGB pixels of a screenshot's first ``count`` rows (8-bit RGB or RGBA PNG, as chromium writes), read
+    without an image library: enough to tell what the window shows at its top."""
+    with open(png, "rb") as f:
+        blob = f.read()
+    assert blob[:8] == b"\x89PNG\r\n\x1a\n", f"{png}: not a PNG"
+    at, header, idat = 8, b"", b""
+    while at < len(blob):
+        length, kind = struct.unpack(">I4s", blob[at:at + 8])
+        if kind == b"IHDR":
+            header = blob[at + 8:at + 8 + length]
+        elif kind == b"IDAT":
+            idat += blob[at + 8:at + 8 + length]
+        at += 12 + length
+    width, _, depth, colour = struct.unpack(">IIBB", header[:10])
+    assert depth == 8 and colour in (2, 6), f"{png}: {depth}-bit colour type {colour}"
+    size = 3 if colour == 2 else 4
+    stride = width * size
+    raw = zlib.decompressobj().decompress(idat, (stride + 1) * count)
+    rows, above = [], bytearray(stride)
+    for r in range(count):
+        kind, line = raw[r * (stride + 1)], bytearray(raw[r * (stride + 1) + 1:(r + 1) * (stride + 1)])
+        for i in range(stride):  # undo the row's filter (PNG spec, section 9)
+            left = line[i - size] if i >= size else 0
+            up, corner = above[i], above[i - size] if i >= size else 0
+            guess = left + up - corner
+            paeth = min((abs(guess - left), 0, left), (abs(guess - up), 1, up), (abs(guess - corner), 2, corner))[2]
+            line[i] = (line[i] + (0, left, up, (left + up) // 2, paeth)[kind]) & 0xFF
+        rows.append([tuple(line[x:x + 3]) for x in range(0, stride, size)])
+        above = line
+    return rows

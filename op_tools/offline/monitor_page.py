@@ -1,5 +1,7 @@
-"""TrainingMonitor's results as one self-contained HTML page: the step curves, a layer x step heatmap of gradient
-norms, the activation and output-gradient norms per module, the anomalies.
+"""TrainingMonitor's results as one self-contained HTML page: a banner that stays at the top of the window with the
+verdict and the first anomaly's rank, step, module and phase; the step curves (a statistic constant at every step
+is a sentence instead); a layer x step heatmap of gradient norms, red where a layer went non-finite; the activation
+and output-gradient norms per module; the anomalies.
 
 >>> path = write_monitor_page("op_tools_results/op_training_monitor")  # doctest: +SKIP
 >>> run = read_monitor("op_tools_results/op_training_monitor")  # doctest: +SKIP
@@ -34,7 +36,13 @@ CSV_COLUMNS = ("rank", "step", "time", "kind", "name", "statistic", "value")
 ANOMALY_KEYS = ("rank", "time", "rule", "step", "module", "phase", "value", "message")
 HEATMAP_COLUMNS = 200
 CURVE_POINTS = 300
+LOG_SCALE_DECADES = 1.5  # a chart's positive values spanning this many powers of ten: linear squashes the low end
 _STEP_CHARTS = ("loss", "global_grad_norm", "loss_scale", "step_time", "lr")  # their order on the page
+# each chart's y-axis title: the statistic, and its unit where it has one (norms, rates and the loss are numbers)
+_Y_TITLES = {"loss": "loss", "global_grad_norm": "gradient L2 norm", "loss_scale": "loss scale (factor)",
+             "step_time": "time per step (s)", "lr": "learning rate", "grad norm before reduction": "gradient L2 norm",
+             "activation": "output L2 norm", "output_grad": "output grad L2 norm"}
+NOT_NONFINITE, WENT_NONFINITE, STILL_NONFINITE = 0, 1, 2  # a heatmap cell's state
 _RANK_FOLDER = re.compile(r"rank(\d+)$")
 
 
@@ -272,6 +280,49 @@ def _series(label: str, points: list[tuple[int, float]]) -> dict:
     return {"label": label, "x": [s for s, _ in points], "y": [_number(v, 6) for _, v in points]}
 
 
+def log_scale(values: list[float]) -> bool:
+    """Whether a chart of ``values`` (all its lines') wants a log y axis: none negative, and the positive ones
+    spanning ``LOG_SCALE_DECADES`` powers of ten or more (a zero then sits on the axis's floor).
+
+    >>> log_scale([4.0, 0.2]), log_scale([4.0, 0.1]), log_scale([4.0, 0.0, 0.1]), log_scale([4.0, -1.0, 0.1])
+    (False, True, True, False)
+    """
+    finite = [v for v in values if math.isfinite(v)]
+    positive = [v for v in finite if v > 0]
+    if not positive or min(finite) < 0:
+        return False
+    return math.log10(max(positive) / min(positive)) >= LOG_SCALE_DECADES - 1e-9  # 10**1.5 itself, rounded either way
+
+
+def constant_value(points: list[tuple[int, float]]) -> float | None:
+    """The value of a line that holds one finite value at every step (a fixed learning rate), else None: such a
+    line says everything in one sentence, a chart would only draw it flat.
+
+    >>> constant_value([(0, 1e-3), (1, 1e-3)]), constant_value([(0, 1e-3), (1, 2e-3)]), constant_value([(0, math.nan)])
+    (0.001, None, None)
+    """
+    values = {v for _, v in points}
+    return values.pop() if len(values) == 1 and all(math.isfinite(v) for v in values) else None
+
+
+def _chart(chart_id: str, title: str, y_title: str, lines: list[tuple[str, list[tuple[int, float]]]],
+           wide: bool = False) -> dict:
+    series = [_series(label, points) for label, points in lines]
+    values = [v for _, points in lines for _, v in points]
+    return {"id": chart_id, "title": title, "y_title": y_title, "log": log_scale(values), "wide": wide,
+            "series": series}
+
+
+def _constant_lines(title: str, lines: list[tuple[str, list[tuple[int, float]]]]) -> list[str] | None:
+    """"lr: 0.001 at every step" for a chart whose every line is constant (one sentence per line), else None."""
+    values = [constant_value(points) for _, points in lines]
+    if any(v is None for v in values):
+        return None
+    several = len(lines) > 1  # a line's label tells lines apart, as a chart's legend shows only for several
+    return [f"{title}{f' ({label})' if label and several else ''}: {value:.6g} at every step"
+            for (label, _), value in zip(lines, values)]
+
+
 def _rank_label(rank: int | None) -> str:
     return "" if rank is None else f"rank {rank}"
 
@@ -286,8 +337,9 @@ def _line_label(rank: int | None, group: str, several_ranks: bool) -> str:
     return " ".join(part for part in (_rank_label(rank) if several_ranks else "", group) if part)
 
 
-def _step_charts(run: MonitorRun) -> list[dict]:
-    """A chart per step statistic (the ``lr/*`` of all groups in one), a line per rank (and group)."""
+def _step_charts(run: MonitorRun) -> tuple[list[dict], list[str]]:
+    """A chart per step statistic (the ``lr/*`` of all groups in one), a line per rank (and group); a statistic
+    constant on every line is a sentence instead ("lr: 0.001 at every step"). (charts, sentences)"""
     by_chart: dict[str, dict[tuple[int | None, str], list[tuple[int, float]]]] = {}
     for row in run.rows:
         if row.kind == "step":
@@ -302,14 +354,18 @@ def _step_charts(run: MonitorRun) -> list[dict]:
         by_chart["grad norm before reduction"] = {key: [(s, _norm(v)) for s, v in steps.items()]
                                                   for key, steps in per_step.items()}
     order = [c for c in _STEP_CHARTS if c in by_chart] + sorted(c for c in by_chart if c not in _STEP_CHARTS)
-    charts = []
+    charts, constants = [], []
     for chart in order:
         lines = sorted(by_chart[chart].items(), key=lambda line: (_rank_order(line[0][0]), line[0][1]))
         several = len({rank for (rank, _), _ in lines}) > 1
-        charts.append({"id": re.sub(r"\W+", "-", chart), "title": chart.replace("_", " "),
-                       "series": [_series(_line_label(rank, group, several), points)
-                                  for (rank, group), points in lines]})
-    return charts
+        labelled = [(_line_label(rank, group, several), points) for (rank, group), points in lines]
+        title = chart.replace("_", " ")
+        sentences = _constant_lines(title, labelled)
+        if sentences is not None:
+            constants.extend(sentences)
+        else:
+            charts.append(_chart(re.sub(r"\W+", "-", chart), title, _Y_TITLES.get(chart, title), labelled))
+    return charts, constants
 
 
 def _module_charts(run: MonitorRun, kind: str) -> list[dict]:
@@ -324,9 +380,9 @@ def _module_charts(run: MonitorRun, kind: str) -> list[dict]:
     for rank, modules in per_rank.items():
         per_rank[rank] = dict(sorted(modules.items(), key=lambda item: order.get(item[0], len(order))))
     title = "activation norm" if kind == "activation" else "output gradient norm"
-    return [{"id": f"{kind}-{'r' if rank is None else rank}", "wide": True,
-             "title": title + (f" ({_rank_label(rank)})" if len(per_rank) > 1 else ""),
-             "series": [_series(module, points) for module, points in modules.items()]}
+    return [_chart(f"{kind}-{'r' if rank is None else rank}",
+                   title + (f" ({_rank_label(rank)})" if len(per_rank) > 1 else ""), _Y_TITLES[kind],
+                   list(modules.items()), wide=True)
             for rank, modules in sorted(per_rank.items(), key=lambda item: _rank_order(item[0]))]
 
 
@@ -337,16 +393,43 @@ def _largest(values: list[float]) -> float | None:
     return next((v for v in values if math.isnan(v)), max(values))
 
 
+def nonfinite_states(row: list[float | None]) -> list[int]:
+    """Per step of one layer's gradient norms (None: no gradient), ``WENT_NONFINITE`` where it went NaN or inf (it
+    was finite, or had none, the step before), ``STILL_NONFINITE`` where it already was, else ``NOT_NONFINITE``.
+
+    Once a NaN gradient reaches the optimizer the weight holds it, and from the next step on every gradient is NaN:
+    coloured alike, every layer turns red after the first NaN and the layer where it began no longer shows.
+
+    >>> nonfinite_states([1.0, math.nan, math.nan, 2.0, None, math.inf])
+    [0, 1, 2, 0, 0, 1]
+    """
+    states, before = [], False
+    for value in row:
+        now = value is not None and not math.isfinite(value)
+        states.append(NOT_NONFINITE if not now else STILL_NONFINITE if before else WENT_NONFINITE)
+        before = now
+    return states
+
+
+def _stretch_state(states: list[int]) -> int:
+    """A column of several steps: went non-finite if it did at any of them, else still non-finite if it was."""
+    return WENT_NONFINITE if WENT_NONFINITE in states else max(states, default=NOT_NONFINITE)
+
+
 def _heatmap(run: MonitorRun) -> dict:
-    """Rows of layers, columns of steps: a step each, or for a long run, ``HEATMAP_COLUMNS`` stretches of steps."""
+    """Rows of layers, columns of steps: a step each, or for a long run, ``HEATMAP_COLUMNS`` stretches of steps;
+    ``states``: each cell's ``nonfinite_states``."""
     layers, steps, norms = layer_grad_norms(run)
     columns = min(len(steps), HEATMAP_COLUMNS)
-    stretches = [steps[k * len(steps) // columns:(k + 1) * len(steps) // columns] for k in range(columns)]
+    bounds = [(k * len(steps) // columns, (k + 1) * len(steps) // columns) for k in range(columns)]
+    stretches = [steps[a:b] for a, b in bounds]
     cells = [[_largest([norms[layer, step] for step in stretch if (layer, step) in norms]) for stretch in stretches]
              for layer in layers]
+    per_step = [nonfinite_states([norms.get((layer, step)) for step in steps]) for layer in layers]
     return {"layers": layers, "steps": [stretch[0] for stretch in stretches],
             "last": [stretch[-1] for stretch in stretches], "of": len(steps),
-            "values": [[None if v is None else _number(v) for v in row] for row in cells]}
+            "values": [[None if v is None else _number(v) for v in row] for row in cells],
+            "states": [[_stretch_state(row[a:b]) for a, b in bounds] for row in per_step]}
 
 
 def _anomaly_marks(run: MonitorRun) -> list[dict]:
@@ -391,19 +474,45 @@ def _notes(run: MonitorRun) -> str:
     return "".join(f"<li>{html.escape(note)}</li>" for note in notes)
 
 
+def first_anomaly_facts(run: MonitorRun) -> list[tuple[str, str]]:
+    """(name, value) of what is known of the first anomaly: its rank (under torchrun), step, module, phase and rule;
+    [] for a run without one. The monitor watches modules and parameters, not calls: it names no op."""
+    if not run.anomalies:
+        return []
+    first = run.anomalies[0]
+    facts = [("rank", str(first.rank))] if first.rank is not None else []
+    facts += [("step", str(first.step)), ("module", first.module), ("phase", first.phase), ("rule", first.rule)]
+    return [(name, value) for name, value in facts if value]
+
+
+def _banner(run: MonitorRun) -> str:
+    count = len(run.anomalies)
+    if not count:
+        steps = len(run.steps)
+        ranks = [r for r in run.ranks if r is not None]
+        where = f" on ranks {', '.join(map(str, ranks))}" if ranks else ""
+        return f'<span class="verdict">no anomaly</span> in {steps} monitored step{"s" if steps != 1 else ""}{where}'
+    facts = "".join(f'<span class="fact" data-fact="{name}"><span class="key">{name}</span> {html.escape(value)}'
+                    "</span>" for name, value in first_anomaly_facts(run))
+    return (f'<span class="verdict">{count} anomal{"y" if count == 1 else "ies"}</span>, the first: {facts}'
+            f'<div class="message">{html.escape(run.anomalies[0].message)}</div>')
+
+
 def render_page(run: MonitorRun) -> str:
     """The page, as text."""
-    payload = {"steps": run.steps, "charts": _step_charts(run), "heatmap": _heatmap(run),
+    charts, constants = _step_charts(run)
+    payload = {"steps": run.steps, "charts": charts, "heatmap": _heatmap(run),
                "modules": _module_charts(run, "activation") + _module_charts(run, "output_grad"),
                "anomalies": _anomaly_marks(run)}
     data = json.dumps(payload, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
     count = len(run.anomalies)
-    summary = (f"{count} anomal{'y' if count == 1 else 'ies'}, the first at step {run.anomalies[0].step}: "
-               f"{run.anomalies[0].message}" if count else "no anomaly")
     files = "".join(f"<li>{html.escape(path)}</li>" for f in run.files for path in (f.csv_path, f.anomalies_path))
     return (_TEMPLATE.replace("__TITLE__", html.escape(f"Training monitor: {run.session}"))
             .replace("__FACTS__", _header(run)).replace("__FILES__", files).replace("__NOTES__", _notes(run))
-            .replace("__SUMMARY_CLASS__", "found" if count else "clean").replace("__SUMMARY__", html.escape(summary))
+            .replace("__BANNER_CLASS__", "found" if count else "clean").replace("__BANNER__", _banner(run))
+            .replace("__CONSTANTS__", '<ul id="constants">' + "".join(f"<li>{html.escape(line)}</li>"
+                                                                       for line in constants) + "</ul>"
+                     if constants else "")
             .replace("__ANOMALY_ROWS__", _anomaly_rows(run) or '<tr><td colspan="7" class="empty">none</td></tr>')
             .replace("__COUNT__", str(count))
             .replace("__DATA__", data))
@@ -421,21 +530,30 @@ def write_monitor_page(folder: str, out_path: str | None = None, session: str | 
 _TEMPLATE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>__TITLE__</title>
 <style>
-body { font: 13px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222; max-width: 1180px; }
-h1 { font-size: 20px; margin: 0 0 0.4em; } h2 { font-size: 15px; margin: 1.6em 0 0.5em; }
+html { scroll-padding-top: 5em; }  /* an anchor jumped to lands below the banner, not under it */
+body { font: 13px/1.4 system-ui, sans-serif; margin: 0 1.5em 1.5em; color: #222; max-width: 1180px; }
+#banner { position: sticky; top: 0; z-index: 10; font-size: 14px; padding: 0.5em 0.8em; margin: 0 -0.8em 0.6em;
+  border-bottom: 1px solid rgba(0, 0, 0, 0.12); }
+#banner.found { background: #ffd6d6; } #banner.clean { background: #d8f3dc; }
+#banner .verdict { font-weight: 600; } #banner .fact { margin-left: 0.7em; font-family: ui-monospace, monospace;
+  font-size: 13px; } #banner .key { color: #777; font-family: system-ui, sans-serif; font-size: 12px; }
+#banner .message { font-size: 12px; color: #444; margin-top: 0.15em; }
+h1 { font-size: 20px; margin: 0.6em 0 0.4em; } h2 { font-size: 15px; margin: 1.6em 0 0.5em; }
 #facts th { text-align: left; color: #666; font-weight: normal; padding: 1px 12px 1px 0; border: 0; }
 #facts td { border: 0; padding: 1px 0; font-family: ui-monospace, monospace; font-size: 12px; }
-#summary { font-size: 14px; font-weight: 600; padding: 0.5em 0.8em; border-radius: 4px; margin: 0.8em 0; }
-#summary.found { background: #ffd6d6; } #summary.clean { background: #d8f3dc; }
 details { color: #555; margin: 0.3em 0; } details li, #notes li { font-family: ui-monospace, monospace;
   font-size: 12px; } #notes { color: #a15c00; }
+#constants { margin: 0.2em 0 0.8em; padding-left: 1.2em; } #constants li { font-family: ui-monospace, monospace;
+  font-size: 12px; }
+.hint { color: #666; margin: 0.2em 0 0.6em; }
 .charts { display: flex; flex-wrap: wrap; gap: 12px; }
 figure.chart { margin: 0; border: 1px solid #e3e3e3; border-radius: 4px; padding: 6px 8px 4px; background: #fff; }
 figcaption { font-weight: 600; } figcaption .scale { font-weight: normal; color: #888; margin-left: 0.4em; }
-svg text { font: 10px system-ui, sans-serif; fill: #666; } #heatmap svg { display: block; }
+svg text { font: 10px system-ui, sans-serif; fill: #666; } svg text.axis-title { font-size: 11px; fill: #444; }
+#heatmap svg { display: block; }
 .grid { stroke: #eee; } .axis { stroke: #bbb; }
 .line { fill: none; stroke-width: 1.5; stroke-linejoin: round; }
-.nonfinite-point { fill: #d62728; }
+.nonfinite-point { stroke: #fff; stroke-width: 0.8; }
 .anomaly-line { stroke: #d62728; stroke-opacity: 0.45; stroke-dasharray: 3 2; }
 .anomaly-mark { fill: #d62728; }
 .legend { display: flex; flex-wrap: wrap; gap: 2px 12px; max-width: 100%; font-size: 11px; color: #444; }
@@ -448,16 +566,20 @@ table.anomalies { border-collapse: collapse; } .anomalies th, .anomalies td { bo
 .empty { color: #888; font-style: italic; }
 </style></head>
 <body>
+<div id="banner" class="__BANNER_CLASS__">__BANNER__</div>
 <h1>Training monitor</h1>
 <table id="facts">__FACTS__</table>
-<div id="summary" class="__SUMMARY_CLASS__">__SUMMARY__</div>
 <ul id="notes">__NOTES__</ul>
 <details><summary>files read</summary><ul>__FILES__</ul></details>
-<h2>Per step</h2><div class="charts" id="step-charts"></div>
+<h2>Per step</h2>
+<p class="hint">Above a chart a dot marks a NaN and a triangle an infinity (below it, -inf), in its line's colour; a
+dashed red line marks a step with an anomaly (hover it for the messages).</p>
+__CONSTANTS__
+<div class="charts" id="step-charts"></div>
 <h2>Gradient norm per layer and step</h2><p id="heatmap-note"></p><div id="heatmap"></div>
 <div id="module-section"><h2>Activation and output gradient norms per module</h2>
 <div class="charts" id="module-charts"></div></div>
-<h2>Anomalies (__COUNT__)</h2>
+<h2 id="anomalies-title">Anomalies (__COUNT__)</h2>
 <table class="anomalies" id="anomalies"><thead><tr><th>rank</th><th>step</th><th>rule</th><th>module</th>
 <th>phase</th><th>value</th><th>message</th></tr></thead><tbody>__ANOMALY_ROWS__</tbody></table>
 <script type="application/json" id="data">__DATA__</script>
@@ -467,7 +589,8 @@ const data = JSON.parse(document.getElementById("data").textContent);
 const NS = "http://www.w3.org/2000/svg";
 const PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#9c755f", "#ff9da7", "#bab0ac"];
 const VIRIDIS = ["#440154", "#472d7b", "#3b528b", "#2c728e", "#21918c", "#28ae80", "#5ec962", "#addc30", "#fde725"];
-const NONFINITE = "#d62728", MISSING = "#f0f0f0";
+const NONFINITE = "#d62728", STILL_NONFINITE = "#f1b9b9", MISSING = "#f0f0f0";
+const WENT = 1, STILL = 2;  // a heatmap cell's state (monitor_page.py's nonfinite_states)
 
 function el(tag, text, cls) {
   const e = document.createElement(tag);
@@ -508,28 +631,41 @@ function ticksWithin(lo, hi, step) {
   }
   return ticks;
 }
-// y scale over the finite values: log where they are all positive and span more than two decades
-function yScale(values, bottom, top) {
-  const finite = values.filter(Number.isFinite);
+// y scale over the finite values; log when the page chose it (monitor_page.py's log_scale), zeros on its floor
+function yScale(values, bottom, top, log) {
+  const finite = values.filter(Number.isFinite), positive = finite.filter(v => v > 0);
   if (!finite.length) return {at: () => bottom, ticks: [], log: false};
-  let lo = Math.min(...finite), hi = Math.max(...finite);
-  const log = lo > 0 && hi / lo > 100;
-  if (log) {
-    const a = Math.floor(Math.log10(lo)), b = Math.ceil(Math.log10(hi)), every = Math.ceil((b - a) / 5);
-    const ticks = [];
-    for (let e = a; e <= b; e += every) ticks.push(Math.pow(10, e));
-    return {log, ticks, at: v => bottom - (Math.log10(v) - a) / (b - a) * (bottom - top)};
+  if (log && positive.length) {
+    const a = Math.floor(Math.log10(Math.min(...positive))), b = Math.ceil(Math.log10(Math.max(...positive)));
+    const every = Math.ceil((b - a) / 5), ticks = [];
+    for (let e = a; e <= b; e += every) {
+      // a span of two decades or less: 2 and 5 times each power of ten as well, else too few ticks to read
+      for (const f of b - a <= 2 && e < b ? [1, 2, 5] : [1]) ticks.push(Number((f * Math.pow(10, e)).toPrecision(12)));
+    }
+    const at = v => v > 0 ? bottom - (Math.log10(v) - a) / (b - a) * (bottom - top) : bottom;
+    return {log, ticks, at};
   }
+  let lo = Math.min(...finite), hi = Math.max(...finite);
   if (lo === hi) { const pad = Math.abs(lo) * 0.1 || 1; lo -= pad; hi += pad; }
   const step = tickStep(lo, hi, 4);  // the axis from a tick to a tick
   lo = Math.floor(lo / step + 1e-9) * step;
   hi = Math.ceil(hi / step - 1e-9) * step;
-  return {log, ticks: ticksWithin(lo, hi, step), at: v => bottom - (v - lo) / (hi - lo) * (bottom - top)};
+  return {log: false, ticks: ticksWithin(lo, hi, step), at: v => bottom - (v - lo) / (hi - lo) * (bottom - top)};
 }
 const firstStep = data.steps[0], lastStep = data.steps[data.steps.length - 1];
 
+// a NaN or infinity of a line: a dot (NaN) or a triangle (inf) in the line's colour, above the plot (-inf below)
+function nonfiniteMark(s, x, v, top, bottom, color, title) {
+  const y = v === -Infinity ? bottom + 5 : top - 5;
+  const attrs = {class: "nonfinite-point", fill: color, "data-value": String(v)};
+  if (Number.isNaN(v)) return svg("circle", {cx: x, cy: y, r: 3.2, ...attrs}, s, title);
+  const d = v > 0 ? `M${x - 3.6},${y + 3} L${x + 3.6},${y + 3} L${x},${y - 3.4} Z`
+      : `M${x - 3.6},${y - 3} L${x + 3.6},${y - 3} L${x},${y + 3.4} Z`;
+  return svg("path", {d, ...attrs}, s, title);
+}
+
 function lineChart(parent, chart) {
-  const W = chart.wide ? 560 : 360, H = 170, m = {l: 48, r: 10, t: 12, b: 22};
+  const W = chart.wide ? 560 : 360, H = 186, m = {l: 60, r: 10, t: 14, b: 36};
   const fig = el("figure", undefined, "chart");
   fig.id = "chart-" + chart.id;
   const caption = el("figcaption", chart.title);
@@ -537,7 +673,7 @@ function lineChart(parent, chart) {
   const s = svg("svg", {width: W, height: H, viewBox: `0 0 ${W} ${H}`}, fig);
   const X = step => m.l + (lastStep === firstStep ? 0.5 : (step - firstStep) / (lastStep - firstStep))
       * (W - m.l - m.r);
-  const y = yScale(chart.series.flatMap(sr => sr.y.map(num)), H - m.b, m.t);
+  const y = yScale(chart.series.flatMap(sr => sr.y.map(num)), H - m.b, m.t, chart.log);
   if (y.log) caption.append(el("span", "log scale", "scale"));
   for (const t of y.ticks) {
     const at = y.at(t);
@@ -549,10 +685,15 @@ function lineChart(parent, chart) {
   for (const t of ticksWithin(firstStep, lastStep, Math.max(1, tickStep(firstStep, span, 5)))) {
     svg("text", {x: X(t), y: H - m.b + 13, "text-anchor": "middle"}, s).textContent = String(t);
   }
+  svg("text", {x: m.l + (W - m.l - m.r) / 2, y: H - 4, "text-anchor": "middle", class: "axis-title x"}, s)
+      .textContent = "step";
+  const middle = m.t + (H - m.t - m.b) / 2;
+  svg("text", {x: 11, y: middle, "text-anchor": "middle", transform: `rotate(-90 11 ${middle})`,
+               class: "axis-title y"}, s).textContent = chart.y_title + (y.log ? " (log scale)" : "");
   for (const a of data.anomalies) {
     svg("line", {x1: X(a.step), x2: X(a.step), y1: m.t - 4, y2: H - m.b, class: "anomaly-line"}, s, a.text);
   }
-  const palette = colors(chart.series.length);
+  const palette = colors(chart.series.length), n = chart.series.length;
   chart.series.forEach((sr, k) => {
     let segment = [];
     const draw = () => {
@@ -564,12 +705,13 @@ function lineChart(parent, chart) {
       }
       segment = [];
     };
+    const shift = n > 1 ? (k - (n - 1) / 2) * Math.min(4, 12 / n) : 0;  // lines' marks at one step side by side
     sr.x.forEach((step, i) => {
       const v = num(sr.y[i]);
       if (Number.isFinite(v)) { segment.push(X(step).toFixed(1) + "," + y.at(v).toFixed(1)); return; }
       draw();
-      if (!Number.isFinite(v)) svg("circle", {cx: X(step), cy: m.t - 4, r: 3, class: "nonfinite-point"}, s,
-                                   (sr.label ? sr.label + ", " : "") + "step " + step + ": " + v);
+      nonfiniteMark(s, X(step) + shift, v, m.t, H - m.b, palette[k],
+                    (sr.label ? sr.label + ", " : "") + "step " + step + ": " + v).dataset.series = sr.label;
     });
     draw();
   });
@@ -594,7 +736,8 @@ function heatmap(parent, hm) {
     return;
   }
   note.textContent = "A row per layer: the square root of the sum of its parameters' squared gradient norms; "
-      + "colour on a log scale; hover a cell for its value."
+      + "colour on a log scale; red where a layer's gradient went NaN or inf, pale red where it has stayed so "
+      + "since an earlier step; hover a cell for its value."
       + (hm.steps.length < hm.of ? ` The ${hm.of} monitored steps are shown in ${hm.steps.length} columns: each column `
          + "a stretch of consecutive steps, with its largest norm (NaN or inf where there is one)." : "");
   const values = hm.values.map(row => row.map(v => v === null ? null : num(v)));
@@ -604,32 +747,41 @@ function heatmap(parent, hm) {
   const color = v => viridis(hi > lo ? (Math.log10(v) - lo) / (hi - lo) : 0.5);
   const cw = Math.max(2, Math.min(36, Math.floor(880 / hm.steps.length))), ch = 18, gap = cw > 5 ? 1 : 0;
   const left = 12 + 6.2 * Math.max(...hm.layers.map(l => l.length)), top = 12;
-  const W = left + cw * hm.steps.length + 8, H = top + ch * hm.layers.length + 20;
+  const W = left + cw * hm.steps.length + 8, H = top + ch * hm.layers.length + 34;
   const s = svg("svg", {width: W, height: H, viewBox: `0 0 ${W} ${H}`, id: "heatmap-grid"}, parent);
   const column = step => Math.max(0, hm.steps.findLastIndex(first => first <= step));  // the stretch holding it
   for (const a of data.anomalies) {
     const x = left + column(a.step) * cw + (cw - gap) / 2;
     svg("path", {d: `M${x - 4},${top - 9} L${x + 4},${top - 9} L${x},${top - 2} Z`, class: "anomaly-mark"}, s, a.text);
   }
+  const since = (r, c) => {  // the first step of the stretch where a still non-finite cell went so
+    let k = c;
+    while (k > 0 && hm.states[r][k] !== WENT) k--;
+    return hm.steps[k];
+  };
   hm.layers.forEach((layer, r) => {
     svg("text", {x: left - 6, y: top + r * ch + ch / 2 + 3.5, "text-anchor": "end"}, s).textContent = layer;
     hm.steps.forEach((step, c) => {
-      const v = values[r][c];
-      const kind = v === null ? " missing" : Number.isFinite(v) ? "" : " nonfinite";
+      const v = values[r][c], state = hm.states[r][c];
+      const kind = v === null ? " missing" : state === WENT ? " nonfinite" : state === STILL ? " still-nonfinite" : "";
+      const fill = v === null ? MISSING : state === WENT ? NONFINITE : state === STILL ? STILL_NONFINITE
+          : v > 0 ? color(v) : VIRIDIS[0];
       svg("rect", {x: left + c * cw, y: top + r * ch, width: cw - gap, height: ch - gap, class: "cell" + kind,
-                   "data-layer": layer, "data-step": step,
-                   fill: v === null ? MISSING : !Number.isFinite(v) ? NONFINITE : v > 0 ? color(v) : VIRIDIS[0]},
+                   "data-layer": layer, "data-step": step, fill},
           s, `${layer}, ` + (hm.last[c] > step ? `steps ${step} to ${hm.last[c]} (the largest)` : `step ${step}`)
-             + ": " + (v === null ? "no gradient" : String(v)));
+             + ": " + (v === null ? "no gradient" : String(v))
+             + (state === STILL ? ` (non-finite since step ${since(r, c)})` : ""));
     });
   });
   const every = Math.max(1, Math.ceil(40 / cw));
   hm.steps.forEach((step, c) => {
-    if (c % every === 0) svg("text", {x: left + c * cw + (cw - gap) / 2, y: H - 6, "text-anchor": "middle"}, s)
+    if (c % every === 0) svg("text", {x: left + c * cw + (cw - gap) / 2, y: H - 20, "text-anchor": "middle"}, s)
         .textContent = String(step);
   });
-  // the legend: the colour bar over the decades shown, then non-finite and no-data swatches
-  const L = svg("svg", {width: 560, height: 34, id: "heatmap-legend"}, parent);
+  svg("text", {x: left + cw * hm.steps.length / 2, y: H - 5, "text-anchor": "middle", class: "axis-title x"}, s)
+      .textContent = "step";
+  // the legend: the colour bar over the decades shown, then the non-finite and no-data swatches
+  const L = svg("svg", {width: 760, height: 34, id: "heatmap-legend"}, parent);
   const gradient = svg("linearGradient", {id: "viridis"}, svg("defs", {}, L));
   VIRIDIS.forEach((c, k) => svg("stop", {offset: k / (VIRIDIS.length - 1), "stop-color": c}, gradient));
   svg("rect", {x: left, y: 4, width: 220, height: 10, fill: "url(#viridis)"}, L);
@@ -641,15 +793,19 @@ function heatmap(parent, hm) {
     svg("text", {x: left + 220 * (hi > lo ? (e - lo) / (hi - lo) : 0.5), y: 27, "text-anchor": "middle"}, L)
         .textContent = fmt(Math.pow(10, e));
   }
-  svg("rect", {x: left + 250, y: 4, width: 14, height: 10, fill: NONFINITE}, L);
-  svg("text", {x: left + 268, y: 13}, L).textContent = "NaN / inf";
-  svg("rect", {x: left + 330, y: 4, width: 14, height: 10, fill: MISSING, stroke: "#ccc"}, L);
-  svg("text", {x: left + 348, y: 13}, L).textContent = "no gradient";
+  let x = left + 240;
+  for (const [fill, text] of [[NONFINITE, "went NaN / inf"], [STILL_NONFINITE, "NaN / inf since an earlier step"],
+                              [MISSING, "no gradient"]]) {
+    svg("rect", {x, y: 4, width: 14, height: 10, fill, stroke: fill === MISSING ? "#ccc" : "none"}, L);
+    svg("text", {x: x + 18, y: 13}, L).textContent = text;
+    x += 30 + 5.6 * text.length;
+  }
 }
 
 const stepCharts = document.getElementById("step-charts");
 for (const chart of data.charts) lineChart(stepCharts, chart);
-if (!data.charts.length) stepCharts.append(el("p", "No step figures in these files.", "empty"));
+if (!data.charts.length) stepCharts.append(el("p", "No step figures in these files"
+    + (document.querySelector("#constants li") ? " that change from step to step." : "."), "empty"));
 heatmap(document.getElementById("heatmap"), data.heatmap);
 const moduleCharts = document.getElementById("module-charts");
 for (const chart of data.modules) lineChart(moduleCharts, chart);

@@ -12,13 +12,18 @@ import re
 from html.parser import HTMLParser
 
 import pytest
-from browser import chromium, dump_dom, needs_browser
+from browser import chromium, dump_dom, needs_browser, require_browser, screenshot, top_rows
+from handmade_results import LAYERS, NAN_PARAMETER, NAN_STEP, STEPS, nan_spreading_run, write_session
 
 from op_tools.offline.monitor_page import (
     CURVE_POINTS,
     HEATMAP_COLUMNS,
+    STILL_NONFINITE,
+    WENT_NONFINITE,
     layer_grad_norms,
     layer_of,
+    log_scale,
+    nonfinite_states,
     read_monitor,
     render_page,
     write_monitor_page,
@@ -237,11 +242,12 @@ def test_another_rank_just_starting_is_read_as_in_progress_not_an_error(tmp_path
 def test_several_ranks_have_a_line_each_where_each_wrote_its_own(tmp_path):
     for rank in (0, 1):
         write_run(tmp_path / "op_training_monitor" / f"rank{rank}", rank=rank, session=f"pid{rank}_s_1")
-    data = payload(render_page(read_monitor(str(tmp_path))))
+    page = render_page(read_monitor(str(tmp_path)))
+    data = payload(page)
+    assert '<ul id="constants"><li>lr: 0.001 at every step</li></ul>' in page  # rank 0's alone: one line
     lines = {chart["id"]: [s["label"] for s in chart["series"]] for chart in data["charts"]}
     assert lines == {"loss": ["rank 0", "rank 1"], "global_grad_norm": [""], "loss_scale": [""],
-                     "step_time": ["rank 0", "rank 1"], "lr": ["group 0"],
-                     "grad-norm-before-reduction": ["rank 0", "rank 1"]}
+                     "step_time": ["rank 0", "rank 1"], "grad-norm-before-reduction": ["rank 0", "rank 1"]}
     assert [(c["title"], [s["label"] for s in c["series"]]) for c in data["modules"]] == [
         (f"{kind} (rank {rank})", ["model.layers.0", "model.layers.1"])
         for kind in ("activation norm", "output gradient norm") for rank in (0, 1)]
@@ -270,35 +276,6 @@ def test_a_long_run_is_thinned_and_its_page_stays_small(tmp_path):
 
 
 @needs_browser
-def test_the_page_renders_the_heatmap_the_nan_the_curves_and_the_anomalies_in_a_browser(tmp_path):
-    write_run(tmp_path / "op_training_monitor")
-    page = write_monitor_page(str(tmp_path / "op_training_monitor"))
-    assert page == str(tmp_path / "op_training_monitor" / "monitor_pid1_s_1.html")
-    text = open(page).read()
-    assert not re.search(r"""(src|href)=["']?(https?:)?//""", text)  # nothing fetched from elsewhere
-    rendered = dump_dom(chromium(), page, "", str(tmp_path / "profile"))
-    dom = Elements(rendered)
-    cells = dom.find("rect", "cell")
-    assert len(cells) == 5 * 10  # layers x steps
-    assert [(c["data-layer"], c["data-step"], c["fill"]) for c in dom.find("rect", "nonfinite")] == \
-        [("model.layers.1", "6", "#d62728")]
-    assert len({c["fill"] for c in cells}) > 20  # a colour scale, not one colour
-    assert [f["id"] for f in dom.find("figure", "chart")] == [
-        "chart-loss", "chart-global_grad_norm", "chart-loss_scale", "chart-step_time", "chart-lr",
-        "chart-activation-r", "chart-output_grad-r"]
-    assert len(dom.find("circle", "nonfinite-point")) == 2  # the loss and the global norm at step 6
-    assert len(dom.find("line", "anomaly-line")) == 2 * 7 and len(dom.find("path", "anomaly-mark")) == 2
-    rows = re.findall(r'<tr class="anomaly" data-step="(\d+)"><td></td><td>\d+</td><td>([a-z_]+)</td>'
-                      r'<td>([\w.]+)</td>', rendered)
-    assert rows == [("3", "grad_norm_spike", "model.layers.0.self_attn.q_proj.weight"),
-                    ("6", "nonfinite", "model.layers.1.mlp.down_proj.weight")]
-    assert '<div id="summary" class="found">2 anomalies, the first at step 3' in rendered
-    _, _, norms = layer_grad_norms(read_monitor(str(tmp_path)))
-    assert f"<title>model.layers.0, step 4: {norms['model.layers.0', 4]!r}</title>" in rendered  # the exact value
-    assert "<title>model.layers.1, step 6: NaN</title>" in rendered
-
-
-@needs_browser
 def test_a_long_runs_heatmap_has_a_column_per_stretch_of_steps_in_a_browser(tmp_path):
     write_run(tmp_path, layers=12, steps=500)
     rendered = dump_dom(chromium(), write_monitor_page(str(tmp_path)), "", str(tmp_path / "profile"))
@@ -307,3 +284,125 @@ def test_a_long_runs_heatmap_has_a_column_per_stretch_of_steps_in_a_browser(tmp_
     assert [(c["data-layer"], c["data-step"]) for c in dom.find("rect", "nonfinite")] == [("model.layers.1", "5")]
     assert "<title>model.layers.1, steps 5 to 6 (the largest): NaN</title>" in rendered
     assert "The 500 monitored steps are shown in 200 columns" in rendered
+
+
+# --- the decisions the page draws by ---
+
+def test_a_chart_is_on_a_log_scale_from_one_and_a_half_decades_of_positive_values():
+    assert not log_scale([1.0, 10 ** 1.49]) and log_scale([1.0, 10 ** 1.5])
+    assert log_scale([4.0, 0.05])  # a loss falling by just under two decades: linear would show its end as 0
+    assert log_scale([0.0, 1.0, 40.0])  # a zero sits on the axis's floor
+    assert not log_scale([-1.0, 1.0, 100.0]) and not log_scale([0.0, 0.0]) and not log_scale([math.nan])
+    assert log_scale([1.0, math.nan, math.inf, 50.0])  # non-finite values are marks, not part of the span
+
+
+def test_a_layer_is_marked_at_the_step_its_gradient_went_non_finite_not_at_every_step_after():
+    assert nonfinite_states([1.0, math.nan, math.nan, 2.0, None, math.inf]) == [0, WENT_NONFINITE, STILL_NONFINITE,
+                                                                               0, 0, WENT_NONFINITE]
+    assert nonfinite_states([math.nan, math.nan]) == [WENT_NONFINITE, STILL_NONFINITE]
+
+
+def test_a_long_runs_column_is_marked_where_a_layer_went_non_finite_within_its_stretch(tmp_path):
+    rows = [(None, step, T0 + step, "parameter", "model.layers.0.weight", "grad_norm",
+             math.nan if step >= 301 else 1.0) for step in range(500)]
+    write_session(tmp_path, "pid1_s_1", rows, [])
+    heatmap = payload(render_page(read_monitor(str(tmp_path))))["heatmap"]
+    column = heatmap["steps"].index(300)  # the stretch of steps 300 and 301
+    assert heatmap["last"][column] == 301 and heatmap["values"][0][column] == "NaN"
+    assert heatmap["states"][0][column - 1:column + 3] == [0, WENT_NONFINITE, STILL_NONFINITE, STILL_NONFINITE]
+
+
+def test_a_line_constant_at_every_step_is_a_sentence_and_its_chart_is_left_out(tmp_path):
+    rows = [(None, step, T0 + step, "step", "", statistic, value) for step in range(5)
+            for statistic, value in (("lr/param_groups[0]", 1e-3), ("lr/param_groups[1]", 1e-4),
+                                     ("loss_scale", 1024.0), ("loss", 3.0 - 0.1 * step))]
+    write_session(tmp_path, "pid1_s_1", rows, [])
+    page = render_page(read_monitor(str(tmp_path)))
+    assert [c["id"] for c in payload(page)["charts"]] == ["loss"]
+    assert re.findall(r"<li>([^<]*at every step)</li>", page) == [
+        "loss scale: 1024 at every step", "lr (group 0): 0.001 at every step", "lr (group 1): 0.0001 at every step"]
+    rows = [row if row[1] < 4 or row[5] != "lr/param_groups[1]" else row[:6] + (5e-5,) for row in rows]
+    write_session(tmp_path, "pid1_s_1", rows, [])  # a scheduler lowers group 1's rate: both groups drawn
+    page = render_page(read_monitor(str(tmp_path)))
+    assert [c["id"] for c in payload(page)["charts"]] == ["loss", "lr"]
+    assert re.findall(r"<li>([^<]*at every step)</li>", page) == ["loss scale: 1024 at every step"]
+
+
+# --- a two-rank run whose NaN spread from one weight to every layer, opened once in a browser ---
+
+@pytest.fixture(scope="module")
+def nan_run(tmp_path_factory):
+    """(page path, DOM after its scripts ran, screenshot path) of ``handmade_results.nan_spreading_run``'s page."""
+    browser = require_browser()
+    root = tmp_path_factory.mktemp("nan_run")
+    nan_spreading_run(root)
+    page = write_monitor_page(str(root))
+    dom = dump_dom(browser, page, "", str(root / "profile"))
+    return page, dom, screenshot(browser, page, str(root / "monitor_page.png"), str(root / "profile"), (1400, 1300))
+
+
+def figure(dom: str, chart: str) -> str:
+    """The markup of one chart of the page."""
+    found = re.search(rf'<figure class="chart" id="chart-{chart}">.*?</figure>', dom, re.S)
+    assert found, f"no chart {chart}"
+    return found.group(0)
+
+
+@needs_browser
+def test_the_banner_stays_at_the_top_and_names_the_first_anomalys_rank_step_module_and_phase(nan_run):
+    page, dom, png = nan_run
+    assert re.search(r"#banner \{ position: sticky; top: 0;", dom)
+    assert re.search(r'<body>\s*<div id="banner" class="found"><span class="verdict">2 anomalies</span>', dom)
+    facts = re.findall(r'<span class="fact" data-fact="(\w+)"><span class="key">\w+</span> ([^<]+)</span>', dom)
+    assert facts == [("rank", "1"), ("step", str(NAN_STEP)), ("module", NAN_PARAMETER), ("phase", "backward"),
+                     ("rule", "nonfinite")]
+    assert [row[20] for row in top_rows(png, 8)] == [(0xff, 0xd6, 0xd6)] * 8  # on load, the window shows it first
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", open(page).read())  # nothing fetched from elsewhere
+    rows = re.findall(r'<tr class="anomaly" data-step="(\d+)"><td>(\d)</td><td>\d+</td><td>([a-z_]+)</td>', dom)
+    assert rows == [(str(NAN_STEP), "1", "nonfinite"), (str(NAN_STEP), "0", "nonfinite")]  # in the order they came
+
+
+@needs_browser
+def test_each_chart_has_axis_titles_with_units_and_a_falling_loss_is_on_a_log_scale(nan_run):
+    _, dom, _ = nan_run
+    charts = re.findall(r'<figure class="chart" id="chart-([\w-]+)">', dom)
+    assert charts == ["loss", "global_grad_norm", "step_time", "grad-norm-before-reduction", "activation-0",
+                      "activation-1", "output_grad-0", "output_grad-1"]  # lr is constant: no chart
+    titles = {chart: re.findall(r'class="axis-title (x|y)"[^>]*>([^<]+)</text>', figure(dom, chart))
+              for chart in charts}
+    assert all(found[0] == ("x", "step") for found in titles.values())
+    assert titles["loss"][1] == ("y", "loss (log scale)") and "<span class=\"scale\">log scale</span>" in \
+        figure(dom, "loss")  # from 4 to 0.05: under two decades, linear showed its end as 0
+    assert titles["step_time"][1] == ("y", "time per step (s)")
+    assert titles["global_grad_norm"][1] == ("y", "gradient L2 norm")  # 1.1 to 1.5: linear
+    assert titles["activation-0"][1] == ("y", "output L2 norm")
+    assert '<ul id="constants"><li>lr: 0.001 at every step</li></ul>' in dom
+
+
+@needs_browser
+def test_nan_marks_are_drawn_per_line_in_its_colour(nan_run):
+    _, dom, _ = nan_run
+    chart = figure(dom, "grad-norm-before-reduction")
+    lines = dict(re.findall(r'<polyline [^>]*stroke="(#\w+)"><title>(rank \d)</title>', chart))
+    lines = {rank: colour for colour, rank in lines.items()}
+    assert set(lines) == {"rank 0", "rank 1"} and lines["rank 0"] != lines["rank 1"]
+    marks = re.findall(r'<circle [^>]*class="nonfinite-point" fill="(#\w+)"[^>]*><title>(rank \d), step (\d+): '
+                       r"NaN</title>", chart)
+    assert marks == [(lines[rank], rank, str(step)) for rank, first in (("rank 0", NAN_STEP + 1), ("rank 1", NAN_STEP))
+                     for step in range(first, STEPS)]  # rank 1's gradient went NaN before the reduction, a step first
+
+
+@needs_browser
+def test_the_heatmap_marks_where_each_layer_went_non_finite_and_pales_the_steps_after(nan_run):
+    _, dom, _ = nan_run
+    cells = re.findall(r'<rect [^>]*class="cell([\w -]*)" data-layer="([\w.]+)" data-step="(\d+)" fill="([^"]+)"',
+                       dom)
+    assert len(cells) == len(LAYERS) * STEPS
+    went = [(layer, int(step)) for kind, layer, step, _ in cells if kind == " nonfinite"]
+    assert went == [(layer, NAN_STEP + (layer != "model.layers.1")) for layer in LAYERS]  # layers.1 a step first
+    still = {(layer, int(step)) for kind, layer, step, _ in cells if kind == " still-nonfinite"}
+    assert still == {(layer, step) for layer in LAYERS for step in range(NAN_STEP + 1, STEPS)} - set(went)
+    assert len({fill for kind, _, _, fill in cells if not kind}) > 20  # the finite ones on a colour scale
+    assert "<title>model.layers.1, step 10: NaN (non-finite since step 8)</title>" in dom
+    _, _, norms = layer_grad_norms(read_monitor(os.path.dirname(os.path.dirname(nan_run[0]))))
+    assert f"<title>model.layers.0, step 4: {norms['model.layers.0', 4]!r}</title>" in dom  # the exact value

@@ -13,11 +13,13 @@ import subprocess
 import sys
 
 import pytest
-from browser import chromium, dump_dom, needs_browser
+from browser import chromium, dump_dom, needs_browser, require_browser, screenshot, top_rows
+from handmade_results import BORN_AT, DOWN_PROJ, NAN_PARAMETER, NAN_STEP, RECEIVED_AT, nan_spreading_report_run
 from subprocess_env import ROOT, child_env, torchrun_on_sim
 
-from op_tools.offline.run_report.analysis import account_ranks
-from op_tools.offline.run_report.readers import Event, Results
+from op_tools.offline.run_report.analysis import RunReport, account_ranks, analyse
+from op_tools.offline.run_report.html_view import first_facts, skew_absent
+from op_tools.offline.run_report.readers import Event, Results, read_results
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "run_report.py")
 SILU = "torch.nn.functional.silu in model.layers.0.mlp.act_fn (forward)"
@@ -227,16 +229,6 @@ def test_in_process_the_report_exits_3_found_5_files_not_written_1_its_own_failu
     assert "nothing concluded" in capsys.readouterr().err
 
 
-@needs_browser
-def test_the_html_view_lists_the_monitor_anomalies(monitor_run, tmp_path):
-    assert report(monitor_run).returncode == 3
-    dom = dump_dom(chromium(), str(monitor_run / "op_run_report" / "report.html"), "", str(tmp_path / "profile"))
-    assert (f'<tr class="anomaly nonfinite"><td>nonfinite</td><td>1</td><td>3</td><td>{ACT_FN}</td>'
-            f'<td>forward</td><td>nan</td><td>first non-finite at step 3: activation of {ACT_FN} norm = nan</td>'
-            "</tr>") in dom
-    assert '<div class="rank origin" id="rank-1"><div class="label">rank 1: origin (first)</div>' in dom
-
-
 def test_a_monitor_folder_with_an_empty_anomalies_file_is_clean(tmp_path):
     _write_anomalies(tmp_path, [])
     done = report(tmp_path)
@@ -291,3 +283,94 @@ def test_an_inf_nan_overflow_check_found_from_finite_inputs_stays_the_origin_ove
     accounts, first = account_ranks(results)
     assert [(a.status, a.from_ranks) for a in accounts] == [("origin", ()), ("received", (0,))]
     assert first is not None and first.rank == 0
+
+
+# --- the HTML view of a hand-made two-rank run (handmade_results.py), opened once in a browser ---
+
+def test_the_first_anomalys_source_line_is_read_from_the_overflow_record_and_the_autocompare_row(tmp_path):
+    nan_spreading_report_run(tmp_path)
+    results = read_results(str(tmp_path))
+    assert {(e.rank, e.tool, e.location) for e in results.anomalies} == {
+        (1, "OpOverflowCheck", BORN_AT), (0, "OpOverflowCheck", RECEIVED_AT), (1, "TrainingMonitor", ""),
+        (0, "TrainingMonitor", "")}  # the monitor watches modules, not calls
+    assert first_facts(analyse(results)) == [
+        ("rank", "1"), ("step", str(NAN_STEP)), ("module", DOWN_PROJ), ("op", "torch.nn.functional.linear"),
+        ("phase", "backward"), ("found by", "OpOverflowCheck"), ("source", BORN_AT)]
+    folder = tmp_path / "op_autocompare_result" / "rank1"  # a full stack is kept a frame a line: the innermost
+    folder.mkdir(parents=True)
+    (folder / "op_autocompare_info_s.csv").write_text(
+        "op,forward_id,phase,module,name,verdict,error_info,location,rank,step,time\n"
+        f'torch.add,3,forward,m,output[0],FAIL,err,"{BORN_AT}\n/home/user/train.py:50 main: step()",1,0,1.0\n')
+    [mismatch] = [e for e in read_results(str(tmp_path)).anomalies if e.kind == "mismatch"]
+    assert mismatch.location == BORN_AT
+
+
+def test_a_report_without_the_skew_says_why_in_one_line():
+    def why(times, tools=("OpTimeMeasure",)):
+        results = Results("x", ranks={0, 1}, tools={tool: {0, 1} for tool in tools}, times=times)
+        return skew_absent(RunReport(results, [], None, None, 0, []))
+
+    assert why({}, tools=()) == "not measured: OpTimeMeasure did not run (op_time_measure_result/ is not in the folder)"
+    assert why({0: {1: {"torch.add": 1.0}}}) == "nothing to compare: only rank 0's calls were timed, and the skew " \
+        "compares ranks"
+    assert why({0: {1: {"torch.add": 1.0}}, 1: {2: {"torch.add": 1.0}}}) == \
+        "nothing to compare: ranks 0, 1 timed their calls, but no step on two of them"
+
+
+@pytest.fixture(scope="module")
+def handmade(tmp_path_factory):
+    """(results folder, DOM of its report.html after its scripts ran, screenshot path), the report made in-process."""
+    from op_tools.offline.run_report import main
+
+    browser = require_browser()
+    root = tmp_path_factory.mktemp("handmade")
+    nan_spreading_report_run(root)
+    assert main([str(root)]) == 3
+    page = str(root / "op_run_report" / "report.html")
+    dom = dump_dom(browser, page, "", str(root / "profile"))
+    return root, dom, screenshot(browser, page, str(root / "run_report.png"), str(root / "profile"))
+
+
+@needs_browser
+def test_the_banner_stays_at_the_top_with_the_first_anomalys_rank_step_module_op_phase_and_source(handmade):
+    _, dom, png = handmade
+    assert re.search(r"#banner \{ position: sticky; top: 0;", dom)
+    assert re.search(r'<body>\s*<div id="banner" class="found"><div class="verdict">what went wrong first: rank 1: '
+                     r"went wrong at step 8: inf/nan in torch\.nn\.functional\.linear", dom)
+    facts = re.findall(r'<span class="fact" data-fact="([\w ]+)"><span class="key">[\w ]+</span> ([^<]+)</span>', dom)
+    assert facts == [("rank", "1"), ("step", str(NAN_STEP)), ("module", DOWN_PROJ),
+                     ("op", "torch.nn.functional.linear"), ("phase", "backward"), ("found by", "OpOverflowCheck"),
+                     ("source", BORN_AT)]
+    assert [row[20] for row in top_rows(png, 8)] == [(0xff, 0xd6, 0xd6)] * 8  # on load, the window shows it first
+
+
+@needs_browser
+def test_each_rank_card_shows_the_source_line_of_its_first_anomaly(handmade):
+    _, dom, _ = handmade
+    cards = re.findall(r'<div class="rank (\w+)" id="rank-(\d)"><div class="label">[^<]*</div><div class="text">[^<]*'
+                       r'</div><div class="source">([^<]*)</div></div>', dom)
+    assert cards == [("received", "0", RECEIVED_AT), ("origin", "1", BORN_AT)]
+    assert '<div class="label">rank 1: origin (first)</div>' in dom
+
+
+@needs_browser
+def test_a_section_with_no_rows_is_one_line_and_the_monitor_page_is_linked(handmade):
+    root, dom, _ = handmade
+    assert "<table" not in dom.split('<div id="skew-section">')[1].split("</div>")[0]
+    assert ('<div id="skew-section"><p class="none">not measured: OpTimeMeasure did not run '
+            "(op_time_measure_result/ is not in the folder)</p></div>") in dom
+    rows = re.findall(r'<tr class="anomaly nonfinite"><td>nonfinite</td><td>(\d)</td><td>(\d+)</td><td>([\w.]+)</td>'
+                      r"<td>backward</td><td>nan</td><td>first non-finite value at step 8", dom)
+    assert rows == [("1", str(NAN_STEP), NAN_PARAMETER), ("0", str(NAN_STEP), NAN_PARAMETER)]
+    [href] = re.findall(r'<p id="monitor-link">[^<]*<a href="([^"]+)">', dom)
+    assert href == "../op_training_monitor/rank0/monitor_pid100_2025-01-01-00-00-00_1.html"
+    assert (root / "op_run_report" / href).resolve().is_file()
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", dom)  # nothing fetched from elsewhere
+
+
+def test_without_a_monitor_page_the_report_links_none(monitor_run):
+    from op_tools.offline.run_report import main
+
+    assert main([str(monitor_run)]) == 3  # the monitor's anomalies alone: no CSV, no page
+    page = (monitor_run / "op_run_report" / "report.html").read_text()
+    assert 'id="monitor-link"' not in page and not list(monitor_run.glob("**/monitor_*.html"))

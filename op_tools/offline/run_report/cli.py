@@ -49,17 +49,26 @@ def main(argv=None) -> int:
         return ExitStatus.RAISED
     csv_path = args.csv or os.path.join(args.results_dir, OUTPUT_FOLDER, "report.csv")
     html_path = args.html or os.path.splitext(csv_path)[0] + ".html"
+    monitor = _monitor_page(args.results_dir)  # first: the report's page links to it
+    linked = monitor[0] if monitor else _existing_monitor_page(args.results_dir)
+    link = os.path.relpath(linked, os.path.dirname(os.path.abspath(html_path))) if linked else None
     try:
         result_files.write_csv(csv_path, csv_rows(report))
-        result_files.write_text(html_path, render(report))
+        result_files.write_text(html_path, render(report, link))
     except OSError as e:
         reporting.console(console_report(report))  # the verdict still, though its files are missing
         print(f"op_tools.report: cannot write the report: {type(e).__name__}: {e.strerror or e} ({e.filename})",
               file=sys.stderr)
         return ExitStatus.NOT_WRITTEN
-    written = [csv_path, html_path, *_monitor_page(args.results_dir)]
+    written = [csv_path, html_path, *monitor]
     reporting.console(console_report(report) + f"\nwritten: {', '.join(written)}")
     return status_of(report.verdict())
+
+
+def _existing_monitor_page(results_dir: str) -> str | None:
+    """The newest TrainingMonitor page in the results folder (the one written at the run's stop), if any."""
+    pages = glob.glob(os.path.join(results_dir, monitor_page.FOLDER, "**", "monitor_*.html"), recursive=True)
+    return os.path.abspath(max(pages, key=os.path.getmtime)) if pages else None
 
 
 def _monitor_page(results_dir: str) -> list[str]:

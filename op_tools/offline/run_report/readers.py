@@ -34,6 +34,7 @@ TIME_FOLDER = "op_time_measure_result"
 FINGERPRINT_FOLDER = "op_replica_fingerprints"
 MONITOR_FOLDER = "op_training_monitor"  # op_tools/tools/training_monitor.py's FOLDER (offline never imports tools)
 MONITOR = "TrainingMonitor"
+TIME_MEASURE = "OpTimeMeasure"
 MONITOR_PHASES = ("forward", "backward", "optimizer")  # a step's phases, in the order every rank runs them
 _RANK_FOLDER = re.compile(r"rank(\d+)$")
 
@@ -59,6 +60,7 @@ class Event:
     forward_id: int = 0
     received: bool = False  # OpOverflowCheck: this rank sent finite values and received inf/nan
     value: float | None = None  # TrainingMonitor: the figure its rule judged (nan, inf possible)
+    location: str = ""  # ``file:line function: code`` of the call, where the tool kept it (the monitor has none)
 
     @property
     def collective(self) -> bool:
@@ -125,7 +127,7 @@ def read_results(folder: str) -> Results:
     results = Results(folder)
     readers = ((OVERFLOW_FOLDER, "OpOverflowCheck", "overflow_*.json", _read_overflow),
                (AUTOCOMPARE_FOLDER, "OpAutoCompare", "op_autocompare_info_*.csv", _read_autocompare),
-               (TIME_FOLDER, "OpTimeMeasure", "op_elasped_info_*.csv", _read_times),
+               (TIME_FOLDER, TIME_MEASURE, "op_elasped_info_*.csv", _read_times),
                (FINGERPRINT_FOLDER, "fingerprints", "fingerprints_*.jsonl*", _read_fingerprints),
                (MONITOR_FOLDER, MONITOR, "anomalies_*.jsonl*", _read_monitor_anomalies))
     for subfolder, tool, pattern, read in readers:
@@ -154,7 +156,13 @@ def _read_overflow(results: Results, rank: int, path: str) -> None:
                                    record.get("module", ""), record.get("phase", "forward"), "OpOverflowCheck",
                                    "inf/nan", "inf/nan received from another rank" if record.get("received") else
                                    "first inf/nan from finite inputs", int(record.get("forward_id", 0)),
-                                   bool(record.get("received", False))))
+                                   bool(record.get("received", False)), location=_location(record.get("location"))))
+
+
+def _location(text) -> str:
+    """The innermost frame of a kept location (a full stack has one a line); "" where none was found."""
+    line = text.splitlines()[0] if isinstance(text, str) and text else ""
+    return "" if line == "<unknown location>" else line
 
 
 def _row_event(row: dict, rank: int, tool: str, op_column: str, **fields) -> Event:
@@ -171,7 +179,8 @@ def _read_autocompare(results: Results, rank: int, path: str) -> None:
             key = (row["op"], row["forward_id"], row["phase"])
             if key not in failed:
                 failed[key] = _row_event(row, rank, "OpAutoCompare", "op", kind="mismatch",
-                                         detail=f"{row.get('name', '')}: {row.get('error_info', '')}".strip(": "))
+                                         detail=f"{row.get('name', '')}: {row.get('error_info', '')}".strip(": "),
+                                         location=_location(row.get("location")))
         elif op_facts(row["op"]).collective:
             results.collectives.append(_row_event(row, rank, "OpAutoCompare", "op"))
     results.anomalies.extend(failed.values())
@@ -179,7 +188,7 @@ def _read_autocompare(results: Results, rank: int, path: str) -> None:
 
 def _read_times(results: Results, rank: int, path: str) -> None:
     for row in _csv_rows(path):
-        event = _row_event(row, rank, "OpTimeMeasure", "name")
+        event = _row_event(row, rank, TIME_MEASURE, "name")
         scale = 1e-3 if row.get("unit") == "us" else 1.0  # milliseconds
         spent = (_number(row.get("forward_elasped")) + _number(row.get("backward_elasped"))) * scale
         per_op = results.times.setdefault(event.rank, {}).setdefault(event.step, {})
