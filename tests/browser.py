@@ -4,7 +4,10 @@ installed, and fails under CI (``CI=true``), where ``.ci/run`` installs one, so 
 from __future__ import annotations
 
 import functools
+import html
+import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -12,6 +15,7 @@ import zlib
 
 import pytest
 
+ARTEFACTS = "OP_TOOLS_TEST_ARTEFACTS"  # where set, a folder that also keeps the screenshots, to look at after the run
 MISSING = "no chromium to open the page in (apt-get install chromium)"
 
 
@@ -51,11 +55,12 @@ def needs_browser(test):
     return pytest.mark.skipif(chromium() is None and not under_ci(), reason=MISSING)(run)
 
 
-def dump_dom(browser: str, page: str, fragment: str, profile: str) -> str:
-    """The page's DOM after its scripts ran, opened at ``page#fragment`` in a headless browser."""
+def dump_dom(browser: str, page: str, fragment: str, profile: str, extra: tuple[str, ...] = ()) -> str:
+    """The page's DOM after its scripts ran, opened at ``page#fragment`` in a headless browser (``extra``: more
+    options, ``--window-size=W,H``, ``--screenshot=PATH``)."""
     url = "file://" + os.path.abspath(page) + (f"#{fragment}" if fragment else "")
     result = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}",
-                             "--virtual-time-budget=5000", "--dump-dom", url],
+                             "--virtual-time-budget=5000", *extra, "--dump-dom", url],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout
@@ -69,11 +74,16 @@ def screenshot(browser: str, page: str, out: str, profile: str, size: tuple[int,
                              f"--screenshot={out}", "file://" + os.path.abspath(page)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and os.path.getsize(out) > 0, result.stderr[-2000:]
-    artefacts = os.environ.get("OP_TOOLS_TEST_ARTEFACTS")
-    if artefacts:
-        os.makedirs(artefacts, exist_ok=True)
-        shutil.copy(out, os.path.join(artefacts, os.path.basename(out)))
+    keep_artefact(out)
     return out
+
+
+def keep_artefact(path: str) -> None:
+    """A copy of ``path`` (a screenshot) in ``$OP_TOOLS_TEST_ARTEFACTS`` where that is set."""
+    keep = os.environ.get(ARTEFACTS)
+    if keep:
+        os.makedirs(keep, exist_ok=True)
+        shutil.copy(path, keep)
 
 
 def top_rows(png: str, count: int) -> list[list[tuple[int, int, int]]]:
@@ -107,3 +117,41 @@ def top_rows(png: str, count: int) -> list[list[tuple[int, int, int]]]:
         rows.append([tuple(line[x:x + 3]) for x in range(0, stride, size)])
         above = line
     return rows
+
+
+
+# Runs the probe's body once the page has loaded and settled, and leaves its result in the DOM for the dump.
+_PROBE = """<script>
+window.addEventListener("load", () => setTimeout(() => {
+  const out = document.createElement("pre");
+  out.id = "probe"; out.hidden = true;
+  try { out.textContent = JSON.stringify((() => { PROBE_BODY })()); }
+  catch (e) { out.textContent = JSON.stringify({probe_error: String(e)}); }
+  document.body.append(out);
+}, 200));
+</script>"""
+
+
+def open_once(browser: str, page: str, screenshot: str, probe: str = "", window: tuple[int, int] = (1400, 1000)
+              ) -> tuple[str, dict]:
+    """One opening of ``page`` in the headless browser at ``window`` (width, height): its DOM after its scripts ran
+    and what ``probe`` measured; a screenshot is written to ``screenshot`` and copied into ``$OP_TOOLS_TEST_ARTEFACTS``
+    where that is set.
+
+    ``probe``: the body of a JavaScript function, run 200 ms after the page's load event, for what a DOM cannot
+    show (the scroll position, where an element is drawn, what a click changes); what it returns (JSON) is the
+    second value. The browser opens a copy of the page with the probe added at its end; a probe that changes the
+    page puts it back, since the screenshot is taken after it ran."""
+    text = open(page, encoding="utf-8").read()
+    probed = os.path.splitext(page)[0] + ".probed.html"
+    with open(probed, "w", encoding="utf-8") as f:
+        f.write(text.replace("</body>", _PROBE.replace("PROBE_BODY", probe) + "</body>") if probe else text)
+    profile = os.path.join(os.path.dirname(os.path.abspath(screenshot)), "browser-profile")
+    dom = dump_dom(browser, probed, "", profile, (f"--window-size={window[0]},{window[1]}",
+                                                  f"--screenshot={os.path.abspath(screenshot)}"))
+    assert os.path.getsize(screenshot) > 0
+    keep_artefact(screenshot)
+    found = re.search(r'<pre id="probe" hidden="">(.*?)</pre>', dom, re.S)
+    measured = json.loads(html.unescape(found.group(1))) if found else {}
+    assert "probe_error" not in measured, measured
+    return dom, measured

@@ -275,7 +275,10 @@ class Comparison:
         return {
             "name": self.name, "allclose": self.allclose, "cosine_similarity": f"{self.cosine_similarity:.9f}",
             "max_abs_diff": f"{self.max_abs_diff:.9g}", "max_relative_diff": f"{self.max_relative_diff:.9g}",
-            "atol": f"{self.atol:.3g}", "rtol": f"{self.rtol:.3g}", "device_error": _fmt(self.device_error),
+            "atol": f"{self.atol:.3g}", "rtol": f"{self.rtol:.3g}",
+            # nan where the difference is nan (a nan output): a value; elsewhere nan is none measured (integers)
+            "device_error": "nan" if math.isnan(self.max_abs_diff) and math.isnan(self.device_error)
+            else _fmt(self.device_error),
             "cpu_error": _fmt(self.cpu_error), "error_ratio": _fmt(self.error_ratio),
             "verdict": "pass" if self.passed else "FAIL", "error_info": self.error_info,
         }
@@ -485,12 +488,16 @@ def compare_tensors(name: str, d: torch.Tensor, r: torch.Tensor, same: Callable[
                              f"(device {_nonfinite(dw[bad])}, reference {_nonfinite(rw[bad])})")
             else:
                 infos.append(f"{int(bad.sum())} element(s) overflow in {d.dtype} as in a correct {d.dtype} run")
+        # |d - r| where nan/inf differ: nan where either is nan, else inf (what the elementwise error there is)
+        nonfinite_error = float((dw[bad] - rw[bad]).abs().max()) if not result.passed else 0.0
         dw, rw = dw[both], rw[both]
         stats = error_stats(dw, rw, atol, rtol, relative) if dw.numel() else None
         if stats is not None:
             result.max_abs_diff, result.max_relative_diff, result.device_error, result.cosine_similarity = stats[:4]
         else:
             result.device_error = 0.0
+        if not result.passed:  # the finite elements' error would read as a small (or 0) error for a nan output
+            result.max_abs_diff = result.max_relative_diff = result.device_error = nonfinite_error
     if user is not None:
         result.passed = result.allclose
         if not result.passed:

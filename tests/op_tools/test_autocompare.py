@@ -1,5 +1,6 @@
 import csv
 import glob
+import math
 import os
 
 import pytest
@@ -208,6 +209,18 @@ def test_compare_outputs_structure_shape_dtype_and_integers():
     assert not nan.passed and "nan/inf" in nan.error_info
     numbers = compare_outputs((3, 2.5, None, "x"), (3, 2.5, None, "x"))
     assert all(c.passed for c in numbers)
+
+
+def test_a_nan_or_inf_where_the_reference_is_finite_is_a_nan_or_inf_error_never_that_of_the_finite_rest():
+    reference = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    [nan] = compare_outputs(torch.tensor([1.0, float("nan"), 3.0]), reference)
+    assert not nan.passed and math.isnan(nan.device_error) and math.isnan(nan.max_abs_diff)
+    [inf] = compare_outputs(torch.tensor([1.0, float("inf"), 3.0]), reference)
+    assert not inf.passed and inf.device_error == inf.max_abs_diff == math.inf
+    [all_nan] = compare_outputs(torch.full((3,), float("nan")), reference)  # no finite element left to measure
+    assert math.isnan(all_nan.device_error) and all_nan.row()["max_abs_diff"] == all_nan.row()["device_error"] == "nan"
+    [ints] = compare_outputs(torch.tensor([1, 2, 3]), torch.tensor([1, 2, 4]))  # exact: no normalised error, not nan
+    assert not ints.passed and ints.row()["device_error"] == "" and ints.row()["max_abs_diff"] == "1"
 
 
 def test_device_error_well_above_a_correct_same_dtype_run_fails():

@@ -10,7 +10,7 @@ from unittest import mock
 
 import pytest
 import torch
-from browser import chromium, dump_dom, needs_browser
+from browser import needs_browser, open_once, require_browser
 from subprocess_env import child_env
 from tiny_models import tiny_llama
 
@@ -190,22 +190,95 @@ def test_the_command_line_refuses_a_recording_of_a_newer_format_with_exit_2(runs
     assert f"format version {FORMAT_VERSION + 1}, written by a newer op_tools" in done.stderr
 
 
-@needs_browser
-def test_the_html_view_shows_both_runs_aligned_with_the_first_divergence_highlighted(runs, tmp_path):
+# The page's state at load, then with only the blocks with differences, then after its banner's button; put back.
+VIEW_PROBE = """
+const banner = document.getElementById("banner"), table = document.getElementById("rows");
+const blocks = [...table.tBodies];
+const saved = blocks.map(b => b.className);
+const shown = selector => [...document.querySelectorAll(selector)].filter(e => e.offsetParent !== null);
+const state = () => ({blocks: shown("#rows tbody").length, calls: shown("tr.call").length,
+    open: blocks.filter(b => !b.classList.contains("collapsed")).map(b => b.rows[0].textContent),
+    clean_shown: shown("#rows tbody").filter(b => b.dataset.differences === "0").length});
+const result = {inner_width: window.innerWidth, load: {scroll_y: window.scrollY, ...state()},
+                banner_position: getComputedStyle(banner).position};
+window.scrollTo(0, document.documentElement.scrollHeight);
+result.scrolled = {scroll_y: window.scrollY, banner_top: banner.getBoundingClientRect().top};
+window.scrollTo(0, 0);
+document.getElementById("focus").click();
+result.focus = state();
+document.getElementById("go-first").click();
+const first = document.getElementById("first-difference").getBoundingClientRect();
+result.go_first = {scroll_y: window.scrollY, row_top: first.top, banner_bottom: banner.getBoundingClientRect().bottom};
+blocks.forEach((b, i) => { b.className = saved[i]; });
+window.scrollTo(0, 0);
+return result;
+"""
+
+
+@pytest.fixture(scope="module")
+def view(runs, tmp_path_factory):
+    """The HTML view of the CPU run against sim's with the silu fault and an inserted ``.float()``, opened once in
+    chromium at 1400 x 1000: ``(result, page text, DOM, what VIEW_PROBE measured)``; its screenshot is
+    compare_runs.png in the test's folder (and in $OP_TOOLS_TEST_ARTEFACTS)."""
+    browser = require_browser()
     result = compare(_cpu(runs), runs("sim_float_fault", "sim", extra_float=True, fault="silu:noise=1e-3"))
-    page = tmp_path / "view.html"
+    folder = tmp_path_factory.mktemp("view")
+    page = folder / "view.html"
     page.write_text(render(result), encoding="utf-8")
-    assert not re.search(r"""(src|href)=["']?(https?:)?//""", page.read_text())  # nothing fetched from elsewhere
-    dom = dump_dom(chromium(), str(page), "", str(tmp_path / "profile"))
+    dom, probe = open_once(browser, str(page), str(folder / "compare_runs.png"), VIEW_PROBE)
+    return result, page.read_text(), dom, probe
+
+
+@needs_browser
+def test_the_html_view_shows_both_runs_aligned_with_the_first_divergence_highlighted(view):
+    result, text, dom, _ = view
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", text)  # nothing fetched from elsewhere
     rows = re.findall(r'<tr class="call( [a-z ]+)?" id="[\w-]+">(.*?)</tr>', dom)
     assert len(rows) == len(result.rows)
-    first = re.search(r'<tr class="call diverged first" id="first-divergence">(.*?)</tr>', dom).group(1)
+    first = re.search(r'<tr class="call diverged first" id="first-difference">(.*?)</tr>', dom).group(1)
     assert re.match(r'<td class="op">torch\.nn\.functional\.silu #0 \(cpu\)</td><td class="tensors">[^<]*</td>'
                     r'<td class="diff">[^<]*</td><td class="op">torch\.nn\.functional\.silu #0 \(sim:0\)</td>', first)
     assert '<tr class="block has-divergence"><td colspan="6">step 0 forward model.layers.1.mlp.act_fn</td>' in dom
     inserted = re.search(r'<tr class="call structural" id="row-\d+"><td class="missing"></td><td class="missing">'
                          r'</td><td class="diff">only B</td><td class="op">torch\.Tensor\.float #0 \(sim:0\)</td>', dom)
     assert inserted
+
+
+@needs_browser
+def test_the_html_view_opens_on_a_fixed_banner_with_the_verdict_and_where_the_runs_first_part(view):
+    result, _, dom, probe = view
+    diverged = len(result.divergences)
+    assert re.search(rf'<header id="banner" class="verdict-found">.*?<h1 id="verdict">The runs diverge: {diverged} of '
+                     rf'{len(result.compared)} compared pairs diverged</h1>', dom)
+    fields = dict(re.findall(r'<span class="field" data-field="(\w+)"><span class="field-name">\w+</span>'
+                             r'<code>([^<]*)</code>', dom))
+    assert fields == {"step": "0", "phase": "forward", "module": FAULTY_OP, "op": "torch.nn.functional.silu #0"}
+    assert re.search(r'<p class="banner-line">why: outputs\[0\] \w+ differs by [\d.e-]+, more than', dom)
+    assert "<ul" not in dom  # the verdict is a headline and a table of its lines, no bullets
+    assert re.search(r"<tr><th>first structural difference</th><td>step 0 forward model.layers.1.mlp #0 "
+                     r"torch.Tensor.float runs in B only</td></tr>", dom)
+    assert probe["inner_width"] == 1400 and probe["banner_position"] == "sticky"
+    assert probe["load"]["scroll_y"] == 0  # nothing scrolls the page away from its banner on load
+    assert probe["scrolled"]["scroll_y"] > 0 and probe["scrolled"]["banner_top"] == 0  # it stays on top
+
+
+@needs_browser
+def test_the_html_view_opens_with_only_the_first_divergence_block_expanded_and_hides_clean_blocks_on_request(view):
+    result, _, dom, probe = view
+    block = "step 0 forward model.layers.1.mlp.act_fn"
+    assert probe["load"]["open"] == [block]
+    assert probe["load"]["calls"] == sum(
+        r.step == 0 and r.phase == "forward" and r.module == FAULTY_OP for r in result.rows)
+    differing = {(r.step, r.phase, r.module) for r in result.rows if r.diverged or r.structural or r.not_compared}
+    # only blocks with differences: the others are hidden, headers too; those shown are opened
+    assert probe["focus"]["clean_shown"] == 0 and probe["load"]["clean_shown"] > 0
+    assert 0 < probe["focus"]["blocks"] < probe["load"]["blocks"] // 4
+    assert probe["focus"]["blocks"] >= len(differing)  # a module's calls can form more than one block
+    assert re.search(rf"{len(result.rows)} rows in \d+ blocks, {probe['focus']['blocks']} with differences", dom)
+    # the banner's button goes to the row, below the banner, not under it
+    go = probe["go_first"]
+    assert go["scroll_y"] > 0 and go["row_top"] >= go["banner_bottom"]
+    assert '<button id="go-first" type="button">show it</button>' in dom
 
 
 # --- the account: every aligned pair compared, or not compared and said so (exit 4) ---
@@ -231,7 +304,17 @@ def test_a_call_whose_statistics_a_run_could_not_record_is_not_compared_but_name
     assert result.divergences == [] and result.verdict() == "unchecked"
     assert len(result.compared) == 4
     page = render(result)  # the view shows the pair, in grey, with its reason, and the WARNING
-    assert '"unchecked":true' in page and "<li>WARNING: 1 aligned pair not compared" in page
+    assert '"unchecked":true' in page and "<tr><th>WARNING</th><td>1 aligned pair not compared" in page
+    # its banner: no divergence, but not all compared, and the first pair not compared (it opens on its block)
+    assert ('<header id="banner" class="verdict-unchecked"><div class="page-title">compare_runs: two runs side by '
+            'side</div><h1 id="verdict">No divergence among the 4 compared pairs, but not all were compared, 1 not '
+            'compared</h1><div class="where"><span class="where-label">first pair not compared</span>') in page
+    assert '<span class="field" data-field="op"><span class="field-name">op</span><code>torch.Tensor.to_sparse #2' \
+        in page and '<p class="banner-line">why: run A has no statistics (RuntimeError: reshape' in page
+    assert 'data-field="rank"' not in page  # recorded without torchrun: no rank to name
+    result.header_a["rank"], result.header_b["rank"] = 0, 1  # rank 0 of one run against rank 1 of another
+    assert '<span class="field" data-field="rank"><span class="field-name">rank</span><code>A 0, B 1</code>' in \
+        render(result)
     done = _cli(a, b, "--csv", str(tmp_path / "c.csv"))
     assert done.returncode == 4, done.stderr
     assert "first divergence in forward: none among the pairs compared (1 not compared)" in done.stdout

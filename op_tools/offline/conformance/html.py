@@ -1,7 +1,9 @@
-"""The conformance report as one self-contained HTML file: the pass-rate table, then every row in a table that
-sorts by any column (click its header) and filters by status, by name, and (with ``--compare``) to the rows
-where the two runs differ. A row that is a known gap (known_gaps.py) keeps its status, with a "known gap" mark and
-the reason; a filter hides those rows.
+"""The conformance report as one self-contained HTML file: a banner fixed at the top with the verdict and the first
+failure (op, dtype, phase, sample, output), the pass-rate table, then every row, failures first (then rows not
+checked, skipped, passed), in a table that sorts by any column (click its header) and filters by status, by name,
+and (with ``--compare``) to the rows where the two runs differ. A row that is a known gap (known_gaps.py) keeps its
+status, with a "known gap" mark and the reason; a filter hides those rows. The table has a fixed layout that fits
+the window (from about 1,100 px): long details and reproduce commands wrap in their cells, never past the edge.
 
 The rows travel as JSON inside the page and a small script renders them, so the file needs nothing else. The
 state of the filters lives in the URL fragment, e.g. ``conformance.html#status=mismatch,unsupported&sort=
@@ -14,26 +16,57 @@ from __future__ import annotations
 import html
 import json
 import math
+import re
 
-from .report import summary_rows
-from .results import STATUSES, Row
+from ...output.html_banner import BANNER_CSS, BANNER_SCRIPT, banner
+from . import report
+from .results import STATUSES, Row, measured
 
 COLUMNS = ("op", "dtype", "direction", "status", "samples", "failing", "sample", "output", "device_error",
            "cpu_error", "error_ratio", "detail", "reproduce")
 
 
-def _json_value(value):
-    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
-        return None if math.isnan(value) else str(value)  # JSON has no nan; inf sorts as text after numbers
+def _json_value(row: Row, column: str):
+    """A cell's value as JSON has it: nan and inf as text (JSON has neither), a nan no one measured as null."""
+    value = getattr(row, column)
+    if isinstance(value, float) and math.isnan(value):
+        return "nan" if measured(row, column) else None
+    if isinstance(value, float) and math.isinf(value):
+        return str(value)  # "inf": sorts as text after the numbers
     return value
+
+
+def _banner(rows: list[Row], title: str) -> str:
+    verdict = report.verdict(rows)
+    account, *lines = report.closing_lines(rows)
+    first = report.first_failure(rows)
+    if verdict == "found":
+        headline = lines[0]
+        lines = lines[1:]  # what is left: the WARNING on rows not checked
+    elif verdict == "unchecked":
+        unchecked = sum(r.status == "unchecked" for r in rows)
+        headline = f"{unchecked} row{'s' if unchecked != 1 else ''} not checked; none failed"
+        lines = []  # the first not checked is the banner's row
+    else:
+        headline = "Every op that ran passed"
+        lines = []
+    where: dict[str, object] = {}
+    if first is not None:
+        where = {"op": first.op, "dtype": first.dtype, "phase": first.direction, "status": first.status,
+                 "sample": first.sample, "output": first.output}
+        lines = [first.detail, account, *lines]  # the detail first: it says what the fields point at
+    else:
+        lines = [account, *lines]
+    label = "first failure" if verdict == "found" else "first not checked"
+    return banner(title, headline, verdict, label, where, [line for line in lines if line])
 
 
 def render(rows: list[Row], title: str, other: list[Row] | None = None, other_label: str = "") -> str:
     """The page, as text."""
     theirs = {r.key: r for r in other} if other is not None else None
     data = []
-    for row in rows:
-        item = {c: _json_value(getattr(row, c)) for c in COLUMNS}
+    for row in report.reading_order(rows):
+        item = {c: _json_value(row, c) for c in COLUMNS}
         item["inputs"] = row.inputs
         item["known_gap"] = row.known_gap
         if theirs is not None:
@@ -44,7 +77,7 @@ def render(rows: list[Row], title: str, other: list[Row] | None = None, other_la
     columns = list(COLUMNS)
     if theirs is not None:
         columns.insert(columns.index("status") + 1, "other")
-    summary = summary_rows(rows)
+    summary = report.summary_rows(rows)
     head = "".join(f"<th>{html.escape(str(k))}</th>" for k in summary[0])
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in line.values()) + "</tr>"
                    for line in summary)
@@ -53,22 +86,27 @@ def render(rows: list[Row], title: str, other: list[Row] | None = None, other_la
     known = sum(1 for r in rows if r.known_gap)
     gaps = (f"<p id='known-gaps'>{known} row{'s are' if known != 1 else ' is a'} known gap{'s' if known != 1 else ''}"
             " (marked in the table): still counted as what they are, not as passes.</p>") if known else ""
-    return (_TEMPLATE.replace("__TITLE__", html.escape(title))
-            .replace("__SUMMARY__", f"<table class='summary'><thead><tr>{head}</tr></thead><tbody>{body}</tbody>"
-                                    f"</table>{gaps}")
-            .replace("__DATA__", payload))
+    parts = {"TITLE": html.escape(title), "BANNER_CSS": BANNER_CSS, "BANNER_SCRIPT": BANNER_SCRIPT,
+             "BANNER": _banner(rows, title),
+             "SUMMARY": f"<table class='summary'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{gaps}",
+             "DATA": payload}
+    return re.sub(r"__([A-Z_]+)__", lambda m: parts[m.group(1)], _TEMPLATE)  # one pass: no part is read twice
 
 
 _TEMPLATE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>__TITLE__</title>
 <style>
 body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222; }
+__BANNER_CSS__
 table { border-collapse: collapse; }
 th, td { border: 1px solid #ccc; padding: 3px 7px; text-align: left; vertical-align: top; }
-table.rows th { cursor: pointer; background: #f3f3f3; position: sticky; top: 0; white-space: nowrap; }
+/* a fixed layout at the window's width: the columns' widths are set, details and commands wrap inside theirs */
+table.rows { table-layout: fixed; width: 100%; min-width: 1100px; font-size: 13px; }
+table.rows th { cursor: pointer; background: #f3f3f3; position: sticky; top: var(--banner-height, 0px); }
+table.rows td { overflow-wrap: break-word; }
 th.sorted-asc::after { content: " \\25B2"; } th.sorted-desc::after { content: " \\25BC"; }
-td.detail { min-width: 24em; max-width: 48em; word-break: break-word; }
-td.reproduce { min-width: 16em; max-width: 36em; } td.reproduce code { font-size: 12px; word-break: break-all; }
+td.reproduce code { font-size: 12px; word-break: break-all; }
+td.device_error, td.cpu_error, td.error_ratio { font-family: monospace; }
 .status-pass td.status { background: #dff5dd; } .status-mismatch td.status { background: #ffd6d6; }
 .status-unsupported td.status { background: #ffe9c7; } .status-crash td.status { background: #e6c6ff; }
 .status-unchecked td.status { background: #d9d9d9; font-style: italic; }
@@ -78,20 +116,25 @@ span.known-gap { margin-left: 0.4em; padding: 0 4px; border-radius: 3px; backgro
 div.known-gap { margin-top: 0.3em; color: #555; }
 </style></head>
 <body>
-<h1>__TITLE__</h1>
+__BANNER__
 __SUMMARY__
 <div id="filters"><span id="status-filters"></span>
 <label id="differ-filter" hidden><input type="checkbox" id="differ"> only where the runs differ</label>
 <label id="gaps-filter" hidden><input type="checkbox" id="gaps"> known gaps</label>
 <label>op <input type="search" id="query" placeholder="name contains"></label>
 <span id="count"></span></div>
-<table class="rows"><thead><tr id="header"></tr></thead><tbody id="rows"></tbody></table>
+<table class="rows"><colgroup id="widths"></colgroup><thead><tr id="header"></tr></thead><tbody id="rows"></tbody>
+</table>
 <script type="application/json" id="data">__DATA__</script>
 <script>
 "use strict";
+__BANNER_SCRIPT__
 const DATA = JSON.parse(document.getElementById("data").textContent);
 const state = {statuses: new Set(DATA.statuses), differ: false, query: "", sort: "", desc: false, gaps: true};
 const NUMERIC = new Set(["samples", "failing", "sample", "device_error", "cpu_error", "error_ratio"]);
+// The columns' widths in the fixed layout; detail and reproduce share what is left.
+const WIDTHS = {op: "9em", dtype: "5.4em", direction: "6.4em", status: "6.6em", other: "6em", samples: "5.4em",
+  failing: "4.8em", sample: "5em", output: "6.4em", device_error: "5.8em", cpu_error: "5.8em", error_ratio: "5.8em"};
 
 function readHash() {
   const params = new URLSearchParams(location.hash.slice(1));
@@ -113,12 +156,15 @@ function writeHash() {
   history.replaceState(null, "", "#" + params.toString());
 }
 
+// nan and inf come as text (JSON has neither): as errors, inf is above every number and nan above inf.
+function rank(value) { return {"-inf": -1, "inf": 1, "nan": 2}[value] || 0; }
+
 function compare(a, b) {
   const x = a[state.sort], y = b[state.sort];
   if (x === y) return 0;
   if (x === null || x === "") return 1;   // empty cells last, either way
   if (y === null || y === "") return -1;
-  const order = NUMERIC.has(state.sort) && typeof x === "number" && typeof y === "number" ? x - y
+  const order = NUMERIC.has(state.sort) ? rank(x) - rank(y) || (rank(x) === 0 ? x - y : 0)
     : String(x).localeCompare(String(y), undefined, {numeric: true});
   return state.desc ? -order : order;
 }
@@ -171,9 +217,13 @@ function render() {
 
 function build() {
   const header = document.getElementById("header");
+  const widths = document.getElementById("widths");
   DATA.columns.forEach(c => {
+    const col = document.createElement("col");
+    if (WIDTHS[c]) col.style.width = WIDTHS[c];
+    widths.appendChild(col);
     const th = document.createElement("th");
-    th.textContent = c === "other" ? DATA.other_label : c;
+    th.textContent = c === "other" ? DATA.other_label : c.replace(/_/g, "_\\u200b");  // "device_error" may wrap
     th.dataset.column = c;
     th.addEventListener("click", () => {
       state.desc = state.sort === c ? !state.desc : false; state.sort = c; render();

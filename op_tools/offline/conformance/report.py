@@ -19,6 +19,9 @@ FAILED = ("mismatch", "unsupported", "crash")  # the device found wrong
 NOT_CHECKED = ("unchecked",)  # no verdict on the op's results
 FAILING = FAILED + NOT_CHECKED  # rows that did not pass: listed, with the command that reruns them
 _DETAIL_WIDTH = 110
+# The order rows are read in (the HTML report's): what failed, known gaps after the other failures, then what was not
+# checked, then skipped, then the passes.
+_READING_RANK = {**dict.fromkeys(FAILED, 0), "unchecked": 2, "skipped": 3, "pass": 4}
 
 
 def verdict(rows: list[Row]) -> str:
@@ -28,6 +31,17 @@ def verdict(rows: list[Row]) -> str:
     if statuses & set(FAILED):
         return "found"
     return "unchecked" if statuses & set(NOT_CHECKED) else "clean"
+
+
+def reading_order(rows: list[Row]) -> list[Row]:
+    """``rows`` failures first (known gaps after the others), then unchecked, skipped, and passed rows; the sweep's
+    order within each."""
+    return sorted(rows, key=lambda r: _READING_RANK[r.status] + bool(r.known_gap and r.status in FAILED))
+
+
+def first_failure(rows: list[Row]) -> Row | None:
+    """The row the report leads with: the first failed row (in ``reading_order``), else the first not checked."""
+    return next((r for r in reading_order(rows) if r.status in FAILING), None)
 
 
 def closing_lines(rows: list[Row]) -> list[str]:

@@ -158,16 +158,29 @@ def find_results_file(path: str) -> str:
 CSV_COLUMNS = tuple(f.name for f in dataclasses.fields(Row))
 
 
-def _cell(value) -> str:
+def measured(row: Row, field: str) -> bool:
+    """Whether ``row``'s ``field``, where it is nan, is a nan measured (a nan output's error is nan) rather than no
+    number at all: a row that names the output it compared (``output``) has its largest difference, and its device
+    error is nan exactly where that difference is (an exact comparison of integers has none); a pass, a raise, a
+    crash, and the CPU's error where the verdict did not need it, have none."""
+    if not row.output:
+        return False
+    return field == "max_abs_diff" or (field == "device_error" and math.isnan(row.max_abs_diff))
+
+
+def shown(row: Row, field: str) -> str:
+    """``row``'s ``field`` as the CSV writes it: ``nan`` for a nan measured, empty for none (``measured``), never
+    0 for a nan."""
+    value = getattr(row, field)
     if isinstance(value, float):
-        return "" if math.isnan(value) else f"{value:.6g}"
+        return ("nan" if measured(row, field) else "") if math.isnan(value) else f"{value:.6g}"
     return "" if value is None else str(value)
 
 
 def write_csv(path: str, rows: list[Row]) -> None:
     from ...output import result_files  # the one writer of files (atomic)
 
-    result_files.write_csv(path, [{c: _cell(getattr(r, c)) for c in CSV_COLUMNS} for r in rows])
+    result_files.write_csv(path, [{c: shown(r, c) for c in CSV_COLUMNS} for r in rows])
 
 
 def read_csv(path: str) -> list[Row]:

@@ -87,6 +87,50 @@ def test_the_csv_reads_back_the_rows_it_was_written_from(tmp_path):
     assert back[0].sample is None and math.isnan(back[0].device_error)
 
 
+def test_a_nan_error_is_written_nan_in_the_csv_and_the_page_and_a_row_without_one_leaves_it_empty(tmp_path):
+    nan = math.nan
+    rows = [row("sin", status="mismatch", samples=1, failing=1, sample=0, output="output[0]", device_error=nan,
+                max_abs_diff=nan, detail="sample 0 output[0]: nan/inf differ at 400 of 400 elements"),
+            row("exp", status="mismatch", output="output[0]", device_error=math.inf, max_abs_diff=math.inf),
+            row("argmax", status="mismatch", output="output[0]", max_abs_diff=3.0),  # integers: no normalised error
+            row("add"), row("erf", status="unsupported", sample=0, detail="RuntimeError: no kernel")]
+    path = str(tmp_path / "conformance.csv")
+    write_csv(path, rows)
+    with open(path, newline="") as f:
+        cells = {r["op"]: (r["device_error"], r["max_abs_diff"], r["cpu_error"], r["error_ratio"])
+                 for r in csv.DictReader(f)}
+    assert cells == {"sin": ("nan", "nan", "", ""), "exp": ("inf", "inf", "", ""), "argmax": ("", "3", "", ""),
+                     "add": ("", "", "", ""), "erf": ("", "", "", "")}  # the CPU's error was not needed: none, not nan
+    back = read_csv(path)
+    assert math.isnan(back[0].device_error) and back[1].device_error == math.inf
+    page = html.render(rows, "t")
+    assert re.search(r'"op": "sin", [^}]*"device_error": "nan", "cpu_error": null', page)
+    assert re.search(r'"op": "exp", [^}]*"device_error": "inf"', page)
+    assert re.search(r'"op": "add", [^}]*"device_error": null', page)
+    assert re.search(r'"op": "argmax", [^}]*"device_error": null', page)
+
+
+def test_the_report_reads_failures_first_known_gaps_after_them_then_not_checked_skipped_and_passed():
+    rows = [row("a"), row("b", status="skipped"), row("c", status="mismatch", known_gap="a known gap"),
+            row("d", status="unchecked"), row("e", status="crash"), row("f", status="mismatch"), row("g")]
+    assert [r.op for r in report.reading_order(rows)] == ["e", "f", "c", "d", "b", "a", "g"]
+    assert report.first_failure(rows).op == "e"
+    assert report.first_failure([row("a"), row("d", status="unchecked")]).op == "d"
+    assert report.first_failure([row("a"), row("b", status="skipped")]) is None
+    page = html.render(rows, "t")
+    assert re.findall(r'"op": "(\w)"', page) == ["e", "f", "c", "d", "b", "a", "g"]
+    assert ('<h1 id="verdict">3 rows failed (2 mismatch, 0 unsupported, 1 crash), 1 of them known gaps</h1><div '
+            'class="where"><span class="where-label">first failure</span>') in page
+    clean = html.render([row("a"), row("b", status="skipped")], "t")
+    assert '<header id="banner" class="verdict-clean">' in clean
+    assert '<h1 id="verdict">Every op that ran passed</h1>' in clean
+    assert 'class="where"' not in clean  # nothing failed: no row to point at
+    unchecked = html.render([row("a"), row("d", status="unchecked", detail="no CPU reference")], "t")
+    assert ('<h1 id="verdict">1 row not checked; none failed</h1><div class="where"><span class="where-label">first '
+            'not checked</span><span class="field" data-field="op"><span class="field-name">op</span><code>d</code>'
+            ) in unchecked and '<p class="banner-line">no CPU reference</p>' in unchecked
+
+
 def test_a_csv_of_another_tool_is_refused_by_name(tmp_path):
     path = tmp_path / "other.csv"
     path.write_text("name,verdict\nx,pass\n")
