@@ -317,8 +317,9 @@ TABLE_WIDTH = declare(
 REPLICA_FINGERPRINTS = _flag(
     "OP_TOOLS_REPLICA_FINGERPRINTS", "1",
     "Under torchrun with more than one rank, while a tool runs: before each optimizer step, a checksum of every "
-    "replicated parameter and its gradient (the sum of its bits, on the device, one transfer per step) written to "
-    "`op_replica_fingerprints/rank<N>/`, for `python -m op_tools.report` to tell whether the replicas still agree. "
+    "replicated parameter and its gradient (the sum of its bits, on the device, one transfer per step), and which "
+    "parameters hold inf/nan, written to `op_replica_fingerprints/rank<N>/`, for `python -m op_tools.report` to "
+    "tell whether the replicas still agree. "
     "0 writes none.",
 )
 CONFIG_FILE = declare(

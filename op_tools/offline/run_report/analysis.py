@@ -97,6 +97,20 @@ class Desync:
 
 
 @dataclasses.dataclass(frozen=True)
+class NonFiniteParameters:
+    """The first step at which some rank's parameters held an inf or a NaN before its optimizer update."""
+
+    step: int
+    names: tuple[str, ...]  # the first such rank's, in the optimizer's order
+    ranks: tuple[int, ...]  # the ranks whose parameters held one at that step
+
+    def text(self) -> str:
+        more = f" and {len(self.names) - 1} more" if len(self.names) > 1 else ""
+        ranks = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {','.join(map(str, self.ranks))}"
+        return f"from step {self.step}, parameter {self.names[0]}{more} hold inf/nan on {ranks}"
+
+
+@dataclasses.dataclass(frozen=True)
 class StepSkew:
     step: int
     ms: dict[int, float]  # rank -> milliseconds in the timed calls (collectives left out)
@@ -121,6 +135,17 @@ class RunReport:
     desync: Desync | None
     replicas_compared: int  # steps whose fingerprints were compared across at least two ranks
     skew: list[StepSkew]
+    nonfinite: NonFiniteParameters | None = None  # parameters holding inf/nan, from the fingerprints
+
+    def replicas_text(self) -> str:
+        """What the replica fingerprints say, true to what was read: a desync, agreement (with the parameters'
+        inf/nan, which replicas can share bit for bit), or why nothing was compared."""
+        if self.desync is not None:
+            return self.desync.text()
+        if self.replicas_compared:
+            shared = f", but {self.nonfinite.text()}" if self.nonfinite is not None else ""
+            return f"agree at each of the {self.replicas_compared} steps compared{shared}"
+        return f"not compared ({replicas_not_compared(self.results)})"
 
     @property
     def monitor_anomalies(self) -> list[Event]:
@@ -128,9 +153,10 @@ class RunReport:
         return sorted((e for e in self.results.anomalies if e.tool == MONITOR), key=lambda e: (e.order, e.rank))
 
     def verdict(self) -> str:
-        """``"found"`` (an anomaly or a replica desync), ``"unread"`` (none in what was read, but some file could
-        not be read: a clean verdict is not earned) or ``"clean"``."""
-        if self.first is not None or self.desync is not None or any(r.status != "clean" for r in self.ranks):
+        """``"found"`` (an anomaly, a replica desync, parameters holding inf/nan), ``"unread"`` (none in what was
+        read, but some file could not be read: a clean verdict is not earned) or ``"clean"``."""
+        if self.first is not None or self.desync is not None or self.nonfinite is not None or \
+                any(r.status != "clean" for r in self.ranks):
             return "found"
         return "unread" if self.results.unreadable else "clean"
 
@@ -226,6 +252,37 @@ def compare_replicas(results: Results) -> tuple[Desync | None, int]:
     return None, compared
 
 
+def replicas_not_compared(results: Results) -> str:
+    """Why no step's fingerprints were compared across two ranks, from what the folder holds."""
+    prints = results.fingerprints
+    others = sorted(results.ranks - set(prints))
+    if len(results.ranks) < 2:
+        return "the results hold one rank"
+    if not prints:
+        return ("no rank wrote replica fingerprints: the op tools write them before each optimizer step they see, "
+                "unless OP_TOOLS_REPLICA_FINGERPRINTS=0; TrainingMonitor does not")
+    if len(prints) == 1:
+        return f"only rank {next(iter(prints))} wrote fingerprints, not rank{'s' if len(others) > 1 else ''} " \
+            f"{','.join(map(str, others))}"
+    if not any(prints.values()):
+        return "no optimizer step ran while an op tool was on (the fingerprints are written before each)"
+    return "the ranks' fingerprints share no step"
+
+
+def nonfinite_parameters(results: Results) -> NonFiniteParameters | None:
+    """The first step at which a rank's fingerprints name a parameter holding inf/nan."""
+    at: dict[int, dict[int, list[str]]] = {}
+    for rank, steps in results.fingerprints.items():
+        for step, record in steps.items():
+            if record.get("nonfinite"):
+                at.setdefault(step, {})[rank] = list(record["nonfinite"])
+    if not at:
+        return None
+    step = min(at)
+    ranks = tuple(sorted(at[step]))
+    return NonFiniteParameters(step, tuple(at[step][ranks[0]]), ranks)
+
+
 def time_skew(results: Results) -> list[StepSkew]:
     from ...ops.op_facts import op_facts
 
@@ -246,4 +303,4 @@ def time_skew(results: Results) -> list[StepSkew]:
 def analyse(results: Results) -> RunReport:
     ranks, first = account_ranks(results)
     desync, compared = compare_replicas(results)
-    return RunReport(results, ranks, first, desync, compared, time_skew(results))
+    return RunReport(results, ranks, first, desync, compared, time_skew(results), nonfinite_parameters(results))

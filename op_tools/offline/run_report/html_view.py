@@ -72,13 +72,12 @@ def render(report: RunReport, monitor_page: str | None = None) -> str:
               "source": a.first.location if a.first else ""} for a in report.ranks]
     skew = [{"step": s.step, "slowest": s.slowest, "ms": {str(r): round(ms, 3) for r, ms in sorted(s.ms.items())},
              "top": [[op, round(ms, 3)] for op, ms in s.top_ops]} for s in report.skew]
-    replicas = (report.desync.text() if report.desync is not None else
-                f"agree at each of the {report.replicas_compared} steps compared" if report.replicas_compared else
-                "not compared (no fingerprints from two ranks)")
+    replicas = report.replicas_text()
     monitor = ("no anomaly" if MONITOR in report.results.tools else "not run (no op_training_monitor/)")
     # values travel as text: JSON has no NaN or Infinity
     payload = {"ranks": ranks, "skew": skew, "skew_none": skew_absent(report), "replicas": replicas,
-               "desync": report.desync is not None, "first": report.first.rank if report.first else None,
+               "desync": report.desync is not None or report.nonfinite is not None,
+               "first": report.first.rank if report.first else None,
                "monitor": monitor_rows(report), "monitor_columns": MONITOR_COLUMNS, "monitor_none": monitor}
     data = json.dumps(payload, separators=(",", ":")).replace("</", "<\\/")
     read = "".join(f"<li>{html.escape(line)}</li>" for line in read_lines(report))

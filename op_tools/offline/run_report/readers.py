@@ -90,7 +90,8 @@ class Results:
     collectives: list[Event] = dataclasses.field(default_factory=list)
     # rank -> step -> op -> milliseconds (forward + backward), from OpTimeMeasure
     times: dict[int, dict[int, dict[str, float]]] = dataclasses.field(default_factory=dict)
-    # rank -> step -> {"params": {name: checksum}, "grads": {...}}
+    # rank -> step -> {"params": {name: checksum}, "grads": {...}, "nonfinite": [parameter holding inf/nan]};
+    # a rank whose file has no step yet maps to {}
     fingerprints: dict[int, dict[int, dict]] = dataclasses.field(default_factory=dict)
     unreadable: list[str] = dataclasses.field(default_factory=list)  # "path: why"
     files: int = 0
@@ -205,7 +206,8 @@ def _read_fingerprints(results: Results, rank: int, path: str) -> None:
     rank = lines[0].get("rank", rank)
     steps = results.fingerprints.setdefault(rank, {})
     for record in lines[1:]:
-        steps[int(record["step"])] = {"params": record.get("params", {}), "grads": record.get("grads", {})}
+        steps[int(record["step"])] = {"params": record.get("params", {}), "grads": record.get("grads", {}),
+                                      "nonfinite": record.get("nonfinite", [])}
 
 
 def _read_monitor_anomalies(results: Results, rank: int, path: str) -> None:

@@ -54,6 +54,8 @@ def verdict_line(report: RunReport) -> str:
         return f"what went wrong first: {report.first.text()}"
     if report.desync is not None:
         return f"what went wrong first: the replicas {report.desync.text()}"
+    if report.nonfinite is not None:  # seen only in the fingerprints: no tool saw where it was born
+        return f"what went wrong first: not found by a tool; {report.nonfinite.text()}"
     received = [r for r in report.ranks if r.status == "received"]
     if received:
         return "what went wrong first: not found (no rank's anomaly was born there); " + received[0].text()
@@ -68,13 +70,9 @@ def verdict_line(report: RunReport) -> str:
 def console_report(report: RunReport) -> str:
     lines = [f"op_tools.report: {report.results.folder}", *read_lines(report), "ranks:"]
     lines.extend(f"  {account.text()}" for account in report.ranks)
-    if report.desync is not None:
-        lines.append(f"replicas: {report.desync.text()}")
-    elif report.replicas_compared:
-        lines.append(f"replicas: agree at each of the {report.replicas_compared} steps compared")
-    else:
-        lines.append("replicas: not compared (no fingerprints from two ranks: one rank, or "
-                     "OP_TOOLS_REPLICA_FINGERPRINTS=0)")
+    lines.append(f"replicas: {report.replicas_text()}")
+    if report.nonfinite is not None and not report.replicas_compared:  # else said on the replicas line
+        lines.append(f"parameters: {report.nonfinite.text()}")
     if report.skew:
         lines.append("time skew (the calls OpTimeMeasure timed, collectives left out):")
         lines.extend(f"  {skew.text()}" for skew in report.skew)
@@ -100,6 +98,11 @@ def csv_rows(report: RunReport) -> list[dict]:
         d = report.desync
         rows.extend({"section": "replicas", "rank": rank, "step": d.step, "status": "desync", "kind": d.what,
                      "op": "", "module": d.name, "detail": f"checksum {value}"} for rank, value in d.checksums.items())
+    if report.nonfinite is not None:
+        n = report.nonfinite
+        rows.extend({"section": "parameters", "rank": rank, "step": n.step, "status": "nonfinite",
+                     "kind": "parameter", "module": n.names[0], "detail": f"{len(n.names)} parameters hold inf/nan"}
+                    for rank in n.ranks)
     for skew in report.skew:
         for rank, ms in sorted(skew.ms.items()):
             rows.append({"section": "skew", "rank": rank, "step": skew.step,
