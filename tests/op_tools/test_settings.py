@@ -101,25 +101,46 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("tool", "variables", "arguments", "toml"), CASES, ids=[c[0] for c in CASES])
-def test_a_tool_configured_by_arguments_or_by_a_config_file_behaves_as_by_variables(
-        tool, variables, arguments, toml, tmp_path):
-    (tmp_path / "settings.toml").write_text(toml)
-    script = PROBE + textwrap.dedent(f"""
-        run(os.environ["OP_TOOLS_RESULTS_DIR"])                                  # by variables
-        for name in {sorted(variables)!r}:
-            del os.environ[name]
-        run({str(tmp_path / 'args')!r}, results_dir={str(tmp_path / 'args')!r}, {arguments})   # by arguments
-        os.environ["OP_TOOLS_CONFIG"] = {str(tmp_path / 'settings.toml')!r}
-        os.environ["OP_TOOLS_RESULTS_DIR"] = {str(tmp_path / 'file')!r}
-        run({str(tmp_path / 'file')!r})                                          # by the config file
-    """)
-    env = env_without_settings({**variables, "OP_TOOLS_RESULTS_DIR": str(tmp_path / "env"), "OP_TOOLS_VERBOSE": "0"})
-    done = subprocess.run([sys.executable, "-c", script, tool], env=env, cwd=tmp_path, capture_output=True,
-                          text=True, timeout=180)
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory):
+    """Every case of CASES run in one child (an interpreter per case would cost a torch import each): case index ->
+    (by variables, by arguments, by the config file), each the PROBE's record."""
+    root = tmp_path_factory.mktemp("settings")
+    cases = []
+    for i, (tool, variables, arguments, toml) in enumerate(CASES):
+        folder = root / str(i)
+        folder.mkdir()
+        (folder / "settings.toml").write_text(toml)
+        cases.append(textwrap.dedent(f"""
+            sys.argv[1:] = [{tool!r}]
+            os.environ.update({variables!r}, OP_TOOLS_RESULTS_DIR={str(folder / 'env')!r})
+            print("CASE", {i})
+            run(os.environ["OP_TOOLS_RESULTS_DIR"])                                  # by variables
+            for name in {sorted(variables)!r}:
+                del os.environ[name]
+            run({str(folder / 'args')!r}, results_dir={str(folder / 'args')!r}, {arguments})   # by arguments
+            os.environ["OP_TOOLS_CONFIG"] = {str(folder / 'settings.toml')!r}
+            os.environ["OP_TOOLS_RESULTS_DIR"] = {str(folder / 'file')!r}
+            run({str(folder / 'file')!r})                                          # by the config file
+            del os.environ["OP_TOOLS_CONFIG"]
+        """))
+    env = env_without_settings({"OP_TOOLS_VERBOSE": "0"})
+    done = subprocess.run([sys.executable, "-c", PROBE + "".join(cases)], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    by_variables, by_arguments, by_file = [json.loads(line.removeprefix("PROBE "))
-                                           for line in done.stdout.splitlines() if line.startswith("PROBE ")]
+    records: dict[int, list] = {}
+    case = -1
+    for line in done.stdout.splitlines():
+        if line.startswith("CASE "):
+            case = int(line.removeprefix("CASE "))
+        elif line.startswith("PROBE "):
+            records.setdefault(case, []).append(json.loads(line.removeprefix("PROBE ")))
+    return records
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[c[0] for c in CASES])
+def test_a_tool_configured_by_arguments_or_by_a_config_file_behaves_as_by_variables(probes, case):
+    by_variables, by_arguments, by_file = probes[case]
     assert by_variables["handled"], "the workload must reach the tool for the comparison to mean anything"
     assert by_arguments == by_variables
     assert by_file == by_variables

@@ -57,7 +57,7 @@ def test_a_40_op_subset_passes_on_sim_in_float32_and_bfloat16_forward_and_backwa
 
 def test_injected_faults_are_exactly_the_rows_that_do_not_pass(runs):
     result, folder, rows = runs["faulty"]
-    assert result.returncode == 1, explain(result)
+    assert result.returncode == 3, explain(result)
     failing = {(r.op, r.dtype, r.direction): r.status for r in rows if r.status != "pass"}
     # noise in atan2's output leaves its gradients right (they do not use the output); hypot's use it
     assert failing == {
@@ -85,7 +85,7 @@ def test_a_mismatch_reruns_alone_and_its_saved_inputs_replay_with_run_op_from_da
     assert env["DITORCH_SIM_FAULTS"] == FAULTS
     args = words[words.index("op_tools.conformance") + 1:]
     rerun = run(*args, "--output", str(tmp_path / "rerun"), env=env, cwd=str(tmp_path))
-    assert rerun.returncode == 1, explain(rerun)
+    assert rerun.returncode == 3, explain(rerun)
     line = rf"\|\s+{mismatch.sample}\s+\|\s+forward\s+\|\s+output\[0\]\s+\|\s+FAIL"
     assert re.search(line, rerun.stdout), rerun.stdout
     saved = re.search(r"inputs saved in OpCapture's format: (\S+)", rerun.stdout).group(1)
@@ -94,7 +94,7 @@ def test_a_mismatch_reruns_alone_and_its_saved_inputs_replay_with_run_op_from_da
                             env=environment({"DITORCH_BACKEND": "sim", "DITORCH_SIM_FAULTS": FAULTS,
                                              "OP_TOOLS_RESULTS_DIR": str(tmp_path / "replay")}),
                             cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
-    assert replay.returncode == 1, explain(replay)
+    assert replay.returncode == 3, explain(replay)
     assert "torch.atan2" in replay.stdout and "1 mismatch" in replay.stdout
     clean = subprocess.run([sys.executable, "-m", "op_tools.run_op_from_data", saved, "--acc_check"],
                            env=environment({"DITORCH_BACKEND": "sim", "OP_TOOLS_RESULTS_DIR": str(tmp_path / "r2")}),
@@ -108,7 +108,7 @@ def test_compare_sets_two_runs_side_by_side(runs, tmp_path):
     _, faulty, faulty_rows = runs["faulty"]
     result = run("--report", faulty, "--compare", os.path.join(clean, CSV_FILE), "--output", str(tmp_path),
                  cwd=str(tmp_path))
-    assert result.returncode == 1, explain(result)
+    assert result.returncode == 3, explain(result)
     assert "10 of 160 rows differ" in result.stdout
     differing = re.findall(r"\|\s+(atan2|hypot|erf)\s+\|\s+(\w+)\s+\|\s+(\w+)\s+\|\s+(\w+)\s+\|\s+pass\s+\|",
                            result.stdout)
