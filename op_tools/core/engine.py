@@ -372,7 +372,7 @@ class OpTool:
         with tool_work():  # what finish() computes (results still in flight) is no program call of a tool still on
             self.finish()
         self.tally.close()
-        self._logger.log(self._closing_level(), self.closing_line())
+        self._log_closing()
 
     end = stop
 
@@ -380,7 +380,7 @@ class OpTool:
         """Logging levels and handler, the tables' width, this session's file tally, and the results folder probed
         for writing."""
         reporting.configure_logging(self.common.verbose, self.common.rank, self.common.print_ranks)
-        reporting.configure_tables(self.common.table_width)
+        reporting.configure_tables(self.common.table_width, self.common.rank)
         self.tally = result_files.Tally(result_files.results_path(self.common, self.results_folder)
                                      if self.results_folder else None, f"{type(self).__name__} writing")
         self._reset_account()
@@ -396,6 +396,16 @@ class OpTool:
         self.raised: collections.Counter = collections.Counter()  # handled calls whose op raised, per op name
         # calls per op name met while torch.compile traced (a region that could not be made eager): run, unchecked
         self.compiled: collections.Counter = collections.Counter()
+
+    def _log_closing(self) -> None:
+        """Log the closing line fitted to the console (``reporting.fit_path``: its folder shortened from the start
+        where the line is too long) and, before it at INFO, the folder whole with the files a user opens
+        (``Tally.listing``) where the tool named some or the closing line could not name the folder whole."""
+        line = self.closing_line()
+        fitted = reporting.fit_path(line, self.tally.folder())
+        if self.tally.named or fitted != line:
+            self._logger.info(self.tally.listing(type(self).__name__))
+        self._logger.log(self._closing_level(), fitted)
 
     def closing_line(self) -> str:
         """The line logged at ``stop()``: what the tool handled, what it wrote where, and what it could not check
@@ -684,7 +694,7 @@ def _finish_reporting_failure(tool: OpTool) -> None:
         with tool_work():
             tool.finish()
         tool.tally.close()
-        tool._logger.log(tool._closing_level(), tool.closing_line())
+        tool._log_closing()
     except Exception:
         reporting.logger.exception("%s: writing its results failed", tool.hook_name)
 

@@ -30,6 +30,7 @@ import os
 import re
 
 from ..output import result_files
+from ..output.html_banner import BANNER_CSS, BANNER_SCRIPT, banner
 
 FOLDER = "op_training_monitor"
 CSV_COLUMNS = ("rank", "step", "time", "kind", "name", "statistic", "value")
@@ -485,17 +486,16 @@ def first_anomaly_facts(run: MonitorRun) -> list[tuple[str, str]]:
     return [(name, value) for name, value in facts if value]
 
 
-def _banner(run: MonitorRun) -> str:
+def _banner(run: MonitorRun, title: str) -> str:
     count = len(run.anomalies)
+    steps = len(run.steps)
+    monitored = f"{steps} monitored step{'s' if steps != 1 else ''}"
     if not count:
-        steps = len(run.steps)
         ranks = [r for r in run.ranks if r is not None]
         where = f" on ranks {', '.join(map(str, ranks))}" if ranks else ""
-        return f'<span class="verdict">no anomaly</span> in {steps} monitored step{"s" if steps != 1 else ""}{where}'
-    facts = "".join(f'<span class="fact" data-fact="{name}"><span class="key">{name}</span> {html.escape(value)}'
-                    "</span>" for name, value in first_anomaly_facts(run))
-    return (f'<span class="verdict">{count} anomal{"y" if count == 1 else "ies"}</span>, the first: {facts}'
-            f'<div class="message">{html.escape(run.anomalies[0].message)}</div>')
+        return banner(title, f"No anomaly in {monitored}{where}", "clean", "", {}, [])
+    headline = f"{count} anomal{'y' if count == 1 else 'ies'} in {monitored}"
+    return banner(title, headline, "found", "the first", dict(first_anomaly_facts(run)), [run.anomalies[0].message])
 
 
 def render_page(run: MonitorRun) -> str:
@@ -507,15 +507,14 @@ def render_page(run: MonitorRun) -> str:
     data = json.dumps(payload, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
     count = len(run.anomalies)
     files = "".join(f"<li>{html.escape(path)}</li>" for f in run.files for path in (f.csv_path, f.anomalies_path))
-    return (_TEMPLATE.replace("__TITLE__", html.escape(f"Training monitor: {run.session}"))
-            .replace("__FACTS__", _header(run)).replace("__FILES__", files).replace("__NOTES__", _notes(run))
-            .replace("__BANNER_CLASS__", "found" if count else "clean").replace("__BANNER__", _banner(run))
-            .replace("__CONSTANTS__", '<ul id="constants">' + "".join(f"<li>{html.escape(line)}</li>"
-                                                                       for line in constants) + "</ul>"
-                     if constants else "")
-            .replace("__ANOMALY_ROWS__", _anomaly_rows(run) or '<tr><td colspan="7" class="empty">none</td></tr>')
-            .replace("__COUNT__", str(count))
-            .replace("__DATA__", data))
+    title = f"Training monitor: {run.session}"
+    constants_list = "".join(f"<li>{html.escape(line)}</li>" for line in constants)
+    parts = {"TITLE": html.escape(title), "BANNER_CSS": BANNER_CSS, "BANNER_SCRIPT": BANNER_SCRIPT,
+             "BANNER": _banner(run, title), "FACTS": _header(run), "FILES": files, "NOTES": _notes(run),
+             "CONSTANTS": f'<ul id="constants">{constants_list}</ul>' if constants else "",
+             "ANOMALY_ROWS": _anomaly_rows(run) or '<tr><td colspan="7" class="empty">none</td></tr>',
+             "COUNT": str(count), "DATA": data}
+    return re.sub(r"__([A-Z_]+)__", lambda m: parts[m.group(1)], _TEMPLATE)  # one pass: no part is read twice
 
 
 def write_monitor_page(folder: str, out_path: str | None = None, session: str | None = None) -> str:
@@ -530,15 +529,10 @@ def write_monitor_page(folder: str, out_path: str | None = None, session: str | 
 _TEMPLATE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>__TITLE__</title>
 <style>
-html { scroll-padding-top: 5em; }  /* an anchor jumped to lands below the banner, not under it */
+html { scroll-padding-top: var(--banner-height, 5em); }  /* an anchor jumped to lands below the banner */
 body { font: 13px/1.4 system-ui, sans-serif; margin: 0 1.5em 1.5em; color: #222; max-width: 1180px; }
-#banner { position: sticky; top: 0; z-index: 10; font-size: 14px; padding: 0.5em 0.8em; margin: 0 -0.8em 0.6em;
-  border-bottom: 1px solid rgba(0, 0, 0, 0.12); }
-#banner.found { background: #ffd6d6; } #banner.clean { background: #d8f3dc; }
-#banner .verdict { font-weight: 600; } #banner .fact { margin-left: 0.7em; font-family: ui-monospace, monospace;
-  font-size: 13px; } #banner .key { color: #777; font-family: system-ui, sans-serif; font-size: 12px; }
-#banner .message { font-size: 12px; color: #444; margin-top: 0.15em; }
-h1 { font-size: 20px; margin: 0.6em 0 0.4em; } h2 { font-size: 15px; margin: 1.6em 0 0.5em; }
+__BANNER_CSS__
+h2 { font-size: 15px; margin: 1.6em 0 0.5em; }
 #facts th { text-align: left; color: #666; font-weight: normal; padding: 1px 12px 1px 0; border: 0; }
 #facts td { border: 0; padding: 1px 0; font-family: ui-monospace, monospace; font-size: 12px; }
 details { color: #555; margin: 0.3em 0; } details li, #notes li { font-family: ui-monospace, monospace;
@@ -566,8 +560,7 @@ table.anomalies { border-collapse: collapse; } .anomalies th, .anomalies td { bo
 .empty { color: #888; font-style: italic; }
 </style></head>
 <body>
-<div id="banner" class="__BANNER_CLASS__">__BANNER__</div>
-<h1>Training monitor</h1>
+__BANNER__
 <table id="facts">__FACTS__</table>
 <ul id="notes">__NOTES__</ul>
 <details><summary>files read</summary><ul>__FILES__</ul></details>
@@ -585,6 +578,7 @@ __CONSTANTS__
 <script type="application/json" id="data">__DATA__</script>
 <script>
 "use strict";
+__BANNER_SCRIPT__
 const data = JSON.parse(document.getElementById("data").textContent);
 const NS = "http://www.w3.org/2000/svg";
 const PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#9c755f", "#ff9da7", "#bab0ac"];

@@ -29,7 +29,8 @@ body { margin-top: 0; }
 #banner.verdict-found { border-left: 6px solid #c00; } #banner.verdict-unchecked { border-left: 6px solid #e0a000; }
 #banner.verdict-clean { border-left: 6px solid #3a3; }
 #banner .where { margin: 0.2em 0; } #banner .where-label { font-weight: 600; margin-right: 0.6em; }
-#banner .field { display: inline-block; margin-right: 1em; }
+/* a long value (a source line, a path) wraps inside its field: shown whole, never wider than the window */
+#banner .field { display: inline-block; margin-right: 1em; overflow-wrap: anywhere; }
 #banner .field-name { color: #666; margin-right: 0.3em; }
 #banner .field code { font-size: 13px; background: #f3f3f3; padding: 0 3px; border-radius: 3px; }
 #banner .banner-line { margin: 0.15em 0 0; color: #333; font-size: 12px; overflow-wrap: anywhere; }

@@ -38,11 +38,12 @@ from ..ops.arguments import iter_items
 
 logger = logging.getLogger("op_tools")
 
-CONSOLE_WIDTH = 120  # console tables' width where stdout and stderr are no terminal; files keep every cell whole
+CONSOLE_WIDTH = 100  # console lines' width where stdout and stderr are no terminal; files keep every cell whole
 FIRST_COLUMN_KEPT = 32  # characters of a console table's first column (the row's name) kept before others shrink
 MODULE_KEPT = 16  # characters of a module path kept before other columns shrink: …layers.1…act_fn fits
+SHORT_CELL = 8  # cells this short (forward, backward, an index) stay whole while a kept column can give way
 ARG_COLUMNS = ("name", "device", "dtype", "numel", "shape", "stride", "requires_grad", "layout", "data_ptr", "value")
-CONSOLE_ARG_COLUMNS = ("name", "device", "dtype", "shape", "stride", "requires_grad", "value")  # fit 120 columns
+CONSOLE_ARG_COLUMNS = ("name", "device", "dtype", "shape", "stride", "requires_grad", "value")  # fit 100 columns
 _VALUE_WIDTH = 60
 _print_lock = threading.RLock()  # re-entrant: a SIGTERM flush may print while the main thread holds it
 
@@ -155,6 +156,52 @@ def console(text: str) -> None:
         sys.stdout.flush()
 
 
+# --- result paths and closing lines ---
+
+def shown_path(path: str) -> str:
+    """``path`` relative to the working directory when it lies below it, else absolute: as short as it is exact."""
+    absolute = os.path.abspath(path)
+    relative = os.path.relpath(absolute)
+    return absolute if relative.startswith("..") else relative
+
+
+def shorten_path(path: str, width: int) -> str:
+    """``path`` in ``width`` characters by leaving out its first folders (``…/results/op_capture_results``); its last
+    name stays whole, however long."""
+    if len(path) <= width:
+        return path
+    parts = path.split(os.sep)
+    kept = parts[-1]
+    for part in reversed(parts[:-1]):
+        if len(f"…{os.sep}{part}{os.sep}{kept}") > width:
+            break
+        kept = f"{part}{os.sep}{kept}"
+    return f"…{os.sep}{kept}"
+
+
+def fit_path(line: str, path: str, width: int | None = None) -> str:
+    """``line``, which names ``path`` after `` in ``, in ``width`` characters (default: ``console_width()``) where
+    leaving out the path's first folders can make it fit: a closing line names its results folder whole where it
+    fits; where not, the lines above it name the folder whole (``files_text``)."""
+    width = console_width() if width is None else width
+    if width is None or len(line) <= width or not path or f" in {path}" not in line:
+        return line
+    short = shorten_path(path, max(len(path) - (len(line) - width), 1))
+    return line.replace(f" in {path}", f" in {short}", 1)
+
+
+def files_text(tool: str, folder: str, files: list[tuple[str, str]]) -> str:
+    """``folder`` whole, and the files in it a user opens (``(what, path)`` each), a line each, named from the
+    folder: the lines above a closing line, which names the folder only, shortened when long::
+
+        OpTimeMeasure results in op_tools_results/op_time_measure_result:
+          summary: op_elasped_summary_pid1234_2026-11-28-08-29-12_1.csv
+    """
+    lines = [f"{tool} results in {folder}" + (":" if files else "")]
+    lines += [f"  {what}: {os.path.relpath(os.path.abspath(path), os.path.abspath(folder))}" for what, path in files]
+    return "\n".join(lines)
+
+
 # --- tables ---
 
 _UNRESOLVED = -1
@@ -177,16 +224,19 @@ def terminal_width() -> int:
     return CONSOLE_WIDTH
 
 
-def configure_tables(width: int | None) -> None:
-    """At a tool's start: the width console tables fit from now on, ``CommonConfig.table_width`` (the parsed
-    ``OP_TOOLS_TABLE_WIDTH``): ``TERMINAL_WIDTH`` for the terminal's, read now; ``None`` for whole cells."""
+def configure_tables(width: int | None, rank: int | None = None) -> None:
+    """At a tool's start: the width console lines fit from now on, ``CommonConfig.table_width`` (the parsed
+    ``OP_TOOLS_TABLE_WIDTH``): ``TERMINAL_WIDTH`` for the terminal's, read now; ``None`` for whole cells. Under
+    torchrun (``rank`` set) the ``[rank<N>] `` label every line starts with is taken from it."""
     global _console_width
-    _console_width = terminal_width() if width == TERMINAL_WIDTH else width
+    columns = terminal_width() if width == TERMINAL_WIDTH else width
+    label = len(RankFormatter(rank).prefix)
+    _console_width = None if columns is None else max(columns - label, MIN_TABLE_WIDTH)
 
 
 def console_width() -> int | None:
-    """The width console tables fit (``None``: whole cells). Where no tool started (the command-line tools), read
-    from ``OP_TOOLS_TABLE_WIDTH`` and the terminal at the first table."""
+    """The width console tables and closing lines fit (``None``: whole cells). Where no tool started (the
+    command-line tools), read from ``OP_TOOLS_TABLE_WIDTH`` and the terminal at the first table."""
     if _console_width == _UNRESOLVED:
         configure_tables(TABLE_WIDTH.read())
     return _console_width
@@ -198,14 +248,41 @@ def table(rows: list[dict], columns: tuple[str, ...] | None = None, width: int |
     longest cells are shortened (``…`` where text was left out, each column in its own way: ``COLUMN_FORMS``) until
     the table fits that many characters, if it can with whole column names; column ``keep`` (default: the first,
     which names the row) is shortened last."""
+    columns, cells = _cells(rows, columns)
+    if width is not None:
+        cells = _fit(columns, cells, width, columns.index(keep) if keep in columns else 0)
+    return _pretty(columns, cells)
+
+
+def table_text(rows: list[dict], columns: tuple[str, ...] | None = None, width: int | None = None,
+               keep: str | None = None) -> str:
+    """``table(...)`` as text fitting ``width`` characters (default: ``console_width()``, set at the tool's start
+    from ``OP_TOOLS_TABLE_WIDTH`` or the terminal): the console's form. Console tables list the columns that tell
+    the story (``CONSOLE_ARG_COLUMNS``, ...); the files keep every column and every cell whole. A name (a module
+    path, an op) shortened to fit is written whole under the table, on a line of its own naming its rows::
+
+        [2] module: model.layers.1.mlp.act_fn
+        [1,2] op: torch.nn.functional.scaled_dot_product_attention
+    """
+    columns, cells = _cells(rows, columns)
+    width = console_width() if width is None else width
+    if width is None:
+        return _pretty(columns, cells).get_string()
+    shown = _fit(columns, cells, width, columns.index(keep) if keep in columns else 0)
+    return "\n".join([_pretty(columns, shown).get_string(), *_whole_names(columns, cells, shown)])
+
+
+def _cells(rows: list[dict], columns: tuple[str, ...] | None) -> tuple[tuple[str, ...], list[list[str]]]:
+    """The columns (default: the keys in first-seen order) and each row's cells as text."""
     if columns is None:
         seen: dict[str, None] = {}
         for row in rows:
             seen.update(dict.fromkeys(row))
         columns = tuple(seen)
-    cells = [[_cell(row.get(c, "")) for c in columns] for row in rows]
-    if width is not None:
-        cells = _fit(columns, cells, width, columns.index(keep) if keep in columns else 0)
+    return columns, [[_cell(row.get(c, "")) for c in columns] for row in rows]
+
+
+def _pretty(columns: tuple[str, ...], cells: list[list[str]]) -> PrettyTable:
     result = PrettyTable()
     result.field_names = list(columns)
     for line in cells:
@@ -213,12 +290,17 @@ def table(rows: list[dict], columns: tuple[str, ...] | None = None, width: int |
     return result
 
 
-def table_text(rows: list[dict], columns: tuple[str, ...] | None = None, width: int | None = None,
-               keep: str | None = None) -> str:
-    """``table(...)`` as text fitting ``width`` characters (default: ``console_width()``, set at the tool's start
-    from ``OP_TOOLS_TABLE_WIDTH`` or the terminal): the console's form. Console tables list the columns that tell
-    the story (``CONSOLE_ARG_COLUMNS``, ...); the files keep every column and every cell whole."""
-    return table(rows, columns, console_width() if width is None else width, keep).get_string()
+def _whole_names(columns: tuple[str, ...], cells: list[list[str]], shown: list[list[str]]) -> list[str]:
+    """``  [<rows>] <column>: <name>`` for each name (a dotted path) that fitting the table shortened: the rows (from
+    1) and the column it is in, and the name whole, so that no module or op is known only by its shortened form."""
+    rows: dict[tuple[str, str], list[str]] = {}  # (column, name) -> its rows, in the order the table shows them
+    for number, (whole, fitted) in enumerate(zip(cells, shown), 1):
+        for column, cell, short in zip(columns, whole, fitted):
+            if cell != short and COLUMN_FORMS.get(column, CELL).names:
+                for line, cut in zip(cell.split("\n"), short.split("\n")):
+                    if line != cut and _DOTTED.fullmatch(line):
+                        rows.setdefault((column, line), []).append(str(number))
+    return [f"  [{','.join(numbers)}] {column}: {name}" for (column, name), numbers in rows.items()]
 
 
 def call_table(op: str, rows: list[dict], columns: tuple[str, ...] = CONSOLE_ARG_COLUMNS) -> str:
@@ -233,28 +315,49 @@ def call_table(op: str, rows: list[dict], columns: tuple[str, ...] = CONSOLE_ARG
 def _fit(names, cells: list[list[str]], width: int, kept: int = 0) -> list[list[str]]:
     """Cap the cells of every column at one width (a column whose form takes a smaller share: that share of it),
     the largest that makes the table fit, never below the column's name, nor column ``kept``, which names the row,
-    below ``FIRST_COLUMN_KEPT``, nor a column whose form keeps some characters below those: only the longest cells
-    are shortened, each line of a cell on its own."""
+    below ``FIRST_COLUMN_KEPT``, nor a column whose form keeps some characters below those (unless a narrow width
+    cannot hold those and ``SHORT_CELL`` characters of the others): only the longest cells are shortened, each line
+    of a cell on its own."""
     forms = [COLUMN_FORMS.get(name, CELL) for name in names]
     floors = [len(n) for n in names]
     if cells:
         for i, form in enumerate(forms):
             least = FIRST_COLUMN_KEPT if i == kept else form.kept
             floors[i] = max(floors[i], min(least, max(_longest_line(row[i]) for row in cells)))
-    natural = [max([floor, *(_longest_line(row[i]) for row in cells)]) for i, floor in enumerate(floors)]
     room = width - 3 * len(names) - 1  # "| " and " |" around each cell, "|" between
+    natural = [max([floor, *(_longest_line(row[i]) for row in cells)]) for i, floor in enumerate(floors)]
     if sum(natural) <= room:
         return cells
 
     def caps_at(cap: int) -> list[int]:
         return [min(w, max(int(cap * form.share), f)) for w, f, form in zip(natural, floors, forms)]
 
+    # Where the characters kept add up to more than a narrow width holds, they give way, the largest first, down to
+    # the column's name, until short cells (a phase, an index) stay whole.
+    headers = [len(n) for n in names]
+    while sum(caps_at(SHORT_CELL)) > room:
+        largest = max(range(len(floors)), key=lambda i: floors[i] if floors[i] > headers[i] else 0)
+        if floors[largest] <= headers[largest]:
+            break
+        floors[largest] -= 1
     cap, widest = 3, max(w / form.share for w, form in zip(natural, forms))
     while cap < widest and sum(caps_at(cap + 1)) <= room:
         cap += 1
-    caps = caps_at(cap)
-    return [["\n".join(forms[i].shorten(line, caps[i]) for line in c.split("\n")) for i, c in enumerate(row)]
-            for row in cells]
+    columns = [_shorten_column(forms[i], [row[i] for row in cells], limit) for i, limit in enumerate(caps_at(cap))]
+    # A form that leaves out whole names can leave its cap partly unused: that room goes to the columns still cut,
+    # the row's name and the module paths first.
+    used = [max(len(name), *map(_longest_line, column)) for name, column in zip(names, columns)]
+    spare = room - sum(used)
+    for i in sorted(range(len(names)), key=lambda i: (i != kept, not forms[i].names, i)):
+        if spare > 0 and used[i] < natural[i]:
+            columns[i] = _shorten_column(forms[i], [row[i] for row in cells], used[i] + spare)
+            spare += used[i] - max(len(names[i]), *map(_longest_line, columns[i]))
+    return [list(row) for row in zip(*columns)]
+
+
+def _shorten_column(form: ColumnForm, column: list[str], width: int) -> list[str]:
+    """A column's cells in ``width`` characters, each line of a cell on its own."""
+    return ["\n".join(form.shorten(line, width) for line in cell.split("\n")) for cell in column]
 
 
 def _longest_line(text: str) -> int:
@@ -287,11 +390,16 @@ def shorten_number(text: str, width: int) -> str:
 
 
 def shorten_words(text: str, width: int) -> str:
-    """Whole words: as many from the start as fit, then from the end, `` … `` for those between (the start tells
-    most: ``error 0.019 > 1 eps …``); the middle of the text where its first word alone does not fit."""
+    """Every word, its dotted names by their last name (``torch.float16 -> torch.float32`` -> ``…float16 ->
+    …float32``), where that fits; else whole words: as many from the start as fit, then from the end, `` … `` for
+    those between (the start tells most: ``error 0.019 > 1 eps …``); the middle of the text where its first word
+    alone does not fit."""
     if len(text) <= width:
         return text
     words = text.split(" ")
+    lasts = " ".join("…" + word.rpartition(".")[2] if _DOTTED.fullmatch(word) else word for word in words)
+    if len(lasts) <= width:
+        return lasts
 
     def joined(head: int, tail: int) -> str:
         return " ".join([*words[:head], "…", *words[len(words) - tail:]])
@@ -423,12 +531,13 @@ class ColumnForm:
     shorten: Callable[[str, int], str]
     kept: int = 0
     share: float = 1.0
+    names: bool = False  # its cells may be names (module paths, ops): one shortened is written whole under the table
 
 
-CELL = ColumnForm(shorten_cell)
+CELL = ColumnForm(shorten_cell, names=True)
 # The columns whose cells hold one kind of text, by name; others: ``CELL``.
 COLUMN_FORMS: dict[str, ColumnForm] = {
-    "module": ColumnForm(shorten_dotted, MODULE_KEPT),
+    "module": ColumnForm(shorten_dotted, MODULE_KEPT, names=True),
     "location": ColumnForm(shorten_location, share=0.5),  # the files hold it whole; a header line names it too
     **dict.fromkeys(("shape", "stride", "shapes", "strides", "dtypes"), ColumnForm(shorten_values)),
 }

@@ -18,7 +18,7 @@ from typing import Any, Callable, TextIO
 import torch
 
 from ..config.variables import PROGRESS, CommonConfig
-from .reporting import logger, progress_bar
+from .reporting import files_text, logger, progress_bar, shown_path
 
 _sessions = itertools.count(1)
 
@@ -82,7 +82,8 @@ FILE_MODE = _new_file_mode()
 
 class Tally:
     """The files a tool session wrote: count, bytes, and the folder holding them (for its closing line): the tool's
-    results folder ``root``, or the one holding it and every other folder written."""
+    results folder ``root``, or the one holding it and every other folder written; and, by what they hold, the
+    files a user opens (``add(..., what=)``), listed above the closing line (``listing``)."""
 
     PROGRESS_AFTER = 2.0  # seconds of writing before a progress bar appears: short runs never show one
     PROGRESS_EVERY = 0.5  # seconds between redraws: a clock read per file, a redraw twice a second
@@ -91,17 +92,21 @@ class Tally:
         self.files = 0
         self.bytes = 0
         self._folders: set[str] = {os.path.abspath(root)} if root else set()
+        self.named: list[tuple[str, str]] = []  # (what it holds, path): the files listed by name
         self._lock = threading.Lock()
         # with a label: a progress bar (progress_bar's conditions) once writing lasts; OP_TOOLS_PROGRESS read now
         self._label = label if label and PROGRESS.read() else ""
         self._next_draw = time.monotonic() + self.PROGRESS_AFTER
         self._bar = None
 
-    def add(self, path: str, size: int) -> int:
+    def add(self, path: str, size: int, what: str = "") -> int:
+        """Count a file written (``size`` bytes); with ``what`` (``summary``, ``trace``), one named in ``listing``."""
         with self._lock:
             self.files += 1
             self.bytes += size
-            self._folders.add(os.path.dirname(path))  # made absolute in describe(): a file costs ~1 µs here
+            self._folders.add(os.path.dirname(path))  # made absolute in folder(): a file costs ~1 µs here
+            if what:
+                self.named.append((what, path))
             if self._label:
                 now = time.monotonic()
                 if now >= self._next_draw:
@@ -126,14 +131,27 @@ class Tally:
                 self._bar.close()
                 self._bar = None
 
+    def folder(self) -> str:
+        """The folder holding every file written, as the console shows it (``reporting.shown_path``); '' for none."""
+        if not self.files:
+            return ""
+        with self._lock:
+            folder = os.path.commonpath(sorted({os.path.abspath(f) for f in self._folders}))
+        return shown_path(folder)
+
     def describe(self) -> str:
         """``wrote 12 files (3.4 MB) in <folder>``, or ``wrote no file``."""
         if not self.files:
             return "wrote no file"
+        return f"wrote {self.files} file{'s' if self.files != 1 else ''} ({human_size(self.bytes)}) in {self.folder()}"
+
+    def listing(self, tool: str) -> str:
+        """The folder whole and the named files in it (``reporting.files_text``); '' where no file was written."""
+        if not self.files:
+            return ""
         with self._lock:
-            folder = os.path.commonpath(sorted({os.path.abspath(f) for f in self._folders}))
-        shown = os.path.relpath(folder) if not os.path.relpath(folder).startswith("..") else folder
-        return f"wrote {self.files} file{'s' if self.files != 1 else ''} ({human_size(self.bytes)}) in {shown}"
+            named = list(self.named)
+        return files_text(tool, self.folder(), named)
 
 
 def human_size(size: float) -> str:

@@ -698,8 +698,7 @@ class OpAutoCompare(OpTool):
                      "location": location, **result_files.record_fields(rank, step, started)}
                     for op, forward_id, phase, c, location, module, step, started in self.rows]
             self.tally.add(path, result_files.write_csv(path, [{c: row.get(c, "") for c in CSV_COLUMNS}
-                                                               for row in rows]))
-            text += f"\nOpAutoCompare: {len(self.rows)} comparisons saved in {path}"
+                                                               for row in rows]), f"{len(self.rows)} comparisons")
         self._logger.log(logging.WARNING if self.failures or self.not_checked() else logging.INFO, text)
 
     def found(self) -> str:

@@ -277,7 +277,7 @@ class OpCapture(OpTool):
         path = result_files.results_path(self.common, self.results_folder, f"index_{self.stem}.csv")
         rows = [{k: r[k] for k in INDEX_COLUMNS} for r in sorted(self.index, key=lambda r: r["forward_id"])]
         try:
-            self.tally.add(path, result_files.write_csv(path, rows))
+            self.tally.add(path, result_files.write_csv(path, rows), "index of the calls saved")
         except OSError as e:  # the calls' own files are written: the verdict says the index is not
             self.index_error = f"the index {path} not written ({type(e).__name__}: {e})"
 
@@ -311,9 +311,8 @@ class OpCapture(OpTool):
     def finish(self) -> None:
         if self.recorder is not None:
             self.recorder.close()
-            self.tally.add(self.recorder.file.path, self.recorder.file.bytes_written)
-            self._logger.info("run recording %s: %d records (compare two with python -m op_tools.compare_runs)",
-                              self.recorder.file.path, self.recorder.records)
+            self.tally.add(self.recorder.file.path, self.recorder.file.bytes_written,
+                           f"run recording, {self.recorder.records} records, for op_tools.compare_runs")
             return
         if self.settings.mode == "full" and self.index:
             self._write_index()
@@ -322,17 +321,18 @@ class OpCapture(OpTool):
         rows = sorted(self.summary.values(), key=lambda r: (r["op"], -r["count"]))
         stem = result_files.results_path(self.common, self.results_folder, f"summary_{self.stem}")
         table_rows = [{k: r[k] for k in (*SUMMARY_COLUMNS, "module", *result_files.RECORD_COLUMNS)} for r in rows]
-        self.tally.add(stem + ".csv", result_files.write_csv(stem + ".csv", table_rows))
+        self.tally.add(stem + ".csv", result_files.write_csv(stem + ".csv", table_rows), "summary")
         lines, current = [], None
         for row in rows:
             if row["op"] != current:
                 current = row["op"]
                 lines.append(f"Operator: {current}")
             lines.append(f"cnt: {row['count']}, {row['signature']}")
-        self.tally.add(stem + ".txt", result_files.write_text(stem + ".txt", "\n".join(lines) + "\n"))
+        self.tally.add(stem + ".txt", result_files.write_text(stem + ".txt", "\n".join(lines) + "\n"),
+                       "calls per signature")
         more = len(table_rows) - SUMMARY_SHOWN
         self._logger.info(reporting.table_text(table_rows[:SUMMARY_SHOWN], SUMMARY_COLUMNS)
-                      + (f"\n{more} more rows in the files" if more > 0 else "") + f"\nsaved {stem}.csv and {stem}.txt")
+                          + (f"\n{more} more rows in the files" if more > 0 else ""))  # the files: at the closing line
 
     def not_saved(self) -> str:
         """The calls not saved, per reason: ``not saved: 120 calls outside steps 0,2-3 (OP_CAPTURE_STEPS), ...``;

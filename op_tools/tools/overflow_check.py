@@ -370,7 +370,8 @@ class OpOverflowCheck(OpTool):
         if self.first_overflow is None:  # what is still in flight is read first
             return
         path = result_files.results_path(self.common, self.results_folder, f"overflow_{self.stem}.json")
-        self.tally.add(path, result_files.write_json(path, self.first_overflow.record(self.common.rank)))
+        self.tally.add(path, result_files.write_json(path, self.first_overflow.record(self.common.rank)),
+                       "first overflow")
 
     def closing_line(self) -> str:
         found = self.found()

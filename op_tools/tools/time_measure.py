@@ -453,12 +453,14 @@ class OpTimeMeasure(OpTool):
         }
         tally = self.tally.add
         tally(self.written["calls"], result_files.write_csv(self.written["calls"],
-                                                         [{c: row[c] for c in CALL_COLUMNS} for row in calls]))
-        tally(self.written["summary"], result_files.write_csv(self.written["summary"], summary))
-        tally(self.written["modules"], result_files.write_csv(self.written["modules"], modules))
+                                                         [{c: row[c] for c in CALL_COLUMNS} for row in calls]),
+              "per call")
+        tally(self.written["summary"], result_files.write_csv(self.written["summary"], summary), "summary")
+        tally(self.written["modules"], result_files.write_csv(self.written["modules"], modules), "time per module")
         # compact: a trace has an event per call, and indenting would triple its size and writing time
         tally(self.written["trace"], result_files.write_atomic(
-            self.written["trace"], lambda f: f.write(json.dumps(trace, separators=(",", ":")))))
+            self.written["trace"], lambda f: f.write(json.dumps(trace, separators=(",", ":")))),
+              "trace (https://ui.perfetto.dev)")
         forward = sum(t.forward_ns for t in measurements.totals.values())
         backward = sum(t.backward_ns for t in measurements.totals.values())
         lines = [f"OpTimeMeasure: {sum(t.calls for t in measurements.totals.values())} calls of "
@@ -474,9 +476,6 @@ class OpTimeMeasure(OpTool):
                             if len(modules) > MODULE_ROWS_SHOWN else ""))
         if measurements.dropped:
             lines.append(f"{measurements.dropped} calls past the first {MAX_CALL_RECORDS} are in the summary only")
-        lines.append(f"timed with {timing_methods(self._clocks.values())}")
-        lines.append(f"op elasped info saved to {self.written['calls']}\nsummary saved to {self.written['summary']}"
-                     f"\ntime per module saved to {os.path.basename(self.written['modules'])}, trace to "
-                     f"{os.path.basename(self.written['trace'])} beside it (open it in https://ui.perfetto.dev)")
+        lines.append(f"timed with {timing_methods(self._clocks.values())}")  # the files: listed at the closing line
         self._logger.info("\n".join(lines))
 

@@ -282,6 +282,7 @@ class TrainingMonitor:
 
         common = self._common = self.config.common
         reporting.configure_logging(common.verbose, common.rank, common.print_ranks)  # as every tool: rank labels
+        reporting.configure_tables(common.table_width, common.rank)  # and the console's width
         self._writes_global = common.rank in (None, 0)
         folder = result_files.prepare_results_folder(common, FOLDER, "TrainingMonitor")
         stem = result_files.session_stem()
@@ -353,7 +354,7 @@ class TrainingMonitor:
         self._patches = []
         self._guarded("reading the last steps' figures", lambda: self._take_in(wait=True))
         self._host_writer.close()  # every step's rows and rules done: the files below are complete
-        written = [self.csv_path, self.anomalies_path]
+        written = [("figures per step", self.csv_path), ("anomalies", self.anomalies_path)]
         for f in (self._csv_file, self._anomaly_file, self._writer):
             if f is not None:
                 f.close()
@@ -362,10 +363,10 @@ class TrainingMonitor:
         if self.config.html and self._writes_global:  # rank 0's page holds what the other ranks had written by then
             self._guarded("writing the HTML page", self._write_page)
             if self.page_path:
-                written.append(self.page_path)
+                written.append(("page", self.page_path))
         if self._writer is not None:
             self._writer = None
-            written.append(f"TensorBoard event files in {self.tensorboard_dir}")
+            written.append(("TensorBoard event files", f"{self.tensorboard_dir}"))  # set with the writer
             board = ""
         elif self.config.tensorboard is False:
             board = "; no TensorBoard files (tensorboard=False)"
@@ -378,8 +379,11 @@ class TrainingMonitor:
         if self.skipped_iterations:
             unmeasured += f"; {self.skipped_iterations} iterations skipped by GradScaler (no step, figures dropped)"
         count = len(self.anomalies)
-        logger.info("TrainingMonitor: %d steps, %d monitored, %d %s%s; wrote %s%s", self.step, self._monitored, count,
-                    "anomaly" if count == 1 else "anomalies", unmeasured, ", ".join(written), board)
+        folder = reporting.shown_path(self._folder)
+        logger.info(reporting.files_text("TrainingMonitor", folder, written))
+        logger.info(reporting.fit_path(f"TrainingMonitor: {self.step} steps, {self._monitored} monitored, {count} "
+                                       f"{'anomaly' if count == 1 else 'anomalies'}{unmeasured}; results in {folder}"
+                                       f"{board}", folder))
 
     end = stop
 

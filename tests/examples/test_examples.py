@@ -56,8 +56,9 @@ def test_where_time_goes_puts_the_slow_op_first_and_writes_a_trace(tmp_path):
     out = run_example("where_time_goes.py", cwd=tmp_path,
                       env={"DITORCH_BACKEND": "sim", "DITORCH_SIM_FAULTS": "_softmax:slow=100"})
     assert re.search(r"^slowest op: torch\.softmax \(\d+\.\d%", out, re.M)
-    summary = re.search(r"^summary saved to (\S+)$", out, re.M).group(1)
-    with open(tmp_path / summary, newline="") as f:
+    folder = re.search(r"^OpTimeMeasure results in (\S+):$", out, re.M).group(1)
+    summary = re.search(r"^  summary: (\S+)$", out, re.M).group(1)
+    with open(tmp_path / folder / summary, newline="") as f:
         assert next(csv.DictReader(f))["name"] == "torch.softmax"
     trace = re.search(r"^trace with \d+ spans: (\S+)", out, re.M).group(1)
     with open(tmp_path / trace) as f:
@@ -77,7 +78,7 @@ def test_capture_then_replay_offline_passes_on_a_correct_device(tmp_path):
 def test_capture_then_replay_reproduces_a_faulty_kernel(tmp_path):
     out = run_example("capture_and_replay.py", cwd=tmp_path, expect_status=3,
                       env={"DITORCH_BACKEND": "sim", "DITORCH_SIM_FAULTS": "gelu:noise=1e-2"})
-    assert "FAIL: output" in out
+    assert "| mismatch |" in out and "| FAIL: " in out  # at 100 columns "FAIL: output" is cut; the CSV has it whole
     assert "2 entries: 0 ok, 2 mismatch, 0 error" in out
     assert "replay exit status: 3 (a call mismatched or raised)" in out
 

@@ -52,6 +52,7 @@ def _overflowing_linear(device):
 
 def test_under_autocast_a_lowered_op_runs_in_the_wider_dtype(sim, logged, monkeypatch):
     monkeypatch.setenv("OP_TOOLS_VERBOSE", "1")
+    monkeypatch.setenv("OP_TOOLS_TABLE_WIDTH", "full")  # the dtypes whole, as the assertions read them
     x, w = _overflowing_linear(sim)
     with torch.autocast(sim, dtype=torch.float16):
         plain = torch.nn.functional.linear(x, w)
@@ -67,6 +68,7 @@ def test_under_autocast_a_lowered_op_runs_in_the_wider_dtype(sim, logged, monkey
 
 def test_under_autocast_the_table_decides_the_dtype_that_runs(sim, logged, monkeypatch):
     monkeypatch.setenv("OP_TOOLS_VERBOSE", "1")
+    monkeypatch.setenv("OP_TOOLS_TABLE_WIDTH", "full")  # the dtypes whole, as the assertions read them
     x, w = _overflowing_linear(sim)
     with torch.autocast(sim, dtype=torch.float16), op_tools.OpDtypeCast(casts={torch.float16: torch.float64}):
         y = torch.nn.functional.linear(x, w)

@@ -352,11 +352,14 @@ def figure(dom: str, chart: str) -> str:
 def test_the_banner_stays_at_the_top_and_names_the_first_anomalys_rank_step_module_and_phase(nan_run):
     page, dom, png = nan_run
     assert re.search(r"#banner \{ position: sticky; top: 0;", dom)
-    assert re.search(r'<body>\s*<div id="banner" class="found"><span class="verdict">2 anomalies</span>', dom)
-    facts = re.findall(r'<span class="fact" data-fact="(\w+)"><span class="key">\w+</span> ([^<]+)</span>', dom)
+    assert re.search(r'<body>\s*<header id="banner" class="verdict-found"><div class="page-title">Training monitor: '
+                     r'[^<]+</div><h1 id="verdict">2 anomalies in \d+ monitored steps</h1>', dom)
+    facts = re.findall(r'<span class="field" data-field="(\w+)"><span class="field-name">\w+</span><code>([^<]+)'
+                       r'</code></span>', dom)
     assert facts == [("rank", "1"), ("step", str(NAN_STEP)), ("module", NAN_PARAMETER), ("phase", "backward"),
                      ("rule", "nonfinite")]
-    assert [row[20] for row in top_rows(png, 8)] == [(0xff, 0xd6, 0xd6)] * 8  # on load, the window shows it first
+    # on load, the window shows it first: the found verdict's red edge and the banner's white, from the top row down
+    assert [(row[2], row[20]) for row in top_rows(png, 8)] == [((0xcc, 0, 0), (0xff, 0xff, 0xff))] * 8
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", open(page).read())  # nothing fetched from elsewhere
     rows = re.findall(r'<tr class="anomaly" data-step="(\d+)"><td>(\d)</td><td>\d+</td><td>([a-z_]+)</td>', dom)
     assert rows == [(str(NAN_STEP), "1", "nonfinite"), (str(NAN_STEP), "0", "nonfinite")]  # in the order they came

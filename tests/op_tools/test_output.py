@@ -61,7 +61,7 @@ def four_steps_default(tmp_path_factory):
 @pytest.mark.parametrize("tool", TOOLS)
 def test_four_training_steps_print_a_few_dozen_lines_at_default_settings(four_steps_default, tool):
     lines = four_steps_default[tool]
-    assert 1 <= len(lines) <= 40, "\n".join(lines)
+    assert 1 <= len(lines) <= 45, "\n".join(lines)
     assert lines[-1].startswith(f"{tool}: ") and " calls of " in lines[-1]  # the closing line
     assert not any("forward_id:" in line or line.startswith(("apply ", "skip ")) for line in lines)
     assert all(len(line) <= reporting.CONSOLE_WIDTH for line in lines if line.startswith(("+", "|")))
@@ -151,8 +151,8 @@ def test_ditorch_banner_goes_through_the_ditorch_logger_to_stderr(tmp_path):
 
 def test_long_cells_are_shortened_to_fit_and_files_keep_them_whole(tmp_path):
     rows = [{"name": "torch.nn.functional.scaled_dot_product_attention inputs[0]" * 3, "value": "x" * 300, "n": 1}]
-    text = reporting.table_text(rows, width=reporting.CONSOLE_WIDTH)
-    assert max(len(line) for line in text.splitlines()) <= reporting.CONSOLE_WIDTH
+    text = reporting.table_text(rows, width=120)
+    assert max(len(line) for line in text.splitlines()) <= 120
     # whole words from the start of a shortened cell, the middle of one with no space
     assert "| torch.nn.functional.scaled_dot_product_attention … |" in text and "xxx…xxx" in text
     result_files.write_csv(str(tmp_path / "t.csv"), rows)
@@ -217,7 +217,7 @@ def _failure_summary(sim, caplog) -> tuple[list[str], list[dict]]:
     return [line for line in summary.splitlines() if line.startswith(("+", "|"))], compare.failures
 
 
-@pytest.mark.parametrize("setting", ["220", "120", "full"])
+@pytest.mark.parametrize("setting", ["220", "120", "100", "full"])
 def test_the_failure_summary_fits_the_width_set_and_tells_the_layers_apart(sim, caplog, monkeypatch,
                                                                            console_width_kept, setting):
     monkeypatch.setenv("OP_TOOLS_TABLE_WIDTH", setting)
@@ -264,6 +264,18 @@ def test_shapes_and_numbers_are_shortened_without_cutting_a_number():
         assert set(re.findall(r"\d+", reporting.shorten_values(shapes, width))) <= numbers
 
 
+def test_under_torchrun_the_rank_label_is_taken_from_the_width(console_width_kept):
+    reporting.configure_tables(100, rank=3)
+    assert reporting.console_width() == 100 - len("[rank3] ")
+    reporting.configure_tables(None, rank=3)
+    assert reporting.console_width() is None  # full: nothing shortened
+
+
+def test_words_keep_every_word_by_its_last_name_where_that_fits():
+    assert reporting.shorten_cell("torch.float16 -> torch.float32", 24) == "…float16 -> …float32"
+    assert reporting.shorten_cell("torch.float16 -> torch.float32", 18) == "torch.float16 -> …"  # else whole words
+
+
 def test_summary_capture_tables_keep_whole_shapes_at_120_columns(sim, caplog, monkeypatch, console_width_kept):
     monkeypatch.setenv("OP_CAPTURE_MODE", "summary")
     monkeypatch.setenv("OP_TOOLS_TABLE_WIDTH", "120")
@@ -287,7 +299,7 @@ def test_full_width_shortens_nothing(console_width_kept):
     assert reporting.table_text(rows) == reporting.table(rows).get_string()
 
 
-def test_tables_take_the_terminals_width_and_120_columns_elsewhere(monkeypatch):
+def test_tables_take_the_terminals_width_and_100_columns_elsewhere(monkeypatch):
     import fcntl
     import io
     import pty
@@ -297,7 +309,7 @@ def test_tables_take_the_terminals_width_and_120_columns_elsewhere(monkeypatch):
     monkeypatch.delenv("COLUMNS", raising=False)
     monkeypatch.setattr(sys, "stdout", io.StringIO())
     monkeypatch.setattr(sys, "stderr", io.StringIO())
-    assert reporting.terminal_width() == reporting.CONSOLE_WIDTH == 120
+    assert reporting.terminal_width() == reporting.CONSOLE_WIDTH == 100
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 220, 0, 0))
     try:
@@ -322,7 +334,7 @@ with op_tools.OpAutoCompare():
 """
 
 
-def test_a_220_column_terminal_gets_220_column_tables_and_a_pipe_120(tmp_path):
+def test_a_220_column_terminal_gets_220_column_tables_and_a_pipe_100(tmp_path):
     import fcntl
     import pty
     import struct
@@ -340,12 +352,15 @@ def test_a_220_column_terminal_gets_220_column_tables_and_a_pipe_120(tmp_path):
         os.close(follower)
         os.close(leader)
     piped = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
-    for done, width in ((on_terminal, 220), (piped, 120)):
+    for done, width in ((on_terminal, 220), (piped, 100)):
         assert done.returncode == 0, done.stdout[-3000:]
         table = [line for line in done.stdout.splitlines() if line.startswith(("+", "|"))]
         assert table and max(len(line) for line in table) <= width
-        assert ("model.layers.1.mlp.act_fn" in done.stdout) == (width == 220)
-        assert "layers.1" in done.stdout and "act_fn" in done.stdout
+        cells = "\n".join(table)
+        assert ("model.layers.1.mlp.act_fn" in cells) == (width == 220)
+        assert "layers.1" in cells and "act_fn" in cells
+        # shortened in its cell, whole on a line of its own under the table
+        assert ("  [2] module: model.layers.1.mlp.act_fn" in done.stdout.splitlines()) == (width == 100)
 
 
 @pytest.mark.parametrize("value", ["39", "wide", "0", "-200"])
@@ -409,8 +424,10 @@ def test_closing_line_counts_the_files_and_bytes_written(sim, caplog):
     size = sum(os.path.getsize(f) for f in files)
     assert capture.tally.files == len(files) == 3 and capture.tally.bytes == size  # input, output, the index
     folder = os.path.join(os.environ["OP_TOOLS_RESULTS_DIR"], "op_capture_results")
-    shown = folder if os.path.relpath(folder).startswith("..") else os.path.relpath(folder)
-    assert line == f"OpCapture: 1 calls of 1 op handled; wrote 3 files ({result_files.human_size(size)}) in {shown}"
+    shown = reporting.shown_path(folder)
+    closing = f"OpCapture: 1 calls of 1 op handled; wrote 3 files ({result_files.human_size(size)}) in "
+    assert line == reporting.fit_path(closing + shown, shown) and line.startswith(closing)
+    assert caplog.records[-2].getMessage().startswith(f"OpCapture results in {shown}:\n  index of the calls saved: ")
     assert stat.S_ISREG(os.stat(files[0]).st_mode)
 
 
@@ -457,7 +474,8 @@ def test_capture_shows_a_progress_bar_on_a_terminal_only(tmp_path, env, shown):
     terminal = b"".join(chunks).decode(errors="replace")
     assert done.returncode == 0, terminal
     assert ("OpCapture writing: 10 files [" in terminal and " KB]" in terminal) == shown, terminal
-    assert done.stdout.decode().startswith("OpCapture: 5 calls of 1 op handled; wrote 11 files")  # and the index
+    closing = done.stdout.decode().splitlines()[-1]
+    assert closing.startswith("OpCapture: 5 calls of 1 op handled; wrote 11 files")  # and the index
 
 
 def test_no_progress_bar_when_stderr_is_not_a_terminal(capfd):
@@ -504,3 +522,72 @@ def test_a_location_skips_the_device_layer_between_the_users_line_and_torch(tmp_
     assert done.returncode == 0, done.stderr[-3000:]
     frames = eval(done.stdout.strip().splitlines()[-1]).splitlines()  # noqa: S307 - our own repr
     assert "ditorch" not in "".join(frames) and frames[-1].endswith("(x * 2).sum().backward()  # the line to find")
+
+
+# A results folder as long as a shared cluster's: the closing lines would pass 100 columns if they named it whole.
+LONG_RESULTS = os.path.join("cluster_share", "team_numerics", "experiments", "llama_pretraining_bf16", "run_2026_11_28")
+CLOSING_RUNS = {  # a tool, and what it runs on the tiny MLP: enough for every file it writes
+    "OpAutoCompare": (lambda: op_tools.OpAutoCompare(), "gelu:noise=1e-1"),
+    "OpCapture": (lambda: op_tools.OpCapture(), ""),
+    "OpTimeMeasure": (lambda: op_tools.OpTimeMeasure(), ""),
+    # a clean run: it writes no file (with an overflow, its finding's op, phase and forward_id pass 100 columns)
+    "OpOverflowCheck": (lambda: op_tools.OpOverflowCheck(), ""),
+    "TrainingMonitor": (lambda: op_tools.TrainingMonitor(), ""),
+}
+
+
+@pytest.mark.parametrize("tool", CLOSING_RUNS)
+def test_the_closing_line_fits_100_columns_and_the_lines_above_name_every_file(sim, tmp_path, caplog, monkeypatch,
+                                                                                console_width_kept, tool):
+    import io
+
+    from tiny_models import train_mlp
+
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / LONG_RESULTS))
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(sys, "stdout", io.StringIO())  # no terminal: the default width
+    make, fault = CLOSING_RUNS[tool]
+    with caplog.at_level(logging.INFO, logger="op_tools"), ditorch.sim.faults(fault), make():
+        train_mlp(sim, steps=1)
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("op_tools")]
+    closing = messages[-1]
+    assert closing.startswith(f"{tool}: ") and len(closing) <= reporting.CONSOLE_WIDTH == 100, closing
+    if "; wrote no file" in closing:
+        return
+    listing = messages[-2].splitlines()
+    # the folder, shortened on the closing line, is whole above it, with each file a user opens
+    header = re.fullmatch(rf"{tool} results in (\S+):", listing[0])
+    assert header and closing.split(" in …")[1].split(";")[0] in header.group(1), listing
+    folder = header.group(1)
+    assert folder.startswith(str(tmp_path / LONG_RESULTS)) and len(listing) > 1
+    for line in listing[1:]:
+        assert line.startswith("  ") and os.path.exists(os.path.join(folder, line.rpartition(": ")[2])), line
+        assert len(line) <= 100, line
+
+
+def test_a_table_at_100_columns_writes_each_shortened_module_path_whole_under_it(monkeypatch, console_width_kept):
+    from op_tools.config.variables import TABLE_WIDTH
+
+    columns = ("order", "op", "phase", "module", "forward_id", "failing", "error_info", "location")
+    rows = [{"order": i, "op": "torch.nn.functional.scaled_dot_product_attention", "phase": "forward",
+             "module": f"model.decoder.layers.{i}.self_attention.core_attention", "forward_id": 100 + i,
+             "failing": "outputs[0]", "error_info": "max_abs_diff 0.5 > atol 1e-05 + rtol 1e-05 x |cpu|",
+             "location": "/opt/venv/lib/python3.11/site-packages/model/modeling.py:123 forward: out = sdpa(q, k, v)"}
+            for i in (1, 2, 3)]
+    monkeypatch.delenv("OP_TOOLS_TABLE_WIDTH", raising=False)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(sys, "stdout", __import__("io").StringIO())  # no terminal: the default width
+    reporting.configure_tables(TABLE_WIDTH.read())
+    lines = reporting.table_text(rows, columns, keep="op").splitlines()
+    table = [line for line in lines if line.startswith(("+", "|"))]
+    assert max(len(line) for line in table) <= 100
+    assert lines[:len(table)] == table  # the whole names come under the table, a line each, naming the row
+    assert lines[len(table):] == [  # the rows a name is in, once per name
+        "  [1,2,3] op: torch.nn.functional.scaled_dot_product_attention",
+        *(f"  [{i}] module: model.decoder.layers.{i}.self_attention.core_attention" for i in (1, 2, 3))]
+    assert not any("self_attention.core_attention" in line for line in table)
+    monkeypatch.setenv("OP_TOOLS_TABLE_WIDTH", "full")
+    reporting.configure_tables(TABLE_WIDTH.read())
+    whole = reporting.table_text(rows, columns, keep="op")
+    assert "…" not in whole and "] module: " not in whole
+    assert all(row["module"] in whole and row["location"] in whole for row in rows)

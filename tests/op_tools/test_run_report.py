@@ -335,13 +335,16 @@ def handmade(tmp_path_factory):
 def test_the_banner_stays_at_the_top_with_the_first_anomalys_rank_step_module_op_phase_and_source(handmade):
     _, dom, png = handmade
     assert re.search(r"#banner \{ position: sticky; top: 0;", dom)
-    assert re.search(r'<body>\s*<div id="banner" class="found"><div class="verdict">what went wrong first: rank 1: '
-                     r"went wrong at step 8: inf/nan in torch\.nn\.functional\.linear", dom)
-    facts = re.findall(r'<span class="fact" data-fact="([\w ]+)"><span class="key">[\w ]+</span> ([^<]+)</span>', dom)
+    assert re.search(r'<body>\s*<header id="banner" class="verdict-found"><div class="page-title">op_tools run report'
+                     r'</div><h1 id="verdict">what went wrong first: rank 1: went wrong at step 8: inf/nan in '
+                     r"torch\.nn\.functional\.linear", dom)
+    facts = re.findall(r'<span class="field" data-field="([\w ]+)"><span class="field-name">[\w ]+</span><code>([^<]+)'
+                       r"</code></span>", dom)
     assert facts == [("rank", "1"), ("step", str(NAN_STEP)), ("module", DOWN_PROJ),
                      ("op", "torch.nn.functional.linear"), ("phase", "backward"), ("found by", "OpOverflowCheck"),
                      ("source", BORN_AT)]
-    assert [row[20] for row in top_rows(png, 8)] == [(0xff, 0xd6, 0xd6)] * 8  # on load, the window shows it first
+    # on load, the window shows it first: the found verdict's red edge and the banner's white, from the top row down
+    assert [(row[2], row[20]) for row in top_rows(png, 8)] == [((0xcc, 0, 0), (0xff, 0xff, 0xff))] * 8
 
 
 @needs_browser

@@ -219,7 +219,8 @@ def test_the_page_written_at_stop_shows_the_nan_step_and_its_anomaly_in_a_browse
                                     [("still-nonfinite", layer, "7") for layer in layers])
     assert re.search(r'<tr class="anomaly" data-step="6"><td></td><td>6</td><td>nonfinite</td>'
                      r'<td>model\.layers\.1</td><td>forward</td>', rendered)
-    assert '<div id="banner" class="found"><span class="verdict">1 anomaly</span>' in rendered
+    assert re.search(r'<header id="banner" class="verdict-found">.*?<h1 id="verdict">1 anomaly in 8 monitored steps'
+                     r'</h1>', rendered)
 
 
 def test_a_nan_in_layer_1_backward_is_named_at_the_next_layer_output_gradient(sim, tmp_path):

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import html
 import json
+import re
 import urllib.parse
 
+from ...output.html_banner import BANNER_CSS, BANNER_SCRIPT, banner
 from .analysis import RunReport
 from .readers import MONITOR, TIME_FOLDER, TIME_MEASURE, Event
 from .report import MONITOR_COLUMNS, monitor_rows, read_lines, verdict_line
@@ -58,11 +60,15 @@ def skew_absent(report: RunReport) -> str:
     return f"nothing to compare: ranks {', '.join(map(str, timed))} timed their calls, but no step on two of them"
 
 
+# the banner's tone per verdict: unread (a clean verdict not earned) is amber, as the other pages' unchecked
+_TONES = {"found": "found", "unread": "unchecked", "clean": "clean"}
+
+
 def _banner(report: RunReport) -> str:
-    facts = "".join(f'<span class="fact" data-fact="{html.escape(name)}"><span class="key">{html.escape(name)}'
-                    f"</span> {html.escape(value)}</span>" for name, value in first_facts(report))
-    return f'<div class="verdict">{html.escape(verdict_line(report))}</div>' + (
-        f'<div class="facts">{facts}</div>' if facts else "")
+    label = ("first anomaly" if report.first is not None else "first disagreement" if report.desync is not None
+             else "first received")
+    return banner("op_tools run report", verdict_line(report), _TONES[report.verdict()], label,
+                  dict(first_facts(report)), [])
 
 
 def render(report: RunReport, monitor_page: str | None = None) -> str:
@@ -84,27 +90,17 @@ def render(report: RunReport, monitor_page: str | None = None) -> str:
     link = (f'<p id="monitor-link">TrainingMonitor\'s own page (curves, gradient heatmap): <a href="'
             f'{html.escape(urllib.parse.quote(monitor_page))}">{html.escape(monitor_page)}</a></p>'
             if monitor_page else "")
-    return (_TEMPLATE.replace("__FOLDER__", html.escape(report.results.folder))
-            .replace("__BANNER__", _banner(report))
-            .replace("__VERDICT_CLASS__", report.verdict())
-            .replace("__MONITOR_LINK__", link)
-            .replace("__READ__", read).replace("__DATA__", data))
+    parts = {"FOLDER": html.escape(report.results.folder), "BANNER_CSS": BANNER_CSS, "BANNER_SCRIPT": BANNER_SCRIPT,
+             "BANNER": _banner(report), "MONITOR_LINK": link, "READ": read, "DATA": data}
+    return re.sub(r"__([A-Z_]+)__", lambda m: parts[m.group(1)], _TEMPLATE)  # one pass: no part is read twice
 
 
 _TEMPLATE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>op_tools run report</title>
 <style>
-html { scroll-padding-top: 6em; }  /* an anchor jumped to lands below the banner, not under it */
+html { scroll-padding-top: var(--banner-height, 6em); }  /* an anchor jumped to lands below the banner */
 body { font: 13px/1.4 system-ui, sans-serif; margin: 0 1.5em 1.5em; color: #222; }
-#banner { position: sticky; top: 0; z-index: 10; padding: 0.5em 0.8em; margin: 0 -0.8em;
-  border-bottom: 1px solid rgba(0, 0, 0, 0.12); }
-#banner .verdict { font-size: 15px; font-weight: 600; }
-#banner .fact { margin-right: 1em; font-family: ui-monospace, monospace; font-size: 12px; white-space: nowrap; }
-#banner .key { color: #777; font-family: system-ui, sans-serif; }
-#banner .fact[data-fact="source"] { white-space: normal; overflow-wrap: anywhere; }
-#banner.found { background: #ffd6d6; } #banner.clean { background: #d8f3dc; }
-#banner.unread { background: #fff0c2; }
-h1 { margin: 0.5em 0 0.3em; }
+__BANNER_CSS__
 #ranks { display: flex; flex-wrap: wrap; gap: 0.6em; margin: 1em 0; }
 .rank { border: 1px solid #ccc; border-radius: 4px; padding: 0.5em 0.7em; width: 26em; }
 .rank.origin { background: #ffd6d6; border-color: #c00; } .rank.received { background: #ffe8c8; }
@@ -117,8 +113,7 @@ table { border-collapse: collapse; } th, td { border: 1px solid #ddd; padding: 2
 td.bar div { background: #7aa6d8; height: 10px; } tr.slowest td.bar div { background: #d8893c; }
 </style></head>
 <body>
-<div id="banner" class="__VERDICT_CLASS__">__BANNER__</div>
-<h1>Run report</h1>
+__BANNER__
 <p>__FOLDER__</p>
 <ul>__READ__</ul>
 <h2>Ranks</h2><div id="ranks"></div>
@@ -128,6 +123,7 @@ td.bar div { background: #7aa6d8; height: 10px; } tr.slowest td.bar div { backgr
 <script type="application/json" id="data">__DATA__</script>
 <script>
 "use strict";
+__BANNER_SCRIPT__
 const data = JSON.parse(document.getElementById("data").textContent);
 function el(tag, text, cls) {
   const e = document.createElement(tag);
