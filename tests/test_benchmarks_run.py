@@ -26,7 +26,8 @@ SMALLEST = {
     "conformance_sweep.py": (["--ops", "abs,add", "--limit-samples", "1"], "pass rate 100.0% of 4 rows"),
     "autocompare_sensitivity.py": (["--ops", "silu,sdpa", "--numerics", "gpu"], "| sdpa | 0.003 | 0.0003 |"),
     "collective_checks_cost.py": (["--rounds", "1"], "(c) OpAutoCompare default"),
-    "training_monitor_cost.py": (["--size", "tiny", "--rounds", "1", "--steps", "1"],
+    # sim only: the CPU runs the same code, and each device doubles the script's time
+    "training_monitor_cost.py": (["--size", "tiny", "--rounds", "1", "--steps", "1", "--devices", "sim"],
                                  "(c) TrainingMonitor(model=model, every=10)"),
     "stay_on_cost.py": (["--size", "tiny", "--rounds", "1", "--steps", "1"], "summary: stay_on_cost: sim: OpCapture"),
     "engine_cost.py": (["--rounds", "1", "--steps", "1"], "summary: engine_cost: cpu tiny: engine, forward+backward"),
