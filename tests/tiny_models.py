@@ -30,6 +30,34 @@ def mlp():
     )
 
 
+class NanoGPT(torch.nn.Module):
+    """The shape of karpathy's nanoGPT ``model.GPT``, one block, no dropout: token and position embeddings (the
+    positions from ``torch.arange(..., device=idx.device)`` inside the forward), causal
+    ``F.scaled_dot_product_attention``, LayerNorm, a GELU MLP, an untied head and the cross-entropy loss."""
+
+    def __init__(self, vocab: int = 64, block: int = 16, width: int = 32, heads: int = 2):
+        super().__init__()
+        nn = torch.nn
+        self.heads = heads
+        self.wte, self.wpe = nn.Embedding(vocab, width), nn.Embedding(block, width)
+        self.ln_1, self.ln_2, self.ln_f = nn.LayerNorm(width), nn.LayerNorm(width), nn.LayerNorm(width)
+        self.c_attn, self.c_proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        batch, steps = idx.shape
+        pos = torch.arange(0, steps, dtype=torch.long, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        q, k, v = (z.view(batch, steps, self.heads, -1).transpose(1, 2)
+                   for z in self.c_attn(self.ln_1(x)).split(x.size(-1), dim=2))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).reshape(batch, steps, -1))
+        x = x + self.mlp(self.ln_2(x))
+        logits = self.lm_head(self.ln_f(x))
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
 def train_llama(device: str, steps: int = 3, seed: int = 0, autocast_dtype=None, model_factory=tiny_llama):
     """Build on CPU with ``seed``, move to ``device``, train ``steps`` AdamW steps; return the losses."""
     torch.manual_seed(seed)

@@ -92,7 +92,7 @@ def register() -> None:
         _setup_privateuseone_for_python_backend(NAME, backend_module=device_module)
         tensor.set_device_count(count)
         factories = torch.library.Library("_", "IMPL")
-        factories.fallback(_fallback, "PrivateUse1")
+        factories.fallback(tensor.never_compiled(_fallback, recursive=True), "PrivateUse1")
         # Paths that call ops with the Python key excluded (torch.tensor(data, device=...)) reach
         # per-op kernels only, never the fallback.
         per_op = torch.library.Library("aten", "IMPL")
@@ -216,8 +216,9 @@ def _fallback(op, *args, **kwargs):
 
 
 def _per_op(op):
-    from .tensor import run_op
+    from .tensor import never_compiled, run_op
 
+    @never_compiled(recursive=True)  # a device entry point, as SimTensor.__torch_dispatch__
     def kernel(*args, **kwargs):
         return run_op(op, args, kwargs)
 

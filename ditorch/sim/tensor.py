@@ -10,6 +10,7 @@ comes back, so views alias, in-place ops mutate and numbers equal the CPU's bit 
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 from torch._C import DispatchKey, DispatchKeySet
@@ -27,7 +28,7 @@ _set_metadata = torch.ops.aten.set_.source_Storage_storage_offset
 
 # Ops that CUDA lets take CPU tensors next to device ones (copies, indices).
 _MIXED_DEVICE_OK = {
-    "aten::copy_", "aten::_copy_from", "aten::_copy_from_and_resize", "aten::_to_copy",
+    "aten::copy_", "aten::copy", "aten::_copy_from", "aten::_copy_from_and_resize", "aten::_to_copy",
     "aten::index", "aten::index_put_", "aten::index_put", "aten::_index_put_impl_",
     "aten::set_", "aten::is_set_to", "aten::_has_same_storage_numel", "aten::is_same_size",
 }
@@ -57,6 +58,12 @@ class DeviceSelection:
         return index
 
 
+def _traced(data: torch.Tensor) -> bool:
+    """Whether a sim tensor's CPU tensor is a fake or functional one (torch.compile tracing through the wrapper):
+    it has no values."""
+    return data.__class__ is not torch.Tensor and torch._C._dispatch_keys(data).has(DispatchKey.Python)
+
+
 class _Memory:
     """Bytes held by live sim storages per device; a storage counts while any sim tensor uses it."""
 
@@ -67,8 +74,7 @@ class _Memory:
         self._lock = threading.Lock()
 
     def track(self, tensor: SimTensor, data: torch.Tensor, index: int) -> None:
-        if data.__class__ is not torch.Tensor and torch._C._dispatch_keys(data).has(DispatchKey.Python):
-            # A fake or functional tensor (torch.compile tracing through the wrapper) holds no memory.
+        if _traced(data):  # a fake or functional tensor holds no memory
             tensor._storage_key = 0
             return
         storage = data.untyped_storage()
@@ -120,14 +126,19 @@ DEVICE_MEMORY = _DeviceMemory()
 _DEVICES: list = []  # filled by set_device_count once "sim" is a device name
 
 
-def _never_compiled(function):
+def never_compiled(function=None, *, recursive: bool = False):
     """Tell torch.compile never to compile ``function``'s frames (through the C extension: importing dynamo costs
-    a second). A finalizer runs whenever the garbage collector runs, inside compiled code too, where dynamo would try
-    to trace it, fail, and print a traceback per tensor freed, leaving its memory counted (issue 35)."""
-    eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    a second), nor, if ``recursive``, the frames it calls. A finalizer runs whenever the garbage collector runs,
+    inside compiled code too, where dynamo would try to trace it, fail, and print a traceback per tensor freed,
+    leaving its memory counted (issue 35). The device's entry points (``__torch_dispatch__``, the PrivateUse1
+    kernels) run in a compiled region's eager code (a graph break's op): they and their kernels are the device's
+    work, which dynamo traced as the program's, faking their sim tensors on the way (issue 35 item 1)."""
+    if function is None:
+        return lambda fn: never_compiled(fn, recursive=recursive)
+    eval_frame: Any = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
     try:
-        strategy = eval_frame._FrameExecStrategy(eval_frame._FrameAction.SKIP,
-                                                 eval_frame._FrameAction.DEFAULT)
+        action = eval_frame._FrameAction
+        strategy = eval_frame._FrameExecStrategy(action.SKIP, action.SKIP if recursive else action.DEFAULT)
         eval_frame.set_code_exec_strategy(function.__code__, strategy)
     except (AttributeError, TypeError):  # another PyTorch: its older entry, where it has one
         skip = getattr(eval_frame, "skip_code", None)
@@ -147,10 +158,11 @@ class SimTensor(torch.Tensor):
     _storage_key: int  # its storage's data_ptr in MEMORY
 
     @classmethod
+    @never_compiled(recursive=True)
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return run_op(func, args, kwargs or {})
 
-    @_never_compiled
+    @never_compiled
     def __del__(self):
         # Cheaper than a weakref finalizer per tensor; at interpreter exit MEMORY may be gone.
         memory = MEMORY
@@ -183,7 +195,7 @@ class SimTensor(torch.Tensor):
 
     def __format__(self, spec: str) -> str:
         # Tensor.__format__ formats 0-dim values only for exact torch.Tensor; repr needs it here too.
-        if self.dim() == 0:
+        if self.dim() == 0 and not _traced(self._data):  # a traced one formats as its repr, as a FakeTensor does
             return self.detach().item().__format__(spec)
         return object.__format__(self, spec)
 
@@ -213,6 +225,8 @@ class SimTensor(torch.Tensor):
         if torch.overrides.has_torch_function_unary(self):  # a TorchFunctionMode sees one __repr__ call
             return torch.overrides.handle_torch_function(  # type: ignore[call-arg]  # torch's stub takes no keywords
                 SimTensor.__repr__, (self,), self, tensor_contents=tensor_contents)  # type: ignore[arg-type]  # nor this signature
+        if _traced(self._data):  # no values to print (torch.compile's logs and errors print these)
+            return f"tensor(..., device='{real_device(self)}', size={tuple(self.shape)}, dtype={self.dtype})"
         # PyTorch prefixes subclasses with their class name; a device tensor prints as tensor(...).
         text = torch._tensor_str._str(self, tensor_contents=tensor_contents)
         name = type(self).__name__
@@ -293,12 +307,13 @@ _INFO: dict = {}
 class _Unwrapped:
     """Arguments with sim tensors swapped for their CPU tensors, and what was seen on the way."""
 
-    __slots__ = ("sim_index", "other_device", "pairs")
+    __slots__ = ("sim_index", "other_device", "pairs", "copy_back")
 
     def __init__(self) -> None:
         self.sim_index = None
         self.other_device = None  # a CPU tensor of dim > 0, or another sim device, seen beside sim tensors
         self.pairs: list = []  # (CPU tensor handed to the kernel, the caller's tensor it stands for)
+        self.copy_back: list | None = None  # (CPU copy handed to the kernel, the traced sim tensor it stands for)
 
     def value(self, x):
         cls = type(x)
@@ -314,6 +329,8 @@ class _Unwrapped:
         if cls is torch.Tensor or isinstance(x, torch.Tensor):
             if x.dim() and x.is_cpu:  # not Tensor.device, which DITORCH_SHOW_DEVICE_AS_CUDA may patch
                 self.other_device = "cpu"
+            elif cls is not torch.Tensor and real_device(x).type == "sim":
+                return self.traced_factory_output(x)
             self.pairs.append((x, x))
             return x
         if cls is list or cls is tuple:
@@ -321,6 +338,20 @@ class _Unwrapped:
         if cls is torch.device and x.type == "sim":
             return _CPU
         return x
+
+    def traced_factory_output(self, x):
+        """While torch.compile traces, a factory on sim (``torch.arange(n, device=idx.device)``) makes a fake
+        tensor on sim, not a SimTensor: FakeTensorMode answers it before the PrivateUse1 fallback. Beside a
+        SimTensor, whose fake holds a CPU fake, it stands for a sim tensor: the kernel takes its CPU copy (a
+        ``_to_copy`` in the graph), and an op writing to it writes back (``copy_back``)."""
+        if self.sim_index is None:
+            self.sim_index = real_device(x).index or 0
+        data = x.to(_CPU)
+        if self.copy_back is None:  # made here only: every op builds an _Unwrapped
+            self.copy_back = []
+        self.copy_back.append((data, x))
+        self.pairs.append((data, x))
+        return data
 
     def dtypes(self, kwargs: dict) -> set:
         found = {tensor.dtype for _, tensor in self.pairs}
@@ -397,6 +428,8 @@ def _run_op(func, args, kwargs):
         out = _DEFERRED.defer(func, error, cpu_args, cpu_kwargs)
     _counters.charge(info.name, info.launches, _is_sim, args, kwargs, out)  # what a real device would charge
 
+    if unwrapped.copy_back and (info.mutated_args or info.mutated_kwargs):
+        _write_back(unwrapped.copy_back, info, args, kwargs)
     if info.mutated_args:
         for position in info.mutated_args:
             if position < len(args):
@@ -409,6 +442,15 @@ def _run_op(func, args, kwargs):
     if index is None:
         return out
     return _wrap_outputs(out, unwrapped.pairs, index)
+
+
+def _write_back(copies, info: _OpInfo, args, kwargs) -> None:
+    """An op wrote to the CPU copy of a traced tensor on sim (``_Unwrapped.traced_factory_output``): so does the
+    tensor."""
+    written = [args[p] for p in info.mutated_args if p < len(args)] + [kwargs.get(n) for n in info.mutated_kwargs]
+    for data, traced in copies:
+        if any(traced is w for w in written):
+            traced.copy_(data)
 
 
 class _DeferredErrors:
