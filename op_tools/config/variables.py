@@ -312,8 +312,9 @@ TABLE_WIDTH = declare(
     "The width in characters that console tables and the tools' closing lines fit (under torchrun, with their "
     "`[rank<N>] ` label); long cells are shortened with `…` (module paths keep their indices and last name), and "
     "a module path or op name shortened is written whole on a line of its own under the table; a closing line "
-    "too long names its results folder by its last folders, whole on the line above it. `full` shortens nothing "
-    "(cells whole, however wide). Unset: the terminal's width when stdout or stderr is a terminal (`COLUMNS` "
+    "too long names its results folder by its last folders, whole on the line above it, and a closing or summary "
+    "line still too long wraps at its clauses onto lines indented two spaces. `full` shortens and wraps nothing "
+    "(cells and lines whole, however wide). Unset: the terminal's width when stdout or stderr is a terminal (`COLUMNS` "
     "wins, as for `shutil.get_terminal_size`), else 100. Files always keep every cell whole.", parse_table_width,
 )
 REPLICA_FINGERPRINTS = _flag(

@@ -399,11 +399,12 @@ class OpTool:
 
     def _log_closing(self) -> None:
         """Log the closing line fitted to the console (``reporting.fit_path``: its folder shortened from the start
-        where the line is too long) and, before it at INFO, the folder whole with the files a user opens
-        (``Tally.listing``) where the tool named some or the closing line could not name the folder whole."""
-        line = self.closing_line()
-        fitted = reporting.fit_path(line, self.tally.folder())
-        if self.tally.named or fitted != line:
+        where the line is too long, its clauses wrapped where its verdict is) and, before it at INFO, the folder
+        whole with the files a user opens (``Tally.listing``) where the tool named some or the closing line could
+        not name the folder whole."""
+        line, folder = self.closing_line(), self.tally.folder()
+        fitted = reporting.fit_path(line, folder)
+        if self.tally.named or (folder and f" {folder}" not in reporting.unwrapped(fitted)):
             self._logger.info(self.tally.listing(type(self).__name__))
         self._logger.log(self._closing_level(), fitted)
 
@@ -633,8 +634,8 @@ class OpTool:
             first = key not in _reported_failures
             _reported_failures[key] = None
         if first:
-            self._logger.warning("%s failed on %s (reported once; the op ran unchanged): %s: %s",
-                                 self.hook_name, name, type(error).__name__, error,
+            self._logger.warning(reporting.fit_line(f"{self.hook_name} failed on {name} (reported once; the op ran "
+                                                    f"unchanged): {type(error).__name__}: {error}"),
                                  exc_info=self._logger.isEnabledFor(logging.DEBUG))
 
     @property

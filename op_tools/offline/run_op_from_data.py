@@ -153,10 +153,10 @@ def main(argv: list[str] | None = None) -> int:
                             time=args.sync_time_measure, acc_check=args.acc_check,
                             allowed_modules=tuple(args.allow_module))
     env = environment(device)
-    reporting.console(f"run_op_from_data: {len(entries)} captured calls under {args.dir}, on {device} "
-                      f"({env['device name']}), {args.run_times} run(s) each (times: their medians)"
-                      + ("" if options.backward else ", forward only")
-                      + f"; torch {env['torch']}, ditorch {env['ditorch']}")
+    reporting.console(reporting.fit_line(
+        f"run_op_from_data: {len(entries)} captured calls under {args.dir}, on {device} ({env['device name']}), "
+        f"{args.run_times} run(s) each (times: their medians)" + ("" if options.backward else ", forward only")
+        + f"; torch {env['torch']}, ditorch {env['ditorch']}"))
     bar = reporting.progress_bar(len(entries), "replay", unit=" calls")
     results, time_rows = [], []
     try:
@@ -216,7 +216,8 @@ def _finish(results, time_rows, options: ReplayOptions, env: dict, args, common:
     counts = collections.Counter(r.status for r in results)
     lines.append(f"{len(results)} entries: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s] or s in
                                                           ("ok", "mismatch", "error")))
-    reporting.console("\n".join(lines))
+    table = lines[:1] if shown else []  # fits the width by itself; the lines below wrap at it
+    reporting.console("\n".join(table + [reporting.fit_line(line) for line in lines[len(table):]]))
     if not_written:
         print(f"run_op_from_data: {not_written}", file=sys.stderr)
         return ExitStatus.NOT_WRITTEN

@@ -42,6 +42,7 @@ CONSOLE_WIDTH = 100  # console lines' width where stdout and stderr are no termi
 FIRST_COLUMN_KEPT = 32  # characters of a console table's first column (the row's name) kept before others shrink
 MODULE_KEPT = 16  # characters of a module path kept before other columns shrink: …layers.1…act_fn fits
 SHORT_CELL = 8  # cells this short (forward, backward, an index) stay whole while a kept column can give way
+NUMBER_KEPT = 5  # characters of a number kept while text gives way: 3 significant digits (0.215)
 ARG_COLUMNS = ("name", "device", "dtype", "numel", "shape", "stride", "requires_grad", "layout", "data_ptr", "value")
 CONSOLE_ARG_COLUMNS = ("name", "device", "dtype", "shape", "stride", "requires_grad", "value")  # fit 100 columns
 _VALUE_WIDTH = 60
@@ -180,26 +181,147 @@ def shorten_path(path: str, width: int) -> str:
 
 
 def fit_path(line: str, path: str, width: int | None = None) -> str:
-    """``line``, which names ``path`` after `` in ``, in ``width`` characters (default: ``console_width()``) where
-    leaving out the path's first folders can make it fit: a closing line names its results folder whole where it
-    fits; where not, the lines above it name the folder whole (``files_text``)."""
+    """``line``, which names ``path`` (after a space), in ``width`` characters (default: ``console_width()``;
+    ``None``: unchanged): on one line, its path shortened from the start as little as makes it fit; where its other
+    words alone pass the width, wrapped at its clauses (``fit_line``), the path shortened as little as lets a line
+    hold it with the word before it (``in``; else the path alone). A closing line names its results folder so;
+    where it is not whole, the lines above it name the folder whole (``files_text``)::
+
+        >>> print(fit_path("OpCapture: 9 calls of 2 ops handled; wrote 3 files in runs/2026/op_capture_results",
+        ...                "runs/2026/op_capture_results", 75))
+        OpCapture: 9 calls of 2 ops handled; wrote 3 files in …/op_capture_results
+    """
     width = console_width() if width is None else width
-    if width is None or len(line) <= width or not path or f" in {path}" not in line:
+    if width is None or len(line) <= width:
         return line
-    short = shorten_path(path, max(len(path) - (len(line) - width), 1))
-    return line.replace(f" in {path}", f" in {short}", 1)
+    if not path or f" {path}" not in line:
+        return fit_line(line, width)
+    before = line[:line.index(f" {path}")].rpartition(" ")[2]  # the word naming it: "in", "under"
+    forms = _path_forms(path)
+    named = [line.replace(f" {path}", f" {form}", 1) for form in forms]
+    for text in named:
+        if len(text) <= width:
+            return text
+    wrapped = [fit_line(text, width).split("\n") for text in named]
+    for word in (f"{before} ", ""):  # with the word before it first: a line ending "in" reads badly
+        for form, lines in zip(forms, wrapped):
+            if any(word + form in part and len(part) <= width for part in lines):
+                return "\n".join(lines)
+    return "\n".join(wrapped[-1])
 
 
-def files_text(tool: str, folder: str, files: list[tuple[str, str]]) -> str:
+def _path_forms(path: str) -> list[str]:
+    """``path``, then shorter by each of its first folders left out (``…/results/op_capture_results``), to its last
+    name (``shorten_path``'s forms, longest first)."""
+    parts = path.split(os.sep)
+    forms = [path]
+    for i in range(1, len(parts)):
+        form = f"…{os.sep}{os.sep.join(parts[i:])}"
+        if len(form) < len(forms[-1]):
+            forms.append(form)
+    return forms
+
+
+# --- console lines: one too long for the width wrapped at its clauses ---
+
+CONTINUATION = "  "  # a wrapped line's continuation lines start with its own indent and these two spaces more
+_BREAKS = ("; ", ", ", " ")  # where a long line breaks: after a clause, then after a part of one, then a word
+
+
+def fit_line(text: str, width: int | None = None) -> str:
+    """``text`` with each of its lines longer than ``width`` (default: ``console_width()``; ``None``: full width,
+    ``text`` unchanged) wrapped onto continuation lines, indented two spaces more than it: broken after a ``;``
+    where a clause fits a line, else after a ``,``, else between words; a word longer than a line (a path) stays
+    whole. Nothing is left out or added, the line's first words stay first (a closing line's verdict), and
+    ``unwrapped`` joins the line back::
+
+        >>> print(fit_line("OpCapture: 9 calls of 2 ops handled; wrote 3 files (1.2 KB) in results; "
+        ...                "4 calls past 2 per op (OP_CAPTURE_MAX_CALLS_PER_OP) not saved", 80))
+        OpCapture: 9 calls of 2 ops handled; wrote 3 files (1.2 KB) in results;
+          4 calls past 2 per op (OP_CAPTURE_MAX_CALLS_PER_OP) not saved
+    """
+    width = console_width() if width is None else width
+    if width is None:
+        return text
+    return "\n".join("\n".join(_wrapped_lines(line, width)) for line in text.split("\n"))
+
+
+def unwrapped(text: str) -> str:
+    """A line ``fit_line`` wrapped, joined back (its continuation lines: those starting with ``CONTINUATION`` more
+    than its first): what it was before."""
+    indent = text[:len(text) - len(text.lstrip(" "))]
+    return text.replace("\n" + indent + CONTINUATION, " ")
+
+
+def _wrapped_lines(line: str, width: int) -> list[str]:
+    """``line`` as lines within ``width``, broken at ``_BREAKS`` (the coarsest that fits first), greedily."""
+    if len(line) <= width:
+        return [line]
+    body = line.lstrip(" ")
+    indent = line[:len(line) - len(body)]
+    continuation = indent + CONTINUATION
+    lines = [indent]
+    started = False  # whether the last line holds a piece yet
+    broken = False  # whether the last clause was broken over lines: the next starts a line of its own
+
+    def place(piece: str, level: int) -> None:
+        nonlocal started, broken
+        after_broken, broken = broken and level == 0, broken and level > 0
+        joined = lines[-1] + (" " if started else "") + piece
+        if len(joined) <= width and not after_broken:
+            lines[-1], started = joined, True
+            return
+        if started and len(continuation + piece) <= width:  # whole, on a line of its own
+            lines.append(continuation + piece)
+            return
+        if started:  # broken or too long, it starts a line: a clause is read from its start
+            lines.append(continuation)
+            started = False
+        for finer in range(level + 1, len(_BREAKS)):
+            pieces = _pieces(piece, finer)
+            if len(pieces) > 1:
+                for part in pieces:
+                    place(part, finer)
+                broken = broken or level == 0
+                return
+        lines[-1], started = lines[-1] + piece, True  # a word longer than a line (a path): whole, passing it
+
+    for piece in _pieces(body, 0):
+        place(piece, 0)
+    return lines
+
+
+def _pieces(text: str, level: int) -> list[str]:
+    """``text`` split at ``_BREAKS[level]``, clauses outside brackets only (a clause's ``(... in all; the largest:
+    ...)`` stays whole), each piece but the last keeping the mark before the space (``;``, ``,``): joined by
+    spaces, they are ``text`` again."""
+    separator = _BREAKS[level]
+    if separator == " ":  # words: a bracket's words too, where its clause is longer than a line
+        return text.split(" ")
+    pieces, start, depth = [], 0, 0
+    for i, char in enumerate(text):
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth = max(depth - 1, 0)
+        elif depth == 0 and text.startswith(separator, i) and i >= start:
+            pieces.append(text[start:i + len(separator) - 1])
+            start = i + len(separator)
+    return pieces + [text[start:]]
+
+
+def files_text(tool: str, folder: str, files: list[tuple[str, str]], width: int | None = None) -> str:
     """``folder`` whole, and the files in it a user opens (``(what, path)`` each), a line each, named from the
-    folder: the lines above a closing line, which names the folder only, shortened when long::
+    folder: the lines above a closing line, which names the folder only, shortened when long. Lines longer than
+    ``width`` (default: ``console_width()``) are wrapped (``fit_line``): a folder too long for the first line goes
+    on the next, whole::
 
         OpTimeMeasure results in op_tools_results/op_time_measure_result:
           summary: op_elasped_summary_pid1234_2026-11-28-08-29-12_1.csv
     """
     lines = [f"{tool} results in {folder}" + (":" if files else "")]
     lines += [f"  {what}: {os.path.relpath(os.path.abspath(path), os.path.abspath(folder))}" for what, path in files]
-    return "\n".join(lines)
+    return fit_line("\n".join(lines), width)
 
 
 # --- tables ---
@@ -247,7 +369,8 @@ def table(rows: list[dict], columns: tuple[str, ...] | None = None, width: int |
     """A prettytable of ``rows`` (dicts); columns default to the keys in first-seen order. With ``width``, the
     longest cells are shortened (``…`` where text was left out, each column in its own way: ``COLUMN_FORMS``) until
     the table fits that many characters, if it can with whole column names; column ``keep`` (default: the first,
-    which names the row) is shortened last."""
+    which names the row) keeps ``FIRST_COLUMN_KEPT`` characters longest, unless it holds dotted names (ops,
+    module paths), which give way first (``_give_way``): ``table_text`` writes them whole under the table."""
     columns, cells = _cells(rows, columns)
     if width is not None:
         cells = _fit(columns, cells, width, columns.index(keep) if keep in columns else 0)
@@ -314,45 +437,73 @@ def call_table(op: str, rows: list[dict], columns: tuple[str, ...] = CONSOLE_ARG
 
 def _fit(names, cells: list[list[str]], width: int, kept: int = 0) -> list[list[str]]:
     """Cap the cells of every column at one width (a column whose form takes a smaller share: that share of it),
-    the largest that makes the table fit, never below the column's name, nor column ``kept``, which names the row,
-    below ``FIRST_COLUMN_KEPT``, nor a column whose form keeps some characters below those (unless a narrow width
-    cannot hold those and ``SHORT_CELL`` characters of the others): only the longest cells are shortened, each line
-    of a cell on its own."""
+    the largest that makes the table fit, never below the column's floor: the whole of a short cell
+    (``SHORT_CELL``), what its form keeps (``ColumnForm.kept``, column ``kept``, which names the row:
+    ``FIRST_COLUMN_KEPT``) and its cells' leads (``ColumnForm.lead``: a verdict's first clause, a file's name
+    and line). Where the floors add up to more than the width holds, they give way (``_give_way``). Only the
+    longest cells are shortened, each line of a cell on its own."""
     forms = [COLUMN_FORMS.get(name, CELL) for name in names]
-    floors = [len(n) for n in names]
-    if cells:
-        for i, form in enumerate(forms):
-            least = FIRST_COLUMN_KEPT if i == kept else form.kept
-            floors[i] = max(floors[i], min(least, max(_longest_line(row[i]) for row in cells)))
     room = width - 3 * len(names) - 1  # "| " and " |" around each cell, "|" between
-    natural = [max([floor, *(_longest_line(row[i]) for row in cells)]) for i, floor in enumerate(floors)]
+    headers = [len(n) for n in names]
+    columns_in = [[row[i] for row in cells] for i in range(len(names))]
+    natural = [max([header, *map(_longest_line, column)]) for header, column in zip(headers, columns_in)]
     if sum(natural) <= room:
         return cells
+    floors = [min(w, max(h, SHORT_CELL, FIRST_COLUMN_KEPT if i == kept else form.kept,
+                         *(form.lead(line) for cell in column for line in cell.split("\n"))))
+              for i, (w, h, form, column) in enumerate(zip(natural, headers, forms, columns_in))]
+    _give_way(floors, headers, natural, columns_in, forms, room, kept)
 
     def caps_at(cap: int) -> list[int]:
         return [min(w, max(int(cap * form.share), f)) for w, f, form in zip(natural, floors, forms)]
 
-    # Where the characters kept add up to more than a narrow width holds, they give way, the largest first, down to
-    # the column's name, until short cells (a phase, an index) stay whole.
-    headers = [len(n) for n in names]
-    while sum(caps_at(SHORT_CELL)) > room:
-        largest = max(range(len(floors)), key=lambda i: floors[i] if floors[i] > headers[i] else 0)
-        if floors[largest] <= headers[largest]:
-            break
-        floors[largest] -= 1
     cap, widest = 3, max(w / form.share for w, form in zip(natural, forms))
     while cap < widest and sum(caps_at(cap + 1)) <= room:
         cap += 1
-    columns = [_shorten_column(forms[i], [row[i] for row in cells], limit) for i, limit in enumerate(caps_at(cap))]
-    # A form that leaves out whole names can leave its cap partly unused: that room goes to the columns still cut,
-    # the row's name and the module paths first.
+    caps = caps_at(cap)
+    columns = [_shorten_column(forms[i], columns_in[i], limit) for i, limit in enumerate(caps)]
+    # A form that leaves out whole words or names can leave its cap partly unused: that room goes to the columns
+    # still cut, first those that left the most (their next word may fit now), then the row's name.
     used = [max(len(name), *map(_longest_line, column)) for name, column in zip(names, columns)]
     spare = room - sum(used)
-    for i in sorted(range(len(names)), key=lambda i: (i != kept, not forms[i].names, i)):
+    for i in sorted(range(len(names)), key=lambda i: (used[i] - caps[i], i != kept, not forms[i].names, i)):
         if spare > 0 and used[i] < natural[i]:
-            columns[i] = _shorten_column(forms[i], [row[i] for row in cells], used[i] + spare)
+            columns[i] = _shorten_column(forms[i], columns_in[i], used[i] + spare)
             spare += used[i] - max(len(names[i]), *map(_longest_line, columns[i]))
     return [list(row) for row in zip(*columns)]
+
+
+def _give_way(floors: list[int], headers: list[int], natural: list[int], columns: list[list[str]],
+              forms: list[ColumnForm], room: int, kept: int) -> None:
+    """Lower ``floors`` (in place) until they fit ``room``, a character at a time, what is least missed first: the
+    columns of names written whole under the table (``_whole_names``), the widest first, to their last names
+    (``…gelu``; ``SHORT_CELL`` at most) or what their form keeps (a module path's index); numbers, to
+    ``NUMBER_KEPT`` characters; the other columns' leads, the largest for its share first (a location before a
+    verdict) and column ``kept`` last, to ``SHORT_CELL``; then the names, and last every column, to its header."""
+    def lines(i: int) -> list[str]:
+        return [line for cell in columns[i] if cell for line in cell.split("\n")]
+
+    def lower(candidates: list[int], least: Callable[[int], int], first: Callable[[int], tuple]) -> None:
+        while sum(floors) > room:
+            lowered = [i for i in candidates if floors[i] > least(i)]
+            if not lowered:
+                return
+            floors[max(lowered, key=first)] -= 1
+
+    names = [i for i, form in enumerate(forms)
+             if form.names and lines(i) and all(_DOTTED.fullmatch(line) for line in lines(i))]
+    numbers = [i for i in range(len(floors))
+               if i not in names and lines(i) and all(_NUMBER.fullmatch(line) for line in lines(i))]
+    others = [i for i in range(len(floors)) if i not in names]
+    last_names = {i: max(headers[i], min(natural[i], forms[i].kept),  # a module path keeps its layer's index
+                         min(SHORT_CELL, max(len("…" + line.rpartition(".")[2]) for line in lines(i))))
+                  for i in names}
+    lower(names, last_names.__getitem__, lambda i: (floors[i],))
+    lower(numbers, lambda i: max(headers[i], min(natural[i], NUMBER_KEPT)), lambda i: (natural[i],))
+    lower(others, lambda i: max(headers[i], min(natural[i], SHORT_CELL)),
+          lambda i: (i != kept, floors[i] / forms[i].share, natural[i]))
+    lower(names, headers.__getitem__, lambda i: (floors[i],))
+    lower(others, headers.__getitem__, lambda i: (i != kept, natural[i]))
 
 
 def _shorten_column(form: ColumnForm, column: list[str], width: int) -> list[str]:
@@ -523,22 +674,49 @@ def shorten_cell(text: str, width: int) -> str:
     return shorten_words(text, width)
 
 
+LEAD_KEPT = 16  # characters of a text cell's first clause kept before the longest cells shrink: "error 0.0865 > …"
+_CLAUSE_END = re.compile(r"[,;] ")
+
+
+def clause_lead(text: str) -> int:
+    """The characters that show ``text``'s first clause (to its first ``,`` or ``;``) as ``shorten_words`` does,
+    `` …`` after it where more follows (``FAIL: output, …``), at most ``LEAD_KEPT``: what a cell keeps while the
+    longest cells give way."""
+    if _NUMBER.fullmatch(text):  # numbers lose digits, not meaning: SHORT_CELL keeps enough
+        return 0
+    end = _CLAUSE_END.search(text)
+    return min(end.end() + 1 if end else len(text), LEAD_KEPT)
+
+
+def location_lead(text: str) -> int:
+    """The characters of a location's file name and line (``…/modeling.py:123 …``): kept while others give way."""
+    match = _LOCATION.fullmatch(text)
+    if match is None:
+        return clause_lead(text)
+    name = os.path.basename(match.group("file"))
+    place = len(name) + len(match.group("line")) + 1 + (0 if name == match.group("file") else 2)
+    return place + (2 if match.group("rest") else 0)
+
+
 @dataclasses.dataclass(frozen=True)
 class ColumnForm:
-    """How a column's cells are shortened, how many of their characters stay before other columns shrink, and the
-    share of the other columns' width they get when the table must shrink."""
+    """How a column's cells are shortened, how many of their characters stay before other columns shrink (``kept``
+    for any cell, ``lead`` for each), and the share of the other columns' width they get when the table must
+    shrink."""
 
     shorten: Callable[[str, int], str]
     kept: int = 0
     share: float = 1.0
     names: bool = False  # its cells may be names (module paths, ops): one shortened is written whole under the table
+    lead: Callable[[str], int] = lambda text: 0
 
 
-CELL = ColumnForm(shorten_cell, names=True)
+CELL = ColumnForm(shorten_cell, names=True, lead=clause_lead)
 # The columns whose cells hold one kind of text, by name; others: ``CELL``.
 COLUMN_FORMS: dict[str, ColumnForm] = {
     "module": ColumnForm(shorten_dotted, MODULE_KEPT, names=True),
-    "location": ColumnForm(shorten_location, share=0.5),  # the files hold it whole; a header line names it too
+    # the files hold it whole; a header line names it too
+    "location": ColumnForm(shorten_location, share=0.5, lead=location_lead),
     **dict.fromkeys(("shape", "stride", "shapes", "strides", "dtypes"), ColumnForm(shorten_values)),
 }
 

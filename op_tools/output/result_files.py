@@ -131,6 +131,11 @@ class Tally:
                 self._bar.close()
                 self._bar = None
 
+    def name(self, path: str, what: str) -> None:
+        """Name ``path`` (a folder of files already counted) in ``listing`` as holding ``what``."""
+        with self._lock:
+            self.named.append((what, path))
+
     def folder(self) -> str:
         """The folder holding every file written, as the console shows it (``reporting.shown_path``); '' for none."""
         if not self.files:

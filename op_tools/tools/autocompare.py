@@ -691,6 +691,8 @@ class OpAutoCompare(OpTool):
         self._pending = weakref.WeakValueDictionary()
         self._copies = HostCopies()
         text = self.summary()
+        if self.saving.saved:  # the summary may shorten their folder: the listing names it whole
+            self.tally.name(self.saving.folder(), "failing calls, for run_op_from_data")
         if self.rows:
             path = result_files.results_path(self.common, self.results_folder, f"op_autocompare_info_{self.stem}.csv")
             rank = self.common.rank
@@ -727,24 +729,25 @@ class OpAutoCompare(OpTool):
         says "no op failed" only when every handled call was compared or skipped with a reason."""
         c = self.counts
         raised = sum(self.raised.values())
-        lines = [f"\nOpAutoCompare summary: forward {c['forward compared']} compared, {c['forward passed']} passed, "
-                 f"{c['forward failed']} failed, {c['forward not checked']} not checked; backward "
-                 f"{c['backward compared']} compared, {c['backward passed']} passed, {c['backward failed']} failed, "
-                 f"{c['backward not checked']} not checked; {sum(self.skipped.values())} skipped"
-                 + (f"; {raised} raised by the op itself" if raised else "")]
+        fit = reporting.fit_line  # its lines wrapped at the console's width; the table fits it by itself
+        lines = ["", fit(f"OpAutoCompare summary: forward {c['forward compared']} compared, {c['forward passed']} "
+                         f"passed, {c['forward failed']} failed, {c['forward not checked']} not checked; backward "
+                         f"{c['backward compared']} compared, {c['backward passed']} passed, {c['backward failed']} "
+                         f"failed, {c['backward not checked']} not checked; {sum(self.skipped.values())} skipped"
+                         + (f"; {raised} raised by the op itself" if raised else ""))]
         if self.skipped:
-            lines.append("skipped: " + ", ".join(f"{reason}: {n}" for reason, n in self.skipped.most_common()))
+            lines.append(fit("skipped: " + ", ".join(f"{reason}: {n}" for reason, n in self.skipped.most_common())))
         if self.backward_not_compared:
-            lines.append("backward not compared: " + ", ".join(
-                f"{reason}: {n}" for reason, n in self.backward_not_compared.most_common()))
+            lines.append(fit("backward not compared: " + ", ".join(
+                f"{reason}: {n}" for reason, n in self.backward_not_compared.most_common())))
         if self.device_math:
-            lines.append("device math replayed by the same-dtype reference where the op used it: " + ", ".join(
-                f"{described} ({n} calls)" for described, n in self.device_math.most_common()))
+            lines.append(fit("device math replayed by the same-dtype reference where the op used it: " + ", ".join(
+                f"{described} ({n} calls)" for described, n in self.device_math.most_common())))
         if self.saving.saved:
             lines.append(self.saving.summary_line())
         if self.stale_copies:
-            lines.append(f"{self.stale_copies} cached input copies were out of date (written by something no call "
-                         "showed) and were re-read before the verdict")
+            lines.append(fit(f"{self.stale_copies} cached input copies were out of date (written by something no "
+                             "call showed) and were re-read before the verdict"))
         if self.failures:
             lines.append("failing ops in execution order (the first is where to look):")
             shown = [{**f, "location": reporting.short_location(f["location"])} for f in self.failures[:FAILURES_SHOWN]]
@@ -755,7 +758,7 @@ class OpAutoCompare(OpTool):
                 lines.append(f"{len(self.failures) - FAILURES_SHOWN} more failures in the CSV")
         problem = self.not_checked()
         if problem:
-            lines.append(f"NOT CHECKED: {problem}")
+            lines.append(fit(f"NOT CHECKED: {problem}"))
         if not self.failures:
             if not c["forward compared"] and not c["backward compared"]:
                 lines.append("no call was compared")

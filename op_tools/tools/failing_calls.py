@@ -104,11 +104,12 @@ class FailingCalls:
                 f"(the first {self.writer.first_failure})")
 
     def summary_line(self) -> str:
-        """What was saved where, and what was not, for the summary ("" when no failing call was met)."""
+        """What was saved where, and what was not, for the summary ("" when no failing call was met), fitted to the
+        console (``reporting.fit_path``)."""
         if not (self.saved or self.over_bytes):
             return ""
-        parts = [f"{sum(self.saved.values())} failing calls saved for the replay under "
-                 f"{result_files.results_path(self.common, 'op_capture_results')}"
+        folder = self.folder()
+        parts = [f"{sum(self.saved.values())} failing calls saved for the replay under {folder}"
                  + (f" ({self.used / 2**20:.1f} MiB at most)" if self.used else "")]
         if self.not_saved:
             parts.append(f"{sum(self.not_saved.values())} more not saved (OP_AUTOCOMPARE_MAX_SAVED={self.max_saved} "
@@ -116,7 +117,11 @@ class FailingCalls:
         if self.over_bytes:
             parts.append(f"{sum(self.over_bytes.values())} not saved for their size (OP_AUTOCOMPARE_MAX_SAVE_BYTES="
                          f"{self.max_bytes / 2**20:g}M in all; the largest: {self.over_bytes.most_common(1)[0][0]})")
-        return "; ".join(parts)
+        return reporting.fit_path("; ".join(parts), folder)  # the listing below the summary names it whole
+
+    def folder(self) -> str:
+        """Where the failing calls are saved, as the console shows it (``reporting.shown_path``)."""
+        return reporting.shown_path(result_files.results_path(self.common, "op_capture_results"))
 
 
 def _size(obj) -> int:

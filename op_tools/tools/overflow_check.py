@@ -473,11 +473,12 @@ class OpOverflowCheck(OpTool):
             self._checks.clear()
         note = ""
         if any(row.get("min") == NOT_KEPT for row in rows):
-            note = ("\n(statistics not kept: tensors written in place, or let go of to bound memory, before this "
-                    "call's check was read; OP_OVERFLOW_CHECK_RAISE=1 or OP_TOOLS_VERBOSE=1 reads each call as it "
-                    "runs)")
-        self._logger.warning(f"\nOpOverflowCheck: {overflow}\n" + reporting.call_table(name, rows, STAT_COLUMNS)
-                             + note)
+            note = "\n" + reporting.fit_line(
+                "(statistics not kept: tensors written in place, or let go of to bound memory, before this call's "
+                "check was read; OP_OVERFLOW_CHECK_RAISE=1 or OP_TOOLS_VERBOSE=1 reads each call as it runs)")
+        finding, location = str(overflow).split("\n", 1)  # the finding wraps at the width; the location is code
+        self._logger.warning(f"\n{reporting.fit_line('OpOverflowCheck: ' + finding)}\n{location}\n"
+                             + reporting.call_table(name, rows, STAT_COLUMNS) + note)
         if self.raise_on_overflow:
             if overflow.phase == "backward":  # raised when backward() returns, on the caller's thread
                 self._pending = overflow

@@ -463,9 +463,10 @@ class OpTimeMeasure(OpTool):
               "trace (https://ui.perfetto.dev)")
         forward = sum(t.forward_ns for t in measurements.totals.values())
         backward = sum(t.backward_ns for t in measurements.totals.values())
-        lines = [f"OpTimeMeasure: {sum(t.calls for t in measurements.totals.values())} calls of "
-                 f"{len(measurements.totals)} ops, measured {_ms(forward + backward):.3f} ms "
-                 f"(forward {_ms(forward):.3f} ms, backward {_ms(backward):.3f} ms)",
+        fit = reporting.fit_line  # its lines wrapped at the console's width; the tables fit it by themselves
+        lines = [fit(f"OpTimeMeasure: {sum(t.calls for t in measurements.totals.values())} calls of "
+                     f"{len(measurements.totals)} ops, measured {_ms(forward + backward):.3f} ms "
+                     f"(forward {_ms(forward):.3f} ms, backward {_ms(backward):.3f} ms)"),
                  reporting.table_text(summary[:SUMMARY_SHOWN], CONSOLE_SUMMARY_COLUMNS)]
         if len(summary) > SUMMARY_SHOWN:
             lines.append(f"{len(summary) - SUMMARY_SHOWN} more ops in the summary file")
@@ -475,7 +476,8 @@ class OpTimeMeasure(OpTool):
                          + (f"\n... {len(modules) - MODULE_ROWS_SHOWN} more in the CSV"
                             if len(modules) > MODULE_ROWS_SHOWN else ""))
         if measurements.dropped:
-            lines.append(f"{measurements.dropped} calls past the first {MAX_CALL_RECORDS} are in the summary only")
-        lines.append(f"timed with {timing_methods(self._clocks.values())}")  # the files: listed at the closing line
+            lines.append(fit(f"{measurements.dropped} calls past the first {MAX_CALL_RECORDS} are in the summary "
+                             "only"))
+        lines.append(fit(f"timed with {timing_methods(self._clocks.values())}"))  # the files: at the closing line
         self._logger.info("\n".join(lines))
 

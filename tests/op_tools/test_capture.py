@@ -9,6 +9,7 @@ import torch
 from tiny_models import mlp, tiny_gpt2, train_llama, train_mlp
 
 import op_tools
+from op_tools.output import reporting
 
 
 def _files(root, name):
@@ -125,8 +126,8 @@ def _index(root) -> list[dict]:
 
 
 def _closing(caplog) -> str:
-    """The closing line of the last OpCapture session stopped."""
-    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("OpCapture:")][-1]
+    """The closing line of the last OpCapture session stopped, its lines wrapped at the console's width joined."""
+    return reporting.unwrapped([r.getMessage() for r in caplog.records if r.getMessage().startswith("OpCapture:")][-1])
 
 
 def test_steps_selects_the_steps_saved_and_the_closing_line_counts_the_calls_left_out(sim, tmp_path, caplog):
@@ -234,4 +235,5 @@ def test_an_index_that_cannot_be_written_leaves_the_verdict_unchecked(sim, tmp_p
         folder.write_text("")  # the folder is gone by stop(): no index can be written there
     closing = [r for r in caplog.records if r.getMessage().startswith("OpCapture:")][-1]
     assert closing.levelname == "WARNING" and capture.verdict() == "unchecked"
-    assert f"the index {folder}{os.sep}index_pid" in closing.getMessage() and "not written" in closing.getMessage()
+    message = reporting.unwrapped(closing.getMessage())
+    assert f"the index {folder}{os.sep}index_pid" in message and "not written" in message

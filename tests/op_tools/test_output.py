@@ -427,7 +427,8 @@ def test_closing_line_counts_the_files_and_bytes_written(sim, caplog):
     shown = reporting.shown_path(folder)
     closing = f"OpCapture: 1 calls of 1 op handled; wrote 3 files ({result_files.human_size(size)}) in "
     assert line == reporting.fit_path(closing + shown, shown) and line.startswith(closing)
-    assert caplog.records[-2].getMessage().startswith(f"OpCapture results in {shown}:\n  index of the calls saved: ")
+    header = reporting.fit_line(f"OpCapture results in {shown}:")  # the folder on a line of its own where long
+    assert caplog.records[-2].getMessage().startswith(f"{header}\n  index of the calls saved: ")
     assert stat.S_ISREG(os.stat(files[0]).st_mode)
 
 
@@ -530,7 +531,7 @@ CLOSING_RUNS = {  # a tool, and what it runs on the tiny MLP: enough for every f
     "OpAutoCompare": (lambda: op_tools.OpAutoCompare(), "gelu:noise=1e-1"),
     "OpCapture": (lambda: op_tools.OpCapture(), ""),
     "OpTimeMeasure": (lambda: op_tools.OpTimeMeasure(), ""),
-    # a clean run: it writes no file (with an overflow, its finding's op, phase and forward_id pass 100 columns)
+    # a clean run: it writes no file (runs that find something, their lines wrapped: FINDING_RUNS below)
     "OpOverflowCheck": (lambda: op_tools.OpOverflowCheck(), ""),
     "TrainingMonitor": (lambda: op_tools.TrainingMonitor(), ""),
 }
@@ -555,12 +556,14 @@ def test_the_closing_line_fits_100_columns_and_the_lines_above_name_every_file(s
     if "; wrote no file" in closing:
         return
     listing = messages[-2].splitlines()
-    # the folder, shortened on the closing line, is whole above it, with each file a user opens
-    header = re.fullmatch(rf"{tool} results in (\S+):", listing[0])
+    # the folder, shortened on the closing line, is whole above it (on a line of its own: it is longer than the
+    # header's line), with each file a user opens
+    assert listing[0] == f"{tool} results in"
+    header = re.fullmatch(rf"{tool} results in (\S+):", reporting.unwrapped("\n".join(listing[:2])))
     assert header and closing.split(" in …")[1].split(";")[0] in header.group(1), listing
     folder = header.group(1)
-    assert folder.startswith(str(tmp_path / LONG_RESULTS)) and len(listing) > 1
-    for line in listing[1:]:
+    assert folder.startswith(str(tmp_path / LONG_RESULTS)) and len(listing) > 2
+    for line in listing[2:]:
         assert line.startswith("  ") and os.path.exists(os.path.join(folder, line.rpartition(": ")[2])), line
         assert len(line) <= 100, line
 
@@ -591,3 +594,130 @@ def test_a_table_at_100_columns_writes_each_shortened_module_path_whole_under_it
     whole = reporting.table_text(rows, columns, keep="op")
     assert "…" not in whole and "] module: " not in whole
     assert all(row["module"] in whole and row["location"] in whole for row in rows)
+
+
+# Runs whose closing and summary lines say what the tool found or left out: past 100 columns, each wrapped at its
+# clauses. A results folder that a line of its own holds: every console line fits.
+FINDING_RESULTS = os.path.join("cluster_share", "numerics", "run_2026_11_28")
+FINDING_RUNS = {  # a tool, its settings and fault on the tiny MLP
+    "OpOverflowCheck": (op_tools.OpOverflowCheck, {}, "gelu:nan"),
+    "OpCapture": (op_tools.OpCapture, {"OP_CAPTURE_STEPS": "0", "OP_CAPTURE_MAX_CALLS_PER_OP": "1"}, ""),
+    "OpAutoCompare": (op_tools.OpAutoCompare, {}, "gelu:noise=1e-1"),
+}
+_LOCATION_LINE = re.compile(r"\S+\.py:\d+ ")  # a call's location: the user's code, never wrapped
+
+
+def _finding_run(sim, tmp_path, caplog, monkeypatch, tool: str, width: str):
+    """Two steps of the tiny MLP under ``tool`` at ``OP_TOOLS_TABLE_WIDTH=width``, in ``tmp_path``; the tool, the
+    messages of op_tools at INFO and above."""
+    from reliability.test_errors import device_only_op  # a vendor op with no CPU kernel: not checked
+    from tiny_models import train_mlp
+
+    make, settings, fault = FINDING_RUNS[tool]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", FINDING_RESULTS)
+    monkeypatch.setenv("OP_TOOLS_TABLE_WIDTH", width)
+    for name, value in settings.items():
+        monkeypatch.setenv(name, value)
+    with caplog.at_level(logging.INFO, logger="op_tools"), ditorch.sim.faults(fault), make() as running:
+        train_mlp(sim, steps=2)
+        device_only_op(torch.ones(3, device=sim))
+    return running, [r.getMessage() for r in caplog.records if r.name.startswith("op_tools")]
+
+
+def _wrapped_line(lines: list[str], first: int) -> str:
+    """The console line that starts at ``lines[first]``, its continuation lines joined back."""
+    last = first + 1
+    while last < len(lines) and lines[last].startswith(reporting.CONTINUATION):
+        last += 1
+    return reporting.unwrapped("\n".join(lines[first:last]))
+
+
+@pytest.mark.parametrize("tool", FINDING_RUNS)
+def test_closing_and_summary_lines_that_find_something_wrap_within_100_columns_whole(
+        sim, tmp_path, caplog, monkeypatch, console_width_kept, tool):
+    running, messages = _finding_run(sim, tmp_path, caplog, monkeypatch, tool, "100")
+    for line in "\n".join(messages).splitlines():
+        assert len(line) <= 100 or _LOCATION_LINE.match(line), line
+    closing, whole = messages[-1], running.closing_line()
+    lines = closing.splitlines()
+    # the verdict words start the first line; the clauses that found something follow, whole once joined back
+    assert len(whole) > 100 and len(lines) > 1, closing
+    assert re.match(rf"{tool}: \d+ calls of \d+ ops handled;", lines[0]), closing
+    assert all(line.startswith("  ") and not line.startswith("   ") for line in lines[1:]), closing
+    assert reporting.unwrapped(closing) == whole
+    found = {"OpOverflowCheck": r"; first inf/nan from finite inputs: torch\.nn\.functional\.gelu in 1 \(forward\) "
+                                r"forward_id: \d+$",
+             "OpCapture": r"; \d+ calls outside steps 0 \(OP_CAPTURE_STEPS\) not saved; ",
+             "OpAutoCompare": r"; 1 call not checked \(the tool failed\), the first "
+                              r"reliability\.test_errors\.device_only_op: RuntimeError: "}[tool]
+    assert re.search(found, reporting.unwrapped(closing))
+    if tool != "OpAutoCompare":
+        return
+    summary = next(m for m in messages if "OpAutoCompare summary" in m).splitlines()
+    reporting.configure_tables(None)  # the summary at full width: each of its lines whole
+    whole_summary = running.summary().splitlines()
+    c = running.counts
+    assert summary[:2] == ["", f"OpAutoCompare summary: forward {c['forward compared']} compared, "
+                               f"{c['forward passed']} passed, {c['forward failed']} failed, 1 not checked;"]
+    assert _wrapped_line(summary, 1) == whole_summary[1] and summary[2].startswith("  backward ")
+    not_checked = next(i for i, line in enumerate(summary) if line.startswith("NOT CHECKED: "))
+    assert _wrapped_line(summary, not_checked) in whole_summary and summary[not_checked + 1].startswith("  ")
+    saved = next(line for line in summary if re.match(r"\d+ failing calls saved for the replay under ", line))
+    folder = os.path.join(FINDING_RESULTS, "op_capture_results")
+    assert f"under {folder} " in next(line for line in whole_summary if " failing calls saved " in line)
+    # shortened from its start on the console, named whole in the listing above the closing line
+    assert re.search(r" under …\S*op_capture_results ", saved) and len(saved) <= 100, saved
+    listing = messages[-2].splitlines()
+    assert listing[0] == f"OpAutoCompare results in {FINDING_RESULTS}:"
+    assert "  failing calls, for run_op_from_data: op_capture_results" in listing
+
+
+@pytest.mark.parametrize("tool", FINDING_RUNS)
+def test_at_full_width_closing_and_summary_lines_stay_whole(sim, tmp_path, caplog, monkeypatch, console_width_kept,
+                                                            tool):
+    running, messages = _finding_run(sim, tmp_path, caplog, monkeypatch, tool, "full")
+    assert messages[-1] == running.closing_line() and len(messages[-1]) > 100
+    if tool == "OpAutoCompare":
+        summary = next(m for m in messages if "OpAutoCompare summary" in m).splitlines()
+        assert summary[1].startswith("OpAutoCompare summary: ") and "; backward " in summary[1]
+        assert not any(line.startswith("  ") and not line.startswith("  [") for line in summary), summary
+
+
+def test_a_long_line_wraps_at_its_clauses_first_and_joins_back_whole(console_width_kept):
+    line = ("OpCapture: 9 calls of 2 ops handled; wrote 3 files (1.2 KB) in results; 4 calls outside steps 0 "
+            "(OP_CAPTURE_STEPS) not saved; 2 calls of 1 op past 1 per op (OP_CAPTURE_MAX_CALLS_PER_OP) not saved")
+    wrapped = reporting.fit_line(line, 80)
+    assert wrapped.splitlines() == [
+        "OpCapture: 9 calls of 2 ops handled; wrote 3 files (1.2 KB) in results;",
+        "  4 calls outside steps 0 (OP_CAPTURE_STEPS) not saved;",
+        "  2 calls of 1 op past 1 per op (OP_CAPTURE_MAX_CALLS_PER_OP) not saved"]
+    assert reporting.unwrapped(wrapped) == line
+    # a clause longer than a line breaks after its commas, then between words; a word longer stays whole
+    clause = "skipped: " + ", ".join(f"reason number {i}: {i}" for i in range(8)) + " " + "x" * 90
+    wrapped = reporting.fit_line(clause, 60)
+    assert reporting.unwrapped(wrapped) == clause and wrapped.splitlines()[-1] == "  " + "x" * 90
+    assert all(len(part) <= 60 for part in wrapped.splitlines()[:-1])
+    assert all(part.endswith(",") for part in wrapped.splitlines()[:-2])
+    indented = "  47 comparisons: " + "a" * 50 + " " + "b" * 40
+    assert reporting.fit_line(indented, 80).splitlines() == ["  47 comparisons: " + "a" * 50, "    " + "b" * 40]
+    reporting.configure_tables(None)  # OP_TOOLS_TABLE_WIDTH=full: unchanged
+    assert reporting.fit_line(line) == line and reporting.fit_path(line, "results") == line
+
+
+def test_a_replay_table_at_100_columns_keeps_the_failed_checks_named(console_width_kept):
+    from op_tools.offline.run_op_from_data import ReplayOptions, console_row
+
+    detail = "output vs cpu float64: output[0]: error 0.00897 > 4 x cpu torch.float32 error 1.26e-07 + 4 eps"
+    rows = [console_row({"name": "torch.nn.functional.gelu", "shapes": "[2, 16, 128]", "status": "mismatch",
+                         "forward_median_ms": 0.214701, "backward_median_ms": 0.327802, "detail": detail, "step": 0,
+                         "checks": checks}, ReplayOptions(run_times=3, backward=True, time=True, acc_check=True))
+            for checks in ("output vs cpu float64: fail; grad vs cpu float64: pass",
+                           "output vs cpu float64: fail; output vs captured output: fail")]
+    text = reporting.table_text(rows, width=100)
+    table = [line for line in text.splitlines() if line.startswith(("+", "|"))]
+    assert max(len(line) for line in table) == 100
+    cells = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table if "mismatch" in line]
+    assert [row[5] for row in cells] == ["FAIL: output", "FAIL: output, …"]  # the first failed check whole
+    assert all(row[6].startswith("output vs cpu") for row in cells)  # and the detail's first words
+    assert "  [1,2] op: torch.nn.functional.gelu" in text.splitlines()  # the op cut to make room, whole below

@@ -14,6 +14,7 @@ from tiny_models import tiny_llama
 import op_tools
 from op_tools.offline.replay import ReplayError, find_entries, resolve_op
 from op_tools.offline.run_op_from_data import main
+from op_tools.output import reporting
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "op_tools", "run_op_from_data.py")
@@ -278,7 +279,10 @@ def test_summary_names_op_shapes_dtypes_device_and_versions(captured_step, tmp_p
     folder = os.path.join(captured_step, "torch.nn.functional.linear")
     assert main([folder, "--device", sim]) == 0
     out = capsys.readouterr().out
-    assert f"torch {torch.__version__}, ditorch " in out.splitlines()[0]
+    lines = out.splitlines()  # the first line wrapped at the console's width: joined back
+    header = lines[:next(i for i, line in enumerate(lines) if i and not line.startswith(reporting.CONTINUATION))]
+    assert lines[0].startswith("run_op_from_data: ")
+    assert f"torch {torch.__version__}, ditorch " in reporting.unwrapped("\n".join(header))
     rows = _summary(tmp_path)
     assert rows and all(r["device"] == sim and r["dtypes"].split() == ["float32"] * len(r["shapes"].split("] ["))
                         for r in rows)

@@ -14,8 +14,19 @@ import sys
 import pytest
 from subprocess_env import ROOT, child_env, torchrun_on_sim
 
+from op_tools.output import reporting
+
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "tools_across_ranks.py")
 TOOLS = ("OpAutoCompare", "OpCapture", "OpObserve", "OpTimeMeasure", "OpOverflowCheck", "OpFallback", "OpDtypeCast")
+
+
+def _wrapped_line(output: str, rank: int, start: str) -> str:
+    """Rank ``rank``'s console line that begins with ``start``, its continuation lines (wrapped at the console's
+    width) joined back."""
+    own = [line.removeprefix(f"[rank{rank}] ") for line in output.splitlines() if line.startswith(f"[rank{rank}] ")]
+    first = next(i for i, line in enumerate(own) if line.startswith(start))
+    last = next((i for i in range(first + 1, len(own)) if not own[i].startswith(reporting.CONTINUATION)), len(own))
+    return reporting.unwrapped("\n".join(own[first:last]))
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +141,8 @@ def test_fsdp_under_op_autocompare_compares_every_call_and_checks_its_all_gather
     for rank in (0, 1):
         report = json.loads((tmp_path / f"{plan}.rank{rank}.json").read_text())
         assert "error" not in report and len(report["losses"]) == 3
-        summary = next(line for line in output.splitlines() if line.startswith(f"[rank{rank}] OpAutoCompare summary"))
-        assert summary.count(" 0 failed, 0 not checked;") == 2, summary  # forward and backward
+        assert _wrapped_line(output, rank, "OpAutoCompare summary").count(" 0 failed, 0 not checked;") == 2, \
+            output[-3000:]  # forward and backward
         rows = [row for path in (tmp_path / "results" / "op_autocompare_result" / f"rank{rank}").glob("*.csv")
                 for row in csv.DictReader(path.open())]
         checked = collections.Counter(row["op"] for row in rows if row["op"].startswith("torch.distributed."))

@@ -20,10 +20,17 @@ from subprocess_env import env_without_settings
 
 import ditorch.sim
 import op_tools
+from op_tools.output import reporting
 
 
 def _closing(caplog, tool_name: str) -> logging.LogRecord:
     return [r for r in caplog.records if r.getMessage().startswith(f"{tool_name}: ")][-1]
+
+
+def _summary(caplog) -> str:
+    """OpAutoCompare's summary, its lines wrapped at the console's width joined back."""
+    summary = next(r.getMessage() for r in caplog.records if "OpAutoCompare summary" in r.getMessage())
+    return reporting.unwrapped(summary)
 
 
 @pytest.mark.parametrize("tool", [op_tools.OpAutoCompare, op_tools.OpOverflowCheck, op_tools.OpObserve])
@@ -34,7 +41,7 @@ def test_a_list_that_matches_no_call_is_not_a_clean_verdict(tool, sim, caplog):
         torch.nn.functional.silu(x)
     closing = _closing(caplog, tool.__name__)
     assert closing.levelno == logging.WARNING
-    assert f"{tool.env_prefix}_LIST matched no call" in closing.getMessage()
+    assert f"{tool.env_prefix}_LIST matched no call" in reporting.unwrapped(closing.getMessage())
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "no op failed" not in text and "no inf/nan from finite inputs" not in text.replace(
         "no inf/nan from finite inputs among", "")
@@ -57,7 +64,7 @@ def test_every_handled_call_is_compared_skipped_not_checked_or_raised(sim, caplo
     raised = sum(compare.raised.values())
     assert skipped >= 2 and raised == 1 and c["forward compared"] >= 3
     assert handled == c["forward compared"] + skipped + c["forward not checked"] + raised
-    summary = next(r.getMessage() for r in caplog.records if "OpAutoCompare summary" in r.getMessage())
+    summary = _summary(caplog)
     assert (f"forward {c['forward compared']} compared, {c['forward passed']} passed, 0 failed, 0 not checked"
             in summary)
     assert f"{skipped} skipped; 1 raised by the op itself" in summary
@@ -74,7 +81,7 @@ def test_a_cpu_reference_that_cannot_run_counts_as_not_checked_not_skipped(sim, 
             x.tanh()  # the device cannot run it: the op's own error
     assert compare.counts["forward not checked"] == 1 and not compare.skipped
     assert compare.raised["torch.Tensor.tanh"] == 1
-    summary = next(r.getMessage() for r in caplog.records if "OpAutoCompare summary" in r.getMessage())
+    summary = _summary(caplog)
     assert "forward 1 compared, 1 passed, 0 failed, 1 not checked" in summary
     name = f"{device_only_op.__module__}.device_only_op"
     assert f"NOT CHECKED: 1 call not checked (the tool failed), the first {name}: " \
@@ -87,7 +94,7 @@ def test_nothing_compared_never_reads_as_no_op_failed(sim, caplog):
     x = torch.randn(8, device=sim)
     with op_tools.OpAutoCompare() as compare:
         torch.nn.functional.dropout(x, p=0.5)
-    summary = next(r.getMessage() for r in caplog.records if "OpAutoCompare summary" in r.getMessage())
+    summary = _summary(caplog)
     assert "no op failed" not in summary and "no call was compared" in summary.splitlines()
     assert compare.verdict() == "clean"  # nothing went unchecked: the one call was skipped with its reason
 
@@ -108,7 +115,8 @@ def test_capture_files_it_could_not_write_leave_calls_not_checked(sim, tmp_path,
         x.cos()
     closing = _closing(caplog, "OpCapture")
     assert closing.levelno == logging.WARNING
-    assert "1 call not checked (the tool failed), the first torch.Tensor.cos: " in closing.getMessage()
+    assert "1 call not checked (the tool failed), the first torch.Tensor.cos: " in reporting.unwrapped(
+        closing.getMessage())
     assert capture.verdict() == "unchecked"
 
 
@@ -119,7 +127,8 @@ def test_failing_calls_autocompare_could_not_save_are_in_its_verdict(sim, tmp_pa
     with op_tools.OpAutoCompare(results_dir=str(tmp_path)) as compare, ditorch.sim.faults("sigmoid:noise=1e-1"):
         x.sigmoid()
     closing = _closing(caplog, "OpAutoCompare")
-    assert closing.levelno == logging.WARNING and "of failing calls not written" in closing.getMessage()
+    assert closing.levelno == logging.WARNING
+    assert "of failing calls not written" in reporting.unwrapped(closing.getMessage())
     assert compare.verdict() == "found"  # what it found wins: the exit status says so (3)
 
 

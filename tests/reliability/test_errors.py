@@ -11,6 +11,7 @@ from torch.overrides import handle_torch_function, has_torch_function
 
 import ditorch.sim
 import op_tools
+from op_tools.output import reporting
 
 ALL_TOOLS = [op_tools.OpCapture, op_tools.OpObserve, op_tools.OpOverflowCheck, op_tools.OpTimeMeasure,
              op_tools.OpAutoCompare, op_tools.OpFallback, op_tools.OpDtypeCast]
@@ -95,7 +96,9 @@ def device_only_op_strict(x):
 
 
 def _warnings_about(caplog, name: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and name in r.getMessage()]
+    """The warnings naming ``name``, their lines wrapped at the console's width joined back."""
+    messages = [reporting.unwrapped(r.getMessage()) for r in caplog.records if r.levelno == logging.WARNING]
+    return [m for m in messages if name in m]
 
 
 @pytest.mark.parametrize("tool, fn, args", [
