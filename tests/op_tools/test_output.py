@@ -475,7 +475,9 @@ def test_capture_shows_a_progress_bar_on_a_terminal_only(tmp_path, env, shown):
     terminal = b"".join(chunks).decode(errors="replace")
     assert done.returncode == 0, terminal
     assert ("OpCapture writing: 10 files [" in terminal and " KB]" in terminal) == shown, terminal
-    closing = done.stdout.decode().splitlines()[-1]
+    lines = done.stdout.decode().splitlines()
+    first = max(i for i, line in enumerate(lines) if line.startswith("OpCapture: "))
+    closing = reporting.unwrapped("\n".join(lines[first:]))  # wrapped where longer than the width
     assert closing.startswith("OpCapture: 5 calls of 1 op handled; wrote 11 files")  # and the index
 
 
