@@ -66,18 +66,6 @@ def dump_dom(browser: str, page: str, fragment: str, profile: str, extra: tuple[
     return result.stdout
 
 
-def screenshot(browser: str, page: str, out: str, profile: str, size: tuple[int, int] = (1400, 1000)) -> str:
-    """A PNG of the page as a ``size`` window shows it once its scripts ran, written to ``out`` and copied to
-    ``$OP_TOOLS_TEST_ARTEFACTS`` when set (where CI keeps what a test run leaves to look at); ``out``."""
-    result = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={profile}",
-                             "--hide-scrollbars", f"--window-size={size[0]},{size[1]}", "--virtual-time-budget=5000",
-                             f"--screenshot={out}", "file://" + os.path.abspath(page)],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and os.path.getsize(out) > 0, result.stderr[-2000:]
-    keep_artefact(out)
-    return out
-
-
 def keep_artefact(path: str) -> None:
     """A copy of ``path`` (a screenshot) in ``$OP_TOOLS_TEST_ARTEFACTS`` where that is set."""
     keep = os.environ.get(ARTEFACTS)
@@ -140,12 +128,14 @@ def open_once(browser: str, page: str, screenshot: str, probe: str = "", window:
 
     ``probe``: the body of a JavaScript function, run 200 ms after the page's load event, for what a DOM cannot
     show (the scroll position, where an element is drawn, what a click changes); what it returns (JSON) is the
-    second value. The browser opens a copy of the page with the probe added at its end; a probe that changes the
-    page puts it back, since the screenshot is taken after it ran."""
-    text = open(page, encoding="utf-8").read()
-    probed = os.path.splitext(page)[0] + ".probed.html"
-    with open(probed, "w", encoding="utf-8") as f:
-        f.write(text.replace("</body>", _PROBE.replace("PROBE_BODY", probe) + "</body>") if probe else text)
+    second value. With a probe, the browser opens a copy of the page with the probe added at its end; a probe that
+    changes the page puts it back, since the screenshot is taken after it ran."""
+    probed = page
+    if probe:
+        text = open(page, encoding="utf-8").read()
+        probed = os.path.splitext(page)[0] + ".probed.html"
+        with open(probed, "w", encoding="utf-8") as f:
+            f.write(text.replace("</body>", _PROBE.replace("PROBE_BODY", probe) + "</body>"))
     profile = os.path.join(os.path.dirname(os.path.abspath(screenshot)), "browser-profile")
     dom = dump_dom(browser, probed, "", profile, (f"--window-size={window[0]},{window[1]}",
                                                   f"--screenshot={os.path.abspath(screenshot)}"))

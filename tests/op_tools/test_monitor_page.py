@@ -12,7 +12,7 @@ import re
 from html.parser import HTMLParser
 
 import pytest
-from browser import chromium, dump_dom, needs_browser, require_browser, screenshot, top_rows
+from browser import chromium, dump_dom, needs_browser, open_once, require_browser, top_rows
 from handmade_results import LAYERS, NAN_PARAMETER, NAN_STEP, STEPS, nan_spreading_run, write_session
 
 from op_tools.offline.monitor_page import (
@@ -337,8 +337,9 @@ def nan_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("nan_run")
     nan_spreading_run(root)
     page = write_monitor_page(str(root))
-    dom = dump_dom(browser, page, "", str(root / "profile"))
-    return page, dom, screenshot(browser, page, str(root / "monitor_page.png"), str(root / "profile"), (1400, 1300))
+    png = str(root / "monitor_page.png")
+    dom, _ = open_once(browser, page, png, window=(1400, 1300))
+    return page, dom, png
 
 
 def figure(dom: str, chart: str) -> str:

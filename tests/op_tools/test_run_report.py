@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from browser import chromium, dump_dom, needs_browser, require_browser, screenshot, top_rows
+from browser import chromium, dump_dom, needs_browser, open_once, require_browser, top_rows
 from handmade_results import BORN_AT, DOWN_PROJ, NAN_PARAMETER, NAN_STEP, RECEIVED_AT, nan_spreading_report_run
 from subprocess_env import ROOT, child_env, torchrun_on_sim
 
@@ -327,8 +327,9 @@ def handmade(tmp_path_factory):
     nan_spreading_report_run(root)
     assert main([str(root)]) == 3
     page = str(root / "op_run_report" / "report.html")
-    dom = dump_dom(browser, page, "", str(root / "profile"))
-    return root, dom, screenshot(browser, page, str(root / "run_report.png"), str(root / "profile"))
+    png = str(root / "run_report.png")
+    dom, _ = open_once(browser, page, png)
+    return root, dom, png
 
 
 @needs_browser
