@@ -85,7 +85,7 @@ def compare_losses(device: str, label: str, on_device: list[float], on_cpu: list
 def short_location(location: str) -> str:
     path, _, rest = location.partition(":")
     text = f"{os.path.basename(path)}:{rest}"
-    return text if len(text) <= 60 else text[:57] + "..."
+    return text if len(text) <= 50 else text[:47] + "..."  # the failures table within 100 columns
 
 
 def main() -> None:
@@ -127,8 +127,8 @@ def main() -> None:
     if wrong_ops:
         heading("3. OpFallback: run the failing op on the CPU")
         os.environ["OP_FALLBACK_LIST"] = ",".join(wrong_ops)
-        print(f"OP_FALLBACK_LIST={os.environ['OP_FALLBACK_LIST']}  (the same variable works for a script: "
-              "OP_FALLBACK_LIST=... python train.py)")
+        print(f"OP_FALLBACK_LIST={os.environ['OP_FALLBACK_LIST']}\n"
+              "  (the same variable works for a script: OP_FALLBACK_LIST=... python train.py)")
         with tool_output_to_file(), op_tools.OpFallback():
             fixed = train(device, STEPS)
         drift = compare_losses(label, "with fallback", fixed, on_cpu)
@@ -136,7 +136,7 @@ def main() -> None:
               f"now within {drift:.1e} of the CPU run.")
         saved = os.path.join(RESULTS_DIR, "op_capture_results", wrong_ops[0])
         print(f"next: the failing calls are saved, real inputs included, for a kernel engineer to replay:\n"
-              f"  python op_tools/run_op_from_data.py {saved} --acc_check")
+              f"  python op_tools/run_op_from_data.py \\\n      {saved} --acc_check")  # a shell line, within 100
 
     else:
         heading("3. OpFallback: nothing to fall back")
@@ -162,9 +162,8 @@ def main() -> None:
              ("OpTimeMeasure: per-op summary", timer.written["summary"]),
              ("OpTimeMeasure: trace (drop it on https://ui.perfetto.dev)", timer.written["trace"]),
              ("the tools' full console output", TOOL_OUTPUT)]
-    width = max(len(what) for what, _ in files)
-    for what, where in files:
-        print(f"{what:<{width}}  {where}")
+    for what, where in files:  # the path on its own line: whole and copyable within 100 columns
+        print(f"{what}:\n  {where}")
     print(f"\ndemo done in {time.perf_counter() - STARTED:.0f} s. "
           "Next: docs/quickstart.md, then the scripts in examples/.")
 

@@ -114,7 +114,7 @@ def test_demo_tells_the_whole_story_on_sim(tmp_path):
     fixed = story[positions[2] - positions[0]:positions[3] - positions[0]]
     assert fixed.count("0 (identical)") == 4
     for label in ("OpTimeMeasure: trace", "OpAutoCompare: every comparison", "the tools' full console output"):
-        path = re.search(rf"^{re.escape(label)}.*?  (\S+)$", out, re.M).group(1)
+        path = re.search(rf"^{re.escape(label)}.*:\n  (\S+)$", out, re.M).group(1)
         assert (tmp_path / path).is_file(), label
     assert re.search(r"^demo done in \d+ s", out, re.M)
 
