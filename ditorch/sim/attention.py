@@ -11,10 +11,20 @@ float64, not 4-d, an explicit mask with ``is_causal``), and the work is done by
 formula PyTorch provides.
 
 PyTorch consults ``_fused_sdp_choice_stub``, a C++ DispatchStub that Python cannot register, so
-sim registers a kernel for ``scaled_dot_product_attention`` on ``AutogradPrivateUse1`` (and a
-host kernel for calls that reach the device under ``inference_mode``) that asks the op
-``_fused_sdp_choice`` and dispatches as attention.cpp does; both exist only while ``chunked`` is
-selected, so the default path is PyTorch's, untouched.
+sim registers a kernel for ``scaled_dot_product_attention`` on ``AutogradPrivateUse1`` that asks the
+op ``_fused_sdp_choice`` and dispatches as attention.cpp does (and, while ``chunked`` is selected, a
+host kernel for calls that reach the device under ``inference_mode``). With ``math`` selected and
+plain tensors it runs PyTorch's own composite kernel, untouched.
+
+DTensors (tensor parallel attention, as PyTorch's fsdp_tp_example writes it): on CUDA the flash
+kernel has a sharding rule, while PyTorch's math path builds its causal mask as a plain tensor and
+fails on DTensors. So on sim DTensor attention takes the fused op whichever algorithm is selected,
+with a sharding rule registered through DTensor's public ``register_sharding`` (shard over heads or
+batch, as flash's rule does); each rank's kernel then runs the selected algorithm on its shard:
+``chunked``, or ``math``: the output as PyTorch's math op computes it, the gradients from the saved
+logsumexp in one block of every key (float32), equal to the single-process math path within float32
+rounding. (Recomputing the math op through autograd inside the backward kernel, reentrant, aborted the
+process under FSDP2 with tensor parallel.)
 
 The kernel (per batch and head, vectorised with torch ops on the host): keys in blocks; for each
 block the scores ``q k^T * scale (+ bias)``, a running row maximum and sum, the output rescaled
@@ -31,7 +41,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
+import sys
 import threading
 
 import torch
@@ -171,7 +183,7 @@ def chunked_attention_backward(grad_out, query, key, value, attn_bias, out, logs
 
 
 class _Selected:
-    """The selected algorithm and, while it is ``chunked``, the kernels that route attention to it."""
+    """The selected algorithm, and the kernels that route attention to it."""
 
     def __init__(self) -> None:
         self.algorithm = SdpaAlgorithm()
@@ -181,14 +193,12 @@ class _Selected:
     def set(self, algorithm: SdpaAlgorithm) -> None:
         with self._lock:
             self.algorithm = algorithm
-            routed = self._library is not None
-            if algorithm.name == "chunked" and not routed:
+            if self._library is None:  # sim's first activation
                 self._library = torch.library.Library("aten", "IMPL")
                 self._library.impl("scaled_dot_product_attention", _route, "AutogradPrivateUse1")
+            if algorithm.name == "chunked":
                 KERNELS[overload("scaled_dot_product_attention")] = _route_on_host
-            elif algorithm.name != "chunked" and self._library is not None:  # routed
-                self._library._destroy()
-                self._library = None
+            else:
                 KERNELS.pop(overload("scaled_dot_product_attention"), None)
 
 
@@ -230,13 +240,33 @@ def fused_sdp_choice(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
                        "turning off both the math kernel and the fused kernels.")
 
 
+def _math_attention(query, key, value, attn_bias, is_causal, scale):
+    return torch.ops.aten._scaled_dot_product_attention_math(
+        query, key, value, attn_bias, 0.0, is_causal, None, scale=scale, enable_gqa=key.size(1) != query.size(1))[0]
+
+
+def math_attention(query, key, value, attn_bias=None, is_causal=False, scale=None):
+    """``(output, logsumexp)``: the output as PyTorch's math op computes it, the logsumexp in float32."""
+    q, k, _, bias, scale_ = _prepare(query, key, value, attn_bias, scale)
+    logsumexp = torch.logsumexp(_block_scores(q, k, bias, 0, is_causal, scale_), -1)
+    return _math_attention(query, key, value, attn_bias, is_causal, scale), logsumexp
+
+
 @device_kernel("_scaled_dot_product_fused_attention_overrideable")
 def fused_attention(query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False,
                     *, scale=None):
     if dropout_p > 0.0:
-        raise RuntimeError("sim: the chunked attention kernel does not support dropout")
-    out, logsumexp = chunked_attention(query, key, value, attn_bias, is_causal, scale,
-                                       SELECTED.algorithm.block_size)
+        raise RuntimeError("sim: the fused attention kernel does not support dropout")
+    if SELECTED.algorithm.name == "chunked":
+        out, logsumexp = chunked_attention(query, key, value, attn_bias, is_causal, scale,
+                                           SELECTED.algorithm.block_size)
+    else:  # reached only by DTensors (see _route)
+        out, logsumexp = math_attention(query, key, value, attn_bias, is_causal, scale)
+    if out.shape == query.shape and out.stride() != query.stride():
+        # The op's meta kernel, and CUDA's flash kernel, lay the output out as the query: (batch, length, heads,
+        # dim) in memory for a query transposed from it. DTensor and torch.compile plan from the meta's strides
+        # (a `.transpose(1, 2).contiguous()` then copies nothing), so the output must have them.
+        out = torch.empty_like(query).copy_(out)
     seed, offset = torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)  # no dropout: unused
     return out, logsumexp, None, None, query.size(2), key.size(2), seed, offset, None
 
@@ -246,8 +276,55 @@ def fused_attention_backward(grad_out, query, key, value, attn_bias, grad_input_
                              cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *,
                              scale=None):
     bias_grad = attn_bias is not None and grad_input_mask[3]
+    # math (DTensors only): the probabilities recomputed from the saved logsumexp in one block of every key
+    block_size = SELECTED.algorithm.block_size if SELECTED.algorithm.name == "chunked" else key.size(2)
     return chunked_attention_backward(grad_out, query, key, value, attn_bias, out, logsumexp, is_causal, scale,
-                                      SELECTED.algorithm.block_size, bias_grad)
+                                      block_size, bias_grad)
+
+
+# ---- DTensors: the fused op's sharding rule ----------------------------------------------------------
+
+
+def _dtensor_class():
+    module = sys.modules.get("torch.distributed.tensor")  # never imported here: only a DTensor's owner has it
+    return getattr(module, "DTensor", None)
+
+
+def _distributed(*tensors) -> bool:
+    dtensor = _dtensor_class()
+    return dtensor is not None and any(isinstance(t, dtensor) for t in tensors)
+
+
+@functools.cache
+def _register_sharding_rules() -> None:
+    """The fused op's placements, as DTensor's rule for flash attention gives them: every tensor replicated,
+    or query, key, value, output and logsumexp sharded over heads (tensor parallel), or over the batch."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    aten = torch.ops.aten
+
+    def forward_rule(query, key, value, attn_bias=None, *args, **kwargs):
+        rules = []
+        for placement in (Replicate(), Shard(1), Shard(0)):
+            lse = placement  # logsumexp is (batch, heads, length): sharded as the output
+            outputs = [placement, lse, None, None, None, None, Replicate(), Replicate(), None]
+            inputs = [placement] * 3 + [placement if attn_bias is not None else None] + [None] * 3
+            rules.append((outputs, inputs))
+        return rules
+
+    def backward_rule(grad_out, query, key, value, attn_bias, grad_input_mask, out, logsumexp, *args, **kwargs):
+        rules = []
+        for placement in (Replicate(), Shard(1), Shard(0)):
+            bias = placement if attn_bias is not None else None
+            outputs = [placement] * 3 + [bias if attn_bias is not None and grad_input_mask[3] else None]
+            # grad_out, q, k, v, bias, mask, out, lse, cum_seq_q/k, max_q/k, dropout, causal, seed, offset
+            inputs = [placement] * 4 + [bias, None, placement, placement] + [None] * 6 + [Replicate()] * 2
+            rules.append((outputs, inputs))
+        return rules
+
+    register_sharding(aten._scaled_dot_product_fused_attention_overrideable.default)(forward_rule)
+    register_sharding(aten._scaled_dot_product_fused_attention_overrideable_backward.default)(backward_rule)
 
 
 def _additive_mask(attn_mask, dtype):
@@ -257,11 +334,26 @@ def _additive_mask(attn_mask, dtype):
     return torch.where(attn_mask, torch.zeros((), dtype=dtype, device=attn_mask.device), float("-inf"))
 
 
+def _distributed_choice(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> int:
+    # DTensors take the fused op, which has a sharding rule, whenever it supports the inputs (see the docstring).
+    if torch._C._get_overrideable_sdp_enabled() and _supported(query, key, value, attn_mask, dropout_p, is_causal,
+                                                                enable_gqa):
+        _register_sharding_rules()
+        return OVERRIDEABLE
+    return MATH
+
+
 def _route(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
     """``scaled_dot_product_attention`` on sim, dispatched as attention.cpp does for a device's choice."""
     aten = torch.ops.aten
-    choice = aten._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                                    enable_gqa=enable_gqa)
+    if _distributed(query, key, value, attn_mask):
+        choice = _distributed_choice(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+    elif SELECTED.algorithm.name != "chunked":  # PyTorch's own path
+        return aten.scaled_dot_product_attention.default.decompose(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    else:
+        choice = aten._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                        enable_gqa=enable_gqa)
     mask = _additive_mask(attn_mask, query.dtype)
     if choice == OVERRIDEABLE:
         return aten._scaled_dot_product_fused_attention_overrideable(

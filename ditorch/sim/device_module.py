@@ -46,7 +46,7 @@ def is_available() -> bool:
 
 
 def is_initialized() -> bool:
-    return True
+    return DeviceSelection.initialized
 
 
 def _is_in_bad_fork() -> bool:
@@ -54,7 +54,8 @@ def _is_in_bad_fork() -> bool:
 
 
 def _lazy_init() -> None:
-    pass
+    # PyTorch calls it before creating a tensor on the device, as it calls torch.cuda._lazy_init.
+    DeviceSelection.initialized = True
 
 
 def device_count() -> int:
@@ -62,6 +63,7 @@ def device_count() -> int:
 
 
 def current_device() -> int:
+    _lazy_init()
     return DeviceSelection.current()
 
 
@@ -100,6 +102,7 @@ class device:  # noqa: N801 - named as torch.cuda.device
 def synchronize(device=None) -> None:
     """Every op has finished when it returns; raises an error a backward op left to report."""
     _index(device)
+    _lazy_init()
     count_synchronization()
     synchronize_all()
     raise_deferred_errors()

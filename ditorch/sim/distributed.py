@@ -20,7 +20,9 @@ call for what it does not implement, instead of the dispatcher's "No backend typ
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -34,6 +36,7 @@ NAME = "simccl"
 DEVICE_TYPES = ("sim", "cpu")
 _lock = threading.Lock()
 _registered = False
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # the groups whose unwaited collectives must end before the interpreter
 
 
 def _unsupported(name: str, detail: str = "") -> NotImplementedError:
@@ -58,6 +61,9 @@ class SimProcessGroup(dist.ProcessGroup):
         # real device type.
         self._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.CUSTOM, gloo)
         self._in_fp32 = bool(env.read(adapters.VARIABLE))
+        self._pending: list[adapters.FinishingWork] = []
+        self._pending_lock = threading.Lock()
+        _LIVE.add(self)
 
     @staticmethod
     def device_types() -> tuple[str, ...]:
@@ -86,9 +92,30 @@ class SimProcessGroup(dist.ProcessGroup):
         return adapters.Reduction(op, dtype, self.size(), emulate_avg=False, in_fp32=self._in_fp32,
                                   emulate_premul=True)
 
-    @staticmethod
-    def _work(work, result, finish=None) -> adapters.FinishingWork:
-        return adapters.FinishingWork(work, result, finish)
+    def _work(self, work, result, finish=None) -> adapters.FinishingWork:
+        finishing = adapters.FinishingWork(work, result, finish)
+        with self._pending_lock:  # the unfinished ones only: a list as long as the collectives in flight
+            self._pending = [w for w in self._pending if not w.is_completed()]
+            self._pending.append(finishing)
+        return finishing
+
+    def wait_for_pending_works(self) -> None:
+        """Wait for every collective this rank started and nobody waited for (a ``full_tensor()`` dropped
+        unread). Each finishes with a Python callback on gloo's thread: one left running when the interpreter
+        exits aborts the process (``terminate called without an active exception``), and its peers, still
+        exchanging with it, fail with "Connection reset by peer". destroy_process_group waits so only for
+        c10d's own groups with hooks."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        for work in pending:
+            try:
+                work.wait()
+            except RuntimeError:  # the collective's own error: the caller never asked for its result
+                pass
+
+    def shutdown(self, *args, **kwargs):  # destroy_process_group calls it on every group
+        self.wait_for_pending_works()
+        return super().shutdown(*args, **kwargs)
 
     def _reduce_in_place(self, name: str, tensors, opts, run):
         """allreduce, reduce: the output is the input."""
@@ -264,4 +291,10 @@ def register() -> None:
         if _registered or not dist.is_available():
             return
         dist.Backend.register_backend(NAME, _create, devices=list(DEVICE_TYPES))
+        atexit.register(_wait_for_live_groups)  # a script that exits without destroy_process_group
         _registered = True
+
+
+def _wait_for_live_groups() -> None:
+    for group in list(_LIVE):
+        group.wait_for_pending_works()

@@ -65,8 +65,8 @@ def _to_current_device(to):
 def engine_has_a_queue_for_sim() -> bool:
     """Whether the autograd engine can run a node on ``sim:0``. It sizes its device queues once, at the first
     backward of the process: one that ran before sim was registered (a CPU reference run) left none for sim."""
-    faults = TABLE.current()
-    TABLE.set([])  # the probe is sim's own op: no injected fault applies to it
+    faults, initialized = TABLE.current(), DeviceSelection.initialized
+    TABLE.set([])  # the probe is sim's own op: no injected fault applies to it, and it initialises no device
     try:
         probe = torch.zeros((), device=torch.device("sim", 0), requires_grad=True)
         torch.autograd.grad(probe * 2, probe)
@@ -76,6 +76,7 @@ def engine_has_a_queue_for_sim() -> bool:
         return False
     finally:
         TABLE.set(faults)
+        DeviceSelection.initialized = initialized
     return True
 
 

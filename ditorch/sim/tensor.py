@@ -35,10 +35,13 @@ _MIXED_DEVICE_OK = {
 
 
 class DeviceSelection:
-    """Which sim device is current, per thread as torch.cuda does it."""
+    """Which sim device is current, per thread as torch.cuda does it; whether the device was initialised."""
 
     count = 1
     _local = threading.local()
+    # Lazily, as CUDA: by the first tensor, set_device or current_device. PyTorch reads it: DeviceMesh sets the
+    # current device from LOCAL_RANK only while the device is not initialised (FSDP2's example relies on it).
+    initialized = False
 
     @classmethod
     def current(cls) -> int:
@@ -47,6 +50,7 @@ class DeviceSelection:
     @classmethod
     def set_current(cls, index: int) -> None:
         cls._local.index = cls.check(index)
+        cls.initialized = True
 
     @classmethod
     def check(cls, index: int) -> int:
@@ -77,6 +81,7 @@ class _Memory:
         if _traced(data):  # a fake or functional tensor holds no memory
             tensor._storage_key = 0
             return
+        DeviceSelection.initialized = True
         storage = data.untyped_storage()
         key = storage.data_ptr()
         tensor._storage_key = key

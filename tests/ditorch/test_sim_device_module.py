@@ -23,6 +23,43 @@ def test_device_module_basics():
 
 
 @pytest.mark.usefixtures("sim")
+def test_the_device_initialises_lazily_as_cuda_does(monkeypatch):
+    from ditorch.sim.tensor import DeviceSelection
+
+    for first_use in (lambda: torch.ones(1, device="sim"), torch.sim.current_device, lambda: torch.sim.set_device(0),
+                      torch.sim.synchronize):
+        monkeypatch.setattr(DeviceSelection, "initialized", False)
+        torch.sim.is_available(), torch.sim.device_count()  # queries that initialise nothing, on CUDA too
+        assert not torch.sim.is_initialized()
+        first_use()
+        assert torch.sim.is_initialized()
+
+
+@pytest.mark.usefixtures("sim")
+def test_device_mesh_sets_the_device_from_local_rank_until_the_device_is_used(monkeypatch):
+    """PyTorch's FSDP2 example never sets the device (its `torch.accelerator.device_index(rank)` is a context manager,
+    never entered): DeviceMesh sets it from LOCAL_RANK because the device is not yet initialised. A device that said
+    it was left rank 1 on device 0, and FSDP2 failed ("found at least two devices, sim:1 and sim:0")."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ditorch.sim import distributed
+    from ditorch.sim.tensor import DeviceSelection
+
+    distributed.register()
+    monkeypatch.setattr(DeviceSelection, "count", 2)
+    monkeypatch.setattr(DeviceSelection, "initialized", False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    dist.init_process_group("simccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        init_device_mesh("sim", (1,))
+        assert torch.sim.current_device() == 1
+    finally:
+        dist.destroy_process_group()
+        DeviceSelection.set_current(0)
+
+
+@pytest.mark.usefixtures("sim")
 def test_memory_statistics_follow_live_tensors():
     torch.sim.reset_peak_memory_stats()
     before = torch.sim.memory_allocated()

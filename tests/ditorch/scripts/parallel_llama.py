@@ -3,6 +3,8 @@
 tensor parallel (`parallelize_module`, Colwise/Rowwise), FSDP2 on a model built on the meta device and initialised
 by DTensor random ops (PyTorch's FSDP2 example), written for
 CUDA and run under torchrun (2 processes) by tests/ditorch/test_parallel_training.py on sim and on the host.
+On sim also: attention on DTensors sharded over heads (fsdp_tp_example.py's plan), with sim's math and chunked
+algorithms; last, FSDP2's example checkpoint save followed at once by destroy_process_group.
 
 Each training mode writes, per rank, its losses and a checksum of the full parameters after training to
 ``OUT/<mode>.rank<N>.json``; the test compares them with a single-process run on the same global batch.
@@ -12,6 +14,7 @@ Each training mode writes, per rank, its losses and a checksum of the full param
 import json
 import os
 import sys
+import types
 
 import tiny_models  # tests/, on the path torchrun's children get
 import torch
@@ -115,6 +118,72 @@ def fsdp1_current_device(rank, local_rank):
     return losses, full
 
 
+class CausalAttentionLM(torch.nn.Module):
+    """An embedding, one causal attention block written as PyTorch's llama2_model.py writes it (q, k and v viewed
+    into heads, then ``scaled_dot_product_attention(..., is_causal=True)``), and a head."""
+
+    def __init__(self, vocab: int = 128, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.wq, self.wk, self.wv, self.wo = (torch.nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, self.heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        logits = self.head(x + self.wo(attended.transpose(1, 2).contiguous().view(b, s, -1)))
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return types.SimpleNamespace(loss=loss)
+
+
+def attention_lm():
+    torch.manual_seed(0)
+    return CausalAttentionLM()
+
+
+def tensor_parallel_attention(rank, local_rank, algorithm: str = "math"):
+    """fsdp_tp_example.py's plan: q, k and v stay DTensors sharded over heads into the attention call."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import ditorch.sim
+
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    model = attention_lm().cuda()
+    plan = {"wq": ColwiseParallel(use_local_output=False), "wk": ColwiseParallel(use_local_output=False),
+            "wv": ColwiseParallel(use_local_output=False), "wo": RowwiseParallel()}
+    parallelize_module(model, mesh, plan)
+    with ditorch.sim.sdpa_algorithm(algorithm, block_size=4):
+        losses = train(model, model.parameters(), batches(0), "cuda", foreach=False)
+    full = {name: p.full_tensor() if hasattr(p, "full_tensor") else p for name, p in model.named_parameters()}
+    return losses, full
+
+
+def fsdp2_save(rank, local_rank, out):
+    """FSDP2's example checkpoint (its dtensor_api save): every parameter gathered on every rank, kept by rank 0 alone,
+    which saves it; the other ranks drop theirs unread and go straight on to destroy_process_group."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_llama().cuda()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    losses = train(model, model.parameters(), batches(rank), "cuda")
+    saved = {}
+    for name, sharded in model.state_dict().items():
+        full = sharded.full_tensor()
+        if rank == 0:
+            saved[name] = full.cpu()
+        else:
+            del full
+    if rank == 0:
+        torch.save(saved, os.path.join(out, "fsdp2_save.pt"))
+    return {"losses": losses}
+
+
 def tensor_parallel(rank, local_rank):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -134,12 +203,16 @@ def tensor_parallel(rank, local_rank):
 
 
 MODES = {"fsdp2": fsdp2, "fsdp2_default_mesh": fsdp2_default_mesh, "fsdp1": fsdp1,
-         "fsdp1_current_device": fsdp1_current_device, "tp": tensor_parallel}
+         "fsdp1_current_device": fsdp1_current_device, "tp": tensor_parallel,
+         "tp_attention": tensor_parallel_attention,
+         "tp_attention_chunked": lambda rank, local_rank: tensor_parallel_attention(rank, local_rank, "chunked")}
 
 
 def run_mode(mode: str, rank: int, local_rank: int, out: str) -> dict:
     if mode == "dtensor_random":
         return dtensor_random()
+    if mode == "fsdp2_save":
+        return fsdp2_save(rank, local_rank, out)
     losses, full = fsdp2_meta_init(rank, out) if mode == "fsdp2_meta_init" else MODES[mode](rank, local_rank)
     return {"losses": losses, "params": checksum(full)}
 
@@ -159,7 +232,9 @@ def main() -> None:
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     rank = dist.get_rank()
-    for mode in modes:
+    for index, mode in enumerate(modes):
+        if index:  # no barrier after the last: fsdp2_save, last, leaves unwaited collectives to destroy_process_group
+            dist.barrier()
         try:
             report = run_mode(mode, rank, local_rank, out)
         except Exception as error:  # the test shows what failed, per mode, and goes on with the next mode
@@ -168,7 +243,6 @@ def main() -> None:
             report = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]}
         with open(os.path.join(out, f"{mode}.rank{rank}.json"), "w") as f:
             json.dump(report, f)
-        dist.barrier()
     dist.destroy_process_group()
 
 
