@@ -23,7 +23,7 @@ import torch
 
 from . import after_import, cuda_api, distributed_adapters, host_rng, pinned_memory
 from .class_forwarding import forwarding_class
-from .compile import fallback_backend, with_fallback
+from .compile import compile_config, fallback_backend, with_fallback
 from .patches import Patches
 from .show_as_cuda import real_device
 
@@ -428,8 +428,9 @@ def _philox_state(cls, ctx):
 
 
 def _compile(fn, ctx):
-    fallback = fallback_backend(ctx.backend.adapter)
-    return fn if fallback is None else with_fallback(fn, ctx.backend.name, fallback)
+    adapter = ctx.backend.adapter
+    fallback = fallback_backend(adapter)
+    return fn if fallback is None else with_fallback(fn, ctx.backend.name, fallback, compile_config(adapter))
 
 
 def _profiler_init(fn, ctx):
