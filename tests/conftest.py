@@ -46,6 +46,19 @@ def pytest_pyfunc_call(pyfuncitem):
     return True
 
 
+@pytest.fixture(autouse=True)
+def _forked_python(request, monkeypatch):
+    """Python children forked from a server that has imported torch (``tests/forked_python.py``), unless the test is
+    marked ``fresh_interpreter`` or ``TESTS_FORKED_PYTHON=0``."""
+    if request.node.get_closest_marker("fresh_interpreter") or os.environ.get("TESTS_FORKED_PYTHON") == "0":
+        return
+    import functools
+
+    import forked_python
+
+    monkeypatch.setattr(subprocess, "run", functools.partial(forked_python.run, subprocess.run))
+
+
 @pytest.fixture
 def logged(caplog):
     """``logged()``: the messages ditorch and op_tools logged so far in this test, one per line block, in order

@@ -515,6 +515,7 @@ print(repr(seen[0]))
 """
 
 
+@pytest.mark.fresh_interpreter  # it prints the whole stack: a forked child's holds the fork server's frames below
 def test_a_location_skips_the_device_layer_between_the_users_line_and_torch(tmp_path):
     # With several sim devices backward runs through sim's engine (ditorch/sim/multi_device.py): OpOverflowCheck's
     # "received" line named its run_backward where the user's loss.backward() was
