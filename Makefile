@@ -24,10 +24,11 @@ test: install-test lint
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Line coverage of ditorch/ and op_tools/ over the whole suite, the Python children tests start included (coverage's
-# patch = subprocess, pyproject.toml); about 15 minutes on 2 cores. The figure is recorded in docs/performance.md.
+# patch = subprocess, pyproject.toml: so they start as new interpreters, not forked by tests/forked_python.py);
+# about 15 minutes on 2 cores. The figure is recorded in docs/performance.md.
 coverage:
 	bash scripts/install.sh test,coverage
-	COVERAGE_FILE=$(CURDIR)/.coverage $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --cov \
+	TESTS_FORKED_PYTHON=0 COVERAGE_FILE=$(CURDIR)/.coverage $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --cov \
 		--cov-report=term-missing:skip-covered
 
 # Every benchmark, one after another (figures recorded in docs/performance.md); about 15 minutes on 2 cores.

@@ -93,10 +93,11 @@ def test_an_op_made_slow_tops_the_summary(sim, tmp_path, logged):
 
     model = tiny_llama().to(sim)
     ids = torch.randint(0, 128, (2, 16)).to(sim)
-    with ditorch.sim.faults("silu:slow=100"), op_tools.OpTimeMeasure() as timer:
+    # 300 ms a call: a CI run whose VM stalled the process 0.4 s inside one torch.cat call put cat on top of 100 ms
+    with ditorch.sim.faults("silu:slow=300"), op_tools.OpTimeMeasure() as timer:
         model(input_ids=ids, labels=ids).loss.backward()
     top = timer.measurements.summary_rows()[0]
-    assert top["name"] == "torch.nn.functional.silu" and top["forward_mean_ms"] >= 100
+    assert top["name"] == "torch.nn.functional.silu" and top["forward_mean_ms"] >= 300
     printed = logged()
     assert printed.index("torch.nn.functional.silu") < printed.index("torch.nn.functional.linear")
 
