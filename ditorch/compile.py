@@ -8,7 +8,8 @@ graphs run op by op); the transfer row built here sends inductor requests there,
 device's own kernels.
 
 An adapter may also declare ``COMPILE_CONFIG``, dynamo settings the device needs whatever the backend, set at the
-first ``torch.compile`` and said once (sim: ``optimize_ddp=False``, see its adapter).
+first ``torch.compile`` and said once (sim: ``optimize_ddp=False``, see its adapter), and ``COMPILE_PREPARE``, run
+then too (sim: its process group's collectives hidden from dynamo's tracer).
 
 >>> import torch, ditorch                        # doctest: +SKIP  (DITORCH_BACKEND=sim)
 >>> torch.compile(torch.nn.Linear(2, 2).cuda())  # doctest: +SKIP  (logs: ... runs "aot_eager" instead)
@@ -36,31 +37,39 @@ def compile_config(adapter) -> dict:
     return dict(getattr(adapter, "COMPILE_CONFIG", {}))
 
 
+def compile_prepare(adapter):
+    """What ``adapter`` does once dynamo is loaded, before the first compile (``COMPILE_PREPARE``), or None."""
+    return getattr(adapter, "COMPILE_PREPARE", None)
+
+
 _configured = threading.Event()
 
 
-def _configure(config: dict) -> str:
-    """Apply ``config`` once per process; what was set, for the line that says so ("" when nothing was)."""
-    if not config or _configured.is_set():
+def _configure(config: dict, prepare) -> str:
+    """Apply ``config`` and run ``prepare`` once per process; what was set, for the line that says so ("" when
+    nothing was)."""
+    if (not config and prepare is None) or _configured.is_set():
         return ""
     _configured.set()
     import torch._dynamo  # imported by torch.compile anyway; not at `import ditorch`
 
     for name, value in config.items():
         setattr(torch._dynamo.config, name, value)
+    if prepare is not None:
+        prepare()
     return ", ".join(f"torch._dynamo.config.{name}={value!r}" for name, value in config.items())
 
 
-def with_fallback(compile_fn, device_name: str, fallback: str, config: dict | None = None):
+def with_fallback(compile_fn, device_name: str, fallback: str, config: dict | None = None, prepare=None):
     """``torch.compile`` that runs ``fallback`` where ``backend`` is inductor (the default); other backends as asked.
 
     Inductor's ``mode`` and ``options`` mean nothing to the fallback and are dropped, said in the same line.
-    ``config`` (dynamo settings) is applied at the first call, whatever the backend.
+    ``config`` (dynamo settings) is applied and ``prepare`` run at the first call, whatever the backend.
     """
 
     @functools.wraps(compile_fn)
     def compile(model=None, *args, backend=None, mode=None, options=None, **kwargs):  # noqa: A001 - torch's name
-        settings = _configure(config or {})
+        settings = _configure(config or {}, prepare)
         if backend is not None and backend != _INDUCTOR:  # None means inductor; another backend, as it is
             if settings:
                 logger.info("ditorch: torch.compile on the %s device: %s", device_name, settings)

@@ -23,7 +23,7 @@ import torch
 
 from . import after_import, cuda_api, distributed_adapters, host_rng, pinned_memory
 from .class_forwarding import forwarding_class
-from .compile import compile_config, fallback_backend, with_fallback
+from .compile import compile_config, compile_prepare, fallback_backend, with_fallback
 from .patches import Patches
 from .show_as_cuda import real_device
 
@@ -430,7 +430,9 @@ def _philox_state(cls, ctx):
 def _compile(fn, ctx):
     adapter = ctx.backend.adapter
     fallback = fallback_backend(adapter)
-    return fn if fallback is None else with_fallback(fn, ctx.backend.name, fallback, compile_config(adapter))
+    if fallback is None:
+        return fn
+    return with_fallback(fn, ctx.backend.name, fallback, compile_config(adapter), compile_prepare(adapter))
 
 
 def _profiler_init(fn, ctx):

@@ -34,5 +34,13 @@ COMPILE_FALLBACK = "aot_eager"
 # inner CPU fake, not the sim tensor, so the next piece failed ("found at least two devices, sim:0 and cpu").
 # nanoGPT compiles its model and then wraps it in DDP. Unsplit, the numbers are the same; no overlap is lost on sim.
 COMPILE_CONFIG = {"optimize_ddp": False}
+
+
+def COMPILE_PREPARE() -> None:  # noqa: N802 - an adapter's table entry
+    """simccl's collectives called, not traced, by compiled code (``torch.compile(DDP(model))``): see
+    ``hide_from_dynamo``."""
+    from ..sim import distributed
+
+    distributed.hide_from_dynamo()
 # No pinned-memory allocator here, none needed: pin_memory() and pin_memory=True copy (ditorch/pinned_memory.py).
 PINS_BY_COPY = True

@@ -21,6 +21,7 @@ call for what it does not implement, instead of the dispatcher's "No backend typ
 from __future__ import annotations
 
 import atexit
+import inspect
 import threading
 import weakref
 
@@ -36,6 +37,7 @@ NAME = "simccl"
 DEVICE_TYPES = ("sim", "cpu")
 _lock = threading.Lock()
 _registered = False
+_hidden = False  # hide_from_dynamo has run
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # the groups whose unwaited collectives must end before the interpreter
 
 
@@ -278,6 +280,24 @@ def _with_op(opts, op):
             setattr(copy, field, getattr(opts, field))
     copy.reduceOp = op if isinstance(op, dist.ReduceOp) else dist.ReduceOp(op)
     return copy
+
+
+def hide_from_dynamo() -> None:
+    """Make compiled code call the group's methods instead of tracing them. c10d's groups are C++, which dynamo
+    calls as they are; this one is Python, and dynamo inlined its collectives (DDP's forward under
+    ``torch.compile(DDP(model))`` broadcasts) until it met an attribute it cannot trace ("opaque object",
+    ``UnsafeScriptObjectError``). Run at the first ``torch.compile`` (``COMPILE_PREPARE``): importing dynamo costs a
+    second, which a run that never compiles does not pay. Idempotent."""
+    global _hidden
+    with _lock:
+        if _hidden:
+            return
+        import torch._dynamo
+
+        for name, method in list(vars(SimProcessGroup).items()):  # plain functions: a staticmethod stays as it is
+            if inspect.isfunction(method) and not name.startswith("__"):
+                setattr(SimProcessGroup, name, torch._dynamo.disable(method))
+        _hidden = True
 
 
 def _create(store, rank: int, size: int, timeout) -> SimProcessGroup:

@@ -51,3 +51,7 @@ def test_torchrun_ddp_runs_one_device_per_rank_and_matches_one_process(tmp_path,
     assert reports[0]["params_beside_unused"] == reports[1]["params_beside_unused"]
     torch.testing.assert_close(torch.tensor(reports[0]["params_beside_unused"]), single_process_params(), rtol=1e-5,
                                atol=1e-6)
+    # torch.compile(DDP(model)) trains as the eager DDP module
+    assert reports[0]["compiled_params"] == reports[1]["compiled_params"]
+    torch.testing.assert_close(torch.tensor(reports[0]["compiled_params"]), single_process_params(), rtol=1e-5,
+                               atol=1e-6)

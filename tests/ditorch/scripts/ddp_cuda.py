@@ -1,6 +1,6 @@
 """A CUDA-written DDP script as torchrun runs it on a node with one GPU per rank (set_device(local_rank), nccl with
 device_id, device_ids=[local_rank]), run by test_distributed under torchrun on sim and on the host; then the same
-model beside a layer it never uses, under DDP(find_unused_parameters=True)."""
+model beside a layer it never uses, under DDP(find_unused_parameters=True); then the DDP module compiled."""
 
 import os
 import sys
@@ -52,6 +52,15 @@ def with_unused_layer(rank: int, local_rank: int) -> dict:
             "params_beside_unused": torch.cat([p.detach().reshape(-1) for p in model.used.parameters()]).cpu().tolist()}
 
 
+def compiled_ddp(rank: int, local_rank: int) -> dict:
+    """The DDP module compiled (``torch.compile(DDP(model))``; AOTAutograd's graphs, sim's compile fallback), trained
+    as above. Dynamo once failed on sim's process group (``UnsafeScriptObjectError``)."""
+    model, batches = model_and_batches(rank, 100 + rank)
+    model = model.cuda()
+    train(torch.compile(DistributedDataParallel(model, device_ids=[local_rank]), backend="aot_eager"), batches)
+    return {"compiled_params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().tolist()}
+
+
 def main() -> None:
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
@@ -64,7 +73,7 @@ def main() -> None:
     report = {"rank": rank, "backend": dist.get_backend(), "device": str(next(model.parameters()).device),
               "device_count": torch.cuda.device_count(), "current_device": torch.cuda.current_device(),
               "as_device": str(torch.device("cuda", torch.cuda.current_device())), "losses": losses,
-              "params": params, **with_unused_layer(rank, local_rank)}
+              "params": params, **with_unused_layer(rank, local_rank), **compiled_ddp(rank, local_rank)}
     rank_reports.finish(os.path.join(sys.argv[1], f"rank{rank}.json"), report)
 
 
