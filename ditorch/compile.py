@@ -7,9 +7,8 @@ graphs run op by op); the transfer row built here sends inductor requests there,
 ``ditorch`` logger, and passes every other backend as it is. Numbers equal eager's: the fallback runs the
 device's own kernels.
 
-An adapter may also declare ``COMPILE_CONFIG``, dynamo settings the device needs whatever the backend, set at the
-first ``torch.compile`` and said once (sim: ``optimize_ddp=False``, see its adapter), and ``COMPILE_PREPARE``, run
-then too (sim: its process group's collectives hidden from dynamo's tracer).
+An adapter may also declare ``COMPILE_PREPARE``, what the device needs whatever the backend, run at the first
+``torch.compile`` and said once (sim: dynamo's ``optimize_ddp=False``, its process group hidden from dynamo's tracer).
 
 >>> import torch, ditorch                        # doctest: +SKIP  (DITORCH_BACKEND=sim)
 >>> torch.compile(torch.nn.Linear(2, 2).cuda())  # doctest: +SKIP  (logs: ... runs "aot_eager" instead)
@@ -32,44 +31,32 @@ def fallback_backend(adapter) -> str | None:
     return getattr(adapter, "COMPILE_FALLBACK", None)
 
 
-def compile_config(adapter) -> dict:
-    """The ``torch._dynamo.config`` settings ``adapter`` needs for any backend (``COMPILE_CONFIG``)."""
-    return dict(getattr(adapter, "COMPILE_CONFIG", {}))
-
-
 def compile_prepare(adapter):
-    """What ``adapter`` does once dynamo is loaded, before the first compile (``COMPILE_PREPARE``), or None."""
+    """What ``adapter`` does at the first ``torch.compile`` (``COMPILE_PREPARE``: returns what it set), or None."""
     return getattr(adapter, "COMPILE_PREPARE", None)
 
 
-_configured = threading.Event()
+_prepared = threading.Event()
 
 
-def _configure(config: dict, prepare) -> str:
-    """Apply ``config`` and run ``prepare`` once per process; what was set, for the line that says so ("" when
-    nothing was)."""
-    if (not config and prepare is None) or _configured.is_set():
+def _prepare_once(prepare) -> str:
+    """Run ``prepare`` once per process; what it set, for the line that says so ("" when nothing was)."""
+    if prepare is None or _prepared.is_set():
         return ""
-    _configured.set()
-    import torch._dynamo  # imported by torch.compile anyway; not at `import ditorch`
-
-    for name, value in config.items():
-        setattr(torch._dynamo.config, name, value)
-    if prepare is not None:
-        prepare()
-    return ", ".join(f"torch._dynamo.config.{name}={value!r}" for name, value in config.items())
+    _prepared.set()
+    return prepare()
 
 
-def with_fallback(compile_fn, device_name: str, fallback: str, config: dict | None = None, prepare=None):
+def with_fallback(compile_fn, device_name: str, fallback: str, prepare=None):
     """``torch.compile`` that runs ``fallback`` where ``backend`` is inductor (the default); other backends as asked.
 
     Inductor's ``mode`` and ``options`` mean nothing to the fallback and are dropped, said in the same line.
-    ``config`` (dynamo settings) is applied and ``prepare`` run at the first call, whatever the backend.
+    ``prepare`` (the adapter's ``COMPILE_PREPARE``) runs at the first call, whatever the backend.
     """
 
     @functools.wraps(compile_fn)
     def compile(model=None, *args, backend=None, mode=None, options=None, **kwargs):  # noqa: A001 - torch's name
-        settings = _configure(config or {}, prepare)
+        settings = _prepare_once(prepare)
         if backend is not None and backend != _INDUCTOR:  # None means inductor; another backend, as it is
             if settings:
                 logger.info("ditorch: torch.compile on the %s device: %s", device_name, settings)

@@ -23,7 +23,7 @@ import torch
 
 from . import after_import, cuda_api, distributed_adapters, host_rng, pinned_memory
 from .class_forwarding import forwarding_class
-from .compile import compile_config, compile_prepare, fallback_backend, with_fallback
+from .compile import compile_prepare, fallback_backend, with_fallback
 from .patches import Patches
 from .show_as_cuda import real_device
 
@@ -432,7 +432,7 @@ def _compile(fn, ctx):
     fallback = fallback_backend(adapter)
     if fallback is None:
         return fn
-    return with_fallback(fn, ctx.backend.name, fallback, compile_config(adapter), compile_prepare(adapter))
+    return with_fallback(fn, ctx.backend.name, fallback, compile_prepare(adapter))
 
 
 def _profiler_init(fn, ctx):

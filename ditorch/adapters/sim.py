@@ -29,18 +29,26 @@ CCL_ADAPTS_REDUCTIONS = True  # simccl does AVG and DITORCH_REDUCE_LOW_PRECISION
 # Inductor has no code generator for a Python PrivateUse1 device: torch.compile's default runs this instead
 # (ditorch/compile.py). AOTAutograd's graphs run the CPU kernels behind the sim tensors.
 COMPILE_FALLBACK = "aot_eager"
-# A DDP model's graph compiled whole. Dynamo's DDPOptimizer splits it at the gradient buckets and, with an AOTAutograd
-# backend, hands each piece the previous one's output faked on its first call: for a tensor subclass (SimTensor) the
-# inner CPU fake, not the sim tensor, so the next piece failed ("found at least two devices, sim:0 and cpu").
-# nanoGPT compiles its model and then wraps it in DDP. Unsplit, the numbers are the same; no overlap is lost on sim.
-COMPILE_CONFIG = {"optimize_ddp": False}
 
 
-def COMPILE_PREPARE() -> None:  # noqa: N802 - an adapter's table entry
-    """simccl's collectives called, not traced, by compiled code (``torch.compile(DDP(model))``): see
-    ``hide_from_dynamo``."""
+def COMPILE_PREPARE() -> str:  # noqa: N802 - an adapter's table entry (ditorch/compile.py)
+    """What torch.compile needs on sim, done at its first call (importing dynamo costs a second); what it set.
+
+    - A DDP model's graph compiled whole (``optimize_ddp=False``). Dynamo's DDPOptimizer splits it at the gradient
+      buckets and, with an AOTAutograd backend, hands each piece the previous one's output faked on its first call:
+      for a tensor subclass (SimTensor) the inner CPU fake, so the next piece failed ("found at least two devices,
+      sim:0 and cpu"). nanoGPT compiles its model, then wraps it in DDP. Unsplit, the numbers are the same.
+    - simccl's collectives called, not traced, by compiled code (``torch.compile(DDP(model))``): see
+      ``hide_from_dynamo``.
+    """
+    import torch._dynamo
+
     from ..sim import distributed
 
+    torch._dynamo.config.optimize_ddp = False
     distributed.hide_from_dynamo()
+    return "torch._dynamo.config.optimize_ddp=False"
+
+
 # No pinned-memory allocator here, none needed: pin_memory() and pin_memory=True copy (ditorch/pinned_memory.py).
 PINS_BY_COPY = True
