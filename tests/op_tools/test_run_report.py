@@ -98,7 +98,7 @@ def test_the_slowest_rank_and_where_its_time_goes_per_step(out):
     done = report(out / "desync")
     skew = [line for line in done.stdout.splitlines() if re.match(r"  step \d+: slowest rank", line)]
     assert len(skew) == 3, done.stdout
-    for line in skew:  # rank 1's matmuls were made 2 ms slower each
+    for line in skew:  # rank 1's matmuls were made 8 ms slower each (2 ms lost to a loaded VM's 30 ms jitter once)
         assert "slowest rank 1" in line and "its time goes to torch.nn.functional.linear" in line, line
 
 
