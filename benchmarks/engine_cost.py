@@ -76,6 +76,7 @@ CONDITIONS = {"no tool": None, "bare TorchFunctionMode": PassThrough, "engine, f
 def run_round(step, tool: type | None, steps: int, results: str) -> tuple[float, float]:
     """The median wall seconds per step over ``steps`` steps under ``tool``, and the calls it handled per step."""
     gc.collect()
+    gc.freeze()  # the survivors (imports, the model) are never scanned again: a collection costs the round's garbage
     if tool is PassThrough:
         with PassThrough():
             return run_round(step, None, steps, results)[0], 0.0

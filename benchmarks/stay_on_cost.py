@@ -55,6 +55,7 @@ TARGETS = {"TrainingMonitor": {"sim": 1.03, "cuda": 1.05}, "OpOverflowCheck": {"
 def run_round(model, step, tool: str | None, steps: int, results: str) -> tuple[list[float], dict | None]:
     """Wall seconds per step over ``steps`` steps under ``tool`` (None: no tool), and the counts per step."""
     gc.collect()
+    gc.freeze()  # the survivors (imports, the model) are never scanned again: a collection costs the round's garbage
     monitor = None
     started = TOOLS[tool](model, results).start() if tool else None
     if tool == "TrainingMonitor":

@@ -93,6 +93,7 @@ def run_round(model, step, condition: str, steps: int, results_dir: str) -> tupl
     start+stop seconds."""
     keywords = CONDITIONS[condition][1]
     gc.collect()  # every round starts from the same heap: a collection inside a timed step is noise
+    gc.freeze()  # the survivors (imports, the model) are never scanned again: a collection costs the round's garbage
     begin = time.perf_counter()
     monitor = None if keywords is None else op_tools.TrainingMonitor(model=model, results_dir=results_dir,
                                                                      **keywords).start()

@@ -46,17 +46,30 @@ def pytest_pyfunc_call(pyfuncitem):
     return True
 
 
-@pytest.fixture(autouse=True)
-def _forked_python(request, monkeypatch):
-    """Python children forked from a server that has imported torch (``tests/forked_python.py``), unless the test is
-    marked ``fresh_interpreter`` or ``TESTS_FORKED_PYTHON=0``."""
-    if request.node.get_closest_marker("fresh_interpreter") or os.environ.get("TESTS_FORKED_PYTHON") == "0":
+@pytest.fixture(scope="session", autouse=True)
+def _forked_python():
+    """Python children forked from a server that has imported torch (``tests/forked_python.py``), unless
+    ``TESTS_FORKED_PYTHON=0``; for the whole session, so that a module's shared launches are forked too."""
+    if os.environ.get("TESTS_FORKED_PYTHON") == "0":
+        yield
         return
     import functools
 
     import forked_python
 
-    monkeypatch.setattr(subprocess, "run", functools.partial(forked_python.run, subprocess.run))
+    real_run = subprocess.run
+    subprocess.run = functools.partial(forked_python.run, real_run)
+    yield
+    subprocess.run = real_run
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter(request, monkeypatch):
+    """A test marked ``fresh_interpreter`` starts its Python children as new interpreters."""
+    if request.node.get_closest_marker("fresh_interpreter"):
+        import forked_python
+
+        monkeypatch.setattr(forked_python, "ENABLED", False)
 
 
 @pytest.fixture

@@ -11,6 +11,13 @@ from its ``PYTHONPATH`` as a new interpreter builds it) and exit status; it shut
 ditorch or op_tools is among them, so everything they read at import is read in the child. OpenMP read
 ``OMP_NUM_THREADS`` when torch was loaded, so the child sets it through ``torch.set_num_threads``.
 
+torchrun (``-m torch.distributed.run``) is forked too, and so are its workers: before the agent runs, it forks one
+standby per local rank while it is still single-threaded (the rendezvous store's thread comes later). The agent's
+``SubprocessHandler._popen``, the one place torchrun starts a worker, hands the worker's command line and environment
+to a standby instead of starting an interpreter. A worker is still the agent's own child in a session of its own, with
+torchrun's environment and ``-u`` output, polled, signalled and reaped by the agent as a ``Popen`` is. A command the
+standbys cannot run (not this Python, interpreter options) or a restart beyond the standbys gets a real interpreter.
+
 The server is this file run as a script: it reads one request per line (JSON) on its stdin, forks, answers the
 child's pid and then its exit status on its stdout. One server per pytest process, used by one test at a time.
 """
@@ -18,6 +25,7 @@ child's pid and then its exit status on its stdout. One server per pytest proces
 from __future__ import annotations
 
 import atexit
+import io
 import json
 import os
 import select
@@ -30,7 +38,8 @@ import tempfile
 # interpreter's would be after its first sim tensor. (transformers would import torch._dynamo, which the tools
 # load only when a script compiles: test_compile_under_tools checks that.)
 PRELOAD = ("torch", "torch.distributed.tensor")
-_SKIPPED_MODULES = ("torch.distributed.run", "pytest")
+_SKIPPED_MODULES = ("pytest",)
+_TORCHRUN = "torch.distributed.run"
 
 
 # ---- the server, in its own process ------------------------------------------------------------------------------
@@ -55,16 +64,33 @@ def _serve() -> None:
 
 
 def _child(request: dict, base_path: list) -> int:
+    """Run one request in this (forked) process. ``in``/``out``/``err`` None: inherited (a torchrun worker's default);
+    ``session``: a session of its own (torchrun's ``start_new_session``), else a process group of its own;
+    ``unbuffered``: ``python -u``'s unbuffered standard streams, a line at a time."""
     import runpy
     import types
 
-    os.setpgid(0, 0)  # a timeout kills the child and whatever it started
+    if request.get("session"):
+        os.setsid()
+    else:
+        os.setpgid(0, 0)  # a timeout kills the child and whatever it started
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    for fd, path, mode in ((0, request["in"] or os.devnull, os.O_RDONLY), (1, request["out"], os.O_WRONLY),
+    for fd, path, mode in ((0, request["in"], os.O_RDONLY), (1, request["out"], os.O_WRONLY),
                            (2, request["err"], os.O_WRONLY)):
+        if path is None:
+            continue
         target = os.open(path, mode)
         os.dup2(target, fd)
         os.close(target)
+    if request.get("unbuffered"):
+        for name, fd in (("stdout", 1), ("stderr", 2)):
+            old = getattr(sys, name)
+            # unbuffered as `python -u`'s, but each line written whole: -u writes print's text and its newline
+            # apart, and two workers started in the same instant would cut into each other's lines
+            stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=old.encoding, errors=old.errors,
+                                      line_buffering=True)
+            setattr(sys, name, stream)
+            setattr(sys, f"__{name}__", stream)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -76,6 +102,8 @@ def _child(request: dict, base_path: list) -> int:
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if argv[:2] == ["-m", _TORCHRUN]:
+        _standby_workers(argv, base_path)
     try:
         if argv[0] == "-c":
             sys.argv = ["-c", *argv[2:]]
@@ -101,6 +129,106 @@ def _child(request: dict, base_path: list) -> int:
         sys.excepthook(*sys.exc_info())
         return 1
     return 0
+
+
+# ---- torchrun's workers, forked by its agent ----------------------------------------------------------------------
+
+
+def _local_ranks(argv: list) -> int:
+    """``--nproc_per_node``/``--nproc-per-node`` from a torchrun command line when it is a number, else 1."""
+    for i, arg in enumerate(argv):
+        for flag in ("--nproc_per_node", "--nproc-per-node"):
+            value = arg[len(flag) + 1:] if arg.startswith(flag + "=") else (
+                argv[i + 1] if arg == flag and i + 1 < len(argv) else None)
+            if value is not None:
+                return int(value) if value.isdigit() else 1
+    return 1
+
+
+def _worker_argv(args: tuple) -> list | None:
+    """The worker's arguments after the interpreter and ``-u`` when a standby can run them, else None."""
+    if not args or args[0] != sys.executable:
+        return None
+    rest = [str(a) for a in args[1:]]
+    if rest[:1] == ["-u"]:
+        rest = rest[1:]
+    if not rest or not (rest[0] in ("-c", "-m") or (not rest[0].startswith("-") and rest[0].endswith(".py"))):
+        return None
+    return rest
+
+
+class _ForkedWorker:
+    """What torchrun's agent uses of a worker's ``Popen``: ``pid``, ``returncode``, ``poll``, ``wait``, signals."""
+
+    def __init__(self, pid: int, args: list) -> None:
+        self.pid, self.args = pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            time.sleep(0.01)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _standby_workers(argv: list, base_path: list) -> None:
+    """Fork one standby per local rank (each waits for a worker's request on a pipe, then runs it as ``_child``
+    runs a request) and send torchrun's worker starts to them."""
+    standbys: list[tuple[int, int]] = []
+    for _ in range(_local_ranks(argv)):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(write)
+            for _, other in standbys:
+                os.close(other)
+            with os.fdopen(read) as pipe:
+                line = pipe.readline()
+            if not line:
+                os._exit(0)  # the agent ended without this worker: nothing of the agent's to shut down
+            sys.exit(_child(json.loads(line), base_path))
+        os.close(read)
+        standbys.append((pid, write))
+    # imported after the forks: a worker's modules are those a new interpreter has before its script
+    from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
+
+    original = SubprocessHandler._popen
+
+    def _popen(handler, args, env):
+        rest = _worker_argv(args)
+        if rest is None or not standbys:
+            return original(handler, args, env)
+        pid, write = standbys.pop(0)
+        paths = [getattr(stream, "name", None) for stream in (handler._stdout, handler._stderr)]
+        request = {"argv": rest, "env": dict(env), "cwd": os.getcwd(), "in": None, "out": paths[0],
+                   "err": paths[1], "session": True, "unbuffered": args[1] == "-u"}
+        with os.fdopen(write, "w") as pipe:
+            pipe.write(json.dumps(request) + "\n")
+        return _ForkedWorker(pid, list(args))
+
+    SubprocessHandler._popen = _popen  # type: ignore[method-assign]
 
 
 # ---- the client, in the test process ----------------------------------------------------------------------------
@@ -145,7 +273,8 @@ class _Server:
         deadline = None if timeout is None else time.monotonic() + timeout
         stdin = self.process.stdin
         assert stdin is not None
-        stdin.write(json.dumps({"argv": argv, "env": env, "cwd": cwd, "in": stdin_path, "out": out, "err": err})
+        stdin.write(json.dumps({"argv": argv, "env": env, "cwd": cwd, "in": stdin_path or os.devnull, "out": out,
+                                "err": err})
                     + "\n")
         stdin.flush()
         pid = self._answer(None)["pid"]
@@ -176,11 +305,14 @@ def _forkable(args, kwargs: dict) -> bool:
     return first == "-c" or (not first.startswith("-") and first.endswith(".py"))
 
 
+ENABLED = True  # False: every child a new interpreter (a test marked fresh_interpreter)
+
+
 def run(real_run, args, **kwargs) -> subprocess.CompletedProcess:
     """``subprocess.run(args, **kwargs)`` through the fork server where it can be (see the module's doc), else
     ``real_run``."""
     global _server
-    if not _forkable(args, kwargs):
+    if not ENABLED or not _forkable(args, kwargs):
         return real_run(args, **kwargs)
     if _server is None or not _server.alive():
         _server = _Server()

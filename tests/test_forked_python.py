@@ -1,6 +1,8 @@
 """The fork server's children behave as new interpreters for what the suite's tests read from them
-(tests/forked_python.py): arguments, environment, working directory, import path, streams, exit status, timeout."""
+(tests/forked_python.py): arguments, environment, working directory, import path, streams, exit status, timeout;
+torchrun's agent and workers too."""
 
+import os
 import subprocess
 import sys
 
@@ -68,10 +70,47 @@ def test_what_it_cannot_serve_goes_to_a_real_interpreter():
         return "real"
 
     for args, kwargs in [
-        ([sys.executable, "-m", "torch.distributed.run", "x.py"], {"capture_output": True}),  # torchrun
         ([sys.executable, "-X", "importtime", "-c", "pass"], {"capture_output": True}),  # interpreter options
         ([sys.executable, "-c", "pass"], {}),  # output not captured
         (["ls"], {"capture_output": True}),  # not Python
     ]:
         assert forked_python.run(real_run, args, **kwargs) == "real"
-    assert len(real) == 4
+    assert len(real) == 3
+
+
+WORKER = """
+import json, os, sys
+forked = "torch" in sys.modules  # a new interpreter has not imported torch yet
+import torch.distributed as dist
+dist.init_process_group("gloo")
+gathered = [None, None]
+dist.all_gather_object(gathered, os.environ["LOCAL_RANK"])
+elastic = any(m.startswith("torch.distributed.elastic") for m in sys.modules)
+print(json.dumps({"rank": os.environ["RANK"], "world": os.environ["WORLD_SIZE"], "gathered": gathered,
+                  "argv": sys.argv[1:], "forked": forked, "parent": os.getppid(),
+                  "session": os.getsid(0) == os.getpid(), "unbuffered": sys.stdout.line_buffering,
+                  "elastic": elastic}))
+dist.destroy_process_group()
+sys.exit(int(os.environ["RANK"]) * int(sys.argv[-1]))
+"""
+
+
+@pytest.mark.parametrize("code", [0, 5])
+def test_torchrun_and_its_workers_are_forked_and_behave_as_torchrun_s(tmp_path, code):
+    import json
+
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    done = forked("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), "x",
+                  str(code), env=child_env({"OMP_NUM_THREADS": "1"}), cwd=tmp_path, capture_output=True, text=True,
+                  timeout=120)
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert sorted(line["rank"] for line in lines) == ["0", "1"], done.stdout + done.stderr
+    for line in lines:  # a rendezvous, a collective, the agent's children in sessions of their own, `python -u`
+        assert line["world"] == "2" and line["gathered"] == ["0", "1"] and line["argv"] == ["x", str(code)]
+        assert line["forked"] and line["session"] and line["unbuffered"] and not line["elastic"]
+    assert lines[0]["parent"] == lines[1]["parent"] != os.getpid()
+    if code:  # a worker's failure is torchrun's: its exit status and its report naming the rank
+        assert done.returncode == 1 and "ChildFailedError" in done.stderr and "exitcode  : 5" in done.stderr
+    else:
+        assert done.returncode == 0, done.stderr

@@ -42,7 +42,13 @@ def finish(process: subprocess.Popen, timeout: float = 240) -> subprocess.Comple
 
 
 def run(*args: str, env: dict | None = None, cwd: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return finish(start(*args, env=env, cwd=cwd), timeout)
+    """The command, run to its end (``subprocess.run``: forked from the suite's server, tests/forked_python.py)."""
+    try:
+        return subprocess.run(command(*args), env=environment(env), cwd=cwd, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out, err = (x.decode() if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
+        raise AssertionError(f"the sweep did not finish in {timeout} s:\n{out[-3000:]}\n{err[-3000:]}") from None
 
 
 def explain(result: subprocess.CompletedProcess) -> str:
