@@ -412,7 +412,9 @@ def _fsdp_compute_device(fn, ctx):
 def _philox_state(cls, ctx):
     # DTensor's random ops read the device generator's state as CUDA's Philox (seed, offset) and move the offset
     # (torch/distributed/tensor/_random.py); a device drawing from the host's generator has a CPU-layout state.
-    if ctx.backend.device_module.get_rng_state is not host_rng.get_rng_state:
+    # A device module without get_rng_state (a vendor's stand-in) keeps DTensor's class: DTensor's random ops fail
+    # there with or without ditorch, and an import of ditorch after DTensor's must not.
+    if getattr(ctx.backend.device_module, "get_rng_state", None) is not host_rng.get_rng_state:
         return cls
 
     class PhiloxState(cls):

@@ -53,14 +53,11 @@ def _forked_python():
     if os.environ.get("TESTS_FORKED_PYTHON") == "0":
         yield
         return
-    import functools
-
     import forked_python
 
-    real_run = subprocess.run
-    subprocess.run = functools.partial(forked_python.run, real_run)
+    subprocess.Popen = forked_python.RoutingPopen  # subprocess.run and check_output start children through it
     yield
-    subprocess.run = real_run
+    subprocess.Popen = forked_python._REAL_POPEN
 
 
 @pytest.fixture(autouse=True)

@@ -1,15 +1,18 @@
 """Python children forked from an interpreter that has imported torch already: the suite's children start in
 about 0.1 s instead of 4 (importing torch, DTensor and transformers' Llama is most of a child's time; issue 36).
 
-``tests/conftest.py`` sends ``subprocess.run([sys.executable, ...])`` here when the command is a script, ``-c``
-code or ``-m`` a module other than torchrun and pytest, and its output is captured; anything else, and any test
-marked ``fresh_interpreter`` (what an import does, what an import costs), gets a real new interpreter.
+``tests/conftest.py`` replaces ``subprocess.Popen`` for the session with ``RoutingPopen``: a command that is this
+Python running a script, ``-c`` code or ``-m`` a module other than pytest starts as a child forked from this
+server (``ForkedPopen``, what the suite uses of a ``Popen``); anything else, and the children of a test marked
+``fresh_interpreter`` (what an import does, what an import costs), gets a real new interpreter. ``subprocess.run``
+and ``check_output`` start their children through ``subprocess.Popen``, so they are routed the same way.
 
 A forked child is a real process with its own environment, working directory, arguments, ``sys.path`` (rebuilt
-from its ``PYTHONPATH`` as a new interpreter builds it) and exit status; it shuts down as an interpreter does
-(``atexit`` handlers, buffers flushed). What it shares with the server: modules imported before the fork. None of
-ditorch or op_tools is among them, so everything they read at import is read in the child. OpenMP read
-``OMP_NUM_THREADS`` when torch was loaded, so the child sets it through ``torch.set_num_threads``.
+from its ``PYTHONPATH`` as a new interpreter builds it), standard streams (the caller's pipes or files, passed over
+a Unix socket), exit status and signals; it shuts down as an interpreter does (``atexit`` handlers, buffers
+flushed). What it shares with the server: modules imported before the fork. None of ditorch or op_tools is among
+them, so everything they read at import is read in the child. OpenMP read ``OMP_NUM_THREADS`` when torch was
+loaded, so the child sets it through ``torch.set_num_threads``.
 
 torchrun (``-m torch.distributed.run``) is forked too, and so are its workers: before the agent runs, it forks one
 standby per local rank while it is still single-threaded (the rendezvous store's thread comes later). The agent's
@@ -18,8 +21,9 @@ to a standby instead of starting an interpreter. A worker is still the agent's o
 torchrun's environment and ``-u`` output, polled, signalled and reaped by the agent as a ``Popen`` is. A command the
 standbys cannot run (not this Python, interpreter options) or a restart beyond the standbys gets a real interpreter.
 
-The server is this file run as a script: it reads one request per line (JSON) on its stdin, forks, answers the
-child's pid and then its exit status on its stdout. One server per pytest process, used by one test at a time.
+The server is this file run as a script, one per pytest process. Over a ``SOCK_SEQPACKET`` socket it takes one
+request per message (JSON, with the child's three standard streams as file descriptors), forks, answers the child's
+pid, and reports each child's exit status when it reaps it: several children can run at once.
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
-import tempfile
+import threading
 
 # What every sim child imports (sim's first tensor imports DTensor): nothing more, so a child's modules are what a new
 # interpreter's would be after its first sim tensor. (transformers would import torch._dynamo, which the tools
@@ -45,43 +50,78 @@ _TORCHRUN = "torch.distributed.run"
 # ---- the server, in its own process ------------------------------------------------------------------------------
 
 
-def _serve() -> None:
+_MESSAGE_BYTES = 1 << 20  # a request: argv, environment and folder as JSON
+
+
+def _serve(sock_fd: int) -> None:
     import importlib
 
     for name in PRELOAD:
         importlib.import_module(name)
     own_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     base_path = [p for p in sys.path[1:] if p not in own_path]  # the interpreter's own entries (site-packages)
-    sys.stdout.flush()
-    for line in sys.stdin:
-        request = json.loads(line)
+    sock = socket.socket(fileno=sock_fd)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that SIGCHLD writes to the wakeup pipe
+    signal.set_wakeup_fd(wake_write)
+    while True:
+        ready, _, _ = select.select([sock, wake_read], [], [])
+        if wake_read in ready:
+            os.read(wake_read, 4096)
+            _reap(sock)
+        if sock not in ready:
+            continue
+        message, fds, _, _ = socket.recv_fds(sock, _MESSAGE_BYTES, 3)
+        if not message:
+            return  # the test process closed its end
+        request = json.loads(message)
         pid = os.fork()
         if pid == 0:
-            sys.exit(_child(request, base_path))  # an interpreter's exit: atexit handlers, flushed buffers
-        print(json.dumps({"pid": pid}), flush=True)
-        _, status = os.waitpid(pid, 0)
-        print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for fd in (sock.detach(), wake_read, wake_write):
+                os.close(fd)
+            sys.exit(_child(request, base_path, fds))  # an interpreter's exit: atexit handlers, flushed buffers
+        for fd in fds:
+            os.close(fd)
+        sock.send(json.dumps({"id": request["id"], "pid": pid}).encode())
 
 
-def _child(request: dict, base_path: list) -> int:
-    """Run one request in this (forked) process. ``in``/``out``/``err`` None: inherited (a torchrun worker's default);
-    ``session``: a session of its own (torchrun's ``start_new_session``), else a process group of its own;
-    ``unbuffered``: ``python -u``'s unbuffered standard streams, a line at a time."""
+def _reap(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if not pid:
+            return
+        sock.send(json.dumps({"exited": pid, "rc": os.waitstatus_to_exitcode(status)}).encode())
+
+
+def _child(request: dict, base_path: list, fds: list | None = None) -> int:
+    """Run one request in this (forked) process: its standard streams are ``fds`` when given, else the files named
+    by ``in``/``out``/``err`` (None: inherited, a torchrun worker's default); ``session``: a session of its own
+    (``start_new_session``); ``unbuffered``: ``python -u``'s unbuffered standard streams, a line at a time."""
     import runpy
     import types
 
     if request.get("session"):
         os.setsid()
-    else:
-        os.setpgid(0, 0)  # a timeout kills the child and whatever it started
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    for fd, path, mode in ((0, request["in"], os.O_RDONLY), (1, request["out"], os.O_WRONLY),
-                           (2, request["err"], os.O_WRONLY)):
-        if path is None:
-            continue
-        target = os.open(path, mode)
-        os.dup2(target, fd)
-        os.close(target)
+    if fds is not None:
+        for fd, source in enumerate(fds):
+            os.dup2(source, fd)
+        for source in set(fds) - {0, 1, 2}:
+            os.close(source)
+    else:
+        for fd, path, mode in ((0, request["in"], os.O_RDONLY), (1, request["out"], os.O_WRONLY),
+                               (2, request["err"], os.O_WRONLY)):
+            if path is None:
+                continue
+            target = os.open(path, mode)
+            os.dup2(target, fd)
+            os.close(target)
     if request.get("unbuffered"):
         for name, fd in (("stdout", 1), ("stderr", 2)):
             old = getattr(sys, name)
@@ -157,7 +197,26 @@ def _worker_argv(args: tuple) -> list | None:
     return rest
 
 
-class _ForkedWorker:
+class _Signalled:
+    """``Popen``'s signals for a child known by ``pid`` whose ``poll`` says whether it still runs."""
+
+    pid: int
+
+    def poll(self) -> int | None:
+        raise NotImplementedError
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class _ForkedWorker(_Signalled):
     """What torchrun's agent uses of a worker's ``Popen``: ``pid``, ``returncode``, ``poll``, ``wait``, signals."""
 
     def __init__(self, pid: int, args: list) -> None:
@@ -181,16 +240,6 @@ class _ForkedWorker:
             time.sleep(0.01)
         assert self.returncode is not None
         return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 def _standby_workers(argv: list, base_path: list) -> None:
@@ -233,71 +282,96 @@ def _standby_workers(argv: list, base_path: list) -> None:
 
 # ---- the client, in the test process ----------------------------------------------------------------------------
 
+_REAL_POPEN = subprocess.Popen  # the class this module was imported with (conftest replaces subprocess.Popen)
+ENABLED = True  # False: every child a new interpreter (a test marked fresh_interpreter)
+
 
 class _Server:
+    """The server process, the socket to it, and a thread that files its answers (pids, exit statuses)."""
+
     def __init__(self) -> None:
         from subprocess_env import child_env
 
-        self.process = subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, env=child_env(), text=True, bufsize=1)
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.process = _REAL_POPEN([sys.executable, os.path.abspath(__file__), str(theirs.fileno())],
+                                   pass_fds=[theirs.fileno()], env=child_env())
+        theirs.close()
+        self.lock = threading.Lock()  # one request at a time
+        self.answered = threading.Condition()
+        self.pids: dict[int, int] = {}  # request id -> pid
+        self.exits: dict[int, int] = {}  # pid -> exit status
+        self.next_id = 0
+        threading.Thread(target=self._read_answers, name="forked-python-answers", daemon=True).start()
         atexit.register(self.close)
 
-    def close(self) -> None:
-        if self.process.stdin is not None:
-            self.process.stdin.close()  # the server's loop ends
-        self.process.wait(timeout=30)
-        if self.process.stdout is not None:
-            self.process.stdout.close()
+    def _read_answers(self) -> None:
+        while True:
+            try:
+                message = self.sock.recv(_MESSAGE_BYTES)
+            except OSError:
+                message = b""
+            with self.answered:
+                if not message:
+                    self.exits.setdefault(-1, 0)  # the server is gone: every wait ends
+                    self.answered.notify_all()
+                    return
+                answer = json.loads(message)
+                if "pid" in answer:  # sent before the child can be reaped: an older child's status is stale
+                    self.pids[answer["id"]] = answer["pid"]
+                    self.exits.pop(answer["pid"], None)
+                else:
+                    self.exits[answer["exited"]] = answer["rc"]
+                self.answered.notify_all()
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return self.process.poll() is None and -1 not in self.exits
 
-    def _answer(self, deadline: float | None) -> dict:
-        import time
-
-        stdout = self.process.stdout
-        assert stdout is not None
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready, _, _ = select.select([stdout], [], [], timeout)
-        if not ready:
-            raise TimeoutError
-        line = stdout.readline()
-        if not line:
-            raise RuntimeError("the fork server ended")
-        return json.loads(line)
-
-    def run(self, argv: list, env: dict, cwd: str, stdin_path: str | None, out: str, err: str,
-            timeout: float | None) -> int:
-        import time
-
-        deadline = None if timeout is None else time.monotonic() + timeout
-        stdin = self.process.stdin
-        assert stdin is not None
-        stdin.write(json.dumps({"argv": argv, "env": env, "cwd": cwd, "in": stdin_path or os.devnull, "out": out,
-                                "err": err})
-                    + "\n")
-        stdin.flush()
-        pid = self._answer(None)["pid"]
+    def close(self) -> None:
         try:
-            return self._answer(deadline)["rc"]
-        except TimeoutError:
-            os.killpg(pid, signal.SIGKILL)
-            self._answer(None)
-            raise
+            self.sock.shutdown(socket.SHUT_RDWR)  # the server's loop ends; so does the answers thread's recv
+        except OSError:
+            pass
+        self.sock.close()
+        self.process.wait(timeout=30)
+
+    def start(self, request: dict, fds: list) -> int:
+        with self.lock:
+            self.next_id += 1
+            request = {**request, "id": self.next_id}
+            socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
+            with self.answered:
+                self.answered.wait_for(lambda: request["id"] in self.pids or -1 in self.exits)
+                if -1 in self.exits:
+                    raise RuntimeError("the fork server ended")
+                return self.pids.pop(request["id"])
+
+    def exit_status(self, pid: int, timeout: float | None) -> int | None:
+        """The child's exit status, waiting up to ``timeout`` seconds (None: as long as it runs, 0: not at all)."""
+        with self.answered:
+            self.answered.wait_for(lambda: pid in self.exits or -1 in self.exits, timeout)
+            if pid not in self.exits and -1 in self.exits:
+                raise RuntimeError("the fork server ended")
+            return self.exits.get(pid)
 
 
 _server: _Server | None = None
 
 
+def _running_server() -> _Server:
+    global _server
+    if _server is None or not _server.alive():
+        _server = _Server()
+    return _server
+
+
+_POPEN_KEYWORDS = {"stdin", "stdout", "stderr", "env", "cwd", "text", "universal_newlines", "encoding", "errors",
+                   "bufsize", "close_fds", "start_new_session"}
+
+
 def _forkable(args, kwargs: dict) -> bool:
     if not isinstance(args, (list, tuple)) or len(args) < 2 or args[0] != sys.executable:
         return False
-    if set(kwargs) - {"env", "cwd", "capture_output", "text", "timeout", "stdout", "stderr", "input", "check",
-                      "encoding", "universal_newlines"}:
-        return False
-    captured = kwargs.get("capture_output") or (kwargs.get("stdout") == subprocess.PIPE and
-                                                kwargs.get("stderr") in (subprocess.PIPE, subprocess.STDOUT))
-    if not captured:
+    if set(kwargs) - _POPEN_KEYWORDS or kwargs.get("close_fds") is False:
         return False
     first = str(args[1])
     if first == "-m":
@@ -305,52 +379,121 @@ def _forkable(args, kwargs: dict) -> bool:
     return first == "-c" or (not first.startswith("-") and first.endswith(".py"))
 
 
-ENABLED = True  # False: every child a new interpreter (a test marked fresh_interpreter)
+class ForkedPopen(_Signalled):
+    """A child forked by the server, with what the suite uses of ``subprocess.Popen``: ``args``, ``pid``,
+    ``returncode``, ``stdin``/``stdout``/``stderr`` (PIPE, DEVNULL, STDOUT, a file or None: inherited),
+    ``poll``, ``wait``, ``communicate``, signals, and ``with``."""
 
-
-def run(real_run, args, **kwargs) -> subprocess.CompletedProcess:
-    """``subprocess.run(args, **kwargs)`` through the fork server where it can be (see the module's doc), else
-    ``real_run``."""
-    global _server
-    if not ENABLED or not _forkable(args, kwargs):
-        return real_run(args, **kwargs)
-    if _server is None or not _server.alive():
-        _server = _Server()
-    text = bool(kwargs.get("text") or kwargs.get("universal_newlines") or kwargs.get("encoding"))
-    with tempfile.TemporaryDirectory(prefix="forked-python-") as folder:
-        out, err = os.path.join(folder, "out"), os.path.join(folder, "err")
-        if kwargs.get("stderr") == subprocess.STDOUT:
-            err = out
-        for path in {out, err}:
-            open(path, "wb").close()
-        stdin_path = None
-        if kwargs.get("input") is not None:
-            stdin_path = os.path.join(folder, "in")
-            data = kwargs["input"]
-            with open(stdin_path, "w" if isinstance(data, str) else "wb") as f:
-                f.write(data)
-        env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
-        cwd = os.fspath(kwargs.get("cwd") or os.getcwd())
-        argv = [str(a) for a in args[1:]]
+    def __init__(self, args, stdin=None, stdout=None, stderr=None, env=None, cwd=None, text=None,
+                 universal_newlines=None, encoding=None, errors=None, bufsize=-1, close_fds=True,
+                 start_new_session=False) -> None:
+        self.args, self.returncode = args, None
+        self.text_mode = bool(text or universal_newlines or encoding or errors)
+        self._encoding, self._errors = encoding or "utf-8", errors or "strict"
+        self.stdin = self.stdout = self.stderr = None
+        self._readers: dict[str, threading.Thread] = {}
+        self._read: dict[str, bytes] = {}
+        ours: list[int] = []  # the child's ends this process opened: closed once the server holds them
+        fds = []
+        for name, spec, inherited in (("stdin", stdin, 0), ("stdout", stdout, 1), ("stderr", stderr, 2)):
+            if spec is None:
+                fds.append(inherited)
+            elif spec == subprocess.STDOUT and name == "stderr":
+                fds.append(fds[1])
+            elif spec == subprocess.DEVNULL:
+                fd = os.open(os.devnull, os.O_RDONLY if name == "stdin" else os.O_WRONLY)
+                ours.append(fd)
+                fds.append(fd)
+            elif spec == subprocess.PIPE:
+                read, write = os.pipe()
+                child, mine = (read, write) if name == "stdin" else (write, read)
+                ours.append(child)
+                fds.append(child)
+                setattr(self, name, self._stream(mine, "wb" if name == "stdin" else "rb", bufsize))
+            else:
+                fds.append(spec if isinstance(spec, int) else spec.fileno())
+        request = {"argv": [str(a) for a in args[1:]], "env": dict(os.environ if env is None else env),
+                   "cwd": os.fspath(cwd or os.getcwd()), "session": bool(start_new_session)}
         try:
-            code = _server.run(argv, env, cwd, stdin_path, out, err, kwargs.get("timeout"))
-        except TimeoutError:
-            raise subprocess.TimeoutExpired(list(args), kwargs.get("timeout") or 0) from None
-        stdout, stderr = _read(out, text, kwargs), (None if err == out else _read(err, text, kwargs))
-    done = subprocess.CompletedProcess(list(args), code, stdout, stderr)
-    if kwargs.get("check"):
-        done.check_returncode()
-    return done
+            self.pid = _running_server().start(request, fds)
+        finally:
+            for fd in ours:
+                os.close(fd)
+
+    def _stream(self, fd: int, mode: str, bufsize: int):
+        raw = open(fd, mode, buffering=-1 if bufsize in (-1, 1) else bufsize)
+        if not self.text_mode:
+            return raw
+        return io.TextIOWrapper(raw, encoding=self._encoding, errors=self._errors, write_through=mode == "wb",
+                                line_buffering=bufsize == 1)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = _running_server().exit_status(self.pid, 0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            assert _server is not None
+            self.returncode = _server.exit_status(self.pid, timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return self.returncode
+
+    def communicate(self, input=None, timeout: float | None = None):
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.stdin is not None and "stdin" not in self._readers:
+            self._readers["stdin"] = threading.Thread(target=self._feed, args=(input,), daemon=True)
+            self._readers["stdin"].start()
+        for name in ("stdout", "stderr"):
+            if getattr(self, name) is not None and name not in self._readers:
+                self._readers[name] = threading.Thread(target=self._drain, args=(name,), daemon=True)
+                self._readers[name].start()
+        for thread in self._readers.values():
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return tuple(self._result(name) for name in ("stdout", "stderr"))
+
+    def _feed(self, data) -> None:
+        assert self.stdin is not None
+        try:
+            if data:
+                self.stdin.write(data)
+            self.stdin.close()
+        except BrokenPipeError:
+            pass
+
+    def _drain(self, name: str) -> None:
+        stream = getattr(self, name)
+        self._read[name] = stream.read()
+        stream.close()
+
+    def _result(self, name: str):
+        return self._read.get(name) if getattr(self, name) is not None else None
+
+    def __enter__(self) -> ForkedPopen:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for stream in (self.stdout, self.stderr, self.stdin):
+            if stream is not None and not stream.closed and not self._readers:
+                stream.close()
+        self.wait()
 
 
-def _read(path: str, text: bool, kwargs: dict):
-    with open(path, "rb") as f:
-        data = f.read()
-    if not text:
-        return data
-    # as subprocess's text mode: universal newlines, "\r" included (progress bars)
-    return data.decode(kwargs.get("encoding") or "utf-8").replace("\r\n", "\n").replace("\r", "\n")
+class RoutingPopen(_REAL_POPEN):  # type: ignore[misc, valid-type]
+    """``subprocess.Popen`` for the session: a ``ForkedPopen`` where the command can be forked (see the module's
+    doc), else a real ``Popen``."""
+
+    def __new__(cls, args, *positional, **kwargs):
+        if ENABLED and not positional and _forkable(args, kwargs):
+            return ForkedPopen(args, **kwargs)
+        return super().__new__(cls)
 
 
 if __name__ == "__main__":
-    _serve()
+    _serve(int(sys.argv[1]))

@@ -3,6 +3,7 @@
 torchrun's agent and workers too."""
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -20,8 +21,22 @@ sys.exit(int(sys.argv[-1]))
 """
 
 
+class _OnlyForked:
+    """``subprocess.Popen`` that always forks: a test here never passes through a real interpreter."""
+
+    def __new__(cls, args, **kwargs):
+        return forked_python.ForkedPopen(args, **kwargs)
+
+
 def forked(*args, **kwargs) -> subprocess.CompletedProcess:
-    return forked_python.run(pytest.fail, [sys.executable, *args], **kwargs)  # pytest.fail: never a real run
+    from unittest import mock
+
+    with mock.patch.object(subprocess, "Popen", _OnlyForked):
+        return subprocess.run([sys.executable, *args], **kwargs)
+
+
+def popen(*args, **kwargs) -> forked_python.ForkedPopen:
+    return forked_python.ForkedPopen([sys.executable, *args], **kwargs)
 
 
 @pytest.mark.parametrize("code", [0, 3])
@@ -62,20 +77,43 @@ def test_atexit_handlers_run_and_a_timeout_kills_the_child(tmp_path):
     assert done.stdout == "served after a timeout\n"
 
 
-def test_what_it_cannot_serve_goes_to_a_real_interpreter():
-    real = []
-
-    def real_run(args, **kwargs):
-        real.append(args)
-        return "real"
-
+def test_what_it_cannot_serve_goes_to_a_real_interpreter(monkeypatch):
     for args, kwargs in [
-        ([sys.executable, "-X", "importtime", "-c", "pass"], {"capture_output": True}),  # interpreter options
-        ([sys.executable, "-c", "pass"], {}),  # output not captured
-        (["ls"], {"capture_output": True}),  # not Python
+        ([sys.executable, "-X", "importtime", "-c", "pass"], {}),  # interpreter options
+        ([sys.executable, "-m", "pytest", "--version"], {}),  # pytest
+        ([sys.executable, "-c", "pass"], {"preexec_fn": os.getpid}),  # what a fork cannot honour
+        (["true"], {}),  # not Python
     ]:
-        assert forked_python.run(real_run, args, **kwargs) == "real"
-    assert len(real) == 3
+        with forked_python.RoutingPopen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kwargs) as p:
+            assert type(p) is forked_python.RoutingPopen and p.wait(60) == 0
+    with forked_python.RoutingPopen([sys.executable, "-c", "pass"]) as p:
+        assert type(p) is forked_python.ForkedPopen and p.wait(60) == 0
+    monkeypatch.setattr(forked_python, "ENABLED", False)  # a test marked fresh_interpreter
+    with forked_python.RoutingPopen([sys.executable, "-c", "pass"]) as p:
+        assert type(p) is forked_python.RoutingPopen and p.wait(60) == 0
+
+
+def test_children_run_side_by_side_streaming_their_output_and_taking_signals(tmp_path):
+    code = "import sys, time; print('up', flush=True); sys.stdin.readline(); time.sleep(60)"
+    first, second = (popen("-c", code, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(2))
+    assert first.stdout.readline() == "up\n" and second.stdout.readline() == "up\n"  # both running at once
+    assert first.poll() is None and second.poll() is None
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(30) == -signal.SIGTERM
+    with pytest.raises(subprocess.TimeoutExpired):
+        second.wait(0.2)
+    second.kill()
+    assert second.wait(30) == -signal.SIGKILL and second.pid != first.pid
+    for p in (first, second):
+        p.stdin.close(), p.stdout.close()
+    log = tmp_path / "log"
+    with open(log, "w") as f:  # a file, stderr into stdout, no stdin
+        code = "import sys; print('out'); print('err', file=sys.stderr); print(repr(sys.stdin.read()))"
+        assert popen("-c", code, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT).wait(60) == 0
+    assert log.read_text().split() == ["out", "err", "''"]
+    done = forked("-c", "import sys; sys.stdout.buffer.write(sys.stdin.buffer.read()[::-1])", input=b"abc\r\n",
+                  capture_output=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, b"\n\rcba", b"")  # bytes untouched
 
 
 WORKER = """

@@ -1,7 +1,7 @@
-"""What `import ditorch` does under each environment variable, in fresh interpreters.
+"""What `import ditorch` does under each environment variable, each in a process of its own that has not imported
+ditorch (forked from the suite's server, tests/forked_python.py: torch imported, nothing of ditorch).
 
-Every scenario's interpreter is started at once (module fixture) and the tests read their results:
-importing torch dominates, and the interpreters overlap.
+Every scenario's process is started at once (module fixture) and the tests read their results.
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ STANDINS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vendor_stan
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 
 REPORT = """
-import json, sys, torch, ditorch
+import json, sys, torch
+import torch.distributed.tensor  # before ditorch (a script that imports DTensor first): ditorch's patch of it runs now
+import ditorch
 import cuda_surface  # tests/ditorch/scripts
 report = {"name": ditorch.backend.name, "device_type": ditorch.backend.device_type, "arch": ditorch.arch,
           "framework": ditorch.framework.__name__, "ccl": ditorch.backend.ccl,
