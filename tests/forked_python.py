@@ -414,8 +414,9 @@ class ForkedPopen(_Signalled):
                 fds.append(spec if isinstance(spec, int) else spec.fileno())
         request = {"argv": [str(a) for a in args[1:]], "env": dict(os.environ if env is None else env),
                    "cwd": os.fspath(cwd or os.getcwd()), "session": bool(start_new_session)}
+        self._server = _running_server()  # the one that reaps this child: a server's end ends its waits
         try:
-            self.pid = _running_server().start(request, fds)
+            self.pid = self._server.start(request, fds)
         finally:
             for fd in ours:
                 os.close(fd)
@@ -429,13 +430,12 @@ class ForkedPopen(_Signalled):
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self.returncode = _running_server().exit_status(self.pid, 0)
+            self.returncode = self._server.exit_status(self.pid, 0)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            assert _server is not None
-            self.returncode = _server.exit_status(self.pid, timeout)
+            self.returncode = self._server.exit_status(self.pid, timeout)
             if self.returncode is None:
                 raise subprocess.TimeoutExpired(self.args, timeout or 0)
         return self.returncode
