@@ -60,6 +60,17 @@ def _forked_python():
     subprocess.Popen = forked_python._REAL_POPEN
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _children_import_transformers(request):
+    """A module marked ``children_import_transformers`` forks its children from a server that has imported
+    transformers too; module-scoped, so that the module's shared launches are forked from it as well."""
+    import forked_python
+
+    forked_python.WITH_TRANSFORMERS = request.node.get_closest_marker("children_import_transformers") is not None
+    yield
+    forked_python.WITH_TRANSFORMERS = False
+
+
 @pytest.fixture(autouse=True)
 def _fresh_interpreter(request, monkeypatch):
     """A test marked ``fresh_interpreter`` starts its Python children as new interpreters."""

@@ -21,9 +21,10 @@ to a standby instead of starting an interpreter. A worker is still the agent's o
 torchrun's environment and ``-u`` output, polled, signalled and reaped by the agent as a ``Popen`` is. A command the
 standbys cannot run (not this Python, interpreter options) or a restart beyond the standbys gets a real interpreter.
 
-The server is this file run as a script, one per pytest process. Over a ``SOCK_SEQPACKET`` socket it takes one
-request per message (JSON, with the child's three standard streams as file descriptors), forks, answers the child's
-pid, and reports each child's exit status when it reaps it: several children can run at once.
+The server is this file run as a script with the modules it imports as arguments, one per pytest process and set
+of modules. Over a ``SOCK_SEQPACKET`` socket it takes one request per message (JSON, with the child's three standard
+streams as file descriptors), forks, answers the child's pid, and reports each child's exit status when it reaps it:
+several children can run at once.
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ import threading
 # interpreter's would be after its first sim tensor. (transformers would import torch._dynamo, which the tools
 # load only when a script compiles: test_compile_under_tools checks that.)
 PRELOAD = ("torch", "torch.distributed.tensor")
+# The children of a module marked ``children_import_transformers`` come from a second server that has imported
+# transformers' Llama and GPT-2 too (4.7 s of CPU a child otherwise). Its cached answers about the machine
+# (``is_torch_npu_available`` and the like) are cleared after the import, so that a child asks them again after
+# ``import ditorch`` as it would in a new interpreter; transformers' import itself reads nothing ditorch changes
+# on sim (sdpa_attention's module-level ``is_torch_npu_available()`` is False either way without torch_npu).
+TRANSFORMERS = ("transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2")
 _SKIPPED_MODULES = ("pytest",)
 _TORCHRUN = "torch.distributed.run"
 
@@ -53,11 +60,17 @@ _TORCHRUN = "torch.distributed.run"
 _MESSAGE_BYTES = 1 << 20  # a request: argv, environment and folder as JSON
 
 
-def _serve(sock_fd: int) -> None:
+def _serve(sock_fd: int, preload: list) -> None:
     import importlib
 
-    for name in PRELOAD:
+    for name in preload:
         importlib.import_module(name)
+    if "transformers" in sys.modules:
+        from transformers.utils import import_utils
+
+        for name, function in vars(import_utils).items():
+            if name.startswith("is_") and hasattr(function, "cache_clear"):
+                function.cache_clear()
     own_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     base_path = [p for p in sys.path[1:] if p not in own_path]  # the interpreter's own entries (site-packages)
     sock = socket.socket(fileno=sock_fd)
@@ -284,16 +297,17 @@ def _standby_workers(argv: list, base_path: list) -> None:
 
 _REAL_POPEN = subprocess.Popen  # the class this module was imported with (conftest replaces subprocess.Popen)
 ENABLED = True  # False: every child a new interpreter (a test marked fresh_interpreter)
+WITH_TRANSFORMERS = False  # True: children from the server that has imported transformers too (see TRANSFORMERS)
 
 
 class _Server:
     """The server process, the socket to it, and a thread that files its answers (pids, exit statuses)."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: tuple) -> None:
         from subprocess_env import child_env
 
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.process = _REAL_POPEN([sys.executable, os.path.abspath(__file__), str(theirs.fileno())],
+        self.process = _REAL_POPEN([sys.executable, os.path.abspath(__file__), str(theirs.fileno()), *preload],
                                    pass_fds=[theirs.fileno()], env=child_env())
         theirs.close()
         self.lock = threading.Lock()  # one request at a time
@@ -354,14 +368,15 @@ class _Server:
             return self.exits.get(pid)
 
 
-_server: _Server | None = None
+_servers: dict[tuple, _Server] = {}  # by what they preload, each started on its first child
 
 
 def _running_server() -> _Server:
-    global _server
-    if _server is None or not _server.alive():
-        _server = _Server()
-    return _server
+    preload = PRELOAD + TRANSFORMERS if WITH_TRANSFORMERS else PRELOAD
+    server = _servers.get(preload)
+    if server is None or not server.alive():
+        server = _servers[preload] = _Server(preload)
+    return server
 
 
 _POPEN_KEYWORDS = {"stdin", "stdout", "stderr", "env", "cwd", "text", "universal_newlines", "encoding", "errors",
@@ -496,4 +511,4 @@ class RoutingPopen(_REAL_POPEN):  # type: ignore[misc, valid-type]
 
 
 if __name__ == "__main__":
-    _serve(int(sys.argv[1]))
+    _serve(int(sys.argv[1]), sys.argv[2:])

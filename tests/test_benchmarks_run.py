@@ -7,6 +7,8 @@ import sys
 import pytest
 from subprocess_env import child_env
 
+pytestmark = pytest.mark.children_import_transformers  # their scripts train transformers models
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # script -> (its fewest-rounds arguments, a line of its result table)

@@ -93,6 +93,24 @@ def test_what_it_cannot_serve_goes_to_a_real_interpreter(monkeypatch):
         assert type(p) is forked_python.RoutingPopen and p.wait(60) == 0
 
 
+TRANSFORMERS_PROBE = """
+import sys
+loaded = "transformers.models.llama.modeling_llama" in sys.modules
+utils = sys.modules.get("transformers.utils.import_utils")
+print(loaded, loaded and utils.is_torch_npu_available.cache_info().currsize, "torch._dynamo" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("with_transformers", [False, True])
+def test_a_module_whose_children_import_transformers_gets_them_from_a_server_that_did_with_its_answers_cleared(
+        monkeypatch, with_transformers):
+    monkeypatch.setattr(forked_python, "WITH_TRANSFORMERS", with_transformers)  # children_import_transformers
+    done = forked("-c", TRANSFORMERS_PROBE, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    # the machine's answers (is_torch_npu_available, ...) are asked again in the child, as after a new import
+    assert done.stdout.split() == (["True", "0", "True"] if with_transformers else ["False", "False", "False"])
+
+
 def test_children_run_side_by_side_streaming_their_output_and_taking_signals(tmp_path):
     code = "import sys, time; print('up', flush=True); sys.stdin.readline(); time.sleep(60)"
     first, second = (popen("-c", code, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(2))

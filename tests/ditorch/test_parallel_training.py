@@ -17,6 +17,8 @@ from subprocess_env import ROOT, child_env
 
 from ditorch import host_rng
 
+pytestmark = pytest.mark.children_import_transformers  # their scripts train transformers models
+
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 sys.path.insert(0, SCRIPTS)
 import parallel_llama  # noqa: E402 - the script's own model and data, for the single-process reference

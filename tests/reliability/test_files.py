@@ -15,6 +15,8 @@ from conftest import start_script
 
 from op_tools.tools.capture import load_op_args
 
+pytestmark = pytest.mark.children_import_transformers  # their scripts train transformers models
+
 
 def _wait_for_line(process, text: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import start_script
+
+pytestmark = pytest.mark.children_import_transformers  # their scripts train transformers models
 
 STEPS = 50
 
