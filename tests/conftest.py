@@ -61,14 +61,16 @@ def _forked_python():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _children_import_transformers(request):
-    """A module marked ``children_import_transformers`` forks its children from a server that has imported
-    transformers too; module-scoped, so that the module's shared launches are forked from it as well."""
+def _children_import(request):
+    """A module marked ``children_import(name)`` forks its children from a server that has imported that
+    (``forked_python.CHILDREN_IMPORT``) too; module-scoped, so that the module's shared launches are forked from it
+    as well."""
     import forked_python
 
-    forked_python.WITH_TRANSFORMERS = request.node.get_closest_marker("children_import_transformers") is not None
+    marker = request.node.get_closest_marker("children_import")
+    forked_python.ALSO_IMPORTED = forked_python.CHILDREN_IMPORT[marker.args[0]] if marker else ()
     yield
-    forked_python.WITH_TRANSFORMERS = False
+    forked_python.ALSO_IMPORTED = ()
 
 
 @pytest.fixture(autouse=True)

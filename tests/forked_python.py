@@ -44,12 +44,17 @@ import threading
 # interpreter's would be after its first sim tensor. (transformers would import torch._dynamo, which the tools
 # load only when a script compiles: test_compile_under_tools checks that.)
 PRELOAD = ("torch", "torch.distributed.tensor")
-# The children of a module marked ``children_import_transformers`` come from a second server that has imported
-# transformers' Llama and GPT-2 too (4.7 s of CPU a child otherwise). Its cached answers about the machine
-# (``is_torch_npu_available`` and the like) are cleared after the import, so that a child asks them again after
-# ``import ditorch`` as it would in a new interpreter; transformers' import itself reads nothing ditorch changes
-# on sim (sdpa_attention's module-level ``is_torch_npu_available()`` is False either way without torch_npu).
-TRANSFORMERS = ("transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2")
+# The children of a module marked ``children_import(name)`` come from another server, which has imported these too:
+# - transformers' Llama and GPT-2 (4.7 s of CPU a child otherwise). Its cached answers about the machine
+#   (``is_torch_npu_available`` and the like) are cleared after the import, so that a child asks them again after
+#   ``import ditorch`` as it would in a new interpreter; transformers' import itself reads nothing ditorch changes
+#   on sim (sdpa_attention's module-level ``is_torch_npu_available()`` is False either way without torch_npu);
+# - PyTorch's operator database, which the conformance sweep imports before anything else (5.3 s): its workers,
+#   forked (``--start-method fork``), then start at once.
+CHILDREN_IMPORT = {
+    "transformers": ("transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2"),
+    "op_db": ("torch.testing._internal.common_methods_invocations",),
+}
 _SKIPPED_MODULES = ("pytest",)
 _TORCHRUN = "torch.distributed.run"
 
@@ -297,7 +302,7 @@ def _standby_workers(argv: list, base_path: list) -> None:
 
 _REAL_POPEN = subprocess.Popen  # the class this module was imported with (conftest replaces subprocess.Popen)
 ENABLED = True  # False: every child a new interpreter (a test marked fresh_interpreter)
-WITH_TRANSFORMERS = False  # True: children from the server that has imported transformers too (see TRANSFORMERS)
+ALSO_IMPORTED: tuple = ()  # a CHILDREN_IMPORT entry: children from a server that has imported it too
 
 
 class _Server:
@@ -372,7 +377,7 @@ _servers: dict[tuple, _Server] = {}  # by what they preload, each started on its
 
 
 def _running_server() -> _Server:
-    preload = PRELOAD + TRANSFORMERS if WITH_TRANSFORMERS else PRELOAD
+    preload = PRELOAD + ALSO_IMPORTED
     server = _servers.get(preload)
     if server is None or not server.alive():
         server = _servers[preload] = _Server(preload)

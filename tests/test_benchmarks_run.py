@@ -7,7 +7,7 @@ import sys
 import pytest
 from subprocess_env import child_env
 
-pytestmark = pytest.mark.children_import_transformers  # their scripts train transformers models
+pytestmark = pytest.mark.children_import("transformers")  # their scripts train transformers models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

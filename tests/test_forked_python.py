@@ -104,7 +104,8 @@ print(loaded, loaded and utils.is_torch_npu_available.cache_info().currsize, "to
 @pytest.mark.parametrize("with_transformers", [False, True])
 def test_a_module_whose_children_import_transformers_gets_them_from_a_server_that_did_with_its_answers_cleared(
         monkeypatch, with_transformers):
-    monkeypatch.setattr(forked_python, "WITH_TRANSFORMERS", with_transformers)  # children_import_transformers
+    monkeypatch.setattr(forked_python, "ALSO_IMPORTED",  # children_import("transformers")
+                        forked_python.CHILDREN_IMPORT["transformers"] if with_transformers else ())
     done = forked("-c", TRANSFORMERS_PROBE, env=child_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     # the machine's answers (is_torch_npu_available, ...) are asked again in the child, as after a new import

@@ -17,7 +17,7 @@ from subprocess_env import ROOT, child_env
 
 from ditorch import host_rng
 
-pytestmark = pytest.mark.children_import_transformers  # their scripts train transformers models
+pytestmark = pytest.mark.children_import("transformers")  # their scripts train transformers models
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 sys.path.insert(0, SCRIPTS)

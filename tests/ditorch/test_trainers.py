@@ -13,7 +13,7 @@ import pytest
 import torch
 from subprocess_env import ROOT, child_env
 
-pytestmark = pytest.mark.children_import_transformers  # their scripts train transformers models
+pytestmark = pytest.mark.children_import("transformers")  # their scripts train transformers models
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "trainers_llama.py")
 

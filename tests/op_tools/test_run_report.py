@@ -21,7 +21,7 @@ from op_tools.offline.run_report.analysis import RunReport, account_ranks, analy
 from op_tools.offline.run_report.html_view import first_facts, skew_absent
 from op_tools.offline.run_report.readers import Event, Results, read_results
 
-pytestmark = pytest.mark.children_import_transformers  # their scripts train transformers models
+pytestmark = pytest.mark.children_import("transformers")  # their scripts train transformers models
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "run_report.py")
 SILU = "torch.nn.functional.silu in model.layers.0.mlp.act_fn (forward)"

@@ -16,7 +16,7 @@ from subprocess_env import ROOT, child_env, torchrun_on_sim
 
 from op_tools.output import reporting
 
-pytestmark = pytest.mark.children_import_transformers  # their scripts train transformers models
+pytestmark = pytest.mark.children_import("transformers")  # their scripts train transformers models
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "tools_across_ranks.py")
 TOOLS = ("OpAutoCompare", "OpCapture", "OpObserve", "OpTimeMeasure", "OpOverflowCheck", "OpFallback", "OpDtypeCast")

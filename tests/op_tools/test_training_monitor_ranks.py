@@ -20,7 +20,7 @@ from subprocess_env import torchrun_on_sim
 
 from op_tools.tools.training_monitor import GLOBAL_STATISTICS
 
-pytestmark = pytest.mark.children_import_transformers  # their scripts train transformers models
+pytestmark = pytest.mark.children_import("transformers")  # their scripts train transformers models
 
 SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 sys.path.insert(0, SCRIPTS)

@@ -15,7 +15,7 @@ from conftest import start_script
 
 from op_tools.tools.capture import load_op_args
 
-pytestmark = pytest.mark.children_import_transformers  # their scripts train transformers models
+pytestmark = pytest.mark.children_import("transformers")  # their scripts train transformers models
 
 
 def _wait_for_line(process, text: str, timeout: float = 120) -> None:

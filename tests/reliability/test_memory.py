@@ -11,7 +11,7 @@ import json
 import pytest
 from conftest import start_script
 
-pytestmark = pytest.mark.children_import_transformers  # their scripts train transformers models
+pytestmark = pytest.mark.children_import("transformers")  # their scripts train transformers models
 
 STEPS = 50
 

@@ -46,7 +46,7 @@ from .results import (
     read_rows,
     write_csv,
 )
-from .workers import SweepError, Task, TaskResult, WorkerConfig, WorkerPool, run_setup
+from .workers import START_METHODS, SweepError, Task, TaskResult, WorkerConfig, WorkerPool, run_setup
 
 RESULTS_FOLDER = "op_conformance_result"
 DEFAULT_TIMEOUT = 300.0
@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"per op x dtype; a worker past it is killed and the op marked crash "
                              f"(default {DEFAULT_TIMEOUT:g})")
     parser.add_argument("--jobs", type=int, default=1, metavar="N", help="worker processes at once (default 1)")
+    parser.add_argument("--start-method", choices=START_METHODS, default="spawn",
+                        help="how a worker starts: spawn (default), a new interpreter that imports PyTorch's "
+                             "operator database (seconds); fork, forked from this process once it has imported "
+                             "it (a fraction of a second, a restart after a crash too): the CPU and sim, not CUDA")
     parser.add_argument("--output", metavar="DIR",
                         help=f"the run's folder (default: <OP_TOOLS_RESULTS_DIR>/{RESULTS_FOLDER}/"
                              "<device>_pid<pid>_<time>_<n>)")
@@ -253,8 +257,8 @@ def _progress_bar(total: int, device: str):
     return reporting.progress_bar(total, f"conformance on {device}", unit="op")  # a terminal only, not under CI
 
 
-def sweep(settings: Settings, folder: str, resume: bool, timeout: float, jobs: int, sample: int | None
-          ) -> tuple[list[Row], list[dict], bool]:
+def sweep(settings: Settings, folder: str, resume: bool, timeout: float, jobs: int, sample: int | None,
+          start: str = "spawn") -> tuple[list[Row], list[dict], bool]:
     """Run the selected ops; return every row of the run (resumed ones included), the comparisons of
     ``--sample``, and whether the sweep was interrupted."""
     results = ResultsFile(os.path.join(folder, RESULTS_FILE))
@@ -265,7 +269,7 @@ def sweep(settings: Settings, folder: str, resume: bool, timeout: float, jobs: i
     options = CaseOptions(limit_samples=settings.limit_samples, sample=sample, backward=settings.backward,
                           save_dir=os.path.join(folder, "inputs"), details=sample is not None)
     config = WorkerConfig(settings.device, settings.setup, os.path.join(folder, "workers"),
-                          threads=max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None)
+                          threads=max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else None, start=start)
     rows_by_task: dict[tuple[str, str], list[Row]] = {}
     for row in done:
         rows_by_task.setdefault((row.op, row.dtype), []).append(row)
@@ -415,15 +419,19 @@ def _main(args) -> int:
     if settings.implied_by:
         reporting.console(f"conformance: {settings.implied_by}: each worker runs --setup "
                           f"{DEVICE_SETUPS[settings.device.split(':')[0]]} (what registers the device)")
+    if args.start_method == "fork" and settings.device.split(":")[0] == "cuda":
+        raise UsageError("--start-method fork cannot run CUDA: importing PyTorch's operator database asks the CUDA "
+                         "runtime whether CUDA is available, after which CUDA fails in a forked process; use spawn")
     if args.list:
-        return _list(settings)
+        return _list(settings, args.start_method)
     if args.resume:
         folder = os.path.dirname(find_results_file(args.resume)) or "."
     else:
         folder = args.output or result_files.results_path(
             CommonConfig.from_env(), RESULTS_FOLDER,
             f"{settings.device.replace(':', '')}_{result_files.session_stem()}")
-    rows, details, interrupted = sweep(settings, folder, bool(args.resume), args.timeout, args.jobs, args.sample)
+    rows, details, interrupted = sweep(settings, folder, bool(args.resume), args.timeout, args.jobs, args.sample,
+                                       args.start_method)
     write_reports(rows, folder, _title(settings.device), other, other_label)
     if args.sample is not None:
         _print_sample(rows, details, settings.device)
@@ -433,8 +441,8 @@ def _main(args) -> int:
     return status_of(report.verdict(rows))
 
 
-def _list(settings: Settings) -> int:
-    with WorkerPool(WorkerConfig(settings.device, settings.setup)) as pool:
+def _list(settings: Settings, start: str) -> int:
+    with WorkerPool(WorkerConfig(settings.device, settings.setup, start=start)) as pool:
         entries = [OpEntry.from_dict(e) for e in pool.catalogue()]
     selected = select(entries, settings.ops)
     reporting.console(reporting.table([{"op": e.name, "dtypes": ",".join(e.dtypes)} for e in selected]).get_string())

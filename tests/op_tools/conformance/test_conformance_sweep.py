@@ -18,6 +18,7 @@ from cli_runs import SIM, dump_dom, environment, explain, finish, run, start
 from op_tools.offline.conformance.results import CSV_FILE, HTML_FILE, RESULTS_FILE, read_csv
 
 pytest.importorskip("expecttest", reason="the conformance sweep needs expecttest (pip install 'ditorch[conformance]')")
+pytestmark = pytest.mark.children_import("op_db")  # cli_runs: the command's workers forked from it
 
 DTYPES, DIRECTIONS = ("float32", "bfloat16"), ("forward", "backward")
 # 40 OpInfos, each claiming float32 and bfloat16 forward and backward on the CPU (so on sim).

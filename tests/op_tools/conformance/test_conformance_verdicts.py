@@ -14,6 +14,7 @@ from op_tools.offline.conformance import cli, report
 from op_tools.offline.conformance.results import CSV_FILE, RESULTS_FILE, ResultsFile, Row, read_csv
 
 pytest.importorskip("expecttest", reason="the conformance sweep needs expecttest (pip install 'ditorch[conformance]')")
+pytestmark = pytest.mark.children_import("op_db")  # cli_runs: the command's workers forked from it
 
 
 def _row(op, status, direction="forward", detail=""):

@@ -13,14 +13,16 @@ from cli_runs import command, environment, explain, run
 from op_tools.offline.conformance.results import CSV_FILE, read_csv
 
 pytest.importorskip("expecttest", reason="the conformance sweep needs expecttest (pip install 'ditorch[conformance]')")
+pytestmark = pytest.mark.children_import("op_db")  # cli_runs: the command's workers forked from it
 
 
 def test_a_killed_or_hung_worker_is_a_crash_and_the_sweep_goes_on(tmp_path):
-    # In op_db's order: conformance_test_noise (added for this test: its output is random, no table names it), abs,
-    # neg (kills its own process on the device: a crashing kernel; a fresh worker takes over), sin, zeros, where
-    # (sleeps a minute: a hang, killed at the 3 s timeout)
+    # Spawned workers, the default (the other tests fork theirs). In op_db's order: conformance_test_noise (added for
+    # this test: its output is random, no table names it), abs, neg (kills its own process on the device: a crashing
+    # kernel; a fresh worker takes over), sin, zeros, where (sleeps a minute: a hang, killed at the 3 s timeout)
     setups = ("--setup", "conformance_setups:sim_with_killing_neg", "--setup", "conformance_setups:add_random_opinfo")
-    result = run("--device", "sim", *setups, "--ops", "abs,neg,sin,zeros,where,conformance_test_noise",
+    result = run("--start-method", "spawn", "--device", "sim", *setups, "--ops",
+                 "abs,neg,sin,zeros,where,conformance_test_noise",
                  "--dtypes", "float32", "--timeout", "3", "--output", str(tmp_path / "run"),
                  env={"DITORCH_SIM_FAULTS": "where:slow=60000"}, cwd=str(tmp_path))
     assert result.returncode == 3, explain(result)  # a kernel that kills or hangs its worker is a device fault
@@ -41,14 +43,17 @@ def test_a_killed_or_hung_worker_is_a_crash_and_the_sweep_goes_on(tmp_path):
     assert "crash: neg float32: the worker died from signal SIGKILL" in result.stderr
 
 
-def test_a_missing_expecttest_is_named_with_the_extra_that_installs_it(tmp_path):
+@pytest.mark.fresh_interpreter  # the suite's forked children have imported op_db, expecttest with it
+@pytest.mark.parametrize("start", ["spawn", "fork"])  # the worker's import fails, or the command's own
+def test_a_missing_expecttest_is_named_with_the_extra_that_installs_it(tmp_path, start):
     stub = tmp_path / "without_expecttest"  # first on the path: `import expecttest` fails as if it were not installed
     stub.mkdir()
     (stub / "expecttest.py").write_text("raise ModuleNotFoundError('No module named expecttest', name='expecttest')\n")
     env = environment()
     env["PYTHONPATH"] = os.pathsep.join([str(stub), env["PYTHONPATH"]])
-    result = subprocess.run(command("--device", "cpu", "--ops", "abs", "--output", str(tmp_path / "run")), env=env,
-                            cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(command("--start-method", start, "--device", "cpu", "--ops", "abs", "--output",
+                                    str(tmp_path / "run")),
+                            env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, explain(result)
     assert "pip install expecttest" in result.stderr and "ditorch[conformance]" in result.stderr
 
@@ -93,3 +98,13 @@ def test_on_cuda_correctly_rounded_ops_pass_as_the_detected_accelerator(tmp_path
     assert result.returncode == 0, explain(result)
     rows = read_csv(os.path.join(tmp_path, "run", CSV_FILE))
     assert {r.device for r in rows} == {"cuda"} and len(rows) == 6 and {r.status for r in rows} == {"pass"}
+
+
+def test_forked_workers_are_refused_for_cuda_and_an_unknown_start_method_is_named(capsys):
+    from op_tools.offline.conformance import cli
+    from op_tools.offline.conformance.workers import WorkerConfig
+
+    assert cli.main(["--device", "cuda", "--start-method", "fork", "--ops", "abs"]) == 2
+    assert capsys.readouterr().err.startswith("conformance: --start-method fork cannot run CUDA: ")
+    with pytest.raises(ValueError, match="start method 'forkserver': expected one of spawn, fork"):
+        WorkerConfig("sim", start="forkserver")
