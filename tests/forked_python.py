@@ -5,7 +5,10 @@ about 0.1 s instead of 4 (importing torch, DTensor and transformers' Llama is mo
 Python running a script, ``-c`` code or ``-m`` a module other than pytest starts as a child forked from this
 server (``ForkedPopen``, what the suite uses of a ``Popen``); anything else, and the children of a test marked
 ``fresh_interpreter`` (what an import does, what an import costs), gets a real new interpreter. ``subprocess.run``
-and ``check_output`` start their children through ``subprocess.Popen``, so they are routed the same way.
+and ``check_output`` start their children through ``subprocess.Popen``, so they are routed the same way. A forked
+child's own Python children (a benchmark's torchrun, a command that runs a script) are forked by the same server,
+through a socket of the child's own, unless the child's environment sets ``TESTS_FORKED_PYTHON=0``; a process forked
+from a forked child (a multiprocessing worker) starts new interpreters.
 
 A forked child is a real process with its own environment, working directory, arguments, ``sys.path`` (rebuilt
 from its ``PYTHONPATH`` as a new interpreter builds it), standard streams (the caller's pipes or files, passed over
@@ -22,14 +25,15 @@ torchrun's environment and ``-u`` output, polled, signalled and reaped by the ag
 standbys cannot run (not this Python, interpreter options) or a restart beyond the standbys gets a real interpreter.
 
 The server is this file run as a script with the modules it imports as arguments, one per pytest process and set
-of modules. Over a ``SOCK_SEQPACKET`` socket it takes one request per message (JSON, with the child's three standard
-streams as file descriptors), forks, answers the child's pid, and reports each child's exit status when it reaps it:
-several children can run at once.
+of modules. Over ``SOCK_SEQPACKET`` sockets (the test process's, and one per forked child) it takes one request per
+message (JSON, with the child's three standard streams as file descriptors), forks, answers the child's pid, and
+reports each child's exit status to the socket that asked when it reaps it: several children can run at once.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import json
 import os
@@ -78,35 +82,47 @@ def _serve(sock_fd: int, preload: list) -> None:
                 function.cache_clear()
     own_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     base_path = [p for p in sys.path[1:] if p not in own_path]  # the interpreter's own entries (site-packages)
-    sock = socket.socket(fileno=sock_fd)
+    test_process = socket.socket(fileno=sock_fd)
+    # Each child gets a socket of its own to this server, through which its own Python children are forked from here
+    # too (a benchmark's torchrun, a command's subprocess); an exit status goes to the socket that asked for the child.
+    clients = {test_process}
+    owners: dict[int, socket.socket] = {}  # pid -> the socket its request came from
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that SIGCHLD writes to the wakeup pipe
     signal.set_wakeup_fd(wake_write)
     while True:
-        ready, _, _ = select.select([sock, wake_read], [], [])
+        ready, _, _ = select.select([*clients, wake_read], [], [])
         if wake_read in ready:
             os.read(wake_read, 4096)
-            _reap(sock)
-        if sock not in ready:
-            continue
-        message, fds, _, _ = socket.recv_fds(sock, _MESSAGE_BYTES, 3)
-        if not message:
-            return  # the test process closed its end
-        request = json.loads(message)
-        pid = os.fork()
-        if pid == 0:
-            signal.set_wakeup_fd(-1)
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            for fd in (sock.detach(), wake_read, wake_write):
+            _reap(owners, clients)
+        for client in [c for c in ready if c in clients]:
+            message, fds, _, _ = socket.recv_fds(client, _MESSAGE_BYTES, 3)
+            if not message:
+                if client is test_process:
+                    return  # the test process closed its end
+                clients.discard(client)  # a child (and whatever it forked) closed its end
+                client.close()
+                continue
+            request = json.loads(message)
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            pid = os.fork()
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for fd in (*(c.detach() for c in clients), ours.detach(), wake_read, wake_write):
+                    os.close(fd)
+                # an interpreter's exit: atexit handlers, flushed buffers
+                sys.exit(_child(request, base_path, fds, theirs.detach()))
+            for fd in fds:
                 os.close(fd)
-            sys.exit(_child(request, base_path, fds))  # an interpreter's exit: atexit handlers, flushed buffers
-        for fd in fds:
-            os.close(fd)
-        sock.send(json.dumps({"id": request["id"], "pid": pid}).encode())
+            theirs.close()
+            clients.add(ours)
+            owners[pid] = client
+            client.send(json.dumps({"id": request["id"], "pid": pid}).encode())
 
 
-def _reap(sock: socket.socket) -> None:
+def _reap(owners: dict, clients: set) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -114,13 +130,18 @@ def _reap(sock: socket.socket) -> None:
             return
         if not pid:
             return
-        sock.send(json.dumps({"exited": pid, "rc": os.waitstatus_to_exitcode(status)}).encode())
+        owner = owners.pop(pid, None)
+        if owner in clients:
+            with contextlib.suppress(OSError):  # the child that asked for it may be gone: nobody waits then
+                owner.send(json.dumps({"exited": pid, "rc": os.waitstatus_to_exitcode(status)}).encode())
 
 
-def _child(request: dict, base_path: list, fds: list | None = None) -> int:
+def _child(request: dict, base_path: list, fds: list | None = None, server_fd: int | None = None) -> int:
     """Run one request in this (forked) process: its standard streams are ``fds`` when given, else the files named
     by ``in``/``out``/``err`` (None: inherited, a torchrun worker's default); ``session``: a session of its own
-    (``start_new_session``); ``unbuffered``: ``python -u``'s unbuffered standard streams, a line at a time."""
+    (``start_new_session``); ``unbuffered``: ``python -u``'s unbuffered standard streams, a line at a time;
+    ``server_fd``: its socket to the server, through which its own Python children are forked (unless its
+    environment sets ``TESTS_FORKED_PYTHON=0``)."""
     import runpy
     import types
 
@@ -162,6 +183,8 @@ def _child(request: dict, base_path: list, fds: list | None = None) -> int:
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if argv[:2] == ["-m", _TORCHRUN]:
         _standby_workers(argv, base_path)
+    if server_fd is not None and os.environ.get("TESTS_FORKED_PYTHON") != "0":
+        _attach(socket.socket(fileno=server_fd))
     try:
         if argv[0] == "-c":
             sys.argv = ["-c", *argv[2:]]
@@ -306,22 +329,26 @@ ALSO_IMPORTED: tuple = ()  # a CHILDREN_IMPORT entry: children from a server tha
 
 
 class _Server:
-    """The server process, the socket to it, and a thread that files its answers (pids, exit statuses)."""
+    """The server process (None in a forked child, which only has its socket to it), the socket to it, and a thread
+    that files its answers (pids, exit statuses)."""
 
-    def __init__(self, preload: tuple) -> None:
-        from subprocess_env import child_env
+    def __init__(self, preload: tuple = (), sock: socket.socket | None = None) -> None:
+        self.process: subprocess.Popen | None = None
+        if sock is None:
+            from subprocess_env import child_env
 
-        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.process = _REAL_POPEN([sys.executable, os.path.abspath(__file__), str(theirs.fileno()), *preload],
-                                   pass_fds=[theirs.fileno()], env=child_env())
-        theirs.close()
+            sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self.process = _REAL_POPEN([sys.executable, os.path.abspath(__file__), str(theirs.fileno()), *preload],
+                                       pass_fds=[theirs.fileno()], env=child_env())
+            theirs.close()
+            atexit.register(self.close)
+        self.sock = sock
         self.lock = threading.Lock()  # one request at a time
         self.answered = threading.Condition()
         self.pids: dict[int, int] = {}  # request id -> pid
         self.exits: dict[int, int] = {}  # pid -> exit status
         self.next_id = 0
         threading.Thread(target=self._read_answers, name="forked-python-answers", daemon=True).start()
-        atexit.register(self.close)
 
     def _read_answers(self) -> None:
         while True:
@@ -343,7 +370,7 @@ class _Server:
                 self.answered.notify_all()
 
     def alive(self) -> bool:
-        return self.process.poll() is None and -1 not in self.exits
+        return (self.process is None or self.process.poll() is None) and -1 not in self.exits
 
     def close(self) -> None:
         try:
@@ -351,7 +378,8 @@ class _Server:
         except OSError:
             pass
         self.sock.close()
-        self.process.wait(timeout=30)
+        if self.process is not None:
+            self.process.wait(timeout=30)
 
     def start(self, request: dict, fds: list) -> int:
         with self.lock:
@@ -376,7 +404,19 @@ class _Server:
 _servers: dict[tuple, _Server] = {}  # by what they preload, each started on its first child
 
 
+_attached: tuple[int, _Server] | None = None  # in a forked child: its pid and its socket to the server that forked it
+
+
+def _attach(sock: socket.socket) -> None:
+    """In a forked child: its own Python children are forked by the server too, through ``sock``."""
+    global _attached
+    _attached = (os.getpid(), _Server(sock=sock))
+    subprocess.Popen = RoutingPopen  # type: ignore[misc]
+
+
 def _running_server() -> _Server:
+    if _attached is not None and _attached[0] == os.getpid():
+        return _attached[1]
     preload = PRELOAD + ALSO_IMPORTED
     server = _servers.get(preload)
     if server is None or not server.alive():
@@ -510,10 +550,14 @@ class RoutingPopen(_REAL_POPEN):  # type: ignore[misc, valid-type]
     doc), else a real ``Popen``."""
 
     def __new__(cls, args, *positional, **kwargs):
-        if ENABLED and not positional and _forkable(args, kwargs):
+        # a process forked from a forked child (a torchrun standby, a multiprocessing worker) has no thread reading
+        # its parent's socket: its children are new interpreters
+        nested = _attached is not None and _attached[0] != os.getpid()
+        if ENABLED and not nested and not positional and _forkable(args, kwargs):
             return ForkedPopen(args, **kwargs)
         return super().__new__(cls)
 
 
 if __name__ == "__main__":
     _serve(int(sys.argv[1]), sys.argv[2:])
+    os._exit(0)  # nothing to flush: an interpreter's shutdown would take seconds to free torch's (and op_db's) modules

@@ -93,6 +93,25 @@ def test_what_it_cannot_serve_goes_to_a_real_interpreter(monkeypatch):
         assert type(p) is forked_python.RoutingPopen and p.wait(60) == 0
 
 
+NESTED_PROBE = """
+import os, subprocess, sys
+grandchild = "import os, sys; print(os.getppid()); print('to stderr', file=sys.stderr); sys.exit(4)"
+done = subprocess.run([sys.executable, "-c", grandchild], capture_output=True, text=True, timeout=60)
+print(os.getpid(), done.stdout.strip(), done.returncode, done.stderr.strip() == "to stderr")
+"""
+
+
+@pytest.mark.parametrize("variable", ["", "0"])
+def test_a_forked_childs_own_python_children_are_forked_by_the_server_unless_the_variable_says_0(variable):
+    env = child_env({"TESTS_FORKED_PYTHON": variable} if variable else {})
+    done = forked("-c", NESTED_PROBE, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    child, parent_of_grandchild, status, streamed = done.stdout.split()
+    assert (status, streamed) == ("4", "True")  # its exit status and streams come back either way
+    # forked by the server (not the child's child) unless the child's environment turns the forking off
+    assert (parent_of_grandchild == child) == (variable == "0")
+
+
 TRANSFORMERS_PROBE = """
 import sys
 loaded = "transformers.models.llama.modeling_llama" in sys.modules
