@@ -139,14 +139,16 @@ def _reap(owners: dict, clients: set) -> None:
 def _child(request: dict, base_path: list, fds: list | None = None, server_fd: int | None = None) -> int:
     """Run one request in this (forked) process: its standard streams are ``fds`` when given, else the files named
     by ``in``/``out``/``err`` (None: inherited, a torchrun worker's default); ``session``: a session of its own
-    (``start_new_session``); ``unbuffered``: ``python -u``'s unbuffered standard streams, a line at a time;
-    ``server_fd``: its socket to the server, through which its own Python children are forked (unless its
-    environment sets ``TESTS_FORKED_PYTHON=0``)."""
+    (``start_new_session``); ``umask``: ``Popen``'s (-1: the server's); ``unbuffered``: ``python -u``'s unbuffered
+    standard streams, a line at a time; ``server_fd``: its socket to the server, through which its own Python
+    children are forked (unless its environment sets ``TESTS_FORKED_PYTHON=0``)."""
     import runpy
     import types
 
     if request.get("session"):
         os.setsid()
+    if request.get("umask", -1) >= 0:
+        os.umask(request["umask"])
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if fds is not None:
         for fd, source in enumerate(fds):
@@ -425,7 +427,7 @@ def _running_server() -> _Server:
 
 
 _POPEN_KEYWORDS = {"stdin", "stdout", "stderr", "env", "cwd", "text", "universal_newlines", "encoding", "errors",
-                   "bufsize", "close_fds", "start_new_session"}
+                   "bufsize", "close_fds", "start_new_session", "umask"}
 
 
 def _forkable(args, kwargs: dict) -> bool:
@@ -446,7 +448,7 @@ class ForkedPopen(_Signalled):
 
     def __init__(self, args, stdin=None, stdout=None, stderr=None, env=None, cwd=None, text=None,
                  universal_newlines=None, encoding=None, errors=None, bufsize=-1, close_fds=True,
-                 start_new_session=False) -> None:
+                 start_new_session=False, umask=-1) -> None:
         self.args, self.returncode = args, None
         self.text_mode = bool(text or universal_newlines or encoding or errors)
         self._encoding, self._errors = encoding or "utf-8", errors or "strict"
@@ -473,7 +475,7 @@ class ForkedPopen(_Signalled):
             else:
                 fds.append(spec if isinstance(spec, int) else spec.fileno())
         request = {"argv": [str(a) for a in args[1:]], "env": dict(os.environ if env is None else env),
-                   "cwd": os.fspath(cwd or os.getcwd()), "session": bool(start_new_session)}
+                   "cwd": os.fspath(cwd or os.getcwd()), "session": bool(start_new_session), "umask": umask}
         self._server = _running_server()  # the one that reaps this child: a server's end ends its waits
         try:
             self.pid = self._server.start(request, fds)

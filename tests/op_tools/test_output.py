@@ -408,7 +408,7 @@ print(sorted(modes))
 def test_files_honour_the_umask(tmp_path, umask, mode):
     results = tmp_path / "results"
     done = subprocess.run([sys.executable, "-c", UMASK, str(results)], capture_output=True, text=True, timeout=120,
-                          preexec_fn=lambda: os.umask(umask), cwd=tmp_path,
+                          umask=umask, cwd=tmp_path,
                           env=child_env({"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1",
                                          "OP_TOOLS_RESULTS_DIR": str(results)}, drop=("OP_",)))
     assert done.returncode == 0, done.stderr

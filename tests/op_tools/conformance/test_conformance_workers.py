@@ -17,12 +17,13 @@ pytestmark = pytest.mark.children_import("op_db")  # cli_runs: the command's wor
 
 
 def test_a_killed_or_hung_worker_is_a_crash_and_the_sweep_goes_on(tmp_path):
-    # Spawned workers, the default (the other tests fork theirs). In op_db's order: conformance_test_noise (added for
-    # this test: its output is random, no table names it), abs, neg (kills its own process on the device: a crashing
-    # kernel; a fresh worker takes over), sin, zeros, where (sleeps a minute: a hang, killed at the 3 s timeout)
+    # In op_db's order: conformance_test_noise (added for this test: its output is random, no table names it), abs,
+    # neg (kills its own process on the device: a crashing kernel; a fresh worker takes over), sin, zeros, where
+    # (sleeps a minute: a hang, killed at the 3 s timeout). Forked workers, as in the other sweeps here: the pool
+    # watches and kills a spawned one through the same Process calls (test_conformance_verdicts spawns a pool, and
+    # benchmarks/conformance_sweep.py runs a spawned sweep to its end in test_benchmarks_run)
     setups = ("--setup", "conformance_setups:sim_with_killing_neg", "--setup", "conformance_setups:add_random_opinfo")
-    result = run("--start-method", "spawn", "--device", "sim", *setups, "--ops",
-                 "abs,neg,sin,zeros,where,conformance_test_noise",
+    result = run("--device", "sim", *setups, "--ops", "abs,neg,sin,zeros,where,conformance_test_noise",
                  "--dtypes", "float32", "--timeout", "3", "--output", str(tmp_path / "run"),
                  env={"DITORCH_SIM_FAULTS": "where:slow=60000"}, cwd=str(tmp_path))
     assert result.returncode == 3, explain(result)  # a kernel that kills or hangs its worker is a device fault
