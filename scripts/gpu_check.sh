@@ -13,8 +13,9 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export DITORCH_QUIET=1
 STEP_TIMEOUT=${GPU_CHECK_STEP_TIMEOUT:-1800}
 
-# Imported, not only looked up: a package that is present but broken counts as missing too.
-missing=$("$PYTHON" - <<'EOF'
+# One interpreter: the dependencies imported, not only looked up (a package that is present but broken counts as
+# missing too), then the GPU asked for.
+found=$("$PYTHON" - <<'EOF'
 import importlib
 missing = []
 for name in ("torch", "numpy", "prettytable", "pytest", "transformers"):
@@ -22,19 +23,22 @@ for name in ("torch", "numpy", "prettytable", "pytest", "transformers"):
         importlib.import_module(name)
     except Exception:
         missing.append(name)
-print(" ".join(missing))
+if missing:
+    print("missing", *missing)
+else:
+    import torch
+    print(f"gpu torch {torch.__version__}, {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "none")
 EOF
 ) || { echo "gpu_check: $PYTHON does not run"; exit 2; }
-if [ -n "$missing" ]; then
-  echo "gpu_check: missing dependency: $missing (install it; this script installs nothing)"
-  exit 2
-fi
-
-if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  echo "gpu_check: no GPU: torch.cuda.is_available() is False on this machine; nothing to check (exit 0)"
-  exit 0
-fi
-"$PYTHON" -c "import torch; print(f'gpu_check: torch {torch.__version__}, {torch.cuda.get_device_name()}')"
+case "$found" in
+  missing*)
+    echo "gpu_check: missing dependency: ${found#missing } (install it; this script installs nothing)"
+    exit 2 ;;
+  none)
+    echo "gpu_check: no GPU: torch.cuda.is_available() is False on this machine; nothing to check (exit 0)"
+    exit 0 ;;
+esac
+echo "gpu_check: ${found#gpu }"
 
 logs=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
 names=()

@@ -5,6 +5,9 @@
 from __future__ import annotations
 
 import os
+import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -79,12 +82,23 @@ def test_reports_that_cannot_be_written_exit_5_naming_the_folder(tmp_path, capsy
     assert capsys.readouterr().err.startswith(f"conformance: cannot write the reports in {blocked}: ")
 
 
-def test_a_failure_of_the_tool_on_an_op_is_unchecked_not_a_crash(tmp_path):
-    from op_tools.offline.conformance.case import CaseOptions
-    from op_tools.offline.conformance.workers import Task, WorkerConfig, WorkerPool
+_POOL_RUN = """
+import pickle, sys
+from op_tools.offline.conformance.case import CaseOptions
+from op_tools.offline.conformance.workers import Task, WorkerConfig, WorkerPool
 
-    with WorkerPool(WorkerConfig("cpu", log_dir=str(tmp_path)), timeout=60) as pool:
-        result, = pool.run([Task("no_such_opinfo", "float32")], CaseOptions())
+with WorkerPool(WorkerConfig("cpu", log_dir=sys.argv[1], start="fork"), timeout=60) as pool:
+    result, = pool.run([Task("no_such_opinfo", "float32")], CaseOptions())
+sys.stdout.buffer.write(pickle.dumps(result))
+"""
+
+
+def test_a_failure_of_the_tool_on_an_op_is_unchecked_not_a_crash(tmp_path):
+    # The pool runs in a child forked from the suite's op_db server, and forks its worker from there: op_db is imported
+    # once per session (a spawned pool, which imports it in its worker, is tested by test_conformance_workers).
+    done = subprocess.run([sys.executable, "-c", _POOL_RUN, str(tmp_path)], capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-4000:]
+    result = pickle.loads(done.stdout)
     assert result.status == "unchecked"
     assert result.crash.startswith("the conformance tool failed on this op (KeyError: 'no_such_opinfo'")
     settings = cli.Settings("cpu", (), None, ("float32",), None, True)

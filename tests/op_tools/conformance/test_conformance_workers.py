@@ -20,8 +20,8 @@ def test_a_killed_or_hung_worker_is_a_crash_and_the_sweep_goes_on(tmp_path):
     # In op_db's order: conformance_test_noise (added for this test: its output is random, no table names it), abs,
     # neg (kills its own process on the device: a crashing kernel; a fresh worker takes over), sin, zeros, where
     # (sleeps a minute: a hang, killed at the 3 s timeout). Forked workers, as in the other sweeps here: the pool
-    # watches and kills a spawned one through the same Process calls (test_conformance_verdicts spawns a pool, and
-    # benchmarks/conformance_sweep.py runs a spawned sweep to its end in test_benchmarks_run)
+    # watches and kills a spawned one through the same Process calls (test_a_missing_expecttest[spawn] spawns the
+    # workers, and benchmarks/conformance_sweep.py runs a spawned sweep to its end in test_benchmarks_run)
     setups = ("--setup", "conformance_setups:sim_with_killing_neg", "--setup", "conformance_setups:add_random_opinfo")
     result = run("--device", "sim", *setups, "--ops", "abs,neg,sin,zeros,where,conformance_test_noise",
                  "--dtypes", "float32", "--timeout", "3", "--output", str(tmp_path / "run"),
