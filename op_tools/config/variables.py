@@ -434,6 +434,15 @@ def parse_count(text: str | None) -> int:
     return value
 
 
+_COMPILED_CHOICE = parse_choice("eager", "check")
+AUTOCOMPARE_COMPILED = declare(
+    "OP_AUTOCOMPARE_COMPILED", "eager or check", "eager",
+    "How torch.compile'd code is checked. eager: it runs eagerly while the tool is active and each op is compared "
+    "(what the eager model computes); check: it stays compiled, and each compiled graph's run is compared as one "
+    "call, forward and backward, with the graph dynamo traced rerun in float64 on the CPU (what the compiled model "
+    "computes; docs/tools/op_autocompare.md#compiled-code).",
+    _COMPILED_CHOICE, lambda value: _COMPILED_CHOICE(str(value)), "'eager' or 'check'",
+)
 AUTOCOMPARE_MAX_SAVED = declare(
     "OP_AUTOCOMPARE_MAX_SAVED", "an integer >= 0", "3",
     "How many failing calls of each op are saved for the offline replay (written in the background); the rest "

@@ -11,6 +11,16 @@ The stance is process-wide (dynamo has no per-thread one): while a tool is start
 every thread runs eagerly. ``torch._dynamo`` (a second to import) is never imported here: where it is not loaded
 yet, nothing was compiled, and ``torch.compile`` is watched until the last tool stops, so that a model compiled
 while a tool is active runs eagerly too.
+
+A tool that checks compiled code (OpAutoCompare's ``compiled="check"``: ``region_checker`` set) keeps it compiled
+instead, unless an eager tool is active beside it. Each graph dynamo compiles is then compiled by the user's own
+backend wrapped in ``_RegionBackend``, so that each run of the compiled graph is one call the tool handles, named
+``compiled:<function>#<frame>`` (``Region``), with the graph dynamo traced (``torch.fx``) at hand to rerun as the
+reference. The wrapping is done where dynamo picks a frame's callback for the stance
+(``torch._dynamo.eval_frame._callback_from_stance``, replaced while such a tool is active): a graph compiled before
+is compiled once more for the wrapped backend (dynamo keys its cache on the backend), and after the last such tool
+stops the frames run their first compilation again. Dynamo traces a frame under the tool's mode: the engine's
+``__torch_function__`` returns at once while dynamo traces, so the graph holds the user's calls only.
 """
 
 from __future__ import annotations
@@ -25,39 +35,69 @@ import torch
 from ..numerics import fused_statistics
 
 _lock = threading.RLock()
-_active: list = []  # the started tools' loggers, one per activation, in start order
+_active: list = []  # (name, logger, checks regions) of the started tools, one per activation, in start order
 _stance = None  # the set_stance object that forced eager (its __exit__ restores the stance before), or None
 _watch = None  # our wrapper of torch.compile while installed, or None
+_callbacks = None  # dynamo's _callback_from_stance while ours replaces it, or None
 
 LINE = ("%s: torch.compile'd code runs eagerly while the tool is active, so that it sees every op "
         "(torch.compiler.set_stance(\"force_eager\"); compiled graphs are kept for after)")
+LINE_CHECK = ("%s: torch.compile'd code runs compiled, each compiled graph checked as one call "
+              "(compiled:<function>#<frame>); the code between graphs is checked op by op")
+LINE_CHECK_OVERRIDDEN = ("%s: torch.compile'd code runs eagerly, not checked as compiled: another tool active beside "
+                         "this one needs every op (torch.compiler.set_stance(\"force_eager\"))")
 
 
-def enter(name: str, logger: logging.Logger) -> None:
-    """A tool named ``name`` starts: force eager where dynamo is loaded, else watch ``torch.compile``."""
+def enter(name: str, logger: logging.Logger, checks_regions: bool = False) -> None:
+    """A tool named ``name`` starts: where dynamo is loaded, force eager (or, for a tool that ``checks_regions``
+    alone, wrap the backends); else watch ``torch.compile``."""
     with _lock:
-        _active.append((name, logger))
+        _active.append((name, logger, checks_regions))
         if "torch._dynamo" in sys.modules:
-            if _force_eager() and _compiled_anything():
-                logger.info(LINE, name)
+            _apply(announce=[(name, logger, checks_regions)] if _compiled_anything() else [])
         elif len(_active) == 1:
             _watch_compile()
 
 
 def exit() -> None:  # noqa: A001 - the pair of enter()
-    """The latest activation stops: the stance and ``torch.compile`` are put back after the last one."""
-    global _stance
+    """The latest activation stops: the stance, dynamo's callback and ``torch.compile`` are put back after the
+    last one that needed them."""
     with _lock:
         _active.pop()
-        if _active:
-            return
-        if _stance is not None:
-            stance, _stance = _stance, None
-            try:
-                stance.__exit__(None, None, None)
-            except RuntimeError as error:  # stopped inside a compiled region: the stance stays, said
-                logging.getLogger("op_tools").warning("op_tools: could not restore torch.compile's stance: %s", error)
-        _unwatch_compile()
+        if "torch._dynamo" in sys.modules:
+            _apply(announce=[])
+        if not _active:
+            _unwatch_compile()
+
+
+def _apply(announce: list) -> None:
+    """Force eager while an eager tool is active, wrap the backends while a region checker is: each as the active
+    tools need; the tools in ``announce`` say what they get."""
+    eager = any(not checks for _, _, checks in _active)
+    if eager:
+        forced = _force_eager()
+        for name, logger, checks in announce:
+            if forced:
+                logger.info(LINE if not checks else LINE_CHECK_OVERRIDDEN, name)
+    else:
+        _restore_stance()
+    if any(checks for _, _, checks in _active):
+        _wrap_backends()
+        if not eager:
+            for name, logger, _ in announce:
+                logger.info(LINE_CHECK, name)
+    else:
+        _unwrap_backends()
+
+
+def _restore_stance() -> None:
+    global _stance
+    if _stance is not None:
+        stance, _stance = _stance, None
+        try:
+            stance.__exit__(None, None, None)
+        except RuntimeError as error:  # stopped inside a compiled region: the stance stays, said
+            logging.getLogger("op_tools").warning("op_tools: could not restore torch.compile's stance: %s", error)
 
 
 def _force_eager() -> bool:
@@ -94,9 +134,8 @@ def _watch_compile() -> None:
     def compile(*args, **kwargs):  # noqa: A001 - torch's name
         compiled = original(*args, **kwargs)  # imports torch._dynamo
         with _lock:
-            if _active and _stance is None and _force_eager():
-                for name, logger in _active:
-                    logger.info(LINE, name)
+            if _active and _stance is None and _callbacks is None:
+                _apply(announce=list(_active))
         return compiled
 
     compile.__wrapped_by_op_tools__ = original  # type: ignore[attr-defined]  # what _unwatch_compile puts back
@@ -109,3 +148,128 @@ def _unwatch_compile() -> None:
     if _watch is not None and torch.compile is _watch:  # patched over since: ours stays, idle without tools
         torch.compile = _watch.__wrapped_by_op_tools__  # type: ignore[attr-defined]
     _watch = None
+
+
+# --- compiled="check": each compiled graph run as one call of the tool that checks regions ---
+
+in_tool_work = lambda: False  # noqa: E731  # the engine's: a tool's own compiled functions are not regions
+
+
+def _wrap_backends() -> None:
+    global _callbacks
+    if _callbacks is not None:
+        return
+    from torch._dynamo import eval_frame
+
+    original = eval_frame._callback_from_stance
+
+    def callback_from_stance(callback):
+        callback = original(callback)
+        if callback is None or callback is False or in_tool_work():
+            return callback
+        return _wrapped_callback(callback)
+
+    callback_from_stance.__wrapped_by_op_tools__ = original  # type: ignore[attr-defined]
+    eval_frame._callback_from_stance = callback_from_stance
+    _callbacks = callback_from_stance
+
+
+def _unwrap_backends() -> None:
+    global _callbacks
+    if _callbacks is None:
+        return
+    from torch._dynamo import eval_frame
+
+    if eval_frame._callback_from_stance is _callbacks:  # replaced since: ours stays, passing through
+        eval_frame._callback_from_stance = _callbacks.__wrapped_by_op_tools__  # type: ignore[attr-defined]
+    _callbacks = None
+
+
+# id(user's backend) -> (that backend, dynamo's callback compiling with it wrapped): one per backend for the process,
+# so that dynamo's cache entries for the wrapped backend serve every later tool.
+_wrapped: dict[int, tuple] = {}
+
+
+def _wrapped_callback(callback):
+    from torch._dynamo import convert_frame, eval_frame
+
+    backend = eval_frame.innermost_backend(callback)
+    if isinstance(backend, _RegionBackend):
+        return callback
+    held = _wrapped.get(id(backend))
+    if held is None:
+        wrapped = _RegionBackend(backend)
+        make = getattr(eval_frame, "_create_wrapped_callback", None)
+        if make is not None:
+            new = make(wrapped)
+        else:  # PyTorch < 2.8 builds it in _callback_from_stance
+            hooks = eval_frame.Hooks()
+            new = convert_frame.catch_errors_wrapper(convert_frame.convert_frame(wrapped, hooks), hooks)
+        held = _wrapped[id(backend)] = (backend, new)
+    return held[1]
+
+
+class _RegionBackend:
+    """The user's backend, whose compiled graphs are each returned as a ``Region``."""
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self._torchdynamo_orig_backend = backend  # what innermost_backend() unwraps to
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        compiled = self.backend(gm, example_inputs)
+        return Region(gm, compiled).run_from_dynamo
+
+
+class Region:
+    """One compiled graph: ``compiled`` (what the user's backend made of it) and ``gm`` (the graph dynamo traced, for
+    the reference), named ``compiled:<function>#<frame>``."""
+
+    def __init__(self, gm: torch.fx.GraphModule, compiled) -> None:
+        self.gm, self.compiled = gm, compiled
+        self.name, self.location = _region_name(gm)
+
+    def run_compiled(self, *args):
+        """The compiled graph, run as dynamo runs what a backend returns (unboxed)."""
+        return self.compiled(*args)
+
+    def run_from_dynamo(self, *args):
+        for mode in reversed(_current_modes()):
+            check = getattr(mode, "check_region", None)
+            if check is not None:
+                return check(self, args)
+        return self.run_compiled(*args)
+
+
+def _current_modes() -> list:
+    from torch.overrides import _get_current_function_mode_stack
+
+    return _get_current_function_mode_stack()
+
+
+_frame_counts: dict[str, int] = {}
+
+
+def _region_name(gm: torch.fx.GraphModule) -> tuple[str, str]:
+    """``compiled:<function>#<n>`` (the function whose frame dynamo compiled, past the decorators' wrappers around it:
+    ``LlamaForCausalLM.forward``; ``n`` counts that function's graphs in this process) and the source line of the
+    graph's first call."""
+    from torch._guards import TracingContext
+
+    from ..numerics.graph_reference import SKIPPED_FRAMES, user_frames
+
+    context = TracingContext.try_get()
+    codes = list(getattr(context, "traced_code", None) or ())  # the frame's code first
+    function = getattr(codes[0], "co_qualname", codes[0].co_name) if codes else ""
+    library = bool(codes) and codes[0].co_filename.startswith(SKIPPED_FRAMES)  # torch's (a torch module's forward)
+    first = next((frames for node in gm.graph.nodes if node.op in ("call_function", "call_method", "call_module")
+                  and (frames := user_frames(node))), [])
+    location = f"{first[-1][0]}:{first[-1][1]}" if first else ""
+    if not function or "<locals>" in function or library:  # a decorator's wrapper, or torch's frame
+        node = next((n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")), None)
+        called = [name for _, _, name in user_frames(node, torch_frames=True)] if node is not None else []
+        # no frame of the user's (dynamo records none inside torch's modules): the module column names the model
+        function = "forward" if "forward" in called else called[0] if called else "graph"
+    with _lock:
+        n = _frame_counts[function] = _frame_counts.get(function, -1) + 1
+    return f"compiled:{function}#{n}", location

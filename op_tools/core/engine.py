@@ -77,12 +77,32 @@ _BACKWARD_CALLS = frozenset({"torch.Tensor.backward", "torch.autograd.backward",
 _is_compiling = torch.compiler.is_compiling  # True while dynamo traces (compiled_regions.py keeps that rare)
 
 
+class RegionRun:
+    """The function of a compiled graph's call (``OpTool.check_region``): the graph run compiled, its inner calls
+    (an ``aot_eager`` graph's aten ops) as tool work."""
+
+    __slots__ = ("region",)
+
+    def __init__(self, region: compiled_regions.Region) -> None:
+        self.region = region
+
+    def __call__(self, *args):
+        _thread.depth += 1
+        try:
+            return self.region.run_compiled(*args)
+        finally:
+            _thread.depth -= 1
+
+
 class OpToolsAbortError(RuntimeError):
     """Raised by a tool on purpose (e.g. OP_OVERFLOW_CHECK_RAISE=1): propagates, never swallowed."""
 
 
 def in_tool_work() -> bool:
     return _thread.depth > 0
+
+
+compiled_regions.in_tool_work = in_tool_work
 
 
 class _ToolWork(contextlib.ContextDecorator):
@@ -168,11 +188,20 @@ class OpCall:
 
 
 class _ToolMode(TorchFunctionMode):
+    # compiled_regions: the tool's check_region when it checks compiled graphs as calls
+    check_region: Callable | None = None
+
     def __init__(self, tool: OpTool) -> None:
         super().__init__()
         self.tool = tool
+        if tool.checks_regions:
+            self.check_region = tool.check_region
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.check_region is not None and _is_compiling():
+            # dynamo traces the user's code under this mode: the graph gets the call as it is (the compiled graph is
+            # checked whole when it runs, compiled_regions.py)
+            return func(*args, **(kwargs or {}))
         # The common case first: a function this tool already decided to skip runs as it is, whatever its
         # arguments (the decision depends on the name only, and the name on the function only).
         try:
@@ -235,6 +264,9 @@ class OpTool:
         # Set by configure() to handle calls whose tensors are all on the CPU too (by default the CPU is the
         # reference and its calls run untouched); such calls get device cpu.
         self.handles_cpu_calls = False
+        # Set by configure() to keep torch.compile'd code compiled and have each compiled graph's runs handled as
+        # calls (compiled_regions.py); otherwise compiled code runs eagerly while the tool is active.
+        self.checks_regions = False
         self._hooks_backward = False  # wants_backward(), read at start()
         self._reset_account()
 
@@ -318,7 +350,7 @@ class OpTool:
         REPLICAS.acquire(self.common, self.stem)
         gradient_communication.acquire()
         self._activations.append(self._activate())
-        compiled_regions.enter(type(self).__name__, self._logger)
+        compiled_regions.enter(type(self).__name__, self._logger, self.checks_regions)
         # a LIST no call can match needs no module paths (the global module hooks slow every module call)
         self._tracking.append(self.tracks_modules and self._can_match)
         if self._tracking[-1]:
@@ -481,6 +513,10 @@ class OpTool:
         typo_check.check_op_lists(self)
 
     # --- the engine ---
+
+    def check_region(self, region: compiled_regions.Region, args: tuple):
+        """A compiled graph's run, handled as one call named ``region.name`` (its own calls are not handled)."""
+        return self.handle(RegionRun(region), tuple(args), {}, name=region.name)
 
     def handle(self, func, args: tuple, kwargs: dict, name: str | None = None):
         """Run one call, through this tool if it handles it. Used by the mode and by apply_feature."""

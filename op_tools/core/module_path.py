@@ -107,13 +107,18 @@ def _path_in(root: torch.nn.Module, module: torch.nn.Module) -> str | None:
     return names[id(module)]
 
 
+_is_compiling = torch.compiler.is_compiling
+
+
 def _enter(module: torch.nn.Module, _args) -> None:
+    if _is_compiling():  # dynamo inlines the hooks of the modules it traces: the compiled graph runs none of them
+        return
     stack = _local.stack
     if stack is None or _local.generation != _generation:
         stack = _local.stack = []
         _local.generation = _generation
-    if not stack:
-        stack.append((module, type(module).__name__))
+    if not stack:  # the root, by its class (a torch.compile'd model's: the model's, as when not compiled)
+        stack.append((module, type(getattr(module, "_orig_mod", module)).__name__))
         for listener in root_listeners:
             listener(module)
         return
@@ -141,6 +146,8 @@ def inside(path: str):
 
 
 def _leave(module: torch.nn.Module, _args, _output) -> None:
+    if _is_compiling():
+        return
     stack = _local.stack
     if not stack:
         return

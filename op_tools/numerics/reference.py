@@ -159,8 +159,11 @@ def run_reference(func, cpu_args, cpu_kwargs, attempts, owned: set, grad_snaps: 
             leaves[id(snap)] = leaf
             ordered.append(leaf)
         mapped: dict = {}
-        args = recast(cpu_args, cast, owned, leaves, mapped)
-        kwargs = recast(cpu_kwargs, cast, owned, leaves, mapped)
+        # an argument the op writes gets a clone of its leaf: made with gradients on, or it would be cut from the leaf
+        # (the backward's same-dtype rerun runs in an autograd hook, where they are off)
+        with torch.set_grad_enabled(bool(grad_snaps)):
+            args = recast(cpu_args, cast, owned, leaves, mapped)
+            kwargs = recast(cpu_kwargs, cast, owned, leaves, mapped)
         try:
             with torch.set_grad_enabled(bool(grad_snaps)), isolated():
                 result = func(*args, **kwargs)
@@ -176,8 +179,9 @@ def run_same_dtype(func, cpu_args, cpu_kwargs, owned: set, math: DeviceMath, gra
     or None when the CPU has no kernel (then float32 rounded to the device's dtype, if that runs)."""
     leaves = {id(s): s.detach().clone().requires_grad_() for s in grad_snaps}
     mapped: dict = {}
-    args = recast(cpu_args, {}, owned, leaves, mapped)
-    kwargs = recast(cpu_kwargs, {}, owned, leaves, mapped)
+    with torch.set_grad_enabled(bool(grad_snaps)):  # a written argument's leaf clone stays connected (run_reference)
+        args = recast(cpu_args, {}, owned, leaves, mapped)
+        kwargs = recast(cpu_kwargs, {}, owned, leaves, mapped)
     used: set = set()
     try:
         with torch.set_grad_enabled(bool(grad_snaps)), isolated(), emulated(math, used):

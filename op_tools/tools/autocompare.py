@@ -47,6 +47,7 @@ from ..config.variables import (
     AUTOCOMPARE_BACKWARD,
     AUTOCOMPARE_CAST,
     AUTOCOMPARE_COLLECTIVES,
+    AUTOCOMPARE_COMPILED,
     AUTOCOMPARE_MAX_SAVE_BYTES,
     AUTOCOMPARE_MAX_SAVED,
     AUTOCOMPARE_TOLERANCES,
@@ -55,8 +56,8 @@ from ..config.variables import (
     convert_dtype_map,
     parse_dtype_map,
 )
-from ..core.engine import OpCall, OpTool, feature
-from ..numerics import collective_reference
+from ..core.engine import OpCall, OpTool, RegionRun, feature
+from ..numerics import collective_reference, graph_reference
 from ..numerics.attention import replayed_dropout_mask, with_dropout_mask
 from ..numerics.comparison import (
     COLUMNS,
@@ -140,6 +141,7 @@ class AutoCompareConfig:
     max_saved: int = 3
     collectives: bool = True  # torch.distributed collectives checked against every rank's inputs
     max_save_bytes: int = 64 << 20  # what the saved failing calls may take in all
+    compiled: str = "eager"  # "check": compiled graphs stay compiled, each run compared as one call
 
     @classmethod
     def from_env(cls, sources: Sources | None = None) -> AutoCompareConfig:
@@ -155,7 +157,7 @@ class AutoCompareConfig:
         given = sources.arguments.get(TOLERANCE.name)
         return cls(AUTOCOMPARE_BACKWARD.read(sources), given.over(tolerance) if given else tolerance, casts,
                    AUTOCOMPARE_MAX_SAVED.read(sources), AUTOCOMPARE_COLLECTIVES.read(sources),
-                   AUTOCOMPARE_MAX_SAVE_BYTES.read(sources))
+                   AUTOCOMPARE_MAX_SAVE_BYTES.read(sources), AUTOCOMPARE_COMPILED.read(sources))
 
 
 def _reference_casts(value) -> dict[str, dict[torch.dtype, torch.dtype]]:
@@ -188,7 +190,9 @@ class OpAutoCompare(OpTool):
     ``{torch.bfloat16: (atol, rtol), "torch.nn.functional.linear": {torch.float16: (atol, rtol)}}``),
     ``reference_casts`` (``<OPNAME>_OP_DTYPE_CAST_DICT``: ``{"linear": {torch.float16: torch.float32}}``),
     ``collectives`` (``OP_AUTOCOMPARE_COLLECTIVES``: check torch.distributed collectives against every rank's
-    inputs), and ``results_dir``, ``verbose``, ``print_stack``, ``strict``, ``print_ranks`` as every tool.
+    inputs), ``compiled`` (``OP_AUTOCOMPARE_COMPILED``: ``"check"`` keeps torch.compile'd code compiled and compares
+    each compiled graph's run as one call), and ``results_dir``, ``verbose``, ``print_stack``, ``strict``,
+    ``print_ranks`` as every tool.
 
     >>> with op_tools.OpAutoCompare(tolerance={torch.bfloat16: (1e-2, 1e-2)}, backward=False) as compare:
     ...     loss = model(x).sum()
@@ -203,11 +207,13 @@ class OpAutoCompare(OpTool):
     tracks_writes = True
     keywords = {"backward": AUTOCOMPARE_BACKWARD, "max_saved": AUTOCOMPARE_MAX_SAVED,
                 "max_save_bytes": AUTOCOMPARE_MAX_SAVE_BYTES, "tolerance": TOLERANCE,
-                "reference_casts": REFERENCE_CASTS, "collectives": AUTOCOMPARE_COLLECTIVES}
+                "reference_casts": REFERENCE_CASTS, "collectives": AUTOCOMPARE_COLLECTIVES,
+                "compiled": AUTOCOMPARE_COMPILED}
     tracks_modules = True
 
     def configure(self) -> None:
         self.settings = AutoCompareConfig.from_env(self.sources)
+        self.checks_regions = self.settings.compiled == "check"
         self._tolerance = self.settings.tolerance or None  # None: no variable set, nothing to look up per call
         self.saving = FailingCalls(self.common, self.settings.max_saved, self.pid_folder, self.tally, self._logger,
                                    self.settings.max_save_bytes)
@@ -224,6 +230,8 @@ class OpAutoCompare(OpTool):
         self._copies = HostCopies()
         self._probes: dict[torch.device, GeneratorProbe] = {}
         self._attempts: dict[str, list] = {}  # op name -> the reference casts to try, in order
+        # compiled graph's name -> the first node found diverging in it (None: none does), once per graph
+        self._narrowed: dict[str, graph_reference.DivergingNode | None] = {}
 
     def note_writes(self, tensors: list) -> None:
         self._copies.forget(tensors)
@@ -235,8 +243,13 @@ class OpAutoCompare(OpTool):
         spec = call_writes(call.name)
         written = spec.written(call.args, call.kwargs)
         state.written = written
-        reason = skip_reason(call.name) or random_reason(call.name, call.args, call.kwargs) or (
-            _RERUN_DRAWS if call.name in LEARNT.drawing_reruns else None)
+        region = call.func.region if type(call.func) is RegionRun else None
+        if region is not None:  # a compiled graph: its reference is the graph dynamo traced, rerun on the host
+            reason = graph_reference.random_reason(region.gm)
+            state.func = graph_reference.reference_of(region)
+        else:
+            reason = skip_reason(call.name) or random_reason(call.name, call.args, call.kwargs)
+        reason = reason or (_RERUN_DRAWS if call.name in LEARNT.drawing_reruns else None)
         if reason == "random" and op_facts(call.name).composite:
             state.inside = True  # run() descends into it
         elif reason == "random" and op_facts(call.name).replays_dropout and \
@@ -406,8 +419,10 @@ class OpAutoCompare(OpTool):
         # Finding the user's source line costs a stack walk: only for what is printed or may fail later.
         level = self._table_level(call.name, "forward", passed)
         location = call.location if not passed or self._logger.isEnabledFor(level) or wants_backward else ""
-        self._record(call.name, call.forward_id, "forward", location, comparisons, call.module_path, call.step,
-                     call.time)
+        module = call.module_path
+        if not passed and type(call.func) is RegionRun:
+            module, location = self._narrow(call, comparisons, module, location)
+        self._record(call.name, call.forward_id, "forward", location, comparisons, module, call.step, call.time)
         device_out = (device_cpu, *extra_cpu)
         ref_out = (reference.result, *[reference.mapped[id(host_of[id(t)])] for t in extra])
         if self._logger.isEnabledFor(level):
@@ -523,6 +538,23 @@ class OpAutoCompare(OpTool):
                 c.error_info = "; ".join(filter(None, (c.error_info, notes)))
         return comparisons, reference
 
+    def _narrow(self, call: OpCall, comparisons: list[Comparison], module: str, location: str) -> tuple[str, str]:
+        """A compiled graph that failed: the first of its nodes that diverges (found once per graph), named in the
+        comparisons; the module path and source line to record, the node's where one was found."""
+        region = call.func.region
+        if region.name not in self._narrowed:
+            found = graph_reference.first_diverging_node(region.gm, call.args, self._tolerance)
+            self._narrowed[region.name] = found
+            self._logger.warning("OpAutoCompare: %s failed; %s", region.name, found.describe() if found else
+                                 "no node's output diverges when its nodes run one by one on the device: the "
+                                 "fault is in how the graph was compiled (a fused kernel), not in one op")
+        found = self._narrowed[region.name]
+        if found is None:
+            return module, location
+        for c in comparisons:
+            c.error_info = "; ".join(filter(None, (found.describe(), c.error_info)))
+        return found.module or module, found.location or location
+
     def _recheck(self, state: CompareState, tensors: Sequence, host_of: dict, written_ids: set) -> bool:
         """Re-read the inputs the cache supplied (not those the op wrote: their old values are gone); True, with
         the copies replaced, when any was out of date."""
@@ -592,9 +624,13 @@ class OpAutoCompare(OpTool):
         with self._lock:
             self.counts["backward compared"] += 1
             self.counts["backward passed" if passed else "backward failed"] += 1
-        location = call.location
-        self._record(call.name, call.forward_id, "backward", location, comparisons, call.module_path, call.step,
-                     time.time())
+        location, module = call.location, call.module_path
+        found = self._narrowed.get(call.name) if not passed and type(call.func) is RegionRun else None
+        if found is not None:  # the graph's forward was narrowed to a node: the likeliest origin of its gradients'
+            for c in comparisons:
+                c.error_info = "; ".join(filter(None, (found.describe(), c.error_info)))
+            module, location = found.module or module, found.location or location
+        self._record(call.name, call.forward_id, "backward", location, comparisons, module, call.step, time.time())
         level = self._table_level(call.name, "backward", passed)
         if self._logger.isEnabledFor(level):
             rows = [_named_row(call.name, c) for c in comparisons]

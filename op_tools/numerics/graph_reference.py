@@ -1,0 +1,216 @@
+"""The reference of a compiled graph (``compiled_regions.Region``): the graph dynamo traced (``torch.fx``), rerun node
+by node on the host, as the reference of one op reruns the op.
+
+The graph's inputs arrive as the reference's (host copies, cast); what the graph holds itself is mapped node by
+node as an op's arguments are (``reference.map_arguments``): devices become the CPU, and, when the inputs are float64
+(the reference run, not the same-dtype one), low-precision dtypes become float64 (``x.to(torch.bfloat16)``,
+``x.half()``), constants are copied to the host and autocast regions are left out (the float64 reference of an
+autocast op is the op in float64).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import re
+
+import torch
+import torch.fx
+
+from ..ops.arguments import iter_tensors, map_tensors
+from ..ops.naming import resolve_op_name
+from ..ops.random_calls import random_reason as _call_random_reason
+from .comparison import compare_outputs
+from .reference import DEFAULT_CAST, map_arguments
+
+# Tensor methods that cast to a dtype, as the dtype they cast to.
+_DTYPE_METHODS = {"half": torch.float16, "bfloat16": torch.bfloat16, "float": torch.float32}
+_AUTOCAST = frozenset({"_enter_autocast", "_exit_autocast"})
+
+
+def random_reason(gm: torch.fx.GraphModule) -> str | None:
+    """Why a graph is not rerun (it draws random numbers: dropout in training), or None."""
+    for node in gm.graph.nodes:
+        name = node_name(node)
+        if name and _call_random_reason(name, node.args, node.kwargs):
+            return f"random (a compiled graph with {name})"
+    return None
+
+
+def node_name(node: torch.fx.Node) -> str:
+    """The op a node calls, named as the tools name calls (``torch.nn.functional.silu``); "" for other nodes."""
+    if node.op == "call_function":
+        return resolve_op_name(node.target)
+    if node.op == "call_method":
+        return f"torch.Tensor.{node.target}"
+    return ""
+
+
+def reference_of(region) -> GraphReference:
+    return GraphReference(region.gm)
+
+
+class GraphReference:
+    """``reference(*inputs)``: the graph run on the host on ``inputs`` (see the module's doc)."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        self.gm = gm
+
+    def __call__(self, *inputs):
+        widening = any(isinstance(t, torch.Tensor) and t.dtype in (torch.float64, torch.complex128) for t in inputs)
+        return _HostInterpreter(self.gm, DEFAULT_CAST if widening else {}).run(*inputs)
+
+
+class _HostInterpreter(torch.fx.Interpreter):
+    def __init__(self, gm: torch.fx.GraphModule, cast: dict) -> None:
+        super().__init__(gm, garbage_collect_values=True)
+        self.cast = cast
+
+    def _host(self, value):
+        return map_arguments(value, self._tensor, self.cast)
+
+    def _tensor(self, t: torch.Tensor) -> torch.Tensor:
+        target = self.cast.get(t.dtype, t.dtype)
+        return t if t.device.type == "cpu" and target == t.dtype else t.to("cpu", target)
+
+    def call_function(self, target, args, kwargs):
+        if self.cast and getattr(target, "__name__", "") in _AUTOCAST:
+            return None
+        return super().call_function(target, self._host(args), self._host(kwargs))
+
+    def call_method(self, target, args, kwargs):
+        dtype = _DTYPE_METHODS.get(target)
+        if dtype is not None and self.cast:
+            return args[0].to(self.cast.get(dtype, dtype))
+        return super().call_method(target, self._host(args), self._host(kwargs))
+
+    def get_attr(self, target, args, kwargs):
+        return self._host(super().get_attr(target, args, kwargs))
+
+
+# --- narrowing a failing graph down to a node ---
+
+
+@dataclasses.dataclass(frozen=True)
+class DivergingNode:
+    """The first node of a compiled graph whose output, computed on the device from the device's own inputs to it,
+    differs from the same node in float64 on the host beyond its op's bound."""
+
+    node: str  # the graph's name for it (silu_1)
+    op: str  # torch.nn.functional.silu
+    module: str  # model.layers.0.mlp.act_fn ("" outside any module)
+    location: str  # /path/modeling_llama.py:123
+    comparisons: tuple  # the failing comparisons of its outputs
+
+    def describe(self) -> str:
+        where = " in ".join(filter(None, (self.module, self.location)))
+        return f"first diverging node {self.node} ({self.op}{', ' + where if where else ''})"
+
+
+class _DivergedError(Exception):
+    def __init__(self, found: DivergingNode) -> None:
+        self.found = found
+
+
+def first_diverging_node(gm: torch.fx.GraphModule, device_inputs: tuple, tolerance) -> DivergingNode | None:
+    """Run ``gm`` node by node on the device (eagerly, on clones of inputs an in-place node would write, with
+    gradients off: the user's tensors, graph and random streams are untouched) and check each node's output
+    against the node rerun in float64 on the host on the same inputs; the first that fails, or None."""
+    if any(_writes(node) for node in gm.graph.nodes):
+        device_inputs = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in device_inputs)
+    try:
+        with torch.no_grad():
+            _NodeCheck(gm, tolerance).run(*device_inputs)
+    except _DivergedError as found:
+        return found.found
+    return None
+
+
+def _writes(node: torch.fx.Node) -> bool:
+    name = node_name(node)
+    return bool(name) and (name.endswith("_") and not name.endswith("__") or "out" in node.kwargs)
+
+
+class _NodeCheck(torch.fx.Interpreter):
+    def __init__(self, gm: torch.fx.GraphModule, tolerance) -> None:
+        super().__init__(gm, garbage_collect_values=True)
+        self.tolerance = tolerance
+
+    def run_node(self, n: torch.fx.Node):
+        result = super().run_node(n)
+        name = node_name(n)
+        if not name or not any(t.is_floating_point() for t in iter_tensors(result)):
+            return result
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        reference = _host_run(n, args, kwargs, DEFAULT_CAST)
+        if reference is None:
+            return result
+        device = map_tensors(result, lambda t: t.detach().cpu())
+        comparisons = compare_outputs(device, reference, lambda: _host_run(n, args, kwargs, {}), self.tolerance,
+                                      op_name=name, prefix="output")
+        failed = tuple(c for c in comparisons if not c.passed)
+        if failed:
+            raise _DivergedError(DivergingNode(n.name, name, _module_of(n), _line_of(n), failed))
+        return result
+
+
+def _host_run(n: torch.fx.Node, args, kwargs, cast: dict):
+    """The node on host copies of its inputs, through ``cast``; None where the host cannot run it."""
+    interpreter = _HostInterpreter.__new__(_HostInterpreter)  # only its argument mapping: no graph of its own
+    interpreter.cast = cast
+    try:
+        with torch.no_grad():
+            target = n.target
+            if callable(target):  # call_function
+                if cast and getattr(target, "__name__", "") in _AUTOCAST:
+                    return None
+                return target(*interpreter._host(args), **interpreter._host(kwargs))
+            self_arg, *rest = interpreter._host(args)  # call_method: target is the method's name
+            dtype = _DTYPE_METHODS.get(target)
+            if dtype is not None and cast:
+                return self_arg.to(cast.get(dtype, dtype))
+            return getattr(self_arg, target)(*rest, **interpreter._host(kwargs))
+    except (RuntimeError, NotImplementedError, TypeError, ValueError, IndexError):
+        return None
+
+
+_INDEX = re.compile(r"\[(\d+)\]")
+_KEY = re.compile(r"\['([^']*)'\]")
+
+
+def _module_of(n: torch.fx.Node) -> str:
+    """The module path of the module a node ran in (``model.layers.0.mlp.act_fn``), from dynamo's record of it."""
+    stack = n.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]  # L['self'].model.layers[0].mlp.act_fn, L['args'][0].model.layers[0]…
+    path = re.sub(r"^L\['[^']*'\](\[\d+\])*\.?", "", path)
+    path = _KEY.sub(lambda m: "." + m.group(1), _INDEX.sub(lambda m: "." + m.group(1), path))
+    return path.replace("._modules.", ".").replace("_orig_mod.", "").strip(".")
+
+
+def user_frames(n: torch.fx.Node, torch_frames: bool = False) -> list[tuple[str, int, str]]:
+    """``(file, line, function)`` of the frames that made a node, outermost first, past the tools' own (dynamo traces
+    through the tools' mode) and, unless ``torch_frames``, torch's."""
+    skipped = SKIPPED_FRAMES[:1] if torch_frames else SKIPPED_FRAMES
+    frames = []
+    for line in (n.meta.get("stack_trace") or "").splitlines():
+        found = _FRAME.match(line)
+        if found and not found.group(1).startswith(skipped):
+            frames.append((found.group(1), int(found.group(2)), found.group(3)))
+    return frames
+
+
+def _line_of(n: torch.fx.Node) -> str:
+    """``file:line`` of the source line that made the node."""
+    frames = user_frames(n)
+    return f"{frames[-1][0]}:{frames[-1][1]}" if frames else ""
+
+
+_FRAME = re.compile(r'\s*File "([^"]+)", line (\d+), in (\S+)')
+
+
+# Frames that are not where a node was written: the tools' mode (dynamo traces through it) and torch's own code.
+SKIPPED_FRAMES = tuple(os.path.dirname(m.__file__ or "") + os.sep
+                        for m in (importlib.import_module("op_tools"), torch))

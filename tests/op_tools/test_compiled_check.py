@@ -1,0 +1,191 @@
+"""OpAutoCompare(compiled="check"): torch.compile'd code keeps running compiled, each compiled graph's run is compared
+as one call (forward and backward) with the graph dynamo traced rerun in float64 on the host, and a failing graph is
+narrowed down to its first diverging node, named with its op, module path and source line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from subprocess_env import child_env
+
+import op_tools
+
+pytestmark = pytest.mark.children_import("transformers")
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# One interpreter for every case: dynamo's first import and each compilation cost seconds.
+CHILD = """
+import copy, json, logging, sys
+import torch
+import torch.nn.functional as F
+from torch import nn
+import ditorch.sim, op_tools
+ditorch.sim.register()
+sys.path.append(TESTS)
+from tiny_models import tiny_llama
+
+lines = []
+handler = type("H", (logging.Handler,), {"emit": lambda s, r: lines.append(r.getMessage())})()
+logging.getLogger("op_tools").addHandler(handler)
+report = {}
+
+def failures(tool):
+    return [{k: f[k] for k in ("op", "phase", "module", "error_info", "location")} for f in tool.failures]
+
+def account(tool):
+    return {"counts": dict(tool.counts), "handled": sorted(tool.handled), "failures": failures(tool),
+            "skipped": dict(tool.skipped), "verdict": tool.verdict()}
+
+# A Llama, compiled with aot_eager (sim's faults apply inside its graphs)
+def llama_step(model, ids):
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    return out.loss.item(), grads
+
+torch.manual_seed(0)
+llama = torch.compile(tiny_llama(hidden=32).to("sim"), backend="aot_eager")
+ids = torch.randint(0, 128, (2, 16)).to("sim")
+plain = llama_step(llama, ids)
+with op_tools.OpAutoCompare(compiled="check") as tool:
+    checked = llama_step(llama, ids)
+report["llama"] = account(tool)
+report["llama"]["unchanged"] = checked[0] == plain[0] and all(torch.equal(a, b) for a, b in zip(checked[1], plain[1]))
+with ditorch.sim.faults("silu:noise=1e-2"), op_tools.OpAutoCompare(compiled="check") as tool:
+    llama_step(llama, ids)
+report["llama_silu"] = account(tool)
+# beside a tool that needs every op, compiled code runs eagerly, and the checking tool compares it op by op
+with op_tools.OpObserve(), op_tools.OpAutoCompare(compiled="check") as tool:
+    llama_step(llama, ids)
+report["beside_observe"] = account(tool)
+
+# A CNN with BatchNorm (its running statistics written inside the graph) and in-place ReLU, trained one step
+torch.manual_seed(0)
+cnn = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                    nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                    nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)).to("sim")
+twin = copy.deepcopy(cnn)
+x, y = torch.randn(4, 3, 8, 8).to("sim"), torch.randint(0, 4, (4,)).to("sim")
+
+def cnn_step(model):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return [loss.item(), *[p.grad.cpu().tolist() for p in model.parameters()],
+            *[b.cpu().tolist() for b in model.buffers()]]
+
+plain = cnn_step(torch.compile(twin, backend="aot_eager"))
+compiled_cnn = torch.compile(cnn, backend="aot_eager")
+with op_tools.OpAutoCompare(compiled="check") as tool:
+    checked = cnn_step(compiled_cnn)
+report["cnn"] = account(tool)
+report["cnn"]["unchanged"] = checked == plain
+
+# A graph break: two graphs, the code between them run eagerly (and checked op by op)
+def broken(a, w):
+    h = F.silu(a @ w)
+    torch._dynamo.graph_break()
+    return (h * 2).sum()
+
+a, w = torch.randn(4, 8).to("sim"), torch.randn(8, 8).to("sim").requires_grad_()
+with op_tools.OpAutoCompare(compiled="check") as tool:
+    torch.compile(broken, backend="aot_eager")(a, w).backward()
+report["graph_break"] = account(tool)
+
+# Dropout in training: the graph draws random numbers, so it is not rerun
+drop = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)).to("sim"), backend="aot_eager")
+with op_tools.OpAutoCompare(compiled="check") as tool:
+    drop(a).sum().backward()
+report["dropout"] = account(tool)
+report["lines"] = lines
+report["stance"] = torch._dynamo.eval_frame._stance.stance
+report["callback_restored"] = not hasattr(torch._dynamo.eval_frame._callback_from_stance, "__wrapped_by_op_tools__")
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("compiled_check")
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(CHILD).replace("TESTS", repr(TESTS))],
+                          env=child_env({"DITORCH_QUIET": "1", "OP_TOOLS_RESULTS_DIR": str(cwd)}), cwd=cwd,
+                          capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-6000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_clean_compiled_llama_is_compared_graph_by_graph_forward_and_backward_and_passes(report):
+    llama = report["llama"]
+    assert llama["failures"] == [] and llama["verdict"] == "clean", llama
+    assert llama["counts"]["forward compared"] >= 1 and llama["counts"]["backward compared"] >= 1, llama
+    # the graph ran compiled: its ops were not handled one by one
+    assert llama["handled"][0].startswith("compiled:forward#"), llama["handled"]
+    assert not {"torch.nn.functional.silu", "torch.nn.functional.linear"} & set(llama["handled"]), llama["handled"]
+    assert llama["unchanged"]  # the loss and every gradient as without the tool, bit for bit
+
+
+def test_a_silu_fault_in_a_compiled_llama_is_narrowed_to_its_node_module_and_source_line(report):
+    found = report["llama_silu"]["failures"]
+    assert [f["phase"] for f in found] == ["forward", "backward"], found
+    for failure in found:
+        assert failure["op"].startswith("compiled:"), failure
+        assert failure["module"] == "model.layers.0.mlp.act_fn", failure
+        assert failure["error_info"].startswith("first diverging node "), failure
+        assert "(torch.nn.functional.silu, model.layers.0.mlp.act_fn in " in failure["error_info"], failure
+        path, _, line = failure["location"].rpartition(":")
+        assert path.endswith(os.path.join("transformers", "activations.py")) and line.isdigit(), failure
+    assert report["llama_silu"]["verdict"] == "found"
+    narrowed = [line for line in report["lines"] if line.startswith("OpAutoCompare: compiled:")]
+    assert len(narrowed) == 1 and "first diverging node" in narrowed[0], narrowed  # once per graph
+
+
+def test_a_compiled_cnn_with_batchnorm_and_inplace_relu_passes_and_trains_as_without_the_tool(report):
+    cnn = report["cnn"]
+    assert cnn["failures"] == [] and cnn["verdict"] == "clean", cnn
+    assert cnn["handled"][0] == "compiled:graph#0", cnn["handled"]  # torch's modules only: no function named
+    assert cnn["counts"]["forward compared"] >= 1 and cnn["counts"]["backward compared"] >= 1, cnn
+    assert cnn["unchanged"]  # loss, gradients and running statistics: written once, as without the tool
+
+
+def test_each_graph_around_a_graph_break_is_a_call_of_its_own(report):
+    broken = report["graph_break"]
+    regions = [name for name in broken["handled"] if name.startswith("compiled:")]
+    assert len(regions) == 2 and regions[0].startswith("compiled:broken#"), broken["handled"]
+    assert broken["counts"]["forward compared"] == 2 and broken["failures"] == [], broken
+
+
+def test_a_compiled_graph_that_draws_random_numbers_is_skipped_and_said(report):
+    dropout = report["dropout"]
+    assert dropout["skipped"] == {"random (a compiled graph with torch.nn.functional.dropout)": 1}, dropout
+    assert dropout["handled"] == ["compiled:graph#1", "torch.Tensor.sum"], dropout  # the sum: compared
+
+
+def test_the_tool_says_compiled_code_runs_compiled_and_puts_dynamo_back_after(report):
+    said = [line for line in report["lines"] if "torch.compile'd code runs compiled" in line]
+    assert said and said[0].startswith("OpAutoCompare: torch.compile'd code runs compiled, each compiled graph "
+                                       "checked as one call"), report["lines"]
+    assert report["stance"] == "default" and report["callback_restored"]
+
+
+def test_an_unknown_compiled_setting_is_named_with_its_keyword_or_variable(monkeypatch):
+    with pytest.raises(ValueError, match=r"OpAutoCompare\(compiled='sometimes'\): unknown choice 'sometimes'; "
+                                         r"expected 'eager' or 'check'"):
+        op_tools.OpAutoCompare(compiled="sometimes")
+    monkeypatch.setenv("OP_AUTOCOMPARE_COMPILED", "sometimes")
+    with pytest.raises(ValueError, match="OP_AUTOCOMPARE_COMPILED='sometimes': unknown choice 'sometimes'; "
+                                         "expected eager or check"):
+        op_tools.OpAutoCompare().start()
+
+
+def test_beside_a_tool_that_needs_every_op_compiled_code_runs_eagerly_and_is_compared_op_by_op(report):
+    beside = report["beside_observe"]
+    assert "torch.nn.functional.silu" in beside["handled"], beside["handled"]
+    assert not any(name.startswith("compiled:") for name in beside["handled"]), beside["handled"]
+    assert beside["failures"] == [] and beside["verdict"] == "clean", beside
+    assert ("OpAutoCompare: torch.compile'd code runs eagerly, not checked as compiled: another tool active beside "
+            "this one needs every op") in "\n".join(report["lines"]), report["lines"]
