@@ -7,8 +7,12 @@ with the ratio. Sizes: ``tiny`` (hidden 64, 2 layers, batch 2x16: per-call Pytho
 (a transformers Llama of hidden 512, 4 layers, 8 heads, vocab 8192, batch 2x256: the copies, statistics and
 reference runs dominate, as on a fast device; hidden 1024 and batch 2x512 with ``--size large``).
 
+With ``--compiled BACKEND`` the model is also ``torch.compile``'d with that backend and measured under
+``OpAutoCompare(compiled="check")`` (each compiled graph compared as one call), beside the eager model under the
+default OpAutoCompare: the check's cost against the eager tool's (issue 37 asks for no more).
+
     python benchmarks/autocompare_cost.py [--size tiny,real] [--device sim|cuda] [--rounds 5] [--dtype float32]
-        [--autocast bfloat16]
+        [--autocast bfloat16] [--compiled aot_eager|inductor]
 """
 
 from __future__ import annotations
@@ -46,14 +50,18 @@ SIZES = {
 class Trainer:
     """A Llama of one size, its batch and an AdamW optimizer on one device in one dtype."""
 
-    def __init__(self, size: str, device: str, dtype: torch.dtype, autocast: torch.dtype | None = None) -> None:
+    def __init__(self, size: str, device: str, dtype: torch.dtype, autocast: torch.dtype | None = None,
+                 backend: str | None = None) -> None:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         self.autocast = autocast
         fields, batch, length = SIZES[size]
         torch.manual_seed(0)
-        config = LlamaConfig(max_position_embeddings=max(length, 64), **fields)
+        # no KV cache: training needs none, and its lazy creation breaks dynamo's tracing on a PrivateUse1 device
+        config = LlamaConfig(max_position_embeddings=max(length, 64), use_cache=False, **fields)
         self.model = LlamaForCausalLM(config).to(device=device, dtype=dtype)
+        if backend is not None:
+            self.model = torch.compile(self.model, backend=backend)
         self.ids = torch.randint(0, fields["vocab_size"], (batch, length)).to(device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.device = torch.device(device)
@@ -82,7 +90,7 @@ def counted(fn, steps: int) -> dict | None:
 
 
 def measure(size: str, device: str, dtype: torch.dtype, rounds: int, steps: int,
-            autocast: torch.dtype | None = None) -> dict:
+            autocast: torch.dtype | None = None, backend: str | None = None) -> dict:
     on_device, reference, compared = (Trainer(size, device, dtype, autocast), Trainer(size, "cpu", torch.float64),
                                       Trainer(size, device, dtype, autocast))
     tool = op_tools.OpAutoCompare()
@@ -92,22 +100,30 @@ def measure(size: str, device: str, dtype: torch.dtype, rounds: int, steps: int,
         for _ in range(steps):
             trainer.step()
 
-    def run_compared() -> tuple[float, float]:
+    def under(tool: op_tools.OpAutoCompare, trainer: Trainer) -> tuple[float, float]:
         tool.start()
         try:
-            return timed(lambda: run(compared))
+            return timed(lambda: run(trainer))
         finally:
             with contextlib.redirect_stdout(io.StringIO()):  # the end-of-run summary is not the step's cost
                 tool.stop()
             failures.append(len(tool.failures))
 
-    run(on_device), run(reference), run_compared()  # warm-up: first-call costs of each path
+    def run_compared() -> tuple[float, float]:
+        return under(tool, compared)
+
+    conditions = {"device": lambda: timed(lambda: run(on_device)), "cpu float64": lambda: timed(lambda: run(reference)),
+                  "OpAutoCompare": run_compared}
+    if backend is not None:
+        compiled, check = Trainer(size, device, dtype, autocast, backend), op_tools.OpAutoCompare(compiled="check")
+        conditions["compiled, checked"] = lambda: under(check, compiled)
+    for condition in conditions.values():  # warm-up: first-call costs of each path (and the compilations)
+        condition()
     charged = {"device": counted(lambda: run(on_device), steps), "OpAutoCompare": counted(run_compared, steps)}
-    samples = {"device": [], "cpu float64": [], "OpAutoCompare": []}
+    samples: dict[str, list] = {name: [] for name in conditions}
     for _ in range(rounds):
-        samples["device"].append(timed(lambda: run(on_device)))
-        samples["cpu float64"].append(timed(lambda: run(reference)))
-        samples["OpAutoCompare"].append(run_compared())
+        for name, condition in conditions.items():
+            samples[name].append(condition())
     medians = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in samples.items()}
     medians["floor"] = tuple(medians["device"][i] + medians["cpu float64"][i] for i in (0, 1))
     medians["failures"] = max(failures)
@@ -124,6 +140,8 @@ def main() -> None:
                         help="the forward under torch.autocast in this dtype (the weights stay in --dtype)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds for the tiny size (larger sizes: fewer)")
     parser.add_argument("--steps", type=int, default=1, help="training steps per measurement")
+    parser.add_argument("--compiled", default=None, metavar="BACKEND",
+                        help="also the model torch.compile'd with BACKEND under OpAutoCompare(compiled=\"check\")")
     args = parser.parse_args()
     if args.device == "sim":
         import ditorch.sim
@@ -141,8 +159,9 @@ def main() -> None:
     print(f"{'size':<7}{'':<26}{'wall ms':>11}{'cpu ms':>11}   per step: {device_charges.header()}")
     for size in sizes:
         rounds = args.rounds if size == "tiny" else max(1, min(args.rounds, 3))
-        medians = measure(size, args.device, dtype, rounds, args.steps, autocast)
-        for name in ("device", "cpu float64", "OpAutoCompare", "floor"):
+        medians = measure(size, args.device, dtype, rounds, args.steps, autocast, args.compiled)
+        names = ("device", "cpu float64", "OpAutoCompare", "floor") + (("compiled, checked",) if args.compiled else ())
+        for name in names:
             wall, cpu = medians[name]
             counts = device_charges.cells(medians["charged"][name]) if name in medians["charged"] else ""
             print(f"{size:<7}{name:<26}{wall * 1e3:>11.1f}{cpu * 1e3:>11.1f}              {counts}")
@@ -152,6 +171,11 @@ def main() -> None:
         print(f"summary: autocompare_cost: {size} Llama on {args.device} {what}: "
               f"{tool_wall / floor_wall:.2f}x the floor in wall time, {medians['failures']} failures"
               + (" (target <= 2.5x, issue 33)" if size != "tiny" else ""))
+        if args.compiled:
+            ratio = medians["compiled, checked"][0] / tool_wall
+            print(f"summary: autocompare_cost: {size} Llama on {args.device} {what}: compiled ({args.compiled}) under "
+                  f"OpAutoCompare(compiled=\"check\") {ratio:.2f}x the eager model under OpAutoCompare in wall "
+                  f"time (target <= 1x, issue 37)")
         counts = device_charges.summary(medians["charged"]["OpAutoCompare"])
         if counts:
             print(f"summary: autocompare_cost: {size}: OpAutoCompare's step charges {counts}")

@@ -235,9 +235,8 @@ class Region:
 
     def run_from_dynamo(self, *args):
         for mode in reversed(_current_modes()):
-            check = getattr(mode, "check_region", None)
-            if check is not None:
-                return check(self, args)
+            if getattr(mode, "checks_regions", False):
+                return mode.check_region(self, args)
         return self.run_compiled(*args)
 
 

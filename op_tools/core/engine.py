@@ -188,17 +188,18 @@ class OpCall:
 
 
 class _ToolMode(TorchFunctionMode):
-    # compiled_regions: the tool's check_region when it checks compiled graphs as calls
-    check_region: Callable | None = None
-
     def __init__(self, tool: OpTool) -> None:
         super().__init__()
         self.tool = tool
-        if tool.checks_regions:
-            self.check_region = tool.check_region
+        # Whether compiled_regions hands this mode each compiled graph's run (check_region). A bool: dynamo guards
+        # on what it reads here, and a value equal for every tool compiles a frame once for all of them.
+        self.checks_regions = tool.checks_regions
+
+    def check_region(self, region: compiled_regions.Region, args: tuple):
+        return self.tool.check_region(region, args)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if self.check_region is not None and _is_compiling():
+        if self.checks_regions and _is_compiling():
             # dynamo traces the user's code under this mode: the graph gets the call as it is (the compiled graph is
             # checked whole when it runs, compiled_regions.py)
             return func(*args, **(kwargs or {}))

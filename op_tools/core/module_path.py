@@ -74,6 +74,12 @@ def current() -> str:
 def _install() -> None:
     global _generation
     _generation += 1
+    if _handles:  # installed before: back under the same keys (see _remove)
+        for handle, hook in zip(_handles, (_enter, _leave)):
+            handle.hooks_dict_ref()[handle.id] = hook
+            for extra in handle.extra_dict_ref:  # always_call's table
+                extra()[handle.id] = True
+        return
     _handles.append(_module.register_module_forward_pre_hook(_enter))
     try:
         _handles.append(_module.register_module_forward_hook(_leave, always_call=True))
@@ -82,9 +88,10 @@ def _install() -> None:
 
 
 def _remove() -> None:
+    # The handles are kept: the next install puts the hooks back under the same keys of torch's global hook tables.
+    # Dynamo guards on those keys, so a graph compiled while one tool ran serves the next tool without recompiling.
     for handle in _handles:
         handle.remove()
-    _handles.clear()
 
 
 # Start tracking (install the global hooks) unless already tracking; stop once every acquire() was released.

@@ -388,3 +388,20 @@ def test_double_backward_gives_the_same_gradients_as_without_the_tool(sim):
     assert torch.equal(got, expected), (got - expected).abs().max()
     # The first-order backward (create_graph=True) is compared like any other.
     assert tool.counts["backward compared"] >= 3 and not tool.failures
+
+
+@pytest.mark.parametrize("rerun", ["reference", "same dtype"])
+def test_a_written_arguments_leaf_keeps_its_gradient_in_a_rerun_made_with_gradients_off(rerun):
+    # The backward's reruns run in an autograd hook, where gradients are off: the clone an op writes into (an in-place
+    # op's self) must still lead back to its leaf, or that input's gradient is missing and its check loses its bound.
+    from op_tools.numerics.device_math import DeviceMath
+    from op_tools.numerics.reference import reference_backward, run_reference, run_same_dtype
+
+    x, w = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    with torch.no_grad():
+        if rerun == "reference":
+            run, _ = run_reference(torch.Tensor.mul_, (x, w), {}, [({}, "")], {id(x)}, [x, w])
+        else:
+            run = run_same_dtype(torch.Tensor.mul_, (x, w), {}, {id(x)}, DeviceMath(), [x, w])
+        grads = reference_backward([run.result], run.leaves, (torch.ones(4, dtype=torch.float64),))
+    assert grads[0] is not None and torch.equal(grads[0], w) and torch.equal(grads[1], x)
