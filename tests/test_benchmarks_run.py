@@ -15,8 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALLEST = {
     "sim_overhead.py": (["--rounds", "1", "--calls", "5"], "softmax"),
     "import_overhead.py": (["--rounds", "1", "--imports", "1"], "ditorch adds"),
-    "autocompare_cost.py": (["--rounds", "1", "--size", "tiny", "--compiled", "aot_eager"],
-                            'under OpAutoCompare(compiled="check")'),
+    # --compiled (dynamo's import and a compilation: 12 s more) is left out: test_compiled_check covers the check
+    "autocompare_cost.py": (["--rounds", "1", "--size", "tiny"], "OpAutoCompare / floor"),
     "time_measure_cost.py": (["--rounds", "1", "--steps", "1"], "OpTimeMeasure VERBOSE=0"),
     "overhead.py": (["--rounds", "1", "--work-rounds", "1", "--steps", "1", "--tools", "OpCapture,OpAutoCompare"],
                     "(d) OpAutoCompare, every op"),

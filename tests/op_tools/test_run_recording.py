@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 from tiny_models import tiny_llama
+from torch.nn.modules import module as _module
 
 import op_tools
 import op_tools.offline.compare_runs
@@ -183,7 +184,8 @@ def test_module_paths_name_unregistered_modules_by_class_and_stop_when_released(
     _, records = read_recording(capture.recorder.file.path)
     assert [(r["module"], r["op"]) for r in records] == [("block", "torch.nn.functional.linear"),
                                                           ("Outer.Inner", "torch.Tensor.relu")]
-    assert not module_path._handles  # released with the tool
+    assert not any(module_path._enter is hook for hook in _module._global_forward_pre_hooks.values())  # released
+    assert not any(module_path._leave is hook for hook in _module._global_forward_hooks.values())
     assert os.path.basename(capture.recorder.file.path).startswith("run_pid")
 
 
