@@ -26,6 +26,10 @@ import torch
 from . import fused_statistics
 
 TORCH_MIN = 1 << 15
+# Tensors this large are compared on their device, against the reference uploaded once, when the device computes
+# in float64: only the statistics come back. Smaller ones are copied to the host (one copy, then numpy or torch
+# there: fewer device launches than the dozen statistics would take).
+DEVICE_STATISTICS_MIN = 1 << 20
 _TINY = float(np.finfo(np.float64).tiny)
 _NUMPY_FLOATS = frozenset({torch.float16, torch.float32, torch.float64})
 

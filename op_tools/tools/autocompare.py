@@ -69,6 +69,7 @@ from ..numerics.comparison import (
     op_key,
 )
 from ..numerics.device_math import DeviceMath
+from ..numerics.error_statistics import DEVICE_STATISTICS_MIN
 from ..numerics.host_copies import HostCopies, snapshot
 from ..numerics.reference import (
     DEFAULT_CAST,
@@ -97,9 +98,6 @@ CSV_COLUMNS = ("op", "forward_id", "phase", "module", *COLUMNS, "location", *res
 # the console shows these columns of a comparison (fitting 120 characters); the CSV has them all
 CONSOLE_COLUMNS = ("name", "allclose", "max_abs_diff", "max_relative_diff", "verdict", "error_info")
 FAILURES_SHOWN = 20  # rows of the failing-ops table on the console; the CSV holds them all
-# Tensors this large are compared on their device, against the reference uploaded once, when the device computes
-# in float64: only the statistics come back (error_statistics.py). Smaller ones are copied to the host.
-DEVICE_STATISTICS_MIN = 1 << 20
 _RERUN_DRAWS = "random (the CPU reference drew numbers)"
 # Input elements from which an op's first call learns its output dtypes on meta tensors rather than by a same-dtype
 # run (a meta run costs about a millisecond of Python whatever the size; a run on small tensors costs less).
