@@ -11,7 +11,6 @@ autocast op is the op in float64).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 import re
 
@@ -67,26 +66,36 @@ class _HostInterpreter(torch.fx.Interpreter):
         super().__init__(gm, garbage_collect_values=True)
         self.cast = cast
 
-    def _host(self, value):
-        return map_arguments(value, self._tensor, self.cast)
-
-    def _tensor(self, t: torch.Tensor) -> torch.Tensor:
-        target = self.cast.get(t.dtype, t.dtype)
-        return t if t.device.type == "cpu" and target == t.dtype else t.to("cpu", target)
-
     def call_function(self, target, args, kwargs):
-        if self.cast and getattr(target, "__name__", "") in _AUTOCAST:
-            return None
-        return super().call_function(target, self._host(args), self._host(kwargs))
+        return _host_call("call_function", target, args, kwargs, self.cast)
 
     def call_method(self, target, args, kwargs):
-        dtype = _DTYPE_METHODS.get(target)
-        if dtype is not None and self.cast:
-            return args[0].to(self.cast.get(dtype, dtype))
-        return super().call_method(target, self._host(args), self._host(kwargs))
+        return _host_call("call_method", target, args, kwargs, self.cast)
 
     def get_attr(self, target, args, kwargs):
-        return self._host(super().get_attr(target, args, kwargs))
+        return _host(super().get_attr(target, args, kwargs), self.cast)
+
+
+def _host(value, cast: dict):
+    """``value`` with its tensors on the host through ``cast``, devices moved to the CPU, dtypes through ``cast``."""
+    def tensor(t: torch.Tensor) -> torch.Tensor:
+        target = cast.get(t.dtype, t.dtype)
+        return t if t.device.type == "cpu" and target == t.dtype else t.to("cpu", target)
+
+    return map_arguments(value, tensor, cast)
+
+
+def _host_call(op: str, target, args, kwargs, cast: dict):
+    """One ``call_function`` or ``call_method`` node on host copies of its arguments (see the module's doc)."""
+    if op == "call_function":
+        if cast and getattr(target, "__name__", "") in _AUTOCAST:
+            return None
+        return target(*_host(args, cast), **_host(kwargs, cast))
+    self_arg, *rest = _host(args, cast)  # call_method: target is the method's name
+    dtype = _DTYPE_METHODS.get(target)
+    if dtype is not None and cast:
+        return self_arg.to(cast.get(dtype, dtype))
+    return getattr(self_arg, target)(*rest, **_host(kwargs, cast))
 
 
 # --- narrowing a failing graph down to a node ---
@@ -157,20 +166,9 @@ class _NodeCheck(torch.fx.Interpreter):
 
 def _host_run(n: torch.fx.Node, args, kwargs, cast: dict):
     """The node on host copies of its inputs, through ``cast``; None where the host cannot run it."""
-    interpreter = _HostInterpreter.__new__(_HostInterpreter)  # only its argument mapping: no graph of its own
-    interpreter.cast = cast
     try:
         with torch.no_grad():
-            target = n.target
-            if callable(target):  # call_function
-                if cast and getattr(target, "__name__", "") in _AUTOCAST:
-                    return None
-                return target(*interpreter._host(args), **interpreter._host(kwargs))
-            self_arg, *rest = interpreter._host(args)  # call_method: target is the method's name
-            dtype = _DTYPE_METHODS.get(target)
-            if dtype is not None and cast:
-                return self_arg.to(cast.get(dtype, dtype))
-            return getattr(self_arg, target)(*rest, **interpreter._host(kwargs))
+            return _host_call(n.op, n.target, args, kwargs, cast)
     except (RuntimeError, NotImplementedError, TypeError, ValueError, IndexError):
         return None
 
@@ -212,5 +210,5 @@ _FRAME = re.compile(r'\s*File "([^"]+)", line (\d+), in (\S+)')
 
 
 # Frames that are not where a node was written: the tools' mode (dynamo traces through it) and torch's own code.
-SKIPPED_FRAMES = tuple(os.path.dirname(m.__file__ or "") + os.sep
-                        for m in (importlib.import_module("op_tools"), torch))
+SKIPPED_FRAMES = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # op_tools/
+                  os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
