@@ -94,7 +94,7 @@ def measure(size: str, device: str, dtype: torch.dtype, rounds: int, steps: int,
     on_device, reference, compared = (Trainer(size, device, dtype, autocast), Trainer(size, "cpu", torch.float64),
                                       Trainer(size, device, dtype, autocast))
     tool = op_tools.OpAutoCompare()
-    failures = []
+    failures: dict[int, list] = {}  # id(tool) -> its failing calls in each measurement
 
     def run(trainer: Trainer) -> None:
         for _ in range(steps):
@@ -107,7 +107,7 @@ def measure(size: str, device: str, dtype: torch.dtype, rounds: int, steps: int,
         finally:
             with contextlib.redirect_stdout(io.StringIO()):  # the end-of-run summary is not the step's cost
                 tool.stop()
-            failures.append(len(tool.failures))
+            failures.setdefault(id(tool), []).append(len(tool.failures))
 
     def run_compared() -> tuple[float, float]:
         return under(tool, compared)
@@ -126,7 +126,9 @@ def measure(size: str, device: str, dtype: torch.dtype, rounds: int, steps: int,
             samples[name].append(condition())
     medians = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in samples.items()}
     medians["floor"] = tuple(medians["device"][i] + medians["cpu float64"][i] for i in (0, 1))
-    medians["failures"] = max(failures)
+    medians["failures"] = max(failures[id(tool)])
+    if backend is not None:
+        medians["compiled failures"] = max(failures[id(check)])
     medians["charged"] = charged
     return medians
 
@@ -175,7 +177,7 @@ def main() -> None:
             ratio = medians["compiled, checked"][0] / tool_wall
             print(f"summary: autocompare_cost: {size} Llama on {args.device} {what}: compiled ({args.compiled}) under "
                   f"OpAutoCompare(compiled=\"check\") {ratio:.2f}x the eager model under OpAutoCompare in wall "
-                  f"time (target <= 1x, issue 37)")
+                  f"time (target <= 1x, issue 37), {medians['compiled failures']} failures")
         counts = device_charges.summary(medians["charged"]["OpAutoCompare"])
         if counts:
             print(f"summary: autocompare_cost: {size}: OpAutoCompare's step charges {counts}")

@@ -129,7 +129,8 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "gpu makes the sim device sum (`sum`, `mean`) in the order of a CUDA reduction kernel (a warp of 32 "
            "threads with 4 accumulators each and a pairwise tree over contiguous terms, a thread per result over "
            "strided ones, float32 accumulation for half types) and split GEMMs of inner dimension above 256 along "
-           "it (split-K), which differs legitimately from the CPU's; cpu keeps sim bit-identical to the CPU.",
+           "it (split-K), computes `_log_softmax` in CUDA's association and `addcmul`/`addcdiv` with a fused "
+           "multiply-add, which differ legitimately from the CPU's; cpu keeps sim bit-identical to the CPU.",
            parse_sim_numerics),
     EnvVar("DITORCH_SIM_SDPA", "math, or chunked[:<keys per block>]", "math",
            "The algorithm of `scaled_dot_product_attention` on the sim device: PyTorch's math path, or a "

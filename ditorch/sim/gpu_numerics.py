@@ -22,10 +22,12 @@ gradients, norms' statistics and losses reach the device as. In the order of CUD
 - accumulated in float32 for float16 and bfloat16 (``acc_type``), in the tensor's own dtype otherwise, and a mean
   multiplies the sum by ``1/n`` rounded to the accumulation type (CUDA's ``MeanOps``), rather than dividing.
 
-And ``addcmul`` and ``addcdiv`` (in place too: Adam's moments, when not through ``_foreach``) with a fused multiply-add,
-as nvcc contracts CUDA's ``self + alpha * t1 * t2`` and ``self + alpha * (t1 / t2)``: the last product is not rounded
-before the addition. Subnormals are kept, as in PyTorch's CUDA kernels, which are built without fast math (flash
-attention's exponentials flush below 2^-126, where a probability weighs less than any rounding).
+And ``_log_softmax`` in CUDA's association, ``x - (max + log(sum))``, where the CPU's is ``(x - max) - log(sum)``
+(rounded to a half type, an ulp apart in some elements). And ``addcmul`` and ``addcdiv`` (in place too: Adam's
+moments, when not through ``_foreach``) with a fused multiply-add, as nvcc contracts CUDA's ``self + alpha * t1 * t2``
+and ``self + alpha * (t1 / t2)``: the last product is not rounded before the addition. Subnormals are kept, as in
+PyTorch's CUDA kernels, which are built without fast math (flash attention's exponentials flush below 2^-126, where a
+probability weighs less than any rounding).
 
 Off by default. ``ditorch.sim.numerics("gpu")`` switches it for a block; ``torch.sim.numerics()`` says which is on.
 """
@@ -189,6 +191,29 @@ def _fused_multiply_add(op, name: str):
     return kernel
 
 
+_LOG_SOFTMAX = ("_log_softmax.default",)
+
+
+def _log_softmax(op, name: str):
+    """``_log_softmax`` as CUDA's kernel computes it (``LogSoftMaxForwardEpilogue``): ``x - (max + log(sum))`` in the
+    accumulation type, where the CPU's computes ``(x - max) - log(sum)``. Rounded to a half type, the two differ by
+    an ulp in some elements: on an H200, ``cross_entropy`` of float16 logits under autocast (its ``log_softmax`` in
+    float16) erred 5.6 times the CPU's own error on the same call, a legitimate difference."""
+    plain = KERNELS.get(op, op)
+
+    def kernel(self, dim, half_to_float):
+        if not self.is_floating_point() or self.dtype == torch.float64:
+            return plain(self, dim, half_to_float)
+        acc = accumulate_dtype(self.dtype)
+        x = self.to(acc)
+        top = x.amax(dim, keepdim=True)
+        total = (x - top).exp().sum(dim, keepdim=True)
+        out = x - (top + total.log())
+        return out if half_to_float else out.to(self.dtype)
+
+    return kernel
+
+
 class Numerics:
     """Which numerics sim computes with: ``cpu`` (the CPU's kernels) or ``gpu`` (this module's sums)."""
 
@@ -208,12 +233,13 @@ class Numerics:
                     KERNELS[op] = _kernel(op, name.startswith("mean"), "dim" in name)
                 else:
                     KERNELS.pop(op, None)
-            for name in _FUSED_MULTIPLY_ADDS:
-                op = overload(name)
-                if mode == "gpu":
-                    KERNELS[op] = _fused_multiply_add(op, name)
-                else:
-                    KERNELS.pop(op, None)
+            for table, make in ((_FUSED_MULTIPLY_ADDS, _fused_multiply_add), (_LOG_SOFTMAX, _log_softmax)):
+                for name in table:
+                    op = overload(name)
+                    if mode == "gpu":
+                        KERNELS[op] = make(op, name)
+                    else:
+                        KERNELS.pop(op, None)
             for name in _GEMMS:  # the kernels they had (TF32's, which read CUDA's switch) back when off
                 op = overload(name)
                 if mode == "gpu":

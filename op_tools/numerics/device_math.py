@@ -77,6 +77,9 @@ for _name in OpsWith("lower_precision"):
 # Ops whose CPU kernel does its products inside (the CPU's fused attention), run unfused while a reduced matmul
 # precision is replayed, so that their matrix products are rounded as the device's are.
 UNFUSED = {"scaled_dot_product_attention": attention_math}
+# Recurrent ops, whose CPU kernel in float32 is oneDNN's (its products inside, never rounded): run on linears while
+# a reduced matmul precision is replayed.
+RECURRENT = tuple(name for name in ("lstm", "gru", "rnn_tanh", "rnn_relu") if op_facts(name).recurrent)
 # Mantissa bits kept by each reduced float32 format (float32 has 23).
 MANTISSA_BITS = {"tf32": 10, "hf32": 11, "bf16": 7}
 
@@ -111,12 +114,14 @@ class DeviceMath:
     policy: AutocastPolicy = CUDA_POLICY
 
     @classmethod
-    def of(cls, device: torch.device | None) -> DeviceMath:
+    def of(cls, device: torch.device | None, op: str | None = None) -> DeviceMath:
+        """The math of a call of ``op`` (its name, as the tools name it) on ``device``: what ``op`` is can change it
+        (a recurrent op's products on CUDA follow cuDNN's switch)."""
         if device is None or device.type == "cpu":
             return _PLAIN
         kind = device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
-        reduced = _reduced_precision(kind)
+        reduced = _reduced_precision(kind, recurrent=op is not None and op_facts(op).recurrent)
         if dtype is None and not reduced:
             return _PLAIN
         return cls(dtype, reduced, _policy(kind))
@@ -148,7 +153,11 @@ class DeviceMath:
 _PLAIN = DeviceMath()
 
 
-def _reduced_precision(kind: str) -> tuple[tuple[str, str], ...]:
+def _reduced_precision(kind: str, recurrent: bool = False) -> tuple[tuple[str, str], ...]:
+    if kind == "cuda" and recurrent:
+        # cuDNN runs the whole network and reads its operands as TF32 by its own switch (RNN.cpp's math type),
+        # where the CPU's rerun (without oneDNN, see _kernel) computes linears: their products are rounded
+        return (("matmul", "tf32"),) if torch.backends.cudnn.allow_tf32 and torch.backends.cudnn.enabled else ()
     if kind == "cuda":
         found = []
         if torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest":
@@ -249,7 +258,7 @@ def _install(policy: AutocastPolicy):
         key = _installed["key"]
         if key is None:
             return None
-        wanted = {**{name: None for name in _reduced_ops()}, **policy.by_name()}
+        wanted = {**{name: None for name in (*_reduced_ops(), *RECURRENT)}, **policy.by_name()}
         missing = [name for name in wanted if name not in _installed["ops"]]
         if missing:
             library = torch.library.Library("aten", "IMPL")
@@ -305,6 +314,7 @@ def _kernel(op, key):
                         if packet in table}
 
     unfused = UNFUSED.get(qualified)
+    recurrent = packet in RECURRENT
 
     def kernel(keyset, *args, **kwargs):
         keyset = keyset.remove(key)
@@ -322,8 +332,13 @@ def _kernel(op, key):
                 used.add("autocast")
         if rounded_operands and math.reduced:
             args, kwargs = _round_operands(math, rounded_operands, args, kwargs, used)
-        run = (lambda *a, **k: unfused(*a, **k)) if unfused is not None and dict(math.reduced).get("matmul") \
-            else functools.partial(op.redispatch, keyset)
+        products_rounded = bool(dict(math.reduced).get("matmul"))
+        if unfused is not None and products_rounded:
+            run = unfused
+        elif recurrent and products_rounded:
+            run = functools.partial(_without_onednn, op, keyset)
+        else:
+            run = functools.partial(op.redispatch, keyset)
         if policy is None:
             return run(*args, **kwargs)
         _state.inside_policy = True  # as autocast: ops inside a policy op are not cast again
@@ -333,6 +348,16 @@ def _kernel(op, key):
             _state.inside_policy = False
 
     return kernel
+
+
+def _without_onednn(op, keyset, *args, **kwargs):
+    # a process-wide switch, but the rerun and the user's calls share one thread: no user op runs in between
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)  # only this switch: mkldnn.flags() would set its others to their defaults
+    try:
+        return op.redispatch(keyset, *args, **kwargs)
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
 
 
 @functools.cache

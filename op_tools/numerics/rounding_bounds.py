@@ -7,7 +7,8 @@ passing result carries:
 
 * ``AnyOrderSum(magnitudes, n)``: each element a sum of ``n`` terms whose magnitudes sum to ``magnitudes``, added
   in any order (``sum``, ``mean``, a broadcast input's gradient);
-* ``AttentionRounding``: ``softmax(q k^T scale + mask) v`` as fused attention kernels compute it in a narrow dtype.
+* ``AttentionRounding``: ``softmax(q k^T scale + mask) v`` as fused attention kernels compute it in a narrow dtype;
+* ``RoundedTerms``: a sum of terms of one sign, each rounded to a narrow dtype first (``cross_entropy``).
 
 Both follow Higham, Accuracy and Stability of Numerical Algorithms (2nd ed.): summing ``n`` terms in floating point,
 in whatever order, errs by at most ``gamma_n * sum |terms|``, ``gamma_n = n u / (1 - n u)``, ``u`` half the
@@ -97,6 +98,49 @@ class AttentionRounding:
         subnormal_step = info.tiny * info.eps  # a probability below the smallest normal is rounded to this step
         return u * reference.abs() + (1 + u) * per_weight * self.weighted + subnormal_step / 2 * self.value_sums \
             + info.tiny
+
+
+class RoundedTerms:
+    """Each element of the result sums (or averages) terms of one sign, each computed in float32 and rounded to the
+    ``narrow`` dtype first: ``cross_entropy`` of narrow logits, whose ``log_softmax`` runs in their dtype.
+
+    A correct device rounds each term to within half an ulp of ``narrow`` (``u``), so, the terms sharing a sign, the
+    sum errs by at most ``u`` times its own magnitude, plus the float32 sum's ``gamma_n``, plus each term's float32
+    computation before its rounding (``x - (max + log(sum))``: a few float32 roundings of values up to ``scale``).
+    The CPU's error on the same call is one draw of those roundings: on an H200, a loss over 8 rows erred 5.6 times
+    the CPU's, whose roundings had happened to cancel.
+    """
+
+    def __init__(self, narrow: torch.dtype, n: int, scale: float, summed: int) -> None:
+        self.narrow, self.n, self.scale, self.summed = narrow, n, scale, summed
+        self.says = f"within one {str(narrow).removeprefix('torch.')} rounding of each of its terms"
+
+    def allowed(self, dtype: torch.dtype, reference: torch.Tensor) -> torch.Tensor | None:
+        gamma = _gamma(self.n + 1, _FLOAT32_U)
+        if not math.isfinite(gamma):
+            return None
+        narrow = _finfo(self.narrow)
+        magnitudes = _wide(reference).abs()
+        # per term: its float32 computation, then its rounding to the narrow type (a subnormal's half step included)
+        per_term = 4 * _FLOAT32_U * self.scale + narrow.tiny * narrow.eps
+        return (narrow.eps / 2 + gamma) * (magnitudes + self.summed * per_term) + self.summed * per_term + \
+            _finfo(dtype).eps * magnitudes
+
+
+def rounded_terms(device_args: tuple, args: tuple, kwargs: dict) -> RoundedTerms | None:
+    """The ``RoundedTerms`` of a ``cross_entropy`` call whose logits (the first of ``device_args``, in the device's
+    dtypes) are narrow, from its float64 CPU arguments; None otherwise."""
+    source = next((a for a in device_args if isinstance(a, torch.Tensor)), None)
+    logits = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if source is None or source.dtype not in NARROW or logits is None or not logits.numel():
+        return None
+    classes = logits.size(1) if logits.dim() >= 2 else logits.size(0)
+    rows = logits.numel() // max(1, classes)
+    weights = [t for t in (*args[1:], *kwargs.values()) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    largest = max([1.0, *(float(t.detach().abs().max()) for t in weights if t.numel())])
+    scale = (float(logits.detach().abs().max()) + math.log(max(2, classes))) * largest
+    reduction = kwargs.get("reduction", args[6] if len(args) > 6 else "mean")
+    return RoundedTerms(source.dtype, rows + classes, scale, rows if reduction == "sum" else 1)
 
 
 def attention_rounding(func, args: tuple, kwargs: dict) -> AttentionRounding | None:

@@ -50,6 +50,9 @@ class OpFacts:
     # and the operands it rounds; read when op_tools is imported, as the replay's kernels are built from it.
     lower_precision: str | None = None
     rounded_operands: tuple[Where, ...] = ()
+    # A recurrent network in one call: on CUDA one cuDNN call whose matrix products follow cuDNN's TF32 switch, not
+    # cuBLAS's; on the CPU (oneDNN's kernel, or linears) and on other devices, ordinary matrix products.
+    recurrent: bool = False
     algorithm_ratio: float | None = None  # the device kernel's algorithm legitimately errs more than the CPU's
     uninitialised: bool = False  # its results are memory never written: nothing to compare
     rounded_once: bool = False  # each forward result element is computed wide and rounded once (comparison.py)
@@ -67,6 +70,11 @@ class OpFacts:
     # Its result is softmax(q k^T scale + mask) v, as scaled_dot_product_attention takes them: in a narrow dtype its
     # forward result is judged by what a fused kernel's roundings allow (rounding_bounds.AttentionRounding).
     attention_rounding: bool = False
+    # Its result sums terms of one sign that it computes from its first argument and rounds to that argument's dtype
+    # first: cross_entropy's log_softmax runs in the logits' dtype (also under autocast, whose nll_loss is float32),
+    # so a device that rounds a term the other way errs by up to half an ulp of that dtype per term, whatever the
+    # CPU's own error shows (rounding_bounds.RoundedTerms).
+    rounded_terms: bool = False
     # A random call whose draws PyTorch's math path, rerun on the device from the generator state the call started
     # from, gives back when the device took that path: compared with them (numerics/attention.py).
     replays_dropout: bool = False
@@ -261,6 +269,9 @@ for _family, _operands in (
     for _name, _where_rounded in _operands.items():
         register_op_facts(_name, lower_precision=_family, rounded_operands=_where_rounded)
 
+for _name in ("lstm", "gru", "rnn_tanh", "rnn_relu"):
+    register_op_facts(_name, recurrent=True)
+
 # Ops whose device kernels legitimately use another algorithm than the CPU's (fused attention: online softmax,
 # recomputation in backward), measured a little above 4x the CPU's error on an H100: a wider ratio. A 1e-3 fault
 # is still thousands of times the bound's width in float32.
@@ -299,6 +310,7 @@ for _name in ("sum", "mean", "nansum", "nanmean", "sum_to_size"):
     register_op_facts(_name, sums_elements=True)
 
 register_op_facts("scaled_dot_product_attention", attention_rounding=True)
+register_op_facts("cross_entropy", rounded_terms=True)
 
 # Ops that compute every output element on its own, from a few inputs, in a type wider than a narrow output, and
 # round it once (rounded_ops.py says why that matters).

@@ -83,7 +83,7 @@ from ..numerics.reference import (
     run_reference,
     run_same_dtype,
 )
-from ..numerics.rounding_bounds import AnyOrderSum, attention_rounding
+from ..numerics.rounding_bounds import AnyOrderSum, attention_rounding, rounded_terms
 from ..ops.arguments import is_dtensor, iter_items, iter_tensors, map_tensors
 from ..ops.collectives import collective_call, signature_of
 from ..ops.op_facts import cached_on_facts, op_facts
@@ -276,7 +276,7 @@ class OpAutoCompare(OpTool):
         state.cpu_args = map_arguments(call.args, copy)
         state.cpu_kwargs = map_arguments(call.kwargs, copy)
         state.compared_writes = () if spec.unknown else written
-        state.math = DeviceMath.of(call.device)
+        state.math = DeviceMath.of(call.device, call.name)
         state.rng = self._probe(call.device).token()
         reason = self._backward_reason(call)
         if reason is None:
@@ -512,7 +512,7 @@ class OpAutoCompare(OpTool):
                 LEARNT.expected_dtypes[signature] = _leaf_dtypes(device_cpu if same_value is None else same_value)
         comparisons = compare_outputs(device_cpu, reference.result, same_value, self._tolerance, op_name=call.name,
                                       prefix="output", history=LEARNT.history, key=state.precedent,
-                                      bounds=_forward_bounds(call.name, func, reference))
+                                      bounds=_forward_bounds(call.name, func, reference, state.cpu_args or ()))
         for label, t, host in zip(state.extra_labels, state.extra, state.extra_cpu):
             before_op = host_of[id(t)]
             comparisons.append(compare_tensors(label, host, reference.mapped[id(before_op)],
@@ -871,14 +871,18 @@ def _broadcast_sums(name: str, func, reference: Reference, outputs: list[torch.T
     return bounds
 
 
-def _forward_bounds(name: str, func, reference: Reference):
+def _forward_bounds(name: str, func, reference: Reference, device_args: tuple):
     """``bounds(0)``, the rounding bound of the one result of an op whose algorithm bounds it (``op_facts``'
-    ``sums_elements``: an ``AnyOrderSum``; ``attention_rounding``: an ``AttentionRounding``), from one more float64
-    run made only when the verdict asks; None for other ops."""
+    ``sums_elements``: an ``AnyOrderSum``; ``attention_rounding``: an ``AttentionRounding``; ``rounded_terms``: a
+    ``RoundedTerms``), from one more float64 run made only when the verdict asks; None for other ops.
+    ``device_args``: the call's arguments in the device's dtypes."""
     facts = op_facts(name)
     if facts.attention_rounding:
         rerun = _once(lambda: attention_rounding(func, reference.args, reference.kwargs))
         return lambda i: rerun() if i == 0 else None
+    if facts.rounded_terms:
+        terms = _once(lambda: rounded_terms(device_args, reference.args, reference.kwargs))
+        return lambda i: terms() if i == 0 else None
     if not facts.sums_elements:
         return None
     source = next(iter_tensors(reference.args), None)

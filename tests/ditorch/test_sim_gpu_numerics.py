@@ -113,3 +113,17 @@ def test_addcmul_and_addcdiv_round_once_after_a_fused_multiply_add(gpu_numerics,
     in_place = on[0].clone()
     in_place.addcdiv_(on[1], on[2], value=0.3)  # Adam's update, written into its argument
     assert torch.equal(in_place.cpu(), fma_div)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_log_softmax_in_cudas_association(gpu_numerics, dtype):
+    # CUDA's LogSoftMaxForwardEpilogue: x - (max + log(sum)) in float32; the CPU's: (x - max) - log(sum)
+    x = (torch.randn(64, 10, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    wide = x.float()
+    top = wide.amax(1, keepdim=True)
+    cuda = (wide - (top + (wide - top).exp().sum(1, keepdim=True).log())).to(dtype)
+    on_sim = torch.log_softmax(x.to(gpu_numerics), 1).cpu()
+    assert torch.equal(on_sim, cuda)
+    if dtype != torch.float32:
+        assert not torch.equal(on_sim, torch.log_softmax(x, 1))  # an ulp apart in some elements
+        assert torch.log_softmax(x.to(gpu_numerics), 1, dtype=torch.float32).dtype == torch.float32

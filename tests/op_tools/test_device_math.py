@@ -36,7 +36,10 @@ def test_the_cpu_replays_tf32_as_the_device_computes_it(sim, tf32):
     assert torch.equal(round_mantissa(torch.tensor([1 + 2**-11, 1 + 3 * 2**-11]), 10), torch.tensor([1.0, 1 + 2**-9]))
 
 
-@pytest.mark.parametrize("workload", [zoo.llama_float32, zoo.cnn_batchnorm], ids=["llama", "cnn"])
+# lstm: the CPU's float32 LSTM is one oneDNN kernel, whose products the replay cannot round (4 false failures
+# before it ran on linears); the device runs cells and matmuls, rounded
+@pytest.mark.parametrize("workload", [zoo.llama_float32, zoo.cnn_batchnorm, zoo.lstm_lm, zoo.gru_lm],
+                         ids=["llama", "cnn", "lstm", "gru"])
 def test_tf32_models_report_no_failure_and_say_tf32(sim, tf32, workload):
     with op_tools.OpAutoCompare() as tool:
         workload(sim)
@@ -57,6 +60,28 @@ def test_a_fault_above_tf32_rounding_is_found_first_under_tf32(sim, tf32):
         zoo.llama_float32(sim)
     assert tool.failures and tool.failures[0]["op"] == "torch.nn.functional.linear"
     assert "TF32" in tool.failures[0]["error_info"]
+
+
+def test_a_fault_in_an_lstm_cell_is_found_under_tf32(sim, tf32):
+    import ditorch.sim
+
+    with op_tools.OpAutoCompare() as tool, ditorch.sim.faults("_thnn_fused_lstm_cell:noise=1e-2"):
+        zoo.lstm_lm(sim)
+    assert tool.failures and tool.failures[0]["op"] == "torch.lstm" and tool.failures[0]["phase"] == "forward"
+
+
+def test_on_cuda_a_recurrent_op_follows_cudnns_tf32_switch_not_cublass(monkeypatch):
+    # Seen on an H200: nn.LSTM and nn.GRU in float32 are one cuDNN call each, TF32 by cuDNN's switch (on by
+    # default): 0.03 relative error, 4 false failures per recipe. No GPU needed: the switches are read, not used.
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    cuda = torch.device("cuda")
+    assert DeviceMath.of(cuda, "torch.lstm").reduced == (("matmul", "tf32"),)
+    assert DeviceMath.of(cuda, "torch.gru").reduced == (("matmul", "tf32"),)
+    assert DeviceMath.of(cuda, "torch.nn.functional.linear").reduced == (("conv", "tf32"),)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    assert DeviceMath.of(cuda, "torch.lstm").reduced == ()
 
 
 def test_without_tf32_a_small_fault_in_a_matmul_is_found(sim):

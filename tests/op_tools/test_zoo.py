@@ -131,3 +131,25 @@ def test_several_apply_feature_tools_in_one_process(sim, logged):
     summaries = [line for line in out.splitlines() if line.startswith("OpAutoCompare summary")]
     assert len(summaries) == 3 and all(", 0 failed" in s.split(";")[0] for s in summaries), summaries
     assert "no op failed" in out and "FAIL" not in out
+
+
+@pytest.mark.gpu
+def test_on_a_cuda_gpu_every_recipe_runs_clean_under_autocompare():
+    """Issue 34, item 5: the recipes on CUDA (its own kernels, summation orders, TF32 convolutions and fused
+    attention), 0 failing calls; the losses unchanged by the tool. One test, so that CUDA starts once."""
+    workloads = zoo.ZOO + (zoo.Workload("llama_float32", zoo.llama_float32, ("", ""), None),
+                           zoo.Workload("gpt2", zoo.gpt2, ("", ""), None))
+    rows, failing = [], {}
+    for workload in workloads:
+        expected = workload.run("cuda")
+        deterministic = workload.run("cuda") == expected  # atomics and cuDNN's algorithms may not be
+        with op_tools.OpAutoCompare() as tool:
+            losses = workload.run("cuda")
+        rows.append(f"{workload.name}: {tool.counts['forward compared']} forward, "
+                    f"{tool.counts['backward compared']} backward compared, {len(tool.failures)} failing")
+        if tool.failures:
+            failing[workload.name] = tool.failures[:3]
+        assert losses == expected or not deterministic, f"OpAutoCompare changed {workload.name}'s losses on CUDA"
+        assert tool.counts["forward compared"] > 10, rows[-1]
+    print("\n".join(rows))
+    assert not failing, failing

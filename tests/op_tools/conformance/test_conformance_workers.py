@@ -93,9 +93,10 @@ def test_a_malformed_tolerance_variable_is_named_before_anything_runs(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_correctly_rounded_ops_pass_as_the_detected_accelerator(tmp_path):
-    # no --device: the accelerator torch.accelerator reports; add, mul and relu are exact in float32 on CUDA
-    result = run("--ops", "add,mul,nn.functional.relu", "--dtypes", "float32", "--limit-samples", "4",
-                 "--output", str(tmp_path / "run"), cwd=str(tmp_path))
+    # no --device: the accelerator torch.accelerator reports; add, mul and relu are exact in float32 on CUDA.
+    # Spawned workers: CUDA cannot run in a forked one (the command refuses fork, tested below).
+    result = run("--start-method", "spawn", "--ops", "add,mul,nn.functional.relu", "--dtypes", "float32",
+                 "--limit-samples", "4", "--output", str(tmp_path / "run"), cwd=str(tmp_path))
     assert result.returncode == 0, explain(result)
     rows = read_csv(os.path.join(tmp_path, "run", CSV_FILE))
     assert {r.device for r in rows} == {"cuda"} and len(rows) == 6 and {r.status for r in rows} == {"pass"}
