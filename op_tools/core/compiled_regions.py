@@ -218,15 +218,15 @@ class _RegionBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         compiled = self.backend(gm, example_inputs)
-        return Region(gm, compiled).run_from_dynamo
+        return Region(gm, compiled, self.backend).run_from_dynamo
 
 
 class Region:
-    """One compiled graph: ``compiled`` (what the user's backend made of it) and ``gm`` (the graph dynamo traced, for
-    the reference), named ``compiled:<function>#<frame>``."""
+    """One compiled graph: ``compiled`` (what the user's ``backend`` made of it) and ``gm`` (the graph dynamo traced,
+    for the reference), named ``compiled:<function>#<frame>``."""
 
-    def __init__(self, gm: torch.fx.GraphModule, compiled) -> None:
-        self.gm, self.compiled = gm, compiled
+    def __init__(self, gm: torch.fx.GraphModule, compiled, backend=None) -> None:
+        self.gm, self.compiled, self.backend = gm, compiled, backend
         self.name, self.location = _region_name(gm)
 
     def run_compiled(self, *args):

@@ -61,9 +61,24 @@ class GraphReference:
         return _HostInterpreter(self.gm, DEFAULT_CAST if widening else {}).run(*inputs)
 
 
+def node_values(gm: torch.fx.GraphModule, device_inputs: tuple, widen: bool) -> dict:
+    """Every node's value (by node name) of ``gm`` run on the host on copies of ``device_inputs``: in float64 where
+    ``widen``, else in the device's dtypes (the same-dtype run)."""
+    cast = DEFAULT_CAST if widen else {}
+    interpreter = _HostInterpreter(gm, cast, keep=True)
+    with torch.no_grad():
+        interpreter.run(*(_host(t, cast) for t in device_inputs))
+    return {node.name: value for node, value in interpreter.env.items()}
+
+
+def node_where(n: torch.fx.Node) -> tuple[str, str]:
+    """The module path and the ``file:line`` of the source line that made a node."""
+    return _module_of(n), _line_of(n)
+
+
 class _HostInterpreter(torch.fx.Interpreter):
-    def __init__(self, gm: torch.fx.GraphModule, cast: dict) -> None:
-        super().__init__(gm, garbage_collect_values=True)
+    def __init__(self, gm: torch.fx.GraphModule, cast: dict, keep: bool = False) -> None:
+        super().__init__(gm, garbage_collect_values=not keep)
         self.cast = cast
 
     def call_function(self, target, args, kwargs):

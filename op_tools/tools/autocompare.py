@@ -57,7 +57,7 @@ from ..config.variables import (
     parse_dtype_map,
 )
 from ..core.engine import OpCall, OpTool, RegionRun, feature
-from ..numerics import collective_reference, graph_reference
+from ..numerics import collective_reference, fused_kernels, graph_reference
 from ..numerics.attention import replayed_dropout_mask, with_dropout_mask
 from ..numerics.comparison import (
     COLUMNS,
@@ -229,7 +229,7 @@ class OpAutoCompare(OpTool):
         self._probes: dict[torch.device, GeneratorProbe] = {}
         self._attempts: dict[str, list] = {}  # op name -> the reference casts to try, in order
         # compiled graph's name -> the first node found diverging in it (None: none does), once per graph
-        self._narrowed: dict[str, graph_reference.DivergingNode | None] = {}
+        self._narrowed: dict[str, graph_reference.DivergingNode | fused_kernels.DivergingKernel | None] = {}
 
     def note_writes(self, tensors: list) -> None:
         self._copies.forget(tensors)
@@ -541,7 +541,10 @@ class OpAutoCompare(OpTool):
         comparisons; the module path and source line to record, the node's where one was found."""
         region = call.func.region
         if region.name not in self._narrowed:
-            found = graph_reference.first_diverging_node(region.gm, call.args, self._tolerance)
+            found: graph_reference.DivergingNode | fused_kernels.DivergingKernel | None = \
+                graph_reference.first_diverging_node(region.gm, call.args, self._tolerance)
+            if found is None and fused_kernels.is_inductor(region.backend):
+                found = fused_kernels.first_diverging_kernel(region.backend, region.gm, call.args, self._tolerance)
             self._narrowed[region.name] = found
             self._logger.warning("OpAutoCompare: %s failed; %s", region.name, found.describe() if found else
                                  "no node's output diverges when its nodes run one by one on the device: the "

@@ -106,6 +106,37 @@ report["dropout"] = account(tool)
 with op_tools.OpObserve(), op_tools.OpAutoCompare(compiled="check") as tool:
     torch.compile(broken, backend="aot_eager")(a, w).backward()
 report["beside_observe"] = account(tool)
+
+# Inductor on the host (its C++ code): a clean MLP, then the same with a fault in one lowering, put there by a
+# post-grad pass (a test-only pass: silu's exp, or silu itself, scaled by 1.01 before Inductor fuses the graph).
+# CPU calls are not handled by default (the host is the reference's side): this seam turns them on for the test.
+from torch._inductor import config as inductor_config
+
+def faulty_exp(graph):
+    for node in list(graph.nodes):
+        if node.target in (torch.ops.aten.exp.default, torch.ops.aten.silu.default):
+            with graph.inserting_after(node):
+                scaled = graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.01))
+            node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, h):
+        return self.down(F.silu(self.up(h)) * 2)
+
+for name, fault in (("inductor", None), ("inductor_fault", faulty_exp)):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mlp, h = torch.compile(Mlp(), backend="inductor"), torch.randn(8, 16)
+    with inductor_config.patch(post_grad_custom_post_pass=fault, fx_graph_cache=False):
+        tool = op_tools.OpAutoCompare(compiled="check")
+        tool.handles_cpu_calls = True
+        with tool:
+            mlp(h).pow(2).mean().backward()
+    report[name] = account(tool)
 report["lines"] = lines
 report["stance"] = torch._dynamo.eval_frame._stance.stance
 report["callback_restored"] = not hasattr(torch._dynamo.eval_frame._callback_from_stance, "__wrapped_by_op_tools__")
@@ -144,8 +175,23 @@ def test_a_silu_fault_in_a_compiled_llama_is_narrowed_to_its_node_module_and_sou
         path, _, line = failure["location"].rpartition(":")
         assert path.endswith(os.path.join("transformers", "activations.py")) and line.isdigit(), failure
     assert report["llama_silu"]["verdict"] == "found"
-    narrowed = [line for line in report["lines"] if line.startswith("OpAutoCompare: compiled:")]
+    narrowed = [line for line in report["lines"] if line.startswith("OpAutoCompare: compiled:forward#")]
     assert len(narrowed) == 1 and "first diverging node" in narrowed[0], narrowed  # once per graph
+
+
+def test_with_inductor_a_clean_graph_passes_and_a_faulty_lowering_is_named_by_its_fused_kernel(report):
+    clean = report["inductor"]
+    assert clean["failures"] == [] and clean["verdict"] == "clean", clean
+    assert clean["counts"]["forward compared"] == 3 and clean["counts"]["backward compared"] == 3, clean
+    found = report["inductor_fault"]["failures"]
+    assert [f["phase"] for f in found] == ["forward", "backward"], found
+    for failure in found:
+        assert failure["op"] == "compiled:Mlp.forward#1" and failure["module"] == "Mlp", failure
+        # the node-by-node run on the device agrees (the fault is in the compiled code): the kernel is named
+        assert failure["error_info"].startswith("first diverging kernel cpp_fused_mul_silu_"), failure
+        assert "its result for node mul (" in failure["error_info"], failure
+    narrowed = [line for line in report["lines"] if line.startswith("OpAutoCompare: compiled:Mlp.forward#1 failed")]
+    assert len(narrowed) == 1 and "first diverging kernel cpp_fused_" in narrowed[0], narrowed
 
 
 def test_a_compiled_cnn_with_batchnorm_and_inplace_relu_passes_and_trains_as_without_the_tool(report):
