@@ -434,14 +434,16 @@ def parse_count(text: str | None) -> int:
     return value
 
 
-_COMPILED_CHOICE = parse_choice("eager", "check")
+_COMPILED_CHOICE = parse_choice("eager", "check", "versus_eager")
 AUTOCOMPARE_COMPILED = declare(
-    "OP_AUTOCOMPARE_COMPILED", "eager or check", "eager",
+    "OP_AUTOCOMPARE_COMPILED", "eager, check or versus_eager", "eager",
     "How torch.compile'd code is checked. eager: it runs eagerly while the tool is active and each op is compared "
     "(what the eager model computes); check: it stays compiled, and each compiled graph's run is compared as one "
     "call, forward and backward, with the graph dynamo traced rerun in float64 on the CPU (what the compiled model "
-    "computes; docs/tools/op_autocompare.md#compiled-code).",
-    _COMPILED_CHOICE, lambda value: _COMPILED_CHOICE(str(value)), "'eager' or 'check'",
+    "computes; docs/tools/op_autocompare.md#compiled-code); versus_eager: as check, and each graph's forward also "
+    "run eagerly on the device in its dtype, so that each row says whether compiled errs more than eager, and by "
+    "how much.",
+    _COMPILED_CHOICE, lambda value: _COMPILED_CHOICE(str(value)), "'eager', 'check' or 'versus_eager'",
 )
 AUTOCOMPARE_MAX_SAVED = declare(
     "OP_AUTOCOMPARE_MAX_SAVED", "an integer >= 0", "3",

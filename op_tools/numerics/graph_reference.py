@@ -137,12 +137,25 @@ class _DivergedError(Exception):
         self.found = found
 
 
+def eager_run(gm: torch.fx.GraphModule, device_inputs: tuple):
+    """``gm`` run eagerly on the device, as the graph's torch calls, on clones of inputs an in-place node would write
+    and with gradients off (the user's tensors and graph are untouched): what eager code computes in the device's
+    dtypes."""
+    with torch.no_grad():
+        return gm(*_unwritten(gm, device_inputs))
+
+
+def _unwritten(gm: torch.fx.GraphModule, device_inputs: tuple) -> tuple:
+    if any(_writes(node) for node in gm.graph.nodes):
+        return tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in device_inputs)
+    return device_inputs
+
+
 def first_diverging_node(gm: torch.fx.GraphModule, device_inputs: tuple, tolerance) -> DivergingNode | None:
     """Run ``gm`` node by node on the device (eagerly, on clones of inputs an in-place node would write, with
     gradients off: the user's tensors, graph and random streams are untouched) and check each node's output
     against the node rerun in float64 on the host on the same inputs; the first that fails, or None."""
-    if any(_writes(node) for node in gm.graph.nodes):
-        device_inputs = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in device_inputs)
+    device_inputs = _unwritten(gm, device_inputs)
     try:
         with torch.no_grad():
             _NodeCheck(gm, tolerance).run(*device_inputs)

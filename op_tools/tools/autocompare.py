@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -98,6 +99,7 @@ CSV_COLUMNS = ("op", "forward_id", "phase", "module", *COLUMNS, "location", *res
 # the console shows these columns of a comparison (fitting 120 characters); the CSV has them all
 CONSOLE_COLUMNS = ("name", "allclose", "max_abs_diff", "max_relative_diff", "verdict", "error_info")
 FAILURES_SHOWN = 20  # rows of the failing-ops table on the console; the CSV holds them all
+VERSUS_EAGER_WORSE = 2.0  # a compiled graph erring more than this many times its eager run is counted as worse
 _RERUN_DRAWS = "random (the CPU reference drew numbers)"
 # Input elements from which an op's first call learns its output dtypes on meta tensors rather than by a same-dtype
 # run (a meta run costs about a millisecond of Python whatever the size; a run on small tensors costs less).
@@ -189,7 +191,8 @@ class OpAutoCompare(OpTool):
     ``reference_casts`` (``<OPNAME>_OP_DTYPE_CAST_DICT``: ``{"linear": {torch.float16: torch.float32}}``),
     ``collectives`` (``OP_AUTOCOMPARE_COLLECTIVES``: check torch.distributed collectives against every rank's
     inputs), ``compiled`` (``OP_AUTOCOMPARE_COMPILED``: ``"check"`` keeps torch.compile'd code compiled and compares
-    each compiled graph's run as one call), and ``results_dir``, ``verbose``, ``print_stack``, ``strict``,
+    each compiled graph's run as one call; ``"versus_eager"`` also runs each graph's forward eagerly on the device
+    and says whether compiled errs more), and ``results_dir``, ``verbose``, ``print_stack``, ``strict``,
     ``print_ranks`` as every tool.
 
     >>> with op_tools.OpAutoCompare(tolerance={torch.bfloat16: (1e-2, 1e-2)}, backward=False) as compare:
@@ -211,7 +214,7 @@ class OpAutoCompare(OpTool):
 
     def configure(self) -> None:
         self.settings = AutoCompareConfig.from_env(self.sources)
-        self.checks_regions = self.settings.compiled == "check"
+        self.checks_regions = self.settings.compiled in ("check", "versus_eager")
         self._tolerance = self.settings.tolerance or None  # None: no variable set, nothing to look up per call
         self.saving = FailingCalls(self.common, self.settings.max_saved, self.pid_folder, self.tally, self._logger,
                                    self.settings.max_save_bytes)
@@ -228,6 +231,8 @@ class OpAutoCompare(OpTool):
         self._copies = HostCopies()
         self._probes: dict[torch.device, GeneratorProbe] = {}
         self._attempts: dict[str, list] = {}  # op name -> the reference casts to try, in order
+        # compiled graph's name -> the largest ratio of its compiled error to its eager one (versus_eager)
+        self.versus_eager: dict[str, float] = {}
         # compiled graph's name -> the first node found diverging in it (None: none does), once per graph
         self._narrowed: dict[str, graph_reference.DivergingNode | fused_kernels.DivergingKernel | None] = {}
 
@@ -418,6 +423,8 @@ class OpAutoCompare(OpTool):
         level = self._table_level(call.name, "forward", passed)
         location = call.location if not passed or self._logger.isEnabledFor(level) or wants_backward else ""
         module = call.module_path
+        if self.settings.compiled == "versus_eager" and type(call.func) is RegionRun:
+            self._versus_eager(call, comparisons, reference)
         if not passed and type(call.func) is RegionRun:
             module, location = self._narrow(call, comparisons, module, location)
         self._record(call.name, call.forward_id, "forward", location, comparisons, module, call.step, call.time)
@@ -555,6 +562,26 @@ class OpAutoCompare(OpTool):
         for c in comparisons:
             c.error_info = "; ".join(filter(None, (found.describe(), c.error_info)))
         return found.module or module, found.location or location
+
+    def _versus_eager(self, call: OpCall, comparisons: list[Comparison], reference) -> None:
+        """A compiled graph's forward also run eagerly on the device (``versus_eager``): each output's comparison says
+        its compiled error against the eager run's, both against the float64 reference."""
+        region = call.func.region
+        eager = graph_reference.eager_run(region.gm, call.args)
+        eager_cpu = map_tensors(eager, lambda t: t.detach().to("cpu"))
+        eager_comparisons = compare_outputs(eager_cpu, reference.result, None, self._tolerance, op_name=call.name,
+                                            prefix="output")
+        pairs = list(zip(comparisons, eager_comparisons))
+        for compiled, eager_run in pairs:
+            compiled.error_info = "; ".join(filter(None, (
+                f"compiled error {compiled.device_error:.3g}, eager {eager_run.device_error:.3g} "
+                f"({_ratio(compiled.device_error, eager_run.device_error):.3g}x)", compiled.error_info)))
+        # the graph's: its largest error compiled against its largest eager (one output's ratio is noisy: a scalar's
+        # errors may cancel in one run and not in the other)
+        ratio = _ratio(max((c.device_error for c, _ in pairs), default=0.0),
+                       max((e.device_error for _, e in pairs), default=0.0))
+        with self._lock:
+            self.versus_eager[region.name] = max(ratio, self.versus_eager.get(region.name, 0.0))
 
     def _recheck(self, state: CompareState, tensors: Sequence, host_of: dict, written_ids: set) -> bool:
         """Re-read the inputs the cache supplied (not those the op wrote: their old values are gone); True, with
@@ -780,6 +807,12 @@ class OpAutoCompare(OpTool):
         if self.device_math:
             lines.append(fit("device math replayed by the same-dtype reference where the op used it: " + ", ".join(
                 f"{described} ({n} calls)" for described, n in self.device_math.most_common())))
+        if self.versus_eager:
+            worse = {name: r for name, r in self.versus_eager.items() if r > VERSUS_EAGER_WORSE}
+            name, ratio = max(self.versus_eager.items(), key=lambda item: item[1])
+            lines.append(fit(f"compiled against eager in the device's dtype: {len(self.versus_eager)} graphs, "
+                             f"compiled errs more than {VERSUS_EAGER_WORSE:g}x eager in {len(worse)}"
+                             + (f" (the most: {name}, {ratio:.3g}x)" if worse else "")))
         if self.saving.saved:
             lines.append(self.saving.summary_line())
         if self.stale_copies:
@@ -841,6 +874,12 @@ def _in_device_memory(t: torch.Tensor) -> bool:
         return t.untyped_storage().device.type != "cpu"
     except (RuntimeError, NotImplementedError, TypeError):
         return True
+
+
+def _ratio(compiled: float, eager: float) -> float:
+    if math.isnan(compiled) or math.isnan(eager):
+        return math.nan
+    return compiled / eager if eager > 0 else (math.inf if compiled > 0 else 1.0)
 
 
 def _leaf_dtypes(result) -> tuple:

@@ -39,7 +39,8 @@ def failures(tool):
 
 def account(tool):
     return {"counts": dict(tool.counts), "handled": sorted(tool.handled), "failures": failures(tool),
-            "skipped": dict(tool.skipped), "verdict": tool.verdict()}
+            "skipped": dict(tool.skipped), "verdict": tool.verdict(), "summary": tool.summary(),
+            "versus_eager": tool.versus_eager}
 
 # A Llama, compiled with aot_eager (sim's faults apply inside its graphs)
 def llama_step(model, ids):
@@ -61,7 +62,7 @@ report["llama"]["unchanged"] = checked[0] == plain[0] and all(torch.equal(a, b) 
 # is in the kernel: the model is compiled again inside the fault's scope (dynamo would reuse the clean graph for
 # another instance of the model).
 torch._dynamo.reset()
-with ditorch.sim.faults("silu:noise=1e-2"), op_tools.OpAutoCompare(compiled="check") as tool:
+with ditorch.sim.faults("silu:noise=1e-2"), op_tools.OpAutoCompare(compiled="versus_eager") as tool:
     llama_step(llama, ids)
 report["llama_silu"] = account(tool)
 
@@ -132,7 +133,7 @@ for name, fault in (("inductor", None), ("inductor_fault", faulty_exp)):
     torch.manual_seed(0)
     mlp, h = torch.compile(Mlp(), backend="inductor"), torch.randn(8, 16)
     with inductor_config.patch(post_grad_custom_post_pass=fault, fx_graph_cache=False):
-        tool = op_tools.OpAutoCompare(compiled="check")
+        tool = op_tools.OpAutoCompare(compiled="versus_eager")
         tool.handles_cpu_calls = True
         with tool:
             mlp(h).pow(2).mean().backward()
@@ -175,6 +176,11 @@ def test_a_silu_fault_in_a_compiled_llama_is_narrowed_to_its_node_module_and_sou
         path, _, line = failure["location"].rpartition(":")
         assert path.endswith(os.path.join("transformers", "activations.py")) and line.isdigit(), failure
     assert report["llama_silu"]["verdict"] == "found"
+    # versus_eager: the fault is the device's kernel, so eager errs as much as compiled
+    assert "; compiled error " in found[0]["error_info"], found[0]
+    assert 0.2 < report["llama_silu"]["versus_eager"]["compiled:forward#1"] < 5, report["llama_silu"]["versus_eager"]
+    assert "compiled against eager in the device's dtype: 1 graphs, compiled errs more than 2x eager in 0" in \
+        report["llama_silu"]["summary"], report["llama_silu"]["summary"]
     narrowed = [line for line in report["lines"] if line.startswith("OpAutoCompare: compiled:forward#")]
     assert len(narrowed) == 1 and "first diverging node" in narrowed[0], narrowed  # once per graph
 
@@ -190,6 +196,10 @@ def test_with_inductor_a_clean_graph_passes_and_a_faulty_lowering_is_named_by_it
         # the node-by-node run on the device agrees (the fault is in the compiled code): the kernel is named
         assert failure["error_info"].startswith("first diverging kernel cpp_fused_mul_silu_"), failure
         assert "its result for node mul (" in failure["error_info"], failure
+    # versus_eager: the eager run of the same graph is right, the compiled one errs thousands of times more
+    assert report["inductor_fault"]["versus_eager"]["compiled:Mlp.forward#1"] > 1000, report["inductor_fault"]
+    assert "compiled errs more than 2x eager in 1 (the most: compiled:Mlp.forward#1," in \
+        report["inductor_fault"]["summary"], report["inductor_fault"]["summary"]
     narrowed = [line for line in report["lines"] if line.startswith("OpAutoCompare: compiled:Mlp.forward#1 failed")]
     assert len(narrowed) == 1 and "first diverging kernel cpp_fused_" in narrowed[0], narrowed
 
@@ -224,11 +234,11 @@ def test_the_tool_says_compiled_code_runs_compiled_and_puts_dynamo_back_after(re
 
 def test_an_unknown_compiled_setting_is_named_with_its_keyword_or_variable(monkeypatch):
     with pytest.raises(ValueError, match=r"OpAutoCompare\(compiled='sometimes'\): unknown choice 'sometimes'; "
-                                         r"expected 'eager' or 'check'"):
+                                         r"expected 'eager', 'check' or 'versus_eager'"):
         op_tools.OpAutoCompare(compiled="sometimes")
     monkeypatch.setenv("OP_AUTOCOMPARE_COMPILED", "sometimes")
     with pytest.raises(ValueError, match="OP_AUTOCOMPARE_COMPILED='sometimes': unknown choice 'sometimes'; "
-                                         "expected eager or check"):
+                                         "expected eager, check or versus_eager"):
         op_tools.OpAutoCompare().start()
 
 

@@ -18,7 +18,7 @@ MALFORMED_BY_FORM = {
     "0 or 1": "maybe",
     "full or summary": "partial",
     "full, summary or stats": "partial",
-    "eager or check": "sometimes",
+    "eager, check or versus_eager": "sometimes",
     "an integer >= 1": "0",
     "an integer >= 40, or full": "39",
     "a number >= 0": "-1",
