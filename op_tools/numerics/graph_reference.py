@@ -11,6 +11,7 @@ autocast op is the op in float64).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 
@@ -20,7 +21,7 @@ import torch.fx
 from ..ops.arguments import iter_tensors, map_tensors
 from ..ops.naming import resolve_op_name
 from ..ops.random_calls import random_reason as _call_random_reason
-from .comparison import compare_outputs
+from .comparison import compare_outputs, compare_tensors
 from .reference import DEFAULT_CAST, map_arguments
 
 # Tensor methods that cast to a dtype, as the dtype they cast to.
@@ -162,6 +163,95 @@ def first_diverging_node(gm: torch.fx.GraphModule, device_inputs: tuple, toleran
     except _DivergedError as found:
         return found.found
     return None
+
+
+def first_diverging_gradient(gm: torch.fx.GraphModule, device_inputs: tuple, upstream: tuple, tolerance) \
+        -> DivergingNode | None:
+    """A graph whose backward failed: ``gm`` run on the device (on detached copies of its inputs, so the user's graph
+    is untouched), its outputs' ``upstream`` gradients taken back to every node's output, then, from the last node
+    back (the backward's order), each node's input gradients for its own upstream gradient computed on the device
+    and in float64 on the host from the same inputs; the first node whose gradients fail, or None."""
+    inputs = tuple(t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) and
+                   t.is_floating_point() else t for t in _unwritten(gm, device_inputs))
+    interpreter = torch.fx.Interpreter(gm, garbage_collect_values=False)
+    with torch.enable_grad():
+        outputs = interpreter.run(*inputs)
+    values = interpreter.env
+    unique: list[torch.Tensor] = []
+    for t in iter_tensors(outputs):
+        if all(t is not u for u in unique):
+            unique.append(t)
+    pairs = [(o, g) for o, g in zip(unique, upstream) if g is not None and o.requires_grad]
+    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method") and
+             isinstance(values.get(n), torch.Tensor) and values[n].requires_grad]
+    if not pairs or not nodes:
+        return None
+    grads = torch.autograd.grad([o for o, _ in pairs], [values[n] for n in nodes], [g for _, g in pairs],
+                                allow_unused=True)
+    for n, g in reversed(list(zip(nodes, grads))):
+        if g is None or not node_name(n):
+            continue
+        args, kwargs = interpreter.fetch_args_kwargs_from_env(n)
+        failed = _node_backward_fails(n, args, kwargs, g, tolerance)
+        if failed:
+            return DivergingNode(n.name, node_name(n), _module_of(n), _line_of(n), failed)
+    return None
+
+
+def _node_backward_fails(n: torch.fx.Node, args, kwargs, upstream: torch.Tensor, tolerance) -> tuple:
+    """The failing comparisons of one node's input gradients, on the device against float64 on the host."""
+    device = _node_grads(n, args, kwargs, upstream, None)
+    if device is None:
+        return ()
+    reference = _node_grads(n, args, kwargs, upstream, DEFAULT_CAST)
+    if reference is None:
+        return ()
+    same = _node_grads(n, args, kwargs, upstream, {})
+    failed = []
+    for i, (d, r) in enumerate(zip(device, reference)):
+        if d is None or r is None:
+            continue
+        c = compare_tensors(f"input[{i}].grad", d.detach().to("cpu"), r, functools.partial(_item, same, i),
+                            tolerance, node_name(n), backward=True)
+        if not c.passed:
+            failed.append(c)
+    return tuple(failed)
+
+
+def _node_grads(n: torch.fx.Node, args, kwargs, upstream: torch.Tensor, cast: dict | None):
+    """The node's gradients for its floating tensor arguments, rerun from detached copies of them: on the device
+    (``cast`` None) or on the host through ``cast``; None where it cannot be rerun."""
+    leaves: list[torch.Tensor] = []
+
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        copy = t.detach() if cast is None else _host(t.detach(), cast)
+        if not copy.is_floating_point():
+            return copy
+        copy = copy.clone().requires_grad_() if cast is None else copy.requires_grad_()
+        leaves.append(copy)
+        return copy.clone() if _writes(n) else copy  # an in-place node writes the clone; the leaf's gradient stays
+
+    try:
+        with torch.enable_grad():
+            a, k = map_tensors(args, leaf), map_tensors(kwargs, leaf)
+            out = _host_call(n.op, n.target, a, k, {}) if cast is not None else _device_call(n, a, k)
+            if not isinstance(out, torch.Tensor) or not out.requires_grad or not leaves:
+                return None
+            g = upstream.detach() if cast is None else _host(upstream.detach(), cast)
+            return torch.autograd.grad(out, leaves, g.to(out.dtype), allow_unused=True)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError, IndexError):
+        return None
+
+
+def _item(values: tuple | None, i: int):
+    return None if values is None else values[i]
+
+
+def _device_call(n: torch.fx.Node, args, kwargs):
+    target = n.target
+    if callable(target):  # call_function
+        return target(*args, **kwargs)
+    return getattr(args[0], target)(*args[1:], **kwargs)  # call_method: the method's name
 
 
 def _writes(node: torch.fx.Node) -> bool:

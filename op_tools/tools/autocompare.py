@@ -250,6 +250,7 @@ class OpAutoCompare(OpTool):
         if region is not None:  # a compiled graph: its reference is the graph dynamo traced, rerun on the host
             reason = graph_reference.random_reason(region.gm)
             state.func = graph_reference.reference_of(region)
+            state.region_args = call.args
         else:
             reason = skip_reason(call.name) or random_reason(call.name, call.args, call.kwargs)
         reason = reason or (_RERUN_DRAWS if call.name in LEARNT.drawing_reruns else None)
@@ -549,9 +550,10 @@ class OpAutoCompare(OpTool):
         region = call.func.region
         if region.name not in self._narrowed:
             found: graph_reference.DivergingNode | fused_kernels.DivergingKernel | None = \
-                graph_reference.first_diverging_node(region.gm, call.args, self._tolerance)
+                self._narrowing(graph_reference.first_diverging_node, region.gm, call.args, self._tolerance)
             if found is None and fused_kernels.is_inductor(region.backend):
-                found = fused_kernels.first_diverging_kernel(region.backend, region.gm, call.args, self._tolerance)
+                found = self._narrowing(fused_kernels.first_diverging_kernel, region.backend, region.gm, call.args,
+                                        self._tolerance)
             self._narrowed[region.name] = found
             self._logger.warning("OpAutoCompare: %s failed; %s", region.name, found.describe() if found else
                                  "no node's output diverges when its nodes run one by one on the device: the "
@@ -562,6 +564,29 @@ class OpAutoCompare(OpTool):
         for c in comparisons:
             c.error_info = "; ".join(filter(None, (found.describe(), c.error_info)))
         return found.module or module, found.location or location
+
+    def _narrowing(self, narrow, *args):
+        """``narrow(*args)``, or None with a WARNING when it fails: the graph's failure is recorded all the same."""
+        try:
+            return narrow(*args)
+        except Exception as e:  # noqa: BLE001 - narrowing is a hint; its failure must not lose the verdict
+            self._logger.warning("OpAutoCompare: narrowing a failing compiled graph down failed (%s: %s); the failure "
+                                 "is reported on the graph", type(e).__name__, str(e).splitlines()[0][:200])
+            return None
+
+    def _narrow_backward(self, call: OpCall, upstream: tuple):
+        """A compiled graph whose backward failed and whose forward named nothing: its first node, in the backward's
+        order, whose own gradients diverge (found once per graph)."""
+        region = call.func.region
+        key = f"{region.name} backward"
+        if key not in self._narrowed:
+            found = self._narrowing(graph_reference.first_diverging_gradient, region.gm, call.state.region_args,
+                                    upstream, self._tolerance)
+            self._narrowed[key] = found
+            self._logger.warning("OpAutoCompare: %s failed in backward; %s", region.name, found.describe() + " in "
+                                 "backward" if found else "no node's gradients diverge when its nodes run one by one "
+                                 "on the device: the fault is in how the backward was compiled, not in one op")
+        return self._narrowed[key]
 
     def _versus_eager(self, call: OpCall, comparisons: list[Comparison], reference) -> None:
         """A compiled graph's forward also run eagerly on the device (``versus_eager``): each output's comparison says
@@ -654,6 +679,8 @@ class OpAutoCompare(OpTool):
             self.counts["backward passed" if passed else "backward failed"] += 1
         location, module = call.location, call.module_path
         found = self._narrowed.get(call.name) if not passed and type(call.func) is RegionRun else None
+        if found is None and not passed and type(call.func) is RegionRun:
+            found = self._narrow_backward(call, upstream)
         if found is not None:  # the graph's forward was narrowed to a node: the likeliest origin of its gradients'
             for c in comparisons:
                 c.error_info = "; ".join(filter(None, (found.describe(), c.error_info)))

@@ -22,7 +22,7 @@ class CompareState:
     __slots__ = ("written", "skip", "inside", "tensors", "cpu_args", "cpu_kwargs", "compared_writes", "math", "rng",
                  "grad_labels", "device_cpu", "extra", "extra_cpu", "extra_labels", "host_of", "signature",
                  "precedent", "math_used", "owned", "grad_snaps", "reference", "device_out", "ref_out",
-                 "saved_forward", "save_dir", "collective", "replay", "func")
+                 "saved_forward", "save_dir", "collective", "replay", "func", "region_args")
 
     # --- set by before() ---
     written: Sequence[torch.Tensor]  # the arguments the op writes (each once; every tensor of an unknown function)
@@ -38,6 +38,7 @@ class CompareState:
     # a call whose dropout mask is replayed (numerics/attention.py): ((get_state, set_state), the state before it)
     replay: tuple | None
     func: Any  # what the reruns run in place of call.func (the call with its replayed mask); None: call.func
+    region_args: tuple  # a compiled graph's device arguments, kept to narrow a failing backward (the call drops them)
     grad_labels: Sequence[str]  # the labels of call.grad_inputs ("input[0]"), for the gradients' rows
     # --- what after() gives _compare_forward (dropped when after() returns, as locals were) ---
     device_cpu: Any  # the result as compared: host copies, or large tensors on their device
@@ -63,6 +64,7 @@ class CompareState:
     def release(self) -> None:
         """Every field back to its default, dropping the tensors and copies held: the call is compared no further."""
         self.written = self.tensors = self.compared_writes = self.grad_labels = self.grad_snaps = self.precedent = ()
+        self.region_args = ()
         self.skip = self.cpu_args = self.cpu_kwargs = self.math = self.rng = self.math_used = self.owned = None
         self.inside = self.saved_forward = False
         self.reference = self.device_out = self.ref_out = self.save_dir = self.collective = None
@@ -79,4 +81,4 @@ class CompareState:
     def release_backward(self) -> None:
         """Drop what only the backward's comparison needed: the reference graph, the outputs, the inputs' copies."""
         self.reference = self.device_out = self.ref_out = None
-        self.grad_snaps = ()
+        self.grad_snaps = self.region_args = ()

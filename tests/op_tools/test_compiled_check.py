@@ -128,7 +128,14 @@ class Mlp(nn.Module):
     def forward(self, h):
         return self.down(F.silu(self.up(h)) * 2)
 
-for name, fault in (("inductor", None), ("inductor_fault", faulty_exp)):
+def faulty_sigmoid(graph):  # in silu's backward alone (Inductor's forward computes silu without a sigmoid)
+    for node in list(graph.nodes):
+        if node.target is torch.ops.aten.sigmoid.default:
+            with graph.inserting_after(node):
+                scaled = graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.01))
+            node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+
+for name, fault in (("inductor", None), ("inductor_fault", faulty_exp), ("inductor_backward", faulty_sigmoid)):
     torch._dynamo.reset()
     torch.manual_seed(0)
     mlp, h = torch.compile(Mlp(), backend="inductor"), torch.randn(8, 16)
@@ -183,6 +190,44 @@ def test_a_silu_fault_in_a_compiled_llama_is_narrowed_to_its_node_module_and_sou
         report["llama_silu"]["summary"], report["llama_silu"]["summary"]
     narrowed = [line for line in report["lines"] if line.startswith("OpAutoCompare: compiled:forward#")]
     assert len(narrowed) == 1 and "first diverging node" in narrowed[0], narrowed  # once per graph
+
+
+def test_a_fault_in_a_compiled_backward_alone_is_reported_on_the_graph_and_said(report):
+    found = report["inductor_backward"]["failures"]
+    assert [f["phase"] for f in found] == ["backward"], found
+    # the graph's nodes, run one by one on the device with their own gradients, agree: the compiled backward is wrong
+    said = [line for line in report["lines"] if "failed in backward" in line]
+    assert len(said) == 1 and "no node's gradients diverge when its nodes run one by one on the device" in said[0]
+
+
+def test_a_backward_kernels_fault_is_narrowed_to_its_node_by_the_nodes_own_gradients(sim):
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+
+    import ditorch.sim
+    from op_tools.numerics.graph_reference import first_diverging_gradient
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def step(x, w):
+        return (F.silu(x @ w) * 2).sum()
+
+    torch._dynamo.reset()
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 16, generator=generator).to(sim)
+    w = torch.randn(16, 16, generator=generator).to(sim).requires_grad_()
+    torch.compile(step, backend=keep)(x, w)
+    upstream = (torch.ones((), device=sim),)
+    assert first_diverging_gradient(graphs[0], (x, w), upstream, None) is None
+    with ditorch.sim.faults("sigmoid:noise=1e-2"):  # on sim, in silu's backward only (its forward is one kernel)
+        found = first_diverging_gradient(graphs[0], (x, w), upstream, None)
+    assert found is not None and found.op == "torch.nn.functional.silu", found
+    assert found.location.endswith("test_compiled_check.py:" + str(step.__code__.co_firstlineno + 1)), found
+    assert w.grad is None  # the user's tensors untouched
 
 
 def test_with_inductor_a_clean_graph_passes_and_a_faulty_lowering_is_named_by_its_fused_kernel(report):
