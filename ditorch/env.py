@@ -117,8 +117,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "How many sim devices `ditorch.sim.register()` creates; unset: one per local rank under torchrun "
            "(`LOCAL_WORLD_SIZE`), else 1, so `torch.cuda.set_device(local_rank)` works as on a real node.",
            parse_optional_positive_int, selects_device=True),
-    EnvVar("DITORCH_SIM_FAULTS", "'pattern[@dtype]:kind' joined by ';' (see ditorch/sim/fault_injection.py)", "",
-           "Faults the sim device injects into matching aten ops.", parse_sim_faults),
+    EnvVar("DITORCH_SIM_FAULTS", "'pattern[@dtype]:kind[,p=<fraction>][,rank=<r>]' joined by ';' (see "
+           "ditorch/sim/fault_injection.py)", "",
+           "Faults the sim device injects into matching aten ops: unsupported, nan, inf, noise=<rel>, "
+           "bitflip=<N> (one bit of one element every N-th call), slow=<ms>, unversioned; p= makes an output "
+           "fault intermittent, rank= keeps a fault to one rank.", parse_sim_faults),
     EnvVar("DITORCH_SIM_TF32", "0, 1 (both), or a comma list of matmul, conv", "0",
            "Float32 op families the sim device computes with TF32 operands, as tensor cores do, turned on by "
            "`ditorch.sim.register()`: matmul sets `torch.backends.cuda.matmul.allow_tf32` (sim's matmuls follow it "

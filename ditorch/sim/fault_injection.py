@@ -2,17 +2,22 @@
 write without bumping version counters.
 
 A fault spec is ``pattern[@dtype]:kind`` with ``kind`` one of ``unsupported``, ``nan``, ``inf``,
-``noise=<relative error>``, ``slow=<milliseconds>`` or ``unversioned``; several specs are joined
-by ``;``. ``pattern`` is a regular expression matched against the whole op name, with or without
-its overload (``mm``, ``add.Tensor``, ``aten::rsqrt``, ``.*``). ``unversioned`` makes matched
-in-place and ``out=`` ops leave the version counter of the sim tensors they write unchanged, as
-some kernels do on real hardware (see ``version_counter.py``).
+``noise=<relative error>``, ``bitflip=<N>``, ``slow=<milliseconds>`` or ``unversioned``; several specs are joined
+by ``;``. ``bitflip=<N>`` flips one bit of one element of the output in every N-th call of the matched ops (the
+mantissa's top bit, an element drawn from the faults' private generator): a chip's silent corruption, now and then.
+After the kind, ``,p=<fraction>`` makes a ``noise``, ``nan``, ``inf`` or ``bitflip`` fault intermittent (active in
+that fraction of the calls it matches, drawn from the private generator), and ``,rank=<r>`` keeps a fault to one
+rank of a distributed run (``torch.distributed``'s rank, else ``RANK``). ``pattern`` is a regular expression matched
+against the whole op name, with or without its overload (``mm``, ``add.Tensor``, ``aten::rsqrt``, ``.*``).
+``unversioned`` makes matched in-place and ``out=`` ops leave the version counter of the sim tensors they write
+unchanged, as some kernels do on real hardware (see ``version_counter.py``).
 
 An ``@`` part that is not a dtype name is a module path (``silu@model.layers.1:nan``, with a dtype too:
 ``silu@model.layers.1@float16:nan``): the fault then hits only calls made in the forward of that module or of
 a module under it, paths named as op_tools names them (``module_scope.py``).
 
     DITORCH_SIM_FAULTS="mm:noise=1e-3;.*@float64:unsupported;add_:unversioned;silu@model.layers.1:nan"
+    DITORCH_SIM_FAULTS="mm:bitflip=50,rank=1;addmm:noise=1e-2,p=0.1"
 
     with ditorch.sim.faults("gelu:nan"):
         ...
@@ -36,10 +41,15 @@ from . import module_scope
 from .version_counter import WRITES
 
 ENV_VAR = "DITORCH_SIM_FAULTS"
-FORM = ("'pattern[@dtype]:kind' joined by ';', kind one of unsupported, nan, inf, noise=<rel>, slow=<ms>, "
-        "unversioned; an '@module.path' part (with or without '@dtype') keeps a fault to that module's forward")
-KINDS_WITH_VALUE = {"noise", "slow"}
+FORM = ("'pattern[@dtype]:kind[,p=<fraction>][,rank=<r>]' joined by ';', kind one of unsupported, nan, inf, "
+        "noise=<rel>, bitflip=<N>, slow=<ms>, unversioned; an '@module.path' part (with or without '@dtype') keeps "
+        "a fault to that module's forward")
+KINDS_WITH_VALUE = {"noise", "slow", "bitflip"}
 KINDS = {"unsupported", "nan", "inf", "unversioned"} | KINDS_WITH_VALUE
+OUTPUT_KINDS = {"noise", "nan", "inf", "bitflip"}  # applied to a call's outputs; these may be intermittent
+# The bit a bitflip flips, per float dtype: the mantissa's top one (the value moves by a quarter to a half).
+TOP_MANTISSA_BIT = {torch.float64: (51, torch.int64), torch.float32: (22, torch.int32),
+                    torch.float16: (9, torch.int16), torch.bfloat16: (6, torch.int16)}
 # Kinds applied by ADInplaceOrView kernels (version_counter.py), not by run_op.
 VERSION_KINDS = {"unversioned"}
 
@@ -55,13 +65,18 @@ class Fault:
     value: float = 0.0
     dtype: torch.dtype | None = None
     module: str | None = None  # a module path: only calls in that module's forward (or under it)
+    probability: float = 1.0  # the fraction of matching calls it is active in (intermittent below 1)
+    rank: int | None = None  # the one rank it applies on
 
     def matches_name(self, packet: str, full: str) -> bool:
         return bool(self.pattern.fullmatch(packet) or self.pattern.fullmatch(full))
 
     def applies(self, dtypes) -> bool:
-        """Whether this call (its tensors' ``dtypes``, the module running now) is one the fault is kept to."""
+        """Whether this call (its tensors' ``dtypes``, the module running now, this rank) is one the fault is kept
+        to."""
         if self.dtype is not None and self.dtype not in dtypes:
+            return False
+        if self.rank is not None and self.rank != _rank():
             return False
         return self.module is None or module_scope.in_scope(module_scope.current(), self.module)
 
@@ -69,7 +84,21 @@ class Fault:
         module = f"@{self.module}" if self.module else ""
         dtype = f"@{str(self.dtype).removeprefix('torch.')}" if self.dtype else ""
         value = f"={self.value:g}" if self.kind in KINDS_WITH_VALUE else ""
-        return f"{self.pattern.pattern}{module}{dtype}:{self.kind}{value}"
+        options = (f",p={self.probability:g}" if self.probability < 1 else "") + \
+            (f",rank={self.rank}" if self.rank is not None else "")
+        return f"{self.pattern.pattern}{module}{dtype}:{self.kind}{value}{options}"
+
+
+def _rank() -> int:
+    """This process's rank: torch.distributed's once initialised, else torchrun's ``RANK`` (0 without either)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
 
 def _bad(source: str, text: str, why: str) -> ValueError:
@@ -108,7 +137,8 @@ def parse_faults(text: str, source: str = ENV_VAR) -> list[Fault]:
         target, sep, kind_text = entry.rpartition(":")
         if not sep or not target:
             raise _bad(source, text, f"entry {entry!r} has no ':kind'")
-        kind, _, value_text = kind_text.strip().partition("=")
+        kind_part, *option_texts = kind_text.split(",")
+        kind, _, value_text = kind_part.strip().partition("=")
         if kind not in KINDS:
             raise _bad(source, text, f"unknown fault kind {kind!r}")
         value = 0.0
@@ -117,8 +147,11 @@ def parse_faults(text: str, source: str = ENV_VAR) -> list[Fault]:
                 value = float(value_text)
             except ValueError:
                 raise _bad(source, text, f"{kind} needs a number, got {value_text!r}") from None
+            if kind == "bitflip" and (value < 1 or value != int(value)):
+                raise _bad(source, text, f"bitflip needs a whole number of calls >= 1, got {value_text!r}")
         elif value_text:
             raise _bad(source, text, f"{kind} takes no value")
+        probability, rank = _options(option_texts, kind, entry, source, text)
         pattern_text, *scope_texts = target.split("@")
         dtype, module = None, None
         for scope_text in scope_texts:
@@ -139,8 +172,32 @@ def parse_faults(text: str, source: str = ENV_VAR) -> list[Fault]:
             pattern = re.compile(pattern_text)
         except re.error as e:
             raise _bad(source, text, f"invalid regular expression {pattern_text!r} ({e})") from None
-        faults.append(Fault(pattern, kind, value, dtype, module))
+        faults.append(Fault(pattern, kind, value, dtype, module, probability, rank))
     return faults
+
+
+def _options(texts: list[str], kind: str, entry: str, source: str, text: str) -> tuple[float, int | None]:
+    """``p=<fraction>`` and ``rank=<r>`` after a kind."""
+    probability, rank = 1.0, None
+    for option in texts:
+        name, _, value = option.strip().partition("=")
+        if name not in ("p", "rank"):
+            raise _bad(source, text, f"entry {entry!r}: unknown option {name!r} (p=<fraction>, rank=<r>)")
+        try:
+            if name == "p":
+                probability = float(value)
+                if not 0 < probability <= 1:
+                    raise ValueError
+            else:
+                rank = int(value)
+                if rank < 0:
+                    raise ValueError
+        except ValueError:
+            raise _bad(source, text, f"entry {entry!r}: {name}={value!r} is not "
+                                     + ("a fraction in (0, 1]" if name == "p" else "a rank >= 0")) from None
+    if probability < 1 and kind not in OUTPUT_KINDS:
+        raise _bad(source, text, f"entry {entry!r}: p= applies to {', '.join(sorted(OUTPUT_KINDS))}, not {kind}")
+    return probability, rank
 
 
 @functools.cache
@@ -192,12 +249,14 @@ class FaultTable:
         self.active = False
         # A private generator: injected noise must not consume the user's random stream.
         self._noise_gen = torch.Generator().manual_seed(0)
+        self._calls: dict[Fault, int] = {}  # a bitflip fault -> the calls it matched (it fires on every N-th)
 
     def set(self, faults: list[Fault]) -> None:
         with self._lock:
             touches_versions = any(f.kind in VERSION_KINDS for f in (*self._faults, *faults))
             self._faults = list(faults)
             self._by_op = {}
+            self._calls = {}  # a bitflip's every N-th call counts from when it was set
             self.active = any(f.kind not in VERSION_KINDS for f in self._faults)
             module_scope.track(any(f.module is not None for f in self._faults))  # hooks only while they serve
             if touches_versions:
@@ -230,11 +289,32 @@ class FaultTable:
 
     def after(self, faults, dtypes, outputs) -> None:
         for fault in faults:
-            if fault.kind not in ("noise", "nan", "inf") or not fault.applies(dtypes):
+            if fault.kind not in OUTPUT_KINDS or not fault.applies(dtypes) or not self._fires(fault):
+                continue
+            if fault.kind == "bitflip":
+                self._flip(next((o for o in outputs if o.dtype in TOP_MANTISSA_BIT and o.numel()), None))
                 continue
             for out in outputs:
                 if out.is_floating_point() or out.is_complex():
                     self._poison(fault, out)
+
+    def _fires(self, fault: Fault) -> bool:
+        """Whether the fault is active in this call: every N-th call for a bitflip, a drawn fraction if
+        intermittent."""
+        if fault.kind == "bitflip":
+            with self._lock:
+                count = self._calls[fault] = self._calls.get(fault, 0) + 1
+            if count % int(fault.value):
+                return False
+        return fault.probability >= 1 or float(torch.rand((), generator=self._noise_gen)) < fault.probability
+
+    def _flip(self, out: torch.Tensor | None) -> None:
+        if out is None:
+            return
+        bit, as_int = TOP_MANTISSA_BIT[out.dtype]
+        where = tuple(int(torch.randint(0, size, (), generator=self._noise_gen)) for size in out.shape)
+        bits = out.view(as_int)
+        bits[where] ^= 1 << bit
 
     def _poison(self, fault: Fault, out: torch.Tensor) -> None:
         if fault.kind == "nan":
@@ -280,11 +360,13 @@ def faults(spec: str):
 
 
 def inject_fault(op: str, kind: str, value: float | None = None, *, dtype: torch.dtype | None = None,
-                 module: str | None = None) -> None:
+                 module: str | None = None, p: float | None = None, rank: int | None = None) -> None:
     """Add one fault: ``inject_fault("mm", "noise", 1e-3)``, ``inject_fault(".*", "unsupported", dtype=torch.half)``,
-    ``inject_fault("silu", "nan", module="model.layers.1")``."""
+    ``inject_fault("silu", "nan", module="model.layers.1")``, ``inject_fault("mm", "bitflip", 50, rank=1)``,
+    ``inject_fault("addmm", "noise", 1e-2, p=0.1)``."""
     dtype_text = f"@{str(dtype).removeprefix('torch.')}" if dtype is not None else ""
     module_text = f"@{module}" if module is not None else ""
     value_text = f"={value}" if value is not None else ""
-    spec = f"{op}{module_text}{dtype_text}:{kind}{value_text}"
+    options = (f",p={p}" if p is not None else "") + (f",rank={rank}" if rank is not None else "")
+    spec = f"{op}{module_text}{dtype_text}:{kind}{value_text}{options}"
     TABLE.set(TABLE.current() + warn_unmatched(parse_faults(spec, "inject_fault"), "inject_fault"))

@@ -106,13 +106,19 @@ def test_faults_from_the_environment():
     ("mm:nan=3", "nan takes no value"),
     ("mm@float65:nan", "unknown dtype 'float65'"),
     ("(mm:nan", "invalid regular expression"),
+    ("mm:bitflip=0", "bitflip needs a whole number of calls >= 1"),
+    ("mm:bitflip=2.5", "bitflip needs a whole number of calls >= 1"),
+    ("mm:noise=1e-2,p=2", "p='2' is not a fraction in (0, 1]"),
+    ("mm:nan,rank=-1", "rank='-1' is not a rank >= 0"),
+    ("mm:nan,every=3", "unknown option 'every'"),
+    ("mm:slow=5,p=0.5", "p= applies to bitflip, inf, nan, noise, not slow"),
 ])
 def test_malformed_fault_spec_names_variable_and_form(spec, why):
     with pytest.raises(ValueError) as error:
         ditorch.sim.parse_faults(spec, "DITORCH_SIM_FAULTS")
     message = str(error.value)
     assert message.startswith(f"DITORCH_SIM_FAULTS={spec!r}") and why in message
-    assert "expected 'pattern[@dtype]:kind'" in message
+    assert "expected 'pattern[@dtype]:kind[,p=<fraction>][,rank=<r>]'" in message
 
 
 def test_malformed_fault_variable_fails_registration():
@@ -348,3 +354,42 @@ def test_a_scoped_fault_from_the_environment(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                           env=child_env({"DITORCH_SIM_FAULTS": "silu@1:nan", "DITORCH_QUIET": "1"}))
     assert done.stdout.split() == ["False", "True"], done.stderr[-2000:]
+
+
+def _mm_calls(sim, calls: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    a, b = torch.randn(8, 16, generator=generator), torch.randn(16, 4, generator=generator)
+    return [(a.to(sim) @ b.to(sim)).cpu() for _ in range(calls)]
+
+
+def test_a_bitflip_flips_one_top_mantissa_bit_of_one_element_every_nth_call(sim):
+    clean = _mm_calls(sim, 1)[0]
+    with ditorch.sim.faults("mm:bitflip=3"):
+        outs = _mm_calls(sim, 9)
+    changed = [i for i, out in enumerate(outs) if not torch.equal(out, clean)]
+    assert changed == [2, 5, 8]
+    for i in changed:
+        differs = (outs[i] != clean).nonzero()
+        assert len(differs) == 1  # one element
+        where = tuple(differs[0].tolist())
+        flipped = outs[i][where].view(torch.int32) ^ clean[where].view(torch.int32)
+        assert int(flipped) == 1 << 22  # the mantissa's top bit, nothing else
+
+
+def test_an_intermittent_fault_hits_about_its_fraction_of_calls(sim):
+    clean = _mm_calls(sim, 1)[0]
+    with ditorch.sim.faults("mm:noise=1e-2,p=0.25"):
+        outs = _mm_calls(sim, 200)
+    hit = sum(not torch.equal(out, clean) for out in outs)
+    assert 30 <= hit <= 70, hit  # 50 expected; the draws come from the faults' private generator
+    assert str(ditorch.sim.parse_faults("mm:noise=1e-2,p=0.25,rank=1")[0]) == "mm:noise=0.01,p=0.25,rank=1"
+
+
+def test_a_fault_kept_to_one_rank_applies_on_that_rank_only(sim, monkeypatch):
+    clean = _mm_calls(sim, 1)[0]
+    monkeypatch.setenv("RANK", "0")
+    with ditorch.sim.faults("mm:nan,rank=1"):
+        assert torch.equal(_mm_calls(sim, 1)[0], clean)
+    monkeypatch.setenv("RANK", "1")
+    with ditorch.sim.faults("mm:nan,rank=1"):
+        assert torch.isnan(_mm_calls(sim, 1)[0]).all()

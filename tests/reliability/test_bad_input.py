@@ -30,7 +30,7 @@ MALFORMED_BY_FORM = {
     "one of npu, mlu": "tpu",
     "a positive integer": "0",
     "an integer >= 0": "-1",
-    "'pattern[@dtype]:kind'": "mm:boom",
+    "'pattern[@dtype]:kind[,p=<fraction>][,rank=<r>]'": "mm:boom",
     "0, 1 (both), or a comma list of matmul, conv": "gemm",
     "math, or chunked": "flash",
     "cpu or gpu": "tpu",
@@ -108,4 +108,4 @@ def test_ditorch_variable_malformed_is_a_value_error_naming_it(name, tmp_path):
     message = str(info.value)
     assert name in message and repr(value) in message, message
     # the fault grammar words its own form; every other variable quotes its declared one
-    assert var.form in message or "expected 'pattern[@dtype]:kind'" in message, message
+    assert var.form in message or "expected 'pattern[@dtype]:kind[,p=<fraction>][,rank=<r>]'" in message, message
