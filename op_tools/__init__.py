@@ -27,12 +27,13 @@ from .tools.dtype_cast import OpDtypeCast
 from .tools.fallback import OpFallback
 from .tools.observe import OpObserve
 from .tools.overflow_check import OpOverflowCheck, OverflowDetectedError
+from .tools.self_check import OpSelfCheck
 from .tools.time_measure import OpTimeMeasure
 from .tools.training_monitor import TrainingMonitor
 
 __all__ = [
     "FEATURES", "VARIABLES", "OpAutoCompare",
-    "OpCall", "OpCapture", "OpDtypeCast", "OpFallback", "OpObserve", "OpOverflowCheck",
+    "OpCall", "OpCapture", "OpDtypeCast", "OpFallback", "OpObserve", "OpOverflowCheck", "OpSelfCheck",
     "OpTimeMeasure", "OpTool", "OpToolsAbortError", "OverflowDetectedError", "apply_feature", "feature", "load_op_args",
     "register_backward_hooks", "register_op_facts", "remove_feature", "tool_work", "ToleranceSpec",
     "compare_outputs", "TrainingMonitor", "TrainingMonitorConfig",

@@ -334,7 +334,7 @@ CONFIG_FILE = declare(
 
 # Tool prefixes in the original's naming; each gets OP_<PREFIX>_LIST and OP_<PREFIX>_DISABLE_LIST.
 TOOL_PREFIXES = ("OP_CAPTURE", "OP_OBSERVE", "OP_OVERFLOW_CHECK", "OP_FALLBACK", "OP_DTYPE_CAST", "OP_TIME_MEASURE",
-                 "OP_AUTOCOMPARE")
+                 "OP_AUTOCOMPARE", "OP_SELF_CHECK")
 _LIST_FORM = "comma-separated op names or regular expressions matching the whole name, e.g. 'torch.add,.*linear.*'"
 
 
@@ -612,6 +612,30 @@ BLOCKS = "blocks"  # OP_TRAINING_MONITOR_ACTIVATIONS: the items of every nn.Modu
 
 def convert_positive_count(value: Any) -> int:
     return parse_positive_count(str(convert_count(value)))
+
+
+def parse_fraction(text: str | None) -> float:
+    try:
+        value = float((text or "").strip())
+    except ValueError:
+        raise ValueError("not a number") from None
+    if not 0 < value <= 1:  # nan fails too
+        raise ValueError("must be > 0 and <= 1")
+    return value
+
+
+def convert_fraction(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError("not a number")
+    return parse_fraction(repr(float(value)))
+
+
+SELF_CHECK_BUDGET = declare(
+    "OP_SELF_CHECK_BUDGET", "a fraction > 0 and <= 1", "0.02",
+    "The share of the run's wall time OpSelfCheck's checks may take: a call is checked while the tool's own time "
+    "stays within it (the first call of each call site always is); the rest are counted as not checked (budget).",
+    parse_fraction, convert_fraction, "a float > 0 and <= 1",
+)
 
 
 def parse_factor(text: str | None) -> float:

@@ -19,6 +19,7 @@ MALFORMED_BY_FORM = {
     "full or summary": "partial",
     "full, summary or stats": "partial",
     "eager, check or versus_eager": "sometimes",
+    "a fraction > 0 and <= 1": "1.5",
     "an integer >= 1": "0",
     "an integer >= 40, or full": "39",
     "a number >= 0": "-1",
@@ -49,6 +50,7 @@ TOOL_BY_PREFIX = {"OP_CAPTURE": op_tools.OpCapture, "OP_OBSERVE": op_tools.OpObs
                   "OP_OVERFLOW_CHECK": op_tools.OpOverflowCheck, "OP_FALLBACK": op_tools.OpFallback,
                   "OP_DTYPE_CAST": op_tools.OpDtypeCast, "OP_TIME_MEASURE": op_tools.OpTimeMeasure,
                   "OP_AUTOCOMPARE": op_tools.OpAutoCompare, "OP_TOOLS": op_tools.OpObserve,
+                  "OP_SELF_CHECK": op_tools.OpSelfCheck,
                   "OP_TRAINING_MONITOR": op_tools.TrainingMonitor}
 
 

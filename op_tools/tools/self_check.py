@@ -1,0 +1,144 @@
+"""OpSelfCheck: an always-on fault detector. Calls are checked on their device by an invariant of their op
+(``numerics/invariants.py``: a matrix product's column checksum, a softmax's row sums), with no CPU reference, and
+within a budget of the run's time.
+
+Each checked call adds a few small kernels (a reduction and a matrix-vector product in float64) whose result, one
+number, is kept on the device and read back with others in batches of ``READBACK_BATCH`` calls without blocking
+(``numerics/device_readback.py``): no host synchronisation in a step. A result above 1 is a finding: the op, its
+module path, the rank, the step and by how much it exceeds what rounding allows.
+
+**The budget** (``budget=0.02``, ``OP_SELF_CHECK_BUDGET``) is a share of the run's wall time since the tool started.
+The tool times its own work per checked call; a call is checked while that total stays within the budget, and the
+first call of each call site (op and source line) always is, so every kind of op is covered early; the rest are
+counted as not checked (budget). Which calls are checked depends on timing, never on values: a fault that persists is
+found at the first checked call of its site.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+
+from ..config.variables import SELF_CHECK_BUDGET
+from ..core.engine import OpCall, OpTool, feature, tool_work
+from ..numerics import invariants
+from ..numerics.device_math import DeviceMath
+from ..numerics.device_readback import DeviceReadback
+
+READBACK_BATCH = 64  # checked calls whose results travel to the host together: one copy, no synchronisation
+BUDGET_SKIPPED = "not checked (budget)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """A checked call whose invariant failed."""
+
+    op: str
+    check: str  # "column checksum", "row sums"
+    excess: float  # the violation as a multiple of what rounding allows (> 1)
+    module: str
+    step: int
+    rank: int | None
+    forward_id: int
+    location: str
+
+    def __str__(self) -> str:
+        where = f" in {self.module}" if self.module else ""
+        rank = f", rank {self.rank}" if self.rank is not None else ""
+        return (f"{self.op}{where} (forward, step {self.step}{rank}, forward_id {self.forward_id}) fails its "
+                f"{self.check}: {self.excess:.3g}x what rounding allows\n{self.location}")
+
+
+@feature("self_check")
+class OpSelfCheck(OpTool):
+    """Check calls on their device by invariants of their ops (no CPU reference), within a budget of the run's time.
+
+    Keyword arguments (each overrides its variable): ``budget`` (``OP_SELF_CHECK_BUDGET``: the share of the run's
+    time the checks may take, 0.02), ``ops``, ``disable`` (``OP_SELF_CHECK_LIST``/``_DISABLE_LIST``), and
+    ``results_dir``, ``verbose``, ``print_stack``, ``strict``, ``print_ranks`` as every tool.
+
+    >>> with op_tools.OpSelfCheck() as check:
+    ...     train(steps=100)
+    >>> check.findings[:1]     # the first call whose invariant failed: op, module, step, rank, by how much
+    """
+
+    hook_name = "OpSelfCheckHook"
+    env_prefix = "OP_SELF_CHECK"
+    keywords = {"budget": SELF_CHECK_BUDGET}
+    tracks_modules = True
+
+    def configure(self) -> None:
+        self.budget = SELF_CHECK_BUDGET.read(self.sources)
+        self._findings: list[Finding] = []
+        self.counts: collections.Counter = collections.Counter()
+        self._readback = DeviceReadback(READBACK_BATCH)
+        self._sites: set = set()  # (op, source line) of the calls checked once
+        self._spent = 0.0  # seconds of the tool's own work on checked calls
+        self._started = time.perf_counter()
+        self._judge_lock = threading.Lock()
+
+    def accepts(self, name: str) -> bool:
+        return name in invariants.CHECKS
+
+    @property
+    def findings(self) -> list[Finding]:
+        """The calls whose invariant failed, in execution order. Reading it waits for the checks in flight (one
+        synchronisation)."""
+        with tool_work():
+            self._judge(wait=True)
+        return list(self._findings)
+
+    def after(self, call: OpCall) -> None:
+        begun = time.perf_counter()
+        site = (call.name, call.location)  # the stack walk only for calls that may be checked
+        first = site not in self._sites
+        if not first and self._spent > self.budget * (begun - self._started):
+            self.counts[BUDGET_SKIPPED] += 1
+            return
+        excess = invariants.check(call.name, call.args, call.kwargs, call.result, DeviceMath.of(call.device))
+        if excess is None:
+            self.counts["not checked (no invariant for these arguments)"] += 1
+            return
+        self._sites.add(site)
+        self.counts["checked"] += 1
+        token = (call.name, call.module_path, call.step, call.forward_id, call.location)
+        self._readback.put(excess.reshape(1), token)
+        self._judge(wait=False)
+        self._spent += time.perf_counter() - begun
+
+    def _judge(self, wait: bool) -> None:
+        with self._judge_lock:
+            for token, values in (self._readback.drain() if wait else self._readback.ready()):
+                if values and not values[0] <= 1:  # nan counts as a violation
+                    name, module, step, forward_id, location = token
+                    finding = Finding(name, invariants.KINDS[name], values[0], module, step, self.common.rank,
+                                      forward_id, location)
+                    self._findings.append(finding)
+                    if len(self._findings) == 1:
+                        self._logger.warning("OpSelfCheck: %s", finding)
+
+    def finish(self) -> None:
+        self._judge(wait=True)
+        if self._findings:
+            self._logger.warning("OpSelfCheck: %d checked calls failed their invariant; the first: %s",
+                                 len(self._findings), self._findings[0])
+
+    def found(self) -> str:
+        if not self._findings:
+            return ""
+        first = self._findings[0]
+        return f"{len(self._findings)} calls failed their invariant, the first {first.op} ({first.check})"
+
+    def closing_line(self) -> str:
+        unchecked = {why: n for why, n in self.counts.items() if why != "checked"}
+        why = ", ".join(f"{reason.removeprefix('not checked ')} {n}" for reason, n in unchecked.items())
+        line = (f"OpSelfCheck: {self.counts['checked']} calls checked on the device, {sum(unchecked.values())} not "
+                f"checked{' ' + why if why else ''}; {self.found() or 'no checked call failed'}")
+        problem = self.not_checked()
+        return f"{line}; {problem}" if problem else line
+
+    def _closing_level(self) -> int:
+        return logging.WARNING if self._findings or self.not_checked() else logging.INFO

@@ -1,0 +1,96 @@
+"""OpSelfCheck: invariants checked on the device (a product's column checksum, a softmax's row sums), no CPU
+reference: quiet on the recipes, in sim's CPU and GPU numerics and under TF32; a noisy matmul and a flipped bit found
+and named; the budget keeps the first call of each site and counts the rest."""
+
+import pytest
+import torch
+import zoo
+
+import op_tools
+from op_tools.numerics import invariants
+from op_tools.numerics.device_math import DeviceMath
+
+
+@pytest.mark.parametrize("workload", zoo.ZOO + (zoo.Workload("llama_float32", zoo.llama_float32, ("", ""), None),),
+                         ids=[w.name for w in zoo.ZOO] + ["llama_float32"])
+def test_the_recipes_raise_no_false_alarm_in_cpu_and_gpu_numerics(sim, workload):
+    import ditorch.sim
+
+    for numerics in ("cpu", "gpu"):
+        with ditorch.sim.numerics(numerics):
+            plain = workload.run(sim)
+            with op_tools.OpSelfCheck(budget=1.0) as check:
+                losses = workload.run(sim)
+        assert check.findings == [] and check.verdict() == "clean", (numerics, check.findings[:2])
+        assert check.counts["checked"] >= 2, check.counts
+        assert losses == plain  # the tool changes nothing the run computes
+
+
+def test_under_tf32_a_product_is_bounded_by_its_rounded_operands(sim):
+    torch.sim.matmul.allow_tf32 = True
+    try:
+        with op_tools.OpSelfCheck(budget=1.0) as check:
+            zoo.llama_float32(sim)
+    finally:
+        torch.sim.matmul.allow_tf32 = False
+    assert check.findings == [] and check.counts["checked"] > 10, check.findings[:2]
+
+
+def test_a_noisy_matmul_is_named_in_the_first_step_with_its_module(sim):
+    import ditorch.sim
+
+    with ditorch.sim.faults("mm:noise=1e-2"), op_tools.OpSelfCheck() as check:
+        zoo.llama_float32(sim)
+    first = check.findings[0]
+    assert (first.op, first.check, first.step) == ("torch.nn.functional.linear", "column checksum", 0), first
+    assert first.module == "model.layers.0.self_attn.q_proj" and first.excess > 10, first
+    assert check.verdict() == "found" and "calls failed their invariant" in check.closing_line()
+
+
+def test_a_bit_flipped_every_50_matmuls_is_named(sim):
+    import ditorch.sim
+
+    with ditorch.sim.faults("mm:bitflip=50"), op_tools.OpSelfCheck(budget=1.0) as check:
+        zoo.llama_float32(sim)  # 2 steps of 26 products each, and an evaluation
+    assert [f.op for f in check.findings] == ["torch.nn.functional.linear"], check.findings
+    assert check.findings[0].excess > 100
+
+
+def test_a_softmax_whose_rows_do_not_sum_to_one_is_found():
+    x = torch.randn(4, 8)
+    out = torch.softmax(x, -1)
+    assert float(invariants.softmax_row_sums(x, out, -1)) <= 1
+    assert float(invariants.softmax_row_sums(x, out * 1.001, -1)) > 1
+    masked = torch.full((2, 8), float("-inf"))  # a row with no finite input: its nan is softmax's definition
+    assert float(invariants.softmax_row_sums(masked, torch.softmax(masked, -1), -1)) == 0
+
+
+def test_a_product_of_narrow_operands_is_allowed_its_output_rounding_only():
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 256, generator=generator), torch.randn(256, 32, generator=generator)
+    exact = (a.double() @ b.double())
+    half = exact.to(torch.bfloat16)
+    assert float(invariants.product_checksum(a.bfloat16(), b.bfloat16(), (a.bfloat16().float() @
+                                                                              b.bfloat16().float()).bfloat16(),
+                                             None, DeviceMath())) <= 1
+    wrong = half.clone()
+    wrong[3, 7] *= 1.5
+    assert float(invariants.product_checksum(a.bfloat16(), b.bfloat16(), wrong, None, DeviceMath())) > 1
+
+
+def test_the_budget_checks_each_site_once_and_counts_the_rest(sim):
+    with op_tools.OpSelfCheck(budget=1e-9) as check:
+        zoo.llama_float32(sim)
+    sites = check.counts["checked"]
+    assert 0 < sites < 30 and check.counts["not checked (budget)"] > 0, check.counts
+    line = check.closing_line()
+    assert line.startswith(f"OpSelfCheck: {sites} calls checked on the device, ") and "(budget) " in line, line
+    assert line.endswith("no checked call failed"), line
+
+
+def test_a_malformed_budget_is_named_with_its_keyword_or_variable(monkeypatch):
+    with pytest.raises(ValueError, match=r"OpSelfCheck\(budget=2\): must be > 0 and <= 1"):
+        op_tools.OpSelfCheck(budget=2)
+    monkeypatch.setenv("OP_SELF_CHECK_BUDGET", "lots")
+    with pytest.raises(ValueError, match="OP_SELF_CHECK_BUDGET='lots': not a number"):
+        op_tools.OpSelfCheck().start()
