@@ -122,9 +122,13 @@ def _softmax(args, kwargs, out, math_):
 CHECKS: dict[str, Callable] = {
     "torch.nn.functional.linear": _linear,
     "torch.matmul": _matmul, "torch.Tensor.matmul": _matmul, "torch.Tensor.__matmul__": _matmul,
-    "torch.mm": _matmul, "torch.Tensor.mm": _matmul, "torch.bmm": _matmul, "torch.Tensor.bmm": _matmul,
+    "torch.mm": _matmul, "torch.spmm": _matmul, "torch.Tensor.mm": _matmul, "torch.bmm": _matmul,
+    "torch.Tensor.bmm": _matmul,
     "torch.nn.functional.softmax": _softmax, "torch.softmax": _softmax, "torch.Tensor.softmax": _softmax,
 }
+# The functions a tool wraps by default (targeted dispatch, no mode seeing every call): those of CHECKS that can be
+# wrapped under their own name (torch.mm is torch.spmm's object, and @ reaches the tools as Tensor.matmul's call).
+WRAPPED = tuple(name for name in CHECKS if name not in ("torch.mm", "torch.spmm", "torch.Tensor.__matmul__"))
 # what each check is called in a finding
 KINDS = {**{name: "column checksum" for name in CHECKS}, "torch.nn.functional.softmax": "row sums",
          "torch.softmax": "row sums", "torch.Tensor.softmax": "row sums"}
