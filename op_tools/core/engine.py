@@ -268,6 +268,9 @@ class OpTool:
         # Set by configure() to keep torch.compile'd code compiled and have each compiled graph's runs handled as
         # calls (compiled_regions.py); otherwise compiled code runs eagerly while the tool is active.
         self.checks_regions = False
+        # Set by configure() when the tool chose its LIST itself (the user set none): no call matching it is no
+        # user's LIST matching nothing.
+        self.default_list = False
         self._hooks_backward = False  # wants_backward(), read at start()
         self._reset_account()
 
@@ -460,7 +463,8 @@ class OpTool:
         """'' when every handled call was checked; else what was not: calls a step of the tool failed on, a LIST
         that matched no call, anything else a tool adds (``unchecked_parts``)."""
         parts = []
-        if self.filter is not None and self.filter.allow is not None and not self.handled:
+        if self.filter is not None and self.filter.allow is not None and not self.handled and \
+                not self.default_list:
             parts.append(f"{self.env_prefix}_LIST matched no call")
         with _announce_lock:
             failed, first = sum(self.unchecked.values()), self.first_unchecked

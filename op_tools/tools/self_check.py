@@ -75,6 +75,7 @@ class OpSelfCheck(OpTool):
         self.budget = SELF_CHECK_BUDGET.read(self.sources)
         if self.filter.allow is None:  # no LIST: the ops with an invariant, wrapped (no mode sees every call)
             self.filter = OpFilter(tuple(re.compile(name) for name in invariants.WRAPPED), self.filter.deny)
+            self.default_list = True
         self._findings: list[Finding] = []
         self.counts: collections.Counter = collections.Counter()
         self._readback = DeviceReadback(READBACK_BATCH)
@@ -139,7 +140,8 @@ class OpSelfCheck(OpTool):
         unchecked = {why: n for why, n in self.counts.items() if why != "checked"}
         why = ", ".join(f"{reason.removeprefix('not checked ')} {n}" for reason, n in unchecked.items())
         line = (f"OpSelfCheck: {self.counts['checked']} calls checked on the device, {sum(unchecked.values())} not "
-                f"checked{' ' + why if why else ''}; {self.found() or 'no checked call failed'}")
+                f"checked{' ' + why if why else ''}; "
+                f"{self.found() or ('no checked call failed' if self.counts['checked'] else 'no call was checked')}")
         problem = self.not_checked()
         return f"{line}; {problem}" if problem else line
 
