@@ -19,7 +19,8 @@ from op_tools.output import reporting
 pytestmark = pytest.mark.children_import("transformers")  # their scripts train transformers models
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "tools_across_ranks.py")
-TOOLS = ("OpAutoCompare", "OpCapture", "OpObserve", "OpTimeMeasure", "OpOverflowCheck", "OpFallback", "OpDtypeCast")
+TOOLS = ("OpAutoCompare", "OpCapture", "OpObserve", "OpTimeMeasure", "OpOverflowCheck", "OpFallback", "OpDtypeCast",
+         "OpSelfCheck")
 
 
 def _wrapped_line(output: str, rank: int, start: str) -> str:
@@ -47,6 +48,20 @@ def reports(out):
 def test_a_clean_ddp_step_is_clean_under_each_tool_on_both_ranks(reports, tool):
     for report in reports:
         assert report["ddp"][tool] == {"verdict": "clean", "found": "", "not_checked": ""}, tool
+
+
+def test_self_check_names_noisy_matmuls_on_the_one_faulty_rank_of_a_ddp_step(reports):
+    noise = [report["ddp"]["OpSelfCheck noise"] for report in reports]
+    assert noise[0] == {"verdict": "clean", "findings": 0, "first": None}, noise
+    assert noise[1]["verdict"] == "found" and noise[1]["findings"] >= 1, noise
+    assert noise[1]["first"][0] == "torch.nn.functional.linear" and noise[1]["first"][2:] == [1, 0], noise
+
+
+def test_self_check_says_dtensor_calls_are_not_checked(reports):
+    for report in reports:
+        counts = report["tp"]["OpSelfCheck"]["counts"]
+        assert report["tp"]["OpSelfCheck"]["verdict"] == "unchecked" and counts.get("not checked (DTensor)", 0) >= 1
+        assert counts.get("checked", 0) == 0, counts
 
 
 def test_a_fault_in_a_tensor_parallel_mlp_is_found_where_it_is_born(reports):

@@ -15,7 +15,8 @@ import torch.distributed as dist
 import ditorch  # noqa: F401 - the device layer
 import op_tools
 
-TOOLS = ("OpAutoCompare", "OpCapture", "OpObserve", "OpTimeMeasure", "OpOverflowCheck", "OpFallback", "OpDtypeCast")
+TOOLS = ("OpAutoCompare", "OpCapture", "OpObserve", "OpTimeMeasure", "OpOverflowCheck", "OpFallback", "OpDtypeCast",
+         "OpSelfCheck")
 
 
 def ddp_step(model, optimizer, generator) -> None:
@@ -58,6 +59,13 @@ def main() -> None:
         with getattr(op_tools, name)(results_dir=os.path.join(out, "results")) as tool:
             ddp_step(ddp, optimizer, generator)
         report["ddp"][name] = {"verdict": tool.verdict(), "found": tool.found(), "not_checked": tool.not_checked()}
+    # OpSelfCheck over DDP steps with noisy matmuls on rank 1 alone (sim's rank= fault): found there, clean on rank 0
+    with ditorch.sim.faults("mm:noise=1e-2,rank=1"), op_tools.OpSelfCheck() as check:
+        ddp_step(ddp, optimizer, generator)
+    first = check.findings[0] if check.findings else None
+    report["ddp"]["OpSelfCheck noise"] = {"verdict": check.verdict(), "findings": len(check.findings),
+                                          "first": None if first is None else [first.op, first.module, first.rank,
+                                                                               first.step]}
     for run in ("a", "b"):  # two identical recordings, the model built (fresh memory, initialisers) inside them
         with op_tools.OpCapture(results_dir=os.path.join(out, f"recording_{run}"), mode="stats"):
             torch.manual_seed(0)
@@ -79,6 +87,10 @@ def main() -> None:
         mlp(x).square().mean().backward()
     report["tp"]["OpAutoCompare"] = {"verdict": compare.verdict(), "found": compare.found(),
                                      "not_checked": compare.not_checked(), "counts": dict(compare.counts)}
+    mlp.zero_grad()
+    with op_tools.OpSelfCheck() as check:  # DTensor calls: said not checked, no collective of its own
+        mlp(x).square().mean().backward()
+    report["tp"]["OpSelfCheck"] = {"verdict": check.verdict(), "counts": dict(check.counts)}
     mlp.zero_grad()
     with ditorch.sim.faults("silu:noise=1e-2" if rank == 1 else ""):
         with op_tools.OpAutoCompare(results_dir=os.path.join(out, "results_tp_noise")) as compare:
