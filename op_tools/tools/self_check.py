@@ -29,9 +29,11 @@ from ..numerics import invariants
 from ..numerics.device_math import DeviceMath
 from ..numerics.device_readback import DeviceReadback
 from ..ops.arguments import is_dtensor
+from ..output import result_files
 
 READBACK_BATCH = 64  # checked calls whose results travel to the host together: one copy, no synchronisation
 BUDGET_SKIPPED = "not checked (budget)"
+FINDINGS_WRITTEN = 100  # findings kept in a rank's file (the first ones: the first is where to look)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,12 @@ class Finding:
     rank: int | None
     forward_id: int
     location: str
+    time: float = 0.0  # wall-clock seconds (time.time()) when the call started
+
+    def record(self) -> dict:
+        return {"op": self.op, "check": self.check, "excess": self.excess, "module": self.module, "step": self.step,
+                "rank": self.rank, "forward_id": self.forward_id, "location": self.location,
+                "time": round(self.time, 6)}
 
     def __str__(self) -> str:
         where = f" in {self.module}" if self.module else ""
@@ -69,6 +77,7 @@ class OpSelfCheck(OpTool):
 
     hook_name = "OpSelfCheckHook"
     env_prefix = "OP_SELF_CHECK"
+    results_folder = "op_self_check_result"
     keywords = {"budget": SELF_CHECK_BUDGET}
     tracks_modules = True
 
@@ -114,7 +123,7 @@ class OpSelfCheck(OpTool):
             return
         self._sites.add(site)
         self.counts["checked"] += 1
-        token = (call.name, call.module_path, call.step, call.forward_id, call.location)
+        token = (call.name, call.module_path, call.step, call.forward_id, call.location, call.time)
         self._readback.put(excess.reshape(1), token)
         self._judge(wait=False)
         self._spent += time.perf_counter() - begun
@@ -123,18 +132,26 @@ class OpSelfCheck(OpTool):
         with self._judge_lock:
             for token, values in (self._readback.drain() if wait else self._readback.ready()):
                 if values and not values[0] <= 1:  # nan counts as a violation
-                    name, module, step, forward_id, location = token
+                    name, module, step, forward_id, location, started = token
                     finding = Finding(name, invariants.KINDS[name], values[0], module, step, self.common.rank,
-                                      forward_id, location)
+                                      forward_id, location, started)
                     self._findings.append(finding)
                     if len(self._findings) == 1:
                         self._logger.warning("OpSelfCheck: %s", finding)
 
     def finish(self) -> None:
+        """The findings, written for the run's other readers (``python -m op_tools.report``; each rank its own file
+        under torchrun)."""
         self._judge(wait=True)
-        if self._findings:
-            self._logger.warning("OpSelfCheck: %d checked calls failed their invariant; the first: %s",
-                                 len(self._findings), self._findings[0])
+        if not self._findings:
+            return
+        self._logger.warning("OpSelfCheck: %d checked calls failed their invariant; the first: %s",
+                             len(self._findings), self._findings[0])
+        path = result_files.results_path(self.common, self.results_folder, f"findings_{self.stem}.json")
+        record = {"format": "op_tools self check", "version": 1, "rank": self.common.rank,
+                  "findings": len(self._findings), "checked": self.counts["checked"],
+                  "first": [f.record() for f in self._findings[:FINDINGS_WRITTEN]]}
+        self.tally.add(path, result_files.write_json(path, record), "findings")
 
     def found(self) -> str:
         if not self._findings:

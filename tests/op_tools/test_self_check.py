@@ -94,3 +94,20 @@ def test_a_malformed_budget_is_named_with_its_keyword_or_variable(monkeypatch):
     monkeypatch.setenv("OP_SELF_CHECK_BUDGET", "lots")
     with pytest.raises(ValueError, match="OP_SELF_CHECK_BUDGET='lots': not a number"):
         op_tools.OpSelfCheck().start()
+
+
+def test_findings_are_written_for_the_run_report(sim, tmp_path):
+    import ditorch.sim
+
+    from op_tools.offline.run_report.readers import read_results
+
+    with ditorch.sim.faults("mm:noise=1e-2"), op_tools.OpSelfCheck(results_dir=str(tmp_path)) as check:
+        zoo.llama_float32(sim)
+    results = read_results(str(tmp_path))
+    assert results.tools == {"OpSelfCheck": {0}} and results.unreadable == []
+    first = min(results.anomalies, key=lambda e: e.order)
+    assert (first.tool, first.kind, first.op, first.module, first.step) == (
+        "OpSelfCheck", "mismatch", "torch.nn.functional.linear", "model.layers.0.self_attn.q_proj", 0), first
+    assert first.detail.startswith("column checksum ") and first.location.endswith(
+        "query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)"), first
+    assert len(results.anomalies) == len(check.findings)

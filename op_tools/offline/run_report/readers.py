@@ -4,6 +4,8 @@ Read, per rank (the ``rank<N>`` subfolder of each tool's folder; a run without t
 
 - OpOverflowCheck's first overflow (``op_overflow_check_result/overflow_*.json``); its folder alone says the tool
   ran there and found none;
+- OpSelfCheck's findings (``op_self_check_result/findings_*.json``): calls whose invariant failed on the device, each
+  a ``mismatch``; likewise its folder alone says it ran;
 - OpAutoCompare's comparisons (``op_autocompare_result/op_autocompare_info_*.csv``): the failing rows, and the
   collectives it checked;
 - OpTimeMeasure's calls (``op_time_measure_result/op_elasped_info_*.csv``, the original's spelling): times per
@@ -29,6 +31,7 @@ import re
 from ...ops.op_facts import op_facts
 
 OVERFLOW_FOLDER = "op_overflow_check_result"
+SELF_CHECK_FOLDER = "op_self_check_result"
 AUTOCOMPARE_FOLDER = "op_autocompare_result"
 TIME_FOLDER = "op_time_measure_result"
 FINGERPRINT_FOLDER = "op_replica_fingerprints"
@@ -127,6 +130,7 @@ def read_results(folder: str) -> Results:
         raise ResultsError(f"{folder} is not a folder (give the OP_TOOLS_RESULTS_DIR of the run)")
     results = Results(folder)
     readers = ((OVERFLOW_FOLDER, "OpOverflowCheck", "overflow_*.json", _read_overflow),
+               (SELF_CHECK_FOLDER, "OpSelfCheck", "findings_*.json", _read_self_check),
                (AUTOCOMPARE_FOLDER, "OpAutoCompare", "op_autocompare_info_*.csv", _read_autocompare),
                (TIME_FOLDER, TIME_MEASURE, "op_elasped_info_*.csv", _read_times),
                (FINGERPRINT_FOLDER, "fingerprints", "fingerprints_*.jsonl*", _read_fingerprints),
@@ -143,7 +147,7 @@ def read_results(folder: str) -> Results:
                     results.unreadable.append(f"{file}: {type(e).__name__}: {e}")
     if not results.tools:
         raise ResultsError(f"{folder} holds nothing op_tools wrote (none of {OVERFLOW_FOLDER}/, {AUTOCOMPARE_FOLDER}/, "
-                           f"{TIME_FOLDER}/, {FINGERPRINT_FOLDER}/, {MONITOR_FOLDER}/)")
+                           f"{TIME_FOLDER}/, {FINGERPRINT_FOLDER}/, {MONITOR_FOLDER}/, {SELF_CHECK_FOLDER}/)")
     return results
 
 
@@ -158,6 +162,20 @@ def _read_overflow(results: Results, rank: int, path: str) -> None:
                                    "inf/nan", "inf/nan received from another rank" if record.get("received") else
                                    "first inf/nan from finite inputs", int(record.get("forward_id", 0)),
                                    bool(record.get("received", False)), location=_location(record.get("location"))))
+
+
+def _read_self_check(results: Results, rank: int, path: str) -> None:
+    with open(path, encoding="utf-8") as f:
+        record = json.load(f)
+    if record.get("format") != "op_tools self check":
+        raise ValueError("not an OpSelfCheck findings file")
+    for found in record["first"]:
+        found_rank = found["rank"] if isinstance(found.get("rank"), int) else rank
+        results.anomalies.append(Event(found_rank, int(found.get("step", 0)), float(found.get("time", 0.0)),
+                                       found["op"], found.get("module", ""), "forward", "OpSelfCheck", "mismatch",
+                                       f"{found.get('check', 'invariant')} {_number(found.get('excess')):.3g}x what "
+                                       "rounding allows", int(found.get("forward_id", 0)),
+                                       location=_location(found.get("location"))))
 
 
 def _location(text) -> str:
