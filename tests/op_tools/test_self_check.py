@@ -98,7 +98,6 @@ def test_a_malformed_budget_is_named_with_its_keyword_or_variable(monkeypatch):
 
 def test_findings_are_written_for_the_run_report(sim, tmp_path):
     import ditorch.sim
-
     from op_tools.offline.run_report.readers import read_results
 
     with ditorch.sim.faults("mm:noise=1e-2"), op_tools.OpSelfCheck(results_dir=str(tmp_path)) as check:
