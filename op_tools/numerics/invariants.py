@@ -2,12 +2,13 @@
 0-d float64 tensor on the device, the largest violation as a multiple of what rounding allows (above 1: wrong).
 
 * **Matrix products** (``linear``, ``matmul``, ``mm``, ``bmm``, ``@``): the column checksum of algorithm-based fault
-  tolerance. The rows of ``A @ B`` summed equal ``(rows of A summed) @ B``; the check computes both sides in float64
-  from the call's operands and result (a reduction and a matrix-vector product: cheap next to the product) and bounds
-  their difference by what any summation order of the device's kernel may give: for each column,
-  ``gamma_K(u_acc) * sum|A||B| + u_out * sum|out|`` (Higham, 3.1 and 4.2), with ``u_acc`` half of float32's eps
+  tolerance, over tiles of ``TILE`` rows. A tile's rows of ``A @ B`` summed equal ``(its rows of A summed) @ B``; the
+  check computes both sides from the call's operands and result (reductions and a product ``TILE`` times smaller
+  than the op's) and bounds their difference by what any summation order of the device's kernel may give, per tile
+  and column: ``(gamma_K(u_acc) + u_out) * sum|A||B|`` (Higham, 3.1 and 4.2), with ``u_acc`` half of float32's eps
   for narrow operands (they are multiplied exactly and summed in float32), of the operands' own dtype otherwise,
-  plus a rounding of each operand where the device declares TF32/HF32 products.
+  plus a rounding of each operand where the device declares TF32/HF32 products or autocast casts them, plus the
+  check's own roundings.
 * **Softmax** (``softmax``): each row sums to 1, within ``u_out`` (each element rounded once) plus the float32 sum's
   ``gamma_n``; rows whose input holds no finite value are left out (their nan is the definition).
 
@@ -27,6 +28,8 @@ import torch
 from .device_math import MANTISSA_BITS, DeviceMath
 
 _F64 = torch.float64
+TILE = 16  # rows summed per checksum: the bound grows with it, the check's product shrinks as 1/TILE
+_WIDENED = 1.001  # a float32 norm or sum of up to millions of terms errs by far less than this, relatively
 _NARROW = (torch.float16, torch.bfloat16)
 
 
@@ -58,23 +61,41 @@ def _excess(difference: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 def product_checksum(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
                      math_: DeviceMath) -> torch.Tensor | None:
-    """The column checksum of ``out = a @ b (+ bias)`` (``a``: (..., M, K), ``b``: (..., K, N), broadcasting batch
-    dimensions); None for shapes it does not cover (vectors)."""
+    """The tiled column checksum of ``out = a @ b (+ bias)`` (``a``: (..., M, K), ``b``: (..., K, N), broadcasting
+    batch dimensions); None for shapes it does not cover (vectors).
+
+    The rows are summed in tiles of ``TILE`` (all ``M`` when ``M`` is not a multiple of it): per tile and column,
+    ``sum_r out_rn`` against ``(sum_r a_r) @ b``, a product ``TILE`` times smaller than the op's. A tile's worst-case
+    rounding grows with its rows, so a small tile keeps one wrong element, or noise, far above it. Everything runs in
+    the product's own precision or float32 (no float64 copy): the check's own roundings (its sums and its product) are
+    added to the bound. The magnitudes ``sum_r sum_k |a_rk| |b_kn|`` are bounded by Cauchy-Schwarz from the columns'
+    norms (no ``|b|`` is made); a result element is at most its magnitude, so its rounding is bounded by the same."""
     if a.dim() < 2 or b.dim() < 2 or out.dim() < 2 or not out.is_floating_point() or out.numel() == 0:
         return None
     rows, depth = a.size(-2), a.size(-1)
+    tile = TILE if rows % TILE == 0 else rows
     u_acc, u_operand = _accumulation(a.dtype, math_)
-    a64, b64 = a.detach().to(_F64), b.detach().to(_F64)
-    checksum = out.detach().to(_F64).sum(-2, keepdim=True)
-    expected = a64.sum(-2, keepdim=True) @ b64
-    magnitude = a64.abs().sum(-2, keepdim=True) @ b64.abs()
+    a, b, out = a.detach(), b.detach(), out.detach()
+    wide = _F64 if b.dtype == _F64 else torch.float32  # the check's type
+    tiles = (rows // tile, tile)
+    checksum = out.unflatten(-2, tiles).sum(-2, dtype=wide)
+    expected = a.unflatten(-2, tiles).sum(-2, dtype=wide) @ b.to(wide)
+    column_norms = torch.linalg.vector_norm(b, 2, dim=-2, keepdim=True, dtype=wide)
+    tile_magnitudes = a.abs().unflatten(-2, tiles).sum(-2, dtype=wide)  # (..., M/T, K)
+    magnitude = column_norms * torch.linalg.vector_norm(tile_magnitudes, 2, dim=-1, keepdim=True) * _WIDENED
     if bias is not None:
-        bias64 = bias.detach().to(_F64)
-        expected = expected + rows * bias64
-        magnitude = magnitude + rows * bias64.abs()
-    allowed = (_gamma(depth + 1, u_acc) + 2 * u_operand) * magnitude + \
-        _u(out.dtype) * out.detach().to(_F64).abs().sum(-2, keepdim=True) + rows * torch.finfo(out.dtype).tiny
-    return _excess(checksum - expected, allowed)
+        bias_wide = bias.detach().to(wide)
+        expected = expected + tile * bias_wide
+        magnitude = magnitude + tile * bias_wide.abs()
+    u_check = _u(wide)
+    allowed = (_gamma(depth + 1, u_acc) + 2 * u_operand + _gamma(depth + 1, u_check) + 3 * _gamma(tile + 1, u_check) +
+               u_check) * magnitude + tile * torch.finfo(out.dtype).tiny
+    if out.dtype in _NARROW:  # its own rounding dominates: bounded by the tile's |out| (one more pass), not loosely
+        allowed = allowed + _u(out.dtype) * torch.linalg.vector_norm(out.unflatten(-2, tiles), 1, dim=-2,
+                                                                      dtype=wide) * _WIDENED
+    else:
+        allowed = allowed + _u(out.dtype) * magnitude
+    return _excess((checksum - expected).to(_F64), allowed.to(_F64))
 
 
 def linear_checksum(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
