@@ -614,14 +614,18 @@ def convert_positive_count(value: Any) -> int:
     return parse_positive_count(str(convert_count(value)))
 
 
-def parse_fraction(text: str | None) -> float:
+def _number(text: str | None, accepts: Callable[[float], bool], expected: str) -> float:
     try:
         value = float((text or "").strip())
     except ValueError:
         raise ValueError("not a number") from None
-    if not 0 < value <= 1:  # nan fails too
-        raise ValueError("must be > 0 and <= 1")
+    if not accepts(value):  # nan fails every test
+        raise ValueError(expected)
     return value
+
+
+def parse_fraction(text: str | None) -> float:
+    return _number(text, lambda v: 0 < v <= 1, "must be > 0 and <= 1")
 
 
 def convert_fraction(value: Any) -> float:
@@ -639,13 +643,7 @@ SELF_CHECK_BUDGET = declare(
 
 
 def parse_factor(text: str | None) -> float:
-    try:
-        value = float((text or "").strip())
-    except ValueError:
-        raise ValueError("not a number") from None
-    if not 1 < value < float("inf"):  # nan fails too
-        raise ValueError("must be > 1")
-    return value
+    return _number(text, lambda v: 1 < v < float("inf"), "must be > 1")
 
 
 def convert_factor(value: Any) -> float:

@@ -54,7 +54,8 @@ def _accumulation(dtype: torch.dtype, math_: DeviceMath) -> tuple[float, float]:
 
 
 def _excess(difference: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """The largest ``|difference| / allowed`` (nan where the difference is nan: a nan result is a violation)."""
+    """The largest ``|difference| / allowed`` (nan where the difference is nan: a nan result is a violation), in the
+    check's type: float32 unless the op's is float64 (many NPUs have no float64 kernels)."""
     ratio = difference.abs() / allowed
     return torch.where(torch.isnan(ratio), torch.full_like(ratio, math.inf), ratio).amax()
 
@@ -95,7 +96,7 @@ def product_checksum(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: 
                                                                       dtype=wide) * _WIDENED
     else:
         allowed = allowed + _u(out.dtype) * magnitude
-    return _excess((checksum - expected).to(_F64), allowed.to(_F64))
+    return _excess(checksum - expected, allowed)
 
 
 def linear_checksum(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
@@ -111,9 +112,10 @@ def softmax_row_sums(x: torch.Tensor, out: torch.Tensor, dim: int) -> torch.Tens
     if not out.is_floating_point() or out.numel() == 0:
         return None
     n = out.size(dim)
-    sums = out.detach().to(_F64).sum(dim)
+    wide = _F64 if out.dtype == _F64 else torch.float32
+    sums = out.detach().sum(dim, dtype=wide)
     live = torch.isfinite(x.detach()).any(dim)
-    allowed = _u(out.dtype) * 2 + _gamma(n + 1, _u(torch.float32))
+    allowed = _u(out.dtype) * 2 + 2 * _gamma(n + 1, _u(wide))  # the device's float32 sum, and the check's
     return _excess(torch.where(live, sums - 1, torch.zeros_like(sums)), torch.full_like(sums, allowed))
 
 

@@ -836,6 +836,10 @@ class Site:
         self._frames = frames
         self._text: str | None = None
 
+    def key(self) -> tuple:
+        """The innermost user frame ``(file, line, function)``, unformatted: a call site to count by."""
+        return self._frames[0] if self._frames else ()
+
     def text(self) -> str:
         """``file:line function: code`` of the innermost frame outside torch, op_tools and the device layers (of all
         such frames, innermost first, one per line, when taken with ``full_stack``)."""

@@ -107,7 +107,7 @@ class OpSelfCheck(OpTool):
 
     def after(self, call: OpCall) -> None:
         begun = time.perf_counter()
-        site = (call.name, call.location)  # the stack walk only for calls that may be checked
+        site = (call.name, call.keep_location().key())  # unformatted: the line's text only for a checked call
         first = site not in self._sites
         if not first and self._spent > self.budget * (begun - self._started):
             self.counts[BUDGET_SKIPPED] += 1

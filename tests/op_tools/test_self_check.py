@@ -113,3 +113,14 @@ def test_findings_are_written_for_the_run_report(sim, tmp_path):
     assert first.detail.startswith("column checksum ") and first.location.endswith(
         "query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)"), first
     assert len(results.anomalies) == len(check.findings)
+
+
+def test_on_a_device_without_float64_every_check_runs(sim):
+    # many NPUs have no float64 kernels: sim refusing every float64 op plays one; the checks stay in float32
+    import ditorch.sim
+
+    with ditorch.sim.faults(".*@float64:unsupported"), op_tools.OpSelfCheck(budget=1.0) as check:
+        zoo.llama_float32(sim)
+    assert check.counts["checked"] > 10 and check.findings == [] and check.verdict() == "clean", check.closing_line()
+    x = torch.randn(4, 8)
+    assert invariants.softmax_row_sums(x, torch.softmax(x, -1), -1).dtype == torch.float32
