@@ -74,3 +74,25 @@ def sum_across_shards(parts: Iterable[tuple[torch.Tensor, Groups]]) -> list[torc
         for k, piece in zip(indices, joined.split([out[k].numel() for k in indices])):
             out[k] = piece
     return out
+
+
+def local_call(args: tuple, kwargs: dict, result, addend) -> tuple[tuple, dict, object, float] | str:
+    """A DTensor call as its rank computed it: its arguments and result as their local tensors, and the share of a
+    ``Replicate`` addend (a bias) the local result holds: DTensor divides one among a ``Partial(sum)`` result's ranks
+    (``Partial._partition_value``). A string says why the local tensors are not the rank's computation: a ``Partial``
+    input (DTensor reduces it before the op), a result pending another reduction than a sum."""
+    arguments = [*args, *kwargs.values()]
+    if any(is_partial(a) for a in arguments if isinstance(a, torch.Tensor)):
+        return "a Partial input"
+    share = 1.0
+    placements = getattr(result, "placements", ())
+    for dim, placement in enumerate(placements):
+        if type(placement).__name__ != "Partial":
+            continue
+        if getattr(placement, "reduce_op", "sum") != "sum":
+            return f"a {placement} result"
+        if addend is not None and type(addend.placements[dim]).__name__ == "Replicate":
+            share /= result.device_mesh.size(dim)
+    locals_ = [local_part(a) if isinstance(a, torch.Tensor) else a for a in args]
+    return (tuple(locals_), {k: local_part(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()},
+            local_part(result) if isinstance(result, torch.Tensor) else result, share)

@@ -20,6 +20,7 @@ error exceeds the rounding any correct kernel has.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -41,16 +42,19 @@ def _gamma(n: int, u: float) -> float:
     return n * u / (1 - n * u) if n * u < 1 else math.inf
 
 
-def _accumulation(dtype: torch.dtype, math_: DeviceMath) -> tuple[float, float]:
-    """``(u of the accumulation, u of an operand's rounding before it is multiplied)`` for a product in ``dtype``:
-    under autocast a float32 operand is rounded to the autocast dtype first."""
+def _accumulation(dtype: torch.dtype, math_: DeviceMath, family: str = "matmul") -> tuple[float, float, float]:
+    """``(u of the accumulation, u of an operand's rounding before it is multiplied, u of the check's own operands'
+    rounding)`` for a product of ``family`` ("matmul", "conv") in ``dtype``: under autocast a float32 operand is
+    rounded to the autocast dtype first; under TF32/HF32 a float32 one to that format, the check's float32 product's
+    too (it runs under the same switch)."""
+    reduced = dict(math_.reduced).get(family)
+    rounded = 2.0 ** -(MANTISSA_BITS.get(reduced, 23) + 1) if reduced else 0.0
+    check = rounded if dtype != _F64 else 0.0
     if dtype in _NARROW:
-        return _u(torch.float32), 0.0
+        return _u(torch.float32), 0.0, check
     if math_.autocast_dtype is not None and dtype == torch.float32:
-        return _u(torch.float32), _u(math_.autocast_dtype)
-    reduced = dict(math_.reduced).get("matmul")
-    operand = 2.0 ** -(MANTISSA_BITS.get(reduced, 23) + 1) if reduced and dtype == torch.float32 else 0.0
-    return _u(dtype), operand
+        return _u(torch.float32), _u(math_.autocast_dtype), check
+    return _u(dtype), rounded if dtype == torch.float32 else 0.0, check
 
 
 def _excess(difference: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -60,10 +64,39 @@ def _excess(difference: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(ratio), torch.full_like(ratio, math.inf), ratio).amax()
 
 
-def product_checksum(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None,
-                     math_: DeviceMath) -> torch.Tensor | None:
-    """The tiled column checksum of ``out = a @ b (+ bias)`` (``a``: (..., M, K), ``b``: (..., K, N), broadcasting
-    batch dimensions); None for shapes it does not cover (vectors).
+def _allowed(depth: int, tile: int, magnitude: torch.Tensor, out_l1: torch.Tensor | None, out_dtype: torch.dtype,
+             rounding: tuple[float, float, float], wide: torch.dtype, extra: float = 0.0) -> torch.Tensor:
+    """What rounding allows a tile's checksum of a product of reduction length ``depth`` whose per-element
+    magnitudes sum to ``magnitude`` (``sum |A||B|`` over the tile): the device's accumulation in any order
+    (Higham 3.1, 4.2), its operands' rounding, the check's own sums and product, and each result element's rounding
+    (bounded by the tile's ``sum |out|`` where it is given, else by the magnitudes). ``extra``: further roundings of
+    the magnitude (an addmm's scaling and addition)."""
+    u_acc, u_operand, u_check_operand = rounding
+    u_check = _u(wide)
+    allowed = (_gamma(depth + 1, u_acc) + 2 * u_operand + 2 * u_check_operand + _gamma(depth + 1, u_check) +
+               3 * _gamma(tile + 1, u_check) + u_check + extra) * magnitude + tile * torch.finfo(out_dtype).tiny
+    if out_l1 is not None:
+        return allowed + _u(out_dtype) * out_l1
+    return allowed + _u(out_dtype) * magnitude
+
+
+def _tile_of(rows: int) -> int:
+    return TILE if rows % TILE == 0 else rows
+
+
+def _addend_tiles(addend: torch.Tensor, out: torch.Tensor, tiles: tuple[int, int], wide: torch.dtype,
+                  dim: int) -> torch.Tensor:
+    """``addend`` (broadcast to ``out``) summed over each tile of dimension ``dim``."""
+    if addend.dim() == 1 and dim == -2:  # a bias over columns: each tile adds it ``tile`` times
+        return tiles[1] * addend.to(wide)
+    return addend.expand_as(out).unflatten(dim, tiles).sum(dim, dtype=wide)
+
+
+def product_checksum(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, addend: torch.Tensor | None,
+                     math_: DeviceMath, beta: float = 1.0, alpha: float = 1.0) -> torch.Tensor | None:
+    """The tiled column checksum of ``out = beta * addend + alpha * (a @ b)`` (``a``: (..., M, K), ``b``: (..., K,
+    N), broadcasting batch dimensions; ``addend`` broadcast to ``out``: a linear's bias, an addmm's input); None for
+    shapes it does not cover (vectors).
 
     The rows are summed in tiles of ``TILE`` (all ``M`` when ``M`` is not a multiple of it): per tile and column,
     ``sum_r out_rn`` against ``(sum_r a_r) @ b``, a product ``TILE`` times smaller than the op's. A tile's worst-case
@@ -74,8 +107,10 @@ def product_checksum(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: 
     if a.dim() < 2 or b.dim() < 2 or out.dim() < 2 or not out.is_floating_point() or out.numel() == 0:
         return None
     rows, depth = a.size(-2), a.size(-1)
-    tile = TILE if rows % TILE == 0 else rows
-    u_acc, u_operand = _accumulation(a.dtype, math_)
+    if b.size(-2) != depth or out.shape[-2:] != (rows, b.size(-1)):  # not this product (a DTensor's local tensors)
+        return None
+    tile = _tile_of(rows)
+    rounding = _accumulation(a.dtype, math_)
     a, b, out = a.detach(), b.detach(), out.detach()
     wide = _F64 if b.dtype == _F64 else torch.float32  # the check's type
     tiles = (rows // tile, tile)
@@ -84,27 +119,63 @@ def product_checksum(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, bias: 
     column_norms = torch.linalg.vector_norm(b, 2, dim=-2, keepdim=True, dtype=wide)
     tile_magnitudes = a.abs().unflatten(-2, tiles).sum(-2, dtype=wide)  # (..., M/T, K)
     magnitude = column_norms * torch.linalg.vector_norm(tile_magnitudes, 2, dim=-1, keepdim=True) * _WIDENED
-    if bias is not None:
-        bias_wide = bias.detach().to(wide)
-        expected = expected + tile * bias_wide
-        magnitude = magnitude + tile * bias_wide.abs()
-    u_check = _u(wide)
-    allowed = (_gamma(depth + 1, u_acc) + 2 * u_operand + _gamma(depth + 1, u_check) + 3 * _gamma(tile + 1, u_check) +
-               u_check) * magnitude + tile * torch.finfo(out.dtype).tiny
-    if out.dtype in _NARROW:  # its own rounding dominates: bounded by the tile's |out| (one more pass), not loosely
-        allowed = allowed + _u(out.dtype) * torch.linalg.vector_norm(out.unflatten(-2, tiles), 1, dim=-2,
-                                                                      dtype=wide) * _WIDENED
-    else:
-        allowed = allowed + _u(out.dtype) * magnitude
-    return _excess(checksum - expected, allowed)
+    extra = 0.0
+    if alpha != 1:
+        expected, magnitude, extra = expected * alpha, magnitude * abs(alpha), _u(out.dtype)
+    if addend is not None and beta != 0:
+        added = _addend_tiles(addend.detach(), out, tiles, wide, -2)
+        expected = expected + beta * added
+        magnitude = magnitude + abs(beta) * _addend_tiles(addend.detach().abs(), out, tiles, wide, -2)
+        extra += 2 * _u(out.dtype) if beta != 1 else _u(out.dtype)
+    out_l1 = (torch.linalg.vector_norm(out.unflatten(-2, tiles), 1, dim=-2, dtype=wide) * _WIDENED
+              if out.dtype in _NARROW else None)  # a narrow output's own rounding dominates: bounded by its |out|
+    return _excess(checksum - expected, _allowed(depth, tile, magnitude, out_l1, out.dtype, rounding, wide, extra))
 
 
 def linear_checksum(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                    math_: DeviceMath) -> torch.Tensor | None:
-    """``linear``'s: ``out = x weight^T + bias`` over all of ``x``'s leading dimensions as rows."""
+                    math_: DeviceMath, share: float = 1.0) -> torch.Tensor | None:
+    """``linear``'s: ``out = x weight^T + share * bias`` over all of ``x``'s leading dimensions as rows."""
     if x.dim() < 1 or weight.dim() != 2 or out.numel() == 0:
         return None
-    return product_checksum(x.reshape(-1, x.size(-1)), weight.t(), out.reshape(-1, out.size(-1)), bias, math_)
+    return product_checksum(x.reshape(-1, x.size(-1)), weight.t(), out.reshape(-1, out.size(-1)), bias, math_, share)
+
+
+_CONVOLUTIONS = {1: torch.conv1d, 2: torch.conv2d, 3: torch.conv3d}
+
+
+def conv_checksum(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                  settings: tuple, math_: DeviceMath) -> torch.Tensor | None:
+    """A convolution's checksum over tiles of ``TILE`` output channels (within a group): their outputs summed equal
+    the convolution of the input with their filters summed, a convolution ``TILE`` times smaller than the op's. The
+    magnitudes come from the same small convolution of ``|x|`` with the tiles' ``|w|`` summed (exact, no
+    Cauchy-Schwarz); the reduction length is a filter's ``C_in / groups * prod(kernel)``. ``settings``: (stride,
+    padding, dilation, groups) as the op took them."""
+    spatial = weight.dim() - 2
+    convolve = _CONVOLUTIONS.get(spatial)
+    if convolve is None or not out.is_floating_point() or out.numel() == 0 or x.dim() not in (spatial + 1,
+                                                                                                spatial + 2):
+        return None
+    if x.dim() == spatial + 1:  # unbatched
+        x, out = x.unsqueeze(0), out.unsqueeze(0)
+    stride, padding, dilation, groups = settings
+    channels = weight.size(0)
+    tile = _tile_of(channels // groups)
+    rounding = _accumulation(x.dtype, math_, "conv")
+    x, weight, out = x.detach(), weight.detach(), out.detach()
+    wide = _F64 if weight.dtype == _F64 else torch.float32
+    tiles = (channels // tile, tile)
+    checksum = out.unflatten(1, tiles).sum(2, dtype=wide)
+    summed = weight.unflatten(0, tiles).sum(1, dtype=wide)
+    expected = convolve(x.to(wide), summed, None, stride, padding, dilation, groups)
+    magnitude = convolve(x.abs().to(wide), weight.abs().unflatten(0, tiles).sum(1, dtype=wide), None, stride, padding,
+                         dilation, groups)
+    if bias is not None:
+        shape = (1, -1) + (1,) * spatial
+        expected = expected + bias.detach().unflatten(0, tiles).sum(1, dtype=wide).reshape(shape)
+        magnitude = magnitude + bias.detach().abs().unflatten(0, tiles).sum(1, dtype=wide).reshape(shape)
+    depth = weight[0].numel()
+    out_l1 = out.abs().unflatten(1, tiles).sum(2, dtype=wide) * _WIDENED if out.dtype in _NARROW else None
+    return _excess(checksum - expected, _allowed(depth, tile, magnitude, out_l1, out.dtype, rounding, wide))
 
 
 def softmax_row_sums(x: torch.Tensor, out: torch.Tensor, dim: int) -> torch.Tensor | None:
@@ -119,49 +190,89 @@ def softmax_row_sums(x: torch.Tensor, out: torch.Tensor, dim: int) -> torch.Tens
     return _excess(torch.where(live, sums - 1, torch.zeros_like(sums)), torch.full_like(sums, allowed))
 
 
+def addend_of(name: str, args: tuple, kwargs: dict):
+    """The tensor a call of ``name`` adds to its product (None if none)."""
+    place = ADDENDS.get(name)
+    return None if place is None else _arg(args, kwargs, *place)
+
+
 def _arg(args: tuple, kwargs: dict, position: int, name: str, default=None):
     if position < len(args):
         return args[position]
     return kwargs.get(name, default)
 
 
-def _linear(args, kwargs, out, math_):
+def _linear(args, kwargs, out, math_, share):
     return linear_checksum(_arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight"),
-                           _arg(args, kwargs, 2, "bias"), out, math_)
+                           _arg(args, kwargs, 2, "bias"), out, math_, share)
 
 
-def _matmul(args, kwargs, out, math_):
+def _matmul(args, kwargs, out, math_, share):
     return product_checksum(_arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "other"), out, None, math_)
 
 
-def _softmax(args, kwargs, out, math_):
+def _addmm(args, kwargs, out, math_, share):
+    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    if not isinstance(beta, (int, float)) or not isinstance(alpha, (int, float)):
+        return None
+    # input, mat1, mat2 (addmm) or input, batch1, batch2 (baddbmm); a Tensor method's self is the input
+    return product_checksum(_arg(args, kwargs, 1, "mat1", kwargs.get("batch1")),
+                            _arg(args, kwargs, 2, "mat2", kwargs.get("batch2")), out,
+                            _arg(args, kwargs, 0, "input"), math_, float(beta) * share, float(alpha))
+
+
+def _conv(args, kwargs, out, math_, share):
+    settings = tuple(_arg(args, kwargs, i, name, default) for i, name, default in
+                     ((3, "stride", 1), (4, "padding", 0), (5, "dilation", 1), (6, "groups", 1)))
+    return conv_checksum(_arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight"),
+                         _arg(args, kwargs, 2, "bias"), out, settings, math_)
+
+
+def _softmax(args, kwargs, out, math_, share):
     dim = _arg(args, kwargs, 1, "dim")
     if not isinstance(dim, int):
         return None
     return softmax_row_sums(_arg(args, kwargs, 0, "input"), out, dim)
 
 
+_PRODUCTS = {"torch.nn.functional.linear": _linear,
+             "torch.matmul": _matmul, "torch.Tensor.matmul": _matmul, "torch.Tensor.__matmul__": _matmul,
+             "torch.mm": _matmul, "torch.spmm": _matmul, "torch.Tensor.mm": _matmul, "torch.bmm": _matmul,
+             "torch.Tensor.bmm": _matmul, "torch.addmm": _addmm, "torch.Tensor.addmm": _addmm,
+             "torch.baddbmm": _addmm, "torch.Tensor.baddbmm": _addmm}
+_CONVS = {f"torch.nn.functional.conv{n}d": _conv for n in _CONVOLUTIONS}
+_SOFTMAXES = {"torch.nn.functional.softmax": _softmax, "torch.softmax": _softmax, "torch.Tensor.softmax": _softmax}
 # op name (as the tools name calls) -> check(args, kwargs, result, device math) -> excess or None
-CHECKS: dict[str, Callable] = {
-    "torch.nn.functional.linear": _linear,
-    "torch.matmul": _matmul, "torch.Tensor.matmul": _matmul, "torch.Tensor.__matmul__": _matmul,
-    "torch.mm": _matmul, "torch.spmm": _matmul, "torch.Tensor.mm": _matmul, "torch.bmm": _matmul,
-    "torch.Tensor.bmm": _matmul,
-    "torch.nn.functional.softmax": _softmax, "torch.softmax": _softmax, "torch.Tensor.softmax": _softmax,
-}
+CHECKS: dict[str, Callable] = {**_PRODUCTS, **_CONVS, **_SOFTMAXES}
 # The functions a tool wraps by default (targeted dispatch, no mode seeing every call): those of CHECKS that can be
 # wrapped under their own name (torch.mm is torch.spmm's object, and @ reaches the tools as Tensor.matmul's call).
 WRAPPED = tuple(name for name in CHECKS if name not in ("torch.mm", "torch.spmm", "torch.Tensor.__matmul__"))
+# the checks that hold on a DTensor's local tensors (each rank's part of a sharded product is a product)
+LOCAL = frozenset(_PRODUCTS)
+# the argument each product adds (position, keyword): a DTensor's local result may hold a share of it
+ADDENDS = {**{name: (2, "bias") for name in ("torch.nn.functional.linear", *_CONVS)},
+           **{name: (0, "input") for name in ("torch.addmm", "torch.Tensor.addmm", "torch.baddbmm",
+                                              "torch.Tensor.baddbmm")}}
 # what each check is called in a finding
-KINDS = {**{name: "column checksum" for name in CHECKS}, "torch.nn.functional.softmax": "row sums",
-         "torch.softmax": "row sums", "torch.Tensor.softmax": "row sums"}
+KINDS = {**{name: "column checksum" for name in _PRODUCTS}, **{name: "channel checksum" for name in _CONVS},
+         **{name: "row sums" for name in _SOFTMAXES}}
 
 
-def check(name: str, args: tuple, kwargs: dict, result, math_: DeviceMath) -> torch.Tensor | None:
-    """The excess of a call of ``name`` (a 0-d float64 tensor on its device), or None: no invariant for it, or for
-    these arguments."""
+def check(name: str, args: tuple, kwargs: dict, result, math_: DeviceMath, share: float = 1.0) -> torch.Tensor | None:
+    """The excess of a call of ``name`` (a 0-d tensor on its device), or None: no invariant for it, or for these
+    arguments. ``share``: the part of its addend (bias, input) the result holds (a DTensor's local ``Partial``
+    result holds ``1 / ranks`` of a replicated bias)."""
     checker = CHECKS.get(name)
     if checker is None or not isinstance(result, torch.Tensor):
         return None
-    with torch.no_grad():
-        return checker(args, kwargs, result, math_)
+    device = result.device.type
+    # the check's own products run as written: not cast by the user's autocast region
+    with torch.no_grad(), torch.autocast(device, enabled=False) if _autocasts(device) else contextlib.nullcontext():
+        return checker(args, kwargs, result, math_, share)
+
+
+def _autocasts(device: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device)
+    except RuntimeError:  # a device type autocast does not know
+        return False

@@ -24,6 +24,7 @@ import threading
 import time
 
 from ..config.variables import SELF_CHECK_BUDGET, OpFilter
+from ..core import shards
 from ..core.engine import OpCall, OpTool, feature, tool_work
 from ..numerics import invariants
 from ..numerics.device_math import DeviceMath
@@ -112,12 +113,17 @@ class OpSelfCheck(OpTool):
         if not first and self._spent > self.budget * (begun - self._started):
             self.counts[BUDGET_SKIPPED] += 1
             return
-        if any(is_dtensor(a) for a in (*call.args, *call.kwargs.values(), call.result)):
-            # a DTensor's check would run DTensor ops, collectives among them, on the ranks that check this call:
-            # the budget decides per rank, so they could wait on each other (the local shards: not yet)
-            self.counts["not checked (DTensor)"] += 1
-            return
-        excess = invariants.check(call.name, call.args, call.kwargs, call.result, DeviceMath.of(call.device))
+        args, kwargs, result, share = call.args, call.kwargs, call.result, 1.0
+        if any(is_dtensor(a) for a in (*args, *kwargs.values(), result)):
+            # checked on the rank's local tensors, where the invariant holds for what the rank computed (a column- or
+            # row-parallel product); never on the DTensors: their ops run collectives, and the budget decides per rank
+            local = shards.local_call(args, kwargs, result, invariants.addend_of(call.name, args, kwargs)) \
+                if call.name in invariants.LOCAL else "not a product"
+            if isinstance(local, str):
+                self.counts["not checked (DTensor)"] += 1
+                return
+            args, kwargs, result, share = local
+        excess = invariants.check(call.name, args, kwargs, result, DeviceMath.of(call.device), share)
         if excess is None:
             self.counts["not checked (no invariant for these arguments)"] += 1
             return

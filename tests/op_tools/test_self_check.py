@@ -124,3 +124,67 @@ def test_on_a_device_without_float64_every_check_runs(sim):
     assert check.counts["checked"] > 10 and check.findings == [] and check.verdict() == "clean", check.closing_line()
     x = torch.randn(4, 8)
     assert invariants.softmax_row_sums(x, torch.softmax(x, -1), -1).dtype == torch.float32
+
+
+@pytest.mark.parametrize("groups,channels_in,channels_out", [(1, 64, 64), (1, 3, 64), (4, 64, 128), (64, 64, 64)],
+                         ids=["dense", "rgb", "grouped", "depthwise"])
+def test_a_convolution_is_checked_over_tiles_of_output_channels(groups, channels_in, channels_out):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, channels_in, 16, 16, generator=generator)
+    w = torch.randn(channels_out, channels_in // groups, 3, 3, generator=generator) * 0.1
+    b = torch.randn(channels_out, generator=generator)
+
+    def excess(x, w, b, out):
+        return float(invariants.check("torch.nn.functional.conv2d", (x, w, b, 1, 1, 1, groups), {}, out,
+                                      DeviceMath()))
+
+    out = torch.nn.functional.conv2d(x, w, b, 1, 1, 1, groups)
+    assert excess(x, w, b, out) <= 1
+    narrow = (x.bfloat16(), w.bfloat16(), b.bfloat16())
+    assert excess(*narrow, torch.nn.functional.conv2d(*narrow, 1, 1, 1, groups)) <= 1
+    wrong = out.clone()
+    wrong[1, 5, 3, 3] *= 1.5
+    assert excess(x, w, b, wrong) > 1
+    noisy = out * (1 + 1e-2 * torch.randn(out.shape, generator=generator))
+    assert excess(x, w, b, noisy) > 1
+
+
+def test_a_convolutions_keywords_and_unbatched_input_are_followed():
+    generator = torch.Generator().manual_seed(1)
+    x, w = torch.randn(2, 16, 100, generator=generator), torch.randn(32, 16, 5, generator=generator)
+    for args, kwargs in (((x, w), {"padding": "same"}), ((x[0], w), {"stride": 2, "dilation": 2})):
+        out = torch.nn.functional.conv1d(*args, **kwargs)
+        assert float(invariants.check("torch.nn.functional.conv1d", args, kwargs, out, DeviceMath())) <= 1
+        assert float(invariants.check("torch.nn.functional.conv1d", args, kwargs, out * 1.01, DeviceMath())) > 1
+
+
+@pytest.mark.parametrize("name", ["torch.addmm", "torch.Tensor.addmm"])
+def test_an_addmm_is_checked_with_its_scales_and_broadcast_input(name):
+    generator = torch.Generator().manual_seed(2)
+    m1, m2 = torch.randn(64, 256, generator=generator), torch.randn(256, 128, generator=generator)
+    full = torch.randn(64, 128, generator=generator)
+    for addend in (full, full[0], full[:, :1]):
+        out = torch.addmm(addend, m1, m2, beta=0.5, alpha=2)
+        scales = {"beta": 0.5, "alpha": 2}
+        assert float(invariants.check(name, (addend, m1, m2), scales, out, DeviceMath())) <= 1
+        assert float(invariants.check(name, (addend, m1, m2), {}, out, DeviceMath())) > 1  # scales ignored: wrong
+    b1, b2, added = (torch.randn(4, 32, 64, generator=generator), torch.randn(4, 64, 16, generator=generator),
+                     torch.randn(4, 32, 16, generator=generator))
+    out = torch.baddbmm(added, b1, b2)
+    assert float(invariants.check("torch.baddbmm", (added, b1, b2), {}, out, DeviceMath())) <= 1
+    out[2, 5, 7] += 0.1
+    assert float(invariants.check("torch.baddbmm", (added, b1, b2), {}, out, DeviceMath())) > 1
+
+
+def test_a_noisy_convolution_is_named_in_a_cnn_and_gpt2s_addmm_checked(sim):
+    import ditorch.sim
+
+    with ditorch.sim.faults("convolution:noise=1e-2"), op_tools.OpSelfCheck(budget=1.0) as check:
+        zoo.cnn_batchnorm(sim)
+    first = check.findings[0]
+    assert (first.op, first.check, first.module, first.step) == ("torch.nn.functional.conv2d", "channel checksum",
+                                                                 "0", 0), first
+    assert {f.op for f in check.findings} == {"torch.nn.functional.conv2d"}, check.findings
+    with op_tools.OpSelfCheck(budget=1.0) as check:
+        zoo.gpt2_dropout(sim)
+    assert check.handled["torch.addmm"] > 0 and check.findings == [], (check.handled, check.findings[:1])

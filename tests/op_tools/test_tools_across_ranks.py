@@ -57,11 +57,17 @@ def test_self_check_names_noisy_matmuls_on_the_one_faulty_rank_of_a_ddp_step(rep
     assert noise[1]["first"][0] == "torch.nn.functional.linear" and noise[1]["first"][2:] == [1, 0], noise
 
 
-def test_self_check_says_dtensor_calls_are_not_checked(reports):
+def test_self_check_checks_a_tensor_parallel_mlps_products_on_each_ranks_local_part(reports):
+    # the column-parallel up projection's local product is a product; the row-parallel down projection's local
+    # result is a Partial sum holding half the replicated bias
     for report in reports:
-        counts = report["tp"]["OpSelfCheck"]["counts"]
-        assert report["tp"]["OpSelfCheck"]["verdict"] == "unchecked" and counts.get("not checked (DTensor)", 0) >= 1
-        assert counts.get("checked", 0) == 0, counts
+        clean = report["tp"]["OpSelfCheck"]
+        assert clean["verdict"] == "clean" and clean["findings"] == 0, clean
+        assert clean["counts"] == {"checked": 2}, clean
+    noise = [report["tp"]["OpSelfCheck noise"] for report in reports]
+    assert noise[0] == {"verdict": "clean", "found": []}, noise
+    assert noise[1]["verdict"] == "found", noise
+    assert noise[1]["found"] == [["torch.nn.functional.linear", "down", 1], ["torch.nn.functional.linear", "up", 1]]
 
 
 def test_a_fault_in_a_tensor_parallel_mlp_is_found_where_it_is_born(reports):

@@ -88,9 +88,15 @@ def main() -> None:
     report["tp"]["OpAutoCompare"] = {"verdict": compare.verdict(), "found": compare.found(),
                                      "not_checked": compare.not_checked(), "counts": dict(compare.counts)}
     mlp.zero_grad()
-    with op_tools.OpSelfCheck() as check:  # DTensor calls: said not checked, no collective of its own
+    with op_tools.OpSelfCheck(budget=1.0) as check:  # DTensor products: checked on each rank's local part
         mlp(x).square().mean().backward()
-    report["tp"]["OpSelfCheck"] = {"verdict": check.verdict(), "counts": dict(check.counts)}
+    report["tp"]["OpSelfCheck"] = {"verdict": check.verdict(), "counts": dict(check.counts),
+                                   "findings": len(check.findings)}
+    mlp.zero_grad()
+    with ditorch.sim.faults("mm:noise=1e-2,rank=1"), op_tools.OpSelfCheck(budget=1.0) as check:
+        mlp(x).square().mean().backward()
+    report["tp"]["OpSelfCheck noise"] = {"verdict": check.verdict(),
+                                         "found": sorted({(f.op, f.module, f.rank) for f in check.findings})}
     mlp.zero_grad()
     with ditorch.sim.faults("silu:noise=1e-2" if rank == 1 else ""):
         with op_tools.OpAutoCompare(results_dir=os.path.join(out, "results_tp_noise")) as compare:
