@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import sampled_reference
 from .device_math import MANTISSA_BITS, DeviceMath
 
 _F64 = torch.float64
@@ -242,11 +243,51 @@ _PRODUCTS = {"torch.nn.functional.linear": _linear,
              "torch.baddbmm": _addmm, "torch.Tensor.baddbmm": _addmm}
 _CONVS = {f"torch.nn.functional.conv{n}d": _conv for n in _CONVOLUTIONS}
 _SOFTMAXES = {"torch.nn.functional.softmax": _softmax, "torch.softmax": _softmax, "torch.Tensor.softmax": _softmax}
+def _elementwise(func, args, kwargs, out, rotation, cancelling=False):
+    if kwargs.get("inplace") or any(a is out for a in args):  # its input is its result now: nothing to rerun
+        return None
+    return sampled_reference.elementwise_sample(func, args, kwargs, out, rotation, cancelling)
+
+
+def _cancelling(func, args, kwargs, out, rotation):
+    return _elementwise(func, args, kwargs, out, rotation, cancelling=True)
+
+
+def _norm(func, args, kwargs, out, rotation, rms=False):
+    x, shape = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "normalized_shape")
+    if not isinstance(x, torch.Tensor) or not isinstance(shape, (tuple, list, torch.Size, int)):
+        return None
+    normalized = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
+    eps = _arg(args, kwargs, 3 if rms else 4, "eps", None if rms else 1e-5)
+    return sampled_reference.norm_sample(func, x, normalized, _arg(args, kwargs, 2, "weight"),
+                                         None if rms else _arg(args, kwargs, 3, "bias"), eps, out, rotation, rms)
+
+
+def _rms_norm(func, args, kwargs, out, rotation):
+    return _norm(func, args, kwargs, out, rotation, rms=True)
+
+
+_ARITHMETIC = ("mul", "add", "sub", "div")
+_UNARY = ("sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt")
+# op name -> sample(func, args, kwargs, result, rotation) -> (device values, sampled_reference.Recipe) or None: a
+# sample of the result rerun on the host in float64 (sampled_reference.py)
+SAMPLED: dict[str, Callable] = {
+    **{f"torch.{op}": _elementwise for op in _ARITHMETIC + _UNARY},
+    **{f"torch.Tensor.{op}": _elementwise for op in _ARITHMETIC + _UNARY},
+    # the other operators reach the tools under their method's name (x * y as torch.Tensor.mul)
+    **{f"torch.Tensor.__{op}__": _elementwise for op in ("rsub", "rtruediv")},
+    "torch.nn.functional.silu": _elementwise, "torch.nn.functional.gelu": _cancelling,
+    "torch.nn.functional.layer_norm": _norm, "torch.nn.functional.rms_norm": _rms_norm,
+}
 # op name (as the tools name calls) -> check(args, kwargs, result, device math) -> excess or None
 CHECKS: dict[str, Callable] = {**_PRODUCTS, **_CONVS, **_SOFTMAXES}
 # The functions a tool wraps by default (targeted dispatch, no mode seeing every call): those of CHECKS that can be
-# wrapped under their own name (torch.mm is torch.spmm's object, and @ reaches the tools as Tensor.matmul's call).
-WRAPPED = tuple(name for name in CHECKS if name not in ("torch.mm", "torch.spmm", "torch.Tensor.__matmul__"))
+# wrapped under their own name (torch.mm is torch.spmm's object, and @ reaches the tools as Tensor.matmul's call),
+# and the functional activations and norms. The arithmetic operators and unary functions are checked when a LIST
+# names them: every handled call costs the engine's dispatch (tens of µs), budget or not, and a step makes hundreds.
+WRAPPED = tuple(name for name in CHECKS if name not in ("torch.mm", "torch.spmm", "torch.Tensor.__matmul__")) + (
+    "torch.nn.functional.silu", "torch.nn.functional.gelu", "torch.nn.functional.layer_norm",
+    "torch.nn.functional.rms_norm")
 # the checks that hold on a DTensor's local tensors (each rank's part of a sharded product is a product)
 LOCAL = frozenset(_PRODUCTS)
 # the argument each product adds (position, keyword): a DTensor's local result may hold a share of it
@@ -255,7 +296,7 @@ ADDENDS = {**{name: (2, "bias") for name in ("torch.nn.functional.linear", *_CON
                                               "torch.Tensor.baddbmm")}}
 # what each check is called in a finding
 KINDS = {**{name: "column checksum" for name in _PRODUCTS}, **{name: "channel checksum" for name in _CONVS},
-         **{name: "row sums" for name in _SOFTMAXES}}
+         **{name: "row sums" for name in _SOFTMAXES}, **{name: "float64 rerun of a sample" for name in SAMPLED}}
 
 
 def check(name: str, args: tuple, kwargs: dict, result, math_: DeviceMath, share: float = 1.0) -> torch.Tensor | None:

@@ -23,10 +23,12 @@ import re
 import threading
 import time
 
+import torch
+
 from ..config.variables import SELF_CHECK_BUDGET, OpFilter
 from ..core import shards
 from ..core.engine import OpCall, OpTool, feature, tool_work
-from ..numerics import invariants
+from ..numerics import invariants, sampled_reference
 from ..numerics.device_math import DeviceMath
 from ..numerics.device_readback import DeviceReadback
 from ..ops.arguments import is_dtensor
@@ -34,6 +36,7 @@ from ..output import result_files
 
 READBACK_BATCH = 64  # checked calls whose results travel to the host together: one copy, no synchronisation
 BUDGET_SKIPPED = "not checked (budget)"
+EXACT_SKIPPED = "not checked (integer result)"  # exact arithmetic (positions, indices): nothing to round, out of scope
 FINDINGS_WRITTEN = 100  # findings kept in a rank's file (the first ones: the first is where to look)
 
 
@@ -96,7 +99,7 @@ class OpSelfCheck(OpTool):
         self._judge_lock = threading.Lock()
 
     def accepts(self, name: str) -> bool:
-        return name in invariants.CHECKS
+        return name in invariants.CHECKS or name in invariants.SAMPLED
 
     @property
     def findings(self) -> list[Finding]:
@@ -123,23 +126,39 @@ class OpSelfCheck(OpTool):
                 self.counts["not checked (DTensor)"] += 1
                 return
             args, kwargs, result, share = local
-        excess = invariants.check(call.name, args, kwargs, result, DeviceMath.of(call.device), share)
-        if excess is None:
-            self.counts["not checked (no invariant for these arguments)"] += 1
+        recipe = None
+        sampler = invariants.SAMPLED.get(call.name)
+        if sampler is not None:  # a sample rerun on the host when it arrives
+            sample = None if share != 1.0 or not isinstance(result, torch.Tensor) else \
+                sampler(call.func, args, kwargs, result, self.counts["checked"])
+            values, recipe = sample if sample is not None else (None, None)
+        else:
+            values = invariants.check(call.name, args, kwargs, result, DeviceMath.of(call.device), share)
+        if values is None:
+            exact = isinstance(result, torch.Tensor) and not result.is_floating_point() and not result.is_complex()
+            self.counts[EXACT_SKIPPED if exact else "not checked (no invariant for these arguments)"] += 1
             return
         self._sites.add(site)
         self.counts["checked"] += 1
-        token = (call.name, call.module_path, call.step, call.forward_id, call.location, call.time)
-        self._readback.put(excess.reshape(1), token)
+        token = (call.name, call.module_path, call.step, call.forward_id, call.location, call.time, recipe)
+        self._readback.put(values if recipe is not None else values.reshape(1), token)
         self._judge(wait=False)
         self._spent += time.perf_counter() - begun
 
     def _judge(self, wait: bool) -> None:
         with self._judge_lock:
             for token, values in (self._readback.drain() if wait else self._readback.ready()):
-                if values and not values[0] <= 1:  # nan counts as a violation
-                    name, module, step, forward_id, location, started = token
-                    finding = Finding(name, invariants.KINDS[name], values[0], module, step, self.common.rank,
+                name, module, step, forward_id, location, started, recipe = token
+                try:
+                    excess = values[0] if recipe is None else sampled_reference.excess(recipe, values)
+                except Exception as error:  # a rerun the host could not do: that call was not checked after all
+                    self.counts["checked"] -= 1
+                    self.counts["not checked (the host's rerun failed)"] += 1
+                    if self.counts["not checked (the host's rerun failed)"] == 1:
+                        self._logger.warning("OpSelfCheck: the host's rerun of %s failed: %r", name, error)
+                    continue
+                if not excess <= 1:  # nan counts as a violation
+                    finding = Finding(name, invariants.KINDS[name], excess, module, step, self.common.rank,
                                       forward_id, location, started)
                     self._findings.append(finding)
                     if len(self._findings) == 1:
@@ -167,9 +186,10 @@ class OpSelfCheck(OpTool):
 
     def unchecked_parts(self) -> list[str]:
         """Calls it handled and could not check (a DTensor's, arguments no invariant covers): the verdict says so.
-        Calls left for the budget are the tool's design, counted in the closing line only."""
+        Calls left for the budget, and integer arithmetic (no rounding to bound), are the tool's design, counted in the
+        closing line only."""
         return [f"{n} {reason.removeprefix('not checked ')} call{'s' if n != 1 else ''} not checked"
-                for reason, n in self.counts.items() if reason not in ("checked", BUDGET_SKIPPED)]
+                for reason, n in self.counts.items() if reason not in ("checked", BUDGET_SKIPPED, EXACT_SKIPPED)]
 
     def closing_line(self) -> str:
         unchecked = {why: n for why, n in self.counts.items() if why != "checked"}

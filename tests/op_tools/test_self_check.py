@@ -4,11 +4,16 @@ and named; the budget keeps the first call of each site and counts the rest."""
 
 import pytest
 import torch
+import torch.nn.functional as F  # noqa: N812
 import zoo
 
 import op_tools
 from op_tools.numerics import invariants
 from op_tools.numerics.device_math import DeviceMath
+
+# every op with a check that can be named in a LIST (torch.mm is torch.spmm's object, @ is Tensor.matmul's call)
+EVERY_OP = sorted(name for name in {*invariants.CHECKS, *invariants.SAMPLED}
+                  if name not in ("torch.mm", "torch.spmm", "torch.Tensor.__matmul__"))
 
 
 @pytest.mark.parametrize("workload", zoo.ZOO + (zoo.Workload("llama_float32", zoo.llama_float32, ("", ""), None),),
@@ -19,9 +24,9 @@ def test_the_recipes_raise_no_false_alarm_in_cpu_and_gpu_numerics(sim, workload)
     for numerics in ("cpu", "gpu"):
         with ditorch.sim.numerics(numerics):
             plain = workload.run(sim)
-            with op_tools.OpSelfCheck(budget=1.0) as check:
+            with op_tools.OpSelfCheck(budget=1.0, ops=EVERY_OP) as check:
                 losses = workload.run(sim)
-        assert check.findings == [] and check.verdict() == "clean", (numerics, check.findings[:2])
+        assert check.findings == [] and check.verdict() == "clean", (numerics, check.findings[:2], check.counts)
         assert check.counts["checked"] >= 2, check.counts
         assert losses == plain  # the tool changes nothing the run computes
 
@@ -188,3 +193,82 @@ def test_a_noisy_convolution_is_named_in_a_cnn_and_gpt2s_addmm_checked(sim):
     with op_tools.OpSelfCheck(budget=1.0) as check:
         zoo.gpt2_dropout(sim)
     assert check.handled["torch.addmm"] > 0 and check.findings == [], (check.handled, check.findings[:1])
+
+
+def _sampled_excess(name, func, args, kwargs=None, wrong=None):
+    from op_tools.numerics import sampled_reference
+
+    kwargs = kwargs or {}
+    out = func(*args, **kwargs)
+    if wrong is not None:
+        out = wrong(out)
+    worst = 0.0
+    for rotation in range(sampled_reference.ROTATIONS):
+        values, recipe = invariants.SAMPLED[name](func, args, kwargs, out, rotation)
+        worst = max(worst, sampled_reference.excess(recipe, [v for t in values for v in t.reshape(-1).tolist()]))
+    return worst
+
+
+def _elementwise_cases():
+    generator = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 64, generator=generator), torch.randn(64, generator=generator)
+    return [
+        ("torch.mul", torch.mul, (x, y)), ("torch.Tensor.mul", torch.Tensor.mul, (x, 1e-6)),
+        ("torch.Tensor.add", torch.Tensor.add, (x, y), {"alpha": 0.5}),
+        ("torch.Tensor.__rsub__", torch.Tensor.__rsub__, (x, 1.0)), ("torch.div", torch.div, (x, y)),
+        ("torch.exp", torch.exp, (x,)), ("torch.Tensor.rsqrt", torch.Tensor.rsqrt, (x.abs() + 1e-3,)),
+        ("torch.nn.functional.silu", F.silu, (x * 10,)), ("torch.nn.functional.gelu", F.gelu, (x * 10 - 5,)),
+        ("torch.nn.functional.gelu", F.gelu, (x - 3,), {"approximate": "tanh"}),
+        ("torch.Tensor.mul", torch.Tensor.mul, (x.bfloat16(), y.bfloat16())),
+        ("torch.nn.functional.silu", F.silu, (x.half(),)),
+    ]
+
+
+@pytest.mark.parametrize("case", _elementwise_cases(), ids=lambda case: f"{case[0]}-{case[2][0].dtype}")
+def test_an_elementwise_op_is_checked_by_a_float64_rerun_of_a_sample_on_the_host(case):
+    name, func, args, *rest = case
+    kwargs = rest[0] if rest else {}
+    assert _sampled_excess(name, func, args, kwargs) <= 1
+    assert _sampled_excess(name, func, args, kwargs, wrong=lambda out: out * (1 + 2e-2)) > 1
+
+
+def test_a_layer_and_an_rms_norm_are_checked_by_a_float64_rerun_of_sampled_rows():
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 512, generator=generator)
+    w, b = torch.randn(512, generator=generator), torch.randn(512, generator=generator)
+    for dtype in (torch.float32, torch.bfloat16):
+        args = (x.to(dtype), (512,), w.to(dtype), b.to(dtype), 1e-5)
+        assert _sampled_excess("torch.nn.functional.layer_norm", F.layer_norm, args) <= 1, dtype
+        assert _sampled_excess("torch.nn.functional.layer_norm", F.layer_norm, args,
+                               wrong=lambda out: out + 1e-2 * out.abs().mean()) > 1
+        # a large mean over a small spread: the mean's rounding, divided by the spread, is allowed for
+        offset = (x * 1e-3 + 100).to(dtype), (512,), w.to(dtype), b.to(dtype), 1e-5
+        assert _sampled_excess("torch.nn.functional.layer_norm", F.layer_norm, offset) <= 1, dtype
+        args = (x.to(dtype), [512], w.to(dtype), 1e-6)
+        assert _sampled_excess("torch.nn.functional.rms_norm", F.rms_norm, args) <= 1, dtype
+        assert _sampled_excess("torch.nn.functional.rms_norm", F.rms_norm, args,
+                               wrong=lambda out: out * (1 + 2e-2)) > 1
+
+
+def test_a_noisy_activation_is_named_by_default_and_arithmetic_when_listed(sim):
+    import ditorch.sim
+
+    with ditorch.sim.faults("silu:noise=1e-2"), op_tools.OpSelfCheck(budget=1.0) as check:
+        zoo.llama_float32(sim)
+    first = check.findings[0]
+    assert (first.op, first.check, first.step) == ("torch.nn.functional.silu", "float64 rerun of a sample", 0), first
+    assert first.module == "model.layers.0.mlp.act_fn", first
+    with ditorch.sim.faults("rsqrt:noise=1e-2"), op_tools.OpSelfCheck(budget=1.0) as check:
+        zoo.llama_float32(sim)
+    assert check.findings == [], check.findings[:1]  # not wrapped by default: RMSNorm's arithmetic
+    with ditorch.sim.faults("rsqrt:noise=1e-2"), op_tools.OpSelfCheck(budget=1.0, ops=EVERY_OP) as check:
+        zoo.llama_float32(sim)
+    assert (check.findings[0].op, check.findings[0].module) == ("torch.rsqrt", "model.layers.0.input_layernorm")
+    assert check.counts["not checked (integer result)"] > 0 and check.verdict() == "found", check.counts
+
+
+def test_an_in_place_activation_is_said_not_checked(sim):
+    with op_tools.OpSelfCheck(budget=1.0) as check:
+        torch.nn.functional.silu(torch.randn(4, 8, device=sim), inplace=True)
+    assert check.counts == {"not checked (no invariant for these arguments)": 1}, check.counts
+    assert check.verdict() == "unchecked"

@@ -1,6 +1,7 @@
 """op_tools under torchrun (2 processes, sim): every tool is clean over a clean DDP step on both ranks; over a
 tensor-parallel MLP (DTensor) OpOverflowCheck checks each rank's part and finds a fault on rank 1 where it is born,
-and OpAutoCompare compares the DTensor calls on their whole tensors: clean when clean, the faulty op found."""
+and OpAutoCompare compares the DTensor calls on their whole tensors: clean when clean, the faulty op found; over
+FSDP2 steps OpSelfCheck checks every product and names noisy ones on the faulty rank alone."""
 
 from __future__ import annotations
 
@@ -63,11 +64,24 @@ def test_self_check_checks_a_tensor_parallel_mlps_products_on_each_ranks_local_p
     for report in reports:
         clean = report["tp"]["OpSelfCheck"]
         assert clean["verdict"] == "clean" and clean["findings"] == 0, clean
-        assert clean["counts"] == {"checked": 2}, clean
+        assert clean["counts"] == {"checked": 3}, clean  # up, down, and silu on up's local output
     noise = [report["tp"]["OpSelfCheck noise"] for report in reports]
     assert noise[0] == {"verdict": "clean", "found": []}, noise
     assert noise[1]["verdict"] == "found", noise
     assert noise[1]["found"] == [["torch.nn.functional.linear", "down", 1], ["torch.nn.functional.linear", "up", 1]]
+
+
+def test_self_check_is_quiet_under_fsdp2_and_names_noisy_products_on_the_faulty_rank_only(reports):
+    # FSDP2 unshards the parameters into plain tensors before each module runs: every product is a plain one, checked
+    for report in reports:
+        clean = report["fsdp2"]["OpSelfCheck"]
+        assert clean["verdict"] == "clean" and clean["findings"] == 0, clean
+        assert clean["counts"].get("checked", 0) > 0 and "not checked (DTensor)" not in clean["counts"], clean
+    noise = [report["fsdp2"]["OpSelfCheck noise"] for report in reports]
+    assert noise[0] == {"verdict": "clean", "found": [], "first_step": None}, noise
+    assert noise[1]["verdict"] == "found" and noise[1]["found"], noise
+    assert all(rank == 1 and op == "torch.nn.functional.linear" for op, _, rank in noise[1]["found"]), noise
+    assert noise[1]["first_step"] == 0, noise
 
 
 def test_a_fault_in_a_tensor_parallel_mlp_is_found_where_it_is_born(reports):

@@ -1,7 +1,7 @@
 """Run by tests/op_tools/test_tools_across_ranks.py under torchrun (2 processes) on sim: each op_tools tool over a
 step of a DDP tiny Llama, two identical recordings of a DDP step (``OUT/recording_a``, ``OUT/recording_b``), and
-OpOverflowCheck and OpAutoCompare over a tensor-parallel MLP (DTensor). Writes each tool's verdict (and what it
-found) per rank to ``OUT/rank<N>.json``.
+OpOverflowCheck and OpAutoCompare over a tensor-parallel MLP (DTensor), and OpSelfCheck over FSDP2 steps of a tiny
+Llama (``fully_shard``). Writes each tool's verdict (and what it found) per rank to ``OUT/rank<N>.json``.
 """
 
 import os
@@ -43,13 +43,27 @@ def tensor_parallel_mlp():
     return model
 
 
+def fsdp2_llama():
+    """A tiny Llama, ``fully_shard`` on each decoder layer and on the root (tests/ditorch/scripts/parallel_llama.py)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = tiny_models.tiny_llama().cuda()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def main() -> None:
     out = sys.argv[1]
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     rank = dist.get_rank()
-    report: dict = {"ddp": {}, "tp": {}}
+    report: dict = {"ddp": {}, "tp": {}, "fsdp2": {}}
     torch.manual_seed(0)
     model = tiny_models.tiny_llama().cuda()
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])
@@ -102,6 +116,22 @@ def main() -> None:
         with op_tools.OpAutoCompare(results_dir=os.path.join(out, "results_tp_noise")) as compare:
             mlp(x).square().mean().backward()
     report["tp"]["OpAutoCompare noise"] = {"verdict": compare.verdict(), "failures": compare.failures}
+    # OpSelfCheck over two FSDP2 steps: the forward's parameters are unsharded plain tensors
+    sharded = fsdp2_llama()
+    optimizer = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(100 + rank)
+    with op_tools.OpSelfCheck(budget=1.0) as check:
+        for _ in range(2):
+            ddp_step(sharded, optimizer, generator)
+    report["fsdp2"]["OpSelfCheck"] = {"verdict": check.verdict(), "counts": dict(check.counts),
+                                      "findings": len(check.findings)}
+    with ditorch.sim.faults("mm:noise=1e-2,rank=1"), op_tools.OpSelfCheck(budget=1.0) as check:
+        for _ in range(2):
+            ddp_step(sharded, optimizer, generator)
+    first = check.findings[0] if check.findings else None
+    report["fsdp2"]["OpSelfCheck noise"] = {"verdict": check.verdict(),
+                                            "found": sorted({(f.op, f.module, f.rank) for f in check.findings}),
+                                            "first_step": None if first is None else first.step}
     rank_reports.finish(os.path.join(out, f"rank{rank}.json"), report)
 
 

@@ -1,0 +1,215 @@
+"""A sample of a call's result recomputed on the host in float64: the invariant of ops that have no cheap algebraic
+one (elementwise ops, activations, normalisations).
+
+At the call, on the device: a few elements (elementwise ops) or rows (normalisations) of the result are gathered with
+the input elements they come from (``take``, ``index_select``: a few small kernels, no copy of the tensors); they
+travel to the host with the tool's other results (``device_readback.py``, no synchronisation). When they have
+arrived, the host reruns the op on them in float64 and bounds the difference by what rounding allows the device:
+the result's own rounding plus ``SLACK`` units of the type it is computed in (float32 for a narrow result: a GPU's
+transcendental functions are within a few of its ulps), relative to the result (or, for an op whose result may cancel,
+the values it is made from), plus what a normalisation's float32 statistics may err by.
+
+The reference runs on the host, not on the hardware under suspicion, and needs no float64 on the device (many NPUs
+have none). Which elements are sampled depends on the call's shape and a rotation (the check's count), never on
+values or on a random stream. What a sample misses: a wrong element outside it (a flipped bit lands in a sample of 16
+of a million elements one time in 60,000).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+
+ELEMENTS = 16  # sampled per elementwise call
+ROWS = 2  # sampled per normalisation
+ROTATIONS = 8  # different samples of one call site, in turn
+SLACK = 8  # ulps of the result a device's elementwise kernel may differ from the correctly rounded value by
+_F64 = torch.float64
+_HOST = torch.device("cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """What the host needs to rerun a sample: the function, the arguments with each sampled tensor replaced by its
+    slot (an index into the values read back), and the values' sizes and shapes."""
+
+    func: Callable
+    args: tuple
+    kwargs: dict
+    shapes: tuple[tuple[int, ...], ...]  # of each slot; the last is the result's sample
+    out_dtype: torch.dtype
+    kind: str  # "elementwise", "cancelling" (an elementwise op whose result may cancel: bounded by its inputs),
+    # "layer_norm", "rms_norm"
+    width: int = 0  # a normalisation's reduction length
+    weight_slot: int | None = None
+    bias_slot: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    index: int
+
+
+def _unravel(position: int, shape: torch.Size) -> list[int]:
+    coords = []
+    for size in reversed(shape):
+        position, c = divmod(position, size)
+        coords.append(c)
+    return coords[::-1]
+
+
+@functools.lru_cache(maxsize=512)
+def _element_indices(out_shape: tuple[int, ...], in_shapes: tuple[tuple[int, ...], ...],
+                     rotation: int) -> tuple[tuple[int, ...], ...]:
+    """Row-major positions of ``ELEMENTS`` result elements spread over the result, and of the input elements each
+    comes from (an input broadcast to the result: its size-1 and missing dimensions read position 0)."""
+    total = math.prod(out_shape)
+    count = min(ELEMENTS, total)
+    step = total / count
+    positions = sorted({int(j * step + rotation * step / ROTATIONS) % total for j in range(count)})
+    found = []
+    for shape in in_shapes:
+        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        lead = len(out_shape) - len(shape)
+        found.append(tuple(sum(c * s for c, s, n in zip(_unravel(p, torch.Size(out_shape))[lead:], strides, shape)
+                               if n != 1) for p in positions))
+    return (*found, tuple(positions))
+
+
+class _IndexCache:
+    """The index tensors of a sample, on its device, made once per (shapes, rotation, device): a call site's calls
+    repeat their shapes, so the indices cross to the device once, not per check."""
+
+    def __init__(self) -> None:
+        self._made: dict = {}
+
+    def get(self, key, device: torch.device, values: tuple[tuple[int, ...], ...]) -> list[torch.Tensor]:
+        made = self._made.get((key, device))
+        if made is None:
+            if len(self._made) > 1024:
+                self._made.clear()
+            joined = torch.tensor([v for part in values for v in part], dtype=torch.long, device=device)
+            made = list(joined.split([len(part) for part in values]))
+            self._made[(key, device)] = made
+        return made
+
+
+_INDICES = _IndexCache()
+
+
+def _floating(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def elementwise_sample(func: Callable, args: tuple, kwargs: dict, out: torch.Tensor, rotation: int,
+                       cancelling: bool = False) -> tuple[list[torch.Tensor], Recipe] | None:
+    """The sampled elements of an elementwise call (its floating tensor arguments broadcast to ``out``) and the
+    recipe to rerun them; None where it does not apply (no floating result, an argument on another device that is not
+    a scalar, an input wider than the result: an autocast's cast, which the sample cannot see). ``cancelling``: the
+    op's result may be far smaller than its inputs through cancellation (gelu of a negative input): it is bounded
+    relative to them."""
+    if not _floating(out) or out.numel() == 0:
+        return None
+    flat = [*args, *kwargs.values()]
+    tensors = [(k, t) for k, t in enumerate(flat) if isinstance(t, torch.Tensor)]
+    sampled = []
+    kept = list(flat)
+    for k, t in tensors:
+        if t.device != out.device:
+            if t.numel() != 1:
+                return None
+            kept[k] = t.detach().to(_HOST)  # a CPU scalar tensor: as it is
+            continue
+        if not t.is_floating_point() or torch.finfo(t.dtype).bits > torch.finfo(out.dtype).bits:
+            return None
+        sampled.append((k, t))
+    if not sampled:
+        return None
+    rotation %= ROTATIONS
+    in_shapes = tuple(tuple(t.shape) for _, t in sampled)
+    indices = _element_indices(tuple(out.shape), in_shapes, rotation)
+    device_indices = _INDICES.get(("elementwise", tuple(out.shape), in_shapes, rotation), out.device, indices)
+    values = [torch.take(t.detach(), i) for (_, t), i in zip(sampled, device_indices)]
+    values.append(torch.take(out.detach(), device_indices[-1]))
+    for slot, (k, _) in enumerate(sampled):
+        kept[k] = _Slot(slot)
+    shapes = tuple((len(i),) for i in indices)
+    recipe = Recipe(func, tuple(kept[:len(args)]), dict(zip(kwargs, kept[len(args):])), shapes, out.dtype,
+                    "cancelling" if cancelling else "elementwise")
+    return values, recipe
+
+
+def norm_sample(func: Callable, x: torch.Tensor, normalized: tuple[int, ...], weight, bias, eps, out: torch.Tensor,
+                rotation: int, rms: bool) -> tuple[list[torch.Tensor], Recipe] | None:
+    """``ROWS`` rows of a layer norm's (``rms``: an RMS norm's) input and result, with its weight and bias whole."""
+    width = math.prod(normalized)
+    if not _floating(out) or out.numel() == 0 or width == 0 or tuple(x.shape[x.dim() - len(normalized):]) != \
+            tuple(normalized) or x.dtype != out.dtype:
+        return None
+    rows = x.numel() // width
+    rotation %= ROTATIONS
+    chosen = tuple(sorted({(j * rows // ROWS + rotation * rows // (ROWS * ROTATIONS)) % rows
+                           for j in range(min(ROWS, rows))}))
+    (index,) = _INDICES.get(("rows", chosen), out.device, (chosen,))
+    values = [x.detach().reshape(rows, width).index_select(0, index),
+              out.detach().reshape(rows, width).index_select(0, index)]
+    shapes = [(len(chosen), *normalized), (len(chosen), *normalized)]
+    slots: list = [None, None]
+    for k, t in enumerate((weight, bias)):
+        if isinstance(t, torch.Tensor):
+            slots[k] = _Slot(len(values) - 1)
+            # a copy: the values are joined only when their batch is sent, after an optimizer may have stepped
+            values.insert(len(values) - 1, t.detach().reshape(-1).clone())
+            shapes.insert(len(shapes) - 1, tuple(t.shape))
+    args = (_Slot(0), normalized, slots[0], eps) if rms else (_Slot(0), normalized, slots[0], slots[1], eps)
+    recipe = Recipe(func, args, {}, tuple(shapes), out.dtype, "rms_norm" if rms else "layer_norm", width,
+                    *(None if slot is None else slot.index for slot in slots))
+    return values, recipe
+
+
+def excess(recipe: Recipe, values: list[float]) -> float:
+    """The largest difference between the device's sampled result and the host's float64 rerun, as a multiple of
+    what rounding allows (above 1: wrong; inf where one is nan or inf and the other not the same)."""
+    parts, start = [], 0
+    for shape in recipe.shapes:
+        size = math.prod(shape)
+        parts.append(torch.tensor(values[start:start + size], dtype=_F64).reshape(shape))
+        start += size
+    got = parts[-1]
+
+    def filled(value):
+        return parts[value.index] if isinstance(value, _Slot) else \
+            value.to(_F64) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    with torch.no_grad():
+        expected = recipe.func(*(filled(a) for a in recipe.args), **{k: filled(v) for k, v in recipe.kwargs.items()})
+    expected = expected.to(_F64).reshape(got.shape)
+    finfo = torch.finfo(recipe.out_dtype)
+    # the result rounded once, from a computation in its type or, for a narrow type, in float32 (its "opmath")
+    computed = torch.finfo(torch.float32) if finfo.bits < 32 else finfo
+    relative = finfo.eps / 2 + SLACK * computed.eps / 2
+    magnitude = expected.abs()
+    if recipe.kind == "cancelling":
+        for part in parts[:-1]:
+            if part.shape == got.shape:
+                magnitude = torch.maximum(magnitude, part.abs())
+    elif recipe.width:  # a normalisation's statistics in float32 (or the input's type), summed in any order
+        u = computed.eps / 2
+        relative += 2 * recipe.width * u / (1 - recipe.width * u)
+        if recipe.bias_slot is not None:
+            magnitude = magnitude + 2 * parts[recipe.bias_slot].abs()
+        if recipe.kind == "layer_norm":  # the mean's error, relative to the spread it is divided by
+            x = parts[0].flatten(1)
+            spread = (x.var(1, unbiased=False) + 1e-30).sqrt()
+            scale = (x.abs().amax(1) / spread).reshape((-1,) + (1,) * (got.dim() - 1))
+            weight = parts[recipe.weight_slot].abs() if recipe.weight_slot is not None else 1.0
+            magnitude = magnitude + weight * scale
+    allowed = relative * magnitude + finfo.tiny  # a device may flush subnormal results to zero
+    same = (got == expected) | (torch.isnan(got) & torch.isnan(expected))
+    ratio = torch.where(same, torch.zeros_like(got), (got - expected).abs() / allowed)
+    ratio = torch.where(torch.isnan(ratio), torch.full_like(ratio, math.inf), ratio)
+    return float(ratio.max()) if ratio.numel() else 0.0
