@@ -32,6 +32,7 @@ from torch._C import _distributed_c10d as _c10d  # AllgatherOptions is not re-ex
 from .. import distributed_adapters as adapters
 from .. import env
 from ..show_as_cuda import real_device
+from . import fault_injection
 
 NAME = "simccl"
 DEVICE_TYPES = ("sim", "cpu")
@@ -94,7 +95,10 @@ class SimProcessGroup(dist.ProcessGroup):
         return adapters.Reduction(op, dtype, self.size(), emulate_avg=False, in_fp32=self._in_fp32,
                                   emulate_premul=True)
 
-    def _work(self, work, result, finish=None) -> adapters.FinishingWork:
+    def _work(self, work, result, finish=None, name: str = "") -> adapters.FinishingWork:
+        faults = fault_injection.TABLE.for_collective(name) if fault_injection.TABLE.active else ()
+        if faults:  # a faulty link or collective library: the result changed once the collective has finished
+            finish = _with_faults(finish, faults, result)
         finishing = adapters.FinishingWork(work, result, finish)
         with self._pending_lock:  # the unfinished ones only: a list as long as the collectives in flight
             self._pending = [w for w in self._pending if not w.is_completed()]
@@ -124,10 +128,10 @@ class SimProcessGroup(dist.ProcessGroup):
         self._check(name, tensors)
         plan = self._plan(name, opts.reduceOp, tensors[0].dtype)
         if not plan.changes_anything:
-            return self._work(run(tensors, opts), tensors)
+            return self._work(run(tensors, opts), tensors, name=name)
         staged = [plan.stage(t, is_output=True, is_input=True) for t in tensors]
         work = run(staged, _with_op(opts, plan.op))
-        return self._work(work, tensors, lambda: _finish_all(plan, staged, tensors))
+        return self._work(work, tensors, lambda: _finish_all(plan, staged, tensors), name=name)
 
     def _reduce_scattered(self, name: str, outputs, inputs, opts, run):
         """reduce_scatter (inputs: a list per output), reduce_scatter_single and its coalesced form."""
@@ -135,7 +139,7 @@ class SimProcessGroup(dist.ProcessGroup):
         self._check(name, [*outputs, *flat_inputs])
         plan = self._plan(name, opts.reduceOp, outputs[0].dtype)
         if not plan.changes_anything:
-            return self._work(run(outputs, inputs, opts), outputs)
+            return self._work(run(outputs, inputs, opts), outputs, name=name)
         staged = [plan.stage(t, is_output=True, is_input=False) for t in outputs]
 
         def stage_input(i):
@@ -144,7 +148,7 @@ class SimProcessGroup(dist.ProcessGroup):
             return plan.stage(i, is_output=False, is_input=True)
 
         work = run(staged, [stage_input(i) for i in inputs], _with_op(opts, plan.op))
-        return self._work(work, outputs, lambda: _finish_all(plan, staged, outputs))
+        return self._work(work, outputs, lambda: _finish_all(plan, staged, outputs), name=name)
 
     # -- reductions ---------------------------------------------------------------------------------------------
 
@@ -183,22 +187,24 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def broadcast(self, tensors, opts=None):
         self._check("broadcast", tensors)
-        return self._work(self._c10d.broadcast(tensors, opts or dist.BroadcastOptions()), tensors)
+        return self._work(self._c10d.broadcast(tensors, opts or dist.BroadcastOptions()), tensors, name="broadcast")
 
     def allgather(self, output_lists, inputs, opts=None):
         self._check("allgather", [*inputs, *(t for outputs in output_lists for t in outputs)])
-        return self._work(self._c10d.allgather(output_lists, inputs, opts or _c10d.AllgatherOptions()), output_lists)
+        work = self._c10d.allgather(output_lists, inputs, opts or _c10d.AllgatherOptions())
+        return self._work(work, output_lists, name="allgather")
 
     def all_gather_single(self, output, input, opts=None):  # noqa: A002 - ProcessGroup's signature
         self._check("all_gather_single", [output, input])
-        return self._work(self._c10d.all_gather_single(output, input, opts or _c10d.AllgatherOptions()), [output])
+        work = self._c10d.all_gather_single(output, input, opts or _c10d.AllgatherOptions())
+        return self._work(work, [output], name="all_gather_single")
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         self._check("allgather_into_tensor_coalesced", [*outputs, *inputs])
         work = self._c10d.allgather_into_tensor_coalesced(outputs, inputs, opts or _c10d.AllgatherOptions())
-        return self._work(work, outputs)
+        return self._work(work, outputs, name="allgather_into_tensor_coalesced")
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -208,35 +214,38 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def gather(self, output_lists, inputs, opts=None):
         self._check("gather", [*inputs, *(t for outputs in output_lists for t in outputs)])
-        return self._work(self._c10d.gather(output_lists, inputs, opts or dist.GatherOptions()), output_lists)
+        work = self._c10d.gather(output_lists, inputs, opts or dist.GatherOptions())
+        return self._work(work, output_lists, name="gather")
 
     def scatter(self, outputs, input_lists, opts=None):
         self._check("scatter", [*outputs, *(t for inputs in input_lists for t in inputs)])
-        return self._work(self._c10d.scatter(outputs, input_lists, opts or dist.ScatterOptions()), outputs)
+        work = self._c10d.scatter(outputs, input_lists, opts or dist.ScatterOptions())
+        return self._work(work, outputs, name="scatter")
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
         self._check("all_to_all_single", [output, input])
         work = self._c10d.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
                                             opts or _c10d.AllToAllOptions())
-        return self._work(work, [output])
+        return self._work(work, [output], name="all_to_all_single")
 
     alltoall_base = all_to_all_single
 
     def alltoall(self, outputs, inputs, opts=None):
         self._check("alltoall", [*outputs, *inputs])
-        return self._work(self._c10d.alltoall(outputs, inputs, opts or _c10d.AllToAllOptions()), outputs)
+        work = self._c10d.alltoall(outputs, inputs, opts or _c10d.AllToAllOptions())
+        return self._work(work, outputs, name="alltoall")
 
     def send(self, tensors, dst: int, tag: int = 0):
         self._check("send", tensors)
-        return self._work(self._c10d.send(tensors, dst, tag), tensors)
+        return self._work(self._c10d.send(tensors, dst, tag), tensors, name="send")
 
     def recv(self, tensors, src: int, tag: int = 0):
         self._check("recv", tensors)
-        return self._work(self._c10d.recv(tensors, src, tag), tensors)
+        return self._work(self._c10d.recv(tensors, src, tag), tensors, name="recv")
 
     def recv_anysource(self, tensors, tag: int = 0):
         self._check("recv_anysource", tensors)
-        return self._work(self._c10d.recv_anysource(tensors, tag), tensors)
+        return self._work(self._c10d.recv_anysource(tensors, tag), tensors, name="recv_anysource")
 
     def barrier(self, opts=None):
         return self._work(self._c10d.barrier(opts or dist.BarrierOptions()), [])
@@ -258,6 +267,17 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def _end_coalescing(self, device):
         raise _unsupported("_end_coalescing")
+
+
+def _with_faults(finish, faults, result):
+    tensors = [t for part in result for t in (part if isinstance(part, (list, tuple)) else [part])]
+
+    def finished() -> None:
+        if finish is not None:
+            finish()
+        fault_injection.TABLE.after(faults, {t.dtype for t in tensors}, tensors)
+
+    return finished
 
 
 def _allreduce_options(op) -> dist.AllreduceOptions:

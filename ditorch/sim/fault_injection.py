@@ -46,6 +46,11 @@ FORM = ("'pattern[@dtype]:kind[,p=<fraction>][,rank=<r>]' joined by ';', kind on
         "a fault to that module's forward")
 KINDS_WITH_VALUE = {"noise", "slow", "bitflip"}
 KINDS = {"unsupported", "nan", "inf", "unversioned"} | KINDS_WITH_VALUE
+# sim's collectives (its process group's methods, distributed.py): an output fault on one changes what it received
+COLLECTIVES = ("allreduce", "allreduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_single",
+               "reduce_scatter_tensor_coalesced", "broadcast", "allgather", "all_gather_single",
+               "allgather_into_tensor_coalesced", "gather", "scatter", "alltoall", "all_to_all_single", "send", "recv",
+               "recv_anysource")
 OUTPUT_KINDS = {"noise", "nan", "inf", "bitflip"}  # applied to a call's outputs; these may be intermittent
 # The bit a bitflip flips, per float dtype: the mantissa's top one (the value moves by a quarter to a half).
 TOP_MANTISSA_BIT = {torch.float64: (51, torch.int64), torch.float32: (22, torch.int32),
@@ -215,7 +220,8 @@ _checked_patterns: set = set()  # pattern texts already checked (a context manag
 
 def unmatched_pattern_warning(fault: Fault, source: str) -> str | None:
     """Why ``fault`` can never apply (its pattern matches no aten op), with the aten name meant; else ``None``."""
-    if any(fault.matches_name(packet, full) for packet, full in aten_op_names()):
+    if any(fault.matches_name(packet, full) for packet, full in aten_op_names()) or \
+            any(fault.matches_name(name, name) for name in COLLECTIVES):
         return None
     text = fault.pattern.pattern
     packets = sorted({packet for packet, _ in aten_op_names()})
@@ -272,6 +278,15 @@ class FaultTable:
             full = f"{packet}.{func._overloadname}"  # mm.default, add.Tensor
             found = tuple(f for f in self._faults if f.kind not in VERSION_KINDS and f.matches_name(packet, full))
             self._by_op[func] = found
+        return found
+
+    def for_collective(self, name: str) -> tuple[Fault, ...]:
+        """The output faults of sim's collective ``name`` (``allreduce``, ``reduce_scatter_tensor``, ...: its
+        process group's method)."""
+        found = self._by_op.get(name)
+        if found is None:
+            found = tuple(f for f in self._faults if f.kind in OUTPUT_KINDS and f.matches_name(name, name))
+            self._by_op[name] = found
         return found
 
     def before(self, func, faults, dtypes) -> None:

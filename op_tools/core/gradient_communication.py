@@ -43,12 +43,12 @@ BUCKET_PATH = "DistributedDataParallel (gradient bucket {})"
 
 def _modes_to_enter() -> list | None:
     """The started tools' modes missing from this thread's stack (autograd runs DDP's hook with none), or None when
-    no tool is started."""
+    no tool is started ([] when those started have none: their wrappers see the calls)."""
     from torch.overrides import _get_current_function_mode_stack
 
     modes = started_modes()
-    if not modes:
-        return None
+    if not modes:  # tools started without a mode (targeted dispatch) see the calls through their wrappers
+        return [] if _wrapping.in_use() else None
     present = _get_current_function_mode_stack()
     return [mode for mode in modes if all(mode is not other for other in present)]
 

@@ -20,6 +20,9 @@ class SharedInstall:
         self._users = 0
         self._lock = threading.Lock()
 
+    def in_use(self) -> bool:
+        return self._users > 0
+
     def acquire(self) -> None:
         with self._lock:
             self._users += 1

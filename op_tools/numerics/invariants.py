@@ -279,6 +279,10 @@ SAMPLED: dict[str, Callable] = {
     "torch.nn.functional.silu": _elementwise, "torch.nn.functional.gelu": _cancelling,
     "torch.nn.functional.layer_norm": _norm, "torch.nn.functional.rms_norm": _rms_norm,
 }
+# collectives checked by their checksums across ranks (collective_checksum.py)
+COLLECTIVES = frozenset(f"torch.distributed.{name}" for name in (
+    "all_reduce", "broadcast", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
+    "all_gather_single"))
 # op name (as the tools name calls) -> check(args, kwargs, result, device math) -> excess or None
 CHECKS: dict[str, Callable] = {**_PRODUCTS, **_CONVS, **_SOFTMAXES}
 # The functions a tool wraps by default (targeted dispatch, no mode seeing every call): those of CHECKS that can be
@@ -287,7 +291,7 @@ CHECKS: dict[str, Callable] = {**_PRODUCTS, **_CONVS, **_SOFTMAXES}
 # names them: every handled call costs the engine's dispatch (tens of µs), budget or not, and a step makes hundreds.
 WRAPPED = tuple(name for name in CHECKS if name not in ("torch.mm", "torch.spmm", "torch.Tensor.__matmul__")) + (
     "torch.nn.functional.silu", "torch.nn.functional.gelu", "torch.nn.functional.layer_norm",
-    "torch.nn.functional.rms_norm")
+    "torch.nn.functional.rms_norm", *sorted(COLLECTIVES))
 # the checks that hold on a DTensor's local tensors (each rank's part of a sharded product is a product)
 LOCAL = frozenset(_PRODUCTS)
 # the argument each product adds (position, keyword): a DTensor's local result may hold a share of it
@@ -296,7 +300,8 @@ ADDENDS = {**{name: (2, "bias") for name in ("torch.nn.functional.linear", *_CON
                                               "torch.Tensor.baddbmm")}}
 # what each check is called in a finding
 KINDS = {**{name: "column checksum" for name in _PRODUCTS}, **{name: "channel checksum" for name in _CONVS},
-         **{name: "row sums" for name in _SOFTMAXES}, **{name: "float64 rerun of a sample" for name in SAMPLED}}
+         **{name: "row sums" for name in _SOFTMAXES}, **{name: "float64 rerun of a sample" for name in SAMPLED},
+         **{name: "sums across ranks" for name in COLLECTIVES}}
 
 
 def check(name: str, args: tuple, kwargs: dict, result, math_: DeviceMath, share: float = 1.0) -> torch.Tensor | None:

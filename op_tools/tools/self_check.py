@@ -28,15 +28,17 @@ import torch
 from ..config.variables import SELF_CHECK_BUDGET, OpFilter
 from ..core import shards
 from ..core.engine import OpCall, OpTool, feature, tool_work
-from ..numerics import invariants, sampled_reference
+from ..numerics import collective_checksum, invariants, sampled_reference
 from ..numerics.device_math import DeviceMath
 from ..numerics.device_readback import DeviceReadback
 from ..ops.arguments import is_dtensor
+from ..ops.collectives import collective_call
 from ..output import result_files
 
 READBACK_BATCH = 64  # checked calls whose results travel to the host together: one copy, no synchronisation
 BUDGET_SKIPPED = "not checked (budget)"
 EXACT_SKIPPED = "not checked (integer result)"  # exact arithmetic (positions, indices): nothing to round, out of scope
+COLLECTIVES_FIRST, COLLECTIVES_EVERY = 2, 8  # a group's first two calls of a collective checked, then one in 8
 FINDINGS_WRITTEN = 100  # findings kept in a rank's file (the first ones: the first is where to look)
 
 
@@ -97,9 +99,10 @@ class OpSelfCheck(OpTool):
         self._spent = 0.0  # seconds of the tool's own work on checked calls
         self._started = time.perf_counter()
         self._judge_lock = threading.Lock()
+        self._collectives: collections.Counter = collections.Counter()  # calls per (collective, group)
 
     def accepts(self, name: str) -> bool:
-        return name in invariants.CHECKS or name in invariants.SAMPLED
+        return name in invariants.CHECKS or name in invariants.SAMPLED or name in invariants.COLLECTIVES
 
     @property
     def findings(self) -> list[Finding]:
@@ -109,8 +112,31 @@ class OpSelfCheck(OpTool):
             self._judge(wait=True)
         return list(self._findings)
 
+    def before(self, call: OpCall) -> None:
+        if call.name not in invariants.COLLECTIVES:
+            return
+        # every rank checks the same calls of a group (the check is itself a collective): by their position in it
+        bound = collective_call(call.name, call.func, call.args, call.kwargs)
+        reason = "collective whose arguments did not bind" if bound is None else \
+            collective_checksum.uncheckable(bound)
+        if bound is None or reason is not None:
+            call.state = f"not checked ({reason})"
+            return
+        key = (call.name, id(bound.group), bound.received[0].dtype)
+        seen = self._collectives[key]
+        self._collectives[key] += 1
+        if seen >= COLLECTIVES_FIRST and seen % COLLECTIVES_EVERY:
+            call.state = BUDGET_SKIPPED
+            return
+        begun = time.perf_counter()
+        call.state = (bound, collective_checksum.sent_sums(bound))
+        self._spent += time.perf_counter() - begun
+
     def after(self, call: OpCall) -> None:
         begun = time.perf_counter()
+        if call.name in invariants.COLLECTIVES:
+            self._after_collective(call, begun)
+            return
         site = (call.name, call.keep_location().key())  # unformatted: the line's text only for a checked call
         first = site not in self._sites
         if not first and self._spent > self.budget * (begun - self._started):
@@ -142,6 +168,19 @@ class OpSelfCheck(OpTool):
         self.counts["checked"] += 1
         token = (call.name, call.module_path, call.step, call.forward_id, call.location, call.time, recipe)
         self._readback.put(values if recipe is not None else values.reshape(1), token)
+        self._judge(wait=False)
+        self._spent += time.perf_counter() - begun
+
+    def _after_collective(self, call: OpCall, begun: float) -> None:
+        if isinstance(call.state, str):
+            self.counts[call.state] += 1
+            return
+        bound, sent = call.state
+        call.state = {}
+        excess = collective_checksum.excess(bound, sent)
+        self.counts["checked"] += 1
+        token = (call.name, call.module_path, call.step, call.forward_id, call.location, call.time, None)
+        self._readback.put(excess.reshape(1), token)
         self._judge(wait=False)
         self._spent += time.perf_counter() - begun
 

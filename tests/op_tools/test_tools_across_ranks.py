@@ -84,6 +84,18 @@ def test_self_check_is_quiet_under_fsdp2_and_names_noisy_products_on_the_faulty_
     assert noise[1]["first_step"] == 0, noise
 
 
+def test_self_check_checks_collectives_by_their_sums_across_ranks_and_names_a_faulty_link(reports):
+    # all_reduce (sum, avg), reduce_scatter_tensor, all_gather_into_tensor, broadcast, in float32 and bfloat16
+    for report in reports:
+        clean = report["collectives"]["clean"]
+        assert clean == {"verdict": "clean", "counts": {"checked": 10}, "found": [], "findings": 0}, clean
+    faulty = [report["collectives"]["allreduce:bitflip=1,rank=1"] for report in reports]
+    assert faulty[0]["verdict"] == "clean" and faulty[0]["findings"] == 0, faulty
+    # rank 1's all-reduces received a flipped bit (sim's faulty link), in both dtypes, sum and average; the check's
+    # own exchange is an all_gather, so the other collectives stay clean
+    assert faulty[1]["found"] == [["torch.distributed.all_reduce", 1]] and faulty[1]["findings"] == 4, faulty
+
+
 def test_a_fault_in_a_tensor_parallel_mlp_is_found_where_it_is_born(reports):
     on_rank1 = reports[1]["tp"]["OpOverflowCheck"]
     assert on_rank1["verdict"] == "found", [report["tp"] for report in reports]

@@ -57,6 +57,21 @@ def fsdp2_llama():
     return model
 
 
+def collectives_under_self_check(fault: str, rank: int) -> dict:
+    """The four collectives OpSelfCheck checks, in float32 and bfloat16, under sim's ``fault`` (a faulty link)."""
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(rank)).cuda()
+    size = dist.get_world_size()
+    with ditorch.sim.faults(fault), op_tools.OpSelfCheck(budget=1.0) as check:
+        for tensor in (x, x.bfloat16()):
+            dist.all_reduce(tensor.clone())
+            dist.all_reduce(tensor.clone(), op=dist.ReduceOp.AVG)
+            dist.reduce_scatter_tensor(tensor.new_empty(tensor.numel() // size), tensor)
+            dist.all_gather_into_tensor(tensor.new_empty(tensor.numel() * size), tensor)
+            dist.broadcast(tensor.clone(), src=0)
+    return {"verdict": check.verdict(), "counts": dict(check.counts),
+            "found": sorted({(f.op, f.rank) for f in check.findings}), "findings": len(check.findings)}
+
+
 def main() -> None:
     out = sys.argv[1]
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -132,6 +147,8 @@ def main() -> None:
     report["fsdp2"]["OpSelfCheck noise"] = {"verdict": check.verdict(),
                                             "found": sorted({(f.op, f.module, f.rank) for f in check.findings}),
                                             "first_step": None if first is None else first.step}
+    report["collectives"] = {fault or "clean": collectives_under_self_check(fault, rank)
+                             for fault in ("", "allreduce:bitflip=1,rank=1")}
     rank_reports.finish(os.path.join(out, f"rank{rank}.json"), report)
 
 

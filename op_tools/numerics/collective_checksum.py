@@ -1,0 +1,136 @@
+"""A collective checked by checksums across its ranks, on the device: what every rank sent, summed in chunks and
+added up over the group, against what this rank received, summed in the same chunks.
+
+Each rank sums its sent tensor in chunks of its received tensor's layout (before the call: an all-reduce writes its
+input), and after the call joins those sums and their magnitudes (``sum |x|``) into one small vector, which one extra
+``all_gather_into_tensor`` (c10d's own, on the collective's group: the tools never see it) brings to every rank,
+where they are added up in rank order. Then, per chunk:
+
+* ``all_reduce`` (sum, avg) and ``broadcast``: this rank's received chunk sums against the total (avg: divided by the
+  group's size; broadcast: only the source rank's part is non-zero);
+* ``reduce_scatter_tensor``: this rank's received sums against the total's part for this rank;
+* ``all_gather_into_tensor``: every rank's part of the received tensor against that rank's sent sums.
+
+The bound per chunk: both sides' float32 sums (``gamma_m``), the extra all-reduce's, and for a reduction the
+collective's own roundings in its dtype (one per rank on a ring). What it catches: a chunk lost, duplicated or taken
+from the wrong rank, a flipped bit in a high place, a wrong scaling; what it misses: an error that cancels within a
+chunk, noise below the sums' rounding (in bfloat16 about ``world * 2^-8`` of the chunk's magnitude).
+
+All of it runs on the device; the excess, one number, is read back with the tool's other results (no
+synchronisation). Every rank must check the same calls (the extra all-reduce is itself a collective): the tool
+decides by the call's position in the group's sequence, never by time or values.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..ops.collectives import CollectiveCall
+
+CHUNKS = 256  # checksums per rank's part of a collective: the extra all-gather carries 2 x CHUNKS x ranks numbers
+KINDS = ("all_reduce", "broadcast", "reduce_scatter", "all_gather")
+_REDUCING = ("sum", "avg")
+
+
+def uncheckable(call: CollectiveCall) -> str | None:
+    """Why this collective has no checksum here, or None."""
+    if call.asynchronous:
+        return "asynchronous collective"
+    if call.kind not in KINDS:
+        return f"collective {call.kind}"
+    if call.reduce_op and call.reduce_op not in _REDUCING:
+        return f"collective with ReduceOp {call.reduce_op}"
+    if len(call.sent) != 1 or len(call.received) != 1 or not call.received[0].is_floating_point():
+        return "collective of tensor lists or integers"
+    return None
+
+
+def _group_size_and_rank(call: CollectiveCall) -> tuple[int, int]:
+    from torch.distributed import distributed_c10d
+
+    group: Any = call.group
+    return distributed_c10d.get_world_size(group), distributed_c10d.get_rank(group)
+
+
+def _chunk_sums(t: torch.Tensor, rows: int, wide: torch.dtype) -> torch.Tensor:
+    """``t`` as ``rows`` equal parts, each summed in (up to) ``CHUNKS`` chunks of equal length: (rows, chunks, 2),
+    the sums and the sums of magnitudes."""
+    flat = t.detach().reshape(rows, -1)
+    n = flat.size(1)
+    length = max(1, math.ceil(n / CHUNKS))
+    whole = (n // length) * length
+    parts = [flat[:, :whole].reshape(rows, -1, length)]
+    sums = [torch.stack([parts[0].sum(-1, dtype=wide), parts[0].abs().sum(-1, dtype=wide)], -1)]
+    if whole < n:  # the remainder: one more chunk
+        tail = flat[:, whole:]
+        sums.append(torch.stack([tail.sum(-1, dtype=wide), tail.abs().sum(-1, dtype=wide)], -1).unsqueeze(1))
+    return torch.cat(sums, 1) if len(sums) > 1 else sums[0]
+
+
+def _wide(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def sent_sums(call: CollectiveCall) -> torch.Tensor:
+    """This rank's contribution to the total, laid out as the received tensor's chunks: taken before the call."""
+    size, rank = _group_size_and_rank(call)
+    sent, received = call.sent[0], call.received[0]
+    wide = _wide(received)
+    if call.kind == "reduce_scatter":
+        return _chunk_sums(sent, size, wide)  # a row per receiving rank
+    if call.kind == "all_gather":
+        mine = _chunk_sums(sent, 1, wide)
+        placed = torch.zeros((size, *mine.shape[1:]), dtype=wide, device=mine.device)
+        placed[rank] = mine[0]
+        return placed
+    sums = _chunk_sums(sent, 1, wide)
+    if call.kind == "broadcast":
+        from torch.distributed import distributed_c10d
+
+        source = call.arguments.get("src")
+        group: Any = call.group
+        if group is not None and call.arguments.get("group_src") is not None:
+            source = distributed_c10d.get_global_rank(group, call.arguments["group_src"])
+        if distributed_c10d.get_rank() != source:
+            sums = torch.zeros_like(sums)
+    return sums
+
+
+def excess(call: CollectiveCall, before: torch.Tensor) -> torch.Tensor:
+    """After the call: the largest violation over the chunks, as a multiple of what rounding allows (a 0-d tensor on
+    the device). Runs one all_gather of ``before`` on the collective's group."""
+    from torch.distributed import distributed_c10d
+
+    size, rank = _group_size_and_rank(call)
+    received = call.received[0]
+    wide = _wide(received)
+    # every rank's sums gathered and added up here, in rank order (the same total on every rank): an all_gather, not
+    # an all_reduce, so that a faulty all_reduce does not corrupt the checks of the other collectives
+    gathered = before.new_empty(size * before.numel())
+    gather = getattr(distributed_c10d, "all_gather_single", None) or distributed_c10d.all_gather_into_tensor
+    gather(gathered, before.reshape(-1), group=call.group)  # torch 2.13 names all_gather_into_tensor so
+    total = gathered.view(size, *before.shape).sum(0)
+    if call.kind == "all_gather":
+        got = _chunk_sums(received, size, wide)
+        expected = total
+    elif call.kind == "reduce_scatter":
+        got, expected = _chunk_sums(received, 1, wide), total[rank:rank + 1]
+    else:
+        got, expected = _chunk_sums(received, 1, wide), total
+    share = 1 / size if call.reduce_op == "avg" else 1.0
+    magnitude, target = expected[..., 1] * share, expected[..., 0] * share
+    length = max(1, math.ceil(received.numel() / got.shape[0] / CHUNKS))  # a chunk's: as _chunk_sums made them
+    u_wide = torch.finfo(wide).eps / 2
+    u_own = torch.finfo(received.dtype).eps / 2
+    rounds = (size + 2) if call.reduce_op else 0  # a ring's one rounding per rank, the result's, an average's
+    allowed = (2 * _gamma(length + 1, u_wide) + _gamma(size + 1, u_wide) + rounds * u_own) * magnitude * 1.001 + \
+        length * torch.finfo(received.dtype).tiny
+    ratio = (got[..., 0] - target).abs() / allowed
+    return torch.where(torch.isnan(ratio), torch.full_like(ratio, math.inf), ratio).amax()
+
+
+def _gamma(n: int, u: float) -> float:
+    return n * u / (1 - n * u) if n * u < 1 else math.inf
