@@ -3,8 +3,9 @@
 A transformers Llama (hidden 512, 4 layers, vocab 8192, batch 2x256, AdamW) trains on sim under
 ``OpSelfCheck(budget=...)`` with one of sim's faults on: for each fault, the step of the first finding (or "not in
 N steps"), the op and module named, and the calls checked and left for the budget per step; a clean run first (its
-findings are false alarms). Faults: noise of 1e-2 in every matrix product, a bit flipped in every 50th, and noise in
-a tenth of them (intermittent).
+findings are false alarms). Faults: noise of 1e-2 in every matrix product, a bit flipped in every 50th (forward or
+backward), noise in a tenth of them (intermittent), and noise of 1e-2 in the MLPs' activation (checked by a sample
+rerun on the host).
 
     python benchmarks/self_check_detection.py [--steps 10] [--budget 0.02] [--size real|tiny]
 """
@@ -25,7 +26,7 @@ from training_monitor_cost import build_step  # noqa: E402
 import op_tools  # noqa: E402
 
 SIZES = {"real": (512, 1376, 4, 8, 8192, 2, 256), "tiny": (64, 176, 2, 4, 128, 2, 16)}
-FAULTS = ("", "mm:noise=1e-2", "mm:bitflip=50", "mm:noise=1e-2,p=0.1")
+FAULTS = ("", "mm:noise=1e-2", "mm:bitflip=50", "mm:noise=1e-2,p=0.1", "silu:noise=1e-2")
 
 
 def detect(size: str, fault: str, steps: int, budget: float) -> dict:
@@ -54,7 +55,7 @@ def main() -> None:
     ditorch.sim.register()
     logging.getLogger("op_tools").setLevel(logging.ERROR)  # the findings' own lines: printed below, once
     print(f"OpSelfCheck(budget={args.budget}) on a {args.size} Llama step on sim, at most {args.steps} steps")
-    print(f"{'fault':<24}{'first finding':<52}{'checked/step':>13}{'budget/step':>13}")
+    print(f"{'fault':<24}{'first finding':<64}{'checked/step':>13}{'budget/step':>13}")
     for fault in FAULTS:
         row = detect(args.size, fault, args.steps, args.budget)
         found = row["found"]
@@ -63,8 +64,8 @@ def main() -> None:
         elif found is None:
             what = f"not in {args.steps} steps"
         else:
-            what = f"step {found.step}: {found.op.rpartition('.')[2]} in {found.module or '-'}"
-        print(f"{row['fault']:<24}{what:<52}{row['checked']:>13.1f}{row['budget_skipped']:>13.1f}")
+            what = f"step {found.step}: {found.op.rpartition('.')[2]} ({found.phase}) in {found.module or '-'}"
+        print(f"{row['fault']:<24}{what:<64}{row['checked']:>13.1f}{row['budget_skipped']:>13.1f}")
         summary = "clean" if not fault else ("not found" if found is None else f"found at step {found.step}")
         print(f"summary: self_check_detection: {args.size} {row['fault']}: {summary}")
 

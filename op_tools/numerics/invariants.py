@@ -197,6 +197,68 @@ def addend_of(name: str, args: tuple, kwargs: dict):
     return None if place is None else _arg(args, kwargs, *place)
 
 
+def product_operands(name: str, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(a, b)`` of a product call ``out = a @ b (+ addend)`` whose backward products ``backward_checksums`` checks
+    (a linear's ``(x, weight^T)``); None for other calls and for shapes whose gradients are not plain products
+    (broadcast batch dimensions, vectors)."""
+    if name == "torch.nn.functional.linear":
+        a, w = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight")
+        b = w.t() if isinstance(w, torch.Tensor) and w.dim() == 2 else None
+    elif name in _PRODUCTS and name in ADDENDS:  # addmm, baddbmm: the input added is not a product's operand
+        a, b = _arg(args, kwargs, 1, "mat1", kwargs.get("batch1")), _arg(args, kwargs, 2, "mat2", kwargs.get("batch2"))
+    elif name in _PRODUCTS:
+        a, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "other")
+    else:
+        return None
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() < 2 or b.dim() < 2 or \
+            (b.dim() > 2 and a.shape[:-2] != b.shape[:-2]):
+        return None
+    return a, b
+
+
+def backward_checksums(a: torch.Tensor, b: torch.Tensor, upstream: torch.Tensor, grad_a: torch.Tensor | None,
+                       grad_b: torch.Tensor | None, math_: DeviceMath) -> list[torch.Tensor]:
+    """The column checksums of a product's two backward products: ``grad_a = upstream @ b^T`` and ``grad_b = a^T @
+    upstream`` (rows of ``a`` beyond the matrix, for a 2-D ``b``, joined: the weight's gradient sums over them).
+    Under autocast the device multiplied the operands rounded to its dtype, and rounded the results: the check
+    takes them so rounded (exactly what the device had)."""
+    narrow = math_.autocast_dtype
+    if narrow is not None:
+        a, b, upstream = (t.to(narrow) if t.dtype == torch.float32 else t for t in (a, b, upstream))
+        grad_a, grad_b = (g.to(narrow) if g is not None and g.dtype == torch.float32 else g for g in (grad_a, grad_b))
+        math_ = DeviceMath()  # its rounding now made by the check itself
+    a, b, upstream = a.detach(), b.detach(), upstream.detach()
+    if b.dim() == 2:  # a linear's or a 2-D product's: every leading row one row
+        a, upstream = a.reshape(-1, a.size(-1)), upstream.reshape(-1, upstream.size(-1))
+        grad_a = grad_a.reshape(-1, grad_a.size(-1)) if grad_a is not None else None
+    found = []
+    if grad_a is not None and grad_a.shape == a.shape:
+        found.append(product_checksum(upstream, b.transpose(-1, -2), grad_a, None, math_))
+    if grad_b is not None and grad_b.shape == b.shape:
+        found.append(product_checksum(a.transpose(-1, -2), upstream, grad_b, None, math_))
+    return [f for f in found if f is not None]
+
+
+def log_softmax_row_sums(x: torch.Tensor, out: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """Each row of ``out = log_softmax(x, dim)`` exponentiated sums to 1. An element is ``(x - max) - log(sum)``, each
+    part possibly rounded to the output's type (a CPU's narrow kernel rounds ``x - max`` first): its error is at most
+    ``u_out (2 |out| + 2 log n)``, which moves its exponential by as much relatively; plus the check's float32
+    exponentials and sum. In a narrow type that is loose: a row shifted by 1e-2 is found in float32 and float16, not in
+    bfloat16."""
+    if not out.is_floating_point() or out.numel() == 0:
+        return None
+    n = out.size(dim)
+    wide = _F64 if out.dtype == _F64 else torch.float32
+    values = out.detach().to(wide)
+    exponentials = values.exp()
+    sums = exponentials.sum(dim)
+    spread = (exponentials * (2 * values.abs() + 2 * math.log(n))).nan_to_num(0.0).sum(dim)
+    live = torch.isfinite(x.detach()).any(dim)
+    u = _u(wide)
+    allowed = _u(out.dtype) * spread * _WIDENED + 2 * u + 2 * _gamma(n + 1, u)
+    return _excess(torch.where(live, sums - 1, torch.zeros_like(sums)), allowed)
+
+
 def _arg(args: tuple, kwargs: dict, position: int, name: str, default=None):
     if position < len(args):
         return args[position]
@@ -236,13 +298,22 @@ def _softmax(args, kwargs, out, math_, share):
     return softmax_row_sums(_arg(args, kwargs, 0, "input"), out, dim)
 
 
+def _log_softmax(args, kwargs, out, math_, share):
+    dim = _arg(args, kwargs, 1, "dim")
+    if not isinstance(dim, int):
+        return None
+    return log_softmax_row_sums(_arg(args, kwargs, 0, "input"), out, dim)
+
+
 _PRODUCTS = {"torch.nn.functional.linear": _linear,
              "torch.matmul": _matmul, "torch.Tensor.matmul": _matmul, "torch.Tensor.__matmul__": _matmul,
              "torch.mm": _matmul, "torch.spmm": _matmul, "torch.Tensor.mm": _matmul, "torch.bmm": _matmul,
              "torch.Tensor.bmm": _matmul, "torch.addmm": _addmm, "torch.Tensor.addmm": _addmm,
              "torch.baddbmm": _addmm, "torch.Tensor.baddbmm": _addmm}
 _CONVS = {f"torch.nn.functional.conv{n}d": _conv for n in _CONVOLUTIONS}
-_SOFTMAXES = {"torch.nn.functional.softmax": _softmax, "torch.softmax": _softmax, "torch.Tensor.softmax": _softmax}
+_SOFTMAXES = {"torch.nn.functional.softmax": _softmax, "torch.softmax": _softmax, "torch.Tensor.softmax": _softmax,
+              "torch.nn.functional.log_softmax": _log_softmax, "torch.log_softmax": _log_softmax,
+              "torch.Tensor.log_softmax": _log_softmax}
 def _elementwise(func, args, kwargs, out, rotation, cancelling=False):
     if kwargs.get("inplace") or any(a is out for a in args):  # its input is its result now: nothing to rerun
         return None

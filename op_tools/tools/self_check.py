@@ -1,11 +1,12 @@
-"""OpSelfCheck: an always-on fault detector. Calls are checked on their device by an invariant of their op
-(``numerics/invariants.py``: a matrix product's column checksum, a softmax's row sums), with no CPU reference, and
-within a budget of the run's time.
+"""OpSelfCheck: an always-on fault detector. Calls are checked by an invariant of their op, with no CPU reference on
+the hardware under suspicion, and within a budget of the run's time (``numerics/invariants.py``): a matrix product's
+or a convolution's checksum, forward and backward, on the device; a softmax's row sums; a sample of an elementwise
+op's or a norm's result rerun on the host in float64 (``numerics/sampled_reference.py``); a collective's sums across
+ranks (``numerics/collective_checksum.py``).
 
-Each checked call adds a few small kernels (a reduction and a matrix-vector product in float64) whose result, one
-number, is kept on the device and read back with others in batches of ``READBACK_BATCH`` calls without blocking
-(``numerics/device_readback.py``): no host synchronisation in a step. A result above 1 is a finding: the op, its
-module path, the rank, the step and by how much it exceeds what rounding allows.
+Each check leaves a few numbers on the device, read back with others in batches of ``READBACK_BATCH`` checks without
+blocking (``numerics/device_readback.py``): no host synchronisation in a step. An excess above 1 is a finding: the
+op, its module path, the rank, the step, the phase and by how much it exceeds what rounding allows.
 
 **The budget** (``budget=0.02``, ``OP_SELF_CHECK_BUDGET``) is a share of the run's wall time since the tool started.
 The tool times its own work per checked call; a call is checked while that total stays within the budget, and the
@@ -37,7 +38,9 @@ from ..output import result_files
 
 READBACK_BATCH = 64  # checked calls whose results travel to the host together: one copy, no synchronisation
 BUDGET_SKIPPED = "not checked (budget)"
+BACKWARD_CHECKED = "backward checked"  # calls whose backward products were checked too
 EXACT_SKIPPED = "not checked (integer result)"  # exact arithmetic (positions, indices): nothing to round, out of scope
+LINEAR = "torch.nn.functional.linear"
 COLLECTIVES_FIRST, COLLECTIVES_EVERY = 2, 8  # a group's first two calls of a collective checked, then one in 8
 FINDINGS_WRITTEN = 100  # findings kept in a rank's file (the first ones: the first is where to look)
 
@@ -55,16 +58,17 @@ class Finding:
     forward_id: int
     location: str
     time: float = 0.0  # wall-clock seconds (time.time()) when the call started
+    phase: str = "forward"  # or "backward": one of the products of its backward
 
     def record(self) -> dict:
         return {"op": self.op, "check": self.check, "excess": self.excess, "module": self.module, "step": self.step,
                 "rank": self.rank, "forward_id": self.forward_id, "location": self.location,
-                "time": round(self.time, 6)}
+                "time": round(self.time, 6), "phase": self.phase}
 
     def __str__(self) -> str:
         where = f" in {self.module}" if self.module else ""
         rank = f", rank {self.rank}" if self.rank is not None else ""
-        return (f"{self.op}{where} (forward, step {self.step}{rank}, forward_id {self.forward_id}) fails its "
+        return (f"{self.op}{where} ({self.phase}, step {self.step}{rank}, forward_id {self.forward_id}) fails its "
                 f"{self.check}: {self.excess:.3g}x what rounding allows\n{self.location}")
 
 
@@ -114,6 +118,7 @@ class OpSelfCheck(OpTool):
 
     def before(self, call: OpCall) -> None:
         if call.name not in invariants.COLLECTIVES:
+            self._before_backward_products(call)
             return
         # every rank checks the same calls of a group (the check is itself a collective): by their position in it
         bound = collective_call(call.name, call.func, call.args, call.kwargs)
@@ -130,6 +135,47 @@ class OpSelfCheck(OpTool):
             return
         begun = time.perf_counter()
         call.state = (bound, collective_checksum.sent_sums(bound))
+        self._spent += time.perf_counter() - begun
+
+    def _before_backward_products(self, call: OpCall) -> None:
+        """A product whose backward products are to be checked too: its gradients asked for (call.grad_inputs), its
+        operands kept (autograd keeps them anyway) until they come."""
+        if not torch.is_grad_enabled():
+            return
+        operands = invariants.product_operands(call.name, call.args, call.kwargs)
+        if operands is None or not any(t.requires_grad for t in operands) or any(is_dtensor(t) for t in operands):
+            return
+        begun = time.perf_counter()
+        site = (call.name, "backward", call.keep_location().key())
+        if site in self._sites and self._spent > self.budget * (begun - self._started):
+            return
+        self._sites.add(site)
+        a, b = operands
+        inputs = (a, invariants._arg(call.args, call.kwargs, 1, "weight")) if call.name == LINEAR else (a, b)
+        call.grad_inputs = [t for t in inputs if t.requires_grad]
+        call.state = {"backward": (a, b, inputs, [t._version for t in inputs],
+                                   DeviceMath.of(call.device, call.name))}
+        self._spent += time.perf_counter() - begun
+
+    def after_call_backward(self, call: OpCall, upstream: tuple, input_grads: tuple, complete: bool) -> None:
+        kept = call.state.pop("backward", None) if isinstance(call.state, dict) else None
+        if kept is None or not upstream or not isinstance(upstream[0], torch.Tensor):
+            return
+        begun = time.perf_counter()
+        a, b, inputs, versions, math_ = kept
+        if [t._version for t in inputs] != versions:  # written since: not what the backward multiplied
+            return
+        grads = {id(t): g for t, g in zip([t for t in inputs if t.requires_grad], input_grads)}
+        grad_a, grad_b = grads.get(id(inputs[0])), grads.get(id(inputs[1]))
+        if call.name == LINEAR and isinstance(grad_b, torch.Tensor):
+            grad_b = grad_b.t()  # the weight's gradient: its transpose is b's
+        excesses = invariants.backward_checksums(a, b, upstream[0], grad_a, grad_b, math_)
+        if not excesses:
+            return
+        self.counts[BACKWARD_CHECKED] += 1
+        token = (call.name, call.module_path, call.step, call.forward_id, call.location, call.time, None, "backward")
+        self._readback.put(torch.stack(excesses).amax().reshape(1), token)
+        self._judge(wait=False)
         self._spent += time.perf_counter() - begun
 
     def after(self, call: OpCall) -> None:
@@ -166,7 +212,7 @@ class OpSelfCheck(OpTool):
             return
         self._sites.add(site)
         self.counts["checked"] += 1
-        token = (call.name, call.module_path, call.step, call.forward_id, call.location, call.time, recipe)
+        token = (call.name, call.module_path, call.step, call.forward_id, call.location, call.time, recipe, "forward")
         self._readback.put(values if recipe is not None else values.reshape(1), token)
         self._judge(wait=False)
         self._spent += time.perf_counter() - begun
@@ -179,7 +225,7 @@ class OpSelfCheck(OpTool):
         call.state = {}
         excess = collective_checksum.excess(bound, sent)
         self.counts["checked"] += 1
-        token = (call.name, call.module_path, call.step, call.forward_id, call.location, call.time, None)
+        token = (call.name, call.module_path, call.step, call.forward_id, call.location, call.time, None, "forward")
         self._readback.put(excess.reshape(1), token)
         self._judge(wait=False)
         self._spent += time.perf_counter() - begun
@@ -187,7 +233,7 @@ class OpSelfCheck(OpTool):
     def _judge(self, wait: bool) -> None:
         with self._judge_lock:
             for token, values in (self._readback.drain() if wait else self._readback.ready()):
-                name, module, step, forward_id, location, started, recipe = token
+                name, module, step, forward_id, location, started, recipe, phase = token
                 try:
                     excess = values[0] if recipe is None else sampled_reference.excess(recipe, values)
                 except Exception as error:  # a rerun the host could not do: that call was not checked after all
@@ -198,7 +244,7 @@ class OpSelfCheck(OpTool):
                     continue
                 if not excess <= 1:  # nan counts as a violation
                     finding = Finding(name, invariants.KINDS[name], excess, module, step, self.common.rank,
-                                      forward_id, location, started)
+                                      forward_id, location, started, phase)
                     self._findings.append(finding)
                     if len(self._findings) == 1:
                         self._logger.warning("OpSelfCheck: %s", finding)
@@ -228,13 +274,17 @@ class OpSelfCheck(OpTool):
         Calls left for the budget, and integer arithmetic (no rounding to bound), are the tool's design, counted in the
         closing line only."""
         return [f"{n} {reason.removeprefix('not checked ')} call{'s' if n != 1 else ''} not checked"
-                for reason, n in self.counts.items() if reason not in ("checked", BUDGET_SKIPPED, EXACT_SKIPPED)]
+                for reason, n in self.counts.items() if reason.startswith("not checked ") and
+                reason not in (BUDGET_SKIPPED, EXACT_SKIPPED)]
 
     def closing_line(self) -> str:
-        unchecked = {why: n for why, n in self.counts.items() if why != "checked"}
-        why = ", ".join(f"{reason.removeprefix('not checked ')} {n}" for reason, n in unchecked.items())
-        line = (f"OpSelfCheck: {self.counts['checked']} calls checked on the device, {sum(unchecked.values())} not "
-                f"checked{' ' + why if why else ''}; "
+        unchecked = {why: n for why, n in self.counts.items() if why.startswith("not checked ")}
+        why = ", ".join(f"{reason.removeprefix('not checked (').removesuffix(')')}: {n}"
+                        for reason, n in unchecked.items())
+        backward = self.counts[BACKWARD_CHECKED]
+        line = (f"OpSelfCheck: {self.counts['checked']} calls checked on the device"
+                f"{f' ({backward} in backward too)' if backward else ''}, {sum(unchecked.values())} not "
+                f"checked{f' ({why})' if why else ''}; "
                 f"{self.found() or ('no checked call failed' if self.counts['checked'] else 'no call was checked')}")
         problem = self.not_checked()
         return f"{line}; {problem}" if problem else line

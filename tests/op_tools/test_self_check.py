@@ -92,7 +92,8 @@ def test_the_budget_checks_each_site_once_and_counts_the_rest(sim):
     sites = check.counts["checked"]
     assert 0 < sites < 30 and check.counts["not checked (budget)"] > 0, check.counts
     line = check.closing_line()
-    assert line.startswith(f"OpSelfCheck: {sites} calls checked on the device, ") and "(budget) " in line, line
+    assert line.startswith(f"OpSelfCheck: {sites} calls checked on the device (") and "(budget: " in line, line
+    assert 0 < check.counts["backward checked"] <= sites, check.counts  # the products' backward, once per site
     assert line.endswith("no checked call failed"), line
 
 
@@ -272,3 +273,54 @@ def test_an_in_place_activation_is_said_not_checked(sim):
         torch.nn.functional.silu(torch.randn(4, 8, device=sim), inplace=True)
     assert check.counts == {"not checked (no invariant for these arguments)": 1}, check.counts
     assert check.verdict() == "unchecked"
+
+
+def test_a_products_backward_is_checked_and_a_fault_there_named_as_backward(sim):
+    import ditorch.sim
+
+    # sim's backward of a linear runs mm (grad input, grad weight): a fault in the backward's products alone
+    with op_tools.OpSelfCheck(budget=1.0) as check:
+        zoo.llama_float32(sim)
+    assert check.findings == [] and check.counts["backward checked"] > 10, check.counts
+    with ditorch.sim.faults("mm:bitflip=1"), op_tools.OpSelfCheck(budget=1.0) as check:
+        zoo.llama_float32(sim)
+    phases = {f.phase for f in check.findings}
+    assert phases == {"forward", "backward"}, check.findings[:3]
+    backward = next(f for f in check.findings if f.phase == "backward")
+    assert backward.op == "torch.nn.functional.linear" and "(backward, step 0" in str(backward), backward
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "fp16-autocast"])
+def test_backward_checksums_hold_for_a_linear_and_a_batched_product(autocast):
+    from op_tools.numerics.device_math import CUDA_POLICY
+
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 48, 64, generator=generator, requires_grad=True)
+    w = torch.randn(32, 64, generator=generator, requires_grad=True)
+    math_ = DeviceMath(torch.float16, (), CUDA_POLICY) if autocast else DeviceMath()
+    narrow = torch.float16 if autocast else torch.float32
+    out = F.linear(x.to(narrow), w.to(narrow))
+    g = torch.randn(out.shape, generator=generator).to(narrow)
+    grad_x, grad_w = torch.autograd.grad(out, (x, w), g)
+    a, b = invariants.product_operands("torch.nn.functional.linear", (x, w), {})
+    assert max(float(e) for e in invariants.backward_checksums(a, b, g, grad_x, grad_w.t(), math_)) <= 1
+    wrong = grad_w.clone()
+    wrong[3, 5] += 0.5 * wrong.abs().max()
+    assert max(float(e) for e in invariants.backward_checksums(a, b, g, grad_x, wrong.t(), math_)) > 1
+    p, q = torch.randn(3, 16, 40, generator=generator), torch.randn(3, 40, 24, generator=generator)
+    g = torch.randn(3, 16, 24, generator=generator)
+    assert max(float(e) for e in invariants.backward_checksums(p, q, g, g @ q.transpose(1, 2),
+                                                                p.transpose(1, 2) @ g, DeviceMath())) <= 1
+
+
+def test_a_log_softmax_whose_rows_do_not_exponentiate_to_one_is_found():
+    generator = torch.Generator().manual_seed(6)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = (torch.randn(16, 4096, generator=generator) * 5).to(dtype)
+        out = F.log_softmax(x, -1)
+        assert float(invariants.check("torch.nn.functional.log_softmax", (x, -1), {}, out, DeviceMath())) <= 1
+    x = torch.randn(16, 4096, generator=generator)
+    assert float(invariants.check("torch.Tensor.log_softmax", (x, -1), {}, F.log_softmax(x, -1) + 1e-3,
+                                  DeviceMath())) > 1
+    masked = torch.full((2, 8), float("-inf"))  # no finite input: its nan is log_softmax's definition
+    assert float(invariants.log_softmax_row_sums(masked, F.log_softmax(masked, -1), -1)) == 0

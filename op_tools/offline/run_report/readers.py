@@ -172,7 +172,8 @@ def _read_self_check(results: Results, rank: int, path: str) -> None:
     for found in record["first"]:
         found_rank = found["rank"] if isinstance(found.get("rank"), int) else rank
         results.anomalies.append(Event(found_rank, int(found.get("step", 0)), float(found.get("time", 0.0)),
-                                       found["op"], found.get("module", ""), "forward", "OpSelfCheck", "mismatch",
+                                       found["op"], found.get("module", ""), found.get("phase", "forward"),
+                                       "OpSelfCheck", "mismatch",
                                        f"{found.get('check', 'invariant')} {_number(found.get('excess')):.3g}x what "
                                        "rounding allows", int(found.get("forward_id", 0)),
                                        location=_location(found.get("location"))))
