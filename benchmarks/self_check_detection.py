@@ -2,7 +2,8 @@
 
 A transformers Llama (hidden 512, 4 layers, vocab 8192, batch 2x256, AdamW) trains on sim under
 ``OpSelfCheck(budget=...)`` with one of sim's faults on: for each fault, the step of the first finding (or "not in
-N steps"), the op and module named, and the calls checked and left for the budget per step; a clean run first (its
+N steps"), the op and module named, and per step the calls checked, left for the budget, and handled by the engine
+(the others ran untouched while the budget was spent: a paused tool costs a call a comparison); a clean run first (its
 findings are false alarms). Faults: noise of 1e-2 in every matrix product, a bit flipped in every 50th (forward or
 backward), noise in a tenth of them (intermittent), and noise of 1e-2 in the MLPs' activation (checked by a sample
 rerun on the host).
@@ -41,7 +42,9 @@ def detect(size: str, fault: str, steps: int, budget: float) -> dict:
     findings = check.findings
     done = findings[0].step + 1 if findings else steps
     return {"fault": fault or "(clean)", "found": findings[0] if findings else None, "findings": len(findings),
-            "checked": check.counts["checked"] / done, "budget_skipped": check.counts["not checked (budget)"] / done}
+            "checked": check.counts["checked"] / done,
+            "budget_skipped": (check.counts["not checked (budget)"] + check.paused_calls) / done,
+            "handled": sum(check.handled.values()) / done}
 
 
 def main() -> None:
@@ -55,7 +58,7 @@ def main() -> None:
     ditorch.sim.register()
     logging.getLogger("op_tools").setLevel(logging.ERROR)  # the findings' own lines: printed below, once
     print(f"OpSelfCheck(budget={args.budget}) on a {args.size} Llama step on sim, at most {args.steps} steps")
-    print(f"{'fault':<24}{'first finding':<64}{'checked/step':>13}{'budget/step':>13}")
+    print(f"{'fault':<24}{'first finding':<64}{'checked/step':>13}{'budget/step':>13}{'handled/step':>13}")
     for fault in FAULTS:
         row = detect(args.size, fault, args.steps, args.budget)
         found = row["found"]
@@ -65,7 +68,8 @@ def main() -> None:
             what = f"not in {args.steps} steps"
         else:
             what = f"step {found.step}: {found.op.rpartition('.')[2]} ({found.phase}) in {found.module or '-'}"
-        print(f"{row['fault']:<24}{what:<64}{row['checked']:>13.1f}{row['budget_skipped']:>13.1f}")
+        print(f"{row['fault']:<24}{what:<64}{row['checked']:>13.1f}{row['budget_skipped']:>13.1f}"
+              f"{row['handled']:>13.1f}")
         summary = "clean" if not fault else ("not found" if found is None else f"found at step {found.step}")
         print(f"summary: self_check_detection: {args.size} {row['fault']}: {summary}")
 

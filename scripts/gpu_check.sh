@@ -82,7 +82,7 @@ run_step "same, bf16 autocast" "$PYTHON" benchmarks/autocompare_cost.py --device
   --autocast bfloat16
 run_step "TrainingMonitor cost (target <= 1.05x)" "$PYTHON" benchmarks/training_monitor_cost.py --devices cuda --rounds 3
 run_step "the engine alone, real size" "$PYTHON" benchmarks/engine_cost.py --device cuda --size real --rounds 3
-run_step "tools meant to stay on (<= 1.05x, 1.5x, 1.5x)" "$PYTHON" benchmarks/stay_on_cost.py --device cuda --rounds 3
+run_step "tools meant to stay on (<= 1.05x, 1.5x, 1.5x, 1.02x)" "$PYTHON" benchmarks/stay_on_cost.py --device cuda --rounds 3
 
 failed=0
 echo

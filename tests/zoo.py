@@ -225,3 +225,12 @@ ZOO = (
     # its ops are compared in forward only (the summary counts it).
     Workload("checkpoint_reentrant", checkpoint_reentrant, ("gelu:noise=1e-3", "gelu"), None),
 )
+# what the `gpu` tests run on CUDA: every recipe and the two transformers models in float32
+ON_CUDA = ZOO + (Workload("llama_float32", llama_float32, ("", ""), None), Workload("gpt2", gpt2, ("", ""), None))
+
+
+def cuda_baseline(workload: Workload) -> tuple[list, bool]:
+    """The recipe's losses on CUDA without a tool, and whether a second run repeats them (atomics and cuDNN's
+    algorithms may not): a tool changed nothing if its run's losses equal these, or the recipe is not repeatable."""
+    expected = workload.run("cuda")
+    return expected, workload.run("cuda") == expected

@@ -104,6 +104,7 @@ class OpSelfCheck(OpTool):
         self._started = time.perf_counter()
         self._judge_lock = threading.Lock()
         self._collectives: collections.Counter = collections.Counter()  # calls per (collective, group)
+        self.unpausable = invariants.COLLECTIVES  # every rank must see its collectives alike
 
     def accepts(self, name: str) -> bool:
         return name in invariants.CHECKS or name in invariants.SAMPLED or name in invariants.COLLECTIVES
@@ -187,6 +188,8 @@ class OpSelfCheck(OpTool):
         first = site not in self._sites
         if not first and self._spent > self.budget * (begun - self._started):
             self.counts[BUDGET_SKIPPED] += 1
+            # until the budget allows a check again, the calls run untouched (the engine's work per call too)
+            self.pause_until(self._started + self._spent / self.budget)
             return
         args, kwargs, result, share = call.args, call.kwargs, call.result, 1.0
         if any(is_dtensor(a) for a in (*args, *kwargs.values(), result)):
@@ -279,6 +282,8 @@ class OpSelfCheck(OpTool):
 
     def closing_line(self) -> str:
         unchecked = {why: n for why, n in self.counts.items() if why.startswith("not checked ")}
+        if self.paused_calls:  # run untouched while the budget was spent
+            unchecked[BUDGET_SKIPPED] = unchecked.get(BUDGET_SKIPPED, 0) + self.paused_calls
         why = ", ".join(f"{reason.removeprefix('not checked (').removesuffix(')')}: {n}"
                         for reason, n in unchecked.items())
         backward = self.counts[BACKWARD_CHECKED]

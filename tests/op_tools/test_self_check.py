@@ -91,6 +91,8 @@ def test_the_budget_checks_each_site_once_and_counts_the_rest(sim):
         zoo.llama_float32(sim)
     sites = check.counts["checked"]
     assert 0 < sites < 30 and check.counts["not checked (budget)"] > 0, check.counts
+    # once the budget is spent the tool pauses: the engine hands it no call until the budget allows one again
+    assert check.paused_calls > 0 and sum(check.handled.values()) < sites + check.paused_calls, check.handled
     line = check.closing_line()
     assert line.startswith(f"OpSelfCheck: {sites} calls checked on the device (") and "(budget: " in line, line
     assert 0 < check.counts["backward checked"] <= sites, check.counts  # the products' backward, once per site
@@ -324,3 +326,26 @@ def test_a_log_softmax_whose_rows_do_not_exponentiate_to_one_is_found():
                                   DeviceMath())) > 1
     masked = torch.full((2, 8), float("-inf"))  # no finite input: its nan is log_softmax's definition
     assert float(invariants.log_softmax_row_sums(masked, F.log_softmax(masked, -1), -1)) == 0
+
+
+@pytest.mark.gpu
+def test_on_a_cuda_gpu_every_recipe_is_quiet_under_self_check_and_a_wrong_product_is_found():
+    """Issue 38 on hardware: the recipes on CUDA (cuBLAS's and cuDNN's own summation orders, TF32 convolutions,
+    fused attention), every op with a check listed and every call checked: 0 findings, the losses unchanged; a
+    product made wrong on the device is found. One test, so that CUDA starts once."""
+    rows, found = [], {}
+    for workload in zoo.ON_CUDA:
+        expected, deterministic = zoo.cuda_baseline(workload)
+        with op_tools.OpSelfCheck(budget=1.0, ops=EVERY_OP) as check:
+            losses = workload.run("cuda")
+        rows.append(f"{workload.name}: {check.closing_line()}")
+        if check.findings:
+            found[workload.name] = [str(f) for f in check.findings[:3]]
+        assert losses == expected or not deterministic, f"OpSelfCheck changed {workload.name}'s losses on CUDA"
+        assert check.counts["checked"] >= 2, rows[-1]
+    print("\n".join(rows))
+    assert not found, found
+    a, b = torch.randn(512, 512, device="cuda"), torch.randn(512, 1376, device="cuda")
+    wrong = a @ b
+    wrong[100, 7] *= 1.5
+    assert float(invariants.product_checksum(a, b, wrong, None, DeviceMath.of(wrong.device))) > 1

@@ -137,12 +137,9 @@ def test_several_apply_feature_tools_in_one_process(sim, logged):
 def test_on_a_cuda_gpu_every_recipe_runs_clean_under_autocompare():
     """Issue 34, item 5: the recipes on CUDA (its own kernels, summation orders, TF32 convolutions and fused
     attention), 0 failing calls; the losses unchanged by the tool. One test, so that CUDA starts once."""
-    workloads = zoo.ZOO + (zoo.Workload("llama_float32", zoo.llama_float32, ("", ""), None),
-                           zoo.Workload("gpt2", zoo.gpt2, ("", ""), None))
     rows, failing = [], {}
-    for workload in workloads:
-        expected = workload.run("cuda")
-        deterministic = workload.run("cuda") == expected  # atomics and cuDNN's algorithms may not be
+    for workload in zoo.ON_CUDA:
+        expected, deterministic = zoo.cuda_baseline(workload)
         with op_tools.OpAutoCompare() as tool:
             losses = workload.run("cuda")
         rows.append(f"{workload.name}: {tool.counts['forward compared']} forward, "
