@@ -314,17 +314,24 @@ _CONVS = {f"torch.nn.functional.conv{n}d": _conv for n in _CONVOLUTIONS}
 _SOFTMAXES = {"torch.nn.functional.softmax": _softmax, "torch.softmax": _softmax, "torch.Tensor.softmax": _softmax,
               "torch.nn.functional.log_softmax": _log_softmax, "torch.log_softmax": _log_softmax,
               "torch.Tensor.log_softmax": _log_softmax}
-def _elementwise(func, args, kwargs, out, rotation, cancelling=False):
-    if kwargs.get("inplace") or any(a is out for a in args):  # its input is its result now: nothing to rerun
+def in_place(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a sampled elementwise call writes its first argument (``silu(x, inplace=True)``)."""
+    return name == "torch.nn.functional.silu" and bool(_arg(args, kwargs, 1, "inplace", False))
+
+
+def _elementwise(func, args, kwargs, out, rotation, cancelling=False, taken=None):
+    if not taken and (kwargs.get("inplace") or any(a is out for a in args)):  # its input is gone: nothing to rerun
         return None
-    return sampled_reference.elementwise_sample(func, args, kwargs, out, rotation, cancelling)
+    if kwargs.get("rounding_mode") is not None:  # a floor or truncation: the float64 quotient may round across it
+        return None
+    return sampled_reference.elementwise_sample(func, args, kwargs, out, rotation, cancelling, taken)
 
 
-def _cancelling(func, args, kwargs, out, rotation):
-    return _elementwise(func, args, kwargs, out, rotation, cancelling=True)
+def _cancelling(func, args, kwargs, out, rotation, taken=None):
+    return _elementwise(func, args, kwargs, out, rotation, cancelling=True, taken=taken)
 
 
-def _norm(func, args, kwargs, out, rotation, rms=False):
+def _norm(func, args, kwargs, out, rotation, rms=False, taken=None):
     x, shape = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "normalized_shape")
     if not isinstance(x, torch.Tensor) or not isinstance(shape, (tuple, list, torch.Size, int)):
         return None
@@ -334,14 +341,15 @@ def _norm(func, args, kwargs, out, rotation, rms=False):
                                          None if rms else _arg(args, kwargs, 3, "bias"), eps, out, rotation, rms)
 
 
-def _rms_norm(func, args, kwargs, out, rotation):
+def _rms_norm(func, args, kwargs, out, rotation, taken=None):
     return _norm(func, args, kwargs, out, rotation, rms=True)
 
 
 _ARITHMETIC = ("mul", "add", "sub", "div")
 _UNARY = ("sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt")
-# op name -> sample(func, args, kwargs, result, rotation) -> (device values, sampled_reference.Recipe) or None: a
-# sample of the result rerun on the host in float64 (sampled_reference.py)
+# op name -> sample(func, args, kwargs, result, rotation, taken) -> (device values, sampled_reference.Recipe) or None:
+# a sample of the result rerun on the host in float64 (sampled_reference.py); ``taken``: an in-place call's input
+# sample, taken before it ran
 SAMPLED: dict[str, Callable] = {
     **{f"torch.{op}": _elementwise for op in _ARITHMETIC + _UNARY},
     **{f"torch.Tensor.{op}": _elementwise for op in _ARITHMETIC + _UNARY},

@@ -105,15 +105,29 @@ def _floating(t) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point()
 
 
+def positions(shape: tuple[int, ...], rotation: int) -> tuple[int, ...]:
+    """The row-major positions sampled in a result of ``shape`` at ``rotation``."""
+    return _element_indices(tuple(shape), (), rotation % ROTATIONS)[-1]
+
+
+def taken_before(t: torch.Tensor, rotation: int) -> torch.Tensor:
+    """An in-place call's input at the positions its result will be sampled at: taken before the call writes it."""
+    (index,) = _INDICES.get(("elementwise", tuple(t.shape), (), rotation % ROTATIONS), t.device,
+                            (positions(tuple(t.shape), rotation),))
+    return torch.take(t.detach(), index)
+
+
 def elementwise_sample(func: Callable, args: tuple, kwargs: dict, out: torch.Tensor, rotation: int,
-                       cancelling: bool = False) -> tuple[list[torch.Tensor], Recipe] | None:
+                       cancelling: bool = False, taken: dict | None = None) -> tuple[list[torch.Tensor], Recipe] | None:
     """The sampled elements of an elementwise call (its floating tensor arguments broadcast to ``out``) and the
     recipe to rerun them; None where it does not apply (no floating result, an argument on another device that is not
     a scalar, an input wider than the result: an autocast's cast, which the sample cannot see). ``cancelling``: the
     op's result may be far smaller than its inputs through cancellation (gelu of a negative input): it is bounded
-    relative to them."""
+    relative to them. ``taken``: {argument position: its sample taken before the call} for an in-place call's input
+    (``taken_before``)."""
     if not _floating(out) or out.numel() == 0:
         return None
+    taken = taken or {}
     flat = [*args, *kwargs.values()]
     tensors = [(k, t) for k, t in enumerate(flat) if isinstance(t, torch.Tensor)]
     sampled = []
@@ -133,7 +147,7 @@ def elementwise_sample(func: Callable, args: tuple, kwargs: dict, out: torch.Ten
     in_shapes = tuple(tuple(t.shape) for _, t in sampled)
     indices = _element_indices(tuple(out.shape), in_shapes, rotation)
     device_indices = _INDICES.get(("elementwise", tuple(out.shape), in_shapes, rotation), out.device, indices)
-    values = [torch.take(t.detach(), i) for (_, t), i in zip(sampled, device_indices)]
+    values = [taken[k] if k in taken else torch.take(t.detach(), i) for (k, t), i in zip(sampled, device_indices)]
     values.append(torch.take(out.detach(), device_indices[-1]))
     for slot, (k, _) in enumerate(sampled):
         kept[k] = _Slot(slot)

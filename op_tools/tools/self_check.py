@@ -118,6 +118,11 @@ class OpSelfCheck(OpTool):
         return list(self._findings)
 
     def before(self, call: OpCall) -> None:
+        if invariants.in_place(call.name, call.args, call.kwargs) and isinstance(call.args[0], torch.Tensor):
+            # the input the call overwrites, sampled now where its result will be (a few elements, on the device)
+            rotation = self.counts["checked"]
+            call.state = {"taken": (rotation, {0: sampled_reference.taken_before(call.args[0], rotation)})}
+            return
         if call.name not in invariants.COLLECTIVES:
             self._before_backward_products(call)
             return
@@ -204,8 +209,10 @@ class OpSelfCheck(OpTool):
         recipe = None
         sampler = invariants.SAMPLED.get(call.name)
         if sampler is not None:  # a sample rerun on the host when it arrives
+            rotation, taken = call.state.get("taken", (self.counts["checked"], None)) if isinstance(call.state, dict) \
+                else (self.counts["checked"], None)
             sample = None if share != 1.0 or not isinstance(result, torch.Tensor) else \
-                sampler(call.func, args, kwargs, result, self.counts["checked"])
+                sampler(call.func, args, kwargs, result, rotation, taken=taken)
             values, recipe = sample if sample is not None else (None, None)
         else:
             values = invariants.check(call.name, args, kwargs, result, DeviceMath.of(call.device), share)

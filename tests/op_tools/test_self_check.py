@@ -270,9 +270,23 @@ def test_a_noisy_activation_is_named_by_default_and_arithmetic_when_listed(sim):
     assert check.counts["not checked (integer result)"] > 0 and check.verdict() == "found", check.counts
 
 
-def test_an_in_place_activation_is_said_not_checked(sim):
+def test_an_in_place_activation_is_checked_from_its_input_sampled_before_it_ran(sim):
+    import ditorch.sim
+
     with op_tools.OpSelfCheck(budget=1.0) as check:
-        torch.nn.functional.silu(torch.randn(4, 8, device=sim), inplace=True)
+        x = torch.randn(64, 32, device=sim)
+        torch.nn.functional.silu(x, inplace=True)
+        torch.nn.functional.silu(x, True)
+    assert check.counts == {"checked": 2} and check.findings == [], check.counts
+    with ditorch.sim.faults("silu_:noise=2e-2"), op_tools.OpSelfCheck(budget=1.0) as check:
+        torch.nn.functional.silu(torch.randn(64, 32, device=sim), inplace=True)
+    assert [f.op for f in check.findings] == ["torch.nn.functional.silu"], check.counts
+
+
+def test_a_rounded_division_is_said_not_checked(sim):
+    with op_tools.OpSelfCheck(budget=1.0, ops=["torch.div"]) as check:
+        # a float32 quotient just below an integer may round to it: floored, it differs from float64's by 1
+        torch.div(torch.randn(4, 8, device=sim), 0.1, rounding_mode="floor")
     assert check.counts == {"not checked (no invariant for these arguments)": 1}, check.counts
     assert check.verdict() == "unchecked"
 
