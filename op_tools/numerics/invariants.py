@@ -21,6 +21,7 @@ error exceeds the rounding any correct kernel has.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -197,23 +198,43 @@ def addend_of(name: str, args: tuple, kwargs: dict):
     return None if place is None else _arg(args, kwargs, *place)
 
 
-def product_operands(name: str, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(a, b)`` of a product call ``out = a @ b (+ addend)`` whose backward products ``backward_checksums`` checks
-    (a linear's ``(x, weight^T)``); None for other calls and for shapes whose gradients are not plain products
-    (broadcast batch dimensions, vectors)."""
+@dataclasses.dataclass(frozen=True)
+class ProductOperands:
+    """A product call ``out = a @ b (+ addend)`` as its backward sees it: ``inputs`` are the call's own tensors whose
+    gradients are ``grad_a`` and ``grad_b`` (a linear's ``(x, weight)``: ``b`` is ``weight^T``, and ``grad_b`` the
+    weight's gradient transposed)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    inputs: tuple[torch.Tensor, torch.Tensor]
+    transposed: bool  # b is inputs[1] transposed
+
+    def grads(self, grad_a: torch.Tensor | None, grad_input_1: torch.Tensor | None):
+        """``(grad_a, grad_b)`` from the gradients of ``inputs``."""
+        if self.transposed and grad_input_1 is not None:
+            grad_input_1 = grad_input_1.t()
+        return grad_a, grad_input_1
+
+
+def product_operands(name: str, args: tuple, kwargs: dict) -> ProductOperands | None:
+    """The operands of a product call whose backward products ``backward_checksums`` checks; None for other calls
+    and for shapes whose gradients are not plain products (broadcast batch dimensions, vectors)."""
+    transposed = False
     if name == "torch.nn.functional.linear":
         a, w = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight")
-        b = w.t() if isinstance(w, torch.Tensor) and w.dim() == 2 else None
+        b, second, transposed = (w.t() if isinstance(w, torch.Tensor) and w.dim() == 2 else None), w, True
     elif name in _PRODUCTS and name in ADDENDS:  # addmm, baddbmm: the input added is not a product's operand
         a, b = _arg(args, kwargs, 1, "mat1", kwargs.get("batch1")), _arg(args, kwargs, 2, "mat2", kwargs.get("batch2"))
+        second = b
     elif name in _PRODUCTS:
         a, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "other")
+        second = b
     else:
         return None
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.dim() < 2 or b.dim() < 2 or \
             (b.dim() > 2 and a.shape[:-2] != b.shape[:-2]):
         return None
-    return a, b
+    return ProductOperands(a, b, (a, second), transposed)
 
 
 def backward_checksums(a: torch.Tensor, b: torch.Tensor, upstream: torch.Tensor, grad_a: torch.Tensor | None,

@@ -40,7 +40,6 @@ READBACK_BATCH = 64  # checked calls whose results travel to the host together: 
 BUDGET_SKIPPED = "not checked (budget)"
 BACKWARD_CHECKED = "backward checked"  # calls whose backward products were checked too
 EXACT_SKIPPED = "not checked (integer result)"  # exact arithmetic (positions, indices): nothing to round, out of scope
-LINEAR = "torch.nn.functional.linear"
 COLLECTIVES_FIRST, COLLECTIVES_EVERY = 2, 8  # a group's first two calls of a collective checked, then one in 8
 FINDINGS_WRITTEN = 100  # findings kept in a rank's file (the first ones: the first is where to look)
 
@@ -149,17 +148,16 @@ class OpSelfCheck(OpTool):
         if not torch.is_grad_enabled():
             return
         operands = invariants.product_operands(call.name, call.args, call.kwargs)
-        if operands is None or not any(t.requires_grad for t in operands) or any(is_dtensor(t) for t in operands):
+        if operands is None or not any(t.requires_grad for t in operands.inputs) or \
+                any(is_dtensor(t) for t in operands.inputs):
             return
         begun = time.perf_counter()
         site = (call.name, "backward", call.keep_location().key())
         if site in self._sites and self._spent > self.budget * (begun - self._started):
             return
         self._sites.add(site)
-        a, b = operands
-        inputs = (a, invariants._arg(call.args, call.kwargs, 1, "weight")) if call.name == LINEAR else (a, b)
-        call.grad_inputs = [t for t in inputs if t.requires_grad]
-        call.state = {"backward": (a, b, inputs, [t._version for t in inputs],
+        call.grad_inputs = [t for t in operands.inputs if t.requires_grad]
+        call.state = {"backward": (operands, [t._version for t in operands.inputs],
                                    DeviceMath.of(call.device, call.name))}
         self._spent += time.perf_counter() - begun
 
@@ -168,14 +166,13 @@ class OpSelfCheck(OpTool):
         if kept is None or not upstream or not isinstance(upstream[0], torch.Tensor):
             return
         begun = time.perf_counter()
-        a, b, inputs, versions, math_ = kept
+        operands, versions, math_ = kept
+        inputs = operands.inputs
         if [t._version for t in inputs] != versions:  # written since: not what the backward multiplied
             return
         grads = {id(t): g for t, g in zip([t for t in inputs if t.requires_grad], input_grads)}
-        grad_a, grad_b = grads.get(id(inputs[0])), grads.get(id(inputs[1]))
-        if call.name == LINEAR and isinstance(grad_b, torch.Tensor):
-            grad_b = grad_b.t()  # the weight's gradient: its transpose is b's
-        excesses = invariants.backward_checksums(a, b, upstream[0], grad_a, grad_b, math_)
+        grad_a, grad_b = operands.grads(grads.get(id(inputs[0])), grads.get(id(inputs[1])))
+        excesses = invariants.backward_checksums(operands.a, operands.b, upstream[0], grad_a, grad_b, math_)
         if not excesses:
             return
         self.counts[BACKWARD_CHECKED] += 1

@@ -318,11 +318,13 @@ def test_backward_checksums_hold_for_a_linear_and_a_batched_product(autocast):
     out = F.linear(x.to(narrow), w.to(narrow))
     g = torch.randn(out.shape, generator=generator).to(narrow)
     grad_x, grad_w = torch.autograd.grad(out, (x, w), g)
-    a, b = invariants.product_operands("torch.nn.functional.linear", (x, w), {})
-    assert max(float(e) for e in invariants.backward_checksums(a, b, g, grad_x, grad_w.t(), math_)) <= 1
+    operands = invariants.product_operands("torch.nn.functional.linear", (x, w), {})
+    assert operands.inputs == (x, w)
+    a, b = operands.a, operands.b
+    assert max(float(e) for e in invariants.backward_checksums(a, b, g, *operands.grads(grad_x, grad_w), math_)) <= 1
     wrong = grad_w.clone()
     wrong[3, 5] += 0.5 * wrong.abs().max()
-    assert max(float(e) for e in invariants.backward_checksums(a, b, g, grad_x, wrong.t(), math_)) > 1
+    assert max(float(e) for e in invariants.backward_checksums(a, b, g, *operands.grads(grad_x, wrong), math_)) > 1
     p, q = torch.randn(3, 16, 40, generator=generator), torch.randn(3, 40, 24, generator=generator)
     g = torch.randn(3, 16, 24, generator=generator)
     assert max(float(e) for e in invariants.backward_checksums(p, q, g, g @ q.transpose(1, 2),
