@@ -96,3 +96,10 @@ def local_call(args: tuple, kwargs: dict, result, addend) -> tuple[tuple, dict, 
     locals_ = [local_part(a) if isinstance(a, torch.Tensor) else a for a in args]
     return (tuple(locals_), {k: local_part(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()},
             local_part(result) if isinstance(result, torch.Tensor) else result, share)
+
+
+def same_layout(tensors: list[torch.Tensor], result) -> bool:
+    """Whether DTensors ``tensors`` and ``result`` share one mesh and placements, none of them ``Partial``: an
+    elementwise op then ran on each rank's local tensors as they are (DTensor redistributed nothing)."""
+    layouts = {(id(getattr(t, "device_mesh", None)), tuple(getattr(t, "placements", ()))) for t in (*tensors, result)}
+    return len(layouts) == 1 and not any(is_partial(t) for t in (*tensors, result))

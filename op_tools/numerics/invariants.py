@@ -383,6 +383,7 @@ SAMPLED: dict[str, Callable] = {
 COLLECTIVES = frozenset(f"torch.distributed.{name}" for name in (
     "all_reduce", "broadcast", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
     "all_gather_single"))
+ELEMENTWISE = (_elementwise, _cancelling)  # the samplers of elementwise ops: valid on DTensors' local tensors alike
 # op name (as the tools name calls) -> check(args, kwargs, result, device math) -> excess or None
 CHECKS: dict[str, Callable] = {**_PRODUCTS, **_CONVS, **_SOFTMAXES}
 # The functions a tool wraps by default (targeted dispatch, no mode seeing every call): those of CHECKS that can be

@@ -198,7 +198,8 @@ class OpSelfCheck(OpTool):
             # checked on the rank's local tensors, where the invariant holds for what the rank computed (a column- or
             # row-parallel product); never on the DTensors: their ops run collectives, and the budget decides per rank
             local = shards.local_call(args, kwargs, result, invariants.addend_of(call.name, args, kwargs)) \
-                if call.name in invariants.LOCAL else "not a product"
+                if call.name in invariants.LOCAL or self._elementwise_locally(call.name, args, kwargs, result) \
+                else "not a product"
             if isinstance(local, str):
                 self.counts["not checked (DTensor)"] += 1
                 return
@@ -223,6 +224,15 @@ class OpSelfCheck(OpTool):
         self._readback.put(values if recipe is not None else values.reshape(1), token)
         self._judge(wait=False)
         self._spent += time.perf_counter() - begun
+
+    @staticmethod
+    def _elementwise_locally(name: str, args: tuple, kwargs: dict, result) -> bool:
+        """An elementwise call on DTensors laid out alike (sequence parallel's activations): each rank's local result
+        is the op of its local inputs."""
+        if invariants.SAMPLED.get(name) not in invariants.ELEMENTWISE:
+            return False
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        return all(is_dtensor(t) for t in tensors) and is_dtensor(result) and shards.same_layout(tensors, result)
 
     def _after_collective(self, call: OpCall, begun: float) -> None:
         if isinstance(call.state, str):

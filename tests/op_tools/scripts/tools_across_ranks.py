@@ -119,6 +119,11 @@ def main() -> None:
     mlp.zero_grad()
     with op_tools.OpSelfCheck(budget=1.0) as check:  # DTensor products: checked on each rank's local part
         mlp(x).square().mean().backward()
+        # an activation on a sequence-sharded DTensor (sequence parallel): checked on the local shard
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        sharded = distribute_tensor(torch.randn(8, 16).cuda(), mlp.up.weight.device_mesh, [Shard(0)])
+        torch.nn.functional.silu(sharded)
     report["tp"]["OpSelfCheck"] = {"verdict": check.verdict(), "counts": dict(check.counts),
                                    "findings": len(check.findings)}
     mlp.zero_grad()
