@@ -103,3 +103,14 @@ def same_layout(tensors: list[torch.Tensor], result) -> bool:
     elementwise op then ran on each rank's local tensors as they are (DTensor redistributed nothing)."""
     layouts = {(id(getattr(t, "device_mesh", None)), tuple(getattr(t, "placements", ()))) for t in (*tensors, result)}
     return len(layouts) == 1 and not any(is_partial(t) for t in (*tensors, result))
+
+
+def whole_along(t: torch.Tensor, trailing: int) -> bool:
+    """Whether DTensor ``t``'s last ``trailing`` dimensions are whole on every rank (sharded on none of them)."""
+    return all(not (type(p).__name__ in ("Shard", "_StridedShard") and p.dim % t.dim() >= t.dim() - trailing)
+               for p in t.placements)  # type: ignore[attr-defined]
+
+
+def replicated(t: torch.Tensor) -> bool:
+    """Whether DTensor ``t`` is whole on every rank."""
+    return all(type(p).__name__ == "Replicate" for p in t.placements)  # type: ignore[attr-defined]

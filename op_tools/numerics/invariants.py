@@ -362,6 +362,14 @@ def _norm(func, args, kwargs, out, rotation, rms=False, taken=None):
                                          None if rms else _arg(args, kwargs, 3, "bias"), eps, out, rotation, rms)
 
 
+def normalized_dims(name: str, args: tuple, kwargs: dict) -> int | None:
+    """How many trailing dimensions a norm call normalises over (None: not a norm, or not known)."""
+    if SAMPLED.get(name) not in (_norm, _rms_norm):
+        return None
+    shape = _arg(args, kwargs, 1, "normalized_shape")
+    return 1 if isinstance(shape, int) else len(shape) if isinstance(shape, (tuple, list, torch.Size)) else None
+
+
 def _rms_norm(func, args, kwargs, out, rotation, taken=None):
     return _norm(func, args, kwargs, out, rotation, rms=True)
 

@@ -227,12 +227,21 @@ class OpSelfCheck(OpTool):
 
     @staticmethod
     def _elementwise_locally(name: str, args: tuple, kwargs: dict, result) -> bool:
-        """An elementwise call on DTensors laid out alike (sequence parallel's activations): each rank's local result
-        is the op of its local inputs."""
-        if invariants.SAMPLED.get(name) not in invariants.ELEMENTWISE:
-            return False
+        """An elementwise call on DTensors laid out alike (sequence parallel's activations), or a norm of a DTensor
+        whose normalised dimensions are whole on every rank and whose weight and bias are replicated (its norms):
+        each rank's local result is the op of its local inputs."""
+        sampler = invariants.SAMPLED.get(name)
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        return all(is_dtensor(t) for t in tensors) and is_dtensor(result) and shards.same_layout(tensors, result)
+        if not tensors or not all(is_dtensor(t) for t in tensors) or not is_dtensor(result):
+            return False
+        if sampler in invariants.ELEMENTWISE:
+            return shards.same_layout(tensors, result)
+        normalized = invariants.normalized_dims(name, args, kwargs)
+        if normalized is None:
+            return False
+        x, parameters = tensors[0], tensors[1:]
+        return shards.same_layout([x], result) and shards.whole_along(x, normalized) and \
+            all(shards.replicated(p) for p in parameters)
 
     def _after_collective(self, call: OpCall, begun: float) -> None:
         if isinstance(call.state, str):

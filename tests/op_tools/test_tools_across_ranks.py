@@ -64,8 +64,11 @@ def test_self_check_checks_a_tensor_parallel_mlps_products_on_each_ranks_local_p
     for report in reports:
         clean = report["tp"]["OpSelfCheck"]
         assert clean["verdict"] == "clean" and clean["findings"] == 0, clean
-        # up, down, silu on up's local output, and silu on a sequence-sharded DTensor's local shard
-        assert clean["counts"] == {"checked": 4}, clean
+        # up, down, silu on up's local output; silu and a layer norm of a sequence-sharded DTensor, on the local
+        # shard; a layer norm over a sharded dimension: not checked, and the verdict says so
+        assert clean["counts"] == {"checked": 5}, clean
+        assert report["tp"]["OpSelfCheck sharded rows"] == {"verdict": "unchecked",
+                                                            "counts": {"not checked (DTensor)": 1}}, report["tp"]
     noise = [report["tp"]["OpSelfCheck noise"] for report in reports]
     assert noise[0] == {"verdict": "clean", "found": []}, noise
     assert noise[1]["verdict"] == "found", noise

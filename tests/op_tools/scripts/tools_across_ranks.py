@@ -120,12 +120,18 @@ def main() -> None:
     with op_tools.OpSelfCheck(budget=1.0) as check:  # DTensor products: checked on each rank's local part
         mlp(x).square().mean().backward()
         # an activation on a sequence-sharded DTensor (sequence parallel): checked on the local shard
-        from torch.distributed.tensor import Shard, distribute_tensor
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-        sharded = distribute_tensor(torch.randn(8, 16).cuda(), mlp.up.weight.device_mesh, [Shard(0)])
+        mesh = mlp.up.weight.device_mesh
+        sharded = distribute_tensor(torch.randn(8, 16).cuda(), mesh, [Shard(0)])
         torch.nn.functional.silu(sharded)
+        weight = distribute_tensor(torch.randn(16).cuda(), mesh, [Replicate()])
+        torch.nn.functional.layer_norm(sharded, (16,), weight, weight)  # its rows whole on every rank
     report["tp"]["OpSelfCheck"] = {"verdict": check.verdict(), "counts": dict(check.counts),
                                    "findings": len(check.findings)}
+    with op_tools.OpSelfCheck(budget=1.0) as check:  # normalised over the sharded dimension: each rank has half a row
+        torch.nn.functional.layer_norm(distribute_tensor(torch.randn(8, 16).cuda(), mesh, [Shard(1)]), (16,))
+    report["tp"]["OpSelfCheck sharded rows"] = {"verdict": check.verdict(), "counts": dict(check.counts)}
     mlp.zero_grad()
     with ditorch.sim.faults("mm:noise=1e-2,rank=1"), op_tools.OpSelfCheck(budget=1.0) as check:
         mlp(x).square().mean().backward()
