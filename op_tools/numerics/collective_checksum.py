@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..ops.collectives import CollectiveCall
+from .rounding_bounds import gamma
 
 CHUNKS = 256  # checksums per rank's part of a collective: the extra all-gather carries 2 x CHUNKS x ranks numbers
 KINDS = ("all_reduce", "broadcast", "reduce_scatter", "all_gather")
@@ -126,11 +127,7 @@ def excess(call: CollectiveCall, before: torch.Tensor) -> torch.Tensor:
     u_wide = torch.finfo(wide).eps / 2
     u_own = torch.finfo(received.dtype).eps / 2
     rounds = (size + 2) if call.reduce_op else 0  # a ring's one rounding per rank, the result's, an average's
-    allowed = (2 * _gamma(length + 1, u_wide) + _gamma(size + 1, u_wide) + rounds * u_own) * magnitude * 1.001 + \
+    allowed = (2 * gamma(length + 1, u_wide) + gamma(size + 1, u_wide) + rounds * u_own) * magnitude * 1.001 + \
         length * torch.finfo(received.dtype).tiny
     ratio = (got[..., 0] - target).abs() / allowed
     return torch.where(torch.isnan(ratio), torch.full_like(ratio, math.inf), ratio).amax()
-
-
-def _gamma(n: int, u: float) -> float:
-    return n * u / (1 - n * u) if n * u < 1 else math.inf

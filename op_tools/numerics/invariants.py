@@ -29,6 +29,7 @@ import torch
 
 from . import sampled_reference
 from .device_math import MANTISSA_BITS, DeviceMath
+from .rounding_bounds import gamma
 
 _F64 = torch.float64
 TILE = 16  # rows summed per checksum: the bound grows with it, the check's product shrinks as 1/TILE
@@ -38,10 +39,6 @@ _NARROW = (torch.float16, torch.bfloat16)
 
 def _u(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
-
-
-def _gamma(n: int, u: float) -> float:
-    return n * u / (1 - n * u) if n * u < 1 else math.inf
 
 
 def _accumulation(dtype: torch.dtype, math_: DeviceMath, family: str = "matmul") -> tuple[float, float, float]:
@@ -75,8 +72,8 @@ def _allowed(depth: int, tile: int, magnitude: torch.Tensor, out_l1: torch.Tenso
     the magnitude (an addmm's scaling and addition)."""
     u_acc, u_operand, u_check_operand = rounding
     u_check = _u(wide)
-    allowed = (_gamma(depth + 1, u_acc) + 2 * u_operand + 2 * u_check_operand + _gamma(depth + 1, u_check) +
-               3 * _gamma(tile + 1, u_check) + u_check + extra) * magnitude + tile * torch.finfo(out_dtype).tiny
+    allowed = (gamma(depth + 1, u_acc) + 2 * u_operand + 2 * u_check_operand + gamma(depth + 1, u_check) +
+               3 * gamma(tile + 1, u_check) + u_check + extra) * magnitude + tile * torch.finfo(out_dtype).tiny
     if out_l1 is not None:
         return allowed + _u(out_dtype) * out_l1
     return allowed + _u(out_dtype) * magnitude
@@ -188,7 +185,7 @@ def softmax_row_sums(x: torch.Tensor, out: torch.Tensor, dim: int) -> torch.Tens
     wide = _F64 if out.dtype == _F64 else torch.float32
     sums = out.detach().sum(dim, dtype=wide)
     live = torch.isfinite(x.detach()).any(dim)
-    allowed = _u(out.dtype) * 2 + 2 * _gamma(n + 1, _u(wide))  # the device's float32 sum, and the check's
+    allowed = _u(out.dtype) * 2 + 2 * gamma(n + 1, _u(wide))  # the device's float32 sum, and the check's
     return _excess(torch.where(live, sums - 1, torch.zeros_like(sums)), torch.full_like(sums, allowed))
 
 
@@ -276,7 +273,7 @@ def log_softmax_row_sums(x: torch.Tensor, out: torch.Tensor, dim: int) -> torch.
     spread = (exponentials * (2 * values.abs() + 2 * math.log(n))).nan_to_num(0.0).sum(dim)
     live = torch.isfinite(x.detach()).any(dim)
     u = _u(wide)
-    allowed = _u(out.dtype) * spread * _WIDENED + 2 * u + 2 * _gamma(n + 1, u)
+    allowed = _u(out.dtype) * spread * _WIDENED + 2 * u + 2 * gamma(n + 1, u)
     return _excess(torch.where(live, sums - 1, torch.zeros_like(sums)), allowed)
 
 

@@ -36,7 +36,9 @@ def _finfo(dtype: torch.dtype) -> torch.finfo:
     return torch.finfo(dtype.to_real() if dtype.is_complex else dtype)
 
 
-def _gamma(n: float, u: float) -> float:
+def gamma(n: float, u: float) -> float:
+    """Higham's ``gamma_n``: the worst relative error of ``n`` roundings of unit roundoff ``u`` (a sum of ``n + 1``
+    terms in any order)."""
     return n * u / (1 - n * u) if n * u < 1 else math.inf
 
 
@@ -60,10 +62,10 @@ class AnyOrderSum:
     def allowed(self, dtype: torch.dtype, reference: torch.Tensor) -> torch.Tensor | None:
         accumulation = torch.float32 if dtype in NARROW else dtype
         u = _finfo(accumulation).eps / 2
-        gamma = _gamma(self.n + 1, u)
-        if not math.isfinite(gamma):
+        worst = gamma(self.n + 1, u)
+        if not math.isfinite(worst):
             return None
-        return gamma * _wide(self.magnitudes) + self.n * _finfo(accumulation).tiny + \
+        return worst * _wide(self.magnitudes) + self.n * _finfo(accumulation).tiny + \
             _finfo(dtype).eps * reference.abs()
 
 
@@ -116,14 +118,14 @@ class RoundedTerms:
         self.says = f"within one {str(narrow).removeprefix('torch.')} rounding of each of its terms"
 
     def allowed(self, dtype: torch.dtype, reference: torch.Tensor) -> torch.Tensor | None:
-        gamma = _gamma(self.n + 1, _FLOAT32_U)
-        if not math.isfinite(gamma):
+        worst = gamma(self.n + 1, _FLOAT32_U)
+        if not math.isfinite(worst):
             return None
         narrow = _finfo(self.narrow)
         magnitudes = _wide(reference).abs()
         # per term: its float32 computation, then its rounding to the narrow type (a subnormal's half step included)
         per_term = 4 * _FLOAT32_U * self.scale + narrow.tiny * narrow.eps
-        return (narrow.eps / 2 + gamma) * (magnitudes + self.summed * per_term) + self.summed * per_term + \
+        return (narrow.eps / 2 + worst) * (magnitudes + self.summed * per_term) + self.summed * per_term + \
             _finfo(dtype).eps * magnitudes
 
 

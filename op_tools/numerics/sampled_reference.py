@@ -24,6 +24,8 @@ from collections.abc import Callable
 
 import torch
 
+from .rounding_bounds import gamma
+
 ELEMENTS = 16  # sampled per elementwise call
 ROWS = 2  # sampled per normalisation
 ROTATIONS = 8  # different samples of one call site, in turn
@@ -213,7 +215,7 @@ def excess(recipe: Recipe, values: list[float]) -> float:
                 magnitude = torch.maximum(magnitude, part.abs())
     elif recipe.width:  # a normalisation's statistics in float32 (or the input's type), summed in any order
         u = computed.eps / 2
-        relative += 2 * recipe.width * u / (1 - recipe.width * u)
+        relative += 2 * gamma(recipe.width, u)
         if recipe.bias_slot is not None:
             magnitude = magnitude + 2 * parts[recipe.bias_slot].abs()
         if recipe.kind == "layer_norm":  # the mean's error, relative to the spread it is divided by
