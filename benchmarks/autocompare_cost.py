@@ -13,9 +13,10 @@ default OpAutoCompare: the check's cost against the eager tool's (issue 37 asks 
 
 Besides the floor ratio, the step ratio: the step under OpAutoCompare against the plain device step, what a user pays
 (on a fast device the CPU's float64 run alone is many times the step, so the floor ratio hides it).
+``--reference cpu,device`` measures the tool with each place of its float64 reference side by side (issue 39).
 
     python benchmarks/autocompare_cost.py [--size tiny,real] [--device sim|cuda] [--rounds 5] [--dtype float32]
-        [--autocast bfloat16] [--compiled aot_eager|inductor]
+        [--autocast bfloat16] [--compiled aot_eager|inductor] [--reference cpu,device]
 """
 
 from __future__ import annotations
@@ -92,11 +93,15 @@ def counted(fn, steps: int) -> dict | None:
     return device_charges.per_step(before, device_charges.counts(), steps)
 
 
+def tool_name(reference: str) -> str:
+    return "OpAutoCompare" if reference == "cpu" else f"OpAutoCompare, {reference}"
+
+
 def measure(size: str, device: str, dtype: torch.dtype, rounds: int, steps: int,
-            autocast: torch.dtype | None = None, backend: str | None = None) -> dict:
-    on_device, reference, compared = (Trainer(size, device, dtype, autocast), Trainer(size, "cpu", torch.float64),
-                                      Trainer(size, device, dtype, autocast))
-    tool = op_tools.OpAutoCompare()
+            autocast: torch.dtype | None = None, backend: str | None = None, references: tuple = ("cpu",)) -> dict:
+    on_device, reference = Trainer(size, device, dtype, autocast), Trainer(size, "cpu", torch.float64)
+    tools = {tool_name(r): (op_tools.OpAutoCompare(reference=r), Trainer(size, device, dtype, autocast))
+             for r in references}
     failures: dict[int, list] = {}  # id(tool) -> its failing calls in each measurement
 
     def run(trainer: Trainer) -> None:
@@ -112,24 +117,23 @@ def measure(size: str, device: str, dtype: torch.dtype, rounds: int, steps: int,
                 tool.stop()
             failures.setdefault(id(tool), []).append(len(tool.failures))
 
-    def run_compared() -> tuple[float, float]:
-        return under(tool, compared)
-
-    conditions = {"device": lambda: timed(lambda: run(on_device)), "cpu float64": lambda: timed(lambda: run(reference)),
-                  "OpAutoCompare": run_compared}
+    conditions = {"device": lambda: timed(lambda: run(on_device)), "cpu float64": lambda: timed(lambda: run(reference))}
+    for name, (tool, compared) in tools.items():
+        conditions[name] = lambda tool=tool, compared=compared: under(tool, compared)
     if backend is not None:
         compiled, check = Trainer(size, device, dtype, autocast, backend), op_tools.OpAutoCompare(compiled="check")
         conditions["compiled, checked"] = lambda: under(check, compiled)
     for condition in conditions.values():  # warm-up: first-call costs of each path (and the compilations)
         condition()
-    charged = {"device": counted(lambda: run(on_device), steps), "OpAutoCompare": counted(run_compared, steps)}
+    charged = {"device": counted(lambda: run(on_device), steps)}
+    charged.update({name: counted(conditions[name], steps) for name in tools})
     samples: dict[str, list] = {name: [] for name in conditions}
     for _ in range(rounds):
         for name, condition in conditions.items():
             samples[name].append(condition())
     medians = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in samples.items()}
     medians["floor"] = tuple(medians["device"][i] + medians["cpu float64"][i] for i in (0, 1))
-    medians["failures"] = max(failures[id(tool)])
+    medians["failures"] = {name: max(failures[id(tool)]) for name, (tool, _) in tools.items()}
     if backend is not None:
         medians["compiled failures"] = max(failures[id(check)])
     medians["charged"] = charged
@@ -147,7 +151,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1, help="training steps per measurement")
     parser.add_argument("--compiled", default=None, metavar="BACKEND",
                         help="also the model torch.compile'd with BACKEND under OpAutoCompare(compiled=\"check\")")
+    parser.add_argument("--reference", default="cpu",
+                        help="comma-separated places of the float64 reference, each measured: cpu, device, auto")
     args = parser.parse_args()
+    references = tuple(r.strip() for r in args.reference.split(",") if r.strip())
+    unknown = [r for r in references if r not in ("cpu", "device", "auto")]
+    if unknown or not references:
+        parser.error(f"--reference: {', '.join(unknown) or 'nothing'} given; expected cpu, device or auto")
     if args.device == "sim":
         import ditorch.sim
 
@@ -164,30 +174,33 @@ def main() -> None:
     print(f"{'size':<7}{'':<26}{'wall ms':>11}{'cpu ms':>11}   per step: {device_charges.header()}")
     for size in sizes:
         rounds = args.rounds if size == "tiny" else max(1, min(args.rounds, 3))
-        medians = measure(size, args.device, dtype, rounds, args.steps, autocast, args.compiled)
-        names = ("device", "cpu float64", "OpAutoCompare", "floor") + (("compiled, checked",) if args.compiled else ())
+        medians = measure(size, args.device, dtype, rounds, args.steps, autocast, args.compiled, references)
+        tools = [tool_name(r) for r in references]
+        names = ("device", "cpu float64", *tools, "floor") + (("compiled, checked",) if args.compiled else ())
         for name in names:
             wall, cpu = medians[name]
             counts = device_charges.cells(medians["charged"][name]) if name in medians["charged"] else ""
             print(f"{size:<7}{name:<26}{wall * 1e3:>11.1f}{cpu * 1e3:>11.1f}              {counts}")
-        (tool_wall, tool_cpu), (floor_wall, floor_cpu) = medians["OpAutoCompare"], medians["floor"]
-        (step_wall, step_cpu) = medians["device"]
-        print(f"{size:<7}{'OpAutoCompare / floor':<26}{tool_wall / floor_wall:>10.2f}x{tool_cpu / floor_cpu:>10.2f}x"
-              f"   (median of {rounds}; {medians['failures']} failing calls)")
-        # what a user pays: the step under the tool against the plain step (issue 39: <= 20x on a GPU)
-        print(f"{size:<7}{'OpAutoCompare / step':<26}{tool_wall / step_wall:>10.2f}x{tool_cpu / step_cpu:>10.2f}x")
-        print(f"summary: autocompare_cost: {size} Llama on {args.device} {what}: "
-              f"{tool_wall / floor_wall:.2f}x the floor in wall time, {medians['failures']} failures"
-              + (" (target <= 2.5x, issue 33)" if size != "tiny" else "")
-              + f"; {tool_wall / step_wall:.1f}x the plain step")
+        (floor_wall, floor_cpu), (step_wall, step_cpu) = medians["floor"], medians["device"]
+        for reference, tool in zip(references, tools):
+            (tool_wall, tool_cpu), failing = medians[tool], medians["failures"][tool]
+            print(f"{size:<7}{tool + ' / floor':<26}{tool_wall / floor_wall:>10.2f}x{tool_cpu / floor_cpu:>10.2f}x"
+                  f"   (median of {rounds}; {failing} failing calls)")
+            # what a user pays: the step under the tool against the plain step (issue 39: <= 20x on a GPU)
+            print(f"{size:<7}{tool + ' / step':<26}{tool_wall / step_wall:>10.2f}x{tool_cpu / step_cpu:>10.2f}x")
+            print(f"summary: autocompare_cost: {size} Llama on {args.device} {what}, reference {reference}: "
+                  f"{tool_wall / floor_wall:.2f}x the floor in wall time, {failing} failures"
+                  + (" (target <= 2.5x, issue 33)" if size != "tiny" else "")
+                  + f"; {tool_wall / step_wall:.1f}x the plain step")
+            counts = device_charges.summary(medians["charged"][tool])
+            if counts:
+                print(f"summary: autocompare_cost: {size}, reference {reference}: OpAutoCompare's step charges "
+                      f"{counts}")
         if args.compiled:
-            ratio = medians["compiled, checked"][0] / tool_wall
+            ratio = medians["compiled, checked"][0] / medians[tools[0]][0]
             print(f"summary: autocompare_cost: {size} Llama on {args.device} {what}: compiled ({args.compiled}) under "
                   f"OpAutoCompare(compiled=\"check\") {ratio:.2f}x the eager model under OpAutoCompare in wall "
                   f"time (target <= 1x, issue 37), {medians['compiled failures']} failures")
-        counts = device_charges.summary(medians["charged"]["OpAutoCompare"])
-        if counts:
-            print(f"summary: autocompare_cost: {size}: OpAutoCompare's step charges {counts}")
 
 
 if __name__ == "__main__":

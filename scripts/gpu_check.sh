@@ -75,9 +75,10 @@ run_step "tools on the launch-bound step" "$PYTHON" benchmarks/overhead.py --dev
   --work-only
 run_step "same, bf16 autocast" "$PYTHON" benchmarks/overhead.py --device cuda --size launch-bound --work-only \
   --autocast bf16 --tools OpTimeMeasure,OpOverflowCheck
-run_step "OpAutoCompare cost" "$PYTHON" benchmarks/autocompare_cost.py --device cuda --size real --rounds 3
+run_step "OpAutoCompare cost (device ref <= 20x step)" "$PYTHON" benchmarks/autocompare_cost.py --device cuda \
+  --size real --rounds 3 --reference cpu,device
 run_step "same, bf16 (0 failures, issue 34)" "$PYTHON" benchmarks/autocompare_cost.py --device cuda --size real \
-  --rounds 1 --dtype bfloat16
+  --rounds 1 --dtype bfloat16 --reference cpu,device
 run_step "same, bf16 autocast" "$PYTHON" benchmarks/autocompare_cost.py --device cuda --size real --rounds 1 \
   --autocast bfloat16
 run_step "TrainingMonitor cost (target <= 1.05x)" "$PYTHON" benchmarks/training_monitor_cost.py --devices cuda --rounds 3

@@ -614,6 +614,30 @@ def convert_positive_count(value: Any) -> int:
     return parse_positive_count(str(convert_count(value)))
 
 
+_REFERENCE_CHOICE = parse_choice("cpu", "device", "auto")
+AUTOCOMPARE_REFERENCE = declare(
+    "OP_AUTOCOMPARE_REFERENCE", "cpu, device or auto", "cpu",
+    "Where the float64 reference runs. cpu: on the host, for every call; device: in float64 on the device, where "
+    "the device computes it, with every call whose verdict is not a clean pass, each op's first call and every "
+    "OP_AUTOCOMPARE_CROSS_CHECK_EVERY-th call rerun on the CPU as well (an op whose two references disagree moves "
+    "to the CPU for the rest of the run); auto: device where the device computes float64, else cpu, with one line "
+    "saying why. The verdicts are the CPU's: a failure is never reported from the device reference alone.",
+    _REFERENCE_CHOICE, lambda value: _REFERENCE_CHOICE(str(value)), "'cpu', 'device' or 'auto'",
+)
+AUTOCOMPARE_CROSS_CHECK_EVERY = declare(
+    "OP_AUTOCOMPARE_CROSS_CHECK_EVERY", "an integer >= 1", "64",
+    "With the reference on the device: besides each op's first call, every N-th call of each op also runs the CPU "
+    "reference, and the two references are compared (forward and backward). 1 cross-checks every call.",
+    parse_positive_count, convert_positive_count, "an int >= 1",
+)
+AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES = declare(
+    "OP_AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES", "a size in bytes, e.g. 8G, 512M (powers of 1024)", "8G",
+    "With the reference on the device: how much device memory the float64 copies of the calls' inputs may hold at "
+    "once (those of calls waiting for their backward included). A call whose copies would go past it is compared on "
+    "the CPU, and the summary counts it.", parse_size, convert_size, "an int (bytes) or a size text such as '8G'",
+)
+
+
 def _number(text: str | None, accepts: Callable[[float], bool], expected: str) -> float:
     try:
         value = float((text or "").strip())

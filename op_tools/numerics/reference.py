@@ -48,9 +48,9 @@ def _cpu_value(value, cast: dict | None = None):
 _PLAIN = frozenset({int, float, bool, type(None)})  # argument types that _cpu_value never changes
 
 
-def map_arguments(obj, tensor_fn, cast: dict | None = None):
-    """``obj`` (args tuple or kwargs dict) with tensors through ``tensor_fn``, devices moved to the CPU and
-    dtypes through ``cast``."""
+def map_arguments(obj, tensor_fn, cast: dict | None = None, keep_devices: bool = False):
+    """``obj`` (args tuple or kwargs dict) with tensors through ``tensor_fn``, devices moved to the CPU (kept with
+    ``keep_devices``: a reference run on the device) and dtypes through ``cast``."""
     if isinstance(obj, torch.Tensor):
         return tensor_fn(obj)
     kind = type(obj)
@@ -58,23 +58,25 @@ def map_arguments(obj, tensor_fn, cast: dict | None = None):
         return obj
     if kind is tuple or kind is list:  # most arguments: tensors and plain values, mapped without a call each
         return kind([tensor_fn(v) if isinstance(v, torch.Tensor) else v if type(v) in _PLAIN
-                     else map_arguments(v, tensor_fn, cast) for v in obj])
+                     else map_arguments(v, tensor_fn, cast, keep_devices) for v in obj])
     if kind is dict and not obj:
         return {}
     if isinstance(obj, dict):
-        return {k: (_CPU if k == "device" and v is not None and not isinstance(v, torch.Tensor)
-                    else map_arguments(v, tensor_fn, cast)) for k, v in obj.items()}
+        return {k: (_CPU if k == "device" and v is not None and not isinstance(v, torch.Tensor) and not keep_devices
+                    else map_arguments(v, tensor_fn, cast, keep_devices)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
-        items = [map_arguments(v, tensor_fn, cast) for v in obj]
+        items = [map_arguments(v, tensor_fn, cast, keep_devices) for v in obj]
         if type(obj).__module__ == "torch.return_types":
             return type(obj)(items)
         return type(obj)(items) if not hasattr(obj, "_fields") else type(obj)(*items)
+    if keep_devices:
+        return cast.get(obj, obj) if cast and isinstance(obj, torch.dtype) else obj
     return _cpu_value(obj, cast)
 
 
 def recast(obj, cast: dict, owned: set | frozenset = frozenset(), leaves: dict | None = None,
-           mapped: dict | None = None):
-    """CPU tensors of ``obj`` cast by ``cast``. A tensor whose id is in ``owned`` (one the op writes) is always a
+           mapped: dict | None = None, keep_devices: bool = False):
+    """The tensors of ``obj`` cast by ``cast``. A tensor whose id is in ``owned`` (one the op writes) is always a
     new tensor; one in ``leaves`` becomes that leaf (cloned when owned: an in-place op cannot write a leaf).
     ``mapped`` collects id(original) -> tensor handed to the op."""
     def tensor_fn(t: torch.Tensor) -> torch.Tensor:
@@ -88,7 +90,7 @@ def recast(obj, cast: dict, owned: set | frozenset = frozenset(), leaves: dict |
             mapped[id(t)] = out
         return out
 
-    return map_arguments(obj, tensor_fn, cast)
+    return map_arguments(obj, tensor_fn, cast, keep_devices)
 
 
 # --- running it ---
@@ -145,25 +147,30 @@ class Reference:
         self.math_used = math_used  # the part of the device's declared math its ops applied (same-dtype runs)
 
 
-def run_reference(func, cpu_args, cpu_kwargs, attempts, owned: set, grad_snaps: list) -> tuple[Reference | None, str]:
+def run_reference(func, cpu_args, cpu_kwargs, attempts, owned: set, grad_snaps: list, keep_devices: bool = False) \
+        -> tuple[Reference | None, str]:
     """The op on the CPU under the first cast in ``attempts`` its CPU kernels take; ``(None, error)`` if none does.
 
     ``grad_snaps``: the host copies of the inputs whose gradients are compared (they become float64 leaves).
+    ``keep_devices``: the copies are the tool's own float64 copies on the device (``device_reference``), and the op
+    runs there; a copy already in the cast's dtype becomes its leaf without another copy (the op never writes a leaf).
     """
     error = None
     for cast, note in attempts:
         leaves = {}
         ordered = []
         for snap in grad_snaps:
-            leaf = snap.to(dtype=cast.get(snap.dtype, snap.dtype), copy=True).requires_grad_()
+            target = cast.get(snap.dtype, snap.dtype)
+            leaf = (snap.detach() if keep_devices and target == snap.dtype
+                    else snap.to(dtype=target, copy=True)).requires_grad_()
             leaves[id(snap)] = leaf
             ordered.append(leaf)
         mapped: dict = {}
         # an argument the op writes gets a clone of its leaf: made with gradients on, or it would be cut from the leaf
         # (the backward's same-dtype rerun runs in an autograd hook, where they are off)
         with torch.set_grad_enabled(bool(grad_snaps)):
-            args = recast(cpu_args, cast, owned, leaves, mapped)
-            kwargs = recast(cpu_kwargs, cast, owned, leaves, mapped)
+            args = recast(cpu_args, cast, owned, leaves, mapped, keep_devices)
+            kwargs = recast(cpu_kwargs, cast, owned, leaves, mapped, keep_devices)
         try:
             with torch.set_grad_enabled(bool(grad_snaps)), isolated():
                 result = func(*args, **kwargs)

@@ -9,7 +9,10 @@ Per handled call (``OP_AUTOCOMPARE_LIST`` / ``OP_AUTOCOMPARE_DISABLE_LIST``):
    overrides; float32, then the device's dtype, where the CPU has no float64 kernel) and, when the verdict needs
    it, once more in the device's own dtype computing as the device declared (its autocast, TF32/HF32:
    ``device_math``); ``comparison.compare_outputs`` gives the verdict for the outputs and for every argument the
-   op writes (in-place ops, ``out=``, BatchNorm's running statistics, a foreach op's list);
+   op writes (in-place ops, ``out=``, BatchNorm's running statistics, a foreach op's list).
+   With ``reference="device"`` (``numerics/device_reference.py``) the copies are float64 copies on the device and
+   the reference runs there; a call whose verdict is not a clean pass, each op's first call and a sample of the
+   others are judged, or cross-checked, on the CPU as above;
 4. once the op's whole backward ran on the user's graph (``call_backward``: hooks on the autograd nodes it
    created, so in-place ops, ``torch.utils.checkpoint`` and double backward work as without the tool), the CPU
    reference backward runs with the same upstream gradients and the input gradients are compared the same way.
@@ -49,8 +52,11 @@ from ..config.variables import (
     AUTOCOMPARE_CAST,
     AUTOCOMPARE_COLLECTIVES,
     AUTOCOMPARE_COMPILED,
+    AUTOCOMPARE_CROSS_CHECK_EVERY,
+    AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES,
     AUTOCOMPARE_MAX_SAVE_BYTES,
     AUTOCOMPARE_MAX_SAVED,
+    AUTOCOMPARE_REFERENCE,
     AUTOCOMPARE_TOLERANCES,
     REFERENCE_CAST_VAR,
     Sources,
@@ -70,6 +76,16 @@ from ..numerics.comparison import (
     op_key,
 )
 from ..numerics.device_math import DeviceMath
+from ..numerics.device_reference import (
+    DeviceCopies,
+    MemoryBound,
+    NeedsHostError,
+    Trust,
+    nbytes_wide,
+    needs_host,
+    references_differ,
+    tested_dtype,
+)
 from ..numerics.error_statistics import DEVICE_STATISTICS_MIN
 from ..numerics.host_copies import HostCopies, snapshot
 from ..numerics.reference import (
@@ -118,6 +134,7 @@ class _Learnt:
         self.rng_checked: set[str] = set()  # op names whose reruns were seen to leave the CPU generator alone
         self.drawing_reruns: set[str] = set()  # op names whose reruns drew numbers: never rerun again
         self.float64: dict[str, bool] = {}  # device type -> whether its kernels take float64
+        self.trust = Trust()  # the device references' cross-checks (numerics/device_reference.py)
 
 
 LEARNT = _Learnt()
@@ -142,6 +159,9 @@ class AutoCompareConfig:
     collectives: bool = True  # torch.distributed collectives checked against every rank's inputs
     max_save_bytes: int = 64 << 20  # what the saved failing calls may take in all
     compiled: str = "eager"  # "check": compiled graphs stay compiled, each run compared as one call
+    reference: str = "cpu"  # where the float64 reference runs: "cpu", "device" or "auto" (device_reference)
+    cross_check_every: int = 64  # with a device reference: every N-th call of an op runs the CPU's too
+    device_reference_max_bytes: int | None = 8 << 30  # the device memory the float64 copies may hold at once
 
     @classmethod
     def from_env(cls, sources: Sources | None = None) -> AutoCompareConfig:
@@ -157,7 +177,9 @@ class AutoCompareConfig:
         given = sources.arguments.get(TOLERANCE.name)
         return cls(AUTOCOMPARE_BACKWARD.read(sources), given.over(tolerance) if given else tolerance, casts,
                    AUTOCOMPARE_MAX_SAVED.read(sources), AUTOCOMPARE_COLLECTIVES.read(sources),
-                   AUTOCOMPARE_MAX_SAVE_BYTES.read(sources), AUTOCOMPARE_COMPILED.read(sources))
+                   AUTOCOMPARE_MAX_SAVE_BYTES.read(sources), AUTOCOMPARE_COMPILED.read(sources),
+                   AUTOCOMPARE_REFERENCE.read(sources), AUTOCOMPARE_CROSS_CHECK_EVERY.read(sources),
+                   AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES.read(sources))
 
 
 def _reference_casts(value) -> dict[str, dict[torch.dtype, torch.dtype]]:
@@ -192,8 +214,11 @@ class OpAutoCompare(OpTool):
     ``collectives`` (``OP_AUTOCOMPARE_COLLECTIVES``: check torch.distributed collectives against every rank's
     inputs), ``compiled`` (``OP_AUTOCOMPARE_COMPILED``: ``"check"`` keeps torch.compile'd code compiled and compares
     each compiled graph's run as one call; ``"versus_eager"`` also runs each graph's forward eagerly on the device
-    and says whether compiled errs more), and ``results_dir``, ``verbose``, ``print_stack``, ``strict``,
-    ``print_ranks`` as every tool.
+    and says whether compiled errs more), ``reference`` (``OP_AUTOCOMPARE_REFERENCE``: ``"device"`` runs the float64
+    reference on the device where it computes float64, judging on the CPU every call that does not pass cleanly;
+    ``"auto"``: the device where it can), ``cross_check_every`` (``OP_AUTOCOMPARE_CROSS_CHECK_EVERY``),
+    ``device_reference_max_bytes`` (``OP_AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES``), and ``results_dir``,
+    ``verbose``, ``print_stack``, ``strict``, ``print_ranks`` as every tool.
 
     >>> with op_tools.OpAutoCompare(tolerance={torch.bfloat16: (1e-2, 1e-2)}, backward=False) as compare:
     ...     loss = model(x).sum()
@@ -209,7 +234,9 @@ class OpAutoCompare(OpTool):
     keywords = {"backward": AUTOCOMPARE_BACKWARD, "max_saved": AUTOCOMPARE_MAX_SAVED,
                 "max_save_bytes": AUTOCOMPARE_MAX_SAVE_BYTES, "tolerance": TOLERANCE,
                 "reference_casts": REFERENCE_CASTS, "collectives": AUTOCOMPARE_COLLECTIVES,
-                "compiled": AUTOCOMPARE_COMPILED}
+                "compiled": AUTOCOMPARE_COMPILED, "reference": AUTOCOMPARE_REFERENCE,
+                "cross_check_every": AUTOCOMPARE_CROSS_CHECK_EVERY,
+                "device_reference_max_bytes": AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES}
     tracks_modules = True
 
     def configure(self) -> None:
@@ -235,6 +262,13 @@ class OpAutoCompare(OpTool):
         self.versus_eager: dict[str, float] = {}
         # compiled graph's name -> the first node found diverging in it (None: none does), once per graph
         self._narrowed: dict[str, graph_reference.DivergingNode | fused_kernels.DivergingKernel | None] = {}
+        # the float64 reference on the device (numerics/device_reference.py)
+        self._device_reference = self.settings.reference != "cpu"
+        self._memory = MemoryBound(self.settings.device_reference_max_bytes)
+        self._said_no_float64: set[str] = set()
+        # where each compared call's verdict came from: "device", or "CPU: <why>" -> forward calls
+        self.reference_place: collections.Counter = collections.Counter()
+        self.untrusted_here: dict[str, str] = {}  # ops found untrusted by this tool's cross-checks
 
     def note_writes(self, tensors: list) -> None:
         self._copies.forget(tensors)
@@ -271,6 +305,10 @@ class OpAutoCompare(OpTool):
         # Copies are reused across calls only when every call is seen (a mode): targeted wrappers and apply_feature
         # see only their functions, and the writes of the others (an optimizer's) would leave copies stale.
         get, tensors = self._copies.get if self.sees_every_call else _fresh_copy, []
+        copies = self._device_copies(call, state) if self._device_reference else None
+        if copies is not None:  # the reference runs on the device, on these float64 copies (device_reference)
+            get = copies.fresh
+            state.device_copies = copies
 
         def copy(t: torch.Tensor) -> torch.Tensor:
             host, reused = get(t)
@@ -279,8 +317,10 @@ class OpAutoCompare(OpTool):
 
         # the arguments are walked once; after() drops the list (it holds device memory)
         state.tensors = tensors
-        state.cpu_args = map_arguments(call.args, copy)
-        state.cpu_kwargs = map_arguments(call.kwargs, copy)
+        state.cpu_args = map_arguments(call.args, copy, keep_devices=copies is not None)
+        state.cpu_kwargs = map_arguments(call.kwargs, copy, keep_devices=copies is not None)
+        if copies is not None:
+            self._memory.hold(copies)
         state.compared_writes = () if spec.unknown else written
         state.math = DeviceMath.of(call.device, call.name)
         state.rng = self._probe(call.device).token()
@@ -295,6 +335,28 @@ class OpAutoCompare(OpTool):
             call.grad_inputs, state.grad_labels = inputs, labels
         elif reason:
             self.backward_not_compared[reason] += 1
+
+    def _device_copies(self, call: OpCall, state: CompareState) -> DeviceCopies | None:
+        """A holder for the call's float64 copies on its device when its reference runs there; else None, with why
+        in ``state.cpu_reason`` (counted once the call is compared)."""
+        reason = _device_reason(call, state, self.settings)
+        if reason is None and not self._float64_on(call.device):
+            reason = "the device has no float64 kernels"
+            self._say_no_float64(call.device)
+        if reason is None and not self._memory.admits(nbytes_wide(iter_tensors((call.args, call.kwargs)))):
+            reason = "its float64 copies would pass OP_AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES"
+        if reason is not None:
+            state.cpu_reason = reason
+            return None
+        state.cross_check = LEARNT.trust.cross_check(call.name, self.settings.cross_check_every)
+        return DeviceCopies()
+
+    def _say_no_float64(self, device: torch.device) -> None:
+        if device.type not in self._said_no_float64:
+            self._said_no_float64.add(device.type)
+            self._logger.log(logging.WARNING if self.settings.reference == "device" else logging.INFO,
+                             "OpAutoCompare: reference=%s: the float64 reference runs on the CPU, as %s has no float64 "
+                             "kernels", self.settings.reference, device.type)
 
     def _before_collective(self, call: OpCall, state: CompareState) -> str | None:
         """A collective to check against every rank's inputs (its sent tensors copied now); else why it is not."""
@@ -394,25 +456,32 @@ class OpAutoCompare(OpTool):
         elif state.rng != self._probe(call.device).token():  # drew random numbers its name and arguments hid
             return self._skip_random(call, "random (the device's generator moved)")
         written_ids = {id(t) for t in written}
-        device_cpu = map_tensors(call.result, lambda t: self._compared_value(t, id(t) in written_ids))
         in_result = {id(t) for t in iter_tensors(call.result)}
         extra = [t for t in state.compared_writes if id(t) not in in_result]  # written, not returned
-        extra_cpu = [self._compared_value(t, True) for t in extra]
         for t in written:
             if id(t) not in in_result and all(t is not e for e in extra):
                 self._copies.forget([t])  # may have been written (an unknown function's argument)
-        host_of = {id(t): host for t, host, _ in tensors}
         signature = (call.name, tuple(t.dtype for t, _, _ in tensors), state.math)
         # what _compare_forward compares (dropped when after() returns)
-        state.device_cpu, state.extra, state.extra_cpu, state.host_of = device_cpu, extra, extra_cpu, host_of
-        state.extra_labels, state.signature = _labels_of(call.args, call.kwargs, extra), signature
+        state.extra, state.extra_labels, state.signature = extra, _labels_of(call.args, call.kwargs, extra), signature
         state.precedent = (*signature, tuple(tuple(t.shape) for t, _, _ in tensors))
-        outcome = self._compare_forward(call, state)
-        if outcome is not None and not all(c.passed for c in outcome[0]) and any(r for _, _, r in tensors):
-            if self._recheck(state, tensors, host_of, written_ids):  # a cached copy was stale: compare again
-                outcome = self._compare_forward(call, state)
+        outcome = self._forward_on_device(call, state, tensors) if state.device_copies is not None else None
+        if outcome is None:
+            if state.device_copies is not None:
+                tensors = self._to_host(state, tensors)
+            state.device_cpu = map_tensors(call.result, lambda t: self._compared_value(t, id(t) in written_ids))
+            state.extra_cpu = [self._compared_value(t, True) for t in extra]
+            host_of = state.host_of = {id(t): host for t, host, _ in tensors}
+            outcome = self._compare_forward(call, state)
+            if outcome is not None and not all(c.passed for c in outcome[0]) and any(r for _, _, r in tensors):
+                if self._recheck(state, tensors, host_of, written_ids):  # a cached copy was stale: compare again
+                    outcome = self._compare_forward(call, state)
+            if outcome is not None and state.device_reference is not None:
+                self._cross_check(call, state, state.device_reference.result, outcome[1], "forward")
         if outcome is None:
             return
+        self.reference_place["forward", "device" if state.device_copies is not None else state.cpu_reason] += 1
+        device_cpu, extra_cpu, host_of = state.device_cpu, state.extra_cpu, state.host_of or {}
         comparisons, reference = outcome
         passed = all(c.passed for c in comparisons)
         self.counts["forward compared"] += 1
@@ -450,6 +519,60 @@ class OpAutoCompare(OpTool):
         call.state.release()
         call.grad_inputs = []
 
+    def _forward_on_device(self, call: OpCall, state: CompareState, tensors: Sequence) -> tuple | None:
+        """The forward judged against the float64 reference on the device; None when its verdict is not a clean
+        pass, or the call is cross-checked (``state.cpu_reason`` says which): the CPU then judges it."""
+        state.device_cpu = map_tensors(call.result, torch.Tensor.detach)
+        state.extra_cpu = [t.detach() for t in state.extra]
+        state.host_of = {id(t): copy for t, copy, _ in tensors}
+        self._copies.forget(state.written)  # the host copies are not kept current by this path
+        if any(t.dtype in (torch.float64, torch.complex128) for t in iter_tensors((state.device_cpu, state.extra_cpu))):
+            state.cpu_reason = "a float64 result (the device's reference would be itself)"
+            return None
+        try:
+            outcome = self._compare_forward(call, state, on_device=True)
+        except NeedsHostError:
+            state.cpu_reason = "its verdict needed the CPU"
+            return None
+        if outcome is None:  # state.cpu_reason says why
+            return None
+        if not all(c.passed for c in outcome[0]):
+            state.cpu_reason = "its verdict needed the CPU"
+            return None
+        if state.cross_check:
+            state.cpu_reason = "a cross-check"
+            return None
+        state.device_reference = None  # it is the call's reference (state.reference, for the backward)
+        return outcome
+
+    def _to_host(self, state: CompareState, tensors: Sequence) -> list:
+        """The call's device copies brought to the host in its dtypes (exactly): it is judged on the CPU."""
+        copies = state.device_copies
+        assert copies is not None  # only called for a call copied on the device
+        state.device_copies = None
+        state.cpu_args, state.cpu_kwargs = copies.host(state.cpu_args), copies.host(state.cpu_kwargs)
+        return [(t, copies.host_tensor(c), False) for t, c, _ in tensors]
+
+    def _cross_check(self, call: OpCall, state: CompareState, device_values, cpu_reference, phase: str) -> None:
+        """The two references of one call, compared: one that differs beyond float64 rounding means the device's
+        float64 kernels for this op are wrong, and the op's reference runs on the CPU from now on."""
+        if isinstance(cpu_reference, Reference):
+            if cpu_reference.note:  # the CPU ran it narrower than float64: nothing to hold the device's to
+                return
+            cpu_reference = cpu_reference.result
+        tested = tested_dtype(state.signature[1]) if state.signature else None
+        differ = references_differ(device_values, cpu_reference, tested or torch.float32)
+        self.reference_place[phase, "cross-checked"] += 1
+        if differ is None:
+            return
+        text = f"{phase}: {differ}"
+        with self._lock:
+            LEARNT.trust.untrusted.setdefault(call.name, text)
+            self.untrusted_here.setdefault(call.name, text)
+        self._logger.warning("OpAutoCompare: %s: the float64 reference on %s disagrees with the CPU's (%s); %s's "
+                             "float64 kernels there are not trusted, and its reference runs on the CPU from now on",
+                             call.name, call.device.type, text, call.name)
+
     def _compared_value(self, t: torch.Tensor, written: bool) -> torch.Tensor:
         """What ``t`` is compared as: itself on its device when large, held in the device's own memory, and the device
         computes in float64 (only the statistics come back); else a host copy, remembered for the next call."""
@@ -470,8 +593,10 @@ class OpAutoCompare(OpTool):
             LEARNT.float64[device.type] = known
         return known
 
-    def _compare_forward(self, call: OpCall, state: CompareState) -> tuple | None:
-        """``(comparisons, reference)`` for the outputs and the written arguments, or None (reported)."""
+    def _compare_forward(self, call: OpCall, state: CompareState, on_device: bool = False) -> tuple | None:
+        """``(comparisons, reference)`` for the outputs and the written arguments, or None (reported). ``on_device``:
+        the copies and the reference are on the device, and what only the CPU gives raises ``NeedsHostError``; None
+        there when the device's float64 reference cannot run."""
         device_cpu, host_of, math = state.device_cpu, state.host_of, state.math
         assert math is not None and host_of is not None  # set by before() and after() for every call copied
         # the host copies the reruns may write into (the written arguments'), kept for the backward's rerun too
@@ -480,12 +605,18 @@ class OpAutoCompare(OpTool):
         if attempts is None:
             attempts = self._attempts[call.name] = attempts_for(
                 self.settings.casts.get(op_key(call.name), DEFAULT_REFERENCE_CAST))
+        if on_device:
+            attempts = attempts[:1]  # the device's float64 or the CPU, never a narrower reference
         grad_snaps = state.grad_snaps = [host_of[id(t)] for t in call.grad_inputs]
         # The reruns must leave the CPU generator as they found it: checked on an op's first call (a rerun of an op
         # whose device run drew nothing draws nothing; the device run of every call is checked in after()).
         rng = cpu_generator_token() if call.name not in LEARNT.rng_checked else None
         func = state.func or call.func
-        reference, error = run_reference(func, state.cpu_args, state.cpu_kwargs, attempts, owned, grad_snaps)
+        reference, error = run_reference(func, state.cpu_args, state.cpu_kwargs, attempts, owned, grad_snaps,
+                                         keep_devices=on_device)
+        if reference is None and on_device:
+            state.cpu_reason = "the float64 reference cannot run on the device"
+            return None
         if reference is None:
             self._copies.forget(state.written)
             state.release()
@@ -493,9 +624,13 @@ class OpAutoCompare(OpTool):
             # The call goes unchecked: the tool's failure, not the op's, reported once per op name and counted in
             # the verdict (an error under OP_TOOLS_STRICT=1).
             raise RuntimeError(f"the CPU reference cannot run: {error}")
+        if on_device:
+            state.device_reference = reference  # a cross-check if the CPU judges the call
         same_cache: list = []
 
         def same():
+            if on_device:
+                raise NeedsHostError
             if not same_cache:
                 same_cache.append(run_same_dtype(func, state.cpu_args, state.cpu_kwargs, owned, math))
             return same_cache[0]
@@ -506,6 +641,8 @@ class OpAutoCompare(OpTool):
 
         signature = state.signature
         expected = LEARNT.expected_dtypes.get(signature)
+        if on_device and expected != _leaf_dtypes(device_cpu):
+            raise NeedsHostError  # the output dtypes a correct run gives: learnt on the CPU
         if expected is None and call.name.startswith("torch.") and \
                 sum(t.numel() for t in host_of.values()) >= META_DTYPES_MIN:
             # found on meta tensors (no computation), where a same-dtype run would cost; not for a user's function,
@@ -520,7 +657,8 @@ class OpAutoCompare(OpTool):
                 LEARNT.expected_dtypes[signature] = _leaf_dtypes(device_cpu if same_value is None else same_value)
         comparisons = compare_outputs(device_cpu, reference.result, same_value, self._tolerance, op_name=call.name,
                                       prefix="output", history=LEARNT.history, key=state.precedent,
-                                      bounds=_forward_bounds(call.name, func, reference, state.cpu_args or ()))
+                                      bounds=needs_host if on_device else
+                                      _forward_bounds(call.name, func, reference, state.cpu_args or ()))
         for label, t, host in zip(state.extra_labels, state.extra, state.extra_cpu):
             before_op = host_of[id(t)]
             comparisons.append(compare_tensors(label, host, reference.mapped[id(before_op)],
@@ -653,26 +791,24 @@ class OpAutoCompare(OpTool):
             self.backward_not_compared["the backward pass ran only part of the op's graph"] += 1
             state.release()
             return
-        get = self._copies.get
-        upstream_cpu: list[torch.Tensor | None] = []
-        reused = False
-        for g in upstream:
-            if g is None:
-                upstream_cpu.append(None)
-            else:
-                host, was_cached = get(g)
-                upstream_cpu.append(host)
-                reused = reused or was_cached
-        device_grads_cpu = tuple(None if g is None else self._compared_value(g, False) for g in input_grads)
-        comparisons, reference_grads = self._compare_backward(call, state, tuple(upstream_cpu), device_grads_cpu)
-        if not all(c.passed for c in comparisons) and reused:
-            now = tuple(None if g is None else self._copies.fresh(g) for g in upstream)
-            stale = sum(1 for a, b in zip(now, upstream_cpu)
-                        if a is not None and b is not None and not _same_values(a, b))
-            if stale:
-                self.stale_copies += stale
-                upstream_cpu = list(now)
-                comparisons, reference_grads = self._compare_backward(call, state, now, device_grads_cpu)
+        verdict, device_values = self._backward_on_device(call, state, upstream, input_grads) \
+            if state.device_copies is not None else (None, None)
+        if verdict is not None:
+            comparisons, reference_grads = verdict
+            device_grads_cpu: tuple = ()
+            upstream_cpu: list[torch.Tensor | None] = []
+        else:
+            if state.device_copies is not None:
+                self._backward_to_host(call, state)
+            elif self._device_reference:
+                with self._lock:
+                    self.reference_place["backward", state.cpu_reason] += 1
+            comparisons, reference_grads, upstream_cpu, device_grads_cpu = self._backward_on_host(
+                call, state, upstream, input_grads)
+            if device_values is not None:  # the device reference's gradients, computed before it needed the CPU
+                self._cross_check(call, state, device_values, reference_grads, "backward")
+            elif state.device_reference is not None:
+                self._cross_check_backward(call, state, upstream, reference_grads)
         passed = all(c.passed for c in comparisons)
         with self._lock:
             self.counts["backward compared"] += 1
@@ -696,13 +832,94 @@ class OpAutoCompare(OpTool):
                        grads=(device_grads_cpu, tuple(upstream_cpu), reference_grads))
         state.release()
 
-    def _compare_backward(self, call: OpCall, state: CompareState, upstream_cpu: tuple, device_grads_cpu: tuple):
+    def _cross_check_backward(self, call: OpCall, state: CompareState, upstream: tuple, reference_grads) -> None:
+        reference = state.device_reference
+        assert reference is not None  # only called for a call with both references
+        try:
+            device_values = reference_backward(_unique_tensors(reference.result), reference.leaves,
+                                               tuple(None if g is None else g.detach() for g in upstream))
+        except (RuntimeError, NotImplementedError, TypeError) as e:  # the verdict stands: it is the CPU's
+            self._logger.info("OpAutoCompare: %s: the device's float64 backward could not run for the cross-check "
+                              "(%s)", call.name, str(e).splitlines()[0][:120] if str(e) else type(e).__name__)
+            return
+        self._cross_check(call, state, device_values, reference_grads, "backward")
+
+    def _backward_on_host(self, call: OpCall, state: CompareState, upstream: tuple, input_grads: tuple) -> tuple:
+        """``(comparisons, reference gradients, upstream copies, device gradients as compared)`` against the CPU
+        reference; the comparison is made again with fresh copies where a cached upstream copy was stale."""
+        get = self._copies.get
+        upstream_cpu: list[torch.Tensor | None] = []
+        reused = False
+        for g in upstream:
+            if g is None:
+                upstream_cpu.append(None)
+            else:
+                host, was_cached = get(g)
+                upstream_cpu.append(host)
+                reused = reused or was_cached
+        device_grads_cpu = tuple(None if g is None else self._compared_value(g, False) for g in input_grads)
+        comparisons, reference_grads = self._compare_backward(call, state, tuple(upstream_cpu), device_grads_cpu)
+        if not all(c.passed for c in comparisons) and reused:
+            now = tuple(None if g is None else self._copies.fresh(g) for g in upstream)
+            stale = sum(1 for a, b in zip(now, upstream_cpu)
+                        if a is not None and b is not None and not _same_values(a, b))
+            if stale:
+                self.stale_copies += stale
+                upstream_cpu = list(now)
+                comparisons, reference_grads = self._compare_backward(call, state, now, device_grads_cpu)
+        return comparisons, reference_grads, upstream_cpu, device_grads_cpu
+
+    def _backward_on_device(self, call: OpCall, state: CompareState, upstream: tuple, input_grads: tuple):
+        """``((comparisons, reference gradients), None)`` against the device's float64 reference graph when they
+        all pass without what only the CPU gives; else ``(None, the device reference's gradients or None)``, those
+        to cross-check the CPU's with (the graph is spent)."""
+        upstream = tuple(None if g is None else g.detach() for g in upstream)
+        reference = state.reference
+        assert reference is not None  # only called for a call compared in forward
+        ref_flat = _unique_tensors(reference.result)
+        if len(ref_flat) != len(upstream):
+            return None, None
+        reference_grads = reference_backward(ref_flat, reference.leaves, upstream)
+        try:
+            comparisons, _ = self._compare_backward(call, state, upstream,
+                                                    tuple(None if g is None else g.detach() for g in input_grads),
+                                                    on_device=True, reference_grads=reference_grads)
+        except NeedsHostError:
+            return None, reference_grads
+        if not all(c.passed for c in comparisons):
+            return None, reference_grads
+        with self._lock:
+            self.reference_place["backward", "device"] += 1
+        return (comparisons, reference_grads), None
+
+    def _backward_to_host(self, call: OpCall, state: CompareState) -> None:
+        """A call judged on the device in forward whose backward needs the CPU: its device copies brought to the host
+        (exactly) and the CPU reference run on them; the device's kept to cross-check the gradients."""
+        copies, device_reference = state.device_copies, state.reference
+        assert copies is not None and device_reference is not None and state.owned is not None
+        state.device_copies = None
+        state.cpu_args, state.cpu_kwargs = copies.host(state.cpu_args), copies.host(state.cpu_kwargs)
+        state.grad_snaps = [copies.host_tensor(c) for c in state.grad_snaps]
+        state.owned = {id(h) for i, h in copies.on_host.items() if i in state.owned}
+        reference, error = run_reference(state.func or call.func, state.cpu_args, state.cpu_kwargs,
+                                         self._attempts[call.name], state.owned, state.grad_snaps)
+        if reference is None:
+            raise RuntimeError(f"the CPU reference cannot run: {error}")
+        on_host = functools.partial(map_tensors, fn=lambda t: t.detach().to("cpu"))
+        state.reference, state.device_reference = reference, device_reference
+        state.device_out, state.ref_out = on_host(state.device_out), on_host(state.ref_out)
+        with self._lock:
+            self.reference_place["backward", "its verdict needed the CPU"] += 1
+
+    def _compare_backward(self, call: OpCall, state: CompareState, upstream_cpu: tuple, device_grads_cpu: tuple,
+                          on_device: bool = False, reference_grads: tuple | None = None):
         reference = state.reference
         assert reference is not None  # _after_call_backward returned for a call without one
         ref_flat = _unique_tensors(reference.result)
         if len(ref_flat) != len(upstream_cpu):
             return [Comparison("grad", False, False, error_info="reference outputs differ in number")], ()
-        reference_grads = reference_backward(ref_flat, reference.leaves, upstream_cpu)
+        if reference_grads is None:
+            reference_grads = reference_backward(ref_flat, reference.leaves, upstream_cpu)
         same_cache: list = []
 
         def same():
@@ -710,10 +927,11 @@ class OpAutoCompare(OpTool):
                 same_cache.append(self._same_dtype_backward(call, state, upstream_cpu))
             return same_cache[0]
 
-        comparisons = compare_outputs(device_grads_cpu, reference_grads, same, self._tolerance, op_name=call.name,
-                                      prefix="grad", history=LEARNT.history, key=("backward", *state.precedent),
-                                      bounds=_broadcast_sums(call.name, state.func or call.func, reference, ref_flat,
-                                                             upstream_cpu))
+        comparisons = compare_outputs(device_grads_cpu, reference_grads, needs_host if on_device else same,
+                                      self._tolerance, op_name=call.name, prefix="grad", history=LEARNT.history,
+                                      key=("backward", *state.precedent),
+                                      bounds=needs_host if on_device else _broadcast_sums(
+                                          call.name, state.func or call.func, reference, ref_flat, upstream_cpu))
         for c, label in zip(comparisons, state.grad_labels):
             c.name = f"{label}.grad"
         return comparisons, reference_grads
@@ -794,6 +1012,35 @@ class OpAutoCompare(OpTool):
                                                                for row in rows]), f"{len(self.rows)} comparisons")
         self._logger.log(logging.WARNING if self.failures or self.not_checked() else logging.INFO, text)
 
+    def _reference_lines(self) -> list[str]:
+        """Where the float64 references ran (reference="device"/"auto"), and the ops whose device float64 kernels
+        the cross-checks caught disagreeing with the CPU's."""
+        lines = []
+        for phase in ("forward", "backward"):
+            places = collections.Counter({why: n for (p, why), n in self.reference_place.items()
+                                          if p == phase and why != "cross-checked"})
+            on_device = places.pop("device", 0)
+            on_cpu = sum(places.values())
+            why = ", ".join(f"{reason or 'on the CPU anyway'}: {n}" for reason, n in places.most_common())
+            lines.append(f"float64 reference, {phase}: {on_device} calls on the device, {on_cpu} on the CPU"
+                         + (f" ({why})" if why else "") + f"; {self.reference_place[phase, 'cross-checked']} "
+                         "cross-checked against the CPU's")
+        for name, what in LEARNT.trust.untrusted.items():
+            lines.append(f"{name}: the device's float64 reference disagreed with the CPU's ({what}); its reference "
+                         "runs on the CPU")
+        return lines
+
+    def closing_line(self) -> str:
+        line = super().closing_line()
+        if not self._device_reference:
+            return line
+        on_device = sum(n for (_, why), n in self.reference_place.items() if why == "device")
+        total = sum(n for (_, why), n in self.reference_place.items() if why != "cross-checked")
+        untrusted = LEARNT.trust.untrusted
+        return (f"{line}; float64 reference on the device for {on_device} of {total} comparisons"
+                + (f", its float64 kernels untrusted for {len(untrusted)} op{'s' if len(untrusted) != 1 else ''} "
+                   f"({', '.join(untrusted)}: on the CPU)" if untrusted else ""))
+
     def found(self) -> str:
         ops = len({f["op"] for f in self.failures})
         return f"{ops} op{'s' if ops != 1 else ''} failed" if ops else ""
@@ -834,6 +1081,8 @@ class OpAutoCompare(OpTool):
         if self.device_math:
             lines.append(fit("device math replayed by the same-dtype reference where the op used it: " + ", ".join(
                 f"{described} ({n} calls)" for described, n in self.device_math.most_common())))
+        if self._device_reference:
+            lines.extend(fit(line) for line in self._reference_lines())
         if self.versus_eager:
             worse = {name: r for name, r in self.versus_eager.items() if r > VERSUS_EAGER_WORSE}
             name, ratio = max(self.versus_eager.items(), key=lambda item: item[1])
@@ -864,6 +1113,27 @@ class OpAutoCompare(OpTool):
             else:
                 lines.append("no op failed")
         return "\n".join(lines)
+
+
+def _device_reason(call: OpCall, state: CompareState, settings: AutoCompareConfig) -> str | None:
+    """Why this call's reference runs on the CPU although the device's was asked for ('' when it ran on the CPU
+    anyway), or None: on the device."""
+    if call.device.type == "cpu":
+        return ""
+    if type(call.func) is RegionRun:
+        return "a compiled graph"
+    if state.replay is not None:
+        return "attention with its dropout mask replayed"
+    name = call.name
+    if name in LEARNT.trust.untrusted:
+        return "its float64 kernels on the device disagreed with the CPU's"
+    if name not in LEARNT.rng_checked:
+        return "its first call"  # where the reruns are seen to leave the random streams alone
+    if op_key(name) in settings.casts:
+        return "a reference cast is set for it"
+    if any(is_dtensor(t) for t in iter_tensors((call.args, call.kwargs))):
+        return "a DTensor"
+    return None
 
 
 def _written_result(same, before_op: torch.Tensor):

@@ -10,6 +10,7 @@ if TYPE_CHECKING:  # annotations only: nothing is imported at run time
     import torch
 
     from ..numerics.device_math import DeviceMath
+    from ..numerics.device_reference import DeviceCopies
     from ..numerics.reference import Reference
     from ..ops.collectives import CollectiveCall
 
@@ -22,7 +23,8 @@ class CompareState:
     __slots__ = ("written", "skip", "inside", "tensors", "cpu_args", "cpu_kwargs", "compared_writes", "math", "rng",
                  "grad_labels", "device_cpu", "extra", "extra_cpu", "extra_labels", "host_of", "signature",
                  "precedent", "math_used", "owned", "grad_snaps", "reference", "device_out", "ref_out",
-                 "saved_forward", "save_dir", "collective", "replay", "func", "region_args")
+                 "saved_forward", "save_dir", "collective", "replay", "func", "region_args", "device_copies",
+                 "cross_check", "device_reference", "cpu_reason")
 
     # --- set by before() ---
     written: Sequence[torch.Tensor]  # the arguments the op writes (each once; every tensor of an unknown function)
@@ -60,6 +62,12 @@ class CompareState:
     save_dir: str | None  # the folder the call is saved in ('' past max_saved); None: not decided yet
     # a collective checked against every rank's inputs: the bound call and the host copies of what this rank sent
     collective: tuple[CollectiveCall, list[torch.Tensor]] | None
+    # the reference on the device (numerics/device_reference.py): the call's float64 copies there, while cpu_args
+    # holds them; None once the call is judged on the CPU (cpu_args then holds host copies)
+    device_copies: DeviceCopies | None
+    cross_check: bool  # this call runs both references and compares them
+    device_reference: Reference | None  # a cross-checked call's device reference, kept for its backward
+    cpu_reason: str  # with a device reference asked for: why this call's runs on the CPU ('' on the device)
 
     def release(self) -> None:
         """Every field back to its default, dropping the tensors and copies held: the call is compared no further."""
@@ -68,7 +76,9 @@ class CompareState:
         self.skip = self.cpu_args = self.cpu_kwargs = self.math = self.rng = self.math_used = self.owned = None
         self.inside = self.saved_forward = False
         self.reference = self.device_out = self.ref_out = self.save_dir = self.collective = None
-        self.replay = self.func = None
+        self.replay = self.func = self.device_copies = self.device_reference = None
+        self.cross_check = False
+        self.cpu_reason = ""
         self.drop_forward()
 
     __init__ = release  # a new state is a released one (one call less per handled call)
@@ -80,5 +90,5 @@ class CompareState:
 
     def release_backward(self) -> None:
         """Drop what only the backward's comparison needed: the reference graph, the outputs, the inputs' copies."""
-        self.reference = self.device_out = self.ref_out = None
+        self.reference = self.device_out = self.ref_out = self.device_reference = self.device_copies = None
         self.grad_snaps = self.region_args = ()

@@ -19,6 +19,7 @@ MALFORMED_BY_FORM = {
     "full or summary": "partial",
     "full, summary or stats": "partial",
     "eager, check or versus_eager": "sometimes",
+    "cpu, device or auto": "gpu",
     "a fraction > 0 and <= 1": "1.5",
     "an integer >= 1": "0",
     "an integer >= 40, or full": "39",

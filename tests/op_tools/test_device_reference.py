@@ -1,0 +1,182 @@
+"""OpAutoCompare with its float64 reference on the device (``reference="device"``/``"auto"``), on sim, which computes
+float64: the recipes' verdicts are the CPU reference's, a fault in the device's float64 kernels alone is caught by the
+cross-check (the op then moves to the CPU, nothing is reported falsely), and the copies to the host mostly go."""
+
+import contextlib
+import os
+
+import pytest
+import torch
+import zoo
+
+import ditorch.sim
+import op_tools
+from op_tools.numerics.device_reference import AGREEMENT_SHARE, Trust, references_differ
+from op_tools.tools import autocompare
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process_state(monkeypatch):
+    """No variable of the user's, and no trust learnt by another test (it is kept per process)."""
+    for name in list(os.environ):
+        if "AUTOCOMPARE" in name or name.endswith("_OP_DTYPE_CAST_DICT"):
+            monkeypatch.delenv(name)
+    monkeypatch.setattr(autocompare.LEARNT, "trust", Trust())
+
+
+def _places(tool, phase: str) -> dict:
+    return {why: n for (p, why), n in tool.reference_place.items() if p == phase}
+
+
+def _run(workload, device, spec: str = "", **options):
+    with op_tools.OpAutoCompare(**options) as tool, ditorch.sim.faults(spec) if spec else contextlib.nullcontext():
+        losses = workload.run(device)
+    return tool, losses
+
+
+@pytest.mark.parametrize("workload", zoo.ZOO, ids=[w.name for w in zoo.ZOO])
+def test_recipes_with_the_device_reference_keep_their_losses_fail_nothing_and_name_the_cpus_first_fault(sim,
+                                                                                                     workload):
+    expected = workload.run(sim)
+    _run(workload, sim, reference="device")  # first calls of each op: on the CPU, where the rerun's rng is checked
+    clean, losses = _run(workload, sim, reference="device")
+    assert losses == expected
+    assert clean.failures == [], clean.failures[:3]
+    forward = _places(clean, "forward")
+    assert forward.get("device", 0) > sum(n for why, n in forward.items() if why != "device"), forward
+    assert not clean.not_checked()
+
+    spec, suffix = workload.forward_fault
+    on_cpu, _ = _run(workload, sim, spec)
+    on_device, _ = _run(workload, sim, spec, reference="device")
+    first_cpu, first_device = on_cpu.failures[0], on_device.failures[0]
+    assert (first_device["op"], first_device["phase"]) == (first_cpu["op"], first_cpu["phase"])
+    assert first_device["op"].endswith(suffix)
+    # the same ops fail, each judged by the CPU reference (a failure is never the device reference's alone)
+    assert {f["op"] for f in on_device.failures} == {f["op"] for f in on_cpu.failures}
+
+
+def _mlp(device):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64),
+                                torch.nn.Linear(64, 8)).to(device)
+    x = torch.randn(16, 32, device=device)
+
+    def steps(n: int) -> list:
+        losses = []
+        for _ in range(n):
+            loss = model(x).softmax(-1).square().sum()
+            loss.backward()
+            losses.append(loss.item())
+        return losses
+
+    return steps
+
+
+def test_a_fault_in_the_devices_float64_kernel_alone_is_caught_by_the_cross_check_and_the_real_fault_still_found(
+        sim, caplog):
+    steps = _mlp(sim)
+    with op_tools.OpAutoCompare(reference="device"):
+        steps(1)  # the ops' first calls
+    # the linear's float64 product is wrong (the device reference's), and so is the float32 gelu (the device's)
+    with op_tools.OpAutoCompare(reference="device") as tool, ditorch.sim.faults(
+            "addmm@float64:noise=1e-3;gelu@float32:noise=1e-2"), caplog.at_level("WARNING", "op_tools"):
+        steps(3)
+    assert [f["op"] for f in tool.failures][:1] == ["torch.nn.functional.gelu"]
+    assert {f["op"] for f in tool.failures} == {"torch.nn.functional.gelu"}  # nothing falsely reported
+    assert list(autocompare.LEARNT.trust.untrusted) == ["torch.nn.functional.linear"]
+    assert "float64 reference on sim disagrees with the CPU's" in caplog.text
+    forward = _places(tool, "forward")
+    assert forward["its float64 kernels on the device disagreed with the CPU's"] >= 4, forward
+    assert "untrusted for 1 op (torch.nn.functional.linear: on the CPU)" in tool.closing_line()
+    assert "torch.nn.functional.linear: the device's float64 reference disagreed" in tool.summary()
+
+
+def test_a_backward_fault_is_found_through_the_device_reference_and_judged_on_the_cpu(sim):
+    steps = _mlp(sim)
+    with op_tools.OpAutoCompare(reference="device"):
+        steps(1)
+    with op_tools.OpAutoCompare(reference="device") as tool, ditorch.sim.faults("gelu_backward@float32:noise=1e-2"):
+        steps(2)
+    assert [(f["op"], f["phase"]) for f in tool.failures][:1] == [("torch.nn.functional.gelu", "backward")]
+    assert {f["phase"] for f in tool.failures} == {"backward"}
+    backward = _places(tool, "backward")
+    assert backward["its verdict needed the CPU"] >= 2 and backward["device"] > 0, backward
+    assert autocompare.LEARNT.trust.untrusted == {}  # the float64 backward was right: no op moved
+
+
+def test_a_clean_step_judged_on_the_device_copies_a_fraction_of_what_the_cpu_reference_copies(sim):
+    steps = _mlp(sim)
+    with op_tools.OpAutoCompare(reference="device"):
+        steps(1)
+    charges = {}
+    for reference in ("cpu", "device"):
+        with op_tools.OpAutoCompare(reference=reference, cross_check_every=1000) as tool:
+            before = torch.sim.device_counts()
+            steps(2)
+            charges[reference] = torch.sim.device_counts() - before
+        assert tool.failures == []
+    cpu, device = charges["cpu"], charges["device"]
+    # what stays: the losses' item() and each comparison's few statistics
+    assert device.device_to_host_bytes * 20 < cpu.device_to_host_bytes, (device, cpu)
+
+
+def test_auto_on_a_device_without_float64_runs_the_reference_on_the_cpu_and_says_why_once(sim, caplog):
+    steps = _mlp(sim)
+    autocompare.LEARNT.float64.pop("sim", None)
+    try:
+        with ditorch.sim.faults(".*@float64:unsupported"), caplog.at_level("INFO", "op_tools"), \
+                op_tools.OpAutoCompare(reference="auto") as tool:
+            steps(2)
+    finally:
+        autocompare.LEARNT.float64.pop("sim", None)  # learnt under the fault: not the sim's truth
+    assert tool.failures == [] and tool.counts["forward compared"] > 0
+    assert _places(tool, "forward").get("device", 0) == 0
+    said = [r for r in caplog.records if "reference=auto:" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "INFO", [r.getMessage() for r in said]
+    assert "reference=auto: the float64 reference runs on the CPU, as sim has no float64 kernels" in \
+        said[0].getMessage()
+
+
+def test_calls_past_the_memory_bound_are_compared_on_the_cpu_and_counted(sim):
+    steps = _mlp(sim)
+    with op_tools.OpAutoCompare(reference="device"):
+        steps(1)
+    with op_tools.OpAutoCompare(reference="device", device_reference_max_bytes=512) as tool:
+        steps(1)
+    forward = _places(tool, "forward")
+    assert forward.get("device", 0) == 0
+    assert forward["its float64 copies would pass OP_AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES"] > 0, forward
+    assert tool._memory.held == 0  # every call's copies given back
+
+
+def test_the_setting_reads_its_variable_and_rejects_an_unknown_place(sim, monkeypatch):
+    monkeypatch.setenv("OP_AUTOCOMPARE_REFERENCE", "device")
+    with op_tools.OpAutoCompare() as tool:
+        pass
+    assert tool.settings.reference == "device"
+    monkeypatch.setenv("OP_AUTOCOMPARE_REFERENCE", "gpu")
+    with pytest.raises(ValueError, match="OP_AUTOCOMPARE_REFERENCE='gpu': unknown choice 'gpu'"):
+        op_tools.OpAutoCompare().start()
+
+
+def test_two_references_agree_within_float64_rounding_and_differ_beyond_it():
+    torch.manual_seed(0)
+    a, b = torch.randn(64, 4096, dtype=torch.float64), torch.randn(4096, 64, dtype=torch.float64)
+    blocked = sum(a[:, i:i + 256] @ b[i:i + 256] for i in range(0, 4096, 256))  # another summation order
+    assert references_differ(a @ b, blocked, torch.float32) is None
+    wrong = (a @ b) * (1 + 64 * AGREEMENT_SHARE * torch.finfo(torch.float32).eps)
+    assert references_differ(wrong, a @ b, torch.float32) is not None
+    nan = (a @ b).clone()
+    nan[0, 0] = float("nan")
+    assert "nan/inf" in references_differ(nan, a @ b, torch.bfloat16)
+
+
+def test_a_nan_from_a_kernel_wrong_in_float64_too_is_judged_on_the_cpu_not_passed_as_agreeing(sim):
+    steps = _mlp(sim)
+    with op_tools.OpAutoCompare(reference="device"):
+        steps(2)  # the first calls, and the cross-check of each op's first call on the device
+    # every dtype's gelu gives nan: the device reference agrees with the result, the CPU's does not
+    with op_tools.OpAutoCompare(reference="device", cross_check_every=1000) as tool, ditorch.sim.faults("gelu:nan"):
+        steps(1)
+    assert [(f["op"], f["phase"]) for f in tool.failures][:1] == [("torch.nn.functional.gelu", "forward")]
