@@ -6,10 +6,11 @@ at its own speed. But the device is the hardware under suspicion, so its referen
 - before the op, the call's tensors are copied on the device (``DeviceCopies``): floating ones to float64 (exact:
   every narrower float is a float64), others cloned. The reference runs on them there, and the comparison too; only
   its statistics come back.
-- the comparison is the CPU path's own (``comparison.compare_outputs``), given a same-dtype run and a rounding model
-  that raise ``NeedsHostError``: a verdict that needs either (an error above the floor, a nan, a float64 op, whose
-  reference would be the device against itself) is made again on the CPU from host copies of the device copies, the
-  CPU reference deciding. So a failure is never reported from the device reference alone;
+- the comparison is the CPU path's own (``comparison.compare_outputs``), with its rounding models computed there too
+  (float64 reruns on the copies' magnitudes), given a same-dtype run that raises ``NeedsHostError``: a verdict that
+  is not a clean pass (an error above what the floor or the model allows, a nan, a float64 op, whose reference would
+  be the device against itself) is made again on the CPU from host copies of the device copies, the CPU reference
+  deciding. So a failure is never reported from the device reference alone;
 - each op's first call, and every N-th after it, runs both references (``cross_check``): two float64 runs of one op
   differ by float64 rounding only, far below what any verdict distinguishes. An op whose two references differ by
   more (``references_differ``) is untrusted: its float64 kernels on this device are wrong, and the op goes to the
@@ -79,7 +80,7 @@ class DeviceCopies:
         known = self.on_host.get(id(t))
         if known is None:
             dtype = self.dtype_of.get(id(t), t.dtype)
-            known = self.on_host[id(t)] = t.detach().to("cpu").to(dtype)
+            known = self.on_host[id(t)] = t.detach().to(dtype).to("cpu")  # narrowed there: fewer bytes to copy
         return known
 
 

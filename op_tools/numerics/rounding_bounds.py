@@ -25,7 +25,6 @@ import torch
 from .attention import attention_arguments
 from .reference import isolated
 
-_CPU = torch.device("cpu")
 _FLOAT32_U = torch.finfo(torch.float32).eps / 2
 NARROW = frozenset(t for t in (torch.float16, torch.bfloat16, getattr(torch, "float8_e4m3fn", None),
                                getattr(torch, "float8_e5m2", None)) if t is not None)
@@ -43,7 +42,8 @@ def gamma(n: float, u: float) -> float:
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to(device=_CPU, dtype=torch.float64)
+    """float64 where the reference is: the CPU's, or the device's own (``device_reference``)."""
+    return t.detach().to(dtype=torch.float64)
 
 
 class AnyOrderSum:

@@ -657,8 +657,10 @@ class OpAutoCompare(OpTool):
                 LEARNT.expected_dtypes[signature] = _leaf_dtypes(device_cpu if same_value is None else same_value)
         comparisons = compare_outputs(device_cpu, reference.result, same_value, self._tolerance, op_name=call.name,
                                       prefix="output", history=LEARNT.history, key=state.precedent,
-                                      bounds=needs_host if on_device else
-                                      _forward_bounds(call.name, func, reference, state.cpu_args or ()))
+                                      # the call's own arguments: the bounds read their dtypes (a device path's
+                                      # copies are float64)
+                                      bounds=_forward_bounds(call.name, func, reference,
+                                                             call.args if on_device else state.cpu_args or ()))
         for label, t, host in zip(state.extra_labels, state.extra, state.extra_cpu):
             before_op = host_of[id(t)]
             comparisons.append(compare_tensors(label, host, reference.mapped[id(before_op)],
@@ -930,8 +932,8 @@ class OpAutoCompare(OpTool):
         comparisons = compare_outputs(device_grads_cpu, reference_grads, needs_host if on_device else same,
                                       self._tolerance, op_name=call.name, prefix="grad", history=LEARNT.history,
                                       key=("backward", *state.precedent),
-                                      bounds=needs_host if on_device else _broadcast_sums(
-                                          call.name, state.func or call.func, reference, ref_flat, upstream_cpu))
+                                      bounds=_broadcast_sums(call.name, state.func or call.func, reference, ref_flat,
+                                                             upstream_cpu))
         for c, label in zip(comparisons, state.grad_labels):
             c.name = f"{label}.grad"
         return comparisons, reference_grads

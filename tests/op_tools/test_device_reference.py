@@ -108,7 +108,7 @@ def test_a_backward_fault_is_found_through_the_device_reference_and_judged_on_th
 def test_a_clean_step_judged_on_the_device_copies_a_fraction_of_what_the_cpu_reference_copies(sim):
     steps = _mlp(sim)
     with op_tools.OpAutoCompare(reference="device"):
-        steps(1)
+        steps(2)  # each op's first call, and its first on the device (cross-checked)
     charges = {}
     for reference in ("cpu", "device"):
         with op_tools.OpAutoCompare(reference=reference, cross_check_every=1000) as tool:
