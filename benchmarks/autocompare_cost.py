@@ -123,8 +123,10 @@ def measure(size: str, device: str, dtype: torch.dtype, rounds: int, steps: int,
     if backend is not None:
         compiled, check = Trainer(size, device, dtype, autocast, backend), op_tools.OpAutoCompare(compiled="check")
         conditions["compiled, checked"] = lambda: under(check, compiled)
-    for condition in conditions.values():  # warm-up: first-call costs of each path (and the compilations)
+    for name, condition in conditions.items():  # warm-up: first-call costs of each path (and the compilations)
         condition()
+        if name in tools and name != "OpAutoCompare":  # a device reference: its first calls on the device are
+            condition()                                # cross-checked on the CPU (once per process)
     charged = {"device": counted(lambda: run(on_device), steps)}
     charged.update({name: counted(conditions[name], steps) for name in tools})
     samples: dict[str, list] = {name: [] for name in conditions}

@@ -480,7 +480,8 @@ class OpAutoCompare(OpTool):
                 self._cross_check(call, state, state.device_reference.result, outcome[1], "forward")
         if outcome is None:
             return
-        self.reference_place["forward", "device" if state.device_copies is not None else state.cpu_reason] += 1
+        if self._device_reference:
+            self.reference_place["forward", "device" if state.device_copies is not None else state.cpu_reason] += 1
         device_cpu, extra_cpu, host_of = state.device_cpu, state.extra_cpu, state.host_of or {}
         comparisons, reference = outcome
         passed = all(c.passed for c in comparisons)
@@ -1012,6 +1013,11 @@ class OpAutoCompare(OpTool):
                     for op, forward_id, phase, c, location, module, step, started in self.rows]
             self.tally.add(path, result_files.write_csv(path, [{c: row.get(c, "") for c in CSV_COLUMNS}
                                                                for row in rows]), f"{len(self.rows)} comparisons")
+        if self.untrusted_here:  # for the run report: the device's float64 kernels this run found wrong
+            path = result_files.results_path(self.common, self.results_folder, f"reference_{self.stem}.json")
+            record = {"format": "op_tools reference trust", "version": 1, "rank": self.common.rank,
+                      "device": next(iter(self._probes), torch.device("cpu")).type, "untrusted": self.untrusted_here}
+            self.tally.add(path, result_files.write_json(path, record), "untrusted float64 kernels")
         self._logger.log(logging.WARNING if self.failures or self.not_checked() else logging.INFO, text)
 
     def _reference_lines(self) -> list[str]:

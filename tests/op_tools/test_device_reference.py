@@ -12,6 +12,9 @@ import zoo
 import ditorch.sim
 import op_tools
 from op_tools.numerics.device_reference import AGREEMENT_SHARE, Trust, references_differ
+from op_tools.offline.run_report.analysis import analyse
+from op_tools.offline.run_report.readers import read_results
+from op_tools.offline.run_report.report import console_report
 from op_tools.tools import autocompare
 
 
@@ -74,12 +77,12 @@ def _mlp(device):
 
 
 def test_a_fault_in_the_devices_float64_kernel_alone_is_caught_by_the_cross_check_and_the_real_fault_still_found(
-        sim, caplog):
+        sim, caplog, tmp_path):
     steps = _mlp(sim)
     with op_tools.OpAutoCompare(reference="device"):
         steps(1)  # the ops' first calls
     # the linear's float64 product is wrong (the device reference's), and so is the float32 gelu (the device's)
-    with op_tools.OpAutoCompare(reference="device") as tool, ditorch.sim.faults(
+    with op_tools.OpAutoCompare(reference="device", results_dir=str(tmp_path)) as tool, ditorch.sim.faults(
             "addmm@float64:noise=1e-3;gelu@float32:noise=1e-2"), caplog.at_level("WARNING", "op_tools"):
         steps(3)
     assert [f["op"] for f in tool.failures][:1] == ["torch.nn.functional.gelu"]
@@ -90,6 +93,11 @@ def test_a_fault_in_the_devices_float64_kernel_alone_is_caught_by_the_cross_chec
     assert forward["its float64 kernels on the device disagreed with the CPU's"] >= 4, forward
     assert "untrusted for 1 op (torch.nn.functional.linear: on the CPU)" in tool.closing_line()
     assert "torch.nn.functional.linear: the device's float64 reference disagreed" in tool.summary()
+    # and the run report says so beside the failure it names first
+    report = console_report(analyse(read_results(str(tmp_path))))
+    assert "NOTE: rank 0: OpAutoCompare's float64 reference on sim disagreed with the CPU's for " \
+        "torch.nn.functional.linear (forward: normalised difference" in report
+    assert "what went wrong first: " in report and "torch.nn.functional.gelu" in report.split("what went wrong")[1]
 
 
 def test_a_backward_fault_is_found_through_the_device_reference_and_judged_on_the_cpu(sim):

@@ -97,6 +97,7 @@ class Results:
     # a rank whose file has no step yet maps to {}
     fingerprints: dict[int, dict[int, dict]] = dataclasses.field(default_factory=dict)
     unreadable: list[str] = dataclasses.field(default_factory=list)  # "path: why"
+    notes: list[str] = dataclasses.field(default_factory=list)  # what the reader should know of how tools judged
     files: int = 0
 
 
@@ -132,6 +133,7 @@ def read_results(folder: str) -> Results:
     readers = ((OVERFLOW_FOLDER, "OpOverflowCheck", "overflow_*.json", _read_overflow),
                (SELF_CHECK_FOLDER, "OpSelfCheck", "findings_*.json", _read_self_check),
                (AUTOCOMPARE_FOLDER, "OpAutoCompare", "op_autocompare_info_*.csv", _read_autocompare),
+               (AUTOCOMPARE_FOLDER, "OpAutoCompare", "reference_*.json", _read_reference_trust),
                (TIME_FOLDER, TIME_MEASURE, "op_elasped_info_*.csv", _read_times),
                (FINGERPRINT_FOLDER, "fingerprints", "fingerprints_*.jsonl*", _read_fingerprints),
                (MONITOR_FOLDER, MONITOR, "anomalies_*.jsonl*", _read_monitor_anomalies))
@@ -204,6 +206,19 @@ def _read_autocompare(results: Results, rank: int, path: str) -> None:
         elif op_facts(row["op"]).collective:
             results.collectives.append(_row_event(row, rank, "OpAutoCompare", "op"))
     results.anomalies.extend(failed.values())
+
+
+def _read_reference_trust(results: Results, rank: int, path: str) -> None:
+    """OpAutoCompare's float64 reference on the device, where its cross-checks found the device's float64 kernels
+    wrong for an op (whose reference then ran on the CPU)."""
+    with open(path, encoding="utf-8") as f:
+        record = json.load(f)
+    if record.get("format") != "op_tools reference trust":
+        raise ValueError("not an OpAutoCompare reference file")
+    rank = record["rank"] if isinstance(record.get("rank"), int) else rank
+    for op, what in record["untrusted"].items():
+        results.notes.append(f"rank {rank}: OpAutoCompare's float64 reference on {record.get('device', 'the device')} "
+                             f"disagreed with the CPU's for {op} ({what}); that op was judged on the CPU from then on")
 
 
 def _read_times(results: Results, rank: int, path: str) -> None:

@@ -22,6 +22,7 @@ def read_lines(report: RunReport) -> list[str]:
     lines = [f"read: {results.files} file{'s' if results.files != 1 else ''} from "
              + "; ".join(f"{tool} (ranks {_ranks(ranks)})" for tool, ranks in sorted(results.tools.items()))]
     lines.extend(f"NOT READ: {problem}" for problem in results.unreadable)
+    lines.extend(f"NOTE: {note}" for note in results.notes)
     return lines
 
 
