@@ -304,23 +304,18 @@ class OpAutoCompare(OpTool):
         # the global tensors, and the result is gathered the same way.
         # Copies are reused across calls only when every call is seen (a mode): targeted wrappers and apply_feature
         # see only their functions, and the writes of the others (an optimizer's) would leave copies stale.
-        get, tensors = self._copies.get if self.sees_every_call else _fresh_copy, []
+        host_copy = self._copies.get if self.sees_every_call else _fresh_copy
         copies = self._device_copies(call, state) if self._device_reference else None
         if copies is not None:  # the reference runs on the device, on these float64 copies (device_reference)
-            get = copies.fresh
-            state.device_copies = copies
-
-        def copy(t: torch.Tensor) -> torch.Tensor:
-            host, reused = get(t)
-            tensors.append((t, host, reused))
-            return host
-
-        # the arguments are walked once; after() drops the list (it holds device memory)
-        state.tensors = tensors
-        state.cpu_args = map_arguments(call.args, copy, keep_devices=copies is not None)
-        state.cpu_kwargs = map_arguments(call.kwargs, copy, keep_devices=copies is not None)
-        if copies is not None:
-            self._memory.hold(copies)
+            try:
+                self._copy_arguments(call, state, copies.fresh, keep_devices=True)
+            except torch.OutOfMemoryError:  # a call that does not fit beside the run: compared on the CPU
+                copies, state.cpu_reason = None, "out of device memory for its float64 copies"
+            else:
+                state.device_copies = copies
+                self._memory.hold(copies)
+        if copies is None:
+            self._copy_arguments(call, state, host_copy)
         state.compared_writes = () if spec.unknown else written
         state.math = DeviceMath.of(call.device, call.name)
         state.rng = self._probe(call.device).token()
@@ -335,6 +330,21 @@ class OpAutoCompare(OpTool):
             call.grad_inputs, state.grad_labels = inputs, labels
         elif reason:
             self.backward_not_compared[reason] += 1
+
+    @staticmethod
+    def _copy_arguments(call: OpCall, state: CompareState, get, keep_devices: bool = False) -> None:
+        """``state.cpu_args``/``cpu_kwargs``: the call's arguments with each tensor through ``get`` (``(copy,
+        reused)``), and ``state.tensors``: (tensor, copy, reused) in argument order, walked once."""
+        tensors: list = []
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            host, reused = get(t)
+            tensors.append((t, host, reused))
+            return host
+
+        state.tensors = tensors  # after() drops the list (it holds device memory)
+        state.cpu_args = map_arguments(call.args, copy, keep_devices=keep_devices)
+        state.cpu_kwargs = map_arguments(call.kwargs, copy, keep_devices=keep_devices)
 
     def _device_copies(self, call: OpCall, state: CompareState) -> DeviceCopies | None:
         """A holder for the call's float64 copies on its device when its reference runs there; else None, with why
@@ -534,6 +544,9 @@ class OpAutoCompare(OpTool):
             outcome = self._compare_forward(call, state, on_device=True)
         except NeedsHostError:
             state.cpu_reason = "its verdict needed the CPU"
+            return None
+        except torch.OutOfMemoryError:
+            state.cpu_reason = "out of device memory for its comparison"
             return None
         if outcome is None:  # state.cpu_reason says why
             return None

@@ -188,3 +188,27 @@ def test_a_nan_from_a_kernel_wrong_in_float64_too_is_judged_on_the_cpu_not_passe
     with op_tools.OpAutoCompare(reference="device", cross_check_every=1000) as tool, ditorch.sim.faults("gelu:nan"):
         steps(1)
     assert [(f["op"], f["phase"]) for f in tool.failures][:1] == [("torch.nn.functional.gelu", "forward")]
+
+
+def test_a_call_whose_float64_copies_run_out_of_device_memory_is_compared_on_the_cpu(sim, monkeypatch):
+    from op_tools.numerics.device_reference import DeviceCopies
+
+    steps = _mlp(sim)
+    with op_tools.OpAutoCompare(reference="device"):
+        steps(2)
+    # A mock of the allocator failing (sim's memory has no bound): every third copy raises PyTorch's OOM error.
+    copy, made = DeviceCopies.copy, [0]
+
+    def short_of_memory(self, t):
+        made[0] += 1
+        if made[0] % 3 == 0:
+            raise torch.OutOfMemoryError("CUDA out of memory (a mock)")
+        return copy(self, t)
+
+    monkeypatch.setattr(DeviceCopies, "copy", short_of_memory)
+    with op_tools.OpAutoCompare(reference="device") as tool:
+        steps(1)
+    forward = _places(tool, "forward")
+    assert forward["out of device memory for its float64 copies"] > 0 and forward["device"] > 0, forward
+    assert tool.failures == [] and not tool.not_checked()
+    assert tool.counts["forward compared"] == sum(forward.values())
