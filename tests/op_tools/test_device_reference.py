@@ -212,3 +212,26 @@ def test_a_call_whose_float64_copies_run_out_of_device_memory_is_compared_on_the
     assert forward["out of device memory for its float64 copies"] > 0 and forward["device"] > 0, forward
     assert tool.failures == [] and not tool.not_checked()
     assert tool.counts["forward compared"] == sum(forward.values())
+
+
+@pytest.mark.gpu
+def test_on_a_cuda_gpu_the_recipes_judged_on_the_device_fail_nothing_and_trust_its_float64():
+    """Issue 39 on real hardware: every recipe twice under OpAutoCompare(reference="device") (the first run holds
+    each op's first call, on the CPU), 0 failing calls, the losses unchanged, most calls judged on the GPU, and no op
+    whose float64 kernels disagree with the CPU's. One test, so that CUDA starts once."""
+    rows, failing = [], {}
+    for workload in zoo.ON_CUDA:
+        expected, deterministic = zoo.cuda_baseline(workload)
+        for _ in range(2):
+            with op_tools.OpAutoCompare(reference="device") as tool:
+                losses = workload.run("cuda")
+            assert losses == expected or not deterministic, f"OpAutoCompare changed {workload.name}'s losses"
+        forward = _places(tool, "forward")
+        rows.append(f"{workload.name}: {forward.get('device', 0)} of {sum(forward.values())} forward calls judged on "
+                    f"the GPU, {len(tool.failures)} failing")
+        if tool.failures:
+            failing[workload.name] = tool.failures[:3]
+        assert forward.get("device", 0) > sum(forward.values()) / 2, rows[-1]
+    print("\n".join(rows))
+    assert not failing, failing
+    assert autocompare.LEARNT.trust.untrusted == {}
