@@ -297,16 +297,17 @@ def _failure(name: str, info: str) -> Comparison:
 
 def compare_outputs(device_out, reference_out, same_dtype_out=None, tolerance: ToleranceSpec | None = None,
                     *, op_name: str = "", prefix: str = "", history: SameDtypeHistory | None = None,
-                    key: tuple = (), bounds: Callable[[int], Any] | None = None) -> list[Comparison]:
+                    key: tuple = (), bounds: Callable[[int], Any] | None = None, site: str = "") -> list[Comparison]:
     """Compare every leaf of ``device_out`` with ``reference_out`` (see the module docstring for the verdict).
 
     ``same_dtype_out`` is the result of a correct run in the device's own dtype (e.g. the CPU's), or a
     callable returning it, called only when the verdict needs it; ``None`` when there is none.
     ``prefix`` names the leaves (``"output"``, ``"grad"``: gradients, never 'rounded once'); each is named
     ``prefix[i]``. ``history`` (with
-    ``key``, the call's signature) lets a device error well within what a correct run had on the same signature
-    pass without a same-dtype run. ``bounds(i)`` gives leaf ``i``'s rounding bound (``rounding_bounds``), or None: a
-    leaf whose rule is ``modelled`` is judged by it; any other, asked only when about to fail, also passes within it.
+    ``key``, the call's signature, and ``site``, the module that ran it) lets a device error well within what a
+    correct run had on the same signature pass without a same-dtype run. ``bounds(i)`` gives leaf ``i``'s rounding
+    bound (``rounding_bounds``), or None: a leaf whose rule is ``modelled`` is judged by it; any other, asked only
+    when about to fail, also passes within it.
     """
     if isinstance(device_out, torch.Tensor) and isinstance(reference_out, torch.Tensor):  # most ops: no walk
         device_leaves, reference_leaves = [("[0]", device_out)], [("[0]", reference_out)]
@@ -321,7 +322,7 @@ def compare_outputs(device_out, reference_out, same_dtype_out=None, tolerance: T
     results = []
     for index, ((path, d), (_, r)) in enumerate(zip(device_leaves, reference_leaves)):
         name = f"{prefix}{path}"
-        precedent = None if history is None else (history, (*key, name))
+        precedent = None if history is None else (history, (*key, name), site)
         leaf_bound = None if bounds is None else functools.partial(bounds, index)
         results.append(_compare_leaf(name, d, r, lambda i=index: same.leaf(i), tolerance, op_name, same.lazy,  # type: ignore[misc]  # mypy cannot type a lambda's default
                                      precedent, backward, leaf_bound))
@@ -335,6 +336,10 @@ class SameDtypeHistory:
     Once two calls measured it, a device error below half the bound their smaller error gives passes without a
     same-dtype run (it could not change the verdict); any error above that still gets the exact check, so a fault
     is found as before: on the first call of its signature, and on any call where it shows.
+
+    With a ``site`` (the module running the call) the errors are kept per site as well, and a site's own smallest
+    error bounds its calls where it is larger: one signature's calls in different modules (a Llama's q, k, v and o
+    projections) err by different amounts, the smallest of them holding every other to its size.
     """
 
     NEEDED = 2
@@ -342,14 +347,19 @@ class SameDtypeHistory:
     def __init__(self) -> None:
         self._seen: dict[tuple, tuple[float, int]] = {}  # key -> (smallest same-dtype error, times measured)
 
-    def bound(self, key: tuple) -> float | None:
+    def bound(self, key: tuple, site: str = "") -> float | None:
         seen = self._seen.get(key)
-        return seen[0] if seen is not None and seen[1] >= self.NEEDED else None
+        found = seen[0] if seen is not None and seen[1] >= self.NEEDED else None
+        at_site = self._seen.get((key, site)) if site else None
+        if at_site is not None and at_site[1] >= self.NEEDED and (found is None or at_site[0] > found):
+            return at_site[0]
+        return found
 
-    def record(self, key: tuple, cpu_error: float) -> None:
+    def record(self, key: tuple, cpu_error: float, site: str = "") -> None:
         if math.isfinite(cpu_error):
-            smallest, count = self._seen.get(key, (cpu_error, 0))
-            self._seen[key] = (min(smallest, cpu_error), count + 1)
+            for k in ((key, (key, site)) if site else (key,)):
+                smallest, count = self._seen.get(k, (cpu_error, 0))
+                self._seen[k] = (min(smallest, cpu_error), count + 1)
 
 
 class _LazySame:
@@ -444,7 +454,7 @@ def compare_tensors(name: str, d: torch.Tensor, r: torch.Tensor, same: Callable[
     """The verdict for one device tensor ``d`` (on any device) against its reference ``r``.
 
     ``same()`` gives the same-dtype run's tensor (or None); with ``lazy`` it is asked for only when needed;
-    ``precedent`` is ``(SameDtypeHistory, key)``; ``backward``: ``d`` is a gradient; ``bound()``: see
+    ``precedent`` is ``(SameDtypeHistory, key[, site])``; ``backward``: ``d`` is a gradient; ``bound()``: see
     ``compare_outputs``' ``bounds``.
     """
     if d.shape != r.shape:
@@ -563,7 +573,7 @@ def _default_verdict(result: Comparison, d, r, get_same, lazy, finite_d, finite_
         return
     ratio = rule.ratio or ratio_for(op_name)
     if lazy and precedent is not None and all_finite:
-        seen = precedent[0].bound(precedent[1])
+        seen = precedent[0].bound(*precedent[1:])
         if seen is not None and result.device_error <= rule.bound(ratio, seen / 2, floor):
             return  # well within what correct runs of this signature had: no same-dtype run could change this
     s = get_same()
@@ -574,7 +584,7 @@ def _default_verdict(result: Comparison, d, r, get_same, lazy, finite_d, finite_
     if isinstance(s, torch.Tensor) and s.shape == d.shape:
         result.cpu_error = normalised_error(s, r, None if all_finite else finite_d & finite_r, relative)
         if precedent is not None:
-            precedent[0].record(precedent[1], result.cpu_error)
+            precedent[0].record(precedent[1], result.cpu_error, *precedent[2:])
     cpu_error = 0.0 if math.isnan(result.cpu_error) else result.cpu_error
     if result.device_error <= rule.bound(ratio, cpu_error, floor):
         return

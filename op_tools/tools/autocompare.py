@@ -671,6 +671,7 @@ class OpAutoCompare(OpTool):
                 LEARNT.expected_dtypes[signature] = _leaf_dtypes(device_cpu if same_value is None else same_value)
         comparisons = compare_outputs(device_cpu, reference.result, same_value, self._tolerance, op_name=call.name,
                                       prefix="output", history=LEARNT.history, key=state.precedent,
+                                      site=call.module_path,
                                       # the call's own arguments: the bounds read their dtypes (a device path's
                                       # copies are float64)
                                       bounds=_forward_bounds(call.name, func, reference,
@@ -680,7 +681,7 @@ class OpAutoCompare(OpTool):
             comparisons.append(compare_tensors(label, host, reference.mapped[id(before_op)],
                                                functools.partial(_written_result, same, before_op),
                                                self._tolerance, call.name, True,
-                                               (LEARNT.history, (*state.precedent, label))))
+                                               (LEARNT.history, (*state.precedent, label), call.module_path)))
         if rng is not None:
             LEARNT.rng_checked.add(call.name)
         if rng is not None and cpu_generator_token() != rng:  # a rerun drew numbers: give them back, compare nothing
@@ -945,6 +946,7 @@ class OpAutoCompare(OpTool):
 
         comparisons = compare_outputs(device_grads_cpu, reference_grads, needs_host if on_device else same,
                                       self._tolerance, op_name=call.name, prefix="grad", history=LEARNT.history,
+                                      site=call.module_path,
                                       key=("backward", *state.precedent),
                                       bounds=_broadcast_sums(call.name, state.func or call.func, reference, ref_flat,
                                                              upstream_cpu))

@@ -405,3 +405,34 @@ def test_a_written_arguments_leaf_keeps_its_gradient_in_a_rerun_made_with_gradie
             run = run_same_dtype(torch.Tensor.mul_, (x, w), {}, {id(x)}, DeviceMath(), [x, w])
         grads = reference_backward([run.result], run.leaves, (torch.ones(4, dtype=torch.float64),))
     assert grads[0] is not None and torch.equal(grads[0], w) and torch.equal(grads[1], x)
+
+
+def test_a_site_whose_correct_runs_err_more_than_its_signatures_smallest_is_held_to_its_own_precedent():
+    """One signature's calls in different modules err differently (a Llama's projections): a module's own smallest
+    same-dtype error bounds its calls where it is larger than the signature's; a module without a precedent of its
+    own, or an error beyond its own, still gets the same-dtype run."""
+    from op_tools.numerics.comparison import SameDtypeHistory
+
+    history, key = SameDtypeHistory(), ("torch.nn.functional.linear", (torch.float32,), (), "grad[0]")
+    for site, errors in (("model.q_proj", (1e-6, 2e-6)), ("model.o_proj", (1e-5, 2e-5))):
+        for error in errors:
+            history.record(key, error, site)
+    assert history.bound(key) == history.bound(key, "model.q_proj") == history.bound(key, "model.up_proj") == 1e-6
+    assert history.bound(key, "model.o_proj") == 1e-5
+
+    torch.manual_seed(0)
+    r = torch.randn(4096, dtype=torch.float64)
+    d = (r * (1 + 2e-6 * torch.randn(4096, dtype=torch.float64))).float()  # a correct o_proj's error, no more
+
+    def same():
+        raise AssertionError("the same-dtype run was asked for")
+
+    def verdict(site, same=same):
+        return compare_outputs(d, r, same, op_name="torch.nn.functional.linear", prefix="grad", history=history,
+                               key=key[:-1], site=site)[0]
+
+    assert verdict("model.o_proj").passed  # within its own precedent: no same-dtype run
+    with pytest.raises(AssertionError, match="same-dtype run was asked for"):
+        verdict("model.q_proj")  # the q projection's correct runs erred 10 times less: the exact check
+    with pytest.raises(AssertionError, match="same-dtype run was asked for"):
+        verdict("")  # no site: the signature's precedent alone
