@@ -64,14 +64,15 @@ def test_the_variable_turns_the_switch_on_for_the_whole_run(run_script):
     assert done.stdout.strip() == "sim:0"
 
 
-@pytest.mark.parametrize("size", [8, LARGE + 3])  # one chunk, and a tail chunk after full ones
-def test_statistics_on_device_memory_equal_the_host_ones(sim, size, monkeypatch):
+@pytest.mark.parametrize("relative", [None, (2.0 ** -8, 1e-38)])  # the summed and the rounded-once measures
+@pytest.mark.parametrize("size", [8, LARGE + 3])  # one chunk (whole tensors), and a tail chunk after full ones
+def test_statistics_on_device_memory_equal_the_host_ones(sim, size, relative, monkeypatch):
     monkeypatch.setattr(error_statistics, "_CHUNK_DEVICE", 1 << 10)  # several device chunks at a test's size
     torch.manual_seed(0)
     reference = torch.randn(size, dtype=torch.float64)
     device = (reference * (1 + 1e-3 * torch.randn(size, dtype=torch.float64))).float()
-    on_host = error_statistics._torch_stats(device, reference, 1e-5, 1e-5)
-    on_sim = error_statistics.error_stats(device.to(sim), reference, 1e-5, 1e-5)
+    on_host = error_statistics._torch_stats(device, reference, 1e-5, 1e-5, relative)
+    on_sim = error_statistics.error_stats(device.to(sim), reference, 1e-5, 1e-5, relative)
     assert on_sim == pytest.approx(on_host, rel=1e-12)
     assert error_statistics.normalised_error(device.to(sim), reference) == pytest.approx(
         error_statistics.normalised_error(device, reference), rel=1e-12)
