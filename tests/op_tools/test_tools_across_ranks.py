@@ -164,6 +164,14 @@ def test_dtensor_calls_are_compared_on_their_whole_tensors_and_a_clean_step_is_c
         assert compare["counts"]["forward compared"] >= 5 and compare["counts"]["backward compared"] >= 3
 
 
+def test_with_the_reference_on_the_device_dtensor_calls_go_to_the_cpu_and_the_others_stay(reports):
+    for report in reports:
+        device = report["tp"]["OpAutoCompare device"]
+        assert device["verdict"] == "clean" and device["not_checked"] == "", device
+        places = device["places"]
+        assert places.get("forward: a DTensor", 0) >= 2 and places.get("forward: device", 0) >= 1, places
+
+
 def test_noise_in_a_tensor_parallel_mlp_is_found_in_the_faulty_op_on_the_faulty_rank(reports):
     # ColwiseParallel hands silu this rank's shard as a plain tensor (use_local_output): rank 1 compares its own
     # noisy silu; the linears (DTensor weights, compared whole) pass on both ranks.

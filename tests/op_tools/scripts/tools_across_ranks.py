@@ -117,6 +117,13 @@ def main() -> None:
     report["tp"]["OpAutoCompare"] = {"verdict": compare.verdict(), "found": compare.found(),
                                      "not_checked": compare.not_checked(), "counts": dict(compare.counts)}
     mlp.zero_grad()
+    # the float64 reference on the device: DTensor calls compared on the CPU (their whole tensors), the others there
+    with op_tools.OpAutoCompare(results_dir=os.path.join(out, "results_device"), reference="device") as compare:
+        mlp(x).square().mean().backward()
+    report["tp"]["OpAutoCompare device"] = {"verdict": compare.verdict(), "not_checked": compare.not_checked(),
+                                            "places": {f"{p}: {why}": n for (p, why), n in
+                                                       compare.reference_place.items()}}
+    mlp.zero_grad()
     with op_tools.OpSelfCheck(budget=1.0) as check:  # DTensor products: checked on each rank's local part
         mlp(x).square().mean().backward()
         # an activation on a sequence-sharded DTensor (sequence parallel): checked on the local shard
