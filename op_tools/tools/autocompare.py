@@ -537,8 +537,12 @@ class OpAutoCompare(OpTool):
         state.extra_cpu = [t.detach() for t in state.extra]
         state.host_of = {id(t): copy for t, copy, _ in tensors}
         self._copies.forget(state.written)  # the host copies are not kept current by this path
-        if any(t.dtype in (torch.float64, torch.complex128) for t in iter_tensors((state.device_cpu, state.extra_cpu))):
+        results = list(iter_tensors((state.device_cpu, state.extra_cpu)))
+        if any(t.dtype in (torch.float64, torch.complex128) for t in results):
             state.cpu_reason = "a float64 result (the device's reference would be itself)"
+            return None
+        if any(is_dtensor(t) for t in results):  # from plain arguments (distribute_tensor): compared whole
+            state.cpu_reason = "a DTensor"
             return None
         try:
             outcome = self._compare_forward(call, state, on_device=True)
