@@ -45,7 +45,7 @@ import torch
 from ..ops.arguments import iter_items
 from ..ops.op_facts import cached_on_facts, op_facts
 from ..ops.rounded_ops import rounded_once
-from .error_statistics import error_stats, normalised_error, wide
+from .error_statistics import error_stats, normalised_error, read_stats, unread_stats, wide
 from .rounding_bounds import NARROW as _NARROW
 
 RATIO = 4.0
@@ -319,14 +319,50 @@ def compare_outputs(device_out, reference_out, same_dtype_out=None, tolerance: T
                                                   f"reference {_describe(reference_out)}")]
     same = _LazySame(same_dtype_out)
     backward = prefix.startswith("grad")
+    read = _read_together(device_leaves, reference_leaves, tolerance, op_name, backward)
     results = []
     for index, ((path, d), (_, r)) in enumerate(zip(device_leaves, reference_leaves)):
         name = f"{prefix}{path}"
         precedent = None if history is None else (history, (*key, name), site)
         leaf_bound = None if bounds is None else functools.partial(bounds, index)
         results.append(_compare_leaf(name, d, r, lambda i=index: same.leaf(i), tolerance, op_name, same.lazy,  # type: ignore[misc]  # mypy cannot type a lambda's default
-                                     precedent, backward, leaf_bound))
+                                     precedent, backward, leaf_bound, read.get(index, _UNREAD)))
     return results
+
+
+_UNREAD = object()  # a leaf whose statistics were not read with the others: compare_tensors measures it
+
+
+def _read_together(device_leaves: list, reference_leaves: list, tolerance: ToleranceSpec | None, op_name: str,
+                   backward: bool) -> dict:
+    """The statistics of the leaves measured on a device (the first device met), read back in one transfer: a
+    foreach op's list, a backward's gradients, one synchronisation rather than one each. Index -> ``error_stats``'
+    result."""
+    rows: list[torch.Tensor] = []
+    atols: list[float] = []
+    indices: list[int] = []
+    device = None
+    for index, ((_, d), (_, r)) in enumerate(zip(device_leaves, reference_leaves)):
+        if not (isinstance(d, torch.Tensor) and isinstance(r, torch.Tensor)) or d.is_cpu or d.shape != r.shape \
+                or not (d.is_floating_point() and r.is_floating_point()) or not d.numel() \
+                or device is not None and d.device != device:
+            continue
+        _, atol, rtol, _, relative = _measure(d, r, tolerance, op_name, backward)
+        row = unread_stats(d, r, rtol, relative)
+        if row is not None:
+            device = d.device
+            rows.append(row)
+            atols.append(atol)
+            indices.append(index)
+    return dict(zip(indices, read_stats(rows, atols))) if rows else {}
+
+
+def _measure(d: torch.Tensor, r: torch.Tensor, tolerance: ToleranceSpec | None, op_name: str, backward: bool):
+    """How ``d`` is measured: ``(the user's tolerance entry or None, atol, rtol, error rule, relative)``."""
+    user = tolerance.lookup(op_name, d.dtype) if tolerance else None
+    atol, rtol = (user[0], user[1]) if user else ORIGINAL_TOLERANCES.get(d.dtype, _DEFAULT_TOLERANCE)
+    rule = error_rule(op_name, d.dtype, r.dtype, backward)
+    return user, atol, rtol, rule, (ROUNDED_SHARE, _tiny(d.dtype)) if rule.rounded else None
 
 
 class SameDtypeHistory:
@@ -390,11 +426,11 @@ def _describe(value) -> str:
 
 def _compare_leaf(name: str, d, r, same: Callable[[], Any], tolerance: ToleranceSpec | None,
                   op_name: str, lazy: bool, precedent=None, backward: bool = False,
-                  bound: Callable[[], Any] | None = None) -> Comparison:
+                  bound: Callable[[], Any] | None = None, stats: Any = _UNREAD) -> Comparison:
     if d is None and r is None:
         return Comparison(name, True)
     if isinstance(d, torch.Tensor) and isinstance(r, torch.Tensor):
-        return compare_tensors(name, d, r, same, tolerance, op_name, lazy, precedent, backward, bound)
+        return compare_tensors(name, d, r, same, tolerance, op_name, lazy, precedent, backward, bound, stats)
     if isinstance(d, torch.Tensor) and r is None or d is None and isinstance(r, torch.Tensor):
         t = d if d is not None else r
         if not t.is_floating_point() or not bool((t == 0).all()):  # type: ignore[union-attr]  # t is whichever is a tensor; an unused gradient: None or zeros alike
@@ -450,12 +486,12 @@ def _wide_pair(d: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def compare_tensors(name: str, d: torch.Tensor, r: torch.Tensor, same: Callable[[], Any] = lambda: None,
                     tolerance: ToleranceSpec | None = None, op_name: str = "", lazy: bool = False,
                     precedent: tuple | None = None, backward: bool = False,
-                    bound: Callable[[], Any] | None = None) -> Comparison:
+                    bound: Callable[[], Any] | None = None, stats: Any = _UNREAD) -> Comparison:
     """The verdict for one device tensor ``d`` (on any device) against its reference ``r``.
 
     ``same()`` gives the same-dtype run's tensor (or None); with ``lazy`` it is asked for only when needed;
     ``precedent`` is ``(SameDtypeHistory, key[, site])``; ``backward``: ``d`` is a gradient; ``bound()``: see
-    ``compare_outputs``' ``bounds``.
+    ``compare_outputs``' ``bounds``; ``stats``: ``error_stats``' result when already read (``_read_together``).
     """
     if d.shape != r.shape:
         return _failure(name, f"shape differs: device {tuple(d.shape)}, reference {tuple(r.shape)}")
@@ -476,15 +512,13 @@ def compare_tensors(name: str, d: torch.Tensor, r: torch.Tensor, same: Callable[
 
     if not lazy and _dtype_differs(d, get_same()):
         return _failure(name, f"dtype differs: device {d.dtype}, a correct run in its dtype gives {get_same().dtype}")
-    user = tolerance.lookup(op_name, d.dtype) if tolerance else None
-    atol, rtol = (user[0], user[1]) if user else ORIGINAL_TOLERANCES.get(d.dtype, _DEFAULT_TOLERANCE)
+    user, atol, rtol, rule, relative = _measure(d, r, tolerance, op_name, backward)
     if d.numel() == 0:
         return Comparison(name, True, True, atol=atol, rtol=rtol, device_error=0.0, cpu_error=0.0)
     result = Comparison(name, True, atol=atol, rtol=rtol)
     infos = []
-    rule = error_rule(op_name, d.dtype, r.dtype, backward)
-    relative = (ROUNDED_SHARE, _tiny(d.dtype)) if rule.rounded else None
-    stats = error_stats(d, r, atol, rtol, relative)
+    if stats is _UNREAD:
+        stats = error_stats(d, r, atol, rtol, relative)
     all_finite = stats is not None
     dw = rw = finite_d = finite_r = None  # float64 torch copies: only for nan/inf and the same-dtype check
     if all_finite:

@@ -134,13 +134,27 @@ def _torch_stats(d: torch.Tensor, r: torch.Tensor, atol: float, rtol: float, rel
         rw = wide(r).to(d.device).reshape(-1)
         share, least = (1.0, _TINY) if relative is None else relative
         values = fused_statistics.fused(flat, rw, -rtol, share, least, relative is not None)  # None: not used here
-        if values is None and not flat.is_cpu and flat.numel() <= _CHUNK_DEVICE:
-            values = _whole_stats(flat, rw, -rtol, relative)
         if values is None:
-            scale = _scale(torch.linalg.vector_norm(rw, 1).div_(rw.numel()), relative)
-            # per chunk: max |d-r|, max relative, normalised error, allclose margin; sums of d*d, r*r, d*r
-            table = torch.stack(_over_ranges(_range_stats, flat, rw, scale, -rtol, relative is not None))
-            values = torch.cat([table[:, :4].amax(0), table[:, 4:].sum(0)]).tolist()  # the one read back
+            values = _row(flat, rw, rtol, relative).tolist()  # the one read back
+    return finished(values, atol)
+
+
+def unread_stats(d: torch.Tensor, r: torch.Tensor, rtol: float, relative: tuple | None = None) -> torch.Tensor | None:
+    """``error_stats``' figures of a real tensor ``d`` on a device as one tensor there, not read back yet: several
+    are read in one transfer (``read_stats``). None for a host or complex tensor (``error_stats`` measures those)."""
+    if d.is_cpu or d.is_complex():
+        return None
+    with torch.no_grad():
+        return _row(d.detach().reshape(-1), wide(r).to(d.device).reshape(-1), rtol, relative)
+
+
+def read_stats(rows: list[torch.Tensor], atols: list[float]) -> list:
+    """``error_stats``' results for ``unread_stats`` rows (of one device), in one transfer: one synchronisation."""
+    return [finished(values, atol) for values, atol in zip(torch.stack(rows).tolist(), atols)]
+
+
+def finished(values: list[float], atol: float):
+    """``(max_abs, max_rel, error, cosine, allclose)`` from the seven figures, or None if a value is not finite."""
     max_abs, max_rel, error, margin, dd, rr, dr = values
     if not math.isfinite(max_abs):
         return None
@@ -149,7 +163,18 @@ def _torch_stats(d: torch.Tensor, r: torch.Tensor, atol: float, rtol: float, rel
     return max_abs, max_rel, error, _cosine(dd, rr, dr, max_abs), max_abs <= atol or margin <= atol
 
 
-def _whole_stats(flat: torch.Tensor, rw: torch.Tensor, minus_rtol: float, relative: tuple | None) -> list[float]:
+def _row(flat: torch.Tensor, rw: torch.Tensor, rtol: float, relative: tuple | None) -> torch.Tensor:
+    """The seven figures ``[max |d-r|, max relative, error, allclose margin, d.d, r.r, d.r]`` of flat ``flat`` against
+    float64 ``rw``, as one tensor on their device (under no_grad)."""
+    if not flat.is_cpu and flat.numel() <= _CHUNK_DEVICE:
+        return _whole_stats(flat, rw, -rtol, relative)
+    scale = _scale(torch.linalg.vector_norm(rw, 1).div_(rw.numel()), relative)
+    # per chunk: max |d-r|, max relative, normalised error, allclose margin; sums of d*d, r*r, d*r
+    table = torch.stack(_over_ranges(_range_stats, flat, rw, scale, -rtol, relative is not None))
+    return torch.cat([table[:, :4].amax(0), table[:, 4:].sum(0)])
+
+
+def _whole_stats(flat: torch.Tensor, rw: torch.Tensor, minus_rtol: float, relative: tuple | None) -> torch.Tensor:
     """The seven statistics of a tensor on a device that fits one chunk, on the whole tensors: no buffers, slices or
     table to join (on a device each call into torch is a launch, about 20 here against 34 for the chunked form; the
     cache the host's chunks fit is not a device's concern). As many temporaries as the chunks' buffers."""
@@ -164,7 +189,7 @@ def _whole_stats(flat: torch.Tensor, rw: torch.Tensor, minus_rtol: float, relati
                   out=tmp).max(),
         torch.add(diff, magnitude, alpha=minus_rtol, out=tmp).max(), torch.dot(wide_d, wide_d), torch.dot(rw, rw),
         torch.dot(wide_d, rw),
-    ]).tolist()  # the one read back
+    ])
 
 
 def _range_stats(flat: torch.Tensor, rw: torch.Tensor, start: int, stop: int, chunk: int, scale, minus_rtol: float,

@@ -235,3 +235,17 @@ def test_on_a_cuda_gpu_the_recipes_judged_on_the_device_fail_nothing_and_trust_i
     print("\n".join(rows))
     assert not failing, failing
     assert autocompare.LEARNT.trust.untrusted == {}
+
+
+def test_a_foreach_calls_list_judged_on_the_device_is_read_back_in_one_transfer(sim):
+    """An optimizer's foreach op compares every parameter: their statistics come back together, one synchronisation
+    for the call rather than one per tensor (``comparison._read_together``)."""
+    tensors = [torch.randn(64, device=sim) for _ in range(8)]
+    synchronisations = []
+    with op_tools.OpAutoCompare(reference="device") as tool:
+        for _ in range(4):  # its first call (on the CPU), its first on the device (cross-checked), then two
+            before = torch.sim.device_counts()
+            torch._foreach_mul(tensors, 2.0)
+            synchronisations.append((torch.sim.device_counts() - before).synchronizations)
+    assert _places(tool, "forward")["device"] == 2 and tool.failures == []
+    assert synchronisations[2:] == [1, 1], synchronisations
