@@ -87,18 +87,23 @@ class EventClock:
         self._make_event = make_event
         self._current_stream = current_stream
         self._free: list = []
-        # The origin: an event waited for once, so that its device time is (about) this host instant. With a second
-        # event it is also the probe: a backend whose events cannot time raises here, and the caller falls back to
-        # synchronising.
+        # The origin: an event whose device time is the host instant read just before it is recorded. The stream is
+        # drained first, so that it runs as it is recorded; the host instant after the wait would be later by the
+        # wait itself (tens of µs, more on a loaded host), and every span read from this clock would start that much
+        # late against the host's clock (a CPU call's span, timed by the host, would seem to overlap the one before
+        # it). With a second event it is also the probe: a backend whose events cannot time raises here, and the
+        # caller falls back to synchronising.
         stream = self.stream()
-        origin, probe = make_event(), make_event()
+        drain, origin, probe = make_event(), make_event(), make_event()
+        drain.record(stream)
+        drain.synchronize()
+        self.origin_ns = time.perf_counter_ns()
         origin.record(stream)
         probe.record(stream)
         probe.synchronize()
-        self.origin_ns = time.perf_counter_ns()
         origin.elapsed_time(probe)
         self._origin = origin
-        self._free.append(probe)
+        self._free += (drain, probe)
 
     def stream(self):
         return None if self._current_stream is None else self._current_stream(self.device)

@@ -88,3 +88,27 @@ def test_event_clock_times_work_on_a_side_stream(sim):
         end = clock.mark()
     start_ns, duration_ns = clock.span(start, end)
     assert duration_ns > 0 and start_ns >= clock.origin_ns
+
+
+def test_an_event_clocks_spans_start_when_the_host_marked_them_however_long_its_first_wait(sim, monkeypatch):
+    """The clock's origin is the host instant its origin event was recorded at, not the end of the wait for it: a
+    span timed by events and one timed by the host's clock (a CPU call's) lie on one timeline, in order."""
+    import time
+
+    waits = []
+    wait = torch.sim.Event.synchronize
+
+    def slow_wait(event):  # a loaded host: each wait returns 5 ms late
+        waits.append(event)
+        time.sleep(0.005)
+        return wait(event)
+
+    monkeypatch.setattr(torch.sim.Event, "synchronize", slow_wait)
+    clock = clock_for(torch.device(sim, 0), synchronise=False)
+    assert isinstance(clock, EventClock) and waits
+    monkeypatch.setattr(torch.sim.Event, "synchronize", wait)
+    before = time.perf_counter_ns()
+    start = clock.mark()
+    after = time.perf_counter_ns()
+    start_ns, _ = clock.span(start, clock.mark())
+    assert before - 50_000 <= start_ns <= after + 50_000, (before, start_ns, after)

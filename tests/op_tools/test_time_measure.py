@@ -173,7 +173,8 @@ def test_calls_are_timed_with_events_on_the_stream_and_no_synchronisation_per_ca
     m = timer.measurements
     assert synchronised == []  # not once: the events are waited for, the device never is
     assert all(s is torch.sim.current_stream(sim) for s in recorded)  # on the op's stream
-    assert len(recorded) == 2 + 2 * (len(m.records) + len(m.backward_spans))  # the origin and probe, two per span
+    # the drain, the origin and the probe (device_timing.EventClock), then two per span
+    assert len(recorded) == 3 + 2 * (len(m.records) + len(m.backward_spans))
     assert [r.name for r in m.records[:3]] == ["torch.nn.functional.linear", "torch.Tensor.relu", "torch.Tensor.sum"]
     assert len(m.records) == 15 and all(r.forward_ns > 0 for r in m.records)
     assert len(m.backward_spans) == 15 and all(duration > 0 for _, _, duration, _ in m.backward_spans)
