@@ -23,6 +23,7 @@ cast, the memory bound) it takes today's CPU path, and the summary counts why.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import weakref
 
 import torch
@@ -100,16 +101,21 @@ class MemoryBound:
     def __init__(self, limit: int | None) -> None:
         self.limit = limit
         self.held = 0
+        # Finalizers run on whichever thread lets a call's state go (autograd's, after a backward), and may run
+        # inside ``hold`` on this one (a collection while it allocates): re-entrant.
+        self._lock = threading.RLock()
 
     def admits(self, nbytes: int) -> bool:
         return self.limit is None or self.held + nbytes <= self.limit
 
     def hold(self, copies: DeviceCopies) -> None:
-        self.held += copies.nbytes
+        with self._lock:
+            self.held += copies.nbytes
         weakref.finalize(copies, self._give_back, copies.nbytes)
 
     def _give_back(self, nbytes: int) -> None:
-        self.held -= nbytes
+        with self._lock:
+            self.held -= nbytes
 
 
 @dataclasses.dataclass
