@@ -487,7 +487,7 @@ class OpAutoCompare(OpTool):
                 if self._recheck(state, tensors, host_of, written_ids):  # a cached copy was stale: compare again
                     outcome = self._compare_forward(call, state)
             if outcome is not None and state.device_reference is not None:
-                self._cross_check(call, state, state.device_reference.result, outcome[1], "forward")
+                self._cross_check(call, state, state.device_reference.result, outcome[1], "forward", outcome[0])
         if outcome is None:
             return
         if self._device_reference:
@@ -571,15 +571,18 @@ class OpAutoCompare(OpTool):
         state.cpu_args, state.cpu_kwargs = copies.host(state.cpu_args), copies.host(state.cpu_kwargs)
         return [(t, copies.host_tensor(c), False) for t, c, _ in tensors]
 
-    def _cross_check(self, call: OpCall, state: CompareState, device_values, cpu_reference, phase: str) -> None:
-        """The two references of one call, compared: one that differs beyond float64 rounding means the device's
-        float64 kernels for this op are wrong, and the op's reference runs on the CPU from now on."""
+    def _cross_check(self, call: OpCall, state: CompareState, device_values, cpu_reference, phase: str,
+                     comparisons: Sequence[Comparison]) -> None:
+        """The two references of one call, compared: one that differs beyond float64 rounding, and beyond what could
+        change the CPU's verdict (``comparisons``), means the device's float64 kernels for this op are wrong, and
+        the op's reference runs on the CPU from now on."""
         if isinstance(cpu_reference, Reference):
             if cpu_reference.note:  # the CPU ran it narrower than float64: nothing to hold the device's to
                 return
             cpu_reference = cpu_reference.result
         tested = tested_dtype(state.signature[1]) if state.signature else None
-        differ = references_differ(device_values, cpu_reference, tested or torch.float32)
+        errors = [c.device_error for c in comparisons if math.isfinite(c.device_error)]
+        differ = references_differ(device_values, cpu_reference, tested or torch.float32, min(errors, default=0.0))
         self.reference_place[phase, "cross-checked"] += 1
         if differ is None:
             return
@@ -827,9 +830,9 @@ class OpAutoCompare(OpTool):
             comparisons, reference_grads, upstream_cpu, device_grads_cpu = self._backward_on_host(
                 call, state, upstream, input_grads)
             if device_values is not None:  # the device reference's gradients, computed before it needed the CPU
-                self._cross_check(call, state, device_values, reference_grads, "backward")
+                self._cross_check(call, state, device_values, reference_grads, "backward", comparisons)
             elif state.device_reference is not None:
-                self._cross_check_backward(call, state, upstream, reference_grads)
+                self._cross_check_backward(call, state, upstream, reference_grads, comparisons)
         passed = all(c.passed for c in comparisons)
         with self._lock:
             self.counts["backward compared"] += 1
@@ -853,7 +856,8 @@ class OpAutoCompare(OpTool):
                        grads=(device_grads_cpu, tuple(upstream_cpu), reference_grads))
         state.release()
 
-    def _cross_check_backward(self, call: OpCall, state: CompareState, upstream: tuple, reference_grads) -> None:
+    def _cross_check_backward(self, call: OpCall, state: CompareState, upstream: tuple, reference_grads,
+                              comparisons: Sequence[Comparison]) -> None:
         reference = state.device_reference
         assert reference is not None  # only called for a call with both references
         try:
@@ -863,7 +867,7 @@ class OpAutoCompare(OpTool):
             self._logger.info("OpAutoCompare: %s: the device's float64 backward could not run for the cross-check "
                               "(%s)", call.name, str(e).splitlines()[0][:120] if str(e) else type(e).__name__)
             return
-        self._cross_check(call, state, device_values, reference_grads, "backward")
+        self._cross_check(call, state, device_values, reference_grads, "backward", comparisons)
 
     def _backward_on_host(self, call: OpCall, state: CompareState, upstream: tuple, input_grads: tuple) -> tuple:
         """``(comparisons, reference gradients, upstream copies, device gradients as compared)`` against the CPU

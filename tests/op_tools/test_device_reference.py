@@ -178,6 +178,14 @@ def test_two_references_agree_within_float64_rounding_and_differ_beyond_it():
     nan = (a @ b).clone()
     nan[0, 0] = float("nan")
     assert "nan/inf" in references_differ(nan, a @ b, torch.bfloat16)
+    # A sum whose terms cancel: two correct float64 orders differ by far more than an epsilon of its tiny result,
+    # and the float32 result the verdict judged errs by more still; within a sixteenth of that, they agree.
+    terms = torch.randn(1 << 20, dtype=torch.float64) * 1e8
+    terms -= terms.mean()
+    in_order, shuffled = terms.sum(), terms[torch.randperm(terms.numel())].sum()
+    judged = float((terms.float().sum().double() - in_order).abs() / (2 * in_order.abs()))
+    assert references_differ(shuffled, in_order, torch.float32) is not None  # an epsilon alone: a false alarm
+    assert references_differ(shuffled, in_order, torch.float32, judged) is None
 
 
 def test_a_nan_from_a_kernel_wrong_in_float64_too_is_judged_on_the_cpu_not_passed_as_agreeing(sim):
