@@ -17,7 +17,7 @@ at its own speed. But the device is the hardware under suspicion, so its referen
   CPU reference for the rest of the process.
 
 Where a call is not compared on the device (no float64 kernels, a DTensor, a compiled graph, a user's reference
-cast, the memory bound) it takes today's CPU path, and the summary counts why.
+cast, the memory bound) it takes the CPU path, and the summary counts why.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ import weakref
 
 import torch
 
-from ..ops.arguments import iter_tensors
+from ..ops.arguments import is_dtensor, iter_tensors
+from .comparison import _eps
+from .error_statistics import normalised_error, wide
 from .reference import map_arguments
 
 _WIDE = {torch.float16: torch.float64, torch.bfloat16: torch.float64, torch.float32: torch.float64,
@@ -48,6 +50,10 @@ def needs_host(*_args):
     raise NeedsHostError
 
 
+class NotCopiedError(Exception):
+    """A call the device's reference does not take (its reason in ``args[0]``), met while copying its arguments."""
+
+
 class DeviceCopies:
     """One call's tensors copied on their device before the op runs: floating ones in float64, others cloned.
 
@@ -63,6 +69,8 @@ class DeviceCopies:
         self.nbytes = 0
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
+        if is_dtensor(t):  # compared whole, on the CPU (host_copies.snapshot gathers it)
+            raise NotCopiedError("a DTensor")
         t = t.detach()
         wide = _WIDE.get(t.dtype)
         out = t.to(dtype=wide, copy=True) if wide is not None else t.clone()
@@ -84,15 +92,6 @@ class DeviceCopies:
             dtype = self.dtype_of.get(id(t), t.dtype)
             known = self.on_host[id(t)] = t.detach().to(dtype).to("cpu")  # narrowed there: fewer bytes to copy
         return known
-
-
-def nbytes_wide(tensors) -> int:
-    """What ``DeviceCopies`` would hold for these tensors."""
-    total = 0
-    for t in tensors:
-        wide = _WIDE.get(t.dtype)
-        total += t.numel() * (torch.empty((), dtype=wide).element_size() if wide is not None else t.element_size())
-    return total
 
 
 class MemoryBound:
@@ -149,16 +148,11 @@ def references_differ(device_out, cpu_out, tested: torch.dtype, judged: float = 
             if not torch.equal(d.detach().cpu(), c.detach()):
                 return f"{d.dtype} values differ from the CPU's"
             continue
-        dw = _real(d.detach().to("cpu"))
-        cw = _real(c.detach())
+        dw, cw = wide(d.detach().to("cpu")), wide(c.detach())
         both = torch.isfinite(dw) & torch.isfinite(cw)
         if not bool((both | ((dw == cw) | (torch.isnan(dw) & torch.isnan(cw)))).all()):
             return "nan/inf where the CPU's reference has none"
-        if not bool(both.any()):
-            continue
-        diff = (dw[both] - cw[both]).abs()
-        magnitude = cw[both].abs()
-        error = float((diff / (magnitude + magnitude.mean())).max()) if magnitude.sum() > 0 else float(diff.max())
+        error = normalised_error(dw, cw, both)  # the verdicts' measure
         if error > allowed:
             return f"normalised difference {error:.3g} (float64 rounding allows {allowed:.3g})"
     return None
@@ -174,10 +168,3 @@ def tested_dtype(dtypes) -> torch.dtype | None:
                 narrowest = dtype
     return narrowest
 
-
-def _real(t: torch.Tensor) -> torch.Tensor:
-    return torch.view_as_real(t.to(torch.complex128)) if t.is_complex() else t.to(torch.float64)
-
-
-def _eps(dtype: torch.dtype) -> float:
-    return torch.finfo(dtype.to_real() if dtype.is_complex else dtype).eps

@@ -80,8 +80,8 @@ from ..numerics.device_reference import (
     DeviceCopies,
     MemoryBound,
     NeedsHostError,
+    NotCopiedError,
     Trust,
-    nbytes_wide,
     needs_host,
     references_differ,
     tested_dtype,
@@ -309,11 +309,18 @@ class OpAutoCompare(OpTool):
         if copies is not None:  # the reference runs on the device, on these float64 copies (device_reference)
             try:
                 self._copy_arguments(call, state, copies.fresh, keep_devices=True)
+            except NotCopiedError as why:
+                copies, state.cpu_reason = None, why.args[0]
             except torch.OutOfMemoryError:  # a call that does not fit beside the run: compared on the CPU
                 copies, state.cpu_reason = None, "out of device memory for its float64 copies"
             else:
-                state.device_copies = copies
-                self._memory.hold(copies)
+                if self._memory.admits(copies.nbytes):
+                    state.device_copies = copies
+                    self._memory.hold(copies)
+                    state.cross_check = LEARNT.trust.cross_check(call.name, self.settings.cross_check_every)
+                else:  # let go at once: rare, and cheaper than sizing every call's arguments beforehand
+                    copies, state.cpu_reason = None, \
+                        "its float64 copies would pass OP_AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES"
         if copies is None:
             self._copy_arguments(call, state, host_copy)
         state.compared_writes = () if spec.unknown else written
@@ -353,12 +360,9 @@ class OpAutoCompare(OpTool):
         if reason is None and not self._float64_on(call.device):
             reason = "the device has no float64 kernels"
             self._say_no_float64(call.device)
-        if reason is None and not self._memory.admits(nbytes_wide(iter_tensors((call.args, call.kwargs)))):
-            reason = "its float64 copies would pass OP_AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES"
         if reason is not None:
             state.cpu_reason = reason
             return None
-        state.cross_check = LEARNT.trust.cross_check(call.name, self.settings.cross_check_every)
         return DeviceCopies()
 
     def _say_no_float64(self, device: torch.device) -> None:
@@ -1162,9 +1166,7 @@ def _device_reason(call: OpCall, state: CompareState, settings: AutoCompareConfi
         return "its first call"  # where the reruns are seen to leave the random streams alone
     if op_key(name) in settings.casts:
         return "a reference cast is set for it"
-    if any(is_dtensor(t) for t in iter_tensors((call.args, call.kwargs))):
-        return "a DTensor"
-    return None
+    return None  # a DTensor argument is found as the arguments are copied (device_reference.NotCopiedError)
 
 
 def _written_result(same, before_op: torch.Tensor):
