@@ -6,15 +6,16 @@ an op found in backward: as ``backward()`` returns, since raising inside autogra
 
 Where the work runs: per handled call, one fused reduction on the device (the largest magnitude of every floating
 input and output, ``torch._foreach_norm(..., inf)``: inf or nan exactly where a tensor holds one; in host memory,
-the CPU's and sim's, ``aminmax`` per tensor, the CPU's fast reduction), kept there and
-read back in batches of 64 calls without blocking (``numerics/device_readback.py``): no host synchronisation in a
-step, one when the tool stops (or when ``first_overflow`` is read while checks are in flight). The calls are judged
-in execution order as their batch arrives, so the first overflow is the same call as when each call was read at
-once; nothing is queued once it is found. Its statistics (min, max, mean, std, norm) are then computed from the
-call's tensors, kept meanwhile as aliases (``KeptTensors``, at most ``KEPT_BYTES`` of them): a tensor written in
-place since, or let go of, is shown with its flag only, and said so. ``OP_OVERFLOW_CHECK_RAISE=1`` (raise at the
-op) and the per-call tables (``OP_TOOLS_VERBOSE=1``) read each call as it runs: one transfer per call, the
-statistics computed on the device.
+the CPU's and sim's, ``aminmax`` per tensor, the CPU's fast reduction), kept there and read back in batches of 64
+calls without blocking (``numerics/device_readback.py``). What an op writes is flagged before it runs; in host
+memory, a large tensor flagged by an earlier call and unchanged since takes over that flag (``Flagged``) instead of
+being read again. No host synchronisation in a step, one when the tool stops (or when ``first_overflow`` is read
+while checks are in flight). The calls are judged in execution order as their batch arrives, so the first overflow
+is the same call as when each call was read at once; nothing is queued once it is found. Its statistics (min, max,
+mean, std, norm) are then computed from the call's tensors, kept meanwhile as aliases (``KeptTensors``, at most
+``KEPT_BYTES`` of them): a tensor written in place since, or let go of, is shown with its flag only, and said so.
+``OP_OVERFLOW_CHECK_RAISE=1`` (raise at the op) and the per-call tables (``OP_TOOLS_VERBOSE=1``) read each call as
+it runs: one transfer per call, the statistics computed on the device.
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ import torch
 
 from ..config.variables import OVERFLOW_CHECK_RAISE
 from ..core.engine import OpCall, OpTool, OpToolsAbortError, feature, tool_work
+from ..numerics.current_values import CurrentValues, locate
 from ..numerics.device_readback import DeviceReadback, KeepBudget, KeptTensors
 from ..numerics.tensor_stats import foreach_norms
 from ..ops.arguments import local_part, tensor_items
 from ..ops.collectives import collective_call, signature_of
 from ..ops.op_facts import op_facts
+from ..ops.writes import call_writes
 from ..output import reporting, result_files
 
 STAT_COLUMNS = ("name", "inf_or_nan", "min", "max", "mean", "std", "norm")
@@ -44,6 +47,7 @@ READBACK_BATCH = 64  # calls whose flags travel to the host together: one copy, 
 # own tensors mostly, which are alive anyway; the bound holds for the temporaries a step would have freed.
 KEPT_BYTES = 256 * 2**20
 NOT_KEPT = "not kept"
+KNOWN_ENTRIES = 4096  # tensors whose flag a later call may take over instead of reducing them again
 
 
 class OverflowDetectedError(OpToolsAbortError):
@@ -98,16 +102,49 @@ def _abs_max(t: torch.Tensor) -> torch.Tensor:
 LARGE = 2**16  # elements: in host memory, a tensor this large is reduced by aminmax, smaller ones by one fused call
 
 
+def _in_host_memory(t: torch.Tensor) -> bool:
+    device_type = t.device.type
+    host = _host_memory.get(device_type)
+    if host is None:
+        host = _host_memory[device_type] = t.untyped_storage().device.type == "cpu"
+    return host
+
+
+class Flagged:
+    """The checks that flagged tensors still unchanged (``numerics/current_values``): a later call's tensor found
+    here takes that check's flag instead of being reduced again. One op's output is the next one's input, so in host
+    memory, where each reduction reads the whole tensor once more (sim, the CPU), this halves the tool's reading.
+    Only for large tensors in host memory: on a device all of a call's tensors are reduced in one fused launch, and
+    a lookup would cost the host more than it saves the device. Used only where every call is seen (a mode): the
+    writes of calls not seen would go unnoticed."""
+
+    def __init__(self) -> None:
+        self._values = CurrentValues(KNOWN_ENTRIES, 0)
+
+    def find(self, t: torch.Tensor) -> tuple[tuple, tuple[_PendingCheck, int] | None] | None:
+        """``(where, (check, index))`` for a tensor that may be tracked: the check that flagged it as it is now, or
+        None in its place; None for a tensor that is not tracked."""
+        if t.numel() < LARGE or not _in_host_memory(t):
+            return None
+        where = locate(t)
+        return None if where is None else (where, self._values.find(where))
+
+    def put(self, where, check: _PendingCheck, index: int) -> None:
+        self._values.put(where, (check, index))
+
+    def forget(self, tensors) -> None:
+        self._values.forget(tensors)
+
+    def clear(self) -> None:
+        self._values.clear()
+
+
 def _witnesses(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
     """0-d tensors on the tensors' device, and how many of them belong to each tensor in turn, among which one is inf
     or nan exactly where the tensor holds one: its largest magnitude (one fused ``_foreach_norm`` for all on a
     device), or, for a large tensor in host memory (the CPU's, sim's), its minimum and maximum (``aminmax``:
     vectorised and threaded there, 13x faster than the ``vector_norm(inf)`` the CPU runs per tensor)."""
-    device_type = tensors[0].device.type
-    host = _host_memory.get(device_type)
-    if host is None:
-        host = _host_memory[device_type] = tensors[0].untyped_storage().device.type == "cpu"
-    if not host:  # a device's own memory: one fused reduction for all
+    if not _in_host_memory(tensors[0]):  # a device's own memory: one fused reduction for all
         return _largest_magnitudes(tensors), [1] * len(tensors)
     large = [t.numel() >= LARGE for t in tensors]
     small = [t for t, is_large in zip(tensors, large) if not is_large]
@@ -226,7 +263,7 @@ class _PendingCheck:
     """A call whose flags are on their way from the device: what judging it, and showing it, needs."""
 
     __slots__ = ("facts", "site", "names", "kept", "split", "results_first", "flags", "remaining", "table",
-                 "scalars")
+                 "scalars", "taken")
 
     def __init__(self, call: OpCall, phase: str, named: list, split: int, results_first: bool,
                  kept: KeptTensors | None = None, scalars: int = FINITE) -> None:
@@ -242,11 +279,22 @@ class _PendingCheck:
         self.scalars = scalars  # the worst of the call's float arguments
         self.remaining = 0  # device groups not yet read back
         self.table: list[dict] | None = None  # the statistics, where computed with the flags
+        # (index, earlier check, its index, whether the tensor still holds what it held at the call): a tensor whose
+        # flag is an earlier check's, of it unchanged since (``Flagged``); taken over once that check's flags have
+        # arrived, which in call order they have
+        self.taken: list[tuple[int, _PendingCheck, int, bool]] = []
 
     @property
     def overflow(self) -> Overflow:
         name, forward_id, phase, module, step, started = self.facts
         return Overflow(name, forward_id, phase, self.site.text(), module, step, started)
+
+    def source_indices(self) -> range:
+        return range(self.split, len(self.names)) if self.results_first else range(self.split)
+
+    def take_over(self) -> None:
+        for i, earlier, j, _ in self.taken:
+            self.flags[i] = earlier.flags[j]
 
     def sources_and_results(self) -> tuple[list[int], list[int]]:
         first, second = self.flags[:self.split], self.flags[self.split:]
@@ -262,6 +310,24 @@ class _PendingCheck:
         return [next(computed) if t is not None else
                 {"name": name, "inf_or_nan": flag != FINITE, **{s: NOT_KEPT for s in _STATISTICS}}
                 for name, t, flag in zip(self.names, tensors, self.flags)]
+
+
+class _Written:
+    """The tensors a call writes, and how the flag of each as it was before the op comes (``_flags_before``)."""
+
+    __slots__ = ("tensors", "flags")
+
+    def __init__(self, tensors: list[torch.Tensor], flags: dict[int, tuple]) -> None:
+        self.tensors, self.flags = tensors, flags
+
+
+def _read_flag(flag: tuple) -> int:
+    """The kind a ``_flags_before`` entry stands for, read now (one transfer for a witness on a device)."""
+    if flag[0] == "kind":
+        return flag[1]
+    if flag[0] == "taken":  # the earlier check has been judged: the calls in flight were read first
+        return flag[1].flags[flag[2]]
+    return _kinds_of(torch.stack(flag[1]).cpu().tolist(), [flag[2]])[0]
 
 
 @feature("overflow_check")
@@ -282,6 +348,7 @@ class OpOverflowCheck(OpTool):
     env_prefix = "OP_OVERFLOW_CHECK"
     keywords = {"raise_on_overflow": OVERFLOW_CHECK_RAISE}
     tracks_modules = True
+    tracks_writes = True  # a write by a call not handled makes the flags taken over from that tensor stale
 
     def configure(self) -> None:
         self.raise_on_overflow = OVERFLOW_CHECK_RAISE.read(self.sources)
@@ -291,6 +358,8 @@ class OpOverflowCheck(OpTool):
         self._checks: collections.deque[_PendingCheck] = collections.deque()  # in execution order
         self._checks_lock = threading.Lock()
         self._kept = KeepBudget(KEPT_BYTES)
+        self._flagged = Flagged()
+        self.stale_flags = 0  # flags taken over, found out of date when the call they made look born was re-read
 
     @property
     def first_overflow(self) -> Overflow | None:
@@ -301,15 +370,49 @@ class OpOverflowCheck(OpTool):
                 self._judge(wait=True)
         return self._first_overflow
 
+    def note_writes(self, tensors: list) -> None:
+        self._flagged.forget(tensors)
+
     def before(self, call: OpCall) -> None:
-        # A collective writes what it received over what it sent: what was sent is measured now (on the device).
-        if signature_of(call.name) is None or (self._first_overflow is not None
-                                               and not self._logger.isEnabledFor(logging.DEBUG)):
+        verbose = self._logger.isEnabledFor(logging.DEBUG)
+        if self._first_overflow is not None and not verbose:
             return
-        bound = collective_call(call.name, call.func, call.args, call.kwargs)
-        if bound is not None and not bound.asynchronous:
-            sent = [t for t in map(local_part, bound.sent) if _checked(t)]
-            call.state = {"collective": bound, "sent": _largest_magnitudes(sent) if sent else []}
+        if signature_of(call.name) is not None:
+            # A collective writes what it received over what it sent: what was sent is measured now (on the device).
+            bound = collective_call(call.name, call.func, call.args, call.kwargs)
+            if bound is not None and not bound.asynchronous:
+                sent = [t for t in map(local_part, bound.sent) if _checked(t)]
+                call.state = {"collective": bound, "sent": _largest_magnitudes(sent) if sent else []}
+            return
+        spec = call_writes(call.name)
+        if not spec.never:  # what an in-place op overwrites is its input as it was: flagged before the op
+            written = [t for t in map(local_part, spec.written(call.args, call.kwargs)) if _checked(t)]
+            if written:
+                call.state = _Written(written, self._flags_before(written, self.raise_on_overflow or verbose))
+
+    def _flags_before(self, written: list[torch.Tensor], at_once: bool) -> dict[int, tuple]:
+        """``id(tensor) -> how its flag comes``: ``("kind", kind)`` read now (``at_once``, or on the CPU), ``("taken",
+        check, index)`` from an earlier check of it unchanged, or ``("witness", witnesses, count)`` on the device."""
+        with torch.no_grad():
+            if at_once:
+                return {id(t): ("kind", kind) for t, kind in zip(written, nonfinite_kinds(written))}
+            flags: dict[int, tuple] = {}
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for t in written:
+                found = self._flagged.find(t) if self.sees_every_call else None
+                if found is not None and found[1] is not None:
+                    flags[id(t)] = ("taken", *found[1])
+                else:
+                    by_device.setdefault(t.device, []).append(t)
+            for device, tensors in by_device.items():
+                witnesses, counts = _witnesses(tensors)
+                start = 0
+                for t, count in zip(tensors, counts):
+                    mine = witnesses[start:start + count]
+                    start += count
+                    flags[id(t)] = ("kind", _kinds_of(torch.stack(mine).tolist(), [count])[0]) \
+                        if device.type == "cpu" else ("witness", mine, count)
+            return flags
 
     def after(self, call: OpCall) -> None:
         verbose = self._logger.isEnabledFor(logging.DEBUG)
@@ -318,6 +421,10 @@ class OpOverflowCheck(OpTool):
         if isinstance(call.state, dict) and "collective" in call.state:
             self._check_collective(call, call.state["collective"], call.state["sent"])
             return
+        before = None
+        if isinstance(call.state, _Written):
+            before = call.state.flags
+            self._flagged.forget(call.state.tensors)  # flags taken over from them are out of date now
         facts = op_facts(call.name)
         # A functional collective's result is written by the collective's thread until wait_tensor: it is checked
         # there, where an inf/nan another rank sent shows as born (what was waited for is no input).
@@ -329,7 +436,8 @@ class OpOverflowCheck(OpTool):
             rows = reporting.call_rows(call.name, call.args, call.kwargs, call.result)
             header = reporting.header(call.name, call.forward_id, call.location) + "\n" + \
                 reporting.call_table(call.name, rows)
-        self._check(call, inputs, outputs, "forward", header, scalars=scalar_kind(call.args, call.kwargs))
+        self._check(call, inputs, outputs, "forward", header, scalars=scalar_kind(call.args, call.kwargs),
+                    before=before)
 
     def _check_collective(self, call: OpCall, bound, sent: list[torch.Tensor]) -> None:
         """Born here when what arrived holds inf/nan and what this rank sent did not: received from another rank."""
@@ -367,10 +475,12 @@ class OpOverflowCheck(OpTool):
 
     def finish(self) -> None:
         """The first overflow, written for the run's other readers (each rank its own file under torchrun)."""
-        if self.first_overflow is None:  # what is still in flight is read first
+        first = self.first_overflow  # what is still in flight is read first
+        self._flagged.clear()
+        if first is None:
             return
         path = result_files.results_path(self.common, self.results_folder, f"overflow_{self.stem}.json")
-        self.tally.add(path, result_files.write_json(path, self.first_overflow.record(self.common.rank)),
+        self.tally.add(path, result_files.write_json(path, first.record(self.common.rank)),
                        "first overflow")
 
     def closing_line(self) -> str:
@@ -378,6 +488,9 @@ class OpOverflowCheck(OpTool):
         if not found:  # a clean verdict only when every handled call was checked
             found = "no inf/nan from finite inputs" if not self.not_checked() else \
                 "no inf/nan from finite inputs among the calls checked"
+        if self.stale_flags:
+            found += (f"; {self.stale_flags} flags taken over from an earlier call found out of date (a write no call "
+                      "showed) and read again")
         return f"{super().closing_line()}; {found}"
 
     def found(self) -> str:
@@ -389,10 +502,11 @@ class OpOverflowCheck(OpTool):
             raise OverflowDetectedError(str(pending))
 
     def _check(self, call: OpCall, sources: list, results: list, phase: str, table_header: str | None,
-               results_first: bool = False, scalars: int = FINITE) -> None:
+               results_first: bool = False, scalars: int = FINITE, before: dict | None = None) -> None:
         """Flag ``sources`` and ``results`` (``(name, tensor)`` pairs): all statistics, read in one transfer, when
         ``table_header`` asks for the table; at once when an overflow must raise at its op; otherwise queued on
-        the device and judged when its batch arrives (``_queue``)."""
+        the device and judged when its batch arrives (``_queue``). ``before``: the flags of the sources the op
+        wrote, taken before it ran (``_flags_before``)."""
         ordered = results + sources if results_first else sources + results
         split = len(results) if results_first else len(sources)
         if table_header is not None:
@@ -405,7 +519,7 @@ class OpOverflowCheck(OpTool):
         elif not self.raise_on_overflow:
             tensors = [t for _, t in ordered]
             self._queue(_PendingCheck(call, phase, ordered, split, results_first, self._kept.keep(tensors), scalars),
-                        tensors)
+                        tensors, before)
             return
         else:
             flags = nonfinite_kinds([t for _, t in ordered])
@@ -416,27 +530,57 @@ class OpOverflowCheck(OpTool):
             return
         check = _PendingCheck(call, phase, ordered, split, results_first, scalars=scalars)
         check.flags, check.table = flags, rows
+        if before:
+            for i in check.source_indices():
+                flag = before.get(id(ordered[i][1]))
+                if flag is not None:
+                    check.flags[i] = _read_flag(flag)
         self._verdict(check)
 
     # --- checks in flight: flags computed on the device, judged in call order as their batch arrives ---
 
-    def _queue(self, check: _PendingCheck, tensors: list[torch.Tensor]) -> None:
-        """One fused reduction per device for the call's tensors, queued for the host; CPU tensors flagged now."""
-        by_device: dict[torch.device, list[int]] = {}
-        for i, t in enumerate(tensors):
-            if _checked(t):
-                by_device.setdefault(t.device, []).append(i)
+    def _queue(self, check: _PendingCheck, tensors: list[torch.Tensor], before: dict | None = None) -> None:
+        """One fused reduction per device for the call's tensors not flagged already (``before`` the op, or by an
+        earlier check: ``Flagged``), queued for the host; CPU tensors flagged now."""
+        flagged = self._flagged if self.sees_every_call else None
+        sources = check.source_indices()
+        scanned: dict[torch.device, list[int]] = {}
+        from_before: dict[torch.device, list[tuple[int, list[torch.Tensor], int]]] = {}
         with self._checks_lock:
             self._checks.append(check)
+            for i, t in enumerate(tensors):
+                if not _checked(t):
+                    continue
+                flag = before.get(id(t)) if before and i in sources else None
+                if flag is not None:
+                    if flag[0] == "witness":
+                        from_before.setdefault(t.device, []).append((i, flag[1], flag[2]))
+                    elif flag[0] == "taken":  # of the tensor before the op wrote it
+                        check.taken.append((i, flag[1], flag[2], False))
+                    else:
+                        check.flags[i] = flag[1]
+                    continue
+                found = flagged.find(t) if flagged is not None else None
+                if found is not None and flagged is not None:
+                    if found[1] is not None:  # the same tensor, unchanged since an earlier check (or this one) took it
+                        check.taken.append((i, *found[1], True))
+                        continue
+                    flagged.put(found[0], check, i)
+                scanned.setdefault(t.device, []).append(i)
             with torch.no_grad():
-                for device, indices in by_device.items():
-                    witnesses, counts = _witnesses([tensors[i] for i in indices])  # joined when the batch is sent
+                for device in scanned.keys() | from_before.keys():
+                    indices = scanned.get(device, [])
+                    witnesses, counts = _witnesses([tensors[i] for i in indices]) if indices else ([], [])
+                    for i, mine, count in from_before.get(device, ()):
+                        indices.append(i)
+                        witnesses.extend(mine)
+                        counts.append(count)
                     if device.type == "cpu":  # host memory: nothing to wait for
                         for i, kind in zip(indices, _kinds_of(torch.stack(witnesses).tolist(), counts)):
                             check.flags[i] = kind
                     else:
                         check.remaining += 1
-                        self._readback.put(witnesses, (check, indices, counts))
+                        self._readback.put(witnesses, (check, indices, counts))  # joined when the batch is sent
         self._judge(wait=False)
 
     def _judge(self, wait: bool) -> None:
@@ -457,10 +601,26 @@ class OpOverflowCheck(OpTool):
                 self._kept.release(check.kept)
 
     def _verdict(self, check: _PendingCheck) -> None:
+        check.take_over()
         source_kinds, result_kinds = check.sources_and_results()
-        if born_here(source_kinds, result_kinds, check.scalars):
+        if born_here(source_kinds, result_kinds, check.scalars) and not (check.taken and self._stale(check)):
             overflow = check.overflow
             self._found(overflow, overflow.name, check.rows())
+
+    def _stale(self, check: _PendingCheck) -> bool:
+        """Whether the call, which looks born, is not: a flag it took over from an earlier check was out of date (a
+        write no call showed, such as a collective run from C++). Its tensors, kept unchanged since the call, are
+        read again; a tensor let go of or written since, or one the call wrote (what it held before is gone), keeps
+        the flag taken over."""
+        kept = check.kept
+        again = [(i, t) for i, _, _, now in check.taken if now and kept is not None and (t := kept.get(i)) is not None]
+        changed = 0
+        for (i, _), kind in zip(again, nonfinite_kinds([t for _, t in again]) if again else []):
+            if kind != check.flags[i]:
+                check.flags[i] = kind
+                changed += 1
+        self.stale_flags += changed
+        return changed > 0 and not born_here(*check.sources_and_results(), check.scalars)
 
     def _found(self, overflow: Overflow, name: str, rows: list[dict]) -> None:
         """The first overflow: said with its call's statistics, nothing more queued, raised if asked."""

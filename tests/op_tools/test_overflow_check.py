@@ -278,3 +278,55 @@ def test_a_nan_born_from_infs_is_born_there(sim):
         z = y - y  # inf - inf: a nan, born here
     assert bool(z.isnan().any())
     assert check.first_overflow is not None and check.first_overflow.name == "torch.Tensor.sub", check.first_overflow
+
+
+@pytest.mark.parametrize("raise_on_overflow", ["0", "1"])
+@pytest.mark.parametrize("size", [8, 2**17])  # one fused reduction for a call's tensors; aminmax each (host memory)
+def test_an_in_place_op_that_overflows_its_finite_input_is_born_there(sim, monkeypatch, raise_on_overflow, size):
+    # What an in-place op overwrites is its input as it was: flagged before the op, or its inf is taken as brought in.
+    monkeypatch.setenv("OP_OVERFLOW_CHECK_RAISE", raise_on_overflow)
+    for overflow, name in [(lambda x, _: x.mul_(10), "torch.Tensor.mul_"),
+                           (lambda x, y: torch._foreach_mul_([y, x], 10.0), "torch._foreach_mul_"),
+                           (lambda x, y: torch.mul(x, 10, out=y), "torch.mul")]:
+        x = torch.full((size,), 1e38, device=sim)
+        y = torch.ones(size, device=sim)
+        check = op_tools.OpOverflowCheck()
+        with check:
+            x + 1  # flagged finite, an earlier check's flag the write must not let the op take over
+            try:
+                overflow(x, y)
+            except op_tools.OverflowDetectedError:
+                assert raise_on_overflow == "1"
+        found = check.first_overflow
+        assert found is not None and (found.name, found.phase) == (name, "forward"), (name, found)
+
+
+def test_a_large_tensor_is_reduced_once_while_unchanged(sim):
+    # In host memory each reduction reads a whole tensor once more: an op's result, the next op's input, is reduced
+    # once, its flag taken over by the next check.
+    x = torch.randn(2**17, device=sim)
+
+    def chain():
+        y = x
+        for _ in range(20):
+            y = y * 1.0001
+
+    plain = charged(chain).kernel_launches
+    with op_tools.OpOverflowCheck() as check:
+        checked = charged(chain).kernel_launches
+    assert check.first_overflow is None and check.verdict() == "clean"
+    assert checked - plain <= 20 + 1 + 2  # one reduction a result and for x, a join and a copy for the batch
+
+
+def test_a_flag_made_stale_by_a_write_no_call_shows_is_read_again_before_a_call_is_blamed(sim):
+    import ditorch.sim
+    from op_tools.core.engine import tool_work
+
+    x = torch.ones(2**17, device=sim)
+    with op_tools.OpOverflowCheck() as check:
+        x * 2  # x flagged finite
+        with tool_work(), ditorch.sim.faults("fill_:unversioned"):  # no call shows it, no counter moves
+            x.fill_(float("inf"))
+        x + 1  # inf in, inf out: not born here, though x's flag taken over says finite
+    assert check.first_overflow is None and check.stale_flags == 1
+    assert "1 flags taken over from an earlier call found out of date" in check.closing_line()

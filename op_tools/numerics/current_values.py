@@ -1,0 +1,115 @@
+"""Values derived from device tensors (a host copy, an inf/nan flag), reused across calls only while proven current.
+
+One op's output is usually the next op's input: what a tool derived from the output (its CPU copy, its flag) serves
+for the next input, which saves a copy or a pass over the tensor per call. A value is reused only when all of these
+hold:
+
+- the same storage is alive (a weak reference to the tensor's storage object: a freed storage whose memory is
+  reused is another object), with the same offset, sizes, strides and dtype;
+- the tensor's version counter has not moved since the value was derived;
+- no call seen since wrote to that storage (``forget``): the callers mark every write they know of from the
+  op's schema, ``out=``, ``inplace=True`` and the ops that write without saying so (``op_tools.ops.writes``), so
+  kernels that write without bumping the version counter (GradScaler's unscale, BatchNorm's running
+  statistics, CUDA's ``_foreach_lerp_``) and writes through an alias with its own counter (``.data``) are seen.
+
+Nothing in the tensor itself is touched (no attribute, no weak reference to the tensor: those would end up in
+the user's checkpoints, or stop ``Module.to`` from swapping parameters). Writes no call shows (a collective
+run from C++, another thread) are the callers' to catch where it matters: a verdict that rests on a reused value
+re-reads the tensor before it is said (OpAutoCompare's failing calls, OpOverflowCheck's first overflow).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+
+def locate(t: torch.Tensor):
+    """``(storage, (offset, sizes, strides, dtype), version)``, or None for a tensor that cannot be tracked."""
+    try:
+        return (t.untyped_storage(), (t.storage_offset(), t.shape, t.stride(), t.dtype), t._version)
+    except (RuntimeError, NotImplementedError, TypeError):  # inference tensors (no version), storage-less tensors
+        return None
+
+
+class CurrentValues:
+    """A bounded cache of values derived from tensors, each with its size in bytes (see the module docstring for
+    when one is reused): at most ``max_entries`` of them, ``max_bytes`` in all, the oldest dropped first; a value
+    larger than a quarter of ``max_bytes`` is not kept. Thread-safe."""
+
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        # id(storage) -> (weak reference to the storage, {(offset, sizes, strides, dtype): (version, value, bytes)})
+        self._storages: dict[int, tuple[weakref.ref, dict]] = {}
+        self._order: collections.OrderedDict[tuple, None] = collections.OrderedDict()  # (storage id, key), oldest first
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def find(self, where) -> Any:
+        """The value kept for ``where`` (``locate``'s answer), or None where none is current."""
+        storage, key, version = where
+        entry = self._storages.get(id(storage))  # a read needs no lock: one dict operation
+        if entry is not None and entry[0]() is storage:
+            found = entry[1].get(key)
+            if found is not None and found[0] == version:
+                return found[1]
+        return None
+
+    def forget(self, tensors) -> None:
+        """Drop every value of the storages of ``tensors``: a call wrote to them."""
+        for t in tensors:
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue
+            self.drop(id(storage))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._storages.clear()
+            self._order.clear()
+            self._bytes = 0
+
+    def drop(self, sid: int) -> None:
+        """Drop every value of the storage whose ``id`` is ``sid``."""
+        with self._lock:
+            entry = self._storages.pop(sid, None)
+            if entry is not None:
+                for key, (_, _, size) in entry[1].items():
+                    self._order.pop((sid, key), None)
+                    self._bytes -= size
+
+    def put(self, where, value, size: int = 0) -> None:
+        """Keep ``value``, derived from the tensor at ``where`` as it is now (``size`` bytes)."""
+        if where is None or size > self.max_bytes // 4:
+            return
+        storage, key, version = where
+        sid = id(storage)
+        with self._lock:
+            entry = self._storages.get(sid)
+            if entry is None or entry[0]() is not storage:
+                if entry is not None:  # a dead storage's id, reused
+                    for old_key, (_, _, old_size) in entry[1].items():
+                        self._order.pop((sid, old_key), None)
+                        self._bytes -= old_size
+                entry = self._storages[sid] = (weakref.ref(storage), {})
+            previous = entry[1].get(key)
+            if previous is not None:
+                self._bytes -= previous[2]
+            entry[1][key] = (version, value, size)
+            self._order[(sid, key)] = None
+            self._order.move_to_end((sid, key))
+            self._bytes += size
+            while len(self._order) > self.max_entries or self._bytes > self.max_bytes:
+                old_sid, old_key = self._order.popitem(last=False)[0]
+                old = self._storages.get(old_sid)
+                if old is not None:
+                    removed = old[1].pop(old_key, None)
+                    if removed is not None:
+                        self._bytes -= removed[2]
+                    if not old[1]:
+                        del self._storages[old_sid]
