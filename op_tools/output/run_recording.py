@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from ..numerics.current_values import CurrentValues, locate
 from ..numerics.device_readback import DeviceReadback, KeepBudget, KeptTensors
 from ..numerics.tensor_stats import (
     STAT_FIELDS,
@@ -92,6 +93,17 @@ def _float(v: float) -> float:
 READBACK_BATCH = 64  # calls whose statistics travel to the host together: one copy, no synchronisation
 KEPT_BYTES = 256 * 2**20  # tensors kept for their nan/inf counts until read (numerics/device_readback.py)
 UNKNOWN_COUNT = -1  # the nan or inf count of a tensor written in place, or let go of, before its statistics arrived
+KNOWN_ENTRIES = 4096  # tensors whose statistics a later record may take over instead of measuring them again
+
+
+class _Slot:
+    """Where the statistics of one tensor arrive (``min, max, norm, sum, *fingerprints``); shared by the records of a
+    tensor unchanged between their calls (``RunRecorder.known``)."""
+
+    __slots__ = ("values",)
+
+    def __init__(self) -> None:
+        self.values: list[float] | None = None
 
 
 class _Side:
@@ -99,9 +111,10 @@ class _Side:
     not kept (``kept``: aliases, for nan/inf counts). Their statistics (``groups``, ``tensor_stats.calls_stats``) are
     computed by ``measure``, or with the other side's (``_measured``), which costs fewer launches."""
 
-    __slots__ = ("name", "described", "omitted", "groups", "count", "kept", "device")
+    __slots__ = ("name", "described", "omitted", "groups", "count", "kept", "device", "slots", "fresh", "places")
 
-    def __init__(self, name: str, tensors: list[tuple[str, torch.Tensor]], omitted: int) -> None:
+    def __init__(self, name: str, tensors: list[tuple[str, torch.Tensor]], omitted: int,
+                 known: CurrentValues | None = None) -> None:
         self.name, self.omitted = name, omitted
         self.device = str(real_device(tensors[0][1])) if tensors else None  # of its first tensor
         # where, dtype, shape, and the number of real values (0: empty, no statistics)
@@ -110,11 +123,33 @@ class _Side:
         self.kept: list[torch.Tensor] = [t for _, t in tensors if t.numel()]  # until the call's record is queued
         self.count = len(self.kept)
         self.groups: list[tuple[list[int], list[torch.Tensor]]] | None = None  # None: not measured on its own
+        # Per non-empty tensor where its statistics arrive: an earlier record's slot for a tensor unchanged since
+        # (``known``), else a new one, measured here (``fresh``: their indices; ``places``: where to remember them).
+        self.slots: list[_Slot] = []
+        self.fresh: list[int] = []
+        self.places: list = []
+        for k, t in enumerate(self.kept):
+            place = locate(t) if known is not None else None
+            slot = known.find(place) if known is not None and place is not None else None
+            if slot is None:
+                slot = _Slot()
+                self.fresh.append(k)
+                self.places.append(place)
+            self.slots.append(slot)
 
     def measure(self) -> None:
         """Its statistics now, on its own: (indices among its non-empty tensors, the statistics) per device."""
         with torch.no_grad():
-            self.groups = calls_stats(self.kept) if self.kept else []
+            fresh = self.fresh
+            self.groups = [([fresh[i] for i in indices], values)
+                           for indices, values in calls_stats([self.kept[k] for k in fresh])] if fresh else []
+
+    def remember(self, known: CurrentValues | None) -> None:
+        """Its measured tensors' slots, for later records of them unchanged (once measuring them has succeeded)."""
+        if known is not None:
+            for k, place in zip(self.fresh, self.places):
+                known.put(place, self.slots[k])
+        self.places = []  # the storages, not kept alive
 
     def entries(self, host: list[list[float]], kept: KeptTensors | None, first: int) -> list[list]:
         """The record's entries, from the statistics read back; ``kept`` holds this side's non-empty tensors from
@@ -136,7 +171,7 @@ def _measured(sides: list[_Side]) -> list[tuple[list[int], list[torch.Tensor]]]:
     groups, together, first = [], [], 0
     for side in sides:
         if side.groups is None:
-            together += [(first + i, t) for i, t in enumerate(side.kept)]
+            together += [(first + k, side.kept[k]) for k in side.fresh]
         else:
             groups += [([first + i for i in indices], values) for indices, values in side.groups]
         first += side.count
@@ -159,7 +194,7 @@ class _Pending:
 
     def __init__(self, record: dict, sides: list[_Side] | None, kept: KeptTensors | None) -> None:
         self.record, self.sides, self.kept = record, sides, kept
-        self.host: list[list[float]] = [[] for side in sides or () for _ in range(side.count)]
+        self.host: list[_Slot] = [slot for side in sides or () for slot in side.slots]
         self.remaining = 0  # devices whose statistics have not arrived
 
     def finished(self) -> dict[str, Any]:
@@ -168,7 +203,13 @@ class _Pending:
         assert self.sides is not None
         omitted = {}
         for side in self.sides:
-            record[side.name] = side.entries([next(host) for _ in range(side.count)], self.kept, first)
+            values = []
+            for _ in range(side.count):
+                arrived = next(host).values
+                if arrived is None:  # taken over from a record whose statistics never arrived
+                    raise RuntimeError("the statistics of an earlier call's tensor, taken over, were not read back")
+                values.append(arrived)
+            record[side.name] = side.entries(values, self.kept, first)
             first += side.count
             if side.omitted:
                 omitted[side.name] = side.omitted
@@ -181,9 +222,16 @@ class RunRecorder:
     """Writes one run recording; ``before``/``after``/``backward`` are called by OpCapture in stats mode.
 
     A call's step is the engine's (``call.step``, ``core/steps.py``); ``steps`` is that counter, read for whether
-    an optimizer's ``step()`` is running (``in_optimizer``); without one, no call is in the optimizer phase."""
+    an optimizer's ``step()`` is running (``in_optimizer``); without one, no call is in the optimizer phase.
 
-    def __init__(self, path: str, max_tensors: int, rank: int | None, steps: Any = None) -> None:
+    A tensor measured for one record and unchanged since (``numerics/current_values.py``: the same storage, view and
+    version counter, and no call seen since wrote to it) is not measured again for a later one: the later record
+    takes over its statistics, the same numbers. One op's output is the next op's input, so this spares about half
+    the launches. ``sees_every_call()`` says whether the tool sees every call (a mode), without which the writes of
+    the calls not seen would go unnoticed; ``note_writes`` is told of the writes of calls not recorded."""
+
+    def __init__(self, path: str, max_tensors: int, rank: int | None, steps: Any = None,
+                 sees_every_call=lambda: False) -> None:
         self.max_tensors = max_tensors
         self.file = result_files.JsonLinesFile(path)
         self.file.write({"format": FORMAT, "version": FORMAT_VERSION, "tensor_fields": list(TENSOR_FIELDS),
@@ -199,6 +247,11 @@ class RunRecorder:
         self._pending_lock = threading.Lock()
         self._kept = KeepBudget(KEPT_BYTES)
         self.unread = 0  # records whose statistics could not be read back (written marked unrecorded)
+        self._known = CurrentValues(KNOWN_ENTRIES, 0)
+        self._sees_every_call = sees_every_call
+
+    def note_writes(self, tensors: list) -> None:
+        self._known.forget(tensors)
 
     def before(self, call) -> None:
         """Queue the statistics of the inputs (before an in-place op changes them)."""
@@ -213,9 +266,13 @@ class RunRecorder:
         else:
             items = tensor_items(tuple(call.args)) + tensor_items(call.kwargs)
         try:
-            inputs = _Side("inputs", *_tensors(items, self.max_tensors))
-            if not call_writes(call.name).never:  # measured before the op may write them; else with the outputs
+            known = self._known if self._sees_every_call() else None
+            inputs = _Side("inputs", *_tensors(items, self.max_tensors), known=known)
+            spec = call_writes(call.name)
+            if not spec.never:  # measured before the op may write them; else with the outputs
                 inputs.measure()
+                inputs.remember(known)
+                call.state["written"] = spec.written(call.args, call.kwargs)
             call.state["stats_inputs"] = inputs
         except Exception as e:
             call.state["unrecorded"] = _described(e)  # after() writes the call's record saying so
@@ -226,10 +283,14 @@ class RunRecorder:
         error: str | None = call.state.pop("unrecorded", None)  # before() failed, and was counted for it
         outputs: _Side | None = None
         raised: Exception | None = None
+        known = self._known if self._sees_every_call() else None
+        written = call.state.pop("written", None)
+        if written:  # what was measured of them before the op is out of date
+            self._known.forget(written)
         try:
             # A functional collective's result is being written by its thread until waited for: not read here.
             results = () if op_facts(call.name).async_result else reporting.as_tuple(call.result)
-            outputs = _Side("outputs", *_tensors(tensor_items(results), self.max_tensors))
+            outputs = _Side("outputs", *_tensors(tensor_items(results), self.max_tensors), known=known)
         except Exception as e:
             error, raised = error or _described(e), e
         device = (inputs.device if inputs else None) or (outputs.device if outputs else None) or str(call.device)
@@ -259,9 +320,10 @@ class RunRecorder:
         sides: list[_Side] | None = None
         error: str | None = None
         raised: Exception | None = None
+        known = self._known if self._sees_every_call() else None
         try:
-            sides = [_Side("grad_outputs", *_tensors(tensor_items(tuple(grad_outputs)), self.max_tensors)),
-                     _Side("grad_inputs", *_tensors(tensor_items(tuple(grad_inputs)), self.max_tensors))]
+            sides = [_Side("grad_outputs", *_tensors(tensor_items(tuple(grad_outputs)), self.max_tensors), known=known),
+                     _Side("grad_inputs", *_tensors(tensor_items(tuple(grad_inputs)), self.max_tensors), known=known)]
         except Exception as e:
             error, raised = _described(e), e
         with self._lock:
@@ -300,6 +362,7 @@ class RunRecorder:
                 tensors += parts
             kept = self._kept.keep([t for side in sides for t in side.kept])
             for side in sides:
+                side.remember(self._known)
                 side.kept, side.groups = [], []
         pending = _Pending(record, sides, kept)
         with self._pending_lock:
@@ -318,7 +381,7 @@ class RunRecorder:
                     for indices in groups:
                         stop = start + len(indices) * STATS_WIDTH
                         for i, piece in zip(indices, split_stats(len(indices), values[start:stop])):
-                            pending.host[i] = piece
+                            pending.host[i].values = piece
                         start = stop
                     pending.remaining -= 1
             except Exception as e:  # a transfer failed: the records in flight say so
@@ -351,6 +414,7 @@ class RunRecorder:
 
     def close(self) -> None:
         self._write_arrived(wait=True)  # the records still in flight
+        self._known.clear()
         with self._lock:
             records = self.records
         self.file.write({"end": {"records": records, "bytes": self.file.bytes_written}})

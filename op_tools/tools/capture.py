@@ -156,6 +156,11 @@ class OpCapture(OpTool):
     keywords = {"mode": CAPTURE_MODE, "dedup": CAPTURE_DEDUP, "max_bytes": CAPTURE_MAX_BYTES, "steps": CAPTURE_STEPS,
                 "max_calls_per_op": CAPTURE_MAX_CALLS_PER_OP, "stats_max_tensors": CAPTURE_STATS_MAX_TENSORS}
     tracks_modules = True
+    tracks_writes = True  # the run recording takes over a tensor's statistics while no call wrote it
+
+    def note_writes(self, tensors: list) -> None:
+        if self.recorder is not None:
+            self.recorder.note_writes(tensors)
 
     def configure(self) -> None:
         self.settings = CaptureConfig.from_env(self.sources)
@@ -172,7 +177,8 @@ class OpCapture(OpTool):
         if self.settings.mode == "stats":
             self.handles_cpu_calls = True  # a CPU run is one side of a comparison
             path = result_files.results_path(self.common, self.results_folder, f"run_{self.stem}.jsonl")
-            self.recorder = RunRecorder(path, self.settings.stats_max_tensors, self.common.rank, STEPS)
+            self.recorder = RunRecorder(path, self.settings.stats_max_tensors, self.common.rank, STEPS,
+                                        lambda: self.sees_every_call)
 
     def _over_limit(self, call: OpCall) -> bool:
         """Whether saving ``call``'s inputs would pass ``max_bytes``; the first time, one warning saying so."""
