@@ -29,14 +29,34 @@ import torch
 _CPU = torch.device("cpu")
 
 
+class Reduced:
+    """Rows (1-D tensors of one length) to be read back reduced row by row by ``reduce``, which maps a ``(k, n)``
+    tensor to ``(k, width)``: the rows of every put of a batch with the same ``reduce`` object are stacked and reduced
+    together when the batch is sent, a few kernels a batch instead of a few a put (a run recording's fingerprints: a
+    product and a sum)."""
+
+    __slots__ = ("rows", "reduce", "width")
+
+    def __init__(self, rows: list[torch.Tensor], reduce, width: int) -> None:
+        self.rows, self.reduce, self.width = rows, reduce, width
+
+    @property
+    def device(self) -> torch.device:
+        return self.rows[0].device
+
+    def now(self) -> torch.Tensor:
+        """The reduced rows, flat (for values read at once)."""
+        return self.reduce(torch.stack(self.rows)).reshape(-1)
+
+
 class _Batch:
     """Values of several puts, those on the device joined and on their way to the host, those on the host as they
-    are (``None`` in ``on_host``: the put's values are the next ones of the joined copy)."""
+    are (``None`` in ``on_host``: the put's values are ``segments`` of the joined copy, ``(start, size)`` each)."""
 
-    __slots__ = ("tokens", "sizes", "on_host", "host", "event")
+    __slots__ = ("tokens", "segments", "on_host", "host", "event")
 
-    def __init__(self, tokens: list, sizes: list[int], on_host: list, host: torch.Tensor | None, event) -> None:
-        self.tokens, self.sizes, self.on_host, self.host, self.event = tokens, sizes, on_host, host, event
+    def __init__(self, tokens: list, segments: list, on_host: list, host: torch.Tensor | None, event) -> None:
+        self.tokens, self.segments, self.on_host, self.host, self.event = tokens, segments, on_host, host, event
 
     def done(self) -> bool:
         return self.event is None or self.event.query()
@@ -47,13 +67,14 @@ class _Batch:
 
     def items(self) -> Iterator[tuple[Any, list[float]]]:
         values = self.host.tolist() if self.host is not None else []  # host memory: no device read
-        start = 0
-        for token, size, on_host in zip(self.tokens, self.sizes, self.on_host):
+        for token, segments, on_host in zip(self.tokens, self.segments, self.on_host):
             if on_host is not None:
                 yield token, on_host
-            else:
+            elif len(segments) == 1:
+                start, size = segments[0]
                 yield token, values[start:start + size]
-                start += size
+            else:
+                yield token, [v for start, size in segments for v in values[start:start + size]]
 
 
 class DeviceReadback:
@@ -64,7 +85,7 @@ class DeviceReadback:
             raise ValueError(f"DeviceReadback: batch must be at least 1, not {batch}")
         self.batch = batch
         self._lock = threading.Lock()
-        self._queued: list[tuple[Any, torch.Tensor | list[torch.Tensor]]] = []  # since the last send, one device
+        self._queued: list[tuple[Any, torch.Tensor | list]] = []  # since the last send, one device
         self._in_flight: collections.deque[_Batch] = collections.deque()
         self._queued_device: torch.device | None = None  # the device of the values queued (host values aside)
 
@@ -73,10 +94,10 @@ class DeviceReadback:
         with self._lock:
             return len(self._queued) + sum(len(b.tokens) for b in self._in_flight)
 
-    def put(self, values: torch.Tensor | list[torch.Tensor], token: Any) -> None:
+    def put(self, values: torch.Tensor | list, token: Any) -> None:
         """Queue ``values`` to be read back, flat, with ``token``: a tensor (any shape and floating dtype, on any
-        device), or a list of tensors on one device (0-dim, or of any shape), joined only when the batch is sent (no
-        kernel now)."""
+        device), or a list of tensors on one device (0-dim, or of any shape) and ``Reduced`` rows, joined only when
+        the batch is sent (no kernel now)."""
         with self._lock:
             device = self._device(values)
             if device.type != "cpu":  # one device per batch (host values join any): batches stay in put order
@@ -116,38 +137,66 @@ class DeviceReadback:
         return values.device if isinstance(values, torch.Tensor) else values[0].device
 
     def _send(self) -> None:
-        """Join the queued device values on their device (one kernel) and start their copy to the host; host values
-        are read as they are."""
+        """Join the queued device values on their device (one kernel, and a few for each kind of ``Reduced`` rows)
+        and start their copy to the host; host values are read as they are."""
         tokens: list = []
-        sizes: list[int] = []
+        pieces: list[list[tuple] | None] = []  # per put on the device: (reduce or None, first value or row, count)
         on_host: list[list[float] | None] = []
         parts: list[torch.Tensor] = []
-        for token, values in self._queued:
-            tensors = [values] if isinstance(values, torch.Tensor) else values
-            tokens.append(token)
-            sizes.append(sum(t.numel() for t in tensors))
-            if tensors[0].device.type == "cpu":
-                on_host.append([v for t in tensors for v in t.reshape(-1).tolist()])
-            else:
-                on_host.append(None)
-                parts.extend(tensors)
-        device, self._queued, self._queued_device = self._queued_device, [], None
-        if not parts or device is None:
-            self._in_flight.append(_Batch(tokens, sizes, on_host, None, None))
-            return
+        rows: dict[Any, list[torch.Tensor]] = {}  # reduce -> the rows given it, in put order
+        widths: dict[Any, int] = {}
+        counted: dict[Any, int] = {}  # reduce -> rows given it so far
+        plain = 0  # values of the plain parts so far
         with torch.no_grad():
+            for token, values in self._queued:
+                tensors = [values] if isinstance(values, torch.Tensor) else values
+                tokens.append(token)
+                if tensors[0].device.type == "cpu":
+                    on_host.append([v for t in tensors
+                                    for v in (t.now() if isinstance(t, Reduced) else t.reshape(-1)).tolist()])
+                    pieces.append(None)
+                    continue
+                on_host.append(None)
+                mine: list[tuple] = []
+                for t in tensors:
+                    if isinstance(t, Reduced):
+                        rows.setdefault(t.reduce, []).extend(t.rows)
+                        widths[t.reduce] = t.width
+                        first = counted.get(t.reduce, 0)
+                        counted[t.reduce] = first + len(t.rows)
+                        mine.append((t.reduce, first, len(t.rows)))
+                    else:
+                        parts.append(t)
+                        mine.append((None, plain, t.numel()))
+                        plain += t.numel()
+                pieces.append(mine)
+            device, self._queued, self._queued_device = self._queued_device, [], None
+            starts: dict[Any, int] = {}  # reduce -> where its values begin in the joined tensor
+            for reduce, given in rows.items():  # one join and one reduction per kind of rows
+                starts[reduce] = plain
+                reduced = reduce(torch.stack(given))
+                parts.append(reduced)
+                plain += reduced.numel()
+            segments = [None if mine is None else
+                        [(first, count) if reduce is None else
+                         (starts[reduce] + first * widths[reduce], count * widths[reduce])
+                         for reduce, first, count in mine]
+                        for mine in pieces]
+            if not parts or device is None:
+                self._in_flight.append(_Batch(tokens, segments, on_host, None, None))
+                return
             # stack and cat promote mixed dtypes (bfloat16 flags beside float32 statistics) in the same kernel
             dims = {p.dim() for p in parts}
             joined = torch.stack(parts) if dims == {0} else \
                 torch.cat(parts if dims == {1} else [p.reshape(-1) for p in parts])
             event_class = getattr(getattr(torch, device.type, None), "Event", None)
             if event_class is None:  # no events to poll: read now, one synchronisation per batch
-                self._in_flight.append(_Batch(tokens, sizes, on_host, joined.to(_CPU), None))
+                self._in_flight.append(_Batch(tokens, segments, on_host, joined.to(_CPU), None))
                 return
             host = joined.to(_CPU, non_blocking=True)  # PyTorch pins a non-blocking copy's host memory
             event = event_class()
             event.record(getattr(torch, device.type).current_stream(device))
-        self._in_flight.append(_Batch(tokens, sizes, on_host, host, event))
+        self._in_flight.append(_Batch(tokens, segments, on_host, host, event))
 
 
 class KeptTensors:

@@ -25,8 +25,11 @@ reads them at once (one transfer per device).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
+
+from .device_readback import Reduced
 
 FINGERPRINTS = 16
 STAT_FIELDS = ("min", "max", "mean", "norm", "nan", "inf", *(f"fp{j}" for j in range(FINGERPRINTS)))
@@ -89,7 +92,7 @@ def foreach_norms(xs: list[torch.Tensor], order: float = 2, dtype: torch.dtype |
     return [one(x) if one is not None else torch.linalg.vector_norm(x, order, dtype=dtype) for x in xs]
 
 
-def calls_stats(tensors: list[torch.Tensor]) -> list[tuple[list[int], list[torch.Tensor]]]:
+def calls_stats(tensors: list[torch.Tensor], deferred: bool = False) -> list[tuple[list[int], list]]:
     """The statistics of non-empty tensors, on their devices, per device (and accumulation dtype): ``(indices of the
     tensors, two 1-D tensors)`` each, which ``split_stats`` takes apart once read back one after the other: ``(min,
     max, norm)`` of every tensor, then the sum and the 16 fingerprints of each before their division by
@@ -97,7 +100,9 @@ def calls_stats(tensors: list[torch.Tensor]) -> list[tuple[list[int], list[torch
     ``aminmax``; per group one ``_foreach_norm``, one product with the fingerprint weights for all the block sums and
     one ``stack``, left unjoined for ``DeviceReadback``'s one ``cat`` per batch: a run recording's calls have a few
     tensors each, and on a fast device or sim each launch, and each call into torch, not its arithmetic, is the cost.
-    Call it under ``torch.no_grad()``."""
+    ``deferred``: the block sums are left as ``device_readback.Reduced`` rows, multiplied by the weights for all the
+    calls of a read-back batch at once (``DeviceReadback`` stacks them: the same numbers, row by row). Call it under
+    ``torch.no_grad()``."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     flats = [_flat(t) for t in tensors]
     for i, x in enumerate(flats):
@@ -106,13 +111,33 @@ def calls_stats(tensors: list[torch.Tensor]) -> list[tuple[list[int], list[torch
     for (device, acc), indices in groups.items():
         xs = [flats[i] for i in indices]
         folded = [_folded(x, acc) for x in xs]
-        stacked = folded[0].unsqueeze(0) if len(folded) == 1 else torch.stack(folded)  # (k, _BLOCKS)
-        sums = (stacked.unsqueeze(1) * _fingerprint_weights(device, acc)).sum(2, dtype=acc)  # (k, 1 + FINGERPRINTS)
         pieces = []
         for x, norm in zip(xs, foreach_norms(xs, 2, acc)):
             pieces += [*torch.aminmax(x), norm]  # 0-d each; min and max exact in any dtype: promoted by the stack
-        joined.append((indices, [torch.stack(pieces), sums.reshape(-1)]))
+        sums = _reducer(device, acc)
+        if deferred:
+            joined.append((indices, [torch.stack(pieces), Reduced(folded, sums, 1 + FINGERPRINTS)]))
+        else:
+            stacked = folded[0].unsqueeze(0) if len(folded) == 1 else torch.stack(folded)  # (k, _BLOCKS)
+            joined.append((indices, [torch.stack(pieces), sums(stacked).reshape(-1)]))
     return joined
+
+
+_reducers: dict[tuple[torch.device, torch.dtype], Callable[[torch.Tensor], torch.Tensor]] = {}
+
+
+def _reducer(device: torch.device, acc: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``(k, _BLOCKS)`` block sums to ``(k, 1 + FINGERPRINTS)``: the sum and the fingerprints; one function per device
+    and accumulation dtype, which ``DeviceReadback`` joins the rows of."""
+    reducer = _reducers.get((device, acc))
+    if reducer is None:
+        weights = _fingerprint_weights(device, acc)
+
+        def reducer(stacked: torch.Tensor) -> torch.Tensor:
+            return (stacked.unsqueeze(1) * weights).sum(2, dtype=acc)
+
+        _reducers[(device, acc)] = reducer
+    return reducer
 
 
 def host_values(t: torch.Tensor, values: list[float]) -> list[float]:

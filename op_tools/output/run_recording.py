@@ -142,7 +142,8 @@ class _Side:
         with torch.no_grad():
             fresh = self.fresh
             self.groups = [([fresh[i] for i in indices], values)
-                           for indices, values in calls_stats([self.kept[k] for k in fresh])] if fresh else []
+                           for indices, values in calls_stats([self.kept[k] for k in fresh], deferred=True)] \
+                if fresh else []
 
     def remember(self, known: CurrentValues | None) -> None:
         """Its measured tensors' slots, for later records of them unchanged (once measuring them has succeeded)."""
@@ -178,7 +179,7 @@ def _measured(sides: list[_Side]) -> list[tuple[list[int], list[torch.Tensor]]]:
     if together:
         with torch.no_grad():
             groups += [([together[i][0] for i in indices], values)
-                       for indices, values in calls_stats([t for _, t in together])]
+                       for indices, values in calls_stats([t for _, t in together], deferred=True)]
     return groups
 
 

@@ -59,3 +59,26 @@ def test_a_device_module_without_events_reads_each_batch_with_one_blocking_copy(
 def test_a_batch_below_one_is_refused():
     with pytest.raises(ValueError, match="batch must be at least 1, not 0"):
         DeviceReadback(batch=0)
+
+
+@pytest.mark.parametrize("place", ["cpu", "sim"])
+def test_reduced_rows_of_a_batch_give_the_numbers_each_call_computed_alone(sim, place):
+    # A run recording's fingerprints: the block sums of every call of a batch multiplied by the weights at once, in
+    # place of one product per call; the same numbers, in each put's order (float32 and float64 rows apart).
+    from op_tools.numerics.tensor_stats import calls_stats
+
+    device = torch.device(sim if place == "sim" else "cpu")
+    generator = torch.Generator().manual_seed(3)
+    calls = [[torch.randn(n, generator=generator).to(device, dtype) for n, dtype in shapes]
+             for shapes in [[(5000, torch.float32)], [(7, torch.float64), (3000, torch.float32)],
+                            [(100, torch.bfloat16), (1021 * 3 + 5, torch.float32), (64, torch.float64)]]]
+    readback = DeviceReadback(batch=64)
+    alone = []
+    with torch.no_grad():
+        for k, tensors in enumerate(calls):
+            alone.append([v for _, parts in calls_stats(tensors) for v in torch.cat(parts).tolist()])
+            readback.put([part for _, parts in calls_stats(tensors, deferred=True) for part in parts], token=k)
+        read, counts = charged(lambda: list(readback.drain()))
+    assert [token for token, _ in read] == [0, 1, 2] and [values for _, values in read] == alone
+    if place == "sim":  # two kinds of rows (float32, float64): a stack, a product and a sum each, then one join
+        assert counts.kernel_launches == 2 * 3 + 1
