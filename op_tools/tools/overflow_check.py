@@ -321,6 +321,20 @@ class _Written:
         self.tensors, self.flags = tensors, flags
 
 
+def _unread_targets(name: str, spec, args: tuple, kwargs: dict) -> set[int]:
+    """The ids of the tensors a call writes without reading them (its ``out=`` tensors, the first argument of an op
+    that ``overwrites`` it), as ``local_part`` gives them."""
+    unread = set()
+    if op_facts(name).overwrites and args and isinstance(args[0], torch.Tensor):
+        unread.add(id(local_part(args[0])))
+    for keyword in spec.keywords:  # a schema's keyword-only written arguments: out=, values=, indices=
+        value = kwargs.get(keyword)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, torch.Tensor):
+                unread.add(id(local_part(t)))
+    return unread
+
+
 def _read_flag(flag: tuple) -> int:
     """The kind a ``_flags_before`` entry stands for, read now (one transfer for a witness on a device)."""
     if flag[0] == "kind":
@@ -388,11 +402,18 @@ class OpOverflowCheck(OpTool):
         if not spec.never:  # what an in-place op overwrites is its input as it was: flagged before the op
             written = [t for t in map(local_part, spec.written(call.args, call.kwargs)) if _checked(t)]
             if written:
-                call.state = _Written(written, self._flags_before(written, self.raise_on_overflow or verbose))
+                unread = _unread_targets(call.name, spec, call.args, call.kwargs)
+                flags = self._flags_before([t for t in written if id(t) not in unread],
+                                           self.raise_on_overflow or verbose)
+                # an out= tensor, copy_'s or fill_'s target: what it held is no input (an empty's garbage)
+                flags.update((i, ("kind", FINITE)) for i in unread)
+                call.state = _Written(written, flags)
 
     def _flags_before(self, written: list[torch.Tensor], at_once: bool) -> dict[int, tuple]:
         """``id(tensor) -> how its flag comes``: ``("kind", kind)`` read now (``at_once``, or on the CPU), ``("taken",
         check, index)`` from an earlier check of it unchanged, or ``("witness", witnesses, count)`` on the device."""
+        if not written:
+            return {}
         with torch.no_grad():
             if at_once:
                 return {id(t): ("kind", kind) for t, kind in zip(written, nonfinite_kinds(written))}
@@ -420,6 +441,10 @@ class OpOverflowCheck(OpTool):
             return
         if isinstance(call.state, dict) and "collective" in call.state:
             self._check_collective(call, call.state["collective"], call.state["sent"])
+            return
+        if op_facts(call.name).uninitialised:  # memory never written (an empty's): whatever it holds, no op made it
+            if isinstance(call.state, _Written):  # resize_, set_
+                self._flagged.forget(call.state.tensors)
             return
         before = None
         if isinstance(call.state, _Written):

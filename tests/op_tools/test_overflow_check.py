@@ -330,3 +330,29 @@ def test_a_flag_made_stale_by_a_write_no_call_shows_is_read_again_before_a_call_
         x + 1  # inf in, inf out: not born here, though x's flag taken over says finite
     assert check.first_overflow is None and check.stale_flags == 1
     assert "1 flags taken over from an earlier call found out of date" in check.closing_line()
+
+
+@pytest.mark.parametrize("raise_on_overflow", ["0", "1"])
+@pytest.mark.parametrize("size", [8, 2**17])
+def test_memory_never_written_is_no_ops_overflow_and_what_overwrites_it_is_judged_by_its_inputs(sim, monkeypatch,
+                                                                                                raise_on_overflow,
+                                                                                                size):
+    # A GPU's torch.empty returns freed memory, which may hold nan (sim's empty:nan fault): neither the empty, nor an
+    # op writing into it (out=, copy_) is where an inf/nan is born; an out= op overflowing its finite inputs is.
+    import ditorch.sim
+
+    monkeypatch.setenv("OP_OVERFLOW_CHECK_RAISE", raise_on_overflow)
+    x = torch.ones(size, device=sim)
+    with ditorch.sim.faults("empty:nan;empty_like:nan"), op_tools.OpOverflowCheck() as clean:
+        buffer = torch.empty(size, device=sim)
+        assert bool(buffer.isnan().all())
+        torch.mul(x, 2, out=buffer)
+        torch.empty_like(x).copy_(x).add_(1)
+    assert clean.first_overflow is None and clean.verdict() == "clean"
+    check = op_tools.OpOverflowCheck()
+    with ditorch.sim.faults("empty:nan"), check:
+        try:
+            torch.mul(torch.full((size,), 1e38, device=sim), 10, out=torch.empty(size, device=sim))
+        except op_tools.OverflowDetectedError:
+            assert raise_on_overflow == "1"
+    assert (check.first_overflow.name, check.first_overflow.phase) == ("torch.mul", "forward")
