@@ -281,10 +281,23 @@ def test_a_nan_born_from_infs_is_born_there(sim):
 
 
 @pytest.mark.parametrize("raise_on_overflow", ["0", "1"])
-@pytest.mark.parametrize("size", [8, 2**17])  # one fused reduction for a call's tensors; aminmax each (host memory)
-def test_an_in_place_op_that_overflows_its_finite_input_is_born_there(sim, monkeypatch, raise_on_overflow, size):
+@pytest.mark.parametrize("size,device_memory", [(8, False), (2**17, False), (2**17, True)])  # one fused reduction
+def test_an_in_place_op_that_overflows_its_finite_input_is_born_there(sim, monkeypatch, raise_on_overflow, size,
+                                                                       device_memory):
     # What an in-place op overwrites is its input as it was: flagged before the op, or its inf is taken as brought in.
+    # Small tensors, and a GPU's memory (sim's device_memory), take one fused reduction; large ones in host memory
+    # an aminmax each, and flags taken over from earlier checks.
+    import ditorch.sim
+    from op_tools.tools import overflow_check
+
     monkeypatch.setenv("OP_OVERFLOW_CHECK_RAISE", raise_on_overflow)
+    overflow_check._host_memory.clear()
+    with ditorch.sim.device_memory(device_memory):
+        _in_place_overflows(sim, size)
+    overflow_check._host_memory.clear()
+
+
+def _in_place_overflows(sim, size):
     for overflow, name in [(lambda x, _: x.mul_(10), "torch.Tensor.mul_"),
                            (lambda x, y: torch._foreach_mul_([y, x], 10.0), "torch._foreach_mul_"),
                            (lambda x, y: torch.mul(x, 10, out=y), "torch.mul")]:
@@ -296,7 +309,7 @@ def test_an_in_place_op_that_overflows_its_finite_input_is_born_there(sim, monke
             try:
                 overflow(x, y)
             except op_tools.OverflowDetectedError:
-                assert raise_on_overflow == "1"
+                assert check.raise_on_overflow
         found = check.first_overflow
         assert found is not None and (found.name, found.phase) == (name, "forward"), (name, found)
 
