@@ -55,6 +55,7 @@ class OpFacts:
     recurrent: bool = False
     algorithm_ratio: float | None = None  # the device kernel's algorithm legitimately errs more than the CPU's
     uninitialised: bool = False  # its results are memory never written: nothing to compare
+    from_data: bool = False  # its result holds the values the program gave it (a list, an array): none computed
     rounded_once: bool = False  # each forward result element is computed wide and rounded once (comparison.py)
     collective: bool = False  # exchanges data with other ranks: this host holds only its own part of the inputs
     overwrites: bool = False  # writes its first argument without reading it: what was there is no input of it
@@ -284,6 +285,10 @@ for _name in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attenti
 for _name in ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "resize_as_",
               "set_"):
     register_op_facts(_name, uninitialised=True)
+
+# Ops whose result is the program's own data (torch.tensor([1.0, float("-inf")])): an inf there was given, not made.
+for _name in ("tensor", "as_tensor", "asarray", "new_tensor", "from_numpy", "frombuffer"):
+    register_op_facts(_name, from_data=True)
 
 # Ops that fill their first argument whatever it held (initialisers, fill_, copy_'s destination): memory never
 # written before (an `empty` about to be initialised) is not something they read.

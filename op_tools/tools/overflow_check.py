@@ -442,7 +442,9 @@ class OpOverflowCheck(OpTool):
         if isinstance(call.state, dict) and "collective" in call.state:
             self._check_collective(call, call.state["collective"], call.state["sent"])
             return
-        if op_facts(call.name).uninitialised:  # memory never written (an empty's): whatever it holds, no op made it
+        facts = op_facts(call.name)
+        # Memory never written (an empty's), or the program's own data: whatever it holds, no op made it.
+        if facts.uninitialised or facts.from_data:
             if isinstance(call.state, _Written):  # resize_, set_
                 self._flagged.forget(call.state.tensors)
             return
@@ -450,7 +452,6 @@ class OpOverflowCheck(OpTool):
         if isinstance(call.state, _Written):
             before = call.state.flags
             self._flagged.forget(call.state.tensors)  # flags taken over from them are out of date now
-        facts = op_facts(call.name)
         # A functional collective's result is written by the collective's thread until wait_tensor: it is checked
         # there, where an inf/nan another rank sent shows as born (what was waited for is no input).
         inputs = [] if facts.completes else named_tensors(f"{call.name} input",

@@ -369,3 +369,13 @@ def test_memory_never_written_is_no_ops_overflow_and_what_overwrites_it_is_judge
         except op_tools.OverflowDetectedError:
             assert raise_on_overflow == "1"
     assert (check.first_overflow.name, check.first_overflow.phase) == ("torch.mul", "forward")
+
+
+def test_the_programs_own_data_holding_an_inf_was_not_born_there(sim):
+    with op_tools.OpOverflowCheck() as check:
+        mask = torch.tensor([0.0, float("-inf")], device=sim)  # given, not computed
+        torch.as_tensor([float("inf")], device=sim)
+        scores = torch.ones(2, device=sim).new_tensor([1.0, 2.0]) + mask  # inf in, inf out
+        weights = torch.softmax(scores, 0)  # finite from an inf: not an overflow
+        (weights * 1e38 * 10).sum()  # an overflow from finite inputs
+    assert (check.first_overflow.name, check.first_overflow.phase) == ("torch.Tensor.mul", "forward")
