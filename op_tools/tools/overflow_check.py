@@ -635,11 +635,19 @@ class OpOverflowCheck(OpTool):
 
     def _stale(self, check: _PendingCheck) -> bool:
         """Whether the call, which looks born, is not: a flag it took over from an earlier check was out of date (a
-        write no call showed, such as a collective run from C++). Its tensors, kept unchanged since the call, are
-        read again; a tensor let go of or written since, or one the call wrote (what it held before is gone), keeps
-        the flag taken over."""
+        write no call showed, such as a collective run from C++). Its tensors are read again where what they hold
+        now is what they held at the call but for such a write: kept, and their earlier check still the one on
+        record for them. A tensor let go of, written since by a call seen (a foreach optimizer's update, which no
+        version counter shows), or written by the call itself (what it held before is gone) keeps the flag taken
+        over."""
         kept = check.kept
-        again = [(i, t) for i, _, _, now in check.taken if now and kept is not None and (t := kept.get(i)) is not None]
+        again: list[tuple[int, torch.Tensor]] = []
+        for i, earlier, j, now in check.taken:
+            t = kept.get(i) if now and kept is not None else None
+            found = self._flagged.find(t) if t is not None else None
+            if t is not None and found is not None and found[1] is not None and found[1][0] is earlier and \
+                    found[1][1] == j:
+                again.append((i, t))
         changed = 0
         for (i, _), kind in zip(again, nonfinite_kinds([t for _, t in again]) if again else []):
             if kind != check.flags[i]:

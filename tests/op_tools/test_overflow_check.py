@@ -379,3 +379,28 @@ def test_the_programs_own_data_holding_an_inf_was_not_born_there(sim):
         weights = torch.softmax(scores, 0)  # finite from an inf: not an overflow
         (weights * 1e38 * 10).sum()  # an overflow from finite inputs
     assert (check.first_overflow.name, check.first_overflow.phase) == ("torch.Tensor.mul", "forward")
+
+
+@pytest.mark.parametrize("workload", __import__("zoo").ZOO, ids=lambda w: w.name)
+def test_flags_taken_over_name_the_same_first_overflow_on_every_recipe(sim, monkeypatch, workload):
+    # Every tensor reduced by aminmax in host memory (LARGE lowered: the recipes' tensors are small), with flags taken
+    # over from earlier checks and without (nothing remembered): a clean run stays clean, and a nan put in the
+    # recipe's forward fault op is the same first overflow either way (BatchNorm's running statistics, GradScaler's
+    # unscale, the foreach optimizers and checkpointing write what they write).
+    import ditorch.sim
+    from op_tools.tools import overflow_check
+
+    monkeypatch.setattr(overflow_check, "LARGE", 16)
+    fault = workload.forward_fault[0].split(":")[0] + ":nan"
+    found = []
+    for remembered in (overflow_check.KNOWN_ENTRIES, 0):
+        monkeypatch.setattr(overflow_check, "KNOWN_ENTRIES", remembered)
+        with op_tools.OpOverflowCheck() as clean:
+            workload.run(sim)
+        assert clean.first_overflow is None and clean.stale_flags == 0 and clean.verdict() == "clean"
+        with ditorch.sim.faults(fault), op_tools.OpOverflowCheck() as check:
+            workload.run(sim)
+        first = check.first_overflow
+        found.append(first and (first.name, first.phase, first.module, first.location, first.step))
+    assert found[0] is not None and found[0] == found[1], found
+    assert found[0][0].endswith(workload.forward_fault[1]) and found[0][1] == "forward"
