@@ -297,3 +297,32 @@ def test_nan_and_inf_counts_are_read_from_the_tensor_kept_until_the_statistics_a
     sub = next(r for r in records if r["op"] == "torch.Tensor.sub")
     assert exp["outputs"][0][7:9] == [-1, -1]  # UNKNOWN_COUNT: the statistics say inf, the counts are lost
     assert sub["outputs"][0][7:9] == [2, 0]  # nan twice, read from the kept alias
+
+
+@pytest.mark.parametrize("workload", __import__("zoo").ZOO, ids=lambda w: w.name)
+def test_every_recipe_records_the_same_file_with_statistics_taken_over(sim, monkeypatch, workload, tmp_path):
+    # BatchNorm's running statistics, GradScaler's unscale, the foreach optimizers, in-place ReLU, checkpointing:
+    # whatever they write is measured again, so the file equals the one measuring every tensor.
+    from op_tools.output import run_recording
+
+    recordings = []
+    for remembered in (run_recording.KNOWN_ENTRIES, 0):
+        monkeypatch.setattr(run_recording, "KNOWN_ENTRIES", remembered)
+        monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / str(remembered)))
+        with op_tools.OpCapture() as capture:
+            workload.run(sim)
+        recordings.append(_without_memory_never_written(_without_times(read_recording(capture.recorder.file.path)[1])))
+    assert len(recordings[0]) > 20 and recordings[0] == recordings[1]
+
+
+def _without_memory_never_written(records):
+    """The records without what each run found in fresh memory (an empty's result, an initialiser's target before
+    it ran), which compare_runs skips too."""
+    from op_tools.ops.op_facts import op_facts
+
+    kept = []
+    for record in records:
+        facts = op_facts(record["op"])
+        if not facts.uninitialised:
+            kept.append({k: v for k, v in record.items() if k != "inputs"} if facts.overwrites else record)
+    return kept
