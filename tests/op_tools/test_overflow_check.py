@@ -393,14 +393,18 @@ def test_flags_taken_over_name_the_same_first_overflow_on_every_recipe(sim, monk
     monkeypatch.setattr(overflow_check, "LARGE", 16)
     fault = workload.forward_fault[0].split(":")[0] + ":nan"
     found = []
-    for remembered in (overflow_check.KNOWN_ENTRIES, 0):
+    for remembered, device_memory in ((overflow_check.KNOWN_ENTRIES, False), (0, False), (0, True)):
+        # the third: a GPU's memory (one fused _foreach_norm a call, nothing taken over), arriving late
         monkeypatch.setattr(overflow_check, "KNOWN_ENTRIES", remembered)
-        with op_tools.OpOverflowCheck() as clean:
-            workload.run(sim)
-        assert clean.first_overflow is None and clean.stale_flags == 0 and clean.verdict() == "clean"
-        with ditorch.sim.faults(fault), op_tools.OpOverflowCheck() as check:
-            workload.run(sim)
+        overflow_check._host_memory.clear()
+        with ditorch.sim.device_memory(device_memory), ditorch.sim.asynchronous(lag=50 if device_memory else 0):
+            with op_tools.OpOverflowCheck() as clean:
+                workload.run(sim)
+            assert clean.first_overflow is None and clean.stale_flags == 0 and clean.verdict() == "clean"
+            with ditorch.sim.faults(fault), op_tools.OpOverflowCheck() as check:
+                workload.run(sim)
+        overflow_check._host_memory.clear()
         first = check.first_overflow
         found.append(first and (first.name, first.phase, first.module, first.location, first.step))
-    assert found[0] is not None and found[0] == found[1], found
+    assert found[0] is not None and found[0] == found[1] == found[2], found
     assert found[0][0].endswith(workload.forward_fault[1]) and found[0][1] == "forward"
