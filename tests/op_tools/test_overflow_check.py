@@ -385,14 +385,15 @@ def test_the_programs_own_data_holding_an_inf_was_not_born_there(sim):
 def test_flags_taken_over_name_the_same_first_overflow_on_every_recipe(sim, monkeypatch, workload):
     # Every tensor reduced by aminmax in host memory (LARGE lowered: the recipes' tensors are small), with flags taken
     # over from earlier checks and without (nothing remembered): a clean run stays clean, and a nan put in the
-    # recipe's forward fault op is the same first overflow either way (BatchNorm's running statistics, GradScaler's
-    # unscale, the foreach optimizers and checkpointing write what they write).
+    # recipe's forward or backward fault op is the same first overflow either way (BatchNorm's running statistics,
+    # GradScaler's unscale, the foreach optimizers and checkpointing write what they write).
     import ditorch.sim
     from op_tools.tools import overflow_check
 
     monkeypatch.setattr(overflow_check, "LARGE", 16)
-    fault = workload.forward_fault[0].split(":")[0] + ":nan"
-    found = []
+    faults = [(workload.forward_fault, "forward")] + ([(workload.backward_fault, "backward")]
+                                                     if workload.backward_fault else [])
+    found: dict = {}
     for remembered, device_memory in ((overflow_check.KNOWN_ENTRIES, False), (0, False), (0, True)):
         # the third: a GPU's memory (one fused _foreach_norm a call, nothing taken over), arriving late
         monkeypatch.setattr(overflow_check, "KNOWN_ENTRIES", remembered)
@@ -401,10 +402,13 @@ def test_flags_taken_over_name_the_same_first_overflow_on_every_recipe(sim, monk
             with op_tools.OpOverflowCheck() as clean:
                 workload.run(sim)
             assert clean.first_overflow is None and clean.stale_flags == 0 and clean.verdict() == "clean"
-            with ditorch.sim.faults(fault), op_tools.OpOverflowCheck() as check:
-                workload.run(sim)
+            for (spec, _), phase in faults:
+                with ditorch.sim.faults(spec.split(":")[0] + ":nan"), op_tools.OpOverflowCheck() as check:
+                    workload.run(sim)
+                first = check.first_overflow
+                found.setdefault(phase, []).append(first and (first.name, first.phase, first.module, first.location,
+                                                              first.step))
         overflow_check._host_memory.clear()
-        first = check.first_overflow
-        found.append(first and (first.name, first.phase, first.module, first.location, first.step))
-    assert found[0] is not None and found[0] == found[1] == found[2], found
-    assert found[0][0].endswith(workload.forward_fault[1]) and found[0][1] == "forward"
+    for (_, suffix), phase in faults:
+        assert found[phase][0] is not None and found[phase][0] == found[phase][1] == found[phase][2], found
+        assert found[phase][0][0].endswith(suffix) and found[phase][0][1] == phase, found
