@@ -572,6 +572,7 @@ class OpOverflowCheck(OpTool):
         sources = check.source_indices()
         scanned: dict[torch.device, list[int]] = {}
         from_before: dict[torch.device, list[tuple[int, list[torch.Tensor], int]]] = {}
+        remembered: list[tuple[tuple, int]] = []  # (where, index) of the tensors this check flags, once queued
         with self._checks_lock:
             self._checks.append(check)
             for i, t in enumerate(tensors):
@@ -588,10 +589,10 @@ class OpOverflowCheck(OpTool):
                     continue
                 found = flagged.find(t) if flagged is not None else None
                 if found is not None and flagged is not None:
-                    if found[1] is not None:  # the same tensor, unchanged since an earlier check (or this one) took it
+                    if found[1] is not None:  # the same tensor, unchanged since an earlier check took it
                         check.taken.append((i, *found[1], True))
                         continue
-                    flagged.put(found[0], check, i)
+                    remembered.append((found[0], i))
                 scanned.setdefault(t.device, []).append(i)
             with torch.no_grad():
                 for device in scanned.keys() | from_before.keys():
@@ -607,6 +608,9 @@ class OpOverflowCheck(OpTool):
                     else:
                         check.remaining += 1
                         self._readback.put(witnesses, (check, indices, counts))  # joined when the batch is sent
+            if flagged is not None:
+                for where, i in remembered:
+                    flagged.put(where, check, i)
         self._judge(wait=False)
 
     def _judge(self, wait: bool) -> None:
