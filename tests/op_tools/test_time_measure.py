@@ -55,7 +55,9 @@ def _check_llama_step(timer, wall, tmp_path):
     measured = sum(t.forward_ns + t.backward_ns for t in m.totals.values()) / 1e9
     ratio = measured / wall
     print(f"per-op sum {measured * 1e3:.1f} ms, step wall {wall * 1e3:.1f} ms, ratio {ratio:.2f}")
-    assert 0.05 < ratio < 1.0  # spans never overlap on one thread: their sum cannot exceed the wall time
+    # spans never overlap on one thread: their sum cannot exceed the wall time; it is a few % of it on sim (the
+    # wall holds the tool's own per-call work, and a loaded machine stretches it: 0.048 seen in CI)
+    assert 0.01 < ratio < 1.0
 
     (trace_file,) = _result_files(tmp_path, "trace")
     trace = json.loads(trace_file.read_text())
