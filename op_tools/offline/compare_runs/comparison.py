@@ -7,6 +7,7 @@ import math
 
 from ...config.variables import COMPARE_RUNS_CARRIED_GROWTH, COMPARE_RUNS_DEPTH_SCALE, COMPARE_RUNS_TOLERANCES
 from ...ops.op_facts import op_facts
+from ...ops.writes import call_writes
 from ...output.run_recording import read_recording
 from .alignment import PHASE_SIDES, Row, align, tensors
 from .verdict import DEFAULT_TOLERANCES, difference, precision_of, tolerance_key
@@ -164,8 +165,12 @@ def _judge(rows: list[Row], tolerances: Tolerances) -> None:
             continue
         into, out_of = PHASE_SIDES[row.phase]
         read_a, read_b = row.a, row.b
-        if row.phase == "forward" and op_facts(row.a["op"]).overwrites:  # its target's old values are not read
-            read_a, read_b = ({**r, into: r.get(into, [])[1:]} for r in (row.a, row.b))
+        if row.phase == "forward":  # what the call writes without reading (copy_'s target, out=) is no input of it
+            first, unread = _unread_inputs(row.a["op"])
+            if first or unread:
+                read_a, read_b = ({**r, into: [e for i, e in enumerate(r.get(into, []))
+                                               if not (first and i == 0) and e[0] not in unread]}
+                                  for r in (row.a, row.b))
         try:
             row.difference, row.detail = _largest(row.a, row.b, out_of)
             carried, carried_detail = _largest(read_a, read_b, into)
@@ -188,6 +193,13 @@ def _judge(rows: list[Row], tolerances: Tolerances) -> None:
         row.inputs_differed_first = carried > row.tolerance and not seen_difference
         row.diverged = row.outputs_unexplained or row.inputs_differed_first
         seen_difference = seen_difference or max(row.difference, carried) > row.tolerance
+
+
+def _unread_inputs(op: str) -> tuple[bool, frozenset[str]]:
+    """Whether ``op`` overwrites its first argument (``op_facts``' ``overwrites``), and the ``where`` of the keyword
+    arguments it writes (``[out]``): what the tensors held before the call is no input of it (an ``empty``'s memory,
+    which differs from run to run)."""
+    return op_facts(op).overwrites, frozenset(f"[{k}]" for k in call_writes(op).keywords)
 
 
 def compare(run_a: str, run_b: str, tolerances: Tolerances | None = None, rank: int | None = None,
