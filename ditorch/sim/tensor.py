@@ -9,6 +9,7 @@ comes back, so views alias, in-place ops mutate and numbers equal the CPU's bit 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -312,9 +313,10 @@ _INFO: dict = {}
 class _Unwrapped:
     """Arguments with sim tensors swapped for their CPU tensors, and what was seen on the way."""
 
-    __slots__ = ("sim_index", "other_device", "pairs", "copy_back")
+    __slots__ = ("sim_index", "other_device", "pairs", "copy_back", "views_with_bits")
 
     def __init__(self) -> None:
+        self.views_with_bits = False  # a conjugate or negative view among the CPU tensors (x.conj(), _neg_view)
         self.sim_index = None
         self.other_device = None  # a CPU tensor of dim > 0, or another sim device, seen beside sim tensors
         self.pairs: list = []  # (CPU tensor handed to the kernel, the caller's tensor it stands for)
@@ -329,6 +331,8 @@ class _Unwrapped:
             elif index != self.sim_index:
                 self.other_device = f"sim:{index}"
             data = x._data
+            if data.is_conj() or data.is_neg():
+                self.views_with_bits = True
             self.pairs.append((data, x))
             return data
         if cls is torch.Tensor or isinstance(x, torch.Tensor):
@@ -426,7 +430,11 @@ def _run_op(func, args, kwargs):
                 dtypes = unwrapped.dtypes(kwargs)
                 _faults.TABLE.before(func, active_faults, dtypes)
         kernel = _KERNELS.get(func, func)  # the device's own kernel, or the CPU's
-        out = kernel(*cpu_args, **cpu_kwargs)
+        if unwrapped.views_with_bits:
+            with _bit_fallbacks():
+                out = kernel(*cpu_args, **cpu_kwargs)
+        else:
+            out = kernel(*cpu_args, **cpu_kwargs)
     except Exception as error:
         if torch._C._current_graph_task_id() == -1:
             raise
@@ -447,6 +455,24 @@ def _run_op(func, args, kwargs):
     if index is None:
         return out
     return _wrap_outputs(out, unwrapped.pairs, index)
+
+
+_BIT_KEYS = (torch._C.DispatchKey.Conjugate, torch._C.DispatchKey.Negative)
+
+
+@contextlib.contextmanager
+def _bit_fallbacks():
+    """The CPU's conjugate and negative fallbacks, which resolve a view's bit before a kernel reads it (or write
+    through it), on for the kernel: __torch_dispatch__ runs with the keys above Python excluded, theirs among them,
+    and a kernel would read a conjugate view's memory as it lies (torch.exp(x.conj()) giving exp(x))."""
+    excluded = [torch._C._dispatch_tls_is_dispatch_key_excluded(key) for key in _BIT_KEYS]
+    for key in _BIT_KEYS:
+        torch._C._dispatch_tls_set_dispatch_key_excluded(key, False)
+    try:
+        yield
+    finally:
+        for key, was in zip(_BIT_KEYS, excluded):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, was)
 
 
 def _write_back(copies, info: _OpInfo, args, kwargs) -> None:

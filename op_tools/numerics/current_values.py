@@ -5,7 +5,7 @@ for the next input, which saves a copy or a pass over the tensor per call. A val
 hold:
 
 - the same storage is alive (a weak reference to the tensor's storage object: a freed storage whose memory is
-  reused is another object), with the same offset, sizes, strides and dtype;
+  reused is another object), with the same offset, sizes, strides, dtype, and conjugate and negative bits;
 - the tensor's version counter has not moved since the value was derived;
 - no call seen since wrote to that storage (``forget``): the callers mark every write they know of from the
   op's schema, ``out=``, ``inplace=True`` and the ops that write without saying so (``op_tools.ops.writes``), so
@@ -29,9 +29,12 @@ import torch
 
 
 def locate(t: torch.Tensor):
-    """``(storage, (offset, sizes, strides, dtype), version)``, or None for a tensor that cannot be tracked."""
+    """``(storage, (offset, sizes, strides, dtype, conjugated, negated), version)``, or None for a tensor that cannot
+    be tracked. A conjugate or negative view (``x.conj()``) reads the same memory as ``x`` the same way, and holds
+    other values."""
     try:
-        return (t.untyped_storage(), (t.storage_offset(), t.shape, t.stride(), t.dtype), t._version)
+        return (t.untyped_storage(), (t.storage_offset(), t.shape, t.stride(), t.dtype, t.is_conj(), t.is_neg()),
+                t._version)
     except (RuntimeError, NotImplementedError, TypeError):  # inference tensors (no version), storage-less tensors
         return None
 

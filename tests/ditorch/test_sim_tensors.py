@@ -197,3 +197,18 @@ def test_assigning_a_sim_tensor_as_data_moves_the_host_parameter_itself():
     assert plain.tolist() == [1.0, 1.0]
     with pytest.raises(RuntimeError, match="cannot assign a tensor on cpu as .data of a tensor on sim:0"):
         param.data = torch.zeros(3)
+
+
+def test_conjugate_and_negative_views_compute_as_on_the_cpu(sim):
+    # sim's kernels run inside __torch_dispatch__, where the conjugate and negative fallbacks are off: a kernel read a
+    # view's memory as it lies (torch.exp(x.conj()) gave exp(x)).
+    x = torch.randn(3, 4, dtype=torch.complex64)
+    y = torch.randn(5)
+    on_sim, real = x.to(sim), y.to(sim)
+    assert torch.allclose(torch.exp(on_sim.conj()).cpu(), torch.exp(x.conj()))
+    assert torch.allclose((on_sim.conj().T @ on_sim).cpu(), x.conj().T @ x, atol=1e-5)
+    assert torch.allclose((on_sim.conj() * on_sim).cpu(), x.conj() * x)
+    assert torch.equal(torch.exp(real._neg_view()).cpu(), torch.exp(-y))
+    view = on_sim.conj()
+    view.mul_(2)  # written through the view: the CPU's fallback writes back through the bit
+    assert torch.allclose(on_sim.cpu(), x * 2)

@@ -126,3 +126,16 @@ def test_a_targeted_tool_never_reuses_copies_the_calls_it_does_not_see_could_hav
         losses = zoo.llama_float32(sim)
     assert not tool.sees_every_call and losses == expected
     assert tool.failures == [] and tool.stale_copies == 0 and tool.counts["forward compared"] > 10
+
+
+def test_a_conjugate_or_negative_view_is_not_the_tensor_it_views():
+    # x.conj() reads x's memory with x's offset, sizes and strides, and holds other values: a value derived from x
+    # (its host copy, its flag, its statistics) is not x.conj()'s. (On sim the bit lies on the CPU data, not the sim
+    # tensor; on a GPU it is the tensor's own.)
+    from op_tools.numerics.current_values import CurrentValues, locate
+
+    x = torch.randn(8, dtype=torch.complex64)
+    values = CurrentValues(16, 0)
+    values.put(locate(x), "x's")
+    assert values.find(locate(x)) == "x's"
+    assert values.find(locate(x.conj())) is None and values.find(locate(x._neg_view())) is None
