@@ -630,6 +630,14 @@ AUTOCOMPARE_CROSS_CHECK_EVERY = declare(
     "reference, and the two references are compared (forward and backward). 1 cross-checks every call.",
     parse_positive_count, convert_positive_count, "an int >= 1",
 )
+AUTOCOMPARE_VERDICT_BATCH = declare(
+    "OP_AUTOCOMPARE_VERDICT_BATCH", "an integer >= 1", "64",
+    "On a device with events (CUDA, NPU, sim): each call's tensors go to the host without waiting, and the calls "
+    "are judged N at a time after one wait for all their copies, in the order they ran (the verdicts are the same). "
+    "1 judges each call when it returns, with a wait per copy (a failure's table printed at the call), and so does "
+    "OP_TOOLS_STRICT=1.",
+    parse_positive_count, convert_positive_count, "an int >= 1",
+)
 AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES = declare(
     "OP_AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES", "a size in bytes, e.g. 8G, 512M (powers of 1024)", "8G",
     "With the reference on the device: how much device memory the float64 copies of the calls' inputs may hold at "

@@ -339,7 +339,7 @@ class OpTool:
     tracks_writes: ClassVar[bool] = False
 
     def note_writes(self, tensors: list) -> None:
-        """A call this tool does not handle wrote ``tensors`` (only for tools with ``tracks_writes``)."""
+        """A call this tool does not handle is about to write ``tensors`` (only for tools with ``tracks_writes``)."""
 
     def backward_done(self) -> None:
         """After ``Tensor.backward()``/``torch.autograd.backward()`` returned, on the calling thread: the place to
@@ -604,13 +604,12 @@ class OpTool:
         return result
 
     def _run_unhandled(self, name: str, func, args: tuple, kwargs: dict):
-        result = func(*args, **kwargs)
-        if self.tracks_writes:
+        if self.tracks_writes:  # told before the write: a tool may need what the tensors hold now
             written = call_writes(name).written(args, kwargs)
             if written:
                 with tool_work():
                     self._guarded(lambda _: self.note_writes(written), OpCall(name, func, (), {}, None))
-        return result
+        return func(*args, **kwargs)
 
     def _attach_call_backward(self, call: OpCall, tracker: CallBackward) -> None:
         def done(upstream: tuple, input_grads: tuple, complete: bool) -> None:

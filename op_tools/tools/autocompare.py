@@ -58,6 +58,7 @@ from ..config.variables import (
     AUTOCOMPARE_MAX_SAVED,
     AUTOCOMPARE_REFERENCE,
     AUTOCOMPARE_TOLERANCES,
+    AUTOCOMPARE_VERDICT_BATCH,
     REFERENCE_CAST_VAR,
     Sources,
     convert_dtype_map,
@@ -87,7 +88,7 @@ from ..numerics.device_reference import (
     tested_dtype,
 )
 from ..numerics.error_statistics import DEVICE_STATISTICS_MIN
-from ..numerics.host_copies import HostCopies, snapshot
+from ..numerics.host_copies import HostCopies, has_events, snapshot
 from ..numerics.reference import (
     DEFAULT_CAST,
     Reference,
@@ -109,6 +110,7 @@ from ..ops.writes import call_writes
 from ..output import reporting, result_files
 from .compare_state import CompareState
 from .failing_calls import FailingCalls
+from .verdict_queue import VerdictQueue
 
 DEFAULT_REFERENCE_CAST = DEFAULT_CAST
 CSV_COLUMNS = ("op", "forward_id", "phase", "module", *COLUMNS, "location", *result_files.RECORD_COLUMNS)
@@ -162,6 +164,7 @@ class AutoCompareConfig:
     reference: str = "cpu"  # where the float64 reference runs: "cpu", "device" or "auto" (device_reference)
     cross_check_every: int = 64  # with a device reference: every N-th call of an op runs the CPU's too
     device_reference_max_bytes: int | None = 8 << 30  # the device memory the float64 copies may hold at once
+    verdict_batch: int = 64  # calls judged after one wait for their copies (verdict_queue.py)
 
     @classmethod
     def from_env(cls, sources: Sources | None = None) -> AutoCompareConfig:
@@ -179,7 +182,7 @@ class AutoCompareConfig:
                    AUTOCOMPARE_MAX_SAVED.read(sources), AUTOCOMPARE_COLLECTIVES.read(sources),
                    AUTOCOMPARE_MAX_SAVE_BYTES.read(sources), AUTOCOMPARE_COMPILED.read(sources),
                    AUTOCOMPARE_REFERENCE.read(sources), AUTOCOMPARE_CROSS_CHECK_EVERY.read(sources),
-                   AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES.read(sources))
+                   AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES.read(sources), AUTOCOMPARE_VERDICT_BATCH.read(sources))
 
 
 def _reference_casts(value) -> dict[str, dict[torch.dtype, torch.dtype]]:
@@ -217,7 +220,9 @@ class OpAutoCompare(OpTool):
     and says whether compiled errs more), ``reference`` (``OP_AUTOCOMPARE_REFERENCE``: ``"device"`` runs the float64
     reference on the device where it computes float64, judging on the CPU every call that does not pass cleanly;
     ``"auto"``: the device where it can), ``cross_check_every`` (``OP_AUTOCOMPARE_CROSS_CHECK_EVERY``),
-    ``device_reference_max_bytes`` (``OP_AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES``), and ``results_dir``,
+    ``device_reference_max_bytes`` (``OP_AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES``), ``verdict_batch``
+    (``OP_AUTOCOMPARE_VERDICT_BATCH``: calls judged after one wait for their copies; 1: each when it returns), and
+    ``results_dir``,
     ``verbose``, ``print_stack``, ``strict``, ``print_ranks`` as every tool.
 
     >>> with op_tools.OpAutoCompare(tolerance={torch.bfloat16: (1e-2, 1e-2)}, backward=False) as compare:
@@ -236,7 +241,8 @@ class OpAutoCompare(OpTool):
                 "reference_casts": REFERENCE_CASTS, "collectives": AUTOCOMPARE_COLLECTIVES,
                 "compiled": AUTOCOMPARE_COMPILED, "reference": AUTOCOMPARE_REFERENCE,
                 "cross_check_every": AUTOCOMPARE_CROSS_CHECK_EVERY,
-                "device_reference_max_bytes": AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES}
+                "device_reference_max_bytes": AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES,
+                "verdict_batch": AUTOCOMPARE_VERDICT_BATCH}
     tracks_modules = True
 
     def configure(self) -> None:
@@ -246,6 +252,7 @@ class OpAutoCompare(OpTool):
         self.saving = FailingCalls(self.common, self.settings.max_saved, self.pid_folder, self.tally, self._logger,
                                    self.settings.max_save_bytes)
         self.counts: collections.Counter = collections.Counter()
+        self._taken = 0  # forward calls compared or queued to be (a random composite counts those inside it)
         self.skipped: collections.Counter = collections.Counter()
         self.backward_not_compared: collections.Counter = collections.Counter()
         self.device_math: collections.Counter = collections.Counter()  # what same-dtype runs applied -> calls
@@ -256,6 +263,11 @@ class OpAutoCompare(OpTool):
         self._pending: weakref.WeakValueDictionary[int, OpCall] = weakref.WeakValueDictionary()
         self._order_lock = threading.Lock()
         self._copies = HostCopies()
+        # Verdicts judged in batches (verdict_queue.py), on devices with events; strict mode judges each call at once
+        # (its error is raised at the call that made it).
+        self._queue = VerdictQueue(self._copies, self._guarded,
+                                   batch=1 if self.common.strict else self.settings.verdict_batch)
+        self._deferring: dict[str, bool] = {}  # device type -> whether its calls' verdicts wait in the queue
         self._probes: dict[torch.device, GeneratorProbe] = {}
         self._attempts: dict[str, list] = {}  # op name -> the reference casts to try, in order
         # compiled graph's name -> the largest ratio of its compiled error to its eager one (versus_eager)
@@ -272,6 +284,15 @@ class OpAutoCompare(OpTool):
 
     def note_writes(self, tensors: list) -> None:
         self._copies.forget(tensors)
+        self._queue.before_write(tensors)
+
+    def _defers(self, device: torch.device) -> bool:
+        """Whether calls on ``device`` are judged in batches: copies without waiting, then one wait for a batch."""
+        known = self._deferring.get(device.type)
+        if known is None:
+            known = self._deferring[device.type] = \
+                self._queue.batch > 1 and device.type != "cpu" and has_events(device)
+        return known
 
     # --- forward ---
 
@@ -280,6 +301,8 @@ class OpAutoCompare(OpTool):
         spec = call_writes(call.name)
         written = spec.written(call.args, call.kwargs)
         state.written = written
+        if written:  # a queued call may re-read what this call writes: judged first
+            self._queue.before_write(written)
         region = call.func.region if type(call.func) is RegionRun else None
         if region is not None:  # a compiled graph: its reference is the graph dynamo traced, rerun on the host
             reason = graph_reference.random_reason(region.gm)
@@ -304,7 +327,8 @@ class OpAutoCompare(OpTool):
         # the global tensors, and the result is gathered the same way.
         # Copies are reused across calls only when every call is seen (a mode): targeted wrappers and apply_feature
         # see only their functions, and the writes of the others (an optimizer's) would leave copies stale.
-        host_copy = self._copies.get if self.sees_every_call else _fresh_copy
+        host_copy = (self._copies.get_without_waiting if self._defers(call.device) else self._copies.get) \
+            if self.sees_every_call else _fresh_copy
         copies = self._device_copies(call, state) if self._device_reference else None
         if copies is not None:  # the reference runs on the device, on these float64 copies (device_reference)
             try:
@@ -391,6 +415,7 @@ class OpAutoCompare(OpTool):
         state.collective = None
         comparisons = collective_reference.verify(bound, copies)  # an error: after() counts the call not checked
         passed = all(c.passed for c in comparisons)
+        self._taken += 1
         self.counts["forward compared"] += 1
         self.counts["forward passed" if passed else "forward failed"] += 1
         level = self._table_level(call.name, "forward", passed)
@@ -408,9 +433,9 @@ class OpAutoCompare(OpTool):
             return call.func(*call.args, **call.kwargs)
         # A random composite: its calls are handled one by one, and after() counts it skipped with how many of them
         # were compared.
-        compared = self.counts["forward compared"]
+        taken = self._taken
         result = self.run_inside(call)
-        inside = self.counts["forward compared"] - compared
+        inside = self._taken - taken
         if inside:
             call.state.skip = f"random (compared inside: {inside} call{'s' if inside != 1 else ''})"
         return result
@@ -442,8 +467,24 @@ class OpAutoCompare(OpTool):
             self.counts["forward not checked"] += 1  # the engine reports the error and counts the call
             raise
         finally:
-            if call.state.host_of is not None:  # what the comparison used lives only while after() runs
+            # what the comparison used lives only while after() runs, or until the queue judges the call
+            if call.state.host_of is not None and not call.state.queued:
                 call.state.drop_forward()
+
+    def _judge_queued(self, call: OpCall) -> None:
+        """A forward verdict that waited in the queue (its copies have landed)."""
+        state: CompareState = call.state
+        state.queued = False
+        try:
+            outcome = self._judge_forward(call, state)
+            if outcome is not None:
+                self._conclude_forward(call, state, outcome)
+        except Exception:
+            self.counts["forward not checked"] += 1  # the engine's runner reports the error and counts the call
+            raise
+        finally:
+            if state.host_of is not None:
+                state.drop_forward()
 
     def _after(self, call: OpCall) -> None:
         state: CompareState = call.state
@@ -451,6 +492,7 @@ class OpAutoCompare(OpTool):
         reason = state.skip
         if state.collective is not None:
             self._copies.forget(written)
+            self._queue.flush()  # the calls before it are judged first
             self._after_collective(call, state)
             return
         if reason is not None:
@@ -477,23 +519,58 @@ class OpAutoCompare(OpTool):
                 self._copies.forget([t])  # may have been written (an unknown function's argument)
         signature = (call.name, tuple(t.dtype for t, _, _ in tensors), state.math)
         # what _compare_forward compares (dropped when after() returns)
-        state.extra, state.extra_labels, state.signature = extra, _labels_of(call.args, call.kwargs, extra), signature
+        state.extra, state.extra_labels, state.signature = \
+            [id(t) for t in extra], _labels_of(call.args, call.kwargs, extra), signature
         state.precedent = (*signature, tuple(tuple(t.shape) for t, _, _ in tensors))
-        outcome = self._forward_on_device(call, state, tensors) if state.device_copies is not None else None
+        state.grad_ids, state.wants_backward = [id(t) for t in call.grad_inputs], bool(call.grad_inputs)
+        # Judged now: a compiled graph (narrowed at once), and with the reference on the device an op's first call
+        # (its next calls run their reference there once it has shown its reruns draw no random numbers).
+        defer = state.device_copies is None and type(call.func) is not RegionRun and self._defers(call.device) and \
+            not (self._device_reference and call.name not in LEARNT.rng_checked)
+        if not defer:  # judged now: the calls queued before it first, so failures are found in the order they ran
+            self._queue.flush()
+        outcome = self._forward_on_device(call, state, tensors, extra) if state.device_copies is not None else None
         if outcome is None:
             if state.device_copies is not None:
                 tensors = self._to_host(state, tensors)
-            state.device_cpu = map_tensors(call.result, lambda t: self._compared_value(t, id(t) in written_ids))
-            state.extra_cpu = [self._compared_value(t, True) for t in extra]
+            state.device_cpu = map_tensors(call.result,
+                                           lambda t: self._compared_value(t, id(t) in written_ids, defer))
+            state.extra_cpu = [self._compared_value(t, True, defer) for t in extra]
             host_of = state.host_of = {id(t): host for t, host, _ in tensors}
-            outcome = self._compare_forward(call, state)
-            if outcome is not None and not all(c.passed for c in outcome[0]) and any(r for _, _, r in tensors):
-                if self._recheck(state, tensors, host_of, written_ids):  # a cached copy was stale: compare again
-                    outcome = self._compare_forward(call, state)
-            if outcome is not None and state.device_reference is not None:
-                self._cross_check(call, state, state.device_reference.result, outcome[1], "forward", outcome[0])
+            # the host copies the reruns may write into (the written arguments'), kept for the backward's rerun too
+            state.owned = {id(host_of[id(t)]) for t in written if id(t) in host_of}
+            # inputs the cache supplied, re-read if the call fails (not those the op wrote: their old values are gone)
+            state.rereads = {id(t): t for t, _, reused in tensors if reused and id(t) not in written_ids}
+            if defer:
+                # Judged once its copies have landed. Nothing of the program's is held meanwhile: aliases of what a
+                # failure re-reads, and the call's source line taken while its frames are on the stack.
+                state.rereads = {i: t.detach() for i, t in state.rereads.items()}
+                state.written = state.compared_writes = ()
+                state.queued = True
+                call.keep_location()
+                self._taken += 1
+                self._queue.put(call, self._judge_queued, state.rereads.values())
+                return
+            outcome = self._judge_forward(call, state)
         if outcome is None:
             return
+        self._taken += 1
+        self._conclude_forward(call, state, outcome)
+
+    def _judge_forward(self, call: OpCall, state: CompareState) -> tuple | None:
+        """The forward compared on the host, from the copies in ``state``; compared again with fresh copies of the
+        inputs the cache supplied where one was out of date."""
+        outcome = self._compare_forward(call, state)
+        if outcome is not None and not all(c.passed for c in outcome[0]) and state.rereads:
+            if self._recheck(state):  # a cached copy was stale: compare again
+                outcome = self._compare_forward(call, state)
+        if outcome is not None and state.device_reference is not None:
+            self._cross_check(call, state, state.device_reference.result, outcome[1], "forward", outcome[0])
+        return outcome
+
+    def _conclude_forward(self, call: OpCall, state: CompareState, outcome: tuple) -> None:
+        """Count, record, show and save a forward verdict; keep what its backward needs."""
+        extra = state.extra
         if self._device_reference:
             self.reference_place["forward", "device" if state.device_copies is not None else state.cpu_reason] += 1
         device_cpu, extra_cpu, host_of = state.device_cpu, state.extra_cpu, state.host_of or {}
@@ -503,7 +580,7 @@ class OpAutoCompare(OpTool):
         self.counts["forward passed" if passed else "forward failed"] += 1
         if state.math_used:
             self.device_math[state.math_used.describe()] += 1
-        wants_backward = bool(call.grad_inputs)
+        wants_backward = state.wants_backward
         # Finding the user's source line costs a stack walk: only for what is printed or may fail later.
         level = self._table_level(call.name, "forward", passed)
         location = call.location if not passed or self._logger.isEnabledFor(level) or wants_backward else ""
@@ -514,7 +591,7 @@ class OpAutoCompare(OpTool):
             module, location = self._narrow(call, comparisons, module, location)
         self._record(call.name, call.forward_id, "forward", location, comparisons, module, call.step, call.time)
         device_out = (device_cpu, *extra_cpu)
-        ref_out = (reference.result, *[reference.mapped[id(host_of[id(t)])] for t in extra])
+        ref_out = (reference.result, *[reference.mapped[id(host_of[i])] for i in extra])
         if self._logger.isEnabledFor(level):
             self._print_forward(call, reference, comparisons, location, passed, level)
         if not passed:
@@ -534,12 +611,13 @@ class OpAutoCompare(OpTool):
         call.state.release()
         call.grad_inputs = []
 
-    def _forward_on_device(self, call: OpCall, state: CompareState, tensors: Sequence) -> tuple | None:
+    def _forward_on_device(self, call: OpCall, state: CompareState, tensors: Sequence, extra: list) -> tuple | None:
         """The forward judged against the float64 reference on the device; None when its verdict is not a clean
         pass, or the call is cross-checked (``state.cpu_reason`` says which): the CPU then judges it."""
         state.device_cpu = map_tensors(call.result, torch.Tensor.detach)
-        state.extra_cpu = [t.detach() for t in state.extra]
+        state.extra_cpu = [t.detach() for t in extra]
         state.host_of = {id(t): copy for t, copy, _ in tensors}
+        state.owned = {id(state.host_of[id(t)]) for t in state.written if id(t) in state.host_of}
         self._copies.forget(state.written)  # the host copies are not kept current by this path
         results = list(iter_tensors((state.device_cpu, state.extra_cpu)))
         if any(t.dtype in (torch.float64, torch.complex128) for t in results):
@@ -598,15 +676,16 @@ class OpAutoCompare(OpTool):
                              "float64 kernels there are not trusted, and its reference runs on the CPU from now on",
                              call.name, call.device.type, text, call.name)
 
-    def _compared_value(self, t: torch.Tensor, written: bool) -> torch.Tensor:
+    def _compared_value(self, t: torch.Tensor, written: bool, deferred: bool = False) -> torch.Tensor:
         """What ``t`` is compared as: itself on its device when large, held in the device's own memory, and the device
-        computes in float64 (only the statistics come back); else a host copy, remembered for the next call."""
-        if t.numel() >= DEVICE_STATISTICS_MIN and not is_dtensor(t) and _in_device_memory(t) and \
+        computes in float64 (only the statistics come back), unless the call is judged later (``deferred``: its copy
+        is on its way); else a host copy, remembered for the next call."""
+        if not deferred and t.numel() >= DEVICE_STATISTICS_MIN and not is_dtensor(t) and _in_device_memory(t) and \
                 self._float64_on(t.device):
             if written:
                 self._copies.forget([t])
             return t
-        return self._copies.fresh(t, written=written)
+        return self._copies.fresh(t, written=written, non_blocking=deferred)
 
     def _float64_on(self, device: torch.device) -> bool:
         known = LEARNT.float64.get(device.type)
@@ -624,15 +703,15 @@ class OpAutoCompare(OpTool):
         there when the device's float64 reference cannot run."""
         device_cpu, host_of, math = state.device_cpu, state.host_of, state.math
         assert math is not None and host_of is not None  # set by before() and after() for every call copied
-        # the host copies the reruns may write into (the written arguments'), kept for the backward's rerun too
-        owned = state.owned = {id(host_of[id(t)]) for t in state.written if id(t) in host_of}
+        owned = state.owned
+        assert owned is not None  # set with host_of
         attempts = self._attempts.get(call.name)
         if attempts is None:
             attempts = self._attempts[call.name] = attempts_for(
                 self.settings.casts.get(op_key(call.name), DEFAULT_REFERENCE_CAST))
         if on_device:
             attempts = attempts[:1]  # the device's float64 or the CPU, never a narrower reference
-        grad_snaps = state.grad_snaps = [host_of[id(t)] for t in call.grad_inputs]
+        grad_snaps = state.grad_snaps = [host_of[i] for i in state.grad_ids]
         # The reruns must leave the CPU generator as they found it: checked on an op's first call (a rerun of an op
         # whose device run drew nothing draws nothing; the device run of every call is checked in after()).
         rng = cpu_generator_token() if call.name not in LEARNT.rng_checked else None
@@ -687,8 +766,8 @@ class OpAutoCompare(OpTool):
                                       # copies are float64)
                                       bounds=_forward_bounds(call.name, func, reference,
                                                              call.args if on_device else state.cpu_args or ()))
-        for label, t, host in zip(state.extra_labels, state.extra, state.extra_cpu):
-            before_op = host_of[id(t)]
+        for label, i, host in zip(state.extra_labels, state.extra, state.extra_cpu):
+            before_op = host_of[i]
             comparisons.append(compare_tensors(label, host, reference.mapped[id(before_op)],
                                                functools.partial(_written_result, same, before_op),
                                                self._tolerance, call.name, True,
@@ -774,16 +853,19 @@ class OpAutoCompare(OpTool):
         with self._lock:
             self.versus_eager[region.name] = max(ratio, self.versus_eager.get(region.name, 0.0))
 
-    def _recheck(self, state: CompareState, tensors: Sequence, host_of: dict, written_ids: set) -> bool:
-        """Re-read the inputs the cache supplied (not those the op wrote: their old values are gone); True, with
-        the copies replaced, when any was out of date."""
+    def _recheck(self, state: CompareState) -> bool:
+        """Re-read the inputs the cache supplied (``state.rereads``); True, with the copies replaced, when any was
+        out of date (``VerdictQueue.before_write``: no call seen since wrote them)."""
         replaced = {}
-        for t, host, reused in tensors:
-            if reused and id(t) not in written_ids and id(host) not in replaced:
+        host_of, rereads = state.host_of, state.rereads
+        assert host_of is not None and rereads is not None  # set together by after()
+        for i, t in rereads.items():
+            host = host_of[i]
+            if id(host) not in replaced:
                 now = self._copies.fresh(t)
                 if not _same_values(now, host):
                     replaced[id(host)] = now
-                    host_of[id(t)] = now
+                    host_of[i] = now
         if not replaced:
             return False
         self.stale_copies += len(replaced)
@@ -798,6 +880,9 @@ class OpAutoCompare(OpTool):
         if why:
             self.backward_not_compared[why] += 1
         self._pending.pop(call.forward_id, None)
+        if call.state.queued:  # its forward is still to be judged: that releases what it holds
+            call.state.wants_backward = False
+            return
         call.state.release_backward()
         if not call.state.saved_forward:
             call.state.release()
@@ -812,8 +897,16 @@ class OpAutoCompare(OpTool):
 
     def _after_call_backward(self, call: OpCall, upstream: tuple, input_grads: tuple, complete: bool) -> None:
         state: CompareState = call.state
+        if not state.queued and state.reference is None:  # not compared in forward (random, released at stop())
+            self._pending.pop(call.forward_id, None)
+            return
+        if complete and state.device_copies is None and state.device_reference is None and \
+                type(call.func) is not RegionRun and self._defers(call.device):
+            self._queue_backward(call, upstream, input_grads)
+            return
+        self._queue.flush()  # judged now: its forward and the calls queued before it first
         self._pending.pop(call.forward_id, None)
-        if state.reference is None:  # not compared in forward (random, released at stop())
+        if state.reference is None:
             return
         if not complete:
             self.backward_not_compared["the backward pass ran only part of the op's graph"] += 1
@@ -831,12 +924,62 @@ class OpAutoCompare(OpTool):
             elif self._device_reference:
                 with self._lock:
                     self.reference_place["backward", state.cpu_reason] += 1
-            comparisons, reference_grads, upstream_cpu, device_grads_cpu = self._backward_on_host(
-                call, state, upstream, input_grads)
+            upstream_cpu, rereads = self._upstream_copies(upstream, self._copies.get)
+            device_grads_cpu = tuple(None if g is None else self._compared_value(g, False) for g in input_grads)
+            comparisons, reference_grads, upstream_cpu = self._backward_on_host(call, state, upstream_cpu, rereads,
+                                                                                device_grads_cpu)
             if device_values is not None:  # the device reference's gradients, computed before it needed the CPU
                 self._cross_check(call, state, device_values, reference_grads, "backward", comparisons)
             elif state.device_reference is not None:
                 self._cross_check_backward(call, state, upstream, reference_grads, comparisons)
+        self._conclude_backward(call, state, comparisons, reference_grads, upstream_cpu, device_grads_cpu, upstream)
+
+    def _queue_backward(self, call: OpCall, upstream: tuple, input_grads: tuple) -> None:
+        """The backward's tensors on their way to the host, and its verdict queued behind its forward's."""
+        upstream_cpu, rereads = self._upstream_copies(upstream, self._copies.get_without_waiting)
+        rereads = {i: g.detach() for i, g in rereads.items()}  # aliases: nothing of the program's is held
+        device_grads_cpu = tuple(None if g is None else self._compared_value(g, False, True) for g in input_grads)
+        started = time.time()
+
+        def judge(call: OpCall) -> None:
+            state: CompareState = call.state
+            self._pending.pop(call.forward_id, None)
+            if state.reference is None:  # the forward was not compared after all (random, no reference)
+                return
+            try:
+                if self._device_reference:
+                    with self._lock:
+                        self.reference_place["backward", state.cpu_reason] += 1
+                comparisons, reference_grads, upstream_now = self._backward_on_host(call, state, upstream_cpu,
+                                                                                    rereads, device_grads_cpu)
+                self._conclude_backward(call, state, comparisons, reference_grads, upstream_now, device_grads_cpu,
+                                        started=started)
+            except Exception:
+                with self._lock:
+                    self.counts["backward not checked"] += 1  # the engine's runner reports the error
+                raise
+
+        self._queue.put(call, judge, rereads.values())
+
+    @staticmethod
+    def _upstream_copies(upstream: tuple, get) -> tuple[list, dict[int, torch.Tensor]]:
+        """Host copies of the upstream gradients through ``get``, and those the cache supplied (by position)."""
+        copies: list[torch.Tensor | None] = []
+        reused: dict[int, torch.Tensor] = {}
+        for i, g in enumerate(upstream):
+            if g is None:
+                copies.append(None)
+                continue
+            host, was_cached = get(g)
+            copies.append(host)
+            if was_cached:
+                reused[i] = g
+        return copies, reused
+
+    def _conclude_backward(self, call: OpCall, state: CompareState, comparisons: list[Comparison], reference_grads,
+                           upstream_cpu, device_grads_cpu, upstream: tuple = (), started: float | None = None) -> None:
+        """Count, record, show and save a backward verdict; ``upstream``: the device's (a compiled graph's narrowing
+        reruns its backward); ``started``: when the check started (now unless it was queued)."""
         passed = all(c.passed for c in comparisons)
         with self._lock:
             self.counts["backward compared"] += 1
@@ -849,7 +992,8 @@ class OpAutoCompare(OpTool):
             for c in comparisons:
                 c.error_info = "; ".join(filter(None, (found.describe(), c.error_info)))
             module, location = found.module or module, found.location or location
-        self._record(call.name, call.forward_id, "backward", location, comparisons, module, call.step, time.time())
+        self._record(call.name, call.forward_id, "backward", location, comparisons, module, call.step,
+                     time.time() if started is None else started)
         level = self._table_level(call.name, "backward", passed)
         if self._logger.isEnabledFor(level):
             rows = [_named_row(call.name, c) for c in comparisons]
@@ -873,30 +1017,22 @@ class OpAutoCompare(OpTool):
             return
         self._cross_check(call, state, device_values, reference_grads, "backward", comparisons)
 
-    def _backward_on_host(self, call: OpCall, state: CompareState, upstream: tuple, input_grads: tuple) -> tuple:
-        """``(comparisons, reference gradients, upstream copies, device gradients as compared)`` against the CPU
-        reference; the comparison is made again with fresh copies where a cached upstream copy was stale."""
-        get = self._copies.get
-        upstream_cpu: list[torch.Tensor | None] = []
-        reused = False
-        for g in upstream:
-            if g is None:
-                upstream_cpu.append(None)
-            else:
-                host, was_cached = get(g)
-                upstream_cpu.append(host)
-                reused = reused or was_cached
-        device_grads_cpu = tuple(None if g is None else self._compared_value(g, False) for g in input_grads)
+    def _backward_on_host(self, call: OpCall, state: CompareState, upstream_cpu: list, rereads: dict,
+                          device_grads_cpu: tuple) -> tuple:
+        """``(comparisons, reference gradients, upstream copies)`` against the CPU reference; the comparison is made
+        again with fresh copies where a cached upstream copy (``rereads``: position -> the gradient) was stale."""
         comparisons, reference_grads = self._compare_backward(call, state, tuple(upstream_cpu), device_grads_cpu)
-        if not all(c.passed for c in comparisons) and reused:
-            now = tuple(None if g is None else self._copies.fresh(g) for g in upstream)
+        if not all(c.passed for c in comparisons) and rereads:
+            now = list(upstream_cpu)
+            for i, g in rereads.items():
+                now[i] = self._copies.fresh(g)
             stale = sum(1 for a, b in zip(now, upstream_cpu)
                         if a is not None and b is not None and not _same_values(a, b))
             if stale:
                 self.stale_copies += stale
-                upstream_cpu = list(now)
-                comparisons, reference_grads = self._compare_backward(call, state, now, device_grads_cpu)
-        return comparisons, reference_grads, upstream_cpu, device_grads_cpu
+                upstream_cpu = now
+                comparisons, reference_grads = self._compare_backward(call, state, tuple(now), device_grads_cpu)
+        return comparisons, reference_grads, upstream_cpu
 
     def _backward_on_device(self, call: OpCall, state: CompareState, upstream: tuple, input_grads: tuple):
         """``((comparisons, reference gradients), None)`` against the device's float64 reference graph when they
@@ -1023,12 +1159,14 @@ class OpAutoCompare(OpTool):
         self.saving.save(name, forward_id, state, cast, device_out, ref_out, grads, record)
 
     def finish(self) -> None:
+        self._queue.flush()
         for call in list(self._pending.values()):  # calls whose backward never ran
             call.state.release()
             self.backward_not_compared["its backward had not run at stop()"] += 1
         self.saving.drain()
         self._pending = weakref.WeakValueDictionary()
         self._copies = HostCopies()
+        self._queue = VerdictQueue(self._copies, self._guarded, self._queue.batch)
         text = self.summary()
         if self.saving.saved:  # the summary may shorten their folder: the listing names it whole
             self.tally.name(self.saving.folder(), "failing calls, for run_op_from_data")

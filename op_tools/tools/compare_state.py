@@ -24,7 +24,7 @@ class CompareState:
                  "grad_labels", "device_cpu", "extra", "extra_cpu", "extra_labels", "host_of", "signature",
                  "precedent", "math_used", "owned", "grad_snaps", "reference", "device_out", "ref_out",
                  "saved_forward", "save_dir", "collective", "replay", "func", "region_args", "device_copies",
-                 "cross_check", "device_reference", "cpu_reason")
+                 "cross_check", "device_reference", "cpu_reason", "queued", "wants_backward", "grad_ids", "rereads")
 
     # --- set by before() ---
     written: Sequence[torch.Tensor]  # the arguments the op writes (each once; every tensor of an unknown function)
@@ -44,7 +44,7 @@ class CompareState:
     grad_labels: Sequence[str]  # the labels of call.grad_inputs ("input[0]"), for the gradients' rows
     # --- what after() gives _compare_forward (dropped when after() returns, as locals were) ---
     device_cpu: Any  # the result as compared: host copies, or large tensors on their device
-    extra: Sequence[torch.Tensor]  # the written arguments the result does not return
+    extra: Sequence[int]  # ids of the written arguments the result does not return (host_of keys)
     extra_cpu: Sequence[torch.Tensor]  # their values after the op, as compared
     extra_labels: Sequence[str]  # their labels ("written input[0]")
     host_of: dict[int, torch.Tensor] | None  # id of an argument tensor -> its host copy from before the op
@@ -68,6 +68,11 @@ class CompareState:
     cross_check: bool  # this call runs both references and compares them
     device_reference: Reference | None  # a cross-checked call's device reference, kept for its backward
     cpu_reason: str  # with a device reference asked for: why this call's runs on the CPU ('' on the device)
+    # --- a verdict deferred (verdict_queue.py) ---
+    queued: bool  # the forward's verdict waits in the queue: the call's backward must wait behind it
+    wants_backward: bool  # the call's backward is followed (call.grad_inputs, which the engine empties after after())
+    grad_ids: Sequence[int]  # ids of call.grad_inputs: their host copies are the reference's leaves
+    rereads: dict[int, torch.Tensor] | None  # id of a reused input -> an alias of it, re-read if the call fails
 
     def release(self) -> None:
         """Every field back to its default, dropping the tensors and copies held: the call is compared no further."""
@@ -77,15 +82,16 @@ class CompareState:
         self.inside = self.saved_forward = False
         self.reference = self.device_out = self.ref_out = self.save_dir = self.collective = None
         self.replay = self.func = self.device_copies = self.device_reference = None
-        self.cross_check = False
+        self.cross_check = self.queued = self.wants_backward = False
         self.cpu_reason = ""
+        self.grad_ids = ()
         self.drop_forward()
 
     __init__ = release  # a new state is a released one (one call less per handled call)
 
     def drop_forward(self) -> None:
         """Drop what only after()'s comparison used: the outputs' copies and the written arguments."""
-        self.device_cpu = self.host_of = None
+        self.device_cpu = self.host_of = self.rereads = None
         self.extra = self.extra_cpu = self.extra_labels = self.signature = ()
 
     def release_backward(self) -> None:

@@ -1,0 +1,88 @@
+"""OpAutoCompare's verdicts judged in batches: one wait for the device per batch of calls, not one per copy.
+
+A call's tensors go to the host without waiting (``HostCopies`` with ``non_blocking=True``: into pinned memory, in
+stream order, so each copy holds the values the op saw), and what judges the call (its reference run and
+comparison, forward or backward) is queued. Once ``batch`` calls are queued, or their copies pass ``max_bytes``,
+or something must be known now (a call judged at once, the end of the run), ``flush()`` waits once for every copy
+(``HostCopies.land``) and judges the queued calls in the order they ran, so the verdicts, and which failure is
+found first, are those of judging each call at once.
+
+A failing call whose inputs came from the cache is re-read from the device before it is said to fail (a write no
+call showed leaves a cached copy stale). Re-read later, an input must still hold what the call read: a call about to
+write an input a queued call took from the cache (``before_write``, from the tool's ``before()`` and the engine's
+``note_writes`` for calls it does not handle) flushes the queue first. The one difference from judging each call at
+once: an input that a write no call shows (a collective run from C++) changed between the call and its batch's
+judging is re-read with that write, only for a call that failed on a stale cached copy.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable, Iterable
+
+import torch
+
+from ..core.engine import OpCall
+from ..numerics.host_copies import HostCopies
+
+
+def storage_id(t: torch.Tensor) -> int | None:
+    try:
+        return id(t.untyped_storage())
+    except (RuntimeError, NotImplementedError, TypeError):  # storage-less tensors: never cached
+        return None
+
+
+class VerdictQueue:
+    """Jobs ``(call, judge)`` run in put order by ``run(judge, call)`` (the tool's guarded runner) after one wait for
+    ``copies``' copies in flight. Thread-safe: backward hooks may run on the autograd engine's device threads."""
+
+    def __init__(self, copies: HostCopies, run: Callable[[Callable, OpCall], object], batch: int = 64,
+                 max_bytes: int = 512 << 20) -> None:
+        self.batch, self.max_bytes = batch, max_bytes
+        self._copies, self._run = copies, run
+        self._jobs: collections.deque[tuple[OpCall, Callable]] = collections.deque()
+        self._reads: set[int] = set()  # storages of inputs queued calls took from the cache
+        self._lock = threading.RLock()
+        self.flushes = 0
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def put(self, call: OpCall, judge: Callable, reads: Iterable[torch.Tensor] = ()) -> None:
+        """Queue ``judge`` for ``call``; ``reads``: its inputs that came from the cache (re-read if it fails)."""
+        with self._lock:
+            self._jobs.append((call, judge))
+            for t in reads:
+                sid = storage_id(t)
+                if sid is not None:
+                    self._reads.add(sid)
+            full = len(self._jobs) >= self.batch or self._copies.in_flight_bytes > self.max_bytes
+        if full:
+            self.flush()
+
+    def before_write(self, tensors: Iterable[torch.Tensor]) -> None:
+        """A call is about to write ``tensors``: judge the queued calls first if one may re-read them."""
+        if self._reads and any(storage_id(t) in self._reads for t in tensors):
+            self.flush()
+
+    def flush(self) -> None:
+        """Wait once for the copies in flight, then judge every queued call, in order."""
+        with self._lock:
+            if self._jobs:
+                self.flushes += 1
+            while self._jobs:
+                self._copies.land()  # a no-op unless a judge made copies without waiting
+                call, judge = self._jobs.popleft()
+                self._run(judge, call)
+            self._copies.land()
+            self._reads.clear()
+
+    def discard(self) -> list[OpCall]:
+        """Drop the queued jobs unjudged (the tool stopped without its results): their calls."""
+        with self._lock:
+            calls = [call for call, _ in self._jobs]
+            self._jobs.clear()
+            self._reads.clear()
+            return calls
