@@ -64,7 +64,7 @@ from ..config.variables import (
     convert_dtype_map,
     parse_dtype_map,
 )
-from ..core.engine import OpCall, OpTool, RegionRun, feature
+from ..core.engine import OpCall, OpTool, RegionRun, feature, tool_work
 from ..numerics import collective_reference, fused_kernels, graph_reference
 from ..numerics.attention import replayed_dropout_mask, with_dropout_mask
 from ..numerics.comparison import (
@@ -268,6 +268,14 @@ class OpAutoCompare(OpTool):
         self._queue = VerdictQueue(self._copies, self._guarded,
                                    batch=1 if self.common.strict else self.settings.verdict_batch)
         self._deferring: dict[str, bool] = {}  # device type -> whether its calls' verdicts wait in the queue
+        # A training step's verdicts are all in when its optimizer step returns (failures read then are complete,
+        # and a step's cost includes its judging).
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        previous = vars(self).get("_step_hook")
+        if previous is not None:  # started again before its stop
+            previous.remove()
+        self._step_hook: torch.utils.hooks.RemovableHandle = register_optimizer_step_post_hook(self._judge_step)
         self._probes: dict[torch.device, GeneratorProbe] = {}
         self._attempts: dict[str, list] = {}  # op name -> the reference casts to try, in order
         # compiled graph's name -> the largest ratio of its compiled error to its eager one (versus_eager)
@@ -281,6 +289,17 @@ class OpAutoCompare(OpTool):
         # where each compared call's verdict came from: "device", or "CPU: <why>" -> forward calls
         self.reference_place: collections.Counter = collections.Counter()
         self.untrusted_here: dict[str, str] = {}  # ops found untrusted by this tool's cross-checks
+
+    def _judge_step(self, *_) -> None:
+        if len(self._queue):
+            with tool_work():
+                self._queue.flush()
+
+    def judge_queued(self) -> None:
+        """Judge the calls still waiting for their copies now (one wait for the device): ``failures`` and the counts
+        are then complete. Optimizer steps and ``stop()`` do it; a loop without an optimizer may call it."""
+        with tool_work():
+            self._queue.flush()
 
     def note_writes(self, tensors: list) -> None:
         self._copies.forget(tensors)
@@ -1159,6 +1178,7 @@ class OpAutoCompare(OpTool):
         self.saving.save(name, forward_id, state, cast, device_out, ref_out, grads, record)
 
     def finish(self) -> None:
+        self._step_hook.remove()
         self._queue.flush()
         for call in list(self._pending.values()):  # calls whose backward never ran
             call.state.release()

@@ -3,9 +3,9 @@
 A call's tensors go to the host without waiting (``HostCopies`` with ``non_blocking=True``: into pinned memory, in
 stream order, so each copy holds the values the op saw), and what judges the call (its reference run and
 comparison, forward or backward) is queued. Once ``batch`` calls are queued, or their copies pass ``max_bytes``,
-or something must be known now (a call judged at once, the end of the run), ``flush()`` waits once for every copy
-(``HostCopies.land``) and judges the queued calls in the order they ran, so the verdicts, and which failure is
-found first, are those of judging each call at once.
+or something must be known now (a call judged at once, the end of an optimizer step or of the run), ``flush()``
+waits once for every copy (``HostCopies.land``) and judges the queued calls in the order they ran, so the verdicts,
+and which failure is found first, are those of judging each call at once.
 
 A failing call whose inputs came from the cache is re-read from the device before it is said to fail (a write no
 call showed leaves a cached copy stale). Re-read later, an input must still hold what the call read: a call about to

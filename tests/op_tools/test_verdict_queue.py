@@ -92,3 +92,26 @@ def test_a_call_the_tool_does_not_handle_writes_only_after_the_queue_is_judged(s
         torch.exp(x)
         x.mul_(0.5)  # not handled: the engine tells the tool before it writes
     assert tool.failures == [] and tool.stale_copies == 1, tool.failures
+
+
+def test_a_steps_verdicts_are_all_in_when_its_optimizer_step_returns(sim):
+    torch.manual_seed(0)
+    model = tiny_llama().to(sim)
+    ids = torch.randint(0, 128, (2, 16)).to(sim)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with ditorch.sim.faults("silu:noise=1e-2"), op_tools.OpAutoCompare() as tool:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        optimizer.step()
+        assert len(tool._queue) == 0  # nothing waits: the step's cost includes its judging
+        assert [f["op"] for f in tool.failures][:1] == ["torch.nn.functional.silu"]
+        judged = tool.counts["forward compared"]
+    assert tool.counts["forward compared"] == judged  # stop() had nothing left to judge
+
+
+def test_judge_queued_completes_the_verdicts_without_an_optimizer(sim):
+    x = torch.randn(64, device=sim)
+    with ditorch.sim.faults("silu:noise=1e-2"), op_tools.OpAutoCompare() as tool:
+        torch.nn.functional.silu(x)
+        assert tool.failures == []  # still queued
+        tool.judge_queued()
+        assert [f["op"] for f in tool.failures] == ["torch.nn.functional.silu"]
