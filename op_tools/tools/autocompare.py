@@ -292,13 +292,13 @@ class OpAutoCompare(OpTool):
 
     def _judge_step(self, *_) -> None:
         if len(self._queue):
-            with tool_work():
-                self._queue.flush()
+            self.judge_queued()
 
     def judge_queued(self) -> None:
         """Judge the calls still waiting for their copies now (one wait for the device): ``failures`` and the counts
         are then complete. Optimizer steps and ``stop()`` do it; a loop without an optimizer may call it."""
-        with tool_work():
+        # The program's calls go through the tools' modes: the judging's own calls (thousands a step) skip them.
+        with tool_work(), torch._C.DisableTorchFunction():
             self._queue.flush()
 
     def note_writes(self, tensors: list) -> None:
@@ -561,9 +561,9 @@ class OpAutoCompare(OpTool):
             # inputs the cache supplied, re-read if the call fails (not those the op wrote: their old values are gone)
             state.rereads = {id(t): t for t, _, reused in tensors if reused and id(t) not in written_ids}
             if defer:
-                # Judged once its copies have landed. Nothing of the program's is held meanwhile: aliases of what a
-                # failure re-reads, and the call's source line taken while its frames are on the stack.
-                state.rereads = {i: t.detach() for i, t in state.rereads.items()}
+                # Judged once its copies have landed, with the call's source line taken while its frames are on the
+                # stack (what a failure re-reads is held as it is: torch.utils.swap_tensors, which Module.to uses,
+                # refuses weak references, not references).
                 state.written = state.compared_writes = ()
                 state.queued = True
                 call.keep_location()
@@ -956,7 +956,6 @@ class OpAutoCompare(OpTool):
     def _queue_backward(self, call: OpCall, upstream: tuple, input_grads: tuple) -> None:
         """The backward's tensors on their way to the host, and its verdict queued behind its forward's."""
         upstream_cpu, rereads = self._upstream_copies(upstream, self._copies.get_without_waiting)
-        rereads = {i: g.detach() for i, g in rereads.items()}  # aliases: nothing of the program's is held
         device_grads_cpu = tuple(None if g is None else self._compared_value(g, False, True) for g in input_grads)
         started = time.time()
 

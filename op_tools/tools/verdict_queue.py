@@ -44,6 +44,7 @@ class VerdictQueue:
         self._copies, self._run = copies, run
         self._jobs: collections.deque[tuple[OpCall, Callable]] = collections.deque()
         self._reads: set[int] = set()  # storages of inputs queued calls took from the cache
+        self._unlooked: list[torch.Tensor] = []  # such inputs whose storage is looked up when a write may need it
         self._lock = threading.RLock()
         self.flushes = 0
 
@@ -54,16 +55,17 @@ class VerdictQueue:
         """Queue ``judge`` for ``call``; ``reads``: its inputs that came from the cache (re-read if it fails)."""
         with self._lock:
             self._jobs.append((call, judge))
-            for t in reads:
-                sid = storage_id(t)
-                if sid is not None:
-                    self._reads.add(sid)
+            self._unlooked.extend(reads)
             full = len(self._jobs) >= self.batch or self._copies.in_flight_bytes > self.max_bytes
         if full:
             self.flush()
 
     def before_write(self, tensors: Iterable[torch.Tensor]) -> None:
         """A call is about to write ``tensors``: judge the queued calls first if one may re-read them."""
+        if self._unlooked:
+            with self._lock:
+                self._reads.update(sid for t in self._unlooked if (sid := storage_id(t)) is not None)
+                self._unlooked = []
         if self._reads and any(storage_id(t) in self._reads for t in tensors):
             self.flush()
 
@@ -78,6 +80,7 @@ class VerdictQueue:
                 self._run(judge, call)
             self._copies.land()
             self._reads.clear()
+            self._unlooked = []
 
     def discard(self) -> list[OpCall]:
         """Drop the queued jobs unjudged (the tool stopped without its results): their calls."""
@@ -85,4 +88,5 @@ class VerdictQueue:
             calls = [call for call, _ in self._jobs]
             self._jobs.clear()
             self._reads.clear()
+            self._unlooked = []
             return calls

@@ -115,3 +115,4 @@ def test_judge_queued_completes_the_verdicts_without_an_optimizer(sim):
         assert tool.failures == []  # still queued
         tool.judge_queued()
         assert [f["op"] for f in tool.failures] == ["torch.nn.functional.silu"]
+
