@@ -291,7 +291,8 @@ class OpAutoCompare(OpTool):
         self.untrusted_here: dict[str, str] = {}  # ops found untrusted by this tool's cross-checks
 
     def _judge_step(self, *_) -> None:
-        if len(self._queue):
+        # not while dynamo traces a compiled optimizer step: the queue waits for the next point
+        if len(self._queue) and not torch.compiler.is_compiling():
             self.judge_queued()
 
     def judge_queued(self) -> None:
