@@ -186,6 +186,19 @@ class OpCall:
         """Drop the arguments and results so that a pending backward hook does not keep them alive."""
         self.args, self.kwargs, self.result = (), {}, None
 
+    def without_values(self) -> OpCall:
+        """A copy without the arguments and results (the same state), for a tool that keeps the call past its return:
+        the engine still reads this one's result, and a result held on (a view keeps its base) is visible to the
+        program (``torch.utils.swap_tensors``, which ``Module.to`` uses, refuses a tensor with a view alive)."""
+        copy = OpCall.__new__(OpCall)
+        for name in _CALL_FIELDS:
+            setattr(copy, name, getattr(self, name))
+        copy.args, copy.kwargs, copy.result = (), {}, None
+        return copy
+
+
+_CALL_FIELDS = tuple(name for name in OpCall.__slots__ if name != "__weakref__")
+
 
 class _ToolMode(TorchFunctionMode):
     def __init__(self, tool: OpTool) -> None:

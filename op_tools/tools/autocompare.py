@@ -569,7 +569,10 @@ class OpAutoCompare(OpTool):
                 state.queued = True
                 call.keep_location()
                 self._taken += 1
-                self._queue.put(call, self._judge_queued, state.rereads.values())
+                # A call with a backward to follow loses its arguments and result when it is hooked (the engine's
+                # _attach_call_backward, or call_backward_skipped); any other is queued without them.
+                self._queue.put(call if state.wants_backward else call.without_values(), self._judge_queued,
+                                state.rereads.values())
                 return
             outcome = self._judge_forward(call, state)
         if outcome is None:
@@ -902,6 +905,7 @@ class OpAutoCompare(OpTool):
         self._pending.pop(call.forward_id, None)
         if call.state.queued:  # its forward is still to be judged: that releases what it holds
             call.state.wants_backward = False
+            call.release()  # the queue holds the call: not its arguments and result
             return
         call.state.release_backward()
         if not call.state.saved_forward:

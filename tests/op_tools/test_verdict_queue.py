@@ -116,3 +116,16 @@ def test_judge_queued_completes_the_verdicts_without_an_optimizer(sim):
         tool.judge_queued()
         assert [f["op"] for f in tool.failures] == ["torch.nn.functional.silu"]
 
+
+
+def test_module_to_right_after_a_forward_swaps_the_parameters_as_without_the_tool(sim):
+    """sim's parameters are a traceable tensor subclass: ``Module.to`` swaps them (``torch.utils.swap_tensors``),
+    which refuses one that a view still refers to. The queue holds no call's arguments or result (the swap's own
+    ``view_as`` call, queued, kept its view of the weight alive)."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 8).to(sim)
+    with op_tools.OpAutoCompare() as tool:
+        linear(torch.randn(4, 8, device=sim))
+        linear.to(torch.float64)
+        assert linear.weight.dtype == torch.float64
+    assert tool.failures == [] and not tool.not_checked()
