@@ -28,6 +28,7 @@ from ..numerics.host_copies import HostCopies
 
 
 def storage_id(t: torch.Tensor) -> int | None:
+    """The identity of ``t``'s storage while it lives (None for a tensor without one)."""
     try:
         return id(t.untyped_storage())
     except (RuntimeError, NotImplementedError, TypeError):  # storage-less tensors: never cached
@@ -46,7 +47,6 @@ class VerdictQueue:
         self._reads: set[int] = set()  # storages of inputs queued calls took from the cache
         self._unlooked: list[torch.Tensor] = []  # such inputs whose storage is looked up when a write may need it
         self._lock = threading.RLock()
-        self.flushes = 0
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -70,23 +70,12 @@ class VerdictQueue:
             self.flush()
 
     def flush(self) -> None:
-        """Wait once for the copies in flight, then judge every queued call, in order."""
+        """Wait once for the copies in flight (also with no call queued: a call judged at once reads its own), then
+        judge every queued call, in order."""
         with self._lock:
-            if self._jobs:
-                self.flushes += 1
+            self._copies.land()  # the one wait (the judges' own copies are made waiting)
             while self._jobs:
-                self._copies.land()  # a no-op unless a judge made copies without waiting
                 call, judge = self._jobs.popleft()
                 self._run(judge, call)
-            self._copies.land()
             self._reads.clear()
             self._unlooked = []
-
-    def discard(self) -> list[OpCall]:
-        """Drop the queued jobs unjudged (the tool stopped without its results): their calls."""
-        with self._lock:
-            calls = [call for call, _ in self._jobs]
-            self._jobs.clear()
-            self._reads.clear()
-            self._unlooked = []
-            return calls
