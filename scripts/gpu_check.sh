@@ -77,6 +77,8 @@ run_step "same, bf16 autocast" "$PYTHON" benchmarks/overhead.py --device cuda --
   --autocast bf16 --tools OpTimeMeasure,OpOverflowCheck
 run_step "OpAutoCompare cost (device ref <= 20x step)" "$PYTHON" benchmarks/autocompare_cost.py --device cuda \
   --size real --rounds 3 --reference cpu,device
+run_step "same, judged call by call (OP_AUTOCOMPARE_VERDICT_BATCH=1: what batched verdicts save, issue 33)" \
+  env OP_AUTOCOMPARE_VERDICT_BATCH=1 "$PYTHON" benchmarks/autocompare_cost.py --device cuda --size real --rounds 3
 run_step "same, bf16 (0 failures, issue 34)" "$PYTHON" benchmarks/autocompare_cost.py --device cuda --size real \
   --rounds 1 --dtype bfloat16 --reference cpu,device
 run_step "same, bf16 autocast" "$PYTHON" benchmarks/autocompare_cost.py --device cuda --size real --rounds 1 \
