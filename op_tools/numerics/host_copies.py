@@ -85,7 +85,7 @@ class HostCopies:
 def snapshot(t: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     """A CPU copy outside autograd: grad disabled (a detach would be one more device op) where it matters. A DTensor
     is copied whole (``arguments.whole``: a collective every rank makes at the same call); it is never cached, as
-    it has no storage of its own (``_locate``). ``non_blocking``: the copy goes into pinned memory (PyTorch pins a
+    it has no storage of its own (``locate``). ``non_blocking``: the copy goes into pinned memory (PyTorch pins a
     non-blocking copy's destination) and is read only after ``wait_for_copies``."""
     with grad_mode(False) if t.requires_grad else _UNCHANGED:
         return whole(t).to(device=_CPU, copy=True, non_blocking=non_blocking)

@@ -72,7 +72,7 @@ class CompareState:
     queued: bool  # the forward's verdict waits in the queue: the call's backward must wait behind it
     wants_backward: bool  # the call's backward is followed (call.grad_inputs, which the engine empties after after())
     grad_ids: Sequence[int]  # ids of call.grad_inputs: their host copies are the reference's leaves
-    rereads: dict[int, torch.Tensor] | None  # id of a reused input -> an alias of it, re-read if the call fails
+    rereads: dict[int, torch.Tensor] | None  # id of an input the cache supplied -> it, re-read if the call fails
 
     def release(self) -> None:
         """Every field back to its default, dropping the tensors and copies held: the call is compared no further."""
