@@ -49,12 +49,17 @@ def _fingerprint_weights(device: torch.device, dtype: torch.dtype) -> torch.Tens
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
+    return _values(t).reshape(-1)
+
+
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as a real floating tensor of any shape, without a copy where ``t`` is one already."""
     x = t  # not detached: callers run under no_grad (a detach is one more op, ~30 us on sim)
     if x.is_complex():
         x = torch.view_as_real(x)
     if not x.is_floating_point():  # integers and bools: converted (float32 cannot hold every int64 exactly)
         x = x.to(torch.float32)
-    return x.reshape(-1)
+    return x
 
 
 def _accumulation(x: torch.Tensor) -> torch.dtype:
@@ -62,16 +67,25 @@ def _accumulation(x: torch.Tensor) -> torch.dtype:
 
 
 def _folded(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """``(_BLOCKS,)`` block sums of the flat ``x`` in ``acc``: consecutive runs, the ``r`` elements left over added to
-    blocks ``0..r-1``; a tensor of fewer elements than blocks is its own values, padded with zeros."""
+    """``(_BLOCKS,)`` block sums of ``x``'s values in their flat order, in ``acc``: consecutive runs, the ``r``
+    elements left over added to blocks ``0..r-1``; a tensor of fewer elements than blocks is its own values, padded
+    with zeros. A contiguous ``x`` is read through ``as_strided`` views of its memory, one launch-free op each, where
+    flattening and slicing it costs three (each op is microseconds of host work on a fast device, and on sim)."""
     n = x.numel()
     blocks, rest = divmod(n, _BLOCKS)
     if not blocks:
-        return torch.nn.functional.pad(x.to(acc), (0, _BLOCKS - n))  # zeros: nothing added to the sums
-    whole = x[: blocks * _BLOCKS] if rest else x
-    folded = whole.view(_BLOCKS, blocks).sum(1, dtype=acc)  # contiguous rows: the fast sum
-    if rest:
-        folded[:rest].add_(x[blocks * _BLOCKS:])  # a fresh tensor of ours; not ``+=``, whose store back is a copy
+        return torch.nn.functional.pad(x.reshape(-1).to(acc), (0, _BLOCKS - n))  # zeros: nothing added to the sums
+    if x.is_contiguous() and not x.is_neg():
+        start = x.storage_offset()
+        whole = x.as_strided((_BLOCKS, blocks), (blocks, 1))  # the same memory and kernel as the flat rows' view
+        tail = x.as_strided((rest,), (1,), start + blocks * _BLOCKS) if rest else None
+    else:
+        flat = x.reshape(-1)
+        whole = flat[: blocks * _BLOCKS].view(_BLOCKS, blocks)
+        tail = flat[blocks * _BLOCKS:] if rest else None
+    folded = whole.sum(1, dtype=acc)  # contiguous rows: the fast sum
+    if tail is not None:
+        folded[:rest].add_(tail)  # a fresh tensor of ours; not ``+=``, whose store back is a copy
     return folded
 
 
@@ -98,25 +112,27 @@ def calls_stats(tensors: list[torch.Tensor], deferred: bool = False) -> list[tup
     max, norm)`` of every tensor, then the sum and the 16 fingerprints of each before their division by
     ``sqrt(numel)`` (accumulated in float32, or float64 for float64 tensors). Per tensor its block sums and
     ``aminmax``; per group one ``_foreach_norm``, one product with the fingerprint weights for all the block sums and
-    one ``stack``, left unjoined for ``DeviceReadback``'s one ``cat`` per batch: a run recording's calls have a few
-    tensors each, and on a fast device or sim each launch, and each call into torch, not its arithmetic, is the cost.
-    ``deferred``: the block sums are left as ``device_readback.Reduced`` rows, multiplied by the weights for all the
-    calls of a read-back batch at once (``DeviceReadback`` stacks them: the same numbers, row by row). Call it under
+    one ``stack``: a run recording's calls have a few tensors each, and on a fast device or sim each launch, and each
+    call into torch, not its arithmetic, is the cost. ``deferred``: the minima, maxima and norms are left as 0-d
+    tensors and the block sums as ``device_readback.Reduced`` rows, which ``DeviceReadback`` joins and multiplies by
+    the weights for all the calls of a read-back batch at once (the same numbers, row by row). Call it under
     ``torch.no_grad()``."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    flats = [_flat(t) for t in tensors]
-    for i, x in enumerate(flats):
+    # not flattened (every reduction here takes any shape), but copied where not contiguous: the norm accumulates
+    # in the flat order, as it always has, so that recordings of the same run compare equal across versions
+    values = [x if x.is_contiguous() else x.reshape(-1) for x in map(_values, tensors)]
+    for i, x in enumerate(values):
         groups.setdefault((x.device, _accumulation(x)), []).append(i)
     joined = []
     for (device, acc), indices in groups.items():
-        xs = [flats[i] for i in indices]
+        xs = [values[i] for i in indices]
         folded = [_folded(x, acc) for x in xs]
         pieces = []
         for x, norm in zip(xs, foreach_norms(xs, 2, acc)):
             pieces += [*torch.aminmax(x), norm]  # 0-d each; min and max exact in any dtype: promoted by the stack
         sums = _reducer(device, acc)
-        if deferred:
-            joined.append((indices, [torch.stack(pieces), Reduced(folded, sums, 1 + FINGERPRINTS)]))
+        if deferred:  # the 0-d pieces stacked by DeviceReadback, once for a batch of calls
+            joined.append((indices, [*pieces, Reduced(folded, sums, 1 + FINGERPRINTS)]))
         else:
             stacked = folded[0].unsqueeze(0) if len(folded) == 1 else torch.stack(folded)  # (k, _BLOCKS)
             joined.append((indices, [torch.stack(pieces), sums(stacked).reshape(-1)]))

@@ -98,12 +98,24 @@ KNOWN_ENTRIES = 4096  # tensors whose statistics a later record may take over in
 
 class _Slot:
     """Where the statistics of one tensor arrive (``min, max, norm, sum, *fingerprints``); shared by the records of a
-    tensor unchanged between their calls (``RunRecorder.known``)."""
+    tensor unchanged between their calls (``RunRecorder.known``). The alias kept for the tensor's nan and inf counts
+    is the measuring record's (``kept``, at ``index``), and the counts, once read, are kept here for the others."""
 
-    __slots__ = ("values",)
+    __slots__ = ("values", "kept", "index", "counts")
 
     def __init__(self) -> None:
         self.values: list[float] | None = None
+        self.kept: KeptTensors | None = None
+        self.index = 0
+        self.counts: tuple[int, int] | None = None
+
+    def nonfinite_counts(self) -> tuple[int, int]:
+        """The tensor's ``(nan, inf)`` counts, read from the alias the first time (``UNKNOWN_COUNT`` each where the
+        tensor was written in place, or let go of, before)."""
+        if self.counts is None:
+            tensor = self.kept.get(self.index) if self.kept is not None else None
+            self.counts = nonfinite_counts(tensor) if tensor is not None else (UNKNOWN_COUNT, UNKNOWN_COUNT)
+        return self.counts
 
 
 class _Side:
@@ -152,16 +164,17 @@ class _Side:
                 known.put(place, self.slots[k])
         self.places = []  # the storages, not kept alive
 
-    def entries(self, host: list[list[float]], kept: KeptTensors | None, first: int) -> list[list]:
-        """The record's entries, from the statistics read back; ``kept`` holds this side's non-empty tensors from
-        position ``first`` on."""
-        values = iter(host)
-        out, k = [], first
+    def entries(self) -> list[list]:
+        """The record's entries, from the statistics read back."""
+        slots = iter(self.slots)
+        out = []
         for where, dtype, shape, n in self.described:
             entry: list = [where, dtype, shape]
             if n:  # an in-place op's input holding nan/inf is counted after the op wrote it
-                entry += [_float(v) for v in finished_values(n, next(values), lambda k=k: _counts(kept, k))]
-                k += 1
+                slot = next(slots)
+                if slot.values is None:  # taken over from a record whose statistics never arrived
+                    raise RuntimeError("the statistics of an earlier call's tensor, taken over, were not read back")
+                entry += [_float(v) for v in finished_values(n, slot.values, slot.nonfinite_counts)]
             out.append(entry)
         return out
 
@@ -183,11 +196,6 @@ def _measured(sides: list[_Side]) -> list[tuple[list[int], list[torch.Tensor]]]:
     return groups
 
 
-def _counts(kept: KeptTensors | None, k: int) -> tuple[int, int]:
-    tensor = kept.get(k) if kept is not None else None
-    return nonfinite_counts(tensor) if tensor is not None else (UNKNOWN_COUNT, UNKNOWN_COUNT)
-
-
 class _Pending:
     """A record whose statistics are on their way from the device; ``sides`` None: written as it is."""
 
@@ -200,18 +208,11 @@ class _Pending:
 
     def finished(self) -> dict[str, Any]:
         """The record with its sides' entries."""
-        record, host, first = self.record, iter(self.host), 0
+        record = self.record
         assert self.sides is not None
         omitted = {}
         for side in self.sides:
-            values = []
-            for _ in range(side.count):
-                arrived = next(host).values
-                if arrived is None:  # taken over from a record whose statistics never arrived
-                    raise RuntimeError("the statistics of an earlier call's tensor, taken over, were not read back")
-                values.append(arrived)
-            record[side.name] = side.entries(values, self.kept, first)
-            first += side.count
+            record[side.name] = side.entries()
             if side.omitted:
                 omitted[side.name] = side.omitted
         if omitted:
@@ -361,7 +362,11 @@ class RunRecorder:
                 groups, tensors = by_device.setdefault(parts[0].device, ([], []))
                 groups.append(indices)
                 tensors += parts
-            kept = self._kept.keep([t for side in sides for t in side.kept])
+            # aliases of the tensors measured here only: a taken-over slot's counts are read through its measurer's
+            fresh = [(side.slots[k], side.kept[k]) for side in sides for k in side.fresh]
+            kept = self._kept.keep([t for _, t in fresh])
+            for index, (slot, _) in enumerate(fresh):
+                slot.kept, slot.index = kept, index
             for side in sides:
                 side.remember(self._known)
                 side.kept, side.groups = [], []
