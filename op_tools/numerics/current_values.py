@@ -33,8 +33,9 @@ def locate(t: torch.Tensor):
     be tracked. A conjugate or negative view (``x.conj()``) reads the same memory as ``x`` the same way, and holds
     other values."""
     try:
-        return (t.untyped_storage(), (t.storage_offset(), t.shape, t.stride(), t.dtype, t.is_conj(), t.is_neg()),
-                t._version)
+        # a tuple of numbers (not ``t.shape``, a tuple subclass): the collector stops tracking it
+        return (t.untyped_storage(), (t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.is_conj(),
+                                      t.is_neg()), t._version)
     except (RuntimeError, NotImplementedError, TypeError):  # inference tensors (no version), storage-less tensors
         return None
 

@@ -222,17 +222,19 @@ class KeptTensors:
     __slots__ = ("_aliases", "_versions", "nbytes", "done")
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self._aliases: list[torch.Tensor | None] = [t.detach() for t in tensors]
-        self._versions = [t._version for t in tensors]
+        self._aliases: tuple[torch.Tensor, ...] | None = tuple(t.detach() for t in tensors)
+        self._versions = tuple(t._version for t in tensors)  # a tuple of ints: the collector stops tracking it
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self.done = False
 
     def get(self, i: int) -> torch.Tensor | None:
+        if self._aliases is None:
+            return None
         alias = self._aliases[i]
-        return alias if alias is not None and alias._version == self._versions[i] else None
+        return alias if alias._version == self._versions[i] else None
 
     def let_go(self) -> None:
-        self._aliases = [None] * len(self._aliases)
+        self._aliases = None
 
 
 class KeepBudget:

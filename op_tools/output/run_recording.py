@@ -46,6 +46,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -104,7 +105,7 @@ class _Slot:
     __slots__ = ("values", "kept", "index", "counts")
 
     def __init__(self) -> None:
-        self.values: list[float] | None = None
+        self.values: tuple[float, ...] | None = None
         self.kept: KeptTensors | None = None
         self.index = 0
         self.counts: tuple[int, int] | None = None
@@ -129,25 +130,31 @@ class _Side:
                  known: CurrentValues | None = None) -> None:
         self.name, self.omitted = name, omitted
         self.device = str(real_device(tensors[0][1])) if tensors else None  # of its first tensor
-        # where, dtype, shape, and the number of real values (0: empty, no statistics)
-        self.described = [(where, str(t.dtype).removeprefix("torch."), list(t.shape),
-                           t.numel() * (2 if t.is_complex() else 1)) for where, t in tensors]
-        self.kept: list[torch.Tensor] = [t for _, t in tensors if t.numel()]  # until the call's record is queued
-        self.count = len(self.kept)
-        self.groups: list[tuple[list[int], list[torch.Tensor]]] | None = None  # None: not measured on its own
+        # where, dtype, shape, and the number of real values (0: empty, no statistics). Tuples of numbers and
+        # strings, here and below, wherever a record's state lives until its statistics arrive: the collector stops
+        # tracking them, where each list a record holds would count towards the next full collection of the heap.
+        self.described = tuple((where, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                                t.numel() * (2 if t.is_complex() else 1)) for where, t in tensors)
+        kept = [t for _, t in tensors if t.numel()]
+        self.kept: Sequence[torch.Tensor] = kept  # until the call's record is queued
+        self.count = len(kept)
+        self.groups: list[tuple[list[int], list]] | None = None  # None: not measured on its own
         # Per non-empty tensor where its statistics arrive: an earlier record's slot for a tensor unchanged since
         # (``known``), else a new one, measured here (``fresh``: their indices; ``places``: where to remember them).
-        self.slots: list[_Slot] = []
-        self.fresh: list[int] = []
-        self.places: list = []
-        for k, t in enumerate(self.kept):
+        slots: list[_Slot] = []
+        fresh: list[int] = []
+        places: list = []
+        for k, t in enumerate(kept):
             place = locate(t) if known is not None else None
             slot = known.find(place) if known is not None and place is not None else None
             if slot is None:
                 slot = _Slot()
-                self.fresh.append(k)
-                self.places.append(place)
-            self.slots.append(slot)
+                fresh.append(k)
+                places.append(place)
+            slots.append(slot)
+        self.slots: tuple[_Slot, ...] = tuple(slots)
+        self.fresh: tuple[int, ...] = tuple(fresh)
+        self.places: Sequence = places
 
     def measure(self) -> None:
         """Its statistics now, on its own: (indices among its non-empty tensors, the statistics) per device."""
@@ -162,7 +169,7 @@ class _Side:
         if known is not None:
             for k, place in zip(self.fresh, self.places):
                 known.put(place, self.slots[k])
-        self.places = []  # the storages, not kept alive
+        self.places = ()  # the storages, not kept alive
 
     def entries(self) -> list[list]:
         """The record's entries, from the statistics read back."""
@@ -203,7 +210,7 @@ class _Pending:
 
     def __init__(self, record: dict, sides: list[_Side] | None, kept: KeptTensors | None) -> None:
         self.record, self.sides, self.kept = record, sides, kept
-        self.host: list[_Slot] = [slot for side in sides or () for slot in side.slots]
+        self.host: tuple[_Slot, ...] = tuple(slot for side in sides or () for slot in side.slots)
         self.remaining = 0  # devices whose statistics have not arrived
 
     def finished(self) -> dict[str, Any]:
@@ -369,7 +376,7 @@ class RunRecorder:
                 slot.kept, slot.index = kept, index
             for side in sides:
                 side.remember(self._known)
-                side.kept, side.groups = [], []
+                side.kept, side.groups = (), []
         pending = _Pending(record, sides, kept)
         with self._pending_lock:
             for groups, tensors in by_device.values():
@@ -387,7 +394,7 @@ class RunRecorder:
                     for indices in groups:
                         stop = start + len(indices) * STATS_WIDTH
                         for i, piece in zip(indices, split_stats(len(indices), values[start:stop])):
-                            pending.host[i].values = piece
+                            pending.host[i].values = tuple(piece)
                         start = stop
                     pending.remaining -= 1
             except Exception as e:  # a transfer failed: the records in flight say so
