@@ -25,7 +25,7 @@ reads them at once (one transfer per device).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -161,7 +161,7 @@ def host_values(t: torch.Tensor, values: list[float]) -> list[float]:
     return finished_values(t.numel() * (2 if t.is_complex() else 1), values, lambda: nonfinite_counts(t))
 
 
-def finished_values(n: int, values: list[float], counts) -> list[float]:
+def finished_values(n: int, values: Sequence[float], counts) -> list[float]:
     """A tensor's statistics read back for a tensor of ``n`` real values, as its ``STAT_FIELDS``; ``counts()`` gives its
     ``(nan, inf)`` counts, asked only where a statistic is not finite."""
     low, high, norm, total, *fingerprints = values
