@@ -13,7 +13,9 @@ The step is a transformers Llama (hidden 512, intermediate 1376, 4 layers, 8 hea
 backward, AdamW step, ``zero_grad()`` and ``loss.item()`` (one synchronisation of the step's own). After a warm-up
 round each, ``--rounds`` rounds alternate, order rotated; the medians of the per-step wall time are printed against
 (a). On sim the per-step counts come beside them (``benchmarks/device_charges.py``): on a fast device a tool's
-synchronisations and copies, not its arithmetic, set its cost, and sim's host memory cannot show that in time.
+synchronisations and copies, not its arithmetic, set its cost, and sim's host memory cannot show that in time. On
+every device, one more round per condition counts the objects promoted into the collector's oldest generation per
+step (``benchmarks/gc_promotions.py``): each costs about four visits of a full collection of the program's heap.
 
     python benchmarks/stay_on_cost.py [--device sim|cpu|cuda] [--size real|tiny] [--rounds 3] [--steps 3]
         [--tools TrainingMonitor,OpOverflowCheck,OpCapture,OpSelfCheck]
@@ -37,6 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.dirname(os.path.abspath(__file__))]
 
 import device_charges  # noqa: E402
+import gc_promotions  # noqa: E402
 import torch  # noqa: E402
 from training_monitor_cost import build_step  # noqa: E402
 
@@ -55,8 +58,11 @@ TARGETS = {"TrainingMonitor": {"sim": 1.03, "cuda": 1.05}, "OpOverflowCheck": {"
            "OpSelfCheck": {"sim": 1.05, "cuda": 1.02}}  # issue 38
 
 
-def run_round(model, step, tool: str | None, steps: int, results: str) -> tuple[list[float], dict | None]:
-    """Wall seconds per step over ``steps`` steps under ``tool`` (None: no tool), and the counts per step."""
+def run_round(model, step, tool: str | None, steps: int, results: str,
+              promoted: gc_promotions.Promotions | None = None) -> tuple[list[float], dict | None]:
+    """Wall seconds per step over ``steps`` steps under ``tool`` (None: no tool), and the counts per step; the objects
+    promoted meanwhile counted into ``promoted`` after one step more (a counting round: its times are not taken;
+    the tool's first step fills its caches)."""
     gc.collect()
     gc.freeze()  # the survivors (imports, the model) are never scanned again: a collection costs the round's garbage
     monitor = None
@@ -66,10 +72,13 @@ def run_round(model, step, tool: str | None, steps: int, results: str) -> tuple[
     times = []
     before = device_charges.counts()
     try:
-        for _ in range(steps):
-            begin = time.perf_counter()
+        if promoted is not None:
             step(monitor)
-            times.append(time.perf_counter() - begin)
+        with promoted if promoted is not None else contextlib.nullcontext():
+            for _ in range(steps):
+                begin = time.perf_counter()
+                step(monitor)
+                times.append(time.perf_counter() - begin)
         after = device_charges.counts()
     finally:
         if started is not None:
@@ -113,6 +122,7 @@ def main() -> None:
     conditions: list[str | None] = [None, *tools]
     times: dict[str | None, list[float]] = {c: [] for c in conditions}
     charged: dict[str | None, dict | None] = {}
+    promotions: dict[str | None, float] = {}
     try:
         with contextlib.redirect_stdout(sys.stderr):
             model, step = build_step(args.device, *sizes)
@@ -122,13 +132,19 @@ def main() -> None:
                 for condition in conditions[r % len(conditions):] + conditions[:r % len(conditions)]:
                     round_times, charged[condition] = run_round(model, step, condition, args.steps, results)
                     times[condition].append(statistics.median(round_times))
+            for condition in conditions:
+                promoted = gc_promotions.Promotions()
+                run_round(model, step, condition, args.steps, results, promoted)
+                promotions[condition] = promoted.count / args.steps
+            per_object = gc_promotions.full_collection_seconds_per_object()
     finally:
         shutil.rmtree(results, ignore_errors=True)
     plain = statistics.median(times[None])
-    print(f"{'condition':<22}{'ms/step':>10}{'x (a)':>8}{device_charges.header()}")
+    print(f"{'condition':<22}{'ms/step':>10}{'x (a)':>8}{device_charges.header()}{'promoted':>10}{'GC ms':>8}")
     for condition in conditions:
         ms = statistics.median(times[condition])
-        counted = device_charges.cells(charged[condition])
+        counted = device_charges.cells(charged[condition]) + \
+            f"{promotions[condition]:>10,.0f}{promotions[condition] * 4 * per_object * 1e3:>8.1f}"
         print(f"{condition or 'no tool':<22}{ms * 1e3:>10.1f}{ms / plain:>8.2f}{counted}")
     for tool in tools:
         ratio = statistics.median(times[tool]) / plain
@@ -136,7 +152,8 @@ def main() -> None:
         verdict = f" (target <= {target}: {'met' if ratio <= target else 'NOT met'})" if target else ""
         counted = device_charges.summary(charged[tool])
         print(f"summary: stay_on_cost: {args.device}: {tool} {ratio:.2f}x the step{verdict}"
-              + (f"; {counted}" if counted else ""))
+              + (f"; {counted}" if counted else "") + f"; {promotions[tool]:,.0f} objects promoted per step "
+              f"(full collections of this process's heap: ~{promotions[tool] * 4 * per_object * 1e3:.1f} ms a step)")
 
 
 if __name__ == "__main__":

@@ -42,21 +42,29 @@ def gradient_edge(t: torch.Tensor) -> tuple:
     return view_node.next_functions[0][0], 0  # a leaf: the accumulator behind a fresh view's node
 
 
-class CallBackward:
-    """Built just before the op runs, attached to its result just after (see the module docstring)."""
+# One lock for every call's hooks: each holds it for a few assignments, and a lock per call would be one more object
+# for the garbage collector to promote, for every call followed from its forward to its backward.
+_LOCK = threading.Lock()
 
-    __slots__ = ("edges", "first", "upstream", "grads", "waiting", "handles", "callback", "lock", "started",
-                 "finished", "_on_start")
+
+class CallBackward:
+    """Built just before the op runs, attached to its result just after (see the module docstring).
+
+    A call is followed from its forward to its backward, so whatever it holds lives long enough for the garbage
+    collector to promote it into its oldest generation, whose full collections visit the program's whole heap: its
+    hooks are small objects (``_UpstreamHook``, ``_GradientHook``), not closures."""
+
+    __slots__ = ("edges", "first", "upstream", "grads", "waiting", "handles", "callback", "started", "finished",
+                 "_on_start")
 
     def __init__(self, inputs: list[torch.Tensor]) -> None:
         self.edges = [gradient_edge(t) for t in inputs]
         self.first = sequence_nr()
-        self.upstream: list = []
+        self.upstream: list = []  # replaced when attached, as handles: these die young
         self.grads: list = [None] * len(inputs)
         self.waiting = 0
         self.handles: list = []
         self.callback: Callable | None = None
-        self.lock = threading.Lock()
         self.started = False
         self.finished = False
         self._on_start = None
@@ -108,37 +116,36 @@ class CallBackward:
         self.waiting = len(frontier)
         self.callback = callback
         self._on_start = on_start
+        handles = self.handles = []
         for node_id, outs in roots.items():
-            self.handles.append(nodes[node_id].register_prehook(self._pre_hook(outs)))
+            handles.append(nodes[node_id].register_prehook(_UpstreamHook(self, tuple(outs))))
         for node_id, pairs in frontier.items():
-            self.handles.append(nodes[node_id].register_hook(self._post_hook(pairs)))
+            handles.append(nodes[node_id].register_hook(_GradientHook(self, tuple(pairs))))
         return None
 
-    def _pre_hook(self, outs: list[tuple[int, int]]):
-        def hook(grad_outputs):
-            with self.lock:
-                self._start()
+    def upstream_arrived(self, outs: tuple, grad_outputs) -> None:
+        with _LOCK:
+            self._start()
+            if not self.finished:  # else a hook run after its removal, on another thread
                 for index, output_nr in outs:
                     self.upstream[index] = grad_outputs[output_nr]
 
-        return hook
-
-    def _post_hook(self, pairs: list[tuple[int, int]]):
-        def hook(grad_inputs, grad_outputs):
-            with self.lock:
-                self._start()
-                for i, k in pairs:
-                    g = grad_inputs[i]
-                    if g is not None:
-                        self.grads[k] = g if self.grads[k] is None else self.grads[k] + g
-                self.waiting -= 1
-                done = self.waiting == 0 and not self.finished
-                if done:
-                    self.finished = True
+    def gradients_sent(self, pairs: tuple, grad_inputs) -> None:
+        with _LOCK:
+            self._start()
+            if self.finished:  # a hook run after its removal, on another thread
+                return
+            grads = self.grads
+            for i, k in pairs:
+                g = grad_inputs[i]
+                if g is not None:
+                    grads[k] = g if grads[k] is None else grads[k] + g
+            self.waiting -= 1
+            done = self.waiting == 0
             if done:
-                self._finish(True)
-
-        return hook
+                self.finished = True
+        if done:
+            self._finish(True)
 
     def _start(self) -> None:
         if not self.started:
@@ -148,7 +155,7 @@ class CallBackward:
 
     def finish_incomplete(self) -> None:
         """At the end of a backward pass that ran only part of the call's nodes: report what arrived."""
-        with self.lock:
+        with _LOCK:
             if self.finished or not self.started:
                 return
             self.finished = True
@@ -163,3 +170,27 @@ class CallBackward:
         self.upstream, self.grads, self.edges = [], [], []
         if callback is not None:
             callback(upstream, grads, complete)
+
+
+class _UpstreamHook:
+    """A pre-hook on an output's node: the gradients flowing into the call's outputs ``outs`` (index, output_nr)."""
+
+    __slots__ = ("owner", "outs")
+
+    def __init__(self, owner: CallBackward, outs: tuple) -> None:
+        self.owner, self.outs = owner, outs
+
+    def __call__(self, grad_outputs) -> None:
+        self.owner.upstream_arrived(self.outs, grad_outputs)
+
+
+class _GradientHook:
+    """A post-hook on a node with edges to the call's inputs: ``pairs`` (its grad_input index, input k)."""
+
+    __slots__ = ("owner", "pairs")
+
+    def __init__(self, owner: CallBackward, pairs: tuple) -> None:
+        self.owner, self.pairs = owner, pairs
+
+    def __call__(self, grad_inputs, grad_outputs) -> None:
+        self.owner.gradients_sent(self.pairs, grad_inputs)

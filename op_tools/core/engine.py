@@ -625,24 +625,27 @@ class OpTool:
         return func(*args, **kwargs)
 
     def _attach_call_backward(self, call: OpCall, tracker: CallBackward) -> None:
-        def done(upstream: tuple, input_grads: tuple, complete: bool) -> None:
-            with self._lock:
-                self._open_backwards.discard(tracker)
-            with tool_work():
-                after_call_backward = self.after_call_backward
-                assert after_call_backward is not None  # attached only for a tool that defines it
-                self._guarded(lambda c: after_call_backward(c, upstream, input_grads, complete), call)
-
-        def started(_) -> None:
-            with self._lock:
-                self._open_backwards.add(tracker)
-
-        why = tracker.attach(call.result, done, started)
+        # Held until the call's backward: an object and a bound method, not two closures and their cells (what a
+        # call holds that long is promoted by the garbage collector, see call_backward.CallBackward)
+        why = tracker.attach(call.result, _CallBackwardDone(self, call, tracker), self._call_backward_started)
         call.grad_inputs = []
         if why is not None:
             self.call_backward_skipped(call, why)
         elif not self._hooks_backward:
             call.release()  # the hooks hold the call: its outputs would keep their own graph alive
+
+    def _call_backward_started(self, tracker: CallBackward) -> None:
+        with self._lock:
+            self._open_backwards.add(tracker)
+
+    def _call_backward_done(self, call: OpCall, tracker: CallBackward, upstream: tuple, input_grads: tuple,
+                            complete: bool) -> None:
+        with self._lock:
+            self._open_backwards.discard(tracker)
+        with tool_work():
+            after_call_backward = self.after_call_backward
+            assert after_call_backward is not None  # attached only for a tool that defines it
+            self._guarded(lambda c: after_call_backward(c, upstream, input_grads, complete), call)
 
     def call_backward_skipped(self, call: OpCall, why: str) -> None:
         """The call's backward cannot be followed (``why``; '' when no output carries gradients)."""
@@ -793,6 +796,18 @@ def _on_sigterm(signum, frame) -> None:
     os.kill(os.getpid(), signum)
 
 
+class _CallBackwardDone:
+    """What runs when a call's whole backward has run: ``tool._call_backward_done``."""
+
+    __slots__ = ("tool", "call", "tracker")
+
+    def __init__(self, tool: OpTool, call: OpCall, tracker: CallBackward) -> None:
+        self.tool, self.call, self.tracker = tool, call, tracker
+
+    def __call__(self, upstream: tuple, input_grads: tuple, complete: bool) -> None:
+        self.tool._call_backward_done(self.call, self.tracker, upstream, input_grads, complete)
+
+
 def register_backward_hooks(call: OpCall, tool: OpTool) -> None:
     """Hook the grad_fn nodes of ``call``'s outputs: ``tool.before_backward(call, grad_outputs)`` before each
     node runs, ``tool.after_backward(call, grad_inputs, grad_outputs)`` after. Hooks never change gradients;
@@ -809,27 +824,31 @@ def register_backward_hooks(call: OpCall, tool: OpTool) -> None:
     call.release()
     if tool.inner_node_backward is not None and call.first_node >= 0:
         for node in _inner_nodes(nodes, call.first_node):
-            def inner_hook(grad_inputs, grad_outputs):
-                with tool_work():
-                    tool._guarded(tool.inner_node_backward, call, tuple(grad_inputs), tuple(grad_outputs))
-
-            node.register_hook(inner_hook)
+            node.register_hook(_NodeHook(tool, "inner_node_backward", call))
     for node in nodes:
         handles: list = []
         if tool.before_backward is not None:
-            def pre_hook(grad_outputs, _handles=handles):
-                with tool_work():
-                    tool._guarded(tool.before_backward, call, tuple(grad_outputs))
-
-            handles.append(node.register_prehook(pre_hook))
+            handles.append(node.register_prehook(_NodeHook(tool, "before_backward", call)))
         if tool.after_backward is not None:
-            def post_hook(grad_inputs, grad_outputs, _handles=handles):
-                with tool_work():
-                    tool._guarded(tool.after_backward, call, tuple(grad_inputs), tuple(grad_outputs))
-                for handle in _handles:
-                    handle.remove()
+            handles.append(node.register_hook(_NodeHook(tool, "after_backward", call, handles)))
 
-            handles.append(node.register_hook(post_hook))
+
+class _NodeHook:
+    """A hook on a call's node: the tool's method ``step`` (by name) on ``(call, *its gradients)``, in tool work,
+    guarded; then, with ``handles``, the node's hooks removed. One object, not a closure with its cells and a bound
+    method: it lives until the backward (see ``_CallBackwardDone``)."""
+
+    __slots__ = ("tool", "step", "call", "handles")
+
+    def __init__(self, tool: OpTool, step: str, call: OpCall, handles: list | None = None) -> None:
+        self.tool, self.step, self.call, self.handles = tool, step, call, handles
+
+    def __call__(self, *grads) -> None:  # a pre-hook's (grad_outputs), a post-hook's (grad_inputs, grad_outputs)
+        tool = self.tool
+        with tool_work():
+            tool._guarded(getattr(tool, self.step), self.call, *(tuple(g) for g in grads))
+        for handle in self.handles or ():
+            handle.remove()
 
 
 def _inner_nodes(outputs: list, first: int) -> list:

@@ -273,16 +273,25 @@ class _PendingCheck:
         self.facts = (call.name, call.forward_id, phase, call.module_path, call.step, call.time)
         self.site = call.keep_location()
         self.split, self.results_first = split, results_first
-        self.names = [name for name, _ in named]
+        # Tuples and bytes where the check's state allows: a check lives until its batch is read, long enough for
+        # the garbage collector to promote what it holds (a list is tracked, a bytearray and a tuple of strings not).
+        self.names = tuple(name for name, _ in named)
         self.kept = kept  # the tensors, for the statistics of the call that overflows
-        self.flags = [FINITE] * len(named)  # each tensor's kind (FINITE, INF, NAN)
+        self.flags = bytearray(len(named))  # each tensor's kind (FINITE, INF, NAN)
         self.scalars = scalars  # the worst of the call's float arguments
         self.remaining = 0  # device groups not yet read back
         self.table: list[dict] | None = None  # the statistics, where computed with the flags
         # (index, earlier check, its index, whether the tensor still holds what it held at the call): a tensor whose
         # flag is an earlier check's, of it unchanged since (``Flagged``); taken over once that check's flags have
         # arrived, which in call order they have
-        self.taken: list[tuple[int, _PendingCheck, int, bool]] = []
+        self.taken: list[tuple[int, _PendingCheck, int, bool]] | tuple = ()
+
+    def take(self, index: int, earlier: _PendingCheck, its_index: int, unchanged: bool) -> None:
+        """Tensor ``index``'s flag is ``earlier``'s flag of its tensor ``its_index`` (see ``taken``)."""
+        if not self.taken:
+            self.taken = []
+        assert isinstance(self.taken, list)
+        self.taken.append((index, earlier, its_index, unchanged))
 
     @property
     def overflow(self) -> Overflow:
@@ -296,7 +305,7 @@ class _PendingCheck:
         for i, earlier, j, _ in self.taken:
             self.flags[i] = earlier.flags[j]
 
-    def sources_and_results(self) -> tuple[list[int], list[int]]:
+    def sources_and_results(self) -> tuple[bytearray, bytearray]:
         first, second = self.flags[:self.split], self.flags[self.split:]
         return (second, first) if self.results_first else (first, second)
 
@@ -555,7 +564,7 @@ class OpOverflowCheck(OpTool):
         if self._first_overflow is not None:
             return
         check = _PendingCheck(call, phase, ordered, split, results_first, scalars=scalars)
-        check.flags, check.table = flags, rows
+        check.flags, check.table = bytearray(flags), rows
         if before:
             for i in check.source_indices():
                 flag = before.get(id(ordered[i][1]))
@@ -583,14 +592,14 @@ class OpOverflowCheck(OpTool):
                     if flag[0] == "witness":
                         from_before.setdefault(t.device, []).append((i, flag[1], flag[2]))
                     elif flag[0] == "taken":  # of the tensor before the op wrote it
-                        check.taken.append((i, flag[1], flag[2], False))
+                        check.take(i, flag[1], flag[2], False)
                     else:
                         check.flags[i] = flag[1]
                     continue
                 found = flagged.find(t) if flagged is not None else None
                 if found is not None and flagged is not None:
                     if found[1] is not None:  # the same tensor, unchanged since an earlier check took it
-                        check.taken.append((i, *found[1], True))
+                        check.take(i, *found[1], True)
                         continue
                     remembered.append((found[0], i))
                 scanned.setdefault(t.device, []).append(i)
