@@ -15,7 +15,7 @@ round each, ``--rounds`` rounds alternate, order rotated; the medians of the per
 (a). On sim the per-step counts come beside them (``benchmarks/device_charges.py``): on a fast device a tool's
 synchronisations and copies, not its arithmetic, set its cost, and sim's host memory cannot show that in time. On
 every device, one more round per condition counts the objects promoted into the collector's oldest generation per
-step (``benchmarks/gc_promotions.py``): each costs about four visits of a full collection of the program's heap.
+step (``tests/gc_promotions.py``): each costs about four visits of a full collection of the program's heap.
 
     python benchmarks/stay_on_cost.py [--device sim|cpu|cuda] [--size real|tiny] [--rounds 3] [--steps 3]
         [--tools TrainingMonitor,OpOverflowCheck,OpCapture,OpSelfCheck]

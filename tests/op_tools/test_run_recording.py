@@ -1,6 +1,8 @@
 import contextlib
+import gc
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -257,10 +259,29 @@ def test_a_recording_waits_for_the_device_once_and_reads_its_statistics_in_batch
     assert counts.synchronizations - plain.synchronizations == 1
     assert counts.device_to_host_copies <= len(records) // 64 + 3  # 64 calls a copy (a few CPU calls end a batch)
     # kernels: a call's tensors measured together, inputs with outputs unless the op writes them, a tensor unchanged
-    # since an earlier record not measured again, the fingerprints and the minima, maxima and norms of a batch joined
-    # once (3.9 a record; 4.7 with a stack a call, 6.5 with a product a call, 13.0 measuring every tensor, 16.0
-    # measuring one tensor at a time)
-    assert (counts.kernel_launches - plain.kernel_launches) / len(records) <= 4.2
+    # since an earlier record not measured again, the fingerprints of a batch in one product (4.7 a record; 6.5 with a
+    # product a call, 13.0 measuring every tensor, 16.0 measuring one tensor at a time)
+    assert (counts.kernel_launches - plain.kernel_launches) / len(records) <= 5.5
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 14), reason="an incremental collector promotes objects differently")
+def test_a_record_holds_few_objects_the_garbage_collector_promotes(sim):
+    # What a record holds until its statistics arrive, and a call until its backward, lives across the collector's
+    # young collections into its oldest generation; each such object costs about four visits of a full collection of
+    # the program's heap (~2.3 us on a 2-core VM, tests/gc_promotions.py). Tuples of numbers (untracked), small
+    # objects instead of closures, a stack per call instead of three 0-d tensors a tensor: 21.1 a record (30.1
+    # before; the same steps without the tool promote none).
+    from gc_promotions import Promotions
+
+    _record_llama_steps(sim, steps=1)  # imports, caches and the fingerprints' weights: not the records'
+    gc.collect()
+    gc.freeze()  # the process's objects aside: the count is then the records', and counting is cheap
+    try:
+        with Promotions() as promoted:
+            _, records = _record_llama_steps(sim, steps=3)
+    finally:
+        gc.unfreeze()
+    assert len(records) > 1000 and promoted.count / len(records) <= 24
 
 
 def test_statistics_taken_over_from_an_earlier_record_are_the_ones_measured_again(sim, monkeypatch):

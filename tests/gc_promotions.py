@@ -1,4 +1,5 @@
-"""Objects a tool makes the garbage collector promote into its oldest generation: a host cost no device shows.
+"""Objects a tool makes the garbage collector promote into its oldest generation: a host cost no device shows (for
+the tests, which hold the tools to a budget of them, and the benchmarks, which print them).
 
 CPython runs a full collection, which visits every tracked object of the program (a real model's process holds
 hundreds of thousands), once the objects promoted since the last one exceed a quarter of those that survived it. So
