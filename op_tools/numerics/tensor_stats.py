@@ -169,10 +169,10 @@ def finished_values(n: int, values: Sequence[float], counts) -> list[float]:
     ``(nan, inf)`` counts, asked only where a statistic is not finite."""
     low, high, norm, total, *fingerprints = values
     nan = inf = 0
-    if not all(math.isfinite(v) for v in values[:4]):
+    if not (math.isfinite(low) and math.isfinite(high) and math.isfinite(norm) and math.isfinite(total)):
         nan, inf = counts()
     scale = 1 / math.sqrt(n)
-    return [low, high, total / n, norm, nan, inf, *(f * scale for f in fingerprints)]
+    return [low, high, total / n, norm, nan, inf, *[f * scale for f in fingerprints]]
 
 
 def nonfinite_counts(t: torch.Tensor) -> tuple[int, int]:
