@@ -313,12 +313,17 @@ def test_nan_and_inf_counts_are_read_from_the_tensor_kept_until_the_statistics_a
         y = torch.exp(x * torch.tensor([1.0, 100.0, 1000.0, 1.0], device=sim))  # inf twice
         z = y - y  # nan where inf
         y.zero_()  # written in place before exp's record was read: its counts are unknown, said as -1
-        del z
+        w = torch.exp(x * torch.tensor([1.0, 1000.0, 1.0, 1.0], device=sim))  # inf once
+        v = w * 2  # w's statistics taken over from exp's record: its counts too, through exp's alias
+        del z, v
     _, records = read_recording(capture.recorder.file.path)
-    exp = next(r for r in records if r["op"] == "torch.exp")
+    exp, exp_w = [r for r in records if r["op"] == "torch.exp"]
     sub = next(r for r in records if r["op"] == "torch.Tensor.sub")
+    mul = [r for r in records if r["op"] == "torch.Tensor.mul"][-1]
     assert exp["outputs"][0][7:9] == [-1, -1]  # UNKNOWN_COUNT: the statistics say inf, the counts are lost
+    assert sub["inputs"][0][7:9] == sub["inputs"][1][7:9] == [-1, -1]  # y, taken over from exp's record
     assert sub["outputs"][0][7:9] == [2, 0]  # nan twice, read from the kept alias
+    assert exp_w["outputs"][0][7:9] == mul["inputs"][0][7:9] == [0, 1] and mul["outputs"][0][7:9] == [0, 1]
 
 
 @pytest.mark.parametrize("workload", __import__("zoo").ZOO, ids=lambda w: w.name)
