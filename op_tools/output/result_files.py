@@ -254,6 +254,10 @@ def write_text(path: str, text: str) -> int:
     return write_atomic(path, lambda f: f.write(text))
 
 
+# One encoder for every line, without the check for an object inside itself: a run recording writes a line per call.
+_LINE = json.JSONEncoder(separators=(",", ":"), default=str, check_circular=False)
+
+
 class JsonLinesFile:
     """A JSON-lines file written as a run goes, one object a line, safe across threads.
 
@@ -270,9 +274,9 @@ class JsonLinesFile:
         self._file: TextIO | None = open(self.partial, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
 
     def write(self, obj) -> int:
-        """Append ``obj`` as one line; return its size in bytes."""
-        line = json.dumps(obj, separators=(",", ":"), default=str) + "\n"
-        size = len(line.encode("utf-8"))
+        """Append ``obj`` (a tree: no object inside itself) as one line; return its size in bytes."""
+        line = _LINE.encode(obj) + "\n"
+        size = len(line)  # ASCII: the encoder escapes every other character
         with self._lock:
             if self._file is None:
                 raise ValueError(f"{self.path} is closed")

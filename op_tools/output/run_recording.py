@@ -124,6 +124,9 @@ class _Slot:
         return self.counts
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}  # torch.float32 -> "float32"
+
+
 class _Side:
     """The tensors of one side of a call; what the record says of each tensor is taken now, the tensors themselves are
     not kept (``kept``: aliases, for nan/inf counts). Their statistics (``groups``, ``tensor_stats.calls_stats``) are
@@ -138,9 +141,18 @@ class _Side:
         # where, dtype, shape, and the number of real values (0: empty, no statistics). Tuples of numbers and
         # strings, here and below, wherever a record's state lives until its statistics arrive: the collector stops
         # tracking them, where each list a record holds would count towards the next full collection of the heap.
-        self.described = tuple((where, str(t.dtype).removeprefix("torch."), tuple(t.shape),
-                                t.numel() * (2 if t.is_complex() else 1)) for where, t in tensors)
-        kept = [t for _, t in tensors if t.numel()]
+        described = []
+        kept = []
+        for where, t in tensors:
+            n = t.numel()
+            dtype = t.dtype
+            name = _DTYPE_NAMES.get(dtype)
+            if name is None:
+                name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+            described.append((where, name, tuple(t.shape), n * 2 if dtype.is_complex else n))
+            if n:
+                kept.append(t)
+        self.described = tuple(described)
         self.kept: Sequence[torch.Tensor] = kept  # until the call's record is queued
         self.count = len(kept)
         self.groups: list[tuple[list[int], list]] | None = None  # None: not measured on its own
