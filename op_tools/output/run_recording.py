@@ -146,10 +146,10 @@ class _Side:
         for where, t in tensors:
             n = t.numel()
             dtype = t.dtype
-            name = _DTYPE_NAMES.get(dtype)
-            if name is None:
-                name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
-            described.append((where, name, tuple(t.shape), n * 2 if dtype.is_complex else n))
+            dtype_name = _DTYPE_NAMES.get(dtype)
+            if dtype_name is None:
+                dtype_name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+            described.append((where, dtype_name, tuple(t.shape), n * 2 if dtype.is_complex else n))
             if n:
                 kept.append(t)
         self.described = tuple(described)
