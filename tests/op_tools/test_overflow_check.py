@@ -1,3 +1,6 @@
+import gc
+import sys
+
 import pytest
 import torch
 from tiny_models import train_llama
@@ -10,6 +13,26 @@ def test_llama_losses_are_bit_identical_and_nothing_is_reported(sim):
     with op_tools.OpOverflowCheck() as check:
         assert train_llama(sim, steps=2) == base
     assert check.first_overflow is None
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 14), reason="an incremental collector promotes objects differently")
+def test_a_checked_call_holds_few_objects_the_garbage_collector_promotes(sim):
+    # What a check holds until its batch is read, and a call until its backward, is promoted into the collector's
+    # oldest generation, whose full collections visit the program's whole heap (tests/gc_promotions.py): small
+    # objects for the engine's hooks instead of closures, a check's names and flags in a tuple and a bytearray.
+    # 19.6 a handled call (35.8 with closures and lists); the same steps without the tool promote none.
+    from gc_promotions import Promotions
+
+    train_llama(sim, steps=1)  # imports and caches: not the checks'
+    gc.collect()
+    gc.freeze()  # the process's objects aside: the count is then the tool's, and counting is cheap
+    try:
+        with Promotions() as promoted, op_tools.OpOverflowCheck() as check:
+            train_llama(sim, steps=3)
+    finally:
+        gc.unfreeze()
+    handled = sum(check.handled.values())
+    assert handled > 400 and promoted.count / handled <= 24
 
 
 def test_names_the_op_where_nan_appears_in_forward(sim):
