@@ -18,8 +18,10 @@ the user's compiled code.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -29,7 +31,7 @@ FUSED_MIN = 1 << 16  # smaller: the compiled call's fixed cost (dynamo's guards 
 _lock = threading.Lock()
 _seen = 0  # elements compared eagerly so far
 _state = "idle"  # "idle" (not compiled yet), "ready", "failed"
-_compiled = None
+_compiled: dict[bool, Callable[..., torch.Tensor]] = {}  # relative -> the compiled statistics
 _own_frames = 0
 
 
@@ -44,6 +46,16 @@ def _statistics(d: torch.Tensor, r: torch.Tensor, minus_rtol: torch.Tensor, shar
     return torch.stack([difference.amax(), (difference / (magnitude + 1e-6)).amax(), (difference / denominator).amax(),
                         (difference + magnitude * minus_rtol).amax(), (wide * wide).sum(), (r * r).sum(),
                         (wide * r).sum()])
+
+
+# Two functions, one per form of the error's denominator: dynamo counts its recompilations per function (8 at most),
+# and each dtype compared (float32, bfloat16, float16, float64) is one for each form.
+def _relative_statistics(d, r, minus_rtol, share, least):
+    return _statistics(d, r, minus_rtol, share, least, True)
+
+
+def _plain_statistics(d, r, minus_rtol, share, least):
+    return _statistics(d, r, minus_rtol, share, least, False)
 
 
 def own_frames() -> int:
@@ -73,16 +85,20 @@ def _run(d: torch.Tensor, r: torch.Tensor, scalars: torch.Tensor, relative: bool
     try:
         from torch._dynamo.utils import counters
 
-        if _compiled is None:
-            logging.getLogger("op_tools").info("op_tools: compiling the comparison statistics into one pass "
-                                               "(once per process, about 10 s)")
+        compiled = _compiled.get(relative)
+        if compiled is None:
+            if not _compiled:
+                logging.getLogger("op_tools").info("op_tools: compiling the comparison statistics into one pass "
+                                                   "(once per process, about 10 s)")
             compile_ = getattr(torch.compile, "__wrapped_by_op_tools__", torch.compile)  # not compiled_regions' watch
-            _compiled = compile_(_statistics, dynamic=True)
+            compiled = _compiled[relative] = compile_(_relative_statistics if relative else _plain_statistics,
+                                                      dynamic=True)
         before = counters["frames"]["total"]
         try:
             # The stance is process-wide: for the length of this call, compiled code on another thread runs compiled.
-            with torch.compiler.set_stance("default"), torch._C.DisableTorchFunction(), torch.no_grad():
-                values = _compiled(d, r, scalars[0], scalars[1], scalars[2], relative).tolist()
+            with torch.compiler.set_stance("default"), torch._C.DisableTorchFunction(), torch.no_grad(), \
+                    _autocast_fixed():
+                values = compiled(_unviewed(d), _unviewed(r), scalars[0], scalars[1], scalars[2]).tolist()
         finally:
             _own_frames += counters["frames"]["total"] - before
     except Exception as error:  # noqa: BLE001 - no compiler, no inductor, an unsupported dtype: stay eager
@@ -93,6 +109,51 @@ def _run(d: torch.Tensor, r: torch.Tensor, scalars: torch.Tensor, relative: bool
         return values
     _state = "ready"
     return values
+
+
+# Where the autocast state is, per device type: dynamo guards a compiled frame on it (enabled and dtype, for every
+# device type that has autocast), and a verdict judged inside a user's autocast region, then outside, recompiled the
+# statistics each time: past dynamo's recompile limit (8) they ran uncompiled, whole tensors at once, for the rest of
+# the process (a real-size Llama under bf16 autocast: a third of OpAutoCompare's step).
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "ipu", "mtia", "maia")
+_fixed_dtypes: dict[str, torch.dtype] = {}  # device type -> the autocast dtype the statistics run with
+
+
+@contextlib.contextmanager
+def _autocast_fixed():
+    """Autocast off on every device type, with one dtype each, for the statistics' call: the same guards every call
+    (the statistics run on float64 and the device's own dtype: autocast has nothing to cast in them)."""
+    changed = []
+    for device in _autocast_device_types():
+        try:
+            enabled, dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+        except (RuntimeError, TypeError, AttributeError):  # a device type this torch has no autocast for
+            continue
+        fixed = _fixed_dtypes.setdefault(device, dtype)
+        if enabled or dtype != fixed:
+            changed.append((device, enabled, dtype))
+            torch.set_autocast_enabled(device, False)
+            torch.set_autocast_dtype(device, fixed)
+    try:
+        yield
+    finally:
+        for device, enabled, dtype in reversed(changed):
+            torch.set_autocast_dtype(device, dtype)
+            torch.set_autocast_enabled(device, enabled)
+
+
+def _autocast_device_types() -> tuple[str, ...]:
+    backend = torch._C._get_privateuse1_backend_name()  # "privateuseone" until a backend renames it (sim, npu)
+    return _AUTOCAST_DEVICES + (backend,)
+
+
+def _unviewed(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor of its own over the same memory: dynamo guards a view on its base's sizes and strides, and
+    every other base (a (2, 256, 512) output, a (512, 1376) weight) would compile the statistics again."""
+    if t._base is None:
+        return t
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.size(),
+                                                               t.stride())
 
 
 def _fail(why: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import types
 
 import pytest
 import torch
@@ -67,6 +68,46 @@ def test_identical_tensors_and_a_nan_read_as_in_the_eager_path(fused):
     assert _both(d, r) == (None, None)  # the caller compares nan/inf elementwise
 
 
+def test_a_change_of_autocast_state_compiles_nothing_again(sim, fused):
+    # Verdicts are judged inside a user's autocast region (a batch ending there) and outside it: dynamo guards on the
+    # autocast state, and each change recompiled the statistics until its recompile limit left them uncompiled for
+    # the rest of the process. They run with one autocast state; the user's is back after each call.
+    from torch._dynamo.utils import counters
+
+    r = torch.randn(N, dtype=torch.float64)
+    d = r.float()
+    expected = error_statistics.error_stats(d, r, 1e-5, 1e-5)
+    assert fused_statistics._state == "ready"
+    frames = counters["frames"]["total"]
+    for _ in range(5):
+        for region in (torch.autocast("cpu", dtype=torch.bfloat16), torch.autocast(sim, dtype=torch.bfloat16),
+                       torch.autocast(sim, dtype=torch.float16, enabled=False)):
+            with region:
+                state = [(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in ("cpu", "sim")]
+                assert error_statistics.error_stats(d, r, 1e-5, 1e-5) == expected
+                assert [(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in ("cpu", "sim")] == state
+    assert counters["frames"]["total"] == frames
+
+
+def test_tensors_of_every_shape_and_both_error_forms_compile_once_per_dtype(fused):
+    # Tensors are compared flattened: views of outputs and weights of every shape, which dynamo would guard on their
+    # base's sizes; and the two forms of the error's denominator, each a function of its own. Past dynamo's limit of
+    # 8 compilations of a function, the statistics ran uncompiled for the rest of the process.
+    from torch._dynamo.utils import counters
+
+    shapes = [(2, 256, 144), (512, 144), (144, 512), (3, 7, 11, 290), (N,)]  # each fused: 2^16 elements or more
+    compiled = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for relative in (None, (2.0 ** -8, 1e-38)):
+            for shape in shapes:
+                r = torch.randn(shape, dtype=torch.float64) + 2
+                before = counters["frames"]["total"]
+                error_statistics.error_stats(r.to(dtype), r, 1e-5, 1e-5, relative)
+                compiled[dtype, relative is None] = compiled.get((dtype, relative is None), 0) + \
+                    counters["frames"]["total"] - before
+    assert all(frames <= 1 for frames in compiled.values()), compiled
+
+
 def test_small_tensors_and_an_early_process_stay_eager(monkeypatch):
     monkeypatch.setattr(fused_statistics, "_state", "idle")
     monkeypatch.setattr(fused_statistics, "_seen", 0)
@@ -85,7 +126,7 @@ def test_a_failing_compile_is_logged_once_and_the_eager_path_stays(monkeypatch, 
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(fused_statistics, "_compiled", broken)
+    monkeypatch.setattr(fused_statistics, "_compiled", {False: broken, True: broken})
     r = torch.randn(N, dtype=torch.float64)
     with caplog.at_level(logging.INFO, logger="op_tools"):
         first = error_statistics.error_stats(r.float(), r, 1e-5, 1e-5)
@@ -101,10 +142,16 @@ def test_a_disabled_dynamo_leaves_the_eager_path(monkeypatch, caplog):
     import torch._dynamo
 
     monkeypatch.setattr(fused_statistics, "_state", "idle")
-    monkeypatch.setattr(fused_statistics, "_compiled", None)
+    monkeypatch.setattr(fused_statistics, "_compiled", {})
     monkeypatch.setattr(fused_statistics, "_own_frames", 0)
     monkeypatch.setattr(fused_statistics, "COMPILE_AFTER", 0)
     monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    # Code run while dynamo is disabled is never compiled again in the process (until torch._dynamo.reset()): the
+    # statistics run here as copies, so that the tests after this one still compile the real ones.
+    for name in ("_plain_statistics", "_relative_statistics"):
+        function = getattr(fused_statistics, name)
+        monkeypatch.setattr(fused_statistics, name,
+                            types.FunctionType(function.__code__.replace(), function.__globals__, name))
     r = torch.randn(N, dtype=torch.float64)
     with caplog.at_level(logging.INFO, logger="op_tools"):
         values = error_statistics.error_stats(r.float(), r, 1e-5, 1e-5)
@@ -156,7 +203,7 @@ def test_the_tools_own_compile_is_not_announced_and_the_stance_comes_back(sim, f
     from torch._dynamo import eval_frame
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(fused_statistics, "_compiled", None)  # compiled afresh here: dynamo compiles new frames
+    monkeypatch.setattr(fused_statistics, "_compiled", {})  # compiled afresh here: dynamo compiles new frames
     monkeypatch.setattr(fused_statistics, "_state", "idle")
     users = counters["frames"]["total"] - fused_statistics.own_frames()  # other tests' compiled code, if any
     announced = compiled_regions._compiled_anything()
