@@ -43,6 +43,8 @@ bench: install-test
 	$(PYTHON) benchmarks/collective_checks_cost.py
 	$(PYTHON) benchmarks/training_monitor_cost.py
 	$(PYTHON) benchmarks/stay_on_cost.py
+	# the host's work per call, where the CPU's kernels take microseconds as a GPU's launches do (docs/performance.md)
+	$(PYTHON) benchmarks/stay_on_cost.py --device cpu --size tiny --steps 5 --tools OpCapture
 	$(PYTHON) benchmarks/engine_cost.py
 
 # On a machine with a CUDA GPU: the gpu-marked tests and the GPU benchmarks, one summary table at the end.
