@@ -388,9 +388,10 @@ class RunRecorder:
                 tensors += parts
             # aliases of the tensors measured here only: a taken-over slot's counts are read through its measurer's
             fresh = [(side.slots[k], side.kept[k]) for side in sides for k in side.fresh]
-            kept = self._kept.keep([t for _, t in fresh])
-            for index, (slot, _) in enumerate(fresh):
-                slot.kept, slot.index = kept, index
+            if fresh:  # none where every tensor's statistics were taken over (about half the records)
+                kept = self._kept.keep([t for _, t in fresh])
+                for index, (slot, _) in enumerate(fresh):
+                    slot.kept, slot.index = kept, index
             for side in sides:
                 side.remember(self._known)
                 side.kept, side.groups = (), []

@@ -269,8 +269,9 @@ def test_a_record_holds_few_objects_the_garbage_collector_promotes(sim):
     # What a record holds until its statistics arrive, and a call until its backward, lives across the collector's
     # young collections into its oldest generation; each such object costs about four visits of a full collection of
     # the program's heap (~2.3 us on a 2-core VM, tests/gc_promotions.py). Tuples of numbers (untracked), small
-    # objects instead of closures, a stack per call instead of three 0-d tensors a tensor: 21.1 a record (30.1
-    # before; the same steps without the tool promote none).
+    # objects instead of closures, a stack per call instead of three 0-d tensors a tensor, no aliases kept for a
+    # record whose statistics were all taken over: 18.3 a record (30.1 before; the same steps without the tool promote
+    # none).
     from gc_promotions import Promotions
 
     _record_llama_steps(sim, steps=1)  # imports, caches and the fingerprints' weights: not the records'
@@ -281,7 +282,7 @@ def test_a_record_holds_few_objects_the_garbage_collector_promotes(sim):
             _, records = _record_llama_steps(sim, steps=3)
     finally:
         gc.unfreeze()
-    assert len(records) > 1000 and promoted.count / len(records) <= 24
+    assert len(records) > 1000 and promoted.count / len(records) <= 21
 
 
 def test_statistics_taken_over_from_an_earlier_record_are_the_ones_measured_again(sim, monkeypatch):
