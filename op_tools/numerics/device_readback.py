@@ -27,7 +27,6 @@ from typing import Any
 import torch
 
 _CPU = torch.device("cpu")
-_SCALAR = object()  # the kind of a put's 0-d values in ``DeviceReadback._send``
 
 
 class Reduced:
@@ -141,11 +140,9 @@ class DeviceReadback:
         """Join the queued device values on their device (one kernel, and a few for each kind of ``Reduced`` rows)
         and start their copy to the host; host values are read as they are."""
         tokens: list = []
-        # per put on the device: (kind, first value or row, count); kind: a reduce, _SCALAR or None (a plain part)
-        pieces: list[list[tuple] | None] = []
+        pieces: list[list[tuple] | None] = []  # per put on the device: (reduce or None, first value or row, count)
         on_host: list[list[float] | None] = []
         parts: list[torch.Tensor] = []
-        scalars: list[torch.Tensor] = []  # the 0-d values of every put, stacked once, ahead of the plain parts
         rows: dict[Any, list[torch.Tensor]] = {}  # reduce -> the rows given it, in put order
         widths: dict[Any, int] = {}
         counted: dict[Any, int] = {}  # reduce -> rows given it so far
@@ -168,38 +165,30 @@ class DeviceReadback:
                         first = counted.get(t.reduce, 0)
                         counted[t.reduce] = first + len(t.rows)
                         mine.append((t.reduce, first, len(t.rows)))
-                    elif t.dim() == 0:
-                        if mine and mine[-1][0] is _SCALAR and mine[-1][1] + mine[-1][2] == len(scalars):
-                            mine[-1] = (_SCALAR, mine[-1][1], mine[-1][2] + 1)  # one segment for a run of them
-                        else:
-                            mine.append((_SCALAR, len(scalars), 1))
-                        scalars.append(t)
                     else:
                         parts.append(t)
                         mine.append((None, plain, t.numel()))
                         plain += t.numel()
                 pieces.append(mine)
             device, self._queued, self._queued_device = self._queued_device, [], None
-            if scalars:  # stack promotes mixed dtypes (bfloat16 flags beside float32 statistics) in the same kernel
-                parts.insert(0, torch.stack(scalars))
-            starts: dict[Any, int] = {None: len(scalars), _SCALAR: 0}  # kind -> where its values begin when joined
-            plain += len(scalars)
+            starts: dict[Any, int] = {}  # reduce -> where its values begin in the joined tensor
             for reduce, given in rows.items():  # one join and one reduction per kind of rows
                 starts[reduce] = plain
                 reduced = reduce(torch.stack(given))
                 parts.append(reduced)
                 plain += reduced.numel()
             segments = [None if mine is None else
-                        [(starts[kind] + first, count) if kind is None or kind is _SCALAR else
-                         (starts[kind] + first * widths[kind], count * widths[kind])
-                         for kind, first, count in mine]
+                        [(first, count) if reduce is None else
+                         (starts[reduce] + first * widths[reduce], count * widths[reduce])
+                         for reduce, first, count in mine]
                         for mine in pieces]
             if not parts or device is None:
                 self._in_flight.append(_Batch(tokens, segments, on_host, None, None))
                 return
-            # cat promotes mixed dtypes in the same kernel; one part needs no join
-            flat = [p if p.dim() == 1 else p.reshape(-1) for p in parts]
-            joined = flat[0] if len(flat) == 1 else torch.cat(flat)
+            # stack and cat promote mixed dtypes (bfloat16 flags beside float32 statistics) in the same kernel
+            dims = {p.dim() for p in parts}
+            joined = torch.stack(parts) if dims == {0} else \
+                torch.cat(parts if dims == {1} else [p.reshape(-1) for p in parts])
             event_class = getattr(getattr(torch, device.type, None), "Event", None)
             if event_class is None:  # no events to poll: read now, one synchronisation per batch
                 self._in_flight.append(_Batch(tokens, segments, on_host, joined.to(_CPU), None))
