@@ -37,7 +37,7 @@ import functools
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable, overload
 
 import torch
@@ -45,7 +45,7 @@ import torch
 from ..ops.arguments import iter_items
 from ..ops.op_facts import cached_on_facts, op_facts
 from ..ops.rounded_ops import rounded_once
-from .error_statistics import error_stats, normalised_error, read_stats, unread_stats, wide
+from .error_statistics import error_stats, finished, normalised_error, unread_stats, wide
 from .rounding_bounds import NARROW as _NARROW
 
 RATIO = 4.0
@@ -297,7 +297,8 @@ def _failure(name: str, info: str) -> Comparison:
 
 def compare_outputs(device_out, reference_out, same_dtype_out=None, tolerance: ToleranceSpec | None = None,
                     *, op_name: str = "", prefix: str = "", history: SameDtypeHistory | None = None,
-                    key: tuple = (), bounds: Callable[[int], Any] | None = None, site: str = "") -> list[Comparison]:
+                    key: tuple = (), bounds: Callable[[int], Any] | None = None, site: str = "",
+                    read: dict | None = None) -> list[Comparison]:
     """Compare every leaf of ``device_out`` with ``reference_out`` (see the module docstring for the verdict).
 
     ``same_dtype_out`` is the result of a correct run in the device's own dtype (e.g. the CPU's), or a
@@ -307,54 +308,108 @@ def compare_outputs(device_out, reference_out, same_dtype_out=None, tolerance: T
     ``key``, the call's signature, and ``site``, the module that ran it) lets a device error well within what a
     correct run had on the same signature pass without a same-dtype run. ``bounds(i)`` gives leaf ``i``'s rounding
     bound (``rounding_bounds``), or None: a leaf whose rule is ``modelled`` is judged by it; any other, asked only
-    when about to fail, also passes within it.
+    when about to fail, also passes within it. ``read``: the leaves' statistics already read (``PendingStats``);
+    else those measured on a device are read here, in one transfer.
     """
-    if isinstance(device_out, torch.Tensor) and isinstance(reference_out, torch.Tensor):  # most ops: no walk
-        device_leaves, reference_leaves = [("[0]", device_out)], [("[0]", reference_out)]
-    else:
-        device_leaves = list(iter_items(_as_tuple(device_out)))
-        reference_leaves = list(iter_items(_as_tuple(reference_out)))
-        if [p for p, _ in device_leaves] != [p for p, _ in reference_leaves]:
-            return [_failure(prefix or "result", f"structure differs: device returns {_describe(device_out)}, "
-                                                  f"reference {_describe(reference_out)}")]
+    leaves = _leaves(device_out, reference_out)
+    if leaves is None:
+        return [_failure(prefix or "result", f"structure differs: device returns {_describe(device_out)}, "
+                                              f"reference {_describe(reference_out)}")]
+    device_leaves, reference_leaves = leaves
     same = _LazySame(same_dtype_out)
     backward = prefix.startswith("grad")
-    read = _read_together(device_leaves, reference_leaves, tolerance, op_name, backward)
+    if read is None:
+        pending = launch_stats(list(zip((d for _, d in device_leaves), (r for _, r in reference_leaves))),
+                               tolerance, op_name, backward)
+        read = pending.read() if pending is not None else {}
     results = []
     for index, ((path, d), (_, r)) in enumerate(zip(device_leaves, reference_leaves)):
         name = f"{prefix}{path}"
         precedent = None if history is None else (history, (*key, name), site)
         leaf_bound = None if bounds is None else functools.partial(bounds, index)
         results.append(_compare_leaf(name, d, r, lambda i=index: same.leaf(i), tolerance, op_name, same.lazy,  # type: ignore[misc]  # mypy cannot type a lambda's default
-                                     precedent, backward, leaf_bound, read.get(index, _UNREAD)))
+                                     precedent, backward, leaf_bound, read.get(index, UNREAD)))
     return results
 
 
-_UNREAD = object()  # a leaf whose statistics were not read with the others: compare_tensors measures it
+UNREAD = object()  # a leaf whose statistics were not read with the others: compare_tensors measures it
+EQUAL = object()  # an exact leaf measured with the others: no element differs
 
 
-def _read_together(device_leaves: list, reference_leaves: list, tolerance: ToleranceSpec | None, op_name: str,
-                   backward: bool) -> dict:
-    """The statistics of the leaves measured on a device (the first device met), read back in one transfer: a
-    foreach op's list, a backward's gradients, one synchronisation rather than one each. Index -> ``error_stats``'
-    result."""
+def _leaves(device_out, reference_out) -> tuple[list, list] | None:
+    """``(device leaves, reference leaves)``, each ``(path, value)``, in the order ``compare_outputs`` judges them;
+    None when the two structures differ."""
+    if isinstance(device_out, torch.Tensor) and isinstance(reference_out, torch.Tensor):  # most ops: no walk
+        return [("[0]", device_out)], [("[0]", reference_out)]
+    device_leaves = list(iter_items(_as_tuple(device_out)))
+    reference_leaves = list(iter_items(_as_tuple(reference_out)))
+    if [p for p, _ in device_leaves] != [p for p, _ in reference_leaves]:
+        return None
+    return device_leaves, reference_leaves
+
+
+def output_pairs(device_out, reference_out) -> list[tuple[Any, Any]]:
+    """The ``(device, reference)`` leaf pairs ``compare_outputs`` judges, by index (none when they differ in
+    structure): what ``launch_stats`` measures ahead of it."""
+    leaves = _leaves(device_out, reference_out)
+    return [] if leaves is None else [(d, r) for (_, d), (_, r) in zip(*leaves)]
+
+
+class PendingStats:
+    """``error_stats``' figures of the pairs measured on a device, computed there as one tensor and read once
+    (``read()``: index -> ``error_stats``' result). ``host``: that tensor, or its copy on its way to the host (read
+    after the wait for it)."""
+
+    __slots__ = ("indices", "atols", "host")
+
+    def __init__(self, indices: list[int], atols: list[float | None], host: torch.Tensor) -> None:
+        self.indices, self.atols, self.host = indices, atols, host
+
+    def read(self) -> dict:
+        """Index -> ``error_stats``' result, or for an exact pair ``EQUAL`` where no element differs (else it is
+        compared again)."""
+        read: dict = {}
+        for index, atol, values in zip(self.indices, self.atols, self.host.tolist()):
+            if atol is not None:
+                read[index] = finished(values, atol)
+            elif values[0] == 0:
+                read[index] = EQUAL
+        return read
+
+
+def launch_stats(pairs: Sequence[tuple[Any, Any]], tolerance: ToleranceSpec | None, op_name: str, backward: bool,
+                 send: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PendingStats | None:
+    """The statistics of the pairs whose device value is a real tensor on a device (the first device met), with a
+    reference of its shape (an exact one, of its dtype, there too: the count of elements that differ), computed there
+    as one tensor: a foreach op's list, a backward's gradients, read in one transfer rather than one each. ``send``:
+    how that tensor goes to the host without waiting (a verdict judged later); None: read when asked. None when no
+    pair is measured so."""
     rows: list[torch.Tensor] = []
-    atols: list[float] = []
+    atols: list[float | None] = []
     indices: list[int] = []
     device = None
-    for index, ((_, d), (_, r)) in enumerate(zip(device_leaves, reference_leaves)):
+    for index, (d, r) in enumerate(pairs):
         if not (isinstance(d, torch.Tensor) and isinstance(r, torch.Tensor)) or d.is_cpu or d.shape != r.shape \
-                or not (d.is_floating_point() and r.is_floating_point()) or not d.numel() \
-                or device is not None and d.device != device:
+                or not d.numel() or device is not None and d.device != device:
             continue
-        _, atol, rtol, _, relative = _measure(d, r, tolerance, op_name, backward)
-        row = unread_stats(d, r, rtol, relative)
+        if not (d.is_floating_point() and r.is_floating_point()):
+            if d.dtype != r.dtype or d.is_complex() or d.is_floating_point() or r.device != d.device:
+                continue
+            # integers, booleans, indices: how many elements differ (a sum, and no transfer of its own)
+            row: torch.Tensor | None = torch.ne(d, r).sum().to(torch.float64).expand(7)
+            atol = None
+        else:
+            _, atol, rtol, _, relative = _measure(d, r, tolerance, op_name, backward)
+            row = unread_stats(d, r, rtol, relative)
         if row is not None:
             device = d.device
             rows.append(row)
             atols.append(atol)
             indices.append(index)
-    return dict(zip(indices, read_stats(rows, atols))) if rows else {}
+    if not rows:
+        return None
+    joined = torch.stack(rows)
+    return PendingStats(indices, atols, joined if send is None else send(joined))
 
 
 def _measure(d: torch.Tensor, r: torch.Tensor, tolerance: ToleranceSpec | None, op_name: str, backward: bool):
@@ -426,7 +481,7 @@ def _describe(value) -> str:
 
 def _compare_leaf(name: str, d, r, same: Callable[[], Any], tolerance: ToleranceSpec | None,
                   op_name: str, lazy: bool, precedent=None, backward: bool = False,
-                  bound: Callable[[], Any] | None = None, stats: Any = _UNREAD) -> Comparison:
+                  bound: Callable[[], Any] | None = None, stats: Any = UNREAD) -> Comparison:
     if d is None and r is None:
         return Comparison(name, True)
     if isinstance(d, torch.Tensor) and isinstance(r, torch.Tensor):
@@ -486,12 +541,12 @@ def _wide_pair(d: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def compare_tensors(name: str, d: torch.Tensor, r: torch.Tensor, same: Callable[[], Any] = lambda: None,
                     tolerance: ToleranceSpec | None = None, op_name: str = "", lazy: bool = False,
                     precedent: tuple | None = None, backward: bool = False,
-                    bound: Callable[[], Any] | None = None, stats: Any = _UNREAD) -> Comparison:
+                    bound: Callable[[], Any] | None = None, stats: Any = UNREAD) -> Comparison:
     """The verdict for one device tensor ``d`` (on any device) against its reference ``r``.
 
     ``same()`` gives the same-dtype run's tensor (or None); with ``lazy`` it is asked for only when needed;
     ``precedent`` is ``(SameDtypeHistory, key[, site])``; ``backward``: ``d`` is a gradient; ``bound()``: see
-    ``compare_outputs``' ``bounds``; ``stats``: ``error_stats``' result when already read (``_read_together``).
+    ``compare_outputs``' ``bounds``; ``stats``: ``error_stats``' result when already read (``launch_stats``).
     """
     if d.shape != r.shape:
         return _failure(name, f"shape differs: device {tuple(d.shape)}, reference {tuple(r.shape)}")
@@ -502,6 +557,8 @@ def compare_tensors(name: str, d: torch.Tensor, r: torch.Tensor, same: Callable[
     if exact_d:
         if d.dtype != r.dtype:
             return _failure(name, f"dtype differs: device {d.dtype}, reference {r.dtype}")
+        if stats is EQUAL:
+            return Comparison(name, True, True, device_error=0.0, cpu_error=0.0)
         return _compare_exact(name, d, r, same)
     cache: list = []
 
@@ -517,7 +574,7 @@ def compare_tensors(name: str, d: torch.Tensor, r: torch.Tensor, same: Callable[
         return Comparison(name, True, True, atol=atol, rtol=rtol, device_error=0.0, cpu_error=0.0)
     result = Comparison(name, True, atol=atol, rtol=rtol)
     infos = []
-    if stats is _UNREAD:
+    if stats is UNREAD:
         stats = error_stats(d, r, atol, rtol, relative)
     all_finite = stats is not None
     dw = rw = finite_d = finite_r = None  # float64 torch copies: only for nan/inf and the same-dtype check

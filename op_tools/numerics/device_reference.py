@@ -23,6 +23,7 @@ cast, the memory bound) it takes the CPU path, and the summary counts why.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import threading
 import weakref
@@ -82,15 +83,17 @@ class DeviceCopies:
         """``copy(t)`` in ``HostCopies.get``'s form: (the copy, whether a cache supplied it: never)."""
         return self.copy(t), False
 
-    def host(self, obj):
-        """``obj`` (an argument structure of copies) on the host in the call's dtypes; devices moved to the CPU."""
-        return map_arguments(obj, self.host_tensor)
+    def host(self, obj, non_blocking: bool = False):
+        """``obj`` (an argument structure of copies) on the host in the call's dtypes; devices moved to the CPU.
+        ``non_blocking``: the copies are not waited for (read after a wait for the device, ``wait_for_copies``)."""
+        return map_arguments(obj, functools.partial(self.host_tensor, non_blocking=non_blocking))
 
-    def host_tensor(self, t: torch.Tensor) -> torch.Tensor:
+    def host_tensor(self, t: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
         known = self.on_host.get(id(t))
         if known is None:
             dtype = self.dtype_of.get(id(t), t.dtype)
-            known = self.on_host[id(t)] = t.detach().to(dtype).to("cpu")  # narrowed there: fewer bytes to copy
+            # narrowed there: fewer bytes to copy
+            known = self.on_host[id(t)] = t.detach().to(dtype).to("cpu", non_blocking=non_blocking)
         return known
 
 

@@ -141,16 +141,12 @@ def _torch_stats(d: torch.Tensor, r: torch.Tensor, atol: float, rtol: float, rel
 
 def unread_stats(d: torch.Tensor, r: torch.Tensor, rtol: float, relative: tuple | None = None) -> torch.Tensor | None:
     """``error_stats``' figures of a real tensor ``d`` on a device as one tensor there, not read back yet: several
-    are read in one transfer (``read_stats``). None for a host or complex tensor (``error_stats`` measures those)."""
+    are read in one transfer (``comparison.launch_stats``). None for a host or complex tensor (``error_stats``
+    measures those)."""
     if d.is_cpu or d.is_complex():
         return None
     with torch.no_grad():
         return _row(d.detach().reshape(-1), wide(r).to(d.device).reshape(-1), rtol, relative)
-
-
-def read_stats(rows: list[torch.Tensor], atols: list[float]) -> list:
-    """``error_stats``' results for ``unread_stats`` rows (of one device), in one transfer: one synchronisation."""
-    return [finished(values, atol) for values, atol in zip(torch.stack(rows).tolist(), atols)]
 
 
 def finished(values: list[float], atol: float):

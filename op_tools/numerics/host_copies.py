@@ -59,6 +59,13 @@ class HostCopies:
             self._values.drop(id(where[0]))
         return self._store(t, where, non_blocking)
 
+    def send(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t`` (a tool's own values) on its way to the host, not cached: read after ``land()``."""
+        copy = snapshot(t, non_blocking=True)
+        self._in_flight.add(t.device)
+        self.in_flight_bytes += copy.nbytes
+        return copy
+
     def land(self) -> None:
         """Wait for the copies made without waiting: one synchronisation per device they came from (an event
         recorded after them), none when there are none."""

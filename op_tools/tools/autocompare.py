@@ -69,12 +69,16 @@ from ..numerics import collective_reference, fused_kernels, graph_reference
 from ..numerics.attention import replayed_dropout_mask, with_dropout_mask
 from ..numerics.comparison import (
     COLUMNS,
+    UNREAD,
     Comparison,
+    PendingStats,
     SameDtypeHistory,
     ToleranceSpec,
     compare_outputs,
     compare_tensors,
+    launch_stats,
     op_key,
+    output_pairs,
 )
 from ..numerics.device_math import DeviceMath
 from ..numerics.device_reference import (
@@ -88,7 +92,7 @@ from ..numerics.device_reference import (
     tested_dtype,
 )
 from ..numerics.error_statistics import DEVICE_STATISTICS_MIN
-from ..numerics.host_copies import HostCopies, has_events, snapshot
+from ..numerics.host_copies import HostCopies, has_events, snapshot, wait_for_copies
 from ..numerics.reference import (
     DEFAULT_CAST,
     Reference,
@@ -113,6 +117,10 @@ from .failing_calls import FailingCalls
 from .verdict_queue import VerdictQueue
 
 DEFAULT_REFERENCE_CAST = DEFAULT_CAST
+# why a call's reference ran on the CPU with the device's asked for (the summary's counts)
+_UNTRUSTED = "its float64 kernels on the device disagreed with the CPU's"
+_NEEDED_CPU = "its verdict needed the CPU"
+
 CSV_COLUMNS = ("op", "forward_id", "phase", "module", *COLUMNS, "location", *result_files.RECORD_COLUMNS)
 # the console shows these columns of a comparison (fitting 120 characters); the CSV has them all
 CONSOLE_COLUMNS = ("name", "allclose", "max_abs_diff", "max_relative_diff", "verdict", "error_info")
@@ -492,11 +500,12 @@ class OpAutoCompare(OpTool):
                 call.state.drop_forward()
 
     def _judge_queued(self, call: OpCall) -> None:
-        """A forward verdict that waited in the queue (its copies have landed)."""
+        """A forward verdict that waited in the queue (its copies, or its statistics on the device, have landed)."""
         state: CompareState = call.state
         state.queued = False
         try:
-            outcome = self._judge_forward(call, state)
+            outcome = self._judge_launched(call, state) if state.launched is not None else \
+                self._judge_forward(call, state)
             if outcome is not None:
                 self._conclude_forward(call, state, outcome)
         except Exception:
@@ -545,11 +554,18 @@ class OpAutoCompare(OpTool):
         state.grad_ids, state.wants_backward = [id(t) for t in call.grad_inputs], bool(call.grad_inputs)
         # Judged now: a compiled graph (narrowed at once), and with the reference on the device an op's first call
         # (its next calls run their reference there once it has shown its reruns draw no random numbers).
-        defer = state.device_copies is None and type(call.func) is not RegionRun and self._defers(call.device) and \
+        defer = type(call.func) is not RegionRun and self._defers(call.device) and \
             not (self._device_reference and call.name not in LEARNT.rng_checked)
+        on_device = state.device_copies is not None
+        if on_device and defer:
+            launched = self._launch_forward(call, state, tensors, extra)
+            if launched:
+                return
+            on_device = launched is None  # False: the CPU judges it (state.cpu_reason says why)
+        defer = defer and state.device_copies is None
         if not defer:  # judged now: the calls queued before it first, so failures are found in the order they ran
             self._queue.flush()
-        outcome = self._forward_on_device(call, state, tensors, extra) if state.device_copies is not None else None
+        outcome = self._forward_on_device(call, state, tensors, extra) if on_device else None
         if outcome is None:
             if state.device_copies is not None:
                 tensors = self._to_host(state, tensors)
@@ -580,15 +596,17 @@ class OpAutoCompare(OpTool):
         self._taken += 1
         self._conclude_forward(call, state, outcome)
 
-    def _judge_forward(self, call: OpCall, state: CompareState) -> tuple | None:
+    def _judge_forward(self, call: OpCall, state: CompareState, device_values=None) -> tuple | None:
         """The forward compared on the host, from the copies in ``state``; compared again with fresh copies of the
-        inputs the cache supplied where one was out of date."""
+        inputs the cache supplied where one was out of date. ``device_values``: the device reference's results on
+        the host (else read from it) for the cross-check."""
         outcome = self._compare_forward(call, state)
         if outcome is not None and not all(c.passed for c in outcome[0]) and state.rereads:
             if self._recheck(state):  # a cached copy was stale: compare again
                 outcome = self._compare_forward(call, state)
         if outcome is not None and state.device_reference is not None:
-            self._cross_check(call, state, state.device_reference.result, outcome[1], "forward", outcome[0])
+            self._cross_check(call, state, state.device_reference.result if device_values is None else device_values,
+                              outcome[1], "forward", outcome[0])
         return outcome
 
     def _conclude_forward(self, call: OpCall, state: CompareState, outcome: tuple) -> None:
@@ -652,7 +670,7 @@ class OpAutoCompare(OpTool):
         try:
             outcome = self._compare_forward(call, state, on_device=True)
         except NeedsHostError:
-            state.cpu_reason = "its verdict needed the CPU"
+            state.cpu_reason = _NEEDED_CPU
             return None
         except torch.OutOfMemoryError:
             state.cpu_reason = "out of device memory for its comparison"
@@ -660,13 +678,102 @@ class OpAutoCompare(OpTool):
         if outcome is None:  # state.cpu_reason says why
             return None
         if not all(c.passed for c in outcome[0]):
-            state.cpu_reason = "its verdict needed the CPU"
+            state.cpu_reason = _NEEDED_CPU
             return None
         if state.cross_check:
             state.cpu_reason = "a cross-check"
             return None
         state.device_reference = None  # it is the call's reference (state.reference, for the backward)
         return outcome
+
+    def _launch_forward(self, call: OpCall, state: CompareState, tensors: Sequence, extra: list) -> bool | None:
+        """The float64 reference run on the device now and the comparison's statistics computed there, on their way to
+        the host with the batch's copies, and the verdict queued (``_judge_launched``): True. None: the call is judged
+        now (``_forward_on_device`` says why); False: the CPU judges it now (``state.cpu_reason`` says why)."""
+        results = list(iter_tensors(call.result))
+        if any(t.dtype in (torch.float64, torch.complex128) or is_dtensor(t) for t in itertools.chain(results, extra)) \
+                or LEARNT.expected_dtypes.get(state.signature) != _leaf_dtypes(call.result):
+            return None  # the output dtypes a correct run gives are learnt on the CPU
+        host_of = {id(t): copy for t, copy, _ in tensors}
+        owned = {id(host_of[id(t)]) for t in state.written if id(t) in host_of}
+        try:
+            reference, _ = run_reference(state.func or call.func, state.cpu_args, state.cpu_kwargs,
+                                         self._attempts_of(call.name)[:1], owned,
+                                         [host_of[i] for i in state.grad_ids], keep_devices=True)
+            if reference is None:
+                state.cpu_reason = "the float64 reference cannot run on the device"
+                return False
+            # Kept as they are now: a later op may write the results in place before the verdict reads them.
+            with torch.no_grad():
+                state.device_cpu = map_tensors(call.result, _kept)
+                state.extra_cpu = [_kept(t) for t in extra]
+            pairs = output_pairs(state.device_cpu, reference.result)
+            outputs = len(pairs)
+            pairs += [(kept, reference.mapped[id(host_of[id(t)])]) for t, kept in zip(extra, state.extra_cpu)]
+            # a cross-checked call is judged on the CPU: no statistics here
+            pending = None if state.cross_check else \
+                launch_stats(pairs, self._tolerance, call.name, False, self._copies.send)
+        except torch.OutOfMemoryError:
+            state.cpu_reason = "out of device memory for its comparison"
+            return False
+        state.host_of, state.owned, state.rereads = host_of, owned, {}
+        state.launched = (reference, pending, outputs,
+                          _dtypes_only(call.args) if op_facts(call.name).rounded_terms else ())
+        self._copies.forget(state.written)  # the host copies are not kept current by this path
+        state.written = state.compared_writes = ()
+        state.queued = True
+        call.keep_location()
+        self._taken += 1
+        self._queue.put(call if state.wants_backward else call.without_values(), self._judge_queued)
+        return True
+
+    def _judge_launched(self, call: OpCall, state: CompareState) -> tuple | None:
+        """A forward launched on the device, judged once its statistics have landed: on the device when it passes
+        there cleanly; else on the CPU, from host copies of what the device judged, cross-checked against it."""
+        launched = state.launched
+        assert launched is not None  # set by _launch_forward
+        outcome = None
+        untrusted = call.name in LEARNT.trust.untrusted  # found so by a cross-check since the call was launched
+        if untrusted:
+            state.cpu_reason = _UNTRUSTED
+        elif state.cross_check:
+            state.cpu_reason = "a cross-check"
+        else:
+            try:
+                outcome = self._compare_forward(call, state, on_device=True, launched=launched)
+            except NeedsHostError:
+                pass
+            except torch.OutOfMemoryError:
+                state.cpu_reason = "out of device memory for its comparison"
+        if outcome is not None and all(c.passed for c in outcome[0]):
+            state.device_reference = None  # it is the call's reference (state.reference, for the backward)
+            return outcome
+        state.cpu_reason = state.cpu_reason or _NEEDED_CPU
+        values = self._launched_to_host(call, state, launched[0])
+        state.device_reference = None if untrusted else launched[0]  # nothing more to learn from it
+        return self._judge_forward(call, state, values)
+
+    def _launched_to_host(self, call: OpCall, state: CompareState, reference: Reference):
+        """A launched call's device copies and kept results brought to the host (exactly), for the CPU to judge it,
+        and the host copies of the device reference's results returned (to cross-check the CPU's): one wait."""
+        copies, host_of, owned = state.device_copies, state.host_of, state.owned
+        assert copies is not None and host_of is not None and owned is not None  # set by _launch_forward
+        state.device_copies = None
+        state.cpu_args, state.cpu_kwargs = copies.host(state.cpu_args, True), copies.host(state.cpu_kwargs, True)
+        state.host_of = {i: copies.host_tensor(c, True) for i, c in host_of.items()}
+        state.owned = {id(h) for i, h in copies.on_host.items() if i in owned}
+        state.device_cpu = map_tensors(state.device_cpu, self._judged_copy)
+        state.extra_cpu = [self._judged_copy(t) for t in state.extra_cpu]
+        values = map_tensors(reference.result, _on_its_way)
+        wait_for_copies(call.device)
+        return values
+
+    def _judged_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A kept device value as the CPU's verdict compares it: itself where the device measures it
+        (``_compared_value``), else a host copy on its way (not cached: it is the tool's own)."""
+        if t.numel() >= DEVICE_STATISTICS_MIN and _in_device_memory(t) and self._float64_on(t.device):
+            return t
+        return _on_its_way(t)
 
     def _to_host(self, state: CompareState, tensors: Sequence) -> list:
         """The call's device copies brought to the host in its dtypes (exactly): it is judged on the CPU."""
@@ -720,27 +827,36 @@ class OpAutoCompare(OpTool):
             LEARNT.float64[device.type] = known
         return known
 
-    def _compare_forward(self, call: OpCall, state: CompareState, on_device: bool = False) -> tuple | None:
+    def _attempts_of(self, name: str) -> list:
+        attempts = self._attempts.get(name)
+        if attempts is None:
+            attempts = self._attempts[name] = attempts_for(self.settings.casts.get(op_key(name),
+                                                                                   DEFAULT_REFERENCE_CAST))
+        return attempts
+
+    def _compare_forward(self, call: OpCall, state: CompareState, on_device: bool = False,
+                         launched: tuple | None = None) -> tuple | None:
         """``(comparisons, reference)`` for the outputs and the written arguments, or None (reported). ``on_device``:
         the copies and the reference are on the device, and what only the CPU gives raises ``NeedsHostError``; None
-        there when the device's float64 reference cannot run."""
+        there when the device's float64 reference cannot run. ``launched``: ``state.launched``, the device's
+        reference already run and its statistics read."""
         device_cpu, host_of, math = state.device_cpu, state.host_of, state.math
         assert math is not None and host_of is not None  # set by before() and after() for every call copied
         owned = state.owned
         assert owned is not None  # set with host_of
-        attempts = self._attempts.get(call.name)
-        if attempts is None:
-            attempts = self._attempts[call.name] = attempts_for(
-                self.settings.casts.get(op_key(call.name), DEFAULT_REFERENCE_CAST))
+        attempts = self._attempts_of(call.name)
         if on_device:
             attempts = attempts[:1]  # the device's float64 or the CPU, never a narrower reference
         grad_snaps = state.grad_snaps = [host_of[i] for i in state.grad_ids]
-        # The reruns must leave the CPU generator as they found it: checked on an op's first call (a rerun of an op
-        # whose device run drew nothing draws nothing; the device run of every call is checked in after()).
-        rng = cpu_generator_token() if call.name not in LEARNT.rng_checked else None
         func = state.func or call.func
-        reference, error = run_reference(func, state.cpu_args, state.cpu_kwargs, attempts, owned, grad_snaps,
-                                         keep_devices=on_device)
+        if launched is not None:  # its reference ran when the call returned (_launch_forward)
+            reference, error, rng = launched[0], "", None
+        else:
+            # The reruns must leave the CPU generator as they found it: checked on an op's first call (a rerun of an
+            # op whose device run drew nothing draws nothing; the device run of every call is checked in after()).
+            rng = cpu_generator_token() if call.name not in LEARNT.rng_checked else None
+            reference, error = run_reference(func, state.cpu_args, state.cpu_kwargs, attempts, owned, grad_snaps,
+                                             keep_devices=on_device)
         if reference is None and on_device:
             state.cpu_reason = "the float64 reference cannot run on the device"
             return None
@@ -782,19 +898,22 @@ class OpAutoCompare(OpTool):
             same_value = same_out()  # eager: compare_outputs then checks every output's dtype
             if expected is None:
                 LEARNT.expected_dtypes[signature] = _leaf_dtypes(device_cpu if same_value is None else same_value)
+        read = launched[1].read() if launched is not None and launched[1] is not None else {}
+        outputs = launched[2] if launched is not None else 0
+        # the call's own arguments: the bounds read their dtypes (a device path's copies are float64)
+        device_args = launched[3] if launched is not None else call.args if on_device else state.cpu_args or ()
         comparisons = compare_outputs(device_cpu, reference.result, same_value, self._tolerance, op_name=call.name,
                                       prefix="output", history=LEARNT.history, key=state.precedent,
                                       site=call.module_path,
-                                      # the call's own arguments: the bounds read their dtypes (a device path's
-                                      # copies are float64)
-                                      bounds=_forward_bounds(call.name, func, reference,
-                                                             call.args if on_device else state.cpu_args or ()))
-        for label, i, host in zip(state.extra_labels, state.extra, state.extra_cpu):
+                                      bounds=_forward_bounds(call.name, func, reference, device_args),
+                                      read={i: v for i, v in read.items() if i < outputs} if launched else None)
+        for k, (label, i, host) in enumerate(zip(state.extra_labels, state.extra, state.extra_cpu)):
             before_op = host_of[i]
             comparisons.append(compare_tensors(label, host, reference.mapped[id(before_op)],
                                                functools.partial(_written_result, same, before_op),
                                                self._tolerance, call.name, True,
-                                               (LEARNT.history, (*state.precedent, label), call.module_path)))
+                                               (LEARNT.history, (*state.precedent, label), call.module_path),
+                                               stats=read.get(outputs + k, UNREAD)))
         if rng is not None:
             LEARNT.rng_checked.add(call.name)
         if rng is not None and cpu_generator_token() != rng:  # a rerun drew numbers: give them back, compare nothing
@@ -928,6 +1047,10 @@ class OpAutoCompare(OpTool):
                 type(call.func) is not RegionRun and self._defers(call.device):
             self._queue_backward(call, upstream, input_grads)
             return
+        if complete and (state.device_copies is not None or state.device_reference is not None) and \
+                type(call.func) is not RegionRun and self._defers(call.device) and \
+                self._launch_backward(call, upstream, input_grads):
+            return
         self._queue.flush()  # judged now: its forward and the calls queued before it first
         self._pending.pop(call.forward_id, None)
         if state.reference is None:
@@ -983,6 +1106,78 @@ class OpAutoCompare(OpTool):
                 raise
 
         self._queue.put(call, judge, rereads.values())
+
+    def _launch_backward(self, call: OpCall, upstream: tuple, input_grads: tuple) -> bool:
+        """The backward of a call whose forward ran the device's reference: that reference's gradients and the
+        comparison's statistics computed on the device now, and the verdict queued behind its forward's (True);
+        False when its gradients do not match its outputs (judged now). A forward the CPU judged has its backward
+        judged there too, cross-checked against these gradients."""
+        state: CompareState = call.state
+        # the device's reference graph: its forward's, still to be judged, judged on the device, or cross-checked
+        reference = state.launched[0] if state.queued and state.launched is not None else \
+            state.reference if state.device_copies is not None else state.device_reference
+        if reference is None:
+            return False
+        ref_flat = _unique_tensors(reference.result)
+        if len(ref_flat) != len(upstream):
+            return False
+        with torch.no_grad():  # kept as they are now: the engine may add into them before the verdict reads them
+            upstream = tuple(None if g is None else _kept(g) for g in upstream)
+            input_grads = tuple(None if g is None else _kept(g) for g in input_grads)
+        reference_grads = reference_backward(ref_flat, reference.leaves, upstream)
+        pending = launch_stats(output_pairs(input_grads, reference_grads), self._tolerance, call.name, True,
+                               self._copies.send)
+        started = time.time()
+
+        def judge(call: OpCall) -> None:
+            self._judge_launched_backward(call, upstream, input_grads, reference_grads, pending, started)
+
+        self._queue.put(call, judge)
+        return True
+
+    def _judge_launched_backward(self, call: OpCall, upstream: tuple, input_grads: tuple, reference_grads: tuple,
+                                 pending: PendingStats | None, started: float) -> None:
+        """A backward launched on the device, judged there when its forward was and it passes cleanly; else on the
+        CPU, from host copies of what the device judged, cross-checked against the device's gradients."""
+        state: CompareState = call.state
+        self._pending.pop(call.forward_id, None)
+        if state.reference is None:  # the forward was not compared after all
+            return
+        untrusted = call.name in LEARNT.trust.untrusted  # found so since the call was launched
+        try:
+            if state.device_copies is not None and not untrusted:  # its forward passed on the device
+                try:
+                    comparisons, _ = self._compare_backward(call, state, upstream, input_grads, on_device=True,
+                                                            reference_grads=reference_grads,
+                                                            read=pending.read() if pending is not None else {})
+                    passed = all(c.passed for c in comparisons)
+                except NeedsHostError:
+                    passed = False
+                if passed:
+                    with self._lock:
+                        self.reference_place["backward", "device"] += 1
+                    self._conclude_backward(call, state, comparisons, reference_grads, [], (), started=started)
+                    return
+            if state.device_copies is None:
+                with self._lock:
+                    self.reference_place["backward", state.cpu_reason] += 1
+            # what the CPU judges from, on the host, the forward's own copies too where it passed on the device: one
+            # wait for them all
+            upstream_cpu = [None if g is None else _on_its_way(g) for g in upstream]
+            grads_cpu = tuple(None if g is None else self._judged_copy(g) for g in input_grads)
+            device_grads = map_tensors(reference_grads, _on_its_way)
+            if state.device_copies is not None:
+                self._backward_to_host(call, state, True, _UNTRUSTED if untrusted else _NEEDED_CPU)
+            else:
+                wait_for_copies(call.device)
+            comparisons, cpu_grads, upstream_cpu = self._backward_on_host(call, state, upstream_cpu, {}, grads_cpu)
+            if not untrusted:
+                self._cross_check(call, state, device_grads, cpu_grads, "backward", comparisons)
+            self._conclude_backward(call, state, comparisons, cpu_grads, upstream_cpu, grads_cpu, started=started)
+        except Exception:
+            with self._lock:
+                self.counts["backward not checked"] += 1  # the engine's runner reports the error
+            raise
 
     @staticmethod
     def _upstream_copies(upstream: tuple, get) -> tuple[list, dict[int, torch.Tensor]]:
@@ -1080,27 +1275,32 @@ class OpAutoCompare(OpTool):
             self.reference_place["backward", "device"] += 1
         return (comparisons, reference_grads), None
 
-    def _backward_to_host(self, call: OpCall, state: CompareState) -> None:
+    def _backward_to_host(self, call: OpCall, state: CompareState, together: bool = False,
+                          reason: str = _NEEDED_CPU) -> None:
         """A call judged on the device in forward whose backward needs the CPU: its device copies brought to the host
-        (exactly) and the CPU reference run on them; the device's kept to cross-check the gradients."""
+        (exactly) and the CPU reference run on them; the device's kept to cross-check the gradients. ``together``:
+        the copies are waited for once, with every other copy on its way."""
         copies, device_reference = state.device_copies, state.reference
         assert copies is not None and device_reference is not None and state.owned is not None
         state.device_copies = None
-        state.cpu_args, state.cpu_kwargs = copies.host(state.cpu_args), copies.host(state.cpu_kwargs)
-        state.grad_snaps = [copies.host_tensor(c) for c in state.grad_snaps]
+        state.cpu_args = copies.host(state.cpu_args, together)
+        state.cpu_kwargs = copies.host(state.cpu_kwargs, together)
+        state.grad_snaps = [copies.host_tensor(c, together) for c in state.grad_snaps]
         state.owned = {id(h) for i, h in copies.on_host.items() if i in state.owned}
+        on_host = functools.partial(map_tensors, fn=_on_its_way if together else _on_host)
+        state.device_out, state.ref_out = on_host(state.device_out), on_host(state.ref_out)
+        if together:
+            wait_for_copies(call.device)
         reference, error = run_reference(state.func or call.func, state.cpu_args, state.cpu_kwargs,
-                                         self._attempts[call.name], state.owned, state.grad_snaps)
+                                         self._attempts_of(call.name), state.owned, state.grad_snaps)
         if reference is None:
             raise RuntimeError(f"the CPU reference cannot run: {error}")
-        on_host = functools.partial(map_tensors, fn=lambda t: t.detach().to("cpu"))
         state.reference, state.device_reference = reference, device_reference
-        state.device_out, state.ref_out = on_host(state.device_out), on_host(state.ref_out)
         with self._lock:
-            self.reference_place["backward", "its verdict needed the CPU"] += 1
+            self.reference_place["backward", reason] += 1
 
     def _compare_backward(self, call: OpCall, state: CompareState, upstream_cpu: tuple, device_grads_cpu: tuple,
-                          on_device: bool = False, reference_grads: tuple | None = None):
+                          on_device: bool = False, reference_grads: tuple | None = None, read: dict | None = None):
         reference = state.reference
         assert reference is not None  # _after_call_backward returned for a call without one
         ref_flat = _unique_tensors(reference.result)
@@ -1120,7 +1320,7 @@ class OpAutoCompare(OpTool):
                                       site=call.module_path,
                                       key=("backward", *state.precedent),
                                       bounds=_broadcast_sums(call.name, state.func or call.func, reference, ref_flat,
-                                                             upstream_cpu))
+                                                             upstream_cpu), read=read)
         for c, label in zip(comparisons, state.grad_labels):
             c.name = f"{label}.grad"
         return comparisons, reference_grads
@@ -1323,7 +1523,7 @@ def _device_reason(call: OpCall, state: CompareState, settings: AutoCompareConfi
         return "attention with its dropout mask replayed"
     name = call.name
     if name in LEARNT.trust.untrusted:
-        return "its float64 kernels on the device disagreed with the CPU's"
+        return _UNTRUSTED
     if name not in LEARNT.rng_checked:
         return "its first call"  # where the reruns are seen to leave the random streams alone
     if op_key(name) in settings.casts:
@@ -1431,6 +1631,25 @@ def _forward_bounds(name: str, func, reference: Reference, device_args: tuple):
         return AnyOrderSum(magnitudes.abs(), max(1, source.numel() // magnitudes.numel()))
 
     return bounds
+
+
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone()
+
+
+def _on_host(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu")
+
+
+def _on_its_way(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``t`` not waited for: read after ``wait_for_copies``."""
+    return t.detach().to("cpu", non_blocking=True)
+
+
+def _dtypes_only(args: tuple) -> tuple:
+    """``args`` with each tensor an empty one of its dtype on the meta device: what a bound reads of the call's own
+    arguments, without holding them."""
+    return map_tensors(args, lambda t: torch.empty(0, dtype=t.dtype, device="meta"))
 
 
 def _once(rerun):

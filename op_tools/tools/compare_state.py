@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # annotations only: nothing is imported at run time
     import torch
 
+    from ..numerics.comparison import PendingStats
     from ..numerics.device_math import DeviceMath
     from ..numerics.device_reference import DeviceCopies
     from ..numerics.reference import Reference
@@ -24,7 +25,8 @@ class CompareState:
                  "grad_labels", "device_cpu", "extra", "extra_cpu", "extra_labels", "host_of", "signature",
                  "precedent", "math_used", "owned", "grad_snaps", "reference", "device_out", "ref_out",
                  "saved_forward", "save_dir", "collective", "replay", "func", "region_args", "device_copies",
-                 "cross_check", "device_reference", "cpu_reason", "queued", "wants_backward", "grad_ids", "rereads")
+                 "cross_check", "device_reference", "cpu_reason", "queued", "wants_backward", "grad_ids", "rereads",
+                 "launched")
 
     # --- set by before() ---
     written: Sequence[torch.Tensor]  # the arguments the op writes (each once; every tensor of an unknown function)
@@ -73,6 +75,9 @@ class CompareState:
     wants_backward: bool  # the call's backward is followed (call.grad_inputs, which the engine empties after after())
     grad_ids: Sequence[int]  # ids of call.grad_inputs: their host copies are the reference's leaves
     rereads: dict[int, torch.Tensor] | None  # id of an input the cache supplied -> it, re-read if the call fails
+    # a forward judged later against the device's reference (autocompare's _launch_forward): (that reference, its
+    # statistics on their way to the host, the outputs in it, the call's argument dtypes for a bound that reads them)
+    launched: tuple[Reference, PendingStats | None, int, tuple] | None
 
     def release(self) -> None:
         """Every field back to its default, dropping the tensors and copies held: the call is compared no further."""
@@ -91,7 +96,7 @@ class CompareState:
 
     def drop_forward(self) -> None:
         """Drop what only after()'s comparison used: the outputs' copies and the written arguments."""
-        self.device_cpu = self.host_of = self.rereads = None
+        self.device_cpu = self.host_of = self.rereads = self.launched = None
         self.extra = self.extra_cpu = self.extra_labels = self.signature = ()
 
     def release_backward(self) -> None:

@@ -246,14 +246,48 @@ def test_on_a_cuda_gpu_the_recipes_judged_on_the_device_fail_nothing_and_trust_i
 
 
 def test_a_foreach_calls_list_judged_on_the_device_is_read_back_in_one_transfer(sim):
-    """An optimizer's foreach op compares every parameter: their statistics come back together, one synchronisation
-    for the call rather than one per tensor (``comparison._read_together``)."""
+    """An optimizer's foreach op compares every parameter: their statistics come back together, one transfer for the
+    call rather than one per tensor (``comparison.launch_stats``), and the calls judged on the device wait for no
+    transfer when they return: their batch is read after one wait."""
     tensors = [torch.randn(64, device=sim) for _ in range(8)]
-    synchronisations = []
+    counts = []
     with op_tools.OpAutoCompare(reference="device") as tool:
-        for _ in range(4):  # its first call (on the CPU), its first on the device (cross-checked), then two
+        for _ in range(2):  # its first call (on the CPU), its first on the device (cross-checked)
+            torch._foreach_mul(tensors, 2.0)
+        tool.judge_queued()
+        for _ in range(2):
             before = torch.sim.device_counts()
             torch._foreach_mul(tensors, 2.0)
-            synchronisations.append((torch.sim.device_counts() - before).synchronizations)
+            counts.append(torch.sim.device_counts() - before)
+        before = torch.sim.device_counts()
+        tool.judge_queued()
+        judged = torch.sim.device_counts() - before
     assert _places(tool, "forward")["device"] == 2 and tool.failures == []
-    assert synchronisations[2:] == [1, 1], synchronisations
+    assert [c.synchronizations for c in counts] == [0, 0], counts
+    assert [c.device_to_host_copies for c in counts] == [1, 1], counts  # each call's statistics: one copy, in flight
+    assert judged.synchronizations == 1, judged
+
+
+def test_a_result_and_a_gradient_written_after_their_call_are_judged_as_the_call_gave_them(sim):
+    """A call judged on the device is judged with its batch, after the program ran on: by then it may have written
+    the call's result in place (an in-place activation, without a version bump on some kernels) and scaled the
+    gradient the call gave (a leaf's ``.grad`` is that tensor, and gradient clipping scales it in place). The device
+    keeps what the verdict reads as the call gave it: no false failure, and nothing missed."""
+    x = torch.randn(256, device=sim)
+    a = torch.randn(256, device=sim, requires_grad=True)
+    with op_tools.OpAutoCompare(reference="device") as tool:
+        for _ in range(4):  # each op's first call (the CPU), its first on the device (cross-checked), then two
+            y = torch.nn.functional.gelu(x)
+            with torch._C.DisableTorchFunction(), ditorch.sim.faults("add_:unversioned"):
+                y.add_(1.0)  # a write no call shows and the version counter does not
+            (a * 2.0).sum().backward()
+            torch.nn.utils.clip_grad_norm_([a], 1.0)  # a.grad: the product's gradient, scaled in place
+            a.grad = None
+        tool.judge_queued()
+        assert tool.failures == [], tool.failures
+        assert _places(tool, "forward")["device"] >= 6 and _places(tool, "backward")["device"] >= 4, \
+            tool.reference_place
+        with ditorch.sim.faults("gelu@float32:noise=1e-2"):  # and a fault in the call is still found
+            torch.nn.functional.gelu(x).add_(1.0)
+        tool.judge_queued()
+        assert [f["op"] for f in tool.failures] == ["torch.nn.functional.gelu"]
