@@ -396,7 +396,7 @@ def launch_stats(pairs: Sequence[tuple[Any, Any]], tolerance: ToleranceSpec | No
             if d.dtype != r.dtype or d.is_complex() or d.is_floating_point() or r.device != d.device:
                 continue
             # integers, booleans, indices: how many elements differ (a sum, and no transfer of its own)
-            row: torch.Tensor | None = torch.ne(d, r).sum().to(torch.float64).expand(7)
+            row: torch.Tensor | None = torch.ne(d, r).sum(dtype=torch.float64).expand(7)
             atol = None
         else:
             _, atol, rtol, _, relative = _measure(d, r, tolerance, op_name, backward)

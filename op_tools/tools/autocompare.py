@@ -724,7 +724,13 @@ class OpAutoCompare(OpTool):
         state.queued = True
         call.keep_location()
         self._taken += 1
-        self._queue.put(call if state.wants_backward else call.without_values(), self._judge_queued)
+        # held until judged: the float64 copies (a call with a backward holds them until then anyway, within the
+        # memory bound), the reference's results and the kept ones
+        held = sum(_nbytes(t) for t in itertools.chain(iter_tensors(reference.result), iter_tensors(state.device_cpu),
+                                                        state.extra_cpu))
+        copies = state.device_copies
+        self._queue.put(call if state.wants_backward else call.without_values(), self._judge_queued,
+                        held=held + (0 if state.wants_backward or copies is None else copies.nbytes))
         return True
 
     def _judge_launched(self, call: OpCall, state: CompareState) -> tuple | None:
@@ -1132,7 +1138,8 @@ class OpAutoCompare(OpTool):
         def judge(call: OpCall) -> None:
             self._judge_launched_backward(call, upstream, input_grads, reference_grads, pending, started)
 
-        self._queue.put(call, judge)
+        self._queue.put(call, judge, held=sum(_nbytes(t) for t in iter_tensors((upstream, input_grads,
+                                                                                  reference_grads))))
         return True
 
     def _judge_launched_backward(self, call: OpCall, upstream: tuple, input_grads: tuple, reference_grads: tuple,
@@ -1635,6 +1642,10 @@ def _forward_bounds(name: str, func, reference: Reference, device_args: tuple):
 
 def _kept(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _on_host(t: torch.Tensor) -> torch.Tensor:

@@ -2,10 +2,11 @@
 
 A call's tensors go to the host without waiting (``HostCopies`` with ``non_blocking=True``: into pinned memory, in
 stream order, so each copy holds the values the op saw), and what judges the call (its reference run and
-comparison, forward or backward) is queued. Once ``batch`` calls are queued, or their copies pass ``max_bytes``,
-or something must be known now (a call judged at once, the end of an optimizer step or of the run), ``flush()``
-waits once for every copy (``HostCopies.land``) and judges the queued calls in the order they ran, so the verdicts,
-and which failure is found first, are those of judging each call at once.
+comparison, forward or backward) is queued. Once ``batch`` calls are queued, or their copies pass ``max_bytes``, or
+the device memory they hold for their judging does (a reference on the device: its float64 copies and results), or
+something must be known now (a call judged at once, the end of an optimizer step or of the run), ``flush()`` waits
+once for every copy (``HostCopies.land``) and judges the queued calls in the order they ran, so the verdicts, and
+which failure is found first, are those of judging each call at once.
 
 A failing call whose inputs came from the cache is re-read from the device before it is said to fail (a write no
 call showed leaves a cached copy stale). Re-read later, an input must still hold what the call read: a call about to
@@ -46,17 +47,21 @@ class VerdictQueue:
         self._jobs: collections.deque[tuple[OpCall, Callable]] = collections.deque()
         self._reads: set[int] = set()  # storages of inputs queued calls took from the cache
         self._unlooked: list[torch.Tensor] = []  # such inputs whose storage is looked up when a write may need it
+        self._held = 0  # device memory the queued calls hold for their judging
         self._lock = threading.RLock()
 
     def __len__(self) -> int:
         return len(self._jobs)
 
-    def put(self, call: OpCall, judge: Callable, reads: Iterable[torch.Tensor] = ()) -> None:
-        """Queue ``judge`` for ``call``; ``reads``: its inputs that came from the cache (re-read if it fails)."""
+    def put(self, call: OpCall, judge: Callable, reads: Iterable[torch.Tensor] = (), held: int = 0) -> None:
+        """Queue ``judge`` for ``call``; ``reads``: its inputs that came from the cache (re-read if it fails);
+        ``held``: the bytes of device memory it holds until judged (bounded by ``max_bytes`` too)."""
         with self._lock:
             self._jobs.append((call, judge))
             self._unlooked.extend(reads)
-            full = len(self._jobs) >= self.batch or self._copies.in_flight_bytes > self.max_bytes
+            self._held += held
+            full = len(self._jobs) >= self.batch or self._copies.in_flight_bytes > self.max_bytes or \
+                self._held > self.max_bytes
         if full:
             self.flush()
 
@@ -79,3 +84,4 @@ class VerdictQueue:
                 self._run(judge, call)
             self._reads.clear()
             self._unlooked = []
+            self._held = 0

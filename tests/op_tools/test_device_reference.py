@@ -11,6 +11,7 @@ import zoo
 
 import ditorch.sim
 import op_tools
+from op_tools.numerics import comparison
 from op_tools.numerics.device_reference import AGREEMENT_SHARE, Trust, references_differ
 from op_tools.offline.run_report.analysis import analyse
 from op_tools.offline.run_report.readers import read_results
@@ -291,3 +292,37 @@ def test_a_result_and_a_gradient_written_after_their_call_are_judged_as_the_call
             torch.nn.functional.gelu(x).add_(1.0)
         tool.judge_queued()
         assert [f["op"] for f in tool.failures] == ["torch.nn.functional.gelu"]
+
+
+def test_the_calls_queued_with_the_reference_on_the_device_hold_a_bounded_amount_of_its_memory(sim):
+    """A queued call holds device memory until its batch is judged: its float64 copies and results, and the copies it
+    keeps of its own results. An optimizer's foreach calls hold the whole model's state in float64 each: past the
+    queue's byte bound (512 MB; 3 MB here) the batch is judged at once, not at the 64th call."""
+    tensors = [torch.randn(32768, device=sim) for _ in range(4)]  # 512 KB a call, 2.5 MB held with its reference
+    with op_tools.OpAutoCompare(reference="device") as tool:
+        for _ in range(2):  # its first call (on the CPU), its first on the device (cross-checked)
+            torch._foreach_mul(tensors, 2.0)
+        tool.judge_queued()
+        tool._queue.max_bytes = 3 << 20
+        before = torch.sim.device_counts()
+        for _ in range(6):
+            torch._foreach_mul(tensors, 2.0)
+        waits = (torch.sim.device_counts() - before).synchronizations
+    assert _places(tool, "forward")["device"] >= 6 and tool.failures == []
+    assert waits == 3, waits  # every second call passes the bound: its batch is judged
+
+
+def test_exact_outputs_on_a_device_are_counted_with_the_statistics_and_a_difference_still_judged(sim):
+    """Integer, index and boolean outputs held on a device are compared by counting the elements that differ, read
+    with the floating outputs' statistics (no transfer of their own); one that differs is judged in full."""
+    d = torch.arange(10, device=sim)
+    other = d.clone()
+    other[3] = 7
+    pending = comparison.launch_stats([(d, d.clone()), (d, other), (d.float(), d.double()), (d > 4, d > 4)], None,
+                                      "torch.argsort", False)
+    read = pending.read()
+    assert read[0] is comparison.EQUAL and read[3] is comparison.EQUAL and 1 not in read
+    assert read[2][0] == 0.0  # the floating pair's max |d - r|
+    results = comparison.compare_outputs((d, d), (d.clone(), other), None, op_name="torch.argsort")
+    assert [r.passed for r in results] == [True, False]
+    assert "values differ at 1 of 10 elements" in results[1].error_info
