@@ -356,9 +356,9 @@ def output_pairs(device_out, reference_out) -> list[tuple[Any, Any]]:
 
 
 class PendingStats:
-    """``error_stats``' figures of the pairs measured on a device, computed there as one tensor and read once
-    (``read()``: index -> ``error_stats``' result). ``host``: that tensor, or its copy on its way to the host (read
-    after the wait for it)."""
+    """``error_stats``' figures of the pairs measured on a device, computed there as one ``(pairs, 7)`` tensor and
+    read once (``read()``: index -> ``error_stats``' result). ``host``: that tensor, or its part of a host copy made
+    later (a batch's rows joined: ``VerdictQueue.read_with``), read after the wait for it."""
 
     __slots__ = ("indices", "atols", "host")
 
@@ -377,13 +377,12 @@ class PendingStats:
         return read
 
 
-def launch_stats(pairs: Sequence[tuple[Any, Any]], tolerance: ToleranceSpec | None, op_name: str, backward: bool,
-                 send: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PendingStats | None:
+def launch_stats(pairs: Sequence[tuple[Any, Any]], tolerance: ToleranceSpec | None, op_name: str,
+                 backward: bool) -> PendingStats | None:
     """The statistics of the pairs whose device value is a real tensor on a device (the first device met), with a
     reference of its shape (an exact one, of its dtype, there too: the count of elements that differ), computed there
-    as one tensor: a foreach op's list, a backward's gradients, read in one transfer rather than one each. ``send``:
-    how that tensor goes to the host without waiting (a verdict judged later); None: read when asked. None when no
-    pair is measured so."""
+    as one tensor: a foreach op's list, a backward's gradients, read in one transfer rather than one each (a verdict
+    judged later reads it with its batch's). None when no pair is measured so."""
     rows: list[torch.Tensor] = []
     atols: list[float | None] = []
     indices: list[int] = []
@@ -408,8 +407,7 @@ def launch_stats(pairs: Sequence[tuple[Any, Any]], tolerance: ToleranceSpec | No
             indices.append(index)
     if not rows:
         return None
-    joined = torch.stack(rows)
-    return PendingStats(indices, atols, joined if send is None else send(joined))
+    return PendingStats(indices, atols, torch.stack(rows))
 
 
 def _measure(d: torch.Tensor, r: torch.Tensor, tolerance: ToleranceSpec | None, op_name: str, backward: bool):

@@ -711,8 +711,7 @@ class OpAutoCompare(OpTool):
             outputs = len(pairs)
             pairs += [(kept, reference.mapped[id(host_of[id(t)])]) for t, kept in zip(extra, state.extra_cpu)]
             # a cross-checked call is judged on the CPU: no statistics here
-            pending = None if state.cross_check else \
-                launch_stats(pairs, self._tolerance, call.name, False, self._copies.send)
+            pending = None if state.cross_check else launch_stats(pairs, self._tolerance, call.name, False)
         except torch.OutOfMemoryError:
             state.cpu_reason = "out of device memory for its comparison"
             return False
@@ -729,6 +728,8 @@ class OpAutoCompare(OpTool):
         held = sum(_nbytes(t) for t in itertools.chain(iter_tensors(reference.result), iter_tensors(state.device_cpu),
                                                         state.extra_cpu))
         copies = state.device_copies
+        if pending is not None:
+            self._queue.read_with(pending)  # its statistics come back with the batch's, in one transfer
         self._queue.put(call if state.wants_backward else call.without_values(), self._judge_queued,
                         held=held + (0 if state.wants_backward or copies is None else copies.nbytes))
         return True
@@ -1131,13 +1132,14 @@ class OpAutoCompare(OpTool):
             upstream = tuple(None if g is None else _kept(g) for g in upstream)
             input_grads = tuple(None if g is None else _kept(g) for g in input_grads)
         reference_grads = reference_backward(ref_flat, reference.leaves, upstream)
-        pending = launch_stats(output_pairs(input_grads, reference_grads), self._tolerance, call.name, True,
-                               self._copies.send)
+        pending = launch_stats(output_pairs(input_grads, reference_grads), self._tolerance, call.name, True)
         started = time.time()
 
         def judge(call: OpCall) -> None:
             self._judge_launched_backward(call, upstream, input_grads, reference_grads, pending, started)
 
+        if pending is not None:
+            self._queue.read_with(pending)
         self._queue.put(call, judge, held=sum(_nbytes(t) for t in iter_tensors((upstream, input_grads,
                                                                                   reference_grads))))
         return True

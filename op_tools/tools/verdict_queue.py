@@ -48,6 +48,7 @@ class VerdictQueue:
         self._reads: set[int] = set()  # storages of inputs queued calls took from the cache
         self._unlooked: list[torch.Tensor] = []  # such inputs whose storage is looked up when a write may need it
         self._held = 0  # device memory the queued calls hold for their judging
+        self._rows: list = []  # small results of queued calls still on their device (``read_with``)
         self._lock = threading.RLock()
 
     def __len__(self) -> int:
@@ -65,6 +66,25 @@ class VerdictQueue:
         if full:
             self.flush()
 
+    def read_with(self, rows) -> None:
+        """``rows`` (an object whose ``host`` is a 2-D tensor on a device: a call's statistics, ``PendingStats``) is
+        brought to the host with the batch: the queued calls' rows joined on each device and copied in one transfer
+        when the batch is judged, ``rows.host`` then the host's part of it."""
+        with self._lock:
+            self._rows.append(rows)
+
+    def _send_rows(self) -> None:
+        by_device: dict[tuple, list] = {}
+        for rows in self._rows:
+            by_device.setdefault((rows.host.device, rows.host.dtype, rows.host.shape[1:]), []).append(rows)
+        self._rows = []
+        for group in by_device.values():
+            host = self._copies.send(torch.cat([rows.host for rows in group]))
+            start = 0
+            for rows in group:
+                stop = start + rows.host.shape[0]
+                rows.host, start = host[start:stop], stop
+
     def before_write(self, tensors: Iterable[torch.Tensor]) -> None:
         """A call is about to write ``tensors``: judge the queued calls first if one may re-read them."""
         if self._unlooked:
@@ -78,6 +98,8 @@ class VerdictQueue:
         """Wait once for the copies in flight (also with no call queued: a call judged at once reads its own), then
         judge every queued call, in order."""
         with self._lock:
+            if self._rows:
+                self._send_rows()
             self._copies.land()  # the one wait (the judges' own copies are made waiting)
             while self._jobs:
                 call, judge = self._jobs.popleft()
