@@ -139,6 +139,15 @@ class Flagged:
         self._values.clear()
 
 
+def _min_max(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t``'s minimum and maximum, 0-d: ``aminmax`` (one reduction) where its last dimension is contiguous, else
+    ``amin`` and ``amax``, which the CPU reduces in any layout where its ``aminmax`` crawls (a transposed 8192x512
+    float32 weight: 4.6 ms against 0.21 ms; an attention's transposed keys: 140 us against 19 us)."""
+    if t.dim() == 0 or t.stride(-1) == 1 or t.size(-1) == 1:
+        return torch.aminmax(t)
+    return t.amin(), t.amax()
+
+
 def _witnesses(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
     """0-d tensors on the tensors' device, and how many of them belong to each tensor in turn, among which one is inf
     or nan exactly where the tensor holds one: its largest magnitude (one fused ``_foreach_norm`` for all on a
@@ -153,7 +162,7 @@ def _witnesses(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[in
     counts = []
     for t, is_large in zip(tensors, large):
         if is_large:
-            witnesses.extend(torch.aminmax(t))  # both propagate nan
+            witnesses.extend(_min_max(t))  # both propagate nan
             counts.append(2)
         else:
             witnesses.append(next(norms))

@@ -435,3 +435,17 @@ def test_flags_taken_over_name_the_same_first_overflow_on_every_recipe(sim, monk
     for (_, suffix), phase in faults:
         assert found[phase][0] is not None and found[phase][0] == found[phase][1] == found[phase][2], found
         assert found[phase][0][0].endswith(suffix) and found[phase][0][1] == phase, found
+
+
+def test_a_strided_tensor_in_host_memory_is_flagged_through_its_minimum_and_maximum():
+    """A large tensor whose last dimension is strided (a transposed weight, an attention's transposed keys) is reduced
+    by amin and amax, not aminmax (which crawls there on the CPU): +inf, -inf and nan are each still found."""
+    from op_tools.tools import overflow_check
+
+    base = torch.randn(512, 256)
+    plus, minus, nan = base.clone(), base.clone(), base.clone()
+    plus[3, 5], minus[0, 0], nan[7, 1] = float("inf"), float("-inf"), float("nan")
+    tensors = [t.t() for t in (base, plus, minus, nan)]
+    assert tensors[0].stride(-1) != 1 and tensors[0].numel() >= overflow_check.LARGE
+    assert overflow_check.nonfinite_kinds(tensors) == [overflow_check.FINITE, overflow_check.INF,
+                                                       overflow_check.INF, overflow_check.NAN]
