@@ -35,7 +35,7 @@ coverage:
 bench: install-test
 	$(PYTHON) benchmarks/sim_overhead.py
 	$(PYTHON) benchmarks/import_overhead.py
-	$(PYTHON) benchmarks/autocompare_cost.py
+	$(PYTHON) benchmarks/autocompare_cost.py --reference cpu,device
 	$(PYTHON) benchmarks/time_measure_cost.py
 	$(PYTHON) benchmarks/overhead.py
 	$(PYTHON) benchmarks/capture_storage.py
