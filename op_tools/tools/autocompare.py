@@ -687,9 +687,9 @@ class OpAutoCompare(OpTool):
         return outcome
 
     def _launch_forward(self, call: OpCall, state: CompareState, tensors: Sequence, extra: list) -> bool | None:
-        """The float64 reference run on the device now and the comparison's statistics computed there, on their way to
-        the host with the batch's copies, and the verdict queued (``_judge_launched``): True. None: the call is judged
-        now (``_forward_on_device`` says why); False: the CPU judges it now (``state.cpu_reason`` says why)."""
+        """The float64 reference run on the device now and the comparison's statistics computed there (read with the
+        batch's, in one transfer), and the verdict queued (``_judge_launched``): True. None: the call is judged now
+        (``_forward_on_device`` says why); False: the CPU judges it now (``state.cpu_reason`` says why)."""
         results = list(iter_tensors(call.result))
         if any(t.dtype in (torch.float64, torch.complex128) or is_dtensor(t) for t in itertools.chain(results, extra)) \
                 or LEARNT.expected_dtypes.get(state.signature) != _leaf_dtypes(call.result):
