@@ -440,6 +440,11 @@ def _run_op(func, args, kwargs):
             raise
         out = _DEFERRED.defer(func, error, cpu_args, cpu_kwargs)
     _counters.charge(info.name, info.launches, _is_sim, args, kwargs, out)  # what a real device would charge
+    if active_faults and out is None and (info.mutated_args or info.mutated_kwargs):
+        # an in-place foreach op (an optimizer's) returns nothing: what it wrote is its output
+        _faults.TABLE.after(active_faults, dtypes, _flat_tensors(
+            [cpu_args[p] for p in info.mutated_args if p < len(cpu_args)] +
+            [cpu_kwargs.get(n) for n in info.mutated_kwargs]))
 
     if unwrapped.copy_back and (info.mutated_args or info.mutated_kwargs):
         _write_back(unwrapped.copy_back, info, args, kwargs)

@@ -61,6 +61,20 @@ def test_poisoned_outputs(kind, check):
 
 
 @pytest.mark.usefixtures("sim")
+def test_an_in_place_foreach_op_has_the_tensors_it_wrote_poisoned():
+    """An optimizer's in-place foreach ops return nothing: what they write is their output, and a fault hits it (a
+    vendor's fused optimizer kernels are where such a fault lives)."""
+    params = [torch.zeros(4, device="sim"), torch.zeros(3, device="sim")]
+    with ditorch.sim.faults("_foreach_add_:nan"):
+        torch._foreach_add_(params, 1.0)
+    assert all(torch.isnan(p.cpu()).all() for p in params)
+    exact = [torch.ones(4, device="sim")]
+    with ditorch.sim.faults("_foreach_mul_@float32:noise=1e-2"):
+        torch._foreach_mul_(exact, 2.0)
+    assert torch.allclose((exact[0].cpu() - 2).abs(), torch.full((4,), 2e-2))
+
+
+@pytest.mark.usefixtures("sim")
 def test_views_are_never_poisoned_and_faults_reach_backward():
     x = torch.randn(2, 3, device="sim", requires_grad=True)
     with ditorch.sim.faults("t:nan"):

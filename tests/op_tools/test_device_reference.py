@@ -325,3 +325,27 @@ def test_exact_outputs_on_a_device_are_counted_with_the_statistics_and_a_differe
     results = comparison.compare_outputs((d, d), (d.clone(), other), None, op_name="torch.argsort")
     assert [r.passed for r in results] == [True, False]
     assert "values differ at 1 of 10 elements" in results[1].error_info
+
+
+@pytest.mark.parametrize("reference", ["cpu", "device"])
+def test_a_fault_in_an_optimizers_foreach_kernel_is_found_with_either_reference(sim, reference):
+    """AdamW's in-place foreach ops write the parameters and return nothing: a wrong kernel among them is found, the
+    written parameters judged against the reference's (with the device's reference, on the CPU once the device
+    cannot clear the call), and a clean step before it fails nothing."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64).to(sim)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    x = torch.randn(8, 64, device=sim)
+
+    def step():
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    with op_tools.OpAutoCompare(reference=reference) as tool:
+        for _ in range(3):  # each op's first call, its first on the device (cross-checked), then one on the device
+            step()
+        assert tool.failures == []
+        with ditorch.sim.faults("_foreach_addcdiv_@float32:noise=1e-2"):
+            step()
+    assert [f["op"] for f in tool.failures] == ["torch._foreach_addcdiv_"]
