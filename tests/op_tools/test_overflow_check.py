@@ -449,3 +449,21 @@ def test_a_strided_tensor_in_host_memory_is_flagged_through_its_minimum_and_maxi
     assert tensors[0].stride(-1) != 1 and tensors[0].numel() >= overflow_check.LARGE
     assert overflow_check.nonfinite_kinds(tensors) == [overflow_check.FINITE, overflow_check.INF,
                                                        overflow_check.INF, overflow_check.NAN]
+
+
+def test_a_nan_from_an_optimizers_foreach_kernel_is_named(sim):
+    """AdamW's in-place foreach ops write the parameters and return nothing: the one that turns them to nan is named
+    as the first overflow, its inputs finite."""
+    import ditorch.sim
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64).to(sim)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    x = torch.randn(8, 64, device=sim)
+    with op_tools.OpOverflowCheck() as tool:
+        for i in range(3):
+            with ditorch.sim.faults("_foreach_addcdiv_:nan" if i == 2 else ""):
+                model(x).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert tool.found().startswith("first inf/nan from finite inputs: torch._foreach_addcdiv_ (forward)"), tool.found()
