@@ -112,7 +112,7 @@ from ..ops.op_facts import cached_on_facts, op_facts
 from ..ops.random_calls import GeneratorProbe, cpu_generator_token, device_rng, random_reason, skip_text
 from ..ops.writes import call_writes
 from ..output import reporting, result_files
-from .compare_state import CompareState
+from .compare_state import CompareState, Launched
 from .failing_calls import FailingCalls
 from .verdict_queue import VerdictQueue
 
@@ -716,8 +716,8 @@ class OpAutoCompare(OpTool):
             state.cpu_reason = "out of device memory for its comparison"
             return False
         state.host_of, state.owned, state.rereads = host_of, owned, {}
-        state.launched = (reference, pending, outputs,
-                          _dtypes_only(call.args) if op_facts(call.name).rounded_terms else ())
+        state.launched = Launched(reference, pending, outputs,
+                                  _dtypes_only(call.args) if op_facts(call.name).rounded_terms else ())
         self._copies.forget(state.written)  # the host copies are not kept current by this path
         state.written = state.compared_writes = ()
         state.queued = True
@@ -725,7 +725,7 @@ class OpAutoCompare(OpTool):
         self._taken += 1
         # held until judged: the float64 copies (a call with a backward holds them until then anyway, within the
         # memory bound), the reference's results and the kept ones
-        held = sum(_nbytes(t) for t in itertools.chain(iter_tensors(reference.result), iter_tensors(state.device_cpu),
+        held = sum(t.nbytes for t in itertools.chain(iter_tensors(reference.result), iter_tensors(state.device_cpu),
                                                         state.extra_cpu))
         copies = state.device_copies
         if pending is not None:
@@ -756,17 +756,16 @@ class OpAutoCompare(OpTool):
             state.device_reference = None  # it is the call's reference (state.reference, for the backward)
             return outcome
         state.cpu_reason = state.cpu_reason or _NEEDED_CPU
-        values = self._launched_to_host(call, state, launched[0])
-        state.device_reference = None if untrusted else launched[0]  # nothing more to learn from it
+        values = self._launched_to_host(call, state, launched.reference)
+        state.device_reference = None if untrusted else launched.reference  # nothing more to learn from it
         return self._judge_forward(call, state, values)
 
     def _launched_to_host(self, call: OpCall, state: CompareState, reference: Reference):
         """A launched call's device copies and kept results brought to the host (exactly), for the CPU to judge it,
         and the host copies of the device reference's results returned (to cross-check the CPU's): one wait."""
-        copies, host_of, owned = state.device_copies, state.host_of, state.owned
-        assert copies is not None and host_of is not None and owned is not None  # set by _launch_forward
-        state.device_copies = None
-        state.cpu_args, state.cpu_kwargs = copies.host(state.cpu_args, True), copies.host(state.cpu_kwargs, True)
+        host_of, owned = state.host_of, state.owned
+        assert host_of is not None and owned is not None  # set by _launch_forward
+        copies = _copies_to_host(state, True)
         state.host_of = {i: copies.host_tensor(c, True) for i, c in host_of.items()}
         state.owned = {id(h) for i, h in copies.on_host.items() if i in owned}
         state.device_cpu = map_tensors(state.device_cpu, self._judged_copy)
@@ -778,16 +777,11 @@ class OpAutoCompare(OpTool):
     def _judged_copy(self, t: torch.Tensor) -> torch.Tensor:
         """A kept device value as the CPU's verdict compares it: itself where the device measures it
         (``_compared_value``), else a host copy on its way (not cached: it is the tool's own)."""
-        if t.numel() >= DEVICE_STATISTICS_MIN and _in_device_memory(t) and self._float64_on(t.device):
-            return t
-        return _on_its_way(t)
+        return t if self._measured_on_device(t) else _on_its_way(t)
 
     def _to_host(self, state: CompareState, tensors: Sequence) -> list:
         """The call's device copies brought to the host in its dtypes (exactly): it is judged on the CPU."""
-        copies = state.device_copies
-        assert copies is not None  # only called for a call copied on the device
-        state.device_copies = None
-        state.cpu_args, state.cpu_kwargs = copies.host(state.cpu_args), copies.host(state.cpu_kwargs)
+        copies = _copies_to_host(state)
         return [(t, copies.host_tensor(c), False) for t, c, _ in tensors]
 
     def _cross_check(self, call: OpCall, state: CompareState, device_values, cpu_reference, phase: str,
@@ -817,12 +811,16 @@ class OpAutoCompare(OpTool):
         """What ``t`` is compared as: itself on its device when large, held in the device's own memory, and the device
         computes in float64 (only the statistics come back), unless the call is judged later (``deferred``: its copy
         is on its way); else a host copy, remembered for the next call."""
-        if not deferred and t.numel() >= DEVICE_STATISTICS_MIN and not is_dtensor(t) and _in_device_memory(t) and \
-                self._float64_on(t.device):
+        if not deferred and not is_dtensor(t) and self._measured_on_device(t):
             if written:
                 self._copies.forget([t])
             return t
         return self._copies.fresh(t, written=written, non_blocking=deferred)
+
+    def _measured_on_device(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s statistics are computed where it is, against its reference uploaded: large, held in the
+        device's own memory, and the device computes in float64."""
+        return t.numel() >= DEVICE_STATISTICS_MIN and _in_device_memory(t) and self._float64_on(t.device)
 
     def _float64_on(self, device: torch.device) -> bool:
         known = LEARNT.float64.get(device.type)
@@ -842,7 +840,7 @@ class OpAutoCompare(OpTool):
         return attempts
 
     def _compare_forward(self, call: OpCall, state: CompareState, on_device: bool = False,
-                         launched: tuple | None = None) -> tuple | None:
+                         launched: Launched | None = None) -> tuple | None:
         """``(comparisons, reference)`` for the outputs and the written arguments, or None (reported). ``on_device``:
         the copies and the reference are on the device, and what only the CPU gives raises ``NeedsHostError``; None
         there when the device's float64 reference cannot run. ``launched``: ``state.launched``, the device's
@@ -856,8 +854,9 @@ class OpAutoCompare(OpTool):
             attempts = attempts[:1]  # the device's float64 or the CPU, never a narrower reference
         grad_snaps = state.grad_snaps = [host_of[i] for i in state.grad_ids]
         func = state.func or call.func
+        reference: Reference | None
         if launched is not None:  # its reference ran when the call returned (_launch_forward)
-            reference, error, rng = launched[0], "", None
+            reference, error, rng = launched.reference, "", None
         else:
             # The reruns must leave the CPU generator as they found it: checked on an op's first call (a rerun of an
             # op whose device run drew nothing draws nothing; the device run of every call is checked in after()).
@@ -905,10 +904,11 @@ class OpAutoCompare(OpTool):
             same_value = same_out()  # eager: compare_outputs then checks every output's dtype
             if expected is None:
                 LEARNT.expected_dtypes[signature] = _leaf_dtypes(device_cpu if same_value is None else same_value)
-        read = launched[1].read() if launched is not None and launched[1] is not None else {}
-        outputs = launched[2] if launched is not None else 0
+        read = launched.stats.read() if launched is not None and launched.stats is not None else {}
+        outputs = launched.outputs if launched is not None else 0
         # the call's own arguments: the bounds read their dtypes (a device path's copies are float64)
-        device_args = launched[3] if launched is not None else call.args if on_device else state.cpu_args or ()
+        device_args = launched.device_args if launched is not None else call.args if on_device else \
+            state.cpu_args or ()
         comparisons = compare_outputs(device_cpu, reference.result, same_value, self._tolerance, op_name=call.name,
                                       prefix="output", history=LEARNT.history, key=state.precedent,
                                       site=call.module_path,
@@ -1121,7 +1121,7 @@ class OpAutoCompare(OpTool):
         judged there too, cross-checked against these gradients."""
         state: CompareState = call.state
         # the device's reference graph: its forward's, still to be judged, judged on the device, or cross-checked
-        reference = state.launched[0] if state.queued and state.launched is not None else \
+        reference = state.launched.reference if state.queued and state.launched is not None else \
             state.reference if state.device_copies is not None else state.device_reference
         if reference is None:
             return False
@@ -1140,7 +1140,7 @@ class OpAutoCompare(OpTool):
 
         if pending is not None:
             self._queue.read_with(pending)
-        self._queue.put(call, judge, held=sum(_nbytes(t) for t in iter_tensors((upstream, input_grads,
+        self._queue.put(call, judge, held=sum(t.nbytes for t in iter_tensors((upstream, input_grads,
                                                                                   reference_grads))))
         return True
 
@@ -1289,14 +1289,12 @@ class OpAutoCompare(OpTool):
         """A call judged on the device in forward whose backward needs the CPU: its device copies brought to the host
         (exactly) and the CPU reference run on them; the device's kept to cross-check the gradients. ``together``:
         the copies are waited for once, with every other copy on its way."""
-        copies, device_reference = state.device_copies, state.reference
-        assert copies is not None and device_reference is not None and state.owned is not None
-        state.device_copies = None
-        state.cpu_args = copies.host(state.cpu_args, together)
-        state.cpu_kwargs = copies.host(state.cpu_kwargs, together)
+        device_reference = state.reference
+        assert device_reference is not None and state.owned is not None
+        copies = _copies_to_host(state, together)
         state.grad_snaps = [copies.host_tensor(c, together) for c in state.grad_snaps]
         state.owned = {id(h) for i, h in copies.on_host.items() if i in state.owned}
-        on_host = functools.partial(map_tensors, fn=_on_its_way if together else _on_host)
+        on_host = functools.partial(map_tensors, fn=_on_its_way if together else snapshot)
         state.device_out, state.ref_out = on_host(state.device_out), on_host(state.ref_out)
         if together:
             wait_for_copies(call.device)
@@ -1642,21 +1640,24 @@ def _forward_bounds(name: str, func, reference: Reference, device_args: tuple):
     return bounds
 
 
+def _copies_to_host(state: CompareState, non_blocking: bool = False) -> DeviceCopies:
+    """The call's arguments on the host from its device copies (exactly, in its dtypes): the CPU judges it from now
+    on; the copies returned (their host copies are theirs, ``on_host``). ``non_blocking``: read after a wait."""
+    copies = state.device_copies
+    assert copies is not None  # only for a call copied on the device
+    state.device_copies = None
+    state.cpu_args = copies.host(state.cpu_args, non_blocking)
+    state.cpu_kwargs = copies.host(state.cpu_kwargs, non_blocking)
+    return copies
+
+
 def _kept(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _on_host(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu")
-
-
 def _on_its_way(t: torch.Tensor) -> torch.Tensor:
     """A host copy of ``t`` not waited for: read after ``wait_for_copies``."""
-    return t.detach().to("cpu", non_blocking=True)
+    return snapshot(t, non_blocking=True)
 
 
 def _dtypes_only(args: tuple) -> tuple:

@@ -4,7 +4,7 @@ needs. Its own module so that the failing calls' saving (``failing_calls.py``) r
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:  # annotations only: nothing is imported at run time
     import torch
@@ -14,6 +14,15 @@ if TYPE_CHECKING:  # annotations only: nothing is imported at run time
     from ..numerics.device_reference import DeviceCopies
     from ..numerics.reference import Reference
     from ..ops.collectives import CollectiveCall
+
+
+class Launched(NamedTuple):
+    """A forward whose float64 reference ran on the device when it returned, its verdict queued."""
+
+    reference: Reference
+    stats: PendingStats | None  # its statistics, read with the batch's (None: it is judged on the CPU)
+    outputs: int  # how many of the statistics' pairs are outputs (the rest: the written arguments)
+    device_args: tuple  # the call's arguments as empty tensors of their dtypes, for a bound that reads them
 
 
 class CompareState:
@@ -75,9 +84,7 @@ class CompareState:
     wants_backward: bool  # the call's backward is followed (call.grad_inputs, which the engine empties after after())
     grad_ids: Sequence[int]  # ids of call.grad_inputs: their host copies are the reference's leaves
     rereads: dict[int, torch.Tensor] | None  # id of an input the cache supplied -> it, re-read if the call fails
-    # a forward judged later against the device's reference (autocompare's _launch_forward): (that reference, its
-    # statistics on their way to the host, the outputs in it, the call's argument dtypes for a bound that reads them)
-    launched: tuple[Reference, PendingStats | None, int, tuple] | None
+    launched: Launched | None  # a forward judged later against the device's reference (autocompare._launch_forward)
 
     def release(self) -> None:
         """Every field back to its default, dropping the tensors and copies held: the call is compared no further."""
