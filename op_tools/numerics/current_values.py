@@ -40,26 +40,44 @@ def locate(t: torch.Tensor):
         return None
 
 
+class _StorageRef(weakref.ref):
+    """A weak reference to a storage that knows the storage's ``id`` once the storage is gone."""
+
+    __slots__ = ("sid",)
+    sid: int
+
+
 class CurrentValues:
     """A bounded cache of values derived from tensors, each with its size in bytes (see the module docstring for
-    when one is reused): at most ``max_entries`` of them, ``max_bytes`` in all, the oldest dropped first; a value
-    larger than a quarter of ``max_bytes`` is not kept. Thread-safe."""
+    when one is reused): at most ``max_entries`` of them, ``max_bytes`` in all, the least recently used dropped first;
+    a value larger than a quarter of ``max_bytes`` is not kept. The values of a storage freed are dropped at the next
+    ``put``: a step's temporaries, freed, would otherwise hold the room of the values still to be reused (the weights,
+    an optimizer's state) until they aged out. Thread-safe."""
 
     def __init__(self, max_entries: int, max_bytes: int) -> None:
         self.max_entries, self.max_bytes = max_entries, max_bytes
         # id(storage) -> (weak reference to the storage, {(offset, sizes, strides, dtype): (version, value, bytes)})
-        self._storages: dict[int, tuple[weakref.ref, dict]] = {}
-        self._order: collections.OrderedDict[tuple, None] = collections.OrderedDict()  # (storage id, key), oldest first
+        self._storages: dict[int, tuple[_StorageRef, dict]] = {}
+        # (storage id, key), least recently used first
+        self._order: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
+        # references whose storage died: appended by the collector's callback (from any thread, even one inside
+        # this lock: so it only appends), dropped under the lock by ``put``
+        self._dead: list[_StorageRef] = []
 
     def find(self, where) -> Any:
-        """The value kept for ``where`` (``locate``'s answer), or None where none is current."""
+        """The value kept for ``where`` (``locate``'s answer), or None where none is current; a value found is the
+        most recently used."""
         storage, key, version = where
-        entry = self._storages.get(id(storage))  # a read needs no lock: one dict operation
+        sid = id(storage)
+        entry = self._storages.get(sid)
         if entry is not None and entry[0]() is storage:
             found = entry[1].get(key)
             if found is not None and found[0] == version:
+                with self._lock:
+                    if (sid, key) in self._order:  # not dropped meanwhile
+                        self._order.move_to_end((sid, key))
                 return found[1]
         return None
 
@@ -81,11 +99,17 @@ class CurrentValues:
     def drop(self, sid: int) -> None:
         """Drop every value of the storage whose ``id`` is ``sid``."""
         with self._lock:
-            entry = self._storages.pop(sid, None)
-            if entry is not None:
-                for key, (_, _, size) in entry[1].items():
-                    self._order.pop((sid, key), None)
-                    self._bytes -= size
+            self._drop(sid)
+
+    def _drop(self, sid: int, ref: _StorageRef | None = None) -> None:
+        """``drop`` under the lock; ``ref``: only if the entry is still that reference's (an ``id`` is reused)."""
+        entry = self._storages.get(sid)
+        if entry is None or ref is not None and entry[0] is not ref:
+            return
+        del self._storages[sid]
+        for key, (_, _, size) in entry[1].items():
+            self._order.pop((sid, key), None)
+            self._bytes -= size
 
     def put(self, where, value, size: int = 0) -> None:
         """Keep ``value``, derived from the tensor at ``where`` as it is now (``size`` bytes)."""
@@ -94,13 +118,16 @@ class CurrentValues:
         storage, key, version = where
         sid = id(storage)
         with self._lock:
+            while self._dead:
+                ref = self._dead.pop()
+                self._drop(ref.sid, ref)
             entry = self._storages.get(sid)
             if entry is None or entry[0]() is not storage:
                 if entry is not None:  # a dead storage's id, reused
-                    for old_key, (_, _, old_size) in entry[1].items():
-                        self._order.pop((sid, old_key), None)
-                        self._bytes -= old_size
-                entry = self._storages[sid] = (weakref.ref(storage), {})
+                    self._drop(sid)
+                ref = _StorageRef(storage, self._dead.append)
+                ref.sid = sid
+                entry = self._storages[sid] = (ref, {})
             previous = entry[1].get(key)
             if previous is not None:
                 self._bytes -= previous[2]

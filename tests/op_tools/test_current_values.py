@@ -1,0 +1,49 @@
+"""The room of the caches of values derived from tensors (``numerics/current_values.py``): what a step reuses stays,
+what it freed makes room. OpAutoCompare's host copies live in one: a copy evicted is a tensor copied to the host
+again."""
+
+import gc
+
+import torch
+
+from op_tools.numerics.current_values import CurrentValues, locate
+from op_tools.numerics.host_copies import HostCopies
+
+
+def test_the_least_recently_used_value_is_dropped_first():
+    a, b, c, d, e = (torch.zeros(4) for _ in range(5))
+    values = CurrentValues(16, 1000)  # room for four values of 250 bytes (a quarter of it at most each)
+    for t, name in ((a, "a"), (b, "b"), (c, "c"), (d, "d")):
+        values.put(locate(t), name, 250)
+    assert values.find(locate(a)) == "a"  # used again: b is now the oldest in use
+    values.put(locate(e), "e", 250)
+    assert [values.find(locate(t)) for t in (a, b, c, d, e)] == ["a", None, "c", "d", "e"]
+
+
+def test_a_freed_storage_makes_room_at_once():
+    kept, freed, others = torch.zeros(4), torch.zeros(4), [torch.zeros(4), torch.zeros(4)]
+    values = CurrentValues(16, 1000)
+    values.put(locate(kept), "kept", 250)
+    values.put(locate(freed), "freed", 250)
+    for t in others:
+        values.put(locate(t), "other", 250)
+    del freed
+    gc.collect()
+    new = torch.zeros(4)
+    values.put(locate(new), "new", 250)  # fits beside "kept", the oldest, only once the freed one's room is back
+    assert values.find(locate(kept)) == "kept" and values.find(locate(new)) == "new"
+
+
+def test_a_weight_copy_outlives_the_temporaries_copied_after_it(sim):
+    # A step: a weight copied, then activations copied and freed, more than the cache holds, then the weight read
+    # again: it is reused, not copied to the host a second time.
+    copies = HostCopies()
+    copies.MAX_BYTES = 1 << 20
+    copies._values.max_bytes = copies.MAX_BYTES
+    weight = torch.randn(128, 256, device="sim")  # 128 KiB
+    copies.get(weight)
+    for _ in range(40):  # 40 x 128 KiB of temporaries, each freed before the next
+        temporary = torch.randn(128, 256, device="sim")
+        copies.fresh(temporary)
+        del temporary
+    assert copies.get(weight)[1], "the weight's copy was evicted by temporaries already freed"
