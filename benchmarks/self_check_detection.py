@@ -27,7 +27,8 @@ from training_monitor_cost import build_step  # noqa: E402
 import op_tools  # noqa: E402
 
 SIZES = {"real": (512, 1376, 4, 8, 8192, 2, 256), "tiny": (64, 176, 2, 4, 128, 2, 16)}
-FAULTS = ("", "mm:noise=1e-2", "mm:bitflip=50", "mm:noise=1e-2,p=0.1", "silu:noise=1e-2")
+FAULTS = ("", "mm:noise=1e-2", "mm:bitflip=50", "mm:noise=1e-2,p=0.1", "silu:noise=1e-2",
+          "_foreach_addcdiv_:noise=1e-2")  # the last: AdamW's update of the weights
 
 
 def detect(size: str, fault: str, steps: int, budget: float) -> dict:
@@ -58,7 +59,7 @@ def main() -> None:
     ditorch.sim.register()
     logging.getLogger("op_tools").setLevel(logging.ERROR)  # the findings' own lines: printed below, once
     print(f"OpSelfCheck(budget={args.budget}) on a {args.size} Llama step on sim, at most {args.steps} steps")
-    print(f"{'fault':<24}{'first finding':<64}{'checked/step':>13}{'budget/step':>13}{'handled/step':>13}")
+    print(f"{'fault':<30}{'first finding':<64}{'checked/step':>13}{'budget/step':>13}{'handled/step':>13}")
     for fault in FAULTS:
         row = detect(args.size, fault, args.steps, args.budget)
         found = row["found"]
@@ -68,7 +69,7 @@ def main() -> None:
             what = f"not in {args.steps} steps"
         else:
             what = f"step {found.step}: {found.op.rpartition('.')[2]} ({found.phase}) in {found.module or '-'}"
-        print(f"{row['fault']:<24}{what:<64}{row['checked']:>13.1f}{row['budget_skipped']:>13.1f}"
+        print(f"{row['fault']:<30}{what:<64}{row['checked']:>13.1f}{row['budget_skipped']:>13.1f}"
               f"{row['handled']:>13.1f}")
         summary = "clean" if not fault else ("not found" if found is None else f"found at step {found.step}")
         print(f"summary: self_check_detection: {args.size} {row['fault']}: {summary}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -333,16 +334,97 @@ _SOFTMAXES = {"torch.nn.functional.softmax": _softmax, "torch.softmax": _softmax
               "torch.nn.functional.log_softmax": _log_softmax, "torch.log_softmax": _log_softmax,
               "torch.Tensor.log_softmax": _log_softmax}
 def in_place(name: str, args: tuple, kwargs: dict) -> bool:
-    """Whether a sampled elementwise call writes its first argument (``silu(x, inplace=True)``)."""
+    """Whether a sampled elementwise call writes its first argument (``silu(x, inplace=True)``; an in-place foreach
+    op, the tensors of its first list)."""
+    if name in FOREACH:
+        return name.endswith("_")
     return name == "torch.nn.functional.silu" and bool(_arg(args, kwargs, 1, "inplace", False))
 
 
-def _elementwise(func, args, kwargs, out, rotation, cancelling=False, taken=None):
+# The magnitudes of the terms a sum adds, in float64 on the host: an optimizer's update is small beside what it
+# updates, and the sum's roundings before the result's own are relative to its terms (``sampled_reference``'s
+# "terms" bound), not to its inputs, which may be ten times the result (the first moment's first step: a tenth of
+# the gradient).
+def _sum_terms(x, y, alpha=1):
+    return abs(x) + abs(alpha * y)
+
+
+def _product_terms(x, t1, t2, value=1):
+    return abs(x) + abs(value * t1 * t2)
+
+
+def _quotient_terms(x, t1, t2, value=1):
+    return abs(x) + abs(value * t1 / t2)
+
+
+def _lerp_terms(start, end, weight):
+    return abs(start) + abs(weight * (end - start))
+
+
+# An optimizer's foreach kernels (``torch._foreach_<op>``, in place with a trailing underscore): each index of its
+# lists is one elementwise call of the op's per-tensor function. One index per call is sampled, turning with the
+# rotation, so that over a run's steps every parameter's update is checked. The per-tensor function, and for a sum
+# its terms' magnitudes.
+_FOREACH_OPS: dict[str, tuple[Callable, Callable | None]] = {
+    "add": (torch.add, _sum_terms), "sub": (torch.sub, _sum_terms), "mul": (torch.mul, None),
+    "div": (torch.div, None), "addcmul": (torch.addcmul, _product_terms), "addcdiv": (torch.addcdiv, _quotient_terms),
+    "lerp": (torch.lerp, _lerp_terms), "sqrt": (torch.sqrt, None), "exp": (torch.exp, None),
+    "reciprocal": (torch.reciprocal, None),
+}
+_FOREACH_VALUE = frozenset(("addcmul", "addcdiv"))  # their fourth argument is the per-tensor function's ``value=``
+FOREACH = frozenset(f"torch._foreach_{op}{suffix}" for op in _FOREACH_OPS for suffix in ("", "_"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ElementCall:
+    """One index of a foreach call as the per-tensor call it stands for, and the rotation of its sample."""
+
+    func: Callable
+    args: tuple
+    kwargs: dict
+    out: torch.Tensor
+    rotation: int
+
+
+def foreach_element(name: str, args: tuple, kwargs: dict, result, rotation: int) -> ElementCall | None:
+    """The index ``rotation`` (modulo the lists' length) of a call of foreach op ``name``; ``result``: the call's (a
+    list; None for an in-place op, whose first list holds its results). None where the call does not take that
+    form: lists passed by keyword or of unequal lengths, a ``value`` held on the device (reading it would wait)."""
+    op = name.removeprefix("torch._foreach_")
+    func, _ = _FOREACH_OPS[op.rstrip("_")]
+    first = args[0] if args else None
+    if not isinstance(first, (list, tuple)) or not first:
+        return None
+    count = len(first)
+    index = rotation % count
+    picked: list = []
+    for value in args:
+        if isinstance(value, (list, tuple)):
+            if len(value) != count:
+                return None
+            value = value[index]
+        picked.append(value)
+    element_kwargs = {key: value[index] if isinstance(value, (list, tuple)) else value for key, value in kwargs.items()}
+    if op.rstrip("_") in _FOREACH_VALUE and len(picked) > 3:
+        value = picked.pop(3)
+        if isinstance(value, torch.Tensor):  # the scalars of every index, as a tensor on the CPU
+            if not value.is_cpu:
+                return None
+            value = value.reshape(-1)[index if value.numel() == count else 0].item()
+        element_kwargs["value"] = value
+    out = picked[0] if op.endswith("_") else \
+        result[index] if isinstance(result, (list, tuple)) and len(result) == count else None
+    if not isinstance(out, torch.Tensor):
+        return None
+    return ElementCall(func, tuple(picked), element_kwargs, out, rotation // count)
+
+
+def _elementwise(func, args, kwargs, out, rotation, cancelling=False, taken=None, terms=None):
     if not taken and (kwargs.get("inplace") or any(a is out for a in args)):  # its input is gone: nothing to rerun
         return None
     if kwargs.get("rounding_mode") is not None:  # a floor or truncation: the float64 quotient may round across it
         return None
-    return sampled_reference.elementwise_sample(func, args, kwargs, out, rotation, cancelling, taken)
+    return sampled_reference.elementwise_sample(func, args, kwargs, out, rotation, cancelling, taken, terms)
 
 
 def _cancelling(func, args, kwargs, out, rotation, taken=None):
@@ -383,6 +465,9 @@ SAMPLED: dict[str, Callable] = {
     **{f"torch.Tensor.__{op}__": _elementwise for op in ("rsub", "rtruediv")},
     "torch.nn.functional.silu": _elementwise, "torch.nn.functional.gelu": _cancelling,
     "torch.nn.functional.layer_norm": _norm, "torch.nn.functional.rms_norm": _rms_norm,
+    # a foreach op's sample is of one index's per-tensor call (``foreach_element``), which the tool passes on
+    **{name: functools.partial(_elementwise, terms=_FOREACH_OPS[name.removeprefix("torch._foreach_").rstrip("_")][1])
+       for name in sorted(FOREACH)},
 }
 # collectives checked by their checksums across ranks (collective_checksum.py)
 COLLECTIVES = frozenset(f"torch.distributed.{name}" for name in (
@@ -397,7 +482,7 @@ CHECKS: dict[str, Callable] = {**_PRODUCTS, **_CONVS, **_SOFTMAXES}
 # names them: every handled call costs the engine's dispatch (tens of µs), budget or not, and a step makes hundreds.
 WRAPPED = tuple(name for name in CHECKS if name not in ("torch.mm", "torch.spmm", "torch.Tensor.__matmul__")) + (
     "torch.nn.functional.silu", "torch.nn.functional.gelu", "torch.nn.functional.layer_norm",
-    "torch.nn.functional.rms_norm", *sorted(COLLECTIVES))
+    "torch.nn.functional.rms_norm", *sorted(COLLECTIVES), *sorted(FOREACH))
 # the checks that hold on a DTensor's local tensors (each rank's part of a sharded product is a product)
 LOCAL = frozenset(_PRODUCTS)
 # the argument each product adds (position, keyword): a DTensor's local result may hold a share of it

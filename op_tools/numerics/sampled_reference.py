@@ -45,10 +45,13 @@ class Recipe:
     shapes: tuple[tuple[int, ...], ...]  # of each slot; the last is the result's sample
     out_dtype: torch.dtype
     kind: str  # "elementwise", "cancelling" (an elementwise op whose result may cancel: bounded by its inputs),
+    # "terms" (a sum whose terms ``terms`` gives: its roundings bounded by their magnitudes),
     # "layer_norm", "rms_norm"
     width: int = 0  # a normalisation's reduction length
     weight_slot: int | None = None
     bias_slot: int | None = None
+    scalars: int = 0  # Python float arguments: a kernel may round each to the result's type first
+    terms: Callable | None = None  # for "terms": the sum of the terms' magnitudes, from the arguments in float64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,13 +123,15 @@ def taken_before(t: torch.Tensor, rotation: int) -> torch.Tensor:
 
 
 def elementwise_sample(func: Callable, args: tuple, kwargs: dict, out: torch.Tensor, rotation: int,
-                       cancelling: bool = False, taken: dict | None = None) -> tuple[list[torch.Tensor], Recipe] | None:
+                       cancelling: bool = False, taken: dict | None = None,
+                       terms: Callable | None = None) -> tuple[list[torch.Tensor], Recipe] | None:
     """The sampled elements of an elementwise call (its floating tensor arguments broadcast to ``out``) and the
     recipe to rerun them; None where it does not apply (no floating result, an argument on another device that is not
     a scalar, an input wider than the result: an autocast's cast, which the sample cannot see). ``cancelling``: the
     op's result may be far smaller than its inputs through cancellation (gelu of a negative input): it is bounded
     relative to them. ``taken``: {argument position: its sample taken before the call} for an in-place call's input
-    (``taken_before``)."""
+    (``taken_before``). ``terms``: the op is a sum, and ``terms(*args, **kwargs)`` (in float64 on the host) the sum of
+    its terms' magnitudes, which bound its roundings before the result's own."""
     if not _floating(out) or out.numel() == 0:
         return None
     taken = taken or {}
@@ -155,7 +160,8 @@ def elementwise_sample(func: Callable, args: tuple, kwargs: dict, out: torch.Ten
         kept[k] = _Slot(slot)
     shapes = tuple((len(i),) for i in indices)
     recipe = Recipe(func, tuple(kept[:len(args)]), dict(zip(kwargs, kept[len(args):])), shapes, out.dtype,
-                    "cancelling" if cancelling else "elementwise")
+                    "terms" if terms is not None else "cancelling" if cancelling else "elementwise",
+                    scalars=sum(type(a) is float for a in flat), terms=terms)
     return values, recipe
 
 
@@ -182,8 +188,9 @@ def norm_sample(func: Callable, x: torch.Tensor, normalized: tuple[int, ...], we
             values.insert(len(values) - 1, t.detach().reshape(-1).clone())
             shapes.insert(len(shapes) - 1, tuple(t.shape))
     args = (_Slot(0), normalized, slots[0], eps) if rms else (_Slot(0), normalized, slots[0], slots[1], eps)
+    weight_slot, bias_slot = (None if slot is None else slot.index for slot in slots)
     recipe = Recipe(func, args, {}, tuple(shapes), out.dtype, "rms_norm" if rms else "layer_norm", width,
-                    *(None if slot is None else slot.index for slot in slots))
+                    weight_slot=weight_slot, bias_slot=bias_slot)
     return values, recipe
 
 
@@ -201,13 +208,16 @@ def excess(recipe: Recipe, values: list[float]) -> float:
         return parts[value.index] if isinstance(value, _Slot) else \
             value.to(_F64) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
 
+    args, kwargs = tuple(filled(a) for a in recipe.args), {k: filled(v) for k, v in recipe.kwargs.items()}
     with torch.no_grad():
-        expected = recipe.func(*(filled(a) for a in recipe.args), **{k: filled(v) for k, v in recipe.kwargs.items()})
+        expected = recipe.func(*args, **kwargs)
     expected = expected.to(_F64).reshape(got.shape)
     finfo = torch.finfo(recipe.out_dtype)
     # the result rounded once, from a computation in its type or, for a narrow type, in float32 (its "opmath")
     computed = torch.finfo(torch.float32) if finfo.bits < 32 else finfo
-    relative = finfo.eps / 2 + SLACK * computed.eps / 2
+    # plus a rounding of each Python float argument to the result's type, which a kernel may make before using it
+    # (the CPU's foreach kernels do: a bfloat16 list times 0.9 is off by 1.4 of its half-ulps)
+    relative = (1 + recipe.scalars) * finfo.eps / 2 + SLACK * computed.eps / 2
     magnitude = expected.abs()
     if recipe.kind == "cancelling":
         for part in parts[:-1]:
@@ -225,6 +235,13 @@ def excess(recipe: Recipe, values: list[float]) -> float:
             weight = parts[recipe.weight_slot].abs() if recipe.weight_slot is not None else 1.0
             magnitude = magnitude + weight * scale
     allowed = relative * magnitude + finfo.tiny  # a device may flush subnormal results to zero
+    if recipe.kind == "terms":  # the result rounded once; the sum's own roundings and its scalars' by its terms
+        assert recipe.terms is not None  # set with the kind
+        with torch.no_grad():
+            terms = torch.as_tensor(recipe.terms(*args, **kwargs), dtype=_F64).reshape(-1)
+        terms = terms.expand(got.shape) if terms.numel() == 1 else terms.reshape(got.shape)
+        allowed = finfo.eps / 2 * magnitude + (recipe.scalars * finfo.eps / 2 + SLACK * computed.eps / 2) * \
+            torch.maximum(terms, magnitude) + finfo.tiny
     same = (got == expected) | (torch.isnan(got) & torch.isnan(expected))
     ratio = torch.where(same, torch.zeros_like(got), (got - expected).abs() / allowed)
     ratio = torch.where(torch.isnan(ratio), torch.full_like(ratio, math.inf), ratio)

@@ -1,8 +1,9 @@
 """OpSelfCheck: an always-on fault detector. Calls are checked by an invariant of their op, with no CPU reference on
 the hardware under suspicion, and within a budget of the run's time (``numerics/invariants.py``): a matrix product's
 or a convolution's checksum, forward and backward, on the device; a softmax's row sums; a sample of an elementwise
-op's or a norm's result rerun on the host in float64 (``numerics/sampled_reference.py``); a collective's sums across
-ranks (``numerics/collective_checksum.py``).
+op's or a norm's result rerun on the host in float64 (``numerics/sampled_reference.py``), and of one index of an
+optimizer's foreach call (``invariants.foreach_element``); a collective's sums across ranks
+(``numerics/collective_checksum.py``).
 
 Each check leaves a few numbers on the device, read back with others in batches of ``READBACK_BATCH`` checks without
 blocking (``numerics/device_readback.py``): no host synchronisation in a step. An excess above 1 is a finding: the
@@ -32,7 +33,7 @@ from ..core.engine import OpCall, OpTool, feature, tool_work
 from ..numerics import collective_checksum, invariants, sampled_reference
 from ..numerics.device_math import DeviceMath
 from ..numerics.device_readback import DeviceReadback
-from ..ops.arguments import is_dtensor
+from ..ops.arguments import is_dtensor, local_part
 from ..ops.collectives import collective_call
 from ..output import result_files
 
@@ -69,6 +70,23 @@ class Finding:
         rank = f", rank {self.rank}" if self.rank is not None else ""
         return (f"{self.op}{where} ({self.phase}, step {self.step}{rank}, forward_id {self.forward_id}) fails its "
                 f"{self.check}: {self.excess:.3g}x what rounding allows\n{self.location}")
+
+
+def _foreach_element(name: str, args: tuple, kwargs: dict, result, rotation: int) -> invariants.ElementCall | str:
+    """The index of a foreach call its sample is of (``invariants.foreach_element``), or why it cannot be checked. An
+    FSDP2 optimizer's lists hold DTensors laid out alike: an elementwise op then ran on each rank's local tensors, and
+    is checked on them."""
+    element = invariants.foreach_element(name, args, kwargs, result, rotation)
+    if element is None:
+        return "not checked (no invariant for these arguments)"
+    tensors = [a for a in (*element.args, *element.kwargs.values()) if isinstance(a, torch.Tensor)]
+    if not any(is_dtensor(t) for t in (*tensors, element.out)):
+        return element
+    if not all(is_dtensor(t) for t in tensors) or not shards.same_layout(tensors, element.out):
+        return "not checked (DTensor)"
+    return dataclasses.replace(element, args=tuple(local_part(a) for a in element.args),
+                               kwargs={k: local_part(v) for k, v in element.kwargs.items()},
+                               out=local_part(element.out))
 
 
 @feature("self_check")
@@ -117,10 +135,15 @@ class OpSelfCheck(OpTool):
         return list(self._findings)
 
     def before(self, call: OpCall) -> None:
-        if invariants.in_place(call.name, call.args, call.kwargs) and isinstance(call.args[0], torch.Tensor):
+        if invariants.in_place(call.name, call.args, call.kwargs):
             # the input the call overwrites, sampled now where its result will be (a few elements, on the device)
             rotation = self.counts["checked"]
-            call.state = {"taken": (rotation, {0: sampled_reference.taken_before(call.args[0], rotation)})}
+            target, at = call.args[0] if call.args else None, rotation
+            if call.name in invariants.FOREACH:  # the index of its lists the sample will be of
+                element = _foreach_element(call.name, call.args, call.kwargs, None, rotation)
+                target, at = (element.out, element.rotation) if not isinstance(element, str) else (None, at)
+            if isinstance(target, torch.Tensor):
+                call.state = {"taken": (rotation, {0: sampled_reference.taken_before(target, at)})}
             return
         if call.name not in invariants.COLLECTIVES:
             self._before_backward_products(call)
@@ -205,12 +228,20 @@ class OpSelfCheck(OpTool):
                 return
             args, kwargs, result, share = local
         recipe = None
+        func = call.func
         sampler = invariants.SAMPLED.get(call.name)
         if sampler is not None:  # a sample rerun on the host when it arrives
             rotation, taken = call.state.get("taken", (self.counts["checked"], None)) if isinstance(call.state, dict) \
                 else (self.counts["checked"], None)
+            if call.name in invariants.FOREACH:  # one index of its lists, as the per-tensor call it stands for
+                element = _foreach_element(call.name, args, kwargs, result, rotation)
+                if isinstance(element, str):
+                    self.counts[element] += 1
+                    return
+                func, args, kwargs, result, rotation = \
+                    element.func, element.args, element.kwargs, element.out, element.rotation
             sample = None if share != 1.0 or not isinstance(result, torch.Tensor) else \
-                sampler(call.func, args, kwargs, result, rotation, taken=taken)
+                sampler(func, args, kwargs, result, rotation, taken=taken)
             values, recipe = sample if sample is not None else (None, None)
         else:
             values = invariants.check(call.name, args, kwargs, result, DeviceMath.of(call.device), share)

@@ -283,6 +283,49 @@ def test_an_in_place_activation_is_checked_from_its_input_sampled_before_it_ran(
     assert [f.op for f in check.findings] == ["torch.nn.functional.silu"], check.counts
 
 
+@pytest.mark.parametrize("workload, fault, op", [
+    (zoo.llama_float32, "_foreach_addcdiv_:noise=1e-2", "torch._foreach_addcdiv_"),  # AdamW's update of the weights
+    (zoo.llama_bf16, "_foreach_lerp_:noise=1e-2", "torch._foreach_lerp_"),  # its first moment, in bfloat16
+    (zoo.cnn_batchnorm, "_foreach_add_:noise=1e-2", "torch._foreach_add_"),  # SGD's momentum
+], ids=["adamw-float32", "adamw-bfloat16", "sgd-momentum"])
+def test_an_optimizers_wrong_foreach_kernel_is_named_in_the_first_step_by_default(sim, workload, fault, op):
+    import ditorch.sim
+
+    with ditorch.sim.faults(fault), op_tools.OpSelfCheck() as check:  # the default budget and ops
+        workload(sim)
+    first = check.findings[0]
+    assert (first.op, first.check, first.step, first.phase) == (op, "float64 rerun of a sample", 0, "forward"), first
+    assert check.verdict() == "found", check.closing_line()
+
+
+def test_a_foreach_call_is_checked_one_index_at_a_time_every_index_in_turn(sim):
+    generator = torch.Generator().manual_seed(5)
+    weights = [torch.randn(n, generator=generator).to(sim) for n in (3, 40, 7)]
+    updates = [torch.randn(w.shape, generator=generator).to(sim) for w in weights]
+    denominators = [torch.rand(w.shape, generator=generator).to(sim) + 0.5 for w in weights]
+    picked = {invariants.foreach_element("torch._foreach_addcdiv_", (weights, updates, denominators, [0.1, 0.2, 0.3]),
+                                         {}, None, rotation).kwargs["value"] for rotation in range(3)}
+    assert picked == {0.1, 0.2, 0.3}  # each index's own scalar
+    with op_tools.OpSelfCheck(budget=1.0) as check:
+        for _ in range(3):
+            torch._foreach_addcdiv_(weights, updates, denominators, [0.1, 0.2, 0.3])
+            torch._foreach_mul_(weights, 0.999)
+            torch._foreach_sqrt(denominators)
+    assert check.counts == {"checked": 9} and check.findings == [], check.counts
+    assert invariants.foreach_element("torch._foreach_add_", (weights, updates[:2]), {}, None, 0) is None
+
+
+def test_a_narrow_foreach_kernel_may_round_its_scalar_to_the_lists_type(sim):
+    # The CPU's (and sim's) foreach kernels round a Python scalar to a bfloat16 list's type before multiplying: 0.9
+    # becomes 0.8984375, and a result is off by up to 1.4 of its half-ulps. A legitimate kernel: no finding.
+    generator = torch.Generator().manual_seed(6)
+    momentum = [torch.randn(4096, generator=generator).bfloat16().to(sim) for _ in range(2)]
+    with op_tools.OpSelfCheck(budget=1.0) as check:
+        for _ in range(16):  # every index, each at 8 rotations of its sample
+            torch._foreach_mul_(momentum, 0.9)
+    assert check.counts == {"checked": 16} and check.findings == [], (check.counts, check.findings[:1])
+
+
 def test_a_rounded_division_is_said_not_checked(sim):
     with op_tools.OpSelfCheck(budget=1.0, ops=["torch.div"]) as check:
         # a float32 quotient just below an integer may round to it: floored, it differs from float64's by 1
