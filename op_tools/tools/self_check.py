@@ -40,6 +40,7 @@ from ..output import result_files
 READBACK_BATCH = 64  # checked calls whose results travel to the host together: one copy, no synchronisation
 BUDGET_SKIPPED = "not checked (budget)"
 BACKWARD_CHECKED = "backward checked"  # calls whose backward products were checked too
+NONFINITE_SKIPPED = "not checked (operands hold inf or nan)"  # a product's or convolution's: no bound to judge by
 EXACT_SKIPPED = "not checked (integer result)"  # exact arithmetic (positions, indices): nothing to round, out of scope
 COLLECTIVES_FIRST, COLLECTIVES_EVERY = 2, 8  # a group's first two calls of a collective checked, then one in 8
 FINDINGS_WRITTEN = 100  # findings kept in a rank's file (the first ones: the first is where to look)
@@ -298,6 +299,10 @@ class OpSelfCheck(OpTool):
                     self.counts["not checked (the host's rerun failed)"] += 1
                     if self.counts["not checked (the host's rerun failed)"] == 1:
                         self._logger.warning("OpSelfCheck: the host's rerun of %s failed: %r", name, error)
+                    continue
+                if excess == invariants.NONFINITE_OPERANDS:  # nothing to judge: said so, as not checked
+                    self.counts[BACKWARD_CHECKED if phase == "backward" else "checked"] -= 1
+                    self.counts[NONFINITE_SKIPPED] += 1
                     continue
                 if not excess <= 1:  # nan counts as a violation
                     finding = Finding(name, invariants.KINDS[name], excess, module, step, self.common.rank,

@@ -326,6 +326,22 @@ def test_a_narrow_foreach_kernel_may_round_its_scalar_to_the_lists_type(sim):
     assert check.counts == {"checked": 16} and check.findings == [], (check.counts, check.findings[:1])
 
 
+def test_a_product_of_operands_holding_nan_is_said_not_checked_and_a_nan_it_makes_is_found(sim):
+    # A diverged run's weights hold nan: the product's result rightly holds nan too, and no bound can judge it (inf
+    # and nan are OpOverflowCheck's to find). A nan the product makes from finite operands is a fault.
+    import ditorch.sim
+
+    x, weight = torch.randn(32, 64, device=sim), torch.randn(16, 64, device=sim)
+    weight[3, 5] = float("nan")
+    with op_tools.OpSelfCheck(budget=1.0) as check:
+        F.linear(x, weight)
+    assert check.findings == [] and +check.counts == {"not checked (operands hold inf or nan)": 1}, check.counts
+    assert check.verdict() == "unchecked" and "operands hold inf or nan: 1" in check.closing_line()
+    with ditorch.sim.faults("mm:nan"), op_tools.OpSelfCheck(budget=1.0) as check:
+        F.linear(x, torch.randn(16, 64, device=sim))
+    assert [f.op for f in check.findings] == ["torch.nn.functional.linear"], check.counts
+
+
 def test_a_rounded_division_is_said_not_checked(sim):
     with op_tools.OpSelfCheck(budget=1.0, ops=["torch.div"]) as check:
         # a float32 quotient just below an integer may round to it: floored, it differs from float64's by 1
