@@ -569,10 +569,13 @@ class OpAutoCompare(OpTool):
         if outcome is None:
             if state.device_copies is not None:
                 tensors = self._to_host(state, tensors)
-            state.device_cpu = map_tensors(call.result,
-                                           lambda t: self._compared_value(t, id(t) in written_ids, defer))
-            state.extra_cpu = [self._compared_value(t, True, defer) for t in extra]
             host_of = state.host_of = {id(t): host for t, host, _ in tensors}
+            # A result that is the op's input (``to``, ``contiguous`` returning the tensor itself) of an op that writes
+            # nothing is compared as that input's copy: one copy, re-read with it if the call fails.
+            inputs = host_of if call_writes(call.name).never else {}
+            state.device_cpu = map_tensors(call.result, lambda t: inputs[id(t)] if id(t) in inputs else
+                                           self._compared_value(t, id(t) in written_ids, defer))
+            state.extra_cpu = [self._compared_value(t, True, defer) for t in extra]
             # the host copies the reruns may write into (the written arguments'), kept for the backward's rerun too
             state.owned = {id(host_of[id(t)]) for t in written if id(t) in host_of}
             # inputs the cache supplied, re-read if the call fails (not those the op wrote: their old values are gone)
@@ -1021,6 +1024,7 @@ class OpAutoCompare(OpTool):
         swap = lambda h: replaced.get(id(h), h)  # noqa: E731
         state.cpu_args = map_tensors(state.cpu_args, swap)
         state.cpu_kwargs = map_tensors(state.cpu_kwargs, swap)
+        state.device_cpu = map_tensors(state.device_cpu, swap)  # a result that is its input shares its copy
         return True
 
     # --- backward ---
@@ -1079,7 +1083,7 @@ class OpAutoCompare(OpTool):
                 with self._lock:
                     self.reference_place["backward", state.cpu_reason] += 1
             upstream_cpu, rereads = self._upstream_copies(upstream, self._copies.get)
-            device_grads_cpu = tuple(None if g is None else self._compared_value(g, False) for g in input_grads)
+            device_grads_cpu = self._given_copies(upstream, upstream_cpu, rereads, input_grads, False)
             comparisons, reference_grads, upstream_cpu = self._backward_on_host(call, state, upstream_cpu, rereads,
                                                                                 device_grads_cpu)
             if device_values is not None:  # the device reference's gradients, computed before it needed the CPU
@@ -1091,7 +1095,7 @@ class OpAutoCompare(OpTool):
     def _queue_backward(self, call: OpCall, upstream: tuple, input_grads: tuple) -> None:
         """The backward's tensors on their way to the host, and its verdict queued behind its forward's."""
         upstream_cpu, rereads = self._upstream_copies(upstream, self._copies.get_without_waiting)
-        device_grads_cpu = tuple(None if g is None else self._compared_value(g, False, True) for g in input_grads)
+        device_grads_cpu = self._given_copies(upstream, upstream_cpu, rereads, input_grads, True)
         started = time.time()
 
         def judge(call: OpCall) -> None:
@@ -1202,6 +1206,24 @@ class OpAutoCompare(OpTool):
             if was_cached:
                 reused[i] = g
         return copies, reused
+
+    def _given_copies(self, upstream: tuple, upstream_cpu: list, cached: dict, input_grads: tuple,
+                      deferred: bool) -> tuple:
+        """What the gradients a backward gave are compared as (``_compared_value``): a gradient given twice (``add``
+        passes its upstream gradient to both inputs), or one it received and was copied for now (not taken from the
+        cache: ``cached``), is that one copy, made after the backward ran."""
+        made = {id(g): host for i, (g, host) in enumerate(zip(upstream, upstream_cpu))
+                if g is not None and i not in cached}
+        copies: list[torch.Tensor | None] = []
+        for g in input_grads:
+            if g is None:
+                copies.append(None)
+                continue
+            host = made.get(id(g))
+            if host is None:
+                host = made[id(g)] = self._compared_value(g, False, deferred)
+            copies.append(host)
+        return tuple(copies)
 
     def _conclude_backward(self, call: OpCall, state: CompareState, comparisons: list[Comparison], reference_grads,
                            upstream_cpu, device_grads_cpu, upstream: tuple = (), started: float | None = None) -> None:

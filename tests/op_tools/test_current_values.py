@@ -47,3 +47,22 @@ def test_a_weight_copy_outlives_the_temporaries_copied_after_it(sim):
         copies.fresh(temporary)
         del temporary
     assert copies.get(weight)[1], "the weight's copy was evicted by temporaries already freed"
+
+
+def test_a_result_that_is_its_input_and_a_gradient_given_twice_are_copied_once(sim, tmp_path):
+    import op_tools
+
+    x = torch.randn(64, 32, device=sim)
+    a, b = (torch.randn(64, 32, device=sim, requires_grad=True) for _ in range(2))
+    with op_tools.OpAutoCompare(results_dir=str(tmp_path)) as tool:
+        before = torch.sim.device_counts()
+        x.to(torch.float32).contiguous()  # each returns the tensor itself: x's copy serves both
+        copied = torch.sim.device_counts() - before
+        total = a + b
+        upstream = torch.ones(64, 32, device=sim)
+        before = torch.sim.device_counts()
+        total.backward(upstream)  # add gives its upstream gradient to both inputs: that one copy
+        backward = torch.sim.device_counts() - before
+    assert tool.verdict() == "clean" and tool.counts["backward compared"] == 1, dict(tool.counts)
+    assert copied.device_to_host_copies == 1, copied
+    assert backward.device_to_host_copies == 1, backward
