@@ -30,7 +30,7 @@ import torch
 
 from . import sampled_reference
 from .device_math import MANTISSA_BITS, DeviceMath
-from .rounding_bounds import gamma
+from .rounding_bounds import NONFINITE_BOUND, gamma, worst_excess
 
 _F64 = torch.float64
 TILE = 16  # rows summed per checksum: the bound grows with it, the check's product shrinks as 1/TILE
@@ -57,18 +57,8 @@ def _accumulation(dtype: torch.dtype, math_: DeviceMath, family: str = "matmul")
     return _u(dtype), rounded if dtype == torch.float32 else 0.0, check
 
 
-NONFINITE_OPERANDS = -1.0  # the excess of a check whose bound is not finite: its operands hold inf or nan
-
-
-def _excess(difference: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """The largest ``|difference| / allowed`` (nan where the difference is nan: a nan result from finite operands is a
-    violation), in the check's type: float32 unless the op's is float64 (many NPUs have no float64 kernels).
-    ``NONFINITE_OPERANDS`` where any bound is inf or nan: the operands hold inf or nan (a diverged run's weights), so
-    the result may too, rightly, and nothing can be judged (the tool counts the call as not checked; inf and nan are
-    OpOverflowCheck's to find)."""
-    ratio = difference.abs() / allowed
-    excess = torch.where(torch.isnan(ratio), torch.full_like(ratio, math.inf), ratio).amax()
-    return torch.where(torch.isfinite(allowed).all(), excess, torch.full_like(excess, NONFINITE_OPERANDS))
+NONFINITE_OPERANDS = NONFINITE_BOUND  # the excess of a check whose operands hold inf or nan: not checked
+_excess = worst_excess
 
 
 def _allowed(depth: int, tile: int, magnitude: torch.Tensor, out_l1: torch.Tensor | None, out_dtype: torch.dtype,

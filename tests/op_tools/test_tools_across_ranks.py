@@ -100,6 +100,13 @@ def test_self_check_checks_collectives_by_their_sums_across_ranks_and_names_a_fa
     assert faulty[1]["found"] == [["torch.distributed.all_reduce", 1]] and faulty[1]["findings"] == 4, faulty
 
 
+def test_self_check_says_an_all_reduce_of_a_nan_a_rank_sent_was_not_checked_and_finds_nothing(reports):
+    # rank 0 sent a nan: both ranks rightly received it, and the sums have no finite bound to judge them by
+    for report in reports:
+        assert report["collectives"]["nan sent by rank 0"] == {
+            "verdict": "unchecked", "counts": {"not checked (operands hold inf or nan)": 1}, "findings": 0}, report
+
+
 def test_a_fault_in_a_tensor_parallel_mlp_is_found_where_it_is_born(reports):
     on_rank1 = reports[1]["tp"]["OpOverflowCheck"]
     assert on_rank1["verdict"] == "found", [report["tp"] for report in reports]

@@ -72,6 +72,17 @@ def collectives_under_self_check(fault: str, rank: int) -> dict:
             "found": sorted({(f.op, f.rank) for f in check.findings}), "findings": len(check.findings)}
 
 
+def nan_sent_under_self_check(rank: int) -> dict:
+    """An all-reduce to which rank 0 sends a nan (a diverged rank): every rank rightly receives nan there."""
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(rank)).cuda()
+    if rank == 0:
+        x[3] = float("nan")
+    with op_tools.OpSelfCheck(budget=1.0) as check:
+        dist.all_reduce(x)
+    return {"verdict": check.verdict(), "counts": {k: v for k, v in check.counts.items() if v},
+            "findings": len(check.findings)}
+
+
 def main() -> None:
     out = sys.argv[1]
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -167,6 +178,7 @@ def main() -> None:
                                             "first_step": None if first is None else first.step}
     report["collectives"] = {fault or "clean": collectives_under_self_check(fault, rank)
                              for fault in ("", "allreduce:bitflip=1,rank=1")}
+    report["collectives"]["nan sent by rank 0"] = nan_sent_under_self_check(rank)
     rank_reports.finish(os.path.join(out, f"rank{rank}.json"), report)
 
 
