@@ -332,8 +332,8 @@ _SOFTMAXES = {"torch.nn.functional.softmax": _softmax, "torch.softmax": _softmax
               "torch.Tensor.log_softmax": _log_softmax}
 def in_place(name: str, args: tuple, kwargs: dict) -> bool:
     """Whether a sampled elementwise call writes its first argument (``silu(x, inplace=True)``; an in-place foreach
-    op, the tensors of its first list)."""
-    if name in FOREACH:
+    op, the tensors of its first list; a fused Adam, its parameters and moments)."""
+    if name in FOREACH or name in FUSED_ADAM:
         return name.endswith("_")
     return name == "torch.nn.functional.silu" and bool(_arg(args, kwargs, 1, "inplace", False))
 
@@ -416,6 +416,35 @@ def foreach_element(name: str, args: tuple, kwargs: dict, result, rotation: int)
     return ElementCall(func, tuple(picked), element_kwargs, out, rotation // count)
 
 
+# The fused Adam kernels (``torch.optim.Adam``/``AdamW(fused=True)``, transformers' Trainer's default optimizer):
+# name -> whether the weight decay is decoupled (AdamW's)
+_FUSED_ADAMS = {"torch._fused_adam_": False, "torch._fused_adamw_": True}
+FUSED_ADAM = frozenset(_FUSED_ADAMS)
+_ADAM_HYPER = ("lr", "beta1", "beta2", "weight_decay", "eps")
+
+
+def fused_adam_element(name: str, args: tuple, kwargs: dict, rotation: int) -> sampled_reference.AdamElement | None:
+    """The index ``rotation`` (modulo the lists' length) of a fused Adam call: its parameter, gradient, moments and
+    step, and its hyperparameters. None for the forms not checked: ``amsgrad``, a gradient scale or inf flag
+    (GradScaler's), a learning rate held in a tensor (``capturable``), lists that do not line up."""
+    if len(args) < 6 or kwargs.get("amsgrad") or kwargs.get("grad_scale") is not None or \
+            kwargs.get("found_inf") is not None:
+        return None
+    params, grads, exp_avgs, exp_avg_sqs, _, steps = args[:6]
+    lists = (params, grads, exp_avgs, exp_avg_sqs, steps)
+    if not all(isinstance(values, (list, tuple)) for values in lists) or not params or \
+            any(len(values) != len(params) for values in lists):
+        return None
+    hyper = {key: kwargs.get(key) for key in _ADAM_HYPER}
+    if not all(type(value) in (int, float) for value in hyper.values()):
+        return None
+    index = rotation % len(params)
+    return sampled_reference.AdamElement(
+        params[index], grads[index], exp_avgs[index], exp_avg_sqs[index], steps[index],
+        {**hyper, "maximize": bool(kwargs.get("maximize")), "decoupled": _FUSED_ADAMS[name]},
+        rotation // len(params))
+
+
 def _elementwise(func, args, kwargs, out, rotation, cancelling=False, taken=None, terms=None):
     if not taken and (kwargs.get("inplace") or any(a is out for a in args)):  # its input is gone: nothing to rerun
         return None
@@ -479,7 +508,7 @@ CHECKS: dict[str, Callable] = {**_PRODUCTS, **_CONVS, **_SOFTMAXES}
 # names them: every handled call costs the engine's dispatch (tens of µs), budget or not, and a step makes hundreds.
 WRAPPED = tuple(name for name in CHECKS if name not in ("torch.mm", "torch.spmm", "torch.Tensor.__matmul__")) + (
     "torch.nn.functional.silu", "torch.nn.functional.gelu", "torch.nn.functional.layer_norm",
-    "torch.nn.functional.rms_norm", *sorted(COLLECTIVES), *sorted(FOREACH))
+    "torch.nn.functional.rms_norm", *sorted(COLLECTIVES), *sorted(FOREACH), *sorted(FUSED_ADAM))
 # the checks that hold on a DTensor's local tensors (each rank's part of a sharded product is a product)
 LOCAL = frozenset(_PRODUCTS)
 # the argument each product adds (position, keyword): a DTensor's local result may hold a share of it
@@ -488,7 +517,8 @@ ADDENDS = {**{name: (2, "bias") for name in ("torch.nn.functional.linear", *_CON
                                               "torch.Tensor.baddbmm")}}
 # what each check is called in a finding
 KINDS = {**{name: "column checksum" for name in _PRODUCTS}, **{name: "channel checksum" for name in _CONVS},
-         **{name: "row sums" for name in _SOFTMAXES}, **{name: "float64 rerun of a sample" for name in SAMPLED},
+         **{name: "row sums" for name in _SOFTMAXES},
+         **{name: "float64 rerun of a sample" for name in (*SAMPLED, *FUSED_ADAM)},
          **{name: "sums across ranks" for name in COLLECTIVES}}
 
 

@@ -52,6 +52,7 @@ class Recipe:
     bias_slot: int | None = None
     scalars: int = 0  # Python float arguments: a kernel may round each to the result's type first
     terms: Callable | None = None  # for "terms": the sum of the terms' magnitudes, from the arguments in float64
+    slack: int = SLACK  # ulps of the computing type the kernel's own roundings may add (a longer chain: more)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +166,81 @@ def elementwise_sample(func: Callable, args: tuple, kwargs: dict, out: torch.Ten
     return values, recipe
 
 
+@dataclasses.dataclass(frozen=True)
+class AdamElement:
+    """One index of a fused Adam call (``invariants.fused_adam_element``): the tensors it updates in place, what it
+    reads, and its hyperparameters (``lr``, ``beta1``, ``beta2``, ``weight_decay``, ``eps``, ``maximize``,
+    ``decoupled``)."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor
+    hyper: dict
+    rotation: int
+
+
+ADAM_SLACK = 32  # a fused Adam's update is a chain of some ten float32 roundings (moments, square root, quotient)
+
+
+def adam_taken_before(element: AdamElement) -> list[torch.Tensor]:
+    """A fused Adam call's parameter, moments and gradient at the positions its sample will be of, before it runs
+    (it writes the first three)."""
+    (index,) = _INDICES.get(("elementwise", tuple(element.param.shape), (), element.rotation % ROTATIONS),
+                            element.param.device, (positions(tuple(element.param.shape), element.rotation),))
+    return [torch.take(t.detach(), index) for t in (element.param, element.exp_avg, element.exp_avg_sq,
+                                                     element.grad)]
+
+
+def adam_sample(element: AdamElement, taken: list[torch.Tensor]) -> tuple[list[torch.Tensor], Recipe] | None:
+    """The sample of a fused Adam call (``taken``: ``adam_taken_before``'s) and the recipe that reruns its update on
+    the host in float64 (``adam_update``): the parameter, first and second moments after it, joined; None where the
+    moments' or gradient's layout differs from the parameter's."""
+    param = element.param
+    if not _floating(param) or param.numel() == 0 or \
+            any(t.shape != param.shape for t in (element.grad, element.exp_avg, element.exp_avg_sq)):
+        return None
+    (index,) = _INDICES.get(("elementwise", tuple(param.shape), (), element.rotation % ROTATIONS), param.device,
+                            (positions(tuple(param.shape), element.rotation),))
+    after = torch.cat([torch.take(t.detach(), index) for t in (param, element.exp_avg, element.exp_avg_sq)])
+    # a copy of the step: the values are joined when their batch is sent, after the next step has added 1 to it
+    values = [*taken, element.step.detach().reshape(1).clone(), after]
+    count = len(index)
+    shapes = ((count,),) * 4 + ((1,), (3 * count,))
+    recipe = Recipe(adam_update, tuple(_Slot(k) for k in range(5)), dict(element.hyper), shapes, param.dtype, "terms",
+                    terms=adam_terms, slack=ADAM_SLACK)
+    return values, recipe
+
+
+def _adam_moments(param, exp_avg, exp_avg_sq, grad, step, lr, beta1, beta2, weight_decay, eps, maximize, decoupled):
+    grad = -grad if maximize else grad
+    if not decoupled:
+        grad = grad + weight_decay * param
+    exp_avg = exp_avg + (1 - beta1) * (grad - exp_avg)
+    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
+    step_size = lr / (1 - beta1 ** step)
+    denominator = exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** step) + eps
+    decay = lr * weight_decay * param if decoupled else 0 * param
+    return grad, exp_avg, exp_avg_sq, decay, step_size * exp_avg / denominator
+
+
+def adam_update(param, exp_avg, exp_avg_sq, grad, step, **hyper) -> torch.Tensor:
+    """A fused Adam's update as PyTorch defines it (``torch.optim.adam``/``adamw``, ``FusedAdam``), in the arguments'
+    type: the parameter, first and second moments after it, joined."""
+    _, exp_avg, exp_avg_sq, decay, update = _adam_moments(param, exp_avg, exp_avg_sq, grad, float(step[0]), **hyper)
+    return torch.cat([param - decay - update, exp_avg, exp_avg_sq])
+
+
+def adam_terms(param, exp_avg, exp_avg_sq, grad, step, **hyper) -> torch.Tensor:
+    """The magnitudes of the terms each of ``adam_update``'s results sums."""
+    beta1, beta2 = hyper["beta1"], hyper["beta2"]
+    grad, _, _, decay, update = _adam_moments(param, exp_avg, exp_avg_sq, grad, float(step[0]), **hyper)
+    return torch.cat([param.abs() + decay.abs() + update.abs(),
+                      beta1 * exp_avg.abs() + (1 - beta1) * grad.abs(),
+                      beta2 * exp_avg_sq.abs() + (1 - beta2) * grad * grad])
+
+
 def norm_sample(func: Callable, x: torch.Tensor, normalized: tuple[int, ...], weight, bias, eps, out: torch.Tensor,
                 rotation: int, rms: bool) -> tuple[list[torch.Tensor], Recipe] | None:
     """``ROWS`` rows of a layer norm's (``rms``: an RMS norm's) input and result, with its weight and bias whole."""
@@ -240,7 +316,7 @@ def excess(recipe: Recipe, values: list[float]) -> float:
         with torch.no_grad():
             terms = torch.as_tensor(recipe.terms(*args, **kwargs), dtype=_F64).reshape(-1)
         terms = terms.expand(got.shape) if terms.numel() == 1 else terms.reshape(got.shape)
-        allowed = finfo.eps / 2 * magnitude + (recipe.scalars * finfo.eps / 2 + SLACK * computed.eps / 2) * \
+        allowed = finfo.eps / 2 * magnitude + (recipe.scalars * finfo.eps / 2 + recipe.slack * computed.eps / 2) * \
             torch.maximum(terms, magnitude) + finfo.tiny
     same = (got == expected) | (torch.isnan(got) & torch.isnan(expected))
     ratio = torch.where(same, torch.zeros_like(got), (got - expected).abs() / allowed)

@@ -73,6 +73,22 @@ class Finding:
                 f"{self.check}: {self.excess:.3g}x what rounding allows\n{self.location}")
 
 
+def _fused_adam_element(name: str, args: tuple, kwargs: dict, rotation: int) -> sampled_reference.AdamElement | str:
+    """The index of a fused Adam call its sample is of (``invariants.fused_adam_element``), or why it cannot be
+    checked; an FSDP2 optimizer's DTensors laid out alike on each rank's local tensors."""
+    element = invariants.fused_adam_element(name, args, kwargs, rotation)
+    if element is None:
+        return "not checked (no invariant for these arguments)"
+    tensors = [element.param, element.grad, element.exp_avg, element.exp_avg_sq]
+    if not any(is_dtensor(t) for t in tensors):
+        return element
+    if not all(is_dtensor(t) for t in tensors) or not shards.same_layout(tensors[1:], tensors[0]):
+        return "not checked (DTensor)"
+    return dataclasses.replace(element, param=local_part(element.param), grad=local_part(element.grad),
+                               exp_avg=local_part(element.exp_avg), exp_avg_sq=local_part(element.exp_avg_sq),
+                               step=local_part(element.step))
+
+
 def _foreach_element(name: str, args: tuple, kwargs: dict, result, rotation: int) -> invariants.ElementCall | str:
     """The index of a foreach call its sample is of (``invariants.foreach_element``), or why it cannot be checked. An
     FSDP2 optimizer's lists hold DTensors laid out alike: an elementwise op then ran on each rank's local tensors, and
@@ -125,7 +141,8 @@ class OpSelfCheck(OpTool):
         self.unpausable = invariants.COLLECTIVES  # every rank must see its collectives alike
 
     def accepts(self, name: str) -> bool:
-        return name in invariants.CHECKS or name in invariants.SAMPLED or name in invariants.COLLECTIVES
+        return name in invariants.CHECKS or name in invariants.SAMPLED or name in invariants.COLLECTIVES or \
+            name in invariants.FUSED_ADAM
 
     @property
     def findings(self) -> list[Finding]:
@@ -139,6 +156,11 @@ class OpSelfCheck(OpTool):
         if invariants.in_place(call.name, call.args, call.kwargs):
             # the input the call overwrites, sampled now where its result will be (a few elements, on the device)
             rotation = self.counts["checked"]
+            if call.name in invariants.FUSED_ADAM:  # its parameter, moments and gradient, at one index
+                adam = _fused_adam_element(call.name, call.args, call.kwargs, rotation)
+                if not isinstance(adam, str):
+                    call.state = {"taken": (rotation, sampled_reference.adam_taken_before(adam))}
+                return
             target, at = call.args[0] if call.args else None, rotation
             if call.name in invariants.FOREACH:  # the index of its lists the sample will be of
                 element = _foreach_element(call.name, call.args, call.kwargs, None, rotation)
@@ -229,9 +251,19 @@ class OpSelfCheck(OpTool):
                 return
             args, kwargs, result, share = local
         recipe = None
+        values: list[torch.Tensor] | torch.Tensor | None
         func = call.func
         sampler = invariants.SAMPLED.get(call.name)
-        if sampler is not None:  # a sample rerun on the host when it arrives
+        if call.name in invariants.FUSED_ADAM:  # one index of its lists, its update rerun on the host
+            rotation, taken = call.state.get("taken", (0, None)) if isinstance(call.state, dict) else (0, None)
+            adam = _fused_adam_element(call.name, args, kwargs, rotation)
+            if isinstance(adam, str):
+                self.counts[adam] += 1
+                return
+            sample = sampled_reference.adam_sample(adam, taken) if taken is not None else None
+            values, recipe = sample if sample is not None else (None, None)
+            result = adam.param
+        elif sampler is not None:  # a sample rerun on the host when it arrives
             rotation, taken = call.state.get("taken", (self.counts["checked"], None)) if isinstance(call.state, dict) \
                 else (self.counts["checked"], None)
             if call.name in invariants.FOREACH:  # one index of its lists, as the per-tensor call it stands for
@@ -253,7 +285,7 @@ class OpSelfCheck(OpTool):
         self._sites.add(site)
         self.counts["checked"] += 1
         token = (call.name, call.module_path, call.step, call.forward_id, call.location, call.time, recipe, "forward")
-        self._readback.put(values if recipe is not None else values.reshape(1), token)
+        self._readback.put(values.reshape(1) if isinstance(values, torch.Tensor) else values, token)
         self._judge(wait=False)
         self._spent += time.perf_counter() - begun
 
