@@ -425,10 +425,11 @@ _ADAM_HYPER = ("lr", "beta1", "beta2", "weight_decay", "eps")
 
 def fused_adam_element(name: str, args: tuple, kwargs: dict, rotation: int) -> sampled_reference.AdamElement | None:
     """The index ``rotation`` (modulo the lists' length) of a fused Adam call: its parameter, gradient, moments and
-    step, and its hyperparameters. None for the forms not checked: ``amsgrad``, a gradient scale or inf flag
-    (GradScaler's), a learning rate held in a tensor (``capturable``), lists that do not line up."""
-    if len(args) < 6 or kwargs.get("amsgrad") or kwargs.get("grad_scale") is not None or \
-            kwargs.get("found_inf") is not None:
+    step, GradScaler's scale and inf flag where given, and its hyperparameters. None for the forms not checked:
+    ``amsgrad``, a learning rate held in a tensor (``capturable``), lists that do not line up."""
+    scale, found_inf = kwargs.get("grad_scale"), kwargs.get("found_inf")
+    if len(args) < 6 or kwargs.get("amsgrad") or \
+            any(t is not None and not (isinstance(t, torch.Tensor) and t.numel() == 1) for t in (scale, found_inf)):
         return None
     params, grads, exp_avgs, exp_avg_sqs, _, steps = args[:6]
     lists = (params, grads, exp_avgs, exp_avg_sqs, steps)
@@ -442,7 +443,7 @@ def fused_adam_element(name: str, args: tuple, kwargs: dict, rotation: int) -> s
     return sampled_reference.AdamElement(
         params[index], grads[index], exp_avgs[index], exp_avg_sqs[index], steps[index],
         {**hyper, "maximize": bool(kwargs.get("maximize")), "decoupled": _FUSED_ADAMS[name]},
-        rotation // len(params))
+        rotation // len(params), scale, found_inf)
 
 
 def _elementwise(func, args, kwargs, out, rotation, cancelling=False, taken=None, terms=None):

@@ -179,6 +179,8 @@ class AdamElement:
     step: torch.Tensor
     hyper: dict
     rotation: int
+    grad_scale: torch.Tensor | None = None  # GradScaler's: the gradient is divided by it
+    found_inf: torch.Tensor | None = None  # GradScaler's: nonzero, the update is skipped
 
 
 ADAM_SLACK = 32  # a fused Adam's update is a chain of some ten float32 roundings (moments, square root, quotient)
@@ -204,16 +206,23 @@ def adam_sample(element: AdamElement, taken: list[torch.Tensor]) -> tuple[list[t
     (index,) = _INDICES.get(("elementwise", tuple(param.shape), (), element.rotation % ROTATIONS), param.device,
                             (positions(tuple(param.shape), element.rotation),))
     after = torch.cat([torch.take(t.detach(), index) for t in (param, element.exp_avg, element.exp_avg_sq)])
-    # a copy of the step: the values are joined when their batch is sent, after the next step has added 1 to it
-    values = [*taken, element.step.detach().reshape(1).clone(), after]
+    # copies of the step and of GradScaler's scalars: the values are joined when their batch is sent, after the next
+    # step has added 1 to the step
+    scalars = {name: t for name, t in (("grad_scale", element.grad_scale), ("found_inf", element.found_inf))
+               if t is not None}
+    values = [*taken, *(t.detach().reshape(1).clone() for t in (element.step, *scalars.values())), after]
     count = len(index)
-    shapes = ((count,),) * 4 + ((1,), (3 * count,))
-    recipe = Recipe(adam_update, tuple(_Slot(k) for k in range(5)), dict(element.hyper), shapes, param.dtype, "terms",
+    shapes = ((count,),) * 4 + ((1,),) * (1 + len(scalars)) + ((3 * count,),)
+    kwargs = {**element.hyper, **{name: _Slot(5 + k) for k, name in enumerate(scalars)}}
+    recipe = Recipe(adam_update, tuple(_Slot(k) for k in range(5)), kwargs, shapes, param.dtype, "terms",
                     terms=adam_terms, slack=ADAM_SLACK)
     return values, recipe
 
 
-def _adam_moments(param, exp_avg, exp_avg_sq, grad, step, lr, beta1, beta2, weight_decay, eps, maximize, decoupled):
+def _adam_moments(param, exp_avg, exp_avg_sq, grad, step, lr, beta1, beta2, weight_decay, eps, maximize, decoupled,
+                  grad_scale=None):
+    if grad_scale is not None:
+        grad = grad / grad_scale
     grad = -grad if maximize else grad
     if not decoupled:
         grad = grad + weight_decay * param
@@ -225,15 +234,19 @@ def _adam_moments(param, exp_avg, exp_avg_sq, grad, step, lr, beta1, beta2, weig
     return grad, exp_avg, exp_avg_sq, decay, step_size * exp_avg / denominator
 
 
-def adam_update(param, exp_avg, exp_avg_sq, grad, step, **hyper) -> torch.Tensor:
+def adam_update(param, exp_avg, exp_avg_sq, grad, step, found_inf=None, **hyper) -> torch.Tensor:
     """A fused Adam's update as PyTorch defines it (``torch.optim.adam``/``adamw``, ``FusedAdam``), in the arguments'
-    type: the parameter, first and second moments after it, joined."""
+    type: the parameter, first and second moments after it, joined (as they were where GradScaler found inf)."""
+    if found_inf is not None and float(found_inf[0]) != 0:
+        return torch.cat([param, exp_avg, exp_avg_sq])
     _, exp_avg, exp_avg_sq, decay, update = _adam_moments(param, exp_avg, exp_avg_sq, grad, float(step[0]), **hyper)
     return torch.cat([param - decay - update, exp_avg, exp_avg_sq])
 
 
-def adam_terms(param, exp_avg, exp_avg_sq, grad, step, **hyper) -> torch.Tensor:
+def adam_terms(param, exp_avg, exp_avg_sq, grad, step, found_inf=None, **hyper) -> torch.Tensor:
     """The magnitudes of the terms each of ``adam_update``'s results sums."""
+    if found_inf is not None and float(found_inf[0]) != 0:
+        return torch.cat([param, exp_avg, exp_avg_sq]).abs()
     beta1, beta2 = hyper["beta1"], hyper["beta2"]
     grad, _, _, decay, update = _adam_moments(param, exp_avg, exp_avg_sq, grad, float(step[0]), **hyper)
     return torch.cat([param.abs() + decay.abs() + update.abs(),

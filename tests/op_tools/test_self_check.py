@@ -367,6 +367,27 @@ def test_a_fused_adam_is_rerun_one_index_at_a_time_and_a_wrong_kernel_named_at_i
     assert (first.op, first.check, first.step) == ("torch._fused_adamw_", "float64 rerun of a sample", 0), first
 
 
+def test_a_fused_adam_under_gradscaler_is_rerun_with_its_scale_and_its_skipped_steps_as_skipped(sim):
+    # GradScaler hands the fused kernel its scale (the gradients are divided by it) and its inf flag (the update is
+    # skipped): a scale of 2^24 overflows the float16 gradients of the first steps, which are skipped
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).to(sim)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("sim", init_scale=2.0 ** 24)
+    first = model[0].weight.detach().clone()
+    with op_tools.OpSelfCheck(budget=1.0) as check:
+        for _ in range(16):
+            with torch.autocast("sim", dtype=torch.float16):
+                loss = model(torch.randn(32, 64, device=sim)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    assert scaler.get_scale() < 2.0 ** 24 and not torch.equal(model[0].weight, first)  # steps skipped, others taken
+    assert check.findings == [] and check.handled["torch._fused_adamw_"] == 16, (check.findings[:1], check.counts)
+    assert "not checked (no invariant for these arguments)" not in check.counts, check.counts
+
+
 def test_a_fused_adam_form_without_a_rerun_is_said_not_checked(sim):
     with op_tools.OpSelfCheck(budget=1.0) as check:
         _fused_adam_steps(sim, torch.float32, 1, amsgrad=True)
