@@ -381,6 +381,7 @@ class ElementCall:
     kwargs: dict
     out: torch.Tensor
     rotation: int
+    place: str = ""  # which index of the lists, and its shape: which parameter, for an optimizer
 
 
 def foreach_element(name: str, args: tuple, kwargs: dict, result, rotation: int) -> ElementCall | None:
@@ -413,7 +414,13 @@ def foreach_element(name: str, args: tuple, kwargs: dict, result, rotation: int)
         result[index] if isinstance(result, (list, tuple)) and len(result) == count else None
     if not isinstance(out, torch.Tensor):
         return None
-    return ElementCall(func, tuple(picked), element_kwargs, out, rotation // count)
+    return ElementCall(func, tuple(picked), element_kwargs, out, rotation // count, list_place(index, count, out))
+
+
+def list_place(index: int, count: int, tensor: torch.Tensor) -> str:
+    """Where a foreach or fused call's sample was: "parameter 3 of 39, 512x1376" (an optimizer's lists are its
+    parameters, in ``param_groups`` order)."""
+    return f"parameter {index} of {count}, {'x'.join(map(str, tensor.shape)) or 'scalar'}"
 
 
 # The fused Adam kernels (``torch.optim.Adam``/``AdamW(fused=True)``, transformers' Trainer's default optimizer):
@@ -443,7 +450,7 @@ def fused_adam_element(name: str, args: tuple, kwargs: dict, rotation: int) -> s
     return sampled_reference.AdamElement(
         params[index], grads[index], exp_avgs[index], exp_avg_sqs[index], steps[index],
         {**hyper, "maximize": bool(kwargs.get("maximize")), "decoupled": _FUSED_ADAMS[name]},
-        rotation // len(params), scale, found_inf)
+        rotation // len(params), list_place(index, len(params), params[index]), scale, found_inf)
 
 
 def _elementwise(func, args, kwargs, out, rotation, cancelling=False, taken=None, terms=None):

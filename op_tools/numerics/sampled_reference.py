@@ -179,6 +179,7 @@ class AdamElement:
     step: torch.Tensor
     hyper: dict
     rotation: int
+    place: str = ""  # which parameter (``invariants.list_place``)
     grad_scale: torch.Tensor | None = None  # GradScaler's: the gradient is divided by it
     found_inf: torch.Tensor | None = None  # GradScaler's: nonzero, the update is skipped
 

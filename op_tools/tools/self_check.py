@@ -60,14 +60,15 @@ class Finding:
     location: str
     time: float = 0.0  # wall-clock seconds (time.time()) when the call started
     phase: str = "forward"  # or "backward": one of the products of its backward
+    tensor: str = ""  # an optimizer's call: the index of its lists, the parameter's, that was sampled, and its shape
 
     def record(self) -> dict:
         return {"op": self.op, "check": self.check, "excess": self.excess, "module": self.module, "step": self.step,
                 "rank": self.rank, "forward_id": self.forward_id, "location": self.location,
-                "time": round(self.time, 6), "phase": self.phase}
+                "time": round(self.time, 6), "phase": self.phase, "tensor": self.tensor}
 
     def __str__(self) -> str:
-        where = f" in {self.module}" if self.module else ""
+        where = (f" in {self.module}" if self.module else "") + (f" [{self.tensor}]" if self.tensor else "")
         rank = f", rank {self.rank}" if self.rank is not None else ""
         return (f"{self.op}{where} ({self.phase}, step {self.step}{rank}, forward_id {self.forward_id}) fails its "
                 f"{self.check}: {self.excess:.3g}x what rounding allows\n{self.location}")
@@ -222,7 +223,8 @@ class OpSelfCheck(OpTool):
         if not excesses:
             return
         self.counts[BACKWARD_CHECKED] += 1
-        token = (call.name, call.module_path, call.step, call.forward_id, call.location, call.time, None, "backward")
+        token = (call.name, call.module_path, call.step, call.forward_id, call.location, call.time, None, "backward",
+                 "")
         self._readback.put(torch.stack(excesses).amax().reshape(1), token)
         self._judge(wait=False)
         self._spent += time.perf_counter() - begun
@@ -251,6 +253,7 @@ class OpSelfCheck(OpTool):
                 return
             args, kwargs, result, share = local
         recipe = None
+        tensor = ""  # which of an optimizer's parameters was sampled
         values: list[torch.Tensor] | torch.Tensor | None
         func = call.func
         sampler = invariants.SAMPLED.get(call.name)
@@ -262,7 +265,7 @@ class OpSelfCheck(OpTool):
                 return
             sample = sampled_reference.adam_sample(adam, taken) if taken is not None else None
             values, recipe = sample if sample is not None else (None, None)
-            result = adam.param
+            result, tensor = adam.param, adam.place
         elif sampler is not None:  # a sample rerun on the host when it arrives
             rotation, taken = call.state.get("taken", (self.counts["checked"], None)) if isinstance(call.state, dict) \
                 else (self.counts["checked"], None)
@@ -271,8 +274,8 @@ class OpSelfCheck(OpTool):
                 if isinstance(element, str):
                     self.counts[element] += 1
                     return
-                func, args, kwargs, result, rotation = \
-                    element.func, element.args, element.kwargs, element.out, element.rotation
+                func, args, kwargs, result, rotation, tensor = \
+                    element.func, element.args, element.kwargs, element.out, element.rotation, element.place
             sample = None if share != 1.0 or not isinstance(result, torch.Tensor) else \
                 sampler(func, args, kwargs, result, rotation, taken=taken)
             values, recipe = sample if sample is not None else (None, None)
@@ -284,7 +287,8 @@ class OpSelfCheck(OpTool):
             return
         self._sites.add(site)
         self.counts["checked"] += 1
-        token = (call.name, call.module_path, call.step, call.forward_id, call.location, call.time, recipe, "forward")
+        token = (call.name, call.module_path, call.step, call.forward_id, call.location, call.time, recipe, "forward",
+                 tensor)
         self._readback.put(values.reshape(1) if isinstance(values, torch.Tensor) else values, token)
         self._judge(wait=False)
         self._spent += time.perf_counter() - begun
@@ -315,7 +319,8 @@ class OpSelfCheck(OpTool):
         call.state = {}
         excess = collective_checksum.excess(bound, sent)
         self.counts["checked"] += 1
-        token = (call.name, call.module_path, call.step, call.forward_id, call.location, call.time, None, "forward")
+        token = (call.name, call.module_path, call.step, call.forward_id, call.location, call.time, None, "forward",
+                 "")
         self._readback.put(excess.reshape(1), token)
         self._judge(wait=False)
         self._spent += time.perf_counter() - begun
@@ -323,7 +328,7 @@ class OpSelfCheck(OpTool):
     def _judge(self, wait: bool) -> None:
         with self._judge_lock:
             for token, values in (self._readback.drain() if wait else self._readback.ready()):
-                name, module, step, forward_id, location, started, recipe, phase = token
+                name, module, step, forward_id, location, started, recipe, phase, tensor = token
                 try:
                     excess = values[0] if recipe is None else sampled_reference.excess(recipe, values)
                 except Exception as error:  # a rerun the host could not do: that call was not checked after all
@@ -338,7 +343,7 @@ class OpSelfCheck(OpTool):
                     continue
                 if not excess <= 1:  # nan counts as a violation
                     finding = Finding(name, invariants.KINDS[name], excess, module, step, self.common.rank,
-                                      forward_id, location, started, phase)
+                                      forward_id, location, started, phase, tensor)
                     self._findings.append(finding)
                     if len(self._findings) == 1:
                         self._logger.warning("OpSelfCheck: %s", finding)

@@ -2,6 +2,8 @@
 reference: quiet on the recipes, in sim's CPU and GPU numerics and under TF32; a noisy matmul and a flipped bit found
 and named; the budget keeps the first call of each site and counts the rest."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -121,6 +123,11 @@ def test_findings_are_written_for_the_run_report(sim, tmp_path):
     assert first.detail.startswith("column checksum ") and first.location.endswith(
         "query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)"), first
     assert len(results.anomalies) == len(check.findings)
+    with ditorch.sim.faults("_foreach_addcdiv_:noise=1e-2"), \
+            op_tools.OpSelfCheck(results_dir=str(tmp_path / "optimizer")) as check:
+        zoo.llama_float32(sim)
+    first = min(read_results(str(tmp_path / "optimizer")).anomalies, key=lambda e: e.order)
+    assert first.op == "torch._foreach_addcdiv_" and first.detail.endswith(f"({check.findings[0].tensor})"), first
 
 
 def test_on_a_device_without_float64_every_check_runs(sim):
@@ -296,6 +303,8 @@ def test_an_optimizers_wrong_foreach_kernel_is_named_in_the_first_step_by_defaul
     first = check.findings[0]
     assert (first.op, first.check, first.step, first.phase) == (op, "float64 rerun of a sample", 0, "forward"), first
     assert check.verdict() == "found", check.closing_line()
+    # which parameter: the index of the optimizer's lists that was sampled, and its shape
+    assert re.fullmatch(r"parameter \d+ of \d+, \d+(x\d+)*", first.tensor) and f"[{first.tensor}]" in str(first)
 
 
 def test_a_foreach_call_is_checked_one_index_at_a_time_every_index_in_turn(sim):
@@ -365,6 +374,7 @@ def test_a_fused_adam_is_rerun_one_index_at_a_time_and_a_wrong_kernel_named_at_i
         _fused_adam_steps(sim, dtype, 2)
     first = check.findings[0]
     assert (first.op, first.check, first.step) == ("torch._fused_adamw_", "float64 rerun of a sample", 0), first
+    assert re.fullmatch(r"parameter [0-3] of 4, (256x64|256|64x256|64)", first.tensor), first.tensor
 
 
 def test_a_fused_adam_under_gradscaler_is_rerun_with_its_scale_and_its_skipped_steps_as_skipped(sim):

@@ -177,7 +177,8 @@ def _read_self_check(results: Results, rank: int, path: str) -> None:
                                        found["op"], found.get("module", ""), found.get("phase", "forward"),
                                        "OpSelfCheck", "mismatch",
                                        f"{found.get('check', 'invariant')} {_number(found.get('excess')):.3g}x what "
-                                       "rounding allows", int(found.get("forward_id", 0)),
+                                       "rounding allows" + (f" ({found['tensor']})" if found.get("tensor") else ""),
+                                       int(found.get("forward_id", 0)),
                                        location=_location(found.get("location"))))
 
 
