@@ -432,14 +432,15 @@ _ADAM_HYPER = ("lr", "beta1", "beta2", "weight_decay", "eps")
 
 def fused_adam_element(name: str, args: tuple, kwargs: dict, rotation: int) -> sampled_reference.AdamElement | None:
     """The index ``rotation`` (modulo the lists' length) of a fused Adam call: its parameter, gradient, moments and
-    step, GradScaler's scale and inf flag where given, and its hyperparameters. None for the forms not checked:
-    ``amsgrad``, a learning rate held in a tensor (``capturable``), lists that do not line up."""
+    step, ``amsgrad``'s running maximum and GradScaler's scale and inf flag where given, and its hyperparameters.
+    None for the forms not checked: a learning rate held in a tensor (``capturable``), lists that do not line up."""
     scale, found_inf = kwargs.get("grad_scale"), kwargs.get("found_inf")
-    if len(args) < 6 or kwargs.get("amsgrad") or \
+    if len(args) < 6 or \
             any(t is not None and not (isinstance(t, torch.Tensor) and t.numel() == 1) for t in (scale, found_inf)):
         return None
-    params, grads, exp_avgs, exp_avg_sqs, _, steps = args[:6]
-    lists = (params, grads, exp_avgs, exp_avg_sqs, steps)
+    params, grads, exp_avgs, exp_avg_sqs, maxima, steps = args[:6]
+    amsgrad = bool(kwargs.get("amsgrad"))
+    lists = (params, grads, exp_avgs, exp_avg_sqs, steps, *((maxima,) if amsgrad else ()))
     if not all(isinstance(values, (list, tuple)) for values in lists) or not params or \
             any(len(values) != len(params) for values in lists):
         return None
@@ -450,7 +451,8 @@ def fused_adam_element(name: str, args: tuple, kwargs: dict, rotation: int) -> s
     return sampled_reference.AdamElement(
         params[index], grads[index], exp_avgs[index], exp_avg_sqs[index], steps[index],
         {**hyper, "maximize": bool(kwargs.get("maximize")), "decoupled": _FUSED_ADAMS[name]},
-        rotation // len(params), list_place(index, len(params), params[index]), scale, found_inf)
+        rotation // len(params), list_place(index, len(params), params[index]), scale, found_inf,
+        maxima[index] if amsgrad else None)
 
 
 def _elementwise(func, args, kwargs, out, rotation, cancelling=False, taken=None, terms=None):

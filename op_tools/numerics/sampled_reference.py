@@ -182,46 +182,54 @@ class AdamElement:
     place: str = ""  # which parameter (``invariants.list_place``)
     grad_scale: torch.Tensor | None = None  # GradScaler's: the gradient is divided by it
     found_inf: torch.Tensor | None = None  # GradScaler's: nonzero, the update is skipped
+    max_exp_avg_sq: torch.Tensor | None = None  # ``amsgrad``'s running maximum of the second moment
 
 
 ADAM_SLACK = 32  # a fused Adam's update is a chain of some ten float32 roundings (moments, square root, quotient)
 
 
+def _adam_tensors(element: AdamElement) -> list[torch.Tensor]:
+    """What a fused Adam call writes (its parameter, moments and ``amsgrad``'s maximum), in the sample's order."""
+    return [element.param, element.exp_avg, element.exp_avg_sq,
+            *((element.max_exp_avg_sq,) if element.max_exp_avg_sq is not None else ())]
+
+
 def adam_taken_before(element: AdamElement) -> list[torch.Tensor]:
-    """A fused Adam call's parameter, moments and gradient at the positions its sample will be of, before it runs
-    (it writes the first three)."""
+    """A fused Adam call's parameter, moments (and maximum) and gradient at the positions its sample will be of,
+    before it runs (it writes all but the gradient)."""
     (index,) = _INDICES.get(("elementwise", tuple(element.param.shape), (), element.rotation % ROTATIONS),
                             element.param.device, (positions(tuple(element.param.shape), element.rotation),))
-    return [torch.take(t.detach(), index) for t in (element.param, element.exp_avg, element.exp_avg_sq,
-                                                     element.grad)]
+    return [torch.take(t.detach(), index) for t in (*_adam_tensors(element), element.grad)]
 
 
 def adam_sample(element: AdamElement, taken: list[torch.Tensor]) -> tuple[list[torch.Tensor], Recipe] | None:
     """The sample of a fused Adam call (``taken``: ``adam_taken_before``'s) and the recipe that reruns its update on
-    the host in float64 (``adam_update``): the parameter, first and second moments after it, joined; None where the
-    moments' or gradient's layout differs from the parameter's."""
+    the host in float64 (``adam_update``): the parameter, first and second moments (and ``amsgrad``'s maximum) after
+    it, joined; None where the moments' or gradient's layout differs from the parameter's."""
     param = element.param
-    if not _floating(param) or param.numel() == 0 or \
-            any(t.shape != param.shape for t in (element.grad, element.exp_avg, element.exp_avg_sq)):
+    written = _adam_tensors(element)
+    if not _floating(param) or param.numel() == 0 or any(t.shape != param.shape for t in (*written, element.grad)):
         return None
     (index,) = _INDICES.get(("elementwise", tuple(param.shape), (), element.rotation % ROTATIONS), param.device,
                             (positions(tuple(param.shape), element.rotation),))
-    after = torch.cat([torch.take(t.detach(), index) for t in (param, element.exp_avg, element.exp_avg_sq)])
+    after = torch.cat([torch.take(t.detach(), index) for t in written])
     # copies of the step and of GradScaler's scalars: the values are joined when their batch is sent, after the next
     # step has added 1 to the step
     scalars = {name: t for name, t in (("grad_scale", element.grad_scale), ("found_inf", element.found_inf))
                if t is not None}
     values = [*taken, *(t.detach().reshape(1).clone() for t in (element.step, *scalars.values())), after]
-    count = len(index)
-    shapes = ((count,),) * 4 + ((1,),) * (1 + len(scalars)) + ((3 * count,),)
-    kwargs = {**element.hyper, **{name: _Slot(5 + k) for k, name in enumerate(scalars)}}
-    recipe = Recipe(adam_update, tuple(_Slot(k) for k in range(5)), kwargs, shapes, param.dtype, "terms",
-                    terms=adam_terms, slack=ADAM_SLACK)
+    count, sampled = len(index), len(taken)  # sampled: param, exp_avg, exp_avg_sq, [maximum,] grad
+    shapes = ((count,),) * sampled + ((1,),) * (1 + len(scalars)) + ((len(written) * count,),)
+    kwargs = {**element.hyper, **{name: _Slot(sampled + 1 + k) for k, name in enumerate(scalars)}}
+    if element.max_exp_avg_sq is not None:
+        kwargs["max_exp_avg_sq"] = _Slot(3)
+    args = (_Slot(0), _Slot(1), _Slot(2), _Slot(sampled - 1), _Slot(sampled))  # param, moments, grad, step
+    recipe = Recipe(adam_update, args, kwargs, shapes, param.dtype, "terms", terms=adam_terms, slack=ADAM_SLACK)
     return values, recipe
 
 
 def _adam_moments(param, exp_avg, exp_avg_sq, grad, step, lr, beta1, beta2, weight_decay, eps, maximize, decoupled,
-                  grad_scale=None):
+                  grad_scale=None, max_exp_avg_sq=None):
     if grad_scale is not None:
         grad = grad / grad_scale
     grad = -grad if maximize else grad
@@ -229,30 +237,34 @@ def _adam_moments(param, exp_avg, exp_avg_sq, grad, step, lr, beta1, beta2, weig
         grad = grad + weight_decay * param
     exp_avg = exp_avg + (1 - beta1) * (grad - exp_avg)
     exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
+    maximum = exp_avg_sq if max_exp_avg_sq is None else torch.maximum(max_exp_avg_sq, exp_avg_sq)
     step_size = lr / (1 - beta1 ** step)
-    denominator = exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** step) + eps
+    denominator = maximum.sqrt() / math.sqrt(1 - beta2 ** step) + eps
     decay = lr * weight_decay * param if decoupled else 0 * param
-    return grad, exp_avg, exp_avg_sq, decay, step_size * exp_avg / denominator
+    moments = [exp_avg, exp_avg_sq, *(() if max_exp_avg_sq is None else (maximum,))]
+    return grad, moments, decay, step_size * exp_avg / denominator
 
 
 def adam_update(param, exp_avg, exp_avg_sq, grad, step, found_inf=None, **hyper) -> torch.Tensor:
     """A fused Adam's update as PyTorch defines it (``torch.optim.adam``/``adamw``, ``FusedAdam``), in the arguments'
-    type: the parameter, first and second moments after it, joined (as they were where GradScaler found inf)."""
+    type: the parameter, first and second moments (and ``amsgrad``'s maximum) after it, joined (as they were where
+    GradScaler found inf)."""
     if found_inf is not None and float(found_inf[0]) != 0:
-        return torch.cat([param, exp_avg, exp_avg_sq])
-    _, exp_avg, exp_avg_sq, decay, update = _adam_moments(param, exp_avg, exp_avg_sq, grad, float(step[0]), **hyper)
-    return torch.cat([param - decay - update, exp_avg, exp_avg_sq])
+        maximum = hyper.get("max_exp_avg_sq")
+        return torch.cat([param, exp_avg, exp_avg_sq, *(() if maximum is None else (maximum,))])
+    _, moments, decay, update = _adam_moments(param, exp_avg, exp_avg_sq, grad, float(step[0]), **hyper)
+    return torch.cat([param - decay - update, *moments])
 
 
 def adam_terms(param, exp_avg, exp_avg_sq, grad, step, found_inf=None, **hyper) -> torch.Tensor:
     """The magnitudes of the terms each of ``adam_update``'s results sums."""
     if found_inf is not None and float(found_inf[0]) != 0:
-        return torch.cat([param, exp_avg, exp_avg_sq]).abs()
+        return adam_update(param, exp_avg, exp_avg_sq, grad, step, found_inf, **hyper).abs()
     beta1, beta2 = hyper["beta1"], hyper["beta2"]
-    grad, _, _, decay, update = _adam_moments(param, exp_avg, exp_avg_sq, grad, float(step[0]), **hyper)
-    return torch.cat([param.abs() + decay.abs() + update.abs(),
-                      beta1 * exp_avg.abs() + (1 - beta1) * grad.abs(),
-                      beta2 * exp_avg_sq.abs() + (1 - beta2) * grad * grad])
+    grad, moments, decay, update = _adam_moments(param, exp_avg, exp_avg_sq, grad, float(step[0]), **hyper)
+    second = beta2 * exp_avg_sq.abs() + (1 - beta2) * grad * grad
+    return torch.cat([param.abs() + decay.abs() + update.abs(), beta1 * exp_avg.abs() + (1 - beta1) * grad.abs(),
+                      second, *([torch.maximum(moments[2], second)] if len(moments) > 2 else [])])
 
 
 def norm_sample(func: Callable, x: torch.Tensor, normalized: tuple[int, ...], weight, bias, eps, out: torch.Tensor,

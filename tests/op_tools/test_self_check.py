@@ -354,24 +354,25 @@ def test_a_product_of_operands_holding_nan_is_said_not_checked_and_a_nan_it_make
 def _fused_adam_steps(device, dtype, steps, **options):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).to(device, dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True, **options)
+    optimizer = torch.optim.AdamW(model.parameters(), **{"lr": 1e-3, "weight_decay": 0.1, "fused": True, **options})
     for _ in range(steps):
         model(torch.randn(32, 64, device=device, dtype=dtype)).float().pow(2).mean().backward()
         optimizer.step()
         optimizer.zero_grad()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_a_fused_adam_is_rerun_one_index_at_a_time_and_a_wrong_kernel_named_at_its_first_step(sim, dtype):
+@pytest.mark.parametrize("dtype, amsgrad", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+                         ids=["float32", "bfloat16", "amsgrad"])
+def test_a_fused_adam_is_rerun_one_index_at_a_time_and_a_wrong_kernel_named_at_its_first_step(sim, dtype, amsgrad):
     # transformers' Trainer optimizes with AdamW(fused=True): one op for every parameter's update
     import ditorch.sim
 
     with op_tools.OpSelfCheck(budget=1.0) as check:
-        _fused_adam_steps(sim, dtype, 8)  # each of the 4 parameters' updates twice, from the step each time
+        _fused_adam_steps(sim, dtype, 8, amsgrad=amsgrad)  # each of the 4 parameters' updates twice
     assert check.findings == [] and check.handled["torch._fused_adamw_"] == 8, (check.findings[:1], check.handled)
     assert check.verdict() == "clean", check.closing_line()
     with ditorch.sim.faults("_fused_adamw_:noise=1e-2"), op_tools.OpSelfCheck() as check:  # the default budget
-        _fused_adam_steps(sim, dtype, 2)
+        _fused_adam_steps(sim, dtype, 2, amsgrad=amsgrad)
     first = check.findings[0]
     assert (first.op, first.check, first.step) == ("torch._fused_adamw_", "float64 rerun of a sample", 0), first
     assert re.fullmatch(r"parameter [0-3] of 4, (256x64|256|64x256|64)", first.tensor), first.tensor
@@ -399,8 +400,8 @@ def test_a_fused_adam_under_gradscaler_is_rerun_with_its_scale_and_its_skipped_s
 
 
 def test_a_fused_adam_form_without_a_rerun_is_said_not_checked(sim):
-    with op_tools.OpSelfCheck(budget=1.0) as check:
-        _fused_adam_steps(sim, torch.float32, 1, amsgrad=True)
+    with op_tools.OpSelfCheck(budget=1.0) as check:  # a learning rate held in a tensor
+        _fused_adam_steps(sim, torch.float32, 1, lr=torch.tensor(1e-3))
     assert check.counts["not checked (no invariant for these arguments)"] == 1 and check.verdict() == "unchecked"
 
 
