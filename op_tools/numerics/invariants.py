@@ -366,7 +366,7 @@ _FOREACH_OPS: dict[str, tuple[Callable, Callable | None]] = {
     "add": (torch.add, _sum_terms), "sub": (torch.sub, _sum_terms), "mul": (torch.mul, None),
     "div": (torch.div, None), "addcmul": (torch.addcmul, _product_terms), "addcdiv": (torch.addcdiv, _quotient_terms),
     "lerp": (torch.lerp, _lerp_terms), "sqrt": (torch.sqrt, None), "exp": (torch.exp, None),
-    "reciprocal": (torch.reciprocal, None),
+    "reciprocal": (torch.reciprocal, None), "maximum": (torch.maximum, None), "minimum": (torch.minimum, None),
 }
 _FOREACH_VALUE = frozenset(("addcmul", "addcdiv"))  # their fourth argument is the per-tensor function's ``value=``
 FOREACH = frozenset(f"torch._foreach_{op}{suffix}" for op in _FOREACH_OPS for suffix in ("", "_"))
