@@ -75,9 +75,10 @@ class CurrentValues:
         if entry is not None and entry[0]() is storage:
             found = entry[1].get(key)
             if found is not None and found[0] == version:
-                with self._lock:
-                    if (sid, key) in self._order:  # not dropped meanwhile
-                        self._order.move_to_end((sid, key))
+                try:  # no lock on this per-call path: one OrderedDict operation, atomic as a dict's
+                    self._order.move_to_end((sid, key))
+                except KeyError:  # dropped meanwhile
+                    pass
                 return found[1]
         return None
 

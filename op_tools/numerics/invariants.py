@@ -30,7 +30,7 @@ import torch
 
 from . import sampled_reference
 from .device_math import MANTISSA_BITS, DeviceMath
-from .rounding_bounds import NONFINITE_BOUND, gamma, worst_excess
+from .rounding_bounds import gamma, worst_excess
 
 _F64 = torch.float64
 TILE = 16  # rows summed per checksum: the bound grows with it, the check's product shrinks as 1/TILE
@@ -55,10 +55,6 @@ def _accumulation(dtype: torch.dtype, math_: DeviceMath, family: str = "matmul")
     if math_.autocast_dtype is not None and dtype == torch.float32:
         return _u(torch.float32), _u(math_.autocast_dtype), check
     return _u(dtype), rounded if dtype == torch.float32 else 0.0, check
-
-
-NONFINITE_OPERANDS = NONFINITE_BOUND  # the excess of a check whose operands hold inf or nan: not checked
-_excess = worst_excess
 
 
 def _allowed(depth: int, tile: int, magnitude: torch.Tensor, out_l1: torch.Tensor | None, out_dtype: torch.dtype,
@@ -126,7 +122,7 @@ def product_checksum(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, addend
         extra += 2 * _u(out.dtype) if beta != 1 else _u(out.dtype)
     out_l1 = (torch.linalg.vector_norm(out.unflatten(-2, tiles), 1, dim=-2, dtype=wide) * _WIDENED
               if out.dtype in _NARROW else None)  # a narrow output's own rounding dominates: bounded by its |out|
-    return _excess(checksum - expected, _allowed(depth, tile, magnitude, out_l1, out.dtype, rounding, wide, extra))
+    return worst_excess(checksum - expected, _allowed(depth, tile, magnitude, out_l1, out.dtype, rounding, wide, extra))
 
 
 def linear_checksum(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
@@ -172,7 +168,7 @@ def conv_checksum(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         magnitude = magnitude + bias.detach().abs().unflatten(0, tiles).sum(1, dtype=wide).reshape(shape)
     depth = weight[0].numel()
     out_l1 = out.abs().unflatten(1, tiles).sum(2, dtype=wide) * _WIDENED if out.dtype in _NARROW else None
-    return _excess(checksum - expected, _allowed(depth, tile, magnitude, out_l1, out.dtype, rounding, wide))
+    return worst_excess(checksum - expected, _allowed(depth, tile, magnitude, out_l1, out.dtype, rounding, wide))
 
 
 def softmax_row_sums(x: torch.Tensor, out: torch.Tensor, dim: int) -> torch.Tensor | None:
@@ -184,7 +180,7 @@ def softmax_row_sums(x: torch.Tensor, out: torch.Tensor, dim: int) -> torch.Tens
     sums = out.detach().sum(dim, dtype=wide)
     live = torch.isfinite(x.detach()).any(dim)
     allowed = _u(out.dtype) * 2 + 2 * gamma(n + 1, _u(wide))  # the device's float32 sum, and the check's
-    return _excess(torch.where(live, sums - 1, torch.zeros_like(sums)), torch.full_like(sums, allowed))
+    return worst_excess(torch.where(live, sums - 1, torch.zeros_like(sums)), torch.full_like(sums, allowed))
 
 
 def addend_of(name: str, args: tuple, kwargs: dict):
@@ -272,7 +268,7 @@ def log_softmax_row_sums(x: torch.Tensor, out: torch.Tensor, dim: int) -> torch.
     live = torch.isfinite(x.detach()).any(dim)
     u = _u(wide)
     allowed = _u(out.dtype) * spread * _WIDENED + 2 * u + 2 * gamma(n + 1, u)
-    return _excess(torch.where(live, sums - 1, torch.zeros_like(sums)), allowed)
+    return worst_excess(torch.where(live, sums - 1, torch.zeros_like(sums)), allowed)
 
 
 def _arg(args: tuple, kwargs: dict, position: int, name: str, default=None):
@@ -382,6 +378,10 @@ class ElementCall:
     out: torch.Tensor
     rotation: int
     place: str = ""  # which index of the lists, and its shape: which parameter, for an optimizer
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Its tensor arguments and its result."""
+        return [*(a for a in (*self.args, *self.kwargs.values()) if isinstance(a, torch.Tensor)), self.out]
 
 
 def foreach_element(name: str, args: tuple, kwargs: dict, result, rotation: int) -> ElementCall | None:

@@ -116,11 +116,16 @@ def positions(shape: tuple[int, ...], rotation: int) -> tuple[int, ...]:
     return _element_indices(tuple(shape), (), rotation % ROTATIONS)[-1]
 
 
-def taken_before(t: torch.Tensor, rotation: int) -> torch.Tensor:
-    """An in-place call's input at the positions its result will be sampled at: taken before the call writes it."""
+def _sampled_index(t: torch.Tensor, rotation: int) -> torch.Tensor:
+    """The positions sampled in a tensor shaped like ``t`` at ``rotation``, as an index on its device (cached)."""
     (index,) = _INDICES.get(("elementwise", tuple(t.shape), (), rotation % ROTATIONS), t.device,
                             (positions(tuple(t.shape), rotation),))
-    return torch.take(t.detach(), index)
+    return index
+
+
+def taken_before(t: torch.Tensor, rotation: int) -> torch.Tensor:
+    """An in-place call's input at the positions its result will be sampled at: taken before the call writes it."""
+    return torch.take(t.detach(), _sampled_index(t, rotation))
 
 
 def elementwise_sample(func: Callable, args: tuple, kwargs: dict, out: torch.Tensor, rotation: int,
@@ -184,22 +189,24 @@ class AdamElement:
     found_inf: torch.Tensor | None = None  # GradScaler's: nonzero, the update is skipped
     max_exp_avg_sq: torch.Tensor | None = None  # ``amsgrad``'s running maximum of the second moment
 
+    def written(self) -> list[torch.Tensor]:
+        """What the call writes (its parameter, moments and ``amsgrad``'s maximum), in the sample's order."""
+        return [self.param, self.exp_avg, self.exp_avg_sq, *(() if self.max_exp_avg_sq is None else
+                                                              (self.max_exp_avg_sq,))]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors of the lists at its index: what it writes, and the gradient."""
+        return [*self.written(), self.grad]
+
 
 ADAM_SLACK = 32  # a fused Adam's update is a chain of some ten float32 roundings (moments, square root, quotient)
-
-
-def _adam_tensors(element: AdamElement) -> list[torch.Tensor]:
-    """What a fused Adam call writes (its parameter, moments and ``amsgrad``'s maximum), in the sample's order."""
-    return [element.param, element.exp_avg, element.exp_avg_sq,
-            *((element.max_exp_avg_sq,) if element.max_exp_avg_sq is not None else ())]
 
 
 def adam_taken_before(element: AdamElement) -> list[torch.Tensor]:
     """A fused Adam call's parameter, moments (and maximum) and gradient at the positions its sample will be of,
     before it runs (it writes all but the gradient)."""
-    (index,) = _INDICES.get(("elementwise", tuple(element.param.shape), (), element.rotation % ROTATIONS),
-                            element.param.device, (positions(tuple(element.param.shape), element.rotation),))
-    return [torch.take(t.detach(), index) for t in (*_adam_tensors(element), element.grad)]
+    index = _sampled_index(element.param, element.rotation)
+    return [torch.take(t.detach(), index) for t in element.tensors()]
 
 
 def adam_sample(element: AdamElement, taken: list[torch.Tensor]) -> tuple[list[torch.Tensor], Recipe] | None:
@@ -207,11 +214,10 @@ def adam_sample(element: AdamElement, taken: list[torch.Tensor]) -> tuple[list[t
     the host in float64 (``adam_update``): the parameter, first and second moments (and ``amsgrad``'s maximum) after
     it, joined; None where the moments' or gradient's layout differs from the parameter's."""
     param = element.param
-    written = _adam_tensors(element)
-    if not _floating(param) or param.numel() == 0 or any(t.shape != param.shape for t in (*written, element.grad)):
+    written = element.written()
+    if not _floating(param) or param.numel() == 0 or any(t.shape != param.shape for t in element.tensors()):
         return None
-    (index,) = _INDICES.get(("elementwise", tuple(param.shape), (), element.rotation % ROTATIONS), param.device,
-                            (positions(tuple(param.shape), element.rotation),))
+    index = _sampled_index(param, element.rotation)
     after = torch.cat([torch.take(t.detach(), index) for t in written])
     # copies of the step and of GradScaler's scalars: the values are joined when their batch is sent, after the next
     # step has added 1 to the step

@@ -24,6 +24,7 @@ import logging
 import re
 import threading
 import time
+from typing import TypeVar
 
 import torch
 
@@ -33,6 +34,7 @@ from ..core.engine import OpCall, OpTool, feature, tool_work
 from ..numerics import collective_checksum, invariants, sampled_reference
 from ..numerics.device_math import DeviceMath
 from ..numerics.device_readback import DeviceReadback
+from ..numerics.rounding_bounds import NONFINITE_BOUND
 from ..ops.arguments import is_dtensor, local_part
 from ..ops.collectives import collective_call
 from ..output import result_files
@@ -74,37 +76,31 @@ class Finding:
                 f"{self.check}: {self.excess:.3g}x what rounding allows\n{self.location}")
 
 
-def _fused_adam_element(name: str, args: tuple, kwargs: dict, rotation: int) -> sampled_reference.AdamElement | str:
-    """The index of a fused Adam call its sample is of (``invariants.fused_adam_element``), or why it cannot be
-    checked; an FSDP2 optimizer's DTensors laid out alike on each rank's local tensors."""
-    element = invariants.fused_adam_element(name, args, kwargs, rotation)
+_Element = TypeVar("_Element", invariants.ElementCall, sampled_reference.AdamElement)
+
+
+def _local_element(element: _Element | None) -> _Element | str:
+    """The index of an optimizer's foreach or fused Adam call its sample is of (``invariants.foreach_element``,
+    ``fused_adam_element``), or why it cannot be checked. An FSDP2 optimizer's lists hold DTensors laid out alike:
+    the op then ran on each rank's local tensors, and is checked on them."""
     if element is None:
         return "not checked (no invariant for these arguments)"
-    tensors = [element.param, element.grad, element.exp_avg, element.exp_avg_sq]
+    tensors = element.tensors()
     if not any(is_dtensor(t) for t in tensors):
         return element
     if not all(is_dtensor(t) for t in tensors) or not shards.same_layout(tensors[1:], tensors[0]):
         return "not checked (DTensor)"
-    return dataclasses.replace(element, param=local_part(element.param), grad=local_part(element.grad),
-                               exp_avg=local_part(element.exp_avg), exp_avg_sq=local_part(element.exp_avg_sq),
-                               step=local_part(element.step))
+    return dataclasses.replace(element, **{field.name: _local(getattr(element, field.name))
+                                           for field in dataclasses.fields(element)})
 
 
-def _foreach_element(name: str, args: tuple, kwargs: dict, result, rotation: int) -> invariants.ElementCall | str:
-    """The index of a foreach call its sample is of (``invariants.foreach_element``), or why it cannot be checked. An
-    FSDP2 optimizer's lists hold DTensors laid out alike: an elementwise op then ran on each rank's local tensors, and
-    is checked on them."""
-    element = invariants.foreach_element(name, args, kwargs, result, rotation)
-    if element is None:
-        return "not checked (no invariant for these arguments)"
-    tensors = [a for a in (*element.args, *element.kwargs.values()) if isinstance(a, torch.Tensor)]
-    if not any(is_dtensor(t) for t in (*tensors, element.out)):
-        return element
-    if not all(is_dtensor(t) for t in tensors) or not shards.same_layout(tensors, element.out):
-        return "not checked (DTensor)"
-    return dataclasses.replace(element, args=tuple(local_part(a) for a in element.args),
-                               kwargs={k: local_part(v) for k, v in element.kwargs.items()},
-                               out=local_part(element.out))
+def _local(value):
+    """``value`` with each DTensor in it (a tuple's, a dict's) replaced by this rank's local tensor."""
+    if isinstance(value, tuple):
+        return tuple(map(local_part, value))
+    if isinstance(value, dict):
+        return {key: local_part(v) for key, v in value.items()}
+    return local_part(value)
 
 
 @feature("self_check")
@@ -158,13 +154,13 @@ class OpSelfCheck(OpTool):
             # the input the call overwrites, sampled now where its result will be (a few elements, on the device)
             rotation = self.counts["checked"]
             if call.name in invariants.FUSED_ADAM:  # its parameter, moments and gradient, at one index
-                adam = _fused_adam_element(call.name, call.args, call.kwargs, rotation)
+                adam = _local_element(invariants.fused_adam_element(call.name, call.args, call.kwargs, rotation))
                 if not isinstance(adam, str):
                     call.state = {"taken": (rotation, sampled_reference.adam_taken_before(adam))}
                 return
             target, at = call.args[0] if call.args else None, rotation
             if call.name in invariants.FOREACH:  # the index of its lists the sample will be of
-                element = _foreach_element(call.name, call.args, call.kwargs, None, rotation)
+                element = _local_element(invariants.foreach_element(call.name, call.args, call.kwargs, None, rotation))
                 target, at = (element.out, element.rotation) if not isinstance(element, str) else (None, at)
             if isinstance(target, torch.Tensor):
                 call.state = {"taken": (rotation, {0: sampled_reference.taken_before(target, at)})}
@@ -259,7 +255,7 @@ class OpSelfCheck(OpTool):
         sampler = invariants.SAMPLED.get(call.name)
         if call.name in invariants.FUSED_ADAM:  # one index of its lists, its update rerun on the host
             rotation, taken = call.state.get("taken", (0, None)) if isinstance(call.state, dict) else (0, None)
-            adam = _fused_adam_element(call.name, args, kwargs, rotation)
+            adam = _local_element(invariants.fused_adam_element(call.name, args, kwargs, rotation))
             if isinstance(adam, str):
                 self.counts[adam] += 1
                 return
@@ -270,7 +266,7 @@ class OpSelfCheck(OpTool):
             rotation, taken = call.state.get("taken", (self.counts["checked"], None)) if isinstance(call.state, dict) \
                 else (self.counts["checked"], None)
             if call.name in invariants.FOREACH:  # one index of its lists, as the per-tensor call it stands for
-                element = _foreach_element(call.name, args, kwargs, result, rotation)
+                element = _local_element(invariants.foreach_element(call.name, args, kwargs, result, rotation))
                 if isinstance(element, str):
                     self.counts[element] += 1
                     return
@@ -337,7 +333,7 @@ class OpSelfCheck(OpTool):
                     if self.counts["not checked (the host's rerun failed)"] == 1:
                         self._logger.warning("OpSelfCheck: the host's rerun of %s failed: %r", name, error)
                     continue
-                if excess == invariants.NONFINITE_OPERANDS:  # nothing to judge: said so, as not checked
+                if excess == NONFINITE_BOUND:  # nothing to judge: said so, as not checked
                     self.counts[BACKWARD_CHECKED if phase == "backward" else "checked"] -= 1
                     self.counts[NONFINITE_SKIPPED] += 1
                     continue
