@@ -1,7 +1,7 @@
 """The original ditorch's distributed adapters: what a backend's collective library lacks, done around it.
 
 Two adaptations of the reductions (``all_reduce``, ``reduce``, ``reduce_scatter``, ``reduce_scatter_tensor``
-and its newer name ``reduce_scatter_single``):
+and its newer name ``reduce_scatter_single``, which it calls in torch 2.13):
 
 - ``ReduceOp.AVG`` where the library lacks it (its adapter says ``CCL_SUPPORTS_AVG = False``): run as SUM, then
   divide by the group's size (truncating for integers, as NCCL's integer average does);
@@ -29,8 +29,11 @@ from . import env
 VARIABLE = "DITORCH_REDUCE_LOW_PRECISION_IN_FP32"
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 BITWISE = ("BAND", "BOR", "BXOR")
-# reduce_scatter_tensor and _reduce_scatter_base call reduce_scatter_single, looked up in distributed_c10d.
-REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_single")
+# In torch 2.13 reduce_scatter_tensor and _reduce_scatter_base call reduce_scatter_single, looked up in
+# distributed_c10d; in torch 2.11 (no reduce_scatter_single) _reduce_scatter_base calls reduce_scatter_tensor, which
+# calls the process group itself.
+REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_single"
+              if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor")
 
 
 class FinishingWork(dist._Work):
@@ -104,6 +107,18 @@ def op_name(op) -> str:
     return getattr(kind, "name", str(kind))
 
 
+def premul_factor(op):
+    """The factor of a ``PREMUL_SUM`` ``ReduceOp`` (``_make_nccl_premul_sum(factor)``): its ``factor`` (torch
+    2.13), else the second item of its state, where torch 2.11 keeps it."""
+    factor = getattr(op, "factor", None)
+    if factor is None:
+        state = op.__getstate__()
+        factor = state[1] if len(state) > 1 else None
+    if factor is None:
+        raise ValueError(f"ReduceOp.PREMUL_SUM {op!r} carries no factor")
+    return factor
+
+
 class Reduction:
     """How one reduction runs in a library lacking AVG/PREMUL_SUM, or carried in float32: the op the library
     gets, the tensors it works on (``stage``), and what finishes it (``finish``, after the library's work)."""
@@ -121,7 +136,7 @@ class Reduction:
         if name == "AVG" and (emulate_avg or integral):
             self.op, self.divisor = dist.ReduceOp.SUM, world_size
         elif name == "PREMUL_SUM" and emulate_premul:
-            self.op, self.factor = dist.ReduceOp.SUM, op.factor
+            self.op, self.factor = dist.ReduceOp.SUM, premul_factor(op)
         self.integral = integral
 
     @property
@@ -205,6 +220,7 @@ def _wrap_reduce_scatter_single(fn, emulate_avg: bool, in_fp32: bool):
 _WRAPPERS = {
     "all_reduce": _wrap_all_reduce, "reduce": _wrap_reduce,
     "reduce_scatter": _wrap_reduce_scatter, "reduce_scatter_single": _wrap_reduce_scatter_single,
+    "reduce_scatter_tensor": _wrap_reduce_scatter_single,  # the same arguments
 }
 
 

@@ -169,7 +169,7 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002 - ProcessGroup's signature
         def run(outputs, inputs, opts):
-            return self._c10d.reduce_scatter_single(outputs[0], inputs[0], opts)
+            return self._c10d._reduce_scatter_base(outputs[0], inputs[0], opts)  # its name in every torch
 
         return self._reduce_scattered("reduce_scatter_single", [output], [input],
                                       opts or dist.ReduceScatterOptions(), run)
@@ -196,7 +196,7 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):  # noqa: A002 - ProcessGroup's signature
         self._check("all_gather_single", [output, input])
-        work = self._c10d.all_gather_single(output, input, opts or _c10d.AllgatherOptions())
+        work = self._c10d._allgather_base(output, input, opts or _c10d.AllgatherOptions())  # its name in every torch
         return self._work(work, [output], name="all_gather_single")
 
     _allgather_base = all_gather_single
@@ -224,8 +224,8 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
         self._check("all_to_all_single", [output, input])
-        work = self._c10d.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
-                                            opts or _c10d.AllToAllOptions())
+        work = self._c10d.alltoall_base(output, input, output_split_sizes, input_split_sizes,  # in every torch
+                                        opts or _c10d.AllToAllOptions())
         return self._work(work, [output], name="all_to_all_single")
 
     alltoall_base = all_to_all_single

@@ -51,6 +51,7 @@ from ..config.settings import signature_of, sources_for, validate_arguments
 from ..config.tool_registry import FEATURES, feature  # noqa: F401  # op_tools.core.engine.FEATURES / feature, as before
 from ..config.variables import CommonConfig, OpFilter, Sources
 from ..ops.arguments import call_device, iter_tensors
+from ..ops.collectives import unseen_collectives
 from ..ops.naming import is_metadata_query, resolve_op_name
 from ..ops.writes import call_writes
 from ..output import reporting, result_files
@@ -69,6 +70,20 @@ _forward_ids = itertools.count(1)
 _announced: dict[tuple[str, str, bool], None] = {}  # (hook, op, decision): a later opposite decision is announced
 _reported_failures: dict[tuple[str, str], None] = {}
 _announce_lock = threading.Lock()
+_unseen_said = False
+
+
+def _say_unseen_collectives(logger: logging.Logger) -> None:
+    """Once per process, at the first collective a tool handles: those of this torch that no tool sees."""
+    global _unseen_said
+    if _unseen_said:
+        return
+    _unseen_said = True
+    unseen = unseen_collectives()
+    if unseen:
+        logger.warning("torch %s: %s dispatch no __torch_function__, so no tool sees them: they are neither checked "
+                       "nor counted (torch 2.13 dispatches every one)", torch.__version__,
+                       ", ".join(unseen))
 
 _CPU = torch.device("cpu")
 # Calls a function skipping one hop of torch-function dispatch; absent from older torch, where composites run whole.
@@ -667,6 +682,8 @@ class OpTool:
         decision = self._decisions.get(name)
         if decision is None:
             decision = self._decisions[name] = self.filter.allows(name) and self.accepts(name)
+            if decision and name.startswith("torch.distributed."):
+                _say_unseen_collectives(self._logger)
             if self._logger.isEnabledFor(logging.DEBUG):  # announced once per process where shown
                 key = (self.hook_name, name, decision)
                 with _announce_lock:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..ops.naming import function_from_name
 from . import sampled_reference
 from .device_math import MANTISSA_BITS, DeviceMath
 from .rounding_bounds import gamma, worst_excess
@@ -505,6 +506,16 @@ SAMPLED: dict[str, Callable] = {
     **{name: functools.partial(_elementwise, terms=_FOREACH_OPS[name.removeprefix("torch._foreach_").rstrip("_")][1])
        for name in sorted(FOREACH)},
 }
+
+
+def _present(name: str) -> bool:
+    try:
+        function_from_name(name)
+    except ValueError:
+        return False
+    return True
+
+
 # collectives checked by their checksums across ranks (collective_checksum.py)
 COLLECTIVES = frozenset(f"torch.distributed.{name}" for name in (
     "all_reduce", "broadcast", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
@@ -516,9 +527,11 @@ CHECKS: dict[str, Callable] = {**_PRODUCTS, **_CONVS, **_SOFTMAXES}
 # wrapped under their own name (torch.mm is torch.spmm's object, and @ reaches the tools as Tensor.matmul's call),
 # and the functional activations and norms. The arithmetic operators and unary functions are checked when a LIST
 # names them: every handled call costs the engine's dispatch (tens of µs), budget or not, and a step makes hundreds.
-WRAPPED = tuple(name for name in CHECKS if name not in ("torch.mm", "torch.spmm", "torch.Tensor.__matmul__")) + (
+# Only those this torch has: torch 2.11 has no all_gather_single nor reduce_scatter_single.
+WRAPPED = tuple(name for name in (
+    *(name for name in CHECKS if name not in ("torch.mm", "torch.spmm", "torch.Tensor.__matmul__")),
     "torch.nn.functional.silu", "torch.nn.functional.gelu", "torch.nn.functional.layer_norm",
-    "torch.nn.functional.rms_norm", *sorted(COLLECTIVES), *sorted(FOREACH), *sorted(FUSED_ADAM))
+    "torch.nn.functional.rms_norm", *sorted(COLLECTIVES), *sorted(FOREACH), *sorted(FUSED_ADAM)) if _present(name))
 # the checks that hold on a DTensor's local tensors (each rank's part of a sharded product is a product)
 LOCAL = frozenset(_PRODUCTS)
 # the argument each product adds (position, keyword): a DTensor's local result may hold a share of it

@@ -103,3 +103,32 @@ def collective_call(name: str, func, args: tuple, kwargs: dict) -> CollectiveCal
                           _tensors(arguments.get(signature.received)),
                           _op_name(arguments.get("op")) if signature.reduces else "", arguments.get("group"),
                           bool(arguments.get("async_op", False)), arguments)
+
+
+# The collectives that move tensors between ranks. A tool's mode sees one only where torch dispatches it to
+# __torch_function__ (``has_torch_function`` in its body, or in the collective it calls: torch 2.13's
+# all_gather_into_tensor calls all_gather_single). Torch 2.11 does so for five of them only.
+_DATA_COLLECTIVES = ("broadcast", "all_reduce", "all_reduce_coalesced", "reduce", "all_gather",
+                     "all_gather_into_tensor", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor",
+                     "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv")
+
+
+@functools.lru_cache(maxsize=1)
+def unseen_collectives() -> tuple[str, ...]:
+    """The ``torch.distributed`` collectives of this torch that no tool's mode sees (they dispatch no
+    ``__torch_function__``): on torch 2.11 ``broadcast``, ``reduce``, ``gather``, ``scatter``, ``reduce_scatter``,
+    ``all_to_all``, ``send``/``recv``...; none on torch 2.13."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return ()
+
+    def dispatches(name: str, depth: int = 1) -> bool:
+        code = getattr(inspect.unwrap(getattr(dist, name)), "__code__", None)
+        if code is None:  # not a Python function: nothing to tell
+            return True
+        return "has_torch_function" in code.co_names or depth > 0 and any(
+            other != name and hasattr(dist, other) and dispatches(other, depth - 1) for other in code.co_names
+            if other in _DATA_COLLECTIVES or other.endswith("_single"))
+
+    return tuple(_PREFIX + name for name in _DATA_COLLECTIVES if hasattr(dist, name) and not dispatches(name))

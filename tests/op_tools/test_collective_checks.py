@@ -12,11 +12,19 @@ import pytest
 import torch
 from subprocess_env import torchrun_on_sim
 
+import op_tools
+from op_tools.ops import collectives as collective_tables
 from op_tools.ops.collectives import collective_call
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "collective_checks.py")
-COLLECTIVES = ("torch.distributed.all_reduce", "torch.distributed.all_gather_single", "torch.distributed.all_gather",
-               "torch.distributed.reduce_scatter_single", "torch.distributed.broadcast")
+# The names of the calls the tools see: torch 2.13's all_gather_into_tensor calls all_gather_single, torch 2.11 has
+# none; torch 2.11's broadcast dispatches no __torch_function__, so no tool sees it (said, not checked).
+_NEWER = hasattr(torch.distributed, "all_gather_single")
+COLLECTIVES = ("torch.distributed.all_reduce", "torch.distributed.all_gather",
+               "torch.distributed.all_gather_single" if _NEWER else "torch.distributed.all_gather_into_tensor",
+               "torch.distributed.reduce_scatter_single" if _NEWER else "torch.distributed.reduce_scatter_tensor",
+               "torch.distributed.broadcast")
+BROADCASTS = 0 if "torch.distributed.broadcast" in collective_tables.unseen_collectives() else 1  # per dtype
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +39,9 @@ def test_every_collective_is_checked_against_every_ranks_inputs_and_passes(repor
     for report in reports:
         checked = report["checked"]
         assert checked["verdict"] == "clean"
-        collectives = sum(checked["handled"][name] for name in COLLECTIVES)
-        assert collectives == 4 + 4 + 3 + 3 * 4  # reductions (no average of int32); per dtype 2 gathers, 2 more
+        collectives = sum(checked["handled"].get(name, 0) for name in COLLECTIVES)
+        # reductions (no average of int32); per dtype 2 gathers, a reduce-scatter and a broadcast
+        assert collectives == 4 + 4 + 3 + 3 * (3 + BROADCASTS)
         assert "collective" not in " ".join(checked["skipped"])  # none skipped: all checked
         assert checked["counts"]["forward passed"] == checked["counts"]["forward compared"]
 
@@ -46,7 +55,7 @@ def test_a_result_that_differs_from_the_ranks_inputs_fails_on_the_rank_that_hold
 
 def test_the_check_can_be_switched_off_and_then_counts_the_collectives_skipped(reports):
     for report in reports:
-        assert report["off"]["skipped"]["collective (OP_AUTOCOMPARE_COLLECTIVES=0)"] == 8
+        assert report["off"]["skipped"]["collective (OP_AUTOCOMPARE_COLLECTIVES=0)"] == 7 + BROADCASTS
         assert report["off"]["verdict"] == "clean"
 
 
@@ -86,3 +95,33 @@ def test_a_collective_without_a_check_says_so_not_where_the_ranks_are():
     assert [skip_reason(name) for name in ("torch.distributed.barrier", "_c10d_functional.all_reduce")] == \
         ["collective (op_tools has no check for this one)"] * 2
     assert skip_reason("torch.distributed.all_reduce") is None  # checked against every rank's inputs
+
+
+def test_the_collectives_a_torch_does_not_dispatch_are_named_and_said_once(monkeypatch, tmp_path, caplog):
+    import torch.distributed as dist
+
+    from op_tools.core import engine
+
+    def broadcast(tensor, src=None, group=None, async_op=False):  # as torch 2.11's: no __torch_function__ dispatch
+        return None
+
+    monkeypatch.setattr(dist, "broadcast", broadcast)
+    collective_tables.unseen_collectives.cache_clear()
+    try:
+        unseen = collective_tables.unseen_collectives()
+    finally:
+        collective_tables.unseen_collectives.cache_clear()
+    assert "torch.distributed.broadcast" in unseen and "torch.distributed.all_reduce" not in unseen
+    # a tool's first collective says which ones it cannot see, once per process
+    monkeypatch.setattr(engine, "unseen_collectives", lambda: ("torch.distributed.broadcast",))
+    monkeypatch.setattr(engine, "_unseen_said", False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for _ in range(2):  # the recording handles CPU calls
+            with op_tools.OpCapture(mode="stats", results_dir=str(tmp_path / "results")):
+                for _ in range(2):
+                    dist.all_reduce(torch.ones(2))
+    finally:
+        dist.destroy_process_group()
+    said = [r.getMessage() for r in caplog.records if "no tool sees them" in r.getMessage()]
+    assert len(said) == 1 and "torch.distributed.broadcast dispatch no __torch_function__" in said[0], said

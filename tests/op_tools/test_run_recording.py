@@ -76,7 +76,9 @@ def test_checkpoint_recomputation_adds_no_forward_records_and_keeps_backward_rec
         assert layer_calls == [k for k in forward_keys(plain) if k[0].startswith("model.layers.1.")], kind
         if kind == "non-reentrant":  # the forward ran with its graph: its calls' backward is recorded
             def backward_keys(records):
-                return sorted((r["module"], r["index"], r["op"]) for r in records if r["phase"] == "backward")
+                # by op, not index: torch 2.11's non-reentrant checkpoint calls torch.empty twice in each layer it
+                # wraps (its _NoopSaveInputs), which shifts the indices of that layer's own calls
+                return sorted((r["module"], r["op"]) for r in records if r["phase"] == "backward")
 
             assert backward_keys(checkpointed) == backward_keys(plain)
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch.distributed as dist
 from subprocess_env import ROOT, child_env, torchrun_on_sim
 
 from op_tools.output import reporting
@@ -191,8 +192,12 @@ def test_noise_in_a_tensor_parallel_mlp_is_found_in_the_faulty_op_on_the_faulty_
 
 # 3 steps. FSDP2: 3 all-gathers in forward and 2 more in backward per step, 3 reduce-scatters; FSDP1 (one unit,
 # flat parameters): its all-gathers and one reduce-scatter per step.
-FSDP_COLLECTIVES = {"fsdp2": {"torch.distributed.all_gather_single": 15, "torch.distributed.reduce_scatter_single": 9},
-                    "fsdp1": {"torch.distributed.all_gather_single": 4, "torch.distributed.reduce_scatter_single": 3}}
+# Named as torch names the call the tools see: all_gather_into_tensor's inner all_gather_single in torch 2.13, the
+# call itself in torch 2.11 (which has no all_gather_single).
+_GATHER, _SCATTER = ("torch.distributed.all_gather_single", "torch.distributed.reduce_scatter_single") \
+    if hasattr(dist, "all_gather_single") else \
+    ("torch.distributed.all_gather_into_tensor", "torch.distributed.reduce_scatter_tensor")
+FSDP_COLLECTIVES = {"fsdp2": {_GATHER: 15, _SCATTER: 9}, "fsdp1": {_GATHER: 4, _SCATTER: 3}}
 
 
 @pytest.mark.parametrize("plan", sorted(FSDP_COLLECTIVES))
