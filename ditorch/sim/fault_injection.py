@@ -36,6 +36,7 @@ import threading
 import time
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from . import module_scope
 from .version_counter import WRITES
@@ -338,8 +339,16 @@ class FaultTable:
             out.fill_(float("inf"))
         elif out.numel():
             # Every element off by exactly the relative error, with a random sign.
-            signs = torch.randint(0, 2, out.shape, generator=self._noise_gen).mul_(2).sub_(1)
-            out.mul_(signs.to(out.dtype).mul_(fault.value).add_(1))
+            out.mul_(self._signs(out).to(out.dtype).mul_(fault.value).add_(1))
+
+    def _signs(self, out: torch.Tensor) -> torch.Tensor:
+        """+1 or -1 per element of ``out``: drawn from the faults' own generator; while torch.compile traces (the
+        fault is recorded into the graph it spoils), a fixed pseudo-random pattern computed in the graph, as torch
+        2.11 cannot record a draw from a generator."""
+        if not is_fake(out):
+            return torch.randint(0, 2, out.shape, generator=self._noise_gen).mul_(2).sub_(1)
+        hashed = torch.arange(out.numel(), device=out.device).mul_(2654435761).remainder_(2**32)  # Knuth's hash
+        return hashed.bitwise_right_shift_(16).bitwise_and_(1).mul_(2).sub_(1).reshape(out.shape)
 
 
 TABLE = FaultTable()
