@@ -25,6 +25,8 @@ METADATA_QUERIES = frozenset(
 ) | frozenset({"torch._has_compatible_shallow_copy_type", "torch.is_tensor", "torch.numel", "torch.is_floating_point",
                "torch.is_complex", "torch.is_nonzero", "torch.result_type", "torch.can_cast", "torch.promote_types",
                "torch.is_same_size", "torch.get_device",
+               # grad mode's switch (torch 2.11 dispatches it to the modes): the state calls run under, not a call
+               "torch._C._set_grad_enabled",
                # devices and parsed .to() arguments: a CPU rerun would answer cpu, which is no reference for them
                "torch.device", "torch._C._nn._parse_to"})
 

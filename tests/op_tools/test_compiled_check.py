@@ -129,8 +129,8 @@ class Mlp(nn.Module):
         return self.down(F.silu(self.up(h)) * 2)
 
 def faulty_sigmoid(graph):  # in silu's backward alone (Inductor's forward computes silu without a sigmoid)
-    for node in list(graph.nodes):
-        if node.target is torch.ops.aten.sigmoid.default:
+    for node in list(graph.nodes):  # torch 2.11's backward computes the sigmoid as a reciprocal of 1 + exp(-x)
+        if node.target in (torch.ops.aten.sigmoid.default, torch.ops.aten.reciprocal.default):
             with graph.inserting_after(node):
                 scaled = graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.01))
             node.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
