@@ -99,7 +99,7 @@ def register() -> None:
         copies = [getattr(torch.ops.aten, name).default for name in ("_copy_from", "_copy_from_and_resize", "copy_")]
         for op in copies + REGISTERED_PER_OP:  # and the ops sim has its own kernels for
             per_op.impl(op, _per_op(op), "PrivateUse1")
-        _libraries.extend([factories, per_op, *autocast.register(NAME)])
+        _libraries.extend([factories, per_op, *autocast.register(NAME), *attention.meta_kernels()])
         pinned_memory.hold(note_pinned)  # for good, as the device; copies into pinned tensors do not synchronise
         serialization.install()
         foreach_path.install()

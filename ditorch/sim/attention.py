@@ -327,6 +327,22 @@ def _register_sharding_rules() -> None:
     register_sharding(aten._scaled_dot_product_fused_attention_overrideable_backward.default)(backward_rule)
 
 
+def meta_kernels() -> list:
+    """A Meta kernel for the fused op's backward where torch has none (torch 2.11): DTensor's sharding propagation and
+    fake tensors run it for its shapes, which are those of what it differentiates (as torch 2.13's own kernel)."""
+    if torch._C._dispatch_has_kernel_for_dispatch_key(
+            "aten::_scaled_dot_product_fused_attention_overrideable_backward", "Meta"):
+        return []
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("_scaled_dot_product_fused_attention_overrideable_backward", _backward_shapes, "Meta")
+    return [library]
+
+
+def _backward_shapes(grad_out, query, key, value, attn_bias, *args, **kwargs):
+    return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value),
+            torch.empty_like(attn_bias) if attn_bias is not None else None)
+
+
 def _additive_mask(attn_mask, dtype):
     """attention.cpp's convert_boolean_attn_mask: True takes part (0), False is masked (-inf)."""
     if attn_mask is None or attn_mask.dtype != torch.bool:
