@@ -1084,8 +1084,8 @@ class OpAutoCompare(OpTool):
                     self.reference_place["backward", state.cpu_reason] += 1
             upstream_cpu, rereads = self._upstream_copies(upstream, self._copies.get)
             device_grads_cpu = self._given_copies(upstream, upstream_cpu, rereads, input_grads, False)
-            comparisons, reference_grads, upstream_cpu = self._backward_on_host(call, state, upstream_cpu, rereads,
-                                                                                device_grads_cpu)
+            comparisons, reference_grads, upstream_cpu, device_grads_cpu = self._backward_on_host(
+                call, state, upstream_cpu, rereads, device_grads_cpu)
             if device_values is not None:  # the device reference's gradients, computed before it needed the CPU
                 self._cross_check(call, state, device_values, reference_grads, "backward", comparisons)
             elif state.device_reference is not None:
@@ -1107,9 +1107,9 @@ class OpAutoCompare(OpTool):
                 if self._device_reference:
                     with self._lock:
                         self.reference_place["backward", state.cpu_reason] += 1
-                comparisons, reference_grads, upstream_now = self._backward_on_host(call, state, upstream_cpu,
-                                                                                    rereads, device_grads_cpu)
-                self._conclude_backward(call, state, comparisons, reference_grads, upstream_now, device_grads_cpu,
+                comparisons, reference_grads, upstream_now, given_now = self._backward_on_host(
+                    call, state, upstream_cpu, rereads, device_grads_cpu)
+                self._conclude_backward(call, state, comparisons, reference_grads, upstream_now, given_now,
                                         started=started)
             except Exception:
                 with self._lock:
@@ -1183,7 +1183,8 @@ class OpAutoCompare(OpTool):
                 self._backward_to_host(call, state, True, _UNTRUSTED if untrusted else _NEEDED_CPU)
             else:
                 wait_for_copies(call.device)
-            comparisons, cpu_grads, upstream_cpu = self._backward_on_host(call, state, upstream_cpu, {}, grads_cpu)
+            comparisons, cpu_grads, upstream_cpu, grads_cpu = self._backward_on_host(call, state, upstream_cpu, {},
+                                                                                     grads_cpu)
             if not untrusted:
                 self._cross_check(call, state, device_grads, cpu_grads, "backward", comparisons)
             self._conclude_backward(call, state, comparisons, cpu_grads, upstream_cpu, grads_cpu, started=started)
@@ -1210,10 +1211,10 @@ class OpAutoCompare(OpTool):
     def _given_copies(self, upstream: tuple, upstream_cpu: list, cached: dict, input_grads: tuple,
                       deferred: bool) -> tuple:
         """What the gradients a backward gave are compared as (``_compared_value``): a gradient given twice (``add``
-        passes its upstream gradient to both inputs), or one it received and was copied for now (not taken from the
-        cache: ``cached``), is that one copy, made after the backward ran."""
-        made = {id(g): host for i, (g, host) in enumerate(zip(upstream, upstream_cpu))
-                if g is not None and i not in cached}
+        passes its upstream gradient to both inputs), or one it received, is that one copy: the upstream's, made
+        after the backward ran or taken from the cache (``cached``; re-read with it if the call fails,
+        ``_backward_on_host``)."""
+        made = {id(g): host for g, host in zip(upstream, upstream_cpu) if g is not None}
         copies: list[torch.Tensor | None] = []
         for g in input_grads:
             if g is None:
@@ -1268,8 +1269,9 @@ class OpAutoCompare(OpTool):
 
     def _backward_on_host(self, call: OpCall, state: CompareState, upstream_cpu: list, rereads: dict,
                           device_grads_cpu: tuple) -> tuple:
-        """``(comparisons, reference gradients, upstream copies)`` against the CPU reference; the comparison is made
-        again with fresh copies where a cached upstream copy (``rereads``: position -> the gradient) was stale."""
+        """``(comparisons, reference gradients, upstream copies, given gradients' copies)`` against the CPU reference;
+        the comparison is made again with fresh copies where a cached upstream copy (``rereads``: position -> the
+        gradient) was stale, a gradient the backward passed on unchanged (``_given_copies``) re-read with it."""
         comparisons, reference_grads = self._compare_backward(call, state, tuple(upstream_cpu), device_grads_cpu)
         if not all(c.passed for c in comparisons) and rereads:
             now = list(upstream_cpu)
@@ -1279,9 +1281,11 @@ class OpAutoCompare(OpTool):
                         if a is not None and b is not None and not _same_values(a, b))
             if stale:
                 self.stale_copies += stale
+                swapped = {id(old): new for old, new in zip(upstream_cpu, now) if old is not new}
+                device_grads_cpu = tuple(None if c is None else swapped.get(id(c), c) for c in device_grads_cpu)
                 upstream_cpu = now
                 comparisons, reference_grads = self._compare_backward(call, state, tuple(now), device_grads_cpu)
-        return comparisons, reference_grads, upstream_cpu
+        return comparisons, reference_grads, upstream_cpu, device_grads_cpu
 
     def _backward_on_device(self, call: OpCall, state: CompareState, upstream: tuple, input_grads: tuple):
         """``((comparisons, reference gradients), None)`` against the device's float64 reference graph when they

@@ -61,8 +61,24 @@ def test_a_result_that_is_its_input_and_a_gradient_given_twice_are_copied_once(s
         total = a + b
         upstream = torch.ones(64, 32, device=sim)
         before = torch.sim.device_counts()
-        total.backward(upstream)  # add gives its upstream gradient to both inputs: that one copy
+        total.backward(upstream)  # add gives its upstream gradient to both inputs: the copy made of torch.ones' result
         backward = torch.sim.device_counts() - before
     assert tool.verdict() == "clean" and tool.counts["backward compared"] == 1, dict(tool.counts)
     assert copied.device_to_host_copies == 1, copied
-    assert backward.device_to_host_copies == 1, backward
+    assert backward.device_to_host_copies == 0, backward
+
+
+def test_a_gradient_a_backward_passes_on_from_the_cache_is_not_copied_again(sim, tmp_path):
+    import op_tools
+
+    a, b = (torch.randn(64, 32, device=sim, requires_grad=True) for _ in range(2))
+    c = torch.randn(64, 32, device=sim)
+    with op_tools.OpAutoCompare(results_dir=str(tmp_path)) as tool:
+        total = (a + b) * c
+        before = torch.sim.device_counts()
+        # mul's backward gives a + b its gradient, copied as mul's result; add passes that gradient on to a and b,
+        # and receives it from the cache: its copy serves add's comparison too
+        total.backward(torch.ones(64, 32, device=sim))
+        backward = torch.sim.device_counts() - before
+    assert tool.verdict() == "clean" and tool.counts["backward compared"] == 2, dict(tool.counts)
+    assert backward.device_to_host_copies == 2, backward  # mul's upstream gradient and the one it gives
