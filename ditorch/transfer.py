@@ -42,7 +42,7 @@ class DeviceMap:
         self._indexed = target != "cpu"  # the host is one device: "cuda:1" means "cpu" there
 
     def __call__(self, value):
-        cls = value.__class__
+        cls = type(value)  # not value.__class__: torch 2.11's dynamo, tracing this, answers it wrongly for a device
         if cls is str:
             mapped = self._strings.get(value)
             if mapped is not None:
@@ -76,7 +76,7 @@ class DeviceMap:
         @functools.wraps(fn)
         def with_device_arguments(*args, **kwargs):
             for arg in args:
-                cls = arg.__class__
+                cls = type(arg)
                 if cls is str or cls is device_class:
                     args = tuple(map(remap, args))  # DeviceMap leaves anything else as it is
                     break
@@ -96,9 +96,9 @@ class DeviceMap:
             return self.device_anywhere(fn)
 
         def ordinal(value):
-            if value.__class__ is str and (value == "cuda" or value.startswith("cuda:")):
+            if type(value) is str and (value == "cuda" or value.startswith("cuda:")):
                 value = torch.device(value)
-            if value.__class__ is torch.device and value.type == "cuda":
+            if type(value) is torch.device and value.type == "cuda":
                 return value.index
             return value
 

@@ -43,7 +43,7 @@ class SimEngine:
 
 def _indexed(device):
     """``device`` with the current sim index when it is a bare sim device (``"sim"``, ``torch.device("sim")``)."""
-    cls = device.__class__
+    cls = type(device)  # not device.__class__, which torch 2.11's dynamo answers wrongly for a device
     if (cls is str and device == "sim") or (cls is torch.device and device.type == "sim" and device.index is None):
         return torch.device("sim", DeviceSelection.current())
     return device
