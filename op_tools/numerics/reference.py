@@ -238,17 +238,18 @@ def _first_low_precision(*objs) -> torch.dtype | None:
     return None
 
 
-def reference_backward(outputs: list[torch.Tensor], leaves: list, upstream: tuple, math: DeviceMath | None = None) \
-        -> tuple:
+def reference_backward(outputs: list[torch.Tensor], leaves: list, upstream: tuple, math: DeviceMath | None = None,
+                       retain: bool = False) -> tuple:
     """Gradients of ``leaves`` for ``upstream`` gradients of ``outputs`` (cast to each output's dtype); with ``math``,
-    the backward kernels compute as the device declared (a same-dtype run's backward)."""
+    the backward kernels compute as the device declared (a same-dtype run's backward); ``retain``: the graph can be
+    run backward again (for other upstream gradients: a stale copy re-read)."""
     pairs = [(o, g.to(o.dtype)) for o, g in zip(outputs, upstream)
              if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
     live = [leaf for leaf in leaves if leaf is not None]
     if not pairs or not live:
         return tuple(None for _ in leaves)
     with isolated(), emulated(math or DeviceMath()):
-        grads = iter(_grad(tuple(o for o, _ in pairs), tuple(live), tuple(g for _, g in pairs)))
+        grads = iter(_grad(tuple(o for o, _ in pairs), tuple(live), tuple(g for _, g in pairs), retain))
     return tuple(None if leaf is None else next(grads) for leaf in leaves)
 
 
@@ -290,7 +291,7 @@ def _absolute(t: torch.Tensor) -> torch.Tensor:
 _engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 
-def _grad(outputs: tuple, inputs: tuple, grads: tuple) -> tuple:
+def _grad(outputs: tuple, inputs: tuple, grads: tuple, retain: bool = False) -> tuple:
     if _engine_run_backward is None or any(o.shape != g.shape for o, g in zip(outputs, grads)):
-        return torch.autograd.grad(outputs, inputs, grads, allow_unused=True)
-    return _engine_run_backward(outputs, grads, False, False, inputs, True, accumulate_grad=False)
+        return torch.autograd.grad(outputs, inputs, grads, retain_graph=retain, allow_unused=True)
+    return _engine_run_backward(outputs, grads, retain, False, inputs, True, accumulate_grad=False)

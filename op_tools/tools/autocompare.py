@@ -1272,7 +1272,8 @@ class OpAutoCompare(OpTool):
         """``(comparisons, reference gradients, upstream copies, given gradients' copies)`` against the CPU reference;
         the comparison is made again with fresh copies where a cached upstream copy (``rereads``: position -> the
         gradient) was stale, a gradient the backward passed on unchanged (``_given_copies``) re-read with it."""
-        comparisons, reference_grads = self._compare_backward(call, state, tuple(upstream_cpu), device_grads_cpu)
+        comparisons, reference_grads = self._compare_backward(call, state, tuple(upstream_cpu), device_grads_cpu,
+                                                              retain=bool(rereads))
         if not all(c.passed for c in comparisons) and rereads:
             now = list(upstream_cpu)
             for i, g in rereads.items():
@@ -1333,14 +1334,16 @@ class OpAutoCompare(OpTool):
             self.reference_place["backward", reason] += 1
 
     def _compare_backward(self, call: OpCall, state: CompareState, upstream_cpu: tuple, device_grads_cpu: tuple,
-                          on_device: bool = False, reference_grads: tuple | None = None, read: dict | None = None):
+                          on_device: bool = False, reference_grads: tuple | None = None, read: dict | None = None,
+                          retain: bool = False):
+        """``retain``: the reference's graph is kept for a second backward (a cached upstream copy may be re-read)."""
         reference = state.reference
         assert reference is not None  # _after_call_backward returned for a call without one
         ref_flat = _unique_tensors(reference.result)
         if len(ref_flat) != len(upstream_cpu):
             return [Comparison("grad", False, False, error_info="reference outputs differ in number")], ()
         if reference_grads is None:
-            reference_grads = reference_backward(ref_flat, reference.leaves, upstream_cpu)
+            reference_grads = reference_backward(ref_flat, reference.leaves, upstream_cpu, retain=retain)
         same_cache: list = []
 
         def same():

@@ -139,3 +139,20 @@ def test_a_conjugate_or_negative_view_is_not_the_tensor_it_views():
     values.put(locate(x), "x's")
     assert values.find(locate(x)) == "x's"
     assert values.find(locate(x.conj())) is None and values.find(locate(x._neg_view())) is None
+
+
+def test_a_gradient_passed_on_is_read_again_with_its_stale_upstream(sim):
+    """addcmul's backward passes its upstream gradient on to ``h`` and multiplies it for ``a``; that gradient, cached
+    as mul's, is doubled behind the tools' back (a hook on autograd's thread, no version bump): ``a``'s gradient then
+    fails against the stale copy, and the re-read must replace ``h``'s copy too, or ``h`` fails falsely."""
+    import ditorch.sim
+
+    h, a, b = (torch.randn(16, 8, device=sim, requires_grad=True) for _ in range(3))
+    with op_tools.OpAutoCompare() as tool:
+        y = torch.addcmul(h, a, b)
+        y.register_hook(lambda g: g.mul_(2))  # the same tensor, written in place
+        z = y * 3
+        with ditorch.sim.faults("mul_:unversioned"):
+            z.backward(torch.ones(16, 8, device=sim))
+    assert tool.failures == [] and tool.counts["backward compared"] == 2, (tool.failures, dict(tool.counts))
+    assert tool.stale_copies >= 1  # the upstream gradient was read again
