@@ -29,11 +29,14 @@ from . import env
 VARIABLE = "DITORCH_REDUCE_LOW_PRECISION_IN_FP32"
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 BITWISE = ("BAND", "BOR", "BXOR")
-# In torch 2.13 reduce_scatter_tensor and _reduce_scatter_base call reduce_scatter_single, looked up in
-# distributed_c10d; in torch 2.11 (no reduce_scatter_single) _reduce_scatter_base calls reduce_scatter_tensor, which
-# calls the process group itself.
-REDUCTIONS = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_single"
-              if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor")
+
+
+def reductions() -> tuple[str, ...]:
+    """The ``torch.distributed`` reductions ``apply`` wraps. In torch 2.13 reduce_scatter_tensor and
+    _reduce_scatter_base call reduce_scatter_single, looked up in distributed_c10d; in torch 2.11 (no
+    reduce_scatter_single) _reduce_scatter_base calls reduce_scatter_tensor, which calls the process group itself."""
+    return ("all_reduce", "reduce", "reduce_scatter",
+            "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor")
 
 
 class FinishingWork(dist._Work):
@@ -256,7 +259,7 @@ def apply(backend, patches) -> None:
         return
     import torch.distributed.distributed_c10d as c10d
 
-    for name in REDUCTIONS:
+    for name in reductions():
         wrapped = _WRAPPERS[name](getattr(c10d, name), emulate_avg, in_fp32)
         for owner in (dist, c10d):  # callers importing either way
             patches.set(owner, name, wrapped)

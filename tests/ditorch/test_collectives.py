@@ -97,16 +97,16 @@ def fake_backend(adapter) -> Backend:
 
 
 def test_adapters_wrap_reductions_only_where_the_library_needs_it(monkeypatch):
-    originals = {name: getattr(dist, name) for name in distributed_adapters.REDUCTIONS}
+    originals = {name: getattr(dist, name) for name in distributed_adapters.reductions()}
     patches = Patches()
     distributed_adapters.apply(fake_backend(sim), patches)  # simccl adapts its reductions itself
     assert len(patches) == 0
     distributed_adapters.apply(fake_backend(npu), patches)  # hccl: no AVG
     try:
-        assert all(getattr(dist, name) is not originals[name] for name in distributed_adapters.REDUCTIONS)
+        assert all(getattr(dist, name) is not originals[name] for name in distributed_adapters.reductions())
     finally:
         patches.undo()
-    assert all(getattr(dist, name) is originals[name] for name in distributed_adapters.REDUCTIONS)
+    assert all(getattr(dist, name) is originals[name] for name in distributed_adapters.reductions())
 
 
 def test_reduction_plan_for_avg_and_fp32():
@@ -120,3 +120,27 @@ def test_reduction_plan_for_avg_and_fp32():
     assert staged.dtype == torch.float32 and carried.op == dist.ReduceOp.SUM
     native = distributed_adapters.Reduction(dist.ReduceOp.AVG, torch.float32, 2, emulate_avg=False, in_fp32=True)
     assert not native.changes_anything
+
+
+def test_on_a_torch_without_reduce_scatter_single_the_adapters_wrap_reduce_scatter_tensor(monkeypatch):
+    import torch.distributed.distributed_c10d as c10d
+
+    for owner in (dist, c10d):  # as torch 2.11 is: importing ditorch on a vendor backend raised AttributeError
+        monkeypatch.delattr(owner, "reduce_scatter_single", raising=False)
+    assert distributed_adapters.reductions()[-1] == "reduce_scatter_tensor"
+    original, patches = dist.reduce_scatter_tensor, Patches()
+    distributed_adapters.apply(fake_backend(npu), patches)  # hccl: no AVG
+    try:
+        assert dist.reduce_scatter_tensor is not original and c10d.reduce_scatter_tensor is dist.reduce_scatter_tensor
+    finally:
+        patches.undo()
+    assert dist.reduce_scatter_tensor is original
+
+
+def test_a_premul_sum_factor_is_read_from_its_state_where_it_has_no_attribute():
+    class ReduceOp211:  # MOCK: torch 2.11's PREMUL_SUM ReduceOp keeps its factor in its state only
+        def __getstate__(self):
+            return (dist.ReduceOp.PREMUL_SUM, 2.5)
+
+    assert distributed_adapters.premul_factor(ReduceOp211()) == 2.5
+    assert distributed_adapters.premul_factor(dist._make_nccl_premul_sum(4.0)) == 4.0
