@@ -85,6 +85,7 @@ def _say_unseen_collectives(logger: logging.Logger) -> None:
                        "nor counted (torch 2.13 dispatches every one)", torch.__version__,
                        ", ".join(unseen))
 
+
 _CPU = torch.device("cpu")
 # Calls a function skipping one hop of torch-function dispatch; absent from older torch, where composites run whole.
 _skip_one_hop = getattr(torch._C, "_skip_one_hop_torch_function", None)
