@@ -1083,7 +1083,7 @@ class OpAutoCompare(OpTool):
                 with self._lock:
                     self.reference_place["backward", state.cpu_reason] += 1
             upstream_cpu, rereads = self._upstream_copies(upstream, self._copies.get)
-            device_grads_cpu = self._given_copies(upstream, upstream_cpu, rereads, input_grads, False)
+            device_grads_cpu = self._given_copies(upstream, upstream_cpu, input_grads, False)
             comparisons, reference_grads, upstream_cpu, device_grads_cpu = self._backward_on_host(
                 call, state, upstream_cpu, rereads, device_grads_cpu)
             if device_values is not None:  # the device reference's gradients, computed before it needed the CPU
@@ -1095,7 +1095,7 @@ class OpAutoCompare(OpTool):
     def _queue_backward(self, call: OpCall, upstream: tuple, input_grads: tuple) -> None:
         """The backward's tensors on their way to the host, and its verdict queued behind its forward's."""
         upstream_cpu, rereads = self._upstream_copies(upstream, self._copies.get_without_waiting)
-        device_grads_cpu = self._given_copies(upstream, upstream_cpu, rereads, input_grads, True)
+        device_grads_cpu = self._given_copies(upstream, upstream_cpu, input_grads, True)
         started = time.time()
 
         def judge(call: OpCall) -> None:
@@ -1208,12 +1208,10 @@ class OpAutoCompare(OpTool):
                 reused[i] = g
         return copies, reused
 
-    def _given_copies(self, upstream: tuple, upstream_cpu: list, cached: dict, input_grads: tuple,
-                      deferred: bool) -> tuple:
+    def _given_copies(self, upstream: tuple, upstream_cpu: list, input_grads: tuple, deferred: bool) -> tuple:
         """What the gradients a backward gave are compared as (``_compared_value``): a gradient given twice (``add``
         passes its upstream gradient to both inputs), or one it received, is that one copy: the upstream's, made
-        after the backward ran or taken from the cache (``cached``; re-read with it if the call fails,
-        ``_backward_on_host``)."""
+        after the backward ran or taken from the cache (re-read with it if the call fails, ``_backward_on_host``)."""
         made = {id(g): host for g, host in zip(upstream, upstream_cpu) if g is not None}
         copies: list[torch.Tensor | None] = []
         for g in input_grads:
