@@ -55,7 +55,7 @@ from ..ops.collectives import unseen_collectives
 from ..ops.naming import is_metadata_query, resolve_op_name
 from ..ops.writes import call_writes
 from ..output import reporting, result_files
-from . import compiled_regions, gradient_communication, module_path, targeting
+from . import compiled_regions, gradient_communication, module_path, one_hop, targeting
 from .call_backward import CallBackward
 from .replicas import REPLICAS
 from .steps import STEPS
@@ -87,8 +87,6 @@ def _say_unseen_collectives(logger: logging.Logger) -> None:
 
 
 _CPU = torch.device("cpu")
-# Calls a function skipping one hop of torch-function dispatch; absent from older torch, where composites run whole.
-_skip_one_hop = getattr(torch._C, "_skip_one_hop_torch_function", None)
 _BACKWARD_CALLS = frozenset({"torch.Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
 _is_compiling = torch.compiler.is_compiling  # True while dynamo traces (compiled_regions.py keeps that rare)
 
@@ -343,13 +341,13 @@ class OpTool:
         modes = _get_current_function_mode_stack()
         # The skipped hop skips every mode: another one (a user's) would see what the op calls instead of the op.
         # torch.device's DeviceContext acts on constructors only.
-        if not isinstance(mode, _ToolMode) or _skip_one_hop is None or \
+        if not isinstance(mode, _ToolMode) or (body := one_hop.skipping(call.func)) is None or \
                 any(m is not mode and not isinstance(m, DeviceContext) for m in modes):
             return call.func(*call.args, **call.kwargs)
         with contextlib.ExitStack() as stack:
             if all(m is not mode for m in modes):  # off the stack when the call came through it
                 stack.enter_context(mode)
-            return _skip_one_hop(call.func, (), call.args, call.kwargs)
+            return body(call.args, call.kwargs)
 
     def after(self, call: OpCall) -> None:
         """After the op; may replace ``call.result``."""

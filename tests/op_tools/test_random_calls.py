@@ -7,12 +7,17 @@ import pytest
 import torch
 
 import op_tools
-from op_tools.core import engine
+from op_tools.core import one_hop
 
-# Comparing the calls inside a Python composite under a mode needs torch's one-hop skip of torch-function dispatch
-# (torch 2.13); without it (torch 2.11) the composite runs whole and is skipped as random, said
-# (test_without_the_one_hop_skip_attention_with_dropout_is_skipped_whole_and_said).
-descends = pytest.mark.skipif(engine._skip_one_hop is None, reason="this torch has no _skip_one_hop_torch_function")
+
+@pytest.fixture(params=["torch", "copy"])
+def descends(request, monkeypatch):
+    """Comparing the calls inside a Python composite under a mode skips one hop of torch-function dispatch: torch's
+    own (2.13), or, where torch has none (2.11), a copy of the function without its check; both are held here."""
+    if request.param == "torch" and one_hop._native is None:
+        pytest.skip("this torch has no _skip_one_hop_torch_function")
+    if request.param == "copy":
+        monkeypatch.setattr(one_hop, "_native", None)
 
 
 @pytest.fixture(autouse=True)
@@ -35,10 +40,9 @@ def attention_step(sim, need_weights: bool = True, tool=None):
 
 
 # every call through a mode; a list of plain names through wrappers of those functions (targeting.py)
-@pytest.mark.parametrize("ops", [pytest.param(None, marks=descends),
-                                 ["torch.nn.functional.multi_head_attention_forward", "torch.nn.functional.softmax"]],
-                         ids=["mode", "targeted"])
-def test_softmax_fault_under_attention_dropout_is_the_first_failure(sim, ops):
+@pytest.mark.parametrize("ops", [None, ["torch.nn.functional.multi_head_attention_forward",
+                                        "torch.nn.functional.softmax"]], ids=["mode", "targeted"])
+def test_softmax_fault_under_attention_dropout_is_the_first_failure(sim, descends, ops):
     import ditorch.sim
 
     tool = op_tools.OpAutoCompare(**({"ops": ops} if ops else {}))
@@ -51,8 +55,7 @@ def test_softmax_fault_under_attention_dropout_is_the_first_failure(sim, ops):
     assert [reason for reason in tool.skipped if reason.startswith("random (compared inside")] != []
 
 
-@descends
-def test_attention_with_dropout_under_the_tool_draws_and_computes_as_without(sim):
+def test_attention_with_dropout_under_the_tool_draws_and_computes_as_without(sim, descends):
     expected = attention_step(sim)
     tool = op_tools.OpAutoCompare()
     got = attention_step(sim, tool=tool)
@@ -64,8 +67,7 @@ def test_attention_with_dropout_under_the_tool_draws_and_computes_as_without(sim
     assert tool.counts["forward compared"] >= 8 and tool.counts["backward compared"] >= 4  # linear, bmm, softmax
 
 
-@descends
-def test_attention_as_one_op_with_dropout_is_compared_with_its_replayed_mask(sim):
+def test_attention_as_one_op_with_dropout_is_compared_with_its_replayed_mask(sim, descends):
     expected = attention_step(sim, need_weights=False)  # multi_head_attention_forward calls SDPA with dropout_p
     tool = op_tools.OpAutoCompare()
     got = attention_step(sim, need_weights=False, tool=tool)
@@ -77,9 +79,8 @@ def test_attention_as_one_op_with_dropout_is_compared_with_its_replayed_mask(sim
     assert not [reason for reason in tool.skipped if "attention" in reason]
 
 
-@descends
 @pytest.mark.parametrize("need_weights", [False, True], ids=["sdpa", "softmax_and_dropout"])
-def test_softmax_fault_under_attention_dropout_in_a_transformer_layer_is_found_first(sim, need_weights):
+def test_softmax_fault_under_attention_dropout_in_a_transformer_layer_is_found_first(sim, descends, need_weights):
     import ditorch.sim
 
     torch.manual_seed(0)
@@ -96,8 +97,8 @@ def test_softmax_fault_under_attention_dropout_in_a_transformer_layer_is_found_f
     assert (first["op"], first["phase"], first["module"]) == (expected, "forward", "self_attn")
 
 
-@descends
-def test_attention_with_dropout_in_a_fused_kernel_is_skipped_saying_its_mask_cannot_be_replayed(sim, monkeypatch):
+def test_attention_with_dropout_in_a_fused_kernel_is_skipped_saying_its_mask_cannot_be_replayed(sim, descends,
+                                                                                               monkeypatch):
     # MOCK: a device whose attention kernel draws its own dropout mask (flash on CUDA); sim has none
     monkeypatch.setattr(torch, "_fused_sdp_choice", lambda *args, **kwargs: 1)
     tool = op_tools.OpAutoCompare()
@@ -107,8 +108,8 @@ def test_attention_with_dropout_in_a_fused_kernel_is_skipped_saying_its_mask_can
     assert len(fused) == 1 and "mask cannot be replayed" in fused[0]
 
 
-def test_without_the_one_hop_skip_attention_with_dropout_is_skipped_whole_and_said(sim, monkeypatch):
-    monkeypatch.setattr(engine, "_skip_one_hop", None)  # as in torch 2.11
+def test_a_composite_that_cannot_be_descended_into_is_skipped_whole_and_said(sim, monkeypatch):
+    monkeypatch.setattr(one_hop, "skipping", lambda func: None)  # as for a function with no check of its own
     expected = attention_step(sim)
     tool = op_tools.OpAutoCompare()
     got = attention_step(sim, tool=tool)
@@ -116,3 +117,32 @@ def test_without_the_one_hop_skip_attention_with_dropout_is_skipped_whole_and_sa
         assert torch.equal(a.cpu(), b.cpu())  # runs as without the tool
     assert tool.skipped == {"random": 1} and tool.handled["torch.nn.functional.multi_head_attention_forward"] == 1
     assert "torch.nn.functional.softmax" not in tool.handled  # ran inside it, unseen: never counted as checked
+
+
+def test_without_torchs_hop_a_functions_copy_skips_its_own_check_and_reads_its_module_live(monkeypatch):
+    import types
+
+    monkeypatch.setattr(one_hop, "_native", None)  # as in torch 2.11
+    module = types.ModuleType("composite_module")
+    exec("from torch.overrides import has_torch_function_unary, handle_torch_function\n"
+         "def composite(x):\n"
+         "    if has_torch_function_unary(x):\n"
+         "        return handle_torch_function(composite, (x,), x)\n"
+         "    return inner(x)\n"
+         "def inner(x):\n"
+         "    return x + 1\n", module.__dict__)
+    run = one_hop.skipping(module.composite)
+    seen = []
+
+    class Names(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    module.inner = lambda x: x * 3  # rebound after the copy was made: the copy sees it
+    x = torch.ones(2)
+    with Names():
+        result = run((x,), {})
+    assert result.tolist() == [3.0, 3.0]
+    assert seen == ["mul"]  # the composite's own check skipped, the calls inside it dispatched
+    assert one_hop.skipping(torch.add) is None and one_hop.skipping(lambda x: x) is None  # nothing to skip
