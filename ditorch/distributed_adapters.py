@@ -184,10 +184,11 @@ def _wrap_reduce(fn, emulate_avg: bool, in_fp32: bool):
     @functools.wraps(fn)
     def reduce(tensor, dst=None, op=dist.ReduceOp.SUM, group=None, async_op=False, group_dst=None):
         plan = Reduction(op, tensor.dtype, dist.get_world_size(group), emulate_avg=emulate_avg, in_fp32=in_fp32)
+        given = {"group_dst": group_dst} if group_dst is not None else {}  # torch 2.5 on; no such argument before
         if not plan.changes_anything or _coalescing(group):
-            return _after(fn(tensor, dst, op, group, async_op, group_dst), async_op, [tensor], None)
+            return _after(fn(tensor, dst, op, group, async_op, **given), async_op, [tensor], None)
         staged = plan.stage(tensor, is_output=True, is_input=True)
-        work = fn(staged, dst, plan.op, group, async_op, group_dst)
+        work = fn(staged, dst, plan.op, group, async_op, **given)
         return _after(work, async_op, [tensor], lambda: plan.finish(staged, tensor))
 
     return reduce

@@ -118,9 +118,18 @@ _PINNING = _HeldKernels({"_pin_memory": _pin_memory})
 _STAGING = _HeldKernels({"empty_strided": _empty_strided, "is_pinned": _is_pinned})
 
 
+def _default_device() -> torch.device:
+    """``torch.get_default_device()``, which torch 2.3 added; before it, what ``torch.set_default_device`` set."""
+    if hasattr(torch, "get_default_device"):
+        return torch.get_default_device()
+    from torch.utils import _device
+
+    return torch.device(getattr(_device, "CURRENT_DEVICE", None) or "cpu")
+
+
 def _on_host(device) -> bool:
     if device is None:
-        return torch.get_default_device().type == "cpu"
+        return _default_device().type == "cpu"
     return isinstance(device, (str, torch.device)) and torch.device(device).type == "cpu"
 
 

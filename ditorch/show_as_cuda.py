@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-_device_getter = torch._C.TensorBase.device.__get__
+_device_getter = (getattr(torch._C, "TensorBase", None) or torch._C._TensorBase).device.__get__  # _TensorBase < 2.3
 _modes_on = torch._C._is_torch_function_mode_enabled
 _no_torch_function = torch._C.DisableTorchFunction
 
@@ -37,7 +37,8 @@ def apply(backend, patches) -> None:
             return as_cuda[current()] if real == cpu else real
 
     shown_as_cuda = device
-    tracing = torch._guards.TracingContext.try_get  # set while torch.compile traces (dynamo, AOTAutograd)
+    # set while torch.compile traces (dynamo, AOTAutograd); try_get from torch 2.2, get before
+    tracing = getattr(torch._guards.TracingContext, "try_get", None) or torch._guards.TracingContext.get
 
     def device(self):  # type: ignore[no-redef]  # noqa: F811 - the shown device, less while torch.compile traces
         # Dynamo makes its fake tensors on `t.device`: a fake "cuda" tensor would send ops to a device this

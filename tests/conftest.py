@@ -111,6 +111,10 @@ def logged(caplog):
 @pytest.fixture(scope="session")
 def sim():
     """The simulated accelerator, registered once per test process; yields its device name."""
+    import torch
+
+    if torch.torch_version.TorchVersion(torch.__version__) < "2.10":
+        pytest.skip(f"the sim device needs torch >= 2.10; this is {torch.__version__}")
     import ditorch.sim
 
     ditorch.sim.register()

@@ -74,7 +74,10 @@ def _serve(sock_fd: int, preload: list) -> None:
     import importlib
 
     for name in preload:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError:  # not here (transformers on a torch it does not support): each child fails as a new
+            pass  # interpreter would, importing it itself
     if "transformers" in sys.modules:
         from transformers.utils import import_utils
 

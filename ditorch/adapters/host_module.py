@@ -13,11 +13,11 @@ import dataclasses
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 from torch.cpu import (  # noqa: F401 - re-exported as this device module's API
     is_available,
-    is_initialized,
     synchronize,
 )
 
@@ -38,6 +38,10 @@ AMP_DTYPES = [torch.bfloat16, torch.float16]
 
 def _lazy_init() -> None:
     pass
+
+
+# torch.cpu's own from torch 2.5 on; the host needs no initialisation
+is_initialized: Callable[[], bool] = getattr(torch.cpu, "is_initialized", lambda: True)
 
 
 def _is_in_bad_fork() -> bool:
@@ -100,7 +104,10 @@ class Stream(torch.cpu.Stream):
     is never anything to wait for."""
 
     def __init__(self, device=None, priority: int = 0, **kwargs) -> None:
-        super().__init__(priority)
+        try:
+            super().__init__(priority)
+        except TypeError:  # an older torch's host stream takes no priority
+            super().__init__()
 
     def synchronize(self) -> None:
         pass

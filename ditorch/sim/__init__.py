@@ -15,6 +15,12 @@ import contextlib
 import logging
 import threading
 
+import torch as _torch
+
+if _torch.torch_version.TorchVersion(_torch.__version__) < "2.10":
+    raise ImportError(f"ditorch.sim needs PyTorch >= 2.10 (its Python PrivateUse1 backend hooks); this is torch "
+                      f"{_torch.__version__}")
+
 from .attention import SdpaAlgorithm, get_sdpa_algorithm, sdpa_algorithm, set_sdpa_algorithm  # noqa: F401
 from .fault_injection import (  # noqa: F401 - public API
     Fault,

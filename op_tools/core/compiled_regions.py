@@ -105,8 +105,15 @@ def _force_eager() -> bool:
     global _stance
     if _stance is not None:
         return True
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:  # torch < 2.6
+        logging.getLogger("op_tools").warning(
+            "op_tools: compiled regions keep running compiled (torch %s has no torch.compiler.set_stance, which "
+            "torch 2.6 added): the calls inside them reach no tool and are neither checked nor counted",
+            torch.__version__)
+        return False
     try:
-        _stance = torch.compiler.set_stance("force_eager")
+        _stance = set_stance("force_eager")
     except RuntimeError as error:  # "attempted to set_stance in a torch.compile region"
         logging.getLogger("op_tools").warning(
             "op_tools: compiled regions keep running compiled (%s); the calls the tool meets inside them are "

@@ -50,6 +50,7 @@ from ..config import typo_check
 from ..config.settings import signature_of, sources_for, validate_arguments
 from ..config.tool_registry import FEATURES, feature  # noqa: F401  # op_tools.core.engine.FEATURES / feature, as before
 from ..config.variables import CommonConfig, OpFilter, Sources
+from ..ops import torch_versions
 from ..ops.arguments import call_device, iter_tensors
 from ..ops.collectives import unseen_collectives
 from ..ops.naming import is_metadata_query, resolve_op_name
@@ -88,7 +89,7 @@ def _say_unseen_collectives(logger: logging.Logger) -> None:
 
 _CPU = torch.device("cpu")
 _BACKWARD_CALLS = frozenset({"torch.Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
-_is_compiling = torch.compiler.is_compiling  # True while dynamo traces (compiled_regions.py keeps that rare)
+_is_compiling = torch_versions.is_compiling  # True while dynamo traces (compiled_regions.py keeps that rare)
 
 
 class RegionRun:

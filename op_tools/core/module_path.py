@@ -29,6 +29,7 @@ import weakref
 import torch
 from torch.nn.modules import module as _module
 
+from ..ops.torch_versions import is_compiling
 from .shared_install import SharedInstall
 
 
@@ -114,7 +115,7 @@ def _path_in(root: torch.nn.Module, module: torch.nn.Module) -> str | None:
     return names[id(module)]
 
 
-_is_compiling = torch.compiler.is_compiling
+_is_compiling = is_compiling
 
 
 def _enter(module: torch.nn.Module, _args) -> None:

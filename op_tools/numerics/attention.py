@@ -37,12 +37,17 @@ def additive_mask(mask, dtype: torch.dtype):
     return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), float("-inf"))
 
 
+def _gqa(enable_gqa: bool) -> dict:
+    """The math path's ``enable_gqa`` where set: torch before 2.5 has no such argument (nor grouped queries)."""
+    return {"enable_gqa": True} if enable_gqa else {}
+
+
 def attention_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
                    enable_gqa=False):
     """``scaled_dot_product_attention`` on PyTorch's math path, whatever fused kernel the device has: the output."""
     return torch.ops.aten._scaled_dot_product_attention_math(
         query, key, value, additive_mask(attn_mask, query.dtype), dropout_p, is_causal, None, scale=scale,
-        enable_gqa=enable_gqa)[0]
+        **_gqa(enable_gqa))[0]
 
 
 def replayed_dropout_mask(args: tuple, kwargs: dict, result: torch.Tensor, rng: tuple[Callable, Callable],
@@ -53,7 +58,7 @@ def replayed_dropout_mask(args: tuple, kwargs: dict, result: torch.Tensor, rng: 
     ``result`` the call's output, whose dtype the replay computes in (autocast casts the inputs the same way)."""
     a = attention_arguments(args, kwargs)
     query, key, value, mask = a["query"], a["key"], a["value"], a["attn_mask"]
-    options = {"scale": a["scale"], "enable_gqa": a["enable_gqa"]}
+    options = {"scale": a["scale"], **_gqa(a["enable_gqa"])}
     dtype = result.dtype
     query, key, value, mask = (t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
                                for t in (query, key, value, mask))
@@ -84,7 +89,7 @@ def with_dropout_mask(keep: torch.Tensor) -> Callable:
                   enable_gqa=False):
         _, weights = torch.ops.aten._scaled_dot_product_attention_math(
             query, key, value, additive_mask(attn_mask, query.dtype), 0.0, is_causal, None, scale=scale,
-            enable_gqa=enable_gqa)
+            **_gqa(enable_gqa))
         if value.dim() >= 3 and value.size(-3) != weights.size(-3):  # grouped-query attention: heads share a value
             value = value.repeat_interleave(weights.size(-3) // value.size(-3), dim=-3)
         kept = weights.masked_fill(~keep.to(weights.device), 0)

@@ -34,6 +34,7 @@ import torch
 from torch._C import DispatchKey
 
 from ..ops.op_facts import OpsWith, op_facts
+from ..ops.torch_versions import autocast_dtype
 from .attention import attention_math
 
 logger = logging.getLogger("op_tools")
@@ -120,7 +121,7 @@ class DeviceMath:
         if device is None or device.type == "cpu":
             return _PLAIN
         kind = device.type
-        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+        dtype = autocast_dtype(kind)
         reduced = _reduced_precision(kind, recurrent=op is not None and op_facts(op).recurrent)
         if dtype is None and not reduced:
             return _PLAIN

@@ -96,7 +96,7 @@ def _run(d: torch.Tensor, r: torch.Tensor, scalars: torch.Tensor, relative: bool
         before = counters["frames"]["total"]
         try:
             # The stance is process-wide: for the length of this call, compiled code on another thread runs compiled.
-            with torch.compiler.set_stance("default"), torch._C.DisableTorchFunction(), torch.no_grad(), \
+            with _default_stance(), torch._C.DisableTorchFunction(), torch.no_grad(), \
                     _autocast_fixed():
                 values = compiled(_unviewed(d), _unviewed(r), scalars[0], scalars[1], scalars[2]).tolist()
         finally:
@@ -140,6 +140,12 @@ def _autocast_fixed():
         for device, enabled, dtype in reversed(changed):
             torch.set_autocast_dtype(device, dtype)
             torch.set_autocast_enabled(device, enabled)
+
+
+def _default_stance():
+    """The compiler's default stance for the statistics' call; torch before 2.6 has no stance (nor forces eager)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("default") if set_stance is not None else contextlib.nullcontext()
 
 
 def _autocast_device_types() -> tuple[str, ...]:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from ..ops.naming import function_from_name
+from ..ops.torch_versions import autocast_enabled
 from . import sampled_reference
 from .device_math import MANTISSA_BITS, DeviceMath
 from .rounding_bounds import gamma, worst_excess
@@ -560,6 +561,6 @@ def check(name: str, args: tuple, kwargs: dict, result, math_: DeviceMath, share
 
 def _autocasts(device: str) -> bool:
     try:
-        return torch.is_autocast_enabled(device)
+        return autocast_enabled(device)
     except RuntimeError:  # a device type autocast does not know
         return False

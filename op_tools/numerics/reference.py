@@ -15,6 +15,7 @@ import functools
 import torch
 
 from ..ops.arguments import iter_tensors, map_tensors
+from ..ops.torch_versions import autocast_enabled
 from .device_math import DeviceMath, emulated
 
 _CPU = torch.device("cpu")
@@ -100,7 +101,7 @@ _NOTHING = contextlib.nullcontext()  # reusable: entering it holds no state
 
 def isolated():
     """The context of every rerun: no CPU autocast of the user's, no saved-tensor hooks of the user's."""
-    autocast, hooks = torch.is_autocast_enabled("cpu"), _saved_tensor_hooks_active()
+    autocast, hooks = autocast_enabled("cpu"), _saved_tensor_hooks_active()
     # most calls have neither: no generator-based context built for them (several per compared call)
     return _isolating(autocast, hooks) if autocast or hooks else _NOTHING
 

@@ -8,6 +8,8 @@ from typing import Any, Callable
 
 import torch
 
+from .torch_versions import TensorBase
+
 _CPU = "cpu"
 
 
@@ -117,7 +119,7 @@ def map_tensors(obj, fn: Callable[[torch.Tensor], Any]):
     return obj
 
 
-_device_getter = torch._C.TensorBase.device.__get__
+_device_getter = TensorBase.device.__get__
 _modes_on = torch._C._is_torch_function_mode_enabled
 
 

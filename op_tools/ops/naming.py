@@ -27,6 +27,8 @@ METADATA_QUERIES = frozenset(
                "torch.is_same_size", "torch.get_device",
                # grad mode's switch (torch 2.11 dispatches it to the modes): the state calls run under, not a call
                "torch._C._set_grad_enabled",
+               # torch.profiler.record_function's marks (an optimizer step's): a profiler handle, no values
+               "profiler._record_function_enter_new", "profiler._record_function_exit._RecordFunction",
                # devices and parsed .to() arguments: a CPU rerun would answer cpu, which is no reference for them
                "torch.device", "torch._C._nn._parse_to"})
 

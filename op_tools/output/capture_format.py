@@ -24,6 +24,7 @@ import threading
 
 import torch
 
+from ..ops.torch_versions import autocast_dtype
 from . import result_files
 
 REF_KEY = "op_tools_ref"
@@ -140,6 +141,7 @@ def load_op_args(path: str) -> dict:
 
 def autocast_state(device: torch.device | None) -> dict | None:
     """``{"device_type": "cuda", "dtype": "float16"}`` when autocast is on for ``device``'s type, else None."""
-    if device is None or not torch.is_autocast_enabled(device.type):
+    dtype = autocast_dtype(device.type) if device is not None else None
+    if device is None or dtype is None:
         return None
-    return {"device_type": device.type, "dtype": str(torch.get_autocast_dtype(device.type)).removeprefix("torch.")}
+    return {"device_type": device.type, "dtype": str(dtype).removeprefix("torch.")}

@@ -63,6 +63,7 @@ from ..numerics.tensor_stats import (
 )
 from ..ops.arguments import local_part, real_device, tensor_items
 from ..ops.op_facts import op_facts
+from ..ops.torch_versions import autocast_dtype
 from ..ops.writes import call_writes
 from . import reporting, result_files
 
@@ -333,8 +334,8 @@ class RunRecorder:
                 self._indices[call.module_path] = index + 1
         call.state.update(seq=seq, step=step, index=index, device=device)
         autocast = None
-        if call.device is not None and torch.is_autocast_enabled(call.device.type):
-            autocast = str(torch.get_autocast_dtype(call.device.type)).removeprefix("torch.")
+        if call.device is not None and (dtype := autocast_dtype(call.device.type)) is not None:
+            autocast = str(dtype).removeprefix("torch.")
         in_optimizer = self._steps is not None and self._steps.in_optimizer
         phase = "recompute" if recompute else "optimizer" if in_optimizer else "forward"
         record = {"seq": seq, "phase": phase, "step": step, "time": _time(call.time),

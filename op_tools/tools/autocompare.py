@@ -110,6 +110,7 @@ from ..ops.arguments import is_dtensor, iter_items, iter_tensors, map_tensors
 from ..ops.collectives import collective_call, signature_of
 from ..ops.op_facts import cached_on_facts, op_facts
 from ..ops.random_calls import GeneratorProbe, cpu_generator_token, device_rng, random_reason, skip_text
+from ..ops.torch_versions import OutOfMemoryError, is_compiling
 from ..ops.writes import call_writes
 from ..output import reporting, result_files
 from .compare_state import CompareState, Launched
@@ -300,7 +301,7 @@ class OpAutoCompare(OpTool):
 
     def _judge_step(self, *_) -> None:
         # not while dynamo traces a compiled optimizer step: the queue waits for the next point
-        if len(self._queue) and not torch.compiler.is_compiling():
+        if len(self._queue) and not is_compiling():
             self.judge_queued()
 
     def judge_queued(self) -> None:
@@ -363,7 +364,7 @@ class OpAutoCompare(OpTool):
                 self._copy_arguments(call, state, copies.fresh, keep_devices=True)
             except NotCopiedError as why:
                 copies, state.cpu_reason = None, why.args[0]
-            except torch.OutOfMemoryError:  # a call that does not fit beside the run: compared on the CPU
+            except OutOfMemoryError:  # a call that does not fit beside the run: compared on the CPU
                 copies, state.cpu_reason = None, "out of device memory for its float64 copies"
             else:
                 if self._memory.admits(copies.nbytes):
@@ -393,11 +394,14 @@ class OpAutoCompare(OpTool):
     @staticmethod
     def _copy_arguments(call: OpCall, state: CompareState, get, keep_devices: bool = False) -> None:
         """``state.cpu_args``/``cpu_kwargs``: the call's arguments with each tensor through ``get`` (``(copy,
-        reused)``), and ``state.tensors``: (tensor, copy, reused) in argument order, walked once."""
+        reused)``) once, and ``state.tensors``: (tensor, copy, reused) in argument order, walked once."""
         tensors: list = []
+        # A tensor passed twice (x * x, attention's query, key and value) is one copy: one leaf in the reference, so
+        # that its gradient sums both uses as the device's does. The cache gave that only to the tensors it keeps.
+        taken: dict[int, tuple] = {}
 
         def copy(t: torch.Tensor) -> torch.Tensor:
-            host, reused = get(t)
+            host, reused = taken.get(id(t)) or taken.setdefault(id(t), get(t))
             tensors.append((t, host, reused))
             return host
 
@@ -675,7 +679,7 @@ class OpAutoCompare(OpTool):
         except NeedsHostError:
             state.cpu_reason = _NEEDED_CPU
             return None
-        except torch.OutOfMemoryError:
+        except OutOfMemoryError:
             state.cpu_reason = "out of device memory for its comparison"
             return None
         if outcome is None:  # state.cpu_reason says why
@@ -715,7 +719,7 @@ class OpAutoCompare(OpTool):
             pairs += [(kept, reference.mapped[id(host_of[id(t)])]) for t, kept in zip(extra, state.extra_cpu)]
             # a cross-checked call is judged on the CPU: no statistics here
             pending = None if state.cross_check else launch_stats(pairs, self._tolerance, call.name, False)
-        except torch.OutOfMemoryError:
+        except OutOfMemoryError:
             state.cpu_reason = "out of device memory for its comparison"
             return False
         state.host_of, state.owned, state.rereads = host_of, owned, {}
@@ -753,7 +757,7 @@ class OpAutoCompare(OpTool):
                 outcome = self._compare_forward(call, state, on_device=True, launched=launched)
             except NeedsHostError:
                 pass
-            except torch.OutOfMemoryError:
+            except OutOfMemoryError:
                 state.cpu_reason = "out of device memory for its comparison"
         if outcome is not None and all(c.passed for c in outcome[0]):
             state.device_reference = None  # it is the call's reference (state.reference, for the backward)

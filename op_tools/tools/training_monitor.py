@@ -53,6 +53,7 @@ from ..config.variables import BLOCKS
 from ..core import shards
 from ..numerics.device_readback import DeviceReadback
 from ..numerics.tensor_stats import SUMMARY_FIELDS, summary
+from ..ops.torch_versions import GradScaler, is_compiling
 from ..output import reporting, result_files
 from ..output.reporting import logger
 
@@ -230,7 +231,7 @@ class TrainingMonitor:
                  parameters: list[str] | str | None = None, model: torch.nn.Module | None = None,
                  activations: list[str] | str | None = None, spike_factor: float | None = None,
                  warmup: int | None = None, tensorboard: bool | None = None, update_ratio: bool | None = None,
-                 moments: bool | None = None, scaler: torch.amp.GradScaler | None = None,
+                 moments: bool | None = None, scaler: GradScaler | None = None,
                  scale_drops: int | None = None, replicas: bool | None = None, html: bool | None = None,
                  **shared: Any) -> None:
         if isinstance(results_dir, torch.nn.Module):  # TrainingMonitor(model), as other monitors are called
@@ -238,7 +239,7 @@ class TrainingMonitor:
                 raise TypeError(f"TrainingMonitor(): a module ({type(results_dir).__name__}) given first and model= "
                                 "too; give the model once, as model=, and results_dir= a directory path")
             results_dir, model = None, results_dir
-        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        if scaler is not None and not isinstance(scaler, GradScaler):
             raise TypeError(f"TrainingMonitor(scaler=...): expected a torch.amp.GradScaler, "
                             f"got {type(scaler).__name__}")
         if model is not None and not isinstance(model, torch.nn.Module):
@@ -308,7 +309,7 @@ class TrainingMonitor:
         self._fired: set[str] = set()  # the rules that fire once per run (nonfinite, loss scale, replicas)
         self._loss: torch.Tensor | None = None  # log_loss()'s
         self._roots: torch.Tensor | None = None  # the sum of the backward roots since the last step
-        self._scaled: tuple[weakref.ref, torch.amp.GradScaler] | None = None  # GradScaler.scale's last output
+        self._scaled: tuple[weakref.ref, GradScaler] | None = None  # GradScaler.scale's last output
         self._before_reduction: dict[str, torch.Tensor] = {}
         self._old: list[torch.Tensor] | None = None
         self._unmeasured: collections.Counter[str] = collections.Counter()
@@ -337,8 +338,8 @@ class TrainingMonitor:
                              torch.nn.modules.module.register_module_forward_hook(self._leave_module,
                                                                                      always_call=True)]
         self._patch(torch.autograd, "backward", self._backward_wrapper)
-        self._patch(torch.amp.GradScaler, "scale", self._scale_wrapper)
-        self._patch(torch.amp.GradScaler, "update", self._update_wrapper)
+        self._patch(GradScaler, "scale", self._scale_wrapper)
+        self._patch(GradScaler, "update", self._update_wrapper)
         self._stepped = False  # an optimizer step since GradScaler's last update()
         self.skipped_iterations = 0
         return self
@@ -467,7 +468,7 @@ class TrainingMonitor:
         # training forwards only (not eval mode; not grad mode: a reentrant checkpoint runs the training forward
         # under no_grad), once: a checkpoint's recomputation inside backward only gives the output whose gradient
         # backward computes (a reentrant checkpoint's first output had none)
-        if torch.compiler.is_compiling():  # traced into a graph once: a hook's figures would not be taken per call
+        if is_compiling():  # traced into a graph once: a hook's figures would not be taken per call
             self._compiled.add(name)
             return
         if not self._recording or not module.training:

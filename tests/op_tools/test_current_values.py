@@ -4,6 +4,7 @@ again."""
 
 import gc
 
+import pytest
 import torch
 
 from op_tools.numerics.current_values import CurrentValues, locate
@@ -82,3 +83,19 @@ def test_a_gradient_a_backward_passes_on_from_the_cache_is_not_copied_again(sim,
         backward = torch.sim.device_counts() - before
     assert tool.verdict() == "clean" and tool.counts["backward compared"] == 2, dict(tool.counts)
     assert backward.device_to_host_copies == 2, backward  # mul's upstream gradient and the one it gives
+
+
+@pytest.mark.parametrize("reference", ["cpu", "device"])
+def test_a_tensor_passed_twice_is_one_leaf_of_the_reference_even_where_no_cache_keeps_it(sim, tmp_path, monkeypatch,
+                                                                                          reference):
+    # x * x: the device's gradient of x sums both uses. The cache used to make the two arguments one copy, but it
+    # keeps no tensor over a quarter of its room (a 128 MB activation on a GPU), nor a DTensor, and the float64
+    # copies on the device were never cached: two leaves, half the gradient, a false failure.
+    import op_tools
+
+    monkeypatch.setattr(HostCopies, "MAX_BYTES", 1024)  # x (4 KB) is then too big to be kept, as 128 MB is
+    x = torch.randn(1000, device=sim, requires_grad=True)
+    with op_tools.OpAutoCompare(results_dir=str(tmp_path), reference=reference) as tool:
+        (x * x).sum().backward()
+    assert tool.verdict() == "clean", tool.failures
+    assert tool.counts["backward compared"] == 2, dict(tool.counts)  # sum's and mul's

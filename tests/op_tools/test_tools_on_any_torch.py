@@ -1,0 +1,90 @@
+"""Every tool on a CPU training step made of torch's own modules, its calls handled as a device's: the verdict is
+clean, nothing it could not check, and the step's numbers and random stream are the ones without it.
+
+No sim (torch >= 2.10), no transformers (torch >= 2.6), no child process: this file runs on any torch the project
+declares (``pyproject.toml``), and is the one to run in a venv with an older torch (docs/device_layer.md).
+"""
+
+import os
+
+import pytest
+import torch
+
+import op_tools
+from op_tools.tools.training_monitor import TrainingMonitor
+
+TOOLS = sorted(cls.__name__ for cls in op_tools.FEATURES.values())
+
+
+@pytest.fixture(autouse=True)
+def _results_here(tmp_path, monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("OP_") or "AUTOCOMPARE" in name:
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path))
+
+
+class Net(torch.nn.Module):
+    """A convolution with batch norm and an in-place ReLU, attention, layer norm, an LSTM and dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = torch.nn.BatchNorm2d(8)
+        self.attention = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        self.lstm = torch.nn.LSTM(8, 8, batch_first=True)
+        self.layer_norm = torch.nn.LayerNorm(8)
+        self.dropout = torch.nn.Dropout(0.1)
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu_(self.norm(self.conv(x)))
+        x = x.flatten(2).transpose(1, 2)  # (batch, 16 positions, 8 channels)
+        x = x + self.attention(x, x, x, need_weights=False)[0]
+        x = self.layer_norm(x + self.lstm(x)[0])
+        return self.head(self.dropout(x).mean(1))
+
+
+def train(tool=None, steps: int = 2) -> list:
+    """Two AdamW steps; the losses, the parameters and the random state after."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, target = torch.randn(4, 3, 4, 4), torch.tensor([0, 1, 2, 3])
+    losses = []
+    for _ in range(steps):
+        if tool is not None:
+            tool.start()
+        loss = torch.nn.functional.cross_entropy(model(x), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if tool is not None:
+            tool.stop()
+        losses.append(loss.item())
+    return [losses, [p.detach().clone() for p in model.parameters()], torch.get_rng_state()]
+
+
+@pytest.mark.parametrize("name", TOOLS)
+def test_each_tool_on_a_cpu_training_step_is_clean_and_changes_nothing(name):
+    expected = train()
+    tool = getattr(op_tools, name)()
+    tool.handles_cpu_calls = True  # the host taken as the device: no other device runs on every torch
+    got = train(tool)
+    assert tool.verdict() == "clean", tool.closing_line()
+    # it saw the step, not a few stray calls (OpSelfCheck wraps the functions it checks, within its time budget)
+    assert sum(tool.handled.values()) >= (3 if name == "OpSelfCheck" else 100), tool.closing_line()
+    assert got[0] == expected[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], expected[1]))
+    assert torch.equal(got[2], expected[2])
+
+
+def test_the_training_monitor_on_a_cpu_training_step_is_clean_and_changes_nothing():
+    expected = train()
+    torch.manual_seed(0)
+    model = Net()
+    monitor = TrainingMonitor(model=model)
+    got = train(monitor)
+    assert monitor.verdict() == "clean", monitor.closing_line()
+    assert got[0] == expected[0]
+    assert torch.equal(got[2], expected[2])
