@@ -71,6 +71,26 @@ def test_backward_fault_is_the_first_failure(sim, workload):
 
 
 @pytest.mark.parametrize("workload", zoo.ZOO, ids=IDS)
+def test_with_nothing_in_the_host_copy_cache_a_clean_run_fails_nothing_and_the_fault_is_found_first(sim, workload,
+                                                                                                  monkeypatch):
+    """The cache keeps no tensor over a quarter of its room (a real model's activations on a GPU): the verdicts must
+    not depend on it (a tensor passed twice once took two copies without it: a false failure)."""
+    import ditorch.sim
+
+    from op_tools.numerics.host_copies import HostCopies
+
+    expected = _expected(workload, sim)
+    monkeypatch.setattr(HostCopies, "MAX_BYTES", 1)
+    with op_tools.OpAutoCompare() as tool:
+        assert workload.run(sim) == expected
+    assert tool.failures == [], tool.failures[:3]
+    spec, suffix = workload.forward_fault
+    with op_tools.OpAutoCompare() as tool, ditorch.sim.faults(spec):
+        workload.run(sim)
+    assert tool.failures and tool.failures[0]["op"].endswith(suffix), tool.failures[:1]
+
+
+@pytest.mark.parametrize("workload", zoo.ZOO, ids=IDS)
 def test_summing_as_a_gpu_a_clean_run_fails_nothing_and_the_faults_are_found_first(sim, workload):
     """``DITORCH_SIM_NUMERICS=gpu``: sim's sums in a CUDA reduction's order, legitimately not the CPU's (issue 34)."""
     import ditorch.sim
