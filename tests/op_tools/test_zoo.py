@@ -76,7 +76,6 @@ def test_with_nothing_in_the_host_copy_cache_a_clean_run_fails_nothing_and_the_f
     """The cache keeps no tensor over a quarter of its room (a real model's activations on a GPU): the verdicts must
     not depend on it (a tensor passed twice once took two copies without it: a false failure)."""
     import ditorch.sim
-
     from op_tools.numerics.host_copies import HostCopies
 
     expected = _expected(workload, sim)
