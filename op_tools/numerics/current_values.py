@@ -27,6 +27,14 @@ from typing import Any
 
 import torch
 
+from ..ops.torch_versions import STORAGE_OBJECTS_KEPT
+
+
+def _untracked(t: torch.Tensor) -> None:
+    """``locate`` where torch makes a new storage object at each ``untyped_storage()`` (before 2.2): nothing tells
+    that a storage is the one a value was derived from, so no value is ever reused (and no weak reference made)."""
+    return None
+
 
 def locate(t: torch.Tensor):
     """``(storage, (offset, sizes, strides, dtype, conjugated, negated), version)``, or None for a tensor that cannot
@@ -38,6 +46,10 @@ def locate(t: torch.Tensor):
                                       t.is_neg()), t._version)
     except (RuntimeError, NotImplementedError, TypeError):  # inference tensors (no version), storage-less tensors
         return None
+
+
+if not STORAGE_OBJECTS_KEPT:
+    locate = _untracked  # noqa: F811
 
 
 class _StorageRef(weakref.ref):

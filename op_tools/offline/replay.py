@@ -158,16 +158,22 @@ def _load_optional(path: str) -> dict | None:
 # --- resolving names: torch operators only, unless a package is allowed ---
 
 @functools.cache
-def _overridable_names() -> frozenset:
+def _overridable() -> tuple[frozenset, frozenset]:
+    """The names ``torch.overrides`` gives its functions, and the functions' ids (alive as long as torch)."""
     from torch.overrides import get_overridable_functions, resolve_name
 
-    names = set()
+    names, ids = set(), set()
     for functions in get_overridable_functions().values():
         for f in functions:
+            ids.add(id(f))
             name = resolve_name(f)
             if name:
                 names.add(name)
-    return frozenset(names)
+    return frozenset(names), frozenset(ids)
+
+
+def _overridable_names() -> frozenset:
+    return _overridable()[0]
 
 
 _ATEN_NAMESPACES = {"torch": "_VariableFunctions", "torch._C._nn": "_nn", "torch._C._linalg": "_linalg",
@@ -184,6 +190,15 @@ def is_torch_operator(name: str) -> bool:
     return binding is not None and hasattr(getattr(torch._C, binding), short)
 
 
+def _known_function(func) -> bool:
+    """Whether ``func`` is itself a function ``torch.overrides`` knows or an aten binding, whatever its name."""
+    if id(func) in _overridable()[1]:
+        return True
+    short = getattr(func, "__name__", None)
+    return isinstance(short, str) and any(getattr(getattr(torch._C, binding), short, None) is func
+                                          for binding in _ATEN_NAMESPACES.values())
+
+
 def resolve_op(name: str, allowed_modules: tuple[str, ...] = ()):
     """The function a capture names, if it may run: a torch operator, or in a package the user allowed."""
     if not isinstance(name, str) or not name:
@@ -196,7 +211,8 @@ def resolve_op(name: str, allowed_modules: tuple[str, ...] = ()):
         func = function_from_name(name)[2]
     except ValueError as e:
         raise ReplayError(f"unknown op {name!r}: {e}") from None
-    if top == "torch" and not is_torch_operator(name):
+    # by its function too: the tools name torch.relu_ by its alias torch.nn.functional.relu_, an aten binding
+    if top == "torch" and not is_torch_operator(name) and not _known_function(func):
         raise ReplayError(f"refused op name {name!r}: not a torch operator (a capture names operators only)")
     return func
 

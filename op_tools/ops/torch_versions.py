@@ -23,6 +23,11 @@ else:
     OutOfMemoryError = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
     # the device-generic scaler from 2.3, which CUDA's subclasses
     GradScaler = getattr(torch.amp, "GradScaler", None) or torch.cuda.amp.GradScaler
+# Whether a storage's Python object lives as long as the storage (torch 2.2 on); before, ``untyped_storage()`` makes a
+# new one at each call, so neither its identity nor a weak reference to it says which storage a tensor has.
+_probe = torch.empty(1)
+STORAGE_OBJECTS_KEPT: bool = _probe.untyped_storage() is _probe.untyped_storage()
+del _probe
 # public from 2.3; torch._utils' before (it never imports dynamo)
 is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or \
     torch._utils.is_compiling

@@ -18,7 +18,9 @@ still loads on its own.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import io
 import os
 import threading
 
@@ -29,6 +31,7 @@ from . import result_files
 
 REF_KEY = "op_tools_ref"
 MEMORY_FORMAT_KEY = "op_tools_memory_format"
+DEVICE_KEY = "op_tools_device"  # a torch.device, where this torch's weights_only loading refuses one (before 2.2)
 AUTOCAST_KEY = "autocast"
 
 
@@ -84,12 +87,28 @@ class TensorStore:
             return {k: self._encode(v, [*where, k], path, fresh, copies) for k, v in obj.items()}
         if isinstance(obj, torch.memory_format):  # not picklable: kept by name, restored by load_op_args
             return {MEMORY_FORMAT_KEY: str(obj).removeprefix("torch.")}
+        if isinstance(obj, torch.device) and not _devices_load():
+            return {DEVICE_KEY: str(obj)}
         if isinstance(obj, (torch.dtype, torch.device, torch.layout)):
             return obj
         if obj is None or isinstance(obj, (bool, int, float, complex, str, torch.Size)):
             return obj
         return repr(obj)  # anything else is kept as text so that weights_only loading works
 
+
+
+@functools.cache
+def _devices_load() -> bool:
+    """Whether ``torch.load(weights_only=True)`` loads a ``torch.device`` (torch 2.2 on): where it does, a capture
+    keeps devices as they are, as it always has."""
+    buffer = io.BytesIO()
+    torch.save(torch.device("cpu"), buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except Exception:  # noqa: BLE001 - the unpickler's refusal, whatever its type in this torch
+        return False
+    return True
 
 
 def content_key(t: torch.Tensor) -> tuple | None:
@@ -129,6 +148,8 @@ def load_op_args(path: str) -> dict:
                 return value
             if MEMORY_FORMAT_KEY in obj:
                 return getattr(torch, obj[MEMORY_FORMAT_KEY])
+            if DEVICE_KEY in obj:
+                return torch.device(obj[DEVICE_KEY])
             return {k: resolve(v, file) for k, v in obj.items()}
         if isinstance(obj, list):
             return [resolve(v, file) for v in obj]

@@ -20,20 +20,23 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 import torch
 
 from ..core.engine import OpCall
 from ..numerics.host_copies import HostCopies
+from ..ops.torch_versions import STORAGE_OBJECTS_KEPT
 
 
-def storage_id(t: torch.Tensor) -> int | None:
-    """The identity of ``t``'s storage while it lives (None for a tensor without one)."""
+def storage_id(t: torch.Tensor) -> Hashable | None:
+    """The identity of ``t``'s storage while it lives (None for a tensor without one): its Python object's, or
+    where torch makes a new object at each ``untyped_storage()`` (before 2.2), where its memory is."""
     try:
-        return id(t.untyped_storage())
+        storage = t.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):  # storage-less tensors: never cached
         return None
+    return id(storage) if STORAGE_OBJECTS_KEPT else (storage.device, storage.data_ptr())
 
 
 class VerdictQueue:
@@ -45,7 +48,7 @@ class VerdictQueue:
         self.batch, self.max_bytes = batch, max_bytes
         self._copies, self._run = copies, run
         self._jobs: collections.deque[tuple[OpCall, Callable]] = collections.deque()
-        self._reads: set[int] = set()  # storages of inputs queued calls took from the cache
+        self._reads: set[Hashable] = set()  # storages of inputs queued calls took from the cache
         self._unlooked: list[torch.Tensor] = []  # such inputs whose storage is looked up when a write may need it
         self._held = 0  # device memory the queued calls hold for their judging
         self._rows: list = []  # small results of queued calls still on their device (``read_with``)

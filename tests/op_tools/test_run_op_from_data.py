@@ -233,6 +233,8 @@ def test_only_torch_operators_or_allowed_packages_resolve():
     assert resolve_op("torch.Tensor.add") is torch.Tensor.add
     assert resolve_op("torch.nn.functional.linear") is torch.nn.functional.linear
     assert resolve_op("torch._foreach_add_") is torch._foreach_add_
+    # the name the tools give torch.relu_ (its alias in torch.nn.functional), which torch.overrides does not list
+    assert resolve_op("torch.nn.functional.relu_") is torch.relu_
     for name in ("torch.save", "torch.load", "torch.hub.load", "os.system", "builtins.eval"):
         with pytest.raises(ReplayError, match="refused"):
             resolve_op(name)

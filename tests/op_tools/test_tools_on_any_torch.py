@@ -88,3 +88,39 @@ def test_the_training_monitor_on_a_cpu_training_step_is_clean_and_changes_nothin
     assert monitor.verdict() == "clean", monitor.closing_line()
     assert got[0] == expected[0]
     assert torch.equal(got[2], expected[2])
+
+
+def test_a_capture_of_the_step_replays_ok_for_every_entry(tmp_path):
+    from op_tools.offline.replay import ReplayOptions, find_entries, replay
+
+    tool = op_tools.OpCapture()
+    tool.handles_cpu_calls = True
+    train(tool, steps=1)
+    entries = find_entries(str(tmp_path / "op_capture_results"))
+    assert len(entries) > 50
+    results = [replay(entry, "cpu", ReplayOptions(acc_check=True)) for entry in entries]
+    assert [(r.entry.label, r.status, r.error) for r in results if r.failed] == []
+
+
+def test_two_recordings_of_the_step_compare_equal_and_a_fault_in_the_convolution_is_the_first_divergence(tmp_path,
+                                                                                                      monkeypatch):
+    from op_tools.offline.compare_runs import compare
+
+    def record(name: str, noise: float = 0.0) -> str:
+        monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / name))
+        hook = torch.nn.Conv2d.register_forward_hook if noise else None
+        handle = None
+        if hook is not None:  # a fault in the device's convolution: its output off by a relative `noise`
+            handle = torch.nn.modules.module.register_module_forward_hook(
+                lambda module, args, out: out * (1 + noise) if isinstance(module, torch.nn.Conv2d) else None)
+        try:
+            train(op_tools.OpCapture(mode="stats"), steps=1)
+        finally:
+            if handle is not None:
+                handle.remove()
+        return str(tmp_path / name)
+
+    clean = record("clean")
+    assert compare(clean, record("again")).divergences == []
+    first = compare(clean, record("fault", noise=1e-3)).first_divergence()
+    assert first is not None and (first.phase, first.module) == ("forward", "norm"), first
