@@ -506,6 +506,9 @@ class OpTool:
         if self.filter is not None and self.filter.allow is not None and not self.handled and \
                 not self.default_list:
             parts.append(f"{self.env_prefix}_LIST matched no call")
+        elif not self.handled:  # nothing checked is no clean verdict (a device package not imported: all on the CPU)
+            parts.append("no call was handled" + ("" if self.handles_cpu_calls else
+                                                  " (the CPU's calls are the reference: none ran on a device)"))
         with _announce_lock:
             failed, first = sum(self.unchecked.values()), self.first_unchecked
         if failed and first is not None:

@@ -51,6 +51,7 @@ PROPERTIES = """
     def everything():
         seen = {label: reads(t) for label, t in tensors.items()}
         seen["computed inside"] = reads(x * 2 + 1)
+        seen["a product"] = reads(torch.nn.functional.linear(x, x))  # one call each tool handles (OpSelfCheck's)
         return seen
 
     report = {"outside": everything()}

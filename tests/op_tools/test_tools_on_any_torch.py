@@ -124,3 +124,12 @@ def test_two_recordings_of_the_step_compare_equal_and_a_fault_in_the_convolution
     assert compare(clean, record("again")).divergences == []
     first = compare(clean, record("fault", noise=1e-3)).first_divergence()
     assert first is not None and (first.phase, first.module) == ("forward", "norm"), first
+
+
+@pytest.mark.parametrize("name", TOOLS)
+def test_a_tool_that_handled_no_call_earns_no_clean_verdict(name):
+    # a CUDA-written script run where the device's package was not imported: every call on the CPU, the reference
+    tool = getattr(op_tools, name)()
+    with tool:
+        torch.nn.Linear(4, 4)(torch.randn(2, 4)).sum().backward()
+    assert tool.verdict() == "unchecked" and "no call was handled" in tool.closing_line(), tool.closing_line()
