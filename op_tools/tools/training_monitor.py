@@ -377,6 +377,8 @@ class TrainingMonitor:
             self._unmeasured[f"module outputs inside torch.compile regions ({', '.join(sorted(self._compiled))})"] = \
                 len(self._compiled)
         unmeasured = "".join(f"; not measured: {n} x {what}" for what, n in sorted(self._unmeasured.items()))
+        if not self._monitored:
+            unmeasured += "; no step monitored (no optimizer step ran while it was on)"
         if self.skipped_iterations:
             unmeasured += f"; {self.skipped_iterations} iterations skipped by GradScaler (no step, figures dropped)"
         count = len(self.anomalies)
@@ -390,11 +392,13 @@ class TrainingMonitor:
 
     def verdict(self) -> str:
         """``"found"`` (a rule fired: ``anomalies``), ``"unchecked"`` (none fired, but the monitor failed on some
-        work, so what it would have judged went unjudged) or ``"clean"``, as an op tool's verdict: the exit status of
+        work, so what it would have judged went unjudged, or monitored no step) or ``"clean"``, as an op tool's verdict: the exit status of
         ``python -m op_tools monitor`` (3, 4 or 0)."""
         if self.anomalies:
             return "found"
-        return "unchecked" if getattr(self, "_failed", False) else "clean"  # no _failed before the first start()
+        if getattr(self, "_failed", False) or not getattr(self, "_monitored", 0):  # none before the first start()
+            return "unchecked"  # a failure, or no step monitored at all: nothing judged is no clean verdict
+        return "clean"
 
     def __enter__(self) -> TrainingMonitor:
         return self.start()

@@ -63,11 +63,13 @@ def test_the_monitor_exits_3_when_a_rule_fired(tmp_path, caplog):
     assert "TrainingMonitor: first non-finite value at step 1" in caplog.text
 
 
-def test_the_monitor_verdict_is_unchecked_when_it_failed_and_found_wins():
+def test_the_monitor_verdict_is_unchecked_when_it_failed_or_monitored_nothing_and_found_wins():
     from op_tools.tools.training_monitor import TrainingMonitor
 
     monitor = TrainingMonitor(tensorboard=False)
-    assert monitor.verdict() == "clean"  # never started: nothing found, nothing failed
+    assert monitor.verdict() == "unchecked"  # never started: nothing found, and nothing judged either
+    monitor._monitored = 1
+    assert monitor.verdict() == "clean"  # a step monitored, nothing found, nothing failed
     monitor._failed = True
     assert monitor.verdict() == "unchecked"
     monitor.anomalies.append({"rule": "nonfinite"})

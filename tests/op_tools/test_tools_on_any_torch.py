@@ -133,3 +133,12 @@ def test_a_tool_that_handled_no_call_earns_no_clean_verdict(name):
     with tool:
         torch.nn.Linear(4, 4)(torch.randn(2, 4)).sum().backward()
     assert tool.verdict() == "unchecked" and "no call was handled" in tool.closing_line(), tool.closing_line()
+
+
+def test_a_training_monitor_that_monitored_no_step_earns_no_clean_verdict(caplog):
+    model = torch.nn.Linear(4, 4)
+    monitor = TrainingMonitor(model=model)
+    with caplog.at_level("INFO", logger="op_tools"), monitor:
+        model(torch.randn(2, 4)).sum().backward()  # no optimizer step
+    assert monitor.verdict() == "unchecked"
+    assert any("no step monitored" in r.getMessage() for r in caplog.records)
