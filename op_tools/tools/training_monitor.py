@@ -392,8 +392,8 @@ class TrainingMonitor:
 
     def verdict(self) -> str:
         """``"found"`` (a rule fired: ``anomalies``), ``"unchecked"`` (none fired, but the monitor failed on some
-        work, so what it would have judged went unjudged, or monitored no step) or ``"clean"``, as an op tool's verdict: the exit status of
-        ``python -m op_tools monitor`` (3, 4 or 0)."""
+        work, so what it would have judged went unjudged, or monitored no step) or ``"clean"``, as an op tool's
+        verdict: the exit status of ``python -m op_tools monitor`` (3, 4 or 0)."""
         if self.anomalies:
             return "found"
         if getattr(self, "_failed", False) or not getattr(self, "_monitored", 0):  # none before the first start()
