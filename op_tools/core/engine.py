@@ -74,10 +74,14 @@ _announce_lock = threading.Lock()
 _unseen_said = False
 
 
-def _say_unseen_collectives(logger: logging.Logger) -> None:
-    """Once per process, at the first collective a tool handles: those of this torch that no tool sees."""
+def _say_unseen_collectives(logger: logging.Logger, only_if_distributed: bool = False) -> None:
+    """Once per process, at the first collective a tool handles, or where a process group is up when a tool starts
+    or stops (``only_if_distributed``: a torch whose collectives dispatch none, 2.4's, has no first collective):
+    those of this torch that no tool sees."""
     global _unseen_said
     if _unseen_said:
+        return
+    if only_if_distributed and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
     _unseen_said = True
     unseen = unseen_collectives()
@@ -395,6 +399,7 @@ class OpTool:
         gradient_communication.acquire()
         self._activations.append(self._activate())
         compiled_regions.enter(type(self).__name__, self._logger, self.checks_regions)
+        _say_unseen_collectives(self._logger, only_if_distributed=True)
         # a LIST no call can match needs no module paths (the global module hooks slow every module call)
         self._tracking.append(self.tracks_modules and self._can_match)
         if self._tracking[-1]:
@@ -438,6 +443,7 @@ class OpTool:
         else:
             activation.exit()
         compiled_regions.exit()
+        _say_unseen_collectives(self._logger, only_if_distributed=True)
         STEPS.release()
         REPLICAS.release()
         gradient_communication.release()

@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 from subprocess_env import torchrun_on_sim
+from torch.overrides import handle_torch_function, has_torch_function  # a global: as in c10d's code
 
 import op_tools
 from op_tools.ops import collectives as collective_tables
@@ -105,12 +106,19 @@ def test_the_collectives_a_torch_does_not_dispatch_are_named_and_said_once(monke
     def broadcast(tensor, src=None, group=None, async_op=False):  # as torch 2.11's: no __torch_function__ dispatch
         return None
 
-    monkeypatch.setattr(dist, "broadcast", broadcast)
-    collective_tables.unseen_collectives.cache_clear()
-    try:
-        unseen = collective_tables.unseen_collectives()
-    finally:
+    def all_reduce(tensor, op=None, group=None, async_op=False):  # as torch 2.13's: dispatched to the modes
+        if has_torch_function((tensor,)):
+            return handle_torch_function(all_reduce, (tensor,), tensor, op=op, group=group, async_op=async_op)
+        return None
+
+    with monkeypatch.context() as patched:
+        patched.setattr(dist, "broadcast", broadcast)
+        patched.setattr(dist, "all_reduce", all_reduce)
         collective_tables.unseen_collectives.cache_clear()
+        try:
+            unseen = collective_tables.unseen_collectives()
+        finally:
+            collective_tables.unseen_collectives.cache_clear()
     assert "torch.distributed.broadcast" in unseen and "torch.distributed.all_reduce" not in unseen
     # a tool's first collective says which ones it cannot see, once per process
     monkeypatch.setattr(engine, "unseen_collectives", lambda: ("torch.distributed.broadcast",))
@@ -125,3 +133,26 @@ def test_the_collectives_a_torch_does_not_dispatch_are_named_and_said_once(monke
         dist.destroy_process_group()
     said = [r.getMessage() for r in caplog.records if "no tool sees them" in r.getMessage()]
     assert len(said) == 1 and "torch.distributed.broadcast dispatch no __torch_function__" in said[0], said
+
+
+def test_where_no_collective_reaches_a_tool_the_unseen_ones_are_said_when_a_tool_starts_in_a_distributed_run(
+        monkeypatch, tmp_path, caplog):
+    # torch 2.4's collectives dispatch no __torch_function__ at all: no first collective would ever say it
+    import torch.distributed as dist
+
+    from op_tools.core import engine
+
+    monkeypatch.setattr(engine, "unseen_collectives", lambda: ("torch.distributed.all_reduce",))
+    monkeypatch.setattr(engine, "_unseen_said", False)
+    with op_tools.OpOverflowCheck():  # no process group: nothing to say
+        torch.ones(2) + 1
+    assert not [r for r in caplog.records if "no tool sees them" in r.getMessage()]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for _ in range(2):
+            with op_tools.OpOverflowCheck():
+                torch.ones(2) + 1
+    finally:
+        dist.destroy_process_group()
+    said = [r.getMessage() for r in caplog.records if "no tool sees them" in r.getMessage()]
+    assert len(said) == 1 and "torch.distributed.all_reduce dispatch no __torch_function__" in said[0], said
