@@ -76,8 +76,8 @@ def _serve(sock_fd: int, preload: list) -> None:
     for name in preload:
         try:
             importlib.import_module(name)
-        except ImportError:  # not here (transformers on a torch it does not support): each child fails as a new
-            pass  # interpreter would, importing it itself
+        except Exception:  # noqa: BLE001 - not importable here (transformers on a torch it does not support, a
+            pass  # NameError in its import): each child fails as a new interpreter would, importing it itself
     if "transformers" in sys.modules:
         from transformers.utils import import_utils
 
