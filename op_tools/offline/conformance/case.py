@@ -27,7 +27,7 @@ import torch
 from ...numerics.comparison import Comparison, ToleranceSpec, compare_outputs
 from ...ops.arguments import iter_tensors
 from ...output.capture_format import TensorStore
-from .opinfos import replay_name, skip_reason, supports_backward
+from .opinfos import full_name, replay_name, skip_reason, supports_backward
 from .results import Row
 from .runs import (
     CPU,
@@ -69,7 +69,7 @@ def run_case(opinfo, dtype: torch.dtype, device: torch.device, options: CaseOpti
              progress: Callable[[int, str], None] = lambda sample, direction: None) -> CaseResult:
     """Run ``opinfo``'s samples in ``dtype`` on ``device`` and on the CPU: a forward and a backward ``Row``."""
     start = time.perf_counter()
-    name, dtype_name = opinfo.full_name, str(dtype).removeprefix("torch.")
+    name, dtype_name = full_name(opinfo), str(dtype).removeprefix("torch.")
     backward_row = dtype.is_floating_point or dtype.is_complex
     forward, backward = Tally(), Tally()
     reason = skip_reason(opinfo, dtype, device.type)

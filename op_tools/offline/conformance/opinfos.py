@@ -55,7 +55,14 @@ def import_op_db() -> list:
 @functools.cache
 def load_op_db() -> dict:
     """``{full name: OpInfo}`` of every OpInfo in PyTorch's ``op_db``, as it is when first asked for."""
-    return {op.full_name: op for op in import_op_db()}
+    return {full_name(op): op for op in import_op_db()}
+
+
+def full_name(opinfo) -> str:
+    """``"normal.in_place"``: the name and variant that tell an OpInfo from the others (its own ``full_name`` from
+    torch 2.5 on)."""
+    variant = getattr(opinfo, "variant_test_name", "")
+    return f"{opinfo.name}.{variant}" if variant else opinfo.name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,9 +134,9 @@ def select(entries: list[OpEntry], patterns: list[str] | None) -> list[OpEntry]:
 
 def skip_reason(opinfo, dtype: torch.dtype, device_type: str) -> str | None:
     """Why ``opinfo`` in ``dtype`` is not run at all on ``device_type``, or None."""
-    if opinfo.full_name in UNINITIALISED_OPS:
+    if full_name(opinfo) in UNINITIALISED_OPS:
         return "uninitialised memory: nothing to compare"
-    if opinfo.full_name in RANDOM_OPS:
+    if full_name(opinfo) in RANDOM_OPS:
         return "random: its outputs are draws"
     if dtype not in opinfo.supported_dtypes(device_type):
         return f"dtype not claimed: the OpInfo lists no {dtype_name(dtype)} on {device_type}"
