@@ -28,7 +28,24 @@ def activate(backend, config, forced: bool) -> bool:
             patches.undo()
             raise
         _active = (backend, patches)
+        _streams_known_to_dynamo()
         return True
+
+
+def _streams_known_to_dynamo() -> None:
+    """torch 2.2 to 2.5's dynamo asserts, when it first loads (an optimizer's constructor loads it), that
+    ``torch.cuda.Event`` and ``Stream`` derive from ``torch._streambase``'s bases: the classes the transfer put there
+    (the backend's) are registered as their virtual subclasses (``abc``), which changes nothing else."""
+    try:
+        from torch._streambase import _EventBase, _StreamBase
+    except ImportError:  # a torch without them
+        return
+    import torch
+
+    for name, base in (("Event", _EventBase), ("Stream", _StreamBase)):
+        cls, register = getattr(torch.cuda, name, None), getattr(base, "register", None)
+        if register is not None and isinstance(cls, type) and not issubclass(cls, base):  # an ABC before 2.6
+            register(cls)
 
 
 def deactivate() -> bool:

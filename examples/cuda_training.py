@@ -58,7 +58,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "checkpoint.pt")
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
-        state = torch.load(path, map_location="cuda")
+        state = torch.load(path, map_location="cuda", weights_only=True)
     restored = build_model().cuda()
     restored.load_state_dict(state["model"])
     with torch.no_grad():

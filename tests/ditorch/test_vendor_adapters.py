@@ -158,3 +158,25 @@ def test_nccl_is_rewritten_to_the_backend_collective_library():
     assert _ccl_name("nccl", "hccl", remap) == "hccl"
     assert _ccl_name("cpu:gloo,cuda:nccl", "hccl", remap) == "cpu:gloo,npu:hccl"
     assert _ccl_name("gloo", "hccl", remap) == "gloo"
+
+
+def test_the_stream_classes_the_transfer_puts_in_torch_cuda_pass_the_check_of_torch_2_4s_dynamo(monkeypatch):
+    # MOCK: torch 2.2-2.5's torch._streambase (abstract bases) and a backend's own Event and Stream in torch.cuda;
+    # that dynamo asserts on first load (an optimizer's constructor loads it) that they derive from those bases
+    import abc
+    import types
+
+    import torch
+
+    from ditorch import activation
+
+    streambase = types.ModuleType("torch._streambase")
+    streambase._EventBase = type("_EventBase", (abc.ABC,), {})
+    streambase._StreamBase = type("_StreamBase", (abc.ABC,), {})
+    monkeypatch.setitem(sys.modules, "torch._streambase", streambase)
+    event, stream = type("Event", (), {}), type("Stream", (), {})
+    monkeypatch.setattr(torch.cuda, "Event", event)
+    monkeypatch.setattr(torch.cuda, "Stream", stream)
+    activation._streams_known_to_dynamo()
+    assert issubclass(event, streambase._EventBase) and issubclass(stream, streambase._StreamBase)
+    assert event.__mro__ == (event, object)  # registered, not rebased: nothing else about the class changes
