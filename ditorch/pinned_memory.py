@@ -118,13 +118,14 @@ _PINNING = _HeldKernels({"_pin_memory": _pin_memory})
 _STAGING = _HeldKernels({"empty_strided": _empty_strided, "is_pinned": _is_pinned})
 
 
-def _default_device() -> torch.device:
-    """``torch.get_default_device()``, which torch 2.3 added; before it, what ``torch.set_default_device`` set."""
-    if hasattr(torch, "get_default_device"):
-        return torch.get_default_device()
+def _default_device_before_2_3() -> torch.device:
+    """``torch.get_default_device()``, which torch 2.3 added: before it, what ``torch.set_default_device`` set."""
     from torch.utils import _device
 
     return torch.device(getattr(_device, "CURRENT_DEVICE", None) or "cpu")
+
+
+_default_device = getattr(torch, "get_default_device", _default_device_before_2_3)
 
 
 def _on_host(device) -> bool:

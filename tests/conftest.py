@@ -136,10 +136,10 @@ def logged(caplog):
 @pytest.fixture(scope="session")
 def sim():
     """The simulated accelerator, registered once per test process; yields its device name."""
-    import torch
+    from hardware import sim_missing
 
-    if torch.torch_version.TorchVersion(torch.__version__) < "2.10":
-        pytest.skip(f"the sim device needs torch >= 2.10; this is {torch.__version__}")
+    if sim_missing():
+        pytest.skip(sim_missing())
     import ditorch.sim
 
     ditorch.sim.register()

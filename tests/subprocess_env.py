@@ -45,10 +45,10 @@ def torchrun_on_sim(*arguments, extra: dict | None = None, timeout: float = 300)
     dropped, ``extra`` added), from the project root; its output captured as text. Skips the test on a torch
     older than sim needs."""
     import pytest
-    import torch
+    from hardware import sim_missing
 
-    if torch.torch_version.TorchVersion(torch.__version__) < "2.10":
-        pytest.skip(f"needs the sim device: ditorch.sim needs PyTorch >= 2.10; this is {torch.__version__}")
+    if sim_missing():
+        pytest.skip(sim_missing())
     env = child_env({"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1", "OMP_NUM_THREADS": "1", **(extra or {})},
                     drop=("DITORCH_", "OP_"))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
