@@ -69,6 +69,7 @@ def register() -> None:
             attention,
             autocast,
             ddp,
+            device_guard,
             device_module,
             foreach_path,
             gpu_numerics,
@@ -95,7 +96,8 @@ def register() -> None:
             raise RuntimeError(f"sim: PrivateUse1 is already the backend {taken!r}; cannot register the sim device")
         from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-        _setup_privateuseone_for_python_backend(NAME, backend_module=device_module)
+        _setup_privateuseone_for_python_backend(NAME, backend_module=device_module,
+                                                device_guard=device_guard.SimDeviceGuard())
         tensor.set_device_count(count)
         factories = torch.library.Library("_", "IMPL")
         factories.fallback(tensor.never_compiled(_fallback, recursive=True), "PrivateUse1")
@@ -116,8 +118,8 @@ def register() -> None:
         gpu_numerics.NUMERICS.set(numerics_mode)
         if count > 1:
             multi_device.install()
-        elif not multi_device.engine_has_a_queue_for_sim():
-            multi_device.install_engine()
+        else:  # a user's hook's exception raised from backward (device_guard); on the calling thread where needed
+            multi_device.install_engine(on_calling_thread=not multi_device.engine_has_a_queue_for_sim())
 
 
 @contextlib.contextmanager

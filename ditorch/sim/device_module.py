@@ -31,7 +31,7 @@ from .device_counters import (  # noqa: F401 - part of the device module: what a
     device_counts,
     reset_device_counts,
 )
-from .tensor import MEMORY, DeviceSelection, raise_deferred_errors
+from .tensor import MEMORY, DeviceSelection
 from .tf32 import FamilySwitch, float32_reduced_precision  # noqa: F401 - part of the device module
 
 # The sim device's own precision switches, as torch_npu has torch.npu.matmul.allow_hf32.
@@ -100,12 +100,11 @@ class device:  # noqa: N801 - named as torch.cuda.device
 
 
 def synchronize(device=None) -> None:
-    """Every op has finished when it returns; raises an error a backward op left to report."""
+    """Every op has finished when it returns."""
     _index(device)
     _lazy_init()
     count_synchronization()
     synchronize_all()
-    raise_deferred_errors()
 
 
 def get_rng_state_all() -> list:

@@ -4,7 +4,7 @@
 function with the op's signature, written with torch ops on CPU tensors: the fused RNN cells
 (the CPU has no kernel for them, a device must), the chunked attention, and while a TF32 switch
 is on the matmuls and convolutions that round their float32 operands first. Injected faults,
-device checks and deferred backward errors apply to these kernels as to any other.
+device checks and errors raised in backward apply to these kernels as to any other.
 
 >>> @device_kernel("_thnn_fused_gru_cell")          # doctest: +SKIP
 ... def fused_gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None): ...

@@ -11,9 +11,10 @@ PyTorch asks a Python backend's device guard (``torch._C._acc.DeviceGuard``) two
   whatever ``torch.sim.set_device`` chose. ``to`` gives a bare sim device the current index first, as
   ``Tensor.to("cuda")`` does on CUDA (``Module.to`` goes through it).
 
-With one sim device none of this is installed, and backward runs on the engine's device thread, as on hardware;
-unless the process ran a backward before sim was registered: the engine then has no queue for any sim device, and
-``SimEngine`` is installed as well (``engine_has_a_queue_for_sim``).
+With one sim device, backward runs on the engine's device thread, as on hardware, and ``to`` is PyTorch's; unless the
+process ran a backward before sim was registered: the engine then has no queue for any sim device, and ``SimEngine``
+runs backward on the calling thread as well (``engine_has_a_queue_for_sim``). ``SimEngine`` is installed in any case,
+to raise a user's hook's exception from backward (``device_guard``).
 """
 
 from __future__ import annotations
@@ -23,19 +24,29 @@ import functools
 import torch
 from torch.autograd.variable import Variable
 
+from . import device_guard
 from .fault_injection import TABLE
 from .tensor import DeviceSelection
 
 
 class SimEngine:
-    """PyTorch's autograd engine, with each backward run on the calling thread."""
+    """PyTorch's autograd engine, through which a backward that a user's hook failed raises the hook's exception
+    (``device_guard``); with ``on_calling_thread``, each backward runs on the calling thread."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, on_calling_thread: bool = False) -> None:
         self.engine = engine
+        self.on_calling_thread = on_calling_thread
 
     def run_backward(self, *args, **kwargs):
-        with torch.autograd.set_multithreading_enabled(False):
-            return self.engine.run_backward(*args, **kwargs)
+        try:
+            if not self.on_calling_thread:
+                return self.engine.run_backward(*args, **kwargs)
+            with torch.autograd.set_multithreading_enabled(False):
+                return self.engine.run_backward(*args, **kwargs)
+        except SystemError:  # "returned NULL without setting an exception": the guard took it
+            if not device_guard.TAKEN.errors:
+                raise
+        device_guard.raise_taken()  # outside the handler: the user's exception, not chained to the SystemError
 
     def __getattr__(self, name: str):  # queue_callback, is_checkpoint_valid, ...: the engine's own
         return getattr(self.engine, name)
@@ -80,16 +91,19 @@ def engine_has_a_queue_for_sim() -> bool:
     return True
 
 
-def install_engine() -> None:
-    """Route every backward (``Tensor.backward``, ``torch.autograd.grad``, from any thread) through ``SimEngine``.
-    Idempotent."""
-    if not isinstance(Variable._execution_engine, SimEngine):
-        Variable._execution_engine = SimEngine(Variable._execution_engine)  # type: ignore[assignment]  # a proxy
+def install_engine(on_calling_thread: bool = False) -> None:
+    """Route every backward (``Tensor.backward``, ``torch.autograd.grad``, from any thread) through ``SimEngine``;
+    ``on_calling_thread``: on the calling thread from now on. Idempotent."""
+    engine = Variable._execution_engine
+    if isinstance(engine, SimEngine):
+        engine.on_calling_thread = engine.on_calling_thread or on_calling_thread
+    else:
+        Variable._execution_engine = SimEngine(engine, on_calling_thread)  # type: ignore[assignment]  # a proxy
 
 
 def install() -> None:
     """What more than one sim device needs: ``install_engine()``, and ``Tensor.to`` placing a bare sim device on
     the current one. Idempotent."""
-    install_engine()
+    install_engine(on_calling_thread=True)
     if not getattr(torch.Tensor.to, "_ditorch_sim_to", False):
         torch.Tensor.to = _to_current_device(torch.Tensor.to)  # type: ignore[method-assign]  # sim's own placement

@@ -420,25 +420,18 @@ def _run_op(func, args, kwargs):
         )
     index = _target_index(kwargs, unwrapped) if kwargs else (
         unwrapped.sim_index if unwrapped.sim_index is not None else DeviceSelection.current())
-    if _DEFERRED.errors:
-        _DEFERRED.raise_outside_backward()
     active_faults = ()
-    try:
-        if _faults.TABLE.active:
-            active_faults = _faults.TABLE.for_op(func)
-            if active_faults:
-                dtypes = unwrapped.dtypes(kwargs)
-                _faults.TABLE.before(func, active_faults, dtypes)
-        kernel = _KERNELS.get(func, func)  # the device's own kernel, or the CPU's
-        if unwrapped.views_with_bits:
-            with _bit_fallbacks():
-                out = kernel(*cpu_args, **cpu_kwargs)
-        else:
+    if _faults.TABLE.active:
+        active_faults = _faults.TABLE.for_op(func)
+        if active_faults:
+            dtypes = unwrapped.dtypes(kwargs)
+            _faults.TABLE.before(func, active_faults, dtypes)
+    kernel = _KERNELS.get(func, func)  # the device's own kernel, or the CPU's
+    if unwrapped.views_with_bits:
+        with _bit_fallbacks():
             out = kernel(*cpu_args, **cpu_kwargs)
-    except Exception as error:
-        if torch._C._current_graph_task_id() == -1:
-            raise
-        out = _DEFERRED.defer(func, error, cpu_args, cpu_kwargs)
+    else:
+        out = kernel(*cpu_args, **cpu_kwargs)
     _counters.charge(info.name, info.launches, _is_sim, args, kwargs, out)  # what a real device would charge
     if active_faults and out is None and (info.mutated_args or info.mutated_kwargs):
         # an in-place foreach op (an optimizer's) returns nothing: what it wrote is its output
@@ -487,57 +480,6 @@ def _write_back(copies, info: _OpInfo, args, kwargs) -> None:
     for data, traced in copies:
         if any(traced is w for w in written):
             traced.copy_(data)
-
-
-class _DeferredErrors:
-    """Errors of ops run by autograd's device thread, raised at the next sim call outside backward.
-
-    An exception unwinding out of a PrivateUse1 backward node aborts the process (PyTorch's Python
-    device guard calls into Python with the error still set), so the sim device reports such errors
-    as CUDA reports kernel errors: asynchronously, at a later call. The failed op's outputs are nan.
-    """
-
-    def __init__(self) -> None:
-        self.errors: list[tuple[str, Exception]] = []
-        self._lock = threading.Lock()
-
-    def defer(self, func, error: Exception, cpu_args, cpu_kwargs):
-        with self._lock:
-            self.errors.append((f"{func._schema.name}.{func._overloadname}", error))
-        try:
-            out = _KERNELS.get(func, func)(*cpu_args, **cpu_kwargs)  # a fault stopped the op before it ran
-        except Exception:
-            to_meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
-            meta = func(*torch.utils._pytree.tree_map(to_meta, cpu_args),
-                        **torch.utils._pytree.tree_map(to_meta, cpu_kwargs))
-            out = torch.utils._pytree.tree_map(
-                lambda t: torch.empty_like(t, device="cpu") if isinstance(t, torch.Tensor) else t, meta)
-        for tensor in _flat_tensors(out):
-            if tensor.is_floating_point():
-                tensor.fill_(float("nan"))
-        return out
-
-    def raise_outside_backward(self) -> None:
-        if torch._C._current_graph_task_id() != -1:
-            return
-        with self._lock:
-            if not self.errors:
-                return
-            (name, error), *rest = self.errors
-            self.errors = []
-        more = f" ({len(rest)} more after it)" if rest else ""
-        raise type(error)(
-            f"sim: the backward op {name} failed{more}; reported at this later call, as a device reports "
-            f"asynchronous errors: {error}"
-        ) from error
-
-
-_DEFERRED = _DeferredErrors()
-
-
-def raise_deferred_errors() -> None:
-    """Raise the first error of a backward op not yet reported (``torch.sim.synchronize`` calls this)."""
-    _DEFERRED.raise_outside_backward()
 
 
 def _is_sim(x) -> bool:

@@ -143,16 +143,18 @@ def test_malformed_fault_variable_fails_registration():
 
 
 @pytest.mark.usefixtures("sim")
-def test_backward_op_errors_are_reported_after_backward_not_fatal():
-    # Raising inside autograd's device thread would abort the process; the sim device reports the
-    # error at its next call outside backward instead, with the failed op's name.
+@pytest.mark.parametrize("multithreading", [True, False], ids=["device thread", "calling thread"])
+def test_a_backward_ops_error_is_raised_by_backward(multithreading):
+    # As a device reports an op it has no kernel for: from backward() itself, with the op's own error (before the
+    # sim device guard took the pending exception, raising in autograd's device thread aborted the process, and sim
+    # deferred such errors to a later call).
     x = torch.randn(4, 4, device="sim", requires_grad=True)
     loss = (x @ x).sum()
-    with ditorch.sim.faults("mm:unsupported"):
-        with pytest.raises(SimUnsupportedError, match="the backward op aten::mm.default failed"):
+    with ditorch.sim.faults("mm:unsupported"), torch.autograd.set_multithreading_enabled(multithreading):
+        with pytest.raises(SimUnsupportedError, match="aten::mm.default is not supported on this device"):
             loss.backward()
-            torch.sim.synchronize()
-    assert (x + 1).shape == (4, 4)  # reported once, then the device works again
+    torch.sim.synchronize()  # nothing left to report
+    assert x.grad is None and (x + 1).shape == (4, 4)
 
 
 @pytest.mark.parametrize(("spec", "words"), [
