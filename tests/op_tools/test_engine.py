@@ -142,6 +142,27 @@ def test_tool_failure_is_reported_once_and_the_run_goes_on(sim, caplog, monkeypa
         x + 1
 
 
+class BrokenInBackward(BackwardRecorder):
+    hook_name = "BrokenInBackwardHook"
+
+    def after_backward(self, call, grad_inputs, grad_outputs):
+        raise KeyError("tool bug in backward")
+
+
+def test_a_tool_failing_in_backward_is_reported_or_raised_by_backward_in_strict_mode(sim, caplog, monkeypatch):
+    # The tool's step runs in an autograd hook, on the device's backward thread: strict mode raises its error
+    # from backward() (sim's device guard carries it there, as CUDA's does), otherwise the step is reported.
+    w = torch.ones(3, 4, device=sim, requires_grad=True)
+    x = torch.ones(2, 4, device=sim)
+    with BrokenInBackward() as tool:
+        torch.nn.functional.linear(x, w).sum().backward()
+    assert torch.equal(w.grad.cpu(), torch.full((3, 4), 2.0)) and tool.unchecked
+    assert any("BrokenInBackwardHook failed on" in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv("OP_TOOLS_STRICT", "1")
+    with BrokenInBackward(), pytest.raises(KeyError, match="tool bug in backward"):
+        torch.nn.functional.linear(x, w).sum().backward()
+
+
 def test_backward_hooks_see_upstream_and_input_gradients(sim):
     w = torch.ones(3, 4, device=sim, requires_grad=True)
     x = torch.ones(2, 4, device=sim)
