@@ -265,6 +265,8 @@ _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 
 
 def wrap(data: torch.Tensor, index: int) -> SimTensor:
+    if data.layout is not torch.strided:
+        return _wrap_unstrided(data, index)
     tensor = _make_wrapper_subclass(
         SimTensor, data.size(), strides=data.stride(), storage_offset=data.storage_offset(),
         dtype=data.dtype, device=_DEVICES[index],
@@ -272,6 +274,20 @@ def wrap(data: torch.Tensor, index: int) -> SimTensor:
     tensor._data = data
     tensor._index = index
     MEMORY.track(tensor, data, index)
+    return tensor
+
+
+def _wrap_unstrided(data: torch.Tensor, index: int) -> SimTensor:
+    """A sparse COO tensor: no strides nor storage of its own (its indices and values have theirs, which the device's
+    memory statistics do not count). PyTorch's wrapper tensors take no compressed layout (CSR, CSC, BSR, BSC)."""
+    if data.layout is not torch.sparse_coo:
+        raise NotImplementedError(f"sim: tensors of layout {data.layout} are not supported on the sim device (the "
+                                  "sparse COO layout is; convert with .to_sparse_coo())")
+    tensor = _make_wrapper_subclass(SimTensor, data.size(), dtype=data.dtype, device=_DEVICES[index],
+                                    layout=data.layout)
+    tensor._data = data
+    tensor._index = index
+    tensor._storage_key = 0
     return tensor
 
 

@@ -212,3 +212,31 @@ def test_conjugate_and_negative_views_compute_as_on_the_cpu(sim):
     view = on_sim.conj()
     view.mul_(2)  # written through the view: the CPU's fallback writes back through the bit
     assert torch.allclose(on_sim.cpu(), x * 2)
+
+
+def test_sparse_coo_tensors_compute_as_on_the_cpu(sim):
+    # A sparse COO tensor on sim is a wrapper of the CPU's (before, wrapping it read its storage, which a sparse
+    # tensor has not: every sparse op failed); an embedding with sparse gradients trains as on the CPU.
+    dense = torch.randn(6, 5)
+    dense[dense < 0.3] = 0
+    on_sim = dense.to(sim).to_sparse()
+    assert on_sim.layout == torch.sparse_coo and real_device(on_sim) == torch.device("sim", 0)
+    assert torch.equal((on_sim + on_sim).to_dense().cpu(), 2 * dense)
+    assert torch.equal(on_sim.coalesce().values().cpu(), dense.to_sparse().coalesce().values())
+    assert torch.allclose(torch.sparse.mm(on_sim, dense.T.to(sim)).cpu(), dense @ dense.T)
+    assert on_sim.cpu().layout == torch.sparse_coo
+
+    def train(device):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(20, 4, sparse=True).to(device)
+        opt = torch.optim.SGD(emb.parameters(), lr=0.5)
+        index = torch.tensor([1, 3, 3, 7], device=device)
+        emb(index).square().sum().backward()
+        grad_layout = emb.weight.grad.layout
+        opt.step()
+        return grad_layout, emb.weight.detach().cpu()
+
+    (layout, weight), (cpu_layout, cpu_weight) = train(sim), train("cpu")
+    assert layout == cpu_layout == torch.sparse_coo and torch.equal(weight, cpu_weight)
+    with pytest.raises(NotImplementedError, match="layout torch.sparse_csr are not supported on the sim device"):
+        dense.to(sim).to_sparse_csr()
