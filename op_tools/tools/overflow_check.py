@@ -2,7 +2,10 @@
 
 It names the first op, in execution order, whose outputs hold inf/nan while its inputs are finite
 (``tool.first_overflow``); with ``OP_OVERFLOW_CHECK_RAISE=1`` it raises ``OverflowDetectedError`` there (for
-an op found in backward: as ``backward()`` returns, since raising inside autograd's device threads is unsafe).
+an op found in backward: as ``backward()`` returns, since raising inside autograd's device threads is unsafe). A
+backward reads what its forward saved: a NaN its forward's tensors held, or an inf its outputs held, is not born
+in it. Where no call made the inf/nan a call read (the program's data), ``tool.first_seen`` names that call, and
+the closing line says so instead of a clean verdict. Sparse tensors are checked in their values.
 
 Where the work runs: per handled call, one fused reduction on the device (the largest magnitude of every floating
 input and output, ``torch._foreach_norm(..., inf)``: inf or nan exactly where a tensor holds one; in host memory,
@@ -48,6 +51,7 @@ READBACK_BATCH = 64  # calls whose flags travel to the host together: one copy, 
 KEPT_BYTES = 256 * 2**20
 NOT_KEPT = "not kept"
 KNOWN_ENTRIES = 4096  # tensors whose flag a later call may take over instead of reducing them again
+FORWARDS_KEPT = 65536  # forward calls whose inputs or outputs held inf/nan, remembered for their backward
 
 
 class OverflowDetectedError(OpToolsAbortError):
@@ -83,6 +87,33 @@ class Overflow:
 def _checked(t: torch.Tensor) -> bool:
     """Whether ``t`` can hold inf/nan and is checked: a non-empty, dense, real floating tensor."""
     return t.is_floating_point() and t.layout == torch.strided and t.numel() > 0
+
+
+_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+SPARSE_SUFFIX = " (sparse values)"
+
+
+def held(value, views: dict | None = None):
+    """What of a call's value can hold inf/nan, as a dense tensor on this host: a DTensor's local part; a sparse
+    tensor's values (its implicit zeros are finite; an embedding's sparse gradient, an op on sparse tensors); any other
+    value as it is. ``views``: the values taken of each sparse tensor so far in the call, the same view for the same
+    tensor before and after the op (the flags taken before an in-place op are found by its id)."""
+    t = local_part(value)
+    if not isinstance(t, torch.Tensor) or t.layout is torch.strided:
+        return t
+    view = views.get(id(t)) if views is not None else None
+    if view is None:
+        if t.layout is torch.sparse_coo:
+            with torch.no_grad():
+                view = t._values()  # uncoalesced too: every stored value
+        elif t.layout in _COMPRESSED:
+            with torch.no_grad():
+                view = t.values()
+        else:  # mkldnn and others: left out (_checked)
+            return t
+        if views is not None:
+            views[id(t)] = view
+    return view
 
 
 _host_memory: dict[str, bool] = {}  # device type -> whether its tensors live in host memory (the CPU, sim)
@@ -263,9 +294,14 @@ def tensor_stats(name: str, t: torch.Tensor) -> dict:
     return statistics_rows([(name, t)])[0]
 
 
-def named_tensors(prefix: str, values) -> list[tuple[str, torch.Tensor]]:
-    # A DTensor is checked in the part this rank holds: an inf/nan anywhere in it is in some rank's part.
-    return [(prefix + path, local_part(v)) for path, v in tensor_items(tuple(values))]
+def named_tensors(prefix: str, values, views: dict | None = None) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of what the values hold (``held``): a DTensor is checked in the part this rank holds (an
+    inf/nan anywhere in it is in some rank's part), a sparse tensor in its values (named so)."""
+    named = []
+    for path, v in tensor_items(tuple(values)):
+        t = held(v, views)
+        named.append((prefix + path + (SPARSE_SUFFIX if t is not v and v.layout is not torch.strided else ""), t))
+    return named
 
 
 class _PendingCheck:
@@ -331,25 +367,26 @@ class _PendingCheck:
 
 
 class _Written:
-    """The tensors a call writes, and how the flag of each as it was before the op comes (``_flags_before``)."""
+    """The tensors a call writes, how the flag of each as it was before the op comes (``_flags_before``), and the
+    values taken of its sparse tensors (``held``)."""
 
-    __slots__ = ("tensors", "flags")
+    __slots__ = ("tensors", "flags", "views")
 
-    def __init__(self, tensors: list[torch.Tensor], flags: dict[int, tuple]) -> None:
-        self.tensors, self.flags = tensors, flags
+    def __init__(self, tensors: list[torch.Tensor], flags: dict[int, tuple], views: dict) -> None:
+        self.tensors, self.flags, self.views = tensors, flags, views
 
 
-def _unread_targets(name: str, spec, args: tuple, kwargs: dict) -> set[int]:
+def _unread_targets(name: str, spec, args: tuple, kwargs: dict, views: dict) -> set[int]:
     """The ids of the tensors a call writes without reading them (its ``out=`` tensors, the first argument of an op
-    that ``overwrites`` it), as ``local_part`` gives them."""
+    that ``overwrites`` it), as ``held`` gives them."""
     unread = set()
     if op_facts(name).overwrites and args and isinstance(args[0], torch.Tensor):
-        unread.add(id(local_part(args[0])))
+        unread.add(id(held(args[0], views)))
     for keyword in spec.keywords:  # a schema's keyword-only written arguments: out=, values=, indices=
         value = kwargs.get(keyword)
         for t in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(t, torch.Tensor):
-                unread.add(id(local_part(t)))
+                unread.add(id(held(t, views)))
     return unread
 
 
@@ -392,6 +429,18 @@ class OpOverflowCheck(OpTool):
         self._kept = KeepBudget(KEPT_BYTES)
         self._flagged = Flagged()
         self.stale_flags = 0  # flags taken over, found out of date when the call they made look born was re-read
+        # forward_id -> what a forward call's tensors held, oldest first: NAN where its inputs or outputs held a nan,
+        # INF where its outputs held an inf. Its backward reads them too (the saved tensors): a nan, or an inf, in
+        # its gradients is then not born there (an inf in the data squared, then its gradient). Not an inf its
+        # inputs held only: a call that reads -inf by design (softmax after an attention mask) has a finite
+        # backward (softmax's reads its output), where an overflow is the backward's own.
+        self._forward_kinds: dict[int, int] = {}
+        # The first call, in execution order, that read an inf or nan no call checked had made (and which of them):
+        # where it came in (the program's data, a call not handled, a write no call showed). Not where a call's float
+        # argument was such a value before (a mask's -inf, a sentinel nan: torch.full(..., nan)), which its readers
+        # then read by design.
+        self._first_seen: tuple[Overflow, int] | None = None
+        self._scalars_seen = FINITE
 
     @property
     def first_overflow(self) -> Overflow | None:
@@ -403,7 +452,7 @@ class OpOverflowCheck(OpTool):
         return self._first_overflow
 
     def note_writes(self, tensors: list) -> None:
-        self._flagged.forget(tensors)
+        self._flagged.forget([held(t) for t in tensors])  # a DTensor's local tensor, a sparse tensor's values
 
     def before(self, call: OpCall) -> None:
         verbose = self._logger.isEnabledFor(logging.DEBUG)
@@ -413,19 +462,20 @@ class OpOverflowCheck(OpTool):
             # A collective writes what it received over what it sent: what was sent is measured now (on the device).
             bound = collective_call(call.name, call.func, call.args, call.kwargs)
             if bound is not None and not bound.asynchronous:
-                sent = [t for t in map(local_part, bound.sent) if _checked(t)]
+                sent = [t for t in map(held, bound.sent) if _checked(t)]
                 call.state = {"collective": bound, "sent": _largest_magnitudes(sent) if sent else []}
             return
         spec = call_writes(call.name)
         if not spec.never:  # what an in-place op overwrites is its input as it was: flagged before the op
-            written = [t for t in map(local_part, spec.written(call.args, call.kwargs)) if _checked(t)]
+            views: dict = {}
+            written = [t for t in (held(t, views) for t in spec.written(call.args, call.kwargs)) if _checked(t)]
             if written:
-                unread = _unread_targets(call.name, spec, call.args, call.kwargs)
+                unread = _unread_targets(call.name, spec, call.args, call.kwargs, views)
                 flags = self._flags_before([t for t in written if id(t) not in unread],
                                            self.raise_on_overflow or verbose)
                 # an out= tensor, copy_'s or fill_'s target: what it held is no input (an empty's garbage)
                 flags.update((i, ("kind", FINITE)) for i in unread)
-                call.state = _Written(written, flags)
+                call.state = _Written(written, flags, views)
 
     def _flags_before(self, written: list[torch.Tensor], at_once: bool) -> dict[int, tuple]:
         """``id(tensor) -> how its flag comes``: ``("kind", kind)`` read now (``at_once``, or on the CPU), ``("taken",
@@ -467,14 +517,16 @@ class OpOverflowCheck(OpTool):
                 self._flagged.forget(call.state.tensors)
             return
         before = None
+        views = None
         if isinstance(call.state, _Written):
-            before = call.state.flags
+            before, views = call.state.flags, call.state.views
             self._flagged.forget(call.state.tensors)  # flags taken over from them are out of date now
         # A functional collective's result is written by the collective's thread until wait_tensor: it is checked
         # there, where an inf/nan another rank sent shows as born (what was waited for is no input).
         inputs = [] if facts.completes else named_tensors(f"{call.name} input",
-                                                          tuple(call.args) + tuple(call.kwargs.values()))
-        outputs = [] if facts.async_result else named_tensors(f"{call.name} output", reporting.as_tuple(call.result))
+                                                          tuple(call.args) + tuple(call.kwargs.values()), views)
+        outputs = [] if facts.async_result else named_tensors(f"{call.name} output", reporting.as_tuple(call.result),
+                                                              views)
         header = None
         if verbose:
             rows = reporting.call_rows(call.name, call.args, call.kwargs, call.result)
@@ -485,7 +537,7 @@ class OpOverflowCheck(OpTool):
 
     def _check_collective(self, call: OpCall, bound, sent: list[torch.Tensor]) -> None:
         """Born here when what arrived holds inf/nan and what this rank sent did not: received from another rank."""
-        received = [t for t in map(local_part, bound.received) if _checked(t)]
+        received = [t for t in map(held, bound.received) if _checked(t)]
         if self._first_overflow is not None or not received:
             return
         if not any(nonfinite_flags(received)):  # read at once: collectives are few per step
@@ -527,9 +579,22 @@ class OpOverflowCheck(OpTool):
         self.tally.add(path, result_files.write_json(path, first.record(self.common.rank)),
                        "first overflow")
 
+    @property
+    def first_seen(self) -> Overflow | None:
+        """Where no call made inf/nan from finite inputs but one came in from outside the calls checked: the first
+        call, in execution order, that read it. None otherwise."""
+        return self._first_seen[0] if self.first_overflow is None and self._first_seen is not None else None
+
     def closing_line(self) -> str:
         found = self.found()
-        if not found:  # a clean verdict only when every handled call was checked
+        seen = self.first_seen
+        if seen is not None and self._first_seen is not None:  # the run held inf/nan that no call checked made
+            what = "a nan" if self._first_seen[1] == NAN else "an inf"
+            found = (f"no call checked made inf/nan from finite inputs; {seen.name}"
+                     f"{f' in {seen.module}' if seen.module else ''} ({seen.phase}) forward_id: {seen.forward_id} "
+                     f"read {what} first, from outside the calls checked (the program's data, a call not handled, or "
+                     "a write no call showed)")
+        elif not found:  # a clean verdict only when every handled call was checked
             found = "no inf/nan from finite inputs" if not self.not_checked() else \
                 "no inf/nan from finite inputs among the calls checked"
         if self.stale_flags:
@@ -651,17 +716,32 @@ class OpOverflowCheck(OpTool):
     def _verdict(self, check: _PendingCheck) -> None:
         check.take_over()
         source_kinds, result_kinds = check.sources_and_results()
-        if born_here(source_kinds, result_kinds, check.scalars) and not (check.taken and self._stale(check)):
+        _, forward_id, phase = check.facts[:3]
+        read = max(source_kinds, default=FINITE)
+        # a backward reads its forward's tensors too (the saved ones): what they held is brought in
+        saved = self._forward_kinds.get(forward_id, FINITE) if phase == "backward" else FINITE
+        read = max(read, saved)
+        if phase != "backward":
+            result = max(result_kinds, default=FINITE)
+            kind = NAN if NAN in (read, result) else result
+            if kind != FINITE:
+                if len(self._forward_kinds) >= FORWARDS_KEPT:
+                    del self._forward_kinds[next(iter(self._forward_kinds))]  # the oldest: its backward long done
+                self._forward_kinds[forward_id] = kind
+        self._scalars_seen = max(self._scalars_seen, check.scalars)
+        if born_here([read], result_kinds, check.scalars) and not (check.taken and self._stale(check, saved)):
             overflow = check.overflow
             self._found(overflow, overflow.name, check.rows())
+        elif read > self._scalars_seen and self._first_seen is None:
+            self._first_seen = (check.overflow, read)
 
-    def _stale(self, check: _PendingCheck) -> bool:
+    def _stale(self, check: _PendingCheck, saved: int) -> bool:
         """Whether the call, which looks born, is not: a flag it took over from an earlier check was out of date (a
         write no call showed, such as a collective run from C++). Its tensors are read again where what they hold
         now is what they held at the call but for such a write: kept, and their earlier check still the one on
         record for them. A tensor let go of, written since by a call seen (a foreach optimizer's update, which no
         version counter shows), or written by the call itself (what it held before is gone) keeps the flag taken
-        over."""
+        over. ``saved``: what the call's saved tensors held, for a backward call (its forward's flags)."""
         kept = check.kept
         again: list[tuple[int, torch.Tensor]] = []
         for i, earlier, j, now in check.taken:
@@ -676,7 +756,8 @@ class OpOverflowCheck(OpTool):
                 check.flags[i] = kind
                 changed += 1
         self.stale_flags += changed
-        return changed > 0 and not born_here(*check.sources_and_results(), check.scalars)
+        sources, results = check.sources_and_results()
+        return changed > 0 and not born_here([saved, *sources], results, check.scalars)
 
     def _found(self, overflow: Overflow, name: str, rows: list[dict]) -> None:
         """The first overflow: said with its call's statistics, nothing more queued, raised if asked."""

@@ -467,3 +467,75 @@ def test_a_nan_from_an_optimizers_foreach_kernel_is_named(sim):
                 optimizer.step()
                 optimizer.zero_grad()
     assert tool.found().startswith("first inf/nan from finite inputs: torch._foreach_addcdiv_ (forward)"), tool.found()
+
+
+def test_a_nan_born_in_a_sparse_result_is_named_at_its_op(sim, logged):
+    # A sparse tensor is checked through its values (its implicit zeros are finite). Before, sparse tensors were not
+    # checked: the nan log1p made was first seen by to_dense, which was blamed.
+    x = torch.full((4, 4), -2.0, device=sim)
+    x[0, 0] = 0
+    with op_tools.OpOverflowCheck() as check:
+        values = torch.log1p(x.to_sparse())
+        values.to_dense().sum()
+    assert (check.first_overflow.name, check.first_overflow.phase) == ("torch.log1p", "forward")
+    assert "output[0] (sparse values)" in logged() and "input[0] (sparse values)" in logged()
+
+
+def test_a_sparse_gradient_is_checked_in_its_values(sim, logged, monkeypatch):
+    monkeypatch.setenv("OP_TOOLS_VERBOSE", "1")
+    embedding = torch.nn.Embedding(10, 4, sparse=True).to(sim)
+    with op_tools.OpOverflowCheck() as check:
+        embedding(torch.tensor([1, 2, 2], device=sim)).sum().backward()
+    assert embedding.weight.grad.layout == torch.sparse_coo and check.first_overflow is None
+    assert "grad_inputs[0] (sparse values)" in logged()  # its backward's table: the weight's gradient, checked
+
+
+def test_what_holds_inf_or_nan_in_a_sparse_tensor_is_its_values():
+    from op_tools.tools.overflow_check import held
+
+    dense = torch.tensor([[0.0, 1.0], [float("nan"), 0.0]])
+    uncoalesced = torch.sparse_coo_tensor(torch.tensor([[0, 0], [1, 1]]), torch.tensor([1.0, float("inf")]), (2, 2),
+                                          check_invariants=True)
+    views: dict = {}
+    assert torch.equal(held(uncoalesced, views), torch.tensor([1.0, float("inf")]))
+    assert held(uncoalesced, views) is held(uncoalesced, views)  # the same view for the same tensor in a call
+    assert held(dense.to_sparse_csr()).isnan().tolist() == [False, True]  # a compressed layout's values
+    assert held(dense) is dense
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_inf_or_nan_in_the_programs_data_is_said_where_it_came_in_and_no_op_is_blamed(sim, value):
+    # Before, the backward of a call that read the data was blamed (square's, whose saved input held the inf/nan):
+    # its gradients were its only inputs. A forward whose tensors held a nan, or whose outputs held an inf, now
+    # brings it to its backward; and a run that held inf/nan no call made says where it came in.
+    layer = torch.nn.Linear(4, 1).to(sim)
+    batch = torch.randn(3, 4)
+    batch[1, 2] = float(value)
+    with op_tools.OpOverflowCheck() as check:
+        layer(batch.to(sim)).square().mean().backward()
+    assert check.first_overflow is None
+    seen = check.first_seen
+    assert (seen.name, seen.phase) == ("torch.Tensor.to", "forward")
+    line = check.closing_line()
+    assert f"torch.Tensor.to (forward) forward_id: {seen.forward_id} read {'a nan' if value == 'nan' else 'an inf'}"\
+        " first, from outside the calls checked" in line and "no inf/nan from finite inputs" not in line
+
+
+def test_a_masks_inf_is_read_by_design_and_an_overflow_in_the_backward_after_it_is_still_found(sim):
+    # softmax reads the mask's -inf (put there by masked_fill's scalar): a clean run says nothing more; its backward
+    # reads its finite output, so an inf there (an fp16 overflow) is the backward's own.
+    import ditorch.sim
+
+    scores = torch.randn(4, 4, device=sim, requires_grad=True)
+    mask = torch.ones(4, 4, dtype=torch.bool, device=sim).triu(1)
+
+    def attend():
+        return torch.softmax(scores.masked_fill(mask, float("-inf")), -1).square().sum().backward()
+
+    with op_tools.OpOverflowCheck() as check:
+        attend()
+    assert check.first_overflow is None and check.first_seen is None
+    assert check.closing_line().endswith("no inf/nan from finite inputs")
+    with ditorch.sim.faults("_softmax_backward_data:inf"), op_tools.OpOverflowCheck() as check:
+        attend()
+    assert (check.first_overflow.name, check.first_overflow.phase) == ("torch.softmax", "backward")
