@@ -264,6 +264,9 @@ class FaultTable:
             self._faults = list(faults)
             self._by_op = {}
             self._calls = {}  # a bitflip's every N-th call counts from when it was set
+            # and its draws (noise signs, bitflip places, intermittent firing) start over: the same faults on the
+            # same program corrupt the same elements, whatever ran before (a test's verdict, not its order's)
+            self._noise_gen.manual_seed(0)
             self.active = any(f.kind not in VERSION_KINDS for f in self._faults)
             module_scope.track(any(f.module is not None for f in self._faults))  # hooks only while they serve
             if touches_versions:

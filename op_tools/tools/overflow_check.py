@@ -68,17 +68,20 @@ class Overflow:
     step: int = 0  # optimizer steps finished since the tool started, when the call's forward ran
     time: float = 0.0  # wall-clock seconds (time.time()) when the call started
     received: bool = False  # a collective that received it: this rank sent finite values, another rank did not
+    came_in: bool = False  # no call made it: this call read it first (``OpOverflowCheck.first_seen``)
 
     def record(self, rank: int | None) -> dict:
-        """What ``overflow_<session>.json`` holds: the first overflow of this rank, and where and when."""
+        """What ``overflow_<session>.json`` holds: the first overflow of this rank, and where and when; or, where no
+        call made one, the first call that read an inf/nan (``came_in``)."""
         return {"format": "op_tools overflow", "version": 1, "rank": rank, "step": self.step,
                 "time": round(self.time, 6), "op": self.name, "module": self.module, "phase": self.phase,
-                "forward_id": self.forward_id, "location": self.location, "received": self.received}
+                "forward_id": self.forward_id, "location": self.location, "received": self.received,
+                "came_in": self.came_in}
 
     def __str__(self) -> str:
         where = f" in {self.module}" if self.module else ""
         what = ("first inf/nan received from another rank (this rank sent finite values)" if self.received else
-                "first inf/nan from finite inputs")
+                "first inf/nan read, made by no call checked" if self.came_in else "first inf/nan from finite inputs")
         return f"{what}: {self.name}{where} ({self.phase}) forward_id: {self.forward_id}\n{self.location}"
 
 
@@ -571,13 +574,13 @@ class OpOverflowCheck(OpTool):
 
     def finish(self) -> None:
         """The first overflow, written for the run's other readers (each rank its own file under torchrun)."""
-        first = self.first_overflow  # what is still in flight is read first
+        first = self.first_overflow or self.first_seen  # what is still in flight is read first
         self._flagged.clear()
         if first is None:
             return
         path = result_files.results_path(self.common, self.results_folder, f"overflow_{self.stem}.json")
         self.tally.add(path, result_files.write_json(path, first.record(self.common.rank)),
-                       "first overflow")
+                       "first overflow" if not first.came_in else "first inf/nan read, made by no call checked")
 
     @property
     def first_seen(self) -> Overflow | None:
@@ -602,8 +605,13 @@ class OpOverflowCheck(OpTool):
                       "showed) and read again")
         return f"{super().closing_line()}; {found}"
 
+    def _closing_level(self) -> int:
+        return logging.WARNING if self.first_seen is not None else super()._closing_level()
+
     def found(self) -> str:
-        return str(self.first_overflow).split("\n")[0] if self.first_overflow else ""
+        """The first overflow; or, where no call made one, the first call that read an inf/nan: not a clean run."""
+        first = self.first_overflow or self.first_seen
+        return str(first).split("\n")[0] if first else ""
 
     def backward_done(self) -> None:
         pending, self._pending = self._pending, None
@@ -733,7 +741,7 @@ class OpOverflowCheck(OpTool):
             overflow = check.overflow
             self._found(overflow, overflow.name, check.rows())
         elif read > self._scalars_seen and self._first_seen is None:
-            self._first_seen = (check.overflow, read)
+            self._first_seen = (dataclasses.replace(check.overflow, came_in=True), read)
 
     def _stale(self, check: _PendingCheck, saved: int) -> bool:
         """Whether the call, which looks born, is not: a flag it took over from an earlier check was out of date (a

@@ -158,6 +158,26 @@ def test_a_rank_with_no_collective_after_the_fault_is_not_said_to_have_received_
     assert [a.status for a in accounts] == ["clean", "origin"]
 
 
+
+def test_an_inf_nan_no_call_made_on_a_rank_was_received_where_another_rank_made_one():
+    # Rank 0 read the NaN first in square, made by none of its calls (a DTensor all-reduce below the tools brought
+    # it), earlier by its clock than rank 1's silu made it: rank 1 is the origin all the same.
+    results = Results("x", ranks={0, 1})
+    results.anomalies = [_event(0, 0, "torch.Tensor.square", came_in=True), _event(1, 1, "torch.nn.functional.silu")]
+    accounts, first = account_ranks(results)
+    assert [(a.status, a.from_ranks) for a in accounts] == [("received", (1,)), ("origin", ())]
+    assert first is not None and first.rank == 1
+
+
+def test_an_inf_nan_no_call_made_on_any_rank_is_where_it_came_in_with_the_data():
+    results = Results("x", ranks={0, 1})
+    results.anomalies = [_event(1, 2, "torch.Tensor.to", came_in=True)]
+    accounts, first = account_ranks(results)
+    assert [a.status for a in accounts] == ["clean", "origin"]
+    assert first is not None and first.text() == (
+        "rank 1: went wrong at step 2: inf/nan read first by torch.Tensor.to (forward), made by no call "
+        "OpOverflowCheck checked (the program's data, or a write no tool saw)")
+
 # --- TrainingMonitor's anomalies files (docs/tools/training_monitor.md), written by the monitor's own writer ---
 
 SESSION = "pid1_2025-01-01-00-00-00_0"

@@ -4,10 +4,12 @@ each step, and where the ranks' time went.
 Origin and propagation. Each rank's first anomaly is its earliest (by step, then wall-clock time) inf/nan or
 mismatch. It was *received* when OpOverflowCheck saw it arrive through a collective (this rank sent finite values),
 or when it is a collective's own result other than a failed check of that collective; otherwise the rank is an
-*origin*. A rank with no anomaly of its own while another rank is an origin received that rank's fault through the
-first collective the origin rank ran after its anomaly, when it ran that collective too (a data-parallel all-reduce
-carries noise as well as NaN, and a noisy but correct all-reduce is no anomaly on the receiving rank). The origin
-with the earliest first anomaly is what went wrong first.
+*origin*. An inf/nan OpOverflowCheck saw read on a rank where no call it checked made it came from the data or from
+a write no tool saw (a collective run below the tools): that rank received it where another rank is an origin, and
+is an origin only where none is. A rank with no anomaly of its own while another rank is an origin received that
+rank's fault through the first collective the origin rank ran after its anomaly, when it ran that collective too (a
+data-parallel all-reduce carries noise as well as NaN, and a noisy but correct all-reduce is no anomaly on the
+receiving rank). The origin with the earliest first anomaly is what went wrong first.
 
 TrainingMonitor's anomalies are anomalies like the others (their kind is the monitor's rule), with one more piece of
 causality: every rank runs a step's phases in the same order (forward, backward, the optimizer step), the
@@ -48,6 +50,9 @@ class RankAccount:
         if self.status == "origin":
             assert self.first is not None
             found = f"{self.first.kind} in {self.first.where()}, found by {self.first.tool}" + _detail(self.first)
+            if self.first.came_in:
+                found = (f"{self.first.kind} read first by {self.first.where()}, made by no call {self.first.tool} "
+                         "checked (the program's data, or a write no tool saw)")
             if self.first_seen_on:
                 return (f"rank {self.rank}: first seen on ranks {', '.join(map(str, self.first_seen_on))} at step "
                         f"{self.first.step} (which one sent it cannot be told): {found}")
@@ -199,8 +204,11 @@ def account_ranks(results: Results) -> tuple[list[RankAccount], RankAccount | No
         if event.rank not in firsts or event.order < firsts[event.rank].order:
             firsts[event.rank] = event
     later_in_step = {rank: _phase_senders(e, results.anomalies) for rank, e in firsts.items()}
-    origins = sorted((e for e in firsts.values() if not _received(e) and not later_in_step[e.rank]),
-                     key=lambda e: e.order)
+    candidates = [e for e in firsts.values() if not _received(e) and not later_in_step[e.rank]]
+    # An inf/nan no call checked on its rank made came from the data, or from a write no tool saw (a collective
+    # run below the tools: DTensor's, DDP's): an origin only where no rank made one.
+    made = [e for e in candidates if not e.came_in]
+    origins = sorted(made or candidates, key=lambda e: e.order)
     seen_together = _first_seen_together(origins) if origins else ()
     accounts: dict[int, RankAccount] = {}
     for origin in origins:

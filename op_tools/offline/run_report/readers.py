@@ -62,6 +62,7 @@ class Event:
     detail: str = ""
     forward_id: int = 0
     received: bool = False  # OpOverflowCheck: this rank sent finite values and received inf/nan
+    came_in: bool = False  # OpOverflowCheck: no call checked on this rank made it; this call read it first
     value: float | None = None  # TrainingMonitor: the figure its rule judged (nan, inf possible)
     location: str = ""  # ``file:line function: code`` of the call, where the tool kept it (the monitor has none)
 
@@ -159,11 +160,14 @@ def _read_overflow(results: Results, rank: int, path: str) -> None:
     if record.get("format") != "op_tools overflow":
         raise ValueError("not an OpOverflowCheck overflow file")
     rank = record["rank"] if isinstance(record.get("rank"), int) else rank
+    received, came_in = bool(record.get("received", False)), bool(record.get("came_in", False))
+    detail = "inf/nan received from another rank" if received else \
+        "inf/nan read first, made by no call checked (the data, or a write not seen)" if came_in else \
+        "first inf/nan from finite inputs"
     results.anomalies.append(Event(rank, int(record.get("step", 0)), float(record.get("time", 0.0)), record["op"],
                                    record.get("module", ""), record.get("phase", "forward"), "OpOverflowCheck",
-                                   "inf/nan", "inf/nan received from another rank" if record.get("received") else
-                                   "first inf/nan from finite inputs", int(record.get("forward_id", 0)),
-                                   bool(record.get("received", False)), location=_location(record.get("location"))))
+                                   "inf/nan", detail, int(record.get("forward_id", 0)), received, came_in=came_in,
+                                   location=_location(record.get("location"))))
 
 
 def _read_self_check(results: Results, rank: int, path: str) -> None:

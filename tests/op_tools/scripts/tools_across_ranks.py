@@ -117,7 +117,8 @@ def main() -> None:
     with ditorch.sim.faults("silu:nan" if rank == 1 else ""):
         with op_tools.OpOverflowCheck(results_dir=os.path.join(out, "results")) as check:
             mlp(x).square().mean().backward()
-    report["tp"]["OpOverflowCheck"] = {"verdict": check.verdict(), "first": str(check.first_overflow)}
+    report["tp"]["OpOverflowCheck"] = {"verdict": check.verdict(), "first": str(check.first_overflow),
+                                       "seen": str(check.first_seen)}
     mlp.zero_grad()
     with op_tools.OpCapture(results_dir=os.path.join(out, "recording_tp"), mode="stats") as capture:
         mlp(x).square().mean().backward()
