@@ -58,8 +58,10 @@ def fsdp2_llama():
 
 
 def collectives_under_self_check(fault: str, rank: int) -> dict:
-    """The four collectives OpSelfCheck checks, in float32 and bfloat16, under sim's ``fault`` (a faulty link)."""
-    x = torch.randn(1024, generator=torch.Generator().manual_seed(rank)).cuda()
+    """The four collectives OpSelfCheck checks, in float32 and bfloat16, under sim's ``fault`` (a faulty link). Values
+    of magnitude 1 to 2: a flipped top mantissa bit moves one by a quarter at least, above the rounding the checks
+    allow for 1024 of them (an element near 0 flipped moves the sums by less: no check sees that)."""
+    x = (torch.rand(1024, generator=torch.Generator().manual_seed(rank)) + 1).cuda()
     size = dist.get_world_size()
     with ditorch.sim.faults(fault), op_tools.OpSelfCheck(budget=1.0) as check:
         for tensor in (x, x.bfloat16()):
