@@ -5,7 +5,8 @@ It names the first op, in execution order, whose outputs hold inf/nan while its 
 an op found in backward: as ``backward()`` returns, since raising inside autograd's device threads is unsafe). A
 backward reads what its forward saved: a NaN its forward's tensors held, or an inf its outputs held, is not born
 in it. Where no call made the inf/nan a call read (the program's data), ``tool.first_seen`` names that call, and
-the closing line says so instead of a clean verdict. Sparse tensors are checked in their values.
+the closing line says so instead of a clean verdict. Sparse tensors are checked in their values, complex ones
+as reals.
 
 Where the work runs: per handled call, one fused reduction on the device (the largest magnitude of every floating
 input and output, ``torch._foreach_norm(..., inf)``: inf or nan exactly where a tensor holds one; in host memory,
@@ -94,29 +95,39 @@ def _checked(t: torch.Tensor) -> bool:
 
 _COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 SPARSE_SUFFIX = " (sparse values)"
+COMPLEX_SUFFIX = " (as real)"
 
 
 def held(value, views: dict | None = None):
-    """What of a call's value can hold inf/nan, as a dense tensor on this host: a DTensor's local part; a sparse
-    tensor's values (its implicit zeros are finite; an embedding's sparse gradient, an op on sparse tensors); any other
-    value as it is. ``views``: the values taken of each sparse tensor so far in the call, the same view for the same
-    tensor before and after the op (the flags taken before an in-place op are found by its id)."""
+    """What of a call's value can hold inf/nan, as a dense real tensor on this host: a DTensor's local part; a sparse
+    tensor's values (its implicit zeros are finite; an embedding's sparse gradient, an op on sparse tensors); a
+    complex tensor's real view (a rotary embedding's complex product, an FFT); any other value as it is. ``views``:
+    the views taken of each tensor so far in the call, the same view for the same tensor before and after the op
+    (the flags taken before an in-place op are found by its id)."""
     t = local_part(value)
-    if not isinstance(t, torch.Tensor) or t.layout is torch.strided:
+    if not isinstance(t, torch.Tensor) or (t.layout is torch.strided and not t.is_complex()):
         return t
     view = views.get(id(t)) if views is not None else None
     if view is None:
-        if t.layout is torch.sparse_coo:
-            with torch.no_grad():
+        with torch.no_grad():
+            view = t
+            if t.layout is torch.sparse_coo:
                 view = t._values()  # uncoalesced too: every stored value
-        elif t.layout in _COMPRESSED:
-            with torch.no_grad():
+            elif t.layout in _COMPRESSED:
                 view = t.values()
-        else:  # mkldnn and others: left out (_checked)
-            return t
+            elif t.layout is not torch.strided:  # mkldnn and others: left out (_checked)
+                return t
+            if view.is_complex():  # the same memory read as pairs of reals (a conjugate view's base: the same values)
+                view = torch.view_as_real(view.conj() if view.is_conj() else view)
         if views is not None:
             views[id(t)] = view
     return view
+
+
+def _suffix(original, t) -> str:
+    if t is original or not isinstance(original, torch.Tensor):
+        return ""
+    return SPARSE_SUFFIX if original.layout is not torch.strided else COMPLEX_SUFFIX if original.is_complex() else ""
 
 
 _host_memory: dict[str, bool] = {}  # device type -> whether its tensors live in host memory (the CPU, sim)
@@ -299,11 +310,11 @@ def tensor_stats(name: str, t: torch.Tensor) -> dict:
 
 def named_tensors(prefix: str, values, views: dict | None = None) -> list[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of what the values hold (``held``): a DTensor is checked in the part this rank holds (an
-    inf/nan anywhere in it is in some rank's part), a sparse tensor in its values (named so)."""
+    inf/nan anywhere in it is in some rank's part), a sparse tensor in its values, a complex one as reals (named so)."""
     named = []
     for path, v in tensor_items(tuple(values)):
         t = held(v, views)
-        named.append((prefix + path + (SPARSE_SUFFIX if t is not v and v.layout is not torch.strided else ""), t))
+        named.append((prefix + path + _suffix(local_part(v), t), t))
     return named
 
 

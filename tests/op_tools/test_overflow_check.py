@@ -539,3 +539,23 @@ def test_a_masks_inf_is_read_by_design_and_an_overflow_in_the_backward_after_it_
     with ditorch.sim.faults("_softmax_backward_data:inf"), op_tools.OpOverflowCheck() as check:
         attend()
     assert (check.first_overflow.name, check.first_overflow.phase) == ("torch.softmax", "backward")
+
+
+def test_an_overflow_in_a_complex_product_is_named_at_the_product(sim):
+    # A complex tensor is checked as reals (a rotary embedding's complex product, an FFT). Before, complex tensors were
+    # not checked: the view_as_real after the product was blamed.
+    x = torch.randn(4, 8, 2, device=sim)
+    scale = torch.polar(torch.full((4, 8), 1e30, device=sim), torch.zeros(4, 8, device=sim))  # finite
+    with op_tools.OpOverflowCheck() as check:
+        product = torch.view_as_complex(x) * scale
+        torch.view_as_real(product * scale).sum()  # 1e60: inf in float32
+    found = check.first_overflow
+    assert found.name == "torch.Tensor.mul" and "torch.view_as_real(product * scale)" in found.location, found
+
+
+def test_a_complex_tensor_and_its_conjugate_view_are_read_as_their_reals():
+    from op_tools.tools.overflow_check import held
+
+    z = torch.tensor([1 + 2j, float("nan") + 0j])
+    assert held(z).tolist()[0] == [1.0, 2.0] and held(z).isnan().any()
+    assert held(z.conj()).isnan().any() and held(z.conj()).shape == (2, 2)  # the base's memory: the same inf/nan
