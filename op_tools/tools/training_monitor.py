@@ -159,6 +159,16 @@ class _HostWriter:
             work()
 
 
+def _dense_values(t: torch.Tensor) -> torch.Tensor:
+    """A strided tensor with ``t``'s norm and inf/nan: ``t`` itself, or a sparse tensor's values (an embedding's
+    sparse gradient; its duplicate indices summed first, as its dense form sums them), which ``_foreach_norm`` takes
+    where it takes no sparse tensor."""
+    if t.layout is torch.strided:
+        return t
+    with torch.no_grad():
+        return t.coalesce().values() if t.layout is torch.sparse_coo else t.values()
+
+
 def _squared_norms(items: list[tuple[Key, torch.Tensor, shards.Groups]], figures: _StepFigures) -> None:
     """Each tensor's squared norm added to ``figures``, one part per device and shard groups, in the items' order
     (the order every rank sums in, whatever the dtypes): one ``_foreach_norm`` per dtype within a part."""
@@ -169,8 +179,8 @@ def _squared_norms(items: list[tuple[Key, torch.Tensor, shards.Groups]], figures
         by_dtype: dict[torch.dtype, list[int]] = {}
         for k in indices:
             by_dtype.setdefault(items[k][1].dtype, []).append(k)
-        squares = torch.cat([torch.stack(torch._foreach_norm([items[k][1] for k in ks])).float().square()
-                             for ks in by_dtype.values()])
+        squares = torch.cat([torch.stack(torch._foreach_norm([_dense_values(items[k][1]) for k in ks])).float()
+                             .square() for ks in by_dtype.values()])
         if len(by_dtype) > 1:  # back to the items' order
             order = [k for ks in by_dtype.values() for k in ks]
             position = {k: i for i, k in enumerate(order)}

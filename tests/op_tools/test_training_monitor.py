@@ -554,3 +554,27 @@ def test_under_torch_compile_parameters_are_measured_and_module_outputs_said_not
         assert any(k[0] == "activation" for k in eager[step])
         assert not any(k[0] in ("activation", "output_grad") for k in compiled[step])
     assert "not measured: 2 x module outputs inside torch.compile regions (layers.0, layers.1)" in caplog.text
+
+
+def test_a_sparse_gradient_is_measured_as_its_dense_form_and_its_nan_fires_the_rule(sim, tmp_path):
+    # An embedding with sparse gradients (uncoalesced: a token seen twice). Before, _foreach_norm refused the sparse
+    # gradient and the whole step went unmeasured ("recording failed"): the nan below was never seen.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 4, sparse=True), torch.nn.Linear(4, 1)).to(sim)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    index = torch.tensor([1, 3, 3, 7], device=sim)
+    dense_norms = []
+    with op_tools.TrainingMonitor(model=model, results_dir=str(tmp_path)) as monitor:
+        for step in range(3):
+            model(index).square().mean().backward()
+            dense_norms.append(model[0].weight.grad.to_dense().norm().item())
+            if step == 2:
+                model[0].weight.grad._values()[0, 0] = float("nan")
+            optimizer.step()
+            optimizer.zero_grad()
+    figures = _figures(monitor)
+    for step in range(2):
+        assert figures[step][("parameter", "0.weight", "grad_norm")] == pytest.approx(dense_norms[step], rel=1e-6)
+    [anomaly] = _anomalies(monitor)
+    assert (anomaly["rule"], anomaly["step"], anomaly["module"]) == ("nonfinite", 2, "0.weight")
+    assert not monitor._unmeasured  # every figure measured, the sparse gradient's too
