@@ -149,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return ExitStatus.USAGE
     device = args.device or active_device()
+    import torch
+
+    try:
+        torch.device(device)
+    except RuntimeError as e:  # a vendor device whose backend this process has not imported
+        print(f"run_op_from_data: --device {device}: {e}. A vendor device needs its backend imported first: with "
+              "ditorch installed, DITORCH_BACKEND=<its name> (sim for ditorch's simulated device)", file=sys.stderr)
+        return ExitStatus.USAGE
     options = ReplayOptions(run_times=args.run_times, backward=not args.only_run_forward,
                             time=args.sync_time_measure, acc_check=args.acc_check,
                             allowed_modules=tuple(args.allow_module))

@@ -453,3 +453,11 @@ def test_failures_only_never_hides_an_error_or_a_call_not_checked_and_step_is_ap
     assert [row[0] for row in _table_rows(out)] == ["torch.matmul"]
     assert "--failures-only: 3 ok entries not shown" in out
     assert sorted(r["step"] for r in _times(tmp_path)) == ["", "2", "3"]  # matmul raised: no run timed
+
+
+def test_a_device_this_torch_does_not_know_is_a_usage_error_that_says_how_to_import_its_backend(captured_step,
+                                                                                                 capsys):
+    # Before, --device sim without ditorch's backend imported ended in torch.device's traceback, after the search.
+    assert main([str(captured_step), "--device", "npu:0"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("run_op_from_data: --device npu:0: ") and "DITORCH_BACKEND=<its name>" in error
