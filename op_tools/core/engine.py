@@ -51,7 +51,7 @@ from ..config.settings import signature_of, sources_for, validate_arguments
 from ..config.tool_registry import FEATURES, feature  # noqa: F401  # op_tools.core.engine.FEATURES / feature, as before
 from ..config.variables import CommonConfig, OpFilter, Sources
 from ..ops import torch_versions
-from ..ops.arguments import call_device, iter_tensors
+from ..ops.arguments import UnsupportedInputError, call_device, iter_tensors
 from ..ops.collectives import unseen_collectives
 from ..ops.naming import is_metadata_query, resolve_op_name
 from ..ops.writes import call_writes
@@ -475,6 +475,9 @@ class OpTool:
         # calls per op name that a step of the tool failed on (so they went unchecked), and the first one's error
         self.unchecked: collections.Counter = collections.Counter()
         self.first_unchecked: tuple[str, str] | None = None
+        # calls not checked by design (UnsupportedInputError), per reason, and the first op each was met in
+        self.unsupported: collections.Counter = collections.Counter()
+        self.first_unsupported: dict[str, str] = {}
         self.raised: collections.Counter = collections.Counter()  # handled calls whose op raised, per op name
         # calls per op name met while torch.compile traced (a region that could not be made eager): run, unchecked
         self.compiled: collections.Counter = collections.Counter()
@@ -520,6 +523,10 @@ class OpTool:
         if failed and first is not None:
             parts.append(f"{failed} call{'s' if failed != 1 else ''} not checked (the tool failed), the first "
                          f"{first[0]}: {first[1]}")
+        with _announce_lock:
+            unsupported, firsts = dict(self.unsupported), dict(self.first_unsupported)
+        parts.extend(f"{n} call{'s' if n != 1 else ''} not checked ({why}), the first {firsts[why]}"
+                     for why, n in unsupported.items())
         compiled = sum(self.compiled.values())
         if compiled:
             parts.append(f"{compiled} call{'s' if compiled != 1 else ''} inside torch.compile'd regions not checked "
@@ -718,6 +725,14 @@ class OpTool:
     def tool_failed(self, call: OpCall, error: Exception) -> None:
         """A step of the tool failed on ``call``: the call counts as not checked (once), the error is logged once
         per op name."""
+        if isinstance(error, UnsupportedInputError):
+            if not call.unchecked:
+                call.unchecked = True
+                why = str(error)
+                with _announce_lock:
+                    self.unsupported[why] += 1
+                    self.first_unsupported.setdefault(why, call.name)
+            return
         if not call.unchecked:
             call.unchecked = True
             described = f"{type(error).__name__}: {error}"

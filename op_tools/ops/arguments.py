@@ -66,6 +66,24 @@ def dtensor_class() -> type | None:
     return dtensor
 
 
+class UnsupportedInputError(Exception):
+    """Raised by a tool's step on a call it cannot check by design (its message says what: "sparse tensors are not
+    compared"): the engine counts the call as not checked for that reason, said in the verdict beside the tool's
+    failures, without a traceback; raised in strict mode, as a failure is."""
+
+
+def strided(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t``, when its layout is the dense one; else ``UnsupportedInputError`` saying that ``what`` (a tool's work: "are
+    compared") takes no such tensor."""
+    if t.layout is not torch.strided:
+        kind = "sparse" if t.is_sparse or t.layout in _COMPRESSED else str(t.layout).removeprefix("torch.")
+        raise UnsupportedInputError(f"{kind} tensors {what}")
+    return t
+
+
+_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
 def local_part(value):
     """A DTensor's part held by this rank (its local tensor), any other value as it is: what is on this host.
 

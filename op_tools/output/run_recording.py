@@ -61,7 +61,7 @@ from ..numerics.tensor_stats import (
     nonfinite_counts,
     split_stats,
 )
-from ..ops.arguments import local_part, real_device, tensor_items
+from ..ops.arguments import local_part, real_device, strided, tensor_items
 from ..ops.op_facts import op_facts
 from ..ops.torch_versions import autocast_dtype
 from ..ops.writes import call_writes
@@ -145,7 +145,7 @@ class _Side:
         described = []
         kept = []
         for where, t in tensors:
-            n = t.numel()
+            n = strided(t, "are not measured").numel()  # a sparse tensor's statistics would need its values by index
             dtype = t.dtype
             dtype_name = _DTYPE_NAMES.get(dtype)
             if dtype_name is None:

@@ -106,7 +106,7 @@ from ..numerics.reference import (
     run_same_dtype,
 )
 from ..numerics.rounding_bounds import AnyOrderSum, attention_rounding, rounded_terms
-from ..ops.arguments import is_dtensor, iter_items, iter_tensors, map_tensors
+from ..ops.arguments import is_dtensor, iter_items, iter_tensors, map_tensors, strided
 from ..ops.collectives import collective_call, signature_of
 from ..ops.op_facts import cached_on_facts, op_facts
 from ..ops.random_calls import GeneratorProbe, cpu_generator_token, device_rng, random_reason, skip_text
@@ -401,7 +401,7 @@ class OpAutoCompare(OpTool):
         taken: dict[int, tuple] = {}
 
         def copy(t: torch.Tensor) -> torch.Tensor:
-            host, reused = taken.get(id(t)) or taken.setdefault(id(t), get(t))
+            host, reused = taken.get(id(t)) or taken.setdefault(id(t), get(strided(t, _NOT_COMPARED)))
             tensors.append((t, host, reused))
             return host
 
@@ -818,11 +818,11 @@ class OpAutoCompare(OpTool):
         """What ``t`` is compared as: itself on its device when large, held in the device's own memory, and the device
         computes in float64 (only the statistics come back), unless the call is judged later (``deferred``: its copy
         is on its way); else a host copy, remembered for the next call."""
-        if not deferred and not is_dtensor(t) and self._measured_on_device(t):
+        if not deferred and not is_dtensor(t) and self._measured_on_device(strided(t, _NOT_COMPARED)):
             if written:
                 self._copies.forget([t])
             return t
-        return self._copies.fresh(t, written=written, non_blocking=deferred)
+        return self._copies.fresh(strided(t, _NOT_COMPARED), written=written, non_blocking=deferred)
 
     def _measured_on_device(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s statistics are computed where it is, against its reference uploaded: large, held in the
@@ -1592,6 +1592,9 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.is_floating_point() or a.is_complex():
         return bool(((a == b) | (a.isnan() & b.isnan())).all())
     return False
+
+
+_NOT_COMPARED = "are not compared"  # a sparse tensor's call (its comparison would need its values matched by index)
 
 
 def _fresh_copy(t: torch.Tensor) -> tuple[torch.Tensor, bool]:

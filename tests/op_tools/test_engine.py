@@ -201,3 +201,37 @@ def test_autograd_entry_points_are_not_ops(sim):
         g.sum().backward()
     assert not any(name.startswith(("torch.autograd", "torch.Tensor.backward")) for name in tool.names)
     assert torch.allclose(x.grad.cpu(), torch.full((3,), 2.0))
+
+
+class Unsupported(OpTool):
+    hook_name = "UnsupportedHook"
+
+    def after(self, call):
+        from op_tools.ops.arguments import UnsupportedInputError
+
+        raise UnsupportedInputError("sparse tensors are not compared")
+
+
+def test_a_call_a_tool_cannot_check_by_design_is_not_checked_for_that_reason_without_a_failure(sim, caplog,
+                                                                                                monkeypatch):
+    x = torch.ones(2, device=sim)
+    with Unsupported() as tool:
+        for _ in range(3):
+            x + 1
+    assert tool.not_checked() == "3 calls not checked (sparse tensors are not compared), the first torch.Tensor.add"
+    assert tool.verdict() == "unchecked" and not tool.unchecked  # not counted as the tool's failures
+    assert not any("UnsupportedHook failed" in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv("OP_TOOLS_STRICT", "1")
+    with Unsupported(), pytest.raises(Exception, match="sparse tensors are not compared"):
+        x + 1
+
+
+def test_sparse_calls_are_said_not_compared_and_not_recorded(sim, tmp_path):
+    dense = torch.full((4, 4), 2.0, device=sim)
+    with op_tools.OpAutoCompare(results_dir=str(tmp_path)) as compare:
+        torch.log1p(dense.to_sparse())
+    with op_tools.OpCapture(results_dir=str(tmp_path), mode="stats") as capture:
+        torch.log1p(dense.to_sparse())
+    assert "2 calls not checked (sparse tensors are not compared)" in compare.not_checked()
+    assert "2 calls not checked (sparse tensors are not measured)" in capture.not_checked()
+    assert compare.verdict() == capture.verdict() == "unchecked"
