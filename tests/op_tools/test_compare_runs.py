@@ -320,7 +320,7 @@ def test_a_call_whose_statistics_a_run_could_not_record_is_not_compared_but_name
     a, b = _record_small(tmp_path / "a", monkeypatch), _record_small(tmp_path / "b", monkeypatch)
     result = compare(a, b)
     assert [r.op for r in result.not_compared] == ["torch.Tensor.to_sparse"]
-    assert "run A has no statistics (RuntimeError: reshape is not implemented for sparse tensors)" in \
+    assert "run A has no statistics (UnsupportedInputError: sparse tensors are not measured)" in \
         result.not_compared[0].not_compared
     assert result.divergences == [] and result.verdict() == "unchecked"
     assert len(result.compared) == 4
@@ -331,7 +331,7 @@ def test_a_call_whose_statistics_a_run_could_not_record_is_not_compared_but_name
             'side</div><h1 id="verdict">No divergence among the 4 compared pairs, but not all were compared, 1 not '
             'compared</h1><div class="where"><span class="where-label">first pair not compared</span>') in page
     assert '<span class="field" data-field="op"><span class="field-name">op</span><code>torch.Tensor.to_sparse #2' \
-        in page and '<p class="banner-line">why: run A has no statistics (RuntimeError: reshape' in page
+        in page and '<p class="banner-line">why: run A has no statistics (UnsupportedInputError: sparse' in page
     assert 'data-field="rank"' not in page  # recorded without torchrun: no rank to name
     result.header_a["rank"], result.header_b["rank"] = 0, 1  # rank 0 of one run against rank 1 of another
     assert '<span class="field" data-field="rank"><span class="field-name">rank</span><code>A 0, B 1</code>' in \
@@ -343,7 +343,7 @@ def test_a_call_whose_statistics_a_run_could_not_record_is_not_compared_but_name
     assert "compared: 4 (4 agree, 0 diverged); not compared: 1" in done.stdout
     assert done.stdout.strip().splitlines()[-1].startswith(
         "WARNING: 1 aligned pair not compared, the first step 0 forward (no module) #2 torch.Tensor.to_sparse: run A "
-        "has no statistics (RuntimeError: reshape")
+        "has no statistics (UnsupportedInputError: sparse")
     with open(tmp_path / "c.csv") as f:
         rows = {r["op_a"]: r for r in csv.DictReader(f)}
     assert rows["torch.Tensor.to_sparse"]["difference"] == "" and rows["torch.Tensor.to_sparse"]["not_compared"]
