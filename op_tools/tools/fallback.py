@@ -16,6 +16,29 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 _CPU = torch.device("cpu")
 
 
+class _Moved(torch.autograd.Function):
+    """``t.to(device, dtype)``, whose backward hands the gradient back in ``t``'s device and dtype and in the
+    gradient's own layout. ``Tensor.to``'s backward converts it to ``t``'s layout as well, which PyTorch refuses for a
+    sparse gradient: an ``Embedding(sparse=True)`` run on the CPU failed the user's ``backward()``."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        ctx.back = (t.device, t.dtype)
+        return t.to(device=device, dtype=dtype, copy=True)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        device, dtype = ctx.back
+        return grad.to(device=device, dtype=dtype), None, None
+
+
+def _moved(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` on ``device`` in ``dtype``, differentiable (``_Moved``) where a gradient will flow."""
+    if t.requires_grad and torch.is_grad_enabled():
+        return _Moved.apply(t, device, dtype)
+    return t.to(device=device, dtype=dtype)
+
+
 class CpuCopies:
     """The CPU stand-ins of a call's device tensors, and how to hand results back to the device."""
 
@@ -29,8 +52,7 @@ class CpuCopies:
     def _tensor_to_cpu(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "cpu" and t.dtype not in self.cast:
             return t
-        # .to() is differentiable: gradients flow back to the device tensor.
-        cpu = t.to(device=_CPU, dtype=self.cast.get(t.dtype, t.dtype))
+        cpu = _moved(t, _CPU, self.cast.get(t.dtype, t.dtype))  # gradients flow back to the device tensor
         self.pairs.append((t, cpu))
         return cpu
 
@@ -47,7 +69,7 @@ class CpuCopies:
             original = originals.get(id(t))
             if original is not None:  # the op returned an argument (in-place, out=): the caller's tensor
                 return original
-            return t.to(device=device, dtype=dtype_back.get(t.dtype, t.dtype))
+            return _moved(t, device, dtype_back.get(t.dtype, t.dtype))
 
         return map_tensors(obj, back)
 

@@ -74,3 +74,26 @@ def test_float16_is_upcast_when_the_cpu_rejects_it(sim):
         op_tools.remove_feature(f"{__name__}.half_unfriendly")
     assert y.device.type == sim and y.dtype == torch.float16
     assert torch.equal(y.cpu(), torch.full((3,), 2.0, dtype=torch.float16))
+
+
+def test_an_embedding_with_sparse_gradients_falls_back_and_trains_as_on_the_device(sim):
+    # Tensor.to's backward converts the gradient to the input's layout, which PyTorch refuses for a sparse one: the
+    # user's backward() failed under the tool. The move's own backward keeps the gradient's layout.
+    def train(tool):
+        torch.manual_seed(0)
+        embedding = torch.nn.Embedding(20, 4, sparse=True).to(sim)
+        optimizer = torch.optim.SGD(embedding.parameters(), lr=0.5)
+        index = torch.tensor([1, 3, 3, 7], device=sim)
+        with tool:
+            loss = embedding(index).square().sum()
+            loss.backward()
+        grad = embedding.weight.grad
+        optimizer.step()
+        return loss.item(), grad.layout, grad.coalesce().to_dense().cpu(), embedding.weight.detach().cpu()
+
+    import contextlib
+
+    plain = train(contextlib.nullcontext())
+    with_tool = train(op_tools.OpFallback(ops=["torch.nn.functional.embedding"]))
+    assert with_tool[0] == plain[0] and with_tool[1] == plain[1] == torch.sparse_coo
+    assert torch.equal(with_tool[2], plain[2]) and torch.equal(with_tool[3], plain[3])
