@@ -425,6 +425,46 @@ def list_place(index: int, count: int, tensor: torch.Tensor) -> str:
     return f"parameter {index} of {count}, {'x'.join(map(str, tensor.shape)) or 'scalar'}"
 
 
+# ``torch._foreach_norm`` (``clip_grad_norm_``'s gradient norms): one index of its list per call, turning with the
+# rotation, its norm computed again on the device by ``vector_norm`` (another kernel) and compared within what any
+# summation order of either may give.
+FOREACH_NORM = "torch._foreach_norm"
+_NORM_ORDERS = (1.0, 2.0, math.inf)
+
+
+def foreach_norm_excess(args: tuple, kwargs: dict, result, rotation: int) -> tuple[torch.Tensor, str] | None:
+    """``(excess, place)`` of index ``rotation`` (modulo the list's length) of a ``_foreach_norm`` call: its norm
+    against ``vector_norm`` of the same tensor, accumulated in float32 (float64 for float64), in the bound of both
+    sums in any order (Higham 4.2: ``gamma_n`` relative for ``n`` terms of one sign; a 2-norm's square root halves
+    it), the roundings of the squares, the square roots and the result's dtype. The max-norm is exact but for the
+    result's rounding. None for the forms not checked: another order, lists that do not line up, an empty tensor,
+    (DTensors: the caller's)."""
+    tensors = _arg(args, kwargs, 0, "self")
+    order = _arg(args, kwargs, 1, "ord", 2)
+    if not isinstance(tensors, (list, tuple)) or not tensors or not isinstance(result, (list, tuple)) or \
+            len(result) != len(tensors) or not isinstance(order, (int, float)) or float(order) not in _NORM_ORDERS:
+        return None
+    index = rotation % len(tensors)
+    x, out = tensors[index], result[index]
+    if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor) or x.numel() == 0 or \
+            x.layout is not torch.strided or not out.is_floating_point():
+        return None
+    order, n = float(order), x.numel() * (2 if x.is_complex() else 1)
+    wide = _F64 if x.dtype in (_F64, torch.complex128) else torch.float32
+    u_acc, u_wide, u_out = _u(wide), _u(wide), _u(out.dtype)
+    with torch.no_grad():
+        expected = torch.linalg.vector_norm(x.detach(), order, dtype=wide if not x.is_complex() else None).to(wide)
+        if order == math.inf:
+            relative = u_out
+        elif order == 1.0:
+            relative = gamma(n + 1, u_acc) + gamma(n + 1, u_wide) + u_out
+        else:  # the squares rounded, summed in any order, a square root: per side
+            relative = gamma(n + 1, u_acc) / 2 + 2 * u_acc + gamma(n + 1, u_wide) / 2 + 2 * u_wide + u_out
+        magnitude = torch.maximum(expected, out.detach().to(wide).abs())
+        allowed = magnitude * relative * _WIDENED + torch.finfo(out.dtype).tiny
+        return worst_excess(out.detach().to(wide) - expected, allowed), list_place(index, len(tensors), x)
+
+
 # The fused Adam kernels (``torch.optim.Adam``/``AdamW(fused=True)``, transformers' Trainer's default optimizer):
 # name -> whether the weight decay is decoupled (AdamW's)
 _FUSED_ADAMS = {"torch._fused_adam_": False, "torch._fused_adamw_": True}
@@ -532,7 +572,8 @@ CHECKS: dict[str, Callable] = {**_PRODUCTS, **_CONVS, **_SOFTMAXES}
 WRAPPED = tuple(name for name in (
     *(name for name in CHECKS if name not in ("torch.mm", "torch.spmm", "torch.Tensor.__matmul__")),
     "torch.nn.functional.silu", "torch.nn.functional.gelu", "torch.nn.functional.layer_norm",
-    "torch.nn.functional.rms_norm", *sorted(COLLECTIVES), *sorted(FOREACH), *sorted(FUSED_ADAM)) if _present(name))
+    "torch.nn.functional.rms_norm", *sorted(COLLECTIVES), *sorted(FOREACH), *sorted(FUSED_ADAM), FOREACH_NORM)
+    if _present(name))
 # the checks that hold on a DTensor's local tensors (each rank's part of a sharded product is a product)
 LOCAL = frozenset(_PRODUCTS)
 # the argument each product adds (position, keyword): a DTensor's local result may hold a share of it
@@ -543,7 +584,7 @@ ADDENDS = {**{name: (2, "bias") for name in ("torch.nn.functional.linear", *_CON
 KINDS = {**{name: "column checksum" for name in _PRODUCTS}, **{name: "channel checksum" for name in _CONVS},
          **{name: "row sums" for name in _SOFTMAXES},
          **{name: "float64 rerun of a sample" for name in (*SAMPLED, *FUSED_ADAM)},
-         **{name: "sums across ranks" for name in COLLECTIVES}}
+         **{name: "sums across ranks" for name in COLLECTIVES}, FOREACH_NORM: "norm computed again"}
 
 
 def check(name: str, args: tuple, kwargs: dict, result, math_: DeviceMath, share: float = 1.0) -> torch.Tensor | None:

@@ -139,7 +139,7 @@ class OpSelfCheck(OpTool):
 
     def accepts(self, name: str) -> bool:
         return name in invariants.CHECKS or name in invariants.SAMPLED or name in invariants.COLLECTIVES or \
-            name in invariants.FUSED_ADAM
+            name in invariants.FUSED_ADAM or name == invariants.FOREACH_NORM
 
     @property
     def findings(self) -> list[Finding]:
@@ -275,6 +275,13 @@ class OpSelfCheck(OpTool):
             sample = None if share != 1.0 or not isinstance(result, torch.Tensor) else \
                 sampler(func, args, kwargs, result, rotation, taken=taken)
             values, recipe = sample if sample is not None else (None, None)
+        elif call.name == invariants.FOREACH_NORM:  # one index of its list, its norm computed again on the device
+            listed = args[0] if args else kwargs.get("self")
+            if isinstance(listed, (list, tuple)) and any(is_dtensor(t) for t in listed):  # FSDP2's gradients
+                self.counts["not checked (DTensor)"] += 1
+                return
+            checked = invariants.foreach_norm_excess(args, kwargs, result, self.counts["checked"])
+            values, tensor = checked if checked is not None else (None, "")
         else:
             values = invariants.check(call.name, args, kwargs, result, DeviceMath.of(call.device), share)
         if values is None:

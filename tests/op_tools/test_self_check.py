@@ -493,3 +493,44 @@ def test_on_a_cuda_gpu_every_recipe_is_quiet_under_self_check_and_a_wrong_produc
     wrong = a @ b
     wrong[100, 7] *= 1.5
     assert float(invariants.product_checksum(a, b, wrong, None, DeviceMath.of(wrong.device))) > 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("numerics", ["cpu", "gpu"])
+def test_clip_grad_norms_are_quiet_and_a_wrong_norm_kernel_is_named_with_its_parameter(sim, dtype, numerics):
+    # clip_grad_norm_'s torch._foreach_norm (a fault there scales every gradient): one index per call computed again
+    # by vector_norm, within the bound of both sums in any order. Checked by default; before, never.
+    from tiny_models import tiny_llama
+
+    import ditorch.sim
+
+    def train(fault: str) -> op_tools.OpSelfCheck:
+        torch.manual_seed(0)
+        model = tiny_llama().to(sim).to(dtype)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0)).to(sim)
+        with ditorch.sim.numerics(numerics), ditorch.sim.faults(fault), op_tools.OpSelfCheck(budget=1.0) as check:
+            for _ in range(3):
+                model(input_ids=ids, labels=ids).loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+        return check
+
+    clean = train("")
+    assert clean.findings == [] and clean.verdict() == "clean", clean.closing_line()
+    first = train("_foreach_norm:noise=1e-2").findings[0]
+    assert (first.op, first.check, first.step) == ("torch._foreach_norm", "norm computed again", 0), first
+    assert re.fullmatch(r"parameter \d+ of 21, \d+(x\d+)*", first.tensor), first  # which of the 21 gradients
+
+
+def test_each_norm_order_is_bounded_and_an_order_not_covered_is_not_checked():
+    x = torch.randn(1000, dtype=torch.float64).float()
+    for order in (1, 2, float("inf")):
+        result = torch._foreach_norm([x, x * 2], order)
+        for rotation in range(2):
+            excess, place = invariants.foreach_norm_excess(([x, x * 2], order), {}, result, rotation)
+            assert excess.item() < 1 and place == f"parameter {rotation} of 2, 1000"
+        wrong = [r * (1 + 1e-3) for r in result]
+        assert invariants.foreach_norm_excess(([x, x * 2], order), {}, wrong, 0)[0].item() > 1
+    assert invariants.foreach_norm_excess(([x], 3), {}, torch._foreach_norm([x], 3), 0) is None
