@@ -451,15 +451,15 @@ def foreach_norm_excess(args: tuple, kwargs: dict, result, rotation: int) -> tup
         return None
     order, n = float(order), x.numel() * (2 if x.is_complex() else 1)
     wide = _F64 if x.dtype in (_F64, torch.complex128) else torch.float32
-    u_acc, u_wide, u_out = _u(wide), _u(wide), _u(out.dtype)
+    u, u_out = _u(wide), _u(out.dtype)  # the device's sum and the check's: both accumulate in ``wide``
     with torch.no_grad():
         expected = torch.linalg.vector_norm(x.detach(), order, dtype=wide if not x.is_complex() else None).to(wide)
         if order == math.inf:
             relative = u_out
-        elif order == 1.0:
-            relative = gamma(n + 1, u_acc) + gamma(n + 1, u_wide) + u_out
-        else:  # the squares rounded, summed in any order, a square root: per side
-            relative = gamma(n + 1, u_acc) / 2 + 2 * u_acc + gamma(n + 1, u_wide) / 2 + 2 * u_wide + u_out
+        elif order == 1.0:  # two sums in any order
+            relative = 2 * gamma(n + 1, u) + u_out
+        else:  # per side: the squares rounded and summed in any order (halved by the square root), the root
+            relative = gamma(n + 1, u) + 4 * u + u_out
         magnitude = torch.maximum(expected, out.detach().to(wide).abs())
         allowed = magnitude * relative * _WIDENED + torch.finfo(out.dtype).tiny
         return worst_excess(out.detach().to(wide) - expected, allowed), list_place(index, len(tensors), x)

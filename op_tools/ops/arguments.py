@@ -76,12 +76,21 @@ def strided(t: torch.Tensor, what: str) -> torch.Tensor:
     """``t``, when its layout is the dense one; else ``UnsupportedInputError`` saying that ``what`` (a tool's work: "are
     compared") takes no such tensor."""
     if t.layout is not torch.strided:
-        kind = "sparse" if t.is_sparse or t.layout in _COMPRESSED else str(t.layout).removeprefix("torch.")
+        kind = "sparse" if t.is_sparse or t.layout in COMPRESSED else str(t.layout).removeprefix("torch.")
         raise UnsupportedInputError(f"{kind} tensors {what}")
     return t
 
 
-_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def sparse_values(t: torch.Tensor, summed: bool = False) -> torch.Tensor | None:
+    """A sparse tensor's stored values (its implicit zeros aside), outside autograd; ``summed``: a COO tensor's
+    duplicate indices added first, as its dense form adds them (for its norm). None for another layout (mkldnn)."""
+    with torch.no_grad():
+        if t.layout is torch.sparse_coo:
+            return t.coalesce().values() if summed else t._values()  # uncoalesced: every stored value
+        return t.values() if t.layout in COMPRESSED else None
 
 
 def local_part(value):

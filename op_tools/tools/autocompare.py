@@ -818,11 +818,12 @@ class OpAutoCompare(OpTool):
         """What ``t`` is compared as: itself on its device when large, held in the device's own memory, and the device
         computes in float64 (only the statistics come back), unless the call is judged later (``deferred``: its copy
         is on its way); else a host copy, remembered for the next call."""
-        if not deferred and not is_dtensor(t) and self._measured_on_device(strided(t, _NOT_COMPARED)):
+        strided(t, _NOT_COMPARED)
+        if not deferred and not is_dtensor(t) and self._measured_on_device(t):
             if written:
                 self._copies.forget([t])
             return t
-        return self._copies.fresh(strided(t, _NOT_COMPARED), written=written, non_blocking=deferred)
+        return self._copies.fresh(t, written=written, non_blocking=deferred)
 
     def _measured_on_device(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s statistics are computed where it is, against its reference uploaded: large, held in the

@@ -37,7 +37,7 @@ from ..core.engine import OpCall, OpTool, OpToolsAbortError, feature, tool_work
 from ..numerics.current_values import CurrentValues, locate
 from ..numerics.device_readback import DeviceReadback, KeepBudget, KeptTensors
 from ..numerics.tensor_stats import foreach_norms
-from ..ops.arguments import local_part, tensor_items
+from ..ops.arguments import local_part, sparse_values, tensor_items
 from ..ops.collectives import collective_call, signature_of
 from ..ops.op_facts import op_facts
 from ..ops.writes import call_writes
@@ -93,7 +93,6 @@ def _checked(t: torch.Tensor) -> bool:
     return t.is_floating_point() and t.layout == torch.strided and t.numel() > 0
 
 
-_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 SPARSE_SUFFIX = " (sparse values)"
 COMPLEX_SUFFIX = " (as real)"
 
@@ -109,15 +108,11 @@ def held(value, views: dict | None = None):
         return t
     view = views.get(id(t)) if views is not None else None
     if view is None:
-        with torch.no_grad():
-            view = t
-            if t.layout is torch.sparse_coo:
-                view = t._values()  # uncoalesced too: every stored value
-            elif t.layout in _COMPRESSED:
-                view = t.values()
-            elif t.layout is not torch.strided:  # mkldnn and others: left out (_checked)
-                return t
-            if view.is_complex():  # the same memory read as pairs of reals (a conjugate view's base: the same values)
+        view = t if t.layout is torch.strided else sparse_values(t)
+        if view is None:  # mkldnn and others: left out (_checked)
+            return t
+        if view.is_complex():  # the same memory read as pairs of reals (a conjugate view's base: the same values)
+            with torch.no_grad():
                 view = torch.view_as_real(view.conj() if view.is_conj() else view)
         if views is not None:
             views[id(t)] = view
@@ -314,7 +309,8 @@ def named_tensors(prefix: str, values, views: dict | None = None) -> list[tuple[
     named = []
     for path, v in tensor_items(tuple(values)):
         t = held(v, views)
-        named.append((prefix + path + _suffix(local_part(v), t), t))
+        # a plain tensor is held as it is: no suffix to look for
+        named.append((prefix + path if t is v else prefix + path + _suffix(local_part(v), t), t))
     return named
 
 
@@ -735,7 +731,7 @@ class OpOverflowCheck(OpTool):
     def _verdict(self, check: _PendingCheck) -> None:
         check.take_over()
         source_kinds, result_kinds = check.sources_and_results()
-        _, forward_id, phase = check.facts[:3]
+        forward_id, phase = check.facts[1], check.facts[2]
         read = max(source_kinds, default=FINITE)
         # a backward reads its forward's tensors too (the saved ones): what they held is brought in
         saved = self._forward_kinds.get(forward_id, FINITE) if phase == "backward" else FINITE

@@ -53,6 +53,7 @@ from ..config.variables import BLOCKS
 from ..core import shards
 from ..numerics.device_readback import DeviceReadback
 from ..numerics.tensor_stats import SUMMARY_FIELDS, summary
+from ..ops.arguments import sparse_values
 from ..ops.torch_versions import GradScaler, is_compiling
 from ..output import reporting, result_files
 from ..output.reporting import logger
@@ -160,14 +161,10 @@ class _HostWriter:
 
 
 def _dense_values(t: torch.Tensor) -> torch.Tensor:
-    """A strided tensor with ``t``'s norm and inf/nan: ``t`` itself, or a sparse tensor's values (an embedding's
-    sparse gradient; its duplicate indices summed first, as its dense form sums them), which ``_foreach_norm`` takes
-    where it takes no sparse tensor."""
-    if t.layout is torch.strided:
-        return t
-    with torch.no_grad():
-        return t.coalesce().values() if t.layout is torch.sparse_coo else t.values()
-
+    """A strided tensor with ``t``'s norm and inf/nan, which ``_foreach_norm`` takes (it takes no sparse tensor):
+    ``t`` itself, or a sparse tensor's values, duplicates summed (an embedding's sparse gradient)."""
+    values = sparse_values(t, summed=True) if t.layout is not torch.strided else None
+    return t if values is None else values
 
 def _squared_norms(items: list[tuple[Key, torch.Tensor, shards.Groups]], figures: _StepFigures) -> None:
     """Each tensor's squared norm added to ``figures``, one part per device and shard groups, in the items' order
