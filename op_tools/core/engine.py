@@ -51,7 +51,7 @@ from ..config.settings import signature_of, sources_for, validate_arguments
 from ..config.tool_registry import FEATURES, feature  # noqa: F401  # op_tools.core.engine.FEATURES / feature, as before
 from ..config.variables import CommonConfig, OpFilter, Sources
 from ..ops import torch_versions
-from ..ops.arguments import UnsupportedInputError, call_device, iter_tensors
+from ..ops.arguments import UnsupportedInputError, call_device, in_transform, iter_tensors
 from ..ops.collectives import unseen_collectives
 from ..ops.naming import is_metadata_query, resolve_op_name
 from ..ops.writes import call_writes
@@ -369,6 +369,10 @@ class OpTool:
     # Whether the tool keeps host copies of device tensors across calls (OpAutoCompare): it is then told of every
     # write of a call it does not handle (note_writes), and functions that can write never take the skip fast path.
     tracks_writes: ClassVar[bool] = False
+    # Whether the tool handles calls inside torch.func transforms (``in_transform``): a tool that reads what a call
+    # is (its name, shapes, time) or runs it otherwise (on the CPU, in another dtype) does; the others cannot read
+    # functorch's tensors, and count such calls as not checked.
+    handles_transformed: ClassVar[bool] = False
 
     def note_writes(self, tensors: list) -> None:
         """A call this tool does not handle is about to write ``tensors`` (only for tools with ``tracks_writes``)."""
@@ -451,8 +455,16 @@ class OpTool:
             module_path.release()
         if not self._activations:
             _unfinished.pop(id(self), None)
-        with tool_work():  # what finish() computes (results still in flight) is no program call of a tool still on
-            self.finish()
+        try:
+            with tool_work():  # what finish() computes (results still in flight) is no program call of a tool still on
+                self.finish()
+        except OpToolsAbortError:
+            raise
+        except Exception as error:  # the run goes on; the verdict says its end was not reached
+            if self.common is not None and self.common.strict:
+                raise
+            self.finish_failure = f"{type(error).__name__}: {error}"
+            self._logger.error("%s: finishing failed: %s", type(self).__name__, self.finish_failure, exc_info=True)
         self.tally.close()
         self._log_closing()
 
@@ -481,6 +493,9 @@ class OpTool:
         self.raised: collections.Counter = collections.Counter()  # handled calls whose op raised, per op name
         # calls per op name met while torch.compile traced (a region that could not be made eager): run, unchecked
         self.compiled: collections.Counter = collections.Counter()
+        # calls per op name on torch.func transforms' tensors, by a tool that cannot read them: run, unchecked
+        self.transformed: collections.Counter = collections.Counter()
+        self.finish_failure = ""  # finish() raised: what it had still to judge or write is lost
 
     def _log_closing(self) -> None:
         """Log the closing line fitted to the console (``reporting.fit_path``: its folder shortened from the start
@@ -512,12 +527,12 @@ class OpTool:
         """'' when every handled call was checked; else what was not: calls a step of the tool failed on, a LIST
         that matched no call, anything else a tool adds (``unchecked_parts``)."""
         parts = []
-        if self.filter is not None and self.filter.allow is not None and not self.handled and \
-                not self.default_list:
-            parts.append(f"{self.env_prefix}_LIST matched no call")
-        elif not self.handled:  # nothing checked is no clean verdict (a device package not imported: all on the CPU)
-            parts.append("no call was handled" + ("" if self.handles_cpu_calls else
-                                                  " (the CPU's calls are the reference: none ran on a device)"))
+        if not (self.handled or self.compiled or self.transformed):  # no call met (those met unchecked: below)
+            if self.filter is not None and self.filter.allow is not None and not self.default_list:
+                parts.append(f"{self.env_prefix}_LIST matched no call")
+            else:  # nothing checked is no clean verdict (a device package not imported: all on the CPU)
+                parts.append("no call was handled" + ("" if self.handles_cpu_calls else
+                                                      " (the CPU's calls are the reference: none ran on a device)"))
         with _announce_lock:
             failed, first = sum(self.unchecked.values()), self.first_unchecked
         if failed and first is not None:
@@ -531,6 +546,13 @@ class OpTool:
         if compiled:
             parts.append(f"{compiled} call{'s' if compiled != 1 else ''} inside torch.compile'd regions not checked "
                          f"(traced by the compiler, the first {next(iter(self.compiled))})")
+        transformed = sum(self.transformed.values())
+        if transformed:
+            parts.append(f"{transformed} call{'s' if transformed != 1 else ''} inside torch.func transforms (vmap, "
+                         f"grad, jacrev) not checked (their batched or wrapped tensors cannot be read, the first "
+                         f"{next(iter(self.transformed))})")
+        if self.finish_failure:
+            parts.append(f"finishing failed ({self.finish_failure}): what was still in flight was not judged")
         parts.extend(self.unchecked_parts())
         return "; ".join(parts)
 
@@ -616,6 +638,9 @@ class OpTool:
         if _is_compiling():  # a tool's steps cannot run in a graph dynamo traces: the call runs, counted unchecked
             self.compiled[name] += 1
             return func(*args, **kwargs)
+        if not self.handles_transformed and in_transform(args, kwargs):  # runs as it is, counted unchecked
+            self.transformed[name] += 1
+            return self._run_unhandled(name, func, args, kwargs)
         call = OpCall(name, func, args, kwargs, device, self.common.print_stack)
         call.step = STEPS.count - self._step_base
         self.handled[name] += 1

@@ -130,6 +130,17 @@ def iter_tensors(obj) -> Iterator[torch.Tensor]:
             yield from iter_tensors(v)
 
 
+_transforms_active = torch._C._are_functorch_transforms_active
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def in_transform(args, kwargs) -> bool:
+    """Whether a call works on ``torch.func`` transforms' tensors (``vmap``'s batched tensors, ``grad``'s wrappers):
+    they have no storage to read, copy or save, and one logical value stands for a batch of them. One call into torch
+    outside transforms."""
+    return _transforms_active() and any(_wrapped(t) for t in iter_tensors((args, kwargs)))
+
+
 def map_tensors(obj, fn: Callable[[torch.Tensor], Any]):
     """``obj`` with every tensor replaced by ``fn(tensor)``; containers rebuilt with their own type."""
     if isinstance(obj, torch.Tensor):

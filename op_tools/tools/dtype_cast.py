@@ -37,6 +37,7 @@ class OpDtypeCast(OpTool):
 
     hook_name = "OpDtypeCastHook"
     env_prefix = "OP_DTYPE_CAST"
+    handles_transformed = True  # casts are ops on functorch's tensors as on any
     keywords = {"casts": DTYPE_CAST_DICT}
 
     def configure(self) -> None:

@@ -19,12 +19,19 @@ _CPU = torch.device("cpu")
 class _Moved(torch.autograd.Function):
     """``t.to(device, dtype)``, whose backward hands the gradient back in ``t``'s device and dtype and in the
     gradient's own layout. ``Tensor.to``'s backward converts it to ``t``'s layout as well, which PyTorch refuses for a
-    sparse gradient: an ``Embedding(sparse=True)`` run on the CPU failed the user's ``backward()``."""
+    sparse gradient: an ``Embedding(sparse=True)`` run on the CPU failed the user's ``backward()``. Written with
+    ``setup_context`` and a generated vmap rule, so that calls inside ``torch.func`` transforms (``vmap``, ``grad``)
+    run through it as well."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        ctx.back = (t.device, t.dtype)
+    def forward(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         return t.to(device=device, dtype=dtype, copy=True)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.back = (inputs[0].device, inputs[0].dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -122,6 +129,7 @@ class OpFallback(OpTool):
 
     hook_name = "OpFallbackHook"
     env_prefix = "OP_FALLBACK"
+    handles_transformed = True  # functorch's tensors move to the CPU and back as any (``_Moved``)
 
     def accepts(self, name: str) -> bool:
         # Device moves must stay device moves, views must keep aliasing their base, and a collective runs with every

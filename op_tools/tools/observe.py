@@ -23,6 +23,7 @@ class OpObserve(OpTool):
 
     hook_name = "OpObserveHook"
     env_prefix = "OP_OBSERVE"
+    handles_transformed = True  # it shows what a call is: shapes and dtypes
 
     def after(self, call: OpCall) -> None:
         if self._logger.isEnabledFor(logging.DEBUG):
