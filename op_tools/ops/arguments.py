@@ -169,13 +169,19 @@ def real_device(tensor: torch.Tensor) -> torch.device:
     return _device_getter(tensor)
 
 
+# Devices whose calls are no device's work: the CPU (the reference), and meta, whose tensors hold no values (a model
+# built there, then ``to_empty`` on the device: FSDP2's way): nothing to compare, flag, save, or move to the CPU
+_NOT_DEVICES = (_CPU, "meta")
+
+
 def call_device(args, kwargs, name: str = "") -> torch.device | None:
-    """The first non-CPU device among the tensors and devices of a call, or None (the call is on the CPU)."""
+    """The first device other than the CPU and meta among the tensors and devices of a call, or None (the call is on
+    the CPU, or on meta tensors)."""
     device: torch.device | None
     for obj in args:  # _device_in(args) unrolled: asked once per handled call, mostly of a tensor first
         if isinstance(obj, torch.Tensor):
             device = obj.device
-            if device.type != _CPU:
+            if device.type not in _NOT_DEVICES:
                 return device
         elif isinstance(obj, _CONTAINERS):
             device = _device_in(obj)
@@ -201,9 +207,9 @@ _CONTAINERS = (list, tuple, dict, torch.device)
 def _device_in(obj) -> torch.device | None:
     if isinstance(obj, torch.Tensor):
         shown = obj.device
-        return shown if shown.type != _CPU else None
+        return shown if shown.type not in _NOT_DEVICES else None
     if isinstance(obj, torch.device):
-        return obj if obj.type != _CPU else None
+        return obj if obj.type not in _NOT_DEVICES else None
     if isinstance(obj, (list, tuple)):
         for v in obj:
             device = _device_in(v)
@@ -222,4 +228,4 @@ def _non_cpu(text) -> torch.device | None:
         device = torch.device(text)
     except (RuntimeError, TypeError):
         return None
-    return device if device.type != _CPU else None
+    return device if device.type not in _NOT_DEVICES else None

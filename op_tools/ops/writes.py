@@ -148,3 +148,13 @@ def _takes_inplace(name: str) -> bool:
         return func is not None and "inplace" in inspect.signature(func).parameters
     except (TypeError, ValueError):
         return False
+
+
+def carry_write(original: torch.Tensor, stand_in: torch.Tensor, made_by) -> None:
+    """Give ``original`` what a call wrote into ``stand_in``, its copy the call ran on instead (on the CPU, in a wider
+    dtype), made by autograd node ``made_by`` (``stand_in.grad_fn`` then). Recorded by autograd only where the call's
+    own write was (``stand_in``'s node moved on): written outside autograd (``torch.nn.init``'s functions, under
+    ``no_grad`` inside), a parameter takes the values as it would have on the device, where autograd refuses an
+    in-place op on a leaf that requires grad."""
+    with torch.set_grad_enabled(torch.is_grad_enabled() and stand_in.grad_fn is not made_by):
+        original.copy_(stand_in)

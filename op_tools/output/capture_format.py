@@ -67,6 +67,8 @@ class TensorStore:
     def _encode(self, obj, where: list, path: str, fresh: list, copies: dict):
         if isinstance(obj, torch.Tensor):
             known = copies.get(id(obj))
+            if known is None and obj.is_meta:  # no values: saved as it is, and loaded back on meta
+                known = copies[id(obj)] = (obj.detach().requires_grad_(obj.requires_grad), None)
             if known is None:
                 copy = obj.detach().to("cpu")
                 if obj.requires_grad:  # kept, for the replay to know which inputs take gradients

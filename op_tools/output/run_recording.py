@@ -145,7 +145,9 @@ class _Side:
         described = []
         kept = []
         for where, t in tensors:
-            n = strided(t, "are not measured").numel()  # a sparse tensor's statistics would need its values by index
+            # a sparse tensor's statistics would need its values by index; a meta tensor (``to_empty``'s input) has
+            # none, recorded as an empty one is
+            n = 0 if t.is_meta else strided(t, "are not measured").numel()
             dtype = t.dtype
             dtype_name = _DTYPE_NAMES.get(dtype)
             if dtype_name is None:

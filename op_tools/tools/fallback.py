@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -10,6 +11,7 @@ from ..core.engine import OpCall, OpTool, feature, tool_work
 from ..numerics.device_math import DeviceMath, emulated
 from ..ops.arguments import map_tensors
 from ..ops.op_facts import op_facts
+from ..ops.writes import carry_write
 from ..output import reporting
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -50,32 +52,37 @@ class CpuCopies:
     """The CPU stand-ins of a call's device tensors, and how to hand results back to the device."""
 
     def __init__(self, cast: dict | None = None) -> None:
-        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device tensor, cpu tensor)
+        # (device tensor, cpu tensor, the cpu tensor's autograd node as made)
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
         self.cast = cast or {}  # dtype -> wider dtype used on the CPU
 
     def to_cpu(self, obj):
         return _map_values(obj, self._tensor_to_cpu, _device_to_cpu)
 
     def _tensor_to_cpu(self, t: torch.Tensor) -> torch.Tensor:
+        if t.is_meta:  # no values to move: the op makes its meta results on the CPU as on the device
+            return t.to(self.cast.get(t.dtype, t.dtype))
         if t.device.type == "cpu" and t.dtype not in self.cast:
             return t
         cpu = _moved(t, _CPU, self.cast.get(t.dtype, t.dtype))  # gradients flow back to the device tensor
-        self.pairs.append((t, cpu))
+        self.pairs.append((t, cpu, cpu.grad_fn))
         return cpu
 
     def write_back(self) -> None:
         """Device tensors whose CPU copy the op wrote (in-place ops, out=) get the new values."""
-        for device_tensor, cpu in self.pairs:
+        for device_tensor, cpu, made_by in self.pairs:
             if cpu._version > 0 and device_tensor is not cpu:
-                device_tensor.copy_(cpu)
+                carry_write(device_tensor, cpu, made_by)
 
     def to_device(self, obj, device: torch.device, dtype_back: dict):
-        originals = {id(cpu): device_tensor for device_tensor, cpu in self.pairs}
+        originals = {id(cpu): device_tensor for device_tensor, cpu, _ in self.pairs}
 
         def back(t: torch.Tensor) -> torch.Tensor:
             original = originals.get(id(t))
             if original is not None:  # the op returned an argument (in-place, out=): the caller's tensor
                 return original
+            if t.is_leaf and t.requires_grad:  # made by the op (``torch.ones(..., requires_grad=True)``): a leaf
+                return t.detach().to(device=device, dtype=dtype_back.get(t.dtype, t.dtype)).requires_grad_()
             return _moved(t, device, dtype_back.get(t.dtype, t.dtype))
 
         return map_tensors(obj, back)
