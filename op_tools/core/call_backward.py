@@ -69,11 +69,14 @@ class CallBackward:
         self.finished = False
         self._on_start = None
 
-    def attach(self, result, callback: Callable[[tuple, tuple, bool], None], on_start=None) -> str | None:
+    def attach(self, result, callback: Callable[[tuple, tuple, bool], None], on_start=None,
+               on_again: Callable[[], None] | None = None) -> str | None:
         """Hook the nodes the call created; ``callback(upstream, input_grads, complete)`` runs once they all ran.
 
         Returns None when hooked, else why the call's backward cannot be followed (nothing hooked).
         ``on_start(self)`` runs at the first hook, so that a caller can finish an incomplete backward later.
+        ``on_again()`` runs each time the call's backward runs again over a graph kept for it (``retain_graph``),
+        which ``callback`` does not see: its hooks are gone after the first.
         """
         outputs, seen = [], set()
         for t in iter_tensors(result):
@@ -121,6 +124,8 @@ class CallBackward:
             handles.append(nodes[node_id].register_prehook(_UpstreamHook(self, tuple(outs))))
         for node_id, pairs in frontier.items():
             handles.append(nodes[node_id].register_hook(_GradientHook(self, tuple(pairs))))
+        if on_again is not None:  # kept on the node as long as the graph lives (nothing of the call held)
+            nodes[next(iter(roots))].register_prehook(_AgainHook(on_again))
         return None
 
     def upstream_arrived(self, outs: tuple, grad_outputs) -> None:
@@ -194,3 +199,18 @@ class _GradientHook:
 
     def __call__(self, grad_inputs, grad_outputs) -> None:
         self.owner.gradients_sent(self.pairs, grad_inputs)
+
+
+class _AgainHook:
+    """A pre-hook on the node of a call's first output, left there: each run after its first is the call's backward
+    run again over a retained graph (``on_again``)."""
+
+    __slots__ = ("on_again", "runs")
+
+    def __init__(self, on_again: Callable[[], None]) -> None:
+        self.on_again, self.runs = on_again, 0
+
+    def __call__(self, grad_outputs) -> None:
+        self.runs += 1
+        if self.runs > 1:
+            self.on_again()

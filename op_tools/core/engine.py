@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -366,6 +367,9 @@ class OpTool:
     # of its outputs and of the tensors before() listed in call.grad_inputs (call_backward.py); complete is False
     # when the backward pass ended with only part of them run.
     after_call_backward: Callable[[OpCall, tuple, tuple, bool], None] | None = None
+    # (op name) -> None, each time a call's backward runs again over a graph kept for it (``retain_graph=True``):
+    # ``after_call_backward`` saw its first run only.
+    backward_again: Callable[[str], None] | None = None
     # Whether the tool keeps host copies of device tensors across calls (OpAutoCompare): it is then told of every
     # write of a call it does not handle (note_writes), and functions that can write never take the skip fast path.
     tracks_writes: ClassVar[bool] = False
@@ -683,7 +687,8 @@ class OpTool:
     def _attach_call_backward(self, call: OpCall, tracker: CallBackward) -> None:
         # Held until the call's backward: an object and a bound method, not two closures and their cells (what a
         # call holds that long is promoted by the garbage collector, see call_backward.CallBackward)
-        why = tracker.attach(call.result, _CallBackwardDone(self, call, tracker), self._call_backward_started)
+        again = None if self.backward_again is None else functools.partial(self.backward_again, call.name)
+        why = tracker.attach(call.result, _CallBackwardDone(self, call, tracker), self._call_backward_started, again)
         call.grad_inputs = []
         if why is not None:
             self.call_backward_skipped(call, why)

@@ -264,6 +264,8 @@ class OpAutoCompare(OpTool):
         self._taken = 0  # forward calls compared or queued to be (a random composite counts those inside it)
         self.skipped: collections.Counter = collections.Counter()
         self.backward_not_compared: collections.Counter = collections.Counter()
+        # calls per op name whose backward ran again over a retained graph: those runs are not compared
+        self.backward_runs_again: collections.Counter = collections.Counter()
         self.device_math: collections.Counter = collections.Counter()  # what same-dtype runs applied -> calls
         self.stale_copies = 0  # cached host copies found out of date when a failing call re-read them
         self.failures: list[dict] = []
@@ -1046,6 +1048,10 @@ class OpAutoCompare(OpTool):
         if not call.state.saved_forward:
             call.state.release()
 
+    def backward_again(self, name: str) -> None:
+        with self._lock:
+            self.backward_runs_again[name] += 1
+
     def after_call_backward(self, call: OpCall, upstream: tuple, input_grads: tuple, complete: bool) -> None:
         try:
             self._after_call_backward(call, upstream, input_grads, complete)
@@ -1483,6 +1489,10 @@ class OpAutoCompare(OpTool):
 
     def unchecked_parts(self) -> list[str]:
         parts = []
+        again = sum(self.backward_runs_again.values())
+        if again:
+            parts.append(f"{again} backward run{'s' if again != 1 else ''} of calls again over a retained graph "
+                         f"(retain_graph=True) not compared, the first {next(iter(self.backward_runs_again))}")
         unaccounted = self._forward_unaccounted()
         if unaccounted:
             parts.append(f"{unaccounted} calls ended with no verdict (an OpAutoCompare bug: please report it)")
