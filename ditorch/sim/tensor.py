@@ -267,6 +267,11 @@ _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 def wrap(data: torch.Tensor, index: int) -> SimTensor:
     if data.layout is not torch.strided:
         return _wrap_unstrided(data, index)
+    if torch.is_inference_mode_enabled() and not data.is_inference():
+        # a view of a normal tensor made in inference mode is a normal tensor, as the CPU's view ``data`` is: made
+        # as an inference tensor, autograd refused to give it its base's version counter (every view failed)
+        with torch.inference_mode(False):
+            return wrap(data, index)
     tensor = _make_wrapper_subclass(
         SimTensor, data.size(), strides=data.stride(), storage_offset=data.storage_offset(),
         dtype=data.dtype, device=_DEVICES[index],

@@ -284,6 +284,7 @@ class OpTool:
         self.common: CommonConfig = None  # type: ignore[assignment]  # None until start()
         self.filter: OpFilter = None  # type: ignore[assignment]  # None until start()
         self._activations: list = []  # per start(): its _ToolMode, or its Targeting (a LIST of plain names)
+        self._threads: list[int] = []  # per start(): the thread it started on
         self._decisions: dict[str, bool] = {}
         self._skipped: set = set()  # functions whose name this tool skips: the mode's fast path
         self._lock = threading.Lock()
@@ -397,6 +398,9 @@ class OpTool:
 
     def start(self) -> OpTool:
         """Read the configuration (``ValueError`` if malformed) and start handling calls on this thread."""
+        if threading.get_ident() in self._threads:  # each call would be handled twice, counted and written twice
+            raise RuntimeError(f"{type(self).__name__} is already started on this thread: stop() it before starting "
+                               "it again (one `with tool:` around the code, or tool.start() ... tool.stop())")
         self._decisions = {}
         self._skipped = set()
         self._paused_until, self.paused_calls = 0.0, 0
@@ -406,6 +410,7 @@ class OpTool:
         REPLICAS.acquire(self.common, self.stem)
         gradient_communication.acquire()
         self._activations.append(self._activate())
+        self._threads.append(threading.get_ident())
         compiled_regions.enter(type(self).__name__, self._logger, self.checks_regions)
         _say_unseen_collectives(self._logger, only_if_distributed=True)
         # a LIST no call can match needs no module paths (the global module hooks slow every module call)
@@ -446,6 +451,7 @@ class OpTool:
         if not self._activations:
             return
         activation = self._activations.pop()
+        self._threads.pop()
         if isinstance(activation, _ToolMode):
             _remove_mode(activation)
         else:
@@ -534,6 +540,8 @@ class OpTool:
         if not (self.handled or self.compiled or self.transformed):  # no call met (those met unchecked: below)
             if self.filter is not None and self.filter.allow is not None and not self.default_list:
                 parts.append(f"{self.env_prefix}_LIST matched no call")
+            elif self.default_list:  # its own list: the device's calls, if any ran, were none of its ops
+                parts.append("no call of the ops it checks ran on a device")
             else:  # nothing checked is no clean verdict (a device package not imported: all on the CPU)
                 parts.append("no call was handled" + ("" if self.handles_cpu_calls else
                                                       " (the CPU's calls are the reference: none ran on a device)"))

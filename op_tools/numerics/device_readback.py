@@ -211,8 +211,12 @@ class KeptTensors:
     __slots__ = ("_aliases", "_versions", "nbytes", "done")
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self._aliases: tuple[torch.Tensor, ...] | None = tuple(t.detach() for t in tensors)
-        self._versions = tuple(t._version for t in tensors)  # a tuple of ints: the collector stops tracking it
+        self._aliases: tuple[torch.Tensor, ...] | None
+        try:
+            self._aliases = tuple(t.detach() for t in tensors)
+            self._versions = tuple(t._version for t in tensors)  # a tuple of ints: the collector stops tracking it
+        except RuntimeError:  # inference tensors, or inference mode: no version counter tells a write, none kept
+            self._aliases, self._versions = None, ()
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self.done = False
 

@@ -108,6 +108,7 @@ from ..numerics.reference import (
 from ..numerics.rounding_bounds import AnyOrderSum, attention_rounding, rounded_terms
 from ..ops.arguments import is_dtensor, iter_items, iter_tensors, map_tensors, strided
 from ..ops.collectives import collective_call, signature_of
+from ..ops.custom_functions import custom_node, unfollowed_function
 from ..ops.op_facts import cached_on_facts, op_facts
 from ..ops.random_calls import GeneratorProbe, cpu_generator_token, device_rng, random_reason, skip_text
 from ..ops.torch_versions import OutOfMemoryError, is_compiling
@@ -266,6 +267,10 @@ class OpAutoCompare(OpTool):
         self.backward_not_compared: collections.Counter = collections.Counter()
         # calls per op name whose backward ran again over a retained graph: those runs are not compared
         self.backward_runs_again: collections.Counter = collections.Counter()
+        # custom autograd.Function name -> calls that read its results (ops/custom_functions.py)
+        self.unfollowed_functions: collections.Counter = collections.Counter()
+        # the custom Functions' nodes this tool's calls made (a compiled graph's run): their backward is followed
+        self._followed_nodes: weakref.WeakSet = weakref.WeakSet()
         self.device_math: collections.Counter = collections.Counter()  # what same-dtype runs applied -> calls
         self.stale_copies = 0  # cached host copies found out of date when a failing call re-read them
         self.failures: list[dict] = []
@@ -389,6 +394,10 @@ class OpAutoCompare(OpTool):
                 if t.requires_grad and all(t is not u for u in inputs):
                     inputs.append(t)
                     labels.append(label)
+                    function = unfollowed_function(t, self._followed_nodes)
+                    if function is not None:  # its backward, before this call's, is compared by nothing
+                        with self._lock:
+                            self.unfollowed_functions[function] += 1
             call.grad_inputs, state.grad_labels = inputs, labels
         elif reason:
             self.backward_not_compared[reason] += 1
@@ -496,6 +505,11 @@ class OpAutoCompare(OpTool):
 
     def after(self, call: OpCall) -> None:
         try:
+            if call.grad_inputs:  # its backward is followed, through a custom Function's node too (a compiled graph)
+                for t in iter_tensors(call.result):
+                    node = custom_node(t)
+                    if node is not None:
+                        self._followed_nodes.add(node)
             self._after(call)
         except Exception:
             self.counts["forward not checked"] += 1  # the engine reports the error and counts the call
@@ -1489,6 +1503,10 @@ class OpAutoCompare(OpTool):
 
     def unchecked_parts(self) -> list[str]:
         parts = []
+        if self.unfollowed_functions:
+            names = ", ".join(self.unfollowed_functions)
+            parts.append(f"the backward of custom autograd.Functions not compared ({names}: its ops run where no tool "
+                         f"sees them; {sum(self.unfollowed_functions.values())} calls read their results)")
         again = sum(self.backward_runs_again.values())
         if again:
             parts.append(f"{again} backward run{'s' if again != 1 else ''} of calls again over a retained graph "

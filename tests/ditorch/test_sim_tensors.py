@@ -240,3 +240,19 @@ def test_sparse_coo_tensors_compute_as_on_the_cpu(sim):
     assert layout == cpu_layout == torch.sparse_coo and torch.equal(weight, cpu_weight)
     with pytest.raises(NotImplementedError, match="layout torch.sparse_csr are not supported on the sim device"):
         dense.to(sim).to_sparse_csr()
+
+
+def test_views_in_inference_mode_behave_as_the_cpus(sim):
+    # A view of a normal tensor made in inference mode is a normal tensor sharing its base's version counter; sim made
+    # it an inference tensor, which autograd refused the counter: every view (x[1:], x.view, detach) raised.
+    def views(device):
+        x = torch.arange(6.0, device=device, requires_grad=True)
+        with torch.inference_mode():
+            view, alias, made = x[1:], x.detach(), x.reshape(2, 3) + 1
+            facts = [t.is_inference() for t in (view, alias, made)]
+            view.add_(1)  # written through the view: its base's counter moves
+        return facts, x._version, made.cpu(), x.detach().cpu()
+
+    on_sim, on_cpu = views(sim), views("cpu")
+    assert on_sim[:2] == on_cpu[:2] == ([False, False, True], 1)
+    assert torch.equal(on_sim[2], on_cpu[2]) and torch.equal(on_sim[3], on_cpu[3])

@@ -157,6 +157,49 @@ def test_a_backward_run_again_over_a_retained_graph_is_said_not_compared(sim):
         tool.not_checked()
 
 
+def test_the_backward_of_a_custom_function_is_said_not_compared(sim):
+    # a custom autograd.Function's backward (a reentrant checkpoint's: the whole region's) runs where no tool sees
+    # it: a 1% fault there passed with "no op failed"
+    import torch.utils.checkpoint as checkpoint
+
+    import ditorch.sim
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return g * 2 * x
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 8).to(sim)
+    x = torch.randn(4, 8, device=sim, requires_grad=True)
+    verdicts = {}
+    for how in ("Square", "CheckpointFunction", "non-reentrant checkpoint", "module backward hook"):
+        with op_tools.OpAutoCompare() as tool:
+            if how == "Square":
+                h = Square.apply(linear(x))
+            elif how == "module backward hook":
+                handle = linear.register_full_backward_hook(lambda *_: None)  # PyTorch's own pass-through Function
+                h = linear(x)
+                handle.remove()
+            else:
+                h = checkpoint.checkpoint(lambda z: torch.nn.functional.gelu(linear(z)), x,
+                                          use_reentrant=how == "CheckpointFunction")
+            with ditorch.sim.faults("mul:noise=1e-2;gelu_backward:noise=1e-2"):
+                h.sum().backward()
+        verdicts[how] = tool.verdict(), tool.not_checked()
+    for how in ("Square", "CheckpointFunction"):
+        assert verdicts[how][0] == "unchecked"
+        assert f"the backward of custom autograd.Functions not compared ({how}:" in verdicts[how][1]
+    assert verdicts["non-reentrant checkpoint"][0] == "found"  # its recomputation is compared as any backward
+    assert verdicts["module backward hook"] == ("clean", "")
+
+
 def test_saved_failing_calls_stay_within_their_byte_budget_and_the_summary_counts_the_rest(sim, tmp_path, logged):
     import ditorch.sim
 

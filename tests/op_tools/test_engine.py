@@ -235,3 +235,17 @@ def test_sparse_calls_are_said_not_compared_and_not_recorded(sim, tmp_path):
     assert "2 calls not checked (sparse tensors are not compared)" in compare.not_checked()
     assert "2 calls not checked (sparse tensors are not measured)" in capture.not_checked()
     assert compare.verdict() == capture.verdict() == "unchecked"
+
+
+def test_a_tool_started_again_on_its_thread_is_refused_and_counts_each_call_once(sim):
+    # started twice, a tool pushed a second mode: each call handled, counted and written twice
+    tool = op_tools.OpTimeMeasure()
+    with tool:
+        with pytest.raises(RuntimeError, match="OpTimeMeasure is already started on this thread"):
+            with tool:
+                pass
+        torch.ones(2, device=sim) * 2
+    assert tool.handled["torch.Tensor.mul"] == 1
+    with tool:  # stopped, it starts again
+        torch.ones(2, device=sim) * 2
+    assert tool.handled["torch.Tensor.mul"] == 1 and tool.verdict() == "clean"

@@ -1,6 +1,6 @@
-"""Building a model while a tool is on: on the meta device then ``to_empty`` on the device (FSDP2's way),
-``torch.nn.init`` on parameters, factories that make leaves. Each killed the run under some tool, or changed what
-the script sees."""
+"""Building and evaluating a model while a tool is on: on the meta device then ``to_empty`` on the device (FSDP2's
+way), ``torch.nn.init`` on parameters, factories that make leaves, an evaluation under ``torch.inference_mode``. Each
+killed the run under some tool, made every call fail in the tool, or changed what the script sees."""
 
 import logging
 
@@ -74,3 +74,31 @@ def test_a_factory_making_a_leaf_makes_one_under_fallback(sim):
         (x * 2).sum().backward()
     assert x.is_leaf and x.grad_fn is None and x.device.type == sim
     assert torch.equal(x.grad.cpu(), torch.full((4,), 2.0))
+
+
+@pytest.mark.parametrize("tool", ["OpAutoCompare", "OpOverflowCheck", "OpCapture", "OpCapture(stats)"])
+def test_an_evaluation_under_inference_mode_is_checked(sim, tool, caplog):
+    # inference tensors have no version counter, and on sim every view made in inference mode failed: each call
+    # failed in the tool ("not checked (the tool failed)")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU()).to(sim).eval()
+    x = torch.randn(4, 8, device=sim)
+
+    def evaluate():
+        with torch.inference_mode():
+            return model(x).reshape(-1, 8).softmax(-1).cpu()
+
+    base = evaluate()
+    with caplog.at_level(logging.WARNING, logger="op_tools"), TOOLS[tool]() as t:
+        seen = evaluate()
+    assert torch.equal(seen, base) and t.verdict() == "clean"
+    assert not [r.getMessage() for r in caplog.records if "failed on" in r.getMessage()]
+
+
+def test_an_overflow_under_inference_mode_is_found(sim):
+    import ditorch.sim
+
+    x = torch.randn(4, 8, device=sim)
+    with ditorch.sim.faults("gelu:nan"), op_tools.OpOverflowCheck() as check, torch.inference_mode():
+        torch.nn.functional.gelu(x * 2).sum()
+    assert check.first_overflow is not None and check.first_overflow.name == "torch.nn.functional.gelu"

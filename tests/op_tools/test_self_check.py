@@ -534,3 +534,11 @@ def test_each_norm_order_is_bounded_and_an_order_not_covered_is_not_checked():
         wrong = [r * (1 + 1e-3) for r in result]
         assert invariants.foreach_norm_excess(([x, x * 2], order), {}, wrong, 0)[0].item() > 1
     assert invariants.foreach_norm_excess(([x], 3), {}, torch._foreach_norm([x], 3), 0) is None
+
+
+def test_a_run_with_none_of_its_ops_says_so_not_that_nothing_ran_on_the_device(sim):
+    # its own list matched no call of the device's: the verdict said "none ran on a device", false here
+    with op_tools.OpSelfCheck() as check:
+        (torch.randn(8, device=sim).relu() * 2).sum()
+    assert check.not_checked() == "no call of the ops it checks ran on a device"
+    assert check.verdict() == "unchecked"
