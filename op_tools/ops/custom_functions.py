@@ -40,7 +40,7 @@ def unfollowed_function(t: torch.Tensor, followed) -> str | None:
         return None
     kind = type(node)
     if kind not in _names:
-        function = node._forward_cls  # type: ignore[attr-defined]  # set by FunctionMeta on every node class
+        function = node._forward_cls  # set by FunctionMeta on every node class
         name = f"{function.__module__}.{function.__qualname__}"
         _names[kind] = None if name in PASS_THROUGH else function.__name__
     return _names[kind]
