@@ -18,6 +18,7 @@ from .config.training_monitor import TrainingMonitorConfig  # its variables' key
 from .config.variables import VARIABLES
 from .core.engine import FEATURES, OpCall, OpTool, OpToolsAbortError, feature, register_backward_hooks, tool_work
 from .core.features import apply_feature, remove_feature
+from .core.recomputation import checkpoint_context_fn
 from .numerics.comparison import ToleranceSpec, compare_outputs
 from .ops.op_facts import register_op_facts
 from .output.capture_format import load_op_args
@@ -36,5 +37,6 @@ __all__ = [
     "OpCall", "OpCapture", "OpDtypeCast", "OpFallback", "OpObserve", "OpOverflowCheck", "OpSelfCheck",
     "OpTimeMeasure", "OpTool", "OpToolsAbortError", "OverflowDetectedError", "apply_feature", "feature", "load_op_args",
     "register_backward_hooks", "register_op_facts", "remove_feature", "tool_work", "ToleranceSpec",
+    "checkpoint_context_fn",
     "compare_outputs", "TrainingMonitor", "TrainingMonitorConfig",
 ]

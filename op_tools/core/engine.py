@@ -378,6 +378,9 @@ class OpTool:
     # is (its name, shapes, time) or runs it otherwise (on the CPU, in another dtype) does; the others cannot read
     # functorch's tensors, and count such calls as not checked.
     handles_transformed: ClassVar[bool] = False
+    # Whether the tool changes what a call saves for backward (OpFallback: the CPU's tensors): a non-reentrant
+    # checkpoint's recomputation, which runs without the tool unless asked (recomputation.py), then fails its check.
+    changes_saved_tensors: ClassVar[bool] = False
 
     def note_writes(self, tensors: list) -> None:
         """A call this tool does not handle is about to write ``tensors`` (only for tools with ``tracks_writes``)."""
@@ -627,7 +630,11 @@ class OpTool:
             self._paused_until = 0.0
         if decision is None:  # backward calls and metadata queries are never given a decision
             if name in _BACKWARD_CALLS:
-                result = func(*args, **kwargs)
+                try:
+                    result = func(*args, **kwargs)
+                except RuntimeError as error:
+                    self._explain_recomputation(error)
+                    raise
                 with tool_work():
                     self._guarded(lambda _: self._backward_finished(), OpCall(name, func, (), {}, None))
                 return result
@@ -683,6 +690,17 @@ class OpTool:
         finally:
             _thread.depth -= 1
         return result
+
+    def _explain_recomputation(self, error: RuntimeError) -> None:
+        """Say why a non-reentrant checkpoint's recomputation differed, where this tool made its forward differ."""
+        from torch.utils.checkpoint import CheckpointError
+
+        if self.changes_saved_tensors and isinstance(error, CheckpointError):
+            self._logger.error("%s: a checkpoint's recomputation differs from its forward. If the forward ran under "
+                               "this tool and the recomputation in backward without it (PyTorch runs backward() with "
+                               "no TorchFunctionMode, pytorch/pytorch#147995), pass "
+                               "context_fn=op_tools.checkpoint_context_fn to torch.utils.checkpoint.checkpoint",
+                               type(self).__name__)
 
     def _run_unhandled(self, name: str, func, args: tuple, kwargs: dict):
         if self.tracks_writes:  # told before the write: a tool may need what the tensors hold now

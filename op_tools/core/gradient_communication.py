@@ -41,7 +41,7 @@ _logger = logging.getLogger("op_tools")
 BUCKET_PATH = "DistributedDataParallel (gradient bucket {})"
 
 
-def _modes_to_enter() -> list | None:
+def modes_to_enter() -> list | None:
     """The started tools' modes missing from this thread's stack (autograd runs DDP's hook with none), or None when
     no tool is started ([] when those started have none: their wrappers see the calls)."""
     from torch.overrides import _get_current_function_mode_stack
@@ -54,7 +54,7 @@ def _modes_to_enter() -> list | None:
 
 
 @contextlib.contextmanager
-def _entered(modes: list):
+def entered(modes: list):
     """The tools' ``modes`` pushed on this thread's stack for the block (their calls handled there)."""
     with contextlib.ExitStack() as stack:
         for mode in modes:
@@ -67,14 +67,14 @@ def bucket_all_reduce(process_group, bucket):  # unannotated: DDP accepts no ann
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    modes = _modes_to_enter()
+    modes = modes_to_enter()
     if modes is None:
         return default_hooks.allreduce_hook(process_group, bucket)
     group: Any = process_group if process_group is not None else dist.group.WORLD
     tensor = bucket.buffer()
     with torch._C.DisableTorchFunction():  # DDP's own division, which its C++ reducer does unseen
         tensor.div_(group.size())
-    with _entered(modes), module_path.inside(BUCKET_PATH.format(bucket.index())):
+    with entered(modes), module_path.inside(BUCKET_PATH.format(bucket.index())):
         dist.all_reduce(tensor, group=group)
     done: torch.futures.Future = torch.futures.Future()
     done.set_result(tensor)
@@ -123,10 +123,10 @@ def _remove() -> None:
 def _entering_tools(original: Callable) -> Callable:
     @functools.wraps(original)
     def collective(*args, **kwargs):
-        modes = _modes_to_enter()
+        modes = modes_to_enter()
         if not modes:
             return original(*args, **kwargs)
-        with _entered(modes):
+        with entered(modes):
             return original(*args, **kwargs)
 
     return collective

@@ -11,7 +11,7 @@ from ..core.engine import OpCall, OpTool, feature, tool_work
 from ..numerics.device_math import DeviceMath, emulated
 from ..ops.arguments import map_tensors
 from ..ops.op_facts import op_facts
-from ..ops.writes import carry_write
+from ..ops.writes import WriteSpec, call_writes, carry_write
 from ..output import reporting
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -52,8 +52,8 @@ class CpuCopies:
     """The CPU stand-ins of a call's device tensors, and how to hand results back to the device."""
 
     def __init__(self, cast: dict | None = None) -> None:
-        # (device tensor, cpu tensor, the cpu tensor's autograd node as made)
-        self.pairs: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
+        # (device tensor, cpu tensor, the cpu tensor's version and autograd node as made)
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor, int | None, Any]] = []
         self.cast = cast or {}  # dtype -> wider dtype used on the CPU
 
     def to_cpu(self, obj):
@@ -65,17 +65,23 @@ class CpuCopies:
         if t.device.type == "cpu" and t.dtype not in self.cast:
             return t
         cpu = _moved(t, _CPU, self.cast.get(t.dtype, t.dtype))  # gradients flow back to the device tensor
-        self.pairs.append((t, cpu, cpu.grad_fn))
+        self.pairs.append((t, cpu, _version(cpu), cpu.grad_fn))
         return cpu
 
-    def write_back(self) -> None:
-        """Device tensors whose CPU copy the op wrote (in-place ops, out=) get the new values."""
-        for device_tensor, cpu, made_by in self.pairs:
-            if cpu._version > 0 and device_tensor is not cpu:
+    def write_back(self, writes: WriteSpec, args: tuple, kwargs: dict) -> None:
+        """Device tensors whose CPU copy the call wrote get the new values: those ``writes`` names for the call's
+        device ``args``/``kwargs`` (in-place ops, out=, BatchNorm's running statistics, which its kernel writes
+        without moving the version counter), and any other whose copy's version counter moved."""
+        declared = set() if writes.unknown else {id(t) for t in writes.written(args, kwargs)}
+        for device_tensor, cpu, version, made_by in self.pairs:
+            # An inference tensor keeps no version counter: only what the call declares, or all for a function
+            # whose writes are unknown.
+            moved = writes.unknown if version is None else cpu._version != version
+            if (moved or id(device_tensor) in declared) and device_tensor is not cpu:
                 carry_write(device_tensor, cpu, made_by)
 
     def to_device(self, obj, device: torch.device, dtype_back: dict):
-        originals = {id(cpu): device_tensor for device_tensor, cpu, _ in self.pairs}
+        originals = {id(cpu): device_tensor for device_tensor, cpu, _, _ in self.pairs}
 
         def back(t: torch.Tensor) -> torch.Tensor:
             original = originals.get(id(t))
@@ -86,6 +92,11 @@ class CpuCopies:
             return _moved(t, device, dtype_back.get(t.dtype, t.dtype))
 
         return map_tensors(obj, back)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter, or None for an inference tensor, which has none (reading it raises)."""
+    return None if t.is_inference() else t._version
 
 
 def _device_to_cpu(value):
@@ -137,6 +148,7 @@ class OpFallback(OpTool):
     hook_name = "OpFallbackHook"
     env_prefix = "OP_FALLBACK"
     handles_transformed = True  # functorch's tensors move to the CPU and back as any (``_Moved``)
+    changes_saved_tensors = True  # the CPU's tensors
 
     def accepts(self, name: str) -> bool:
         # Device moves must stay device moves, views must keep aliasing their base, and a collective runs with every
@@ -164,7 +176,7 @@ class OpFallback(OpTool):
                 except (RuntimeError, NotImplementedError):
                     raise error from None
                 dtype_back = {torch.float32: low[0]}
-            copies.write_back()
+            copies.write_back(call_writes(call.name), call.args, call.kwargs)
             result = copies.to_device(cpu_result, call.device, dtype_back)
             call.state.update(cpu_args=args, cpu_kwargs=kwargs, cpu_result=cpu_result)
             return result

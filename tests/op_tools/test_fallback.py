@@ -97,3 +97,76 @@ def test_an_embedding_with_sparse_gradients_falls_back_and_trains_as_on_the_devi
     with_tool = train(op_tools.OpFallback(ops=["torch.nn.functional.embedding"]))
     assert with_tool[0] == plain[0] and with_tool[1] == plain[1] == torch.sparse_coo
     assert torch.equal(with_tool[2], plain[2]) and torch.equal(with_tool[3], plain[3])
+
+
+def test_batch_norm_running_statistics_reach_the_device_buffers(sim):
+    # BatchNorm's kernel writes running_mean and running_var without moving their version counter: the write is known
+    # from call_writes, not from the CPU copies' versions.
+    def train(device, tool):
+        torch.manual_seed(0)
+        norm = torch.nn.BatchNorm1d(4).to(device)
+        with tool:
+            norm(torch.randn(8, 4).to(device) * 3 + 1)
+        return {name: buffer.cpu() for name, buffer in norm.state_dict().items()}
+
+    import contextlib
+
+    cpu = train("cpu", contextlib.nullcontext())
+    with_tool = train(sim, op_tools.OpFallback())
+    assert not torch.equal(cpu["running_mean"], torch.zeros(4))
+    for name, value in cpu.items():
+        assert torch.equal(with_tool[name], value), name
+
+
+def test_calls_under_inference_mode_fall_back(sim):
+    # Inference tensors keep no version counter: reading one raised out of the user's call.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.GELU()).to(sim).eval()
+    x, written = torch.randn(3, 6).to(sim), torch.zeros(3).to(sim)
+    with torch.inference_mode():
+        plain = model(x).cpu()
+    with op_tools.OpFallback() as tool:
+        with torch.inference_mode():
+            y = model(x)
+            written.add_(2)  # an in-place write under inference_mode still reaches the device tensor
+        z = y + 1  # an inference tensor used outside inference_mode
+    assert y.device.type == sim and y.is_inference() and torch.allclose(y.cpu(), plain)
+    assert torch.allclose(z.cpu(), plain + 1) and torch.equal(written.cpu(), torch.full((3,), 2.0))
+    assert tool.handled["torch.nn.functional.linear"] == 1
+
+
+def _checkpointed_training(sim, tool, **checkpoint_options):
+    """A non-reentrant checkpoint around a block with dropout: its weight's gradient."""
+    from torch.nn import functional
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 8).to(sim)
+    x = torch.randn(4, 8).to(sim)
+    def block(t):
+        return functional.dropout(functional.gelu(linear(t)), 0.5)
+
+    with tool:
+        y = checkpoint(block, x, use_reentrant=False, **checkpoint_options)
+        y.sum().backward()
+    return linear.weight.grad.cpu()
+
+
+def test_a_non_reentrant_checkpoint_recomputes_under_the_tool_with_its_context_fn(sim):
+    # PyTorch runs backward() with no TorchFunctionMode: the recomputation ran on the device while the forward had
+    # saved the CPU's tensors, and the checkpoint's check failed the user's backward().
+    import contextlib
+
+    plain = _checkpointed_training(sim, contextlib.nullcontext())
+    tool = op_tools.OpFallback()
+    with_tool = _checkpointed_training(sim, tool, context_fn=op_tools.checkpoint_context_fn)
+    assert torch.allclose(with_tool, plain)
+    assert tool.handled["torch.nn.functional.linear"] == 2  # the forward and its recomputation
+
+
+def test_a_non_reentrant_checkpoint_without_the_context_fn_says_what_to_pass(sim, logged):
+    from torch.utils.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError):
+        _checkpointed_training(sim, op_tools.OpFallback())
+    assert "context_fn=op_tools.checkpoint_context_fn" in logged()
