@@ -144,8 +144,22 @@ def parse_dtype_map(text: str | None) -> dict[torch.dtype, torch.dtype]:
         source, arrow, target = entry.partition("->")
         if not arrow:
             raise ValueError(f"entry {entry!r} has no '->'")
-        mapping[parse_dtype(source)] = parse_dtype(target)
+        mapping[parse_dtype(source)] = widening(parse_dtype(source), parse_dtype(target))
     return mapping
+
+
+def widening(source: torch.dtype, target: torch.dtype) -> torch.dtype:
+    """``target``, when it holds every value of ``source`` (range, precision, smallest normal number), both being
+    real floating or both complex dtypes: a cast to it and back gives the caller's values. Else ValueError naming
+    the pair (``float16->int8`` truncates, ``float16->bfloat16`` rounds, ``float32->complex64`` changes the kind)."""
+    pair = f"'{source}->{target}'"
+    kinds = (source.is_floating_point, source.is_complex), (target.is_floating_point, target.is_complex)
+    if not any(kinds[0]) or kinds[0] != kinds[1]:
+        raise ValueError(f"{pair} does not map a floating dtype to a floating one (or a complex to a complex)")
+    wide, narrow = torch.finfo(target), torch.finfo(source)
+    if wide.max < narrow.max or wide.eps > narrow.eps or wide.tiny > narrow.tiny:
+        raise ValueError(f"{pair} narrows: {target} does not hold every {source} value")
+    return target
 
 
 def parse_size(text: str | None) -> int | None:
@@ -208,7 +222,7 @@ def convert_dtype(value: Any) -> torch.dtype:
 def convert_dtype_map(value: Any) -> dict[torch.dtype, torch.dtype]:
     if not isinstance(value, Mapping):
         raise TypeError("not a dict")
-    return {convert_dtype(k): convert_dtype(v) for k, v in value.items()}
+    return {convert_dtype(k): widening(convert_dtype(k), convert_dtype(v)) for k, v in value.items()}
 
 
 def convert_count(value: Any) -> int:
@@ -225,7 +239,10 @@ def convert_size(value: Any) -> int | None:
 
 _LIST_VALUE_FORM = ("a list of op names, regular expressions matching the whole name, or functions, e.g. "
                     "['torch.add', '.*linear.*', torch.nn.functional.gelu] (or the variable's comma-separated text)")
-_DTYPE_MAP_VALUE_FORM = "a dict {torch.float16: torch.float32} (dtypes or their names)"
+_DTYPE_MAP_FORM = ("comma-separated 'torch.<dtype>->torch.<dtype>' pairs, each floating dtype to one at least as "
+                   "wide (complex to complex)")
+_DTYPE_MAP_VALUE_FORM = ("a dict {torch.float16: torch.float32} (dtypes or their names; each floating dtype to one "
+                         "at least as wide, complex to complex)")
 
 
 def _flag(name: str, default: str, meaning: str) -> EnvVar:
@@ -404,7 +421,7 @@ TIME_MEASURE_SYNC = _flag(
     "on its stream: the time of all work queued meanwhile, at the cost of a host synchronisation per call.",
 )
 DTYPE_CAST_DICT = declare(
-    "OP_DTYPE_CAST_DICT", "comma-separated 'torch.<dtype>->torch.<dtype>' pairs",
+    "OP_DTYPE_CAST_DICT", _DTYPE_MAP_FORM,
     "torch.float16->torch.float32,torch.bfloat16->torch.float32",
     "Which input dtypes OpDtypeCast widens, and to what.", parse_dtype_map, convert_dtype_map, _DTYPE_MAP_VALUE_FORM,
 )
@@ -466,7 +483,7 @@ AUTOCOMPARE_TOLERANCES = tuple(
 )
 REFERENCE_CAST_VAR = re.compile(r"^(\w+)_OP_DTYPE_CAST_DICT$")  # the concrete names of AUTOCOMPARE_CAST
 AUTOCOMPARE_CAST = declare(
-    "<OPNAME>_OP_DTYPE_CAST_DICT", "comma-separated 'torch.<dtype>->torch.<dtype>' pairs",
+    "<OPNAME>_OP_DTYPE_CAST_DICT", _DTYPE_MAP_FORM,
     "torch.float16->torch.float64,torch.bfloat16->torch.float64,torch.float32->torch.float64",
     "The dtypes OpAutoCompare's CPU reference computes <OPNAME> in (OPNAME as for the tolerances).",
     parse_dtype_map,

@@ -19,7 +19,8 @@ from ..output import reporting
 
 @feature("cast_dtype")
 class OpDtypeCast(OpTool):
-    """Cast inputs whose dtype is in ``OP_DTYPE_CAST_DICT``, run, cast outputs back to the original dtype.
+    """Cast inputs whose dtype is in ``OP_DTYPE_CAST_DICT``, run, hand outputs back in the dtype the op returns without
+    the tool (``x16 + x32`` stays float32; found by running the op on meta tensors, see ``_expected_dtypes``).
 
     Under the user's autocast the widened op runs with autocast off (autocast would cast it back down). Where the
     table widens autocast's own dtype (``float16`` under ``torch.autocast(dtype=torch.float16)``), an op autocast
@@ -45,6 +46,7 @@ class OpDtypeCast(OpTool):
     def configure(self) -> None:
         self.cast = DTYPE_CAST_DICT.read(self.sources)
         self.config_text = ",".join(f"{a}->{b}" for a, b in self.cast.items())
+        self._expected: dict[tuple, tuple | None] = {}  # _expected_dtypes's answers by _dtype_key
 
     def accepts(self, name: str) -> bool:
         # Views must alias their base; explicit conversions mean what they say; a collective's dtype is agreed with
@@ -60,7 +62,8 @@ class OpDtypeCast(OpTool):
             lowered_to = None
         casts_some = lowered_to is not None or any(self.cast.get(t.dtype, t.dtype) != t.dtype
                                                    for t in iter_tensors((call.args, call.kwargs)))
-        expected = self._autocast_dtypes(call, math) if math and casts_some else None  # a meta run: only if needed
+        # The dtypes the op returns without the tool, from a meta run: only for a call the tool changes.
+        expected = self._expected_dtypes(call, math) if casts_some else None
         # The tool widens what autocast would lower: where autocast runs this op in a dtype the table widens, the
         # op runs in the wider dtype with autocast off (autocast's key would cast the widened inputs back down).
         lowered = lowered_to is not None and expected is not None and lowered_to in expected
@@ -83,7 +86,6 @@ class OpDtypeCast(OpTool):
         with torch.autocast(call.device.type, enabled=False) if math else contextlib.nullcontext():
             result = call.func(*args, **kwargs)
         with tool_work():
-            back = {wide.dtype: original.dtype for original, wide, _ in pairs}
             originals = {id(wide): original for original, wide, _ in pairs}
             rows = [{"name": call.name, "target": f"input{path}", "action": f"{o.dtype} -> {w.dtype}",
                      "config": self.config_text}
@@ -93,28 +95,20 @@ class OpDtypeCast(OpTool):
                 if wide._version > 0:  # written by an in-place op or out=: the caller's tensor must change
                     carry_write(original, wide, made_by)
 
-            def narrow(t: torch.Tensor) -> torch.Tensor:
-                original = originals.get(id(t))
-                if original is not None:
-                    return original
-                if t.dtype in back:
-                    return t.to(back[t.dtype])
-                return t
-
             raw_tensors = list(iter_tensors(result))
-            if expected is not None and len(expected) == len(raw_tensors):
+            wanted = expected if expected is not None and len(expected) == len(raw_tensors) else \
+                _unknown_op_dtypes(raw_tensors, (args, kwargs), (call.args, call.kwargs))
+            if lowered and wanted is expected:
                 # An output autocast would have lowered gets the dtype the op gives its own inputs without autocast.
-                unlowered = _promoted_dtype(call.args, call.kwargs) if lowered else None
-                wanted = iter([unlowered if lowered and dtype == lowered_to and unlowered is not None else dtype
-                               for dtype in expected])
-                out = map_tensors(result, lambda t: _returned(originals, t, next(wanted)))
+                unlowered = _promoted_dtype(call.args, call.kwargs)
+                wanted = [unlowered if dtype == lowered_to and unlowered is not None else dtype for dtype in expected]
                 ran = {raw.dtype for raw, dtype in zip(raw_tensors, expected) if dtype == lowered_to}
-                if lowered and ran:
+                if ran:
                     rows.insert(0, {"name": call.name, "target": "autocast",
                                     "action": f"{lowered_to} -> {', '.join(sorted(map(str, ran)))}",
                                     "config": self.config_text})
-            else:
-                out = map_tensors(result, narrow)
+            dtypes = iter(wanted)
+            out = map_tensors(result, lambda t: _returned(originals, t, next(dtypes)))
             for (path, raw), (_, final) in zip(iter_items(reporting.as_tuple(result)),
                                                 iter_items(reporting.as_tuple(out))):
                 if isinstance(raw, torch.Tensor) and raw.dtype != final.dtype:
@@ -123,16 +117,25 @@ class OpDtypeCast(OpTool):
             call.state["rows"] = rows
             return out
 
-    @staticmethod
-    def _autocast_dtypes(call: OpCall, math: DeviceMath) -> list | None:
-        """The dtypes of the op's tensor outputs under the user's autocast, from a run on meta tensors."""
+    def _expected_dtypes(self, call: OpCall, math: DeviceMath) -> tuple | None:
+        """The dtypes of the op's tensor outputs without the tool (under the user's autocast, if any), from a run on
+        meta tensors of the caller's own dtypes; None when the op cannot run on meta. Remembered per ``_dtype_key``:
+        a meta run costs as much as a small op (sin's meta kernel is Python)."""
+        key = _dtype_key(call, math)
+        with contextlib.suppress(KeyError):  # one lookup: another thread may clear the table meanwhile
+            return self._expected[key]
         try:
-            with tool_work(), emulated(math):
+            # no_grad: the copies need no autograd nodes, and the meta run's outputs are thrown away
+            with tool_work(), emulated(math), torch.no_grad():
                 meta_args = map_tensors(call.args, lambda t: t.to("meta"))
                 meta_kwargs = map_tensors(call.kwargs, lambda t: t.to("meta"))
-                return [t.dtype for t in iter_tensors(call.func(*meta_args, **meta_kwargs))]
-        except Exception:  # noqa: BLE001 - an op without a meta kernel: outputs take back the inputs' dtypes
-            return None
+                dtypes: tuple | None = tuple(t.dtype for t in iter_tensors(call.func(*meta_args, **meta_kwargs)))
+        except Exception:  # noqa: BLE001 - no meta kernel (data-dependent shapes, custom ops): _unknown_op_dtypes
+            dtypes = None
+        if len(self._expected) >= _REMEMBERED:
+            self._expected.clear()
+        self._expected[key] = dtypes
+        return dtypes
 
     def after(self, call: OpCall) -> None:
         rows = call.state.pop("rows", None)
@@ -146,6 +149,42 @@ def _returned(originals: dict, t: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     if original is not None:
         return original
     return t if t.dtype == dtype else t.to(dtype)
+
+
+_REMEMBERED = 4096  # _expected_dtypes's answers kept: a bound for keys that name objects (functions, strings)
+
+
+def _dtype_key(call: OpCall, math: DeviceMath) -> tuple:
+    """What decides the dtypes a call returns: the op, autocast, and each argument's kind where type promotion reads
+    it (a tensor's dtype, device type and whether it is 0-dim; a number's type), other arguments as they are
+    (dtypes, flags, functions); not shapes or values, so that a model's calls share a few keys."""
+    parts: list = [call.func, math]
+    for path, value in iter_items((call.args, call.kwargs)):
+        if isinstance(value, torch.Tensor):
+            value = (value.dtype, value.device.type, value.dim() == 0)
+        elif isinstance(value, (int, float, complex)) and not isinstance(value, bool) or not _hashable(value):
+            value = type(value)
+        parts.append((path, value))
+    return tuple(parts)
+
+
+def _hashable(value) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _unknown_op_dtypes(outputs: list, widened: tuple, given: tuple) -> list:
+    """The dtypes to return ``outputs`` in when the meta run could not say: an output in the dtype the widened
+    inputs promote to gets the one the caller's inputs promote to (what an elementwise op or a reduction returns);
+    every other one keeps its dtype, and so do all when the call names a dtype (``sum(x, dtype=torch.float32)``:
+    the op returns that one whatever its inputs)."""
+    wide, plain = _promoted_dtype(*widened), _promoted_dtype(*given)
+    if plain is None or any(isinstance(v, torch.dtype) for _, v in iter_items(given)):
+        return [t.dtype for t in outputs]
+    return [plain if t.dtype == wide else t.dtype for t in outputs]
 
 
 def _lowered_by_autocast(t: torch.Tensor, device: torch.device) -> bool:

@@ -33,6 +33,10 @@ def test_lists_match_exact_names_and_whole_name_regexes(monkeypatch):
     ("OP_FALLBACK_DISABLE_LIST", "[a-", op_tools.OpFallback),
     ("OP_DTYPE_CAST_DICT", "torch.float16->torch.flot32", op_tools.OpDtypeCast),
     ("OP_DTYPE_CAST_DICT", "torch.float16", op_tools.OpDtypeCast),
+    ("OP_DTYPE_CAST_DICT", "torch.float16->torch.int8", op_tools.OpDtypeCast),  # would truncate the inputs
+    ("OP_DTYPE_CAST_DICT", "torch.bfloat16->torch.float32,torch.float16->torch.bool", op_tools.OpDtypeCast),
+    ("OP_DTYPE_CAST_DICT", "torch.float16->torch.bfloat16", op_tools.OpDtypeCast),  # fewer mantissa bits
+    ("LINEAR_OP_DTYPE_CAST_DICT", "torch.float32->torch.float16", op_tools.OpAutoCompare),
     ("OP_CAPTURE_MODE", "everything", op_tools.OpCapture),
     ("OP_OVERFLOW_CHECK_RAISE", "maybe", op_tools.OpOverflowCheck),
 ])
@@ -42,6 +46,21 @@ def test_malformed_variable_is_a_value_error_naming_it(monkeypatch, name, value,
         tool().start()
     assert repr(value) in str(info.value) and "expected" in str(info.value)
     assert not torch.overrides._get_current_function_mode_stack()  # nothing left started
+
+
+@pytest.mark.parametrize("casts", [{torch.float16: torch.int8}, {"float16": "bool"}, {torch.float32: torch.complex64},
+                                   {torch.bfloat16: torch.float16}, "torch.float16->torch.uint8"])
+def test_a_cast_that_is_not_to_a_wider_floating_dtype_is_refused(casts):
+    with pytest.raises(ValueError, match=r"casts=.*'torch\.\w+->torch\.\w+'"):
+        op_tools.OpDtypeCast(casts=casts)
+
+
+def test_casts_to_wider_floating_dtypes_are_accepted():
+    with op_tools.OpDtypeCast(casts="torch.half->torch.double,torch.float32->torch.float32,"
+                                    "torch.complex32->torch.complex64,torch.float8_e4m3fn->torch.float16") as tool:
+        pass
+    assert tool.cast == {torch.float16: torch.float64, torch.float32: torch.float32,
+                         torch.complex32: torch.complex64, torch.float8_e4m3fn: torch.float16}
 
 
 def test_lists_select_exactly_the_named_ops_in_a_fresh_process(run_script):

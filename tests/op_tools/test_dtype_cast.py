@@ -12,6 +12,22 @@ def test_ops_run_in_float32_and_return_the_original_dtype(sim):
     assert torch.equal(y.cpu(), torch.nn.functional.silu(x.float()).half())
 
 
+def test_outputs_keep_the_dtype_the_op_returns_without_the_tool(sim):
+    x16 = torch.full((4096,), 60000.0, device=sim, dtype=torch.float16)
+    x32 = torch.ones(4096, device=sim)
+    mask = torch.arange(4096, device=sim) % 2 == 0
+    calls = {"promotion": lambda: x16 + x32, "sum(dtype=)": lambda: torch.sum(x16, dtype=torch.float32),
+             "softmax(dtype=)": lambda: torch.softmax(x16, -1, dtype=torch.float32),
+             "sum": lambda: torch.sum(x16[:2]), "add": lambda: x16 + x16,  # same ops without a float32: float16
+             "no meta kernel": lambda: torch.masked_select(x16, mask)}  # the dtype rule without a meta run
+    plain = {name: call() for name, call in calls.items()}
+    with op_tools.OpDtypeCast():
+        tooled = {name: call() for name, call in calls.items()}
+    assert {name: t.dtype for name, t in tooled.items()} == {name: t.dtype for name, t in plain.items()}
+    # float32 the op asked for stays float32: the sum of 4096 * 60000 is no float16 overflow
+    assert tooled["sum(dtype=)"].item() == plain["sum(dtype=)"].item() == 4096 * 60000.0
+
+
 def test_in_place_updates_the_original_tensor(sim):
     x = torch.ones(4, device=sim, dtype=torch.bfloat16)
     with op_tools.OpDtypeCast():
