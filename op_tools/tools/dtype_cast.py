@@ -41,6 +41,7 @@ class OpDtypeCast(OpTool):
     hook_name = "OpDtypeCastHook"
     env_prefix = "OP_DTYPE_CAST"
     handles_transformed = True  # casts are ops on functorch's tensors as on any
+    changes_saved_tensors = True  # the widened tensors: a checkpoint recomputing without the tool saves others
     keywords = {"casts": DTYPE_CAST_DICT}
 
     def configure(self) -> None:
