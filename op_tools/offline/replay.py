@@ -434,6 +434,8 @@ def _check(func, args, kwargs, upstream, inplace, first, saved_output, options, 
         actual = tuple(output) if isinstance(output, (list, tuple)) else (output,)
         result.checks.append(_verdict("output vs captured output", compare_outputs(
             actual, saved, None, tolerance, op_name=result.name, prefix="output")))
+    else:  # the capture never wrote it (the call raised where captured), or it was lost since
+        result.notes.append("no output.pth: not compared with the captured output")
 
 
 def _compared(value):

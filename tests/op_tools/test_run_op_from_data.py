@@ -318,6 +318,18 @@ def test_a_single_input_pth_file_is_replayed_as_its_call(captured_step, tmp_path
         find_entries(os.path.join(entry.directory, "missing.pth"))
 
 
+def test_an_entry_without_its_captured_output_says_it_was_not_compared_with_it(captured_step, tmp_path, sim):
+    # checked against the CPU's float64 run, as ever, but the check against the captured output was dropped unsaid
+    tree = tmp_path / "captured"
+    shutil.copytree(captured_step, tree)  # whole: a saved tensor may be stored once, in another call's file
+    (entry, *_) = find_entries(str(tree / "torch.nn.functional.linear"))
+    os.remove(os.path.join(entry.directory, "output.pth"))
+    assert main([entry.directory, "--device", sim, "--acc_check"]) == 0
+    (row,) = _summary(tmp_path)
+    assert row["status"] == "ok" and "output vs captured output" not in row["checks"]
+    assert "no output.pth: not compared with the captured output" in row["detail"]
+
+
 FUSED_PACKAGE = """
 import torch
 

@@ -30,7 +30,8 @@ def verdict(rows: list[Row]) -> str:
     statuses = {r.status for r in rows}
     if statuses & set(FAILED):
         return "found"
-    return "unchecked" if statuses & set(NOT_CHECKED) else "clean"
+    # every row skipped (no dtype the op takes): nothing ran, which is no clean verdict
+    return "unchecked" if statuses & set(NOT_CHECKED) or "pass" not in statuses else "clean"
 
 
 def reading_order(rows: list[Row]) -> list[Row]:
@@ -60,7 +61,8 @@ def closing_lines(rows: list[Row]) -> list[str]:
         lines.append(f"WARNING: {len(unchecked)} rows not checked, the first {first.op} {first.dtype} "
                      f"{first.direction}: {_short(first.detail)}")
     if not failed and not unchecked:
-        lines.append("every op that ran passed")
+        lines.append("every op that ran passed" if counts["pass"] else
+                     "WARNING: no row ran (every one skipped): nothing was checked")
     return lines
 
 

@@ -61,9 +61,13 @@ def test_the_summary_says_every_op_passed_only_when_every_row_that_ran_was_check
              _row("neg", "crash", detail="the worker died from signal SIGKILL in sample 0 (forward)")]
     assert "2 rows failed (0 mismatch, 1 unsupported, 1 crash)" in report.summary(found, "t")
     assert [report.verdict(rows) for rows in (clean, unchecked, found)] == ["clean", "unchecked", "found"]
+    skipped = [_row("silu", "skipped", detail="int32 not supported"), _row("silu", "skipped", "backward")]
+    assert report.verdict(skipped) == "unchecked"  # nothing ran: "every op that ran passed" was vacuous, exit 0
+    assert report.summary(skipped, "t").splitlines()[-1] == \
+        "WARNING: no row ran (every one skipped): nothing was checked"
 
 
-@pytest.mark.parametrize(("statuses", "status"), [(("pass", "skipped"), 0), (("pass", "crash"), 3),
+@pytest.mark.parametrize(("statuses", "status"), [(("pass", "skipped"), 0), (("skipped",), 4), (("pass", "crash"), 3),
                                                    (("pass", "unchecked"), 4), (("crash", "mismatch"), 3)])
 def test_the_exit_status_tells_clean_from_failed_from_not_checked(tmp_path, statuses, status):
     results = ResultsFile(str(tmp_path / RESULTS_FILE))
