@@ -73,15 +73,23 @@ def test_a_fault_in_an_lstm_cell_is_found_under_tf32(sim, tf32):
 def test_on_cuda_a_recurrent_op_follows_cudnns_tf32_switch_not_cublass(monkeypatch):
     # Seen on an H200: nn.LSTM and nn.GRU in float32 are one cuDNN call each, TF32 by cuDNN's switch (on by
     # default): 0.03 relative error, 4 false failures per recipe. No GPU needed: the switches are read, not used.
+    # cuDNN's switch through its flags() context: torch.testing's import (the conformance tests') forbids setting it
+    # directly for the rest of the process
+    cudnn = torch.backends.cudnn
+
+    def cudnn_tf32(on: bool):
+        return cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
+                           allow_tf32=on)
+
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     cuda = torch.device("cuda")
-    assert DeviceMath.of(cuda, "torch.lstm").reduced == (("matmul", "tf32"),)
-    assert DeviceMath.of(cuda, "torch.gru").reduced == (("matmul", "tf32"),)
-    assert DeviceMath.of(cuda, "torch.nn.functional.linear").reduced == (("conv", "tf32"),)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    with cudnn_tf32(True):
+        assert DeviceMath.of(cuda, "torch.lstm").reduced == (("matmul", "tf32"),)
+        assert DeviceMath.of(cuda, "torch.gru").reduced == (("matmul", "tf32"),)
+        assert DeviceMath.of(cuda, "torch.nn.functional.linear").reduced == (("conv", "tf32"),)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert DeviceMath.of(cuda, "torch.lstm").reduced == ()
+    with cudnn_tf32(False):
+        assert DeviceMath.of(cuda, "torch.lstm").reduced == ()
 
 
 def test_without_tf32_a_small_fault_in_a_matmul_is_found(sim):

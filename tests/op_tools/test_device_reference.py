@@ -48,7 +48,11 @@ def test_recipes_with_the_device_reference_keep_their_losses_fail_nothing_and_na
     assert clean.failures == [], clean.failures[:3]
     forward = _places(clean, "forward")
     assert forward.get("device", 0) > sum(n for why, n in forward.items() if why != "device"), forward
-    assert not clean.not_checked()
+    if workload.name == "checkpoint_reentrant":  # the region's backward runs in CheckpointFunction's, unseen
+        assert clean.not_checked().startswith("the backward of custom autograd.Functions not compared "
+                                              "(CheckpointFunction:")
+    else:
+        assert not clean.not_checked()
 
     spec, suffix = workload.forward_fault
     on_cpu, _ = _run(workload, sim, spec)
