@@ -534,7 +534,9 @@ def read_recording(path: str, rank: int | None = None) -> tuple[dict, list[dict]
     A damaged line (not JSON, not a call's record) is skipped and counted: ``header["unreadable"]`` (how many) and
     ``header["first_unreadable"]`` (``"line 17: ..."``); the last line of a partial recording, cut short when the
     run died, is not counted (``header["cut"]``). A record whose tensors are malformed is kept (it aligns) with
-    ``unrecorded`` saying so, as the recorder marks a call whose statistics it could not compute.
+    ``unrecorded`` saying so, as the recorder marks a call whose statistics it could not compute. A complete file
+    whose end marker counts more records than it has lines (lines lost after it was written: a copy cut short)
+    says how many in ``header["lost"]``.
     """
     path = find_recording(path, rank)
     with open(path, encoding="utf-8", errors="replace") as f:  # a damaged byte damages its line only
@@ -554,7 +556,7 @@ def read_recording(path: str, rank: int | None = None) -> tuple[dict, list[dict]
         if list(header.get("tensor_fields", ())) != list(TENSOR_FIELDS):
             raise RecordingFormatError(f"{path}: tensor fields {header.get('tensor_fields')} differ from "
                                        f"{list(TENSOR_FIELDS)} (format version {version})")
-        records, complete, cut, unreadable, first_unreadable = [], False, False, 0, ""
+        records, complete, cut, unreadable, first_unreadable, lost = [], False, False, 0, "", 0
         for number, line in enumerate(f, 2):
             try:
                 record = json.loads(line)
@@ -570,11 +572,15 @@ def read_recording(path: str, rank: int | None = None) -> tuple[dict, list[dict]
                 continue
             if "end" in record:
                 complete = True
+                declared = record["end"].get("records") if isinstance(record["end"], dict) else None
+                if isinstance(declared, int):
+                    lost = max(0, declared - (number - 2))  # the lines between the header and this marker
                 break
             malformed = _tensor_damage(record)
             if malformed:
                 record = {k: v for k, v in record.items() if k not in _SIDES}
                 record["unrecorded"] = f"line {number}: {malformed}"
             records.append(record)
-    header.update(path=path, complete=complete, cut=cut, unreadable=unreadable, first_unreadable=first_unreadable)
+    header.update(path=path, complete=complete, cut=cut, unreadable=unreadable, first_unreadable=first_unreadable,
+                  lost=lost)
     return header, records

@@ -485,3 +485,97 @@ def test_a_failure_of_compare_runs_itself_exits_1_as_a_crash_not_as_a_verdict(tm
     with mock.patch.object(cli, "compare", side_effect=RuntimeError("a bug")):
         assert main([a, a, "--csv", str(tmp_path / "c.csv")]) == 1
     assert "the comparison failed (a bug of compare_runs): nothing compared" in capsys.readouterr().err
+
+
+# --- what a run holds and the other does not: never a clean verdict ---
+
+def _recording_lines(folder) -> list[str]:
+    from op_tools.output.run_recording import find_recording
+
+    return open(find_recording(folder)).read().splitlines(keepends=True)
+
+
+def test_a_recording_with_no_call_compares_nothing_and_exits_4_not_agreeing(runs, tmp_path):
+    lines = _recording_lines(runs("sim", "sim"))  # a run whose OP_CAPTURE_LIST matched nothing, or died at once
+    empty = tmp_path / "run_empty.jsonl"
+    empty.write_text(lines[0] + '{"end": {"records": 0, "bytes": 0}}\n')
+    result = compare(str(empty), runs("sim", "sim"))
+    assert result.compared == [] and result.verdict() == "unchecked"
+    assert len(result.past_other_run) == len(lines) - 2  # every call of B: A's recording ends before them
+    assert "The runs agree" not in render(result)
+    assert '<h1 id="verdict">No divergence among the 0 compared pairs, but not all were compared, ' in render(result)
+    done = _cli(str(empty), runs("sim", "sim"), "--csv", str(tmp_path / "c.csv"))
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert "first divergence in forward: none\n" not in done.stdout
+    assert re.search(r"first divergence in forward: none among the pairs compared \(\d+ past the other run's end\)",
+                     done.stdout), done.stdout
+    assert done.stdout.strip().splitlines()[-2:] == [
+        f"WARNING: {len(lines) - 2} calls of run B not compared: run A's recording ends before them, the first step 0 "
+        "forward model.embed_tokens #0 torch.nn.functional.embedding",
+        f"WARNING: no pair of calls compared (run A holds 0 calls, run B {len(lines) - 2} calls)"]
+    # two recordings of no call: nothing compared is no agreement either
+    nothing = compare(str(empty), str(empty))
+    assert nothing.rows == [] and nothing.verdict() == "unchecked"
+
+
+def test_a_recording_cut_short_before_the_fault_is_not_clean_and_names_what_was_not_compared(runs, tmp_path):
+    lines = _recording_lines(runs("sim_fault", "sim", fault="silu:noise=1e-3"))
+    silu = next(n for n, line in enumerate(lines) if f'"module":"{FAULTY_OP}"' in line and '"phase":"forward"' in line)
+    assert compare(_cpu(runs), runs("sim_fault", "sim", fault="silu:noise=1e-3")).verdict() == "found"
+    # the run died before the faulty silu: a .partial file, its last line cut in the middle
+    died = tmp_path / "died" / "run_x.jsonl.partial"
+    died.parent.mkdir()
+    died.write_text("".join(lines[:silu]) + lines[silu][:40])
+    result = compare(_cpu(runs), str(died))
+    assert result.divergences == [] and result.verdict() == "unchecked"
+    assert result.incomplete() == [("B", "partial: the run did not stop its tool, its last line was cut short; its "
+                                         "later calls are not in it")]
+    first = result.past_other_run[0]
+    assert (first.match, first.module, first.op) == ("only A", FAULTY_OP, "torch.nn.functional.silu")
+    assert {r.match for r in result.past_other_run} == {"only A"} and len(result.past_other_run) > 300
+    page = render(result)
+    assert "The runs agree" not in page and "past the other run&#x27;s end, run B&#x27;s recording incomplete" in page
+    done = _cli(_cpu(runs), str(died.parent), "--csv", str(tmp_path / "c.csv"))
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert "WARNING: run B's recording is incomplete (partial: the run did not stop its tool" in done.stdout
+    assert re.search(rf"WARNING: \d+ calls of run A not compared: run B's recording ends before them, the first step 0 "
+                     rf"forward {FAULTY_OP} #0 torch.nn.functional.silu\n", done.stdout), done.stdout
+    with open(tmp_path / "c.csv") as f:
+        silu_row = next(r for r in csv.DictReader(f) if r["module"] == FAULTY_OP and r["phase"] == "forward")
+    assert silu_row["not_compared"] == "run B's recording ends before it: not compared"
+    # a complete file that lost lines (its end marker counts more records than it holds) is no whole run either
+    lost = tmp_path / "run_lost.jsonl"
+    lost.write_text("".join(lines[:silu]) + lines[-1])
+    result = compare(_cpu(runs), str(lost))
+    assert result.verdict() == "unchecked"
+    assert result.incomplete() == [("B", f"its end marker counts {len(lines) - 1 - silu} more records than it holds: "
+                                         "lines lost")]
+    # cut after the fault: the divergence found is the verdict
+    after = tmp_path / "run_after.jsonl.partial"
+    after.write_text("".join(lines[:silu + 1]))
+    assert compare(_cpu(runs), str(after)).verdict() == "found"
+
+
+def test_the_same_nan_in_both_runs_leaves_a_pair_not_compared_and_finite_extremes_still_compare(sim, tmp_path,
+                                                                                               monkeypatch):
+    import contextlib
+
+    import ditorch.sim
+
+    def record(run, bad, fault=None):
+        monkeypatch.setenv("OP_CAPTURE_MODE", "stats")
+        monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / run))
+        x = torch.linspace(-1, 1, 1000)
+        x[0] = bad  # one element out of 1000
+        x = x.to(sim)
+        with ditorch.sim.faults(fault) if fault else contextlib.nullcontext(), op_tools.OpCapture() as capture:
+            torch.mul(x, 3.0)  # run B: every element 10% off
+        return capture.recorder.file.path
+
+    nan = compare(record("a", float("nan")), record("b", float("nan"), "mul:noise=1e-1"))
+    (row,) = nan.rows
+    assert not row.diverged and nan.compared == [] and nan.verdict() == "unchecked"
+    assert row.not_compared == "outputs[0] nan/inf 1/0 in both runs: its other values not compared"
+    # with an inf, the minimum stays finite and is compared: the noise is found
+    inf = compare(record("c", float("inf")), record("d", float("inf"), "mul:noise=1e-1"))
+    assert inf.verdict() == "found" and inf.rows[0].detail == "outputs[0] min"

@@ -137,6 +137,35 @@ def test_a_damaged_file_is_named_and_the_rest_still_read(out, tmp_path):
     assert "NOT READ: " in done.stdout and "overflow_damaged.json: JSONDecodeError" in done.stdout
 
 
+def test_an_autocompare_csv_cut_inside_a_row_is_not_read_and_nothing_is_concluded(sim, tmp_path, monkeypatch):
+    import torch
+
+    import ditorch.sim
+    import op_tools
+
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path))
+    x = torch.linspace(-2, 2, 64, device=sim)
+    with ditorch.sim.faults("silu:noise=1e-2"), op_tools.OpAutoCompare():
+        torch.nn.functional.silu(x).sum()
+    (table,) = (tmp_path / "op_autocompare_result").glob("op_autocompare_info_*.csv")
+    assert [e.op for e in read_results(str(tmp_path)).anomalies] == ["torch.nn.functional.silu"]  # intact: found
+    text = table.read_text()
+    failed = text.index(",FAIL,")
+    line = text.count("\n", 0, failed) + 1
+    table.write_text(text[:failed])  # a copy cut inside the failing row: its verdict and the rest lost
+    done = report(tmp_path)
+    assert done.returncode == 4, done.stdout + done.stderr  # not "no anomaly", exit 0
+    header = len(next(csv.reader([text.splitlines()[0]])))
+    fields = len(next(csv.reader([text[:failed].splitlines()[-1]])))
+    assert f"NOT READ: {table}: ValueError: line {line}: {fields} fields, the header has {header} (a row cut short, " \
+        "or run on)\n" in done.stdout
+    assert "read: 0 files from OpAutoCompare (ranks 0)\n" in done.stdout
+    # every field there, the last one cut: the line end is missing
+    table.write_text(text.rstrip("\r\n")[:-1])
+    (unread,) = read_results(str(tmp_path)).unreadable
+    assert re.fullmatch(rf"{re.escape(str(table))}: ValueError: line \d+: cut short \(no line end\)", unread), unread
+
+
 def _event(rank, step, op, **fields):
     return Event(rank, step, float(step), op, "", "forward", "OpOverflowCheck", "inf/nan", **fields)
 

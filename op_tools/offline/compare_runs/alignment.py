@@ -44,6 +44,7 @@ class Row:
     outputs_unexplained: bool = False  # its outputs differ by more than tolerance + carried_growth * carried
     not_compared: str = ""  # why an aligned pair has no verdict (a call a run could not record); '' when judged
     skipped: str = ""  # why an aligned pair needs no verdict (its outputs are uninitialised memory); '' otherwise
+    no_counterpart: str = ""  # why a call of one run only, past the other run's last aligned call, was not compared
 
     @property
     def record(self) -> dict:

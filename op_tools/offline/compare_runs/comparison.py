@@ -10,7 +10,7 @@ from ...ops.op_facts import op_facts
 from ...ops.writes import call_writes
 from ...output.run_recording import read_recording
 from .alignment import PHASE_SIDES, Row, align, tensors
-from .verdict import DEFAULT_TOLERANCES, difference, precision_of, tolerance_key
+from .verdict import DEFAULT_TOLERANCES, difference, nonfinite_in_both, precision_of, tolerance_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,12 +65,34 @@ class Comparison:
         return [(label, h.get("unreadable", 0), h.get("first_unreadable", ""))
                 for label, h in (("A", self.header_a), ("B", self.header_b)) if h.get("unreadable")]
 
+    @property
+    def past_other_run(self) -> list[Row]:
+        """Calls of one run after the last aligned pair (``Row.no_counterpart``): the other run holds nothing to
+        compare them with (it was cut short, ran fewer steps, or recorded no call)."""
+        return [r for r in self.rows if r.no_counterpart]
+
+    def incomplete(self) -> list[tuple[str, str]]:
+        """``(run label, why)`` per recording that does not hold the whole run: partial (the run did not stop its
+        tool), or a complete file with fewer lines than its end marker counts."""
+        out = []
+        for label, h in (("A", self.header_a), ("B", self.header_b)):
+            if not h["complete"]:
+                out.append((label, "partial: the run did not stop its tool" + (
+                    ", its last line was cut short" if h.get("cut") else "") + "; its later calls are not in it"))
+            elif h.get("lost"):
+                out.append((label, f"its end marker counts {h['lost']} more record{'s' if h['lost'] != 1 else ''} "
+                                   "than it holds: lines lost"))
+        return out
+
     def verdict(self) -> str:
         """``"found"`` (a pair diverges), ``"unchecked"`` (none does, but some calls were not compared: pairs
-        without statistics, damaged lines) or ``"clean"``; the command's exit status (``exit_status.status_of``)."""
+        without statistics, damaged lines, calls past the other run's end, an incomplete recording, or no pair at
+        all) or ``"clean"``; the command's exit status (``exit_status.status_of``)."""
         if self.divergences:
             return "found"
-        return "unchecked" if self.not_compared or self.unreadable() else "clean"
+        gaps = (self.not_compared or self.unreadable() or self.past_other_run or self.incomplete()
+                or not self.compared)
+        return "unchecked" if gaps else "clean"
 
     @property
     def structural(self) -> list[Row]:
@@ -88,7 +110,8 @@ class Comparison:
     def closest(self) -> Row | None:
         """The aligned pair nearest to diverging: the largest difference relative to what it was allowed."""
         growth = self.tolerances.carried_growth
-        return max((r for r in self.rows if not r.structural and r.tolerance + growth * r.carried > 0),
+        return max((r for r in self.rows
+                    if not r.structural and not r.not_compared and r.tolerance + growth * r.carried > 0),
                    key=lambda r: r.difference / (r.tolerance + growth * r.carried), default=None)
 
     @property
@@ -193,6 +216,20 @@ def _judge(rows: list[Row], tolerances: Tolerances) -> None:
         row.inputs_differed_first = carried > row.tolerance and not seen_difference
         row.diverged = row.outputs_unexplained or row.inputs_differed_first
         seen_difference = seen_difference or max(row.difference, carried) > row.tolerance
+        masked = [f"{out_of}{x[0]} {why}" for x, y in _pairs(row.a.get(out_of, []), row.b.get(out_of, []))
+                  if (why := nonfinite_in_both(x, y))]
+        if masked and not row.diverged:  # what was not compared is no agreement
+            row.not_compared = masked[0] + (f" (and {len(masked) - 1} more)" if len(masked) > 1 else "")
+
+
+def _mark_past_the_end(rows: list[Row]) -> None:
+    """Mark the calls of one run after the last aligned pair: nothing of the other run follows to compare them with.
+    A call of one run only between aligned pairs (a copy one backend makes) stays a structural difference: what it
+    computed reaches the aligned calls after it, which are compared."""
+    last = max((n for n, r in enumerate(rows) if not r.structural), default=-1)
+    for row in rows[last + 1:]:
+        other = "B" if row.b is None else "A"
+        row.no_counterpart = f"run {other}'s recording ends before it: not compared"
 
 
 def _unread_inputs(op: str) -> tuple[bool, frozenset[str]]:
@@ -221,4 +258,5 @@ def compare(run_a: str, run_b: str, tolerances: Tolerances | None = None, rank: 
 
     rows = align(records_a, records_b, close)
     _judge(rows, tolerances)
+    _mark_past_the_end(rows)
     return Comparison(header_a, header_b, rows, tolerances)

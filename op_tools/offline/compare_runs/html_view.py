@@ -40,14 +40,17 @@ def _row(row: Row, n: int) -> dict:
     return {"n": n, "step": row.step, "phase": row.phase, "module": row.module, "match": row.match,
             "a": _side(row.a), "b": _side(row.b), "difference": _number(row.difference),
             "tolerance": _number(row.tolerance), "carried": _number(row.carried), "diverged": row.diverged,
-            "detail": row.not_compared or row.verdict_detail, "unchecked": bool(row.not_compared)}
+            "detail": row.not_compared or row.no_counterpart or row.verdict_detail,
+            "unchecked": bool(row.not_compared or row.no_counterpart)}
 
 
 def first_difference(result: Comparison) -> tuple[Row | None, str]:
     """The row the banner names and the page opens on, with what it is: the first divergence, else the first pair
-    not compared, else the first structural difference; ``(None, "")`` when the runs match call for call."""
+    not compared, else the first call past the other run's end, else the first structural difference;
+    ``(None, "")`` when the runs match call for call."""
     for row, what in ((result.first_divergence(), "first divergence"),
                       (next(iter(result.not_compared), None), "first pair not compared"),
+                      (next(iter(result.past_other_run), None), "first call not compared"),
                       (result.first_structural, "first structural difference")):
         if row is not None:
             return row, what
@@ -72,7 +75,10 @@ def headline(result: Comparison) -> tuple[str, str]:
     if verdict == "unchecked":
         missed = len(result.not_compared)
         damaged = sum(n for _, n, _ in result.unreadable())
-        also = "".join(f", {n} {what}" for n, what in ((missed, "not compared"), (damaged, "damaged lines")) if n)
+        unpaired = len(result.past_other_run)
+        also = "".join(f", {n} {what}" for n, what in ((missed, "not compared"), (unpaired, "past the other run's end"),
+                                                       (damaged, "damaged lines")) if n)
+        also += "".join(f", run {label}'s recording incomplete" for label, _ in result.incomplete())
         return f"No divergence among the {pairs}, but not all were compared{also}", verdict
     return f"The runs agree: none of the {pairs} diverges", verdict
 
@@ -88,8 +94,8 @@ def _banner(result: Comparison, first: Row | None, what: str) -> str:
                  "module": first.module or "(no module)", "op": f"{record['op']} #{record['index']}"}
         if first.diverged:
             lines.append("why: " + why_diverged(first, result.tolerances.carried_growth))
-        elif first.not_compared:
-            lines.append("why: " + first.not_compared)
+        elif first.not_compared or first.no_counterpart:
+            lines.append("why: " + (first.not_compared or first.no_counterpart))
         else:
             lines.append(f"runs in {first.match.removeprefix('only ')} only")
     return banner(title, text, tone, what, where, lines, button="show it")

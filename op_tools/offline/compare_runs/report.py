@@ -27,7 +27,7 @@ def csv_rows(result: Comparison) -> list[dict]:
             "index_a": a.get("index", ""), "op_a": a.get("op", ""), "index_b": b.get("index", ""),
             "op_b": b.get("op", ""), "difference": "" if not judged else f"{row.difference:.3g}",
             "tolerance": "" if not judged else f"{row.tolerance:.3g}",
-            "diverged": int(row.diverged), "not_compared": row.not_compared,
+            "diverged": int(row.diverged), "not_compared": row.not_compared or row.no_counterpart,
             "detail": row.verdict_detail, "dtypes_a": _describe(row.a, 1), "dtypes_b": _describe(row.b, 1),
             "shapes_a": _describe(row.a, 2), "shapes_b": _describe(row.b, 2), "seq_a": a.get("seq", ""),
             "seq_b": b.get("seq", ""),
@@ -41,9 +41,14 @@ def where(row: Row) -> str:
     return f"step {row.step} {row.phase} {row.module or '(no module)'} #{record['index']} {record['op']}"
 
 
+def _calls(n: int) -> str:
+    return f"{n} call{'s' if n != 1 else ''}"
+
+
 def unchecked_lines(result: Comparison) -> list[str]:
     """What was not compared, as WARNING lines: pairs without a verdict (how many, the first, why), damaged lines
-    of each run (calls lost). Empty when every aligned pair was judged."""
+    of each run (calls lost), recordings that do not hold their whole run, calls past the other run's end, no pair
+    compared at all. Empty when the verdict covers both runs."""
     lines = []
     rows = result.not_compared
     if rows:
@@ -52,6 +57,16 @@ def unchecked_lines(result: Comparison) -> list[str]:
     for label, count, first in result.unreadable():
         lines.append(f"WARNING: run {label}: {count} damaged line{'s' if count != 1 else ''} (calls not compared), "
                      f"the first {first}")
+    for label, why in result.incomplete():
+        lines.append(f"WARNING: run {label}'s recording is incomplete ({why})")
+    for label, other in (("A", "B"), ("B", "A")):
+        rows = [r for r in result.past_other_run if r.match == f"only {label}"]
+        if rows:
+            lines.append(f"WARNING: {_calls(len(rows))} of run {label} not compared: run {other}'s recording ends "
+                         f"before them, the first {where(rows[0])}")
+    if not result.compared and not result.divergences:
+        held = [sum(getattr(r, side) is not None for r in result.rows) for side in ("a", "b")]
+        lines.append(f"WARNING: no pair of calls compared (run A holds {_calls(held[0])}, run B {_calls(held[1])})")
     return lines
 
 
@@ -77,17 +92,22 @@ def why_diverged(row: Row, growth: float) -> str:
 
 def verdict_lines(result: Comparison) -> list[str]:
     """The first divergence per phase, the closest pair, the first structural difference; "none" is said only where
-    every aligned pair was compared (``unchecked_lines`` says what was not)."""
+    every aligned pair was compared, no call lies past the other run's end and both recordings are whole
+    (``unchecked_lines`` says what was not)."""
     lines = []
-    damaged = ", and damaged lines" if result.unreadable() else ""  # calls of a phase no one knows
+    gaps = [what for what, present in (("damaged lines", result.unreadable()),  # calls of a phase no one knows
+                                        ("an incomplete recording", result.incomplete())) if present]
     growth = result.tolerances.carried_growth
     for phase in ("forward", "backward", "optimizer"):
         row = result.first_divergence(phase)
         if row is None and phase == "optimizer" and not any(r.phase == phase for r in result.rows):
             continue
         missed = sum(r.phase == phase for r in result.not_compared)
-        none = "none" if not missed and not damaged else \
-            f"none among the pairs compared ({missed} not compared{damaged})"
+        unpaired = sum(r.phase == phase for r in result.past_other_run)
+        why = [f"{n} {what}" for n, what in ((missed, "not compared"), (unpaired, "past the other run's end")) if n]
+        why += gaps
+        listed = ", and ".join([", ".join(why[:-1]), why[-1]] if len(why) > 1 else why)
+        none = f"none among the pairs compared ({listed})" if why else "none"
         lines.append(f"first divergence in {phase}: " + (none if row is None else
                                                           f"{where(row)}: {why_diverged(row, growth)}"))
         if row is not None and not row.outputs_unexplained:  # where the runs part once those inputs are allowed for
@@ -120,6 +140,8 @@ def console_report(result: Comparison, saved: list[str]) -> str:
                  + f"compared: {compared} ({compared - diverged} agree, {diverged} diverged); "
                  + (f"skipped: {len(result.skipped)} (uninitialised memory); " if result.skipped else "")
                  + f"not compared: {len(result.not_compared)}"
+                 + (f"; past the other run's end: {len(result.past_other_run)} (not compared)"
+                    if result.past_other_run else "")
                  + "".join(f"; damaged lines in {label}: {n}" for label, n, _ in result.unreadable()))
     lines += verdict_lines(result)
     modules = [m for m in result.modules() if m["diverged"] or m["structural"] or m["not_compared"]]

@@ -4,7 +4,8 @@
 the change of the mean relative to the tensors' RMS, the relative change of the norm, and the root mean square
 change of the fingerprints relative to the RMS, an estimate of the elementwise difference (tensor_stats.py).
 Elementwise noise of a relative size ``r`` moves the extremes and that estimate by about ``r``; a different count
-of nan or inf is an infinite difference.
+of nan or inf is an infinite difference. The same nan or inf in both leaves only the statistics that stay finite
+(``nonfinite_in_both`` says so): the pair's values were not compared, and the pair is not counted as agreeing.
 
 The tolerance of a pair of calls (comparison.py applies it) is the base tolerance of the lowest floating precision
 involved, the pair's own dtypes or any used before it in either run (error carried from a bfloat16 matmul into
@@ -46,6 +47,16 @@ def _close(x: float, y: float) -> bool:
     return x == y or (math.isnan(x) and math.isnan(y))
 
 
+def nonfinite_in_both(a: list, b: list) -> str:
+    """Why two recorded tensors' values could not be compared ('' when they could): both hold nan or inf, the same
+    counts, so the statistics summed over every element (mean, norm, fingerprints) are nan or inf in both runs and
+    only finite extremes, if any, were compared by ``difference``."""
+    sa, sb = a[_STATS_AT:], b[_STATS_AT:]
+    if not sa or not sb or not (sa[_NAN] or sa[_INF]) or (sa[_NAN], sa[_INF]) != (sb[_NAN], sb[_INF]):
+        return ""
+    return f"nan/inf {int(sa[_NAN])}/{int(sa[_INF])} in both runs: its other values not compared"
+
+
 def difference(a: list, b: list) -> tuple[float, str]:
     """``(relative difference, which statistic)`` of two recorded tensors; ``(0, "")`` for equal ones."""
     sa, sb = a[_STATS_AT:], b[_STATS_AT:]
@@ -55,16 +66,17 @@ def difference(a: list, b: list) -> tuple[float, str]:
         return math.inf, f"nan/inf {int(sa[_NAN])}/{int(sa[_INF])} vs {int(sb[_NAN])}/{int(sb[_INF])}"
     numel_a, numel_b = math.prod(a[2]), math.prod(b[2])
     rms = max(sa[_NORM] / math.sqrt(max(numel_a, 1)), sb[_NORM] / math.sqrt(max(numel_b, 1)))
+    floor = rms if math.isfinite(rms) else 0.0  # an inf in both: finite extremes are judged on their own size
     worst, which = 0.0, ""
     for field, scale in ((_MIN, None), (_MAX, None), (_MEAN, rms), (_NORM, None)):
         x, y = sa[field], sb[field]
         if _close(x, y):
             continue
         if not (math.isfinite(x) and math.isfinite(y)):
-            if sa[_NAN] or sa[_INF]:  # the same nan/inf counts: the other statistics say nothing more
+            if sa[_NAN] or sa[_INF]:  # the same nan/inf counts: this statistic is unknown (nonfinite_in_both)
                 continue
             return math.inf, STAT_FIELDS[field]
-        denominator = max(abs(x), abs(y), rms) if scale is None else scale
+        denominator = max(abs(x), abs(y), floor) if scale is None else scale
         rel = abs(x - y) / denominator if denominator > 0 else math.inf
         if rel > worst:
             worst, which = rel, STAT_FIELDS[field]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import glob
+import io
 import json
 import os
 import re
@@ -123,8 +124,22 @@ def _number(text, default=0.0) -> float:
 
 
 def _csv_rows(path: str) -> list[dict]:
+    """The rows of a tool's CSV. ``ValueError`` naming the line of a row of fewer or more fields than the header
+    (``DictReader`` fills the missing ones with None, keeps the extra ones under the key None), or a file whose last
+    line has no line end (cut inside its last field): a row lost could be the one that failed."""
     with open(path, newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
+        text = f.read()
+    reader = csv.DictReader(io.StringIO(text))
+    rows = []
+    for row in reader:
+        if None in row or None in row.values():
+            fields = sum(v is not None for k, v in row.items() if k is not None) + len(row.get(None) or ())
+            raise ValueError(f"line {reader.line_num}: {fields} fields, the header has {len(reader.fieldnames or ())} "
+                             "(a row cut short, or run on)")
+        rows.append(row)
+    if text and not text.endswith("\n"):  # the writer ends every row with one
+        raise ValueError(f"line {reader.line_num}: cut short (no line end)")
+    return rows
 
 
 def read_results(folder: str) -> Results:
