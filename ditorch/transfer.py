@@ -131,6 +131,13 @@ class Row:
     what: str  # for the docs and for log lines
     when_imported: bool = False  # patched once the script imports ``owner`` (too heavy for `import ditorch`)
 
+    @property
+    def module(self) -> str:
+        """The module ``owner`` is, or is in: its parts before the first class name (capitalised)."""
+        parts = self.owner.split(".")
+        classes = [i for i, part in enumerate(parts) if part[:1].isupper()]
+        return ".".join(parts[:classes[0]] if classes else parts)
+
 
 @dataclasses.dataclass(frozen=True)
 class Context:
@@ -148,6 +155,33 @@ def _keyword(fn, ctx):
 
 def _anywhere(fn, ctx):
     return ctx.remap.device_anywhere(fn)
+
+
+# Autocast state functions whose form without a device means CUDA's state in PyTorch: each is answered by the
+# device form, for the backend's device: (the device form in torch._C, its CUDA form's argument count).
+_AUTOCAST_CUDA_FORMS = {
+    "is_autocast_enabled": ("is_autocast_enabled", 0),
+    "set_autocast_enabled": ("set_autocast_enabled", 1),
+    "get_autocast_gpu_dtype": ("get_autocast_dtype", 0),  # deprecated since torch 2.4, still called
+    "set_autocast_gpu_dtype": ("set_autocast_dtype", 1),
+}
+
+
+def _autocast_state(fn, ctx):
+    device_form_name, cuda_form_arity = _AUTOCAST_CUDA_FORMS[fn.__name__]
+    with_devices = ctx.remap.device_anywhere(fn)
+    if not hasattr(torch._C, "get_autocast_dtype"):
+        return with_devices  # torch before 2.4: no device forms; the device module has its own autocast state
+    device_form, target = getattr(torch._C, device_form_name), ctx.remap.target
+
+    @functools.wraps(fn)
+    def autocast_state(*args, **kwargs):
+        # nn.MultiheadAttention's fast path asks torch.is_autocast_enabled(): under torch.autocast("cuda") it is True
+        if len(args) + len(kwargs) == cuda_form_arity:
+            return device_form(target, *args, **kwargs)
+        return with_devices(*args, **kwargs)
+
+    return autocast_state
 
 
 def _static_anywhere(fn, ctx):
@@ -180,6 +214,22 @@ def _tensor_cuda(fn, ctx):
 def _is_cuda(fn, ctx):
     target = ctx.remap.target
     return property(lambda self: real_device(self).type == target, doc="True for tensors on the backend's device.")
+
+
+def _traced_is_cuda(fn, ctx):
+    target = ctx.remap.target
+
+    @functools.wraps(fn)
+    def method_attr_is_cuda(self, tx):
+        # Dynamo answers `x.is_cuda` from the traced tensor's real device, not through the property above: compiled
+        # code would take the branch eager code does not. Guards on the tensor's device keep the answer valid.
+        if self.device is not None and self.device.type == target and ctx.live.is_set():
+            from torch._dynamo.variables.constant import ConstantVariable  # loaded by now: dynamo is tracing
+
+            return ConstantVariable.create(True)
+        return fn(self, tx)
+
+    return method_attr_is_cuda
 
 
 def _cudnn_is_acceptable(fn, ctx):
@@ -470,6 +520,8 @@ ROWS: tuple[Row, ...] = (
     Row("torch.Tensor", ("to",), _anywhere, "Tensor.to(\"cuda\")"),
     Row("torch.Tensor", ("cuda",), _tensor_cuda, "Tensor.cuda(device=None)"),
     Row("torch.Tensor", ("is_cuda",), _is_cuda, "Tensor.is_cuda"),
+    Row("torch._dynamo.variables.tensor.TensorVariable", ("method_attr_is_cuda",), _traced_is_cuda,
+        "Tensor.is_cuda inside torch.compile'd code (dynamo answers it from the real device)", when_imported=True),
     Row("torch.Tensor", ("_make_wrapper_subclass",), _static_anywhere,
         "tensor subclasses built on a device read from a tensor shown as cuda (DTensor, FSDP2 and tensor parallel)"),
     Row("torch.Tensor", ("record_stream",), _record_stream,
@@ -481,9 +533,11 @@ ROWS: tuple[Row, ...] = (
     Row("torch", ("load",), _load, "torch.load(map_location=\"cuda\"), and CUDA-saved checkpoints"),
     Row("torch.serialization", ("load",), _load, "torch.serialization.load, as torch.load"),
     Row("torch", ("Generator",), _generator, "torch.Generator(device=\"cuda\")"),
-    Row("torch", ("set_default_device", "get_autocast_dtype", "set_autocast_dtype", "is_autocast_enabled",
-                  "set_autocast_enabled"), _anywhere,
-        "torch.set_default_device(\"cuda\") and the autocast state queries"),
+    Row("torch", ("set_default_device", "get_autocast_dtype", "set_autocast_dtype"), _anywhere,
+        "torch.set_default_device(\"cuda\") and the autocast state queries for \"cuda\""),
+    Row("torch", tuple(_AUTOCAST_CUDA_FORMS), _autocast_state,
+        "the autocast state queries for \"cuda\" and without a device (CUDA's state in PyTorch): "
+        "torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()"),
     Row("torch", ("get_device_module",), _get_device_module,
         "torch.get_device_module(\"cuda\") is the backend's device module (fork_rng, checkpointing)"),
     Row("torch.accelerator", ("is_available",), _accelerator_is_available,
@@ -564,6 +618,10 @@ def _patch_row(row: Row, ctx: Context, patches: Patches, owner) -> None:
         patches.set(owner, name, wrapped)
 
 
+def _patch_imported(row: Row, ctx: Context, patches: Patches, module) -> None:
+    _patch_row(row, ctx, patches, module if row.owner == row.module else _resolve(row.owner))
+
+
 def apply(backend, config, patches: Patches) -> None:
     """Rewrite every row of ``ROWS`` and map ``torch.cuda`` to the backend's device module."""
     ctx = Context(backend, DeviceMap(backend.device_type, backend.device_module), config.show_device_as_cuda)
@@ -576,7 +634,8 @@ def apply(backend, config, patches: Patches) -> None:
         if row.owner.startswith("torch.distributed") and not torch.distributed.is_available():
             continue
         if row.when_imported:
-            patches.on_undo(after_import.when_imported(row.owner, functools.partial(_patch_row, row, ctx, patches)))
+            patch = functools.partial(_patch_imported, row, ctx, patches)
+            patches.on_undo(after_import.when_imported(row.module, patch))
             continue
         try:
             owner = _resolve(row.owner)

@@ -79,14 +79,15 @@ def current_device() -> int:
 
 
 def set_device(device) -> None:
-    _selected.index = _index(device)
+    if not (isinstance(device, int) and device < 0):  # a no-op, as torch.cuda.set_device documents (--local_rank=-1)
+        _selected.index = _index(device)
 
 
 class device:  # noqa: N801 - named as torch.cuda.device
     """Makes ``device``'s ordinal current for the block, as ``torch.cuda.device``; tensors stay on the CPU."""
 
     def __init__(self, device=None) -> None:
-        self.index = None if device is None or device == -1 else _index(device)
+        self.index = None if device is None or isinstance(device, int) and device < 0 else _index(device)
         self.previous = 0
 
     def __enter__(self):

@@ -78,15 +78,22 @@ def _index(device) -> int:
     return DeviceSelection.check(device.index) if device.index is not None else DeviceSelection.current()
 
 
+def _selects_none(device) -> bool:
+    # torch.cuda.set_device and torch.cuda.device document a negative ordinal as a no-op: scripts pass their
+    # --local_rank, -1 by default outside a launcher
+    return device is None or isinstance(device, int) and device < 0
+
+
 def set_device(device) -> None:
-    DeviceSelection.set_current(_index(device))
+    if not _selects_none(device):
+        DeviceSelection.set_current(_index(device))
 
 
 class device:  # noqa: N801 - named as torch.cuda.device
     """Context manager that makes ``device`` current, and restores the previous one on exit."""
 
     def __init__(self, device) -> None:
-        self.index = _index(device) if device is not None else None
+        self.index = None if _selects_none(device) else _index(device)
         self.previous = None
 
     def __enter__(self):

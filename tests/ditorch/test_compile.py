@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from subprocess_env import env_without_settings
 
 # Runs a tiny model compiled with each backend of argv[1:], forward and backward, against the eager model; prints
@@ -176,3 +177,34 @@ def test_a_compiled_run_on_sim_prints_no_traceback_frees_its_memory_and_takes_sc
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report == {"eager": 0, "compiled": 0, "values_as_eager": True, "1": [True, True], "0.fc": [False, False]}, \
         report
+
+
+# A compiled function branching on `is_cuda` and reading the autocast state without a device, as CUDA code does.
+CUDA_CHECKS_CHILD = """
+import json, sys, torch, ditorch
+
+def branch(a):
+    return (a * 2 if a.is_cuda else a * 3), torch.is_autocast_enabled()
+
+x = torch.ones(3, device="cuda")
+report = {}
+for backend in sys.argv[1:]:
+    compiled = torch.compile(branch, **({} if backend == "default" else {"backend": backend}))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, autocast = compiled(x)
+    report[backend] = [out.tolist(), autocast, x.is_cuda]
+    torch._dynamo.reset()
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.parametrize("backend, compilers", [("sim", ("eager", "aot_eager", "default")),
+                                                ("cpu", ("eager", "aot_eager"))])
+def test_compiled_code_sees_is_cuda_and_the_autocast_state_as_eager_code(backend, compilers):
+    # dynamo answered `x.is_cuda` from the traced tensor's real device (sim, cpu): the branch eager code does not take
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(CUDA_CHECKS_CHILD), *compilers], capture_output=True,
+                          text=True, env=env_without_settings({"DITORCH_QUIET": "1", "DITORCH_BACKEND": backend}),
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report == {compiler: [[2.0, 2.0, 2.0], True, True] for compiler in compilers}, report

@@ -288,6 +288,31 @@ def test_autocast_cuda_runs_device_autocast(transfer):
         assert (a @ b).dtype == torch.bfloat16
 
 
+def test_autocast_state_without_a_device_is_the_devices_as_cudas_is_on_cuda(transfer):
+    a = torch.randn(4, 4, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # get/set_autocast_gpu_dtype: deprecated, still called
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            assert torch.is_autocast_enabled() and torch.get_autocast_gpu_dtype() == torch.bfloat16
+        assert not torch.is_autocast_enabled()
+        torch.set_autocast_gpu_dtype(torch.bfloat16)
+        torch.set_autocast_enabled(True)
+        try:
+            assert (a @ a).dtype == torch.bfloat16 and torch.get_autocast_dtype("cuda") == torch.bfloat16
+        finally:
+            torch.set_autocast_enabled(False)
+            torch.set_autocast_gpu_dtype(torch.float16)
+    assert (a @ a).dtype == torch.float32
+
+
+def test_multihead_attention_under_autocast_leaves_its_fast_path_as_on_cuda(transfer):
+    # Its eval fast path is skipped where torch.is_autocast_enabled(): the projections then run in bfloat16
+    attention = torch.nn.MultiheadAttention(16, 2, batch_first=True).cuda().eval()
+    x = torch.randn(2, 5, 16, device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        assert attention(x, x, x)[0].dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("make", [
     lambda: torch.amp.GradScaler("cuda"), lambda: torch.amp.GradScaler(), lambda: torch.cuda.amp.GradScaler(),
 ], ids=["amp-cuda", "amp-default", "cuda-amp"])

@@ -21,6 +21,9 @@ COMMON = {
                        "torch.ones(1, device=torch.device('cuda', torch.cuda.current_device()))"),
     "set_device": "torch.cuda.set_device(0); torch.cuda.set_device('cuda:0')",
     "device": "with torch.cuda.device(0): pass",
+    # a negative ordinal is a no-op, as torch.cuda documents: scripts pass --local_rank=-1 outside a launcher
+    "set_device(-1)": "torch.cuda.set_device(-1); assert torch.cuda.current_device() == 0",
+    "device(-1)": "with torch.cuda.device(-1): assert torch.cuda.current_device() == 0",
     "get_device_name": "assert isinstance(torch.cuda.get_device_name(0), str)",
     "get_device_properties": "assert torch.cuda.get_device_properties(0).total_memory >= 0",
     "get_device_capability": "assert len(torch.cuda.get_device_capability()) == 2",
