@@ -47,6 +47,20 @@ def parse_optional_positive_int(text: str) -> int | None:
     return None if text == "" else parse_positive_int(text)
 
 
+_BYTE_UNITS = {"": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+def parse_optional_bytes(text: str) -> int | None:
+    """``"512MiB"`` -> 536870912; empty -> None."""
+    if text == "":
+        return None
+    number = text.rstrip("KMGTiB")
+    unit = text[len(number):]
+    if unit not in _BYTE_UNITS:
+        raise ValueError("unknown unit")
+    return parse_positive_int(number.strip()) * _BYTE_UNITS[unit]
+
+
 def parse_sim_async(text: str) -> int:
     value = int(text or "0")  # ValueError on non-integers, reworded by read()
     if value < 0:
@@ -142,6 +156,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "1 makes a sim tensor's `untyped_storage()` report sim memory that the host cannot read, as a GPU "
            "tensor's does, so that tools take their device-memory branches (statistics on the device) on sim; "
            "views then do not share a storage. 0 reports the CPU storage holding the values.", parse_flag),
+    EnvVar("DITORCH_SIM_TOTAL_MEMORY", "a positive number of bytes, or of KiB, MiB, GiB or TiB (e.g. 2GiB)", "",
+           "The memory of each sim device (`get_device_properties().total_memory`, `mem_get_info()`); an allocation "
+           "that would take the device's allocated bytes past it raises `torch.OutOfMemoryError` "
+           "(`torch.cuda.OutOfMemoryError`), as a GPU's does. Unset: the host's physical memory.",
+           parse_optional_bytes),
     EnvVar("DITORCH_SIM_ASYNC", "an integer >= 0 (kernel launches)", "0",
            "N makes the sim device asynchronous as a GPU is: an event completes, and a non-blocking copy to the host "
            "lands (its destination holds NaN until then), N kernel launches after it was recorded or made, or at a "

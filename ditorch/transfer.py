@@ -211,6 +211,42 @@ def _tensor_cuda(fn, ctx):
     return cuda
 
 
+def _storage_cuda(fn, ctx):
+    ordinal = ctx.remap.ordinal
+
+    def cuda(self, device=None, non_blocking=False):
+        return self.to(device=ordinal(device), non_blocking=non_blocking)
+
+    cuda.__doc__ = fn.__doc__
+    return cuda
+
+
+def _device_class(cls, ctx):
+    """``torch.Stream`` or ``torch.Event`` taking a CUDA device (``device="cuda"``, a tensor's ``device`` shown as
+    cuda) as the backend's. A subclass, not a forwarding class: torch subclasses them after import (dynamo's
+    ``CpuInterface.Event``), and C++ takes its instances as the class's own; ``isinstance`` still answers for
+    the streams and events C++ makes."""
+    remap = ctx.remap
+
+    class StandInMeta(type(cls)):
+        def __instancecheck__(self, instance) -> bool:
+            return isinstance(instance, cls) if self is stand_in else type.__instancecheck__(self, instance)
+
+        def __subclasscheck__(self, subclass) -> bool:
+            return issubclass(subclass, cls) if self is stand_in else type.__subclasscheck__(self, subclass)
+
+    def __new__(klass, *args, **kwargs):  # noqa: N807
+        if args:
+            args = (remap(args[0]), *args[1:])
+        if "device" in kwargs:
+            kwargs["device"] = remap(kwargs["device"])
+        return cls.__new__(klass, *args, **kwargs)
+
+    stand_in = StandInMeta(cls.__name__, (cls,), {"__new__": __new__, "__doc__": cls.__doc__,
+                                                  "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return stand_in
+
+
 def _is_cuda(fn, ctx):
     target = ctx.remap.target
     return property(lambda self: real_device(self).type == target, doc="True for tensors on the backend's device.")
@@ -526,6 +562,8 @@ ROWS: tuple[Row, ...] = (
         "tensor subclasses built on a device read from a tensor shown as cuda (DTensor, FSDP2 and tensor parallel)"),
     Row("torch.Tensor", ("record_stream",), _record_stream,
         "Tensor.record_stream(torch.cuda.Stream) with the device module's stream (FSDP1 frees its flat parameters)"),
+    Row("torch.UntypedStorage", ("cuda",), _storage_cuda,
+        "UntypedStorage.cuda(device=None), TypedStorage.cuda (torch.load's `map_location=lambda s, loc: s.cuda()`)"),
     Row("torch.UntypedStorage", ("_new_shared",), _static_anywhere,
         "shared-memory storages for DataLoader workers (`_new_shared(device=t.device)`, the device shown as cuda)"),
     Row("torch.nn.Module", ("to",), _anywhere, "Module.to(\"cuda\") (Module.cuda goes through Tensor.cuda)"),
@@ -538,6 +576,8 @@ ROWS: tuple[Row, ...] = (
     Row("torch", tuple(_AUTOCAST_CUDA_FORMS), _autocast_state,
         "the autocast state queries for \"cuda\" and without a device (CUDA's state in PyTorch): "
         "torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()"),
+    Row("torch", ("Stream", "Event"), _device_class,
+        "torch.Stream(device=\"cuda\"), torch.Event(device=x.device) (the device-generic classes, PyTorch >= 2.5)"),
     Row("torch", ("get_device_module",), _get_device_module,
         "torch.get_device_module(\"cuda\") is the backend's device module (fork_rng, checkpointing)"),
     Row("torch.accelerator", ("is_available",), _accelerator_is_available,

@@ -52,8 +52,8 @@ def register() -> None:
     """Make ``sim`` a PyTorch device (PrivateUse1 renamed), with ``torch.sim`` as its module.
 
     Idempotent. Reads ``DITORCH_SIM_DEVICE_COUNT`` (else torchrun's ``LOCAL_WORLD_SIZE``), ``DITORCH_SIM_FAULTS``,
-    ``DITORCH_SIM_TF32``, ``DITORCH_SIM_SDPA``, ``DITORCH_SIM_NUMERICS``, ``DITORCH_SIM_DEVICE_MEMORY`` and
-    ``DITORCH_SIM_ASYNC``; raises
+    ``DITORCH_SIM_TF32``, ``DITORCH_SIM_SDPA``, ``DITORCH_SIM_NUMERICS``, ``DITORCH_SIM_DEVICE_MEMORY``,
+    ``DITORCH_SIM_TOTAL_MEMORY`` and ``DITORCH_SIM_ASYNC``; raises
     ``ValueError`` naming the variable when one is malformed, and ``RuntimeError`` when PrivateUse1 already belongs
     to another backend.
     """
@@ -88,6 +88,7 @@ def register() -> None:
         tf32_families, sdpa = _read(tf32.ENV_VAR), _read(attention.ENV_VAR)
         numerics_mode = _read(gpu_numerics.ENV_VAR)
         tensor.DEVICE_MEMORY.on = _read(tensor.DEVICE_MEMORY.ENV_VAR)
+        tensor.MEMORY.total = _read(tensor.MEMORY.TOTAL_VAR) or tensor.host_memory()
         async_completion.LAG.kernels = _read(async_completion.ENV_VAR)
         load_from_env()
         _check_beside_cuda(torch)
@@ -113,6 +114,7 @@ def register() -> None:
         foreach_path.install()
         set_data.install()
         ddp.install()
+        multi_device.refuse_data_parallel()
         tf32.configure(tf32_families)
         attention.SELECTED.set(sdpa)
         gpu_numerics.NUMERICS.set(numerics_mode)
@@ -160,6 +162,31 @@ def device_memory(on: bool = True):
         yield
     finally:
         DEVICE_MEMORY.on = previous
+
+
+@contextlib.contextmanager
+def total_memory(nbytes: int):
+    """Within the block, each sim device has ``nbytes`` of memory (``DITORCH_SIM_TOTAL_MEMORY`` for the whole run):
+    an allocation that would take a device's allocated bytes past it raises ``torch.OutOfMemoryError``.
+
+    >>> import torch, ditorch.sim
+    >>> ditorch.sim.register()
+    >>> with ditorch.sim.total_memory(1 << 20):
+    ...     try:
+    ...         torch.empty(1 << 21, dtype=torch.uint8, device="sim")
+    ...     except torch.OutOfMemoryError:
+    ...         print("out of memory")
+    out of memory
+    """
+    from .tensor import MEMORY
+
+    if nbytes < 1:
+        raise ValueError(f"ditorch.sim.total_memory({nbytes}): expected a positive number of bytes")
+    previous, MEMORY.total = MEMORY.total, nbytes
+    try:
+        yield
+    finally:
+        MEMORY.total = previous
 
 
 @contextlib.contextmanager

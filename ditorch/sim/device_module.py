@@ -151,15 +151,8 @@ def memory_stats(device=None) -> dict:
     }
 
 
-def _host_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 0
-
-
 def mem_get_info(device=None) -> tuple[int, int]:
-    total = _host_memory()
+    total = MEMORY.total
     return max(total - memory_allocated(device), 0), total
 
 
@@ -175,7 +168,7 @@ class DeviceProperties:
 
 def get_device_properties(device=None) -> DeviceProperties:
     _index(device)
-    return DeviceProperties("sim", _host_memory(), 1, 0, os.cpu_count() or 1)
+    return DeviceProperties("sim", MEMORY.total, 1, 0, os.cpu_count() or 1)
 
 
 def get_device_name(device=None) -> str:

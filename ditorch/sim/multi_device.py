@@ -26,7 +26,7 @@ from torch.autograd.variable import Variable
 
 from . import device_guard
 from .fault_injection import TABLE
-from .tensor import DeviceSelection
+from .tensor import MEMORY, DeviceSelection
 
 
 class SimEngine:
@@ -76,11 +76,10 @@ def _to_current_device(to):
 def engine_has_a_queue_for_sim() -> bool:
     """Whether the autograd engine can run a node on ``sim:0``. It sizes its device queues once, at the first
     backward of the process: one that ran before sim was registered (a CPU reference run) left none for sim."""
-    faults, initialized = TABLE.current(), DeviceSelection.initialized
+    faults, initialized, peak = TABLE.current(), DeviceSelection.initialized, MEMORY.peak.get(0)
     TABLE.set([])  # the probe is sim's own op: no injected fault applies to it, and it initialises no device
     try:
-        probe = torch.zeros((), device=torch.device("sim", 0), requires_grad=True)
-        torch.autograd.grad(probe * 2, probe)
+        _backward_on_sim()
     except RuntimeError as error:
         if "device_ready_queues_" not in str(error):
             raise
@@ -88,7 +87,13 @@ def engine_has_a_queue_for_sim() -> bool:
     finally:
         TABLE.set(faults)
         DeviceSelection.initialized = initialized
+        MEMORY.restore_peak(0, peak)  # nor does it count in the memory statistics: a fresh process peaks at 0
     return True
+
+
+def _backward_on_sim() -> None:
+    probe = torch.zeros((), device=torch.device("sim", 0), requires_grad=True)
+    torch.autograd.grad(probe * 2, probe)
 
 
 def install_engine(on_calling_thread: bool = False) -> None:
@@ -107,3 +112,26 @@ def install() -> None:
     install_engine(on_calling_thread=True)
     if not getattr(torch.Tensor.to, "_ditorch_sim_to", False):
         torch.Tensor.to = _to_current_device(torch.Tensor.to)  # type: ignore[method-assign]  # sim's own placement
+
+
+def refuse_data_parallel() -> None:
+    """``nn.DataParallel`` on sim devices raises a NotImplementedError saying what to use. Its scatter, broadcast
+    and gather are CUDA's C functions (``torch._C._scatter``), absent beside sim, even over one device: its first
+    forward would fail with a bare AttributeError. Idempotent."""
+    data_parallel = torch.nn.parallel.DataParallel
+    if not getattr(data_parallel.__init__, "_ditorch_sim_refuses", False):
+        data_parallel.__init__ = _refused(data_parallel.__init__)  # type: ignore[method-assign]
+
+
+def _refused(init):
+    @functools.wraps(init)
+    def __init__(self, module, device_ids=None, *args, **kwargs):  # noqa: N807 - replaces DataParallel.__init__
+        init(self, module, device_ids, *args, **kwargs)
+        if self.device_ids and not hasattr(torch._C, "_scatter"):  # a build with CUDA has them: it works there
+            raise NotImplementedError(
+                "sim: nn.DataParallel is not supported on the sim device (its scatter and gather are CUDA's C "
+                "functions). Use DistributedDataParallel under torchrun, one process per device "
+                "(torchrun --nproc_per_node=N script.py); on one device, the module itself.")
+
+    __init__._ditorch_sim_refuses = True  # installed once
+    return __init__

@@ -10,6 +10,8 @@ comes back, so views alias, in-place ops mutate and numbers equal the CPU's bit 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import threading
 from typing import Any
 
@@ -69,12 +71,36 @@ def _traced(data: torch.Tensor) -> bool:
     return data.__class__ is not torch.Tensor and torch._C._dispatch_keys(data).has(DispatchKey.Python)
 
 
+def host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+def _size_text(nbytes: int) -> str:
+    """As CUDA's allocator writes sizes in its out-of-memory message."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes} bytes"
+
+
+# The host allocator's words when the host itself has no room: the device's memory is the host's.
+_HOST_OUT_OF_MEMORY = re.compile(r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (\d+) bytes")
+
+
 class _Memory:
-    """Bytes held by live sim storages per device; a storage counts while any sim tensor uses it."""
+    """Bytes held by live sim storages per device; a storage counts while any sim tensor uses it. Each device has
+    ``total`` bytes (``DITORCH_SIM_TOTAL_MEMORY``, else the host's memory): a storage that would take a device past
+    it is refused with ``torch.OutOfMemoryError``, as a GPU's allocator refuses it."""
+
+    TOTAL_VAR = "DITORCH_SIM_TOTAL_MEMORY"
 
     def __init__(self) -> None:
         self.allocated: dict[int, int] = {}
         self.peak: dict[int, int] = {}
+        self.total = host_memory()
         self._refs: dict[int, list] = {}  # storage data_ptr -> [tensor count, nbytes, device]
         self._lock = threading.Lock()
 
@@ -85,20 +111,35 @@ class _Memory:
         DeviceSelection.initialized = True
         storage = data.untyped_storage()
         key = storage.data_ptr()
+        if key:
+            with self._lock:
+                ref = self._refs.get(key)
+                if ref is None:
+                    nbytes = storage.nbytes()
+                    total = self.allocated.get(index, 0) + nbytes
+                    if total > self.total:  # refused before it counts: the tensor holds nothing
+                        tensor._storage_key = 0
+                        raise self.out_of_memory(index, nbytes)
+                    self._refs[key] = [1, nbytes, index]
+                    self.allocated[index] = total
+                    if total > self.peak.get(index, 0):
+                        self.peak[index] = total
+                else:
+                    ref[0] += 1
         tensor._storage_key = key
-        if not key:
-            return
-        with self._lock:
-            ref = self._refs.get(key)
-            if ref is None:
-                nbytes = storage.nbytes()
-                self._refs[key] = [1, nbytes, index]
-                total = self.allocated.get(index, 0) + nbytes
-                self.allocated[index] = total
-                if total > self.peak.get(index, 0):
-                    self.peak[index] = total
-            else:
-                ref[0] += 1
+
+    def out_of_memory(self, index: int, nbytes: int) -> torch.OutOfMemoryError:
+        allocated = self.allocated.get(index, 0)
+        return torch.OutOfMemoryError(
+            f"sim out of memory. Tried to allocate {_size_text(nbytes)}. sim {index} has a total capacity of "
+            f"{_size_text(self.total)} of which {_size_text(max(self.total - allocated, 0))} is free. Of the "
+            f"allocated memory {_size_text(allocated)} is allocated by PyTorch. ({self.TOTAL_VAR} sets the sim "
+            "device's memory.)")
+
+    def host_out_of_memory(self, error: RuntimeError, index: int) -> torch.OutOfMemoryError | None:
+        """The device's out-of-memory error for the host allocator's ``error`` in a kernel writing to sim."""
+        found = _HOST_OUT_OF_MEMORY.search(str(error))
+        return self.out_of_memory(index, int(found.group(1))) if found else None
 
     def release(self, key: int) -> None:
         if not key:
@@ -115,6 +156,14 @@ class _Memory:
     def reset_peak(self, index: int) -> None:
         with self._lock:
             self.peak[index] = self.allocated.get(index, 0)
+
+    def restore_peak(self, index: int, peak: int | None) -> None:
+        """Put back a peak read before sim's own allocations (None: none yet)."""
+        with self._lock:
+            if peak is None:
+                self.peak.pop(index, None)
+            else:
+                self.peak[index] = peak
 
 
 MEMORY = _Memory()
@@ -448,11 +497,18 @@ def _run_op(func, args, kwargs):
             dtypes = unwrapped.dtypes(kwargs)
             _faults.TABLE.before(func, active_faults, dtypes)
     kernel = _KERNELS.get(func, func)  # the device's own kernel, or the CPU's
-    if unwrapped.views_with_bits:
-        with _bit_fallbacks():
+    try:
+        if unwrapped.views_with_bits:
+            with _bit_fallbacks():
+                out = kernel(*cpu_args, **cpu_kwargs)
+        else:
             out = kernel(*cpu_args, **cpu_kwargs)
-    else:
-        out = kernel(*cpu_args, **cpu_kwargs)
+    except RuntimeError as error:
+        # past the host's memory, so past the device's: a GPU's error, not the host allocator's
+        device_error = MEMORY.host_out_of_memory(error, index) if index is not None else None
+        if device_error is None:
+            raise
+        raise device_error from None
     _counters.charge(info.name, info.launches, _is_sim, args, kwargs, out)  # what a real device would charge
     if active_faults and out is None and (info.mutated_args or info.mutated_kwargs):
         # an in-place foreach op (an optimizer's) returns nothing: what it wrote is its output

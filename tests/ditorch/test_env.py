@@ -11,7 +11,7 @@ def test_every_variable_is_declared_with_form_default_and_meaning():
     assert set(VARIABLES) == {"DITORCH_BACKEND", "DITORCH_QUIET", "DITORCH_DISABLE_MOCK",
                               "DITORCH_SHOW_DEVICE_AS_CUDA", "DITORCH_SIM_DEVICE_COUNT", "DITORCH_SIM_FAULTS",
                               "DITORCH_SIM_TF32", "DITORCH_SIM_NUMERICS", "DITORCH_SIM_SDPA",
-                              "DITORCH_SIM_DEVICE_MEMORY", "DITORCH_SIM_ASYNC",
+                              "DITORCH_SIM_DEVICE_MEMORY", "DITORCH_SIM_TOTAL_MEMORY", "DITORCH_SIM_ASYNC",
                               "DITORCH_REDUCE_LOW_PRECISION_IN_FP32"}
     for var in VARIABLES.values():
         assert var.form and var.meaning

@@ -76,6 +76,45 @@ def test_memory_statistics_follow_live_tensors():
 
 
 @pytest.mark.usefixtures("sim")
+def test_an_allocation_past_the_device_memory_raises_cuda_out_of_memory():
+    import ditorch.sim
+
+    with ditorch.sim.total_memory(torch.sim.memory_allocated() + (1 << 20)):
+        assert torch.sim.get_device_properties().total_memory == torch.sim.mem_get_info()[1]
+        held = torch.empty(1 << 19, dtype=torch.uint8, device="sim")
+        before = torch.sim.memory_allocated()
+        with pytest.raises(torch.cuda.OutOfMemoryError, match=r"sim out of memory. Tried to allocate 1.00 MiB"):
+            torch.ones(1 << 20, dtype=torch.uint8, device="sim")
+        assert torch.sim.memory_allocated() == before  # refused: nothing counted
+        del held
+        torch.ones(1 << 20, dtype=torch.uint8, device="sim")  # fits once freed
+    with pytest.raises(torch.OutOfMemoryError, match="sim out of memory"):  # past the host's memory, too
+        torch.empty(4 * torch.sim.get_device_properties().total_memory, dtype=torch.uint8, device="sim")
+
+
+def test_the_device_memory_comes_from_the_environment():
+    code = ("import torch, ditorch.sim; ditorch.sim.register(); "
+            "print(torch.sim.get_device_properties().total_memory)")
+    assert _run(code, DITORCH_SIM_TOTAL_MEMORY="3MiB").stdout.split() == [str(3 << 20)]
+    malformed = _run(code, DITORCH_SIM_TOTAL_MEMORY="3MB")
+    assert "ValueError: DITORCH_SIM_TOTAL_MEMORY='3MB'" in malformed.stderr
+
+
+@pytest.mark.parametrize("count", ["1", "2"])
+def test_a_fresh_process_peaks_at_no_memory(count):
+    code = ("import torch, ditorch.sim; ditorch.sim.register(); "
+            "print(torch.sim.max_memory_allocated(), torch.sim.memory_stats()['reserved_bytes.all.peak'])")
+    result = _run(code, DITORCH_SIM_DEVICE_COUNT=count)
+    assert result.stdout.split() == ["0", "0"], result.stderr
+
+
+@pytest.mark.usefixtures("sim")
+def test_data_parallel_says_it_is_not_supported_and_what_to_use():
+    with pytest.raises(NotImplementedError, match="DataParallel is not supported.*DistributedDataParallel"):
+        torch.nn.DataParallel(torch.nn.Linear(2, 2).to("sim"), device_ids=[0])
+
+
+@pytest.mark.usefixtures("sim")
 def test_events_measure_elapsed_time_in_milliseconds():
     start, end = torch.sim.Event(enable_timing=True), torch.sim.Event(enable_timing=True)
     start.record()

@@ -106,6 +106,35 @@ def test_checkpoint_saved_on_cuda_loads_on_the_device_without_map_location(trans
     assert on_sim(loaded["w"]) and torch.equal(loaded["w"].cpu(), torch.arange(3.0))
 
 
+@pytest.mark.parametrize("saved_on", ["cpu", "cuda"])
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_torch_load_calls_a_callable_map_location_as_cuda_does(shown_as_cuda, saved_on, weights_only):
+    buffer = io.BytesIO()
+    torch.save({"w": torch.arange(4.0, device=saved_on)}, buffer)
+    for map_location, lands_on_sim in [(lambda s, loc: s, False), (lambda s, loc: s.cuda(), True),
+                                       (lambda s, loc: s.cuda(0), True)]:
+        buffer.seek(0)
+        loaded = torch.load(buffer, map_location=map_location, weights_only=weights_only)["w"]
+        assert on_sim(loaded) is lands_on_sim and torch.equal(loaded.cpu(), torch.arange(4.0))
+
+
+def test_a_storage_moved_to_the_device_outside_torch_load_says_why_it_cannot(transfer):
+    with pytest.raises(RuntimeError, match="a storage cannot be moved to sim:0.*move a tensor instead"):
+        torch.ones(2).untyped_storage().cuda()
+
+
+@pytest.mark.skipif(not hasattr(torch, "Event"), reason="torch.Stream and torch.Event came with PyTorch 2.5")
+def test_device_generic_streams_and_events_take_a_cuda_device(shown_as_cuda):
+    shown = torch.zeros(1, device="cuda").device
+    for device in ["cuda", "cuda:0", torch.device("cuda"), shown]:
+        stream, event = torch.Stream(device=device), torch.Event(device, enable_timing=True)
+        assert stream.device.type == event.device.type == "sim" and isinstance(stream, torch.Stream)
+        with stream:
+            event.record()
+        assert event.query()
+    assert isinstance(torch.accelerator.current_stream(), torch.Stream)  # one C++ made, not the stand-in
+
+
 def test_generator_on_cuda_draws_what_the_host_generator_draws(transfer):
     generator = torch.Generator(device="cuda")
     assert isinstance(generator, torch.Generator)
