@@ -37,6 +37,7 @@ MALFORMED_BY_FORM = {
     "math, or chunked": "flash",
     "cpu or gpu": "tpu",
     "a size in bytes": "lots",
+    "a positive number of bytes": "2 gigs",
     "a TOML file path": "no/such/settings.toml",
     "all, or comma-separated ranks": "rank0",
     "all, or comma-separated steps": "step1",
