@@ -379,6 +379,8 @@ class OpTool:
     # is (its name, shapes, time) or runs it otherwise (on the CPU, in another dtype) does; the others cannot read
     # functorch's tensors, and count such calls as not checked.
     handles_transformed: ClassVar[bool] = False
+    # Whether the run report reads the tool's findings: it then writes what it did not check (``write_unchecked``).
+    reports_unchecked: ClassVar[bool] = False
     # Whether the tool changes what a call saves for backward (OpFallback: the CPU's tensors): a non-reentrant
     # checkpoint's recomputation, which runs without the tool unless asked (recomputation.py), then fails its check.
     changes_saved_tensors: ClassVar[bool] = False
@@ -479,8 +481,23 @@ class OpTool:
                 raise
             self.finish_failure = f"{type(error).__name__}: {error}"
             self._logger.error("%s: finishing failed: %s", type(self).__name__, self.finish_failure, exc_info=True)
+        self.write_unchecked()
         self.tally.close()
         self._log_closing()
+
+    def write_unchecked(self) -> None:
+        """For the run report (``python -m op_tools.report``), which reads what the tools wrote: a tool that judges
+        calls and did not check every one says so in ``unchecked_<session>.json``, else the report would find no
+        anomaly in its files and call the run clean."""
+        if not (self.reports_unchecked and self.results_folder) or self.verdict() != "unchecked":
+            return
+        path = result_files.results_path(self.common, self.results_folder, f"unchecked_{self.stem}.json")
+        record = {"format": "op_tools unchecked", "version": 1, "tool": type(self).__name__,
+                  "rank": self.common.rank, "not_checked": self.not_checked()}
+        try:
+            self.tally.add(path, result_files.write_json(path, record), "what it did not check")
+        except OSError as error:
+            self._logger.warning("%s: %s not written: %s", type(self).__name__, path, error)
 
     end = stop
 
@@ -866,6 +883,7 @@ def _finish_reporting_failure(tool: OpTool) -> None:
     try:
         with tool_work():
             tool.finish()
+        tool.write_unchecked()
         tool.tally.close()
         tool._log_closing()
     except Exception:

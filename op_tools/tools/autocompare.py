@@ -244,6 +244,7 @@ class OpAutoCompare(OpTool):
 
     hook_name = "OpAutoCompareHook"
     env_prefix = "OP_AUTOCOMPARE"
+    reports_unchecked = True  # the run report reads its findings
     results_folder = "op_autocompare_result"
     tracks_writes = True
     keywords = {"backward": AUTOCOMPARE_BACKWARD, "max_saved": AUTOCOMPARE_MAX_SAVED,

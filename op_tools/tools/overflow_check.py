@@ -425,6 +425,7 @@ class OpOverflowCheck(OpTool):
     hook_name = "OpOverflowCheckHook"
     results_folder = "op_overflow_check_result"
     env_prefix = "OP_OVERFLOW_CHECK"
+    reports_unchecked = True  # the run report reads its findings
     keywords = {"raise_on_overflow": OVERFLOW_CHECK_RAISE}
     tracks_modules = True
     tracks_writes = True  # a write by a call not handled makes the flags taken over from that tensor stale

@@ -118,6 +118,7 @@ class OpSelfCheck(OpTool):
 
     hook_name = "OpSelfCheckHook"
     env_prefix = "OP_SELF_CHECK"
+    reports_unchecked = True  # the run report reads its findings
     results_folder = "op_self_check_result"
     keywords = {"budget": SELF_CHECK_BUDGET}
     tracks_modules = True

@@ -166,6 +166,29 @@ def test_an_autocompare_csv_cut_inside_a_row_is_not_read_and_nothing_is_conclude
     assert re.fullmatch(rf"{re.escape(str(table))}: ValueError: line \d+: cut short \(no line end\)", unread), unread
 
 
+def test_a_tool_that_did_not_check_every_call_earns_the_run_no_clean_verdict(sim, tmp_path, monkeypatch):
+    # OpAutoCompare said "unchecked" (calls inside torch.func transforms); its files held no anomaly, and the report
+    # said "no anomaly", exit 0
+    import torch
+
+    import op_tools
+
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path))
+    x = torch.linspace(-2, 2, 64, device=sim)
+    with op_tools.OpAutoCompare(), op_tools.OpOverflowCheck():
+        torch.nn.functional.silu(x).sum()
+    assert not list(tmp_path.glob("*/unchecked_*.json"))  # a clean session writes none
+    assert report(tmp_path).returncode == 0
+    with op_tools.OpAutoCompare() as compare:
+        torch.nn.functional.silu(x).sum()
+        torch.func.vmap(torch.nn.functional.silu)(x.reshape(8, 8))
+    assert compare.verdict() == "unchecked"
+    done = report(tmp_path)
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert f"NOT CHECKED: rank 0: OpAutoCompare: {compare.not_checked()}\n" in done.stdout
+    assert "but 1 tool session did not check every call (above)" in done.stdout
+
+
 def _event(rank, step, op, **fields):
     return Event(rank, step, float(step), op, "", "forward", "OpOverflowCheck", "inf/nan", **fields)
 

@@ -159,11 +159,12 @@ class RunReport:
 
     def verdict(self) -> str:
         """``"found"`` (an anomaly, a replica desync, parameters holding inf/nan), ``"unread"`` (none in what was
-        read, but some file could not be read: a clean verdict is not earned) or ``"clean"``."""
+        read, but some file could not be read, or a tool did not check every call: a clean verdict is not earned)
+        or ``"clean"``."""
         if self.first is not None or self.desync is not None or self.nonfinite is not None or \
                 any(r.status != "clean" for r in self.ranks):
             return "found"
-        return "unread" if self.results.unreadable else "clean"
+        return "unread" if self.results.unreadable or self.results.unchecked else "clean"
 
 
 def _first_collective_after(collectives: list[Event], rank: int, after: Event) -> Event | None:

@@ -99,6 +99,7 @@ class Results:
     # a rank whose file has no step yet maps to {}
     fingerprints: dict[int, dict[int, dict]] = dataclasses.field(default_factory=dict)
     unreadable: list[str] = dataclasses.field(default_factory=list)  # "path: why"
+    unchecked: list[str] = dataclasses.field(default_factory=list)  # "rank N: Tool: what it did not check"
     notes: list[str] = dataclasses.field(default_factory=list)  # what the reader should know of how tools judged
     files: int = 0
 
@@ -152,7 +153,10 @@ def read_results(folder: str) -> Results:
                (AUTOCOMPARE_FOLDER, "OpAutoCompare", "reference_*.json", _read_reference_trust),
                (TIME_FOLDER, TIME_MEASURE, "op_elasped_info_*.csv", _read_times),
                (FINGERPRINT_FOLDER, "fingerprints", "fingerprints_*.jsonl*", _read_fingerprints),
-               (MONITOR_FOLDER, MONITOR, "anomalies_*.jsonl*", _read_monitor_anomalies))
+               (MONITOR_FOLDER, MONITOR, "anomalies_*.jsonl*", _read_monitor_anomalies),
+               *((folder, tool, "unchecked_*.json", _read_unchecked) for folder, tool in (
+                   (OVERFLOW_FOLDER, "OpOverflowCheck"), (SELF_CHECK_FOLDER, "OpSelfCheck"),
+                   (AUTOCOMPARE_FOLDER, "OpAutoCompare"))))
     for subfolder, tool, pattern, read in readers:
         for rank, path in sorted(_rank_folders(folder, subfolder).items()):
             results.tools.setdefault(tool, set()).add(rank)
@@ -183,6 +187,16 @@ def _read_overflow(results: Results, rank: int, path: str) -> None:
                                    record.get("module", ""), record.get("phase", "forward"), "OpOverflowCheck",
                                    "inf/nan", detail, int(record.get("forward_id", 0)), received, came_in=came_in,
                                    location=_location(record.get("location"))))
+
+
+def _read_unchecked(results: Results, rank: int, path: str) -> None:
+    """What a tool said it did not check (``OpTool.write_unchecked``): no clean verdict over it."""
+    with open(path, encoding="utf-8") as f:
+        record = json.load(f)
+    if record.get("format") != "op_tools unchecked":
+        raise ValueError("not an op_tools unchecked file")
+    rank = record["rank"] if isinstance(record.get("rank"), int) else rank
+    results.unchecked.append(f"rank {rank}: {record['tool']}: {record['not_checked']}")
 
 
 def _read_self_check(results: Results, rank: int, path: str) -> None:

@@ -22,6 +22,7 @@ def read_lines(report: RunReport) -> list[str]:
     lines = [f"read: {results.files} file{'s' if results.files != 1 else ''} from "
              + "; ".join(f"{tool} (ranks {_ranks(ranks)})" for tool, ranks in sorted(results.tools.items()))]
     lines.extend(f"NOT READ: {problem}" for problem in results.unreadable)
+    lines.extend(f"NOT CHECKED: {what}" for what in results.unchecked)
     lines.extend(f"NOTE: {note}" for note in results.notes)
     return lines
 
@@ -62,9 +63,12 @@ def verdict_line(report: RunReport) -> str:
         return "what went wrong first: not found (no rank's anomaly was born there); " + received[0].text()
     ranks = len(report.results.ranks)
     if report.verdict() == "unread":
-        unread = len(report.results.unreadable)
+        unread, unchecked = len(report.results.unreadable), len(report.results.unchecked)
+        why = [f"{unread} file{'s' if unread != 1 else ''} could not be read"] if unread else []
+        if unchecked:
+            why.append(f"{unchecked} tool session{'s' if unchecked != 1 else ''} did not check every call")
         return (f"nothing concluded: no anomaly in what the tools wrote on {ranks} rank{'s' if ranks != 1 else ''}, "
-                f"but {unread} file{'s' if unread != 1 else ''} could not be read (above)")
+                f"but {' and '.join(why)} (above)")
     return f"no anomaly in what the tools wrote on {ranks} rank{'s' if ranks != 1 else ''}"
 
 
