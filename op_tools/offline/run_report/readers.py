@@ -173,11 +173,17 @@ def read_results(folder: str) -> Results:
     return results
 
 
-def _read_overflow(results: Results, rank: int, path: str) -> None:
+def _record(path: str, form: str, what: str) -> dict:
+    """A tool's JSON file of format ``form``; ValueError naming ``what`` it should be otherwise."""
     with open(path, encoding="utf-8") as f:
         record = json.load(f)
-    if record.get("format") != "op_tools overflow":
-        raise ValueError("not an OpOverflowCheck overflow file")
+    if record.get("format") != form:
+        raise ValueError(f"not {what}")
+    return record
+
+
+def _read_overflow(results: Results, rank: int, path: str) -> None:
+    record = _record(path, "op_tools overflow", "an OpOverflowCheck overflow file")
     rank = record["rank"] if isinstance(record.get("rank"), int) else rank
     received, came_in = bool(record.get("received", False)), bool(record.get("came_in", False))
     detail = "inf/nan received from another rank" if received else \
@@ -191,19 +197,13 @@ def _read_overflow(results: Results, rank: int, path: str) -> None:
 
 def _read_unchecked(results: Results, rank: int, path: str) -> None:
     """What a tool said it did not check (``OpTool.write_unchecked``): no clean verdict over it."""
-    with open(path, encoding="utf-8") as f:
-        record = json.load(f)
-    if record.get("format") != "op_tools unchecked":
-        raise ValueError("not an op_tools unchecked file")
+    record = _record(path, "op_tools unchecked", "an op_tools unchecked file")
     rank = record["rank"] if isinstance(record.get("rank"), int) else rank
     results.unchecked.append(f"rank {rank}: {record['tool']}: {record['not_checked']}")
 
 
 def _read_self_check(results: Results, rank: int, path: str) -> None:
-    with open(path, encoding="utf-8") as f:
-        record = json.load(f)
-    if record.get("format") != "op_tools self check":
-        raise ValueError("not an OpSelfCheck findings file")
+    record = _record(path, "op_tools self check", "an OpSelfCheck findings file")
     for found in record["first"]:
         found_rank = found["rank"] if isinstance(found.get("rank"), int) else rank
         results.anomalies.append(Event(found_rank, int(found.get("step", 0)), float(found.get("time", 0.0)),
@@ -245,10 +245,7 @@ def _read_autocompare(results: Results, rank: int, path: str) -> None:
 def _read_reference_trust(results: Results, rank: int, path: str) -> None:
     """OpAutoCompare's float64 reference on the device, where its cross-checks found the device's float64 kernels
     wrong for an op (whose reference then ran on the CPU)."""
-    with open(path, encoding="utf-8") as f:
-        record = json.load(f)
-    if record.get("format") != "op_tools reference trust":
-        raise ValueError("not an OpAutoCompare reference file")
+    record = _record(path, "op_tools reference trust", "an OpAutoCompare reference file")
     rank = record["rank"] if isinstance(record.get("rank"), int) else rank
     for op, what in record["untrusted"].items():
         results.notes.append(f"rank {rank}: OpAutoCompare's float64 reference on {record.get('device', 'the device')} "
