@@ -343,8 +343,9 @@ class FaultTable:
         elif fault.kind == "inf":
             out.fill_(float("inf"))
         elif out.numel():
-            # Every element off by exactly the relative error, with a random sign.
-            out.mul_(self._signs(out).to(out.dtype).mul_(fault.value).add_(1))
+            # Every element off by exactly the relative error, with a random sign. On ``out``'s device: a collective's
+            # output is the sim tensor itself (an op's, the CPU tensor behind it).
+            out.mul_(self._signs(out).to(out.device, out.dtype).mul_(fault.value).add_(1))
 
     def _signs(self, out: torch.Tensor) -> torch.Tensor:
         """+1 or -1 per element of ``out``: drawn from the faults' own generator; while torch.compile traces (the

@@ -427,3 +427,21 @@ def test_the_same_faults_corrupt_the_same_elements_whatever_ran_before():
         for _ in range(3):
             x + 1  # draws of another fault in between
     assert torch.equal(noisy(), first) and not torch.equal(first, (x * 2).cpu())
+
+
+def test_a_noise_fault_on_a_collective_makes_its_result_off_by_the_noise(sim):
+    # the signs were drawn on the CPU and multiplied into the collective's sim tensor: the collective raised
+    import torch.distributed as dist
+
+    from ditorch.sim import distributed
+
+    distributed.register()
+    dist.init_process_group("simccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        x = torch.full((64,), 2.0, device=sim)
+        with ditorch.sim.faults("allreduce:noise=1e-2"):
+            dist.all_reduce(x)
+    finally:
+        dist.destroy_process_group()
+    off = (x.cpu() / 2 - 1).abs()
+    assert torch.allclose(off, torch.full((64,), 1e-2))
