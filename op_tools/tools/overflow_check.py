@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import math
 import threading
+import time
 
 import torch
 
@@ -67,7 +68,7 @@ class Overflow:
     location: str
     module: str = ""  # the module that ran the call (model.layers.3.mlp.down_proj), "" outside any
     step: int = 0  # optimizer steps finished since the tool started, when the call's forward ran
-    time: float = 0.0  # wall-clock seconds (time.time()) when the call started
+    time: float = 0.0  # wall-clock seconds (time.time()) when the call started (its backward: when that ran)
     received: bool = False  # a collective that received it: this rank sent finite values, another rank did not
     came_in: bool = False  # no call made it: this call read it first (``OpOverflowCheck.first_seen``)
 
@@ -325,7 +326,9 @@ class _PendingCheck:
         # What the report says of the call, taken now: its source line while its frames are on the stack (formatted
         # only for a call that overflows), name, id, module, step and time; not the call, whose arguments and result
         # would stay alive until the batch is read.
-        self.facts = (call.name, call.forward_id, phase, call.module_path, call.step, call.time)
+        # a backward's time is when it ran: the run report orders each rank's anomalies by it
+        self.facts = (call.name, call.forward_id, phase, call.module_path, call.step,
+                      time.time() if phase == "backward" else call.time)
         self.site = call.keep_location()
         self.split, self.results_first = split, results_first
         # Tuples and bytes where the check's state allows: a check lives until its batch is read, long enough for

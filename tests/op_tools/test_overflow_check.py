@@ -559,3 +559,19 @@ def test_a_complex_tensor_and_its_conjugate_view_are_read_as_their_reals():
     z = torch.tensor([1 + 2j, float("nan") + 0j])
     assert held(z).tolist()[0] == [1.0, 2.0] and held(z).isnan().any()
     assert held(z.conj()).isnan().any() and held(z.conj()).shape == (2, 2)  # the base's memory: the same inf/nan
+
+
+def test_a_backward_overflow_is_stamped_with_the_time_its_backward_ran(sim):
+    # stamped with its forward's start, a backward overflow came before an earlier forward anomaly in the run report
+    import time
+
+    import ditorch.sim
+
+    x = torch.randn(8, device=sim, requires_grad=True)
+    with ditorch.sim.faults("gelu_backward:nan"), op_tools.OpOverflowCheck() as check:
+        y = torch.nn.functional.gelu(x).sum()
+        forward_done = time.time()
+        time.sleep(0.05)
+        y.backward()
+    first = check.first_overflow
+    assert first is not None and first.phase == "backward" and first.time > forward_done
