@@ -73,7 +73,7 @@ def test_clean_finite_replicas_agree_and_are_clean():
      "see, unless OP_TOOLS_REPLICA_FINGERPRINTS=0; TrainingMonitor does not"),
     ((0, 1, 2), {1: {0: _step()}}, "only rank 1 wrote fingerprints, not ranks 0,2"),
     ((0, 1), {0: {}, 1: {}}, "no optimizer step ran while an op tool was on (the fingerprints are written before "
-     "each)"),
+     "each), or every parameter is sharded (FSDP2's: no replica holds another's)"),
     ((0, 1), {0: {0: _step()}, 1: {1: _step()}}, "the ranks' fingerprints share no step"),
 ])
 def test_replicas_not_compared_say_why(ranks, fingerprints, why):

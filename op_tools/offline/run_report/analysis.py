@@ -274,7 +274,8 @@ def replicas_not_compared(results: Results) -> str:
         return f"only rank {next(iter(prints))} wrote fingerprints, not rank{'s' if len(others) > 1 else ''} " \
             f"{','.join(map(str, others))}"
     if not any(prints.values()):
-        return "no optimizer step ran while an op tool was on (the fingerprints are written before each)"
+        return ("no optimizer step ran while an op tool was on (the fingerprints are written before each), or every "
+                "parameter is sharded (FSDP2's: no replica holds another's)")
     return "the ranks' fingerprints share no step"
 
 
