@@ -1506,8 +1506,10 @@ class OpAutoCompare(OpTool):
         parts = []
         if self.unfollowed_functions:
             names = ", ".join(self.unfollowed_functions)
+            hint = "; torch.utils.checkpoint(..., use_reentrant=False) is compared" \
+                if "CheckpointFunction" in self.unfollowed_functions else ""
             parts.append(f"the backward of custom autograd.Functions not compared ({names}: its ops run where no tool "
-                         f"sees them; {sum(self.unfollowed_functions.values())} calls read their results)")
+                         f"sees them; {sum(self.unfollowed_functions.values())} calls read their results{hint})")
         again = sum(self.backward_runs_again.values())
         if again:
             parts.append(f"{again} backward run{'s' if again != 1 else ''} of calls again over a retained graph "

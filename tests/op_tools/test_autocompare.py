@@ -196,6 +196,8 @@ def test_the_backward_of_a_custom_function_is_said_not_compared(sim):
     for how in ("Square", "CheckpointFunction"):
         assert verdicts[how][0] == "unchecked"
         assert f"the backward of custom autograd.Functions not compared ({how}:" in verdicts[how][1]
+    assert "use_reentrant=False) is compared" in verdicts["CheckpointFunction"][1]
+    assert "use_reentrant" not in verdicts["Square"][1]
     assert verdicts["non-reentrant checkpoint"][0] == "found"  # its recomputation is compared as any backward
     assert verdicts["module backward hook"] == ("clean", "")
 
