@@ -35,8 +35,8 @@ def unfollowed_function(t: torch.Tensor, followed) -> str | None:
     """The name of the custom Function that made ``t``, where its backward computes gradients no tool follows (its
     node not among ``followed``: those the tool's own calls made, whose backward it follows, such as a compiled
     graph's run); else None."""
-    node = t.grad_fn
-    if not isinstance(node, BackwardCFunction) or node in followed:
+    node = custom_node(t)
+    if node is None or node in followed:
         return None
     kind = type(node)
     if kind not in _names:

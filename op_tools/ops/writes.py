@@ -15,6 +15,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -150,11 +151,29 @@ def _takes_inplace(name: str) -> bool:
         return False
 
 
+def stand_in_made(t: torch.Tensor) -> tuple[int | None, Any]:
+    """What ``carry_writes`` compares a stand-in with, taken as it is made: its version counter (None for an inference
+    tensor, which keeps none: reading it raises) and its autograd node."""
+    return (None if t.is_inference() else t._version), t.grad_fn
+
+
+def carry_writes(pairs: list, writes: WriteSpec, args: tuple, kwargs: dict) -> None:
+    """Give each original what a call wrote into its stand-in, the copy the call ran on instead (on the CPU, in a
+    wider dtype): ``pairs`` of ``(original, stand-in, *stand_in_made(stand-in))``. Written: what ``writes`` declares
+    for the call's original ``args``/``kwargs`` (in-place ops, ``out=``, BatchNorm's running statistics, which its
+    kernel writes without moving the version counter), and any stand-in whose version counter moved; an inference
+    stand-in, with no counter, where declared, or wherever the call's writes are unknown."""
+    declared = set() if writes.unknown else {id(t) for t in writes.written(args, kwargs)}
+    for original, stand_in, version, made_by in pairs:
+        moved = writes.unknown if version is None else stand_in._version != version
+        if (moved or id(original) in declared) and original is not stand_in:
+            carry_write(original, stand_in, made_by)
+
+
 def carry_write(original: torch.Tensor, stand_in: torch.Tensor, made_by) -> None:
-    """Give ``original`` what a call wrote into ``stand_in``, its copy the call ran on instead (on the CPU, in a wider
-    dtype), made by autograd node ``made_by`` (``stand_in.grad_fn`` then). Recorded by autograd only where the call's
-    own write was (``stand_in``'s node moved on): written outside autograd (``torch.nn.init``'s functions, under
-    ``no_grad`` inside), a parameter takes the values as it would have on the device, where autograd refuses an
-    in-place op on a leaf that requires grad."""
+    """Give ``original`` what a call wrote into ``stand_in``, made by autograd node ``made_by`` (``stand_in.grad_fn``
+    then). Recorded by autograd only where the call's own write was (``stand_in``'s node moved on): written outside
+    autograd (``torch.nn.init``'s functions, under ``no_grad`` inside), a parameter takes the values as it would have
+    on the device, where autograd refuses an in-place op on a leaf that requires grad."""
     with torch.set_grad_enabled(torch.is_grad_enabled() and stand_in.grad_fn is not made_by):
         original.copy_(stand_in)

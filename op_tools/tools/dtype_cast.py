@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
 
 import torch
 
@@ -13,7 +12,7 @@ from ..core.engine import OpCall, OpTool, feature, tool_work
 from ..numerics.device_math import DeviceMath, emulated
 from ..ops.arguments import iter_items, iter_tensors, map_tensors
 from ..ops.op_facts import op_facts
-from ..ops.writes import carry_write
+from ..ops.writes import call_writes, carry_writes, stand_in_made
 from ..output import reporting
 
 
@@ -69,7 +68,7 @@ class OpDtypeCast(OpTool):
         # op runs in the wider dtype with autocast off (autocast's key would cast the widened inputs back down).
         lowered = lowered_to is not None and expected is not None and lowered_to in expected
         with tool_work():
-            pairs: list[tuple[torch.Tensor, torch.Tensor, Any]] = []  # (original, cast copy, its node as made)
+            pairs: list[tuple] = []  # (original, cast copy, *stand_in_made(cast copy))
 
             def widen(t: torch.Tensor) -> torch.Tensor:
                 target = self.cast.get(t.dtype)
@@ -78,7 +77,7 @@ class OpDtypeCast(OpTool):
                 if target is None or target == t.dtype:
                     return t
                 wide = t.to(target)  # differentiable: gradients reach the original
-                pairs.append((t, wide, wide.grad_fn))
+                pairs.append((t, wide, *stand_in_made(wide)))
                 return wide
 
             args, kwargs = map_tensors(call.args, widen), map_tensors(call.kwargs, widen)
@@ -87,14 +86,12 @@ class OpDtypeCast(OpTool):
         with torch.autocast(call.device.type, enabled=False) if math else contextlib.nullcontext():
             result = call.func(*args, **kwargs)
         with tool_work():
-            originals = {id(wide): original for original, wide, _ in pairs}
+            originals = {id(wide): original for original, wide, *_ in pairs}
             rows = [{"name": call.name, "target": f"input{path}", "action": f"{o.dtype} -> {w.dtype}",
                      "config": self.config_text}
                     for (path, o), (_, w) in zip(_tensor_items(call.args, call.kwargs), _tensor_items(args, kwargs))
                     if o is not w]
-            for original, wide, made_by in pairs:
-                if wide._version > 0:  # written by an in-place op or out=: the caller's tensor must change
-                    carry_write(original, wide, made_by)
+            carry_writes(pairs, call_writes(call.name), call.args, call.kwargs)  # the caller's tensors written
 
             raw_tensors = list(iter_tensors(result))
             wanted = expected if expected is not None and len(expected) == len(raw_tensors) else \

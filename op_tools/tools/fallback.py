@@ -11,7 +11,7 @@ from ..core.engine import OpCall, OpTool, feature, tool_work
 from ..numerics.device_math import DeviceMath, emulated
 from ..ops.arguments import map_tensors
 from ..ops.op_facts import op_facts
-from ..ops.writes import WriteSpec, call_writes, carry_write
+from ..ops.writes import WriteSpec, call_writes, carry_writes, stand_in_made
 from ..output import reporting
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -65,20 +65,12 @@ class CpuCopies:
         if t.device.type == "cpu" and t.dtype not in self.cast:
             return t
         cpu = _moved(t, _CPU, self.cast.get(t.dtype, t.dtype))  # gradients flow back to the device tensor
-        self.pairs.append((t, cpu, _version(cpu), cpu.grad_fn))
+        self.pairs.append((t, cpu, *stand_in_made(cpu)))
         return cpu
 
     def write_back(self, writes: WriteSpec, args: tuple, kwargs: dict) -> None:
-        """Device tensors whose CPU copy the call wrote get the new values: those ``writes`` names for the call's
-        device ``args``/``kwargs`` (in-place ops, out=, BatchNorm's running statistics, which its kernel writes
-        without moving the version counter), and any other whose copy's version counter moved."""
-        declared = set() if writes.unknown else {id(t) for t in writes.written(args, kwargs)}
-        for device_tensor, cpu, version, made_by in self.pairs:
-            # An inference tensor keeps no version counter: only what the call declares, or all for a function
-            # whose writes are unknown.
-            moved = writes.unknown if version is None else cpu._version != version
-            if (moved or id(device_tensor) in declared) and device_tensor is not cpu:
-                carry_write(device_tensor, cpu, made_by)
+        """Device tensors whose CPU copy the call wrote get the new values (``writes.carry_writes``)."""
+        carry_writes(self.pairs, writes, args, kwargs)
 
     def to_device(self, obj, device: torch.device, dtype_back: dict):
         originals = {id(cpu): device_tensor for device_tensor, cpu, _, _ in self.pairs}
@@ -92,11 +84,6 @@ class CpuCopies:
             return _moved(t, device, dtype_back.get(t.dtype, t.dtype))
 
         return map_tensors(obj, back)
-
-
-def _version(t: torch.Tensor) -> int | None:
-    """``t``'s version counter, or None for an inference tensor, which has none (reading it raises)."""
-    return None if t.is_inference() else t._version
 
 
 def _device_to_cpu(value):

@@ -116,3 +116,19 @@ def test_llama_under_fp16_autocast_trains_as_in_float32(sim, monkeypatch):
         widened = train_llama(sim, steps=2, autocast_dtype=torch.float16)
     assert widened == train_llama(sim, steps=2)
     assert widened != train_llama(sim, steps=2, autocast_dtype=torch.float16)
+
+
+def test_what_a_widened_call_writes_reaches_the_callers_tensors_as_without_the_tool(sim):
+    # BatchNorm's kernel writes its running statistics without moving their version counter: they stayed at their
+    # start; and in inference mode, reading a cast copy's version counter raised out of the user's call
+    x = torch.randn(4, 3, device=sim).half()
+    batch_norm, expected = (torch.nn.BatchNorm1d(3).to(sim).half() for _ in range(2))
+    expected(x)
+    with op_tools.OpDtypeCast():
+        batch_norm(x)
+    assert torch.allclose(batch_norm.running_mean.cpu().float(), expected.running_mean.cpu().float(), atol=1e-3)
+    assert batch_norm.running_mean.abs().sum().item() > 0
+    with op_tools.OpDtypeCast(), torch.inference_mode():
+        y = torch.nn.functional.relu(x * 2)
+        y.add_(1)
+    assert y.dtype == torch.float16 and torch.equal(y.cpu(), (torch.relu(x.cpu() * 2) + 1))
