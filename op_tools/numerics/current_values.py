@@ -48,8 +48,24 @@ def locate(t: torch.Tensor):
         return None
 
 
+def locate_values(t: torch.Tensor):
+    """``locate`` for what depends on a tensor's values in their flat order only, not on its shape (a run
+    recording's statistics, an inf/nan flag): a contiguous tensor is placed as its flat view, so that a reshaped view
+    of it (``view``, ``reshape``, ``flatten``, ``unsqueeze``, a gradient's ``view`` back) finds what was derived from
+    the tensor. The statistics are the same numbers: every reduction behind them reads contiguous memory in its flat
+    order whatever the shape."""
+    try:
+        if t.is_contiguous():
+            return (t.untyped_storage(), (t.storage_offset(), (t.numel(),), (1,), t.dtype, t.is_conj(), t.is_neg()),
+                    t._version)
+        return (t.untyped_storage(), (t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.is_conj(),
+                                      t.is_neg()), t._version)
+    except (RuntimeError, NotImplementedError, TypeError):  # inference tensors (no version), storage-less tensors
+        return None
+
+
 if not STORAGE_OBJECTS_KEPT:
-    locate = _untracked  # noqa: F811
+    locate = locate_values = _untracked  # noqa: F811
 
 
 class _StorageRef(weakref.ref):

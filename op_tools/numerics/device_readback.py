@@ -44,10 +44,6 @@ class Reduced:
     def device(self) -> torch.device:
         return self.rows[0].device
 
-    def now(self) -> torch.Tensor:
-        """The reduced rows, flat (for values read at once)."""
-        return self.reduce(torch.stack(self.rows)).reshape(-1)
-
 
 class _Batch:
     """Values of several puts, those on the device joined and on their way to the host, those on the host as they
@@ -137,58 +133,32 @@ class DeviceReadback:
         return values.device if isinstance(values, torch.Tensor) else values[0].device
 
     def _send(self) -> None:
-        """Join the queued device values on their device (one kernel, and a few for each kind of ``Reduced`` rows)
-        and start their copy to the host; host values are read as they are."""
+        """Join the queued values on their device (one kernel, and a few for each kind of ``Reduced`` rows) and start
+        their copy to the host; host values are joined as well, and read at once (no copy)."""
         tokens: list = []
-        pieces: list[list[tuple] | None] = []  # per put on the device: (reduce or None, first value or row, count)
+        device_puts: list = []
+        host_puts: list[tuple[int, Any]] = []  # (index, values) of the puts of host values
         on_host: list[list[float] | None] = []
-        parts: list[torch.Tensor] = []
-        rows: dict[Any, list[torch.Tensor]] = {}  # reduce -> the rows given it, in put order
-        widths: dict[Any, int] = {}
-        counted: dict[Any, int] = {}  # reduce -> rows given it so far
-        plain = 0  # values of the plain parts so far
+        for token, values in self._queued:
+            tokens.append(token)
+            on_host.append(None)
+            if self._device(values).type == "cpu":
+                host_puts.append((len(on_host) - 1, values))
+            else:
+                device_puts.append(values)
+        device, self._queued, self._queued_device = self._queued_device, [], None
         with torch.no_grad():
-            for token, values in self._queued:
-                tensors = [values] if isinstance(values, torch.Tensor) else values
-                tokens.append(token)
-                if tensors[0].device.type == "cpu":
-                    on_host.append([v for t in tensors
-                                    for v in (t.now() if isinstance(t, Reduced) else t.reshape(-1)).tolist()])
-                    pieces.append(None)
-                    continue
-                on_host.append(None)
-                mine: list[tuple] = []
-                for t in tensors:
-                    if isinstance(t, Reduced):
-                        rows.setdefault(t.reduce, []).extend(t.rows)
-                        widths[t.reduce] = t.width
-                        first = counted.get(t.reduce, 0)
-                        counted[t.reduce] = first + len(t.rows)
-                        mine.append((t.reduce, first, len(t.rows)))
-                    else:
-                        parts.append(t)
-                        mine.append((None, plain, t.numel()))
-                        plain += t.numel()
-                pieces.append(mine)
-            device, self._queued, self._queued_device = self._queued_device, [], None
-            starts: dict[Any, int] = {}  # reduce -> where its values begin in the joined tensor
-            for reduce, given in rows.items():  # one join and one reduction per kind of rows
-                starts[reduce] = plain
-                reduced = reduce(torch.stack(given))
-                parts.append(reduced)
-                plain += reduced.numel()
-            segments = [None if mine is None else
-                        [(first, count) if reduce is None else
-                         (starts[reduce] + first * widths[reduce], count * widths[reduce])
-                         for reduce, first, count in mine]
-                        for mine in pieces]
-            if not parts or device is None:
+            device_segments, joined = _joined(device_puts)
+            if host_puts:  # joined too, and reduced together: a reduction per put costs more than its arithmetic
+                host_segments, host_joined = _joined([values for _, values in host_puts])
+                host_values = host_joined.tolist() if host_joined is not None else []
+                for (k, _), put_segments in zip(host_puts, host_segments):
+                    on_host[k] = [v for start, size in put_segments for v in host_values[start:start + size]]
+            from_device = iter(device_segments)
+            segments = [None if values is not None else next(from_device) for values in on_host]
+            if joined is None or device is None:
                 self._in_flight.append(_Batch(tokens, segments, on_host, None, None))
                 return
-            # stack and cat promote mixed dtypes (bfloat16 flags beside float32 statistics) in the same kernel
-            dims = {p.dim() for p in parts}
-            joined = torch.stack(parts) if dims == {0} else \
-                torch.cat(parts if dims == {1} else [p.reshape(-1) for p in parts])
             event_class = getattr(getattr(torch, device.type, None), "Event", None)
             if event_class is None:  # no events to poll: read now, one synchronisation per batch
                 self._in_flight.append(_Batch(tokens, segments, on_host, joined.to(_CPU), None))
@@ -197,6 +167,49 @@ class DeviceReadback:
             event = event_class()
             event.record(getattr(torch, device.type).current_stream(device))
         self._in_flight.append(_Batch(tokens, segments, on_host, host, event))
+
+
+def _joined(puts: list) -> tuple[list[list[tuple[int, int]]], torch.Tensor | None]:
+    """The values of ``puts`` (on one device) joined into one flat tensor, and where each put's lie in it
+    (``(start, size)`` segments, in the put's order): its plain tensors as they are, its ``Reduced`` rows stacked
+    with the rows of every other put of the same ``reduce`` and reduced together, one kernel a kind of rows."""
+    segments_of: list[list[tuple]] = []  # per put: (reduce or None, first value or row, count)
+    parts: list[torch.Tensor] = []
+    rows: dict[Any, list[torch.Tensor]] = {}  # reduce -> the rows given it, in put order
+    widths: dict[Any, int] = {}
+    counted: dict[Any, int] = {}  # reduce -> rows given it so far
+    plain = 0  # values of the plain parts so far
+    for values in puts:
+        mine: list[tuple] = []
+        for t in [values] if isinstance(values, torch.Tensor) else values:
+            if isinstance(t, Reduced):
+                rows.setdefault(t.reduce, []).extend(t.rows)
+                widths[t.reduce] = t.width
+                first = counted.get(t.reduce, 0)
+                counted[t.reduce] = first + len(t.rows)
+                mine.append((t.reduce, first, len(t.rows)))
+            else:
+                parts.append(t)
+                mine.append((None, plain, t.numel()))
+                plain += t.numel()
+        segments_of.append(mine)
+    starts: dict[Any, int] = {}  # reduce -> where its values begin in the joined tensor
+    for reduce, given in rows.items():  # one join and one reduction per kind of rows
+        starts[reduce] = plain
+        reduced = reduce(torch.stack(given))
+        parts.append(reduced)
+        plain += reduced.numel()
+    segments = [[(first, count) if reduce is None else
+                 (starts[reduce] + first * widths[reduce], count * widths[reduce])
+                 for reduce, first, count in mine]
+                for mine in segments_of]
+    if not parts:
+        return segments, None
+    # stack and cat promote mixed dtypes (bfloat16 flags beside float32 statistics) in the same kernel
+    dims = {p.dim() for p in parts}
+    joined = torch.stack(parts) if dims == {0} else \
+        torch.cat(parts if dims == {1} else [p.reshape(-1) for p in parts])
+    return segments, joined
 
 
 class KeptTensors:

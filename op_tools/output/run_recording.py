@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from ..numerics.current_values import CurrentValues, locate
+from ..numerics.current_values import CurrentValues, locate_values
 from ..numerics.device_readback import DeviceReadback, KeepBudget, KeptTensors
 from ..numerics.tensor_stats import (
     STAT_FIELDS,
@@ -165,7 +165,7 @@ class _Side:
         fresh: list[int] = []
         places: list = []
         for k, t in enumerate(kept):
-            place = locate(t) if known is not None else None
+            place = locate_values(t) if known is not None else None
             slot = known.find(place) if known is not None and place is not None else None
             if slot is None:
                 slot = _Slot()

@@ -35,7 +35,7 @@ import torch
 
 from ..config.variables import OVERFLOW_CHECK_RAISE
 from ..core.engine import OpCall, OpTool, OpToolsAbortError, feature, tool_work
-from ..numerics.current_values import CurrentValues, locate
+from ..numerics.current_values import CurrentValues, locate_values
 from ..numerics.device_readback import DeviceReadback, KeepBudget, KeptTensors
 from ..numerics.tensor_stats import foreach_norms
 from ..ops.arguments import local_part, sparse_values, tensor_items
@@ -167,7 +167,7 @@ class Flagged:
         None in its place; None for a tensor that is not tracked."""
         if t.numel() < LARGE or not _in_host_memory(t):
             return None
-        where = locate(t)
+        where = locate_values(t)
         return None if where is None else (where, self._values.find(where))
 
     def put(self, where, check: _PendingCheck, index: int) -> None:

@@ -20,19 +20,23 @@ def test_a_checked_call_holds_few_objects_the_garbage_collector_promotes(sim):
     # What a check holds until its batch is read, and a call until its backward, is promoted into the collector's
     # oldest generation, whose full collections visit the program's whole heap (tests/gc_promotions.py): small
     # objects for the engine's hooks instead of closures, a check's names and flags in a tuple and a bytearray.
-    # 19.6 a handled call (35.8 with closures and lists); the same steps without the tool promote none.
-    from gc_promotions import Promotions
+    # 22.8-25.4 a handled call, averaged over the collector's phases (one phase gave 17-30: where the program's
+    # allocations fall moves it), 35.8 with closures and lists; the same steps without the tool promote none.
+    from gc_promotions import promoted_on_average
+
+    def checked_steps():
+        with op_tools.OpOverflowCheck() as check:
+            train_llama(sim, steps=3)
+        return sum(check.handled.values())
 
     train_llama(sim, steps=1)  # imports and caches: not the checks'
     gc.collect()
     gc.freeze()  # the process's objects aside: the count is then the tool's, and counting is cheap
     try:
-        with Promotions() as promoted, op_tools.OpOverflowCheck() as check:
-            train_llama(sim, steps=3)
+        promoted, handled = promoted_on_average(checked_steps)
     finally:
         gc.unfreeze()
-    handled = sum(check.handled.values())
-    assert handled > 400 and promoted.count / handled <= 24
+    assert handled[0] > 400 and promoted / handled[0] <= 28, promoted / handled[0]
 
 
 def test_names_the_op_where_nan_appears_in_forward(sim):
@@ -352,6 +356,23 @@ def test_a_large_tensor_is_reduced_once_while_unchanged(sim):
         checked = charged(chain).kernel_launches
     assert check.first_overflow is None and check.verdict() == "clean"
     assert checked - plain <= 20 + 1 + 2  # one reduction a result and for x, a join and a copy for the batch
+
+
+def test_a_reshaped_view_of_a_large_tensor_takes_over_its_flag(sim):
+    # A flag depends on the values alone: a contiguous tensor's reshaped view (heads split, a gradient viewed back)
+    # is not reduced again.
+    x = torch.randn(2**17, device=sim)
+
+    def chain():
+        y = x
+        for _ in range(10):
+            y = (y * 1.0001).view(2, -1).view(-1)
+
+    plain = charged(chain).kernel_launches
+    with op_tools.OpOverflowCheck() as check:
+        checked = charged(chain).kernel_launches
+    assert check.first_overflow is None and check.verdict() == "clean"
+    assert checked - plain <= 10 + 1 + 2  # one reduction a product and for x, a join and a copy for the batch
 
 
 def test_a_flag_made_stale_by_a_write_no_call_shows_is_read_again_before_a_call_is_blamed(sim):

@@ -261,8 +261,9 @@ def test_a_recording_waits_for_the_device_once_and_reads_its_statistics_in_batch
     assert counts.synchronizations - plain.synchronizations == 1
     assert counts.device_to_host_copies <= len(records) // 64 + 3  # 64 calls a copy (a few CPU calls end a batch)
     # kernels: a call's tensors measured together, inputs with outputs unless the op writes them, a tensor unchanged
-    # since an earlier record not measured again, the fingerprints of a batch in one product (4.7 a record; 6.5 with a
-    # product a call, 13.0 measuring every tensor, 16.0 measuring one tensor at a time)
+    # since an earlier record (or a reshaped view of it) not measured again, the fingerprints of a batch in one product
+    # (4.6 a record, 4.8 before reshaped views took over; 6.5 with a product a call, 13.0 measuring every tensor, 16.0
+    # measuring one tensor at a time)
     assert (counts.kernel_launches - plain.kernel_launches) / len(records) <= 5.5
 
 
@@ -272,19 +273,18 @@ def test_a_record_holds_few_objects_the_garbage_collector_promotes(sim):
     # young collections into its oldest generation; each such object costs about four visits of a full collection of
     # the program's heap (~2.3 us on a 2-core VM, tests/gc_promotions.py). Tuples of numbers (untracked), small
     # objects instead of closures, a stack per call instead of three 0-d tensors a tensor, no aliases kept for a
-    # record whose statistics were all taken over: 18.3 a record (30.1 before; the same steps without the tool promote
-    # none).
-    from gc_promotions import Promotions
+    # record whose statistics were all taken over: 16.4-19.4 a record averaged over the collector's phases, as the
+    # program's other allocations fall (30.1 before this work; the same steps without the tool promote none).
+    from gc_promotions import promoted_on_average
 
     _record_llama_steps(sim, steps=1)  # imports, caches and the fingerprints' weights: not the records'
     gc.collect()
     gc.freeze()  # the process's objects aside: the count is then the records', and counting is cheap
     try:
-        with Promotions() as promoted:
-            _, records = _record_llama_steps(sim, steps=3)
+        promoted, recorded = promoted_on_average(lambda: len(_record_llama_steps(sim, steps=3)[1]))
     finally:
         gc.unfreeze()
-    assert len(records) > 1000 and promoted.count / len(records) <= 21
+    assert recorded[0] > 1000 and promoted / recorded[0] <= 23, promoted / recorded[0]
 
 
 def test_statistics_taken_over_from_an_earlier_record_are_the_ones_measured_again(sim, monkeypatch):
@@ -297,6 +297,26 @@ def test_statistics_taken_over_from_an_earlier_record_are_the_ones_measured_agai
     _, measured = _record_llama_steps(sim, steps=2, foreach=True)
     assert any(r["phase"] == "optimizer" for r in measured)
     assert _without_times(taken_over) == _without_times(measured)
+
+
+def test_a_reshaped_view_takes_over_the_statistics_of_the_contiguous_tensor_it_views(sim):
+    # Every reduction behind the statistics reads contiguous memory in its flat order whatever the shape: a view
+    # reshaping a measured contiguous tensor (a gradient viewed back, heads split) is not measured again; a transposed
+    # one holds its values in another order, and is.
+    x = torch.randn(64, 48).to(sim)
+    with op_tools.OpCapture() as capture:
+        y = x * 2
+        before = torch.sim.device_counts()
+        y.view(8, 8, 48)
+        viewed = torch.sim.device_counts() - before
+        y.t()
+        transposed = torch.sim.device_counts() - before - viewed
+    _, records = read_recording(capture.recorder.file.path)
+    view = next(r for r in records if r["op"] == "torch.Tensor.view")
+    mul = next(r for r in records if r["op"] == "torch.Tensor.mul")
+    assert viewed.kernel_launches == 0 and transposed.kernel_launches > 0
+    assert view["outputs"][0][3:] == view["inputs"][0][3:] == mul["outputs"][0][3:]
+    assert view["outputs"][0][2] == [8, 8, 48]
 
 
 def test_a_recording_on_an_asynchronous_device_equals_a_synchronous_ones(sim):
