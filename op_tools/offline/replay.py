@@ -318,6 +318,16 @@ def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: 
             result.status = "mismatch"
 
 
+def _captured_output(saved: tuple, actual: tuple) -> tuple:
+    """The output an ``output.pth`` holds, as ``actual`` is laid out: OpCapture saves a tuple of outputs as its
+    ``args``, the original ditorch saved every output as the one element of ``args`` (``((values, indices),)`` for a
+    ``sort``)."""
+    nested = len(saved) == 1 and isinstance(saved[0], (list, tuple))
+    if nested and not (len(actual) == 1 and isinstance(actual[0], (list, tuple))):
+        return tuple(saved[0])
+    return saved
+
+
 def _no_derivative(error: RuntimeError) -> bool:
     """PyTorch's error for an op without a gradient formula (``derivative for aten::X is not implemented``)."""
     return "derivative for" in str(error) and "not implemented" in str(error)
@@ -430,8 +440,8 @@ def _check(func, args, kwargs, upstream, inplace, first, saved_output, options, 
         result.checks.append(_verdict("grad vs cpu float64", compare_outputs(
             grads, reference[1], lambda: _compared(same()[1]), tolerance, op_name=result.name, prefix="grad")))
     if saved_output is not None:
-        saved = _compared(tuple(saved_output.get("args", ())))
         actual = tuple(output) if isinstance(output, (list, tuple)) else (output,)
+        saved = _compared(_captured_output(tuple(saved_output.get("args", ())), actual))
         result.checks.append(_verdict("output vs captured output", compare_outputs(
             actual, saved, None, tolerance, op_name=result.name, prefix="output")))
     else:  # the capture never wrote it (the call raised where captured), or it was lost since

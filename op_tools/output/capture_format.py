@@ -18,11 +18,13 @@ still loads on its own.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
 import os
 import threading
+from typing import Any
 
 import torch
 
@@ -126,6 +128,34 @@ def content_key(t: torch.Tensor) -> tuple | None:
     return t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), t.requires_grad, digest
 
 
+def _original_capture_values():
+    """Lets ``weights_only`` loading build the plain values the original ditorch's captures pickled as they were
+    (it saved arguments and outputs unconverted): ``torch.return_types`` tuples (``sort``, ``max(dim)``, ``topk``
+    outputs), ``slice`` and ``...`` (``Tensor.__getitem__`` indices). Each is a tuple or a constant: still data, never
+    code. Torch before 2.5 has no such list, and refuses those files as before."""
+    allowed = _original_capture_globals()
+    return torch.serialization.safe_globals(allowed) if allowed else contextlib.nullcontext()
+
+
+@functools.cache
+def _original_capture_globals() -> list:
+    """What ``_original_capture_values`` allows in this torch: ``...`` only where an entry may name its global
+    (``(obj, "module.name")``, a later torch than ``safe_globals`` itself)."""
+    if not hasattr(torch.serialization, "safe_globals"):
+        return []
+    allowed: list = [slice, *torch.return_types.all_return_types]
+    ellipsis: Any = (Ellipsis, "builtins.Ellipsis")  # a constant, not the callable torch's hint expects
+    buffer = io.BytesIO()
+    torch.save(Ellipsis, buffer)
+    buffer.seek(0)
+    try:
+        with torch.serialization.safe_globals([*allowed, ellipsis]):
+            torch.load(buffer, weights_only=True)
+    except Exception:  # noqa: BLE001 - this torch's refusal of the named form, whatever its type
+        return allowed
+    return [*allowed, ellipsis]
+
+
 def load_op_args(path: str) -> dict:
     """Load one capture file (``weights_only=True``), resolving references to tensors stored in other files.
 
@@ -137,7 +167,8 @@ def load_op_args(path: str) -> dict:
     def load(file: str) -> dict:
         file = os.path.normpath(file)
         if file not in cache:
-            cache[file] = torch.load(file, weights_only=True, map_location="cpu")
+            with _original_capture_values():
+                cache[file] = torch.load(file, weights_only=True, map_location="cpu")
         return cache[file]
 
     def resolve(obj, file: str):

@@ -109,6 +109,31 @@ def test_acc_check_of_the_whole_step_passes_on_a_correct_device(captured_step, t
     assert all("output vs captured output: pass" in r["checks"] for r in rows)
 
 
+def _original_capture(root, name, args, kwargs, output, forward_id):
+    """A call saved as the original ditorch's OpCapture saved it: ``torch.save`` of the arguments and of the output
+    as they were (named tuples, slices and ``...`` included), the output as the one element of ``args``."""
+    folder = root / name / "1234" / str(forward_id) / "2024-10-09-11-42-15"
+    folder.mkdir(parents=True)
+    torch.save({"name": name, "args": args, "kwargs": kwargs, "identifier": f"{forward_id}/input"},
+               folder / "input.pth")
+    torch.save({"name": name, "args": (output,), "kwargs": {}, "identifier": f"{forward_id}/output"},
+               folder / "output.pth")
+
+
+@pytest.mark.skipif(not hasattr(torch.serialization, "safe_globals"), reason="torch < 2.5 allows no more globals")
+def test_captures_written_by_the_original_ditorch_are_replayed_named_tuples_slices_and_all(tmp_path, sim):
+    root = tmp_path / "original" / "op_capture_results"
+    x = torch.randn(4, 8)
+    _original_capture(root, "torch.Tensor.sort", (x,), {"dim": -1}, x.sort(dim=-1), 1)
+    _original_capture(root, "torch.Tensor.__getitem__", (x, (slice(1, 3, None), Ellipsis)), {}, x[1:3, ...], 2)
+    _original_capture(root, "torch.max", (x,), {"dim": 0}, torch.max(x, dim=0), 3)
+    assert main([str(root), "--device", sim, "--acc_check"]) == 0
+    rows = _summary(tmp_path)
+    assert {r["name"]: r["status"] for r in rows} == {
+        "torch.Tensor.sort": "ok", "torch.Tensor.__getitem__": "ok", "torch.max": "ok"}
+    assert all("output vs captured output: pass" in r["checks"] for r in rows)
+
+
 def test_script_reproduces_a_faulty_kernel_and_exits_non_zero(captured_step, tmp_path):
     folder = os.path.join(captured_step, "torch.nn.functional.linear")
     done = _run_cli([folder, "--acc_check"], tmp_path, env={"DITORCH_SIM_FAULTS": "mm:noise=1e-3"})
