@@ -655,6 +655,13 @@ AUTOCOMPARE_VERDICT_BATCH = declare(
     "OP_TOOLS_STRICT=1.",
     parse_positive_count, convert_positive_count, "an int >= 1",
 )
+MAX_CACHE_SIZE = declare(
+    "OP_TOOLS_MAX_CACHE_SIZE", "an integer >= 1", None,
+    "The original's: OpAutoCompare appends its comparisons to its CSV whenever it holds more than this many rows, "
+    "so that a run that dies (a kernel's crash, a kill) leaves the rows of the calls checked so far. Unset: the CSV "
+    "is written once, at stop() (or at exit). The other tools write their files at stop().",
+    _optional_positive_count, _convert_optional_positive_count, "an int >= 1",
+)
 AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES = declare(
     "OP_AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES", "a size in bytes, e.g. 8G, 512M (powers of 1024)", "8G",
     "With the reference on the device: how much device memory the float64 copies of the calls' inputs may hold at "

@@ -250,6 +250,21 @@ def write_csv(path: str, rows: list[dict]) -> int:
     return write_atomic(path, write)
 
 
+def append_csv(path: str, rows: list[dict], columns: tuple[str, ...]) -> int:
+    """Append ``rows`` to the CSV at ``path``, its header first when the file is new; return the bytes added. Not
+    atomic, by design: a file written as a run goes, so that a run that dies keeps the rows written before (each
+    call adds whole lines and flushes them)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "a", newline="", encoding="utf-8") as f:
+        start = f.tell()
+        writer = csv.DictWriter(f, fieldnames=list(columns))
+        if start == 0:
+            writer.writeheader()
+        writer.writerows(rows)
+        f.flush()
+        return f.tell() - start
+
+
 def write_text(path: str, text: str) -> int:
     return write_atomic(path, lambda f: f.write(text))
 

@@ -59,6 +59,7 @@ from ..config.variables import (
     AUTOCOMPARE_REFERENCE,
     AUTOCOMPARE_TOLERANCES,
     AUTOCOMPARE_VERDICT_BATCH,
+    MAX_CACHE_SIZE,
     REFERENCE_CAST_VAR,
     Sources,
     convert_dtype_map,
@@ -175,6 +176,7 @@ class AutoCompareConfig:
     cross_check_every: int = 64  # with a device reference: every N-th call of an op runs the CPU's too
     device_reference_max_bytes: int | None = 8 << 30  # the device memory the float64 copies may hold at once
     verdict_batch: int = 64  # calls judged after one wait for their copies (verdict_queue.py)
+    max_cache_size: int | None = None  # rows held before they are appended to the CSV; None: written at stop()
 
     @classmethod
     def from_env(cls, sources: Sources | None = None) -> AutoCompareConfig:
@@ -192,7 +194,8 @@ class AutoCompareConfig:
                    AUTOCOMPARE_MAX_SAVED.read(sources), AUTOCOMPARE_COLLECTIVES.read(sources),
                    AUTOCOMPARE_MAX_SAVE_BYTES.read(sources), AUTOCOMPARE_COMPILED.read(sources),
                    AUTOCOMPARE_REFERENCE.read(sources), AUTOCOMPARE_CROSS_CHECK_EVERY.read(sources),
-                   AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES.read(sources), AUTOCOMPARE_VERDICT_BATCH.read(sources))
+                   AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES.read(sources), AUTOCOMPARE_VERDICT_BATCH.read(sources),
+                   MAX_CACHE_SIZE.read(sources))
 
 
 def _reference_casts(value) -> dict[str, dict[torch.dtype, torch.dtype]]:
@@ -231,8 +234,9 @@ class OpAutoCompare(OpTool):
     reference on the device where it computes float64, judging on the CPU every call that does not pass cleanly;
     ``"auto"``: the device where it can), ``cross_check_every`` (``OP_AUTOCOMPARE_CROSS_CHECK_EVERY``),
     ``device_reference_max_bytes`` (``OP_AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES``), ``verdict_batch``
-    (``OP_AUTOCOMPARE_VERDICT_BATCH``: calls judged after one wait for their copies; 1: each when it returns), and
-    ``results_dir``,
+    (``OP_AUTOCOMPARE_VERDICT_BATCH``: calls judged after one wait for their copies; 1: each when it returns),
+    ``max_cache_size`` (``OP_TOOLS_MAX_CACHE_SIZE``: the comparisons appended to the CSV whenever more are held;
+    unset: written at stop()), and ``results_dir``,
     ``verbose``, ``print_stack``, ``strict``, ``print_ranks`` as every tool.
 
     >>> with op_tools.OpAutoCompare(tolerance={torch.bfloat16: (1e-2, 1e-2)}, backward=False) as compare:
@@ -253,7 +257,7 @@ class OpAutoCompare(OpTool):
                 "compiled": AUTOCOMPARE_COMPILED, "reference": AUTOCOMPARE_REFERENCE,
                 "cross_check_every": AUTOCOMPARE_CROSS_CHECK_EVERY,
                 "device_reference_max_bytes": AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES,
-                "verdict_batch": AUTOCOMPARE_VERDICT_BATCH}
+                "verdict_batch": AUTOCOMPARE_VERDICT_BATCH, "max_cache_size": MAX_CACHE_SIZE}
     tracks_modules = True
 
     def configure(self) -> None:
@@ -276,7 +280,9 @@ class OpAutoCompare(OpTool):
         self.stale_copies = 0  # cached host copies found out of date when a failing call re-read them
         self.failures: list[dict] = []
         self._failures_shown: set = set()  # (op, phase) whose first failing call's table was shown at WARNING
-        self.rows: list[tuple] = []
+        self.rows: list[tuple] = []  # comparisons not yet in the CSV
+        self._csv_written = [0, 0]  # rows and bytes appended to the CSV before stop() (OP_TOOLS_MAX_CACHE_SIZE)
+        self._csv_failed = False  # an append failed: the rest is written at stop()
         self._pending: weakref.WeakValueDictionary[int, OpCall] = weakref.WeakValueDictionary()
         self._order_lock = threading.Lock()
         self._copies = HostCopies()
@@ -1408,6 +1414,14 @@ class OpAutoCompare(OpTool):
         failed = [c for c in comparisons if not c.passed]
         with self._order_lock:
             self.rows.extend(rows)
+            limit = self.settings.max_cache_size
+            if limit is not None and len(self.rows) > limit and not self._csv_failed:  # in order: under this lock
+                try:
+                    self._append_rows()
+                except OSError as error:  # the rows stay held, for stop() to write (and report) as without it
+                    self._csv_failed = True
+                    self._logger.warning("OpAutoCompare: could not append to %s (%s: %s); its rows are written at "
+                                         "stop()", self._csv_path(), type(error).__name__, error)
             if failed:
                 self.failures.append({
                     "order": len(self.failures) + 1, "op": name, "phase": phase, "forward_id": forward_id,
@@ -1416,6 +1430,25 @@ class OpAutoCompare(OpTool):
                     "error_info": "; ".join(filter(None, (c.error_info for c in failed)))[:200],
                     "location": first_line,
                 })
+
+    def _csv_path(self) -> str:
+        return result_files.results_path(self.common, self.results_folder, f"op_autocompare_info_{self.stem}.csv")
+
+    def _csv_rows(self) -> list[dict]:
+        rank = self.common.rank
+        rows = [{"op": op, "forward_id": forward_id, "phase": phase, "module": module, **c.row(),
+                 "location": location, **result_files.record_fields(rank, step, started)}
+                for op, forward_id, phase, c, location, module, step, started in self.rows]
+        return [{c: row.get(c, "") for c in CSV_COLUMNS} for row in rows]
+
+    def _append_rows(self) -> None:
+        """Append the rows held to the CSV (under ``_order_lock``); where it fails, the rows stay held."""
+        if not self.rows:
+            return
+        size = result_files.append_csv(self._csv_path(), self._csv_rows(), CSV_COLUMNS)
+        self._csv_written[0] += len(self.rows)
+        self._csv_written[1] += size
+        self.rows = []
 
     def _table_level(self, name: str, phase: str, passed: bool) -> int:
         """A call's table is DEBUG, but for the first failing call of each op and phase: WARNING (the later ones are
@@ -1454,14 +1487,14 @@ class OpAutoCompare(OpTool):
         text = self.summary()
         if self.saving.saved:  # the summary may shorten their folder: the listing names it whole
             self.tally.name(self.saving.folder(), "failing calls, for run_op_from_data")
-        if self.rows:
-            path = result_files.results_path(self.common, self.results_folder, f"op_autocompare_info_{self.stem}.csv")
-            rank = self.common.rank
-            rows = [{"op": op, "forward_id": forward_id, "phase": phase, "module": module, **c.row(),
-                     "location": location, **result_files.record_fields(rank, step, started)}
-                    for op, forward_id, phase, c, location, module, step, started in self.rows]
-            self.tally.add(path, result_files.write_csv(path, [{c: row.get(c, "") for c in CSV_COLUMNS}
-                                                               for row in rows]), f"{len(self.rows)} comparisons")
+        if self._csv_written[0]:  # the rest after the rows appended as the run went
+            with self._order_lock:
+                self._append_rows()
+            rows, size = self._csv_written
+            self.tally.add(self._csv_path(), size, f"{rows} comparisons")
+        elif self.rows:
+            path = self._csv_path()
+            self.tally.add(path, result_files.write_csv(path, self._csv_rows()), f"{len(self.rows)} comparisons")
         if self.untrusted_here:  # for the run report: the device's float64 kernels this run found wrong
             path = result_files.results_path(self.common, self.results_folder, f"reference_{self.stem}.json")
             record = {"format": "op_tools reference trust", "version": 1, "rank": self.common.rank,

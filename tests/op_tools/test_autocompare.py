@@ -251,6 +251,40 @@ def test_summary_and_csv(sim, tmp_path, logged):
     assert failing and {r["op"] for r in failing} >= {"torch.rsqrt"}
 
 
+def test_max_cache_size_appends_the_comparisons_as_they_come_and_the_file_reads_as_one_written_at_stop(sim, tmp_path):
+    x = torch.randn(8, 8, device=sim, requires_grad=True)
+    with op_tools.OpAutoCompare(max_cache_size=3, verdict_batch=1) as tool:  # OP_TOOLS_MAX_CACHE_SIZE=3
+        for _ in range(5):
+            torch.sigmoid(x).sum().backward()
+        folder = tmp_path / "results" / "op_autocompare_result"
+        (path,) = glob.glob(str(folder / "op_autocompare_info_pid*.csv"))
+        assert len(list(csv.DictReader(open(path)))) >= 12  # written before stop()
+    rows = list(csv.DictReader(open(path)))
+    assert len(rows) == 20 and {r["verdict"] for r in rows} == {"pass"}  # 5 x (sigmoid, sum) x (forward, backward)
+    assert open(path).read().count("op,forward_id,") == 1
+    assert tool.tally.files == 1
+
+
+def test_op_tools_max_cache_size_leaves_the_rows_checked_before_a_run_dies(tmp_path):
+    import subprocess
+    import sys
+
+    from subprocess_env import child_env
+
+    script = ("import os, torch, ditorch, op_tools\n"
+              "x = torch.randn(8, device='cuda')\n"
+              "op_tools.OpAutoCompare(verdict_batch=1).start()\n"
+              "for _ in range(30):\n"
+              "    torch.sigmoid(x)\n"
+              "os._exit(0)  # as a kernel's crash or a kill: no stop(), no exit handlers\n")
+    env = child_env({"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1", "OP_TOOLS_MAX_CACHE_SIZE": "10",
+                     "OP_TOOLS_RESULTS_DIR": str(tmp_path / "results")}, drop=("OP_", "AUTOCOMPARE"))
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
+    (path,) = glob.glob(str(tmp_path / "results" / "op_autocompare_result" / "op_autocompare_info_pid*.csv"))
+    rows = list(csv.DictReader(open(path)))
+    assert len(rows) >= 22 and {r["op"] for r in rows} == {"torch.sigmoid"}
+
+
 def test_verbose_off_prints_only_failures(sim, logged):
     x = torch.randn(8, device=sim)
     with op_tools.OpAutoCompare():
