@@ -37,7 +37,15 @@ def tool_class(name: str) -> type[OpTool]:
 
 
 def _as_list(ops) -> list:
-    return list(ops) if isinstance(ops, (list, tuple, set)) else [ops]
+    """``ops`` as a list of names and functions; a module stands for every function it holds, as the original
+    ditorch took one (its ``apply_hook_to_ops``), named through the module so that calls made through it are seen."""
+    listed = list(ops) if isinstance(ops, (list, tuple, set)) else [ops]
+    return [entry for op in listed for entry in (_module_functions(op) if inspect.ismodule(op) else [op])]
+
+
+def _module_functions(module) -> list[str]:
+    return [f"{module.__name__}.{name}" for name, _ in inspect.getmembers(module, inspect.isroutine)
+            if not name.startswith("__")]
 
 
 def _resolve(op) -> tuple[str, Any, str, Any]:
@@ -52,7 +60,8 @@ def _resolve(op) -> tuple[str, Any, str, Any]:
 
 
 def apply_feature(ops, feature: str, condition_func: Callable[..., bool] | None = None, **settings) -> None:
-    """Run ``feature`` on calls of ``ops`` (names or functions, or a list of them) when ``condition_func`` is true.
+    """Run ``feature`` on calls of ``ops`` (names, functions or modules, or a list of them: a module stands for each
+    function in it) when ``condition_func`` is true.
 
     Features: a tool's class name (``OpCapture``), its short name (``capture``) or the original ditorch's feature name
     (``op_capture``, ``dump_op_args``, ``measure_op_time``, ``cast_dtype``, ``fallback``, ``overflow_check``,

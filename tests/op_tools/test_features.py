@@ -39,6 +39,24 @@ def test_methods_functionals_and_module_functions(sim, tmp_path):
     assert captured == sorted(["torch.Tensor.sort", "torch.nn.functional.linear", f"{__name__}.scale"])
 
 
+def test_a_module_in_the_list_stands_for_each_function_in_it_as_in_the_original(sim, tmp_path, monkeypatch):
+    (tmp_path / "fused_ops.py").write_text("def fused_mul_add(a, b):\n    return a * b + 1\n\n\n"
+                                           "def fused_scale(a):\n    return a * 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import fused_ops
+
+    originals = (fused_ops.fused_mul_add, fused_ops.fused_scale)
+    op_tools.apply_feature([fused_ops], "op_capture")
+    try:
+        x = torch.randn(2, 3, device=sim)
+        fused_ops.fused_scale(fused_ops.fused_mul_add(x, x))
+    finally:
+        op_tools.remove_feature([fused_ops])
+    assert (fused_ops.fused_mul_add, fused_ops.fused_scale) == originals
+    captured = {p.name for p in (tmp_path / "results" / "op_capture_results").iterdir() if p.is_dir()}
+    assert captured == {"fused_ops.fused_mul_add", "fused_ops.fused_scale"}
+
+
 def test_reapplying_replaces_the_feature_with_a_message(sim, logged):
     op_tools.apply_feature("torch.sin", "dump_op_args")
     op_tools.apply_feature("torch.sin", "fallback")
