@@ -224,6 +224,9 @@ for _name, _written, _when in (
     ("torch.instance_norm", ((3, "running_mean"), (4, "running_var")), (5, "use_input_stats", True)),
     # max_norm renormalises the embedding rows in place (a real in-place op inside: said here so it is compared)
     ("torch.nn.functional.embedding", ((1, "weight"),), (3, "max_norm", None)),
+    # a Python function, so no aten schema shows that out= is written (spectral_norm's power iteration writes its
+    # u and v buffers so)
+    ("torch.nn.functional.normalize", ((4, "out"),), None),
 ):
     register_op_facts(_name, writes=_written, writes_when=_when)
 
