@@ -58,7 +58,7 @@ from ..ops.collectives import unseen_collectives
 from ..ops.naming import is_metadata_query, resolve_op_name
 from ..ops.writes import call_writes
 from ..output import reporting, result_files
-from . import compiled_regions, gradient_communication, module_path, one_hop, targeting
+from . import compiled_regions, fast_paths, gradient_communication, module_path, one_hop, targeting
 from .call_backward import CallBackward
 from .replicas import REPLICAS
 from .steps import STEPS
@@ -449,6 +449,7 @@ class OpTool:
                 typo_check.warn_once(("targeting", self.env_prefix, names), "%s_LIST: %s; the tool checks the name of "
                                      "every call instead", self.env_prefix, "; ".join(problems))
         mode = _ToolMode(self)
+        fast_paths.acquire()  # before the mode is on the stack: MultiheadAttention's fast path as without it
         mode.__enter__()
         self.sees_every_call = True
         return mode
@@ -460,6 +461,7 @@ class OpTool:
         self._threads.pop()
         if isinstance(activation, _ToolMode):
             _remove_mode(activation)
+            fast_paths.release()
         else:
             activation.exit()
         compiled_regions.exit()
@@ -851,6 +853,7 @@ def started_modes() -> list[_ToolMode]:
 
 
 gradient_communication.started_modes = started_modes
+fast_paths.TOOL_MODES = (_ToolMode,)
 
 
 def _track_unfinished(tool: OpTool) -> None:

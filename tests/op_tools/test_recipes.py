@@ -1,6 +1,7 @@
 """The tools on training recipes the zoo (tests/zoo.py) has not: parametrizations, evaluation with PyTorch's fused
 inference paths, ... Each a few calls on sim: a clean recipe fails nothing and keeps its numbers."""
 
+import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
@@ -33,3 +34,59 @@ def test_a_spectral_norm_training_step_is_clean_under_autocompare(sim):
             F.cross_entropy(model(x), y).backward()
     assert tool.failures == [], [(f["op"], f["error_info"]) for f in tool.failures[:3]]
     assert tool.verdict() == "clean"
+
+
+def _eval_attention(kind: str, device: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "MultiheadAttention":
+        return nn.MultiheadAttention(8, 2, batch_first=True).to(device).eval()
+    return nn.TransformerEncoderLayer(8, 2, 16, batch_first=True).to(device).eval()
+
+
+def _evaluate(module: nn.Module, device: str) -> torch.Tensor:
+    torch.manual_seed(1)
+    x = torch.randn(2, 5, 8, device=device)
+    padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2], device=device)
+    with torch.no_grad():
+        if isinstance(module, nn.MultiheadAttention):
+            return module(x, x, x, key_padding_mask=padding)[0]
+        return module(x, src_key_padding_mask=padding)
+
+
+FUSED = {"MultiheadAttention": "_native_multi_head_attention",
+         "TransformerEncoderLayer": "_transformer_encoder_layer_fwd"}
+
+
+@pytest.mark.parametrize("kind", FUSED)
+def test_an_evaluation_under_a_tool_takes_the_fused_path_it_takes_without_it(sim, kind):
+    """In eval mode without grad these modules run one fused kernel unless torch.overrides.has_torch_function, which
+    any mode on the stack made True: under a tool they computed another way (other numbers), and a fault in the fused
+    kernel the run uses passed as clean."""
+    import ditorch.sim
+
+    module = _eval_attention(kind, sim)
+    expected = _evaluate(module, sim)
+    for tool_class in (op_tools.OpObserve, op_tools.OpAutoCompare, op_tools.OpCapture, op_tools.OpOverflowCheck):
+        with tool_class():
+            assert torch.equal(_evaluate(module, sim).cpu(), expected.cpu()), tool_class.__name__
+    assert torch.overrides.has_torch_function is torch._C._has_torch_function  # torch's own again once stopped
+    with ditorch.sim.faults(f"{FUSED[kind]}:noise=1e-2"), op_tools.OpAutoCompare() as tool:
+        _evaluate(module, sim)
+    assert tool.failures and tool.failures[0]["op"] == f"torch.{FUSED[kind]}", tool.failures[:1]
+
+
+def test_under_a_users_own_mode_the_fused_path_stays_refused_as_without_the_tool(sim):
+    """A user's TorchFunctionMode would see the fused call's parts: with a tool on top of it the module keeps the path
+    it takes under that mode alone."""
+    from torch.overrides import TorchFunctionMode
+
+    class Passing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    module = _eval_attention("MultiheadAttention", sim)
+    with Passing():
+        expected = _evaluate(module, sim)
+        with op_tools.OpAutoCompare():
+            result = _evaluate(module, sim)
+    assert torch.equal(result.cpu(), expected.cpu())
