@@ -59,6 +59,10 @@ class OpFacts:
     rounded_once: bool = False  # each forward result element is computed wide and rounded once (comparison.py)
     collective: bool = False  # exchanges data with other ranks: this host holds only its own part of the inputs
     overwrites: bool = False  # writes its first argument without reading it: what was there is no input of it
+    # Other arguments it writes without reading them (lists of tensors included), when the flag holds (None: always):
+    # fused SGD's first step fills its momentum buffers, made by empty_like, without reading them.
+    overwritten: tuple[Where, ...] = ()
+    overwritten_when: Flag | None = None
     async_result: bool = False  # its result is filled later, by another thread, until waited for (wait_tensor)
     completes: bool = False  # waits for an async result: what it returns is that result, not something it read
     # Its gradient for an input broadcast over the output is a sum, over the broadcast elements, of products and
@@ -178,14 +182,14 @@ def _where(name: str, value: Any, flag: bool = False) -> tuple:
 
 def _checked(name: str, value: Any) -> Any:
     """``value`` in the form the field ``name`` holds, or ValueError naming the argument."""
-    if name in ("writes", "rounded_operands"):
+    if name in ("writes", "rounded_operands", "overwritten"):
         if value is None and name == "writes":
             return None
         if not isinstance(value, (tuple, list)):
             raise ValueError(f"register_op_facts({name}={value!r}): expected a tuple of positions or "
                              "(position, keyword) pairs")
         return tuple(_where(name, item) for item in value)
-    if name == "writes_when":
+    if name in ("writes_when", "overwritten_when"):
         return None if value is None else _where(name, tuple(value) if isinstance(value, list) else value, flag=True)
     if name == "draws_when":
         if value is None:
@@ -298,6 +302,10 @@ for _name in ("tensor", "as_tensor", "asarray", "new_tensor", "from_numpy", "fro
 for _name in ("torch.nn.init.*", "normal_", "uniform_", "fill_", "zero_", "random_", "exponential_", "geometric_",
               "log_normal_", "cauchy_", "bernoulli_", "copy_"):
     register_op_facts(_name, overwrites=True)
+# torch.optim's fused SGD with momentum: at its first step the momentum buffers are torch.empty_like's memory, which
+# the kernel fills without reading (is_first_step is keyword-only: its position is the schema's)
+register_op_facts("_fused_sgd_", overwritten=((2, "momentum_buffer_list"),),
+                  overwritten_when=(8, "is_first_step", False))
 
 # Collectives: torch.distributed's calls, and the functional collectives (DTensor's redistributions, FSDP2) whose
 # result is another rank's data, or becomes it when waited for.

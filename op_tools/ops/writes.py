@@ -72,6 +72,19 @@ class WriteSpec:
         return _unique(out)
 
 
+def overwritten(name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors a call of ``name`` writes without reading what they held, beyond its first argument (``op_facts``'
+    ``overwritten``): no input of the call."""
+    facts = op_facts(name)
+    if not facts.overwritten or not _flag(args, kwargs, facts.overwritten_when):
+        return []
+    out: list = []
+    for position, keyword in facts.overwritten:
+        value = args[position] if position < len(args) else kwargs.get(keyword)
+        out.extend(t for t in (value if isinstance(value, (list, tuple)) else (value,)) if isinstance(t, torch.Tensor))
+    return out
+
+
 def _flag(args: tuple, kwargs: dict, where) -> bool:
     if where is None:
         return True

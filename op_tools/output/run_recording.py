@@ -64,7 +64,7 @@ from ..numerics.tensor_stats import (
 from ..ops.arguments import local_part, real_device, strided, tensor_items
 from ..ops.op_facts import op_facts
 from ..ops.torch_versions import autocast_dtype
-from ..ops.writes import call_writes
+from ..ops.writes import call_writes, overwritten
 from . import reporting, result_files
 
 FORMAT = "op_tools run recording"
@@ -294,6 +294,9 @@ class RunRecorder:
             call.grad_inputs = grads
         else:
             items = tensor_items(tuple(call.args)) + tensor_items(call.kwargs)
+        if op_facts(call.name).overwritten:  # what the call fills without reading is no input (an empty's memory)
+            unread = {id(t) for t in overwritten(call.name, tuple(call.args), call.kwargs)}
+            items = [(where, t) for where, t in items if id(t) not in unread]
         try:
             known = self._known if self._sees_every_call() else None
             inputs = _Side("inputs", *_tensors(items, self.max_tensors), known=known)

@@ -41,7 +41,7 @@ from ..numerics.tensor_stats import foreach_norms
 from ..ops.arguments import local_part, sparse_values, tensor_items
 from ..ops.collectives import collective_call, signature_of
 from ..ops.op_facts import op_facts
-from ..ops.writes import call_writes
+from ..ops.writes import call_writes, overwritten
 from ..output import reporting, result_files
 
 STAT_COLUMNS = ("name", "inf_or_nan", "min", "max", "mean", "std", "norm")
@@ -391,10 +391,12 @@ class _Written:
 
 def _unread_targets(name: str, spec, args: tuple, kwargs: dict, views: dict) -> set[int]:
     """The ids of the tensors a call writes without reading them (its ``out=`` tensors, the first argument of an op
-    that ``overwrites`` it), as ``held`` gives them."""
+    that ``overwrites`` it, the arguments it declares ``overwritten``), as ``held`` gives them."""
     unread = set()
     if op_facts(name).overwrites and args and isinstance(args[0], torch.Tensor):
         unread.add(id(held(args[0], views)))
+    for t in overwritten(name, args, kwargs):  # fused SGD's momentum buffers at its first step
+        unread.add(id(held(t, views)))
     for keyword in spec.keywords:  # a schema's keyword-only written arguments: out=, values=, indices=
         value = kwargs.get(keyword)
         for t in value if isinstance(value, (list, tuple)) else (value,):

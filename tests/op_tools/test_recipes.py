@@ -90,3 +90,31 @@ def test_under_a_users_own_mode_the_fused_path_stays_refused_as_without_the_tool
         with op_tools.OpAutoCompare():
             result = _evaluate(module, sim)
     assert torch.equal(result.cpu(), expected.cpu())
+
+
+def _record_fused_sgd(folder, monkeypatch, fault: str | None = None):
+    """Two fused SGD steps with momentum, recorded (OpCapture in stats mode) under ``folder``."""
+    import contextlib
+
+    import ditorch.sim
+
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(folder))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).to("sim")
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, fused=True)
+    x, y = torch.randn(8, 8, device="sim"), torch.randint(0, 4, (8,), device="sim")
+    with ditorch.sim.faults(fault) if fault else contextlib.nullcontext(), op_tools.OpCapture(mode="stats"):
+        for _ in range(2):
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return str(folder)
+
+
+def test_two_identical_fused_sgd_runs_agree(sim, tmp_path, monkeypatch):
+    """At its first step fused SGD fills its momentum buffers, torch.empty_like's memory, without reading them: their
+    statistics (whatever each run's memory held) were compared as its inputs, a divergence between identical runs."""
+    from op_tools.offline.compare_runs import compare
+
+    result = compare(_record_fused_sgd(tmp_path / "a", monkeypatch), _record_fused_sgd(tmp_path / "b", monkeypatch))
+    assert result.first_divergence() is None, result.first_divergence()
