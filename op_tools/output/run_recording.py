@@ -321,7 +321,14 @@ class RunRecorder:
             self._known.forget(written)
         try:
             # A functional collective's result is being written by its thread until waited for: not read here.
-            results = () if op_facts(call.name).async_result else reporting.as_tuple(call.result)
+            if op_facts(call.name).async_result:
+                results: tuple = ()
+            elif call.result is None and written and not call_writes(call.name).unknown:
+                # a fused optimizer's step returns nothing: what its schema says it wrote is its result (else a fault
+                # in it showed first in the next op reading the parameters, said to come from outside the recording)
+                results = tuple(written)
+            else:
+                results = reporting.as_tuple(call.result)
             outputs = _Side("outputs", *_tensors(tensor_items(results), self.max_tensors), known=known)
         except Exception as e:
             error, raised = error or _described(e), e

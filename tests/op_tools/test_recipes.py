@@ -118,3 +118,14 @@ def test_two_identical_fused_sgd_runs_agree(sim, tmp_path, monkeypatch):
 
     result = compare(_record_fused_sgd(tmp_path / "a", monkeypatch), _record_fused_sgd(tmp_path / "b", monkeypatch))
     assert result.first_divergence() is None, result.first_divergence()
+
+
+def test_a_fault_in_a_fused_optimizer_step_is_found_in_that_step(sim, tmp_path, monkeypatch):
+    """A fused optimizer's step returns nothing: its records held no outputs, so a fault in it showed first in the
+    next forward's linear, said to come from outside the recording. What its schema says it wrote is its result."""
+    from op_tools.offline.compare_runs import compare
+
+    result = compare(_record_fused_sgd(tmp_path / "a", monkeypatch),
+                     _record_fused_sgd(tmp_path / "b", monkeypatch, fault="_fused_sgd_:noise=1e-2"))
+    found = result.first_divergence()
+    assert found is not None and found.op == "torch._fused_sgd_", found
