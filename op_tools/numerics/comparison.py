@@ -488,8 +488,19 @@ def _as_tuple(value) -> tuple:
 
 
 def _describe(value) -> str:
+    """How many leaves ``value`` holds and how they nest: ``2 value(s) ((Tensor, Tensor))`` for a pair inside a
+    tuple, which flat leaves' names alone would describe as a pair."""
     leaves = list(iter_items(_as_tuple(value)))
-    return f"{len(leaves)} value(s) ({', '.join(type(v).__name__ for _, v in leaves[:4])})"
+    return f"{len(leaves)} value(s) {_nesting(_as_tuple(value))}"
+
+
+def _nesting(value, shown: int = 4) -> str:
+    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        inner = [_nesting(v) for v in value[:shown]] + (["..."] if len(value) > shown else [])
+        return ("[{}]" if isinstance(value, list) else "({})").format(", ".join(inner))
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_nesting(v)}" for k, v in list(value.items())[:shown]) + "}"
+    return type(value).__name__
 
 
 def _compare_leaf(name: str, d, r, same: Callable[[], Any], tolerance: ToleranceSpec | None,

@@ -343,6 +343,10 @@ def test_compare_outputs_structure_shape_dtype_and_integers():
     assert not shape.passed and "shape differs" in shape.error_info
     [structure] = compare_outputs((torch.zeros(4), torch.zeros(4)), ref)
     assert not structure.passed and "structure differs" in structure.error_info
+    pair = (torch.zeros(4), torch.zeros(4))
+    [nesting] = compare_outputs(pair, (tuple(t.double() for t in pair),))  # same leaves, nested otherwise
+    assert nesting.error_info.endswith("device returns 2 value(s) (Tensor, Tensor), "
+                                       "reference 2 value(s) ((Tensor, Tensor))"), nesting.error_info
     [dtype] = compare_outputs(torch.zeros(4, dtype=torch.int64), ref)
     assert not dtype.passed and "dtype differs" in dtype.error_info
     [ints] = compare_outputs(torch.tensor([1, 2, 3]), torch.tensor([1, 2, 4]))
