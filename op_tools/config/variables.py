@@ -138,28 +138,48 @@ def parse_dtype(text: str) -> torch.dtype:
     return dtype
 
 
-def parse_dtype_map(text: str | None) -> dict[torch.dtype, torch.dtype]:
+def parse_dtype_map(text: str | None, pair=None) -> dict[torch.dtype, torch.dtype]:
+    """``'torch.float16->torch.float32,...'`` -> ``{source: target}``, each pair checked by ``pair`` (by default
+    ``widening``)."""
+    check = pair or widening
     mapping = {}
     for entry in filter(None, (e.strip() for e in (text or "").split(","))):
         source, arrow, target = entry.partition("->")
         if not arrow:
             raise ValueError(f"entry {entry!r} has no '->'")
-        mapping[parse_dtype(source)] = widening(parse_dtype(source), parse_dtype(target))
+        mapping[parse_dtype(source)] = check(parse_dtype(source), parse_dtype(target))
     return mapping
 
 
-def widening(source: torch.dtype, target: torch.dtype) -> torch.dtype:
-    """``target``, when it holds every value of ``source`` (range, precision, smallest normal number), both being
-    real floating or both complex dtypes: a cast to it and back gives the caller's values. Else ValueError naming
-    the pair (``float16->int8`` truncates, ``float16->bfloat16`` rounds, ``float32->complex64`` changes the kind)."""
-    pair = f"'{source}->{target}'"
+def floating_cast(source: torch.dtype, target: torch.dtype) -> torch.dtype:
+    """``target``, both being real floating or both complex dtypes (a cast the user may ask of OpDtypeCast either
+    way: the original ditorch's own examples narrow, ``torch.float32->torch.float16``). Else ValueError naming the
+    pair (``float16->int8`` truncates, ``float32->complex64`` changes the kind)."""
     kinds = (source.is_floating_point, source.is_complex), (target.is_floating_point, target.is_complex)
     if not any(kinds[0]) or kinds[0] != kinds[1]:
-        raise ValueError(f"{pair} does not map a floating dtype to a floating one (or a complex to a complex)")
-    wide, narrow = torch.finfo(target), torch.finfo(source)
-    if wide.max < narrow.max or wide.eps > narrow.eps or wide.tiny > narrow.tiny:
-        raise ValueError(f"{pair} narrows: {target} does not hold every {source} value")
+        raise ValueError(f"'{source}->{target}' does not map a floating dtype to a floating one (or a complex to a "
+                         "complex)")
     return target
+
+
+def narrows(source: torch.dtype, target: torch.dtype) -> bool:
+    """True where ``target`` does not hold every value of ``source`` (range, precision, smallest normal number)."""
+    wide, narrow = torch.finfo(target), torch.finfo(source)
+    return wide.max < narrow.max or wide.eps > narrow.eps or wide.tiny > narrow.tiny
+
+
+def widening(source: torch.dtype, target: torch.dtype) -> torch.dtype:
+    """``floating_cast``'s ``target``, when it holds every value of ``source``: a cast to it and back gives the
+    caller's values (what a reference dtype must do). Else ValueError naming the pair (``float16->bfloat16``
+    rounds)."""
+    floating_cast(source, target)
+    if narrows(source, target):
+        raise ValueError(f"'{source}->{target}' narrows: {target} does not hold every {source} value")
+    return target
+
+
+def parse_cast_map(text: str | None) -> dict[torch.dtype, torch.dtype]:
+    return parse_dtype_map(text, floating_cast)
 
 
 def parse_size(text: str | None) -> int | None:
@@ -219,10 +239,15 @@ def convert_dtype(value: Any) -> torch.dtype:
     raise TypeError(f"{value!r} is not a dtype")
 
 
-def convert_dtype_map(value: Any) -> dict[torch.dtype, torch.dtype]:
+def convert_dtype_map(value: Any, pair=None) -> dict[torch.dtype, torch.dtype]:
     if not isinstance(value, Mapping):
         raise TypeError("not a dict")
-    return {convert_dtype(k): widening(convert_dtype(k), convert_dtype(v)) for k, v in value.items()}
+    check = pair or widening
+    return {convert_dtype(k): check(convert_dtype(k), convert_dtype(v)) for k, v in value.items()}
+
+
+def convert_cast_map(value: Any) -> dict[torch.dtype, torch.dtype]:
+    return convert_dtype_map(value, floating_cast)
 
 
 def convert_count(value: Any) -> int:
@@ -423,7 +448,9 @@ TIME_MEASURE_SYNC = _flag(
 DTYPE_CAST_DICT = declare(
     "OP_DTYPE_CAST_DICT", _DTYPE_MAP_FORM,
     "torch.float16->torch.float32,torch.bfloat16->torch.float32",
-    "Which input dtypes OpDtypeCast widens, and to what.", parse_dtype_map, convert_dtype_map, _DTYPE_MAP_VALUE_FORM,
+    "Which input dtypes OpDtypeCast casts, and to what: a floating (or complex) dtype to another; a pair that "
+    "narrows (torch.float32->torch.float16, the original's example) is taken, and said at start: the run's values "
+    "change.", parse_cast_map, convert_cast_map, _DTYPE_MAP_VALUE_FORM,
 )
 
 # OpAutoCompare. The tolerance variables keep the original's names and priority:

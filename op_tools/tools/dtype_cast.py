@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from ..config.variables import DTYPE_CAST_DICT
+from ..config.variables import DTYPE_CAST_DICT, narrows
 from ..core.engine import OpCall, OpTool, feature, tool_work
 from ..numerics.device_math import DeviceMath, emulated
 from ..ops.arguments import iter_items, iter_tensors, map_tensors
@@ -45,6 +45,11 @@ class OpDtypeCast(OpTool):
 
     def configure(self) -> None:
         self.cast = DTYPE_CAST_DICT.read(self.sources)
+        narrowing = [f"{a}->{b}" for a, b in self.cast.items() if narrows(a, b)]
+        if narrowing:  # the user's to ask (the original's own examples narrow); said, for the run's numbers change
+            self._logger.warning("OpDtypeCast: %s narrow%s: those ops run in the narrower dtype, and their results, "
+                                 "cast back, hold its values (the run's numbers change)", ", ".join(narrowing),
+                                 "s" if len(narrowing) == 1 else "")
         self.config_text = ",".join(f"{a}->{b}" for a, b in self.cast.items())
         self._expected: dict[tuple, tuple | None] = {}  # _expected_dtypes's answers by _dtype_key
 
