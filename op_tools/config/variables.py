@@ -90,6 +90,8 @@ def parse_flag(text: str | None) -> bool:
         return True
     if value in ("", "0", "false", "no", "off"):
         return False
+    if value.isdigit():  # the original ditorch read its flags as int(value) > 0: OP_TOOLS_PRINT_STACK=2 is on
+        return int(value) > 0
     raise ValueError("not a flag")
 
 

@@ -91,3 +91,12 @@ def test_lists_select_exactly_the_named_ops_in_a_fresh_process(run_script):
     assert "skip OpObserveHook on torch.Tensor.mul" in out
     assert "skip OpObserveHook on torch.nn.functional.silu" in out
     assert "torch.add    forward_id:" in out and "torch.Tensor.mul    forward_id:" not in out
+
+
+@pytest.mark.parametrize(("value", "on"), [("2", True), ("10", True), ("00", False), ("0", False)])
+def test_a_flag_given_as_a_number_is_on_when_positive_as_the_original_read_it(monkeypatch, value, on):
+    # the original ditorch read its flags as int(value) > 0: a script's OP_TOOLS_PRINT_STACK=2 meant on
+    monkeypatch.setenv("OP_TOOLS_PRINT_STACK", value)
+    with op_tools.OpObserve() as tool:
+        pass
+    assert tool.common.print_stack is on
