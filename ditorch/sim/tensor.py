@@ -316,6 +316,10 @@ _make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
 def wrap(data: torch.Tensor, index: int) -> SimTensor:
     if data.layout is not torch.strided:
         return _wrap_unstrided(data, index)
+    if data.is_nested:  # no sizes for a wrapper tensor to take: said, where PyTorch's own message is an internal error
+        raise NotImplementedError(
+            "sim: nested tensors are not supported on the sim device (nn.TransformerEncoder makes one in evaluation "
+            "from src_key_padding_mask: build it with enable_nested_tensor=False to run it on sim)")
     if torch.is_inference_mode_enabled() and not data.is_inference():
         # a view of a normal tensor made in inference mode is a normal tensor, as the CPU's view ``data`` is: made
         # as an inference tensor, autograd refused to give it its base's version counter (every view failed)

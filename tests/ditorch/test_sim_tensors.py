@@ -214,6 +214,24 @@ def test_conjugate_and_negative_views_compute_as_on_the_cpu(sim):
     assert torch.allclose(on_sim.cpu(), x * 2)
 
 
+def test_a_nested_tensor_is_refused_by_name_with_the_way_round_it(sim):
+    # nn.TransformerEncoder in evaluation turns a padded batch into a nested tensor, which a wrapper tensor cannot
+    # hold: PyTorch's message was an internal error ("NestedTensorImpl doesn't support sizes. Please file an issue")
+    def encoder(nested: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+        return torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested).eval()
+
+    x, mask = torch.randn(2, 5, 16), torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    with torch.no_grad():
+        expected = encoder(True)(x, src_key_padding_mask=mask)
+        with pytest.raises(NotImplementedError, match="nested tensors are not supported on the sim device.*"
+                                                      "enable_nested_tensor=False"):
+            encoder(True).to(sim)(x.to(sim), src_key_padding_mask=mask.to(sim))
+        result = encoder(False).to(sim)(x.to(sim), src_key_padding_mask=mask.to(sim))  # as the message says
+    assert torch.allclose(result.cpu()[~mask], expected[~mask], atol=1e-5)
+
+
 def test_sparse_coo_tensors_compute_as_on_the_cpu(sim):
     # A sparse COO tensor on sim is a wrapper of the CPU's (before, wrapping it read its storage, which a sparse
     # tensor has not: every sparse op failed); an embedding with sparse gradients trains as on the CPU.
