@@ -34,6 +34,7 @@ import time
 import torch
 
 from ..config.variables import OVERFLOW_CHECK_RAISE
+from ..core import loss_scaling
 from ..core.engine import OpCall, OpTool, OpToolsAbortError, feature, tool_work
 from ..numerics.current_values import CurrentValues, locate_values
 from ..numerics.device_readback import DeviceReadback, KeepBudget, KeptTensors
@@ -389,6 +390,45 @@ class _Written:
         self.tensors, self.flags, self.views = tensors, flags, views
 
 
+SCALED, UNSCALED, UPDATED = "scaled", "unscaled", "updated"
+
+
+class _ScalerEvent:
+    """A GradScaler call (``core/loss_scaling.py``), queued with the checks so that it is judged in the program's
+    order: ``scaled`` (``scale(loss)``: a scaled backward follows), ``unscaled`` (``unscale_``: the gradients are
+    read unscaled from here) or ``updated`` (``update()``: the iteration is over; ``values`` the scale it ran with,
+    the scale after, then its ``found_inf`` flags, a device tensor until read back with the flags)."""
+
+    __slots__ = ("what", "scaler", "values", "remaining", "kept")
+
+    def __init__(self, what: str, scaler: int, values: torch.Tensor | None = None) -> None:
+        self.what, self.scaler = what, scaler
+        self.values: torch.Tensor | list[float] | None = values
+        self.remaining = 0
+        self.kept = None  # nothing kept: the checks' deque releases a check's kept tensors after its verdict
+
+
+class _Held:
+    """What an iteration whose loss GradScaler scaled made, kept until its ``update()`` says whether GradScaler
+    skipped it: ``scaled``, the first overflow born in its backward or after its gradients were unscaled (the scaled
+    gradients'); ``seen``, the first inf/nan read there that no call checked made (an overflow in a call not
+    checked), with its kind; ``later``, the first overflow born after one of those, elsewhere (a forward of the next
+    micro-batch), which is a finding whatever GradScaler says. Each check with the tensors it kept (``KeptTensors``),
+    for the statistics if it is reported."""
+
+    __slots__ = ("scaled", "seen", "seen_kind", "later", "order")
+
+    def __init__(self) -> None:
+        self.scaled: tuple[_PendingCheck, KeptTensors | None] | None = None
+        self.seen: tuple[_PendingCheck, KeptTensors | None] | None = None
+        self.seen_kind = FINITE
+        self.later: tuple[_PendingCheck, KeptTensors | None] | None = None
+        self.order: list[str] = []  # the findings held ("scaled", "later"), in execution order
+
+    def checks(self) -> list[tuple[_PendingCheck, KeptTensors | None]]:
+        return [held for held in (self.scaled, self.seen, self.later) if held is not None]
+
+
 def _unread_targets(name: str, spec, args: tuple, kwargs: dict, views: dict) -> set[int]:
     """The ids of the tensors a call writes without reading them (its ``out=`` tensors, the first argument of an op
     that ``overwrites`` it, the arguments it declares ``overwritten``), as ``held`` gives them."""
@@ -440,7 +480,8 @@ class OpOverflowCheck(OpTool):
         self._first_overflow: Overflow | None = None
         self._pending: Overflow | None = None
         self._readback = DeviceReadback(READBACK_BATCH)
-        self._checks: collections.deque[_PendingCheck] = collections.deque()  # in execution order
+        # in execution order, with GradScaler's calls among them
+        self._checks: collections.deque[_PendingCheck | _ScalerEvent] = collections.deque()
         self._checks_lock = threading.Lock()
         self._kept = KeepBudget(KEPT_BYTES)
         self._flagged = Flagged()
@@ -457,6 +498,27 @@ class OpOverflowCheck(OpTool):
         # then read by design.
         self._first_seen: tuple[Overflow, int] | None = None
         self._scalars_seen = FINITE
+        # GradScaler (core/loss_scaling.py), as the checks are judged: the scalers whose scale() was judged since
+        # their update() (a backward now is a scaled one), whether the gradients were unscaled since, what the
+        # iteration made that waits for its update() (``_Held``), and the updates judged for it so far: (scale, scale
+        # after) where GradScaler skipped the iteration with a scale above 1, None otherwise.
+        self._scaled: set[int] = set()
+        self._unscaled = False
+        self._held: _Held | None = None
+        self._updates: list[tuple[float, float] | None] = []
+        # the iterations GradScaler skipped whose scaled gradients overflowed: no finding (``loss_scale_overflows``)
+        self.loss_scale_overflows: list[dict] = []
+        self._iteration = 0  # GradScaler iterations ended (its updates judged): a skipped one is no optimizer step
+
+    def start(self) -> OpOverflowCheck:
+        super().start()
+        loss_scaling.listen(self)  # GradScaler's iterations: its overflows by design are no finding
+        return self
+
+    def stop(self) -> None:
+        if self._activations:
+            loss_scaling.unlisten(self)
+        super().stop()
 
     @property
     def first_overflow(self) -> Overflow | None:
@@ -586,9 +648,19 @@ class OpOverflowCheck(OpTool):
                     results_first=True)
 
     def finish(self) -> None:
-        """The first overflow, written for the run's other readers (each rank its own file under torchrun)."""
-        first = self.first_overflow or self.first_seen  # what is still in flight is read first
+        """The first overflow, written for the run's other readers (each rank its own file under torchrun), and the
+        iterations GradScaler skipped for an overflow of their scaled gradients."""
+        first = self.first_overflow  # what is still in flight is read first
+        held, self._held = self._held, None
+        if held is not None and first is None:  # an iteration GradScaler's update() never ended: not known skipped
+            self._settle(held, None, at="stop")
+        first = self.first_overflow or self.first_seen
         self._flagged.clear()
+        if self.loss_scale_overflows:
+            path = result_files.results_path(self.common, self.results_folder, f"loss_scale_overflows_{self.stem}.json")
+            record = {"format": "op_tools loss-scale overflows", "version": 1, "rank": self.common.rank,
+                      "iterations": self.loss_scale_overflows}
+            self.tally.add(path, result_files.write_json(path, record), "loss-scale overflows (no finding)")
         if first is None:
             return
         path = result_files.results_path(self.common, self.results_folder, f"overflow_{self.stem}.json")
@@ -613,10 +685,20 @@ class OpOverflowCheck(OpTool):
         elif not found:  # a clean verdict only when every handled call was checked
             found = "no inf/nan from finite inputs" if not self.not_checked() else \
                 "no inf/nan from finite inputs among the calls checked"
+        if self.loss_scale_overflows:
+            found += f"; {self._loss_scale_text()}"
         if self.stale_flags:
             found += (f"; {self.stale_flags} flags taken over from an earlier call found out of date (a write no call "
                       "showed) and read again")
         return f"{super().closing_line()}; {found}"
+
+    def _loss_scale_text(self) -> str:
+        """The closing line's account of the loss-scale overflows: how many, and the first iterations' scales."""
+        count = len(self.loss_scale_overflows)
+        shown = "; ".join(f"scale {o['scale']:g} -> {o['new_scale']:g} in iteration {o['iteration']}: {o['op']} "
+                          f"({o['phase']})" for o in self.loss_scale_overflows[:2])
+        return (f"{count} loss-scale overflow{'s' if count != 1 else ''}, no finding (iterations GradScaler skipped, "
+                f"their scaled gradients overflowing: {shown}{'; ...' if count > 2 else ''})")
 
     def _closing_level(self) -> int:
         return logging.WARNING if self.first_seen is not None else super()._closing_level()
@@ -722,15 +804,21 @@ class OpOverflowCheck(OpTool):
         order, up to the first one still in flight."""
         with self._checks_lock:
             for (check, indices, counts), values in (self._readback.drain() if wait else self._readback.ready()):
-                for i, kind in zip(indices, _kinds_of(values, counts)):
-                    check.flags[i] = kind
+                if indices is None:  # a GradScaler update's scales and found_inf flags (_ScalerEvent)
+                    check.values = values
+                else:
+                    for i, kind in zip(indices, _kinds_of(values, counts)):
+                        check.flags[i] = kind
                 check.remaining -= 1
             complete = []
             while self._checks and self._checks[0].remaining == 0:
                 complete.append(self._checks.popleft())
         for check in complete:
             if self._first_overflow is None:
-                self._verdict(check)
+                if isinstance(check, _ScalerEvent):
+                    self._scaler_verdict(check)
+                else:
+                    self._verdict(check)
             if check.kept is not None:
                 self._kept.release(check.kept)
 
@@ -751,10 +839,16 @@ class OpOverflowCheck(OpTool):
                 self._forward_kinds[forward_id] = kind
         self._scalars_seen = max(self._scalars_seen, check.scalars)
         if born_here([read], result_kinds, check.scalars) and not (check.taken and self._stale(check, saved)):
-            overflow = check.overflow
-            self._found(overflow, overflow.name, check.rows())
+            if self._scaled or self._held is not None:  # GradScaler's iteration: its update() may acquit it
+                self._hold(check, phase, nan_from_finite=NAN in result_kinds and max(read, check.scalars) == FINITE)
+            else:
+                overflow = check.overflow
+                self._found(overflow, overflow.name, check.rows())
         elif read > self._scalars_seen and self._first_seen is None:
-            self._first_seen = (dataclasses.replace(check.overflow, came_in=True), read)
+            if self._scaled or self._held is not None:
+                self._hold(check, phase, seen=read)
+            else:
+                self._first_seen = (dataclasses.replace(check.overflow, came_in=True), read)
 
     def _stale(self, check: _PendingCheck, saved: int) -> bool:
         """Whether the call, which looks born, is not: a flag it took over from an earlier check was out of date (a
@@ -780,9 +874,147 @@ class OpOverflowCheck(OpTool):
         sources, results = check.sources_and_results()
         return changed > 0 and not born_here([saved, *sources], results, check.scalars)
 
-    def _found(self, overflow: Overflow, name: str, rows: list[dict]) -> None:
-        """The first overflow: said with its call's statistics, nothing more queued, raised if asked."""
+    # --- GradScaler's iterations: what their scaled gradients made waits for their update() ---
+
+    def loss_scaled(self, scaler) -> None:
+        self._scaler_event(_ScalerEvent(SCALED, id(scaler)))
+
+    def gradients_unscaled(self, scaler) -> None:
+        self._scaler_event(_ScalerEvent(UNSCALED, id(scaler)))
+
+    def scale_updated(self, scaler, values: torch.Tensor | None) -> None:
+        self._scaler_event(_ScalerEvent(UPDATED, id(scaler), values))
+
+    def _scaler_event(self, event: _ScalerEvent) -> None:
+        """Judge ``event`` in the program's order: queued behind the checks in flight (its values read back with
+        theirs), or at once where no check is in flight and each call is read as it runs (raise mode, the tables);
+        then its values are read (one transfer) only where the iteration made something held."""
+        if threading.get_ident() not in self._threads or self._first_overflow is not None:
+            return  # a scaler on a thread this tool does not check; or nothing more to find
+        try:
+            with tool_work():
+                at_once = self.raise_on_overflow or self._logger.isEnabledFor(logging.DEBUG)
+                with self._checks_lock:
+                    queued = bool(self._checks) or not at_once
+                    if queued:
+                        self._checks.append(event)
+                        if isinstance(event.values, torch.Tensor):
+                            event.remaining = 1
+                            self._readback.put(event.values, (event, None, None))
+                if queued:
+                    self._judge(wait=at_once and self._held is not None)
+                    return
+                if self._held is not None and isinstance(event.values, torch.Tensor):
+                    event.values = event.values.tolist()
+                self._scaler_verdict(event)
+        except OpToolsAbortError:
+            raise
+        except Exception as error:  # the iteration is then not known skipped: what it made is reported
+            if self.common is not None and self.common.strict:
+                raise
+            self.report_failure("GradScaler", error)
+
+    def _scaler_verdict(self, event: _ScalerEvent) -> None:
+        if event.what == SCALED:
+            self._scaled.add(event.scaler)
+            return
+        if event.what == UNSCALED:
+            self._unscaled = True
+            return
+        self._scaled.discard(event.scaler)
+        values = event.values
+        skipped = None
+        # the scale the iteration ran with above 1 (scaling by 1 or less makes no overflow the unscaled backward would
+        # not have), and a found_inf flag set: GradScaler skipped the optimizer step
+        if isinstance(values, list) and len(values) > 2 and values[0] > 1 and any(v != 0 for v in values[2:]):
+            skipped = (values[0], values[1])
+        self._updates.append(skipped)
+        if self._scaled:  # another scaler scaled a loss of this iteration and has not updated yet
+            return
+        updates, self._updates, self._unscaled = self._updates, [], False
+        self._iteration += 1
+        held, self._held = self._held, None
+        if held is not None:
+            self._settle(held, updates if all(updates) else None, at="update")
+
+    def _hold(self, check: _PendingCheck, phase: str, seen: int = FINITE, nan_from_finite: bool = False) -> None:
+        """In an iteration whose loss GradScaler scaled: an overflow born (or, with ``seen``, an inf/nan first read)
+        in its backward, or after its gradients were unscaled, waits for its update(); one born elsewhere after it is
+        a finding that waits too (the earlier one may be the first); other reads of its inf/nan are its own. A nan
+        from finite inputs is no overflow (a scale makes finite values larger: an inf first, a nan only from infs): a
+        finding wherever it is."""
+        scaled_part = bool(self._scaled) and (phase == "backward" or self._unscaled) and not nan_from_finite
+        held = self._held
+        if held is None:
+            if not scaled_part:  # a forward: no scale makes its overflow
+                if seen == FINITE:
+                    self._found(check.overflow, check.overflow.name, check.rows())
+                else:
+                    self._first_seen = (dataclasses.replace(check.overflow, came_in=True), seen)
+                return
+            held = self._held = _Held()
+        kept, check.kept = check.kept, None  # released when the iteration is settled (the deque's release skips it)
+        if scaled_part and seen != FINITE:
+            if held.seen is None and held.scaled is None:
+                held.seen, held.seen_kind = (check, kept), seen
+                return
+        elif scaled_part:
+            if held.scaled is None:
+                held.scaled = (check, kept)
+                held.order.append("scaled")
+                return
+        elif seen == FINITE and held.later is None:
+            held.later = (check, kept)
+            held.order.append("later")
+            return
+        if kept is not None:
+            self._kept.release(kept)
+
+    def _settle(self, held: _Held, skipped: list | None, at: str) -> None:
+        """The iteration's update() is judged (or the tool stops): ``skipped``, the (scale, scale after) of each
+        update where GradScaler skipped the iteration with a scale above 1, else None. Skipped: what its scaled
+        gradients made is counted as a loss-scale overflow, no finding; else it is judged as any call."""
+        first: tuple[_PendingCheck, KeptTensors | None] | None = None
+        if skipped is not None:
+            made = held.scaled or held.seen
+            assert made is not None
+            overflow = made[0].overflow
+            scale, new_scale = skipped[0]
+            self.loss_scale_overflows.append(
+                {"iteration": self._iteration - 1, "step": overflow.step, "time": round(overflow.time, 6),
+                 "op": overflow.name, "module": overflow.module, "phase": overflow.phase,
+                 "forward_id": overflow.forward_id, "read": held.scaled is None, "scale": scale,
+                 "new_scale": new_scale})
+            self._logger.info(reporting.fit_line(
+                f"OpOverflowCheck: loss-scale overflow, no finding: {overflow.name} ({overflow.phase}) in GradScaler's "
+                f"iteration {self._iteration - 1} (step {overflow.step}), which it skipped (scale {scale:g} -> "
+                f"{new_scale:g})"))
+            first = held.later
+        elif held.order:
+            first = held.scaled if held.order[0] == "scaled" else held.later
+        elif held.seen is not None and self._first_seen is None:
+            self._first_seen = (dataclasses.replace(held.seen[0].overflow, came_in=True), held.seen_kind)
+        for check, kept in held.checks():
+            if check is not (first[0] if first is not None else None) and kept is not None:
+                self._kept.release(kept)
+        if first is not None:
+            check, kept = first
+            check.kept = kept
+            rows = check.rows()
+            if kept is not None:
+                self._kept.release(kept)
+            self._found(check.overflow, check.overflow.name, rows, at=at)
+
+    def _found(self, overflow: Overflow, name: str, rows: list[dict], at: str = "op") -> None:
+        """The first overflow: said with its call's statistics, nothing more queued, raised if asked: at its op (for
+        an op in backward: as backward() returns); held for GradScaler's verdict, at its update() (``at``); not
+        when the tool stops."""
         self._first_overflow = overflow
+        held, self._held = self._held, None
+        if held is not None:
+            for _, kept in held.checks():
+                if kept is not None:
+                    self._kept.release(kept)
         with self._checks_lock:
             self._readback.discard()
             for check in self._checks:
@@ -797,8 +1029,8 @@ class OpOverflowCheck(OpTool):
         finding, location = str(overflow).split("\n", 1)  # the finding wraps at the width; the location is code
         self._logger.warning(f"\n{reporting.fit_line('OpOverflowCheck: ' + finding)}\n{location}\n"
                              + reporting.call_table(name, rows, STAT_COLUMNS) + note)
-        if self.raise_on_overflow:
-            if overflow.phase == "backward":  # raised when backward() returns, on the caller's thread
+        if self.raise_on_overflow and at != "stop":
+            if overflow.phase == "backward" and at == "op":  # raised when backward() returns, on the caller's thread
                 self._pending = overflow
             else:
                 raise OverflowDetectedError(str(overflow))

@@ -596,3 +596,161 @@ def test_a_backward_overflow_is_stamped_with_the_time_its_backward_ran(sim):
         y.backward()
     first = check.first_overflow
     assert first is not None and first.phase == "backward" and first.time > forward_done
+
+
+def train_amp(device: str, iterations: int = 3, init_scale: float = 65536.0, blow_up: tuple = (),
+              faults: dict | None = None, backward_faults: dict | None = None) -> list[float]:
+    """float16 autocast with a real GradScaler (unscale_, clip_grad_norm_, step, update), as a recipe writes it;
+    the loss of the iterations in ``blow_up`` multiplied by 1e30 (its scaled backward overflows in float16), the sim
+    faults of ``faults`` on for the forward of an iteration, those of ``backward_faults`` for its backward. The
+    scale after each iteration."""
+    import ditorch.sim
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 10)).to(device)
+    x, y = torch.randn(8, 16, device=device), torch.randint(0, 10, (8,), device=device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler(device, init_scale=init_scale)
+    scales = []
+    for i in range(iterations):
+        with ditorch.sim.faults((faults or {}).get(i, "")), torch.autocast(device, dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(x), y) * (1e30 if i in blow_up else 1.0)
+        with ditorch.sim.faults((backward_faults or {}).get(i, "")):
+            scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # inf gradients times 0: nan, the scale's too
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def test_an_iteration_gradscaler_skipped_for_its_scaled_overflow_is_no_finding_and_is_said(sim, logged):
+    # The scaled backward overflowing in float16 is GradScaler's design: it skips the step and halves the scale.
+    import json
+    import os
+
+    with op_tools.OpOverflowCheck() as check:
+        scales = train_amp(sim, blow_up=(1,))
+    assert scales == [65536.0, 32768.0, 32768.0]  # iteration 1 skipped
+    assert check.first_overflow is None and check.first_seen is None and check.verdict() == "clean"
+    (skipped,) = check.loss_scale_overflows
+    assert (skipped["iteration"], skipped["scale"], skipped["new_scale"]) == (1, 65536.0, 32768.0)
+    assert (skipped["op"], skipped["phase"]) == ("torch.nn.functional.cross_entropy", "backward")
+    line = check.closing_line()
+    assert "no inf/nan from finite inputs" in line and "1 loss-scale overflow, no finding" in line
+    assert "scale 65536 -> 32768 in iteration 1: torch.nn.functional.cross_entropy (backward)" in line
+    from op_tools.output import reporting
+
+    assert "loss-scale overflow, no finding: torch.nn.functional.cross_entropy (backward)" in \
+        reporting.unwrapped(logged())
+    folder = os.path.join(os.environ["OP_TOOLS_RESULTS_DIR"], "op_overflow_check_result")
+    (name,) = os.listdir(folder)  # no overflow file: the run report finds no anomaly
+    assert name.startswith("loss_scale_overflows_")
+    with open(os.path.join(folder, name)) as f:
+        assert json.load(f)["iterations"][0]["new_scale"] == 32768.0
+
+
+@pytest.mark.parametrize("where", ["forward of the next iteration", "forward of the skipped iteration"])
+def test_an_overflow_outside_the_scaled_gradients_is_still_found_first(sim, where):
+    faults = {2: "gelu:nan"} if where.endswith("next iteration") else {1: "gelu:nan"}
+    with op_tools.OpOverflowCheck() as check:
+        train_amp(sim, blow_up=(1,), faults=faults)
+    first = check.first_overflow
+    assert (first.name, first.phase) == ("torch.nn.functional.gelu", "forward")
+    assert check.verdict() == "found"
+    assert len(check.loss_scale_overflows) == (1 if where.endswith("next iteration") else 0)
+
+
+@pytest.mark.parametrize("init_scale", [1.0, 0.5])
+def test_a_backward_overflow_at_a_scale_of_one_or_less_is_a_finding(sim, init_scale):
+    # scaling by 1 or less makes no overflow the unscaled backward would not have: GradScaler skipping it is no excuse
+    with op_tools.OpOverflowCheck() as check:
+        scales = train_amp(sim, init_scale=init_scale, blow_up=(1,))
+    assert scales[:2] == [init_scale, init_scale / 2]  # iteration 1 skipped: GradScaler halved the scale
+    first = check.first_overflow
+    assert (first.name, first.phase) == ("torch.nn.functional.cross_entropy", "backward")
+    assert check.loss_scale_overflows == []
+
+
+def test_a_nan_from_finite_inputs_in_a_scaled_backward_is_a_finding(sim):
+    # a scale makes finite values larger: an inf first, a nan only from infs; a nan from finite inputs is the op's
+    with op_tools.OpOverflowCheck() as check:
+        scales = train_amp(sim, backward_faults={1: "gelu_backward:nan"})
+    assert scales == [65536.0, 32768.0, 32768.0]  # GradScaler skipped it too
+    assert (check.first_overflow.name, check.first_overflow.phase) == ("torch.nn.functional.gelu", "backward")
+    assert check.loss_scale_overflows == []
+
+
+def test_a_backward_overflow_without_gradscaler_is_a_finding_as_before(sim):
+    model = torch.nn.Linear(4, 3).to(sim)
+    x, y = torch.randn(2, 4, device=sim), torch.tensor([0, 1], device=sim)
+    with op_tools.OpOverflowCheck() as check:
+        with torch.autocast(sim, dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(x), y) * 1e30
+        loss.backward()
+    assert (check.first_overflow.name, check.first_overflow.phase) == ("torch.nn.functional.cross_entropy",
+                                                                       "backward")
+
+
+def test_raise_mode_goes_on_past_a_skipped_iteration_and_raises_at_a_real_overflow(sim, monkeypatch):
+    monkeypatch.setenv("OP_OVERFLOW_CHECK_RAISE", "1")
+    with op_tools.OpOverflowCheck() as check:
+        train_amp(sim, iterations=3, blow_up=(0,))
+    assert check.first_overflow is None and len(check.loss_scale_overflows) == 1
+    with op_tools.OpOverflowCheck() as check:  # a fault in the forward after it: raised at its op
+        with pytest.raises(op_tools.OverflowDetectedError, match="torch.nn.functional.gelu"):
+            train_amp(sim, iterations=3, blow_up=(0,), faults={1: "gelu:nan"})
+
+
+def test_raise_mode_raises_a_backward_overflow_gradscaler_does_not_excuse_at_its_update(sim, monkeypatch):
+    monkeypatch.setenv("OP_OVERFLOW_CHECK_RAISE", "1")
+    with op_tools.OpOverflowCheck():
+        with pytest.raises(op_tools.OverflowDetectedError, match="cross_entropy") as raised:
+            train_amp(sim, init_scale=1.0, blow_up=(1,))
+    assert any(frame.name == "update" for frame in raised.traceback)  # known at scaler.update(), raised there
+
+
+@pytest.mark.parametrize("blow_up", [(), (1,)])
+def test_gradscaler_iterations_add_no_host_synchronisation(sim, blow_up):
+    # found_inf and the scale travel with the flags: a skipped iteration costs no synchronisation of its own
+    plain = charged(lambda: train_amp(sim, iterations=4, blow_up=blow_up))
+    check = op_tools.OpOverflowCheck()
+
+    def checked():
+        with check:
+            train_amp(sim, iterations=4, blow_up=blow_up)
+
+    counts = charged(checked)
+    assert check.first_overflow is None and len(check.loss_scale_overflows) == len(blow_up)
+    assert counts.synchronizations - plain.synchronizations == 1  # the stop's
+
+
+@pytest.mark.parametrize("order", ["monitor stops first", "check stops first"])
+def test_with_training_monitor_patching_gradscaler_too_each_iteration_is_told_once(sim, tmp_path, order):
+    # TrainingMonitor patches GradScaler.scale and update as well, and puts back what it found when it stops
+    from torch.amp import GradScaler
+
+    originals = {name: vars(GradScaler)[name] for name in ("scale", "unscale_", "update")}
+    monitor = op_tools.TrainingMonitor(results_dir=str(tmp_path), tensorboard=False, html=False)
+    check = op_tools.OpOverflowCheck()
+    if order == "monitor stops first":
+        check.start()
+        monitor.start()
+        train_amp(sim, blow_up=(1,))
+        monitor.stop()
+        check.stop()
+    else:
+        monitor.start()
+        check.start()
+        train_amp(sim, blow_up=(1,))
+        check.stop()
+        monitor.stop()
+    assert monitor.skipped_iterations == 1 and len(check.loss_scale_overflows) == 1 and check.verdict() == "clean"
+    with op_tools.OpOverflowCheck() as again:  # whatever was left in place tells each iteration once
+        train_amp(sim, blow_up=(1,))
+    assert len(again.loss_scale_overflows) == 1 and again.verdict() == "clean"
+    for name, original in originals.items():  # put back, or a wrapper passing calls through
+        method = vars(GradScaler)[name]
+        assert method is original or getattr(method, "_op_tools_loss_scaling", False)
