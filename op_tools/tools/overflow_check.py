@@ -6,7 +6,9 @@ an op found in backward: as ``backward()`` returns, since raising inside autogra
 backward reads what its forward saved: a NaN its forward's tensors held, or an inf its outputs held, is not born
 in it. Where no call made the inf/nan a call read (the program's data), ``tool.first_seen`` names that call, and
 the closing line says so instead of a clean verdict. Sparse tensors are checked in their values, complex ones
-as reals.
+as reals. An overflow of the gradients GradScaler scaled (``core/loss_scaling.py``) waits for the iteration's
+``update()``: in an iteration GradScaler skipped with a scale above 1 it is a loss-scale overflow, counted
+(``loss_scale_overflows``) and no finding; otherwise the finding, as any.
 
 Where the work runs: per handled call, one fused reduction on the device (the largest magnitude of every floating
 input and output, ``torch._foreach_norm(..., inf)``: inf or nan exactly where a tensor holds one; in host memory,
@@ -523,7 +525,8 @@ class OpOverflowCheck(OpTool):
     @property
     def first_overflow(self) -> Overflow | None:
         """The first op, in execution order, whose outputs hold inf/nan while its inputs are finite (None: none so
-        far). Reading it while checks are in flight waits for them (one synchronisation)."""
+        far). Reading it while checks are in flight waits for them (one synchronisation). An overflow of the gradients
+        GradScaler scaled is not there until the iteration's ``update()`` showed it was no loss-scale overflow."""
         if self._first_overflow is None and self._checks:
             with tool_work():  # read from the program's own code: the tool's torch calls are not the program's
                 self._judge(wait=True)

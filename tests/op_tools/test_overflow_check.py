@@ -754,3 +754,20 @@ def test_with_training_monitor_patching_gradscaler_too_each_iteration_is_told_on
     for name, original in originals.items():  # put back, or a wrapper passing calls through
         method = vars(GradScaler)[name]
         assert method is original or getattr(method, "_op_tools_loss_scaling", False)
+
+
+@pytest.mark.parametrize("device_memory", [False, True])
+def test_on_an_asynchronous_device_the_loss_scale_overflow_is_told_apart_from_a_fault_after_it(sim, device_memory):
+    # GradScaler's values arrive with the flags, 200 kernels late (read early they would be NaN); on a GPU's memory
+    # each call's tensors are reduced by one fused _foreach_norm
+    import ditorch.sim
+
+    with ditorch.sim.device_memory(device_memory), ditorch.sim.asynchronous(lag=200):
+        with op_tools.OpOverflowCheck() as clean:
+            train_amp(sim, iterations=4, blow_up=(0, 2))
+        with op_tools.OpOverflowCheck() as faulty:
+            train_amp(sim, iterations=4, blow_up=(0, 2), faults={3: "gelu:inf"})
+    assert clean.verdict() == "clean" and [o["iteration"] for o in clean.loss_scale_overflows] == [0, 2]
+    assert [o["scale"] for o in clean.loss_scale_overflows] == [65536.0, 32768.0]
+    assert (faulty.first_overflow.name, faulty.first_overflow.phase) == ("torch.nn.functional.gelu", "forward")
+    assert len(faulty.loss_scale_overflows) == 2
