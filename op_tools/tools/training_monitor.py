@@ -266,7 +266,7 @@ class TrainingMonitor:
         self.model = model
         self.scaler = scaler
         self._hooks: list = []
-        self._patches: list[tuple[Any, str, Any]] = []
+        self._patches: list[tuple[Any, str, Any, Any, list[bool]]] = []
         self.step = 0  # optimizer.step() calls finished since start()
         self.anomalies: list[dict] = []
         self._csv_file: TextIO | None = None
@@ -357,8 +357,10 @@ class TrainingMonitor:
         for hook in [*self._hooks, *getattr(self, "_finders", ())]:
             hook.remove()
         self._hooks, self._finders = [], []
-        for owner, name, original in reversed(self._patches):
-            setattr(owner, name, original)
+        for owner, name, original, patched, on in reversed(self._patches):
+            on[0] = False
+            if getattr(owner, name) is patched:
+                setattr(owner, name, original)
         self._patches = []
         self._guarded("reading the last steps' figures", lambda: self._take_in(wait=True))
         self._host_writer.close()  # every step's rows and rules done: the files below are complete
@@ -425,9 +427,19 @@ class TrainingMonitor:
         self._loss = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
 
     def _patch(self, owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+        """``owner.name`` wrapped by ``make(original)`` until ``stop()``: put back there only where it is still ours;
+        under another's later patch (a user's, another tool's) it is left to pass calls through, so that stopping
+        never takes away what was installed over it."""
         original = getattr(owner, name)
-        self._patches.append((owner, name, original))
-        setattr(owner, name, functools.wraps(original)(make(original)))
+        wrapped = make(original)
+        on = [True]
+
+        @functools.wraps(original)
+        def patched(*args, **kwargs):
+            return (wrapped if on[0] else original)(*args, **kwargs)
+
+        self._patches.append((owner, name, original, patched, on))
+        setattr(owner, name, patched)
 
     def _guarded(self, what: str, work: Callable[[], None], step: int | None = None) -> None:
         """A monitor failing never stops the user's step: said once, counted, later steps tried again (``step``: the

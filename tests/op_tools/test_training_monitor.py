@@ -443,6 +443,30 @@ def test_the_scaler_is_found_without_being_passed_and_the_loss_is_unscaled(sim, 
     assert _anomalies(monitor) == []
 
 
+def test_stopping_keeps_what_was_patched_over_the_monitors_patches(sim, tmp_path):
+    # The monitor wraps GradScaler.scale/update and torch.autograd.backward while it runs; a wrapper installed over
+    # its own (a user's, another tool's) must outlive its stop, its wrapper underneath passing calls through.
+    from op_tools.ops.torch_versions import GradScaler
+
+    true_scale = GradScaler.scale
+    seen = []
+    monitor = op_tools.TrainingMonitor(results_dir=str(tmp_path)).start()
+    monitors_scale = GradScaler.scale
+
+    def users_scale(scaler, outputs):
+        seen.append(outputs)
+        return monitors_scale(scaler, outputs)
+
+    GradScaler.scale = users_scale
+    try:
+        monitor.stop()
+        assert GradScaler.scale is users_scale
+        scaler = GradScaler("sim", init_scale=4.0)
+        assert scaler.scale(torch.ones(1, device=sim)).item() == 4.0 and len(seen) == 1
+    finally:
+        GradScaler.scale = true_scale
+
+
 def test_a_monitored_step_never_waits_for_the_device(sim, tmp_path):
     # counted on sim: the monitor adds one non-blocking copy per step and no synchronisation
     def counted(monitored: bool):
