@@ -58,7 +58,8 @@ def _install() -> None:
 
 
 def _remove() -> None:
-    torch.overrides.has_torch_function = _original
+    if torch.overrides.has_torch_function is has_torch_function:  # not what another patched over it since
+        torch.overrides.has_torch_function = _original
 
 
 # While a tool's mode is pushed.
