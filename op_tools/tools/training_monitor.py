@@ -335,8 +335,11 @@ class TrainingMonitor:
         self._readback = DeviceReadback(batch=1)  # each step's figures leave as soon as they are computed
         self._sent: collections.deque[_Sent] = collections.deque()
         self._host_writer = _HostWriter()
-        self._hooks = [register_optimizer_step_pre_hook(self._before_step),
-                       register_optimizer_step_post_hook(self._after_step)]
+        # Outside dynamo: under a torch.compile'd optimizer step dynamo would trace the hooks into its graph (and fail
+        # on their host work); disabled, they break the graph and run eagerly at each step, as without compile.
+        # (A partial, not the bound method: torch._disable_dynamo keeps its disabled form on the function it wraps.)
+        self._hooks = [register_optimizer_step_pre_hook(torch._disable_dynamo(functools.partial(self._before_step))),
+                       register_optimizer_step_post_hook(torch._disable_dynamo(functools.partial(self._after_step)))]
         if self.model is not None:
             self._attach(self.model)
         else:  # the outermost modules called: found by a global hook until the first step
@@ -387,7 +390,8 @@ class TrainingMonitor:
                 len(self._compiled)
         unmeasured = "".join(f"; not measured: {n} x {what}" for what, n in sorted(self._unmeasured.items()))
         if not self._monitored:
-            unmeasured += "; no step monitored (no optimizer step ran while it was on)"
+            unmeasured += ("; no step monitored" if self.step else
+                           "; no step monitored (no optimizer step ran while it was on)")
         if self.skipped_iterations:
             unmeasured += f"; {self.skipped_iterations} iterations skipped by GradScaler (no step, figures dropped)"
         count = len(self.anomalies)

@@ -580,6 +580,33 @@ def test_under_torch_compile_parameters_are_measured_and_module_outputs_said_not
     assert "not measured: 2 x module outputs inside torch.compile regions (layers.0, layers.1)" in caplog.text
 
 
+def test_a_torch_compiled_optimizer_step_is_monitored_as_an_eager_one(sim, tmp_path, caplog):
+    """``torch.compile(step)`` around ``optimizer.step()``: dynamo reaches the monitor's step hooks inside the compiled
+    frame. They run eagerly there (before, dynamo traced them and failed on their host work: every step's recording
+    failed, 0 monitored), and the figures equal an eager step's."""
+    def train(compiled):
+        torch.manual_seed(0)
+        model = _Checkpointed(checkpointed=False).to(sim)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step = torch.compile(optimizer.step, backend="aot_eager") if compiled else optimizer.step
+        x = torch.randn(4, 8).to(sim)
+        with op_tools.TrainingMonitor(results_dir=str(tmp_path / str(compiled)), model=model) as monitor:
+            for _ in range(2):
+                model(x).square().sum().backward()
+                step()
+                optimizer.zero_grad()
+        return monitor, _figures(monitor)
+
+    caplog.set_level(logging.INFO, logger="op_tools")
+    (_, eager), (monitor, compiled) = train(False), train(True)
+    assert monitor.verdict() == "clean" and "failed" not in caplog.text, caplog.text
+    assert sorted(compiled) == [0, 1]
+    for step in (0, 1):
+        assert set(compiled[step]) == set(eager[step])
+        del compiled[step][("step", "", "step_time")], eager[step][("step", "", "step_time")]  # the compilation's
+        assert compiled[step] == pytest.approx(eager[step], rel=1e-5, abs=1e-6)
+
+
 def test_a_sparse_gradient_is_measured_as_its_dense_form_and_its_nan_fires_the_rule(sim, tmp_path):
     # An embedding with sparse gradients (uncoalesced: a token seen twice). Before, _foreach_norm refused the sparse
     # gradient and the whole step went unmeasured ("recording failed"): the nan below was never seen.
