@@ -128,7 +128,9 @@ def _compiled_anything() -> bool:
     try:
         from torch._dynamo.utils import counters
 
-        return counters["frames"]["total"] > fused_statistics.own_frames()  # the tools' own compiled statistics
+        # frames, and graphs: torch.compile(fullgraph=True) compiles through a path that counts no frame
+        return (counters["frames"]["total"] > fused_statistics.own_frames()  # the tools' own compiled statistics
+                or counters["stats"]["unique_graphs"] > fused_statistics.own_graphs())
     except (ImportError, AttributeError, KeyError):  # another dynamo: say it rather than stay silent
         return True
 

@@ -33,6 +33,7 @@ _seen = 0  # elements compared eagerly so far
 _state = "idle"  # "idle" (not compiled yet), "ready", "failed"
 _compiled: dict[bool, Callable[..., torch.Tensor]] = {}  # relative -> the compiled statistics
 _own_frames = 0
+_own_graphs = 0  # graphs dynamo made of them (counted apart: a fullgraph compilation counts no frame)
 
 
 def _statistics(d: torch.Tensor, r: torch.Tensor, minus_rtol: torch.Tensor, share: torch.Tensor,
@@ -63,6 +64,11 @@ def own_frames() -> int:
     return _own_frames
 
 
+def own_graphs() -> int:
+    """Graphs dynamo made for these statistics in this process (``counters["stats"]["unique_graphs"]``)."""
+    return _own_graphs
+
+
 def fused(d: torch.Tensor, r: torch.Tensor, minus_rtol: float, share: float, least: float,
           relative: bool) -> list[float] | None:
     """The seven statistics of the flat host tensors ``d`` (any floating dtype) and ``r`` (float64), or None where the
@@ -81,7 +87,7 @@ def fused(d: torch.Tensor, r: torch.Tensor, minus_rtol: float, share: float, lea
 
 
 def _run(d: torch.Tensor, r: torch.Tensor, scalars: torch.Tensor, relative: bool) -> list[float] | None:
-    global _state, _compiled, _own_frames
+    global _state, _compiled, _own_frames, _own_graphs
     try:
         from torch._dynamo.utils import counters
 
@@ -93,7 +99,7 @@ def _run(d: torch.Tensor, r: torch.Tensor, scalars: torch.Tensor, relative: bool
             compile_ = getattr(torch.compile, "__wrapped_by_op_tools__", torch.compile)  # not compiled_regions' watch
             compiled = _compiled[relative] = compile_(_relative_statistics if relative else _plain_statistics,
                                                       dynamic=True)
-        before = counters["frames"]["total"]
+        before, graphs_before = counters["frames"]["total"], counters["stats"]["unique_graphs"]
         try:
             # The stance is process-wide: for the length of this call, compiled code on another thread runs compiled.
             with _default_stance(), torch._C.DisableTorchFunction(), torch.no_grad(), \
@@ -101,6 +107,7 @@ def _run(d: torch.Tensor, r: torch.Tensor, scalars: torch.Tensor, relative: bool
                 values = compiled(_unviewed(d), _unviewed(r), scalars[0], scalars[1], scalars[2]).tolist()
         finally:
             _own_frames += counters["frames"]["total"] - before
+            _own_graphs += counters["stats"]["unique_graphs"] - graphs_before
     except Exception as error:  # noqa: BLE001 - no compiler, no inductor, an unsupported dtype: stay eager
         _fail(f"torch.compile failed ({type(error).__name__}: {error})")
         return None

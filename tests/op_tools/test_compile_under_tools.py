@@ -91,3 +91,27 @@ def test_tools_see_the_calls_of_a_compiled_model_as_of_the_eager_one(run_script)
     assert sum(traced["compiled"].values()) >= 3, traced  # two linears and a relu, traced by dynamo
     assert "inside torch.compile'd regions not checked" in traced["not_checked"], traced
     assert traced["verdict"] == "unchecked", traced
+
+
+FULLGRAPH = """
+import logging
+lines = []
+handler = type("H", (logging.Handler,), {"emit": lambda s, r: lines.append(r.getMessage())})()
+logging.getLogger("op_tools").addHandler(handler)
+logging.getLogger("op_tools").setLevel(logging.INFO)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).to("sim")
+x = torch.randn(4, 8, device="sim")
+compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+compiled(x)  # compiled before the tool starts, through dynamo's fullgraph path
+with op_tools.OpObserve() as tool:
+    compiled(x)
+print(sum(tool.handled.values()), sum("runs eagerly while the tool is active" in line for line in lines))
+"""
+
+
+def test_a_model_compiled_with_fullgraph_is_said_to_run_eagerly_under_a_tool(run_script):
+    # dynamo counts no frame for a fullgraph compilation (its counters' "frames"): its graphs are counted instead
+    done = run_script(FULLGRAPH, {})
+    assert done.returncode == 0, done.stderr[-4000:]
+    handled, said = map(int, done.stdout.split()[-2:])
+    assert handled == 2 and said == 1, done.stdout  # linear and relu seen, and said once
