@@ -16,7 +16,10 @@ Per handled call this is one integer read; the hooks run once per optimizer step
 
 from __future__ import annotations
 
+import functools
 import threading
+
+import torch
 
 
 class StepCounter:
@@ -37,8 +40,11 @@ class StepCounter:
             if not self._hooks:
                 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-                self._hooks = (register_optimizer_step_pre_hook(self._stepping),
-                               register_optimizer_step_post_hook(self._stepped))
+                # outside dynamo (partials: torch._disable_dynamo keeps its disabled form on the function it
+                # wraps): a torch.compile'd optimizer step would trace them, and the lock breaks its graph
+                outside = torch._disable_dynamo
+                self._hooks = (register_optimizer_step_pre_hook(outside(functools.partial(self._stepping))),
+                               register_optimizer_step_post_hook(outside(functools.partial(self._stepped))))
             return self.count
 
     def release(self) -> None:

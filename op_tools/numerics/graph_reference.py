@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import os
 import re
 
@@ -19,8 +20,10 @@ import torch
 import torch.fx
 
 from ..ops.arguments import iter_tensors, map_tensors
-from ..ops.naming import resolve_op_name
+from ..ops.naming import is_inplace_op, resolve_op_name
+from ..ops.op_facts import op_facts
 from ..ops.random_calls import random_reason as _call_random_reason
+from ..ops.writes import call_writes
 from .comparison import compare_outputs, compare_tensors
 from .reference import DEFAULT_CAST, map_arguments
 
@@ -45,6 +48,64 @@ def node_name(node: torch.fx.Node) -> str:
     if node.op == "call_method":
         return f"torch.Tensor.{node.target}"
     return ""
+
+
+# Python's operators as dynamo records them: those that write their first operand (``step += 1`` on a tensor) and
+# the one that views it (``x[0]``); the others compute new values.
+_WRITING_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                                operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+                                operator.ilshift, operator.irshift, operator.imatmul, operator.setitem})
+_PURE_MODULES = ("_operator", "operator", "math", "builtins")
+
+
+def written_sources(gm: torch.fx.GraphModule) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """What a graph writes in place, directly or through a view: ``(positions of its inputs, targets of the tensors
+    it holds)``. A compiled optimizer step writes the parameters and their state, which dynamo makes attributes of
+    the graph (``get_attr``), and returns nothing; ``x.add_(1)`` on an input writes that input."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs: set[int] = set()
+    held: set[str] = set()
+    for node in gm.graph.nodes:
+        for written in _written_nodes(node):
+            source = _source(written)
+            if source is not None and source.op == "placeholder":
+                inputs.add(placeholders.index(source))
+            elif source is not None:
+                held.add(str(source.target))
+    return tuple(sorted(inputs)), tuple(sorted(held))
+
+
+def _written_nodes(node: torch.fx.Node) -> list:
+    """The argument nodes ``node`` writes (every node argument where what it calls is not known)."""
+    if node.op not in ("call_function", "call_method"):
+        return []
+    target = node.target
+    if node.op == "call_function" and target in _WRITING_OPERATORS:
+        return list(node.args[:1])
+    if isinstance(target, torch._ops.OpOverload):  # an aten or prims op (a graph made of them): its schema says
+        schema = target._schema.arguments
+        written = [a for a, s in zip(node.args, schema) if s.alias_info is not None and s.alias_info.is_write]
+        return written + [node.kwargs[s.name] for s in schema if s.alias_info is not None and s.alias_info.is_write
+                          and s.name in node.kwargs]
+    if node.op == "call_function" and getattr(target, "__module__", None) in _PURE_MODULES:
+        return []
+    # a torch function or method: its WriteSpec, read on stand-ins for the argument nodes
+    stand_ins: dict = {}
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: stand_ins.setdefault(n, torch.empty(0)))
+    by_id = {id(t): n for n, t in stand_ins.items()}
+    return [by_id[id(t)] for t in call_writes(node_name(node)).written(args, kwargs) if id(t) in by_id]
+
+
+def _source(node) -> torch.fx.Node | None:
+    """The input or held tensor whose memory ``node`` is, through in-place ops and views; None for a new tensor."""
+    while isinstance(node, torch.fx.Node) and node.op in ("call_function", "call_method"):
+        name = node_name(node)
+        aliases = node.target in _WRITING_OPERATORS or node.target is operator.getitem or op_facts(name).view or \
+            (isinstance(node.target, torch._ops.OpOverload) and node.target.is_view) or is_inplace_op(name)
+        if not aliases or not node.args:
+            return None
+        node = node.args[0]
+    return node if isinstance(node, torch.fx.Node) and node.op in ("placeholder", "get_attr") else None
 
 
 def reference_of(region) -> GraphReference:

@@ -107,7 +107,7 @@ from ..numerics.reference import (
     run_same_dtype,
 )
 from ..numerics.rounding_bounds import AnyOrderSum, attention_rounding, rounded_terms
-from ..ops.arguments import is_dtensor, iter_items, iter_tensors, map_tensors, strided
+from ..ops.arguments import UnsupportedInputError, is_dtensor, iter_items, iter_tensors, map_tensors, strided
 from ..ops.collectives import collective_call, signature_of
 from ..ops.custom_functions import custom_node, unfollowed_function
 from ..ops.op_facts import cached_on_facts, op_facts
@@ -120,6 +120,10 @@ from .failing_calls import FailingCalls
 from .verdict_queue import VerdictQueue
 
 DEFAULT_REFERENCE_CAST = DEFAULT_CAST
+# Why a compiled graph that writes tensors it holds goes unchecked: a compiled optimizer step writes the parameters and
+# their state, which dynamo makes attributes of the graph, read by the reference only after the step wrote them.
+_HELD_WRITES = ("a compiled graph writing tensors it holds, not its inputs (a compiled optimizer step's parameters "
+                "and state): its writes are not compared")
 # why a call's reference ran on the CPU with the device's asked for (the summary's counts)
 _UNTRUSTED = "its float64 kernels on the device disagreed with the CPU's"
 _NEEDED_CPU = "its verdict needed the CPU"
@@ -298,13 +302,16 @@ class OpAutoCompare(OpTool):
         previous = vars(self).get("_step_hook")
         if previous is not None:  # started again before its stop
             previous.remove()
-        self._step_hook: torch.utils.hooks.RemovableHandle = register_optimizer_step_post_hook(self._judge_step)
+        # outside dynamo: under a torch.compile'd optimizer step, dynamo would compile the judging's own frames
+        self._step_hook: torch.utils.hooks.RemovableHandle = register_optimizer_step_post_hook(
+            torch._disable_dynamo(functools.partial(self._judge_step)))
         self._probes: dict[torch.device, GeneratorProbe] = {}
         self._attempts: dict[str, list] = {}  # op name -> the reference casts to try, in order
         # compiled graph's name -> the largest ratio of its compiled error to its eager one (versus_eager)
         self.versus_eager: dict[str, float] = {}
         # compiled graph's name -> the first node found diverging in it (None: none does), once per graph
         self._narrowed: dict[str, graph_reference.DivergingNode | fused_kernels.DivergingKernel | None] = {}
+        self._region_writes: dict[str, tuple] = {}  # region name -> graph_reference.written_sources of its graph
         # the float64 reference on the device (numerics/device_reference.py)
         self._device_reference = self.settings.reference != "cpu"
         self._memory = MemoryBound(self.settings.device_reference_max_bytes)
@@ -351,6 +358,11 @@ class OpAutoCompare(OpTool):
             reason = graph_reference.random_reason(region.gm)
             state.func = graph_reference.reference_of(region)
             state.region_args = call.args
+            writes = self._region_writes.get(region.name)
+            if writes is None:
+                writes = self._region_writes[region.name] = graph_reference.written_sources(region.gm)
+            if writes[1] and reason is None:  # no output shows what it did: passing it unjudged would be a silent pass
+                raise UnsupportedInputError(_HELD_WRITES)
         else:
             reason = skip_reason(call.name) or random_reason(call.name, call.args, call.kwargs)
         reason = reason or (_RERUN_DRAWS if call.name in LEARNT.drawing_reruns else None)
@@ -390,7 +402,11 @@ class OpAutoCompare(OpTool):
                         "its float64 copies would pass OP_AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES"
         if copies is None:
             self._copy_arguments(call, state, host_copy)
-        state.compared_writes = () if spec.unknown else written
+        if region is not None:  # the inputs its graph writes (every input may be, for the copies: spec.unknown)
+            positions = self._region_writes[region.name][0]
+            state.compared_writes = [t for i in positions if isinstance(t := call.args[i], torch.Tensor)]
+        else:
+            state.compared_writes = () if spec.unknown else written
         state.math = DeviceMath.of(call.device, call.name)
         state.rng = self._probe(call.device).token()
         reason = self._backward_reason(call)

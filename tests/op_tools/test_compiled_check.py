@@ -4,6 +4,7 @@ narrowed down to its first diverging node, named with its op, module path and so
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -310,3 +311,60 @@ def test_the_module_hooks_go_back_under_their_first_keys_so_a_compiled_graph_ser
         assert not any(hook is module_path._enter for hook in torch_module._global_forward_pre_hooks.values())
         assert not any(hook is module_path._leave for hook in torch_module._global_forward_hooks.values())
     assert keys[0] == keys[1] and keys[0][0], keys
+
+
+def test_a_compiled_graph_writing_its_input_in_place_is_compared_on_that_write(sim):
+    """``x.add_(1.5)`` inside a compiled function returns nothing of ``x``: the graph's outputs alone passed a fault in
+    that write (a silent pass); the inputs the graph writes are compared too, as an in-place op's."""
+    import torch
+
+    import ditorch.sim
+
+    def scale(x, y):
+        x.add_(1.5)
+        return (y * 2).sum()
+
+    found = {}
+    for fault in ("", "add.*:noise=1e-2"):
+        torch._dynamo.reset()  # on sim a fault enters a graph when it is traced
+        x, y = torch.randn(16).to(sim), torch.randn(16).to(sim)
+        with ditorch.sim.faults(fault), op_tools.OpAutoCompare(compiled="check") as tool:
+            torch.compile(scale, backend="aot_eager")(x, y)
+        found[fault] = ([f["op"] for f in tool.failures], tool.verdict())
+    assert found[""] == ([], "clean"), found
+    assert found["add.*:noise=1e-2"] == (["compiled:scale#1"], "found"), found
+
+
+def test_a_compiled_optimizer_step_is_said_not_checked_never_passed(sim):
+    """A compiled optimizer step writes the parameters and their state, which dynamo makes tensors the graph holds,
+    and returns nothing: nothing of it was compared, yet it passed (an injected fault in its sqrt found nothing). It
+    is counted as not checked, and the tools' own step hooks run outside dynamo (traced, they broke the compilation
+    of the tool's judging)."""
+    import torch
+
+    import ditorch.sim
+
+    def train(tool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.SiLU(), torch.nn.Linear(16, 4)).to(sim)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step = torch.compile(optimizer.step, backend="aot_eager")
+        x = torch.randn(4, 8).to(sim)
+        with tool:
+            for _ in range(2):
+                model(x).square().mean().backward()
+                step()
+                optimizer.zero_grad()
+        return [p.detach().cpu() for p in model.parameters()]
+
+    torch._dynamo.reset()
+    plain = train(contextlib.nullcontext())
+    torch._dynamo.reset()
+    with ditorch.sim.faults("(_foreach_)?sqrt.*:noise=1e-2"):
+        checked = train(tool := op_tools.OpAutoCompare(compiled="check"))
+    assert tool.failures == [] and tool.verdict() == "unchecked", tool.not_checked()
+    assert tool.not_checked().startswith("2 calls not checked (a compiled graph writing tensors it holds"), \
+        tool.not_checked()
+    torch._dynamo.reset()
+    assert all(torch.equal(a, b) for a, b in zip(train(op_tools.OpAutoCompare(compiled="check")), plain))
+    assert not all(torch.equal(a, b) for a, b in zip(checked, plain))  # the fault was in the step
