@@ -36,6 +36,9 @@ _MIXED_DEVICE_OK = {
     "aten::set_", "aten::is_set_to", "aten::_has_same_storage_numel", "aten::is_same_size",
 }
 
+# Composite ops run as torch defines them when they reach the device (see _OpInfo.decomposed).
+_DECOMPOSED = {"aten::to"}
+
 
 class DeviceSelection:
     """Which sim device is current, per thread as torch.cuda does it; whether the device was initialised."""
@@ -364,12 +367,16 @@ def _sync_metadata(tensor: SimTensor) -> None:
 class _OpInfo:
     """What run_op needs to know of an op, computed once from its schema."""
 
-    __slots__ = ("name", "mutated_args", "mutated_kwargs", "is_view", "mixed_ok", "launches")
+    __slots__ = ("name", "mutated_args", "mutated_kwargs", "is_view", "mixed_ok", "launches", "decomposed")
 
     def __init__(self, func) -> None:
         schema = func._schema
         self.name = schema.name
         self.mixed_ok = schema.name in _MIXED_DEVICE_OK
+        # Tensor.to reaches the device only under inference mode (elsewhere autograd's key decomposes it first): its
+        # device is positional, and run as one kernel its host result was wrapped as a sim tensor. Run as torch
+        # defines it, its _to_copy says where the result goes.
+        self.decomposed = schema.name in _DECOMPOSED
         self.mutated_args: list = []  # positions
         self.mutated_kwargs: list = []  # names
         for position, arg in enumerate(schema.arguments):
@@ -483,6 +490,8 @@ def _run_op(func, args, kwargs):
     info = _INFO.get(func)
     if info is None:
         info = _INFO[func] = _OpInfo(func)
+    if info.decomposed:
+        return func.decompose(*args, **kwargs)
     unwrapped = _Unwrapped()
     value = unwrapped.value
     cpu_args = [value(a) for a in args]

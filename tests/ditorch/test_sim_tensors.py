@@ -260,6 +260,23 @@ def test_sparse_coo_tensors_compute_as_on_the_cpu(sim):
         dense.to(sim).to_sparse_csr()
 
 
+def test_to_the_host_with_a_dtype_in_inference_mode_gives_a_host_tensor(sim):
+    # Under inference mode Tensor.to reaches the device as itself (no autograd key decomposes it), its device given
+    # positionally: sim wrapped the host result as a sim tensor, and .numpy() on it raised (OpAutoCompare's narrowing
+    # of a compiled graph run under inference mode failed so).
+    x = torch.randn(3, device=sim)
+    with torch.inference_mode():
+        made = torch.randn(3, device=sim)
+        for t in (x, made):
+            for moved in (t.to("cpu", torch.float64), t.to(device="cpu", dtype=torch.float64),
+                          t.to(torch.device("cpu"), torch.float64, copy=True)):
+                assert real_device(moved).type == "cpu" and moved.dtype == torch.float64
+                assert torch.equal(moved, t.cpu().double())
+            on_sim = t.to(torch.float16)
+            assert real_device(on_sim).type == "sim" and on_sim.dtype == torch.float16
+            assert t.to(sim) is t
+
+
 def test_views_in_inference_mode_behave_as_the_cpus(sim):
     # A view of a normal tensor made in inference mode is a normal tensor sharing its base's version counter; sim made
     # it an inference tensor, which autograd refused the counter: every view (x[1:], x.view, detach) raised.
