@@ -96,6 +96,8 @@ def _say_unseen_collectives(logger: logging.Logger, only_if_distributed: bool = 
 _CPU = torch.device("cpu")
 _BACKWARD_CALLS = frozenset({"torch.Tensor.backward", "torch.autograd.backward", "torch.autograd.grad"})
 _is_compiling = torch_versions.is_compiling  # True while dynamo traces (compiled_regions.py keeps that rare)
+# Dynamo's frame hook (what torch._dynamo.disable turns off), where this torch has one.
+_set_eval_frame = getattr(getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "set_eval_frame", None)
 
 
 class RegionRun:
@@ -233,10 +235,6 @@ class _ToolMode(TorchFunctionMode):
         return self.tool.check_region(region, args)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if self.checks_regions and _is_compiling():
-            # dynamo traces the user's code under this mode: the graph gets the call as it is (the compiled graph is
-            # checked whole when it runs, compiled_regions.py)
-            return func(*args, **(kwargs or {}))
         # The common case first: a function this tool already decided to skip runs as it is, whatever its
         # arguments (the decision depends on the name only, and the name on the function only).
         try:
@@ -249,6 +247,33 @@ class _ToolMode(TorchFunctionMode):
         if query:
             return _run_query(func, args, kwargs or {})
         return self.tool.handle(func, args, kwargs or {})
+
+
+class _RegionCheckingMode(_ToolMode):
+    """The mode of a tool that keeps compiled code compiled (``checks_regions``): dynamo traces under it, and its
+    calls from the compiled code's eager parts (after a graph break) run under dynamo's frame hook, which would
+    compile the tool's own functions as the program's (failing, or slowly): the tool works with the hook off."""
+
+    def check_region(self, region: compiled_regions.Region, args: tuple):
+        return _outside_dynamo(self.tool.check_region, region, args)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if _is_compiling():
+            # dynamo traces the user's code under this mode: the graph gets the call as it is (the compiled graph is
+            # checked whole when it runs, compiled_regions.py)
+            return func(*args, **(kwargs or {}))
+        return _outside_dynamo(super().__torch_function__, func, types, args, kwargs)
+
+
+def _outside_dynamo(work, *args):
+    """``work(*args)`` with dynamo's frame hook off: the tool's own Python is never compiled (as sim's kernels)."""
+    if _set_eval_frame is None:
+        return work(*args)
+    prior = _set_eval_frame(None)
+    try:
+        return work(*args)
+    finally:
+        _set_eval_frame(prior)
 
 
 class OpTool:
@@ -448,7 +473,7 @@ class OpTool:
             else:  # once per process and list: a tool started per step says it once
                 typo_check.warn_once(("targeting", self.env_prefix, names), "%s_LIST: %s; the tool checks the name of "
                                      "every call instead", self.env_prefix, "; ".join(problems))
-        mode = _ToolMode(self)
+        mode = (_RegionCheckingMode if self.checks_regions else _ToolMode)(self)
         fast_paths.acquire()  # before the mode is on the stack: MultiheadAttention's fast path as without it
         mode.__enter__()
         self.sees_every_call = True

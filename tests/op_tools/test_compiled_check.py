@@ -368,3 +368,37 @@ def test_a_compiled_optimizer_step_is_said_not_checked_never_passed(sim):
     torch._dynamo.reset()
     assert all(torch.equal(a, b) for a, b in zip(train(op_tools.OpAutoCompare(compiled="check")), plain))
     assert not all(torch.equal(a, b) for a, b in zip(checked, plain))  # the fault was in the step
+
+
+OWN_FUNCTIONS = """
+import json, sys
+import torch
+import ditorch, op_tools  # sim through ditorch's transfer: "cuda" is sim
+sys.path.append(TESTS)
+from tiny_models import tiny_llama
+
+torch.manual_seed(0)
+model = tiny_llama(hidden=32, layers=2).cuda()
+ids = torch.randint(0, 128, (2, 16)).cuda()
+compiled = torch.compile(model, backend="aot_eager")
+compiled(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # compiled once before the tool too
+with op_tools.OpAutoCompare(compiled="check") as tool:
+    compiled(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+print(json.dumps({"failures": len(tool.failures), "not_checked": tool.not_checked(),
+                  "regions": sorted(name for name in tool.handled if name.startswith("compiled:"))}))
+"""
+
+
+def test_the_tools_own_functions_are_never_compiled_as_the_programs(tmp_path):
+    """The eager code between a compiled Llama's graphs (transformers' mask building, after a graph break) runs under
+    dynamo's frame hook: the tool handling its calls had its own functions compiled by dynamo as the program's, which
+    failed inside dynamo (a call counted not checked: "InternalTorchDynamoError: NameError: name
+    '___tuple_iterator_getitem' is not defined"). The tool works with the hook off."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(OWN_FUNCTIONS).replace("TESTS", repr(TESTS))],
+                          env=child_env({"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1",
+                                         "OP_TOOLS_RESULTS_DIR": str(tmp_path)}),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["failures"] == 0 and report["not_checked"] == "", report
+    assert report["regions"], report
