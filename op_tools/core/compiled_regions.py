@@ -164,11 +164,20 @@ def _unwatch_compile() -> None:
 in_tool_work = lambda: False  # noqa: E731  # the engine's: a tool's own compiled functions are not regions
 
 
+# The tools' hooks that torch runs from the user's code (global module hooks): dynamo inlines them into a graph it
+# traces (they return at once there), but called from a compiled model's eager parts (a frame it gave up on) under
+# its frame hook, it would compile each as a frame of its own, whose trace returned at once: a no-op ever after.
+frame_skipped_hooks: list = []
+
+
 def _wrap_backends() -> None:
     global _callbacks
     if _callbacks is not None:
         return
     from torch._dynamo import eval_frame
+
+    for hook in frame_skipped_hooks:  # never compiled as frames of their own (still inlined where traced)
+        _skip_frames(eval_frame, hook.__code__)
 
     original = eval_frame._callback_from_stance
 
@@ -181,6 +190,18 @@ def _wrap_backends() -> None:
     callback_from_stance.__wrapped_by_op_tools__ = original  # type: ignore[attr-defined]
     eval_frame._callback_from_stance = callback_from_stance
     _callbacks = callback_from_stance
+
+
+def _skip_frames(eval_frame, code) -> None:
+    """Dynamo runs ``code``'s frames, and the frames they call, as written (where this torch can say so)."""
+    try:
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+        eval_frame.set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    except (ImportError, AttributeError):  # an older dynamo: the frame alone
+        skip = getattr(eval_frame, "skip_code", None)
+        if skip is not None:
+            skip(code)
 
 
 def _unwrap_backends() -> None:

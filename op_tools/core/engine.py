@@ -265,6 +265,12 @@ class _RegionCheckingMode(_ToolMode):
         return _outside_dynamo(super().__torch_function__, func, types, args, kwargs)
 
 
+# Called from a compiled model's code that dynamo gave up on (run eagerly under its frame hook), the modes'
+# __torch_function__ was compiled as a frame of its own, traced down its "dynamo traces" branch: the tool saw no call
+# from there on. Never compiled as frames (dynamo still inlines them where it traces under the mode).
+compiled_regions.frame_skipped_hooks += [_ToolMode.__torch_function__, _RegionCheckingMode.__torch_function__]
+
+
 def _outside_dynamo(work, *args):
     """``work(*args)`` with dynamo's frame hook off: the tool's own Python is never compiled (as sim's kernels)."""
     if _set_eval_frame is None:

@@ -30,6 +30,7 @@ import torch
 from torch.nn.modules import module as _module
 
 from ..ops.torch_versions import is_compiling
+from . import compiled_regions
 from .shared_install import SharedInstall
 
 
@@ -163,3 +164,6 @@ def _leave(module: torch.nn.Module, _args, _output) -> None:
         if stack[i][0] is module:
             del stack[i:]
             return
+
+
+compiled_regions.frame_skipped_hooks += [_enter, _leave]

@@ -402,3 +402,44 @@ def test_the_tools_own_functions_are_never_compiled_as_the_programs(tmp_path):
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["failures"] == 0 and report["not_checked"] == "", report
     assert report["regions"], report
+
+
+def test_calls_in_code_dynamo_gave_up_on_are_checked_with_their_module(sim):
+    """A frame with a graph break in a loop is run eagerly by dynamo, under its frame hook: the mode's
+    __torch_function__ and the module-path hooks called from there were compiled as frames of their own, traced down
+    their "dynamo traces" branch, so the tool saw none of those calls (a fault in them passed unseen) and named no
+    block. They are never compiled as frames now."""
+    import torch
+    from torch import nn
+
+    import ditorch.sim
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.lin(x)
+            for _ in range(1):
+                h = h * 2  # run eagerly: dynamo gives the frame up (a graph break in a loop)
+                torch._dynamo.graph_break()
+            return h
+
+    class Blocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = Blocks().to(sim), torch.randn(4, 8).to(sim)
+    with ditorch.sim.faults("mul.Tensor:noise=1e-1"), op_tools.OpAutoCompare(compiled="check") as tool:
+        torch.compile(model, backend="aot_eager")(x).sum()
+    assert [(f["op"], f["module"]) for f in tool.failures] == [("torch.Tensor.mul", "blocks.0"),
+                                                                 ("torch.Tensor.mul", "blocks.1")], tool.failures
