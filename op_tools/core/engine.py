@@ -282,6 +282,18 @@ def _outside_dynamo(work, *args):
         _set_eval_frame(prior)
 
 
+def _outside_compiled_code(method):
+    """``method`` run by dynamo as a call it does not trace (a graph break), with its frame hook off: a tool started or
+    stopped inside a compiled function (dynamo traced start() into torch.compiler.set_stance, a callable it forbids,
+    and the compilation failed)."""
+    @functools.wraps(method)
+    def outside(*args):
+        return _outside_dynamo(method, *args)
+
+    outside._torchdynamo_disable = True  # what torch.compiler.disable marks
+    return outside
+
+
 class OpTool:
     """Base of every tool. Use as ``with Tool():`` or ``tool.start()`` … ``tool.stop()`` (``end()`` too)."""
 
@@ -433,6 +445,7 @@ class OpTool:
 
     # --- lifecycle ---
 
+    @_outside_compiled_code
     def start(self) -> OpTool:
         """Read the configuration (``ValueError`` if malformed) and start handling calls on this thread."""
         if threading.get_ident() in self._threads:  # each call would be handled twice, counted and written twice
@@ -485,6 +498,7 @@ class OpTool:
         self.sees_every_call = True
         return mode
 
+    @_outside_compiled_code
     def stop(self) -> None:
         if not self._activations:
             return

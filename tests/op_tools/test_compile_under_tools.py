@@ -115,3 +115,31 @@ def test_a_model_compiled_with_fullgraph_is_said_to_run_eagerly_under_a_tool(run
     assert done.returncode == 0, done.stderr[-4000:]
     handled, said = map(int, done.stdout.split()[-2:])
     assert handled == 2 and said == 1, done.stdout  # linear and relu seen, and said once
+
+
+STARTED_INSIDE = """
+import json
+results = {}
+for name in ("OpObserve", "OpAutoCompare", "OpOverflowCheck"):
+    @torch.compile(backend="aot_eager")
+    def step(x):
+        with getattr(op_tools, name)() as tool:
+            y = torch.nn.functional.relu(x * 2) + 1
+        return y, tool
+
+    x = torch.randn(4, device="sim")
+    y, tool = step(x)
+    results[name] = {"right": torch.equal(y.cpu(), torch.relu(x.cpu() * 2) + 1), "verdict": tool.verdict(),
+                     "not_checked": tool.not_checked()}
+print(json.dumps(results))
+"""
+
+
+def test_a_tool_started_inside_a_compiled_function_lets_it_compile_and_says_its_calls_not_checked(run_script):
+    # dynamo traced start() into torch.compiler.set_stance, a callable it forbids: "AssertionError: Attempt to trace
+    # forbidden callable", and the user's compiled function failed where it ran without the tool
+    done = run_script(STARTED_INSIDE, {})
+    assert done.returncode == 0, done.stderr[-4000:]
+    for name, result in json.loads(done.stdout.strip().splitlines()[-1]).items():
+        assert result["right"] and result["verdict"] == "unchecked", (name, result)
+        assert "inside torch.compile'd regions not checked" in result["not_checked"], (name, result)
