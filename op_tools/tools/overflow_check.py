@@ -415,20 +415,23 @@ class _Held:
     skipped it: ``scaled``, the first overflow born in its backward or after its gradients were unscaled (the scaled
     gradients'); ``seen``, the first inf/nan read there that no call checked made (an overflow in a call not
     checked), with its kind; ``later``, the first overflow born after one of those, elsewhere (a forward of the next
-    micro-batch), which is a finding whatever GradScaler says. Each check with the tensors it kept (``KeptTensors``),
-    for the statistics if it is reported."""
+    micro-batch), which is a finding whatever GradScaler says; ``later_seen``, the first inf/nan read there that no
+    call checked made (data with a nan), with its kind, which is ``first_seen`` whatever GradScaler says. Each check
+    with the tensors it kept (``KeptTensors``), for the statistics if it is reported."""
 
-    __slots__ = ("scaled", "seen", "seen_kind", "later", "order")
+    __slots__ = ("scaled", "seen", "seen_kind", "later", "later_seen", "later_seen_kind", "order")
 
     def __init__(self) -> None:
         self.scaled: tuple[_PendingCheck, KeptTensors | None] | None = None
         self.seen: tuple[_PendingCheck, KeptTensors | None] | None = None
         self.seen_kind = FINITE
         self.later: tuple[_PendingCheck, KeptTensors | None] | None = None
+        self.later_seen: tuple[_PendingCheck, KeptTensors | None] | None = None
+        self.later_seen_kind = FINITE
         self.order: list[str] = []  # the findings held ("scaled", "later"), in execution order
 
     def checks(self) -> list[tuple[_PendingCheck, KeptTensors | None]]:
-        return [held for held in (self.scaled, self.seen, self.later) if held is not None]
+        return [held for held in (self.scaled, self.seen, self.later, self.later_seen) if held is not None]
 
 
 def _unread_targets(name: str, spec, args: tuple, kwargs: dict, views: dict) -> set[int]:
@@ -970,6 +973,10 @@ class OpOverflowCheck(OpTool):
             held.later = (check, kept)
             held.order.append("later")
             return
+        elif seen != FINITE and held.later_seen is None and self._first_seen is None:
+            # data bringing its own inf/nan (the next micro-batch's): no scale made it, whatever GradScaler says
+            held.later_seen, held.later_seen_kind = (check, kept), seen
+            return
         if kept is not None:
             self._kept.release(kept)
 
@@ -997,6 +1004,8 @@ class OpOverflowCheck(OpTool):
             first = held.scaled if held.order[0] == "scaled" else held.later
         elif held.seen is not None and self._first_seen is None:
             self._first_seen = (dataclasses.replace(held.seen[0].overflow, came_in=True), held.seen_kind)
+        if held.later_seen is not None and self._first_seen is None:  # after the excused or unread scaled part's
+            self._first_seen = (dataclasses.replace(held.later_seen[0].overflow, came_in=True), held.later_seen_kind)
         for check, kept in held.checks():
             if check is not (first[0] if first is not None else None) and kept is not None:
                 self._kept.release(kept)

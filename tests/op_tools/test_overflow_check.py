@@ -663,6 +663,30 @@ def test_an_overflow_outside_the_scaled_gradients_is_still_found_first(sim, wher
     assert len(check.loss_scale_overflows) == (1 if where.endswith("next iteration") else 0)
 
 
+def test_data_bringing_a_nan_after_a_held_loss_scale_overflow_is_still_first_seen(sim):
+    # gradient accumulation: micro-batch 1's scaled backward overflows (GradScaler skips the iteration), micro-batch
+    # 2's data holds a nan no call made; the skip excuses the first, not the second
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 10).to(sim)
+    x, y = torch.randn(8, 16, device=sim), torch.randint(0, 10, (8,), device=sim)
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler(sim)
+    with op_tools.OpOverflowCheck() as check:
+        for inputs, factor in ((x, 1e30), (bad, 1.0)):
+            with torch.autocast(sim, dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(model(inputs), y) * factor
+            scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    assert len(check.loss_scale_overflows) == 1
+    assert check.first_overflow is None
+    assert check.first_seen is not None and (check.first_seen.name, check.first_seen.phase) == \
+        ("torch.nn.functional.linear", "forward")
+    assert check.verdict() != "clean"
+
+
 @pytest.mark.parametrize("init_scale", [1.0, 0.5])
 def test_a_backward_overflow_at_a_scale_of_one_or_less_is_a_finding(sim, init_scale):
     # scaling by 1 or less makes no overflow the unscaled backward would not have: GradScaler skipping it is no excuse
