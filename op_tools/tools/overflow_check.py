@@ -516,12 +516,16 @@ class OpOverflowCheck(OpTool):
         self._iteration = 0  # GradScaler iterations ended (its updates judged): a skipped one is no optimizer step
 
     def start(self) -> OpOverflowCheck:
+        first = not self._activations
         super().start()
-        loss_scaling.listen(self)  # GradScaler's iterations: its overflows by design are no finding
+        # GradScaler's iterations: its overflows by design are no finding. Once per tool, whatever the threads it is
+        # started on: a listener registered twice was told each GradScaler call twice (iterations counted twice)
+        if first:
+            loss_scaling.listen(self)
         return self
 
     def stop(self) -> None:
-        if self._activations:
+        if len(self._activations) == 1:  # the last one
             loss_scaling.unlisten(self)
         super().stop()
 

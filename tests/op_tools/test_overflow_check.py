@@ -687,6 +687,30 @@ def test_data_bringing_a_nan_after_a_held_loss_scale_overflow_is_still_first_see
     assert check.verdict() != "clean"
 
 
+def test_a_tool_started_on_two_threads_counts_each_gradscaler_iteration_once(sim):
+    import threading
+
+    check = op_tools.OpOverflowCheck()
+    started, finished = threading.Event(), threading.Event()
+
+    def other_thread():
+        check.start()
+        started.set()
+        finished.wait()
+        check.stop()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    started.wait()
+    try:
+        with check:
+            train_amp(sim, blow_up=(1,))
+    finally:
+        finished.set()
+        thread.join()
+    assert [o["iteration"] for o in check.loss_scale_overflows] == [1]
+
+
 @pytest.mark.parametrize("init_scale", [1.0, 0.5])
 def test_a_backward_overflow_at_a_scale_of_one_or_less_is_a_finding(sim, init_scale):
     # scaling by 1 or less makes no overflow the unscaled backward would not have: GradScaler skipping it is no excuse
