@@ -53,6 +53,8 @@ def has_torch_function(args) -> bool:
 
 def _install() -> None:
     global _checks
+    if torch.overrides.has_torch_function is not _original:  # another's patch in place: left as it is (the fast
+        return  # path then stays refused under a tool, as before this module), never replaced nor lost
     _checks = _fast_path_checks()
     torch.overrides.has_torch_function = has_torch_function
 

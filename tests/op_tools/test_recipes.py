@@ -129,3 +129,28 @@ def test_a_fault_in_a_fused_optimizer_step_is_found_in_that_step(sim, tmp_path, 
                      _record_fused_sgd(tmp_path / "b", monkeypatch, fault="_fused_sgd_:noise=1e-2"))
     found = result.first_divergence()
     assert found is not None and found.op == "torch._fused_sgd_", found
+
+
+def test_a_patch_of_has_torch_function_made_while_a_tool_runs_outlives_the_next_starts(sim):
+    """The tools answer torch.overrides.has_torch_function for two forwards while their mode is on; another
+    library's patch made meanwhile must survive their stop and their next start and stop."""
+    theirs_called = []
+    with op_tools.OpObserve():
+        ours = torch.overrides.has_torch_function
+
+        def theirs(args):
+            theirs_called.append(1)
+            return ours(args)
+
+        torch.overrides.has_torch_function = theirs
+    try:
+        assert torch.overrides.has_torch_function is theirs
+        with op_tools.OpObserve():
+            assert torch.overrides.has_torch_function is theirs
+        assert torch.overrides.has_torch_function is theirs
+        torch.overrides.has_torch_function((torch.ones(1),))
+        assert theirs_called
+    finally:
+        from op_tools.core import fast_paths
+
+        torch.overrides.has_torch_function = fast_paths._original
