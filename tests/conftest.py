@@ -126,6 +126,21 @@ def _fresh_interpreter(request, monkeypatch):
         monkeypatch.setattr(forked_python, "ENABLED", False)
 
 
+@pytest.fixture(autouse=True)
+def _no_tool_left_started():
+    """A test that leaves a tool's mode on the stack is an error of its own, and the mode is taken off: left there,
+    every later test of the worker ran under it (one test that never stopped its tool failed 25 others)."""
+    yield
+    import torch
+
+    left = torch.overrides._get_current_function_mode_stack()
+    if left:
+        for _ in left:
+            torch.overrides._pop_mode()
+        names = [type(getattr(mode, "tool", mode)).__name__ for mode in left]
+        pytest.fail(f"the test left modes on the torch function mode stack: {', '.join(names)}")
+
+
 @pytest.fixture
 def logged(caplog):
     """``logged()``: the messages ditorch and op_tools logged so far in this test, one per line block, in order
