@@ -948,12 +948,16 @@ class OpOverflowCheck(OpTool):
             self._settle(held, updates if all(updates) else None, at="update")
 
     def _hold(self, check: _PendingCheck, phase: str, seen: int = FINITE, nan_from_finite: bool = False) -> None:
-        """In an iteration whose loss GradScaler scaled: an overflow born (or, with ``seen``, an inf/nan first read)
-        in its backward, or after its gradients were unscaled, waits for its update(); one born elsewhere after it is
-        a finding that waits too (the earlier one may be the first); other reads of its inf/nan are its own. A nan
-        from finite inputs is no overflow (a scale makes finite values larger: an inf first, a nan only from infs): a
-        finding wherever it is."""
-        scaled_part = bool(self._scaled) and (phase == "backward" or self._unscaled) and not nan_from_finite
+        """In an iteration whose loss GradScaler scaled: an overflow born in its backward (or, with ``seen``, an
+        inf/nan first read there or after its gradients were unscaled) waits for its update(); one born elsewhere
+        after it is a finding that waits too (the earlier one may be the first); other reads of its inf/nan are its
+        own. A nan from finite inputs is no overflow (a scale makes finite values larger: an inf first, a nan only
+        from infs): a finding wherever it is."""
+        # Born after the gradients were unscaled (a user's metric between unscale_ and update), an overflow is no
+        # scale's: GradScaler computed its flags before it, on gradients it then made small; only what the scaled
+        # backward made, and its inf/nan read later (clip_grad_norm_ on inf gradients), waits for the update()
+        scaled_part = bool(self._scaled) and not nan_from_finite and \
+            (phase == "backward" or self._unscaled and seen != FINITE)
         held = self._held
         if held is None:
             if not scaled_part:  # a forward: no scale makes its overflow

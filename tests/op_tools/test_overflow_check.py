@@ -663,6 +663,29 @@ def test_an_overflow_outside_the_scaled_gradients_is_still_found_first(sim, wher
     assert len(check.loss_scale_overflows) == (1 if where.endswith("next iteration") else 0)
 
 
+def test_an_overflow_born_after_the_gradients_were_unscaled_is_a_finding_in_a_skipped_iteration(sim):
+    # GradScaler computed its flags in unscale_, before this op, on gradients it then made small: no scale made what
+    # an op born after it overflows (a user's metric between unscale_ and update), whatever GradScaler skips
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 10).to(sim)
+    x, y = torch.randn(8, 16, device=sim), torch.randint(0, 10, (8,), device=sim)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler(sim)
+    metric = torch.full((4,), 1e30, device=sim)
+    with op_tools.OpOverflowCheck() as check:
+        with torch.autocast(sim, dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(x), y) * 1e30
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        metric * 1e30  # finite inputs, inf out: born here
+        scaler.step(optimizer)
+        scaler.update()
+    assert len(check.loss_scale_overflows) == 1
+    first = check.first_overflow
+    assert first is not None and (first.name, first.phase) == ("torch.Tensor.mul", "forward"), first
+    assert check.verdict() == "found"
+
+
 def test_data_bringing_a_nan_after_a_held_loss_scale_overflow_is_still_first_seen(sim):
     # gradient accumulation: micro-batch 1's scaled backward overflows (GradScaler skips the iteration), micro-batch
     # 2's data holds a nan no call made; the skip excuses the first, not the second
