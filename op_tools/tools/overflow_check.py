@@ -514,6 +514,7 @@ class OpOverflowCheck(OpTool):
         # the iterations GradScaler skipped whose scaled gradients overflowed: no finding (``loss_scale_overflows``)
         self.loss_scale_overflows: list[dict] = []
         self._iteration = 0  # GradScaler iterations ended (its updates judged): a skipped one is no optimizer step
+        self._applied_listener = False  # listening to GradScaler for apply_feature (never started)
 
     def start(self) -> OpOverflowCheck:
         first = not self._activations
@@ -528,6 +529,13 @@ class OpOverflowCheck(OpTool):
         if len(self._activations) == 1:  # the last one
             loss_scaling.unlisten(self)
         super().stop()
+
+    def ensure_configured(self) -> None:
+        applied = self.common is None and not self._activations
+        super().ensure_configured()
+        if applied:  # apply_feature's, never started: it hears GradScaler until it finishes (remove_feature, exit)
+            self._applied_listener = True
+            loss_scaling.listen(self)
 
     @property
     def first_overflow(self) -> Overflow | None:
@@ -660,6 +668,9 @@ class OpOverflowCheck(OpTool):
     def finish(self) -> None:
         """The first overflow, written for the run's other readers (each rank its own file under torchrun), and the
         iterations GradScaler skipped for an overflow of their scaled gradients."""
+        if self._applied_listener:
+            self._applied_listener = False
+            loss_scaling.unlisten(self)
         first = self.first_overflow  # what is still in flight is read first
         held, self._held = self._held, None
         if held is not None and first is None:  # an iteration GradScaler's update() never ended: not known skipped
@@ -899,8 +910,9 @@ class OpOverflowCheck(OpTool):
         """Judge ``event`` in the program's order: queued behind the checks in flight (its values read back with
         theirs), or at once where no check is in flight and each call is read as it runs (raise mode, the tables);
         then its values are read (one transfer) only where the iteration made something held."""
-        if threading.get_ident() not in self._threads or self._first_overflow is not None:
-            return  # a scaler on a thread this tool does not check; or nothing more to find
+        if threading.get_ident() not in self._threads and not self._applied_listener or \
+                self._first_overflow is not None:
+            return  # a scaler on a thread this tool does not check (apply_feature's checks every thread); or done
         try:
             with tool_work():
                 at_once = self.raise_on_overflow or self._logger.isEnabledFor(logging.DEBUG)

@@ -686,6 +686,20 @@ def test_an_overflow_born_after_the_gradients_were_unscaled_is_a_finding_in_a_sk
     assert check.verdict() == "found"
 
 
+def test_through_apply_feature_an_iteration_gradscaler_skipped_is_no_finding_either(sim):
+    # apply_feature's tool is never started: it heard no GradScaler call, and the skip was its first overflow
+    from op_tools.core import features, loss_scaling
+
+    op_tools.apply_feature("torch.nn.functional.cross_entropy", "overflow_check")
+    tool = features._patched["torch.nn.functional.cross_entropy"][4]
+    try:
+        train_amp(sim, blow_up=(1,))
+    finally:
+        op_tools.remove_feature("torch.nn.functional.cross_entropy")
+    assert len(tool.loss_scale_overflows) == 1 and tool.first_overflow is None and tool.first_seen is None
+    assert tool not in loss_scaling._listeners  # finished at remove_feature: no longer told
+
+
 def test_data_bringing_a_nan_after_a_held_loss_scale_overflow_is_still_first_seen(sim):
     # gradient accumulation: micro-batch 1's scaled backward overflows (GradScaler skips the iteration), micro-batch
     # 2's data holds a nan no call made; the skip excuses the first, not the second
