@@ -58,10 +58,9 @@ def locate_values(t: torch.Tensor):
         if t.is_contiguous():
             return (t.untyped_storage(), (t.storage_offset(), (t.numel(),), (1,), t.dtype, t.is_conj(), t.is_neg()),
                     t._version)
-        return (t.untyped_storage(), (t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.is_conj(),
-                                      t.is_neg()), t._version)
     except (RuntimeError, NotImplementedError, TypeError):  # inference tensors (no version), storage-less tensors
         return None
+    return locate(t)
 
 
 if not STORAGE_OBJECTS_KEPT:
