@@ -30,19 +30,16 @@ _CPU = torch.device("cpu")
 
 
 class Reduced:
-    """Rows (1-D tensors of one length) to be read back reduced row by row by ``reduce``, which maps a ``(k, n)``
-    tensor to ``(k, width)``: the rows of every put of a batch with the same ``reduce`` object are stacked and reduced
-    together when the batch is sent, a few kernels a batch instead of a few a put (a run recording's fingerprints: a
-    product and a sum)."""
+    """A put's value to be read back reduced by ``reduce``, which maps a list of such values to a ``(k, width)``
+    tensor, ``k`` the sum of their ``count``: the values of every put of a batch with the same ``reduce`` object are
+    handed to it together when the batch is sent, a few kernels a batch instead of a few a put (a run recording's
+    fingerprints: a join, a product and a sum). The value is whatever ``reduce`` takes (a run recording's: one call's
+    block sums, ``count`` rows of the result)."""
 
-    __slots__ = ("rows", "reduce", "width")
+    __slots__ = ("value", "reduce", "width", "count")
 
-    def __init__(self, rows: list[torch.Tensor], reduce, width: int) -> None:
-        self.rows, self.reduce, self.width = rows, reduce, width
-
-    @property
-    def device(self) -> torch.device:
-        return self.rows[0].device
+    def __init__(self, value, reduce, width: int, count: int = 1) -> None:
+        self.value, self.reduce, self.width, self.count = value, reduce, width, count
 
 
 class _Batch:
@@ -171,23 +168,23 @@ class DeviceReadback:
 
 def _joined(puts: list) -> tuple[list[list[tuple[int, int]]], torch.Tensor | None]:
     """The values of ``puts`` (on one device) joined into one flat tensor, and where each put's lie in it
-    (``(start, size)`` segments, in the put's order): its plain tensors as they are, its ``Reduced`` rows stacked
-    with the rows of every other put of the same ``reduce`` and reduced together, one kernel a kind of rows."""
+    (``(start, size)`` segments, in the put's order): its plain tensors as they are, its ``Reduced`` rows handed
+    with the rows of every other put of the same ``reduce`` to it, reduced together: a few kernels a kind of rows."""
     segments_of: list[list[tuple]] = []  # per put: (reduce or None, first value or row, count)
     parts: list[torch.Tensor] = []
-    rows: dict[Any, list[torch.Tensor]] = {}  # reduce -> the rows given it, in put order
+    rows: dict[Any, list] = {}  # reduce -> the values given it, in put order
     widths: dict[Any, int] = {}
-    counted: dict[Any, int] = {}  # reduce -> rows given it so far
+    counted: dict[Any, int] = {}  # reduce -> rows of its result given so far
     plain = 0  # values of the plain parts so far
     for values in puts:
         mine: list[tuple] = []
         for t in [values] if isinstance(values, torch.Tensor) else values:
             if isinstance(t, Reduced):
-                rows.setdefault(t.reduce, []).extend(t.rows)
+                rows.setdefault(t.reduce, []).append(t.value)
                 widths[t.reduce] = t.width
                 first = counted.get(t.reduce, 0)
-                counted[t.reduce] = first + len(t.rows)
-                mine.append((t.reduce, first, len(t.rows)))
+                counted[t.reduce] = first + t.count
+                mine.append((t.reduce, first, t.count))
             else:
                 parts.append(t)
                 mine.append((None, plain, t.numel()))
@@ -196,7 +193,7 @@ def _joined(puts: list) -> tuple[list[list[tuple[int, int]]], torch.Tensor | Non
     starts: dict[Any, int] = {}  # reduce -> where its values begin in the joined tensor
     for reduce, given in rows.items():  # one join and one reduction per kind of rows
         starts[reduce] = plain
-        reduced = reduce(torch.stack(given))
+        reduced = reduce(given)
         parts.append(reduced)
         plain += reduced.numel()
     segments = [[(first, count) if reduce is None else

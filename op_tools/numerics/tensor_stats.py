@@ -10,9 +10,10 @@ estimates the elementwise difference of two runs to about 18%.
 Three passes over the tensor, each a reduction accumulating in float32 (float64 for float64 tensors), no copy of a
 contiguous floating tensor, no matmul (TF32 would round the operands): ``aminmax``, the block sums, the norm; then
 17 x 1021 products, whose first row (all ones) gives the sum. The tensors of a call together (``calls_stats``):
-per tensor its block sums and ``aminmax``, per device one ``_foreach_norm`` for all their norms, one product of all
-their block sums with the weights and one ``cat``: on a fast device or sim each launch costs
-microseconds of host work whatever its size, and most tensors of a step are small. The divisions by ``numel`` and
+per tensor its ``aminmax`` and block sums, per device one ``_foreach_norm`` for all their norms and one ``cat`` of
+the elements left over from the blocks; then for a read-back batch of calls one product of all their block sums
+with the weights: on a fast device or sim each launch costs microseconds of host work whatever its size, and most
+tensors of a step are small. The divisions by ``numel`` and
 ``sqrt(numel)`` are left to the host (``host_values``). The nan and inf counts are not computed on this path: when
 the minimum, maximum, sum and norm read back are all finite there is none; otherwise ``nonfinite_counts`` counts them
 (a second transfer, for tensors holding nan or inf only).
@@ -66,27 +67,44 @@ def _accumulation(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _folded(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """``(_BLOCKS,)`` block sums of ``x``'s values in their flat order, in ``acc``: consecutive runs, the ``r``
-    elements left over added to blocks ``0..r-1``; a tensor of fewer elements than blocks is its own values, padded
-    with zeros. A contiguous ``x`` is read through ``as_strided`` views of its memory, one launch-free op each, where
-    flattening and slicing it costs three (each op is microseconds of host work on a fast device, and on sim)."""
+def _folded(x: torch.Tensor, acc: torch.dtype, pieces: list[torch.Tensor]) -> None:
+    """Append to ``pieces`` ``x``'s block sums in its flat order, in ``acc``, as two ``(_BLOCKS,)`` rows to be added
+    (``_reducer``): its ``r`` elements left over, which go to blocks ``0..r-1``, padded with ``-0.0`` (which adds
+    nothing to any sum), then the sums of its consecutive runs. A tensor of fewer elements than blocks has its values
+    padded with ``+0.0``, then a row of ``-0.0``: exactly its values padded with zeros. The pieces of a call are
+    joined by one ``cat`` (a copy: its tensors may change before the batch is read back) and added for a whole
+    read-back batch at once: one launch a call where adding each tail to its row took two a tensor (a slice and an
+    add), and one tensor held a call where each tensor's row was one. A contiguous ``x`` is read through
+    ``as_strided`` views of its memory, one launch-free op each, where flattening and slicing it costs three (each
+    op is microseconds of host work on a fast device, and on sim)."""
     n = x.numel()
     blocks, rest = divmod(n, _BLOCKS)
     if not blocks:
-        return torch.nn.functional.pad(x.reshape(-1).to(acc), (0, _BLOCKS - n))  # zeros: nothing added to the sums
+        pieces += (x if x.dim() == 1 else x.reshape(-1), _filler(x.device, acc, _BLOCKS - n, 0.0),
+                   _filler(x.device, acc, _BLOCKS, -0.0))
+        return
     if x.is_contiguous() and not x.is_neg():
-        start = x.storage_offset()
         whole = x.as_strided((_BLOCKS, blocks), (blocks, 1))  # the same memory and kernel as the flat rows' view
-        tail = x.as_strided((rest,), (1,), start + blocks * _BLOCKS) if rest else None
+        if rest:
+            pieces.append(x.as_strided((rest,), (1,), x.storage_offset() + blocks * _BLOCKS))
     else:
         flat = x.reshape(-1)
         whole = flat[: blocks * _BLOCKS].view(_BLOCKS, blocks)
-        tail = flat[blocks * _BLOCKS:] if rest else None
-    folded = whole.sum(1, dtype=acc)  # contiguous rows: the fast sum
-    if tail is not None:
-        folded[:rest].add_(tail)  # a fresh tensor of ours; not ``+=``, whose store back is a copy
-    return folded
+        if rest:
+            pieces.append(flat[blocks * _BLOCKS:])
+    pieces += (_filler(x.device, acc, _BLOCKS - rest, -0.0), whole.sum(1, dtype=acc))  # contiguous rows: the fast sum
+
+
+_fillers: dict[tuple[torch.device, torch.dtype, int, float], torch.Tensor] = {}
+
+
+def _filler(device: torch.device, dtype: torch.dtype, n: int, value: float) -> torch.Tensor:
+    """A ``(n,)`` tensor of ``value`` (``0.0`` or ``-0.0``), made once: at most two per length up to ``_BLOCKS``."""
+    key = (device, dtype, n, math.copysign(1.0, value))
+    t = _fillers.get(key)
+    if t is None:
+        t = _fillers[key] = torch.full((n,), value, dtype=dtype, device=device)
+    return t
 
 
 _no_foreach_norm: set[tuple[str, torch.dtype | None]] = set()  # (device type, dtype) where _foreach_norm fails
@@ -108,17 +126,19 @@ def foreach_norms(xs: list[torch.Tensor], order: float = 2, dtype: torch.dtype |
 
 def calls_stats(tensors: list[torch.Tensor], deferred: bool = False) -> list[tuple[list[int], list]]:
     """The statistics of non-empty tensors, on their devices, per device (and accumulation dtype): ``(indices of the
-    tensors, two 1-D tensors)`` each, which ``split_stats`` takes apart once read back one after the other: ``(min,
-    max, norm)`` of every tensor, then the sum and the 16 fingerprints of each before their division by
-    ``sqrt(numel)`` (accumulated in float32, or float64 for float64 tensors). Per tensor its block sums and
-    ``aminmax``; per group one ``_foreach_norm``, one product with the fingerprint weights for all the block sums and
-    one ``stack``: a run recording's calls have a few tensors each, and on a fast device or sim each launch, and each
-    call into torch, not its arithmetic, is the cost. ``deferred``: the block sums are left as
-    ``device_readback.Reduced`` rows, which ``DeviceReadback`` joins and multiplies by the weights for all the calls
-    of a read-back batch at once (the same numbers, row by row). The minima, maxima and norms are stacked per call
-    even then: left as 0-d tensors until the batch is sent, they would be three objects a tensor held across the
-    garbage collector's young collections, promoted into its oldest generation (a real-size Llama step: 12k objects
-    promoted instead of 18k, each costing ~2.3 us of full collections, against one launch a call). Call it under
+    tensors, two 1-D tensors)`` each, which ``split_stats`` takes apart once read back one after the other: the
+    minimum and maximum of every tensor, then their norms; then the sum and the 16 fingerprints of each before their
+    division by ``sqrt(numel)`` (accumulated in float32, or float64 for float64 tensors). Per tensor its ``aminmax`` and
+    block sums; per group one ``_foreach_norm``, one ``cat`` of the block sums and the elements left over from the
+    blocks, one product with the fingerprint weights for all the block sums and one ``stack``: a run recording's
+    calls have a few tensors each, and on a fast device or sim each launch, and each call into torch, not its
+    arithmetic, is the cost.
+    ``deferred``: the block sums are left as a ``device_readback.Reduced``, which ``DeviceReadback`` joins and
+    multiplies by the weights for all the calls of a read-back batch at once (the same numbers, row by row). The
+    minima, maxima and norms are stacked per call even then: left as 0-d tensors until the batch is sent, they would
+    be three objects a tensor held across the garbage collector's young collections, promoted into its oldest
+    generation (a real-size Llama step: 12k objects promoted instead of 18k, each costing ~2.3 us of full
+    collections, against one launch a call). Call it under
     ``torch.no_grad()``."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     # not flattened (every reduction here takes any shape), but copied where not contiguous: the norm accumulates
@@ -129,31 +149,36 @@ def calls_stats(tensors: list[torch.Tensor], deferred: bool = False) -> list[tup
     joined = []
     for (device, acc), indices in groups.items():
         xs = [values[i] for i in indices]
-        folded = [_folded(x, acc) for x in xs]
-        pieces = []
-        for x, norm in zip(xs, foreach_norms(xs, 2, acc)):
-            pieces += [*torch.aminmax(x), norm]  # 0-d each; min and max exact in any dtype: promoted by the stack
+        extrema: list[torch.Tensor] = []
+        pieces: list[torch.Tensor] = []
+        for x in xs:  # two passes over a tensor in turn: the second reads it from the cache. ``aminmax`` first: bound
+            # by its arithmetic, it pays little for reading memory, and the sum after it, bound by memory, pays less
+            extrema += torch.aminmax(x)  # min and max exact in any dtype: promoted by the stack
+            _folded(x, acc, pieces)
+        extrema += foreach_norms(xs, 2, acc)  # each tensor's min and max, then the norms: ``split_stats`` reads so
+        folded = torch.cat(pieces)  # promotes a half tail to ``acc`` exactly, as adding it to the row did
         sums = _reducer(device, acc)
         if deferred:
-            joined.append((indices, [torch.stack(pieces), Reduced(folded, sums, 1 + FINGERPRINTS)]))
+            joined.append((indices, [torch.stack(extrema), Reduced(folded, sums, 1 + FINGERPRINTS, len(xs))]))
         else:
-            stacked = folded[0].unsqueeze(0) if len(folded) == 1 else torch.stack(folded)  # (k, _BLOCKS)
-            joined.append((indices, [torch.stack(pieces), sums(stacked).reshape(-1)]))
+            joined.append((indices, [torch.stack(extrema), sums([folded]).reshape(-1)]))
     return joined
 
 
-_reducers: dict[tuple[torch.device, torch.dtype], Callable[[torch.Tensor], torch.Tensor]] = {}
+_reducers: dict[tuple[torch.device, torch.dtype], Callable[[list[torch.Tensor]], torch.Tensor]] = {}
 
 
-def _reducer(device: torch.device, acc: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``(k, _BLOCKS)`` block sums to ``(k, 1 + FINGERPRINTS)``: the sum and the fingerprints; one function per device
-    and accumulation dtype, which ``DeviceReadback`` joins the rows of."""
+def _reducer(device: torch.device, acc: torch.dtype) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    """The block sums of calls (``_folded``'s pieces joined, ``(k, 2, _BLOCKS)`` each) to ``(k, 1 + FINGERPRINTS)``
+    for their ``k`` tensors: the sum and the fingerprints; one function per device and accumulation dtype, which
+    ``DeviceReadback`` hands the calls of a whole batch."""
     reducer = _reducers.get((device, acc))
     if reducer is None:
         weights = _fingerprint_weights(device, acc)
 
-        def reducer(stacked: torch.Tensor) -> torch.Tensor:
-            return (stacked.unsqueeze(1) * weights).sum(2, dtype=acc)
+        def reducer(calls: list[torch.Tensor]) -> torch.Tensor:
+            tails, rows = (torch.cat(calls) if len(calls) > 1 else calls[0]).view(-1, 2, _BLOCKS).unbind(1)
+            return ((tails + rows).unsqueeze(1) * weights).sum(2, dtype=acc)  # each element as the tail's add gave
 
         _reducers[(device, acc)] = reducer
     return reducer
@@ -186,8 +211,8 @@ def split_stats(count: int, values: list[float]) -> list[list[float]]:
     """One group of ``calls_stats`` read back, for its ``count`` tensors: ``min, max, norm, sum, *fingerprints``
     each."""
     width = (len(values) - 3 * count) // count if count else 0
-    return [[*values[3 * k: 3 * k + 3], *values[3 * count + k * width: 3 * count + (k + 1) * width]]
-            for k in range(count)]
+    return [[values[2 * k], values[2 * k + 1], values[2 * count + k],
+             *values[3 * count + k * width: 3 * count + (k + 1) * width]] for k in range(count)]
 
 
 def stats_to_host(tensors: list[torch.Tensor]) -> list[list[float]]:

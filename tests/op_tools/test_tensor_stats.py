@@ -97,3 +97,54 @@ def test_summary_std_keeps_a_small_spread_under_a_large_mean_and_is_zero_for_one
     x = (1e4 + torch.randn(100_000) * 1e-1).float()  # a sum-of-squares formula in float32 loses it all
     assert summary(x)[2].item() == pytest.approx(x.double().std().item(), rel=1e-3)
     assert summary(torch.tensor([5.0])).tolist() == [5.0, 5.0, 0.0, 5.0, 5.0]
+
+
+def _block_sums_one_by_one(x, acc):
+    """What the recording computed for each tensor alone before its calls' tails were joined: the sums of the runs,
+    the tail added to the first blocks (a small tensor: its values padded with zeros), then the weights' product."""
+    flat = (x.double() if acc == torch.float64 else x).reshape(-1)
+    blocks, rest = divmod(flat.numel(), _BLOCKS)
+    if not blocks:
+        folded = torch.nn.functional.pad(flat.to(acc), (0, _BLOCKS - flat.numel()))
+    else:
+        folded = flat[: blocks * _BLOCKS].view(_BLOCKS, blocks).sum(1, dtype=acc)
+        if rest:
+            folded[:rest].add_(flat[blocks * _BLOCKS:])
+    return (folded.unsqueeze(0) * _fingerprint_weights(x.device, acc)).sum(1, dtype=acc)
+
+
+@pytest.mark.parametrize("device", ["cpu", "sim"])
+def test_the_block_sums_of_a_call_are_each_tensors_own_to_the_bit_signed_zeros_included(device, request):
+    # The elements left over from the blocks are joined per call and added to their rows for a whole read-back batch
+    # at once: each block sum must be the one adding the tail to its row alone gave, bit for bit (a recording of the
+    # same run must read the same across versions). Every size around the blocks, half and double tensors, zeros of
+    # both signs (the padding is -0.0, which adds nothing to any number).
+    from op_tools.numerics.device_readback import DeviceReadback
+    from op_tools.numerics.tensor_stats import calls_stats, split_stats
+
+    place = request.getfixturevalue("sim") if device == "sim" else "cpu"
+    generator = torch.Generator().manual_seed(5)
+    calls = []
+    for n in (5, _BLOCKS - 1, _BLOCKS, _BLOCKS + 1, 2 * _BLOCKS, 3000, 70_000):
+        mixed = torch.randn(n, generator=generator)
+        mixed[::3] = -0.0
+        mixed[1::5] = 0.0
+        calls.append([torch.full((n,), -0.0), mixed.to(torch.bfloat16), torch.randn(n, generator=generator) * 3,
+                      torch.randn(n, generator=generator, dtype=torch.float64), torch.zeros(n)])
+    calls = [[t.to(place) for t in tensors] for tensors in calls]
+    readback = DeviceReadback(batch=4)
+    with torch.no_grad():
+        for k, tensors in enumerate(calls):
+            readback.put([part for _, parts in calls_stats(tensors, deferred=True) for part in parts], token=k)
+        read = dict(readback.drain())
+    for k, tensors in enumerate(calls):
+        got, start = [None] * len(tensors), 0
+        for indices, parts in calls_stats(tensors):
+            size = sum(p.numel() for p in parts)
+            for i, values in zip(indices, split_stats(len(indices), read[k][start:start + size])):
+                got[i] = values
+            start += size
+        for t, values in zip(tensors, got):
+            want = _block_sums_one_by_one(t, torch.float64 if t.dtype == torch.float64 else torch.float32).tolist()
+            signs = [math.copysign(1, v) for v in values[3:]]
+            assert values[3:] == want and signs == [math.copysign(1, v) for v in want], (t.dtype, t.numel())
