@@ -686,9 +686,11 @@ AUTOCOMPARE_VERDICT_BATCH = declare(
 )
 MAX_CACHE_SIZE = declare(
     "OP_TOOLS_MAX_CACHE_SIZE", "an integer >= 1", None,
-    "The original's: OpAutoCompare appends its comparisons to its CSV whenever it holds more than this many rows, "
-    "so that a run that dies (a kernel's crash, a kill) leaves the rows of the calls checked so far. Unset: the CSV "
-    "is written once, at stop() (or at exit). The other tools write their files at stop().",
+    "The original's: OpAutoCompare appends its comparisons to its CSV, and OpTimeMeasure its calls' times to "
+    "op_elasped_info_*.csv, whenever more than this many rows are held, so that a run that dies (a kernel's crash, "
+    "a kill) leaves the rows of the calls checked or timed so far. A call's time waits for its backward, or for a "
+    "later step. Unset: each CSV is written once, at stop() (or at exit). The other tools write their files at "
+    "stop().",
     _optional_positive_count, _convert_optional_positive_count, "an int >= 1",
 )
 AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES = declare(

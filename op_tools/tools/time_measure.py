@@ -9,7 +9,8 @@ Where the device has no timing events, or with ``OP_TIME_MEASURE_SYNC=1``, each 
 synchronisations of its device instead (the host clock: all the work queued meanwhile, finished). When
 ``torch.profiler`` is running, each handled call is also a named range (``record_function``) in its trace.
 
-At ``stop()``, under ``<OP_TOOLS_RESULTS_DIR>/op_time_measure_result[/rank<N>]/``::
+At ``stop()``, under ``<OP_TOOLS_RESULTS_DIR>/op_time_measure_result[/rank<N>]/`` (the per-call CSV as the run goes
+with ``OP_TOOLS_MAX_CACHE_SIZE``, see ``Measurements``)::
 
     op_elasped_info_pid<pid>_<time>.csv      one row per call (the original's columns, "elasped" kept)
     op_elasped_summary_pid<pid>_<time>.csv   one row per op name, sorted by total time
@@ -31,7 +32,7 @@ import time
 import torch
 from torch.autograd.profiler import record_function
 
-from ..config.variables import TIME_MEASURE_SYNC
+from ..config.variables import MAX_CACHE_SIZE, TIME_MEASURE_SYNC
 from ..core.engine import OpCall, OpTool, feature, tool_work
 from ..numerics.device_timing import EventClock, HostClock, clock_for, timing_methods
 from ..output import reporting, result_files
@@ -63,7 +64,7 @@ def _start_on_current_stream(clock) -> tuple:
 
 class _CallRecord:
     __slots__ = ("name", "forward_id", "start_ns", "forward_ns", "backward_ns", "thread", "input", "output",
-                 "grad_inputs", "grad_outputs", "module", "step", "time")
+                 "grad_inputs", "grad_outputs", "module", "step", "time", "awaits_backward", "written")
 
     def __init__(self, name: str, forward_id: int, thread: int, module: str = "", step: int = 0,
                  started: float = 0.0) -> None:
@@ -77,6 +78,8 @@ class _CallRecord:
         self.backward_ns: int | None = None
         self.thread = thread
         self.input = self.output = self.grad_inputs = self.grad_outputs = ""
+        self.awaits_backward = False  # an output has a grad_fn: its backward may come
+        self.written = False  # its row is in the CSV already (OP_TOOLS_MAX_CACHE_SIZE)
 
 
 class _Span:
@@ -114,9 +117,20 @@ class Measurements:
 
     Spans arrive unread (``add``) and are read in arrival order, ``RESOLVE_BATCH`` at a time once more than
     ``MAX_PENDING`` wait, and all of them at ``resolve_all()`` (``stop()``): records and totals are complete then.
+
+    With ``limit`` (``OP_TOOLS_MAX_CACHE_SIZE``, the original's), spans are read once more than ``limit`` wait, and
+    whenever more than ``limit`` calls' rows are held, ``flush`` is handed the rows ready (``take_rows``) to append to
+    the per-call CSV, so that a run that dies (a kernel's crash, a kill) leaves the calls timed so far. A call's row is
+    ready once its backward was timed, or when none can come (no output with a ``grad_fn``), or once a later step's
+    calls are timed (its step's backward has run). A backward timed after its call's row was written is a row of its
+    own, its forward columns empty, as the original wrote it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int | None = None, flush=None) -> None:
+        self.limit, self.flush = limit, flush
+        self.unwritten: list[_CallRecord] = []  # with ``limit``: calls timed whose rows are not in the CSV yet
+        self.late: list[tuple[_CallRecord, int]] = []  # backward spans of calls written already: (record, ns)
+        self.latest_step = 0
         self.origin_ns = time.perf_counter_ns()
         self.records: list[_CallRecord] = []
         self.backward_spans: list[tuple[_CallRecord, int, int, int]] = []  # record, start, duration, thread
@@ -134,8 +148,37 @@ class Measurements:
             if self.closed:  # a backward hook that ran past stop(): the files are written already
                 return
             self.pending.append(span)
-            if len(self.pending) > MAX_PENDING:
-                self._resolve(RESOLVE_BATCH)
+            if self.limit is None:
+                if len(self.pending) > MAX_PENDING:
+                    self._resolve(RESOLVE_BATCH)
+            elif len(self.pending) > min(self.limit, MAX_PENDING):
+                self._resolve(len(self.pending))
+                if len(self.unwritten) + len(self.late) > self.limit and self.flush is not None:
+                    self.flush()
+
+    def take_rows(self, everything: bool = False) -> list[tuple[_CallRecord, int | None]]:
+        """With ``limit``: the rows ready to be written (``everything``: all those held), taken out of those held, in
+        the order the calls were timed: ``(record, None)`` a call's row, ``(record, ns)`` a backward's of its own."""
+        with self.lock:
+            ready = [r for r in self.unwritten if everything or r.backward_ns is not None or not r.awaits_backward
+                     or r.step < self.latest_step]
+            taken = {id(r) for r in ready}
+            self.unwritten = [r for r in self.unwritten if id(r) not in taken]
+            rows: list[tuple[_CallRecord, int | None]] = [(r, None) for r in ready]
+            rows += self.late
+            self.late = []
+            for r in ready:
+                r.written = True
+            return rows
+
+    def give_back(self, rows: list[tuple[_CallRecord, int | None]]) -> None:
+        """Hold again rows ``take_rows`` gave that could not be written (for ``stop()`` to write)."""
+        with self.lock:
+            calls = [r for r, late in rows if late is None]
+            for r in calls:
+                r.written = False
+            self.unwritten[:0] = calls
+            self.late[:0] = [(r, late) for r, late in rows if late is not None and not r.written]
 
     def resolve_all(self) -> None:
         with self.lock:
@@ -174,6 +217,9 @@ class Measurements:
             self.records.append(record)
         else:
             self.dropped += 1
+        if self.limit is not None:
+            self.unwritten.append(record)
+            self.latest_step = max(self.latest_step, record.step)
 
     def _add_backward(self, record: _CallRecord, start_ns: int, duration_ns: int, thread: int) -> None:
         for totals in (self.totals[record.name], self.module_totals[record.module]):
@@ -181,6 +227,8 @@ class Measurements:
             totals.backward_ns += duration_ns
             totals.backward_max = max(totals.backward_max, duration_ns)
         record.backward_ns = (record.backward_ns or 0) + duration_ns
+        if record.written:
+            self.late.append((record, duration_ns))
         if len(self.backward_spans) < MAX_CALL_RECORDS:
             self.backward_spans.append((record, start_ns, duration_ns, thread))
 
@@ -225,13 +273,16 @@ class Measurements:
         rows.sort(key=lambda r: -r["total_ms"])
         return rows
 
-    def call_rows(self, rank: int | None = None) -> list[dict]:
+    def call_rows(self, rank: int | None = None,
+                  rows: list[tuple[_CallRecord, int | None]] | None = None) -> list[dict]:
+        """The per-call CSV's rows: of every call, or of ``rows`` (``take_rows``)."""
         return [{
-            "name": r.name, "forward_id": r.forward_id, "forward_elasped": _ms(r.forward_ns),
-            "backward_elasped": "" if r.backward_ns is None else _ms(r.backward_ns), "unit": "ms",
-            "input": r.input, "output": r.output, "grad_inputs": r.grad_inputs, "grad_outputs": r.grad_outputs,
+            "name": r.name, "forward_id": r.forward_id, "forward_elasped": _ms(r.forward_ns) if late is None else "",
+            "backward_elasped": _ms(late) if late is not None else "" if r.backward_ns is None else _ms(r.backward_ns),
+            "unit": "ms", "input": r.input if late is None else "", "output": r.output if late is None else "",
+            "grad_inputs": r.grad_inputs, "grad_outputs": r.grad_outputs,
             "module": r.module, **result_files.record_fields(rank, r.step, r.time),
-        } for r in self.records]
+        } for r, late in (rows if rows is not None else [(r, None) for r in self.records])]
 
     def trace(self) -> dict:
         """Chrome trace-event JSON: one complete ("X") event per forward and per backward call, times in µs."""
@@ -293,8 +344,9 @@ class OpTimeMeasure(OpTool):
     """Time every handled call, forward and backward, with timing events on its device's stream.
 
     Keyword arguments (each overrides its variable): ``ops``, ``disable`` (``OP_TIME_MEASURE_LIST``/``_DISABLE_LIST``:
-    lists of op names, patterns or functions), ``sync`` (``OP_TIME_MEASURE_SYNC``), and ``results_dir``, ``verbose``,
-    ``print_stack``, ``strict``, ``print_ranks`` as every tool.
+    lists of op names, patterns or functions), ``sync`` (``OP_TIME_MEASURE_SYNC``), ``max_cache_size``
+    (``OP_TOOLS_MAX_CACHE_SIZE``: the per-call CSV appended as the run goes, see ``Measurements``), and
+    ``results_dir``, ``verbose``, ``print_stack``, ``strict``, ``print_ranks`` as every tool.
 
     >>> with op_tools.OpTimeMeasure() as timer:       # OP_TIME_MEASURE_LIST / OP_TIME_MEASURE_DISABLE_LIST
     ...     loss = model(x).sum(); loss.backward()
@@ -307,10 +359,12 @@ class OpTimeMeasure(OpTool):
     env_prefix = "OP_TIME_MEASURE"
     handles_transformed = True  # it times calls: what they hold is not read
     results_folder = RESULTS_FOLDER
-    keywords = {"sync": TIME_MEASURE_SYNC}
+    keywords = {"sync": TIME_MEASURE_SYNC, "max_cache_size": MAX_CACHE_SIZE}
 
     def configure(self) -> None:
-        self.measurements = Measurements()
+        self.measurements = Measurements(MAX_CACHE_SIZE.read(self.sources), self._append_rows)
+        self._appended = 0  # bytes appended to the per-call CSV before stop() (OP_TOOLS_MAX_CACHE_SIZE)
+        self._append_failed = False
         self.synchronise = TIME_MEASURE_SYNC.read(self.sources)
         self._clocks: dict[torch.device, HostClock | EventClock] = {}
         self.written: dict[str, str] = {}
@@ -381,6 +435,9 @@ class OpTimeMeasure(OpTool):
         record = span.record
         record.input = describe(call.args) + (describe(call.kwargs) if call.kwargs else "")
         record.output = describe(call.result)
+        if self.measurements.limit is not None:  # its row waits for its backward, if one may come
+            record.awaits_backward = any(isinstance(t, torch.Tensor) and t.grad_fn is not None
+                                         for t in reporting.as_tuple(call.result))
         if self._logger.isEnabledFor(logging.DEBUG):  # the table needs this call's time now: a wait per call
             timing = {"name": call.name, "forward_id": call.forward_id, "forward_elasped": _ms(span.read()[1]),
                       "unit": "ms"}
@@ -420,6 +477,28 @@ class OpTimeMeasure(OpTool):
                            + reporting.table_text([timing]))
         call.state["measurements"].add(span)
 
+    def _calls_path(self) -> str:
+        return result_files.results_path(self.common, RESULTS_FOLDER, f"op_elasped_info_{self.stem}.csv")
+
+    def _append_rows(self, everything: bool = False) -> None:
+        """Append the per-call rows ready (``everything``: all held) to the CSV; where that fails, they stay held
+        for ``stop()``, which writes the whole file (said once)."""
+        if self._append_failed:
+            return
+        measurements = self.measurements
+        rows = measurements.take_rows(everything)
+        if not rows:
+            return
+        try:
+            self._appended += result_files.append_csv(
+                self._calls_path(), [{c: row[c] for c in CALL_COLUMNS}
+                                     for row in measurements.call_rows(self.common.rank, rows)], CALL_COLUMNS)
+        except OSError as error:
+            measurements.give_back(rows)
+            self._append_failed = True
+            self._logger.warning("OpTimeMeasure: could not append to %s (%s: %s); its rows are written at stop()",
+                                 self._calls_path(), type(error).__name__, error)
+
     def unchecked_parts(self) -> list[str]:
         unread = self.measurements.unread
         if not unread:
@@ -440,22 +519,28 @@ class OpTimeMeasure(OpTool):
             measurements.closed = True  # backward run after stop() is not measured: the files are written now
         if not measurements.totals:
             return
+        appending = measurements.limit is not None and not self._append_failed
         with measurements.lock:
+            if appending:  # the rows held, after those appended as the run went
+                self._append_rows(everything=True)
             summary = measurements.summary_rows()
             modules = measurements.module_rows()
-            calls = measurements.call_rows(self.common.rank)
+            calls = [] if appending else measurements.call_rows(self.common.rank)
             trace = measurements.trace()
         stem = self.stem
         self.written = {
-            "calls": result_files.results_path(self.common, RESULTS_FOLDER, f"op_elasped_info_{stem}.csv"),
+            "calls": self._calls_path(),
             "summary": result_files.results_path(self.common, RESULTS_FOLDER, f"op_elasped_summary_{stem}.csv"),
             "modules": result_files.results_path(self.common, RESULTS_FOLDER, f"op_elasped_modules_{stem}.csv"),
             "trace": result_files.results_path(self.common, RESULTS_FOLDER, f"op_elasped_trace_{stem}.json"),
         }
         tally = self.tally.add
-        tally(self.written["calls"], result_files.write_csv(self.written["calls"],
-                                                         [{c: row[c] for c in CALL_COLUMNS} for row in calls]),
-              "per call")
+        if appending and not self._append_failed:
+            tally(self.written["calls"], self._appended, "per call")
+        else:
+            tally(self.written["calls"], result_files.write_csv(
+                self.written["calls"], [{c: row[c] for c in CALL_COLUMNS}
+                                        for row in (calls or measurements.call_rows(self.common.rank))]), "per call")
         tally(self.written["summary"], result_files.write_csv(self.written["summary"], summary), "summary")
         tally(self.written["modules"], result_files.write_csv(self.written["modules"], modules), "time per module")
         # compact: a trace has an event per call, and indenting would triple its size and writing time

@@ -281,6 +281,60 @@ for _ in range(3):
     assert "OpTimeMeasure: 3 calls of 1 ops" in done.stdout
 
 
+def _info_rows(tmp_path):
+    (calls_file,) = _result_files(tmp_path, "info")
+    with open(calls_file, newline="") as f:
+        return list(csv.DictReader(f)), f.name
+
+
+def test_max_cache_size_appends_the_calls_as_they_come_and_every_time_measured_is_in_the_file(sim, tmp_path):
+    # OP_TOOLS_MAX_CACHE_SIZE, the original's: the per-call CSV grows as the run goes. A call's row waits for its
+    # backward; a backward timed after its call's row went out is a row of its own (forward columns empty). Every
+    # call and every backward measured is in the file, once.
+    w = torch.randn(16, 16, device=sim, requires_grad=True)
+    with op_tools.OpTimeMeasure(max_cache_size=20) as timer:
+        train_llama(sim, steps=3)
+        written, _ = _info_rows(tmp_path)
+        assert len(written) > 100  # before stop(), in the file
+        kept = (w * 2).sum()  # its backward comes after a later step's calls sent its rows out
+        torch.optim.SGD([w], lr=0.1).step()
+        for _ in range(30):
+            torch.sigmoid(w)
+        kept.backward()
+    rows, name = _info_rows(tmp_path)
+    assert open(name).read().count("name,forward_id,") == 1 and tuple(rows[0]) == CALL_COLUMNS
+    m = timer.measurements
+    calls = [r for r in rows if r["forward_elasped"]]
+    assert sorted(int(r["forward_id"]) for r in calls) == sorted(r.forward_id for r in m.records)
+    backward: dict[int, float] = {}
+    for r in rows:
+        if r["backward_elasped"]:
+            backward[int(r["forward_id"])] = backward.get(int(r["forward_id"]), 0.0) + float(r["backward_elasped"])
+    timed = {r.forward_id: r.backward_ns / 1e6 for r in m.records if r.backward_ns is not None}
+    assert backward.keys() == timed.keys() and len(timed) > 100
+    assert all(abs(backward[k] - timed[k]) < 1e-5 for k in timed)
+    late = [r for r in rows if not r["forward_elasped"]]
+    assert {r["name"] for r in late} == {"torch.Tensor.mul", "torch.Tensor.sum"} and all(r["grad_inputs"] for r in late)
+    assert timer.tally.files == 4
+
+
+def test_op_tools_max_cache_size_leaves_the_calls_timed_before_a_run_dies(tmp_path):
+    script = ("import os, torch, ditorch, op_tools\n"
+              "x = torch.randn(8, device='cuda')\n"
+              "op_tools.OpTimeMeasure().start()\n"
+              "for _ in range(30):\n"
+              "    torch.sigmoid(x)\n"
+              "os._exit(0)  # as a kernel's crash or a kill: no stop(), no exit handlers\n")
+    env = child_env({"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1", "OP_TOOLS_MAX_CACHE_SIZE": "10",
+                     "OP_TOOLS_RESULTS_DIR": str(tmp_path / "results")}, drop=("OP_",))
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=300)
+    (path,) = (tmp_path / "results" / "op_time_measure_result").glob("op_elasped_info_pid*.csv")
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) >= 20 and {r["name"] for r in rows} == {"torch.sigmoid"}
+    assert all(float(r["forward_elasped"]) > 0 for r in rows)
+
+
 @pytest.mark.gpu
 def test_llama_step_on_cuda(tmp_path):
     from op_tools.numerics.device_timing import EventClock

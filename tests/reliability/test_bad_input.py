@@ -74,7 +74,7 @@ def concrete_name(name: str) -> str:
 def tool_reading(name: str):
     if "AUTOCOMPARE" in name or name.endswith("_OP_DTYPE_CAST_DICT") and name.startswith("<OPNAME>"):
         return op_tools.OpAutoCompare
-    if name == "OP_TOOLS_MAX_CACHE_SIZE":  # the original's name; only OpAutoCompare's CSV is written as it goes
+    if name == "OP_TOOLS_MAX_CACHE_SIZE":  # the original's name: OpAutoCompare's and OpTimeMeasure's CSVs as they go
         return op_tools.OpAutoCompare
     for prefix in sorted(TOOL_BY_PREFIX, key=len, reverse=True):
         if name.startswith(prefix + "_"):
