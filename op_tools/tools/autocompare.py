@@ -134,6 +134,7 @@ CONSOLE_COLUMNS = ("name", "allclose", "max_abs_diff", "max_relative_diff", "ver
 FAILURES_SHOWN = 20  # rows of the failing-ops table on the console; the CSV holds them all
 VERSUS_EAGER_WORSE = 2.0  # a compiled graph erring more than this many times its eager run is counted as worse
 _RERUN_DRAWS = "random (the CPU reference drew numbers)"
+_COMPARED_INSIDE = "compared inside"  # a call compared through the calls it makes (op_facts' compared_inside)
 # Input elements from which an op's first call learns its output dtypes on meta tensors rather than by a same-dtype
 # run (a meta run costs about a millisecond of Python whatever the size; a run on small tensors costs less).
 META_DTYPES_MIN = 1 << 16
@@ -366,8 +367,13 @@ class OpAutoCompare(OpTool):
         else:
             reason = skip_reason(call.name) or random_reason(call.name, call.args, call.kwargs)
         reason = reason or (_RERUN_DRAWS if call.name in LEARNT.drawing_reruns else None)
-        if reason == "random" and op_facts(call.name).composite:
+        facts = op_facts(call.name)
+        if (reason == "random" and facts.composite or reason is None and facts.compared_inside) and \
+                self.can_run_inside(call):
             state.inside = True  # run() descends into it
+            reason = reason or _COMPARED_INSIDE
+        elif reason == "random" and facts.composite:
+            state.inside = True  # run() descends into it (when it cannot, it stays skipped as random)
         elif reason == "random" and op_facts(call.name).replays_dropout and \
                 (rng := device_rng(call.device)) is not None:
             state.replay, reason = (rng, rng[0]()), None  # after() replays its mask
@@ -502,8 +508,12 @@ class OpAutoCompare(OpTool):
         taken = self._taken
         result = self.run_inside(call)
         inside = self._taken - taken
-        if inside:
-            call.state.skip = f"random (compared inside: {inside} call{'s' if inside != 1 else ''})"
+        random = call.state.skip != _COMPARED_INSIDE
+        calls = f"compared inside: {inside} call{'s' if inside != 1 else ''}"
+        if not random:  # compared through its parts (none taken inside it: said as well)
+            call.state.skip = calls
+        elif inside:
+            call.state.skip = f"random ({calls})"
         return result
 
     def _probe(self, device: torch.device) -> GeneratorProbe:
