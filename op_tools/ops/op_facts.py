@@ -61,6 +61,9 @@ class OpFacts:
     from_data: bool = False  # its result holds the values the program gave it (a list, an array): none computed
     rounded_once: bool = False  # each forward result element is computed wide and rounded once (comparison.py)
     collective: bool = False  # exchanges data with other ranks: this host holds only its own part of the inputs
+    # Takes CPU tensors of any size beside device ones (indices, the values a ``__setitem__`` copies): CUDA accepts
+    # them, where other ops refuse a call that mixes devices.
+    mixes_devices: bool = False
     overwrites: bool = False  # writes its first argument without reading it: what was there is no input of it
     # Other arguments it writes without reading them (lists of tensors included), when the flag holds (None: always):
     # fused SGD's first step fills its momentum buffers, made by empty_like, without reading them.
@@ -236,6 +239,10 @@ for _name, _written, _when in (
     ("torch.nn.functional.normalize", ((4, "out"),), None),
 ):
     register_op_facts(_name, writes=_written, writes_when=_when)
+
+# Ops CUDA lets take CPU tensors beside device ones (their indices; the values ``__setitem__`` copies in).
+for _name in ("__setitem__", "index_put", "_index_put_impl_"):
+    register_op_facts(_name, mixes_devices=True)
 
 # Ops whose results are random draws whatever their arguments.
 for _name in ("rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm", "bernoulli",

@@ -9,7 +9,7 @@ import torch
 
 from ..core.engine import OpCall, OpTool, feature, tool_work
 from ..numerics.device_math import DeviceMath, emulated
-from ..ops.arguments import map_tensors
+from ..ops.arguments import UnsupportedInputError, iter_tensors, map_tensors
 from ..ops.op_facts import op_facts
 from ..ops.writes import WriteSpec, call_writes, carry_writes, stand_in_made
 from ..output import reporting
@@ -103,16 +103,24 @@ def _map_values(obj, tensor_fn, other_fn):
 def _low_precision_dtypes(*objs) -> list[torch.dtype]:
     found = []
     for obj in objs:
-        for t in _tensors(obj):
+        for t in iter_tensors(obj):
             if t.dtype in LOW_PRECISION and t.dtype not in found:
                 found.append(t.dtype)
     return found
 
 
-def _tensors(obj):
-    from ..ops.arguments import iter_tensors
-
-    return iter_tensors(obj)
+def _mixes_devices(obj) -> bool:
+    """Whether the tensors in ``obj`` are on two devices other than the CPU, or on one beside a CPU tensor of
+    dim > 0 (a CPU scalar goes with any device): what a device refuses, unless the op takes indices."""
+    device, cpu = None, False
+    for t in iter_tensors(obj):
+        if t.device.type == "cpu":
+            cpu = cpu or t.dim() > 0
+        elif t.device.type != "meta":
+            if device is not None and t.device != device:
+                return True
+            device = t.device
+    return cpu and device is not None
 
 
 @feature("fallback")
@@ -145,12 +153,28 @@ class OpFallback(OpTool):
             not name.startswith("torch.Tensor.__get")
 
     def run(self, call: OpCall):
+        if not op_facts(call.name).mixes_devices and _mixes_devices((call.args, call.kwargs)):
+            # On the CPU the call would run, hiding the user's mistake (most ops on a device refuse it): the device
+            # decides, as without the tool.
+            return self._run_on_device(call, UnsupportedInputError("calls mixing devices run on the device"))
+        try:
+            copies, args, kwargs, cpu_result, dtype_back = self._run_on_cpu(call)
+        except (RuntimeError, NotImplementedError) as error:  # a kernel's failures; not a hook's control flow (a
+            # checkpoint's recomputation stops by raising): the device decides whether the error is the user's
+            return self._run_on_device(call, error)
+        with tool_work():
+            copies.write_back(call_writes(call.name), call.args, call.kwargs)
+            result = copies.to_device(cpu_result, call.device, dtype_back)
+            call.state.update(cpu_args=args, cpu_kwargs=kwargs, cpu_result=cpu_result)
+            return result
+
+    def _run_on_cpu(self, call: OpCall) -> tuple:
+        """The call run on CPU copies of its arguments: (copies, cpu args, cpu kwargs, cpu result, dtype_back)."""
         with tool_work(), emulated(DeviceMath.of(call.device).autocast_only()):
             copies = CpuCopies()
             args, kwargs = copies.to_cpu(call.args), copies.to_cpu(call.kwargs)
             try:
-                cpu_result = call.func(*args, **kwargs)
-                dtype_back: dict = {}
+                return copies, args, kwargs, call.func(*args, **kwargs), {}
             except (RuntimeError, NotImplementedError) as error:
                 low = _low_precision_dtypes(call.args, call.kwargs)
                 if not low:
@@ -162,15 +186,21 @@ class OpFallback(OpTool):
                     cpu_result = call.func(*args, **kwargs)
                 except (RuntimeError, NotImplementedError):
                     raise error from None
-                dtype_back = {torch.float32: low[0]}
-            copies.write_back(call_writes(call.name), call.args, call.kwargs)
-            result = copies.to_device(cpu_result, call.device, dtype_back)
-            call.state.update(cpu_args=args, cpu_kwargs=kwargs, cpu_result=cpu_result)
-            return result
+                return copies, args, kwargs, cpu_result, {torch.float32: low[0]}
+
+    def _run_on_device(self, call: OpCall, why: Exception):
+        """The call run as without the tool, for ``why`` (the CPU's failure): an exception raised here is the one
+        the user gets without the tool, and propagates; else the call is counted as not fallen back."""
+        result = call.func(*call.args, **call.kwargs)
+        if self.common.strict:
+            raise why
+        with tool_work():
+            self.tool_failed(call, why)
+        return result
 
     def after(self, call: OpCall) -> None:
         state = call.state
-        if self._logger.isEnabledFor(logging.DEBUG):
+        if self._logger.isEnabledFor(logging.DEBUG) and "cpu_result" in state:  # not run on the device instead
             rows = reporting.value_rows(f"{call.name} inputs", call.args, call.kwargs)
             rows += reporting.value_rows(f"{call.name} cpu_inputs", state["cpu_args"], state["cpu_kwargs"])
             rows += reporting.value_rows(f"{call.name} cpu_outputs", reporting.as_tuple(state["cpu_result"]))

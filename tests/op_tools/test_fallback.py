@@ -170,3 +170,75 @@ def test_a_non_reentrant_checkpoint_without_the_context_fn_says_what_to_pass(sim
     with pytest.raises(CheckpointError):
         _checkpointed_training(sim, op_tools.OpFallback())
     assert "context_fn=op_tools.checkpoint_context_fn" in logged()
+
+
+def _outcome(make):
+    """What a script observes of ``make()``: its result's values, or its exception's type and message."""
+    try:
+        return ("returned", make().cpu().tolist())
+    except Exception as error:  # noqa: BLE001 - the user's exception is what is compared
+        return ("raised", type(error), str(error))
+
+
+def test_a_call_mixing_devices_raises_the_devices_error_under_the_tool(sim):
+    # On the CPU a call of a CPU tensor and a device tensor runs: the user's mistake, which the device refuses,
+    # vanished under the tool. The device decides, as without it; index ops, which CUDA lets take CPU indices, and
+    # CPU scalars still fall back.
+    calls = {"add": lambda: torch.ones(3) + torch.ones(3, device=sim),
+             "mm": lambda: torch.mm(torch.ones(2, 2), torch.ones(2, 2, device=sim)),
+             "index_select": lambda: torch.ones(3, device=sim).index_select(0, torch.tensor([1]))}
+    plain = {name: _outcome(call) for name, call in calls.items()}
+    with op_tools.OpFallback() as tool:
+        tooled = {name: _outcome(call) for name, call in calls.items()}
+        scalar = torch.tensor(2.0) * torch.ones(2, device=sim)
+        x = torch.zeros(4, device=sim)
+        x[torch.tensor([1, 2])] = torch.tensor([5.0, 6.0])
+    assert all(outcome[0] == "raised" for outcome in plain.values())
+    assert tooled == plain
+    assert scalar.device.type == sim and torch.equal(x.cpu(), torch.tensor([0.0, 5.0, 6.0, 0.0]))
+    assert tool.handled["torch.Tensor.mul"] == 1 and tool.handled["torch.Tensor.__setitem__"] == 1
+    assert not tool.unsupported and not tool.unchecked
+
+
+def _scaled_by_lengths(x, lengths):
+    """Takes its lengths on the CPU, as ``pack_padded_sequence`` and ``ctc_loss`` do on CUDA."""
+    return x * float(lengths.sum())
+
+
+def test_a_call_mixing_devices_that_the_device_accepts_runs_there_and_is_counted_not_fallen_back(sim):
+    from op_tools.core import features
+
+    name = f"{__name__}._scaled_by_lengths"
+    op_tools.apply_feature(name, "fallback")
+    try:
+        tool = features._patched[name][4]
+        y = _scaled_by_lengths(torch.ones(2, device=sim), torch.tensor([1, 2]))
+    finally:
+        op_tools.remove_feature(name)
+    assert y.device.type == sim and torch.equal(y.cpu(), torch.full((2,), 3.0))
+    assert "1 call not checked (calls mixing devices run on the device)" in tool.not_checked()
+
+
+def _device_only(x):
+    """Stands in for an op with no CPU kernel."""
+    if x.device.type == "cpu":
+        raise RuntimeError("device_only has no CPU kernel")
+    return x * 2
+
+
+def test_an_op_the_cpu_cannot_run_runs_on_the_device_and_is_counted_not_fallen_back(sim):
+    # The CPU's failure is the tool's, not the user's: it killed the run. The device runs the call, as without the
+    # tool (the user's own error then comes from there, unchanged), and the closing line counts it not fallen back.
+    from op_tools.core import features
+
+    name = f"{__name__}._device_only"
+    op_tools.apply_feature(name, "fallback")
+    try:
+        tool = features._patched[name][4]
+        y = _device_only(torch.ones(3, device=sim))
+        wrong = _outcome(lambda: _device_only(torch.ones(3, device=sim), 2))
+    finally:
+        op_tools.remove_feature(name)
+    assert y.device.type == sim and torch.equal(y.cpu(), torch.full((3,), 2.0))
+    assert wrong == _outcome(lambda: _device_only(torch.ones(3, device=sim), 2)) and wrong[1] is TypeError
+    assert tool.unchecked[name] == 1 and "device_only has no CPU kernel" in tool.not_checked()
