@@ -40,11 +40,15 @@ VIEW_OPS = frozenset(
         "mT", "mH", "real", "imag", "unflatten", "flatten", "unfold", "unbind", "split", "split_with_sizes", "hsplit",
         "vsplit", "tensor_split", "swapaxes", "swapdims", "chunk", "indices", "values", "__getitem__", "adjoint",
         "T.__get__", "H.__get__", "mT.__get__", "mH.__get__", "real.__get__", "imag.__get__", "contiguous",
+        # in place: they change the tensor's shape, strides or storage, not its values (aten's ``inplace_view`` tag)
+        "unsqueeze_", "squeeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "as_strided_", "resize_",
+        "resize_as_", "set_", "detach_",
     )
 ) | frozenset(
     "torch." + n for n in (
         "reshape", "flatten", "squeeze", "unsqueeze", "transpose", "t", "permute", "narrow", "select", "split",
         "chunk", "unbind", "movedim", "view_as_real", "view_as_complex", "as_strided", "diagonal", "detach",
+        "as_strided_", "resize_as_", "detach_",
     )
 )
 

@@ -132,3 +132,23 @@ def test_what_a_widened_call_writes_reaches_the_callers_tensors_as_without_the_t
         y = torch.nn.functional.relu(x * 2)
         y.add_(1)
     assert y.dtype == torch.float16 and torch.equal(y.cpu(), (torch.relu(x.cpu() * 2) + 1))
+
+
+def test_in_place_view_ops_change_the_original_tensor_as_without_the_tool(sim):
+    # Run on a float32 copy, the float16 tensor kept its shape: unsqueeze_ and t_ raised, resize_ and as_strided_ left
+    # a (2, 3) tensor holding the new values twice over.
+    import contextlib
+
+    changes = {"unsqueeze_": lambda x: x.unsqueeze_(0), "t_": lambda x: x.t_(), "resize_": lambda x: x.resize_(3),
+               "as_strided_": lambda x: x.as_strided_((3,), (2,))}
+
+    def run(tool):
+        out = {}
+        for name, change in changes.items():
+            x = torch.arange(6.0, device=sim, dtype=torch.float16).view(2, 3).clone()
+            with tool:
+                returned = change(x)
+            out[name] = (returned.shape, returned.stride(), returned.dtype, returned.cpu().tolist())
+        return out
+
+    assert run(op_tools.OpDtypeCast()) == run(contextlib.nullcontext())

@@ -242,3 +242,26 @@ def test_an_op_the_cpu_cannot_run_runs_on_the_device_and_is_counted_not_fallen_b
     assert y.device.type == sim and torch.equal(y.cpu(), torch.full((3,), 2.0))
     assert wrong == _outcome(lambda: _device_only(torch.ones(3, device=sim), 2)) and wrong[1] is TypeError
     assert tool.unchecked[name] == 1 and "device_only has no CPU kernel" in tool.not_checked()
+
+
+IN_PLACE_VIEWS = {"unsqueeze_": lambda x: x.unsqueeze_(0), "t_": lambda x: x.t_(), "resize_": lambda x: x.resize_(3),
+                  "as_strided_": lambda x: x.as_strided_((3,), (2,)), "squeeze_": lambda x: x[:1].squeeze_()}
+
+
+def in_place_views(device, tool):
+    """Each in-place view op on a fresh tensor: whether it returned its argument, and what that holds then."""
+    out = {}
+    for name, change in IN_PLACE_VIEWS.items():
+        x = torch.arange(6.0, device=device).view(2, 3).clone()
+        with tool:
+            returned = change(x)
+        out[name] = (returned is x or returned._base is x, returned.shape, returned.stride(), returned.cpu().tolist())
+    return out
+
+
+def test_in_place_view_ops_change_the_device_tensor_as_without_the_tool(sim):
+    # Run on a CPU copy, the device tensor kept its shape: unsqueeze_ and t_ raised, resize_ and as_strided_ left a
+    # (2, 3) tensor holding the new values twice over.
+    import contextlib
+
+    assert in_place_views(sim, op_tools.OpFallback()) == in_place_views(sim, contextlib.nullcontext())

@@ -130,3 +130,19 @@ def test_a_functional_collectives_result_is_read_only_once_waited_for():
     waited = op_facts("_c10d_functional.wait_tensor.default")
     assert waited.completes and not waited.async_result and waited.collective
     assert not op_facts("torch.distributed.all_reduce").async_result  # returns once done (or hands back a Work)
+
+
+def test_every_tensor_method_torch_tags_as_an_in_place_view_is_a_view():
+    # They change a tensor's shape or strides, not its values: run on a copy (OpFallback's CPU one, OpDtypeCast's
+    # wider one), the caller's tensor kept its shape and took the copy's values, or the user's call raised.
+    import torch
+
+    tagged = []
+    for name in dir(torch.Tensor):
+        packet = getattr(torch.ops.aten, name, None) if name.endswith("_") and not name.startswith("__") else None
+        if isinstance(packet, torch._ops.OpOverloadPacket) and any(
+                torch.Tag.inplace_view in getattr(packet, overload).tags for overload in packet.overloads()):
+            tagged.append(name)
+    assert "unsqueeze_" in tagged and "resize_" in tagged
+    assert [name for name in tagged if not op_facts(f"torch.Tensor.{name}").view] == []
+    assert op_facts("torch.as_strided_").view and op_facts("torch.resize_as_").view
