@@ -74,14 +74,18 @@ class OpDtypeCast(OpTool):
         lowered = lowered_to is not None and expected is not None and lowered_to in expected
         with tool_work():
             pairs: list[tuple] = []  # (original, cast copy, *stand_in_made(cast copy))
+            made: dict[int, torch.Tensor] = {}  # a tensor passed twice (x.mul_(x), out=x) is one wide tensor too
 
             def widen(t: torch.Tensor) -> torch.Tensor:
+                wide = made.get(id(t))
+                if wide is not None:
+                    return wide
                 target = self.cast.get(t.dtype)
                 if target is None and lowered and _lowered_by_autocast(t, call.device):
                     target = self.cast[lowered_to]
                 if target is None or target == t.dtype:
                     return t
-                wide = t.to(target)  # differentiable: gradients reach the original
+                wide = made[id(t)] = t.to(target)  # differentiable: gradients reach the original
                 pairs.append((t, wide, *stand_in_made(wide)))
                 return wide
 

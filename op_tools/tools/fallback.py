@@ -55,6 +55,8 @@ class CpuCopies:
         # (device tensor, cpu tensor, the cpu tensor's version and autograd node as made)
         self.pairs: list[tuple[torch.Tensor, torch.Tensor, int | None, Any]] = []
         self.cast = cast or {}  # dtype -> wider dtype used on the CPU
+        # id(device tensor) -> its CPU copy: a tensor passed twice (x.mul_(x), out=x) is one tensor on the CPU too
+        self._made: dict[int, torch.Tensor] = {}
 
     def to_cpu(self, obj):
         return _map_values(obj, self._tensor_to_cpu, _device_to_cpu)
@@ -64,8 +66,10 @@ class CpuCopies:
             return t.to(self.cast.get(t.dtype, t.dtype))
         if t.device.type == "cpu" and t.dtype not in self.cast:
             return t
-        cpu = _moved(t, _CPU, self.cast.get(t.dtype, t.dtype))  # gradients flow back to the device tensor
-        self.pairs.append((t, cpu, *stand_in_made(cpu)))
+        cpu = self._made.get(id(t))
+        if cpu is None:
+            cpu = self._made[id(t)] = _moved(t, _CPU, self.cast.get(t.dtype, t.dtype))  # gradients flow back
+            self.pairs.append((t, cpu, *stand_in_made(cpu)))
         return cpu
 
     def write_back(self, writes: WriteSpec, args: tuple, kwargs: dict) -> None:

@@ -152,3 +152,13 @@ def test_in_place_view_ops_change_the_original_tensor_as_without_the_tool(sim):
         return out
 
     assert run(op_tools.OpDtypeCast()) == run(contextlib.nullcontext())
+
+
+def test_a_tensor_passed_twice_is_widened_once(sim):
+    # Each occurrence had its own float32 copy: the write went to one, and the other, unwritten, was carried back
+    # last (x.mul_(x) left x as it was).
+    import contextlib
+
+    from test_fallback import writes_through_a_tensor_passed_twice as writes
+
+    assert writes(sim, torch.float16, op_tools.OpDtypeCast()) == writes(sim, torch.float16, contextlib.nullcontext())

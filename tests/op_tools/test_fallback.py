@@ -265,3 +265,23 @@ def test_in_place_view_ops_change_the_device_tensor_as_without_the_tool(sim):
     import contextlib
 
     assert in_place_views(sim, op_tools.OpFallback()) == in_place_views(sim, contextlib.nullcontext())
+
+
+def writes_through_a_tensor_passed_twice(device, dtype, tool):
+    """``x.mul_(x)`` and ``add(x, x, out=x)``: what x holds after each, and its version counter."""
+    x = torch.full((3,), 3.0, device=device, dtype=dtype)
+    seen = []
+    with tool:
+        for write in (lambda: x.mul_(x), lambda: torch.add(x, x, out=x), lambda: x.addcmul_(x, x)):
+            returned = write()
+            seen.append((returned is x, x.cpu().tolist(), x._version))
+    return seen
+
+
+def test_a_tensor_passed_twice_is_one_tensor_on_the_cpu(sim):
+    # Each occurrence had its own CPU copy: the write went to one, and the other, unwritten, was carried back
+    # last (x.mul_(x) left x as it was), moving the version counter once per copy.
+    import contextlib
+
+    plain = writes_through_a_tensor_passed_twice(sim, torch.float32, contextlib.nullcontext())
+    assert plain == writes_through_a_tensor_passed_twice(sim, torch.float32, op_tools.OpFallback())
