@@ -185,8 +185,14 @@ def carry_writes(pairs: list, writes: WriteSpec, args: tuple, kwargs: dict) -> N
 
 def carry_write(original: torch.Tensor, stand_in: torch.Tensor, made_by) -> None:
     """Give ``original`` what a call wrote into ``stand_in``, made by autograd node ``made_by`` (``stand_in.grad_fn``
-    then). Recorded by autograd only where the call's own write was (``stand_in``'s node moved on): written outside
-    autograd (``torch.nn.init``'s functions, under ``no_grad`` inside), a parameter takes the values as it would have
-    on the device, where autograd refuses an in-place op on a leaf that requires grad."""
+    then), and its shape where the call resized it (``out=``). Recorded by autograd only where the call's own write
+    was (``stand_in``'s node moved on): written outside autograd (``torch.nn.init``'s functions, under ``no_grad``
+    inside), a parameter takes the values as it would have on the device, where autograd refuses an in-place op on a
+    leaf that requires grad."""
+    if original.shape != stand_in.shape:
+        # an ``out=`` tensor the op resized: resized inside the op's kernel on the device, which moves its version
+        # counter once, for the write (copy_ below); resize_ above ADInplaceOrView would move it again
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            original.resize_(stand_in.shape)
     with torch.set_grad_enabled(torch.is_grad_enabled() and stand_in.grad_fn is not made_by):
         original.copy_(stand_in)

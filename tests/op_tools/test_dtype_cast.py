@@ -162,3 +162,13 @@ def test_a_tensor_passed_twice_is_widened_once(sim):
     from test_fallback import writes_through_a_tensor_passed_twice as writes
 
     assert writes(sim, torch.float16, op_tools.OpDtypeCast()) == writes(sim, torch.float16, contextlib.nullcontext())
+
+
+def test_out_tensors_are_resized_as_without_the_tool(sim):
+    # The op resized the wide copy, and its values could not be copied into the original: the user's call raised.
+    import contextlib
+
+    from test_fallback import outputs_resized
+
+    assert outputs_resized(sim, torch.float16, op_tools.OpDtypeCast()) == \
+        outputs_resized(sim, torch.float16, contextlib.nullcontext())

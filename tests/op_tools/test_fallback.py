@@ -285,3 +285,22 @@ def test_a_tensor_passed_twice_is_one_tensor_on_the_cpu(sim):
 
     plain = writes_through_a_tensor_passed_twice(sim, torch.float32, contextlib.nullcontext())
     assert plain == writes_through_a_tensor_passed_twice(sim, torch.float32, op_tools.OpFallback())
+
+
+def outputs_resized(device, dtype, tool):
+    """``out=`` tensors of the wrong size, which the op resizes: their shapes, values and version counters."""
+    x = torch.tensor([3.0, 1.0, 2.0], device=device, dtype=dtype)
+    out, values, indices = (torch.empty(0, device=device, dtype=dtype), torch.empty(0, device=device, dtype=dtype),
+                            torch.empty(0, device=device, dtype=torch.long))
+    with tool:
+        torch.add(x, 1, out=out)
+        torch.sort(x, out=(values, indices))
+    return [(t.shape, t.cpu().tolist(), t._version) for t in (out, values, indices)]
+
+
+def test_out_tensors_are_resized_as_without_the_tool(sim):
+    # The op resized the CPU copy, and its values could not be copied into the device tensor: the user's call raised.
+    import contextlib
+
+    plain = outputs_resized(sim, torch.float32, contextlib.nullcontext())
+    assert plain == outputs_resized(sim, torch.float32, op_tools.OpFallback())
