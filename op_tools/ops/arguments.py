@@ -134,6 +134,15 @@ _transforms_active = torch._C._are_functorch_transforms_active
 _wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
+def promoted_dtype(args, kwargs) -> torch.dtype | None:
+    """The dtype type promotion gives the call's floating tensors (what the op returns with autocast off)."""
+    promoted = None
+    for t in iter_tensors((args, kwargs)):
+        if t.is_floating_point():
+            promoted = t.dtype if promoted is None else torch.promote_types(promoted, t.dtype)
+    return promoted
+
+
 def in_transform(args, kwargs) -> bool:
     """Whether a call works on ``torch.func`` transforms' tensors (``vmap``'s batched tensors, ``grad``'s wrappers):
     they have no storage to read, copy or save, and one logical value stands for a batch of them. One call into torch

@@ -10,7 +10,7 @@ import torch
 from ..config.variables import DTYPE_CAST_DICT, narrows
 from ..core.engine import OpCall, OpTool, feature, tool_work
 from ..numerics.device_math import DeviceMath, emulated
-from ..ops.arguments import iter_items, iter_tensors, map_tensors
+from ..ops.arguments import iter_items, iter_tensors, map_tensors, promoted_dtype
 from ..ops.op_facts import op_facts
 from ..ops.writes import call_writes, carry_writes, stand_in_made
 from ..output import reporting
@@ -107,7 +107,7 @@ class OpDtypeCast(OpTool):
                 _unknown_op_dtypes(raw_tensors, (args, kwargs), (call.args, call.kwargs))
             if lowered and wanted is expected:
                 # An output autocast would have lowered gets the dtype the op gives its own inputs without autocast.
-                unlowered = _promoted_dtype(call.args, call.kwargs)
+                unlowered = promoted_dtype(call.args, call.kwargs)
                 wanted = [unlowered if dtype == lowered_to and unlowered is not None else dtype for dtype in expected]
                 ran = {raw.dtype for raw, dtype in zip(raw_tensors, expected) if dtype == lowered_to}
                 if ran:
@@ -188,7 +188,7 @@ def _unknown_op_dtypes(outputs: list, widened: tuple, given: tuple) -> list:
     inputs promote to gets the one the caller's inputs promote to (what an elementwise op or a reduction returns);
     every other one keeps its dtype, and so do all when the call names a dtype (``sum(x, dtype=torch.float32)``:
     the op returns that one whatever its inputs)."""
-    wide, plain = _promoted_dtype(*widened), _promoted_dtype(*given)
+    wide, plain = promoted_dtype(*widened), promoted_dtype(*given)
     if plain is None or any(isinstance(v, torch.dtype) for _, v in iter_items(given)):
         return [t.dtype for t in outputs]
     return [plain if t.dtype == wide else t.dtype for t in outputs]
@@ -197,15 +197,6 @@ def _unknown_op_dtypes(outputs: list, widened: tuple, given: tuple) -> list:
 def _lowered_by_autocast(t: torch.Tensor, device: torch.device) -> bool:
     """Whether autocast would cast ``t`` down at an op it lowers: a floating tensor on its device, float64 aside."""
     return t.is_floating_point() and t.dtype != torch.float64 and t.device.type == device.type
-
-
-def _promoted_dtype(args, kwargs) -> torch.dtype | None:
-    """The dtype type promotion gives the call's floating tensors (what the op returns with autocast off)."""
-    promoted = None
-    for t in iter_tensors((args, kwargs)):
-        if t.is_floating_point():
-            promoted = t.dtype if promoted is None else torch.promote_types(promoted, t.dtype)
-    return promoted
 
 
 def _tensor_items(args, kwargs):

@@ -9,7 +9,7 @@ import torch
 
 from ..core.engine import OpCall, OpTool, feature, tool_work
 from ..numerics.device_math import DeviceMath, emulated
-from ..ops.arguments import UnsupportedInputError, iter_tensors, map_tensors
+from ..ops.arguments import UnsupportedInputError, iter_items, iter_tensors, map_tensors, promoted_dtype
 from ..ops.op_facts import op_facts
 from ..ops.writes import WriteSpec, call_writes, carry_writes, stand_in_made
 from ..output import reporting
@@ -190,7 +190,12 @@ class OpFallback(OpTool):
                     cpu_result = call.func(*args, **kwargs)
                 except (RuntimeError, NotImplementedError):
                     raise error from None
-                return copies, args, kwargs, cpu_result, {torch.float32: low[0]}
+                # Outputs in the dtype the float32 copies promote to get the one the caller's tensors promote to
+                # (float16 + float32 stays float32), unless the call names its dtype (OpDtypeCast's rule).
+                wide, plain = promoted_dtype(args, kwargs), promoted_dtype(call.args, call.kwargs)
+                named = any(isinstance(v, torch.dtype) for _, v in iter_items((call.args, call.kwargs)))
+                dtype_back = {} if named or wide is None or plain is None else {wide: plain}
+                return copies, args, kwargs, cpu_result, dtype_back
 
     def _run_on_device(self, call: OpCall, why: Exception):
         """The call run as without the tool, for ``why`` (the CPU's failure): an exception raised here is the one

@@ -76,6 +76,26 @@ def test_float16_is_upcast_when_the_cpu_rejects_it(sim):
     assert torch.equal(y.cpu(), torch.full((3,), 2.0, dtype=torch.float16))
 
 
+def half_unfriendly_sum(a, b):
+    """Stands in for a CPU kernel without float16 support, of two tensors."""
+    if a.device.type == "cpu" and torch.float16 in (a.dtype, b.dtype):
+        raise RuntimeError('"half_unfriendly_sum" not implemented for \'Half\'')
+    return a + b
+
+
+def test_a_float32_output_stays_float32_when_the_cpu_rejects_float16(sim):
+    # Every float32 output of the retry was handed back in float16, the result of float16 + float32 too.
+    x16, x32 = torch.ones(3, device=sim, dtype=torch.float16), torch.full((3,), 0.5, device=sim)
+    plain = half_unfriendly_sum(x16, x32), half_unfriendly_sum(x16, x16)
+    op_tools.apply_feature(f"{__name__}.half_unfriendly_sum", "fallback")
+    try:
+        tooled = half_unfriendly_sum(x16, x32), half_unfriendly_sum(x16, x16)
+    finally:
+        op_tools.remove_feature(f"{__name__}.half_unfriendly_sum")
+    assert [(t.dtype, t.cpu().tolist()) for t in tooled] == [(t.dtype, t.cpu().tolist()) for t in plain]
+    assert [t.dtype for t in tooled] == [torch.float32, torch.float16]
+
+
 def test_an_embedding_with_sparse_gradients_falls_back_and_trains_as_on_the_device(sim):
     # Tensor.to's backward converts the gradient to the input's layout, which PyTorch refuses for a sparse one: the
     # user's backward() failed under the tool. The move's own backward keeps the gradient's layout.
