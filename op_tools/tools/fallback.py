@@ -136,6 +136,10 @@ class OpFallback(OpTool):
     autocast the CPU run casts as the device's autocast would (``device_math``), so the op returns what it returns
     on the device.
 
+    A call that mixes devices (a CPU tensor of dim > 0 beside a device's; index ops aside) or that the CPU cannot run
+    runs on the device, as without the tool: the device's exception, the user's, propagates unchanged; a call it
+    runs is counted as not fallen back.
+
     Keyword arguments (each overrides its variable): ``ops``, ``disable`` (``OP_FALLBACK_LIST``/``_DISABLE_LIST``:
     lists of op names, patterns or functions), and ``results_dir``, ``verbose``, ``print_stack``, ``strict``,
     ``print_ranks`` as every tool.
