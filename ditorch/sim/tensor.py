@@ -36,6 +36,18 @@ _MIXED_DEVICE_OK = {
     "aten::set_", "aten::is_set_to", "aten::_has_same_storage_numel", "aten::is_same_size",
 }
 
+# Arguments CUDA takes on the CPU beside device tensors, where the op reads them on the host: sequence lengths and a
+# packed sequence's batch sizes (which PyTorch keeps on the CPU), CTC's lengths.
+_CPU_ARGUMENTS = {
+    "aten::_pack_padded_sequence": ("lengths",), "aten::_pad_packed_sequence": ("batch_sizes",),
+    **{f"aten::{rnn}": ("batch_sizes",) for rnn in ("lstm", "gru", "rnn_tanh", "rnn_relu")},
+    "aten::_ctc_loss": ("input_lengths", "target_lengths"),
+    "aten::_ctc_loss_backward": ("input_lengths", "target_lengths"),
+}
+
+# Results a real device's kernel computes on the host and returns there: a packed sequence's batch sizes.
+_CPU_RESULTS = {"aten::_pack_padded_sequence": 1}
+
 # Composite ops run as torch defines them when they reach the device (see _OpInfo.decomposed).
 _DECOMPOSED = {"aten::to"}
 
@@ -367,12 +379,17 @@ def _sync_metadata(tensor: SimTensor) -> None:
 class _OpInfo:
     """What run_op needs to know of an op, computed once from its schema."""
 
-    __slots__ = ("name", "mutated_args", "mutated_kwargs", "is_view", "mixed_ok", "launches", "decomposed")
+    __slots__ = ("name", "mutated_args", "mutated_kwargs", "is_view", "mixed_ok", "launches", "decomposed",
+                 "cpu_arguments", "cpu_result")
 
     def __init__(self, func) -> None:
         schema = func._schema
         self.name = schema.name
         self.mixed_ok = schema.name in _MIXED_DEVICE_OK
+        names = _CPU_ARGUMENTS.get(schema.name, ())
+        # (position, name) of the arguments that may be CPU tensors (empty: none may)
+        self.cpu_arguments = tuple((i, a.name) for i, a in enumerate(schema.arguments) if a.name in names)
+        self.cpu_result: int | None = _CPU_RESULTS.get(schema.name)  # the position of a result left on the CPU
         # Tensor.to reaches the device only under inference mode (elsewhere autograd's key decomposes it first): its
         # device is positional, and run as one kernel its host result was wrapped as a sim tensor. Run as torch
         # defines it, its _to_copy says where the result goes.
@@ -486,6 +503,15 @@ def run_op(func, args, kwargs):
             _set_eval_frame(prior)
 
 
+def _cpu_only_where_allowed(info: _OpInfo, args: tuple, kwargs: dict) -> bool:
+    """Whether every CPU tensor of dim > 0 among a call's arguments is one ``info.cpu_arguments`` names."""
+    allowed = {position for position, _ in info.cpu_arguments}
+    names = {name for _, name in info.cpu_arguments}
+    others = [a for i, a in enumerate(args) if i not in allowed] + [v for k, v in kwargs.items() if k not in names]
+    return not any(type(t) is torch.Tensor and t.dim() and t.is_cpu
+                   for a in others for t in (a if isinstance(a, (list, tuple)) else (a,)))
+
+
 def _run_op(func, args, kwargs):
     info = _INFO.get(func)
     if info is None:
@@ -496,7 +522,8 @@ def _run_op(func, args, kwargs):
     value = unwrapped.value
     cpu_args = [value(a) for a in args]
     cpu_kwargs = {k: value(v) for k, v in kwargs.items()} if kwargs else kwargs
-    if unwrapped.other_device is not None and unwrapped.sim_index is not None and not info.mixed_ok:
+    if unwrapped.other_device is not None and unwrapped.sim_index is not None and not info.mixed_ok and not (
+            unwrapped.other_device == "cpu" and info.cpu_arguments and _cpu_only_where_allowed(info, args, kwargs)):
         raise RuntimeError(
             "Expected all tensors to be on the same device, but found at least two devices, "
             f"sim:{unwrapped.sim_index} and {unwrapped.other_device}!"
@@ -542,6 +569,8 @@ def _run_op(func, args, kwargs):
         _faults.TABLE.after(active_faults, dtypes, _flat_tensors(out))
     if index is None:
         return out
+    if info.cpu_result is not None:  # that result stays a CPU tensor, as the device's kernel returns it
+        return tuple(o if i == info.cpu_result else _wrap_outputs(o, unwrapped.pairs, index) for i, o in enumerate(out))
     return _wrap_outputs(out, unwrapped.pairs, index)
 
 

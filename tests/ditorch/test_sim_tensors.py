@@ -61,6 +61,30 @@ def test_mixing_devices_raises_like_cuda():
 
 
 @pytest.mark.usefixtures("sim")
+def test_a_packed_sequence_keeps_its_batch_sizes_on_the_cpu_as_on_cuda():
+    # CUDA takes a sequence's lengths on the CPU (it requires them there) and keeps a PackedSequence's batch sizes on
+    # the CPU, where an LSTM reads them; an LSTM over variable-length sequences is a common recipe.
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(4, 6, batch_first=True)
+    x, lengths = torch.randn(3, 5, 4), torch.tensor([5, 3, 2])
+
+    def run(device):
+        leaf = x.clone().requires_grad_()
+        packed = pack_padded_sequence(leaf.to(device), lengths, batch_first=True)
+        padded, found = pad_packed_sequence(lstm.to(device)(packed)[0], batch_first=True)
+        padded.square().sum().backward()
+        return packed.batch_sizes.device, padded.detach().cpu(), leaf.grad, found
+
+    on_cpu, on_sim = run("cpu"), run("sim")
+    assert on_sim[0] == torch.device("cpu") and on_sim[3].tolist() == [5, 3, 2]
+    assert torch.allclose(on_sim[1], on_cpu[1], atol=1e-6) and torch.allclose(on_sim[2], on_cpu[2], atol=1e-6)
+    with pytest.raises(RuntimeError, match="same device"):  # a state on the CPU is still the user's mistake
+        torch.nn.LSTM(4, 6).to("sim")(torch.randn(5, 3, 4, device="sim"), (torch.zeros(1, 3, 6), torch.zeros(1, 3, 6)))
+
+
+@pytest.mark.usefixtures("sim")
 def test_views_alias_their_base():
     base = torch.arange(12.0, device="sim").view(3, 4)
     transposed = base.t()
