@@ -89,7 +89,7 @@ def test_with_nothing_in_the_host_copy_cache_a_clean_run_fails_nothing_and_the_f
     assert tool.failures and tool.failures[0]["op"].endswith(suffix), tool.failures[:1]
 
 
-@pytest.mark.parametrize("workload", zoo.ZOO, ids=IDS)
+@pytest.mark.parametrize("workload", zoo.ZOO + zoo.IN_FLOAT32, ids=[w.name for w in zoo.ZOO + zoo.IN_FLOAT32])
 def test_summing_as_a_gpu_a_clean_run_fails_nothing_and_the_faults_are_found_first(sim, workload):
     """``DITORCH_SIM_NUMERICS=gpu``: sim's sums in a CUDA reduction's order, legitimately not the CPU's (issue 34)."""
     import ditorch.sim
