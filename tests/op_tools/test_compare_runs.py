@@ -579,3 +579,29 @@ def test_the_same_nan_in_both_runs_leaves_a_pair_not_compared_and_finite_extreme
     # with an inf, the minimum stays finite and is compared: the noise is found
     inf = compare(record("c", float("inf")), record("d", float("inf"), "mul:noise=1e-1"))
     assert inf.verdict() == "found" and inf.rows[0].detail == "outputs[0] min"
+
+
+# --- alignment: a call one run inserts among like calls shifts the indices after it ---
+
+def test_a_model_moved_to_the_device_while_recording_aligns_each_parameter_with_itself(sim, tmp_path, monkeypatch):
+    # sim's Module.to makes a detach per parameter, the CPU's none: after the first one, the same index and op in
+    # the module ("", its to) is the next parameter's, and pairing by it compared different tensors, the first of
+    # them said to differ "from outside the recording" between two runs of the same numbers.
+    from tiny_models import mlp
+
+    monkeypatch.setenv("OP_CAPTURE_MODE", "stats")
+    paths = []
+    for device in ("cpu", sim):
+        monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / str(device)))
+        torch.manual_seed(0)
+        model, x = mlp(), torch.randn(4, 16)
+        with op_tools.OpCapture() as capture:
+            model.to(device)
+            model(x.to(device)).sum()
+        paths.append(capture.recorder.file.path)
+    result = compare(*paths)
+    moved = [r for r in result.rows if not r.structural and r.op == "torch.Tensor.to"]
+    assert len(moved) == 7  # the 6 parameters and the input, each with itself
+    assert all(r.a["inputs"][0][2] == r.b["inputs"][0][2] and r.difference == 0 for r in moved)
+    assert [(r.match, r.op) for r in result.structural] == [("only B", "torch.Tensor.detach")] * 6
+    assert result.divergences == [] and result.verdict() == "clean", [r.verdict_detail for r in result.divergences]

@@ -4,8 +4,12 @@ Calls are grouped by (step, phase, module path); groups of the same key are alig
 one run only is a structural difference. Inside a group, the calls are matched in passes, each over what the
 previous ones left between their matches (``difflib.SequenceMatcher``, order kept):
 
-1. ``exact``: the same index in the module and the same op;
-2. ``name``: the same op and tensor shapes, whatever the index (a call inserted before shifts the indices);
+1. by op and tensor shapes, in order, whatever the index (a call inserted before shifts the indices): ``exact``
+   where the indices are the same too, else ``name``. Not by index first: after a call one run inserts (a
+   ``detach`` sim's ``Module.to`` makes per parameter), the same index and op is the next call of a run of like
+   calls (the next parameter's ``to``), and pairing by it compared different tensors;
+2. ``exact``: the same index in the module and the same op, among the calls left (their shapes differ between the
+   runs: another batch size, another shard);
 3. ``similar``: the same op type (``add`` for ``torch.add``, ``torch.Tensor.add_``), the same output shapes and
    output norms within the tolerance (one backend's ``torch.Tensor.add`` is the other's ``torch.add``).
 
@@ -98,8 +102,8 @@ def _similar(a: dict, b: dict, close: Callable[[list, list], bool]) -> bool:
 def align_calls(la: list[dict], lb: list[dict], close: Callable[[list, list], bool]) -> list[tuple]:
     """``[(a or None, b or None, match)]`` for two calls lists of one group, in order."""
     out: list[tuple] = []
-    _match(la, lb, [("exact", _exact_key), ("name", _name_key)], close, out)
-    return out
+    _match(la, lb, [("name", _name_key), ("exact", _exact_key)], close, out)
+    return [(a, b, "exact" if match == "name" and a["index"] == b["index"] else match) for a, b, match in out]
 
 
 def _match(la: list, lb: list, passes: list, close, out: list) -> None:
