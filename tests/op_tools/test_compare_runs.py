@@ -2,6 +2,7 @@
 
 import csv
 import json
+import math
 import os
 import re
 import subprocess
@@ -17,7 +18,7 @@ from tiny_models import tiny_llama
 import op_tools
 from op_tools.offline.compare_runs import Tolerances, compare
 from op_tools.offline.compare_runs.html_view import render
-from op_tools.offline.compare_runs.verdict import DEFAULT_TOLERANCES
+from op_tools.offline.compare_runs.verdict import DEFAULT_TOLERANCES, difference
 
 FAULTY_OP = "model.layers.1.mlp.act_fn"  # the silu of layer 1's MLP
 
@@ -605,3 +606,34 @@ def test_a_model_moved_to_the_device_while_recording_aligns_each_parameter_with_
     assert all(r.a["inputs"][0][2] == r.b["inputs"][0][2] and r.difference == 0 for r in moved)
     assert [(r.match, r.op) for r in result.structural] == [("only B", "torch.Tensor.detach")] * 6
     assert result.divergences == [] and result.verdict() == "clean", [r.verdict_detail for r in result.divergences]
+
+
+def test_the_same_nan_with_counts_unknown_in_one_run_is_not_compared_not_a_divergence(tmp_path, monkeypatch):
+    # A tensor holding a NaN, written in place before its statistics were read back, has the counts -1 (unknown).
+    # When they are read depends on the device (64 calls a copy, and when its event completes): here run B reads
+    # each call's at once. The same NaN in both runs is no divergence: its values are not compared, and it says so.
+    from op_tools.output import run_recording
+
+    def record(run):
+        monkeypatch.setenv("OP_CAPTURE_MODE", "stats")
+        monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / run))
+        x = torch.linspace(-1, 1, 100)
+        x[3] = float("nan")
+        with op_tools.OpCapture() as capture:
+            y = x * 2
+            y.add_(1)  # y written before run A read its counts
+            y.sum()
+        return capture.recorder.file.path
+
+    a = record("a")
+    monkeypatch.setattr(run_recording, "READBACK_BATCH", 1)
+    b = record("b")
+    result = compare(a, b)
+    mul = next(r for r in result.rows if r.op == "torch.Tensor.mul")
+    assert mul.a["outputs"][0][7:9] == [-1, -1] and mul.b["outputs"][0][7:9] == [1, 0]  # the premise
+    assert result.divergences == [] and result.verdict() == "unchecked"
+    assert mul.not_compared == ("outputs[0] nan/inf ?/? vs 1/0 (? unknown: written in place before it was counted) "
+                                "in both runs: its other values not compared")
+    # a NaN in one run only is still a divergence, counted or not
+    y = [0.0] * 22
+    assert difference(["[0]", "float32", [4], *y[:4], -1, -1, *y[6:]], ["[0]", "float32", [4], *y])[0] == math.inf

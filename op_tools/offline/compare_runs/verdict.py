@@ -4,8 +4,9 @@
 the change of the mean relative to the tensors' RMS, the relative change of the norm, and the root mean square
 change of the fingerprints relative to the RMS, an estimate of the elementwise difference (tensor_stats.py).
 Elementwise noise of a relative size ``r`` moves the extremes and that estimate by about ``r``; a different count
-of nan or inf is an infinite difference. The same nan or inf in both leaves only the statistics that stay finite
-(``nonfinite_in_both`` says so): the pair's values were not compared, and the pair is not counted as agreeing.
+of nan or inf is an infinite difference. The same nan or inf in both, or nan or inf in both with one run's counts
+unknown (-1), leaves only the statistics that stay finite (``nonfinite_in_both`` says so): the pair's values were
+not compared, and the pair is not counted as agreeing.
 
 The tolerance of a pair of calls (comparison.py applies it) is the base tolerance of the lowest floating precision
 involved, the pair's own dtypes or any used before it in either run (error carried from a bfloat16 matmul into
@@ -21,6 +22,7 @@ import math
 
 from ...config.variables import COMPARE_RUNS_TOLERANCES, parse_dtype_tolerances
 from ...numerics.tensor_stats import STAT_FIELDS
+from ...output.run_recording import UNKNOWN_COUNT
 
 _MIN, _MAX, _MEAN, _NORM, _NAN, _INF, _FINGERPRINTS = range(7)  # fingerprints: from index 6 on
 _STATS_AT = 3  # a recorded tensor is [where, dtype, shape, *stats]
@@ -47,12 +49,29 @@ def _close(x: float, y: float) -> bool:
     return x == y or (math.isnan(x) and math.isnan(y))
 
 
+def _counts_unknown(sa: list, sb: list) -> bool:
+    """Both tensors hold nan or inf, and one's counts are unknown (``UNKNOWN_COUNT``, -1: written in place before
+    they were read, which depends on when each device's statistics arrived): whether the counts are the same is
+    not known, which is no difference."""
+    nonfinite = (sa[_NAN] or sa[_INF]) and (sb[_NAN] or sb[_INF])  # a count is read only for non-finite statistics
+    return bool(nonfinite) and UNKNOWN_COUNT in (sa[_NAN], sa[_INF], sb[_NAN], sb[_INF])
+
+
+def _counts(s: list) -> str:
+    return "?/?" if s[_NAN] == UNKNOWN_COUNT else f"{int(s[_NAN])}/{int(s[_INF])}"
+
+
 def nonfinite_in_both(a: list, b: list) -> str:
     """Why two recorded tensors' values could not be compared ('' when they could): both hold nan or inf, the same
-    counts, so the statistics summed over every element (mean, norm, fingerprints) are nan or inf in both runs and
-    only finite extremes, if any, were compared by ``difference``."""
+    counts (or counts unknown in one run), so the statistics summed over every element (mean, norm, fingerprints)
+    are nan or inf in both runs and only finite extremes, if any, were compared by ``difference``."""
     sa, sb = a[_STATS_AT:], b[_STATS_AT:]
-    if not sa or not sb or not (sa[_NAN] or sa[_INF]) or (sa[_NAN], sa[_INF]) != (sb[_NAN], sb[_INF]):
+    if not sa or not sb or not (sa[_NAN] or sa[_INF]):
+        return ""
+    if _counts_unknown(sa, sb):
+        return (f"nan/inf {_counts(sa)} vs {_counts(sb)} (? unknown: written in place before it was counted) in "
+                "both runs: its other values not compared")
+    if (sa[_NAN], sa[_INF]) != (sb[_NAN], sb[_INF]):
         return ""
     return f"nan/inf {int(sa[_NAN])}/{int(sa[_INF])} in both runs: its other values not compared"
 
@@ -62,7 +81,7 @@ def difference(a: list, b: list) -> tuple[float, str]:
     sa, sb = a[_STATS_AT:], b[_STATS_AT:]
     if not sa or not sb:
         return (0.0, "") if not sa and not sb else (math.inf, "empty in one run")
-    if sa[_NAN] != sb[_NAN] or sa[_INF] != sb[_INF]:
+    if (sa[_NAN] != sb[_NAN] or sa[_INF] != sb[_INF]) and not _counts_unknown(sa, sb):
         return math.inf, f"nan/inf {int(sa[_NAN])}/{int(sa[_INF])} vs {int(sb[_NAN])}/{int(sb[_INF])}"
     numel_a, numel_b = math.prod(a[2]), math.prod(b[2])
     rms = max(sa[_NORM] / math.sqrt(max(numel_a, 1)), sb[_NORM] / math.sqrt(max(numel_b, 1)))
