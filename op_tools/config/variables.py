@@ -528,10 +528,15 @@ def parse_positive_count(text: str | None) -> int:
     return value
 
 
+def convert_positive_count(value: Any) -> int:
+    return parse_positive_count(str(convert_count(value)))
+
+
 CAPTURE_STATS_MAX_TENSORS = declare(
     "OP_CAPTURE_STATS_MAX_TENSORS", "an integer >= 1", "16",
     "In stats mode, how many tensors of each side of a call (inputs, outputs, gradients) are recorded; the others "
     "are counted. Bounds the bytes a call adds to the recording (about 150 per tensor).", parse_positive_count,
+    convert_positive_count, "an int >= 1",  # OpCapture(stats_max_tensors=64), as the other counts take
 )
 
 
@@ -654,10 +659,6 @@ def torchrun_rank() -> int | None:
 # --- TrainingMonitor (config/training_monitor.py gathers them into TrainingMonitorConfig) ---
 
 BLOCKS = "blocks"  # OP_TRAINING_MONITOR_ACTIVATIONS: the items of every nn.ModuleList (a transformer's layers)
-
-
-def convert_positive_count(value: Any) -> int:
-    return parse_positive_count(str(convert_count(value)))
 
 
 _REFERENCE_CHOICE = parse_choice("cpu", "device", "auto")

@@ -93,6 +93,17 @@ def test_a_call_records_at_most_the_configured_number_of_tensors(monkeypatch):
     assert record["omitted"] == {"inputs": 3}
 
 
+def test_the_number_of_tensors_recorded_is_a_keyword_taking_an_int_as_the_other_counts_do():
+    # it took only text ("2"), an int was a TypeError
+    tensors = [torch.randn(3) for _ in range(5)]
+    with op_tools.OpCapture(mode="stats", stats_max_tensors=2) as capture:
+        torch.cat(tensors)
+    _, (record,) = read_recording(capture.recorder.file.path)
+    assert record["omitted"] == {"inputs": 3}
+    with pytest.raises(ValueError, match=r"OpCapture\(stats_max_tensors=0\): must be >= 1; expected an int >= 1"):
+        op_tools.OpCapture(mode="stats", stats_max_tensors=0)
+
+
 @pytest.mark.parametrize("device", ["cpu", "sim"])
 def test_inputs_are_recorded_as_they_were_before_the_op_wrote_them(device, request):
     """An op that writes its inputs has them measured before it runs; one that cannot, with its outputs, after: the
