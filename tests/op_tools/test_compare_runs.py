@@ -637,3 +637,29 @@ def test_the_same_nan_with_counts_unknown_in_one_run_is_not_compared_not_a_diver
     # a NaN in one run only is still a divergence, counted or not
     y = [0.0] * 22
     assert difference(["[0]", "float32", [4], *y[:4], -1, -1, *y[6:]], ["[0]", "float32", [4], *y])[0] == math.inf
+
+
+def test_outputs_past_the_recorders_limit_are_not_compared_and_said_so_never_taken_for_agreement(sim, tmp_path,
+                                                                                                  monkeypatch):
+    # A foreach call over 20 tensors (an optimizer step over 20 parameters) records the first 16 of each side: run
+    # B's 19th differs by 1%, and no later call reads it. That pair's verdict covers 16 of its 20 outputs.
+    monkeypatch.setenv("OP_CAPTURE_MODE", "stats")
+
+    def record(run, scale=1.0, bad=18):
+        monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / run))
+        torch.manual_seed(0)
+        xs = [torch.randn(8) for _ in range(20)]
+        xs[bad] = xs[bad] * scale
+        xs = [x.to(sim) for x in xs]
+        with op_tools.OpCapture() as capture:
+            torch._foreach_mul(xs, 2.0)
+        return capture.recorder.file.path
+
+    a = record("a")
+    result = compare(a, record("b", 1.01))
+    (row,) = result.rows
+    assert row.b["omitted"] == {"inputs": 4, "outputs": 4}  # the premise: the 17th to 20th not recorded
+    assert result.verdict() == "unchecked" and result.compared == []
+    assert row.not_compared == ("outputs past OP_CAPTURE_STATS_MAX_TENSORS not recorded (4 in run A, 4 in run B; a "
+                                "larger one records them): their values not compared")
+    assert compare(a, record("c", 1.01, bad=3)).verdict() == "found"  # a difference among those recorded still is

@@ -218,6 +218,13 @@ def _judge(rows: list[Row], tolerances: Tolerances) -> None:
         seen_difference = seen_difference or max(row.difference, carried) > row.tolerance
         masked = [f"{out_of}{x[0]} {why}" for x, y in _pairs(row.a.get(out_of, []), row.b.get(out_of, []))
                   if (why := nonfinite_in_both(x, y))]
+        # outputs past the recorder's limit (OP_CAPTURE_STATS_MAX_TENSORS) have no statistics: a foreach optimizer
+        # step's 17th parameter onwards, whose fault no later call may read
+        omitted = [f"{n} in run {label}" for label, r in (("A", row.a), ("B", row.b))
+                   if (n := (r.get("omitted") or {}).get(out_of))]
+        if omitted:
+            masked.append(f"{out_of} past OP_CAPTURE_STATS_MAX_TENSORS not recorded ({', '.join(omitted)}; a larger "
+                          "one records them): their values not compared")
         if masked and not row.diverged:  # what was not compared is no agreement
             row.not_compared = masked[0] + (f" (and {len(masked) - 1} more)" if len(masked) > 1 else "")
 

@@ -109,7 +109,8 @@ def main() -> None:
                                           "first": None if first is None else [first.op, first.module, first.rank,
                                                                                first.step]}
     for run in ("a", "b"):  # two identical recordings, the model built (fresh memory, initialisers) inside them
-        with op_tools.OpCapture(results_dir=os.path.join(out, f"recording_{run}"), mode="stats"):
+        # every parameter of SGD's foreach step recorded: past 16 its outputs would be not compared (exit 4)
+        with op_tools.OpCapture(results_dir=os.path.join(out, f"recording_{run}"), mode="stats", stats_max_tensors=64):
             torch.manual_seed(0)
             replica = torch.nn.parallel.DistributedDataParallel(tiny_models.tiny_llama().cuda(),
                                                                 device_ids=[local_rank])
