@@ -533,9 +533,11 @@ def convert_positive_count(value: Any) -> int:
 
 
 CAPTURE_STATS_MAX_TENSORS = declare(
-    "OP_CAPTURE_STATS_MAX_TENSORS", "an integer >= 1", "16",
+    "OP_CAPTURE_STATS_MAX_TENSORS", "an integer >= 1", "4096",
     "In stats mode, how many tensors of each side of a call (inputs, outputs, gradients) are recorded; the others "
-    "are counted. Bounds the bytes a call adds to the recording (about 150 per tensor).", parse_positive_count,
+    "are counted, and compare_runs says their values were not compared. Bounds the bytes a call adds to the "
+    "recording (about 150 per tensor); the default holds a foreach optimizer's lists whole (its step over every "
+    "parameter, three lists on its inputs' side) up to about 1,300 parameter tensors.", parse_positive_count,
     convert_positive_count, "an int >= 1",  # OpCapture(stats_max_tensors=64), as the other counts take
 )
 

@@ -641,9 +641,11 @@ def test_the_same_nan_with_counts_unknown_in_one_run_is_not_compared_not_a_diver
 
 def test_outputs_past_the_recorders_limit_are_not_compared_and_said_so_never_taken_for_agreement(sim, tmp_path,
                                                                                                   monkeypatch):
-    # A foreach call over 20 tensors (an optimizer step over 20 parameters) records the first 16 of each side: run
-    # B's 19th differs by 1%, and no later call reads it. That pair's verdict covers 16 of its 20 outputs.
+    # A foreach call over 20 tensors (an optimizer step over 20 parameters) recorded with a limit of 16 records the
+    # first 16 of each side: run B's 19th differs by 1%, and no later call reads it. That pair's verdict covers 16 of
+    # its 20 outputs.
     monkeypatch.setenv("OP_CAPTURE_MODE", "stats")
+    monkeypatch.setenv("OP_CAPTURE_STATS_MAX_TENSORS", "16")
 
     def record(run, scale=1.0, bad=18):
         monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / run))
@@ -663,3 +665,5 @@ def test_outputs_past_the_recorders_limit_are_not_compared_and_said_so_never_tak
     assert row.not_compared == ("outputs past OP_CAPTURE_STATS_MAX_TENSORS not recorded (4 in run A, 4 in run B; a "
                                 "larger one records them): their values not compared")
     assert compare(a, record("c", 1.01, bad=3)).verdict() == "found"  # a difference among those recorded still is
+    monkeypatch.delenv("OP_CAPTURE_STATS_MAX_TENSORS")  # by default a foreach step's lists are recorded whole
+    assert compare(record("d"), record("e", 1.01)).verdict() == "found"

@@ -219,7 +219,7 @@ def _judge(rows: list[Row], tolerances: Tolerances) -> None:
         masked = [f"{out_of}{x[0]} {why}" for x, y in _pairs(row.a.get(out_of, []), row.b.get(out_of, []))
                   if (why := nonfinite_in_both(x, y))]
         # outputs past the recorder's limit (OP_CAPTURE_STATS_MAX_TENSORS) have no statistics: a foreach optimizer
-        # step's 17th parameter onwards, whose fault no later call may read
+        # step's parameters past it, whose fault no later call may read
         omitted = [f"{n} in run {label}" for label, r in (("A", row.a), ("B", row.b))
                    if (n := (r.get("omitted") or {}).get(out_of))]
         if omitted:
