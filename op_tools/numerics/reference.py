@@ -254,26 +254,36 @@ def reference_backward(outputs: list[torch.Tensor], leaves: list, upstream: tupl
     return tuple(None if leaf is None else next(grads) for leaf in leaves)
 
 
-def magnitudes_backward(func, reference: Reference, upstream: tuple) -> tuple:
-    """The gradients of ``reference.leaves`` for the op rerun on the absolute values of every floating argument, with
-    the upstream gradients' absolute values: for an op whose gradient elements are sums of products and quotients of
-    the upstream gradient and the inputs (``op_facts``' ``broadcast_sums``), each element's sum of the magnitudes of
-    its terms, in float64, up to its sign."""
-    leaves = {id(leaf): leaf.detach().abs().requires_grad_() for leaf in reference.leaves if leaf is not None}
+def broadcast_terms(func, reference: Reference, upstream: tuple, shape: torch.Size) -> tuple:
+    """For an op computed element by element over ``shape`` (its outputs'), whose gradient for an input broadcast to
+    ``shape`` sums, over the broadcast elements, that element's gradient (``op_facts``' ``broadcast_sums``): per leaf
+    of ``reference`` with fewer elements, ``(magnitudes, n)``, the sum of its terms' magnitudes in float64 and how
+    many terms each element sums (None for any other leaf). The op is rerun with each use of such a leaf expanded to
+    ``shape`` and made a leaf of its own: its gradient is the terms themselves, whatever the op computes from its
+    inputs (a maximum's selection, a lerp's ``1 - weight``), which a rerun on absolute values would not give."""
+    size = shape.numel()
+    broadcast = {id(leaf): leaf for leaf in reference.leaves
+                 if leaf is not None and 0 < leaf.numel() < size}
+    uses: dict[int, list[torch.Tensor]] = {key: [] for key in broadcast}
 
-    def absolute(t: torch.Tensor) -> torch.Tensor:
-        leaf = leaves.get(id(t))
-        if leaf is not None:
-            return leaf.clone()  # an in-place op cannot write a leaf; the clone's gradient reaches it
-        return _absolute(t)
+    def term(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in broadcast:
+            return t.detach().clone()  # an in-place op writes its own copy, never the reference's
+        expanded = t.detach().expand(shape).clone().requires_grad_()
+        uses[id(t)].append(expanded)
+        return expanded
 
     with isolated(), torch.enable_grad():
-        args, kwargs = map_tensors(reference.args, absolute), map_tensors(reference.kwargs, absolute)
-        result = func(*args, **kwargs)
+        result = func(*map_tensors(reference.args, term), **map_tensors(reference.kwargs, term))
     outputs = [result] if isinstance(result, torch.Tensor) else list(iter_tensors(result))
-    upstream = tuple(None if g is None else g.abs() for g in upstream)
-    ordered = [None if leaf is None else leaves[id(leaf)] for leaf in reference.leaves]
-    return tuple(None if g is None else g.abs() for g in reference_backward(outputs, ordered, upstream))
+    copies = [copy for key in broadcast for copy in uses[key]]
+    grads = iter(reference_backward(outputs, copies, upstream))
+    summed = {}
+    for key, leaf in broadcast.items():
+        terms = [g for g in (next(grads) for _ in uses[key]) if g is not None]
+        if terms:
+            summed[key] = (sum(g.abs().sum_to_size(leaf.shape) for g in terms), size // leaf.numel() * len(terms))
+    return tuple(None if leaf is None else summed.get(id(leaf)) for leaf in reference.leaves)
 
 
 def magnitudes_forward(func, reference: Reference):

@@ -60,22 +60,26 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
 class AnyOrderSum:
     """Each element of the result sums ``n`` terms whose magnitudes sum to ``magnitudes``.
 
-    Each term, a product or quotient rounded once, adds one ``u``; the result's own last roundings (to a narrow
-    dtype, a mean's scaling) add an eps of it. The CPU's own error on the call is one order among many, and a GPU's
-    blocked sums may err several times more: the H200's RMSNorm gradient of a (..., 1) factor summed over 512
-    elements did, at ~46 float32 eps.
+    Each term is computed in up to ``term_roundings`` roundings (an input element: none; a product: one); with
+    ``terms_rounded`` each is then rounded to the result's dtype before the sum (autograd materialises a broadcast
+    input's gradient terms, then sums them in float32: a narrow dtype's rounding per term). The result's own last
+    roundings (to a narrow dtype, a mean's scaling) add an eps of it. The CPU's own error on the call is one order
+    among many, and a GPU's blocked sums may err several times more: the H200's RMSNorm gradient of a (..., 1) factor
+    summed over 512 elements did, at ~46 float32 eps.
     """
 
-    def __init__(self, magnitudes: torch.Tensor, n: int) -> None:
-        self.magnitudes, self.n = magnitudes, n
+    def __init__(self, magnitudes: torch.Tensor, n: int, term_roundings: int = 1, terms_rounded: bool = False) -> None:
+        self.magnitudes, self.n, self.term_roundings, self.terms_rounded = magnitudes, n, term_roundings, terms_rounded
         self.says = f"within the rounding of a sum of {n} terms in any order"
 
     def allowed(self, dtype: torch.dtype, reference: torch.Tensor) -> torch.Tensor | None:
         accumulation = torch.float32 if dtype in NARROW else dtype
         u = _finfo(accumulation).eps / 2
-        worst = gamma(self.n + 1, u)
+        worst = gamma(self.n + self.term_roundings, u)
         if not math.isfinite(worst):
             return None
+        if self.terms_rounded and dtype in NARROW:
+            worst += _finfo(dtype).eps / 2
         return worst * _wide(self.magnitudes) + self.n * _finfo(accumulation).tiny + \
             _finfo(dtype).eps * reference.abs()
 

@@ -71,9 +71,9 @@ class OpFacts:
     overwritten_when: Flag | None = None
     async_result: bool = False  # its result is filled later, by another thread, until waited for (wait_tensor)
     completes: bool = False  # waits for an async result: what it returns is that result, not something it read
-    # Its gradient for an input broadcast over the output is a sum, over the broadcast elements, of products and
-    # quotients of the upstream gradient and the inputs (add, mul, div): a device may sum them in any order, and
-    # the op rerun on the inputs' absolute values gives each sum's magnitudes (comparison.py's reduction bound).
+    # Its gradient for an input broadcast over the output is a sum, over the broadcast elements, of terms of a few
+    # roundings each (add, mul, where, lerp; an expansion's is the sum alone): a device may sum them in any order, and
+    # the op's float64 gradient for that input expanded gives the terms' magnitudes (rounding_bounds.AnyOrderSum).
     broadcast_sums: bool = False
     # Each result element is a sum (or a mean) of elements of its first argument (sum, mean): in any order on a
     # device, and the op on that argument's absolute values gives the magnitudes summed.
@@ -330,10 +330,14 @@ for _namespace in ("_c10d_functional", "c10d_functional"):
     register_op_facts(f"{_namespace}.*", async_result=True)
     register_op_facts(f"{_namespace}.wait_tensor.*", async_result=False, completes=True)  # every overload
 
-# Elementwise ops whose gradient for a broadcast input sums products and quotients of the upstream gradient and the
-# inputs (not lerp or pow: their gradients' terms hold other functions of the inputs).
+# Elementwise ops whose gradient for a broadcast input sums, over the broadcast elements, terms of a few roundings
+# (products and quotients of the upstream gradient and the inputs, or selections of it), and expansions, whose
+# gradient is that sum alone. Not pow, atan2, hypot and the like: their terms hold functions of the inputs rounded
+# as a device's library rounds them.
 for _name in ("add", "sub", "subtract", "rsub", "mul", "multiply", "div", "divide", "true_divide",
-              *(f"__{side}{op}__" for op in ("add", "sub", "mul", "truediv", "div") for side in ("", "r", "i"))):
+              *(f"__{side}{op}__" for op in ("add", "sub", "mul", "truediv", "div") for side in ("", "r", "i")),
+              "addcmul", "addcdiv", "lerp", "where", "maximum", "minimum", "fmax", "fmin", "clamp", "clip",
+              "clamp_min", "clamp_max", "expand", "expand_as", "broadcast_to"):
     register_op_facts(_name, broadcast_sums=True)
 
 for _name in ("sum", "mean", "nansum", "nanmean", "sum_to_size"):

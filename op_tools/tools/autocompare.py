@@ -98,7 +98,7 @@ from ..numerics.reference import (
     DEFAULT_CAST,
     Reference,
     attempts_for,
-    magnitudes_backward,
+    broadcast_terms,
     magnitudes_forward,
     map_arguments,
     meta_dtypes,
@@ -532,7 +532,8 @@ class OpAutoCompare(OpTool):
             return "OP_AUTOCOMPARE_BACKWARD=0"
         name = call.name
         facts = op_facts(name)
-        if facts.view or facts.conversion or name.startswith("torch.Tensor.__get"):
+        # a view's gradient passes through, save an expansion's: a sum over the broadcast elements (broadcast_sums)
+        if facts.view and not facts.broadcast_sums or facts.conversion or name.startswith("torch.Tensor.__get"):
             return "view or conversion (gradient passed through)"
         return None
 
@@ -1718,21 +1719,30 @@ def _named_row(op: str, comparison: Comparison) -> dict:
     return row
 
 
+# The most roundings in one term of a ``broadcast_sums`` op's broadcast gradient: addcdiv's divisor's,
+# ``-g value t1 / (t2 t2)`` (a selection's, ``where``'s or ``maximum``'s, has none; a product's, one).
+_TERM_ROUNDINGS = 4
+
+
 def _broadcast_sums(name: str, func, reference: Reference, outputs: list[torch.Tensor], upstream: tuple):
     """For an op whose gradient for a broadcast input is a sum over the broadcast elements (``broadcast_sums``):
-    ``bounds(i)``, the ``AnyOrderSum`` of leaf ``i`` when it was broadcast (fewer elements than the one output), else
-    None; the magnitudes from one more float64 run, made only for a leaf about to fail. None for other ops."""
-    if not op_facts(name).broadcast_sums or len(outputs) != 1:
+    ``bounds(i)``, the ``AnyOrderSum`` of leaf ``i`` when it was broadcast (fewer elements than the outputs, all of
+    one shape), else None; the terms' magnitudes from one more float64 run, made only for a leaf about to fail. None
+    for other ops."""
+    if not op_facts(name).broadcast_sums or not outputs or any(o.shape != outputs[0].shape for o in outputs):
         return None
-    size = outputs[0].numel()
-    magnitudes = _once(lambda: magnitudes_backward(func, reference, upstream))
+    shape = outputs[0].shape
+    terms = _once(lambda: broadcast_terms(func, reference, upstream, shape))
 
     def bounds(i: int):
         leaf = reference.leaves[i] if i < len(reference.leaves) else None
-        if leaf is None or not leaf.numel() or leaf.numel() >= size or size % leaf.numel():
+        if leaf is None or not 0 < leaf.numel() < shape.numel():
             return None
-        grads = magnitudes()
-        return None if grads is None or grads[i] is None else AnyOrderSum(grads[i], size // leaf.numel())
+        summed = terms()
+        if summed is None or summed[i] is None:
+            return None
+        magnitudes, n = summed[i]
+        return AnyOrderSum(magnitudes, n, _TERM_ROUNDINGS, terms_rounded=True)
 
     return bounds
 

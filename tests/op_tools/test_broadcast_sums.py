@@ -89,7 +89,7 @@ def test_the_bound_is_for_sums_only():
                                 bounds=lambda i: None)  # a leaf that was not broadcast: the usual rule alone
     assert not no_sums.passed
     assert op_facts("torch.Tensor.mul").broadcast_sums and op_facts("torch.Tensor.__imul__").broadcast_sums
-    assert not op_facts("torch.nn.functional.linear").broadcast_sums and not op_facts("torch.lerp").broadcast_sums
+    assert not op_facts("torch.nn.functional.linear").broadcast_sums and not op_facts("torch.pow").broadcast_sums
 
 
 def _rmsnorm_factor_backward(sim, sums_bound: bool = True):
@@ -127,6 +127,71 @@ def test_without_the_bound_the_gpu_order_was_a_false_failure(sim):
     tool = _rmsnorm_factor_backward(sim, sums_bound=False)
     assert [(f["op"], f["phase"], f["failing"]) for f in tool.failures] == \
         [("torch.Tensor.mul", "backward", "input[1].grad")]
+
+
+# Broadcasting ops beyond mul: each ``(op, label of the broadcast factor's gradient, fn(hidden, factor), the factor's
+# value in the H200's shape, its values, of shape (2, 8, 1), in a faulty sum's case)``. The factor is chosen so the
+# op takes it (a maximum's larger operand, a where's selected one) and every term is of one sign.
+_BROADCASTING = {
+    "addcmul": ("torch.addcmul", "input[2]", lambda h, f: torch.addcmul(h, h, f), 2.0, 0.5),
+    "addcdiv": ("torch.addcdiv", "input[2]", lambda h, f: torch.addcdiv(h, h, f), 2.0, 0.5),
+    "where": ("torch.where", "input[1]", lambda h, f: torch.where(h > 0, f, h), 2.0, 0.5),
+    "maximum": ("torch.maximum", "input[1]", lambda h, f: torch.maximum(h, f), 2.0, 1.5),
+    "minimum": ("torch.minimum", "input[1]", lambda h, f: torch.minimum(h, f), 0.5, -1.0),
+    "clamp": ("torch.clamp", "input[min]", lambda h, f: torch.clamp(h, min=f), 2.0, 1.5),
+    "lerp": ("torch.lerp", "input[1]", lambda h, f: torch.lerp(h, f, h), 2.0, 0.5),
+    "expand": ("torch.Tensor.expand_as", "input[0]", lambda h, f: f.expand_as(h) * h, 2.0, 0.5),
+    "broadcast_to": ("torch.broadcast_to", "input[0]", lambda h, f: torch.broadcast_to(f, h.shape) * h, 2.0, 0.5),
+}
+
+
+def _broadcasting_backward(sim, case: str, h200: bool, fault: str = ""):
+    """``case``'s op on sim summing as a GPU, backward under OpAutoCompare with ``fault`` in backward. ``h200``:
+    the RMSNorm factor's crafted shape (``_rmsnorm_factor_backward``): the device's sum must differ from the CPU's;
+    else positive random terms over (2, 8, 512), where a fault of 1e-4 is far outside any order's rounding."""
+    import ditorch.sim
+
+    _, _, fn, h200_value, offset = _BROADCASTING[case]
+    if h200:
+        upstream = torch.full((4, 1, 8192), 0.75 * 2.0**-24)
+        upstream[..., 0], upstream[..., -1] = 1.0, -1.0
+        hidden, factor = torch.ones(4, 1, 8192), torch.full((4, 1, 1), h200_value)
+    else:
+        generator = torch.Generator().manual_seed(0)
+        hidden = torch.rand(2, 8, 512, generator=generator) + 0.5
+        factor = torch.rand(2, 8, 1, generator=generator) * 0.4 + offset  # above or below hidden as the op needs
+        upstream = torch.rand(2, 8, 512, generator=generator) + 0.5
+    on_sim = factor.to(sim).requires_grad_()
+    with ditorch.sim.numerics("gpu"), op_tools.OpAutoCompare() as tool:
+        out = fn(hidden.to(sim), on_sim)
+        with ditorch.sim.faults(fault):
+            out.backward(upstream.to(sim))
+    if h200:
+        cpu = factor.clone().requires_grad_()
+        fn(hidden, cpu).backward(upstream)
+        assert not torch.equal(on_sim.grad.cpu(), cpu.grad)  # the device really summed in another order
+    return tool
+
+
+@pytest.mark.parametrize("case", list(_BROADCASTING))
+def test_a_gpu_order_of_a_broadcast_inputs_gradient_passes(sim, case):
+    # On the tree before: addcmul, addcdiv, where, maximum, minimum, clamp and lerp failed their factor's gradient
+    # (only add, sub, mul and div were bounded), and expand's backward was not compared ("gradient passed through")
+    op, label, *_ = _BROADCASTING[case]
+    tool = _broadcasting_backward(sim, case, h200=True)
+    assert tool.failures == []
+    rows = [row for row in tool.rows if row[:3:2] == (op, "backward") and row[3].name == f"{label}.grad"]
+    assert rows and "within the rounding of a sum of 8192 terms in any order" in rows[0][3].error_info, \
+        [(row[0], row[2], row[3].name, row[3].error_info) for row in tool.rows]
+    assert not tool.backward_not_compared
+
+
+@pytest.mark.parametrize("case", list(_BROADCASTING))
+def test_a_fault_in_a_broadcast_inputs_gradient_still_fails(sim, case):
+    op, label, *_ = _BROADCASTING[case]
+    assert _broadcasting_backward(sim, case, h200=False).failures == []
+    tool = _broadcasting_backward(sim, case, h200=False, fault="sum:noise=1e-4")
+    assert [(f["op"], f["phase"], f["failing"]) for f in tool.failures] == [(op, "backward", f"{label}.grad")]
 
 
 def test_in_gpu_numerics_a_fault_in_the_sum_still_fails(sim):
