@@ -1,6 +1,7 @@
 """OpSelfCheck: invariants checked on the device (a product's column checksum, a softmax's row sums), no CPU
 reference: quiet on the recipes, in sim's CPU and GPU numerics and under TF32; a noisy matmul and a flipped bit found
-and named; the budget keeps the first call of each site and counts the rest."""
+and named; the budget keeps the first call of each kind of call, turns over every module's call sites and counts
+the rest."""
 
 import re
 
@@ -99,6 +100,73 @@ def test_the_budget_checks_each_site_once_and_counts_the_rest(sim):
     assert line.startswith(f"OpSelfCheck: {sites} calls checked on the device (") and "(budget: " in line, line
     assert 0 < check.counts["backward checked"] <= sites, check.counts  # the products' backward, once per site
     assert line.endswith("no checked call failed"), line
+
+
+def _tiny_llama_steps(sim, layers: int):
+    """A training step of a tiny Llama of ``layers`` layers, built (and its first step run) before a tool starts, so
+    that the budget's share of the run is of training steps alone."""
+    from tiny_models import lm_step, tiny_llama
+
+    torch.manual_seed(0)
+    model = tiny_llama(hidden=32, layers=layers).to(sim)
+    ids = torch.randint(0, 128, (2, 16)).to(sim)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    lm_step(model, optimizer, ids)
+    return lambda: lm_step(model, optimizer, ids)
+
+
+def _train_until(step, check, checks: int, done=lambda check: False, steps: int = 300) -> int:
+    """Run ``step`` under the started ``check`` until it has checked ``checks`` calls or ``done(check)``; the steps
+    it took. The budget decides how many calls a step checks: the tests count calls, not steps, so that a slower
+    machine only takes more steps."""
+    for taken in range(steps):
+        step()
+        if check.counts["checked"] >= checks or done(check):
+            return taken + 1
+    return steps
+
+
+LINEARS = [f"model.layers.{layer}.{name}" for layer in range(4) for name in (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+    "mlp.down_proj")] + ["lm_head"]
+
+
+def test_the_budgets_checks_take_turns_over_every_modules_call_sites(sim):
+    import collections
+
+    import ditorch.sim
+
+    # Every product noisy, so that each checked linear is named: a budget of a few checks a step, 100 calls checked
+    # (the tiny Llama makes 69 sites: 29 linears forward and backward, its activations, the optimizer's calls). The
+    # site is the module's (every layer's q_proj its own), and each takes one turn a round: every linear is checked,
+    # forward and backward, and none twice more often than another (before, by op and line alone, the turns went to
+    # the calls after the pauses: model.layers.0.self_attn.q_proj 11 times, a third of the linears never).
+    step = _tiny_llama_steps(sim, layers=4)
+    with ditorch.sim.faults("mm:noise=1e-2"), op_tools.OpSelfCheck(budget=0.1) as check:
+        steps = _train_until(step, check, checks=100)
+    named = collections.Counter((f.module, f.phase) for f in check.findings if f.op == "torch.nn.functional.linear")
+    assert set(named) == {(module, phase) for module in LINEARS for phase in ("forward", "backward")}, (steps, named)
+    assert max(named.values()) - min(named.values()) <= 1, (steps, named)
+    # the tool's own count per site (op, phase, source line, module), the same
+    linears = {(module, phase): n for (op, phase, _, module), n in check.site_checks.items()
+               if op == "torch.nn.functional.linear"}
+    assert linears == dict(named), (steps, linears)
+
+
+def test_a_noisy_linear_in_the_last_layer_is_named_within_a_round_of_the_sites(sim):
+    import ditorch.sim
+
+    # One module's products noisy, the last layer's, under a budget of about one check a step beyond the first step's:
+    # named in the first round, which checks each of the tiny Llama's 40 forward sites once (before, a call site was
+    # the op and line of every layer's down_proj, checked in layer 0, and the turns went to the calls after the
+    # pauses, mostly layer 0's: unnamed after 45 calls checked, 5 runs in 6)
+    step = _tiny_llama_steps(sim, layers=4)
+    with ditorch.sim.faults("mm@model.layers.3.mlp.down_proj:noise=1e-2"), op_tools.OpSelfCheck(budget=0.03) as check:
+        steps = _train_until(step, check, checks=45, done=lambda check: bool(check.findings))
+    assert check.findings, (steps, check.counts)
+    first = check.findings[0]
+    assert (first.op, first.module) == ("torch.nn.functional.linear", "model.layers.3.mlp.down_proj"), first
+    assert {f.module for f in check.findings} == {"model.layers.3.mlp.down_proj"}, check.findings
 
 
 def test_a_malformed_budget_is_named_with_its_keyword_or_variable(monkeypatch):
