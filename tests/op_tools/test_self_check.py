@@ -140,7 +140,7 @@ def test_the_budgets_checks_take_turns_over_every_modules_call_sites(sim):
     # (the tiny Llama makes 69 sites: 29 linears forward and backward, its activations, the optimizer's calls). The
     # site is the module's (every layer's q_proj its own), and each takes one turn a round: every linear is checked,
     # forward and backward, and none twice more often than another (before, by op and line alone, the turns went to
-    # the calls after the pauses: model.layers.0.self_attn.q_proj 11 times, a third of the linears never).
+    # the calls after the pauses: model.layers.0.self_attn.q_proj 7 to 12 times, a third of the linears never).
     step = _tiny_llama_steps(sim, layers=4)
     with ditorch.sim.faults("mm:noise=1e-2"), op_tools.OpSelfCheck(budget=0.1) as check:
         steps = _train_until(step, check, checks=100)
@@ -159,7 +159,7 @@ def test_a_noisy_linear_in_the_last_layer_is_named_within_a_round_of_the_sites(s
     # One module's products noisy, the last layer's, under a budget of about one check a step beyond the first step's:
     # named in the first round, which checks each of the tiny Llama's 40 forward sites once (before, a call site was
     # the op and line of every layer's down_proj, checked in layer 0, and the turns went to the calls after the
-    # pauses, mostly layer 0's: unnamed after 45 calls checked, 5 runs in 6)
+    # pauses, mostly layer 0's: unnamed after 45 calls checked in 7 runs of 8)
     step = _tiny_llama_steps(sim, layers=4)
     with ditorch.sim.faults("mm@model.layers.3.mlp.down_proj:noise=1e-2"), op_tools.OpSelfCheck(budget=0.03) as check:
         steps = _train_until(step, check, checks=45, done=lambda check: bool(check.findings))
