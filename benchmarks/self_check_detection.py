@@ -5,8 +5,8 @@ A transformers Llama (hidden 512, 4 layers, vocab 8192, batch 2x256, AdamW) trai
 N steps"), the op and module named, and per step the calls checked, left for the budget, and handled by the engine
 (the others ran untouched while the budget was spent: a paused tool costs a call a comparison); a clean run first (its
 findings are false alarms). Faults: noise of 1e-2 in every matrix product, a bit flipped in every 50th (forward or
-backward), noise in a tenth of them (intermittent), and noise of 1e-2 in the MLPs' activation (checked by a sample
-rerun on the host).
+backward), noise in a tenth of them (intermittent), noise of 1e-2 in the MLPs' activation (checked by a sample
+rerun on the host), in AdamW's update, and in one product alone (the last layer's ``down_proj``).
 
     python benchmarks/self_check_detection.py [--steps 10] [--budget 0.02] [--size real|tiny]
 """
@@ -28,7 +28,8 @@ import op_tools  # noqa: E402
 
 SIZES = {"real": (512, 1376, 4, 8, 8192, 2, 256), "tiny": (64, 176, 2, 4, 128, 2, 16)}
 FAULTS = ("", "mm:noise=1e-2", "mm:bitflip=50", "mm:noise=1e-2,p=0.1", "silu:noise=1e-2",
-          "_foreach_addcdiv_:noise=1e-2")  # the last: AdamW's update of the weights
+          "_foreach_addcdiv_:noise=1e-2",  # AdamW's update of the weights
+          "mm@model.layers.3.mlp.down_proj:noise=1e-2")  # one product of 29: found when its site's turn comes
 
 
 def detect(size: str, fault: str, steps: int, budget: float) -> dict:

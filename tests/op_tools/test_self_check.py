@@ -59,7 +59,7 @@ def test_a_bit_flipped_in_one_modules_matmuls_is_named_there(sim):
     import ditorch.sim
 
     # every product in that module's forward has a bit flipped (the real-size case, one product in 50, is measured by
-    # benchmarks/self_check_detection.py: found at step 5 under the 2% budget)
+    # benchmarks/self_check_detection.py: found at step 0 under the 2% budget)
     with ditorch.sim.faults("mm@model.layers.1.mlp.down_proj:bitflip=1"), op_tools.OpSelfCheck(budget=1.0) as check:
         zoo.llama_float32(sim)
     assert {(f.op, f.module) for f in check.findings} == {("torch.nn.functional.linear",
