@@ -389,27 +389,16 @@ class OpTool:
         if isinstance(mode, targeting.Targeting):
             with targeting.calls_inside_handled():
                 return call.func(*call.args, **call.kwargs)
-        body = self._inside_runner(call)
-        if body is None or mode is None:
-            return call.func(*call.args, **call.kwargs)
-        with contextlib.ExitStack() as stack:
-            if all(m is not mode for m in _get_current_function_mode_stack()):  # off the stack when the call came
-                stack.enter_context(mode)  # through it
-            return body(call.args, call.kwargs)
-
-    def can_run_inside(self, call: OpCall) -> bool:
-        """Whether ``run_inside`` would have the calls ``call`` makes handled (else it runs the op as it is)."""
-        mode = self._activations[-1] if self._activations else None
-        return isinstance(mode, targeting.Targeting) or self._inside_runner(call) is not None
-
-    def _inside_runner(self, call: OpCall):
-        mode = self._activations[-1] if self._activations else None
+        modes = _get_current_function_mode_stack()
         # The skipped hop skips every mode: another one (a user's) would see what the op calls instead of the op.
         # torch.device's DeviceContext acts on constructors only.
-        if not isinstance(mode, _ToolMode) or any(m is not mode and not isinstance(m, DeviceContext)
-                                                  for m in _get_current_function_mode_stack()):
-            return None
-        return one_hop.skipping(call.func)
+        if not isinstance(mode, _ToolMode) or (body := one_hop.skipping(call.func)) is None or \
+                any(m is not mode and not isinstance(m, DeviceContext) for m in modes):
+            return call.func(*call.args, **call.kwargs)
+        with contextlib.ExitStack() as stack:
+            if all(m is not mode for m in modes):  # off the stack when the call came through it
+                stack.enter_context(mode)
+            return body(call.args, call.kwargs)
 
     def after(self, call: OpCall) -> None:
         """After the op; may replace ``call.result``."""

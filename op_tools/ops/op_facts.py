@@ -45,8 +45,8 @@ class OpFacts:
     # means "no probability argument". A call draws when the probability is above 0 and it trains.
     draws_when: tuple[Flag, Flag | None] | None = None
     composite: bool = False  # a random op written in Python out of torch calls: compared inside, call by call
-    # Compared inside even when it draws nothing (a ``composite``): its parts are judged by bounds of their own
-    # (attention's rounding, softmax's), tighter than one ratio for the whole call
+    # Compared inside, call by call, even when it draws nothing (and then whole as well): its parts are judged by
+    # bounds of their own (attention's rounding, softmax's), tighter than one ratio for the whole call
     compared_inside: bool = False
     random_note: str | None = None  # the skip reason of a random call of it, where "random" says too little
     # The float32 reduced-precision family a device may apply to this aten op ("matmul": TF32/HF32 GEMMs, "conv")

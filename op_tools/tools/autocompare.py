@@ -134,7 +134,6 @@ CONSOLE_COLUMNS = ("name", "allclose", "max_abs_diff", "max_relative_diff", "ver
 FAILURES_SHOWN = 20  # rows of the failing-ops table on the console; the CSV holds them all
 VERSUS_EAGER_WORSE = 2.0  # a compiled graph erring more than this many times its eager run is counted as worse
 _RERUN_DRAWS = "random (the CPU reference drew numbers)"
-_COMPARED_INSIDE = "compared inside"  # a call compared through the calls it makes (op_facts' compared_inside)
 # Input elements from which an op's first call learns its output dtypes on meta tensors rather than by a same-dtype
 # run (a meta run costs about a millisecond of Python whatever the size; a run on small tensors costs less).
 META_DTYPES_MIN = 1 << 16
@@ -368,12 +367,8 @@ class OpAutoCompare(OpTool):
             reason = skip_reason(call.name) or random_reason(call.name, call.args, call.kwargs)
         reason = reason or (_RERUN_DRAWS if call.name in LEARNT.drawing_reruns else None)
         facts = op_facts(call.name)
-        if (reason == "random" and facts.composite or reason is None and facts.compared_inside) and \
-                self.can_run_inside(call):
-            state.inside = True  # run() descends into it
-            reason = reason or _COMPARED_INSIDE
-        elif reason == "random" and facts.composite:
-            state.inside = True  # run() descends into it (when it cannot, it stays skipped as random)
+        if reason == "random" and facts.composite or reason is None and facts.compared_inside:
+            state.inside = True  # run() descends into it; one that draws nothing is compared whole as well
         elif reason == "random" and op_facts(call.name).replays_dropout and \
                 (rng := device_rng(call.device)) is not None:
             state.replay, reason = (rng, rng[0]()), None  # after() replays its mask
@@ -503,17 +498,14 @@ class OpAutoCompare(OpTool):
     def run(self, call: OpCall):
         if not call.state.inside:
             return call.func(*call.args, **call.kwargs)
-        # A random composite: its calls are handled one by one, and after() counts it skipped with how many of them
-        # were compared.
+        # Its calls are handled one by one. A random composite is skipped, and after() counts it with how many of
+        # them were compared; one that draws nothing is compared whole too (``compared_inside``: under a list naming
+        # it alone, or another mode on the stack, the calls inside are not handled, and the whole is what is judged).
         taken = self._taken
         result = self.run_inside(call)
         inside = self._taken - taken
-        random = call.state.skip != _COMPARED_INSIDE
-        calls = f"compared inside: {inside} call{'s' if inside != 1 else ''}"
-        if not random:  # compared through its parts (none taken inside it: said as well)
-            call.state.skip = calls
-        elif inside:
-            call.state.skip = f"random ({calls})"
+        if inside and call.state.skip:
+            call.state.skip = f"random (compared inside: {inside} call{'s' if inside != 1 else ''})"
         return result
 
     def _probe(self, device: torch.device) -> GeneratorProbe:
