@@ -337,7 +337,7 @@ for _namespace in ("_c10d_functional", "c10d_functional"):
 for _name in ("add", "sub", "subtract", "rsub", "mul", "multiply", "div", "divide", "true_divide",
               *(f"__{side}{op}__" for op in ("add", "sub", "mul", "truediv", "div") for side in ("", "r", "i")),
               "addcmul", "addcdiv", "lerp", "where", "maximum", "minimum", "fmax", "fmin", "clamp", "clip",
-              "clamp_min", "clamp_max", "expand", "expand_as", "broadcast_to"):
+              "clamp_min", "clamp_max", "expand", "expand_as", "broadcast_to", "masked_fill", "masked_fill_"):
     register_op_facts(_name, broadcast_sums=True)
 
 for _name in ("sum", "mean", "nansum", "nanmean", "sum_to_size"):

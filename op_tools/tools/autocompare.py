@@ -1716,6 +1716,16 @@ def _named_row(op: str, comparison: Comparison) -> dict:
 _TERM_ROUNDINGS = 4
 
 
+def _masked_fill_terms(input, mask, value):  # noqa: A002 - masked_fill's own argument names
+    return torch.where(mask, value, input)
+
+
+# Ops that refuse their broadcast input expanded (masked_fill's value must be 0-d): the function computing the same
+# terms that ``broadcast_terms`` reruns instead (its arguments named as the op's).
+_TERMS_AS = {name: _masked_fill_terms for name in ("torch.Tensor.masked_fill", "torch.Tensor.masked_fill_",
+                                                     "torch.masked_fill")}
+
+
 def _broadcast_sums(name: str, func, reference: Reference, outputs: list[torch.Tensor], upstream: tuple):
     """For an op whose gradient for a broadcast input is a sum over the broadcast elements (``broadcast_sums``):
     ``bounds(i)``, the ``AnyOrderSum`` of leaf ``i`` when it was broadcast (fewer elements than the outputs, all of
@@ -1724,7 +1734,7 @@ def _broadcast_sums(name: str, func, reference: Reference, outputs: list[torch.T
     if not op_facts(name).broadcast_sums or not outputs or any(o.shape != outputs[0].shape for o in outputs):
         return None
     shape = outputs[0].shape
-    terms = _once(lambda: broadcast_terms(func, reference, upstream, shape))
+    terms = _once(lambda: broadcast_terms(_TERMS_AS.get(name, func), reference, upstream, shape))
 
     def bounds(i: int):
         leaf = reference.leaves[i] if i < len(reference.leaves) else None

@@ -194,6 +194,33 @@ def test_a_fault_in_a_broadcast_inputs_gradient_still_fails(sim, case):
     assert [(f["op"], f["phase"], f["failing"]) for f in tool.failures] == [(op, "backward", f"{label}.grad")]
 
 
+def test_masked_fills_tensor_value_gradient_in_a_gpu_order_passes_and_a_fault_in_it_fails(sim):
+    # The value must be 0-d, so its gradient, a sum over every element filled, cannot be had by expanding it: the
+    # terms are rerun as the where the op computes. Before, a false failure in gpu numerics.
+    import ditorch.sim
+
+    def backward(upstream: torch.Tensor, fault: str = ""):
+        value = torch.tensor(0.5, device=sim, requires_grad=True)
+        hidden = torch.ones(upstream.shape, device=sim)
+        with ditorch.sim.numerics("gpu"), op_tools.OpAutoCompare() as tool:
+            out = hidden.masked_fill(hidden > 0, value)
+            with ditorch.sim.faults(fault):
+                out.backward(upstream.to(sim))
+        return tool, value.grad.cpu()
+
+    crafted = torch.full((4, 1, 8192), 0.75 * 2.0**-24)  # the H200's RMSNorm row, summed in a GPU's order
+    crafted[..., 0], crafted[..., -1] = 1.0, -1.0
+    tool, grad = backward(crafted)
+    assert not torch.equal(grad, crafted.sum())  # the device really summed in another order
+    rows = [row for row in tool.rows if row[2] == "backward" and row[3].name == "input[2].grad"]
+    assert tool.failures == [] and rows and "a sum of 32768 terms in any order" in rows[0][3].error_info
+    positive = torch.rand(2, 8, 512, generator=torch.Generator().manual_seed(0)) + 0.5
+    assert backward(positive)[0].failures == []
+    tool, _ = backward(positive, "sum:noise=1e-2")  # 8192 terms: any order's worst case is 5e-4 of their sum
+    assert [(f["op"], f["phase"], f["failing"]) for f in tool.failures] == \
+        [("torch.Tensor.masked_fill", "backward", "input[2].grad")]
+
+
 def test_in_gpu_numerics_a_fault_in_the_sum_still_fails(sim):
     import ditorch.sim
 
