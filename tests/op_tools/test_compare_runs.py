@@ -667,3 +667,31 @@ def test_outputs_past_the_recorders_limit_are_not_compared_and_said_so_never_tak
     assert compare(a, record("c", 1.01, bad=3)).verdict() == "found"  # a difference among those recorded still is
     monkeypatch.delenv("OP_CAPTURE_STATS_MAX_TENSORS")  # by default a foreach step's lists are recorded whole
     assert compare(record("d"), record("e", 1.01)).verdict() == "found"
+
+
+def test_two_runs_going_on_differently_after_their_last_aligned_pair_are_not_said_to_have_ended(sim, tmp_path,
+                                                                                             monkeypatch):
+    # One backend's optimizer steps per parameter, the other's in one foreach call: after the last pair aligned both
+    # runs hold calls the other does not. Neither recording ended early, and the warning no longer says one did.
+    monkeypatch.setenv("OP_CAPTURE_MODE", "stats")
+
+    def record(run, foreach):
+        monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / run))
+        xs = [torch.ones(4, device=sim) for _ in range(3)]
+        with op_tools.OpCapture() as capture:
+            torch.exp(xs[0])
+            if foreach:
+                torch._foreach_add_(xs, 1.0)
+            else:
+                for x in xs:
+                    x.add_(1.0)
+        return capture.recorder.file.path
+
+    a, b = record("a", foreach=False), record("b", foreach=True)
+    result = compare(a, b)
+    assert {r.match for r in result.past_other_run} == {"only A", "only B"} and result.verdict() == "unchecked"
+    assert all("ends before" not in r.no_counterpart for r in result.past_other_run)
+    done = _cli(a, b)
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert "WARNING: 3 calls of run A not compared: after the last aligned pair run B's calls are others" in done.stdout
+    assert "ends before" not in done.stdout

@@ -234,9 +234,12 @@ def _mark_past_the_end(rows: list[Row]) -> None:
     A call of one run only between aligned pairs (a copy one backend makes) stays a structural difference: what it
     computed reaches the aligned calls after it, which are compared."""
     last = max((n for n, r in enumerate(rows) if not r.structural), default=-1)
-    for row in rows[last + 1:]:
+    tail = rows[last + 1:]
+    both = any(r.a is None for r in tail) and any(r.b is None for r in tail)  # both go on: neither ended first
+    for row in tail:
         other = "B" if row.b is None else "A"
-        row.no_counterpart = f"run {other}'s recording ends before it: not compared"
+        row.no_counterpart = (f"run {other}'s calls after the last aligned pair are others: not compared" if both
+                              else f"run {other}'s recording ends before it: not compared")
 
 
 def _unread_inputs(op: str) -> tuple[bool, frozenset[str]]:

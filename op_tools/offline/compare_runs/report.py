@@ -59,11 +59,14 @@ def unchecked_lines(result: Comparison) -> list[str]:
                      f"the first {first}")
     for label, why in result.incomplete():
         lines.append(f"WARNING: run {label}'s recording is incomplete ({why})")
+    both = {r.match for r in result.past_other_run} >= {"only A", "only B"}  # both go on: neither ended first
     for label, other in (("A", "B"), ("B", "A")):
         rows = [r for r in result.past_other_run if r.match == f"only {label}"]
         if rows:
-            lines.append(f"WARNING: {_calls(len(rows))} of run {label} not compared: run {other}'s recording ends "
-                         f"before them, the first {where(rows[0])}")
+            why = (f"after the last aligned pair run {other}'s calls are others" if both
+                   else f"run {other}'s recording ends before them")
+            lines.append(f"WARNING: {_calls(len(rows))} of run {label} not compared: {why}, the first "
+                         f"{where(rows[0])}")
     if not result.compared and not result.divergences:
         held = [sum(getattr(r, side) is not None for r in result.rows) for side in ("a", "b")]
         lines.append(f"WARNING: no pair of calls compared (run A holds {_calls(held[0])}, run B {_calls(held[1])})")
