@@ -24,11 +24,12 @@ import contextlib
 import dataclasses
 import functools
 import math
+import sys
 from collections.abc import Callable
 
 import torch
 
-from ..ops.naming import function_from_name
+from ..ops.naming import function_from_name, resolve_op_name
 from ..ops.torch_versions import autocast_enabled
 from . import sampled_reference
 from .device_math import MANTISSA_BITS, DeviceMath
@@ -529,6 +530,64 @@ def normalized_dims(name: str, args: tuple, kwargs: dict) -> int | None:
 
 def _rms_norm(func, args, kwargs, out, rotation, taken=None):
     return _norm(func, args, kwargs, out, rotation, rms=True)
+
+
+def _module_rms_norm(func, args, kwargs, out, rotation, taken=None):
+    """A transformers RMSNorm module's forward whose code is Llama's (``module_norms``): ``weight * (x *
+    rsqrt(mean(x^2) + eps))``, its statistic in float32 and its normalised value rounded to ``x``'s type before the
+    weight's product: one rounding of a narrow type more than the result's own. A weight of another type than ``x``
+    (the result promoted): not covered."""
+    module, x = (*args, None, None)[:2]
+    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    if kwargs or not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or \
+            not isinstance(eps, (int, float)) or x.dim() == 0 or weight.shape != x.shape[-1:]:
+        return None
+    return sampled_reference.norm_sample(torch.nn.functional.rms_norm, x, (x.size(-1),), weight, None, float(eps),
+                                         out, rotation, rms=True, narrow_roundings=1)
+
+
+_LLAMA_RMS_NORM = "transformers.models.llama.modeling_llama.LlamaRMSNorm.forward"
+
+
+def _same_code(function, reference) -> bool:
+    """Whether two functions compute alike: the same bytecode, constants and names (not their lines or file)."""
+    code, other = getattr(function, "__code__", None), reference.__code__
+    return code is not None and (code.co_code, code.co_consts, code.co_names) == \
+        (other.co_code, other.co_consts, other.co_names)
+
+
+def module_norms() -> tuple[str, ...]:
+    """transformers' RMSNorm modules loaded now whose forward is Llama's, token for token (transformers copies it into
+    each model's module: ``MistralRMSNorm``, ``Qwen2RMSNorm``, ...), by the names the tools report their forwards
+    under. Their arithmetic (``pow``, ``mean``, ``rsqrt``, ``mul``) is not wrapped by default (hundreds of calls a
+    step), so the module's forward is checked whole, as ``rms_norm``. Nothing is imported: a model's module loaded
+    after the tool started is not seen. A norm of another formula (Gemma's ``1 + weight``) is not Llama's code."""
+    loaded = tuple(sorted(name for name in list(sys.modules)
+                          if name.startswith("transformers.models.") and ".modeling_" in name))
+    return _norms_in(loaded) if loaded else ()
+
+
+@functools.lru_cache(maxsize=8)
+def _norms_in(loaded: tuple[str, ...]) -> tuple[str, ...]:
+    try:
+        reference = function_from_name(_LLAMA_RMS_NORM)[2]
+    except (ValueError, ImportError):  # a transformers without Llama: nothing known to be its formula
+        return ()
+    reference = getattr(reference, "__wrapped__", reference)  # a tool's wrapper, started before this one
+    found = []
+    for module_name in loaded:
+        for cls in list(vars(sys.modules[module_name]).values()):
+            if not (isinstance(cls, type) and cls.__name__.endswith("RMSNorm") and
+                    issubclass(cls, torch.nn.Module) and cls.__module__ == module_name):
+                continue
+            forward = vars(cls).get("forward")
+            name = f"{module_name}.{cls.__qualname__}.forward"
+            if _same_code(getattr(forward, "__wrapped__", forward), reference) and \
+                    resolve_op_name(getattr(forward, "__wrapped__", forward)) == name:
+                found.append(name)
+                SAMPLED.setdefault(name, _module_rms_norm)
+                KINDS.setdefault(name, "float64 rerun of a sample")
+    return tuple(found)
 
 
 _ARITHMETIC = ("mul", "add", "sub", "div")

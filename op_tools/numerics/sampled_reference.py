@@ -53,6 +53,9 @@ class Recipe:
     scalars: int = 0  # Python float arguments: a kernel may round each to the result's type first
     terms: Callable | None = None  # for "terms": the sum of the terms' magnitudes, from the arguments in float64
     slack: int = SLACK  # ulps of the computing type the kernel's own roundings may add (a longer chain: more)
+    # a normalisation's roundings to a narrow result's type before the result's own (its statistic, reciprocal root
+    # and normalised value, as torch 2.4's rms_norm rounds them; transformers' RMSNorm only the normalised value)
+    narrow_roundings: int = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,8 +277,9 @@ def adam_terms(param, exp_avg, exp_avg_sq, grad, step, found_inf=None, **hyper) 
 
 
 def norm_sample(func: Callable, x: torch.Tensor, normalized: tuple[int, ...], weight, bias, eps, out: torch.Tensor,
-                rotation: int, rms: bool) -> tuple[list[torch.Tensor], Recipe] | None:
-    """``ROWS`` rows of a layer norm's (``rms``: an RMS norm's) input and result, with its weight and bias whole."""
+                rotation: int, rms: bool, narrow_roundings: int = 3) -> tuple[list[torch.Tensor], Recipe] | None:
+    """``ROWS`` rows of a layer norm's (``rms``: an RMS norm's) input and result, with its weight and bias whole;
+    ``narrow_roundings``: ``Recipe``'s."""
     width = math.prod(normalized)
     if not _floating(out) or out.numel() == 0 or width == 0 or tuple(x.shape[x.dim() - len(normalized):]) != \
             tuple(normalized) or x.dtype != out.dtype:
@@ -298,7 +302,7 @@ def norm_sample(func: Callable, x: torch.Tensor, normalized: tuple[int, ...], we
     args = (_Slot(0), normalized, slots[0], eps) if rms else (_Slot(0), normalized, slots[0], slots[1], eps)
     weight_slot, bias_slot = (None if slot is None else slot.index for slot in slots)
     recipe = Recipe(func, args, {}, tuple(shapes), out.dtype, "rms_norm" if rms else "layer_norm", width,
-                    weight_slot=weight_slot, bias_slot=bias_slot)
+                    weight_slot=weight_slot, bias_slot=bias_slot, narrow_roundings=narrow_roundings)
     return values, recipe
 
 
@@ -337,7 +341,7 @@ def excess(recipe: Recipe, values: list[float]) -> float:
         if finfo.bits < 32:
             # a kernel may round its statistic, its reciprocal root and the normalised value to a narrow input's
             # type before the result (torch 2.4's own rms_norm does: 2.4 times the bound above in bfloat16)
-            relative += 3 * finfo.eps / 2
+            relative += recipe.narrow_roundings * finfo.eps / 2
         if recipe.bias_slot is not None:
             magnitude = magnitude + 2 * parts[recipe.bias_slot].abs()
         if recipe.kind == "layer_norm":  # the mean's error, relative to the spread it is divided by

@@ -127,8 +127,10 @@ class OpSelfCheck(OpTool):
 
     def configure(self) -> None:
         self.budget = SELF_CHECK_BUDGET.read(self.sources)
+        norms = invariants.module_norms()  # transformers' RMSNorm modules loaded now, checked as rms_norm
         if self.filter.allow is None:  # no LIST: the ops with an invariant, wrapped (no mode sees every call)
-            self.filter = OpFilter(tuple(re.compile(name) for name in invariants.WRAPPED), self.filter.deny)
+            self.filter = OpFilter(tuple(re.compile(name) for name in (*invariants.WRAPPED, *norms)),
+                                   self.filter.deny)
             self.default_list = True
         self._findings: list[Finding] = []
         self.counts: collections.Counter = collections.Counter()

@@ -157,12 +157,12 @@ def test_a_noisy_linear_in_the_last_layer_is_named_within_a_round_of_the_sites(s
     import ditorch.sim
 
     # One module's products noisy, the last layer's, under a budget of about one check a step beyond the first step's:
-    # named in the first round, which checks each of the tiny Llama's 40 forward sites once (before, a call site was
-    # the op and line of every layer's down_proj, checked in layer 0, and the turns went to the calls after the
-    # pauses, mostly layer 0's: unnamed after 45 calls checked in 7 runs of 8)
+    # named in the first round, which checks each of the tiny Llama's 49 forward sites once (its 9 RMSNorm modules'
+    # among them; before, a call site was the op and line of every layer's down_proj, checked in layer 0, and the
+    # turns went to the calls after the pauses, mostly layer 0's: unnamed after 45 calls checked in 7 runs of 8)
     step = _tiny_llama_steps(sim, layers=4)
     with ditorch.sim.faults("mm@model.layers.3.mlp.down_proj:noise=1e-2"), op_tools.OpSelfCheck(budget=0.03) as check:
-        steps = _train_until(step, check, checks=45, done=lambda check: bool(check.findings))
+        steps = _train_until(step, check, checks=55, done=lambda check: bool(check.findings))
     assert check.findings, (steps, check.counts)
     first = check.findings[0]
     assert (first.op, first.module) == ("torch.nn.functional.linear", "model.layers.3.mlp.down_proj"), first
@@ -341,13 +341,58 @@ def test_a_noisy_activation_is_named_by_default_and_arithmetic_when_listed(sim):
     first = check.findings[0]
     assert (first.op, first.check, first.step) == ("torch.nn.functional.silu", "float64 rerun of a sample", 0), first
     assert first.module == "model.layers.0.mlp.act_fn", first
-    with ditorch.sim.faults("rsqrt:noise=1e-2"), op_tools.OpSelfCheck(budget=1.0) as check:
-        zoo.llama_float32(sim)
-    assert check.findings == [], check.findings[:1]  # not wrapped by default: RMSNorm's arithmetic
     with ditorch.sim.faults("rsqrt:noise=1e-2"), op_tools.OpSelfCheck(budget=1.0, ops=EVERY_OP) as check:
         zoo.llama_float32(sim)
     assert (check.findings[0].op, check.findings[0].module) == ("torch.rsqrt", "model.layers.0.input_layernorm")
     assert check.counts["not checked (integer result)"] > 0 and check.verdict() == "found", check.counts
+
+
+LLAMA_NORM = "transformers.models.llama.modeling_llama.LlamaRMSNorm.forward"
+
+
+@pytest.mark.parametrize("workload", [zoo.llama_float32, zoo.llama_bf16], ids=["float32", "bfloat16"])
+def test_a_transformers_rms_norm_module_is_checked_whole_by_default(sim, workload):
+    import ditorch.sim
+
+    zoo.tiny_llama(hidden=32)  # its module loaded before the tool starts, as a script builds its model first
+    assert LLAMA_NORM in invariants.module_norms()
+    for numerics in ("cpu", "gpu"):
+        with ditorch.sim.numerics(numerics), op_tools.OpSelfCheck(budget=1.0) as check:  # every call checked
+            workload(sim)
+        assert check.findings == [] and check.verdict() == "clean", (numerics, check.findings[:1])
+        norms = {site[3] for site in check.site_checks if site[0] == LLAMA_NORM}
+        assert norms == {"model.norm", *(f"model.layers.{n}.{which}_layernorm" for n in range(2)
+                                         for which in ("input", "post_attention"))}, norms
+    # its arithmetic is not wrapped (pow, mean, rsqrt, mul): a wrong reciprocal root is found through the module,
+    # under the default budget
+    with ditorch.sim.faults("rsqrt:noise=1e-2"), op_tools.OpSelfCheck() as check:
+        workload(sim)
+    first = check.findings[0]
+    assert (first.op, first.module, first.step, first.check) == \
+        (LLAMA_NORM, "model.layers.0.input_layernorm", 0, "float64 rerun of a sample"), first
+
+
+def test_only_norm_modules_computing_as_llamas_are_checked_as_rms_norm():
+    import importlib
+
+    for model in ("llama", "qwen2", "mistral", "gemma"):
+        importlib.import_module(f"transformers.models.{model}.modeling_{model}")
+    norms = invariants.module_norms()
+    assert {LLAMA_NORM, "transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm.forward",
+            "transformers.models.mistral.modeling_mistral.MistralRMSNorm.forward"} <= set(norms), norms
+    assert not any("Gemma" in name for name in norms), norms  # weight * (1 + w): another formula
+    # the module's forward computes what the check reruns: its result within the bound, a 2% error outside it
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    generator = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        norm = LlamaRMSNorm(512, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(512, generator=generator))
+        x = torch.randn(64, 512, generator=generator).to(dtype)
+        assert _sampled_excess(LLAMA_NORM, LlamaRMSNorm.forward, (norm, x)) <= 1, dtype
+        assert _sampled_excess(LLAMA_NORM, LlamaRMSNorm.forward, (norm, x),
+                               wrong=lambda out: out * (1 + 2e-2)) > 1, dtype
 
 
 def test_an_in_place_activation_is_checked_from_its_input_sampled_before_it_ran(sim):
