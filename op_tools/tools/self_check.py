@@ -11,11 +11,12 @@ op, its module path, the rank, the step, the phase and by how much it exceeds wh
 
 **The budget** (``budget=0.02``, ``OP_SELF_CHECK_BUDGET``) is a share of the run's wall time since the tool started.
 The tool times its own work per checked call; a call is checked while that total stays within the budget, and the
-first call of each kind of call (op and source line) always is, so every kind of op is covered early. Beyond those,
-the checks the budget allows take turns over the call sites, a site being the kind and the module that made the call
-(every layer's ``q_proj`` its own): a round checks each site once, least recently checked first (``_due``). The rest
-are counted as not checked (budget). Which calls are checked depends on timing and the order of calls, never on
-values: a fault that persists in one module is found within a round.
+first call of each call site always is, a site being the op, its source line, the phase and the module that made the
+call (every layer's ``q_proj`` its own): every module's ops are checked in the first step they run, so a fault present
+from the start is named there, and the tool then pauses until its spending is back within the budget. Beyond those,
+the checks the budget allows take turns over the sites: a round checks each site once, least recently checked first
+(``_due``). The rest are counted as not checked (budget). Which calls are checked depends on timing and the order of
+calls, never on values: a fault that begins later in one module is found within a round.
 """
 
 from __future__ import annotations
@@ -135,10 +136,9 @@ class OpSelfCheck(OpTool):
         self._findings: list[Finding] = []
         self.counts: collections.Counter = collections.Counter()
         self._readback = DeviceReadback(READBACK_BATCH)
-        self._kinds: set = set()  # (op, phase, source line) of the calls checked once: each one's first, budget or not
-        # The turns the budget's checks take over the call sites (op, phase, source line, module path): the round in
-        # which each was last chosen; the calls looked at since the budget allowed a check, none of a site due (the
-        # step the hunt began, calls).
+        # The call sites (op, phase, source line, module path) met: the round in which each was last chosen (a
+        # site's first call is checked, budget or not; then the budget's checks take turns over them); the calls
+        # looked at since the budget allowed a check, none of a site due (the step the hunt began, calls).
         self._sites: dict[tuple, int] = {}
         self._round = 0
         self._hunt: list[int] | None = None
@@ -207,16 +207,15 @@ class OpSelfCheck(OpTool):
                 any(is_dtensor(t) for t in operands.inputs):
             return
         begun = time.perf_counter()
-        kind = (call.name, "backward", call.keep_location().key())
-        if kind in self._kinds:
-            due = self._due(kind, call.module_path, call.step, begun)
+        site = (call.name, "backward", call.keep_location().key(), call.module_path)
+        if site in self._sites:
+            due = self._due(site, call.step, begun)
             if not due:
                 if due is False:  # a site checked this round: its turn comes later
                     self._spent += time.perf_counter() - begun
                 return
         else:
-            self._kinds.add(kind)
-            self._chosen((*kind, call.module_path))
+            self._chosen(site)
         call.grad_inputs = [t for t in operands.inputs if t.requires_grad]
         call.state = {"backward": (operands, [t._version for t in operands.inputs],
                                    DeviceMath.of(call.device, call.name))}
@@ -248,9 +247,10 @@ class OpSelfCheck(OpTool):
         if call.name in invariants.COLLECTIVES:
             self._after_collective(call, begun)
             return
-        kind = (call.name, "forward", call.keep_location().key())  # unformatted: the line's text only when shown
-        if kind in self._kinds:
-            due = self._due(kind, call.module_path, call.step, begun)
+        # the line unformatted: its text only when shown
+        site = (call.name, "forward", call.keep_location().key(), call.module_path)
+        if site in self._sites:
+            due = self._due(site, call.step, begun)
             if not due:
                 self.counts[BUDGET_SKIPPED] += 1
                 if due is None:
@@ -310,9 +310,8 @@ class OpSelfCheck(OpTool):
             exact = isinstance(result, torch.Tensor) and not result.is_floating_point() and not result.is_complex()
             self.counts[EXACT_SKIPPED if exact else "not checked (no invariant for these arguments)"] += 1
             return
-        if kind not in self._kinds:
-            self._kinds.add(kind)
-            self._chosen((*kind, call.module_path))
+        if site not in self._sites:
+            self._chosen(site)
         self.counts["checked"] += 1
         token = (call.name, call.module_path, call.step, call.forward_id, call.location, call.time, recipe, "forward",
                  tensor)
@@ -320,17 +319,16 @@ class OpSelfCheck(OpTool):
         self._judge(wait=False)
         self._spent += time.perf_counter() - begun
 
-    def _due(self, kind: tuple, module: str, step: int, begun: float) -> bool | None:
-        """Whether a call of a ``kind`` already checked once, made in ``module``, is to be checked now: None while the
-        budget is spent; else True when its site is due (met first, or not chosen since its round began, the site then
-        chosen), False when it is not (its turn comes in the next round): the check the budget allows goes to the
-        first call whose site is due. With a budget of 1 (the whole run's time) every call is checked.
+    def _due(self, site: tuple, step: int, begun: float) -> bool | None:
+        """Whether a call of a ``site`` already met is to be checked now: None while the budget is spent; else True
+        when its site is due (not chosen since its round began, the site then chosen), False when it is not (its turn
+        comes in the next round): the check the budget allows goes to the first call whose site is due. With a budget
+        of 1 (the whole run's time) every call is checked.
 
         Looking for a due call (a hunt) is never paused: its time is the tool's, and lengthens the next pause; budget
         left unspent meanwhile is spent on the next due calls. A round ends when a hunt has seen a whole step with no
         site due (before the first optimizer step, or with none, twice as many calls as there are sites): every site
         a step makes has been chosen, and a site met no more (a warm-up's, an evaluation's) waits for the next round."""
-        site = (*kind, module)
         if self._hunt is None:
             if self._spent > self.budget * (begun - self._started):
                 return None
