@@ -23,9 +23,12 @@ gradients, norms' statistics and losses reach the device as. In the order of CUD
   multiplies the sum by ``1/n`` rounded to the accumulation type (CUDA's ``MeanOps``), rather than dividing.
 
 And ``_log_softmax`` in CUDA's association, ``x - (max + log(sum))``, where the CPU's is ``(x - max) - log(sum)``
-(rounded to a half type, an ulp apart in some elements). And ``addcmul`` and ``addcdiv`` (in place too: Adam's
-moments, when not through ``_foreach``) with a fused multiply-add, as nvcc contracts CUDA's ``self + alpha * t1 * t2``
-and ``self + alpha * (t1 / t2)``: the last product is not rounded before the addition. Subnormals are kept, as in
+(rounded to a half type, an ulp apart in some elements); ``softmax``, ``_safe_softmax`` (attention's) and both
+softmaxes' backward with their row sums in a warp's order (a lane per 32nd term, the lanes' sums pairwise). And
+``addcmul`` and ``addcdiv`` (in place too: Adam's moments, when not through ``_foreach``) with a fused multiply-add,
+as nvcc contracts CUDA's ``self + alpha * t1 * t2`` and ``self + alpha * (t1 / t2)``: the last product is not rounded
+before the addition. (``add``'s ``alpha`` is fused on the CPU too: torch 2.13's ``add(a, b, alpha=0.3)`` in float32
+equals ``fma(0.3, b, a)`` on 100,000 random elements.) Subnormals are kept, as in
 PyTorch's CUDA kernels, which are built without fast math (flash attention's exponentials flush below 2^-126, where a
 probability weighs less than any rounding).
 
@@ -191,14 +194,24 @@ def _fused_multiply_add(op, name: str):
     return kernel
 
 
+def _sum_along(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x.sum(dim, keepdim=True)`` in the order of CUDA's softmax kernels: a row's terms dealt to a warp's 32 lanes
+    (term ``i`` to lane ``i % 32``), each lane adding its own in order, the lanes' sums added pairwise (a warp's
+    shuffle reduction; the CPU adds vectors of 8 or 16 and then across them)."""
+    moved = x.movedim(dim, -1)
+    total = ordered_sum(moved.reshape(-1, moved.shape[-1]), WARP)
+    return total.reshape(moved.shape[:-1]).unsqueeze(-1).movedim(-1, dim)
+
+
 _LOG_SOFTMAX = ("_log_softmax.default",)
 
 
 def _log_softmax(op, name: str):
     """``_log_softmax`` as CUDA's kernel computes it (``LogSoftMaxForwardEpilogue``): ``x - (max + log(sum))`` in the
-    accumulation type, where the CPU's computes ``(x - max) - log(sum)``. Rounded to a half type, the two differ by
-    an ulp in some elements: on an H200, ``cross_entropy`` of float16 logits under autocast (its ``log_softmax`` in
-    float16) erred 5.6 times the CPU's own error on the same call, a legitimate difference."""
+    accumulation type, the sum in a warp's order, where the CPU's computes ``(x - max) - log(sum)``. Rounded to a
+    half type, the two differ by an ulp in some elements: on an H200, ``cross_entropy`` of float16 logits under
+    autocast (its ``log_softmax`` in float16) erred 5.6 times the CPU's own error on the same call, a legitimate
+    difference."""
     plain = KERNELS.get(op, op)
 
     def kernel(self, dim, half_to_float):
@@ -207,9 +220,49 @@ def _log_softmax(op, name: str):
         acc = accumulate_dtype(self.dtype)
         x = self.to(acc)
         top = x.amax(dim, keepdim=True)
-        total = (x - top).exp().sum(dim, keepdim=True)
+        total = _sum_along((x - top).exp(), dim)
         out = x - (top + total.log())
         return out if half_to_float else out.to(self.dtype)
+
+    return kernel
+
+
+_SOFTMAXES = ("_softmax.default", "_safe_softmax.default", "_softmax_backward_data.default",
+              "_log_softmax_backward_data.default")
+
+
+def _softmax(op, name: str):
+    """``softmax`` (and ``_safe_softmax``: a row of -inf gives zeros) and the two softmaxes' backward as CUDA computes
+    them, their row sums in a warp's order (``_sum_along``) in the accumulation type: ``exp(x - max) / sum``;
+    ``out * (grad - sum(grad * out))``; ``grad - exp(out) * sum(grad)``."""
+    plain = KERNELS.get(op, op)
+    safe, backward, log = name.startswith("_safe"), "backward" in name, name.startswith("_log")
+
+    def kernel(*args, **kwargs):
+        if backward:
+            if kwargs or len(args) != 4 or not args[0].is_floating_point() or args[0].dtype == torch.float64:
+                return plain(*args, **kwargs)
+            grad, out, dim, input_dtype = args
+            acc = accumulate_dtype(grad.dtype)
+            g, o = grad.to(acc), out.to(acc)
+            result = g - o.exp() * _sum_along(g, dim) if log else o * (g - _sum_along(g * o, dim))
+            return result.to(input_dtype)
+        x, dim = args[0], args[1]
+        last = args[2] if len(args) > 2 else kwargs.get("dtype" if safe else "half_to_float")
+        out_dtype = (last or x.dtype) if safe else torch.float32 if last else x.dtype
+        if not x.is_floating_point() or torch.float64 in (x.dtype, out_dtype):
+            return plain(*args, **kwargs)
+        acc = accumulate_dtype(x.dtype)
+        v = x.to(acc)
+        top = v.amax(dim, keepdim=True)
+        if safe:
+            top = torch.where(torch.isinf(top) & (top < 0), torch.zeros_like(top), top)
+        e = (v - top).exp()
+        total = _sum_along(e, dim)
+        out = e / total
+        if safe:
+            out = torch.where(total == 0, torch.zeros_like(out), out)
+        return out.to(out_dtype)
 
     return kernel
 
@@ -233,7 +286,8 @@ class Numerics:
                     KERNELS[op] = _kernel(op, name.startswith("mean"), "dim" in name)
                 else:
                     KERNELS.pop(op, None)
-            for table, make in ((_FUSED_MULTIPLY_ADDS, _fused_multiply_add), (_LOG_SOFTMAX, _log_softmax)):
+            for table, make in ((_FUSED_MULTIPLY_ADDS, _fused_multiply_add), (_LOG_SOFTMAX, _log_softmax),
+                                (_SOFTMAXES, _softmax)):
                 for name in table:
                     op = overload(name)
                     if mode == "gpu":

@@ -115,15 +115,56 @@ def test_addcmul_and_addcdiv_round_once_after_a_fused_multiply_add(gpu_numerics,
     assert torch.equal(in_place.cpu(), fma_div)
 
 
+def warp_sum(rows: torch.Tensor) -> torch.Tensor:
+    """``(M, n) -> (M, 1)``: each row's terms dealt to 32 lanes (term i to lane i % 32), each lane's added in order,
+    the lanes' sums added pairwise, neighbours first: a warp's shuffle reduction."""
+    lanes = torch.stack([in_order(rows[:, lane::32].T) if rows[:, lane::32].numel() else torch.zeros(len(rows))
+                         for lane in range(32)], 1)
+    while lanes.shape[1] > 1:
+        lanes = lanes[:, 0::2] + lanes[:, 1::2]
+    return lanes
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_log_softmax_in_cudas_association(gpu_numerics, dtype):
     # CUDA's LogSoftMaxForwardEpilogue: x - (max + log(sum)) in float32; the CPU's: (x - max) - log(sum)
     x = (torch.randn(64, 10, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
     wide = x.float()
     top = wide.amax(1, keepdim=True)
-    cuda = (wide - (top + (wide - top).exp().sum(1, keepdim=True).log())).to(dtype)
+    cuda = (wide - (top + warp_sum((wide - top).exp()).log())).to(dtype)
     on_sim = torch.log_softmax(x.to(gpu_numerics), 1).cpu()
     assert torch.equal(on_sim, cuda)
     if dtype != torch.float32:
         assert not torch.equal(on_sim, torch.log_softmax(x, 1))  # an ulp apart in some elements
         assert torch.log_softmax(x.to(gpu_numerics), 1, dtype=torch.float32).dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_softmax_and_its_backward_sum_their_rows_in_a_warps_order(gpu_numerics, dtype):
+    generator = torch.Generator().manual_seed(6)
+    x = (torch.randn(64, 200, generator=generator) * 3).to(dtype)
+    wide = x.float()
+    e = (wide - wide.amax(1, keepdim=True)).exp()
+    on_sim = torch.softmax(x.to(gpu_numerics), 1).cpu()
+    assert torch.equal(on_sim, (e / warp_sum(e)).to(dtype))
+    if dtype == torch.float32:
+        assert not torch.equal(on_sim, torch.softmax(x, 1))  # another order: an ulp apart in some elements
+    grad = torch.randn(64, 200, generator=generator).to(dtype)
+    out = on_sim.float()
+    expected = out * (grad.float() - warp_sum(grad.float() * out))
+    backward = torch.ops.aten._softmax_backward_data(grad.to(gpu_numerics), on_sim.to(gpu_numerics), 1, dtype)
+    assert torch.equal(backward.cpu(), expected.to(dtype))
+    log_out = torch.log_softmax(x.to(gpu_numerics), 1)
+    log_backward = torch.ops.aten._log_softmax_backward_data(grad.to(gpu_numerics), log_out, 1, dtype)
+    assert torch.equal(log_backward.cpu(), (grad.float() - log_out.cpu().float().exp() * warp_sum(grad.float()))
+                       .to(dtype))
+
+
+def test_attentions_safe_softmax_gives_a_row_masked_whole_zeros(gpu_numerics):
+    x = torch.randn(4, 40, generator=torch.Generator().manual_seed(7))
+    x[1] = -torch.inf
+    on_sim = torch.ops.aten._safe_softmax(x.to(gpu_numerics), -1).cpu()
+    assert torch.equal(on_sim[1], torch.zeros(40))
+    e = (x[[0, 2, 3]] - x[[0, 2, 3]].amax(1, keepdim=True)).exp()
+    assert torch.equal(on_sim[[0, 2, 3]], e / warp_sum(e))
+    assert torch.ops.aten._safe_softmax(x.bfloat16().to(gpu_numerics), -1, dtype=torch.float32).dtype == torch.float32
