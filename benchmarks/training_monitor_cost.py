@@ -63,8 +63,9 @@ STATE_EVERY = op_tools.TrainingMonitorConfig.resolve().state_every  # what the m
 
 
 def build_step(device: str, hidden: int, intermediate: int, layers: int, heads: int, vocab: int, batch: int,
-               seq: int):
-    """The model and a training step on ``device``, built once; ``step(monitor)`` logs the loss to ``monitor``."""
+               seq: int, wrap=None, seed: int | None = None):
+    """The model and a training step on ``device``, built once; ``step(monitor)`` logs the loss to ``monitor``.
+    ``wrap``: a function of the model returning the module to train (DDP's); ``seed``: the batch's own (a rank's)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -73,7 +74,10 @@ def build_step(device: str, hidden: int, intermediate: int, layers: int, heads: 
                          max_position_embeddings=seq)
     model: torch.nn.Module = LlamaForCausalLM(config)
     model.to(device)
-    ids = torch.randint(0, vocab, (batch, seq)).to(device)
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=generator).to(device)
+    if wrap is not None:
+        model = wrap(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step(monitor: op_tools.TrainingMonitor | None) -> None:

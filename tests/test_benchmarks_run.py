@@ -34,7 +34,7 @@ SMALLEST = {
                                  "(c) TrainingMonitor(model=model, every=10)"),
     "stay_on_cost.py": (["--size", "tiny", "--rounds", "1", "--steps", "1"], "summary: stay_on_cost: sim: OpCapture"),
     "engine_cost.py": (["--rounds", "1", "--steps", "1"], "summary: engine_cost: cpu tiny: engine, forward+backward"),
-    "self_check_detection.py": (["--size", "tiny", "--steps", "2"],
+    "self_check_detection.py": (["--size", "tiny", "--steps", "2", "--late-steps", "3"],
                                 "summary: self_check_detection: tiny (clean): clean"),
 }
 

@@ -13,7 +13,7 @@ op, its module path, the rank, the step, the phase and by how much it exceeds wh
 The tool times its own work per checked call; a call is checked while that total stays within the budget, and the
 first call of each call site always is, a site being the op, its source line, the phase and the module that made the
 call (every layer's ``q_proj`` its own): every module's ops are checked in the first step they run, so a fault present
-from the start is named there, and the tool then pauses until its spending is back within the budget. Beyond those,
+from the start is named there. That sweep is a one-time cost outside the budget (``sweep_seconds``). Beyond it,
 the checks the budget allows take turns over the sites: a round checks each site once, least recently checked first
 (``_due``). The rest are counted as not checked (budget). Which calls are checked depends on timing and the order of
 calls, never on values: a fault that begins later in one module is found within a round.
@@ -143,7 +143,10 @@ class OpSelfCheck(OpTool):
         self._round = 0
         self._hunt: list[int] | None = None
         self.site_checks: collections.Counter = collections.Counter()  # calls chosen for a check, per site
-        self._spent = 0.0  # seconds of the tool's own work on checked calls
+        self._spent = 0.0  # seconds of the tool's own work on checked calls, within the budget
+        # seconds of its work on each site's first call, outside the budget: a one-time sweep that checks every module
+        # in the first step it runs, after which the budget's turns begin at once, not after a pause paying it back
+        self.sweep_seconds = 0.0
         self._started = time.perf_counter()
         self._judge_lock = threading.Lock()
         self._collectives: collections.Counter = collections.Counter()  # calls per (collective, group)
@@ -208,7 +211,8 @@ class OpSelfCheck(OpTool):
             return
         begun = time.perf_counter()
         site = (call.name, "backward", call.keep_location().key(), call.module_path)
-        if site in self._sites:
+        first = site not in self._sites
+        if not first:
             due = self._due(site, call.step, begun)
             if not due:
                 if due is False:  # a site checked this round: its turn comes later
@@ -218,15 +222,15 @@ class OpSelfCheck(OpTool):
             self._chosen(site)
         call.grad_inputs = [t for t in operands.inputs if t.requires_grad]
         call.state = {"backward": (operands, [t._version for t in operands.inputs],
-                                   DeviceMath.of(call.device, call.name))}
-        self._spent += time.perf_counter() - begun
+                                   DeviceMath.of(call.device, call.name), first)}
+        self._charge(begun, first)
 
     def after_call_backward(self, call: OpCall, upstream: tuple, input_grads: tuple, complete: bool) -> None:
         kept = call.state.pop("backward", None) if isinstance(call.state, dict) else None
         if kept is None or not upstream or not isinstance(upstream[0], torch.Tensor):
             return
         begun = time.perf_counter()
-        operands, versions, math_ = kept
+        operands, versions, math_, first = kept
         inputs = operands.inputs
         if [t._version for t in inputs] != versions:  # written since: not what the backward multiplied
             return
@@ -240,7 +244,7 @@ class OpSelfCheck(OpTool):
                  "")
         self._readback.put(torch.stack(excesses).amax().reshape(1), token)
         self._judge(wait=False)
-        self._spent += time.perf_counter() - begun
+        self._charge(begun, first)
 
     def after(self, call: OpCall) -> None:
         begun = time.perf_counter()
@@ -249,7 +253,8 @@ class OpSelfCheck(OpTool):
             return
         # the line unformatted: its text only when shown
         site = (call.name, "forward", call.keep_location().key(), call.module_path)
-        if site in self._sites:
+        first = site not in self._sites
+        if not first:
             due = self._due(site, call.step, begun)
             if not due:
                 self.counts[BUDGET_SKIPPED] += 1
@@ -310,14 +315,21 @@ class OpSelfCheck(OpTool):
             exact = isinstance(result, torch.Tensor) and not result.is_floating_point() and not result.is_complex()
             self.counts[EXACT_SKIPPED if exact else "not checked (no invariant for these arguments)"] += 1
             return
-        if site not in self._sites:
+        if first:
             self._chosen(site)
         self.counts["checked"] += 1
         token = (call.name, call.module_path, call.step, call.forward_id, call.location, call.time, recipe, "forward",
                  tensor)
         self._readback.put(values.reshape(1) if isinstance(values, torch.Tensor) else values, token)
         self._judge(wait=False)
-        self._spent += time.perf_counter() - begun
+        self._charge(begun, first)
+
+    def _charge(self, begun: float, first: bool) -> None:
+        """The time since ``begun`` to the budget, or to the sweep for a site's first call."""
+        if first:
+            self.sweep_seconds += time.perf_counter() - begun
+        else:
+            self._spent += time.perf_counter() - begun
 
     def _due(self, site: tuple, step: int, begun: float) -> bool | None:
         """Whether a call of a ``site`` already met is to be checked now: None while the budget is spent; else True
