@@ -101,7 +101,9 @@ class _IndexCache:
         if made is None:
             if len(self._made) > 1024:
                 self._made.clear()
-            joined = torch.tensor([v for part in values for v in part], dtype=torch.long, device=device)
+            # built on the host and copied without blocking: a tensor made on the device from a list is a blocking
+            # copy, a synchronisation per new sample shape (10 to 15 a step with every call checked)
+            joined = torch.tensor([v for part in values for v in part], dtype=torch.long).to(device, non_blocking=True)
             made = list(joined.split([len(part) for part in values]))
             self._made[(key, device)] = made
         return made

@@ -13,6 +13,7 @@ import zoo
 import op_tools
 from op_tools.numerics import invariants
 from op_tools.numerics.device_math import DeviceMath
+from op_tools.tools.self_check import READBACK_BATCH
 
 # every op with a check that can be named in a LIST (torch.mm is torch.spmm's object, @ is Tensor.matmul's call)
 EVERY_OP = sorted(name for name in {*invariants.CHECKS, *invariants.SAMPLED}
@@ -65,6 +66,35 @@ def test_a_bit_flipped_in_one_modules_matmuls_is_named_there(sim):
     assert {(f.op, f.module) for f in check.findings} == {("torch.nn.functional.linear",
                                                            "model.layers.1.mlp.down_proj")}, check.findings
     assert min(f.excess for f in check.findings) > 10
+
+
+def test_a_bit_flipped_in_one_product_of_fifty_is_named_within_ten_steps_at_the_default_budget(sim):
+    import ditorch.sim
+
+    step = _tiny_llama_steps(sim, layers=4)
+    with ditorch.sim.faults("mm:bitflip=50"), op_tools.OpSelfCheck() as check:
+        steps = _train_until(step, check, checks=10**6, done=lambda check: bool(check.findings), steps=10)
+    assert check.findings and check.findings[0].op == "torch.nn.functional.linear", (steps, check.counts)
+    assert check.findings[0].excess > 1
+
+
+def test_the_tool_adds_no_synchronisation_and_a_copy_per_batch_of_checks(sim):
+    step = _tiny_llama_steps(sim, layers=2)
+    with op_tools.OpSelfCheck(budget=1.0) as check:  # every call checked: the most the tool can add
+        step()  # the sweep and the engine's first calls
+        before = torch.sim.device_counts()
+        for _ in range(3):
+            step()
+        counts = torch.sim.device_counts() - before
+        checked = check.counts["checked"] + check.counts["backward checked"]
+    before = torch.sim.device_counts()
+    for _ in range(3):
+        step()
+    plain = torch.sim.device_counts() - before
+    assert counts.synchronizations == plain.synchronizations, (counts, plain)  # the step's own loss.item() alone
+    # the checks' few numbers each travel in batches of READBACK_BATCH: one copy a batch
+    assert counts.device_to_host_copies - plain.device_to_host_copies <= checked // READBACK_BATCH + 1, \
+        (counts, plain, checked)
 
 
 def test_a_softmax_whose_rows_do_not_sum_to_one_is_found():
