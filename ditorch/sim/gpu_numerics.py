@@ -24,7 +24,8 @@ gradients, norms' statistics and losses reach the device as. In the order of CUD
 
 And ``_log_softmax`` in CUDA's association, ``x - (max + log(sum))``, where the CPU's is ``(x - max) - log(sum)``
 (rounded to a half type, an ulp apart in some elements); ``softmax``, ``_safe_softmax`` (attention's) and both
-softmaxes' backward with their row sums in a warp's order (a lane per 32nd term, the lanes' sums pairwise). And
+softmaxes' backward with their row sums in a warp's order (a lane per 32nd term, the lanes' sums pairwise);
+``embedding_dense_backward`` summing each index's rows in CUDA's chunks of ``ROWS_PER_THREAD``. And
 ``addcmul`` and ``addcdiv`` (in place too: Adam's moments, when not through ``_foreach``) with a fused multiply-add,
 as nvcc contracts CUDA's ``self + alpha * t1 * t2`` and ``self + alpha * (t1 / t2)``: the last product is not rounded
 before the addition. (``add``'s ``alpha`` is fused on the CPU too: torch 2.13's ``add(a, b, alpha=0.3)`` in float32
@@ -267,6 +268,50 @@ def _softmax(op, name: str):
     return kernel
 
 
+_EMBEDDING_BACKWARD = ("embedding_dense_backward.default",)
+ROWS_PER_THREAD = 10  # a CUDA embedding backward's partial segment: the rows of one index one thread sums in order
+
+
+def _embedding_backward(op, name: str):
+    """``embedding_dense_backward`` as CUDA's kernel sums it: the positions sorted by index (stably), each index's
+    rows summed in order in chunks of ``ROWS_PER_THREAD`` (a thread each, in the accumulation type), then each
+    index's chunk sums added in order; the CPU adds every row into its index's in one pass. A row of ``padding_idx``
+    stays zero; ``scale_grad_by_freq`` is left to the CPU's kernel."""
+    plain = KERNELS.get(op, op)
+
+    def kernel(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
+        if scale_grad_by_freq or not grad_output.is_floating_point() or grad_output.dtype == torch.float64 or \
+                indices.numel() == 0:
+            return plain(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq)
+        acc = accumulate_dtype(grad_output.dtype)
+        rows = grad_output.reshape(indices.numel(), -1).to(acc)
+        flat = indices.reshape(-1)
+        order = torch.sort(flat, stable=True).indices
+        ordered = flat[order]
+        positions = torch.arange(len(flat))
+        starts = torch.ones(len(flat), dtype=torch.bool)
+        starts[1:] = ordered[1:] != ordered[:-1]
+        rank = positions - torch.cummax(torch.where(starts, positions, 0), 0).values  # among its index's rows
+        group = torch.cumsum(starts, 0) - 1
+        chunks = int(rank.max()) // ROWS_PER_THREAD + 1
+        key = group * chunks + rank // ROWS_PER_THREAD
+        partial = rows.new_zeros(int(group[-1]) + 1, chunks, rows.shape[1])
+        flat_partial = partial.view(-1, rows.shape[1])
+        for lane in range(ROWS_PER_THREAD):  # each chunk one row per lane: added in order
+            chosen = rank % ROWS_PER_THREAD == lane
+            flat_partial.index_add_(0, key[chosen], rows[order[chosen]])
+        total = partial[:, 0].clone()
+        for chunk in range(1, chunks):
+            total += partial[:, chunk]
+        result = rows.new_zeros(num_weights, rows.shape[1])
+        result[ordered[starts]] = total
+        if padding_idx >= 0:
+            result[padding_idx] = 0
+        return result.to(grad_output.dtype)
+
+    return kernel
+
+
 class Numerics:
     """Which numerics sim computes with: ``cpu`` (the CPU's kernels) or ``gpu`` (this module's sums)."""
 
@@ -287,7 +332,7 @@ class Numerics:
                 else:
                     KERNELS.pop(op, None)
             for table, make in ((_FUSED_MULTIPLY_ADDS, _fused_multiply_add), (_LOG_SOFTMAX, _log_softmax),
-                                (_SOFTMAXES, _softmax)):
+                                (_SOFTMAXES, _softmax), (_EMBEDDING_BACKWARD, _embedding_backward)):
                 for name in table:
                     op = overload(name)
                     if mode == "gpu":

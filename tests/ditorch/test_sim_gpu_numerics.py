@@ -168,3 +168,30 @@ def test_attentions_safe_softmax_gives_a_row_masked_whole_zeros(gpu_numerics):
     e = (x[[0, 2, 3]] - x[[0, 2, 3]].amax(1, keepdim=True)).exp()
     assert torch.equal(on_sim[[0, 2, 3]], e / warp_sum(e))
     assert torch.ops.aten._safe_softmax(x.bfloat16().to(gpu_numerics), -1, dtype=torch.float32).dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_embeddings_rows_are_summed_per_index_in_chunks_of_ten_as_cuda_sums_them(gpu_numerics, dtype):
+    import torch.nn.functional as F  # noqa: N812
+
+    generator = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, 20, (3, 40), generator=generator)
+    ids[1, :35] = 4  # 35 rows of one index: chunks of 10, 10, 10, 5
+    upstream = torch.randn(3, 40, 16, generator=generator).to(dtype)
+    weight = torch.randn(20, 16, generator=generator).to(dtype).to(gpu_numerics).requires_grad_()
+    F.embedding(ids.to(gpu_numerics), weight, padding_idx=2).backward(upstream.to(gpu_numerics))
+    flat, rows = ids.reshape(-1), upstream.reshape(-1, 16).float()
+    expected = torch.zeros(20, 16)
+    for index in flat.unique().tolist():
+        mine = rows[flat == index]  # in position order, as a stable sort keeps them
+        chunks = [in_order(mine[start:start + 10]) for start in range(0, len(mine), 10)]
+        total = chunks[0]
+        for chunk in chunks[1:]:
+            total = total + chunk
+        expected[index] = total
+    expected[2] = 0  # padding_idx: no gradient
+    assert torch.equal(weight.grad.cpu(), expected.to(dtype))
+    if dtype == torch.float32:  # the CPU adds each row into its index's in one pass: another order
+        cpu = torch.zeros(20, 16).index_add_(0, flat, rows)
+        cpu[2] = 0
+        assert not torch.equal(weight.grad.cpu(), cpu)
