@@ -727,8 +727,9 @@ def convert_fraction(value: Any) -> float:
 SELF_CHECK_BUDGET = declare(
     "OP_SELF_CHECK_BUDGET", "a fraction > 0 and <= 1", "0.02",
     "The share of the run's wall time OpSelfCheck's checks may take: a call is checked while the tool's own time "
-    "stays within it (the first call of each call site always is); while it is spent the tool pauses (calls run "
-    "untouched, the engine's dispatch too) and the rest are counted as not checked (budget).",
+    "stays within it (the first call of each call site always is, a one-time sweep outside it); while it is spent "
+    "the tool pauses (calls run untouched, the engine's dispatch too) and the rest are counted as not checked "
+    "(budget).",
     parse_fraction, convert_fraction, "a float > 0 and <= 1",
 )
 
