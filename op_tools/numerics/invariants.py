@@ -560,8 +560,9 @@ def module_norms() -> tuple[str, ...]:
     """transformers' RMSNorm modules loaded now whose forward is Llama's, token for token (transformers copies it into
     each model's module: ``MistralRMSNorm``, ``Qwen2RMSNorm``, ...), by the names the tools report their forwards
     under. Their arithmetic (``pow``, ``mean``, ``rsqrt``, ``mul``) is not wrapped by default (hundreds of calls a
-    step), so the module's forward is checked whole, as ``rms_norm``. Nothing is imported: a model's module loaded
-    after the tool started is not seen. A norm of another formula (Gemma's ``1 + weight``) is not Llama's code."""
+    step), so the module's forward is checked whole, as ``rms_norm``. Only models' modules already loaded are looked at
+    (Llama's is imported for its code, once, when another model's is loaded): a model's module loaded after the tool
+    started is not seen. A norm of another formula (Gemma's ``1 + weight``) is not Llama's code."""
     loaded = tuple(sorted(name for name in list(sys.modules)
                           if name.startswith("transformers.models.") and ".modeling_" in name))
     return _norms_in(loaded) if loaded else ()
