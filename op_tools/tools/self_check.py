@@ -147,9 +147,6 @@ class OpSelfCheck(OpTool):
         # seconds of its work on each site's first call, outside the budget: a one-time sweep that checks every module
         # in the first step it runs, after which the budget's turns begin at once, not after a pause paying it back
         self.sweep_seconds = 0.0
-        # per site, what its backward check last took: charged when the check is chosen at the forward, so that the
-        # checks chosen before any backward runs stay within the budget (not a burst of them, paid back later)
-        self._backward_costs: dict[tuple, float] = {}
         self._started = time.perf_counter()
         self._judge_lock = threading.Lock()
         self._collectives: collections.Counter = collections.Counter()  # calls per (collective, group)
@@ -224,10 +221,8 @@ class OpSelfCheck(OpTool):
         else:
             self._chosen(site)
         call.grad_inputs = [t for t in operands.inputs if t.requires_grad]
-        estimate = 0.0 if first else self._backward_costs.get(site, 0.0)
         call.state = {"backward": (operands, [t._version for t in operands.inputs],
-                                   DeviceMath.of(call.device, call.name), first, site, estimate)}
-        self._spent += estimate
+                                   DeviceMath.of(call.device, call.name), first)}
         self._charge(begun, first)
 
     def after_call_backward(self, call: OpCall, upstream: tuple, input_grads: tuple, complete: bool) -> None:
@@ -235,7 +230,7 @@ class OpSelfCheck(OpTool):
         if kept is None or not upstream or not isinstance(upstream[0], torch.Tensor):
             return
         begun = time.perf_counter()
-        operands, versions, math_, first, site, estimate = kept
+        operands, versions, math_, first = kept
         inputs = operands.inputs
         if [t._version for t in inputs] != versions:  # written since: not what the backward multiplied
             return
@@ -249,12 +244,7 @@ class OpSelfCheck(OpTool):
                  "")
         self._readback.put(torch.stack(excesses).amax().reshape(1), token)
         self._judge(wait=False)
-        took = time.perf_counter() - begun
-        self._backward_costs[site] = took
-        if first:
-            self.sweep_seconds += took
-        else:
-            self._spent += took - estimate  # charged at the forward: the difference
+        self._charge(begun, first)
 
     def after(self, call: OpCall) -> None:
         begun = time.perf_counter()
