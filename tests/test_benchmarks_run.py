@@ -60,3 +60,15 @@ def test_benchmark_runs(script, tmp_path):
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert expected in result.stdout
+
+
+def test_self_check_detection_runs_over_two_ranks_and_names_the_faulty_one(tmp_path):
+    # its --ranks 2 mode: a worker per rank under torchrun, a fault on rank 1 alone
+    env = child_env({"DITORCH_QUIET": "1", "OP_TOOLS_RESULTS_DIR": str(tmp_path)})
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "self_check_detection.py"), "--ranks",
+                             "2", "--size", "tiny", "--steps", "1"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "summary: self_check_detection: tiny 2 ranks (clean): rank 0 0 findings, rank 1 0" in result.stdout
+    faulty = next(line for line in result.stdout.splitlines() if line.startswith("mm:noise=1e-2,rank=1"))
+    assert "rank 0: clean" in faulty and "rank 1: step 0: linear in model.layers.0.self_attn.q_proj" in faulty, faulty
