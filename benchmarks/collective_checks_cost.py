@@ -34,7 +34,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +41,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 sys.path[:0] = [ROOT, TESTS]
+
+import two_ranks  # noqa: E402 - beside this file
 
 # key -> (label, tool class name or None, tool keywords, fingerprints on)
 CONFIGS = {
@@ -81,13 +82,9 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    import ditorch  # noqa: F401 - DITORCH_BACKEND=sim: "cuda" and "nccl" are the sim's
     import op_tools
 
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    rank = dist.get_rank()
+    rank, local_rank = two_ranks.join()
     torch.manual_seed(0)  # the same initial weights on both ranks, as DDP expects
     model = build_model(args.size).cuda()
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])
@@ -125,18 +122,14 @@ def launch(args: argparse.Namespace) -> None:
     """Run the workers under torchrun, then print rank 0's figures."""
     scratch = tempfile.mkdtemp(prefix="collective_checks_cost_")
     out = os.path.join(scratch, "rank0.json")
-    path = os.pathsep.join(p for p in (ROOT, TESTS, os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, DITORCH_BACKEND="sim", DITORCH_QUIET="1", OMP_NUM_THREADS="1", OP_TOOLS_VERBOSE="0",
-               TORCH_CPP_LOG_LEVEL="ERROR", PYTHONPATH=path)
-    env.pop("OP_AUTOCOMPARE_COLLECTIVES", None)  # the configurations set collectives by keyword
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               os.path.abspath(__file__), "--worker", "--size", args.size, "--rounds", str(args.rounds),
-               "--out", out, "--results", os.path.join(scratch, "results")]
+    arguments = ["--size", args.size, "--rounds", str(args.rounds), "--out", out, "--results",
+                 os.path.join(scratch, "results")]
     wall = time.perf_counter()
     try:
-        done = subprocess.run(command, env=env, cwd=ROOT)
-        if done.returncode != 0 or not os.path.exists(out):
-            sys.exit(f"collective_checks_cost: the workers failed (exit status {done.returncode})")
+        # the configurations set collectives by keyword
+        status = two_ranks.launch(__file__, arguments, drop=("OP_AUTOCOMPARE_COLLECTIVES",))
+        if status != 0 or not os.path.exists(out):
+            sys.exit(f"collective_checks_cost: the workers failed (exit status {status})")
         with open(out) as f:
             result = json.load(f)
     finally:

@@ -34,6 +34,7 @@ os.environ.setdefault("DITORCH_QUIET", "1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.dirname(os.path.abspath(__file__))]
 
+import two_ranks  # noqa: E402
 from training_monitor_cost import build_step  # noqa: E402
 
 import op_tools  # noqa: E402
@@ -107,10 +108,7 @@ def rank_worker(args: argparse.Namespace) -> None:
 
     import ditorch.sim
 
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    rank = dist.get_rank()
+    rank, local_rank = two_ranks.join()
     logging.getLogger("op_tools").setLevel(logging.ERROR)
     def ddp(model):
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])
@@ -133,18 +131,12 @@ def rank_worker(args: argparse.Namespace) -> None:
 def by_rank(args: argparse.Namespace) -> None:
     """``RANK_FAULTS`` on a 2-rank DDP run, each rank's first finding."""
     import json
-    import subprocess
     import tempfile
 
     scratch = tempfile.mkdtemp(prefix="self_check_detection_")
     out = os.path.join(scratch, "rank")
-    path = os.pathsep.join(p for p in (ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, DITORCH_BACKEND="sim", DITORCH_QUIET="1", OMP_NUM_THREADS="1", OP_TOOLS_VERBOSE="0",
-               TORCH_CPP_LOG_LEVEL="ERROR", PYTHONPATH=path, OP_TOOLS_RESULTS_DIR=os.path.join(scratch, "results"))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               os.path.abspath(__file__), "--worker", "--size", args.size, "--steps", str(args.steps),
-               "--budget", str(args.budget), "--out", out]
-    if subprocess.run(command, env=env, cwd=ROOT).returncode != 0:
+    arguments = ["--size", args.size, "--steps", str(args.steps), "--budget", str(args.budget), "--out", out]
+    if two_ranks.launch(__file__, arguments, {"OP_TOOLS_RESULTS_DIR": os.path.join(scratch, "results")}) != 0:
         sys.exit("self_check_detection: the ranks failed")
     ranks = []
     for rank in range(2):

@@ -582,9 +582,9 @@ def _norms_in(loaded: tuple[str, ...]) -> tuple[str, ...]:
                     issubclass(cls, torch.nn.Module) and cls.__module__ == module_name):
                 continue
             forward = vars(cls).get("forward")
+            forward = getattr(forward, "__wrapped__", forward)  # a tool's wrapper's function
             name = f"{module_name}.{cls.__qualname__}.forward"
-            if _same_code(getattr(forward, "__wrapped__", forward), reference) and \
-                    resolve_op_name(getattr(forward, "__wrapped__", forward)) == name:
+            if _same_code(forward, reference) and resolve_op_name(forward) == name:
                 found.append(name)
                 SAMPLED.setdefault(name, _module_rms_norm)
                 KINDS.setdefault(name, "float64 rerun of a sample")
