@@ -38,8 +38,10 @@ import itertools
 import logging
 import os
 import signal
+import sys
 import threading
 import time
+import types
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -573,6 +575,8 @@ class OpTool:
         self.compiled: collections.Counter = collections.Counter()
         # calls per op name on torch.func transforms' tensors, by a tool that cannot read them: run, unchecked
         self.transformed: collections.Counter = collections.Counter()
+        # handled calls per op name still running when SIGTERM ended the process (``_note_calls_in_flight``)
+        self.interrupted: collections.Counter = collections.Counter()
         self.finish_failure = ""  # finish() raised: what it had still to judge or write is lost
 
     def _log_closing(self) -> None:
@@ -631,6 +635,10 @@ class OpTool:
             parts.append(f"{transformed} call{'s' if transformed != 1 else ''} inside torch.func transforms (vmap, "
                          f"grad, jacrev) not checked (their batched or wrapped tensors cannot be read, the first "
                          f"{next(iter(self.transformed))})")
+        interrupted = sum(self.interrupted.values())
+        if interrupted:
+            parts.append(f"{interrupted} call{'s' if interrupted != 1 else ''} running when SIGTERM ended the run, "
+                         f"with no verdict ({', '.join(self.interrupted)})")
         if self.finish_failure:
             parts.append(f"finishing failed ({self.finish_failure}): what was still in flight was not judged")
         parts.extend(self.unchecked_parts())
@@ -884,6 +892,7 @@ class OpTool:
 _unfinished: dict[int, OpTool] = {}  # id -> tool, in start order; plain dict operations (atomic) for a signal handler
 _exit_hooks_installed = False
 _previous_sigterm = None
+_HANDLE_CODE = OpTool.handle.__code__  # the frames of calls in flight (_note_calls_in_flight)
 
 
 def started_modes() -> list[_ToolMode]:
@@ -951,7 +960,23 @@ def _install_sigterm_handler() -> None:
     signal.signal(signal.SIGTERM, _on_sigterm)
 
 
+def _note_calls_in_flight() -> None:
+    """Count, in each tool's ``interrupted``, the handled calls that SIGTERM caught running, on any thread: ``handle``
+    frames past the call's making (its ``call`` local), each one call (a composite call's inner calls too). Read off
+    the stacks when the signal comes, so that the handled path pays nothing for it."""
+    for innermost in sys._current_frames().values():
+        frame: types.FrameType | None = innermost
+        while frame is not None:
+            if frame.f_code is _HANDLE_CODE:
+                names = frame.f_locals
+                tool = names.get("self")
+                if isinstance(tool, OpTool) and names.get("call") is not None:
+                    tool.interrupted[names["call"].name] += 1
+            frame = frame.f_back
+
+
 def _on_sigterm(signum, frame) -> None:
+    _note_calls_in_flight()
     flush_unfinished()
     previous = _previous_sigterm
     if callable(previous):

@@ -1575,10 +1575,11 @@ class OpAutoCompare(OpTool):
         return parts
 
     def _forward_unaccounted(self) -> int:
-        """Handled calls that ended as none of compared, skipped, not checked or raised: 0 unless a path forgot one."""
+        """Handled calls that ended as none of compared, skipped, not checked, raised or cut short by SIGTERM: 0 unless
+        a path forgot one."""
         c = self.counts
         return max(0, sum(self.handled.values()) - c["forward compared"] - sum(self.skipped.values())
-                   - c["forward not checked"] - sum(self.raised.values()))
+                   - c["forward not checked"] - sum(self.raised.values()) - sum(self.interrupted.values()))
 
     def summary(self) -> str:
         """The end-of-run account: every handled call compared (passed or failed), skipped (why), not checked (the

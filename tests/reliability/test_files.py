@@ -37,11 +37,13 @@ def _files(root, suffix: str) -> list[str]:
 def runs(tmp_path_factory):
     """Start every subprocess of this module at once; each test waits for the one it checks."""
     base = tmp_path_factory.mktemp("files")
-    folders = {name: str(base / name) for name in ("killed", "sigterm", "exit", "shared")}
+    folders = {name: str(base / name) for name in ("killed", "sigterm", "in-call", "exit", "shared")}
     return folders, {
         "killed": start_script("train_under_tools.py", "loop", OP_TOOLS_RESULTS_DIR=folders["killed"],
                                OP_TOOLS_VERBOSE="0"),
         "sigterm": start_script("train_under_tools.py", "sigterm", OP_TOOLS_RESULTS_DIR=folders["sigterm"],
+                                OP_TOOLS_VERBOSE="0"),
+        "in-call": start_script("train_under_tools.py", "sigterm-in-call", OP_TOOLS_RESULTS_DIR=folders["in-call"],
                                 OP_TOOLS_VERBOSE="0"),
         "exit": start_script("train_under_tools.py", "exit", OP_TOOLS_RESULTS_DIR=folders["exit"],
                              OP_TOOLS_VERBOSE="0"),
@@ -90,6 +92,22 @@ def test_sigterm_flushes_the_summaries_of_tools_never_stopped_and_ends_as_sigter
     timings, comparisons = _time_measure_and_autocompare_files(folders["sigterm"])
     assert len(timings) == 3 and len(comparisons) == 1, err[-2000:]  # per call, per op, per module
     assert "OpTimeMeasure:" in out and "OpAutoCompare summary" in out
+
+
+def test_a_call_sigterm_cuts_short_is_said_to_be_and_blamed_on_no_bug(runs):
+    """SIGTERM in the middle of a handled call: the summary counts that call as cut short (NOT CHECKED, with its op),
+    not as a call the tool forgot ("an OpAutoCompare bug", which it said before), and the unchecked file says it."""
+    folders, processes = runs
+    process = processes["in-call"]
+    _wait_for_line(process, "ready")
+    time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGTERM, err[-2000:]
+    assert "NOT CHECKED: 1 call running when SIGTERM ended the run, with no verdict (torch." in out, out[-2000:]
+    assert "bug" not in out
+    unchecked = _files(folders["in-call"], ".json")
+    assert len(unchecked) == 1 and "SIGTERM" in json.load(open(unchecked[0]))["not_checked"]
 
 
 def test_normal_exit_flushes_the_summaries_of_tools_never_stopped(runs):

@@ -3,8 +3,9 @@
     python train_under_tools.py MODE [steps]
 
 MODE: ``loop`` (OpCapture then OpTimeMeasure, again and again, until killed: files are written all the time),
-``sigterm`` (start OpTimeMeasure and OpAutoCompare, never stop them, print ``ready`` and wait for a signal),
-``exit`` (the same, then return normally), ``both`` (one step under OpCapture and OpTimeMeasure, stopped; print
+``sigterm`` (start OpTimeMeasure and OpAutoCompare, never stop them, print ``ready`` and wait for a signal), ``exit``
+(the same, then return normally), ``sigterm-in-call`` (OpAutoCompare on one large product run again and again until a
+signal: the signal comes during a handled call), ``both`` (one step under OpCapture and OpTimeMeasure, stopped; print
 what was written as JSON), ``memory-<Tool>`` (steps under the tool; print RSS and live CPU tensors as JSON).
 """
 
@@ -52,6 +53,13 @@ def live_cpu_tensors() -> int:
 def main() -> None:
     mode = sys.argv[1]
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    if mode == "sigterm-in-call":  # no model: nearly all of the process's time is inside the tool's handled calls
+        a = torch.randn(512, 512).to("sim")
+        op_tools.OpAutoCompare().start()
+        torch.mm(a, a)
+        print("ready", flush=True)
+        while True:
+            torch.mm(a, a)
     step = make_step()
     step()  # AdamW's state exists from here on
     if mode == "loop":
