@@ -358,6 +358,12 @@ class OpTool:
         self._paused_until = 0.0
         self.paused_calls = 0
         self.unpausable: frozenset = frozenset()
+        # (op name, module path) pairs whose calls the tool has no work for now (OpSelfCheck: every site of theirs had
+        # its turn this round): they run untouched as paused calls do, while ``settled_skips`` (counted down per
+        # call skipped so) lasts; the tool renews it whenever it finds work, so that a pair it waits for in vain
+        # hands its calls back to the tool.
+        self.settled: set = set()
+        self.settled_skips = 0
         self._reset_account()
 
     def pause_until(self, deadline: float) -> None:
@@ -456,6 +462,7 @@ class OpTool:
         self._decisions = {}
         self._skipped = set()
         self._paused_until, self.paused_calls = 0.0, 0
+        self.settled, self.settled_skips = set(), 0
         self._read_configuration()
         self._can_match = True
         self._step_base = STEPS.acquire()
@@ -701,6 +708,11 @@ class OpTool:
                 self.paused_calls += 1
                 return func(*args, **kwargs)
             self._paused_until = 0.0
+        if decision and self.settled and self.settled_skips > 0 and name not in self.unpausable and \
+                (name, module_path.current()) in self.settled:
+            self.settled_skips -= 1
+            self.paused_calls += 1
+            return func(*args, **kwargs)
         if decision is None:  # backward calls and metadata queries are never given a decision
             if name in _BACKWARD_CALLS:
                 try:

@@ -141,6 +141,11 @@ class OpSelfCheck(OpTool):
         # looked at since the budget allowed a check, none of a site due (the step the hunt began, calls).
         self._sites: dict[tuple, int] = {}
         self._round = 0
+        # per (op, module path): its sites met, and those chosen this round; a pair all of whose sites were chosen is
+        # settled (the engine's ``settled``): its calls run untouched until the next round, as paused ones do, where
+        # each would cost a handled call's dispatch to be looked at and let go
+        self._pair_sites: collections.Counter = collections.Counter()
+        self._pair_chosen: collections.Counter = collections.Counter()
         self._hunt: list[int] | None = None
         self.site_checks: collections.Counter = collections.Counter()  # calls chosen for a check, per site
         self._spent = 0.0  # seconds of the tool's own work on checked calls, within the budget
@@ -352,15 +357,36 @@ class OpSelfCheck(OpTool):
             self._hunt[1] += 1
             if (step < self._hunt[0] + 2) if step else self._hunt[1] <= 2 * len(self._sites):
                 return False
-            self._round += 1
+            self._new_round()
         self._chosen(site)
         return True
 
     def _chosen(self, site: tuple) -> None:
-        """``site`` takes its turn in this round (a check, or a call its check could not cover)."""
+        """``site`` takes its turn in this round (a check, or a call its check could not cover). A pair (op, module)
+        whose every site has had its turn is settled: its calls wait for the next round outside the tool; once every
+        pair is, the next round begins."""
+        pair, previous = (site[0], site[3]), self._sites.get(site)
+        if previous is None:
+            self._pair_sites[pair] += 1
+        if previous != self._round:
+            self._pair_chosen[pair] += 1
         self._sites[site] = self._round
         self.site_checks[site] += 1
         self._hunt = None
+        if self.budget >= 1:  # every call checked: nothing waits
+            return
+        if self._pair_chosen[pair] >= self._pair_sites[pair]:
+            self.settled.add(pair)
+            if len(self.settled) >= len(self._pair_sites):
+                self._new_round()
+        # while looking for a due call, a pair's calls run outside the tool for about two steps' calls at most: a
+        # site met no more (a warm-up's, an evaluation's) then hands them back, and the hunt ends the round
+        self.settled_skips = 2 * len(self._sites)
+
+    def _new_round(self) -> None:
+        self._round += 1
+        self._pair_chosen.clear()
+        self.settled = set()
 
     @staticmethod
     def _elementwise_locally(name: str, args: tuple, kwargs: dict, result) -> bool:

@@ -125,13 +125,16 @@ def test_the_budget_checks_each_site_once_and_counts_the_rest(sim):
         zoo.llama_float32(sim)
     sites = check.counts["checked"]
     # every module's calls checked once, in the first step: each layer's linears (2 layers, and lm_head), norms and
-    # activations, the optimizer's foreach calls
-    assert set(check.site_checks.values()) == {1}, check.site_checks
+    # activations, the optimizer's foreach calls; then every site has had its turn, the next round begins, and the
+    # budget, none of it spent yet (the sweep is outside it), allows the first due calls one check before it pauses
+    assert min(check.site_checks.values()) == 1, check.site_checks
+    assert sum(n - 1 for n in check.site_checks.values()) <= 2, check.site_checks
     linears = {module for (op, phase, _, module) in check.site_checks
                if op == "torch.nn.functional.linear" and phase == "forward"}
     assert linears == {*(name for name in LINEARS if name.startswith(("model.layers.0.", "model.layers.1."))),
                        "lm_head"}, linears
-    assert sites == sum(phase == "forward" for (_, phase, _, _) in check.site_checks), check.site_checks
+    assert sites == sum(n for (_, phase, _, _), n in check.site_checks.items() if phase == "forward"), \
+        check.site_checks
     assert check.sweep_seconds > 0  # those first calls' checks: a one-time cost outside the budget
     assert check.counts["not checked (budget)"] > 0, check.counts
     # once the budget is spent the tool pauses: the engine hands it no call until the budget allows one again
@@ -191,6 +194,21 @@ def test_the_budgets_checks_take_turns_over_every_modules_call_sites(sim):
     linears = {(module, phase): n for (op, phase, _, module), n in check.site_checks.items()
                if op == "torch.nn.functional.linear"}
     assert linears == dict(named), (steps, linears)
+
+
+def test_the_calls_of_a_module_whose_sites_all_had_their_turn_are_not_handled_to_be_looked_at(sim):
+    # Each call the tool handles costs the engine's dispatch, tens of µs on a GPU, which the budget does not count.
+    # Before, every call of a site that had had its turn was handled, looked at and let go ('not checked (budget)')
+    # until a due one came: 103 such calls against 86 checked here. Now an op's calls in a module all of whose
+    # sites had their turn run outside the tool (paused) until the next round: 8.
+    step = _tiny_llama_steps(sim, layers=4)
+    with op_tools.OpSelfCheck(budget=0.1) as check:
+        for _ in range(12):
+            step()
+    looked, checked = check.counts["not checked (budget)"], check.counts["checked"]
+    assert checked + check.counts["backward checked"] >= len(check.site_checks), check.counts  # each site's first
+    assert looked * 4 <= checked, check.counts
+    assert check.paused_calls > 0 and not check.findings
 
 
 def test_a_noisy_linear_in_the_last_layer_is_named_in_its_first_step_or_within_a_round(sim):
