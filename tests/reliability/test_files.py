@@ -35,10 +35,12 @@ def _files(root, suffix: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Start every subprocess of this module at once; each test waits for the one it checks."""
+    """Start every subprocess of this module at once; each test waits for the one it checks. Those still running at
+    the module's end (a test that failed before stopping its child, or was not selected: the ``loop`` and
+    ``sigterm-in-call`` children never end by themselves) are killed, not left to load the machine."""
     base = tmp_path_factory.mktemp("files")
     folders = {name: str(base / name) for name in ("killed", "sigterm", "in-call", "exit", "shared")}
-    return folders, {
+    processes = {
         "killed": start_script("train_under_tools.py", "loop", OP_TOOLS_RESULTS_DIR=folders["killed"],
                                OP_TOOLS_VERBOSE="0"),
         "sigterm": start_script("train_under_tools.py", "sigterm", OP_TOOLS_RESULTS_DIR=folders["sigterm"],
@@ -50,6 +52,11 @@ def runs(tmp_path_factory):
         "shared": [start_script("train_under_tools.py", "both", OP_TOOLS_RESULTS_DIR=folders["shared"],
                                 OP_TOOLS_VERBOSE="0") for _ in range(2)],
     }
+    yield folders, processes
+    for process in [p for v in processes.values() for p in (v if isinstance(v, list) else [v])]:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()  # its pipes closed, the process reaped
 
 
 def test_a_killed_process_leaves_only_whole_captures_and_csvs(runs, sim):
