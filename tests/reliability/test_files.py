@@ -46,7 +46,7 @@ def runs(tmp_path_factory):
         "sigterm": start_script("train_under_tools.py", "sigterm", OP_TOOLS_RESULTS_DIR=folders["sigterm"],
                                 OP_TOOLS_VERBOSE="0"),
         "in-call": start_script("train_under_tools.py", "sigterm-in-call", OP_TOOLS_RESULTS_DIR=folders["in-call"],
-                                OP_TOOLS_VERBOSE="0"),
+                                OP_TOOLS_VERBOSE="0", GO_FILE=str(base / "in-call-go")),
         "exit": start_script("train_under_tools.py", "exit", OP_TOOLS_RESULTS_DIR=folders["exit"],
                              OP_TOOLS_VERBOSE="0"),
         "shared": [start_script("train_under_tools.py", "both", OP_TOOLS_RESULTS_DIR=folders["shared"],
@@ -107,7 +107,8 @@ def test_a_call_sigterm_cuts_short_is_said_to_be_and_blamed_on_no_bug(runs):
     folders, processes = runs
     process = processes["in-call"]
     _wait_for_line(process, "ready")
-    time.sleep(0.5)
+    open(os.path.join(os.path.dirname(folders["in-call"]), "in-call-go"), "w").close()  # its products begin
+    time.sleep(1.0)
     process.send_signal(signal.SIGTERM)
     out, err = process.communicate(timeout=60)
     assert process.returncode == -signal.SIGTERM, err[-2000:]
