@@ -5,6 +5,12 @@
 # any step failed. PYTHONPATH is kept, with the repository put first.
 #
 #   scripts/gpu_check.sh            # PYTHON=python3.11 scripts/gpu_check.sh; GPU_CHECK_STEP_TIMEOUT=1800 (s)
+#   GPU_CHECK_STEPS=stay-on,autocompare scripts/gpu_check.sh   # those steps alone (a lease shorter than the whole)
+#   GPU_CHECK_DRY_RUN=1 scripts/gpu_check.sh  # each step it would run, said, not run, on any machine (tests use it)
+#
+# The steps, in order: tests profiler launch launch-bf16 autocompare autocompare-per-call autocompare-bf16
+# autocompare-autocast monitor engine stay-on. On a machine just started, give an autocompare step 120 s or more: it
+# compiles its fused statistics first, and Python compiles every module it imports.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 2
@@ -12,6 +18,15 @@ PYTHON=${PYTHON:-python3}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export DITORCH_QUIET=1
 STEP_TIMEOUT=${GPU_CHECK_STEP_TIMEOUT:-1800}
+STEPS="tests profiler launch launch-bf16 autocompare autocompare-per-call autocompare-bf16 autocompare-autocast monitor \
+engine stay-on"
+SELECTED=${GPU_CHECK_STEPS:-}
+for step in ${SELECTED//,/ }; do  # a misspelt step is named before anything runs, with or without a GPU
+  case " $STEPS " in
+    *" $step "*) ;;
+    *) echo "gpu_check: GPU_CHECK_STEPS: unknown step '$step'; the steps are: ${STEPS// /, }"; exit 2 ;;
+  esac
+done
 
 # One interpreter: the dependencies imported, not only looked up (a package that is present but broken counts as
 # missing too), then the GPU asked for.
@@ -35,10 +50,14 @@ case "$found" in
     echo "gpu_check: missing dependency: ${found#missing } (install it; this script installs nothing)"
     exit 2 ;;
   none)
-    echo "gpu_check: no GPU: torch.cuda.is_available() is False on this machine; nothing to check (exit 0)"
-    exit 0 ;;
+    if [ -z "${GPU_CHECK_DRY_RUN:-}" ]; then
+      echo "gpu_check: no GPU: torch.cuda.is_available() is False on this machine; nothing to check (exit 0)"
+      exit 0
+    fi
+    echo "gpu_check: no GPU here; a dry run: the steps are said, not run" ;;
+  *)
+    echo "gpu_check: ${found#gpu }" ;;
 esac
-echo "gpu_check: ${found#gpu }"
 
 logs=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
 names=()
@@ -46,11 +65,18 @@ statuses=()
 seconds=()
 results=()
 
-# run_step NAME COMMAND...: run it with the output shown and kept; record status, time and its result lines
-# (the benchmarks' "summary:" lines, pytest's last line).
+# run_step KEY NAME COMMAND...: unless GPU_CHECK_STEPS leaves KEY out, run it with the output shown and kept; record
+# status, time and its result lines (the benchmarks' "summary:" lines, pytest's last line).
 run_step() {
-  local name=$1
-  shift
+  local key=$1 name=$2
+  shift 2
+  if [ -n "$SELECTED" ] && [[ ",$SELECTED," != *",$key,"* ]]; then
+    return
+  fi
+  if [ -n "${GPU_CHECK_DRY_RUN:-}" ]; then
+    echo "gpu_check: would run $key: $*"
+    return
+  fi
   local log="$logs/${#names[@]}.log" start=$SECONDS rc
   echo
   echo "=== gpu_check: $name: $*"
@@ -69,23 +95,23 @@ run_step() {
   results+=("$found")
 }
 
-run_step "pytest -m gpu" "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider
-run_step "OpTimeMeasure vs torch.profiler" "$PYTHON" benchmarks/time_measure_vs_profiler.py
-run_step "tools on the launch-bound step" "$PYTHON" benchmarks/overhead.py --device cuda --size launch-bound \
+run_step tests "pytest -m gpu" "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider
+run_step profiler "OpTimeMeasure vs torch.profiler" "$PYTHON" benchmarks/time_measure_vs_profiler.py
+run_step launch "tools on the launch-bound step" "$PYTHON" benchmarks/overhead.py --device cuda --size launch-bound \
   --work-only
-run_step "same, bf16 autocast" "$PYTHON" benchmarks/overhead.py --device cuda --size launch-bound --work-only \
+run_step launch-bf16 "same, bf16 autocast" "$PYTHON" benchmarks/overhead.py --device cuda --size launch-bound --work-only \
   --autocast bf16 --tools OpTimeMeasure,OpOverflowCheck
-run_step "OpAutoCompare cost (device ref <= 20x step)" "$PYTHON" benchmarks/autocompare_cost.py --device cuda \
+run_step autocompare "OpAutoCompare cost (device ref <= 20x step)" "$PYTHON" benchmarks/autocompare_cost.py --device cuda \
   --size real --rounds 3 --reference cpu,device
-run_step "same, judged call by call (OP_AUTOCOMPARE_VERDICT_BATCH=1: what batched verdicts save, issue 33)" \
+run_step autocompare-per-call "same, judged call by call (OP_AUTOCOMPARE_VERDICT_BATCH=1: what batched verdicts save, issue 33)" \
   env OP_AUTOCOMPARE_VERDICT_BATCH=1 "$PYTHON" benchmarks/autocompare_cost.py --device cuda --size real --rounds 3
-run_step "same, bf16 (0 failures, issue 34)" "$PYTHON" benchmarks/autocompare_cost.py --device cuda --size real \
+run_step autocompare-bf16 "same, bf16 (0 failures, issue 34)" "$PYTHON" benchmarks/autocompare_cost.py --device cuda --size real \
   --rounds 1 --dtype bfloat16 --reference cpu,device
-run_step "same, bf16 autocast" "$PYTHON" benchmarks/autocompare_cost.py --device cuda --size real --rounds 1 \
+run_step autocompare-autocast "same, bf16 autocast" "$PYTHON" benchmarks/autocompare_cost.py --device cuda --size real --rounds 1 \
   --autocast bfloat16
-run_step "TrainingMonitor cost (target <= 1.05x)" "$PYTHON" benchmarks/training_monitor_cost.py --devices cuda --rounds 3
-run_step "the engine alone, real size" "$PYTHON" benchmarks/engine_cost.py --device cuda --size real --rounds 3
-run_step "tools meant to stay on (<= 1.05x, 1.5x, 1.5x, 1.02x)" "$PYTHON" benchmarks/stay_on_cost.py --device cuda --rounds 3
+run_step monitor "TrainingMonitor cost (target <= 1.05x)" "$PYTHON" benchmarks/training_monitor_cost.py --devices cuda --rounds 3
+run_step engine "the engine alone, real size" "$PYTHON" benchmarks/engine_cost.py --device cuda --size real --rounds 3
+run_step stay-on "tools meant to stay on (<= 1.05x, 1.5x, 1.5x, 1.02x)" "$PYTHON" benchmarks/stay_on_cost.py --device cuda --rounds 3
 
 failed=0
 echo

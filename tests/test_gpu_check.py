@@ -30,3 +30,19 @@ def test_a_missing_dependency_is_named_and_the_check_stops(tmp_path):
     done = _run(tmp_path, PYTHONPATH=str(shadow))
     assert done.returncode == 2, done.stdout + done.stderr
     assert "missing dependency: prettytable" in done.stdout
+
+
+def test_the_steps_asked_for_alone_are_run_and_a_misspelt_one_is_named_before_any(tmp_path):
+    # GPU_CHECK_DRY_RUN says each step it would run instead of running it, on any machine: the selection a short
+    # device lease uses is checked here
+    done = _run(tmp_path, GPU_CHECK_DRY_RUN="1", GPU_CHECK_STEPS="stay-on,autocompare")
+    assert done.returncode == 0, done.stdout + done.stderr
+    would = [line.split(":")[1].split()[-1] for line in done.stdout.splitlines()
+             if line.startswith("gpu_check: would run")]
+    assert would == ["autocompare", "stay-on"], done.stdout  # in the script's order
+    everything = _run(tmp_path, GPU_CHECK_DRY_RUN="1")
+    assert everything.stdout.count("gpu_check: would run") == 11, everything.stdout
+    wrong = _run(tmp_path, GPU_CHECK_STEPS="stay-on,stay_on")
+    assert wrong.returncode == 2 and "unknown step 'stay_on'" in wrong.stdout and "stay-on" in wrong.stdout, \
+        wrong.stdout
+    assert "would run" not in wrong.stdout
