@@ -63,14 +63,20 @@ TARGETS = {"TrainingMonitor": {"sim": 1.03, "cuda": 1.05}, "OpOverflowCheck": {"
 
 
 def run_round(model, step, tool: str | None, steps: int, results: str,
-              promoted: gc_promotions.Promotions | None = None) -> tuple[float, list[float], dict | None]:
+              promoted: gc_promotions.Promotions | None = None,
+              cpu_calls: bool = False) -> tuple[float, list[float], dict | None]:
     """Wall seconds of the first step under ``tool`` (None: no tool) and of each of the ``steps`` steps after it, and
     their counts per step; the objects promoted over those ``steps`` counted into ``promoted`` (a counting round:
-    its times are not used)."""
+    its times are not used). ``cpu_calls``: the tool handles the CPU's calls, which the tools leave alone by default
+    (``--device cpu``: a tiny model's CPU kernels take microseconds, as a GPU's launches do, so each tool's host work
+    per call shows on any machine, as in ``engine_cost.py``)."""
     gc.collect()
     gc.freeze()  # the survivors (imports, the model) are never scanned again: a collection costs the round's garbage
     monitor = None
-    started = TOOLS[tool](model, results).start() if tool else None
+    made = TOOLS[tool](model, results) if tool else None
+    if made is not None and cpu_calls:
+        made.handles_cpu_calls = True
+    started = made.start() if made is not None else None
     if tool == "TrainingMonitor":
         monitor = started
     times = []
@@ -124,6 +130,7 @@ def main() -> None:
     if sizes is None:
         return
     results = tempfile.mkdtemp(prefix="stay_on_cost_")
+    cpu_calls = args.device == "cpu"  # the CPU's calls are the ones to measure the tools on
     conditions: list[str | None] = [None, *tools]
     times: dict[str | None, list[float]] = {c: [] for c in conditions}
     firsts: dict[str | None, list[float]] = {c: [] for c in conditions}
@@ -133,15 +140,16 @@ def main() -> None:
         with contextlib.redirect_stdout(sys.stderr):
             model, step = build_step(args.device, *sizes)
             for condition in conditions:  # warm-up: AdamW's state, the allocator, the tools' first calls
-                run_round(model, step, condition, 1, results)
+                run_round(model, step, condition, 1, results, cpu_calls=cpu_calls)
             for r in range(args.rounds):
                 for condition in conditions[r % len(conditions):] + conditions[:r % len(conditions)]:
-                    first, round_times, charged[condition] = run_round(model, step, condition, args.steps, results)
+                    first, round_times, charged[condition] = run_round(model, step, condition, args.steps, results,
+                                                                       cpu_calls=cpu_calls)
                     times[condition].append(statistics.median(round_times))
                     firsts[condition].append(first)
             for condition in conditions:
                 promoted = gc_promotions.Promotions()
-                run_round(model, step, condition, args.steps, results, promoted)
+                run_round(model, step, condition, args.steps, results, promoted, cpu_calls)
                 promotions[condition] = promoted.count / args.steps
             per_object = gc_promotions.full_collection_seconds_per_object()
     finally:

@@ -72,3 +72,17 @@ def test_self_check_detection_runs_over_two_ranks_and_names_the_faulty_one(tmp_p
     assert "summary: self_check_detection: tiny 2 ranks (clean): rank 0 0 findings, rank 1 0" in result.stdout
     faulty = next(line for line in result.stdout.splitlines() if line.startswith("mm:noise=1e-2,rank=1"))
     assert "rank 0: clean" in faulty and "rank 1: step 0: linear in model.layers.0.self_attn.q_proj" in faulty, faulty
+
+
+def test_stay_on_cost_on_the_cpu_has_every_tool_handle_the_cpus_calls(tmp_path):
+    # --device cpu is the proxy of a GPU's host work per call: a tool left to its default there handles no call
+    # ("OpOverflowCheck: 0 calls of 0 ops handled", its ratio the mode's bare dispatch), which measured nothing
+    env = child_env({"DITORCH_QUIET": "1", "OP_TOOLS_RESULTS_DIR": str(tmp_path)})
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "stay_on_cost.py"), "--device", "cpu",
+                             "--size", "tiny", "--rounds", "1", "--steps", "1", "--tools",
+                             "OpOverflowCheck,OpSelfCheck"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "summary: stay_on_cost: cpu: OpOverflowCheck" in result.stdout
+    assert " 0 calls of 0 ops handled" not in result.stderr and "no call was checked" not in result.stderr, \
+        result.stderr[-2000:]
