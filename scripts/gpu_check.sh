@@ -8,9 +8,8 @@
 #   GPU_CHECK_STEPS=stay-on,autocompare scripts/gpu_check.sh   # those steps alone (a lease shorter than the whole)
 #   GPU_CHECK_DRY_RUN=1 scripts/gpu_check.sh  # each step it would run, said, not run, on any machine (tests use it)
 #
-# The steps, in order: tests profiler launch launch-bf16 autocompare autocompare-per-call autocompare-bf16
-# autocompare-autocast monitor engine stay-on. On a machine just started, give an autocompare step 120 s or more: it
-# compiles its fused statistics first, and Python compiles every module it imports.
+# The steps' names are STEPS below, in the order they run. On a machine just started, give an autocompare step 120 s
+# or more: it compiles its fused statistics first, and Python compiles every module it imports.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 2
