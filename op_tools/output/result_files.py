@@ -273,6 +273,11 @@ def write_text(path: str, text: str) -> int:
 _LINE = json.JSONEncoder(separators=(",", ":"), default=str, check_circular=False)
 
 
+def json_line(obj) -> str:
+    """``obj`` (a tree: no object inside itself) as the text of one JSON line, ASCII, without its newline."""
+    return _LINE.encode(obj)
+
+
 class JsonLinesFile:
     """A JSON-lines file written as a run goes, one object a line, safe across threads.
 
@@ -290,7 +295,11 @@ class JsonLinesFile:
 
     def write(self, obj) -> int:
         """Append ``obj`` (a tree: no object inside itself) as one line; return its size in bytes."""
-        line = _LINE.encode(obj) + "\n"
+        return self.write_line(_LINE.encode(obj))
+
+    def write_line(self, text: str) -> int:
+        """Append ``text``, one JSON value's ASCII text (``json_line``'s), as one line; return its size in bytes."""
+        line = text + "\n"
         size = len(line)  # ASCII: the encoder escapes every other character
         with self._lock:
             if self._file is None:

@@ -44,9 +44,11 @@ import collections
 import itertools
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Sequence
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 import torch
@@ -95,6 +97,34 @@ def _rounded(values) -> list[float]:
     """The values to float32 precision, 9 characters, not 18: ``float(f"{v:.8g}")`` each, formatted in one call and
     parsed in one ``map`` (a record's values are its host work's largest part on a fast device)."""
     return list(map(float, (_ROUNDED % tuple(values)).split()))
+
+
+# A record's statistics written straight into its line: ``format(v, ".8")`` per value gives, in one C call for a
+# whole side, the text JSON gives ``float(f"{v:.8g}")`` (what ``_rounded`` makes), where parsing each value back and
+# JSON's shortest repr of it were most of a record's host work. The two texts differ for values JSON writes as
+# ``Infinity``/``NaN``, for values from 1e7 to 1e16 (``.8`` writes an exponent where JSON writes ``123456780.0``), and
+# for subnormals (whose shortest repr may be shorter than 8 digits): a side whose text holds one of these, or names
+# that look like one, is written through JSON as before (``_FALLBACK``). The bytes are the same either way.
+_VALUE = "{:.8}"
+_FALLBACK = re.compile(r"inf|nan|e\+(?:0[7-9]|1[0-5])|e-3")
+_TEMPLATES: dict[tuple, str] = {}  # a side's described tensors -> the format string of its text
+TEMPLATES_KEPT = 4096
+
+
+def _template(described: tuple) -> str:
+    """The format string of a side's entries: its names, dtypes and shapes as JSON writes them (braces doubled), a
+    ``{:.8}`` per statistic of its non-empty tensors. Made once per kind of side: a step's calls repeat."""
+    template = _TEMPLATES.get(described)
+    if template is None:
+        entries = []
+        for where, dtype, shape, n in described:
+            static = f"[{encode_basestring_ascii(where)},{encode_basestring_ascii(dtype)},[{','.join(map(str, shape))}]"
+            static = static.replace("{", "{{").replace("}", "}}")
+            entries.append(static + ("," + ",".join([_VALUE] * len(STAT_FIELDS)) if n else "") + "]")
+        if len(_TEMPLATES) >= TEMPLATES_KEPT:
+            _TEMPLATES.clear()
+        template = _TEMPLATES[described] = "[" + ",".join(entries) + "]"
+    return template
 
 
 READBACK_BATCH = 64  # calls whose statistics travel to the host together: one copy, no synchronisation
@@ -205,6 +235,20 @@ class _Side:
             out.append(entry)
         return out
 
+    def text(self) -> str | None:
+        """The record's entries as the JSON text ``entries()`` gives, made without JSON; None where that text may
+        differ (``_FALLBACK``): ``entries()`` then."""
+        values: list[float] = []
+        slots = iter(self.slots)
+        for _, _, _, n in self.described:
+            if n:
+                slot = next(slots)
+                if slot.values is None:
+                    raise RuntimeError("the statistics of an earlier call's tensor, taken over, were not read back")
+                values += finished_values(n, slot.values, slot.nonfinite_counts)
+        text = _template(self.described).format(*map(float, values))
+        return None if _FALLBACK.search(text) else text
+
 
 def _measured(sides: list[_Side]) -> list[tuple[list[int], list[torch.Tensor]]]:
     """The statistics of a call's sides, indexed over their non-empty tensors in order: those of the sides not yet
@@ -232,6 +276,21 @@ class _Pending:
         self.record, self.sides, self.kept = record, sides, kept
         self.host: tuple[_Slot, ...] = tuple(slot for side in sides or () for slot in side.slots)
         self.remaining = 0  # devices whose statistics have not arrived
+
+    def line(self) -> str:
+        """``finished()`` as one JSON line's text (without its newline), its sides' entries written straight from
+        their values (``_Side.text``)."""
+        assert self.sides is not None
+        texts = []
+        for side in self.sides:
+            text = side.text()
+            if text is None:
+                return result_files.json_line(self.finished())
+            texts.append(f',"{side.name}":{text}')
+        omitted = {side.name: side.omitted for side in self.sides if side.omitted}
+        head = result_files.json_line(self.record)
+        return head[:-1] + "".join(texts) + (f',"omitted":{result_files.json_line(omitted)}' if omitted else "") + \
+            "}"
 
     def finished(self) -> dict[str, Any]:
         """The record with its sides' entries."""
@@ -441,18 +500,19 @@ class RunRecorder:
                 ready.append(self._pending.popleft())
             for pending in ready:
                 try:
-                    record = pending.finished() if pending.sides is not None else pending.record
+                    line = pending.line() if pending.sides is not None else result_files.json_line(pending.record)
                 except Exception as e:  # the nan/inf counts of a tensor could not be read
                     self.unread += 1
-                    record = {**{k: v for k, v in pending.record.items() if k not in _SIDES and k != "omitted"},
-                              "unrecorded": _described(e)}
+                    line = result_files.json_line(
+                        {**{k: v for k, v in pending.record.items() if k not in _SIDES and k != "omitted"},
+                         "unrecorded": _described(e)})
                 finally:
                     if pending.kept is not None:
                         self._kept.release(pending.kept)
-                self._write(record)
+                self._write_line(line)
 
-    def _write(self, record: dict) -> None:
-        self.file.write(record)
+    def _write_line(self, line: str) -> None:
+        self.file.write_line(line)
         with self._lock:
             self.records += 1
 

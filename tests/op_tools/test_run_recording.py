@@ -387,3 +387,67 @@ def _without_memory_never_written(records):
         if not facts.uninitialised:
             kept.append({k: v for k, v in record.items() if k != "inputs"} if facts.overwrites else record)
     return kept
+
+
+EDGE_VALUES = [0.0, -0.0, 2.0, -7.0, 0.1, 1 / 3, 12345678.0, 123456789.0, 99999999.6, 1.5e15, 1e16, 1.23e17, 1e-4,
+               1.2345678e-5, 1e-300, 1e-308, 3e-310, 5e-324, 2.0**53, 1e308, float("inf"), float("-inf"), float("nan")]
+
+
+@pytest.mark.parametrize("where", ["[0]", "[weight]", "[{x}]", '[a"b\\c]', "[größe]", "[info]"])
+def test_a_sides_text_is_the_text_json_writes_for_its_entries(where):
+    # A record's statistics are written straight from their values (one format call a side, no float parsed back, no
+    # JSON repr): the text must be JSON's for the same entries, byte for byte, whatever the values and the names.
+    import random
+
+    from op_tools.output import result_files
+    from op_tools.output.run_recording import _Side
+
+    rng = random.Random(0)
+    tensors = [(where, torch.ones(3, 5)), ("[1]", torch.ones(0)), ("[2]", torch.ones(2, dtype=torch.float64))]
+    pools = {"edge": lambda: rng.choice(EDGE_VALUES),
+             "nonfinite": lambda: rng.choice([float("inf"), float("-inf"), float("nan"), 0.5, -3.0]),
+             "integral": lambda: float(rng.randint(-10**6, 10**6)),
+             "run": lambda: rng.gauss(0, 1) * 10.0 ** rng.randint(-12, 6)}
+    direct = dict.fromkeys(pools, 0)
+    for trial in range(800):
+        kind = list(pools)[trial % len(pools)]
+        side = _Side("inputs", tensors, 0)
+        for slot in side.slots:
+            slot.values = tuple(pools[kind]() for _ in range(20))
+            slot.counts = (rng.choice([0, 3, 123456789]) if kind == "edge" else 0, 0)
+        text = side.text()
+        direct[kind] += text is not None
+        assert text is None or text == result_files.json_line(side.entries()), (trial, text)
+    # what a run records (no inf/nan, no value from 1e7 to 1e16) takes the direct path, but where a name looks like it
+    assert direct["nonfinite"] == 0 and direct["run"] == direct["integral"] == (0 if where == "[info]" else 200)
+
+
+def test_a_recordings_lines_are_the_ones_json_wrote(sim, monkeypatch, tmp_path):
+    # The same steps recorded with each line written straight and through JSON: the same bytes (but the times), and
+    # every statistic a float, as JSON writes float(f"{v:.8g}").
+    from op_tools.output import result_files, run_recording
+
+    def recorded(folder):
+        monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / folder))
+        torch.manual_seed(0)
+        x = torch.randn(64, 48, device=sim) * 3e7  # sums and norms from 1e7 to 1e16: JSON's path
+        with op_tools.OpCapture() as capture:
+            (x * torch.tensor([1.0, float("inf")] * 24, device=sim)).exp()  # inf and nan: JSON's path
+            _record_llama_steps(sim, steps=1, record=False, foreach=True)
+        with open(capture.recorder.file.path) as f:
+            return f.read().splitlines()
+
+    direct = recorded("direct")
+    monkeypatch.setattr(run_recording._Pending, "line", lambda self: result_files.json_line(self.finished()))
+    through_json = recorded("json")
+    assert len(direct) == len(through_json) > 400
+
+    def compared(lines):  # but the times, and what fresh memory held (an empty's garbage)
+        records = _without_memory_never_written(_without_times([json.loads(line) for line in lines[1:-1]]))
+        return [result_files.json_line(record) for record in records]
+
+    assert compared(direct) == compared(through_json)
+    assert all(result_files.json_line(json.loads(line)) == line for line in direct)
+    statistics = [v for line in direct[1:-1] for side in ("inputs", "outputs", "grad_outputs", "grad_inputs")
+                  for entry in json.loads(line).get(side, ()) for v in entry[3:]]
+    assert len(statistics) > 10000 and all(type(v) is float for v in statistics)
