@@ -56,6 +56,7 @@ from ..numerics.tensor_stats import SUMMARY_FIELDS, summary
 from ..ops.arguments import sparse_values
 from ..ops.torch_versions import GradScaler, is_compiling
 from ..output import reporting, result_files
+from ..output.event_files import EventFile
 from ..output.reporting import logger
 
 FOLDER = "op_training_monitor"
@@ -304,10 +305,8 @@ class TrainingMonitor:
         self._anomaly_file = result_files.JsonLinesFile(self.anomalies_path)
         self.tensorboard_dir = None
         if self.config.tensorboard is not False and importlib.util.find_spec("tensorboard") is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
             self.tensorboard_dir = f"{folder}/tensorboard_{stem}"
-            self._writer = SummaryWriter(self.tensorboard_dir)
+            self._writer = EventFile(self.tensorboard_dir)
         self.step, self._monitored, self.anomalies, self._state = 0, 0, [], False
         self._figures = _StepFigures()
         self._recording = True
@@ -741,12 +740,8 @@ class TrainingMonitor:
         for (kind, name, statistic), value in rows:
             self._csv.writerow((rank, step, stamp, kind, name, statistic, repr(value)))
         if self._writer is not None:  # one event per step holding every scalar: add_scalar writes one per value
-            from tensorboard.compat.proto.summary_pb2 import Summary
-            from torch.utils.tensorboard.summary import scalar
-
-            scalars = [v for (kind, name, statistic), value in rows
-                      for v in scalar(tensorboard_tag(kind, name, statistic), value).value]
-            self._writer._get_file_writer().add_summary(Summary(value=scalars), step)
+            self._writer.add_scalars(step, [(tensorboard_tag(kind, name, statistic), float(value))
+                                            for (kind, name, statistic), value in rows])
 
     def _writes(self, key: Key) -> bool:
         kind, name, statistic = key
