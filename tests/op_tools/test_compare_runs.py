@@ -695,3 +695,26 @@ def test_two_runs_going_on_differently_after_their_last_aligned_pair_are_not_sai
     assert done.returncode == 4, done.stdout + done.stderr
     assert "WARNING: 3 calls of run A not compared: after the last aligned pair run B's calls are others" in done.stdout
     assert "ends before" not in done.stdout
+
+
+def test_an_output_one_runs_call_has_and_the_others_has_not_is_not_compared_never_taken_for_agreement(
+        sim, tmp_path, monkeypatch):
+    # Two calls aligned by their op and index whose output lists differ in length (a foreach step over one more
+    # tensor in run B): the outputs both have agree; run B's last one has nothing to be compared with. The pair is not
+    # said to agree, and its row names the output.
+    monkeypatch.setenv("OP_CAPTURE_MODE", "stats")
+
+    def record(run, count):
+        monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / run))
+        torch.manual_seed(0)
+        xs = [torch.randn(8).to(sim) for _ in range(count)]
+        with op_tools.OpCapture() as capture:
+            torch._foreach_mul(xs, 2.0)
+        return capture.recorder.file.path
+
+    result = compare(record("a", 3), record("b", 4))
+    (row,) = result.rows
+    assert row.match == "exact" and len(row.b["outputs"]) == 4  # the premise: aligned, one output more in run B
+    assert result.divergences == [] and result.verdict() == "unchecked" and result.compared == []
+    assert row.not_compared == "outputs[3] in run B only: not compared"
+    assert compare(record("c", 3), record("d", 3)).verdict() == "clean"

@@ -149,6 +149,13 @@ def _pairs(xs: list[list], ys: list[list]) -> list[tuple[list, list]]:
     return list(zip(xs, ys))
 
 
+def _unpaired(xs: list[list], ys: list[list]) -> list[tuple[str, list]]:
+    """``("A" or "B", tensor)`` for each tensor ``_pairs`` leaves out: one run's call has it, the other's not (another
+    count of outputs, a place the other run does not name)."""
+    paired = {id(t) for pair in _pairs(xs, ys) for t in pair}
+    return [(label, t) for label, side in (("A", xs), ("B", ys)) for t in side if id(t) not in paired]
+
+
 def _lowest_precision(row: Row) -> int | None:
     ranks = [p for record in (row.a, row.b) if record is not None
              for p in (precision_of(t[1]) for t in tensors(record)) if p is not None]
@@ -218,6 +225,9 @@ def _judge(rows: list[Row], tolerances: Tolerances) -> None:
         seen_difference = seen_difference or max(row.difference, carried) > row.tolerance
         masked = [f"{out_of}{x[0]} {why}" for x, y in _pairs(row.a.get(out_of, []), row.b.get(out_of, []))
                   if (why := nonfinite_in_both(x, y))]
+        # an output one run's call has and the other's has not: nothing to compare it with, no agreement either
+        masked += [f"{out_of}{t[0]} in run {label} only: not compared"
+                   for label, t in _unpaired(row.a.get(out_of, []), row.b.get(out_of, []))]
         # outputs past the recorder's limit (OP_CAPTURE_STATS_MAX_TENSORS) have no statistics: a foreach optimizer
         # step's parameters past it, whose fault no later call may read
         omitted = [f"{n} in run {label}" for label, r in (("A", row.a), ("B", row.b))
