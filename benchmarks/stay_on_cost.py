@@ -21,8 +21,12 @@ cost, and sim's host memory cannot show that in time. On every device, one more 
 promoted into the collector's oldest generation per step (``tests/gc_promotions.py``): each costs about four visits of a
 full collection of the program's heap.
 
+``--profile DIR``: one more round per condition under cProfile, with every thread's CPU time beside it
+(``host_profile.py``: on a GPU, autograd's device thread runs the tools' backward hooks), written to
+``DIR/stay_on_<device>_<condition>.txt``: where the host time of each tool's steps goes, from one command on a lent GPU.
+
     python benchmarks/stay_on_cost.py [--device sim|cpu|cuda] [--size real|tiny] [--rounds 3] [--steps 3]
-        [--tools TrainingMonitor,OpOverflowCheck,OpCapture,OpSelfCheck]
+        [--tools TrainingMonitor,OpOverflowCheck,OpCapture,OpSelfCheck] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.dirname(os.path.abspa
 
 import device_charges  # noqa: E402
 import gc_promotions  # noqa: E402
+import host_profile  # noqa: E402
 import torch  # noqa: E402
 from training_monitor_cost import build_step  # noqa: E402
 
@@ -63,13 +68,14 @@ TARGETS = {"TrainingMonitor": {"sim": 1.03, "cuda": 1.05}, "OpOverflowCheck": {"
 
 
 def run_round(model, step, tool: str | None, steps: int, results: str,
-              promoted: gc_promotions.Promotions | None = None,
+              promoted: gc_promotions.Promotions | host_profile.HostProfile | None = None,
               cpu_calls: bool = False) -> tuple[float, list[float], dict | None]:
     """Wall seconds of the first step under ``tool`` (None: no tool) and of each of the ``steps`` steps after it, and
     their counts per step; the objects promoted over those ``steps`` counted into ``promoted`` (a counting round:
-    its times are not used). ``cpu_calls``: the tool handles the CPU's calls, which the tools leave alone by default
-    (``--device cpu``: a tiny model's CPU kernels take microseconds, as a GPU's launches do, so each tool's host work
-    per call shows on any machine, as in ``engine_cost.py``)."""
+    its times are not used), or the steps profiled by it (a ``host_profile.HostProfile``). ``cpu_calls``: the tool
+    handles the CPU's calls, which the tools leave alone by default (``--device cpu``: a tiny model's CPU kernels take
+    microseconds, as a GPU's launches do, so each tool's host work per call shows on any machine, as in
+    ``engine_cost.py``)."""
     gc.collect()
     gc.freeze()  # the survivors (imports, the model) are never scanned again: a collection costs the round's garbage
     monitor = None
@@ -122,6 +128,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="training steps per round")
     parser.add_argument("--tools", default=",".join(TOOLS), help="comma-separated, of " + ", ".join(TOOLS))
+    parser.add_argument("--profile", metavar="DIR", help="one more round per condition under cProfile, with every "
+                        "thread's CPU time, written to DIR/stay_on_<device>_<condition>.txt")
     args = parser.parse_args()
     tools = [t for t in args.tools.split(",") if t]
     if unknown := set(tools) - set(TOOLS):
@@ -152,6 +160,8 @@ def main() -> None:
                 run_round(model, step, condition, args.steps, results, promoted, cpu_calls)
                 promotions[condition] = promoted.count / args.steps
             per_object = gc_promotions.full_collection_seconds_per_object()
+            profiles = [profile(model, step, condition, args, results, cpu_calls) for condition in conditions] \
+                if args.profile else []
     finally:
         shutil.rmtree(results, ignore_errors=True)
     plain, plain_first = statistics.median(times[None]), statistics.median(firsts[None])
@@ -173,6 +183,21 @@ def main() -> None:
               f"first step after a start"
               + (f"; {counted}" if counted else "") + f"; {promotions[tool]:,.0f} objects promoted per step "
               f"(full collections of this process's heap: ~{promotions[tool] * 4 * per_object * 1e3:.1f} ms a step)")
+    if profiles:
+        print(f"summary: stay_on_cost: {args.device}: where the host time goes (cProfile, every thread's CPU time): "
+              + ", ".join(profiles))
+
+
+def profile(model, step, condition: str | None, args: argparse.Namespace, results: str, cpu_calls: bool) -> str:
+    """One round of ``condition`` profiled (``host_profile``), its report written under ``args.profile``; the path."""
+    profiled = host_profile.HostProfile()
+    run_round(model, step, condition, args.steps, results, profiled, cpu_calls)  # the steady steps profiled
+    os.makedirs(args.profile, exist_ok=True)
+    path = os.path.join(args.profile, f"stay_on_{args.device}_{condition or 'no_tool'}.txt")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"stay_on_cost.py --device {args.device} --size {args.size}: {condition or 'no tool'}, {args.steps} "
+                f"steps after its first, torch {torch.__version__}\n" + profiled.report())
+    return path
 
 
 if __name__ == "__main__":

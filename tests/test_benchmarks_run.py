@@ -80,9 +80,18 @@ def test_stay_on_cost_on_the_cpu_has_every_tool_handle_the_cpus_calls(tmp_path):
     env = child_env({"DITORCH_QUIET": "1", "OP_TOOLS_RESULTS_DIR": str(tmp_path)})
     result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "stay_on_cost.py"), "--device", "cpu",
                              "--size", "tiny", "--rounds", "1", "--steps", "1", "--tools",
-                             "OpOverflowCheck,OpSelfCheck"],
+                             "OpOverflowCheck,OpSelfCheck", "--profile", str(tmp_path / "profiles")],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "summary: stay_on_cost: cpu: OpOverflowCheck" in result.stdout
     assert " 0 calls of 0 ops handled" not in result.stderr and "no call was checked" not in result.stderr, \
         result.stderr[-2000:]
+    # --profile: a round per condition under cProfile, every thread's CPU time beside it (what gpu_check's profile
+    # step brings back from a lent GPU)
+    assert "where the host time goes" in result.stdout
+    with open(tmp_path / "profiles" / "stay_on_cpu_OpOverflowCheck.txt") as f:
+        profile = f.read()
+    threads = profile.split("== the calling thread")[0]
+    assert "CPU seconds per thread" in threads and ("python" in threads or "(no /proc)" in threads), profile[:2000]
+    assert "overflow_check.py" in profile and "by cumulative" in profile
+    assert os.path.exists(tmp_path / "profiles" / "stay_on_cpu_no_tool.txt")
