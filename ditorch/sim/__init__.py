@@ -102,11 +102,15 @@ def register() -> None:
         tensor.set_device_count(count)
         factories = torch.library.Library("_", "IMPL")
         factories.fallback(tensor.never_compiled(_fallback, recursive=True), "PrivateUse1")
-        # Paths that call ops with the Python key excluded (torch.tensor(data, device=...)) reach
-        # per-op kernels only, never the fallback.
+        # Paths that call ops with the Python key excluded (torch.tensor(data, device=...) copies its CPU tensor to
+        # the device so) must reach per-op kernels: PyTorch hands a Python kernel to its per-op registration
+        # trampoline when an argument has the Python key or a dispatch mode is active (a FakeTensorMode, while
+        # torch.compile traces), and finds no such registration for a fallback ("func != nullptr INTERNAL ASSERT
+        # FAILED ... python_dispatch.cpp"). The copy allocates its result with empty_strided.
         per_op = torch.library.Library("aten", "IMPL")
         copies = [getattr(torch.ops.aten, name).default for name in ("_copy_from", "_copy_from_and_resize", "copy_")]
-        for op in copies + REGISTERED_PER_OP:  # and the ops sim has its own kernels for
+        allocations = [torch.ops.aten.empty_strided.default, torch.ops.aten.empty.memory_format]
+        for op in copies + allocations + REGISTERED_PER_OP:  # and the ops sim has its own kernels for
             per_op.impl(op, _per_op(op), "PrivateUse1")
         _libraries.extend([factories, per_op, *autocast.register(NAME), *attention.meta_kernels()])
         pinned_memory.hold(note_pinned)  # for good, as the device; copies into pinned tensors do not synchronise
