@@ -68,6 +68,7 @@ def register() -> None:
             async_completion,
             attention,
             autocast,
+            composites,
             ddp,
             device_guard,
             device_module,
@@ -112,7 +113,8 @@ def register() -> None:
         allocations = [torch.ops.aten.empty_strided.default, torch.ops.aten.empty.memory_format]
         for op in copies + allocations + REGISTERED_PER_OP:  # and the ops sim has its own kernels for
             per_op.impl(op, _per_op(op), "PrivateUse1")
-        _libraries.extend([factories, per_op, *autocast.register(NAME), *attention.meta_kernels()])
+        _libraries.extend([factories, per_op, *autocast.register(NAME), *attention.meta_kernels(),
+                           composites.register()])
         pinned_memory.hold(note_pinned)  # for good, as the device; copies into pinned tensors do not synchronise
         serialization.install()
         foreach_path.install()

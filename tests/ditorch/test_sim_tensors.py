@@ -84,6 +84,29 @@ def test_a_packed_sequence_keeps_its_batch_sizes_on_the_cpu_as_on_cuda():
         torch.nn.LSTM(4, 6).to("sim")(torch.randn(5, 3, 4, device="sim"), (torch.zeros(1, 3, 6), torch.zeros(1, 3, 6)))
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("lengths_on", ["cpu", "sim"])
+@pytest.mark.usefixtures("sim")
+def test_ctc_loss_takes_its_lengths_on_the_cpu_or_the_device_as_on_cuda(reduction, lengths_on):
+    # CUDA reads a plain tensor's lengths on the host; sim's tensors are a subclass, for which PyTorch's composite
+    # divided the mean's losses on the device by the lengths where they were: on the CPU, "same device" refused it
+    torch.manual_seed(0)
+    log_probs, targets = torch.randn(20, 2, 5).log_softmax(2), torch.randint(1, 5, (2, 6))
+    lengths = (torch.full((2,), 20), torch.tensor([6, 4]))
+
+    def run(device, lengths_device):
+        leaf = log_probs.clone().requires_grad_()
+        loss = torch.nn.functional.ctc_loss(leaf.to(device), targets.to(device),
+                                            *(t.to(lengths_device) for t in lengths), reduction=reduction)
+        loss.sum().backward()
+        return loss.detach().cpu(), leaf.grad
+
+    (loss, grad), (expected, expected_grad) = run("sim", lengths_on), run("cpu", "cpu")
+    assert torch.allclose(loss, expected, atol=1e-6) and torch.allclose(grad, expected_grad, atol=1e-6)
+    with pytest.raises(RuntimeError, match="input_lengths must be integral"):  # PyTorch's checks, in its words
+        torch.nn.functional.ctc_loss(log_probs.to("sim"), targets.to("sim"), lengths[0].float(), lengths[1])
+
+
 @pytest.mark.usefixtures("sim")
 def test_views_alias_their_base():
     base = torch.arange(12.0, device="sim").view(3, 4)
