@@ -814,7 +814,9 @@ class OpOverflowCheck(OpTool):
                             check.flags[i] = kind
                     else:
                         check.remaining += 1
-                        self._readback.put(witnesses, (check, indices, counts))  # joined when the batch is sent
+                        # tuples of numbers: the collector stops tracking them, where lists held until the batch is
+                        # read would be promoted into its oldest generation
+                        self._readback.put(witnesses, (check, tuple(indices), tuple(counts)))  # joined when sent
             if flagged is not None:
                 for where, i in remembered:
                     flagged.put(where, check, i)

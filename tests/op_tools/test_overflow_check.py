@@ -19,9 +19,11 @@ def test_llama_losses_are_bit_identical_and_nothing_is_reported(sim):
 def test_a_checked_call_holds_few_objects_the_garbage_collector_promotes(sim):
     # What a check holds until its batch is read, and a call until its backward, is promoted into the collector's
     # oldest generation, whose full collections visit the program's whole heap (tests/gc_promotions.py): small
-    # objects for the engine's hooks instead of closures, a check's names and flags in a tuple and a bytearray.
-    # 22.8-25.4 a handled call, averaged over the collector's phases (one phase gave 17-30: where the program's
-    # allocations fall moves it), 35.8 with closures and lists; the same steps without the tool promote none.
+    # objects for the engine's hooks instead of closures, a check's names and flags in a tuple and a bytearray, the
+    # indices its read-back values go to in tuples (25.5 with them in lists). 20.0-20.2 a handled call, averaged over
+    # the collector's phases (one phase gave 17-30: where the program's allocations fall moves it), in host memory as
+    # in device memory (DITORCH_SIM_DEVICE_MEMORY, a GPU's path); 35.8 with closures and lists; the same steps
+    # without the tool promote none.
     from gc_promotions import promoted_on_average
 
     def checked_steps():
@@ -36,7 +38,7 @@ def test_a_checked_call_holds_few_objects_the_garbage_collector_promotes(sim):
         promoted, handled = promoted_on_average(checked_steps)
     finally:
         gc.unfreeze()
-    assert handled[0] > 400 and promoted / handled[0] <= 28, promoted / handled[0]
+    assert handled[0] > 400 and promoted / handled[0] <= 23, promoted / handled[0]
 
 
 def test_names_the_op_where_nan_appears_in_forward(sim):
