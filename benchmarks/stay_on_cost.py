@@ -19,7 +19,7 @@ and the counts are those of the steady steps. On sim the per-step counts come be
 (``benchmarks/device_charges.py``): on a fast device a tool's synchronisations and copies, not its arithmetic, set its
 cost, and sim's host memory cannot show that in time. On every device, one more round per condition counts the objects
 promoted into the collector's oldest generation per step (``tests/gc_promotions.py``): each costs about four visits of a
-full collection of the program's heap.
+full collection of the program's heap (averaged over rounds started at four points of the collector's cycle).
 
 ``--profile DIR``: one more round per condition under cProfile, with every thread's CPU time beside it
 (``host_profile.py``: on a GPU, autograd's device thread runs the tools' backward hooks), written to
@@ -69,15 +69,17 @@ TARGETS = {"TrainingMonitor": {"sim": 1.03, "cuda": 1.05}, "OpOverflowCheck": {"
 
 def run_round(model, step, tool: str | None, steps: int, results: str,
               promoted: gc_promotions.Promotions | host_profile.HostProfile | None = None,
-              cpu_calls: bool = False) -> tuple[float, list[float], dict | None]:
+              cpu_calls: bool = False, phase: int = 0) -> tuple[float, list[float], dict | None]:
     """Wall seconds of the first step under ``tool`` (None: no tool) and of each of the ``steps`` steps after it, and
     their counts per step; the objects promoted over those ``steps`` counted into ``promoted`` (a counting round:
     its times are not used), or the steps profiled by it (a ``host_profile.HostProfile``). ``cpu_calls``: the tool
     handles the CPU's calls, which the tools leave alone by default (``--device cpu``: a tiny model's CPU kernels take
     microseconds, as a GPU's launches do, so each tool's host work per call shows on any machine, as in
-    ``engine_cost.py``)."""
+    ``engine_cost.py``). ``phase``: allocations made first, which start the round at that point of the collector's
+    cycle (``gc_promotions.PHASES``)."""
     gc.collect()
     gc.freeze()  # the survivors (imports, the model) are never scanned again: a collection costs the round's garbage
+    shift = [(i,) for i in range(phase)]  # noqa: F841 - alive for the round: counted by the collector, then untracked
     monitor = None
     made = TOOLS[tool](model, results) if tool else None
     if made is not None and cpu_calls:
@@ -155,10 +157,13 @@ def main() -> None:
                                                                        cpu_calls=cpu_calls)
                     times[condition].append(statistics.median(round_times))
                     firsts[condition].append(first)
-            for condition in conditions:
-                promoted = gc_promotions.Promotions()
-                run_round(model, step, condition, args.steps, results, promoted, cpu_calls)
-                promotions[condition] = promoted.count / args.steps
+            for condition in conditions:  # which objects a collection finds alive depends on where it falls: the
+                counts = []  # count of one round moved by 40% from one phase of the collector's cycle to another
+                for phase in gc_promotions.PHASES:
+                    promoted = gc_promotions.Promotions()
+                    run_round(model, step, condition, args.steps, results, promoted, cpu_calls, phase)
+                    counts.append(promoted.count / args.steps)
+                promotions[condition] = statistics.mean(counts)
             per_object = gc_promotions.full_collection_seconds_per_object()
             profiles = [profile(model, step, condition, args, results, cpu_calls) for condition in conditions] \
                 if args.profile else []
