@@ -79,7 +79,7 @@ def run_round(model, step, tool: str | None, steps: int, results: str,
     cycle (``gc_promotions.PHASES``)."""
     gc.collect()
     gc.freeze()  # the survivors (imports, the model) are never scanned again: a collection costs the round's garbage
-    shift = [(i,) for i in range(phase)]  # noqa: F841 - alive for the round: counted by the collector, then untracked
+    shift = gc_promotions.phase_shift(phase)  # noqa: F841 - alive for the round
     monitor = None
     made = TOOLS[tool](model, results) if tool else None
     if made is not None and cpu_calls:

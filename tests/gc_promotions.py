@@ -48,6 +48,12 @@ class Promotions:
 PHASES = (0, 1925, 3850, 5775)
 
 
+def phase_shift(allocations: int) -> list:
+    """Allocations that move where the collector's next young collections fall, held as long as the list is: tuples
+    of numbers, counted as allocations and untracked by the first collection that meets them (none promoted)."""
+    return [(i,) for i in range(allocations)]
+
+
 def promoted_on_average(work, phases=PHASES) -> tuple[float, list]:
     """The objects ``work()`` makes the collector promote, averaged over runs started at several points of its cycle,
     and ``work()``'s results. Which objects are alive when a collection comes depends on where each allocation falls
@@ -56,8 +62,7 @@ def promoted_on_average(work, phases=PHASES) -> tuple[float, list]:
     counts, results = [], []
     for allocations in phases:
         gc.collect()
-        # tuples of numbers: counted as allocations, untracked by the first collection that meets them (none promoted)
-        shift = [(i,) for i in range(allocations)]
+        shift = phase_shift(allocations)
         with Promotions() as promoted:
             results.append(work())
         del shift

@@ -149,10 +149,10 @@ def _pairs(xs: list[list], ys: list[list]) -> list[tuple[list, list]]:
     return list(zip(xs, ys))
 
 
-def _unpaired(xs: list[list], ys: list[list]) -> list[tuple[str, list]]:
-    """``("A" or "B", tensor)`` for each tensor ``_pairs`` leaves out: one run's call has it, the other's not (another
-    count of outputs, a place the other run does not name)."""
-    paired = {id(t) for pair in _pairs(xs, ys) for t in pair}
+def _unpaired(xs: list[list], ys: list[list], pairs: list[tuple[list, list]]) -> list[tuple[str, list]]:
+    """``("A" or "B", tensor)`` for each tensor ``pairs`` (``_pairs(xs, ys)``) leaves out: one run's call has it, the
+    other's not (another count of outputs, a place the other run does not name)."""
+    paired = {id(t) for pair in pairs for t in pair}
     return [(label, t) for label, side in (("A", xs), ("B", ys)) for t in side if id(t) not in paired]
 
 
@@ -223,11 +223,12 @@ def _judge(rows: list[Row], tolerances: Tolerances) -> None:
         row.inputs_differed_first = carried > row.tolerance and not seen_difference
         row.diverged = row.outputs_unexplained or row.inputs_differed_first
         seen_difference = seen_difference or max(row.difference, carried) > row.tolerance
-        masked = [f"{out_of}{x[0]} {why}" for x, y in _pairs(row.a.get(out_of, []), row.b.get(out_of, []))
-                  if (why := nonfinite_in_both(x, y))]
+        outputs_a, outputs_b = row.a.get(out_of, []), row.b.get(out_of, [])
+        pairs = _pairs(outputs_a, outputs_b)
+        masked = [f"{out_of}{x[0]} {why}" for x, y in pairs if (why := nonfinite_in_both(x, y))]
         # an output one run's call has and the other's has not: nothing to compare it with, no agreement either
         masked += [f"{out_of}{t[0]} in run {label} only: not compared"
-                   for label, t in _unpaired(row.a.get(out_of, []), row.b.get(out_of, []))]
+                   for label, t in _unpaired(outputs_a, outputs_b, pairs)]
         # outputs past the recorder's limit (OP_CAPTURE_STATS_MAX_TENSORS) have no statistics: a foreach optimizer
         # step's parameters past it, whose fault no later call may read
         omitted = [f"{n} in run {label}" for label, r in (("A", row.a), ("B", row.b))
