@@ -17,7 +17,7 @@ the same in both), the steps without it half before and half after the tool's; a
 found or not, so that the tool's steady state is timed.
 
     python benchmarks/self_check_detection.py [--steps 10] [--budget 0.02] [--size real|tiny] [--late-steps 60]
-                                              [--ranks 1|2]
+                                              [--faults 8] [--ranks 1|2]
 """
 
 from __future__ import annotations
@@ -158,6 +158,8 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=0.02)
     parser.add_argument("--size", choices=sorted(SIZES), default="real")
     parser.add_argument("--late-steps", type=int, default=60, help="steps for the fault begun late (0: not run)")
+    parser.add_argument("--faults", type=int, default=len(FAULTS),
+                        help=f"the first N of the {len(FAULTS)} runs (the clean one first)")
     parser.add_argument("--ranks", type=int, choices=(1, 2), default=1, help="2: DDP over two ranks (torchrun)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -175,7 +177,7 @@ def main() -> None:
     print(f"OpSelfCheck(budget={args.budget}) on a {args.size} Llama step on sim, at most {args.steps} steps")
     print(f"{'fault':<44}{'first finding':<64}{'checked/step':>13}{'budget/step':>13}{'handled/step':>13}"
           f"{'cost':>7}{'1st step':>9}")
-    for fault in FAULTS:
+    for fault in FAULTS[:args.faults]:
         row = detect(args.size, fault, args.steps, args.budget)
         found = row["found"]
         if not fault:

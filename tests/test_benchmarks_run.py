@@ -32,9 +32,12 @@ SMALLEST = {
     # sim only: the CPU runs the same code, and each device doubles the script's time
     "training_monitor_cost.py": (["--size", "tiny", "--rounds", "1", "--steps", "1", "--devices", "sim"],
                                  "(c) TrainingMonitor(model=model, every=10)"),
-    "stay_on_cost.py": (["--size", "tiny", "--rounds", "1", "--steps", "1"], "summary: stay_on_cost: sim: OpCapture"),
+    # the other two tools: test_stay_on_cost_on_the_cpu_has_every_tool_handle_the_cpus_calls
+    "stay_on_cost.py": (["--size", "tiny", "--rounds", "1", "--steps", "1", "--tools", "OpCapture,TrainingMonitor"],
+                        "summary: stay_on_cost: sim: OpCapture"),
     "engine_cost.py": (["--rounds", "1", "--steps", "1"], "summary: engine_cost: cpu tiny: engine, forward+backward"),
-    "self_check_detection.py": (["--size", "tiny", "--steps", "2", "--late-steps", "3"],
+    # the clean run and the first fault's (each run is a training of its own)
+    "self_check_detection.py": (["--size", "tiny", "--steps", "2", "--late-steps", "3", "--faults", "2"],
                                 "summary: self_check_detection: tiny (clean): clean"),
 }
 
