@@ -184,6 +184,15 @@ def is_bf16_supported(including_emulation: bool = True) -> bool:
     return True
 
 
+def narrow_accumulation() -> str:
+    """What sim's kernels add a narrow dtype's terms in, for tools that judge by it: ``"narrow"`` with the CPU's
+    kernels (its embedding backward adds bfloat16 rows in bfloat16), ``"float32"`` in a GPU's numerics
+    (``ditorch.sim.numerics("gpu")``, ``DITORCH_SIM_NUMERICS=gpu``), as CUDA's kernels add them."""
+    from .gpu_numerics import NUMERICS
+
+    return "float32" if NUMERICS.mode == "gpu" else "narrow"
+
+
 def get_amp_supported_dtype() -> list[torch.dtype]:
     return list(_AMP_DTYPES)
 

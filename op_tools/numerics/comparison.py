@@ -81,13 +81,19 @@ ERROR_RULES = {
     "rounded once": ErrorRule(ROUNDED_FLOOR_EPS, ROUNDED_RATIO, True),
     # fused attention in a narrow dtype: another algorithm than the CPU's, bounded by what it rounds
     "attention": ErrorRule(FLOOR_EPS, None, False, modelled=True),
+    # an embedding's weight gradient in a narrow dtype: the CPU's kernel sums in that dtype, a GPU's in float32
+    "index sums": ErrorRule(FLOOR_EPS, None, False, modelled=True),
 }
 
 
 def error_rule(op_name: str, dtype: torch.dtype, reference_dtype: torch.dtype = torch.float64,
                backward: bool = False) -> ErrorRule:
     """The rule for one result: for a forward result in a narrow dtype against a wider reference, 'rounded once' for
-    a ``rounded_ops`` op and 'attention' for one with ``op_facts``' ``attention_rounding``; 'summed' otherwise."""
+    a ``rounded_ops`` op and 'attention' for one with ``op_facts``' ``attention_rounding``; for a gradient in a
+    narrow dtype, 'index sums' for an op with ``index_sums`` (its bound, where the device's kernel has one, decides);
+    'summed' otherwise."""
+    if dtype in _NARROW and backward and op_facts(op_name).index_sums:
+        return ERROR_RULES["index sums"]
     if dtype in _NARROW and not backward and _eps(reference_dtype) < _eps(dtype):
         if rounded_once(op_name):
             return ERROR_RULES["rounded once"]

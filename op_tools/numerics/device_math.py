@@ -113,19 +113,25 @@ class DeviceMath:
     autocast_dtype: torch.dtype | None = None
     reduced: tuple[tuple[str, str], ...] = ()  # (("matmul", "tf32"), ("conv", "tf32"))
     policy: AutocastPolicy = CUDA_POLICY
+    # The call's kernel adds a narrow dtype's terms in float32 (an ``index_sums`` op's gradient: an embedding's
+    # weight), as a GPU's does, where the CPU's adds them in the narrow dtype: judged by that sum's rounding bound.
+    # Not emulated: the same-dtype rerun is the CPU's either way.
+    float32_sums: bool = False
 
     @classmethod
     def of(cls, device: torch.device | None, op: str | None = None) -> DeviceMath:
         """The math of a call of ``op`` (its name, as the tools name it) on ``device``: what ``op`` is can change it
-        (a recurrent op's products on CUDA follow cuDNN's switch)."""
+        (a recurrent op's products on CUDA follow cuDNN's switch, an embedding's gradient sums in float32)."""
         if device is None or device.type == "cpu":
             return _PLAIN
         kind = device.type
         dtype = autocast_dtype(kind)
-        reduced = _reduced_precision(kind, recurrent=op is not None and op_facts(op).recurrent)
-        if dtype is None and not reduced:
+        facts = None if op is None else op_facts(op)
+        reduced = _reduced_precision(kind, recurrent=facts is not None and facts.recurrent)
+        float32_sums = facts is not None and facts.index_sums and _float32_sums(kind)
+        if dtype is None and not reduced and not float32_sums:
             return _PLAIN
-        return cls(dtype, reduced, _policy(kind))
+        return cls(dtype, reduced, _policy(kind), float32_sums)
 
     def __bool__(self) -> bool:
         return self.autocast_dtype is not None or bool(self.reduced)
@@ -174,6 +180,21 @@ def _reduced_precision(kind: str, recurrent: bool = False) -> tuple[tuple[str, s
     except Exception as e:  # noqa: BLE001 - a device module's declaration failing must not stop the tool
         logger.warning("torch.%s.float32_reduced_precision() failed (%s): its float32 math is taken as full", kind, e)
         return ()
+
+
+def _float32_sums(kind: str) -> bool:
+    """Whether ``kind``'s kernels add a narrow dtype's terms in float32: CUDA's do; another device says so with
+    ``torch.<kind>.narrow_accumulation()`` (``"float32"``, or ``"narrow"`` for kernels that add in the narrow dtype
+    itself, as the CPU's embedding backward does: sim running the CPU's kernels); one that does not is taken as a
+    GPU's, and a kernel of it that adds in the narrow dtype is then reported, as it errs where CUDA's does not."""
+    declare = None if kind == "cuda" else _module_function(kind, "narrow_accumulation")
+    if declare is None:
+        return True
+    try:
+        return declare() == "float32"
+    except Exception as e:  # noqa: BLE001 - a device module's declaration failing must not stop the tool
+        logger.warning("torch.%s.narrow_accumulation() failed (%s): its narrow sums are judged as the CPU's", kind, e)
+        return False
 
 
 def _policy(kind: str) -> AutocastPolicy:

@@ -286,6 +286,32 @@ def broadcast_terms(func, reference: Reference, upstream: tuple, shape: torch.Si
     return tuple(None if leaf is None else summed.get(id(leaf)) for leaf in reference.leaves)
 
 
+def index_sum_terms(func, reference: Reference, upstream: tuple) -> tuple:
+    """For an op whose gradient for its floating input sums the upstream gradient's rows by index (``op_facts``'
+    ``index_sums``: an embedding's weight): per leaf of ``reference``, ``(magnitudes, n)``, the gradient the op gives
+    for the upstream's absolute values in float64 (a row's terms are upstream rows, divided by their index's count
+    at most: that gradient sums their magnitudes) and the most rows one index sums; None for any other leaf. The op
+    is rerun on copies of the leaves: its gradient does not depend on their values (``max_norm`` writes the copy)."""
+    indices = next((t for t in iter_tensors(reference.args) if not t.is_floating_point() and not t.is_complex()),
+                   None)
+    copies = {id(leaf): leaf.detach().clone().requires_grad_() for leaf in reference.leaves
+              if leaf is not None and leaf.is_floating_point()}
+    if indices is None or not indices.numel() or not copies:
+        return tuple(None for _ in reference.leaves)
+    flat = indices.reshape(-1).to("cpu", torch.int64)
+    n = int(torch.bincount(flat).max()) if int(flat.min()) >= 0 else flat.numel()
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        return copies.get(id(t), t)
+
+    with isolated(), torch.enable_grad():
+        result = func(*map_tensors(reference.args, copy), **map_tensors(reference.kwargs, copy))
+    outputs = [result] if isinstance(result, torch.Tensor) else list(iter_tensors(result))
+    grads = reference_backward(outputs, list(copies.values()), tuple(None if g is None else g.abs() for g in upstream))
+    summed = {key: (grad, n) for key, grad in zip(copies, grads) if grad is not None}
+    return tuple(None if leaf is None else summed.get(id(leaf)) for leaf in reference.leaves)
+
+
 def magnitudes_forward(func, reference: Reference):
     """The op rerun in float64 on the absolute values of every floating argument: for an op whose result elements are
     sums or means of its input's elements (``op_facts``' ``sums_elements``), the magnitudes each one sums."""

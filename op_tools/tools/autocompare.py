@@ -99,6 +99,7 @@ from ..numerics.reference import (
     Reference,
     attempts_for,
     broadcast_terms,
+    index_sum_terms,
     magnitudes_forward,
     map_arguments,
     meta_dtypes,
@@ -1404,8 +1405,8 @@ class OpAutoCompare(OpTool):
                                       self._tolerance, op_name=call.name, prefix="grad", history=LEARNT.history,
                                       site=call.module_path,
                                       key=("backward", *state.precedent),
-                                      bounds=_broadcast_sums(call.name, state.func or call.func, reference, ref_flat,
-                                                             upstream_cpu), read=read)
+                                      bounds=_gradient_bounds(call.name, state, call.func, reference, ref_flat,
+                                                              upstream_cpu), read=read)
         for c, label in zip(comparisons, state.grad_labels):
             c.name = f"{label}.grad"
         return comparisons, reference_grads
@@ -1746,6 +1747,27 @@ def _broadcast_sums(name: str, func, reference: Reference, outputs: list[torch.T
             return None
         magnitudes, n = summed[i]
         return AnyOrderSum(magnitudes, n, _TERM_ROUNDINGS, terms_rounded=True)
+
+    return bounds
+
+
+def _gradient_bounds(name: str, state: CompareState, func, reference: Reference, outputs: list[torch.Tensor],
+                     upstream: tuple):
+    """``bounds(i)`` of a call's gradients: ``_broadcast_sums``' for a ``broadcast_sums`` op; for an ``index_sums``
+    op on a device whose kernel sums in float32 (``DeviceMath.float32_sums``), its floating leaf's ``AnyOrderSum``
+    (one rounding a term: a division by its index's count at most), from one more float64 run made only when the
+    verdict asks; None for other ops."""
+    func = state.func or func
+    if not (state.math is not None and state.math.float32_sums and op_facts(name).index_sums):
+        return _broadcast_sums(name, func, reference, outputs, upstream)
+    terms = _once(lambda: index_sum_terms(func, reference, upstream))
+
+    def bounds(i: int):
+        summed = terms()
+        if summed is None or i >= len(summed) or summed[i] is None:
+            return None
+        magnitudes, n = summed[i]
+        return AnyOrderSum(magnitudes, n, term_roundings=1)
 
     return bounds
 

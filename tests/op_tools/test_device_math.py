@@ -8,6 +8,7 @@ import torch
 import zoo
 
 import op_tools
+from op_tools.numerics import device_math
 from op_tools.numerics.device_math import DeviceMath, emulated, round_mantissa
 
 
@@ -90,6 +91,33 @@ def test_on_cuda_a_recurrent_op_follows_cudnns_tf32_switch_not_cublass(monkeypat
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
     with cudnn_tf32(False):
         assert DeviceMath.of(cuda, "torch.lstm").reduced == ()
+
+
+def test_an_embeddings_gradient_sums_in_float32_where_the_device_says_so_or_says_nothing(sim, monkeypatch, caplog):
+    # The CPU's embedding backward adds bfloat16 rows in bfloat16, CUDA's in float32: where the device's kernel sums
+    # in float32, its bound judges that gradient (an index_sums op only); sim declares what its numerics do.
+    import ditorch.sim
+
+    embedding = "torch.nn.functional.embedding"
+    assert DeviceMath.of(torch.device("cuda"), embedding).float32_sums
+    assert not DeviceMath.of(torch.device("cuda"), "torch.nn.functional.linear").float32_sums
+    assert not DeviceMath.of(torch.device("cpu"), embedding).float32_sums
+    assert not DeviceMath.of(torch.device(sim), embedding).float32_sums  # the CPU's kernels
+    with ditorch.sim.numerics("gpu"):
+        assert DeviceMath.of(torch.device(sim), embedding).float32_sums
+    lookup = device_math._module_function  # the device module's functions, looked up once per process
+    try:
+        with monkeypatch.context() as patched:  # a device module that declares nothing is taken as a GPU's
+            patched.delattr(torch.sim, "narrow_accumulation")
+            lookup.cache_clear()
+            assert DeviceMath.of(torch.device(sim), embedding).float32_sums
+        monkeypatch.setattr(torch.sim, "narrow_accumulation", lambda: 1 / 0)
+        lookup.cache_clear()
+        assert not DeviceMath.of(torch.device(sim), embedding).float32_sums  # judged as the CPU's: said so
+        assert "torch.sim.narrow_accumulation() failed (division by zero)" in caplog.text
+    finally:
+        monkeypatch.undo()
+        lookup.cache_clear()
 
 
 def test_without_tf32_a_small_fault_in_a_matmul_is_found(sim):
