@@ -1,3 +1,4 @@
+import gc
 import os
 import re
 import subprocess
@@ -102,6 +103,16 @@ def _forked_python():
     subprocess.Popen = forked_python.RoutingPopen  # subprocess.run and check_output start children through it
     yield
     subprocess.Popen = forked_python._REAL_POPEN
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _collector_frozen():
+    """What is alive when a module starts (pytest, torch, transformers, earlier modules' fixtures) taken out of the
+    garbage collector's scans, after one collection (so no garbage is kept): a full collection of a test process's
+    heap took 0.3 s or more, the tests' own objects are still collected, and refcounting frees frozen ones."""
+    gc.collect()
+    gc.freeze()
+    yield
 
 
 @pytest.fixture(scope="module", autouse=True)
