@@ -312,6 +312,27 @@ def _embedding_backward(op, name: str):
     return kernel
 
 
+_INDEX_PUT = ("index_put_.default", "index_put.default")
+
+
+def _index_put(op, name: str):
+    """``index_put(accumulate=True)`` of a half type (an advanced index's gradient: ``x[ids]``'s backward) as CUDA's
+    kernel adds it: each position's values and its old value added in float32 and rounded once, where the CPU adds
+    them in the half type (12% off over 4,000 values of one position in bfloat16)."""
+    plain = KERNELS.get(op, op)
+    in_place = name.startswith("index_put_")
+
+    def kernel(self, indices, values, accumulate=False):
+        if not accumulate or self.dtype not in (torch.float16, torch.bfloat16):
+            return plain(self, indices, values, accumulate)
+        acc = accumulate_dtype(self.dtype)
+        # the aten op, not the method: an index list may hold None (x[:, ids])
+        summed = torch.ops.aten.index_put_.default(self.to(acc), indices, values.to(acc), True).to(self.dtype)
+        return self.copy_(summed) if in_place else summed
+
+    return kernel
+
+
 class Numerics:
     """Which numerics sim computes with: ``cpu`` (the CPU's kernels) or ``gpu`` (this module's sums)."""
 
@@ -332,7 +353,8 @@ class Numerics:
                 else:
                     KERNELS.pop(op, None)
             for table, make in ((_FUSED_MULTIPLY_ADDS, _fused_multiply_add), (_LOG_SOFTMAX, _log_softmax),
-                                (_SOFTMAXES, _softmax), (_EMBEDDING_BACKWARD, _embedding_backward)):
+                                (_SOFTMAXES, _softmax), (_EMBEDDING_BACKWARD, _embedding_backward),
+                                (_INDEX_PUT, _index_put)):
                 for name in table:
                     op = overload(name)
                     if mode == "gpu":

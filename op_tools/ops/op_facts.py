@@ -86,11 +86,11 @@ class OpFacts:
     # so a device that rounds a term the other way errs by up to half an ulp of that dtype per term, whatever the
     # CPU's own error shows (rounding_bounds.RoundedTerms).
     rounded_terms: bool = False
-    # Its gradient for its floating input (an embedding's weight) sums, row by row, the upstream gradient's rows at
-    # the positions whose index names that row. In a narrow dtype a GPU's kernel adds them in float32 and rounds once,
-    # where the CPU's adds them in the narrow dtype itself (9.5% off over 250 rows of one index in bfloat16): the
-    # CPU's same-dtype error is no measure, so on a device that declares float32 sums (``DeviceMath.float32_sums``)
-    # that gradient is judged by the sum's rounding (rounding_bounds.AnyOrderSum).
+    # Its gradient for its floating input (an embedding's weight, what ``x[ids]`` gathers from) sums, row by row,
+    # the upstream gradient's rows at the positions whose index names that row. In a narrow dtype a GPU's kernel
+    # adds them in float32 and rounds once, where the CPU's adds them in the narrow dtype itself (9.5% off over 250
+    # rows of one index in bfloat16): the CPU's same-dtype error is no measure, so on a device that declares float32
+    # sums (``DeviceMath.float32_sums``) that gradient is judged by the sum's rounding (rounding_bounds.AnyOrderSum).
     index_sums: bool = False
     # A random call whose draws PyTorch's math path, rerun on the device from the generator state the call started
     # from, gives back when the device took that path: compared with them (numerics/attention.py).
@@ -352,6 +352,7 @@ for _name in ("sum", "mean", "nansum", "nanmean", "sum_to_size"):
 register_op_facts("scaled_dot_product_attention", attention_rounding=True)
 register_op_facts("cross_entropy", rounded_terms=True)
 register_op_facts("embedding", index_sums=True)
+register_op_facts("torch.Tensor.__getitem__", index_sums=True)  # a gather's (x[ids]): a view's is not compared
 
 # Ops that compute every output element on its own, from a few inputs, in a type wider than a narrow output, and
 # round it once (rounded_ops.py says why that matters).

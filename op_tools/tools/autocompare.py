@@ -525,8 +525,11 @@ class OpAutoCompare(OpTool):
             return "OP_AUTOCOMPARE_BACKWARD=0"
         name = call.name
         facts = op_facts(name)
-        # a view's gradient passes through, save an expansion's: a sum over the broadcast elements (broadcast_sums)
-        if facts.view and not facts.broadcast_sums or facts.conversion or name.startswith("torch.Tensor.__get"):
+        # a view's gradient passes through, save an expansion's: a sum over the broadcast elements (broadcast_sums),
+        # and a gather's (``x[ids]``), whose gradient adds the upstream's elements at repeated positions: it was said
+        # to pass through, and a fault in it passed unseen
+        if (facts.view and not facts.broadcast_sums or facts.conversion) and \
+                not (name == "torch.Tensor.__getitem__" and _gathers(call.args)):
             return "view or conversion (gradient passed through)"
         return None
 
@@ -1749,6 +1752,17 @@ def _broadcast_sums(name: str, func, reference: Reference, outputs: list[torch.T
         return AnyOrderSum(magnitudes, n, _TERM_ROUNDINGS, terms_rounded=True)
 
     return bounds
+
+
+_BASIC_INDEX = (int, slice, type(None), type(Ellipsis))  # what a view's index holds (bool is an int)
+
+
+def _gathers(args: tuple) -> bool:
+    """Whether ``Tensor.__getitem__(*args)`` gathers: its index holds a tensor, a list or an array (advanced
+    indexing), so its result is a copy and its gradient a sum of the upstream's elements by position (an
+    ``index_put_`` that accumulates), not a view's gradient passed through."""
+    index = args[1] if len(args) > 1 else ()
+    return any(not isinstance(part, _BASIC_INDEX) for part in (index if isinstance(index, tuple) else (index,)))
 
 
 def _gradient_bounds(name: str, state: CompareState, func, reference: Reference, outputs: list[torch.Tensor],

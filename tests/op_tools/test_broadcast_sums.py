@@ -372,3 +372,36 @@ def test_an_embeddings_gradient_summed_as_a_gpu_sums_it_passes_and_a_fault_in_it
         tool = _embedding_backward(sim, 0, dtype, fault, cancel=False)
         assert tool.verdict() == "found", (fault, tool.closing_line())
         assert [f["phase"] for f in tool.failures] == ["backward"], tool.failures
+
+
+def _gather_backward(sim, dtype, mode: str, fault: str = "", seed: int = 0):
+    """``x[ids]`` (a gather: 256 positions from 16 rows, one index repeated ~16 times) and a view ``x[1:3]``, backward
+    on sim under OpAutoCompare, ``fault`` in backward."""
+    import ditorch.sim
+
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, 32, generator=generator).to(dtype)
+    ids = torch.randint(0, 16, (256,), generator=generator)
+    upstream = torch.randn(256, 32, generator=generator).to(dtype)
+    with ditorch.sim.numerics(mode):
+        on_sim = x.to(sim).requires_grad_()
+        with op_tools.OpAutoCompare(ops=["torch.Tensor.__getitem__"]) as tool:
+            gathered, view = on_sim[ids.to(sim)], on_sim[1:3]
+            with ditorch.sim.faults(fault):
+                torch.autograd.backward([gathered, view], [upstream.to(sim), torch.ones_like(view)])
+    return tool
+
+
+@pytest.mark.parametrize("dtype, mode", [(torch.float32, "cpu"), (torch.bfloat16, "gpu")])
+def test_a_gathers_gradient_is_compared_and_a_fault_in_it_found(sim, dtype, mode):
+    # x[ids]'s gradient adds the upstream's rows of each repeated index (an accumulating index_put_): it was counted
+    # as a view's, "gradient passed through", and a fault of 1e-1 in it left the verdict clean. In bfloat16 the CPU
+    # adds those rows in bfloat16, so there it is judged by float32 sums' rounding, on a device that sums so.
+    for seed in range(4):
+        clean = _gather_backward(sim, dtype, mode, seed=seed)
+        assert clean.verdict() == "clean", (seed, clean.closing_line())
+        assert clean.counts["backward compared"] == 1, clean.counts  # the gather's; the view's is passed through
+        assert dict(clean.backward_not_compared) == {"view or conversion (gradient passed through)": 1}
+    faulty = _gather_backward(sim, dtype, mode, "index_put:noise=1e-2")  # backward's out-of-place index_put
+    assert [(f["op"], f["phase"]) for f in faulty.failures] == [("torch.Tensor.__getitem__", "backward")], \
+        faulty.failures
