@@ -405,3 +405,19 @@ def test_a_gathers_gradient_is_compared_and_a_fault_in_it_found(sim, dtype, mode
     faulty = _gather_backward(sim, dtype, mode, "index_put:noise=1e-2")  # backward's out-of-place index_put
     assert [(f["op"], f["phase"]) for f in faulty.failures] == [("torch.Tensor.__getitem__", "backward")], \
         faulty.failures
+
+
+def test_overlapping_windows_gradient_is_compared_and_a_fault_in_it_found(sim):
+    # Tensor.unfold is a view, but with step < size its windows overlap and unfold_backward adds the upstream's
+    # elements of every window an element is in: compared. Windows that do not overlap keep a view's gradient.
+    import ditorch.sim
+
+    x = torch.randn(8, 64).to(sim).requires_grad_()
+    for (size, step), compared in (((4, 1), True), ((4, 4), False)):
+        for fault in ("", "unfold_backward:noise=1e-2"):
+            with op_tools.OpAutoCompare() as tool:
+                windows = x.unfold(1, size, step)
+                with ditorch.sim.faults(fault):
+                    windows.backward(torch.randn(windows.shape).to(sim))
+            assert tool.counts["backward compared"] == compared, tool.counts
+            assert tool.verdict() == ("found" if fault and compared else "clean"), (size, step, fault, tool.failures)
