@@ -26,6 +26,8 @@ standbys cannot run (not this Python, interpreter options) or a restart beyond t
 
 The server is this file run as a script with the modules it imports as arguments, one per pytest process and set
 of modules: the first imports ``PRELOAD``, and one that imports more is forked from it (torch already imported).
+After its imports it freezes the garbage collector (``gc.freeze()``): a child's collections skip what it inherited,
+which a full collection scanned (0.28 s each with transformers) and copied, page by page, as it wrote their headers.
 Over ``SOCK_SEQPACKET`` sockets (the test process's, and one per forked child) it takes one request per message
 (JSON, with the child's three standard streams as file descriptors), forks, answers the child's pid, and reports
 each child's exit status to the socket that asked when it reaps it: several children can run at once.
@@ -85,9 +87,7 @@ def _serve(sock_fd: int, preload: list) -> None:
         for name, function in vars(import_utils).items():
             if name.startswith("is_") and hasattr(function, "cache_clear"):
                 function.cache_clear()
-    # The imported modules' objects out of every collection in the children: a full collection scanned them all
-    # (0.28 s each with transformers imported; a benchmark's gc.collect() per timed round was most of its run)
-    gc.freeze()
+    gc.freeze()  # the children's collections skip what they inherit (the module's docstring)
     own_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     base_path = [p for p in sys.path[1:] if p not in own_path]  # the interpreter's own entries (site-packages)
     test_process = socket.socket(fileno=sock_fd)

@@ -81,7 +81,7 @@ ERROR_RULES = {
     "rounded once": ErrorRule(ROUNDED_FLOOR_EPS, ROUNDED_RATIO, True),
     # fused attention in a narrow dtype: another algorithm than the CPU's, bounded by what it rounds
     "attention": ErrorRule(FLOOR_EPS, None, False, modelled=True),
-    # an embedding's weight gradient in a narrow dtype: the CPU's kernel sums in that dtype, a GPU's in float32
+    # an embedding's (a gather's) gradient in a narrow dtype: the CPU's kernel sums in that dtype, a GPU's in float32
     "index sums": ErrorRule(FLOOR_EPS, None, False, modelled=True),
 }
 
