@@ -730,8 +730,14 @@ def _modelled_verdict(result: Comparison, d: torch.Tensor, r: torch.Tensor, boun
     """Judge ``d`` by its rounding bound alone; False when there is none (the ratio rule then decides). Every such
     bound allows at least an eps of each element (its rounding and one more rounding inside), so a result within
     that passes without computing it."""
-    dw, rw = _wide_pair(d, r)
-    if bool(((dw - rw).abs() <= _eps(d.dtype) * rw.abs()).all()):
+    dw: torch.Tensor | None = None
+    rw: torch.Tensor | None = None
+    if d.numel() <= _MODEL_CHUNK:
+        dw, rw = _wide_pair(d, r)
+        parts: Any = [(None, dw, rw)]
+    else:  # in parts: a large gradient is never widened whole
+        parts = _wide_parts(d, r)
+    if all(bool(((pd - pr).abs() <= _eps(d.dtype) * pr.abs()).all()) for _, pd, pr in parts):
         return True
     model = bound()
     if model is None:
@@ -750,7 +756,16 @@ def _modelled_verdict(result: Comparison, d: torch.Tensor, r: torch.Tensor, boun
 def _worst_share(d: torch.Tensor, r: torch.Tensor, model, dw: torch.Tensor | None = None,
                  rw: torch.Tensor | None = None) -> float:
     """The largest ``|d - r|`` as a share of what ``model`` allows per element (above 1: beyond any correct
-    rounding); nan when the model has no bound for this dtype."""
+    rounding); nan when the model has no bound for this dtype. A tensor of more than ``_MODEL_CHUNK`` elements is
+    judged part by part where the model allows per part (``judges_parts``)."""
+    if d.numel() > _MODEL_CHUNK and getattr(model, "judges_parts", False):
+        worst = 0.0
+        for part, pd, pr in _wide_parts(d, r):
+            allowed = model.allowed(d.dtype, pr, part)
+            if allowed is None:
+                return math.nan
+            worst = max(worst, float(((pd - pr).abs() / allowed).max()))
+        return worst
     dw = _wide(d) if dw is None else dw
     rw = _wide(r) if rw is None else rw
     allowed = model.allowed(d.dtype, rw)
@@ -758,6 +773,20 @@ def _worst_share(d: torch.Tensor, r: torch.Tensor, model, dw: torch.Tensor | Non
         return math.nan
     excess = (dw - rw).abs() / allowed
     return float(excess.max()) if excess.numel() else 0.0
+
+
+# Elements a rounding bound judges at a time: an embedding's gradient is a model's largest tensor (a vocabulary of
+# 128k by 4,096 is 4.2 GB in float64), and widened whole with its temporaries it took several times that
+_MODEL_CHUNK = 1 << 22
+
+
+def _wide_parts(d: torch.Tensor, r: torch.Tensor):
+    """``(part, d's part, r's part)`` over the flattened tensors, ``_MODEL_CHUNK`` elements at a time, each in
+    float64 where they are compared (``_wide_pair``); ``part``, the slice of the flattened elements."""
+    flat_d, flat_r = d.reshape(-1), r.reshape(-1)
+    for start in range(0, flat_d.numel(), _MODEL_CHUNK):
+        part = slice(start, start + _MODEL_CHUNK)
+        yield (part, *_wide_pair(flat_d[part], flat_r[part]))
 
 
 def _nonfinite(values: torch.Tensor) -> str:

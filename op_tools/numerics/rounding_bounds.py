@@ -72,7 +72,9 @@ class AnyOrderSum:
         self.magnitudes, self.n, self.term_roundings, self.terms_rounded = magnitudes, n, term_roundings, terms_rounded
         self.says = f"within the rounding of a sum of {n} terms in any order"
 
-    def allowed(self, dtype: torch.dtype, reference: torch.Tensor) -> torch.Tensor | None:
+    judges_parts = True  # allowed() takes a part of the flattened result (a large gradient judged in parts)
+
+    def allowed(self, dtype: torch.dtype, reference: torch.Tensor, part: slice | None = None) -> torch.Tensor | None:
         accumulation = torch.float32 if dtype in NARROW else dtype
         u = _finfo(accumulation).eps / 2
         worst = gamma(self.n + self.term_roundings, u)
@@ -80,8 +82,8 @@ class AnyOrderSum:
             return None
         if self.terms_rounded and dtype in NARROW:
             worst += _finfo(dtype).eps / 2
-        return worst * _wide(self.magnitudes) + self.n * _finfo(accumulation).tiny + \
-            _finfo(dtype).eps * reference.abs()
+        magnitudes = self.magnitudes if part is None else self.magnitudes.reshape(-1)[part]
+        return worst * _wide(magnitudes) + self.n * _finfo(accumulation).tiny + _finfo(dtype).eps * reference.abs()
 
 
 class AttentionRounding:

@@ -421,3 +421,20 @@ def test_overlapping_windows_gradient_is_compared_and_a_fault_in_it_found(sim):
                     windows.backward(torch.randn(windows.shape).to(sim))
             assert tool.counts["backward compared"] == compared, tool.counts
             assert tool.verdict() == ("found" if fault and compared else "clean"), (size, step, fault, tool.failures)
+
+
+def test_a_large_gradient_is_judged_by_its_bound_in_parts_as_when_whole(sim, monkeypatch):
+    # An embedding's gradient is a model's largest tensor (4.2 GB in float64 for a vocabulary of 128k by 4,096): a
+    # bound judges it in parts of _MODEL_CHUNK elements, with the same verdict and the same worst share as whole.
+    from op_tools.numerics import comparison
+
+    faults = ("", "embedding_dense_backward:noise=1e-2")
+
+    def judged():
+        tools = [_embedding_backward(sim, 0, torch.bfloat16, fault, cancel=False) for fault in faults]
+        return [(tool.verdict(), [f["error_info"] for f in tool.failures]) for tool in tools]
+
+    whole = judged()
+    assert [verdict for verdict, _ in whole] == ["clean", "found"] and "what rounding allows" in whole[1][1][0], whole
+    monkeypatch.setattr(comparison, "_MODEL_CHUNK", 1000)  # the gradient: 50 x 64 elements, judged in four parts
+    assert judged() == whole
