@@ -89,10 +89,11 @@ ERROR_RULES = {
 def error_rule(op_name: str, dtype: torch.dtype, reference_dtype: torch.dtype = torch.float64,
                backward: bool = False) -> ErrorRule:
     """The rule for one result: for a forward result in a narrow dtype against a wider reference, 'rounded once' for
-    a ``rounded_ops`` op and 'attention' for one with ``op_facts``' ``attention_rounding``; for a gradient in a
-    narrow dtype, 'index sums' for an op with ``index_sums`` (its bound, where the device's kernel has one, decides);
-    'summed' otherwise."""
-    if dtype in _NARROW and backward and op_facts(op_name).index_sums:
+    a ``rounded_ops`` op and 'attention' for one with ``op_facts``' ``attention_rounding``; in a narrow dtype, 'index
+    sums' for the gradient of an op with ``index_sums`` and the result of one with ``accumulates_when`` (their bound,
+    where the device's kernel has one, decides); 'summed' otherwise."""
+    if dtype in _NARROW and (op_facts(op_name).index_sums if backward else
+                             op_facts(op_name).accumulates_when is not None):
         return ERROR_RULES["index sums"]
     if dtype in _NARROW and not backward and _eps(reference_dtype) < _eps(dtype):
         if rounded_once(op_name):

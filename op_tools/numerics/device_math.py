@@ -128,7 +128,8 @@ class DeviceMath:
         dtype = autocast_dtype(kind)
         facts = None if op is None else op_facts(op)
         reduced = _reduced_precision(kind, recurrent=facts is not None and facts.recurrent)
-        float32_sums = facts is not None and facts.index_sums and _float32_sums(kind)
+        float32_sums = facts is not None and (facts.index_sums or facts.accumulates_when is not None) and \
+            _float32_sums(kind)
         if dtype is None and not reduced and not float32_sums:
             return _PLAIN
         return cls(dtype, reduced, _policy(kind), float32_sums)

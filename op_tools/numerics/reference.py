@@ -312,6 +312,28 @@ def index_sum_terms(func, reference: Reference, upstream: tuple) -> tuple:
     return tuple(None if leaf is None else summed.get(id(leaf)) for leaf in reference.leaves)
 
 
+def accumulated_terms(func, reference: Reference) -> tuple[torch.Tensor, int] | None:
+    """For an op that adds values into its first argument where an index repeats (``op_facts``' ``accumulates_when``:
+    ``index_put``'s ``accumulate``): ``(magnitudes, n)``, ``|self| + 2 sum |values|`` per element in float64 (an
+    in-place call's first argument holds its result already: counting the values twice covers what it held before)
+    and one more than the most values one position takes (the first index's largest count); None without an index."""
+    first = next(iter_tensors(reference.args), None)
+    indices = next((t for t in iter_tensors(reference.args) if not t.is_floating_point() and not t.is_complex()),
+                   None)
+    if first is None or indices is None or not indices.numel():
+        return None
+    flat = indices.reshape(-1).to("cpu", torch.int64)
+    n = 1 + (int(torch.bincount(flat).max()) if int(flat.min()) >= 0 else flat.numel())
+
+    def without_self(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(t) if t is first else _absolute(t)
+
+    with isolated(), torch.no_grad():
+        total = func(*map_tensors(reference.args, _absolute), **map_tensors(reference.kwargs, _absolute))
+        values = func(*map_tensors(reference.args, without_self), **map_tensors(reference.kwargs, without_self))
+    return total + values, n
+
+
 def magnitudes_forward(func, reference: Reference):
     """The op rerun in float64 on the absolute values of every floating argument: for an op whose result elements are
     sums or means of its input's elements (``op_facts``' ``sums_elements``), the magnitudes each one sums."""

@@ -64,7 +64,7 @@ class WriteSpec:
                 out.extend(t for t in value if isinstance(t, torch.Tensor))
         if self.inplace_keyword and kwargs.get("inplace") is True and args and isinstance(args[0], torch.Tensor):
             out.append(args[0])
-        if self.hidden and _flag(args, kwargs, self.hidden_when):
+        if self.hidden and flag_holds(args, kwargs, self.hidden_when):
             for position, keyword in self.hidden:
                 value = args[position] if position < len(args) else kwargs.get(keyword)
                 if isinstance(value, torch.Tensor):
@@ -76,7 +76,7 @@ def overwritten(name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors a call of ``name`` writes without reading what they held, beyond its first argument (``op_facts``'
     ``overwritten``): no input of the call."""
     facts = op_facts(name)
-    if not facts.overwritten or not _flag(args, kwargs, facts.overwritten_when):
+    if not facts.overwritten or not flag_holds(args, kwargs, facts.overwritten_when):
         return []
     out: list = []
     for position, keyword in facts.overwritten:
@@ -85,7 +85,9 @@ def overwritten(name: str, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return out
 
 
-def _flag(args: tuple, kwargs: dict, where) -> bool:
+def flag_holds(args: tuple, kwargs: dict, where) -> bool:
+    """Whether a call's flag argument at ``where`` (``op_facts``' ``Flag``: position, keyword, default) is set; True
+    for None (no flag: always)."""
     if where is None:
         return True
     position, keyword, default = where

@@ -97,6 +97,7 @@ from ..numerics.host_copies import HostCopies, has_events, snapshot, wait_for_co
 from ..numerics.reference import (
     DEFAULT_CAST,
     Reference,
+    accumulated_terms,
     attempts_for,
     broadcast_terms,
     index_sum_terms,
@@ -114,7 +115,7 @@ from ..ops.custom_functions import custom_node, unfollowed_function
 from ..ops.op_facts import cached_on_facts, op_facts
 from ..ops.random_calls import GeneratorProbe, cpu_generator_token, device_rng, random_reason, skip_text
 from ..ops.torch_versions import OutOfMemoryError, is_compiling
-from ..ops.writes import call_writes
+from ..ops.writes import call_writes, flag_holds
 from ..output import reporting, result_files
 from .compare_state import CompareState, Launched
 from .failing_calls import FailingCalls
@@ -966,7 +967,8 @@ class OpAutoCompare(OpTool):
         comparisons = compare_outputs(device_cpu, reference.result, same_value, self._tolerance, op_name=call.name,
                                       prefix="output", history=LEARNT.history, key=state.precedent,
                                       site=call.module_path,
-                                      bounds=_forward_bounds(call.name, func, reference, device_args),
+                                      bounds=_forward_bounds(call.name, func, reference, device_args,
+                                                             state.math is not None and state.math.float32_sums),
                                       read={i: v for i, v in read.items() if i < outputs} if launched else None)
         for k, (label, i, host) in enumerate(zip(state.extra_labels, state.extra, state.extra_cpu)):
             before_op = host_of[i]
@@ -1798,12 +1800,23 @@ def _gradient_bounds(name: str, state: CompareState, func, reference: Reference,
     return bounds
 
 
-def _forward_bounds(name: str, func, reference: Reference, device_args: tuple):
+def _forward_bounds(name: str, func, reference: Reference, device_args: tuple, float32_sums: bool = False):
     """``bounds(0)``, the rounding bound of the one result of an op whose algorithm bounds it (``op_facts``'
     ``sums_elements``: an ``AnyOrderSum``; ``attention_rounding``: an ``AttentionRounding``; ``rounded_terms``: a
-    ``RoundedTerms``), from one more float64 run made only when the verdict asks; None for other ops.
+    ``RoundedTerms``; ``accumulates_when``, set, on a device that sums in float32 (``float32_sums``): an
+    ``AnyOrderSum``), from one more float64 run made only when the verdict asks; None for other ops.
     ``device_args``: the call's arguments in the device's dtypes."""
     facts = op_facts(name)
+    if facts.accumulates_when is not None:
+        if not float32_sums or not flag_holds(reference.args, reference.kwargs, facts.accumulates_when):
+            return None
+        accumulated = _once(lambda: accumulated_terms(func, reference))
+
+        def accumulation(i: int):
+            terms = accumulated() if i == 0 else None
+            return None if terms is None else AnyOrderSum(terms[0], terms[1], term_roundings=0)
+
+        return accumulation
     if facts.attention_rounding:
         rerun = _once(lambda: attention_rounding(func, reference.args, reference.kwargs))
         return lambda i: rerun() if i == 0 else None

@@ -438,3 +438,26 @@ def test_a_large_gradient_is_judged_by_its_bound_in_parts_as_when_whole(sim, mon
     assert [verdict for verdict, _ in whole] == ["clean", "found"] and "what rounding allows" in whole[1][1][0], whole
     monkeypatch.setattr(comparison, "_MODEL_CHUNK", 1000)  # the gradient: 50 x 64 elements, judged in four parts
     assert judged() == whole
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_an_accumulating_index_puts_result_in_bfloat16_is_judged_by_its_sums_rounding(sim, in_place):
+    # index_put(accumulate=True) adds the values of each repeated index (512 values into 16 rows here): the CPU adds
+    # them in bfloat16, CUDA (and sim's GPU numerics) in float32; judged by the CPU's own error, a fault of 1e-2
+    # passed unseen.
+    import ditorch.sim
+
+    def verdict(seed: int, fault: str = "") -> str:
+        generator = torch.Generator().manual_seed(seed)
+        base = torch.randn(16, 32, generator=generator).bfloat16().to(sim)
+        ids = torch.randint(0, 16, (512,), generator=generator).to(sim)
+        values = torch.randn(512, 32, generator=generator).bfloat16().to(sim)
+        with ditorch.sim.numerics("gpu"), op_tools.OpAutoCompare() as tool, ditorch.sim.faults(fault):
+            if in_place:
+                base.index_put_((ids,), values, accumulate=True)
+            else:
+                torch.index_put(base, (ids,), values, True)
+        return tool.verdict()
+
+    assert [verdict(seed) for seed in range(3)] == ["clean"] * 3
+    assert verdict(0, "index_put.*:noise=1e-2") == "found"
