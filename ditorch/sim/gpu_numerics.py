@@ -116,7 +116,7 @@ def _reduce(x: torch.Tensor, dim, keepdim: bool, dtype, mean: bool) -> torch.Ten
     for d in dims:
         n *= x.shape[d]
     innermost = dims == list(range(x.dim() - len(dims), x.dim()))
-    rows = x.permute(*kept, *dims).reshape(-1, n).to(acc)
+    rows = x.permute([*kept, *dims]).reshape(-1, n).to(acc)  # a list: a 0-d tensor has no dims to name
     total = ordered_sum(rows, WARP, VECTOR) if innermost else ordered_sum(rows, 1)
     if mean:
         total = total * torch.tensor(1.0 / n if n else float("nan"), dtype=acc)
@@ -333,6 +333,36 @@ def _index_put(op, name: str):
     return kernel
 
 
+# Ops whose CPU kernel adds a half type's terms in that type, where CUDA's adds them in float32 (op_tools' op facts
+# ``cpu_sums_narrow``): in this mode computed in float32 and rounded once
+_FLOAT32_INSIDE = ("prod.default", "prod.dim_int", "col2im.default")
+
+
+def _float32_inside(op, name: str):
+    """The op on float32 copies of its float16 or bfloat16 arguments, its float32 results rounded back once; a call
+    that names a dtype, or has no half-type argument, runs as the CPU's."""
+    plain = KERNELS.get(op, op)
+
+    def kernel(*args, **kwargs):
+        values = (*args, *kwargs.values())
+        narrow = next((a.dtype for a in values if isinstance(a, torch.Tensor) and a.dtype in _HALF), None)
+        if narrow is None or any(isinstance(a, torch.dtype) for a in values):
+            return plain(*args, **kwargs)
+
+        def wide(a):
+            return a.to(torch.float32) if isinstance(a, torch.Tensor) and a.dtype == narrow else a
+
+        out = plain(*map(wide, args), **{k: wide(v) for k, v in kwargs.items()})
+        if isinstance(out, tuple):
+            return tuple(t.to(narrow) if t.dtype == torch.float32 else t for t in out)
+        return out.to(narrow) if out.dtype == torch.float32 else out
+
+    return kernel
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
 class Numerics:
     """Which numerics sim computes with: ``cpu`` (the CPU's kernels) or ``gpu`` (this module's sums)."""
 
@@ -354,7 +384,7 @@ class Numerics:
                     KERNELS.pop(op, None)
             for table, make in ((_FUSED_MULTIPLY_ADDS, _fused_multiply_add), (_LOG_SOFTMAX, _log_softmax),
                                 (_SOFTMAXES, _softmax), (_EMBEDDING_BACKWARD, _embedding_backward),
-                                (_INDEX_PUT, _index_put)):
+                                (_INDEX_PUT, _index_put), (_FLOAT32_INSIDE, _float32_inside)):
                 for name in table:
                     op = overload(name)
                     if mode == "gpu":

@@ -114,8 +114,8 @@ class DeviceMath:
     reduced: tuple[tuple[str, str], ...] = ()  # (("matmul", "tf32"), ("conv", "tf32"))
     policy: AutocastPolicy = CUDA_POLICY
     # The call's kernel adds a narrow dtype's terms in float32 (an ``index_sums`` op's gradient: an embedding's
-    # weight), as a GPU's does, where the CPU's adds them in the narrow dtype: judged by that sum's rounding bound.
-    # Not emulated: the same-dtype rerun is the CPU's either way.
+    # weight; ``accumulates_when``, ``cpu_sums_narrow``), as a GPU's does, where the CPU's adds them in the narrow
+    # dtype: judged by that sum's rounding bound, or against a same-dtype run made in float32 and rounded once.
     float32_sums: bool = False
 
     @classmethod
@@ -128,8 +128,8 @@ class DeviceMath:
         dtype = autocast_dtype(kind)
         facts = None if op is None else op_facts(op)
         reduced = _reduced_precision(kind, recurrent=facts is not None and facts.recurrent)
-        float32_sums = facts is not None and (facts.index_sums or facts.accumulates_when is not None) and \
-            _float32_sums(kind)
+        float32_sums = facts is not None and (facts.index_sums or facts.accumulates_when is not None or
+                                              facts.cpu_sums_narrow) and _float32_sums(kind)
         if dtype is None and not reduced and not float32_sums:
             return _PLAIN
         return cls(dtype, reduced, _policy(kind), float32_sums)

@@ -184,7 +184,13 @@ def run_reference(func, cpu_args, cpu_kwargs, attempts, owned: set, grad_snaps: 
 
 def run_same_dtype(func, cpu_args, cpu_kwargs, owned: set, math: DeviceMath, grad_snaps: list | tuple = ()):
     """The op on the CPU in the device's dtypes, computing as the device declared (autocast, TF32); ``Reference``,
-    or None when the CPU has no kernel (then float32 rounded to the device's dtype, if that runs)."""
+    or None when the CPU has no kernel (then float32 rounded to the device's dtype, if that runs). On a device that
+    sums a narrow dtype's terms in float32 (``math.float32_sums``), a forward run is made in float32 and rounded once
+    to the dtypes a run in the device's dtypes gives (``_summed_in_float32``), as such a device computes it."""
+    if math.float32_sums and not grad_snaps:
+        run = _summed_in_float32(func, cpu_args, cpu_kwargs, owned, math)
+        if run is not None:
+            return run
     leaves = {id(s): s.detach().clone().requires_grad_() for s in grad_snaps}
     mapped: dict = {}
     with torch.set_grad_enabled(bool(grad_snaps)):  # a written argument's leaf clone stays connected (run_reference)
@@ -212,9 +218,35 @@ def meta_dtypes(func, cpu_args, cpu_kwargs, math: DeviceMath) -> tuple | None:
     return tuple(t.dtype for t in iter_tensors(result))
 
 
+def _summed_in_float32(func, cpu_args, cpu_kwargs, owned: set, math: DeviceMath) -> Reference | None:
+    """The op on the CPU with its narrow floating arguments in float32, each result (and written argument) rounded
+    once to the dtype a run in the device's dtypes gives (learnt on meta tensors); None where that cannot be learnt
+    or run (the usual run then decides)."""
+    dtypes = meta_dtypes(func, cpu_args, cpu_kwargs, math)
+    if dtypes is None:
+        return None
+    original = {id(t): t.dtype for t in (*iter_tensors(cpu_args), *iter_tensors(cpu_kwargs))}
+    run = _in_float32(func, cpu_args, cpu_kwargs, owned, math)
+    if run is None or len(list(iter_tensors(run.result))) != len(dtypes):
+        return None
+    rounded = iter(dtypes)
+    run.result = map_tensors(run.result, lambda t: t.to(next(rounded)))
+    run.mapped = {k: v.to(original[k]) for k, v in run.mapped.items()}
+    return run
+
+
 def _rounded_float32(func, cpu_args, cpu_kwargs, owned: set, math: DeviceMath):
     """No CPU kernel in the device's dtype: float32 rounded to it is what a correct implementation gives."""
     narrow = _first_low_precision(cpu_args, cpu_kwargs) or math.autocast_dtype
+    run = _in_float32(func, cpu_args, cpu_kwargs, owned, math)
+    if run is not None and narrow is not None:
+        run.result = map_tensors(run.result, lambda t: t.to(narrow) if t.dtype == torch.float32 else t)
+        run.mapped = {k: v.to(narrow) if v.dtype == torch.float32 else v for k, v in run.mapped.items()}
+    return run
+
+
+def _in_float32(func, cpu_args, cpu_kwargs, owned: set, math: DeviceMath) -> Reference | None:
+    """The op on the CPU with its float16 and bfloat16 arguments in float32, without a graph; None if it raised."""
     wide = {dtype: torch.float32 for dtype in (torch.float16, torch.bfloat16)}
     mapped: dict = {}
     args = recast(cpu_args, wide, owned, None, mapped)
@@ -225,9 +257,6 @@ def _rounded_float32(func, cpu_args, cpu_kwargs, owned: set, math: DeviceMath):
             result = func(*args, **kwargs)
     except _ERRORS:
         return None
-    if narrow is not None:
-        result = map_tensors(result, lambda t: t.to(narrow) if t.dtype == torch.float32 else t)
-        mapped = {k: v.to(narrow) if v.dtype == torch.float32 else v for k, v in mapped.items()}
     return Reference(args, kwargs, result, [], mapped, "", math.only(used) if used else None)
 
 

@@ -97,6 +97,11 @@ class OpFacts:
     # CPU's in the narrow dtype (12% off over 4,000 values of one position in bfloat16). Judged as ``index_sums``'
     # gradients are, by the sum's rounding on a device that sums in float32.
     accumulates_when: Flag | None = None
+    # The CPU's kernel adds (or multiplies) its terms in a narrow dtype itself where CUDA's does in float32 (over
+    # 4,096 terms in bfloat16, the CPU's result off by 208 ulps for prod, 6.4 for fold; rounded once from float32,
+    # 0.6): on a device that sums in float32 (``DeviceMath.float32_sums``) its same-dtype run is made in float32 and
+    # rounded once (reference.py).
+    cpu_sums_narrow: bool = False
     # A random call whose draws PyTorch's math path, rerun on the device from the generator state the call started
     # from, gives back when the device took that path: compared with them (numerics/attention.py).
     replays_dropout: bool = False
@@ -360,6 +365,9 @@ register_op_facts("embedding", index_sums=True)
 register_op_facts("torch.Tensor.__getitem__", index_sums=True)  # a gather's (x[ids]): a view's is not compared
 for _name in ("index_put", "index_put_"):
     register_op_facts(_name, accumulates_when=(3, "accumulate", False))
+# not index_reduce's mean (9 ulps) nor grid_sample's backward (20): CUDA's atomics add in the narrow dtype too
+for _name in ("prod", "fold"):
+    register_op_facts(_name, cpu_sums_narrow=True)
 
 # Ops that compute every output element on its own, from a few inputs, in a type wider than a narrow output, and
 # round it once (rounded_ops.py says why that matters).

@@ -67,6 +67,8 @@ def test_whole_tensor_sums_and_integers(gpu_numerics):
     ints = torch.arange(10)
     assert x.to(gpu_numerics).sum(dtype=torch.float64).dtype == torch.float64
     assert torch.equal(ints.to(gpu_numerics).sum().cpu(), ints.sum())  # integers: exact, the CPU's kernel
+    scalar = torch.tensor(2.5).to(gpu_numerics)  # a 0-d tensor (a loss): its sum was a TypeError in this mode
+    assert scalar.sum().item() == scalar.mean().item() == 2.5
 
 
 def test_the_switch_is_scoped(sim):
@@ -195,3 +197,28 @@ def test_an_embeddings_rows_are_summed_per_index_in_chunks_of_ten_as_cuda_sums_t
         cpu = torch.zeros(20, 16).index_add_(0, flat, rows)
         cpu[2] = 0
         assert not torch.equal(weight.grad.cpu(), cpu)
+
+
+def test_accumulating_index_put_and_the_cpus_narrow_sums_run_in_float32_rounded_once(gpu_numerics):
+    # What the CPU adds (or multiplies) in bfloat16 itself and CUDA in float32: an accumulating index_put (x[ids]'s
+    # gradient), prod and fold (col2im): here in float32, each result rounded once
+    import torch.nn.functional as F  # noqa: N812
+
+    generator = torch.Generator().manual_seed(3)
+    base, values = torch.randn(4, 8, generator=generator), torch.randn(600, 8, generator=generator)
+    ids = torch.randint(0, 4, (600,), generator=generator)
+    factors, patches = 1 + 1e-2 * torch.randn(3, 600, generator=generator), torch.randn(1, 16, 49, generator=generator)
+    cases = {  # each case's arguments on one device
+        "index_put": lambda t, v: t.index_put((ids.to(t.device),), v, accumulate=True),
+        "index_put_": lambda t, v: t.clone().index_put_((ids.to(t.device),), v, accumulate=True),
+        "prod": lambda t, v: t.prod(1),
+        "fold": lambda t, v: F.fold(t, (8, 8), 2),
+    }
+    inputs = {"index_put": (base, values), "index_put_": (base, values), "prod": (factors, factors),
+              "fold": (patches, patches)}
+    for name, op in cases.items():
+        t, v = (x.bfloat16() for x in inputs[name])
+        expected = op(t.float(), v.float()).bfloat16()
+        on_sim = op(t.to(gpu_numerics), v.to(gpu_numerics)).cpu()
+        assert on_sim.dtype == torch.bfloat16 and torch.equal(on_sim, expected), name
+        assert not torch.equal(op(t, v), expected), name  # the CPU's own adds in bfloat16: another result
