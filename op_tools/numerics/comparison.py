@@ -44,7 +44,6 @@ import torch
 
 from ..ops.arguments import iter_items
 from ..ops.op_facts import cached_on_facts, op_facts
-from ..ops.rounded_ops import rounded_once
 from .error_statistics import error_stats, finished, normalised_error, unread_stats, wide
 from .rounding_bounds import NARROW as _NARROW
 
@@ -92,13 +91,15 @@ def error_rule(op_name: str, dtype: torch.dtype, reference_dtype: torch.dtype = 
     a ``rounded_ops`` op and 'attention' for one with ``op_facts``' ``attention_rounding``; in a narrow dtype, 'index
     sums' for the gradient of an op with ``index_sums`` and the result of one with ``accumulates_when`` (their bound,
     where the device's kernel has one, decides); 'summed' otherwise."""
-    if dtype in _NARROW and (op_facts(op_name).index_sums if backward else
-                             op_facts(op_name).accumulates_when is not None):
+    if dtype not in _NARROW:
+        return ERROR_RULES["summed"]
+    facts = op_facts(op_name)
+    if facts.index_sums if backward else facts.accumulates_when is not None:
         return ERROR_RULES["index sums"]
-    if dtype in _NARROW and not backward and _eps(reference_dtype) < _eps(dtype):
-        if rounded_once(op_name):
+    if not backward and _eps(reference_dtype) < _eps(dtype):
+        if facts.rounded_once:
             return ERROR_RULES["rounded once"]
-        if op_facts(op_name).attention_rounding:
+        if facts.attention_rounding:
             return ERROR_RULES["attention"]
     return ERROR_RULES["summed"]
 

@@ -321,14 +321,11 @@ def index_sum_terms(func, reference: Reference, upstream: tuple) -> tuple:
     for the upstream's absolute values in float64 (a row's terms are upstream rows, divided by their index's count
     at most: that gradient sums their magnitudes) and the most rows one index sums; None for any other leaf. The op
     is rerun on copies of the leaves: its gradient does not depend on their values (``max_norm`` writes the copy)."""
-    indices = next((t for t in iter_tensors(reference.args) if not t.is_floating_point() and not t.is_complex()),
-                   None)
     copies = {id(leaf): leaf.detach().clone().requires_grad_() for leaf in reference.leaves
               if leaf is not None and leaf.is_floating_point()}
-    if indices is None or not indices.numel() or not copies:
+    n = _most_repeats(reference)
+    if n is None or not copies:
         return tuple(None for _ in reference.leaves)
-    flat = indices.reshape(-1).to("cpu", torch.int64)
-    n = int(torch.bincount(flat).max()) if int(flat.min()) >= 0 else flat.numel()
 
     def copy(t: torch.Tensor) -> torch.Tensor:
         return copies.get(id(t), t)
@@ -347,12 +344,9 @@ def accumulated_terms(func, reference: Reference) -> tuple[torch.Tensor, int] | 
     in-place call's first argument holds its result already: counting the values twice covers what it held before)
     and one more than the most values one position takes (the first index's largest count); None without an index."""
     first = next(iter_tensors(reference.args), None)
-    indices = next((t for t in iter_tensors(reference.args) if not t.is_floating_point() and not t.is_complex()),
-                   None)
-    if first is None or indices is None or not indices.numel():
+    repeats = _most_repeats(reference)
+    if first is None or repeats is None:
         return None
-    flat = indices.reshape(-1).to("cpu", torch.int64)
-    n = 1 + (int(torch.bincount(flat).max()) if int(flat.min()) >= 0 else flat.numel())
 
     def without_self(t: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(t) if t is first else _absolute(t)
@@ -360,7 +354,19 @@ def accumulated_terms(func, reference: Reference) -> tuple[torch.Tensor, int] | 
     with isolated(), torch.no_grad():
         total = func(*map_tensors(reference.args, _absolute), **map_tensors(reference.kwargs, _absolute))
         values = func(*map_tensors(reference.args, without_self), **map_tensors(reference.kwargs, without_self))
-    return total + values, n
+    return total + values, 1 + repeats
+
+
+def _most_repeats(reference: Reference) -> int | None:
+    """How often the most repeated value of the call's first integer tensor (its index) occurs: the most terms one
+    position sums (an upper bound for several indices, whose tuples repeat at most as often); its length where it
+    holds negative values; None without such a tensor."""
+    indices = next((t for t in iter_tensors(reference.args) if not t.is_floating_point() and not t.is_complex()),
+                   None)
+    if indices is None or not indices.numel():
+        return None
+    flat = indices.reshape(-1).to("cpu", torch.int64)
+    return int(torch.bincount(flat).max()) if int(flat.min()) >= 0 else flat.numel()
 
 
 def magnitudes_forward(func, reference: Reference):
