@@ -35,6 +35,10 @@ class OpFacts:
     """The facts of one op; the defaults are those of an op nobody declared anything about."""
 
     view: bool = False  # its outputs alias its input: never run elsewhere nor cast; its gradient passes through
+    # A view whose backward is a kernel that makes a new tensor of its input's shape: the upstream's elements written
+    # into zeros (select, slice, diagonal), the pieces' gradients joined (split, unbind), the windows' added (unfold):
+    # a device's kernel may get it wrong, so it is compared as any op's
+    backward_kernel: bool = False
     conversion: bool = False  # moves data between devices or converts dtypes on purpose
     # Arguments it writes that its schema does not mark as written (BatchNorm's running statistics), and the flag
     # that makes them written (None: always). For an op outside ``torch.``, None means "may write anything".
@@ -239,6 +243,13 @@ for _name in VIEW_OPS:
     register_op_facts(_name, view=True)
 for _name in CONVERSIONS:
     register_op_facts(_name, conversion=True)
+# Views that keep only some elements, or repeat some, or are pieces of their input: their backward writes a new
+# tensor. Counted as "gradient passed through", a 10% fault in slice_backward, select_backward, diagonal_backward,
+# unbind's or split's left the verdict clean. A reshape, a permutation or a squeeze keeps a view's gradient.
+for _name in ("as_strided", "diagonal", "narrow", "select", "unfold", "unbind", "split", "split_with_sizes",
+              "hsplit", "vsplit", "tensor_split", "chunk", "__getitem__"):
+    register_op_facts(f"torch.Tensor.{_name}", backward_kernel=True)
+    register_op_facts(f"torch.{_name}", backward_kernel=True)
 
 # Kernels that write arguments their schema does not mark as written (PyTorch's batch norm writes its running
 # statistics in place), when their training flag says so.
@@ -362,7 +373,7 @@ for _name in ("sum", "mean", "nansum", "nanmean", "sum_to_size"):
 register_op_facts("scaled_dot_product_attention", attention_rounding=True)
 register_op_facts("cross_entropy", rounded_terms=True)
 register_op_facts("embedding", index_sums=True)
-register_op_facts("torch.Tensor.__getitem__", index_sums=True)  # a gather's (x[ids]): a view's is not compared
+register_op_facts("torch.Tensor.__getitem__", index_sums=True)  # a gather's (x[ids]); a view's has no index to sum
 for _name in ("index_put", "index_put_"):
     register_op_facts(_name, accumulates_when=(3, "accumulate", False))
 # not index_reduce's mean (9 ulps) nor grid_sample's backward (20): CUDA's atomics add in the narrow dtype too

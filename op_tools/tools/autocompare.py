@@ -526,11 +526,9 @@ class OpAutoCompare(OpTool):
             return "OP_AUTOCOMPARE_BACKWARD=0"
         name = call.name
         facts = op_facts(name)
-        # a view's gradient passes through, save an expansion's: a sum over the broadcast elements (broadcast_sums),
-        # and those of ``_SUMMED_BACKWARD``'s calls, whose gradient adds the upstream's elements at positions read
-        # more than once: it was said to pass through, and a fault in it passed unseen
-        if (facts.view and not facts.broadcast_sums or facts.conversion) and \
-                not (name in _SUMMED_BACKWARD and _SUMMED_BACKWARD[name](call.args, call.kwargs)):
+        # a view's gradient passes through, save an expansion's (a sum over the broadcast elements: broadcast_sums) and
+        # that of a view whose backward is a kernel (backward_kernel: a slice's, a split's, a gather's)
+        if facts.view and not (facts.broadcast_sums or facts.backward_kernel) or facts.conversion:
             return "view or conversion (gradient passed through)"
         return None
 
@@ -1754,29 +1752,6 @@ def _broadcast_sums(name: str, func, reference: Reference, outputs: list[torch.T
         return AnyOrderSum(magnitudes, n, _TERM_ROUNDINGS, terms_rounded=True)
 
     return bounds
-
-
-_BASIC_INDEX = (int, slice, type(None), type(Ellipsis))  # what a view's index holds (bool is an int)
-
-
-def _gathers(args: tuple, kwargs: dict) -> bool:
-    """Whether ``Tensor.__getitem__(*args)`` gathers: its index holds a tensor, a list or an array (advanced
-    indexing), so its result is a copy and its gradient a sum of the upstream's elements by position (an
-    ``index_put_`` that accumulates), not a view's gradient passed through."""
-    index = args[1] if len(args) > 1 else ()
-    return any(not isinstance(part, _BASIC_INDEX) for part in (index if isinstance(index, tuple) else (index,)))
-
-
-def _overlaps(args: tuple, kwargs: dict) -> bool:
-    """Whether ``Tensor.unfold(self, dimension, size, step)`` takes windows that overlap (``step < size``): its
-    gradient then adds the upstream's elements of every window an element is in (``unfold_backward``)."""
-    size = args[2] if len(args) > 2 else kwargs.get("size")
-    step = args[3] if len(args) > 3 else kwargs.get("step")
-    return isinstance(size, int) and isinstance(step, int) and step < size
-
-
-# View ops whose call may read an element more than once: when it does, its gradient is a sum, compared
-_SUMMED_BACKWARD = {"torch.Tensor.__getitem__": _gathers, "torch.Tensor.unfold": _overlaps}
 
 
 def _gradient_bounds(name: str, state: CompareState, func, reference: Reference, outputs: list[torch.Tensor],
