@@ -330,8 +330,8 @@ for _name in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attenti
     register_op_facts(_name, algorithm_ratio=16.0)
 
 # Ops whose results are memory never written.
-for _name in ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_", "resize_as_",
-              "set_"):
+for _name in ("empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided", "resize_",
+              "resize_as_", "set_"):
     register_op_facts(_name, uninitialised=True)
 
 # Ops whose result is the program's own data (torch.tensor([1.0, float("-inf")])): an inf there was given, not made.

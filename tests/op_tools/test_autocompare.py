@@ -430,6 +430,19 @@ def test_random_and_uninitialised_ops_are_skipped_with_reasons(sim):
     assert tool.failures == []
 
 
+def test_every_way_to_make_uninitialised_memory_is_skipped(sim):
+    # empty_permuted was compared: its memory against the CPU's, a failure or a pass by chance
+    base = torch.ones(4, 5, device=sim)
+    makers = [lambda: torch.empty(4, 5, device=sim), lambda: torch.empty_like(base),
+              lambda: torch.empty_strided((4, 5), (1, 4), device=sim),
+              lambda: torch.empty_permuted((4, 5), (1, 0), device=sim), lambda: base.new_empty((4, 5)),
+              lambda: base.new_empty_strided((4, 5), (1, 4))]
+    with op_tools.OpAutoCompare() as tool:
+        for make in makers:
+            make()
+    assert tool.skipped["uninitialised"] == len(makers) and tool.counts["forward compared"] == 0, tool.counts
+
+
 def only_float32(x):
     """An extension op without a float64 kernel (as vendor ops often are)."""
     if x.dtype == torch.float64:
