@@ -401,11 +401,15 @@ class _OpInfo:
                 (self.mutated_kwargs if arg.kwarg_only else self.mutated_args).append(
                     arg.name if arg.kwarg_only else position
                 )
-        self.is_view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+        self.is_view = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns) or \
+            schema.name in _UNANNOTATED_VIEWS
         self.launches = _counters.launches_kernel(schema.name, self.is_view)
 
 
 _INFO: dict = {}
+# Views whose schema does not say so (their outputs share the input's storage, with a version counter of their own):
+# no kernel computes them, so no fault poisons them (poisoned, the input behind them changed too)
+_UNANNOTATED_VIEWS = frozenset({"aten::unsafe_split", "aten::unsafe_split_with_sizes"})
 
 
 class _Unwrapped:
