@@ -599,7 +599,8 @@ class OpAutoCompare(OpTool):
         # what _compare_forward compares (dropped when after() returns)
         state.extra, state.extra_labels, state.signature = \
             [id(t) for t in extra], _labels_of(call.args, call.kwargs, extra), signature
-        state.precedent = (*signature, tuple(tuple(t.shape) for t, _, _ in tensors))
+        state.precedent = (*signature, tuple(tuple(t.shape) for t, _, _ in tensors),
+                           _settings_of(call.args, call.kwargs))
         state.grad_ids, state.wants_backward = [id(t) for t in call.grad_inputs], bool(call.grad_inputs)
         # Judged now: a compiled graph (narrowed at once), and with the reference on the device an op's first call
         # (its next calls run their reference there once it has shown its reruns draw no random numbers).
@@ -1753,6 +1754,19 @@ def _broadcast_sums(name: str, func, reference: Reference, outputs: list[torch.T
 
     return bounds
 
+
+
+_SETTINGS = frozenset({int, bool, str, type(None), torch.dtype})  # arguments that say what an op computes
+
+
+def _settings_of(args: tuple, kwargs: dict) -> tuple:
+    """What a call's plain arguments say it computes (a dimension, a flag, a mode), for its signature's precedent: a
+    product over one dimension and over all elements of the same shape are different computations, and the first's
+    error once excused a fault of 10% in the second. Floats are left out: a scale changes values, not the
+    computation, and an optimizer's learning rate would make every step's calls a new signature."""
+    settings = tuple(a if type(a) in _SETTINGS else tuple(a) if type(a) in (list, tuple) and
+                     all(type(v) is int for v in a) else None for a in args)
+    return (settings, tuple((k, v) for k, v in kwargs.items() if type(v) in _SETTINGS)) if kwargs else settings
 
 def _gradient_bounds(name: str, state: CompareState, func, reference: Reference, outputs: list[torch.Tensor],
                      upstream: tuple):

@@ -599,3 +599,16 @@ def test_a_site_whose_correct_runs_err_more_than_its_signatures_smallest_is_held
         verdict("model.q_proj")  # the q projection's correct runs erred 10 times less: the exact check
     with pytest.raises(AssertionError, match="same-dtype run was asked for"):
         verdict("")  # no site: the signature's precedent alone
+
+
+def test_a_calls_settings_are_part_of_the_signature_whose_precedent_excuses_later_calls(sim):
+    # Two products of all 125 elements underflow (the CPU's own float32 run is off by half its normalised scale): a
+    # precedent that once held for torch.prod(x, 0), of the same shapes and dtypes, where a 10% fault then passed.
+    import ditorch.sim
+
+    x = (torch.rand(5, 5, 5, generator=torch.Generator().manual_seed(0)) * 0.1).to(sim)
+    with op_tools.OpAutoCompare() as tool:
+        torch.prod(x), torch.prod(x)
+        with ditorch.sim.faults("prod.*:noise=1e-1"):
+            torch.prod(x, 0)
+    assert [(f["op"], f["forward_id"]) for f in tool.failures] == [("torch.prod", 3)], tool.failures
