@@ -1,0 +1,164 @@
+"""OpAutoCompare's blind spots: every OpInfo sample on sim, a fault in every kernel, and the calls it passed unseen.
+
+For each OpInfo of PyTorch's ``op_db`` (or those named), the first few samples with elements run on sim under
+``OpAutoCompare``, forward and backward, while a ``noise`` fault (every element times ``1 +- noise``) is on every aten
+kernel that computes values: not the copies between devices nor ``clone`` (the tool's own copies of the inputs go
+through them), and never a view (sim poisons no view). Independently of the tool, the device's results are checked
+against a float64 CPU run of the same sample. Each sample runs twice: with the fault in its forward's kernels (its
+outputs checked), then in its backward's alone (a correct forward, its gradients checked). A result off by more than
+``--tolerance`` (relative to the reference's largest value) while the tool's verdict is clean (no failure, nothing
+not checked) is a **silent pass**, the worst bug a verdict can have. Calls the tool skips with their reason (random,
+uninitialised memory) are listed apart.
+
+    python benchmarks/autocompare_blind_spots.py                           # every OpInfo, float32 (a few minutes)
+    python benchmarks/autocompare_blind_spots.py --ops select,narrow,split --phase backward
+    python benchmarks/autocompare_blind_spots.py --dtype bfloat16 --tolerance 3e-2
+
+Exit status 1 when a silent pass is found. Results of 2026-11-30 are in docs/tools/op_autocompare.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import fnmatch
+import itertools
+import logging
+import os
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("OP_TOOLS_RESULTS_DIR", os.path.join(tempfile.gettempdir(), "autocompare_blind_spots"))
+
+import torch  # noqa: E402
+
+import ditorch.sim  # noqa: E402
+import op_tools  # noqa: E402
+from op_tools.offline.conformance import runs  # noqa: E402
+from op_tools.ops.arguments import iter_tensors  # noqa: E402
+
+# Kernels left unfaulted: copies between devices and clone (how the tool copies what it compares), the scalar read.
+UNFAULTED = ("_to_copy", "copy_", "_copy_from", "_copy_from_and_resize", "clone", "_local_scalar_dense")
+FAULT = "(?!(" + "|".join(UNFAULTED) + r")(\..*)?$).*:noise={noise:g}"  # with or without the overload
+SKIPPED_ON_PURPOSE = ("random", "uninitialised")  # what the tool skips and says why: no verdict to be wrong
+
+
+def off_by(device, reference) -> float:
+    """The largest relative difference between the floating tensors of two results (``inf`` where one is finite
+    and the other not): |d - r| over the reference's largest finite magnitude, the reference rounded to the
+    device's dtype first (what the device can hold at best)."""
+    device, reference = runs.on_cpu(device), runs.on_cpu(reference)
+    pairs = zip(device, reference) if isinstance(device, (list, tuple)) else [(device, reference)]
+    worst = 0.0
+    for d, r in pairs:
+        if not (isinstance(d, torch.Tensor) and isinstance(r, torch.Tensor)) or d.shape != r.shape or \
+                not (d.is_floating_point() or d.is_complex()) or d.numel() == 0:
+            continue
+        wide = torch.complex128 if d.is_complex() else torch.float64
+        d, r = d.to(wide), r.to(d.dtype).to(wide)
+        if not torch.equal(torch.isfinite(d), torch.isfinite(r)):
+            return float("inf")
+        finite = torch.isfinite(r)
+        if not finite.any():
+            continue
+        scale = r[finite].abs().max().item()
+        difference = (d[finite] - r[finite]).abs().max().item()
+        worst = max(worst, difference / scale if scale else (float("inf") if difference else 0.0))
+    return worst
+
+
+def run_sample(opinfo, index: int, sample, args, phase: str) -> tuple[float, str] | str | None:
+    """One sample with the fault in ``phase``'s kernels: how far off the device's results of that phase were (its
+    outputs, or the gradients) and the tool's verdict; "skipped" for a call the tool skips with its reason; None for a
+    sample this sweep cannot judge (no CPU reference, no gradient to compare)."""
+    wants_grad = opinfo.supports_autograd and any(
+        t.requires_grad for t in iter_tensors((sample.input, sample.args, sample.kwargs)))
+    if phase == "backward" and not wants_grad:
+        return None
+    cpu = runs.copy_sample(sample, runs.CPU)
+    try:
+        reference, _ = runs.reference_run(opinfo, cpu, wants_grad)
+        if runs.is_random(opinfo, cpu):
+            return "skipped"
+    except Exception:  # noqa: BLE001 - no CPU reference: not this sweep's question
+        return None
+    fault = FAULT.format(noise=args.noise)
+    device_sample = runs.SampleArgs(sample.input, sample.args, sample.kwargs, sample.output_process_fn_grad)
+    off = None
+    with op_tools.OpAutoCompare() as tool:
+        with ditorch.sim.faults(fault if phase == "forward" else ""):
+            run = runs.run_op(opinfo, device_sample, {}, wants_grad and phase == "backward")
+        if phase == "forward":
+            off = off_by(run.output, reference.output)
+        elif reference.roots and [r.shape for r in run.roots] == [r.shape for r in reference.roots]:
+            upstream = runs.upstream_gradients(index, run.roots)
+            with ditorch.sim.faults(fault):
+                grads = runs.gradients(run, upstream)
+            off = off_by(tuple(grads), tuple(runs.gradients(reference, upstream)))
+    if any(why.startswith(SKIPPED_ON_PURPOSE) for why, n in tool.skipped.items() if n):
+        return "skipped"
+    return None if off is None else (off, tool.verdict())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", default="", help="comma-separated OpInfo names or shell patterns (default: all)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--noise", type=float, default=0.1, help="the fault's relative size (default 0.1)")
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="how far off a result is wrong (default 1e-3; 3e-2 for 16-bit dtypes)")
+    parser.add_argument("--phase", choices=("both", "forward", "backward"), default="both")
+    parser.add_argument("--samples", type=int, default=3, help="samples with elements per op (default 3)")
+    parser.add_argument("--shard", default="", help="I/N: this process's share of the ops")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    tolerance = args.tolerance if args.tolerance is not None else \
+        3e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-3
+    logging.disable(logging.CRITICAL)  # the tool's summaries, once per sample
+    ditorch.sim.register()
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    patterns = [p for p in args.ops.split(",") if p]
+    shard, shards = map(int, args.shard.split("/")) if args.shard else (0, 1)
+    silent, skipped, checked = [], set(), collections.Counter()
+    phases = ("forward", "backward") if args.phase == "both" else (args.phase,)
+    opinfos = [o for o in op_db if not patterns or any(
+        fnmatch.fnmatchcase(o.name + (f".{o.variant_test_name}" if o.variant_test_name else ""), p) for p in patterns)]
+    for position, opinfo in enumerate(opinfos):
+        name = opinfo.name + (f".{opinfo.variant_test_name}" if opinfo.variant_test_name else "")
+        if position % shards != shard or dtype not in opinfo.supported_dtypes("cpu"):
+            continue
+        try:
+            samples = opinfo.sample_inputs("sim", dtype, requires_grad=opinfo.supports_autograd)
+            samples = [s for s in itertools.islice(samples, 32)
+                       if any(t.numel() for t in iter_tensors((s.input, s.args, s.kwargs)))][:args.samples]
+        except Exception:  # noqa: BLE001 - the OpInfo cannot make samples on sim: not this sweep's question
+            continue
+        for index, sample in enumerate(samples):
+            for phase in phases:
+                try:
+                    result = run_sample(opinfo, index, sample, args, phase)
+                except Exception as e:  # noqa: BLE001 - an op sim cannot run: not this sweep's question
+                    print(f"{name} sample {index}: not run ({type(e).__name__}: {str(e)[:100]})", flush=True)
+                    continue
+                if result == "skipped":
+                    skipped.add(name)
+                elif result is not None:
+                    checked[phase] += 1
+                    off, verdict = result
+                    if off > tolerance and verdict == "clean":
+                        silent.append(f"{name} sample {index}, a fault in its {phase}: off by {off:.3g}, verdict "
+                                      "clean")
+                        print("SILENT PASS:", silent[-1], flush=True)
+    print(f"{checked['forward']} samples with a fault in their forward, {checked['backward']} in their backward "
+          f"({args.dtype}, noise {args.noise:g}, wrong when off by > {tolerance:g}); {len(skipped)} ops skipped by the "
+          f"tool with their reason (random, uninitialised): {', '.join(sorted(skipped)) or 'none'}")
+    print(f"summary: autocompare_blind_spots: {len(silent)} silent passes" +
+          (f", the first {silent[0]}" if silent else ""))
+    return 1 if silent else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
