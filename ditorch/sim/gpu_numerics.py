@@ -333,9 +333,11 @@ def _index_put(op, name: str):
     return kernel
 
 
-# Ops whose CPU kernel adds a half type's terms in that type, where CUDA's adds them in float32 (op_tools' op facts
-# ``cpu_sums_narrow``): in this mode computed in float32 and rounded once
-_FLOAT32_INSIDE = ("prod.default", "prod.dim_int", "col2im.default")
+# Ops whose CPU kernel computes a half type's terms in that type, where CUDA's does in float32 (op_tools' op facts
+# ``cpu_sums_narrow``: prod's product, fold's sums, grid_sample's corner weights): in this mode computed in float32
+# and rounded once
+_FLOAT32_INSIDE = ("prod.default", "prod.dim_int", "col2im.default", "grid_sampler_2d.default",
+                   "grid_sampler_3d.default")
 
 
 def _float32_inside(op, name: str):

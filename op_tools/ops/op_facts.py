@@ -376,8 +376,10 @@ register_op_facts("embedding", index_sums=True)
 register_op_facts("torch.Tensor.__getitem__", index_sums=True)  # a gather's (x[ids]); a view's has no index to sum
 for _name in ("index_put", "index_put_"):
     register_op_facts(_name, accumulates_when=(3, "accumulate", False))
-# not index_reduce's mean (9 ulps) nor grid_sample's backward (20): CUDA's atomics add in the narrow dtype too
-for _name in ("prod", "fold"):
+# grid_sample's forward too: the CPU weighs the four corners in the narrow dtype (6 ulps off in bfloat16), CUDA's
+# kernel in float32 (opmath). Not index_reduce's mean (9 ulps) nor grid_sample's backward (20): CUDA's atomics add
+# in the narrow dtype too
+for _name in ("prod", "fold", "grid_sample", "grid_sampler", "grid_sampler_2d", "grid_sampler_3d"):
     register_op_facts(_name, cpu_sums_narrow=True)
 
 # Ops that compute every output element on its own, from a few inputs, in a type wider than a narrow output, and

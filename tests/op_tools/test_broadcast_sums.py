@@ -492,11 +492,13 @@ def test_an_accumulating_index_puts_result_in_bfloat16_is_judged_by_its_sums_rou
     assert verdict(0, "index_put.*:noise=1e-2") == "found"
 
 
-@pytest.mark.parametrize("op, fault", [("prod", "prod.*:noise=1e-1"), ("fold", "col2im.*:noise=5e-2")])
+@pytest.mark.parametrize("op, fault", [("prod", "prod.*:noise=1e-1"), ("fold", "col2im.*:noise=5e-2"),
+                                       ("grid_sample", "grid_sampler_2d.*:noise=5e-2")])
 def test_an_op_the_cpu_sums_in_bfloat16_is_judged_against_float32_rounded_once(sim, op, fault):
-    # The CPU multiplies prod's 4,096 bfloat16 terms in bfloat16 (208 ulps off) and adds fold's overlapping patches in
-    # bfloat16 (6.4): judged against that run's error, a fault of 50% in prod passed. On a device that sums in
-    # float32 (sim's GPU numerics), the same-dtype run is float32 rounded once.
+    # The CPU multiplies prod's 4,096 bfloat16 terms in bfloat16 (208 ulps off), adds fold's overlapping patches in
+    # bfloat16 (6.4) and weighs grid_sample's corners in bfloat16: judged against that run's error, a fault of 50% in
+    # prod passed, and one of 10% in grid_sample. On a device that computes them in float32 (sim's GPU numerics, as
+    # CUDA), the same-dtype run is float32 rounded once.
     import torch.nn.functional as F  # noqa: N812
 
     import ditorch.sim
@@ -504,6 +506,9 @@ def test_an_op_the_cpu_sums_in_bfloat16_is_judged_against_float32_rounded_once(s
     generator = torch.Generator().manual_seed(0)
     if op == "prod":
         x, run = 1 + 1e-2 * torch.randn(4, 4096, generator=generator), lambda t: t.prod(1)
+    elif op == "grid_sample":
+        grid = (torch.rand(2, 32, 32, 2, generator=generator) * 2 - 1).bfloat16().to(sim)
+        x, run = torch.randn(2, 8, 32, 32, generator=generator), lambda t: F.grid_sample(t, grid, align_corners=False)
     else:
         x, run = torch.randn(1, 4 * 64, 57 * 57, generator=generator), lambda t: F.fold(t, (64, 64), 8)
     on_sim = x.bfloat16().to(sim)
