@@ -99,3 +99,26 @@ def test_relative_error_is_the_same_on_the_chunked_torch_path_as_with_numpy(monk
     with_numpy = error_statistics._numpy_stats(device.double().numpy(), exact.numpy(), 1e-3, 1e-3, relative)
     assert chunked == pytest.approx(with_numpy, rel=1e-12)
     assert error_statistics.normalised_error(device, exact, relative=relative) == pytest.approx(chunked[2], rel=1e-12)
+
+
+@pytest.mark.parametrize("op, kernel", [("tanh", "tanh_backward"), ("sigmoid", "sigmoid_backward")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_saturating_gradients_fault_is_found_beside_the_cancellation_a_correct_run_has(sim, op, kernel, dtype):
+    # The gradient comes from the saved narrow output: near saturation 1 - y^2 cancels and a correct run errs by much
+    # of the mean gradient there. 4x that worst element's error passed a 10% fault on every element (inputs of
+    # standard deviation 4, most of them saturated); the largest elements, far from saturation, show it.
+    import ditorch.sim
+
+    verdicts = []
+    for seed, fault in ((0, ""), (1, ""), (2, ""), (0, f"{kernel}:noise=1e-1")):
+        generator = torch.Generator().manual_seed(seed)
+        x = (torch.randn(64, 256, generator=generator) * 4).to(dtype).to(sim).requires_grad_()
+        upstream = torch.randn(64, 256, generator=generator).to(dtype).to(sim)
+        with op_tools.OpAutoCompare() as tool:
+            y = getattr(torch, op)(x)
+            with ditorch.sim.faults(fault):
+                y.backward(upstream)
+        verdicts.append(tool.verdict())
+    assert verdicts == ["clean", "clean", "clean", "found"], tool.failures
+    if dtype == torch.bfloat16:  # float16's 3 more bits keep the cancellation within the worst element's 4x
+        assert "on the bulk" in tool.failures[0]["error_info"]
