@@ -1755,8 +1755,16 @@ def _broadcast_sums(name: str, func, reference: Reference, outputs: list[torch.T
     return bounds
 
 
-
 _SETTINGS = frozenset({int, bool, str, type(None), torch.dtype})  # arguments that say what an op computes
+
+
+def _setting(value):
+    """A plain argument as its signature keeps it: itself, a tuple for a list of ints (dimensions), else None."""
+    if type(value) in _SETTINGS:
+        return value
+    if type(value) in (list, tuple) and all(type(v) is int for v in value):
+        return tuple(value)
+    return None
 
 
 def _settings_of(args: tuple, kwargs: dict) -> tuple:
@@ -1764,9 +1772,9 @@ def _settings_of(args: tuple, kwargs: dict) -> tuple:
     product over one dimension and over all elements of the same shape are different computations, and the first's
     error once excused a fault of 10% in the second. Floats are left out: a scale changes values, not the
     computation, and an optimizer's learning rate would make every step's calls a new signature."""
-    settings = tuple(a if type(a) in _SETTINGS else tuple(a) if type(a) in (list, tuple) and
-                     all(type(v) is int for v in a) else None for a in args)
-    return (settings, tuple((k, v) for k, v in kwargs.items() if type(v) in _SETTINGS)) if kwargs else settings
+    settings = tuple(map(_setting, args))
+    return (settings, tuple((k, _setting(v)) for k, v in kwargs.items())) if kwargs else settings
+
 
 def _gradient_bounds(name: str, state: CompareState, func, reference: Reference, outputs: list[torch.Tensor],
                      upstream: tuple):
