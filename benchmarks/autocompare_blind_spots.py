@@ -5,8 +5,9 @@ For each OpInfo of PyTorch's ``op_db`` (or those named), the first few samples w
 kernel that computes values: not the copies between devices nor ``clone`` (the tool's own copies of the inputs go
 through them), and never a view (sim poisons no view). Independently of the tool, the device's results are checked
 against a float64 CPU run of the same sample. Each sample runs twice: with the fault in its forward's kernels (its
-outputs checked), then in its backward's alone (a correct forward, its gradients checked). A result off by more than
-``--tolerance`` (relative to the reference's largest value) while the tool's verdict is clean (no failure, nothing
+outputs checked), then in its backward's alone (a correct forward, its gradients checked); ``--phase in-place`` runs
+the OpInfo's in-place variant (``x.mul_(y)``) on copies of the sample, its first tensor checked. A result off by more
+than ``--tolerance`` (relative to the reference's largest value) while the tool's verdict is clean (no failure, nothing
 not checked) is a **silent pass**, the worst bug a verdict can have, unless a correct run in the dtype (the CPU's)
 errs nearly as much: within 4x its error + 4 eps, the rule's margin, the fault is listed apart (in bfloat16 the
 CPU's own error is large for some ops: op_autocompare.md, Limits). Calls the tool skips with their reason (random,
@@ -39,7 +40,7 @@ import torch  # noqa: E402
 import ditorch.sim  # noqa: E402
 import op_tools  # noqa: E402
 from op_tools.offline.conformance import runs  # noqa: E402
-from op_tools.ops.arguments import iter_tensors  # noqa: E402
+from op_tools.ops.arguments import iter_tensors, map_tensors  # noqa: E402
 
 # Kernels left unfaulted: copies between devices and clone (how the tool copies what it compares), the scalar read.
 UNFAULTED = ("_to_copy", "copy_", "_copy_from", "_copy_from_and_resize", "clone", "_local_scalar_dense")
@@ -88,27 +89,36 @@ def run_sample(opinfo, index: int, sample, args, phase: str) -> tuple[float, flo
     except Exception:  # noqa: BLE001 - no CPU reference: not this sweep's question
         return None
     fault = FAULT.format(noise=args.noise)
-    device_sample = runs.SampleArgs(sample.input, sample.args, sample.kwargs, sample.output_process_fn_grad)
-    off = upstream = reference_grads = None
+    off = reference_grads = upstream = None
     with ditorch.sim.numerics(args.numerics), op_tools.OpAutoCompare() as tool:
-        with ditorch.sim.faults(fault if phase == "forward" else ""):
-            run = runs.run_op(opinfo, device_sample, {}, wants_grad and phase == "backward")
-        if phase == "forward":
-            off = off_by(run.output, reference.output)
-        elif reference.roots and [r.shape for r in run.roots] == [r.shape for r in reference.roots]:
-            upstream = runs.upstream_gradients(index, run.roots)
+        if phase == "in-place":  # on copies of the sample's tensors, the first one written
+            if opinfo.inplace_variant is None or not isinstance(sample.input, torch.Tensor):
+                return None
+            written, (rest, keywords) = map_tensors((sample.input, (sample.args, sample.kwargs)),
+                                                    lambda t: t.detach().clone())
             with ditorch.sim.faults(fault):
-                grads = runs.gradients(run, upstream)
-            reference_grads = tuple(runs.gradients(reference, upstream))
-            off = off_by(tuple(grads), reference_grads)
+                opinfo.inplace_variant(written, *rest, **keywords)
+            off = off_by(written, reference.output)
+        else:
+            device_sample = runs.SampleArgs(sample.input, sample.args, sample.kwargs, sample.output_process_fn_grad)
+            with ditorch.sim.faults(fault if phase == "forward" else ""):
+                run = runs.run_op(opinfo, device_sample, {}, wants_grad and phase == "backward")
+            if phase == "forward":
+                off = off_by(run.output, reference.output)
+            elif reference.roots and [r.shape for r in run.roots] == [r.shape for r in reference.roots]:
+                upstream = runs.upstream_gradients(index, run.roots)
+                with ditorch.sim.faults(fault):
+                    grads = runs.gradients(run, upstream)
+                reference_grads = tuple(runs.gradients(reference, upstream))
+                off = off_by(tuple(grads), reference_grads)
     if any(why.startswith(SKIPPED_ON_PURPOSE) for why, n in tool.skipped.items() if n):
         return "skipped"
     if off is None:
         return None
-    same = runs.SameDtypeRun(opinfo, cpu, sample.input.dtype if isinstance(sample.input, torch.Tensor) else
-                             args.dtype_object, upstream)
-    correct = same.forward() if phase == "forward" else same.backward()
-    own = off_by(correct, reference.output if phase == "forward" else reference_grads) if correct is not None else 0.0
+    backward = phase == "backward"
+    same = runs.SameDtypeRun(opinfo, cpu, args.dtype_object, upstream if backward else None)
+    correct = same.backward() if backward else same.forward()
+    own = off_by(correct, reference_grads if backward else reference.output) if correct is not None else 0.0
     return off, own, tool.verdict()
 
 
@@ -123,7 +133,9 @@ def main() -> int:
                              "eps: where the rule of 4x the CPU's own error + 4 eps finds a fault)")
     parser.add_argument("--numerics", choices=("cpu", "gpu"), default="cpu",
                         help="sim's numerics: the CPU's kernels (default) or a GPU's sums (DITORCH_SIM_NUMERICS)")
-    parser.add_argument("--phase", choices=("both", "forward", "backward"), default="both")
+    parser.add_argument("--phase", choices=("both", "forward", "backward", "in-place", "all"), default="both",
+                        help="which kernels the fault is in: forward, backward, both (each in turn), in-place (the "
+                             "OpInfo's in-place variant, forward), all")
     parser.add_argument("--samples", type=int, default=3, help="samples with elements per op (default 3)")
     parser.add_argument("--shard", default="", help="I/N: this process's share of the ops")
     args = parser.parse_args()
@@ -139,7 +151,8 @@ def main() -> int:
     shard, shards = map(int, args.shard.split("/")) if args.shard else (0, 1)
     args.dtype_object = dtype
     silent, within, skipped, checked = [], [], set(), collections.Counter()
-    phases = ("forward", "backward") if args.phase == "both" else (args.phase,)
+    phases = {"both": ("forward", "backward"), "all": ("forward", "backward", "in-place")}.get(args.phase,
+                                                                                             (args.phase,))
     opinfos = [o for o in op_db if not patterns or any(
         fnmatch.fnmatchcase(o.name + (f".{o.variant_test_name}" if o.variant_test_name else ""), p) for p in patterns)]
     for position, opinfo in enumerate(opinfos):
@@ -172,9 +185,10 @@ def main() -> int:
                         hidden = off <= 4 * own + 4 * torch.finfo(dtype).eps
                         (within if hidden else silent).append(what)
                         print("WITHIN A CORRECT RUN'S ERROR:" if hidden else "SILENT PASS:", what, flush=True)
-    print(f"{checked['forward']} samples with a fault in their forward, {checked['backward']} in their backward "
-          f"({args.dtype}, noise {args.noise:g}, wrong when off by > {tolerance:g}); {len(skipped)} ops skipped by the "
-          f"tool with their reason (random, uninitialised): {', '.join(sorted(skipped)) or 'none'}")
+    faulted = ", ".join(f"{checked[phase]} in their {phase}" for phase in phases)
+    print(f"samples with a fault: {faulted} ({args.dtype}, noise {args.noise:g}, wrong when off by > {tolerance:g}); "
+          f"{len(skipped)} ops skipped by the tool with their reason (random, uninitialised): "
+          f"{', '.join(sorted(skipped)) or 'none'}")
     print(f"{len(within)} faults within 4x a correct {args.dtype} run's own error + 4 eps (the rule's margin: "
           "op_autocompare.md, Limits)")
     print(f"summary: autocompare_blind_spots: {len(silent)} silent passes" +
