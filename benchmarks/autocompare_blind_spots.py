@@ -44,7 +44,7 @@ from op_tools.ops.arguments import iter_tensors, map_tensors  # noqa: E402
 
 # Kernels left unfaulted: copies between devices and clone (how the tool copies what it compares), the scalar read.
 UNFAULTED = ("_to_copy", "copy_", "_copy_from", "_copy_from_and_resize", "clone", "_local_scalar_dense")
-FAULT = "(?!(" + "|".join(UNFAULTED) + r")(\..*)?$).*:noise={noise:g}"  # with or without the overload
+FAULT = "(?!(" + "|".join(UNFAULTED) + r")(\..*)?$).*:{kind}"  # with or without the overload
 SKIPPED_ON_PURPOSE = ("random", "uninitialised")  # what the tool skips and says why: no verdict to be wrong
 
 
@@ -88,7 +88,7 @@ def run_sample(opinfo, index: int, sample, args, phase: str) -> tuple[float, flo
             return "skipped"
     except Exception:  # noqa: BLE001 - no CPU reference: not this sweep's question
         return None
-    fault = FAULT.format(noise=args.noise)
+    fault = FAULT.format(kind=f"noise={args.noise:g}" if args.kind == "noise" else args.kind)
     off = reference_grads = upstream = None
     with ditorch.sim.numerics(args.numerics), op_tools.OpAutoCompare() as tool:
         if phase == "in-place":  # on copies of the sample's tensors, the first one written
@@ -126,6 +126,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default="", help="comma-separated OpInfo names or shell patterns (default: all)")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kind", choices=("noise", "nan", "inf"), default="noise",
+                        help="the fault: noise (default), or every element of the kernel's results nan or inf")
     parser.add_argument("--noise", type=float, default=None,
                         help="the fault's relative size (default 0.1; 0.3 for 16-bit dtypes)")
     parser.add_argument("--tolerance", type=float, default=None,
@@ -186,7 +188,8 @@ def main() -> int:
                         (within if hidden else silent).append(what)
                         print("WITHIN A CORRECT RUN'S ERROR:" if hidden else "SILENT PASS:", what, flush=True)
     faulted = ", ".join(f"{checked[phase]} in their {phase}" for phase in phases)
-    print(f"samples with a fault: {faulted} ({args.dtype}, noise {args.noise:g}, wrong when off by > {tolerance:g}); "
+    kind = args.kind if args.kind != "noise" else f"noise {args.noise:g}"
+    print(f"samples with a fault: {faulted} ({args.dtype}, {kind}, wrong when off by > {tolerance:g}); "
           f"{len(skipped)} ops skipped by the tool with their reason (random, uninitialised): "
           f"{', '.join(sorted(skipped)) or 'none'}")
     print(f"{len(within)} faults within 4x a correct {args.dtype} run's own error + 4 eps (the rule's margin: "

@@ -408,8 +408,9 @@ class _OpInfo:
 
 _INFO: dict = {}
 # Views whose schema does not say so (their outputs share the input's storage, with a version counter of their own):
-# no kernel computes them, so no fault poisons them (poisoned, the input behind them changed too)
-_UNANNOTATED_VIEWS = frozenset({"aten::unsafe_split", "aten::unsafe_split_with_sizes"})
+# no kernel computes them (none is launched, none counted) and no fault poisons them: poisoned, the input behind them
+# changed too, and a matmul's reshaped operands (_unsafe_view) turned nan before the tool's reference read them
+_UNANNOTATED_VIEWS = frozenset({"aten::unsafe_split", "aten::unsafe_split_with_sizes", "aten::_unsafe_view"})
 
 
 class _Unwrapped:
