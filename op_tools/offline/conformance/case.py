@@ -166,7 +166,7 @@ def _run_sample(opinfo, sample, index: int, dtype, device, with_grad: bool, tole
     upstream = record[2] = upstream_gradients(index, run.roots) if reference.roots else None
     same = SameDtypeRun(opinfo, cpu, dtype, upstream)
     comparisons = _compare(forward, device_out, on_cpu(reference.output), same.forward, tolerance, op_name, "output")
-    if comparisons is not None and not forward.compared(index, comparisons, note):
+    if comparisons is not None and not forward.compared(index, comparisons, note, _has_elements(device_out)):
         shown[index] = record
     if details is not None and comparisons is not None:
         details += [{"sample": index, "direction": "forward", **c.row()} for c in comparisons]
@@ -197,11 +197,16 @@ def _run_sample(opinfo, sample, index: int, dtype, device, with_grad: bool, tole
         return None
     for c, label in zip(comparisons, run.labels):
         c.name = f"{label}.grad"
-    if not backward.compared(index, comparisons, note):
+    if not backward.compared(index, comparisons, note, _has_elements(device_grads)):
         shown[index] = record
     if details is not None:
         details += [{"sample": index, "direction": "backward", **c.row()} for c in comparisons]
     return None
+
+
+def _has_elements(result) -> bool:
+    """Whether a result holds an element to compare (an empty tensor checks its shape and dtype, no value)."""
+    return any(t.numel() for t in iter_tensors(result))
 
 
 # --- saving a sample's inputs in OpCapture's format ---

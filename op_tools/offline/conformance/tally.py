@@ -3,7 +3,9 @@ checked and why.
 
 Each sample ends as one of: compared (passed or mismatched), raised on the device (unsupported), or not checked
 (no CPU reference, a result the verdict cannot compare): a row passes only when every sample was compared and
-passed; one with samples not checked and none failing is ``unchecked``, never ``pass``."""
+passed, and some sample had a value to compare; one with samples not checked and none failing is ``unchecked``,
+never ``pass``, and so is one whose every compared result was empty (``--limit-samples 4`` takes only empty samples
+of ``svd``, ``eye``, ``cholesky_solve``: their rows passed with no value of the op's checked)."""
 
 from __future__ import annotations
 
@@ -18,13 +20,15 @@ class Tally:
 
     def __init__(self) -> None:
         self.samples = self.failing = self.raised_count = 0
+        self.valued = 0  # compared samples with an element in their results: an empty result checks no value
         self.worst: tuple[float, int, Comparison, int] | None = None  # (score, sample, comparison, failing outputs)
         self.raised: tuple[int, str] | None = None
         self.unchecked: list[str] = []  # why each sample not checked was not (no CPU reference, not comparable)
         self.notes: list[str] = []
 
-    def compared(self, index: int, comparisons: list[Comparison], note: str) -> bool:
+    def compared(self, index: int, comparisons: list[Comparison], note: str, valued: bool = True) -> bool:
         self.samples += 1
+        self.valued += valued
         if note and note not in self.notes:
             self.notes.append(note)
         failed = [c for c in comparisons if not c.passed]
@@ -60,6 +64,9 @@ class Tally:
             row.detail = f"sample {row.sample}: {message}" + (f" ({raised})" if self.raised_count > 1 else "")
         elif self.unchecked:
             row.status = "unchecked"
+        elif self.samples and not self.valued:
+            row.status = "unchecked"
+            row.detail = f"the results of its {self.samples} samples were empty: no value compared"
         elif self.samples == 0:
             row.status = "skipped"
             row.detail = "no sample inputs"

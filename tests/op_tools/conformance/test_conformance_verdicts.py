@@ -125,3 +125,19 @@ def test_a_sweep_whose_device_is_gone_reports_what_ran_and_what_did_not_and_exit
         "WARNING: 2 rows not checked, the first sin float32 forward: not run: the sweep stopped")
     # what did not run is left to --resume
     assert {r.op for r in ResultsFile(os.path.join(tmp_path, "run", RESULTS_FILE)).read()[1]} == {"abs", "neg"}
+
+
+def test_a_row_whose_samples_all_gave_empty_results_is_unchecked_never_a_pass(sim):
+    # --limit-samples 4 takes only svd's empty samples (its first 20 are): its rows passed with no value compared
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    from op_tools.offline.conformance.case import CaseOptions, run_case
+
+    svd = next(o for o in op_db if o.name == "svd")
+    rows = run_case(svd, torch.float32, torch.device("sim"), CaseOptions(limit_samples=4)).rows
+    assert [(r.status, r.detail) for r in rows] == \
+        [("unchecked", "the results of its 4 samples were empty: no value compared")] * 2
+    assert report.verdict(rows) == "unchecked"
+    absolute = next(o for o in op_db if o.name == "abs")  # a sample with values passes as before
+    assert [r.status for r in run_case(absolute, torch.float32, torch.device("sim"),
+                                       CaseOptions(limit_samples=1)).rows] == ["pass", "pass"]
