@@ -72,7 +72,8 @@ def off_by(device, reference) -> float:
     return worst
 
 
-def run_sample(opinfo, index: int, sample, args, phase: str) -> tuple[float, float, str] | str | None:
+def run_sample(opinfo, index: int, sample, args, phase: str,
+               dtype: torch.dtype) -> tuple[float, float, str] | str | None:
     """One sample with the fault in ``phase``'s kernels: how far off the device's results of that phase were (its
     outputs, or the gradients), how far off a correct run in the dtype is (the CPU's), and the tool's verdict;
     "skipped" for a call the tool skips with its reason; None for a sample this sweep cannot judge (no CPU reference,
@@ -116,7 +117,7 @@ def run_sample(opinfo, index: int, sample, args, phase: str) -> tuple[float, flo
     if off is None:
         return None
     backward = phase == "backward"
-    same = runs.SameDtypeRun(opinfo, cpu, args.dtype_object, upstream if backward else None)
+    same = runs.SameDtypeRun(opinfo, cpu, dtype, upstream if backward else None)
     correct = same.backward() if backward else same.forward()
     own = off_by(correct, reference_grads if backward else reference.output) if correct is not None else 0.0
     return off, own, tool.verdict()
@@ -151,7 +152,6 @@ def main() -> int:
 
     patterns = [p for p in args.ops.split(",") if p]
     shard, shards = map(int, args.shard.split("/")) if args.shard else (0, 1)
-    args.dtype_object = dtype
     silent, within, skipped, checked = [], [], set(), collections.Counter()
     phases = {"both": ("forward", "backward"), "all": ("forward", "backward", "in-place")}.get(args.phase,
                                                                                              (args.phase,))
@@ -170,7 +170,7 @@ def main() -> int:
         for index, sample in enumerate(samples):
             for phase in phases:
                 try:
-                    result = run_sample(opinfo, index, sample, args, phase)
+                    result = run_sample(opinfo, index, sample, args, phase, dtype)
                 except Exception as e:  # noqa: BLE001 - an op sim cannot run: not this sweep's question
                     print(f"{name} sample {index}: not run ({type(e).__name__}: {str(e)[:100]})", flush=True)
                     continue
