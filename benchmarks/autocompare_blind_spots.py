@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import fnmatch
 import itertools
 import logging
@@ -36,6 +37,7 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("OP_TOOLS_RESULTS_DIR", os.path.join(tempfile.gettempdir(), "autocompare_blind_spots"))
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import ditorch.sim  # noqa: E402
 import op_tools  # noqa: E402
@@ -45,6 +47,23 @@ from op_tools.ops.arguments import iter_tensors, map_tensors  # noqa: E402
 # Kernels left unfaulted: copies between devices and clone (how the tool copies what it compares), the scalar read.
 UNFAULTED = ("_to_copy", "copy_", "_copy_from", "_copy_from_and_resize", "clone", "_local_scalar_dense")
 FAULT = "(?!(" + "|".join(UNFAULTED) + r")(\..*)?$).*:{kind}"  # with or without the overload
+
+
+def fault_except(kernels: set[str], kind: str) -> str:
+    """``FAULT`` with ``kernels`` unfaulted too."""
+    return "(?!(" + "|".join(UNFAULTED + tuple(sorted(kernels))) + r")(\..*)?$).*:" + kind
+
+
+class KernelNames(TorchDispatchMode):
+    """The aten ops run under it, by name (``exp``, ``mul``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func._schema.name.removeprefix("aten::"))
+        return func(*args, **(kwargs or {}))
 SKIPPED_ON_PURPOSE = ("random", "uninitialised")  # what the tool skips and says why: no verdict to be wrong
 
 
@@ -72,6 +91,13 @@ def off_by(device, reference) -> float:
     return worst
 
 
+def judged_in_fault(tool, args) -> None:
+    """With a ``scratch`` fault, the calls are judged while it is on: a kernel that writes an input it only reads
+    does so at every call, and the tool tells its write from a stale copy by rerunning it on the device."""
+    if args.kind == "scratch":
+        tool.judge_queued()
+
+
 def run_sample(opinfo, index: int, sample, args, phase: str,
                dtype: torch.dtype) -> tuple[float, float, str] | str | None:
     """One sample with the fault in ``phase``'s kernels: how far off the device's results of that phase were (its
@@ -89,7 +115,9 @@ def run_sample(opinfo, index: int, sample, args, phase: str,
             return "skipped"
     except Exception:  # noqa: BLE001 - no CPU reference: not this sweep's question
         return None
-    fault = FAULT.format(kind=f"noise={args.noise:g}" if args.kind == "noise" else args.kind)
+    kind = f"noise={args.noise:g}" if args.kind == "noise" else \
+        f"scratch={-args.noise:g}" if args.kind == "scratch" else args.kind
+    fault = FAULT.format(kind=kind)
     off = reference_grads = upstream = None
     with ditorch.sim.numerics(args.numerics), op_tools.OpAutoCompare() as tool:
         if phase == "in-place":  # on copies of the sample's tensors, the first one written
@@ -99,17 +127,25 @@ def run_sample(opinfo, index: int, sample, args, phase: str,
                                                     lambda t: t.detach().clone())
             with ditorch.sim.faults(fault):
                 opinfo.inplace_variant(written, *rest, **keywords)
+                judged_in_fault(tool, args)
             off = off_by(written, reference.output)
         else:
             device_sample = runs.SampleArgs(sample.input, sample.args, sample.kwargs, sample.output_process_fn_grad)
-            with ditorch.sim.faults(fault if phase == "forward" else ""):
+            # A kernel that writes its input does so wherever it runs: with a scratch fault in the backward, the
+            # kernels the forward ran stay correct (the tool's rerun of a failing backward reruns its forward).
+            names = KernelNames() if args.kind == "scratch" and phase == "backward" else contextlib.nullcontext()
+            with ditorch.sim.faults(fault if phase == "forward" else ""), names:
                 run = runs.run_op(opinfo, device_sample, {}, wants_grad and phase == "backward")
+                judged_in_fault(tool, args)
+            if isinstance(names, KernelNames):
+                fault = fault_except(names.names, kind)
             if phase == "forward":
                 off = off_by(run.output, reference.output)
             elif reference.roots and [r.shape for r in run.roots] == [r.shape for r in reference.roots]:
                 upstream = runs.upstream_gradients(index, run.roots)
                 with ditorch.sim.faults(fault):
                     grads = runs.gradients(run, upstream)
+                    judged_in_fault(tool, args)
                 reference_grads = tuple(runs.gradients(reference, upstream))
                 off = off_by(tuple(grads), reference_grads)
     if any(why.startswith(SKIPPED_ON_PURPOSE) for why, n in tool.skipped.items() if n):
@@ -127,8 +163,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default="", help="comma-separated OpInfo names or shell patterns (default: all)")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--kind", choices=("noise", "nan", "inf"), default="noise",
-                        help="the fault: noise (default), or every element of the kernel's results nan or inf")
+    parser.add_argument("--kind", choices=("noise", "nan", "inf", "scratch"), default="noise",
+                        help="the fault: noise (default), every element of the kernel's results nan or inf, or "
+                             "scratch (the kernel scales its first input it only reads by 1 - noise, then computes)")
     parser.add_argument("--noise", type=float, default=None,
                         help="the fault's relative size (default 0.1; 0.3 for 16-bit dtypes)")
     parser.add_argument("--tolerance", type=float, default=None,
@@ -188,7 +225,7 @@ def main() -> int:
                         (within if hidden else silent).append(what)
                         print("WITHIN A CORRECT RUN'S ERROR:" if hidden else "SILENT PASS:", what, flush=True)
     faulted = ", ".join(f"{checked[phase]} in their {phase}" for phase in phases)
-    kind = args.kind if args.kind != "noise" else f"noise {args.noise:g}"
+    kind = f"{args.kind} {args.noise:g}" if args.kind in ("noise", "scratch") else args.kind
     print(f"samples with a fault: {faulted} ({args.dtype}, {kind}, wrong when off by > {tolerance:g}); "
           f"{len(skipped)} ops skipped by the tool with their reason (random, uninitialised): "
           f"{', '.join(sorted(skipped)) or 'none'}")

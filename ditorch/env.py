@@ -134,7 +134,8 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("DITORCH_SIM_FAULTS", "'pattern[@dtype]:kind[,p=<fraction>][,rank=<r>]' joined by ';' (see "
            "ditorch/sim/fault_injection.py)", "",
            "Faults the sim device injects into matching aten ops: unsupported, nan, inf, noise=<rel>, "
-           "bitflip=<N> (one bit of one element every N-th call), slow=<ms>, unversioned; p= makes an output "
+           "bitflip=<N> (one bit of one element every N-th call), slow=<ms>, scratch=<rel> (the kernel scales an "
+           "input it only reads first), unversioned; p= makes an output "
            "fault intermittent, rank= keeps a fault to one rank.", parse_sim_faults),
     EnvVar("DITORCH_SIM_TF32", "0, 1 (both), or a comma list of matmul, conv", "0",
            "Float32 op families the sim device computes with TF32 operands, as tensor cores do, turned on by "

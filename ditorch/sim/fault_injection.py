@@ -2,15 +2,18 @@
 write without bumping version counters.
 
 A fault spec is ``pattern[@dtype]:kind`` with ``kind`` one of ``unsupported``, ``nan``, ``inf``,
-``noise=<relative error>``, ``bitflip=<N>``, ``slow=<milliseconds>`` or ``unversioned``; several specs are joined
-by ``;``. ``bitflip=<N>`` flips one bit of one element of the output in every N-th call of the matched ops (the
-mantissa's top bit, an element drawn from the faults' private generator): a chip's silent corruption, now and then.
-After the kind, ``,p=<fraction>`` makes a ``noise``, ``nan``, ``inf`` or ``bitflip`` fault intermittent (active in
-that fraction of the calls it matches, drawn from the private generator), and ``,rank=<r>`` keeps a fault to one
-rank of a distributed run (``torch.distributed``'s rank, else ``RANK``). ``pattern`` is a regular expression matched
-against the whole op name, with or without its overload (``mm``, ``add.Tensor``, ``aten::rsqrt``, ``.*``).
-``unversioned`` makes matched in-place and ``out=`` ops leave the version counter of the sim tensors they write
-unchanged, as some kernels do on real hardware (see ``version_counter.py``).
+``noise=<relative error>``, ``bitflip=<N>``, ``slow=<milliseconds>``, ``scratch=<relative change>`` or
+``unversioned``; several specs are joined by ``;``. ``bitflip=<N>`` flips one bit of one element of the output in
+every N-th call of the matched ops (the mantissa's top bit, an element drawn from the faults' private generator): a
+chip's silent corruption, now and then. After the kind, ``,p=<fraction>`` makes a ``noise``, ``nan``, ``inf`` or
+``bitflip`` fault intermittent (active in that fraction of the calls it matches, drawn from the private generator),
+and ``,rank=<r>`` keeps a fault to one rank of a distributed run (``torch.distributed``'s rank, else ``RANK``).
+``pattern`` is a regular expression matched against the whole op name, with or without its overload (``mm``,
+``add.Tensor``, ``aten::rsqrt``, ``.*``). ``unversioned`` makes matched in-place and ``out=`` ops leave the version
+counter of the sim tensors they write unchanged, as some kernels do on real hardware (see ``version_counter.py``).
+``scratch=<rel>`` makes the kernel use its first floating input that it does not declare written as scratch: that
+input is scaled by ``1 + rel`` in place before the kernel computes from it, with no version bump (a vendor kernel
+writing an input it was only to read).
 
 An ``@`` part that is not a dtype name is a module path (``silu@model.layers.1:nan``, with a dtype too:
 ``silu@model.layers.1@float16:nan``): the fault then hits only calls made in the forward of that module or of
@@ -43,9 +46,9 @@ from .version_counter import WRITES
 
 ENV_VAR = "DITORCH_SIM_FAULTS"
 FORM = ("'pattern[@dtype]:kind[,p=<fraction>][,rank=<r>]' joined by ';', kind one of unsupported, nan, inf, "
-        "noise=<rel>, bitflip=<N>, slow=<ms>, unversioned; an '@module.path' part (with or without '@dtype') keeps "
-        "a fault to that module's forward")
-KINDS_WITH_VALUE = {"noise", "slow", "bitflip"}
+        "noise=<rel>, bitflip=<N>, slow=<ms>, scratch=<rel>, unversioned; an '@module.path' part (with or without "
+        "'@dtype') keeps a fault to that module's forward")
+KINDS_WITH_VALUE = {"noise", "slow", "bitflip", "scratch"}
 KINDS = {"unsupported", "nan", "inf", "unversioned"} | KINDS_WITH_VALUE
 # sim's collectives (its process group's methods, distributed.py): an output fault on one changes what it received
 COLLECTIVES = ("allreduce", "allreduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_single",
@@ -293,7 +296,8 @@ class FaultTable:
             self._by_op[name] = found
         return found
 
-    def before(self, func, faults, dtypes) -> None:
+    def before(self, func, faults, dtypes, inputs: list) -> None:
+        """``inputs``: the kernel's CPU arguments, in order (a ``scratch`` fault writes one)."""
         for fault in faults:
             if not fault.applies(dtypes):
                 continue
@@ -305,6 +309,10 @@ class FaultTable:
                 )
             if fault.kind == "slow":
                 time.sleep(fault.value / 1000.0)
+            if fault.kind == "scratch":
+                read = _read_only_input(func, inputs)
+                if read is not None:
+                    read.mul_(1 + fault.value)
 
     def after(self, faults, dtypes, outputs) -> None:
         # a sparse output is wrong in its values (its implicit zeros stay zeros)
@@ -355,6 +363,16 @@ class FaultTable:
             return torch.randint(0, 2, out.shape, generator=self._noise_gen).mul_(2).sub_(1)
         hashed = torch.arange(out.numel(), device=out.device).mul_(2654435761).remainder_(2**32)  # Knuth's hash
         return hashed.bitwise_right_shift_(16).bitwise_and_(1).mul_(2).sub_(1).reshape(out.shape)
+
+
+def _read_only_input(func, inputs: list) -> torch.Tensor | None:
+    """The first floating tensor among ``inputs`` that ``func``'s schema does not declare written."""
+    for argument, value in zip(func._schema.arguments, inputs):
+        written = argument.alias_info is not None and argument.alias_info.is_write
+        if not written and isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() and \
+                all(stride or size == 1 for stride, size in zip(value.stride(), value.shape)):  # not an expanded one
+            return value
+    return None
 
 
 TABLE = FaultTable()

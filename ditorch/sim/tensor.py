@@ -540,7 +540,7 @@ def _run_op(func, args, kwargs):
         active_faults = _faults.TABLE.for_op(func)
         if active_faults:
             dtypes = unwrapped.dtypes(kwargs)
-            _faults.TABLE.before(func, active_faults, dtypes)
+            _faults.TABLE.before(func, active_faults, dtypes, () if info.is_view else cpu_args)  # a view: no kernel
     kernel = _KERNELS.get(func, func)  # the device's own kernel, or the CPU's
     try:
         if unwrapped.views_with_bits:

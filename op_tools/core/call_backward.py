@@ -55,7 +55,7 @@ class CallBackward:
     hooks are small objects (``_UpstreamHook``, ``_GradientHook``), not closures."""
 
     __slots__ = ("edges", "first", "upstream", "grads", "waiting", "handles", "callback", "started", "finished",
-                 "_on_start")
+                 "_on_start", "_on_upstream")
 
     def __init__(self, inputs: list[torch.Tensor]) -> None:
         self.edges = [gradient_edge(t) for t in inputs]
@@ -68,15 +68,19 @@ class CallBackward:
         self.started = False
         self.finished = False
         self._on_start = None
+        self._on_upstream: Callable[[int, torch.Tensor], None] | None = None
 
     def attach(self, result, callback: Callable[[tuple, tuple, bool], None], on_start=None,
-               on_again: Callable[[], None] | None = None) -> str | None:
+               on_again: Callable[[], None] | None = None,
+               on_upstream: Callable[[int, torch.Tensor], None] | None = None) -> str | None:
         """Hook the nodes the call created; ``callback(upstream, input_grads, complete)`` runs once they all ran.
 
         Returns None when hooked, else why the call's backward cannot be followed (nothing hooked).
         ``on_start(self)`` runs at the first hook, so that a caller can finish an incomplete backward later.
         ``on_again()`` runs each time the call's backward runs again over a graph kept for it (``retain_graph``),
         which ``callback`` does not see: its hooks are gone after the first.
+        ``on_upstream(index, gradient)`` runs as each output's upstream gradient arrives, before the node that reads
+        it runs: what it reads then is what the call's backward was given.
         """
         outputs, seen = [], set()
         for t in iter_tensors(result):
@@ -119,6 +123,7 @@ class CallBackward:
         self.waiting = len(frontier)
         self.callback = callback
         self._on_start = on_start
+        self._on_upstream = on_upstream
         handles = self.handles = []
         for node_id, outs in roots.items():
             handles.append(nodes[node_id].register_prehook(_UpstreamHook(self, tuple(outs))))
@@ -131,9 +136,15 @@ class CallBackward:
     def upstream_arrived(self, outs: tuple, grad_outputs) -> None:
         with _LOCK:
             self._start()
-            if not self.finished:  # else a hook run after its removal, on another thread
-                for index, output_nr in outs:
-                    self.upstream[index] = grad_outputs[output_nr]
+            if self.finished:  # a hook run after its removal, on another thread
+                return
+            for index, output_nr in outs:
+                self.upstream[index] = grad_outputs[output_nr]
+            on_upstream = self._on_upstream
+        if on_upstream is not None:
+            for index, output_nr in outs:
+                if grad_outputs[output_nr] is not None:
+                    on_upstream(index, grad_outputs[output_nr])
 
     def gradients_sent(self, pairs: tuple, grad_inputs) -> None:
         with _LOCK:
@@ -171,6 +182,7 @@ class CallBackward:
             handle.remove()
         self.handles = []
         callback, self.callback = self.callback, None
+        self._on_upstream = None
         upstream, grads = tuple(self.upstream), tuple(self.grads)
         self.upstream, self.grads, self.edges = [], [], []
         if callback is not None:

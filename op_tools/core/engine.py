@@ -21,6 +21,7 @@ Per call the engine does, for a tool that handles it::
     before_backward(call, grad_outputs)               # upstream gradients, before the node runs
     after_backward(call, grad_inputs, grad_outputs)   # gradients of the node's inputs, after it ran
     # if it defines after_call_backward: once every node the call created ran (call_backward.py)
+    upstream_arrived(call, index, gradient)           # if defined: each upstream gradient, before its node runs
     after_call_backward(call, upstream, input_grads, complete)
 
 "Tool work" is per thread: torch calls made by a tool itself are never handled by any tool. A
@@ -420,6 +421,9 @@ class OpTool:
     # of its outputs and of the tensors before() listed in call.grad_inputs (call_backward.py); complete is False
     # when the backward pass ended with only part of them run.
     after_call_backward: Callable[[OpCall, tuple, tuple, bool], None] | None = None
+    # (call, output index, gradient) -> None, with after_call_backward: as each upstream gradient of the call arrives,
+    # before the node that reads it runs (a kernel may write it: what the tool reads later is not what it was given)
+    upstream_arrived: Callable[[OpCall, int, torch.Tensor], None] | None = None
     # (op name) -> None, each time a call's backward runs again over a graph kept for it (``retain_graph=True``):
     # ``after_call_backward`` saw its first run only.
     backward_again: Callable[[str], None] | None = None
@@ -800,7 +804,9 @@ class OpTool:
         # Held until the call's backward: an object and a bound method, not two closures and their cells (what a
         # call holds that long is promoted by the garbage collector, see call_backward.CallBackward)
         again = None if self.backward_again is None else functools.partial(self.backward_again, call.name)
-        why = tracker.attach(call.result, _CallBackwardDone(self, call, tracker), self._call_backward_started, again)
+        done = _CallBackwardDone(self, call, tracker)
+        why = tracker.attach(call.result, done, self._call_backward_started, again,
+                             None if self.upstream_arrived is None else done.upstream)
         call.grad_inputs = []
         if why is not None:
             self.call_backward_skipped(call, why)
@@ -1008,6 +1014,13 @@ class _CallBackwardDone:
 
     def __call__(self, upstream: tuple, input_grads: tuple, complete: bool) -> None:
         self.tool._call_backward_done(self.call, self.tracker, upstream, input_grads, complete)
+
+    def upstream(self, index: int, gradient: torch.Tensor) -> None:
+        tool = self.tool
+        upstream_arrived = tool.upstream_arrived
+        assert upstream_arrived is not None  # passed only for a tool that defines it
+        with tool_work():
+            tool._guarded(lambda c: upstream_arrived(c, index, gradient), self.call)
 
 
 def register_backward_hooks(call: OpCall, tool: OpTool) -> None:

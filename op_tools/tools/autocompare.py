@@ -66,7 +66,7 @@ from ..config.variables import (
     parse_dtype_map,
 )
 from ..core.engine import OpCall, OpTool, RegionRun, feature, tool_work
-from ..numerics import collective_reference, fused_kernels, graph_reference
+from ..numerics import collective_reference, device_rerun, fused_kernels, graph_reference
 from ..numerics.attention import replayed_dropout_mask, with_dropout_mask
 from ..numerics.comparison import (
     COLUMNS,
@@ -284,6 +284,8 @@ class OpAutoCompare(OpTool):
         self._followed_nodes: weakref.WeakSet = weakref.WeakSet()
         self.device_math: collections.Counter = collections.Counter()  # what same-dtype runs applied -> calls
         self.stale_copies = 0  # cached host copies found out of date when a failing call re-read them
+        # failing calls whose cached inputs changed during the call itself, by op (_written_by_the_call)
+        self.inputs_written: collections.Counter[str] = collections.Counter()
         self.failures: list[dict] = []
         self._failures_shown: set = set()  # (op, phase) whose first failing call's table was shown at WARNING
         self.rows: list[tuple] = []  # comparisons not yet in the CSV
@@ -620,6 +622,7 @@ class OpAutoCompare(OpTool):
             if state.device_copies is not None:
                 tensors = self._to_host(state, tensors)
             host_of = state.host_of = {id(t): host for t, host, _ in tensors}
+            state.host_inputs = tuple(id(host) for t, host, _ in tensors if t.is_cpu)  # a rerun keeps them there
             # A result that is the op's input (``to``, ``contiguous`` returning the tensor itself) of an op that writes
             # nothing is compared as that input's copy: one copy, re-read with it if the call fails.
             inputs = host_of if call_writes(call.name).never else {}
@@ -655,7 +658,7 @@ class OpAutoCompare(OpTool):
         the host (else read from it) for the cross-check."""
         outcome = self._compare_forward(call, state)
         if outcome is not None and not all(c.passed for c in outcome[0]) and state.rereads:
-            if self._recheck(state):  # a cached copy was stale: compare again
+            if self._recheck(call, state):  # a cached copy was stale: compare again
                 outcome = self._compare_forward(call, state)
         if outcome is not None and state.device_reference is not None:
             self._cross_check(call, state, state.device_reference.result if device_values is None else device_values,
@@ -1057,9 +1060,10 @@ class OpAutoCompare(OpTool):
         with self._lock:
             self.versus_eager[region.name] = max(ratio, self.versus_eager.get(region.name, 0.0))
 
-    def _recheck(self, state: CompareState) -> bool:
+    def _recheck(self, call: OpCall, state: CompareState) -> bool:
         """Re-read the inputs the cache supplied (``state.rereads``); True, with the copies replaced, when any was
-        out of date (``VerdictQueue.before_write``: no call seen since wrote them)."""
+        out of date (``VerdictQueue.before_write``: no call seen since wrote them). An input the call itself changed
+        (a kernel using an input it does not declare written as scratch) keeps its copy: the failure stands."""
         replaced = {}
         host_of, rereads = state.host_of, state.rereads
         assert host_of is not None and rereads is not None  # set together by after()
@@ -1069,15 +1073,52 @@ class OpAutoCompare(OpTool):
                 now = self._copies.fresh(t)
                 if not _same_values(now, host):
                     replaced[id(host)] = now
-                    host_of[i] = now
         if not replaced:
             return False
+        if self._wrote_its_inputs(call, state, replaced):
+            return False
+        for i, host in list(host_of.items()):
+            if id(host) in replaced:
+                host_of[i] = replaced[id(host)]
         self.stale_copies += len(replaced)
         swap = lambda h: replaced.get(id(h), h)  # noqa: E731
         state.cpu_args = map_tensors(state.cpu_args, swap)
         state.cpu_kwargs = map_tensors(state.cpu_kwargs, swap)
         state.device_cpu = map_tensors(state.device_cpu, swap)  # a result that is its input shares its copy
         return True
+
+    def _wrote_its_inputs(self, call: OpCall, state: CompareState, replaced: dict[int, torch.Tensor]) -> bool:
+        """Whether the cached inputs a failing call found changed (``replaced``: id of the cached copy -> the input
+        as re-read) were changed by the call itself (``device_rerun``); counted and said once per op if so. Not
+        asked where a rerun would not be the call's: a compiled graph, a replayed dropout mask, a host op."""
+        if type(call.func) is RegionRun or state.func is not None or call.device.type == "cpu":
+            return False
+        if not device_rerun.forward_given_cached(call.func, call.device, state.cpu_args, state.cpu_kwargs,
+                                                 state.host_inputs, state.device_cpu, replaced):
+            return False
+        self._say_written(call.name)
+        return True
+
+    def _wrote_its_upstream(self, call: OpCall, state: CompareState, cached: list, reread: list,
+                            given: tuple) -> bool:
+        """``_wrote_its_inputs`` for a failing backward whose cached upstream gradients were found changed:
+        ``given``, the device's input gradients (one passed on unchanged as the upstream's re-read copy)."""
+        if type(call.func) is RegionRun or state.func is not None or call.device.type == "cpu":
+            return False
+        if not device_rerun.backward_given_cached(call.func, call.device, state.cpu_args, state.cpu_kwargs,
+                                                  state.host_inputs, state.owned or set(), state.grad_snaps,
+                                                  _unique_tensors, cached, reread, given):
+            return False
+        self._say_written(call.name)
+        return True
+
+    def _say_written(self, name: str) -> None:
+        with self._lock:
+            self.inputs_written[name] += 1
+            first = self.inputs_written[name] == 1
+        if first:
+            self._logger.warning("OpAutoCompare: %s changed an input it does not declare written (found when it "
+                                 "failed): judged on the input as it was given", name)
 
     # --- backward ---
 
@@ -1096,6 +1137,21 @@ class OpAutoCompare(OpTool):
     def backward_again(self, name: str) -> None:
         with self._lock:
             self.backward_runs_again[name] += 1
+
+    def upstream_arrived(self, call: OpCall, index: int, gradient: torch.Tensor) -> None:
+        """A host copy of an upstream gradient as it arrives, before the call's backward kernels read it: a kernel
+        that writes it (using it as scratch) would otherwise be compared against what it wrote. Not for a call whose
+        reference ran on the device (its gradients are kept on the device when its backward ends), nor a DTensor."""
+        state: CompareState = call.state
+        if state.device_copies is not None or state.device_reference is not None or \
+                (state.reference is None and not state.queued):
+            return
+        if is_dtensor(gradient):  # its copy is a gather, which every rank makes at the call's end as before: a
+            return  # collective made in a pre-hook comes in another order on each rank (FSDP2's reduce-scatters)
+        get = self._copies.get_without_waiting if self._defers(call.device) else self._copies.get
+        if state.upstream_early is None:
+            state.upstream_early = {}
+        state.upstream_early[index] = get(gradient)
 
     def after_call_backward(self, call: OpCall, upstream: tuple, input_grads: tuple, complete: bool) -> None:
         try:
@@ -1138,8 +1194,9 @@ class OpAutoCompare(OpTool):
             elif self._device_reference:
                 with self._lock:
                     self.reference_place["backward", state.cpu_reason] += 1
-            upstream_cpu, rereads = self._upstream_copies(upstream, self._copies.get)
-            device_grads_cpu = self._given_copies(upstream, upstream_cpu, input_grads, False)
+            upstream_cpu, rereads = self._upstream_copies(upstream, self._copies.get, state.upstream_early)
+            device_grads_cpu = self._given_copies(upstream, upstream_cpu, input_grads, False,
+                                                  state.upstream_early is not None)
             comparisons, reference_grads, upstream_cpu, device_grads_cpu = self._backward_on_host(
                 call, state, upstream_cpu, rereads, device_grads_cpu)
             if device_values is not None:  # the device reference's gradients, computed before it needed the CPU
@@ -1150,8 +1207,10 @@ class OpAutoCompare(OpTool):
 
     def _queue_backward(self, call: OpCall, upstream: tuple, input_grads: tuple) -> None:
         """The backward's tensors on their way to the host, and its verdict queued behind its forward's."""
-        upstream_cpu, rereads = self._upstream_copies(upstream, self._copies.get_without_waiting)
-        device_grads_cpu = self._given_copies(upstream, upstream_cpu, input_grads, True)
+        upstream_cpu, rereads = self._upstream_copies(upstream, self._copies.get_without_waiting,
+                                                      call.state.upstream_early)
+        device_grads_cpu = self._given_copies(upstream, upstream_cpu, input_grads, True,
+                                              call.state.upstream_early is not None)
         started = time.time()
 
         def judge(call: OpCall) -> None:
@@ -1250,25 +1309,32 @@ class OpAutoCompare(OpTool):
             raise
 
     @staticmethod
-    def _upstream_copies(upstream: tuple, get) -> tuple[list, dict[int, torch.Tensor]]:
-        """Host copies of the upstream gradients through ``get``, and those the cache supplied (by position)."""
+    def _upstream_copies(upstream: tuple, get, early: dict | None) -> tuple[list, dict[int, torch.Tensor]]:
+        """Host copies of the upstream gradients, and those the cache supplied (by position): taken as each arrived,
+        before the backward read it (``early``: ``upstream_arrived``), else through ``get`` now."""
         copies: list[torch.Tensor | None] = []
         reused: dict[int, torch.Tensor] = {}
         for i, g in enumerate(upstream):
             if g is None:
                 copies.append(None)
                 continue
-            host, was_cached = get(g)
+            host, was_cached = early[i] if early is not None and i in early else get(g)
             copies.append(host)
             if was_cached:
                 reused[i] = g
         return copies, reused
 
-    def _given_copies(self, upstream: tuple, upstream_cpu: list, input_grads: tuple, deferred: bool) -> tuple:
+    def _given_copies(self, upstream: tuple, upstream_cpu: list, input_grads: tuple, deferred: bool,
+                      early: bool = False) -> tuple:
         """What the gradients a backward gave are compared as (``_compared_value``): a gradient given twice (``add``
         passes its upstream gradient to both inputs), or one it received, is that one copy: the upstream's, made
-        after the backward ran or taken from the cache (re-read with it if the call fails, ``_backward_on_host``)."""
+        before the backward read it or taken from the cache (re-read with it if the call fails,
+        ``_backward_on_host``). With the upstream copied before the backward read it (``early``), a backward that
+        computed another gradient as well may have written the upstream it passed on (``index_add``'s backward with
+        ``alpha=0``): what it passed on is then copied as it is now."""
         made = {id(g): host for g, host in zip(upstream, upstream_cpu) if g is not None}
+        if early and any(g is not None and id(g) not in made for g in input_grads):
+            made = {}
         copies: list[torch.Tensor | None] = []
         for g in input_grads:
             if g is None:
@@ -1334,10 +1400,11 @@ class OpAutoCompare(OpTool):
                 now[i] = self._copies.fresh(g)
             stale = sum(1 for a, b in zip(now, upstream_cpu)
                         if a is not None and b is not None and not _same_values(a, b))
-            if stale:
+            swapped = {id(old): new for old, new in zip(upstream_cpu, now) if old is not new}
+            given_now = tuple(None if c is None else swapped.get(id(c), c) for c in device_grads_cpu)
+            if stale and not self._wrote_its_upstream(call, state, upstream_cpu, now, given_now):
                 self.stale_copies += stale
-                swapped = {id(old): new for old, new in zip(upstream_cpu, now) if old is not new}
-                device_grads_cpu = tuple(None if c is None else swapped.get(id(c), c) for c in device_grads_cpu)
+                device_grads_cpu = given_now
                 upstream_cpu = now
                 comparisons, reference_grads = self._compare_backward(call, state, tuple(now), device_grads_cpu)
         return comparisons, reference_grads, upstream_cpu, device_grads_cpu
@@ -1619,6 +1686,10 @@ class OpAutoCompare(OpTool):
         if self.stale_copies:
             lines.append(fit(f"{self.stale_copies} cached input copies were out of date (written by something no "
                              "call showed) and were re-read before the verdict"))
+        if self.inputs_written:
+            lines.append(fit(f"{sum(self.inputs_written.values())} failing calls changed an input they do not declare "
+                             "written (" + ", ".join(f"{op}: {n}" for op, n in self.inputs_written.most_common())
+                             + "): judged on the inputs they were given"))
         if self.failures:
             lines.append("failing ops in execution order (the first is where to look):")
             shown = [{**f, "location": reporting.short_location(f["location"])} for f in self.failures[:FAILURES_SHOWN]]

@@ -35,7 +35,7 @@ class CompareState:
                  "precedent", "math_used", "owned", "grad_snaps", "reference", "device_out", "ref_out",
                  "saved_forward", "save_dir", "collective", "replay", "func", "region_args", "device_copies",
                  "cross_check", "device_reference", "cpu_reason", "queued", "wants_backward", "grad_ids", "rereads",
-                 "launched")
+                 "launched", "upstream_early", "host_inputs")
 
     # --- set by before() ---
     written: Sequence[torch.Tensor]  # the arguments the op writes (each once; every tensor of an unknown function)
@@ -85,6 +85,9 @@ class CompareState:
     grad_ids: Sequence[int]  # ids of call.grad_inputs: their host copies are the reference's leaves
     rereads: dict[int, torch.Tensor] | None  # id of an input the cache supplied -> it, re-read if the call fails
     launched: Launched | None  # a forward judged later against the device's reference (autocompare._launch_forward)
+    # output index -> (host copy of its upstream gradient, whether the cache supplied it), taken as it arrived
+    upstream_early: dict[int, tuple[torch.Tensor, bool]] | None
+    host_inputs: tuple[int, ...]  # ids of the copies of the call's own host tensors (a device rerun leaves them there)
 
     def release(self) -> None:
         """Every field back to its default, dropping the tensors and copies held: the call is compared no further."""
@@ -97,6 +100,8 @@ class CompareState:
         self.cross_check = self.queued = self.wants_backward = False
         self.cpu_reason = ""
         self.grad_ids = ()
+        self.upstream_early = None
+        self.host_inputs = ()
         self.drop_forward()
 
     __init__ = release  # a new state is a released one (one call less per handled call)
@@ -110,3 +115,4 @@ class CompareState:
         """Drop what only the backward's comparison needed: the reference graph, the outputs, the inputs' copies."""
         self.reference = self.device_out = self.ref_out = self.device_reference = self.device_copies = None
         self.grad_snaps = self.region_args = ()
+        self.upstream_early = None

@@ -91,6 +91,80 @@ def test_a_stale_copy_is_caught_before_the_verdict(sim):
     assert tool.failures == [] and tool.stale_copies == 1
 
 
+@pytest.mark.parametrize("batch", [1, 64])
+def test_a_kernel_writing_an_input_it_only_reads_is_found_with_that_inputs_copy_from_the_cache(sim, batch):
+    """A kernel that writes an input its schema says it only reads, then computes from it (sim's ``scratch`` fault:
+    a vendor kernel using an input as scratch, with no version bump), gives a wrong result. That input's host copy
+    came from the cache (made when the call producing it was compared), so the failing call's re-read finds it
+    changed: a write before the call would make it stale, as in ``test_a_stale_copy_is_caught_before_the_verdict``.
+    The op rerun on the device from the copy as cached reproduces the call's result, so the change was the call's
+    own and the failure stands. The next call reads the written input and is right: it passes, against the input as
+    re-read (judged one by one, the re-read copy is the cache's; judged in a batch, its cached copy is re-read)."""
+    import ditorch.sim
+
+    x0 = torch.randn(256)
+    with ditorch.sim.faults("exp:scratch=-0.5"), op_tools.OpAutoCompare(verdict_batch=batch) as tool:
+        a = x0.to(sim) * 1.0  # produced under the tool: its copy is cached
+        y = torch.exp(a)
+        b = a + 1
+    assert torch.equal(a.cpu(), x0 * 0.5) and torch.allclose(y.cpu(), (x0 * 0.5).exp())  # the fault acted
+    assert torch.allclose(b.cpu(), x0 * 0.5 + 1)
+    assert [f["op"] for f in tool.failures] == ["torch.exp"]
+    assert tool.inputs_written == {"torch.exp": 1}
+    assert "1 failing calls changed an input they do not declare written (torch.exp: 1)" in tool.summary()
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_a_backward_kernel_writing_its_upstream_gradient_is_found_with_that_gradients_copy_from_the_cache(sim, batch):
+    """The same for a backward kernel: ``tanh_backward`` halves the upstream gradient it is given, then computes
+    from it. That gradient's host copy came from the cache (made when the backward producing it, mul's, was
+    compared); the rerun of tanh's forward and backward on the device tells the kernel's own write from a stale copy."""
+    import ditorch.sim
+
+    x0 = torch.randn(256)
+    with ditorch.sim.faults("tanh_backward:scratch=-0.5"), op_tools.OpAutoCompare(verdict_batch=batch) as tool:
+        x = x0.to(sim).requires_grad_()
+        (torch.tanh(x * 2.0) * torch.linspace(1, 2, 256, device=sim)).sum().backward()
+    right = 2 * (1 - torch.tanh(x0 * 2.0) ** 2) * torch.linspace(1, 2, 256)
+    assert torch.allclose(x.grad.cpu(), right / 2, rtol=1e-4, atol=1e-6)  # the fault acted
+    assert [(f["op"], f["phase"]) for f in tool.failures] == [("torch.tanh", "backward")]
+    assert tool.inputs_written == {"torch.tanh": 1}
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_a_backward_kernel_writing_an_upstream_gradient_no_call_made_is_found(sim, batch):
+    """``y`` is used twice, so its gradient is the sum autograd makes of two, which no call made and no cache holds.
+    Copied after ``tanh_backward`` ran, it held what the kernel wrote, and the comparison agreed with the kernel:
+    the upstream gradient is copied as it arrives, before the node runs."""
+    import ditorch.sim
+
+    x0 = torch.randn(256)
+    with ditorch.sim.faults("tanh_backward:scratch=-0.5"), op_tools.OpAutoCompare(verdict_batch=batch) as tool:
+        x = x0.to(sim).requires_grad_()
+        y = torch.tanh(x * 2.0)
+        (y * 3.0 + y).sum().backward()
+    assert torch.allclose(x.grad.cpu(), 4 * (1 - torch.tanh(x0 * 2.0) ** 2), rtol=1e-4, atol=1e-6)  # 8 halved
+    assert [(f["op"], f["phase"]) for f in tool.failures] == [("torch.tanh", "backward")]
+    assert tool.stale_copies == 0 and not tool.inputs_written  # its copy came from no cache: nothing re-read
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_a_gradient_passed_on_by_a_backward_that_wrote_it_is_compared_as_passed_on(sim, batch):
+    """``index_add``'s backward passes its upstream gradient on to ``self`` unchanged and computes ``source``'s with
+    ``index_select``, which here writes that upstream first. With ``alpha=0`` ``source``'s gradient is 0 either way:
+    only the gradient passed on is wrong, and it is compared as it was passed on, not as the upstream arrived."""
+    import ditorch.sim
+
+    with ditorch.sim.faults("index_select:scratch=-0.5"), op_tools.OpAutoCompare(verdict_batch=batch) as tool:
+        x = torch.randn(8, 4, device=sim, requires_grad=True)
+        source = torch.randn(3, 4, device=sim, requires_grad=True)
+        out = torch.index_add(x, 0, torch.tensor([0, 2, 5], device=sim), source, alpha=0)
+        (out * torch.linspace(1, 2, 32, device=sim).reshape(8, 4)).sum().backward()
+    assert torch.allclose(x.grad.cpu(), torch.linspace(1, 2, 32).reshape(8, 4) / 2)  # the fault acted
+    failing = [(f["op"], f["phase"], f["failing"]) for f in tool.failures]
+    assert failing == [("torch.index_add", "backward", "input[0].grad")]
+
+
 def test_capture_never_references_a_tensor_written_without_a_version_bump(sim, tmp_path):
     import ditorch.sim
 
