@@ -20,8 +20,8 @@ Per call the engine does, for a tool that handles it::
     # if the tool defines before_backward / after_backward: autograd hooks on the outputs' grad_fn nodes
     before_backward(call, grad_outputs)               # upstream gradients, before the node runs
     after_backward(call, grad_inputs, grad_outputs)   # gradients of the node's inputs, after it ran
-    # if it defines after_call_backward: once every node the call created ran (call_backward.py)
     upstream_arrived(call, index, gradient)           # if defined: each upstream gradient, before its node runs
+    # if it defines after_call_backward: once every node the call created ran (call_backward.py)
     after_call_backward(call, upstream, input_grads, complete)
 
 "Tool work" is per thread: torch calls made by a tool itself are never handled by any tool. A

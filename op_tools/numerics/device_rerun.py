@@ -37,9 +37,10 @@ from .reference import reference_backward, run_reference
 def forward_given_cached(func: Callable, device: torch.device, args, kwargs, on_host: Collection[int],
                          result, replaced: dict[int, torch.Tensor]) -> bool:
     """Whether ``func`` rerun on ``device`` from the host copies in ``args``/``kwargs`` reproduces ``result`` (the
-    call's, on the host) better than rerun with the copies in ``replaced`` (id of a cached copy -> the input as
-    re-read): the call was given the cached copies and changed them itself. ``on_host``: ids of the copies of the
-    call's own host tensors (they stay on the host; the others are uploaded). False where the op cannot be rerun."""
+    call's, on the host) exactly, or as well as rerun with the copies in ``replaced`` (id of a cached copy -> the
+    input as re-read): the device computes the call's result from the cached copies, so its failure stands.
+    ``on_host``: ids of the copies of the call's own host tensors (they stay on the host; the others are uploaded).
+    False where the op cannot be rerun."""
     given = list(iter_tensors(result))
     if not given or names_a_device((args, kwargs)):
         return False
@@ -64,7 +65,7 @@ def backward_given_cached(func: Callable, device: torch.device, args, kwargs, on
                           reread: list, grads: tuple) -> bool:
     """The same for a backward: the op's forward rerun on ``device`` from its host copies, with ``grad_snaps`` as its
     leaves (``owned``: ids of the copies it writes), then its backward from the ``upstream`` gradients as cached and
-    as ``reread``; True when the cached ones reproduce the device's input gradients ``grads`` better.
+    as ``reread``; True when the cached ones reproduce the device's input gradients ``grads`` exactly, or as well.
     ``outputs_of``: the result's tensors as the reference's backward pairs them with the upstream gradients."""
     if names_a_device((args, kwargs)):
         return False

@@ -284,7 +284,7 @@ class OpAutoCompare(OpTool):
         self._followed_nodes: weakref.WeakSet = weakref.WeakSet()
         self.device_math: collections.Counter = collections.Counter()  # what same-dtype runs applied -> calls
         self.stale_copies = 0  # cached host copies found out of date when a failing call re-read them
-        # failing calls whose cached inputs changed during the call itself, by op (_written_by_the_call)
+        # failing calls that changed an input they do not declare written, by op (_wrote_its_inputs, device_rerun)
         self.inputs_written: collections.Counter[str] = collections.Counter()
         self.failures: list[dict] = []
         self._failures_shown: set = set()  # (op, phase) whose first failing call's table was shown at WARNING
