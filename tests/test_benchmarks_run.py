@@ -69,6 +69,19 @@ def test_benchmark_runs(script, tmp_path):
     assert expected in result.stdout
 
 
+def test_the_blind_spot_sweep_finds_every_kernel_that_writes_an_input_it_only_reads(tmp_path):
+    # --kind scratch: every kernel scales the first input it only reads, then computes; abs's forward, tanh's backward
+    # with its upstream gradient from the cache, index_add's gradient passed on and tensor_split's CPU indices once
+    # passed unseen (the recheck took the write for a stale copy, or the upstream was copied after the backward)
+    env = child_env({"DITORCH_QUIET": "1", "OP_TOOLS_RESULTS_DIR": str(tmp_path)})
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "autocompare_blind_spots.py"), "--kind",
+                             "scratch", "--ops", "abs,tanh,index_add,tensor_split", "--samples", "2"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "samples with a fault: 6 in their forward, 6 in their backward" in result.stdout, result.stdout[-2000:]
+    assert "summary: autocompare_blind_spots: 0 silent passes" in result.stdout
+
+
 def test_self_check_detection_runs_over_two_ranks_and_names_the_faulty_one(tmp_path):
     # its --ranks 2 mode: a worker per rank under torchrun, a fault on rank 1 alone
     env = child_env({"DITORCH_QUIET": "1", "OP_TOOLS_RESULTS_DIR": str(tmp_path)})
