@@ -37,13 +37,16 @@ def _untracked(t: torch.Tensor) -> None:
 
 
 def locate(t: torch.Tensor):
-    """``(storage, (offset, sizes, strides, dtype, conjugated, negated), version)``, or None for a tensor that cannot
-    be tracked. A conjugate or negative view (``x.conj()``) reads the same memory as ``x`` the same way, and holds
-    other values."""
+    """``(storage, (memory, offset, sizes, strides, dtype, conjugated, negated), version)``, or None for a tensor that
+    cannot be tracked. A conjugate or negative view (``x.conj()``) reads the same memory as ``x`` the same way, and
+    holds other values. ``memory`` is the storage's address: ``storage.resize_()`` (FSDP2 frees its unsharded
+    parameters so after each use and allocates them again) gives the same storage object other memory, with no
+    version bump and no call a tool sees."""
     try:
+        storage = t.untyped_storage()
         # a tuple of numbers (not ``t.shape``, a tuple subclass): the collector stops tracking it
-        return (t.untyped_storage(), (t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.is_conj(),
-                                      t.is_neg()), t._version)
+        return (storage, (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.is_conj(),
+                          t.is_neg()), t._version)
     except (RuntimeError, NotImplementedError, TypeError):  # inference tensors (no version), storage-less tensors
         return None
 
@@ -56,8 +59,9 @@ def locate_values(t: torch.Tensor):
     order whatever the shape."""
     try:
         if t.is_contiguous():
-            return (t.untyped_storage(), (t.storage_offset(), (t.numel(),), (1,), t.dtype, t.is_conj(), t.is_neg()),
-                    t._version)
+            storage = t.untyped_storage()
+            return (storage, (storage.data_ptr(), t.storage_offset(), (t.numel(),), (1,), t.dtype, t.is_conj(),
+                              t.is_neg()), t._version)
     except (RuntimeError, NotImplementedError, TypeError):  # inference tensors (no version), storage-less tensors
         return None
     return locate(t)

@@ -165,6 +165,28 @@ def test_a_gradient_passed_on_by_a_backward_that_wrote_it_is_compared_as_passed_
     assert failing == [("torch.index_add", "backward", "input[0].grad")]
 
 
+def test_a_storage_resized_away_and_back_is_not_the_memory_its_copy_was_made_from(sim):
+    """FSDP2 frees each unsharded parameter after use (``untyped_storage().resize_(0)``) and allocates it again
+    before the next use (``resize_(n)``): the same storage object, other memory, no version bump, no call a tool
+    sees. A copy made before is not reused for it: the 26 views a rank and step of FSDP2's parameters on sim failed
+    against their step-before copies, and passed only when re-read (``tests/ditorch/scripts/parallel_llama.py``)."""
+    import ditorch.sim
+    from op_tools.core.engine import tool_work
+
+    with op_tools.OpAutoCompare(verdict_batch=1) as tool:
+        w = torch.randn(256, device=sim) * 1.0  # its copy is cached
+        storage = w.untyped_storage()
+        before, nbytes = storage.data_ptr(), storage.nbytes()
+        storage.resize_(0)
+        elsewhere = torch.empty(256, device=sim)  # noqa: F841 - holds the freed memory: the new one is other memory
+        storage.resize_(nbytes)
+        assert storage.data_ptr() != before
+        with tool_work(), ditorch.sim.faults("fill_:unversioned"):  # what the new memory holds, unseen
+            w.fill_(7.0)
+        w.view(16, 16)
+    assert tool.failures == [] and tool.stale_copies == 0
+
+
 def test_capture_never_references_a_tensor_written_without_a_version_bump(sim, tmp_path):
     import ditorch.sim
 
