@@ -57,15 +57,21 @@ def test_every_benchmark_is_listed_here():
     assert sorted(scripts) == sorted(SMALLEST)
 
 
-@pytest.mark.parametrize("script", sorted(SMALLEST))
-def test_benchmark_runs(script, tmp_path):
-    # import_overhead times new interpreters: its own children are not forked (tests/forked_python.py)
-    env = child_env({"DITORCH_QUIET": "1", "OP_TOOLS_RESULTS_DIR": str(tmp_path),
-                     **({"TESTS_FORKED_PYTHON": "0"} if script == "import_overhead.py" else {})})
-    arguments, expected = SMALLEST[script]
+def _run(script: str, tmp_path, *arguments: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``benchmarks/SCRIPT ARGUMENTS`` in a child run from ``tmp_path`` (its results there), which must exit 0."""
+    env = child_env({"DITORCH_QUIET": "1", "OP_TOOLS_RESULTS_DIR": str(tmp_path), **(env or {})})
     result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *arguments],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result
+
+
+@pytest.mark.parametrize("script", sorted(SMALLEST))
+def test_benchmark_runs(script, tmp_path):
+    # import_overhead times new interpreters: its own children are not forked (tests/forked_python.py)
+    arguments, expected = SMALLEST[script]
+    result = _run(script, tmp_path, *arguments,
+                  env={"TESTS_FORKED_PYTHON": "0"} if script == "import_overhead.py" else None)
     assert expected in result.stdout
 
 
@@ -73,22 +79,15 @@ def test_the_blind_spot_sweep_finds_every_kernel_that_writes_an_input_it_only_re
     # --kind scratch: every kernel scales the first input it only reads, then computes; abs's forward, tanh's backward
     # with its upstream gradient from the cache, index_add's gradient passed on and tensor_split's CPU indices once
     # passed unseen (the recheck took the write for a stale copy, or the upstream was copied after the backward)
-    env = child_env({"DITORCH_QUIET": "1", "OP_TOOLS_RESULTS_DIR": str(tmp_path)})
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "autocompare_blind_spots.py"), "--kind",
-                             "scratch", "--ops", "abs,tanh,index_add,tensor_split", "--samples", "2"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    result = _run("autocompare_blind_spots.py", tmp_path, "--kind", "scratch", "--ops",
+                  "abs,tanh,index_add,tensor_split", "--samples", "2")
     assert "samples with a fault: 6 in their forward, 6 in their backward" in result.stdout, result.stdout[-2000:]
     assert "summary: autocompare_blind_spots: 0 silent passes" in result.stdout
 
 
 def test_self_check_detection_runs_over_two_ranks_and_names_the_faulty_one(tmp_path):
     # its --ranks 2 mode: a worker per rank under torchrun, a fault on rank 1 alone
-    env = child_env({"DITORCH_QUIET": "1", "OP_TOOLS_RESULTS_DIR": str(tmp_path)})
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "self_check_detection.py"), "--ranks",
-                             "2", "--size", "tiny", "--steps", "1"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    result = _run("self_check_detection.py", tmp_path, "--ranks", "2", "--size", "tiny", "--steps", "1")
     assert "summary: self_check_detection: tiny 2 ranks (clean): rank 0 0 findings, rank 1 0" in result.stdout
     faulty = next(line for line in result.stdout.splitlines() if line.startswith("mm:noise=1e-2,rank=1"))
     assert "rank 0: clean" in faulty and "rank 1: step 0: linear in model.layers.0.self_attn.q_proj" in faulty, faulty
@@ -97,12 +96,8 @@ def test_self_check_detection_runs_over_two_ranks_and_names_the_faulty_one(tmp_p
 def test_stay_on_cost_on_the_cpu_has_every_tool_handle_the_cpus_calls(tmp_path):
     # --device cpu is the proxy of a GPU's host work per call: a tool left to its default there handles no call
     # ("OpOverflowCheck: 0 calls of 0 ops handled", its ratio the mode's bare dispatch), which measured nothing
-    env = child_env({"DITORCH_QUIET": "1", "OP_TOOLS_RESULTS_DIR": str(tmp_path)})
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "stay_on_cost.py"), "--device", "cpu",
-                             "--size", "tiny", "--rounds", "1", "--steps", "1", "--tools",
-                             "OpOverflowCheck,OpSelfCheck", "--profile", str(tmp_path / "profiles")],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    result = _run("stay_on_cost.py", tmp_path, "--device", "cpu", "--size", "tiny", "--rounds", "1", "--steps", "1",
+                  "--tools", "OpOverflowCheck,OpSelfCheck", "--profile", str(tmp_path / "profiles"))
     assert "summary: stay_on_cost: cpu: OpOverflowCheck" in result.stdout
     assert " 0 calls of 0 ops handled" not in result.stderr and "no call was checked" not in result.stderr, \
         result.stderr[-2000:]

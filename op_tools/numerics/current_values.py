@@ -6,8 +6,9 @@ hold:
 
 - the same storage is alive (a weak reference to the tensor's storage object: a freed storage whose memory is
   reused is another object) at the same address (``storage.resize_()``, which FSDP2 uses to free and allocate
-  again its unsharded parameters, gives the same object other memory), with the same offset, sizes, strides,
-  dtype, and conjugate and negative bits;
+  again its unsharded parameters, gives the same object other memory; memory given back at the same address is
+  not told apart, and a verdict's re-read catches it), with the same offset, sizes, strides, dtype, and conjugate
+  and negative bits;
 - the tensor's version counter has not moved since the value was derived;
 - no call seen since wrote to that storage (``forget``): the callers mark every write they know of from the
   op's schema, ``out=``, ``inplace=True`` and the ops that write without saying so (``op_tools.ops.writes``), so

@@ -31,7 +31,7 @@ from collections.abc import Callable, Collection, Iterable
 import torch
 
 from ..ops.arguments import iter_tensors, map_tensors
-from .reference import reference_backward, run_reference
+from .reference import device_named, reference_backward, run_reference
 
 
 def forward_given_cached(func: Callable, device: torch.device, args, kwargs, on_host: Collection[int],
@@ -109,13 +109,7 @@ def names_a_device(arguments) -> bool:
         return any(names_a_device(v) for v in arguments.values())
     if isinstance(arguments, torch.device):
         return True
-    if isinstance(arguments, str):
-        try:
-            torch.device(arguments)
-        except (RuntimeError, ValueError):
-            return False
-        return True
-    return False
+    return isinstance(arguments, str) and device_named(arguments) is not None
 
 
 def _apart(rerun: Iterable[torch.Tensor], given: list[torch.Tensor]) -> float:

@@ -28,11 +28,17 @@ _ERRORS = (RuntimeError, NotImplementedError, TypeError, ValueError, IndexError)
 # --- moving arguments to the CPU ---
 
 @functools.lru_cache(maxsize=1024)
-def _is_device_text(value: str) -> bool:
+def device_named(value: str) -> torch.device | None:
+    """The device a string argument names ("cuda:0", "cpu"), or None for any other string ("mean", "tanh")."""
     try:
-        return torch.device(value).type != "cpu"
+        return torch.device(value)
     except (RuntimeError, TypeError, ValueError):
-        return False
+        return None
+
+
+def _is_device_text(value: str) -> bool:
+    device = device_named(value)
+    return device is not None and device.type != "cpu"
 
 
 def _cpu_value(value, cast: dict | None = None):
