@@ -1140,14 +1140,19 @@ class OpAutoCompare(OpTool):
 
     def upstream_arrived(self, call: OpCall, index: int, gradient: torch.Tensor) -> None:
         """A host copy of an upstream gradient as it arrives, before the call's backward kernels read it: a kernel
-        that writes it (using it as scratch) would otherwise be compared against what it wrote. Not for a call whose
-        reference ran on the device (its gradients are kept on the device when its backward ends), nor a DTensor."""
+        that writes it (using it as scratch) would otherwise be compared against what it wrote. A call whose
+        reference ran on the device keeps a device copy instead (its gradients are compared there). Not a DTensor."""
         state: CompareState = call.state
-        if state.device_copies is not None or state.device_reference is not None or \
-                (state.reference is None and not state.queued):
-            return
         if is_dtensor(gradient):  # its copy is a gather, which every rank makes at the call's end as before: a
             return  # collective made in a pre-hook comes in another order on each rank (FSDP2's reduce-scatters)
+        if state.device_copies is not None or state.device_reference is not None:
+            if state.upstream_kept is None:
+                state.upstream_kept = {}
+            with torch.no_grad():
+                state.upstream_kept[index] = _kept(gradient)
+            return
+        if state.reference is None and not state.queued:
+            return
         get = self._copies.get_without_waiting if self._defers(call.device) else self._copies.get
         if state.upstream_early is None:
             state.upstream_early = {}
@@ -1182,7 +1187,9 @@ class OpAutoCompare(OpTool):
             self.backward_not_compared["the backward pass ran only part of the op's graph"] += 1
             state.release()
             return
-        verdict, device_values = self._backward_on_device(call, state, upstream, input_grads) \
+        kept = state.upstream_kept  # the device-reference calls' upstream gradients, as they arrived
+        arrived = upstream if kept is None else tuple(kept.get(i, g) for i, g in enumerate(upstream))
+        verdict, device_values = self._backward_on_device(call, state, arrived, input_grads) \
             if state.device_copies is not None else (None, None)
         if verdict is not None:
             comparisons, reference_grads = verdict
@@ -1194,15 +1201,15 @@ class OpAutoCompare(OpTool):
             elif self._device_reference:
                 with self._lock:
                     self.reference_place["backward", state.cpu_reason] += 1
-            upstream_cpu, rereads = self._upstream_copies(upstream, self._copies.get, state.upstream_early)
-            device_grads_cpu = self._given_copies(upstream, upstream_cpu, input_grads, False,
-                                                  state.upstream_early is not None)
+            early = state.upstream_early if kept is None else {i: (snapshot(g), False) for i, g in kept.items()}
+            upstream_cpu, rereads = self._upstream_copies(upstream, self._copies.get, early)
+            device_grads_cpu = self._given_copies(upstream, upstream_cpu, input_grads, False, early is not None)
             comparisons, reference_grads, upstream_cpu, device_grads_cpu = self._backward_on_host(
                 call, state, upstream_cpu, rereads, device_grads_cpu)
             if device_values is not None:  # the device reference's gradients, computed before it needed the CPU
                 self._cross_check(call, state, device_values, reference_grads, "backward", comparisons)
             elif state.device_reference is not None:
-                self._cross_check_backward(call, state, upstream, reference_grads, comparisons)
+                self._cross_check_backward(call, state, arrived, reference_grads, comparisons)
         self._conclude_backward(call, state, comparisons, reference_grads, upstream_cpu, device_grads_cpu, upstream)
 
     def _queue_backward(self, call: OpCall, upstream: tuple, input_grads: tuple) -> None:
@@ -1247,8 +1254,9 @@ class OpAutoCompare(OpTool):
         ref_flat = _unique_tensors(reference.result)
         if len(ref_flat) != len(upstream):
             return False
+        kept = state.upstream_kept or {}  # the upstream gradients as they arrived, before the backward's kernels ran
         with torch.no_grad():  # kept as they are now: the engine may add into them before the verdict reads them
-            upstream = tuple(None if g is None else _kept(g) for g in upstream)
+            upstream = tuple(None if g is None else kept[i] if i in kept else _kept(g) for i, g in enumerate(upstream))
             input_grads = tuple(None if g is None else _kept(g) for g in input_grads)
         reference_grads = reference_backward(ref_flat, reference.leaves, upstream)
         pending = launch_stats(output_pairs(input_grads, reference_grads), self._tolerance, call.name, True)

@@ -35,7 +35,7 @@ class CompareState:
                  "precedent", "math_used", "owned", "grad_snaps", "reference", "device_out", "ref_out",
                  "saved_forward", "save_dir", "collective", "replay", "func", "region_args", "device_copies",
                  "cross_check", "device_reference", "cpu_reason", "queued", "wants_backward", "grad_ids", "rereads",
-                 "launched", "upstream_early", "host_inputs")
+                 "launched", "upstream_early", "upstream_kept", "host_inputs")
 
     # --- set by before() ---
     written: Sequence[torch.Tensor]  # the arguments the op writes (each once; every tensor of an unknown function)
@@ -87,6 +87,9 @@ class CompareState:
     launched: Launched | None  # a forward judged later against the device's reference (autocompare._launch_forward)
     # output index -> (host copy of its upstream gradient, whether the cache supplied it), taken as it arrived
     upstream_early: dict[int, tuple[torch.Tensor, bool]] | None
+    # output index -> a device copy of its upstream gradient, taken as it arrived (a call whose reference is the
+    # device's: its gradients are kept there)
+    upstream_kept: dict[int, torch.Tensor] | None
     host_inputs: tuple[int, ...]  # ids of the copies of the call's own host tensors (a device rerun leaves them there)
 
     def release(self) -> None:
@@ -100,7 +103,7 @@ class CompareState:
         self.cross_check = self.queued = self.wants_backward = False
         self.cpu_reason = ""
         self.grad_ids = ()
-        self.upstream_early = None
+        self.upstream_early = self.upstream_kept = None
         self.host_inputs = ()
         self.drop_forward()
 
@@ -115,4 +118,4 @@ class CompareState:
         """Drop what only the backward's comparison needed: the reference graph, the outputs, the inputs' copies."""
         self.reference = self.device_out = self.ref_out = self.device_reference = self.device_copies = None
         self.grad_snaps = self.region_args = ()
-        self.upstream_early = None
+        self.upstream_early = self.upstream_kept = None

@@ -118,6 +118,33 @@ def test_a_backward_fault_is_found_through_the_device_reference_and_judged_on_th
     assert autocompare.LEARNT.trust.untrusted == {}  # the float64 backward was right: no op moved
 
 
+@pytest.mark.parametrize("batch", [1, 64])
+def test_a_backward_kernel_writing_its_upstream_gradient_is_found_with_the_reference_on_the_device(sim, batch):
+    """``tanh_backward`` in float32 halves the upstream gradients it is given, then computes from them: ``y``'s (the
+    sum autograd makes of two, which no call made) and ``z``'s (made by ``mul``'s backward). Kept after the backward
+    ran, the upstream was what the kernel wrote, the device's float64 reference computed from it agreed with the
+    kernel, and both calls passed: the upstream is kept as it arrives, before the node runs."""
+
+    def run():
+        x = torch.linspace(-1, 1, 256, device=sim, requires_grad=True)
+        y = torch.tanh(x * 2.0)
+        z = torch.tanh(x * 3.0)
+        (y * 3.0 + y + z * torch.linspace(1, 2, 256, device=sim)).sum().backward()
+        return x.grad.cpu()
+
+    with op_tools.OpAutoCompare(reference="device", verdict_batch=batch):
+        right = run()  # the ops' first calls: on the CPU
+        run()  # their first calls on the device: cross-checked against the CPU's
+    with ditorch.sim.faults("tanh_backward@float32:scratch=-0.5"), \
+            op_tools.OpAutoCompare(reference="device", verdict_batch=batch) as tool:
+        wrong = run()
+        tool.stop()  # judged while the kernel still writes its input, as a real one does at every call
+    assert torch.allclose(wrong, right / 2)  # the fault acted
+    assert [(f["op"], f["phase"]) for f in tool.failures] == [("torch.tanh", "backward")] * 2
+    assert set(_places(tool, "forward")) == {"device"}  # the calls judged against the device's reference
+    assert autocompare.LEARNT.trust.untrusted == {}  # the float64 kernels were right: no op moved
+
+
 def test_a_clean_step_judged_on_the_device_copies_a_fraction_of_what_the_cpu_reference_copies(sim):
     steps = _mlp(sim)
     with op_tools.OpAutoCompare(reference="device"):
