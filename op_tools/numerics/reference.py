@@ -348,7 +348,7 @@ def accumulated_terms(func, reference: Reference) -> tuple[torch.Tensor, int] | 
     """For an op that adds values into its first argument where an index repeats (``op_facts``' ``accumulates_when``:
     ``index_put``'s ``accumulate``): ``(magnitudes, n)``, ``|self| + 2 sum |values|`` per element in float64 (an
     in-place call's first argument holds its result already: counting the values twice covers what it held before)
-    and one more than the most values one position takes (the first index's largest count); None without an index."""
+    and one more than the most values one position takes (``_most_repeats``); None without an index."""
     first = next(iter_tensors(reference.args), None)
     repeats = _most_repeats(reference)
     if first is None or repeats is None:
@@ -364,15 +364,35 @@ def accumulated_terms(func, reference: Reference) -> tuple[torch.Tensor, int] | 
 
 
 def _most_repeats(reference: Reference) -> int | None:
-    """How often the most repeated value of the call's first integer tensor (its index) occurs: the most terms one
-    position sums (an upper bound for several indices, whose tuples repeat at most as often); its length where it
-    holds negative values; None without such a tensor."""
-    indices = next((t for t in iter_tensors(reference.args) if not t.is_floating_point() and not t.is_complex()),
-                   None)
-    if indices is None or not indices.numel():
+    """How often one position is indexed at most: the most terms it sums. The index is the first argument holding a
+    non-floating tensor (an embedding's ids, ``index_put``'s index tensors, a ``__getitem__`` key); its tensors, a
+    boolean mask as the positions it holds, broadcast together, name a position per row, counted as whole rows:
+    a mask holds each position once, and with several index tensors a position repeats only as often as its tuple
+    does (the first tensor's counts took a mask of a million elements for a million terms a position, and a
+    float32 sum's bound passed a fault of 1e-3). The number of rows where a value is negative (another name for a
+    position) or the tensors do not broadcast; None without an index."""
+    index = next((a for a in (*reference.args, *reference.kwargs.values())
+                  if any(not (t.is_floating_point() or t.is_complex()) for t in iter_tensors(a))), None)
+    columns: list[torch.Tensor] = []
+    for t in iter_tensors(index):
+        if t.is_floating_point() or t.is_complex():
+            continue
+        t = t.to("cpu")
+        columns.extend(t.nonzero(as_tuple=True) if t.dtype == torch.bool else (t.to(torch.int64),))
+    if not columns:
         return None
-    flat = indices.reshape(-1).to("cpu", torch.int64)
-    return int(torch.bincount(flat).max()) if int(flat.min()) >= 0 else flat.numel()
+    try:
+        columns = list(torch.broadcast_tensors(*columns))
+    except RuntimeError:
+        return max(c.numel() for c in columns) or None
+    rows = torch.stack([c.reshape(-1) for c in columns], 1)
+    if not rows.shape[0]:
+        return None
+    if bool((rows < 0).any()):
+        return rows.shape[0]
+    if rows.shape[1] == 1:
+        return int(torch.bincount(rows[:, 0]).max())
+    return int(torch.unique(rows, dim=0, return_counts=True)[1].max())
 
 
 def magnitudes_forward(func, reference: Reference):

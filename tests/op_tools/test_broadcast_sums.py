@@ -492,6 +492,31 @@ def test_an_accumulating_index_puts_result_in_bfloat16_is_judged_by_its_sums_rou
     assert verdict(0, "index_put.*:noise=1e-2") == "found"
 
 
+@pytest.mark.parametrize("index, noise", [("mask", "1e-4"), ("pairs", "1e-5")])
+def test_an_accumulating_index_put_counts_the_values_a_position_takes_not_its_first_index_tensors(sim, index, noise):
+    # The bound sums n + 1 terms a position, n the most values one position takes. n was the largest count of the
+    # first index tensor's values: a boolean mask of 30,000 elements (each position once) counted 20,000 and passed
+    # a float32 fault of 1e-4; a pair of index tensors naming row 0 and 1,000 distinct columns counted 1,000 and
+    # passed one of 1e-5 (80 float32 eps).
+    import ditorch.sim
+
+    generator = torch.Generator().manual_seed(0)
+    if index == "mask":
+        base = torch.randn(30000, generator=generator)
+        indices: tuple = (torch.arange(30000) % 3 == 0,)
+        values = torch.randn(10000, generator=generator)
+    else:
+        base = torch.randn(4, 1000, generator=generator)
+        indices = (torch.zeros(1000, dtype=torch.long), torch.arange(1000))
+        values = torch.randn(1000, generator=generator)
+    verdicts = []
+    for fault in ("", f"index_put.*:noise={noise}"):
+        with ditorch.sim.numerics("gpu"), op_tools.OpAutoCompare() as tool, ditorch.sim.faults(fault):
+            torch.index_put(base.to(sim), tuple(i.to(sim) for i in indices), values.to(sim), accumulate=True)
+        verdicts.append(tool.verdict())
+    assert verdicts == ["clean", "found"]
+
+
 @pytest.mark.parametrize("op, fault", [("prod", "prod.*:noise=1e-1"), ("fold", "col2im.*:noise=5e-2"),
                                        ("grid_sample", "grid_sampler_2d.*:noise=5e-2")])
 def test_an_op_the_cpu_sums_in_bfloat16_is_judged_against_float32_rounded_once(sim, op, fault):
