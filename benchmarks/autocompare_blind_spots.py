@@ -16,6 +16,12 @@ uninitialised memory) are listed apart.
     python benchmarks/autocompare_blind_spots.py                           # every OpInfo, float32 (a few minutes)
     python benchmarks/autocompare_blind_spots.py --ops select,narrow,split --phase backward
     python benchmarks/autocompare_blind_spots.py --dtype bfloat16 --numerics gpu
+    python benchmarks/autocompare_blind_spots.py --reference device        # the float64 reference on the device
+
+With ``--reference device`` the fault is kept to kernels of the tested dtype (the device's float64 reference kernels
+stay correct: a fault they share is the cross-check's question) and each sample runs twice unfaulted first, so that
+the faulted run's calls are judged against the device's reference (an op's first call runs on the CPU, its first on
+the device is cross-checked); the summary counts the samples judged there.
 
 Exit status 1 when a silent pass is found. Results of 2026-11-30 are in docs/tools/op_autocompare.md.
 """
@@ -46,12 +52,12 @@ from op_tools.ops.arguments import iter_tensors, map_tensors  # noqa: E402
 
 # Kernels left unfaulted: copies between devices and clone (how the tool copies what it compares), the scalar read.
 UNFAULTED = ("_to_copy", "copy_", "_copy_from", "_copy_from_and_resize", "clone", "_local_scalar_dense")
-FAULT = "(?!(" + "|".join(UNFAULTED) + r")(\..*)?$).*:{kind}"  # with or without the overload
+FAULT = "(?!(" + "|".join(UNFAULTED) + r")(\..*)?$).*{kind}"  # with or without the overload; kind: [@dtype]:k
 
 
 def fault_except(kernels: set[str], kind: str) -> str:
     """``FAULT`` with ``kernels`` unfaulted too."""
-    return "(?!(" + "|".join(UNFAULTED + tuple(sorted(kernels))) + r")(\..*)?$).*:" + kind
+    return "(?!(" + "|".join(UNFAULTED + tuple(sorted(kernels))) + r")(\..*)?$).*" + kind
 
 
 class KernelNames(TorchDispatchMode):
@@ -98,8 +104,34 @@ def judged_in_fault(tool, args) -> None:
         tool.judge_queued()
 
 
+# where ``reference_place`` counts a call cleared or convicted through the device's reference: cleared there, or
+# failing there and judged on the CPU (every failure is the CPU's verdict), the device's gradients cross-checked
+ON_THE_DEVICE = ("device", "its verdict needed the CPU", "cross-checked")
+
+
+def warm_up(opinfo, sample, wants_grad: bool, args, phase: str) -> None:
+    """The sample twice, unfaulted, under a tool with the reference on the device: its ops' first calls (on the CPU)
+    and their first on the device (cross-checked) are then behind, and the faulted run's calls judged there."""
+    for _ in range(2):
+        with ditorch.sim.numerics(args.numerics), op_tools.OpAutoCompare(reference=args.reference):
+            if phase == "in-place":
+                written, (rest, keywords) = map_tensors((sample.input, (sample.args, sample.kwargs)),
+                                                        lambda t: t.detach().clone())
+                opinfo.inplace_variant(written, *rest, **keywords)
+                continue
+            device_sample = runs.SampleArgs(sample.input, sample.args, sample.kwargs, sample.output_process_fn_grad)
+            run = runs.run_op(opinfo, device_sample, {}, wants_grad)
+            if wants_grad and run.roots:
+                runs.gradients(run, runs.upstream_gradients(0, run.roots))
+
+
+def on_the_device(tool) -> bool:
+    """Whether every call of the faulted run was judged against the device's reference (none on the CPU)."""
+    return bool(tool.reference_place) and all(why in ON_THE_DEVICE for (_, why), n in tool.reference_place.items() if n)
+
+
 def run_sample(opinfo, index: int, sample, args, phase: str,
-               dtype: torch.dtype) -> tuple[float, float, str] | str | None:
+               dtype: torch.dtype) -> tuple[float, float, str, bool] | str | None:
     """One sample with the fault in ``phase``'s kernels: how far off the device's results of that phase were (its
     outputs, or the gradients), how far off a correct run in the dtype is (the CPU's), and the tool's verdict;
     "skipped" for a call the tool skips with its reason; None for a sample this sweep cannot judge (no CPU reference,
@@ -117,12 +149,17 @@ def run_sample(opinfo, index: int, sample, args, phase: str,
         return None
     kind = f"noise={args.noise:g}" if args.kind == "noise" else \
         f"scratch={-args.noise:g}" if args.kind == "scratch" else args.kind
+    if phase == "in-place" and (opinfo.inplace_variant is None or not isinstance(sample.input, torch.Tensor)):
+        return None
+    if args.reference != "cpu":  # the tested dtype's kernels only: the device's float64 reference stays correct
+        kind = f"@{args.dtype}:{kind}"
+        warm_up(opinfo, sample, wants_grad, args, phase)
+    else:
+        kind = f":{kind}"
     fault = FAULT.format(kind=kind)
     off = reference_grads = upstream = None
-    with ditorch.sim.numerics(args.numerics), op_tools.OpAutoCompare() as tool:
+    with ditorch.sim.numerics(args.numerics), op_tools.OpAutoCompare(reference=args.reference) as tool:
         if phase == "in-place":  # on copies of the sample's tensors, the first one written
-            if opinfo.inplace_variant is None or not isinstance(sample.input, torch.Tensor):
-                return None
             written, (rest, keywords) = map_tensors((sample.input, (sample.args, sample.kwargs)),
                                                     lambda t: t.detach().clone())
             with ditorch.sim.faults(fault):
@@ -156,7 +193,7 @@ def run_sample(opinfo, index: int, sample, args, phase: str,
     same = runs.SameDtypeRun(opinfo, cpu, dtype, upstream if backward else None)
     correct = same.backward() if backward else same.forward()
     own = off_by(correct, reference_grads if backward else reference.output) if correct is not None else 0.0
-    return off, own, tool.verdict()
+    return off, own, tool.verdict(), on_the_device(tool)
 
 
 def main() -> int:
@@ -178,6 +215,8 @@ def main() -> int:
                              "OpInfo's in-place variant, forward), all")
     parser.add_argument("--samples", type=int, default=3, help="samples with elements per op (default 3)")
     parser.add_argument("--shard", default="", help="I/N: this process's share of the ops")
+    parser.add_argument("--reference", choices=("cpu", "device"), default="cpu",
+                        help="where the tool's float64 reference runs (OpAutoCompare's reference=)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     narrow = dtype in (torch.float16, torch.bfloat16)
@@ -189,7 +228,7 @@ def main() -> int:
 
     patterns = [p for p in args.ops.split(",") if p]
     shard, shards = map(int, args.shard.split("/")) if args.shard else (0, 1)
-    silent, within, skipped, checked = [], [], set(), collections.Counter()
+    silent, within, skipped, checked, on_device = [], [], set(), collections.Counter(), collections.Counter()
     phases = {"both": ("forward", "backward"), "all": ("forward", "backward", "in-place")}.get(args.phase,
                                                                                              (args.phase,))
     opinfos = [o for o in op_db if not patterns or any(
@@ -215,7 +254,8 @@ def main() -> int:
                     skipped.add(name)
                 elif result is not None:
                     checked[phase] += 1
-                    off, own, verdict = result
+                    off, own, verdict, device = result
+                    on_device[phase] += device
                     if off > tolerance and verdict == "clean":
                         what = f"{name} sample {index}, a fault in its {phase}: off by {off:.3g} (a correct " \
                                f"{args.dtype} run: {own:.3g}), verdict clean"
@@ -229,6 +269,9 @@ def main() -> int:
     print(f"samples with a fault: {faulted} ({args.dtype}, {kind}, wrong when off by > {tolerance:g}); "
           f"{len(skipped)} ops skipped by the tool with their reason (random, uninitialised): "
           f"{', '.join(sorted(skipped)) or 'none'}")
+    if args.reference != "cpu":
+        print("judged against the device's reference throughout: "
+              + ", ".join(f"{on_device[phase]} of the {checked[phase]} in their {phase}" for phase in phases))
     print(f"{len(within)} faults within 4x a correct {args.dtype} run's own error + 4 eps (the rule's margin: "
           "op_autocompare.md, Limits)")
     print(f"summary: autocompare_blind_spots: {len(silent)} silent passes" +
