@@ -344,6 +344,10 @@ def wrap(data: torch.Tensor, index: int) -> SimTensor:
         SimTensor, data.size(), strides=data.stride(), storage_offset=data.storage_offset(),
         dtype=data.dtype, device=_DEVICES[index],
     )
+    if data.is_conj():  # a conjugate or negative view says so, as a device's does (ifft's result, x.conj())
+        torch._C._set_conj(tensor, True)
+    if data.is_neg():
+        torch._C._set_neg(tensor, True)
     tensor._data = data
     tensor._index = index
     MEMORY.track(tensor, data, index)

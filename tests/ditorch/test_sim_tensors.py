@@ -261,6 +261,18 @@ def test_conjugate_and_negative_views_compute_as_on_the_cpu(sim):
     assert torch.allclose(on_sim.cpu(), x * 2)
 
 
+def test_a_conjugate_or_negative_view_says_so_as_on_a_device(sim):
+    # ifft of a real tensor gives a conjugate view (_fft_r2c, then _conj), as x.conj() does: sim's wrapper said it was
+    # none while the memory under it was one, and view_as_real (how a tool reads a complex tensor) refused it
+    x = torch.randn(8)
+    on_sim = torch.fft.ifft(x.to(sim))
+    assert torch.fft.ifft(x).is_conj() and on_sim.is_conj()
+    assert torch.equal(torch.view_as_real(on_sim.conj()).cpu(), torch.view_as_real(torch.fft.ifft(x).conj()))
+    assert torch.equal(on_sim.resolve_conj().cpu(), torch.fft.ifft(x).resolve_conj())
+    assert torch.randn(3, dtype=torch.complex64).to(sim).conj().is_conj()
+    assert torch.randn(3).to(sim)._neg_view().is_neg()
+
+
 def test_a_nested_tensor_is_refused_by_name_with_the_way_round_it(sim):
     # nn.TransformerEncoder in evaluation turns a padded batch into a nested tensor, which a wrapper tensor cannot
     # hold: PyTorch's message was an internal error ("NestedTensorImpl doesn't support sizes. Please file an issue")
