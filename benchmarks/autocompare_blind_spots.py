@@ -18,6 +18,10 @@ uninitialised memory) are listed apart.
     python benchmarks/autocompare_blind_spots.py --dtype bfloat16 --numerics gpu
     python benchmarks/autocompare_blind_spots.py --reference device        # the float64 reference on the device
 
+``--tool overflow --kind inf|nan`` sweeps OpOverflowCheck instead, the fault kept to the kernels the sample's phase
+runs (found by running it first without the tool), so that the tool's own reductions stay right: a wrong result
+under a clean verdict is a silent pass, one the tool said it had not checked is listed apart.
+
 With ``--reference device`` the fault is kept to kernels of the tested dtype (the device's float64 reference kernels
 stay correct: a fault they share is the cross-check's question) and each sample runs twice unfaulted first, so that
 the faulted run's calls are judged against the device's reference (an op's first call runs on the CPU, its first on
@@ -97,6 +101,36 @@ def off_by(device, reference) -> float:
     return worst
 
 
+def only_kernels(kernels: set[str], kind: str) -> str:
+    """A fault (``kind``: ``[@dtype]:k``) in ``kernels`` alone, never in the copies between devices nor ``clone``."""
+    chosen = sorted(kernels - set(UNFAULTED))
+    return "(" + "|".join(chosen) + r")(\..*)?" + kind if chosen else ""
+
+
+def kernels_of(opinfo, sample, index: int, phase: str, wants_grad: bool) -> set[str]:
+    """The aten kernels ``phase`` of the sample runs, found by running it unfaulted without a tool: with
+    ``--tool overflow`` the fault is kept to them, so that the tool's own kernels (its flags' reductions) stay right."""
+    names = KernelNames()
+    if phase == "in-place":
+        written, (rest, keywords) = map_tensors((sample.input, (sample.args, sample.kwargs)),
+                                                lambda t: t.detach().clone())
+        with names:
+            opinfo.inplace_variant(written, *rest, **keywords)
+        return names.names
+    device_sample = runs.SampleArgs(sample.input, sample.args, sample.kwargs, sample.output_process_fn_grad)
+    with names if phase == "forward" else contextlib.nullcontext():
+        run = runs.run_op(opinfo, device_sample, {}, wants_grad and phase == "backward")
+    if phase == "backward" and run.roots:
+        with names:
+            runs.gradients(run, runs.upstream_gradients(index, run.roots))
+    return names.names
+
+
+def new_tool(args):
+    """The tool under test, as a user starts it."""
+    return op_tools.OpOverflowCheck() if args.tool == "overflow" else op_tools.OpAutoCompare(reference=args.reference)
+
+
 def judged_in_fault(tool, args) -> None:
     """With a ``scratch`` fault, the calls are judged while it is on: a kernel that writes an input it only reads
     does so at every call, and the tool tells its write from a stale copy by rerunning it on the device."""
@@ -127,7 +161,8 @@ def warm_up(opinfo, sample, wants_grad: bool, args, phase: str) -> None:
 
 def on_the_device(tool) -> bool:
     """Whether every call of the faulted run was judged against the device's reference (none on the CPU)."""
-    return bool(tool.reference_place) and all(why in ON_THE_DEVICE for (_, why), n in tool.reference_place.items() if n)
+    places = getattr(tool, "reference_place", None)
+    return bool(places) and all(why in ON_THE_DEVICE for (_, why), n in places.items() if n)
 
 
 def run_sample(opinfo, index: int, sample, args, phase: str,
@@ -157,8 +192,13 @@ def run_sample(opinfo, index: int, sample, args, phase: str,
     else:
         kind = f":{kind}"
     fault = FAULT.format(kind=kind)
+    if args.tool == "overflow":
+        with ditorch.sim.numerics(args.numerics):
+            fault = only_kernels(kernels_of(opinfo, sample, index, phase, wants_grad), kind)
+        if not fault:
+            return None
     off = reference_grads = upstream = None
-    with ditorch.sim.numerics(args.numerics), op_tools.OpAutoCompare(reference=args.reference) as tool:
+    with ditorch.sim.numerics(args.numerics), new_tool(args) as tool:
         if phase == "in-place":  # on copies of the sample's tensors, the first one written
             written, (rest, keywords) = map_tensors((sample.input, (sample.args, sample.kwargs)),
                                                     lambda t: t.detach().clone())
@@ -170,7 +210,8 @@ def run_sample(opinfo, index: int, sample, args, phase: str,
             device_sample = runs.SampleArgs(sample.input, sample.args, sample.kwargs, sample.output_process_fn_grad)
             # A kernel that writes its input does so wherever it runs: with a scratch fault in the backward, the
             # kernels the forward ran stay correct (the tool's rerun of a failing backward reruns its forward).
-            names = KernelNames() if args.kind == "scratch" and phase == "backward" else contextlib.nullcontext()
+            names = KernelNames() if args.kind == "scratch" and phase == "backward" and args.tool != "overflow" \
+                else contextlib.nullcontext()
             with ditorch.sim.faults(fault if phase == "forward" else ""), names:
                 run = runs.run_op(opinfo, device_sample, {}, wants_grad and phase == "backward")
                 judged_in_fault(tool, args)
@@ -185,7 +226,7 @@ def run_sample(opinfo, index: int, sample, args, phase: str,
                     judged_in_fault(tool, args)
                 reference_grads = tuple(runs.gradients(reference, upstream))
                 off = off_by(tuple(grads), reference_grads)
-    if any(why.startswith(SKIPPED_ON_PURPOSE) for why, n in tool.skipped.items() if n):
+    if any(why.startswith(SKIPPED_ON_PURPOSE) for why, n in getattr(tool, "skipped", {}).items() if n):
         return "skipped"
     if off is None:
         return None
@@ -217,7 +258,12 @@ def main() -> int:
     parser.add_argument("--shard", default="", help="I/N: this process's share of the ops")
     parser.add_argument("--reference", choices=("cpu", "device"), default="cpu",
                         help="where the tool's float64 reference runs (OpAutoCompare's reference=)")
+    parser.add_argument("--tool", choices=("autocompare", "overflow"), default="autocompare",
+                        help="the tool whose verdict is swept: OpAutoCompare (default) or OpOverflowCheck (with "
+                             "--kind nan or inf, the fault in the sample's own kernels alone)")
     args = parser.parse_args()
+    if args.tool == "overflow" and (args.kind not in ("nan", "inf") or args.reference != "cpu"):
+        parser.error("--tool overflow sweeps --kind nan or inf, with no --reference")
     dtype = getattr(torch, args.dtype)
     narrow = dtype in (torch.float16, torch.bfloat16)
     tolerance = args.tolerance if args.tolerance is not None else 0.1 if narrow else 1e-3
@@ -229,6 +275,7 @@ def main() -> int:
     patterns = [p for p in args.ops.split(",") if p]
     shard, shards = map(int, args.shard.split("/")) if args.shard else (0, 1)
     silent, within, skipped, checked, on_device = [], [], set(), collections.Counter(), collections.Counter()
+    unchecked: list[str] = []
     phases = {"both": ("forward", "backward"), "all": ("forward", "backward", "in-place")}.get(args.phase,
                                                                                              (args.phase,))
     opinfos = [o for o in op_db if not patterns or any(
@@ -264,6 +311,9 @@ def main() -> int:
                         hidden = off <= 4 * own + 4 * torch.finfo(dtype).eps
                         (within if hidden else silent).append(what)
                         print("WITHIN A CORRECT RUN'S ERROR:" if hidden else "SILENT PASS:", what, flush=True)
+                    elif off > tolerance and verdict == "unchecked":  # honest, but the tool failed or could not look
+                        unchecked.append(f"{name} sample {index}, a fault in its {phase}")
+                        print("NOT CHECKED:", unchecked[-1], flush=True)
     faulted = ", ".join(f"{checked[phase]} in their {phase}" for phase in phases)
     kind = f"{args.kind} {args.noise:g}" if args.kind in ("noise", "scratch") else args.kind
     print(f"samples with a fault: {faulted} ({args.dtype}, {kind}, wrong when off by > {tolerance:g}); "
@@ -272,6 +322,8 @@ def main() -> int:
     if args.reference != "cpu":
         print("judged against the device's reference throughout: "
               + ", ".join(f"{on_device[phase]} of the {checked[phase]} in their {phase}" for phase in phases))
+    print(f"{len(unchecked)} wrong results the tool said it had not checked" +
+          (f", the first {unchecked[0]}" if unchecked else ""))
     print(f"{len(within)} faults within 4x a correct {args.dtype} run's own error + 4 eps (the rule's margin: "
           "op_autocompare.md, Limits)")
     print(f"summary: autocompare_blind_spots: {len(silent)} silent passes" +

@@ -89,6 +89,16 @@ def test_the_blind_spot_sweep_finds_every_kernel_that_writes_an_input_it_only_re
         assert "6 of the 6 in their backward" in result.stdout, result.stdout[-2000:]
 
 
+def test_the_blind_spot_sweep_of_overflow_check_finds_every_inf_a_kernel_gives(tmp_path):
+    # norm.inf's order of inf was taken for a value put in its result (the inf a kernel gave excused: a silent pass);
+    # ifft's result, a conjugate view, was counted not checked on sim (its wrapper did not carry the bit)
+    result = _run("autocompare_blind_spots.py", tmp_path, "--tool", "overflow", "--kind", "inf", "--ops",
+                  "norm.inf,fft.ifft", "--phase", "forward", "--samples", "1")
+    assert "samples with a fault: 2 in their forward" in result.stdout, result.stdout[-2000:]
+    assert "0 wrong results the tool said it had not checked" in result.stdout, result.stdout[-2000:]
+    assert "summary: autocompare_blind_spots: 0 silent passes" in result.stdout
+
+
 def test_self_check_detection_runs_over_two_ranks_and_names_the_faulty_one(tmp_path):
     # its --ranks 2 mode: a worker per rank under torchrun, a fault on rank 1 alone
     result = _run("self_check_detection.py", tmp_path, "--ranks", "2", "--size", "tiny", "--steps", "1")

@@ -109,6 +109,9 @@ class OpFacts:
     # A random call whose draws PyTorch's math path, rerun on the device from the generator state the call started
     # from, gives back when the device took that path: compared with them (numerics/attention.py).
     replays_dropout: bool = False
+    # The argument that is a norm's order (``norm``'s ``p``, ``vector_norm``'s ``ord``): a float there is no value the
+    # op puts in its result, so its inf (the max norm) excuses no inf in it, as a fill value's would (OpOverflowCheck)
+    order: Where | None = None
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(OpFacts)}
@@ -215,6 +218,8 @@ def _checked(name: str, value: Any) -> Any:
             raise ValueError(f"register_op_facts({name}={value!r}): expected a tuple of positions or "
                              "(position, keyword) pairs")
         return tuple(_where(name, item) for item in value)
+    if name == "order":
+        return None if value is None else _where(name, tuple(value) if isinstance(value, list) else value)
     if name in ("writes_when", "overwritten_when", "accumulates_when"):
         return None if value is None else _where(name, tuple(value) if isinstance(value, list) else value, flag=True)
     if name == "draws_when":
@@ -376,6 +381,11 @@ register_op_facts("embedding", index_sums=True)
 register_op_facts("torch.Tensor.__getitem__", index_sums=True)  # a gather's (x[ids]); a view's has no index to sum
 for _name in ("index_put", "index_put_"):
     register_op_facts(_name, accumulates_when=(3, "accumulate", False))
+# norms whose order may be inf (the largest magnitude), and the ops built on one
+for _name, _order in (("norm", (1, "p")), ("torch.linalg.norm", (1, "ord")), ("vector_norm", (1, "ord")),
+                      ("matrix_norm", (1, "ord")), ("_foreach_norm", (1, "ord")), ("dist", (2, "p")),
+                      ("cdist", (2, "p")), ("pdist", (1, "p")), ("normalize", (1, "p")), ("renorm", (1, "p"))):
+    register_op_facts(_name, order=_order)
 # grid_sample's forward too: the CPU weighs the four corners in the narrow dtype (6 ulps off in bfloat16), CUDA's
 # kernel in float32 (opmath). Not index_reduce's mean (9 ulps) nor grid_sample's backward (20): CUDA's atomics add
 # in the narrow dtype too

@@ -255,9 +255,10 @@ def nonfinite_flags(tensors: list[torch.Tensor]) -> list[bool]:
     return [kind != FINITE for kind in nonfinite_kinds(tensors)]
 
 
-def scalar_kind(args: tuple, kwargs: dict) -> int:
+def scalar_kind(args: tuple, kwargs: dict, order: tuple[int, str] | None = None) -> int:
     """The worst of the Python float arguments (``masked_fill(mask, float("-inf"))``, ``clamp(min=-inf)``): an inf
-    such an argument puts in a result is not born there. Top-level arguments only: a per-call cost."""
+    such an argument puts in a result is not born there. Not a norm's ``order`` (``op_facts``' ``order``: position,
+    keyword), which puts no value in its result. Top-level arguments only: a per-call cost."""
     kind = FINITE
     for value in args:
         if type(value) is float and not math.isfinite(value):
@@ -265,7 +266,10 @@ def scalar_kind(args: tuple, kwargs: dict) -> int:
     for value in kwargs.values():
         if type(value) is float and not math.isfinite(value):
             kind = max(kind, _kind(value))
-    return kind
+    if kind == FINITE or order is None:
+        return kind
+    return scalar_kind(tuple(v for i, v in enumerate(args) if i != order[0]),
+                       {k: v for k, v in kwargs.items() if k != order[1]})
 
 
 def born_here(source_kinds, result_kinds, scalars: int = FINITE) -> bool:
@@ -628,7 +632,7 @@ class OpOverflowCheck(OpTool):
             rows = reporting.call_rows(call.name, call.args, call.kwargs, call.result)
             header = reporting.header(call.name, call.forward_id, call.location) + "\n" + \
                 reporting.call_table(call.name, rows)
-        self._check(call, inputs, outputs, "forward", header, scalars=scalar_kind(call.args, call.kwargs),
+        self._check(call, inputs, outputs, "forward", header, scalars=scalar_kind(call.args, call.kwargs, facts.order),
                     before=before)
 
     def _check_collective(self, call: OpCall, bound, sent: list[torch.Tensor]) -> None:

@@ -309,6 +309,34 @@ def test_a_nan_born_from_infs_is_born_there(sim):
     assert check.first_overflow is not None and check.first_overflow.name == "torch.Tensor.sub", check.first_overflow
 
 
+_INF = float("inf")
+_MAX_NORMS = {  # a norm of order inf (the largest magnitude), and the ops built on one: (call, the kernel faulted)
+    "torch.functional.norm": (lambda x: torch.norm(x, _INF), "linalg_vector_norm"),
+    "torch.Tensor.norm": (lambda x: x.norm(p=_INF), "linalg_vector_norm"),
+    "torch.linalg.vector_norm": (lambda x: torch.linalg.vector_norm(x, ord=-_INF), "linalg_vector_norm"),
+    "torch.linalg.matrix_norm": (lambda x: torch.linalg.matrix_norm(x, _INF), "amax"),
+    "torch.functional.cdist": (lambda x: torch.cdist(x, x.flip(0), p=_INF), "_cdist_forward"),
+    "torch.nn.functional.normalize": (lambda x: torch.nn.functional.normalize(x, p=_INF), "div"),
+}
+
+
+@pytest.mark.parametrize("name", _MAX_NORMS)
+def test_a_norms_order_of_inf_puts_no_inf_in_its_result_and_excuses_none(sim, name):
+    """A float inf argument (``masked_fill``'s value) puts inf in the result, which is then not born at the call; a
+    norm's order of inf is the largest magnitude, finite for finite inputs. Taken for a value, it excused the inf a
+    faulty kernel gave: 12 norms and ops built on them passed an inf fault under a clean verdict."""
+    import ditorch.sim
+
+    call, kernel = _MAX_NORMS[name]
+    x = torch.randn(4, 8).to(sim)
+    with op_tools.OpOverflowCheck() as check:
+        assert bool(call(x).isfinite().all())
+    assert check.verdict() == "clean"
+    with ditorch.sim.faults(f"{kernel}:inf"), op_tools.OpOverflowCheck() as check:
+        assert not bool(call(x).isfinite().all())
+    assert check.first_overflow is not None and check.first_overflow.name == name, check.found()
+
+
 @pytest.mark.parametrize("raise_on_overflow", ["0", "1"])
 @pytest.mark.parametrize("size,device_memory", [(8, False), (2**17, False), (2**17, True)])  # one fused reduction
 def test_an_in_place_op_that_overflows_its_finite_input_is_born_there(sim, monkeypatch, raise_on_overflow, size,
@@ -574,6 +602,20 @@ def test_an_overflow_in_a_complex_product_is_named_at_the_product(sim):
         torch.view_as_real(product * scale).sum()  # 1e60: inf in float32
     found = check.first_overflow
     assert found.name == "torch.Tensor.mul" and "torch.view_as_real(product * scale)" in found.location, found
+
+
+def test_an_fft_whose_result_is_a_conjugate_view_is_checked(sim):
+    # ifft of a real tensor returns a conjugate view: on sim every such call was counted not checked (the tool's read
+    # of it failed) until sim's tensors carried the bit, as a device's do
+    import ditorch.sim
+
+    x = torch.randn(64).to(sim)
+    with op_tools.OpOverflowCheck() as check:
+        torch.fft.ifft(x)
+    assert check.verdict() == "clean", check.not_checked()
+    with ditorch.sim.faults("_fft_r2c:inf"), op_tools.OpOverflowCheck() as check:
+        torch.fft.ifft(x)
+    assert check.first_overflow is not None and check.first_overflow.name == "torch.fft.ifft", check.found()
 
 
 def test_a_complex_tensor_and_its_conjugate_view_are_read_as_their_reals():
