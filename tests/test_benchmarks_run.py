@@ -28,9 +28,9 @@ SMALLEST = {
                                     "OpTimeMeasure per-op forward time against torch.profiler's kernel time"),
     "conformance_sweep.py": (["--ops", "abs,add", "--limit-samples", "1"], "pass rate 100.0% of 4 rows"),
     # the views whose backward is a kernel, and uninitialised memory: passed unseen once
-    "autocompare_blind_spots.py": (["--ops", "select,narrow,split,unbind,diagonal,__getitem__,mul,sum,empty_permuted",
+    "blind_spots.py": (["--ops", "select,narrow,split,unbind,diagonal,__getitem__,mul,sum,empty_permuted",
                                     "--samples", "1", "--phase", "all"],
-                                   "summary: autocompare_blind_spots: 0 silent passes"),
+                                   "summary: blind_spots: 0 silent passes"),
     "autocompare_sensitivity.py": (["--ops", "silu,sdpa", "--numerics", "gpu"], "| sdpa | 0.003 | 0.0003 |"),
     "collective_checks_cost.py": (["--rounds", "1"], "(c) OpAutoCompare default"),
     # sim only: the CPU runs the same code, and each device doubles the script's time
@@ -81,10 +81,10 @@ def test_the_blind_spot_sweep_finds_every_kernel_that_writes_an_input_it_only_re
     # with its upstream gradient from the cache, index_add's gradient passed on and tensor_split's CPU indices once
     # passed unseen (the recheck took the write for a stale copy, or the upstream was copied after the backward).
     # With the reference on the device every backward here passed (its upstream kept after the kernel wrote it).
-    result = _run("autocompare_blind_spots.py", tmp_path, "--kind", "scratch", "--ops",
+    result = _run("blind_spots.py", tmp_path, "--kind", "scratch", "--ops",
                   "abs,tanh,index_add,tensor_split", "--samples", "2", "--reference", reference)
     assert "samples with a fault: 6 in their forward, 6 in their backward" in result.stdout, result.stdout[-2000:]
-    assert "summary: autocompare_blind_spots: 0 silent passes" in result.stdout
+    assert "summary: blind_spots: 0 silent passes" in result.stdout
     if reference == "device":  # the backwards judged there (a forward may need the CPU: tensor_split's CPU indices)
         assert "6 of the 6 in their backward" in result.stdout, result.stdout[-2000:]
 
@@ -92,11 +92,21 @@ def test_the_blind_spot_sweep_finds_every_kernel_that_writes_an_input_it_only_re
 def test_the_blind_spot_sweep_of_overflow_check_finds_every_inf_a_kernel_gives(tmp_path):
     # norm.inf's order of inf was taken for a value put in its result (the inf a kernel gave excused: a silent pass);
     # ifft's result, a conjugate view, was counted not checked on sim (its wrapper did not carry the bit)
-    result = _run("autocompare_blind_spots.py", tmp_path, "--tool", "overflow", "--kind", "inf", "--ops",
+    result = _run("blind_spots.py", tmp_path, "--tool", "overflow", "--kind", "inf", "--ops",
                   "norm.inf,fft.ifft", "--phase", "forward", "--samples", "1")
     assert "samples with a fault: 2 in their forward" in result.stdout, result.stdout[-2000:]
     assert "0 wrong results the tool said it had not checked" in result.stdout, result.stdout[-2000:]
-    assert "summary: autocompare_blind_spots: 0 silent passes" in result.stdout
+    assert "summary: blind_spots: 0 silent passes" in result.stdout
+
+
+def test_the_blind_spot_sweep_of_compare_runs_finds_each_faulted_recording(tmp_path):
+    # a clean and a faulted run of each sample recorded (OP_CAPTURE_MODE=stats), then compared
+    result = _run("blind_spots.py", tmp_path, "--tool", "compare_runs", "--ops", "abs,tanh",
+                  "--phase", "all", "--samples", "1")
+    assert "samples with a fault: 2 in their forward, 2 in their backward, 2 in their in-place" in result.stdout, \
+        result.stdout[-2000:]
+    assert "0 wrong results the tool said it had not checked" in result.stdout
+    assert "summary: blind_spots: 0 silent passes" in result.stdout
 
 
 def test_self_check_detection_runs_over_two_ranks_and_names_the_faulty_one(tmp_path):

@@ -1,4 +1,4 @@
-"""OpAutoCompare's blind spots: every OpInfo sample on sim, a fault in every kernel, and the calls it passed unseen.
+"""The verdicts' blind spots: every OpInfo sample on sim, a fault in every kernel, and the calls a tool passed unseen.
 
 For each OpInfo of PyTorch's ``op_db`` (or those named), the first few samples with elements run on sim under
 ``OpAutoCompare``, forward and backward, while a ``noise`` fault (every element times ``1 +- noise``) is on every aten
@@ -13,21 +13,23 @@ errs nearly as much: within 4x its error + 4 eps, the rule's margin, the fault i
 CPU's own error is large for some ops: op_autocompare.md, Limits). Calls the tool skips with their reason (random,
 uninitialised memory) are listed apart.
 
-    python benchmarks/autocompare_blind_spots.py                           # every OpInfo, float32 (a few minutes)
-    python benchmarks/autocompare_blind_spots.py --ops select,narrow,split --phase backward
-    python benchmarks/autocompare_blind_spots.py --dtype bfloat16 --numerics gpu
-    python benchmarks/autocompare_blind_spots.py --reference device        # the float64 reference on the device
+    python benchmarks/blind_spots.py                           # every OpInfo, float32 (a few minutes)
+    python benchmarks/blind_spots.py --ops select,narrow,split --phase backward
+    python benchmarks/blind_spots.py --dtype bfloat16 --numerics gpu
+    python benchmarks/blind_spots.py --reference device        # the float64 reference on the device
 
-``--tool overflow --kind inf|nan`` sweeps OpOverflowCheck instead, the fault kept to the kernels the sample's phase
-runs (found by running it first without the tool), so that the tool's own reductions stay right: a wrong result
-under a clean verdict is a silent pass, one the tool said it had not checked is listed apart.
+Other tools' verdicts: ``--tool compare_runs`` records each sample twice (``OP_CAPTURE_MODE=stats``), clean and
+faulted, and takes compare_runs' verdict on the two recordings; ``--tool overflow --kind inf|nan`` sweeps
+OpOverflowCheck, the fault kept to the kernels the sample's phase runs (found by running it first without the tool),
+so that the tool's own reductions stay right. A wrong result the tool said it had not checked is listed apart.
 
 With ``--reference device`` the fault is kept to kernels of the tested dtype (the device's float64 reference kernels
 stay correct: a fault they share is the cross-check's question) and each sample runs twice unfaulted first, so that
 the faulted run's calls are judged against the device's reference (an op's first call runs on the CPU, its first on
 the device is cross-checked); the summary counts the samples judged there.
 
-Exit status 1 when a silent pass is found. Results of 2026-11-30 are in docs/tools/op_autocompare.md.
+Exit status 1 when a silent pass is found. Results of 2026-11-30 are in docs/tools/op_autocompare.md,
+op_overflow_check.md and compare_runs.md.
 """
 
 from __future__ import annotations
@@ -44,13 +46,14 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-os.environ.setdefault("OP_TOOLS_RESULTS_DIR", os.path.join(tempfile.gettempdir(), "autocompare_blind_spots"))
+os.environ.setdefault("OP_TOOLS_RESULTS_DIR", os.path.join(tempfile.gettempdir(), "blind_spots"))
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import ditorch.sim  # noqa: E402
 import op_tools  # noqa: E402
+from op_tools.offline.compare_runs import compare  # noqa: E402
 from op_tools.offline.conformance import runs  # noqa: E402
 from op_tools.ops.arguments import iter_tensors, map_tensors  # noqa: E402
 
@@ -126,6 +129,11 @@ def kernels_of(opinfo, sample, index: int, phase: str, wants_grad: bool) -> set[
     return names.names
 
 
+def recording(folder: str):
+    """A run recording (``OP_CAPTURE_MODE=stats``) into ``folder``, as compare_runs reads one."""
+    return op_tools.OpCapture(mode="stats", results_dir=folder)
+
+
 def new_tool(args):
     """The tool under test, as a user starts it."""
     return op_tools.OpOverflowCheck() if args.tool == "overflow" else op_tools.OpAutoCompare(reference=args.reference)
@@ -134,7 +142,7 @@ def new_tool(args):
 def judged_in_fault(tool, args) -> None:
     """With a ``scratch`` fault, the calls are judged while it is on: a kernel that writes an input it only reads
     does so at every call, and the tool tells its write from a stale copy by rerunning it on the device."""
-    if args.kind == "scratch":
+    if args.kind == "scratch" and args.tool == "autocompare":
         tool.judge_queued()
 
 
@@ -163,6 +171,42 @@ def on_the_device(tool) -> bool:
     """Whether every call of the faulted run was judged against the device's reference (none on the CPU)."""
     places = getattr(tool, "reference_place", None)
     return bool(places) and all(why in ON_THE_DEVICE for (_, why), n in places.items() if n)
+
+
+def phase_run(opinfo, index: int, sample, args, phase: str, fault: str, kind: str, tool, reference,
+              wants_grad: bool, reference_gradients) -> tuple:
+    """The sample's ``phase`` run on sim under ``tool`` with ``fault`` in its kernels: how far off its results are
+    from ``reference`` (None where there is nothing to compare), the reference's gradients (``reference_gradients``
+    of the upstream ones) and the upstream ones."""
+    off = reference_grads = upstream = None
+    if phase == "in-place":  # on copies of the sample's tensors, the first one written
+        written, (rest, keywords) = map_tensors((sample.input, (sample.args, sample.kwargs)),
+                                                lambda t: t.detach().clone())
+        with ditorch.sim.faults(fault):
+            opinfo.inplace_variant(written, *rest, **keywords)
+            judged_in_fault(tool, args)
+        off = off_by(written, reference.output)
+    else:
+        device_sample = runs.SampleArgs(sample.input, sample.args, sample.kwargs, sample.output_process_fn_grad)
+        # A kernel that writes its input does so wherever it runs: with a scratch fault in the backward, the
+        # kernels the forward ran stay correct (the tool's rerun of a failing backward reruns its forward).
+        names = KernelNames() if args.kind == "scratch" and phase == "backward" and args.tool != "overflow" \
+            else contextlib.nullcontext()
+        with ditorch.sim.faults(fault if phase == "forward" else ""), names:
+            run = runs.run_op(opinfo, device_sample, {}, wants_grad and phase == "backward")
+            judged_in_fault(tool, args)
+        if isinstance(names, KernelNames) and fault:
+            fault = fault_except(names.names, kind)
+        if phase == "forward":
+            off = off_by(run.output, reference.output)
+        elif reference.roots and [r.shape for r in run.roots] == [r.shape for r in reference.roots]:
+            upstream = runs.upstream_gradients(index, run.roots)
+            with ditorch.sim.faults(fault):
+                grads = runs.gradients(run, upstream)
+                judged_in_fault(tool, args)
+            reference_grads = reference_gradients(upstream)
+            off = off_by(tuple(grads), reference_grads)
+    return off, reference_grads, upstream
 
 
 def run_sample(opinfo, index: int, sample, args, phase: str,
@@ -197,35 +241,27 @@ def run_sample(opinfo, index: int, sample, args, phase: str,
             fault = only_kernels(kernels_of(opinfo, sample, index, phase, wants_grad), kind)
         if not fault:
             return None
-    off = reference_grads = upstream = None
-    with ditorch.sim.numerics(args.numerics), new_tool(args) as tool:
-        if phase == "in-place":  # on copies of the sample's tensors, the first one written
-            written, (rest, keywords) = map_tensors((sample.input, (sample.args, sample.kwargs)),
-                                                    lambda t: t.detach().clone())
-            with ditorch.sim.faults(fault):
-                opinfo.inplace_variant(written, *rest, **keywords)
-                judged_in_fault(tool, args)
-            off = off_by(written, reference.output)
-        else:
-            device_sample = runs.SampleArgs(sample.input, sample.args, sample.kwargs, sample.output_process_fn_grad)
-            # A kernel that writes its input does so wherever it runs: with a scratch fault in the backward, the
-            # kernels the forward ran stay correct (the tool's rerun of a failing backward reruns its forward).
-            names = KernelNames() if args.kind == "scratch" and phase == "backward" and args.tool != "overflow" \
-                else contextlib.nullcontext()
-            with ditorch.sim.faults(fault if phase == "forward" else ""), names:
-                run = runs.run_op(opinfo, device_sample, {}, wants_grad and phase == "backward")
-                judged_in_fault(tool, args)
-            if isinstance(names, KernelNames):
-                fault = fault_except(names.names, kind)
-            if phase == "forward":
-                off = off_by(run.output, reference.output)
-            elif reference.roots and [r.shape for r in run.roots] == [r.shape for r in reference.roots]:
-                upstream = runs.upstream_gradients(index, run.roots)
-                with ditorch.sim.faults(fault):
-                    grads = runs.gradients(run, upstream)
-                    judged_in_fault(tool, args)
-                reference_grads = tuple(runs.gradients(reference, upstream))
-                off = off_by(tuple(grads), reference_grads)
+    computed: dict = {}
+
+    def gradients(upstream) -> tuple:  # the reference's, once: its graph is freed by its backward
+        if "grads" not in computed:
+            computed["grads"] = tuple(runs.gradients(reference, upstream))
+        return computed["grads"]
+
+    if args.tool == "compare_runs":  # run A clean, run B faulted, both recorded; compare_runs' verdict
+        with tempfile.TemporaryDirectory() as folder:
+            clean, faulted = os.path.join(folder, "a"), os.path.join(folder, "b")
+            with ditorch.sim.numerics(args.numerics), recording(clean) as tool:
+                phase_run(opinfo, index, sample, args, phase, "", kind, tool, reference, wants_grad, gradients)
+            with ditorch.sim.numerics(args.numerics), recording(faulted) as tool:
+                off, reference_grads, upstream = phase_run(opinfo, index, sample, args, phase, fault, kind, tool,
+                                                           reference, wants_grad, gradients)
+            verdict = compare(clean, faulted).verdict()
+    else:
+        with ditorch.sim.numerics(args.numerics), new_tool(args) as tool:
+            off, reference_grads, upstream = phase_run(opinfo, index, sample, args, phase, fault, kind, tool,
+                                                       reference, wants_grad, gradients)
+        verdict = tool.verdict()
     if any(why.startswith(SKIPPED_ON_PURPOSE) for why, n in getattr(tool, "skipped", {}).items() if n):
         return "skipped"
     if off is None:
@@ -234,7 +270,7 @@ def run_sample(opinfo, index: int, sample, args, phase: str,
     same = runs.SameDtypeRun(opinfo, cpu, dtype, upstream if backward else None)
     correct = same.backward() if backward else same.forward()
     own = off_by(correct, reference_grads if backward else reference.output) if correct is not None else 0.0
-    return off, own, tool.verdict(), on_the_device(tool)
+    return off, own, verdict, on_the_device(tool)
 
 
 def main() -> int:
@@ -258,12 +294,15 @@ def main() -> int:
     parser.add_argument("--shard", default="", help="I/N: this process's share of the ops")
     parser.add_argument("--reference", choices=("cpu", "device"), default="cpu",
                         help="where the tool's float64 reference runs (OpAutoCompare's reference=)")
-    parser.add_argument("--tool", choices=("autocompare", "overflow"), default="autocompare",
-                        help="the tool whose verdict is swept: OpAutoCompare (default) or OpOverflowCheck (with "
-                             "--kind nan or inf, the fault in the sample's own kernels alone)")
+    parser.add_argument("--tool", choices=("autocompare", "overflow", "compare_runs"), default="autocompare",
+                        help="the tool whose verdict is swept: OpAutoCompare (default), OpOverflowCheck (with "
+                             "--kind nan or inf, the fault in the sample's own kernels alone), or compare_runs (a "
+                             "clean and a faulted run recorded, then compared)")
     args = parser.parse_args()
     if args.tool == "overflow" and (args.kind not in ("nan", "inf") or args.reference != "cpu"):
         parser.error("--tool overflow sweeps --kind nan or inf, with no --reference")
+    if args.tool == "compare_runs" and args.reference != "cpu":
+        parser.error("--tool compare_runs takes no --reference")
     dtype = getattr(torch, args.dtype)
     narrow = dtype in (torch.float16, torch.bfloat16)
     tolerance = args.tolerance if args.tolerance is not None else 0.1 if narrow else 1e-3
@@ -326,7 +365,7 @@ def main() -> int:
           (f", the first {unchecked[0]}" if unchecked else ""))
     print(f"{len(within)} faults within 4x a correct {args.dtype} run's own error + 4 eps (the rule's margin: "
           "op_autocompare.md, Limits)")
-    print(f"summary: autocompare_blind_spots: {len(silent)} silent passes" +
+    print(f"summary: blind_spots: {len(silent)} silent passes" +
           (f", the first {silent[0]}" if silent else ""))
     return 1 if silent else 0
 
