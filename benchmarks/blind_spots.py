@@ -174,39 +174,37 @@ def on_the_device(tool) -> bool:
 
 
 def phase_run(opinfo, index: int, sample, args, phase: str, fault: str, kind: str, tool, reference,
-              wants_grad: bool, reference_gradients) -> tuple:
-    """The sample's ``phase`` run on sim under ``tool`` with ``fault`` in its kernels: how far off its results are
-    from ``reference`` (None where there is nothing to compare), the reference's gradients (``reference_gradients``
-    of the upstream ones) and the upstream ones."""
-    off = reference_grads = upstream = None
+              wants_grad: bool) -> tuple:
+    """The sample's ``phase`` run on sim under ``tool`` with ``fault`` in its kernels: its results (outputs, the
+    written tensor, or the gradients) and the upstream gradients of a backward; ``(None, None)`` where there is
+    nothing to compare. Measured after the tool stopped: a tool that records CPU calls (the run recording) would
+    record the measurement's own calls too."""
     if phase == "in-place":  # on copies of the sample's tensors, the first one written
         written, (rest, keywords) = map_tensors((sample.input, (sample.args, sample.kwargs)),
                                                 lambda t: t.detach().clone())
         with ditorch.sim.faults(fault):
             opinfo.inplace_variant(written, *rest, **keywords)
             judged_in_fault(tool, args)
-        off = off_by(written, reference.output)
-    else:
-        device_sample = runs.SampleArgs(sample.input, sample.args, sample.kwargs, sample.output_process_fn_grad)
-        # A kernel that writes its input does so wherever it runs: with a scratch fault in the backward, the
-        # kernels the forward ran stay correct (the tool's rerun of a failing backward reruns its forward).
-        names = KernelNames() if args.kind == "scratch" and phase == "backward" and args.tool != "overflow" \
-            else contextlib.nullcontext()
-        with ditorch.sim.faults(fault if phase == "forward" else ""), names:
-            run = runs.run_op(opinfo, device_sample, {}, wants_grad and phase == "backward")
-            judged_in_fault(tool, args)
-        if isinstance(names, KernelNames) and fault:
-            fault = fault_except(names.names, kind)
-        if phase == "forward":
-            off = off_by(run.output, reference.output)
-        elif reference.roots and [r.shape for r in run.roots] == [r.shape for r in reference.roots]:
-            upstream = runs.upstream_gradients(index, run.roots)
-            with ditorch.sim.faults(fault):
-                grads = runs.gradients(run, upstream)
-                judged_in_fault(tool, args)
-            reference_grads = reference_gradients(upstream)
-            off = off_by(tuple(grads), reference_grads)
-    return off, reference_grads, upstream
+        return written, None
+    device_sample = runs.SampleArgs(sample.input, sample.args, sample.kwargs, sample.output_process_fn_grad)
+    # A kernel that writes its input does so wherever it runs: with a scratch fault in the backward, the kernels
+    # the forward ran stay correct (the tool's rerun of a failing backward reruns its forward).
+    names = KernelNames() if args.kind == "scratch" and phase == "backward" and args.tool != "overflow" \
+        else contextlib.nullcontext()
+    with ditorch.sim.faults(fault if phase == "forward" else ""), names:
+        run = runs.run_op(opinfo, device_sample, {}, wants_grad and phase == "backward")
+        judged_in_fault(tool, args)
+    if isinstance(names, KernelNames) and fault:
+        fault = fault_except(names.names, kind)
+    if phase == "forward":
+        return run.output, None
+    if not (reference.roots and [r.shape for r in run.roots] == [r.shape for r in reference.roots]):
+        return None, None
+    upstream = runs.upstream_gradients(index, run.roots)
+    with ditorch.sim.faults(fault):
+        grads = runs.gradients(run, upstream)
+        judged_in_fault(tool, args)
+    return tuple(grads), upstream
 
 
 def run_sample(opinfo, index: int, sample, args, phase: str,
@@ -241,28 +239,24 @@ def run_sample(opinfo, index: int, sample, args, phase: str,
             fault = only_kernels(kernels_of(opinfo, sample, index, phase, wants_grad), kind)
         if not fault:
             return None
-    computed: dict = {}
-
-    def gradients(upstream) -> tuple:  # the reference's, once: its graph is freed by its backward
-        if "grads" not in computed:
-            computed["grads"] = tuple(runs.gradients(reference, upstream))
-        return computed["grads"]
-
     if args.tool == "compare_runs":  # run A clean, run B faulted, both recorded; compare_runs' verdict
         with tempfile.TemporaryDirectory() as folder:
             clean, faulted = os.path.join(folder, "a"), os.path.join(folder, "b")
             with ditorch.sim.numerics(args.numerics), recording(clean) as tool:
-                phase_run(opinfo, index, sample, args, phase, "", kind, tool, reference, wants_grad, gradients)
+                phase_run(opinfo, index, sample, args, phase, "", kind, tool, reference, wants_grad)
             with ditorch.sim.numerics(args.numerics), recording(faulted) as tool:
-                off, reference_grads, upstream = phase_run(opinfo, index, sample, args, phase, fault, kind, tool,
-                                                           reference, wants_grad, gradients)
-            verdict = compare(clean, faulted).verdict()
+                result, upstream = phase_run(opinfo, index, sample, args, phase, fault, kind, tool, reference,
+                                             wants_grad)
+            compared = compare(clean, faulted)
+            verdict, skips = compared.verdict(), [row.skipped for row in compared.skipped]
     else:
         with ditorch.sim.numerics(args.numerics), new_tool(args) as tool:
-            off, reference_grads, upstream = phase_run(opinfo, index, sample, args, phase, fault, kind, tool,
-                                                       reference, wants_grad, gradients)
-        verdict = tool.verdict()
-    if any(why.startswith(SKIPPED_ON_PURPOSE) for why, n in getattr(tool, "skipped", {}).items() if n):
+            result, upstream = phase_run(opinfo, index, sample, args, phase, fault, kind, tool, reference,
+                                         wants_grad)
+        verdict, skips = tool.verdict(), [why for why, n in getattr(tool, "skipped", {}).items() if n]
+    reference_grads = tuple(runs.gradients(reference, upstream)) if upstream is not None else None
+    off = None if result is None else off_by(result, reference_grads if phase == "backward" else reference.output)
+    if any(why.startswith(SKIPPED_ON_PURPOSE) for why in skips):
         return "skipped"
     if off is None:
         return None

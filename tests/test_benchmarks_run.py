@@ -89,6 +89,17 @@ def test_the_blind_spot_sweep_finds_every_kernel_that_writes_an_input_it_only_re
         assert "6 of the 6 in their backward" in result.stdout, result.stdout[-2000:]
 
 
+def test_the_blind_spot_sweep_in_complex_finds_what_a_conjugate_view_or_a_broadcast_sum_hid(tmp_path):
+    # logcumsumexp's reference gradient is a conjugate view, which the comparison's read as reals refused; add's
+    # gradient summed over a broadcast was measured on the real view's pairs against a bound of one value per complex
+    # element: both went not checked
+    result = _run("blind_spots.py", tmp_path, "--dtype", "complex64", "--ops", "logcumsumexp,add", "--phase",
+                  "backward")
+    assert "samples with a fault: 6 in their backward" in result.stdout, result.stdout[-2000:]
+    assert "0 wrong results the tool said it had not checked" in result.stdout, result.stdout[-2000:]
+    assert "summary: blind_spots: 0 silent passes" in result.stdout
+
+
 def test_the_blind_spot_sweep_of_overflow_check_finds_every_inf_a_kernel_gives(tmp_path):
     # norm.inf's order of inf was taken for a value put in its result (the inf a kernel gave excused: a silent pass);
     # ifft's result, a conjugate view, was counted not checked on sim (its wrapper did not carry the bit)

@@ -558,9 +558,10 @@ def _on_cpu(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
-    """float64 (complex: its real view in float64) on the CPU, detached and contiguous."""
+    """float64 (complex: its real view in float64) on the CPU, detached and contiguous. A conjugate view (a complex
+    op's gradient, ifft's result) is resolved first: its real view is refused."""
     if t.is_complex():
-        return torch.view_as_real(_on_cpu(t, torch.complex128)).contiguous()
+        return torch.view_as_real(_on_cpu(t, torch.complex128).resolve_conj()).contiguous()
     return _on_cpu(t, torch.float64).contiguous()
 
 
@@ -792,17 +793,26 @@ def _worst_share(d: torch.Tensor, r: torch.Tensor, model, dw: torch.Tensor | Non
     if d.numel() > _MODEL_CHUNK and getattr(model, "judges_parts", False):
         worst = 0.0
         for part, pd, pr in _wide_parts(d, r):
-            allowed = model.allowed(d.dtype, pr, part)
-            if allowed is None:
-                return math.nan
-            worst = max(worst, float(((pd - pr).abs() / allowed).max()))
+            share = _share(pd, pr, d, model, part)
+            if math.isnan(share):
+                return share
+            worst = max(worst, share)
         return worst
     dw = _wide(d) if dw is None else dw
     rw = _wide(r) if rw is None else rw
-    allowed = model.allowed(d.dtype, rw)
+    return _share(dw, rw, d, model)
+
+
+def _share(dw: torch.Tensor, rw: torch.Tensor, d: torch.Tensor, model, part: slice | None = None) -> float:
+    """``_worst_share`` of one part: ``dw``, ``rw`` in float64 (a complex tensor's real views, measured by each
+    element's modulus, as the model's magnitudes are)."""
+    difference = dw - rw
+    if d.is_complex():  # the pairs of reals as moduli: the bound has one value per complex element
+        difference, rw = torch.linalg.vector_norm(difference, dim=-1), torch.linalg.vector_norm(rw, dim=-1)
+    allowed = model.allowed(d.dtype, rw) if part is None else model.allowed(d.dtype, rw, part)
     if allowed is None:
         return math.nan
-    excess = (dw - rw).abs() / allowed
+    excess = difference.abs() / allowed
     return float(excess.max()) if excess.numel() else 0.0
 
 

@@ -56,8 +56,8 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 def _values(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values as a real floating tensor of any shape, without a copy where ``t`` is one already."""
     x = t  # not detached: callers run under no_grad (a detach is one more op, ~30 us on sim)
-    if x.is_complex():
-        x = torch.view_as_real(x)
+    if x.is_complex():  # a conjugate view (ifft's result) resolved first: its real view is refused
+        x = torch.view_as_real(x.resolve_conj())
     if not x.is_floating_point():  # integers and bools: converted (float32 cannot hold every int64 exactly)
         x = x.to(torch.float32)
     return x

@@ -492,6 +492,24 @@ def test_an_accumulating_index_puts_result_in_bfloat16_is_judged_by_its_sums_rou
     assert verdict(0, "index_put.*:noise=1e-2") == "found"
 
 
+def test_a_complex_gradient_summed_over_a_broadcast_is_judged_by_its_moduli(sim):
+    # The broadcast sum's bound has one value per complex element; the difference was measured on the real view's
+    # pairs, the shapes did not match, and the call went not checked: measured by each element's modulus now
+    import ditorch.sim
+
+    verdicts = []
+    for fault in ("", "sum.*:noise=1e-2"):  # b's gradient: the upstream summed over the broadcast rows
+        a = torch.randn(64, 32, dtype=torch.complex64).to(sim).requires_grad_()
+        b = torch.randn(32, dtype=torch.complex64).to(sim).requires_grad_()
+        y = a * b
+        with op_tools.OpAutoCompare() as tool:
+            z = y + b
+            with ditorch.sim.faults(fault):
+                torch.autograd.grad(z, (y, b), torch.ones_like(z))
+        verdicts.append((tool.verdict(), [(f["op"], f["phase"]) for f in tool.failures]))
+    assert verdicts == [("clean", []), ("found", [("torch.Tensor.add", "backward")])], verdicts
+
+
 @pytest.mark.parametrize("index, noise", [("mask", "1e-4"), ("pairs", "1e-5")])
 def test_an_accumulating_index_put_counts_the_values_a_position_takes_not_its_first_index_tensors(sim, index, noise):
     # The bound sums n + 1 terms a position, n the most values one position takes. n was the largest count of the

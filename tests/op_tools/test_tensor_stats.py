@@ -63,6 +63,18 @@ def test_integers_bools_and_complex_are_described_by_their_values():
         assert got["fp3"] == pytest.approx(want["fp3"], rel=1e-4, abs=1e-4)
 
 
+def test_a_conjugate_view_is_described_by_its_values():
+    # ifft's result is a conjugate view (its imaginary parts the negatives of the memory's): view_as_real refused it
+    # and the call went unrecorded, on a device and on sim
+    signal = torch.randn(1500)
+    view = torch.fft.ifft(signal)
+    assert view.is_conj()
+    got, want = recorded([view])[0], expected(view.resolve_conj())
+    assert (got["min"], got["max"]) == (want["min"], want["max"])
+    assert got["fp3"] == pytest.approx(want["fp3"], rel=1e-4, abs=1e-4)
+    assert got == recorded([view.resolve_conj()])[0]
+
+
 def test_nan_and_inf_are_counted():
     t = torch.randn(3000)
     t[[5, 17, 2999]] = float("nan")
