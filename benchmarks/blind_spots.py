@@ -77,6 +77,8 @@ class KernelNames(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.names.add(func._schema.name.removeprefix("aten::"))
         return func(*args, **(kwargs or {}))
+
+
 SKIPPED_ON_PURPOSE = ("random", "uninitialised")  # what the tool skips and says why: no verdict to be wrong
 
 
