@@ -106,6 +106,17 @@ def off_by(device, reference) -> float:
     return worst
 
 
+def in_place_copies(sample) -> tuple:
+    """Copies of the sample's tensors for its in-place variant: ``(written, args, kwargs)``."""
+    written, (rest, keywords) = map_tensors((sample.input, (sample.args, sample.kwargs)), lambda t: t.detach().clone())
+    return written, rest, keywords
+
+
+def on_sim(sample) -> runs.SampleArgs:
+    """The sample's arguments as the OpInfo made them on sim."""
+    return runs.SampleArgs(sample.input, sample.args, sample.kwargs, sample.output_process_fn_grad)
+
+
 def only_kernels(kernels: set[str], kind: str) -> str:
     """A fault (``kind``: ``[@dtype]:k``) in ``kernels`` alone, never in the copies between devices nor ``clone``."""
     chosen = sorted(kernels - set(UNFAULTED))
@@ -117,12 +128,11 @@ def kernels_of(opinfo, sample, index: int, phase: str, wants_grad: bool) -> set[
     ``--tool overflow`` the fault is kept to them, so that the tool's own kernels (its flags' reductions) stay right."""
     names = KernelNames()
     if phase == "in-place":
-        written, (rest, keywords) = map_tensors((sample.input, (sample.args, sample.kwargs)),
-                                                lambda t: t.detach().clone())
+        written, rest, keywords = in_place_copies(sample)
         with names:
             opinfo.inplace_variant(written, *rest, **keywords)
         return names.names
-    device_sample = runs.SampleArgs(sample.input, sample.args, sample.kwargs, sample.output_process_fn_grad)
+    device_sample = on_sim(sample)
     with names if phase == "forward" else contextlib.nullcontext():
         run = runs.run_op(opinfo, device_sample, {}, wants_grad and phase == "backward")
     if phase == "backward" and run.roots:
@@ -159,11 +169,10 @@ def warm_up(opinfo, sample, wants_grad: bool, args, phase: str) -> None:
     for _ in range(2):
         with ditorch.sim.numerics(args.numerics), op_tools.OpAutoCompare(reference=args.reference):
             if phase == "in-place":
-                written, (rest, keywords) = map_tensors((sample.input, (sample.args, sample.kwargs)),
-                                                        lambda t: t.detach().clone())
+                written, rest, keywords = in_place_copies(sample)
                 opinfo.inplace_variant(written, *rest, **keywords)
                 continue
-            device_sample = runs.SampleArgs(sample.input, sample.args, sample.kwargs, sample.output_process_fn_grad)
+            device_sample = on_sim(sample)
             run = runs.run_op(opinfo, device_sample, {}, wants_grad)
             if wants_grad and run.roots:
                 runs.gradients(run, runs.upstream_gradients(0, run.roots))
@@ -182,13 +191,12 @@ def phase_run(opinfo, index: int, sample, args, phase: str, fault: str, kind: st
     nothing to compare. Measured after the tool stopped: a tool that records CPU calls (the run recording) would
     record the measurement's own calls too."""
     if phase == "in-place":  # on copies of the sample's tensors, the first one written
-        written, (rest, keywords) = map_tensors((sample.input, (sample.args, sample.kwargs)),
-                                                lambda t: t.detach().clone())
+        written, rest, keywords = in_place_copies(sample)
         with ditorch.sim.faults(fault):
             opinfo.inplace_variant(written, *rest, **keywords)
             judged_in_fault(tool, args)
         return written, None
-    device_sample = runs.SampleArgs(sample.input, sample.args, sample.kwargs, sample.output_process_fn_grad)
+    device_sample = on_sim(sample)
     # A kernel that writes its input does so wherever it runs: with a scratch fault in the backward, the kernels
     # the forward ran stay correct (the tool's rerun of a failing backward reruns its forward).
     names = KernelNames() if args.kind == "scratch" and phase == "backward" and args.tool != "overflow" \
