@@ -120,6 +120,19 @@ def test_the_blind_spot_sweep_of_compare_runs_finds_each_faulted_recording(tmp_p
     assert "summary: blind_spots: 0 silent passes" in result.stdout
 
 
+def test_the_blind_spot_sweep_of_compare_runs_finds_every_kernel_that_writes_an_input_it_only_reads(tmp_path):
+    # The gradient index_add, addcdiv and __rmod__ pass on unchanged kept the statistics it had when it arrived (3
+    # silent passes); acosh in place was not checked, its input written by the recording's own faulted statistics:
+    # the tools' kernels run unfaulted now. matrix_power's input takes its gradient in pieces, which autograd sums with
+    # a kernel no tool judges: listed apart, as the docs' limit.
+    result = _run("blind_spots.py", tmp_path, "--tool", "compare_runs", "--kind", "scratch", "--phase", "all",
+                  "--ops", "index_add,addcdiv,__rmod__,acosh,linalg.matrix_power")
+    assert "0 wrong results the tool said it had not checked" in result.stdout, result.stdout[-2000:]
+    assert "summary: blind_spots: 0 silent passes" in result.stdout, result.stdout[-2000:]
+    assert "1 faults in a backward whose input's gradient came in pieces" in result.stdout and \
+        "the first linalg.matrix_power sample 1" in result.stdout, result.stdout[-2000:]
+
+
 def test_self_check_detection_runs_over_two_ranks_and_names_the_faulty_one(tmp_path):
     # its --ranks 2 mode: a worker per rank under torchrun, a fault on rank 1 alone
     result = _run("self_check_detection.py", tmp_path, "--ranks", "2", "--size", "tiny", "--steps", "1")

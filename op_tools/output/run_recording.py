@@ -166,7 +166,7 @@ class _Side:
     __slots__ = ("name", "described", "omitted", "groups", "count", "kept", "device", "slots", "fresh", "places")
 
     def __init__(self, name: str, tensors: list[tuple[str, torch.Tensor]], omitted: int,
-                 known: CurrentValues | None = None) -> None:
+                 known: CurrentValues | None = None, measured_again: frozenset[int] = frozenset()) -> None:
         self.name, self.omitted = name, omitted
         self.device = str(real_device(tensors[0][1])) if tensors else None  # of its first tensor
         # where, dtype, shape, and the number of real values (0: empty, no statistics). Tuples of numbers and
@@ -191,12 +191,14 @@ class _Side:
         self.groups: list[tuple[list[int], list]] | None = None  # None: not measured on its own
         # Per non-empty tensor where its statistics arrive: an earlier record's slot for a tensor unchanged since
         # (``known``), else a new one, measured here (``fresh``: their indices; ``places``: where to remember them).
+        # A tensor in ``measured_again`` (its storage's address) is measured here whatever is known of it.
         slots: list[_Slot] = []
         fresh: list[int] = []
         places: list = []
         for k, t in enumerate(kept):
             place = locate_values(t) if known is not None else None
-            slot = known.find(place) if known is not None and place is not None else None
+            slot = known.find(place) if known is not None and place is not None and not (
+                measured_again and _address(t) in measured_again) else None
             if slot is None:
                 slot = _Slot()
                 fresh.append(k)
@@ -248,6 +250,27 @@ class _Side:
                 values += finished_values(n, slot.values, slot.nonfinite_counts)
         text = _template(self.described).format(*map(float, values))
         return None if _FALLBACK.search(text) else text
+
+
+def _address(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):  # storage-less tensors
+        return None
+
+
+def _passed_on(upstream: Sequence[torch.Tensor], gradients: list[tuple[str, torch.Tensor]]) -> frozenset[int]:
+    """The storages (addresses) of the upstream gradients that a backward passes on as gradients of its inputs
+    (``index_add``'s to ``self``, ``addcdiv``'s to ``input``) where it also computed another gradient: its kernels
+    read the upstream gradient, and one that wrote it as scratch (no version bump shows it) changed the gradient it
+    passed on, which would otherwise keep the statistics it had when it arrived, and the divergence show first at the
+    next call reading it. A backward that computes nothing (``add``'s, a view's) passes its upstream gradient on as it
+    came: nothing measured again."""
+    if not upstream:
+        return frozenset()
+    arrived = {_address(u) for u in upstream}
+    passed = frozenset(a for _, g in gradients if (a := _address(g)) in arrived and a is not None)
+    return passed if passed and any(_address(g) not in passed for _, g in gradients) else frozenset()
 
 
 def _measured(sides: list[_Side]) -> list[tuple[list[int], list[torch.Tensor]]]:
@@ -420,8 +443,11 @@ class RunRecorder:
         raised: Exception | None = None
         known = self._known if self._sees_every_call() else None
         try:
-            sides = [_Side("grad_outputs", *_tensors(tensor_items(tuple(grad_outputs)), self.max_tensors), known=known),
-                     _Side("grad_inputs", *_tensors(tensor_items(tuple(grad_inputs)), self.max_tensors), known=known)]
+            upstream = _Side("grad_outputs", *_tensors(tensor_items(tuple(grad_outputs)), self.max_tensors),
+                             known=known)
+            computed, omitted = _tensors(tensor_items(tuple(grad_inputs)), self.max_tensors)
+            again = _passed_on(upstream.kept, computed) if known is not None else frozenset()
+            sides = [upstream, _Side("grad_inputs", computed, omitted, known=known, measured_again=again)]
         except Exception as e:
             error, raised = _described(e), e
         with self._lock:

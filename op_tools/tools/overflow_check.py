@@ -495,6 +495,9 @@ class OpOverflowCheck(OpTool):
         self._kept = KeepBudget(KEPT_BYTES)
         self._flagged = Flagged()
         self.stale_flags = 0  # flags taken over, found out of date when the call they made look born was re-read
+        # calls whose result no op made, by why (memory never written, the program's own data): nothing to check,
+        # counted as OpAutoCompare's ``skipped`` are
+        self.skipped: collections.Counter = collections.Counter()
         # forward_id -> what a forward call's tensors held, oldest first: NAN where its inputs or outputs held a nan,
         # INF where its outputs held an inf. Its backward reads them too (the saved tensors): a nan, or an inf, in
         # its gradients is then not born there (an inf in the data squared, then its gradient). Not an inf its
@@ -613,6 +616,7 @@ class OpOverflowCheck(OpTool):
         facts = op_facts(call.name)
         # Memory never written (an empty's), or the program's own data: whatever it holds, no op made it.
         if facts.uninitialised or facts.from_data:
+            self.skipped["uninitialised" if facts.uninitialised else "the program's own data"] += 1
             if isinstance(call.state, _Written):  # resize_, set_
                 self._flagged.forget(call.state.tensors)
             return

@@ -718,3 +718,31 @@ def test_an_output_one_runs_call_has_and_the_others_has_not_is_not_compared_neve
     assert result.divergences == [] and result.verdict() == "unchecked" and result.compared == []
     assert row.not_compared == "outputs[3] in run B only: not compared"
     assert compare(record("c", 3), record("d", 3)).verdict() == "clean"
+
+
+def test_a_backward_writing_the_gradient_it_passes_on_diverges_there_not_at_the_next_call(sim, tmp_path, monkeypatch):
+    # remainder's backward passes its upstream gradient on to ``y`` unchanged and computes ``x``'s from it
+    # (-grad * floor(y / x): 0 here). A kernel that writes its input as scratch (sim's fault in ``neg``, no version
+    # bump) wrote the gradient passed on, whose statistics were taken over from when it arrived: the divergence
+    # showed first at the next call reading it (the mul's backward), one call late.
+    import ditorch.sim
+
+    monkeypatch.setenv("OP_CAPTURE_MODE", "stats")
+
+    def record(run, fault):
+        monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / run))
+        leaf = torch.linspace(0.1, 0.5, 64).to(sim).requires_grad_()
+        x = torch.full((64,), 2.0).to(sim).requires_grad_()
+        with op_tools.OpCapture() as capture:
+            y = leaf * 3.0
+            out = torch.remainder(y, x)
+            if fault:  # on while remainder's backward runs: armed by its output's gradient, off at its inputs'
+                out.register_hook(lambda _: ditorch.sim.set_faults(fault))
+                y.register_hook(lambda _: ditorch.sim.clear_faults())
+            torch.sin(out).sum().backward()
+        return capture.recorder.file.path
+
+    result = compare(record("a", None), record("b", "neg:scratch=0.1"))
+    first = result.first_divergence("backward")
+    assert first is not None and result.verdict() == "found"
+    assert (first.a or first.b)["op"] == "torch.remainder", [(r.a or r.b)["op"] for r in result.rows if r.diverged]

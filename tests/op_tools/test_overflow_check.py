@@ -900,3 +900,16 @@ def test_on_an_asynchronous_device_the_loss_scale_overflow_is_told_apart_from_a_
     assert [o["scale"] for o in clean.loss_scale_overflows] == [65536.0, 32768.0]
     assert (faulty.first_overflow.name, faulty.first_overflow.phase) == ("torch.nn.functional.gelu", "forward")
     assert len(faulty.loss_scale_overflows) == 2
+
+
+def test_results_no_op_made_are_counted_skipped_with_why_as_autocompare_counts_them(sim):
+    # memory never written (empty, resize_ growing a tensor) and the program's own data hold whatever they hold: no
+    # op made an inf there, so none is judged; they were passed over uncounted, where OpAutoCompare counts its skips
+    import ditorch.sim
+
+    with ditorch.sim.faults("empty:inf;resize_:inf"), op_tools.OpOverflowCheck() as check:
+        x = torch.empty(8, device=sim)
+        x.resize_(16)
+        torch.tensor([1.0, float("inf")], device=sim)
+    assert check.verdict() == "clean" and check.first_overflow is None
+    assert check.skipped == {"uninitialised": 2, "the program's own data": 1}, check.skipped
