@@ -21,7 +21,9 @@ uninitialised memory) are listed apart.
 Other tools' verdicts: ``--tool compare_runs`` records each sample twice (``OP_CAPTURE_MODE=stats``), clean and
 faulted, and takes compare_runs' verdict on the two recordings; ``--tool overflow --kind inf|nan`` sweeps
 OpOverflowCheck, the fault kept to the kernels the sample's phase runs (found by running it first without the tool),
-so that the tool's own reductions stay right. A wrong result the tool said it had not checked is listed apart.
+so that the tool's own reductions stay right; ``--tool replay`` captures each sample clean (``OpCapture``) and
+replays its calls on sim with the fault (``run_op_from_data --acc_check``). A wrong result the tool said it had not
+checked is listed apart.
 
 With ``--reference device`` the fault is kept to kernels of the tested dtype (the device's float64 reference kernels
 stay correct: a fault they share is the cross-check's question) and each sample runs twice unfaulted first, so that
@@ -33,7 +35,7 @@ would not be the op's. A fault in a backward where the engine summed an input's 
 within the call) is listed apart: autograd sums them too, with a kernel no tool judges (op_autocompare.md, Limits).
 
 Exit status 1 when a silent pass is found. Results of 2026-11-30 are in docs/tools/op_autocompare.md,
-op_overflow_check.md and compare_runs.md.
+op_overflow_check.md, compare_runs.md and run_op_from_data.md.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ import op_tools  # noqa: E402
 from ditorch.sim import fault_injection  # noqa: E402
 from op_tools.core import call_backward  # noqa: E402
 from op_tools.numerics import device_readback  # noqa: E402
+from op_tools.offline import replay  # noqa: E402
 from op_tools.offline.compare_runs import compare  # noqa: E402
 from op_tools.offline.conformance import runs  # noqa: E402
 from op_tools.ops.arguments import iter_tensors, map_tensors  # noqa: E402
@@ -208,6 +211,33 @@ class ToolsOwnKernels:
         self._patches.close()
 
 
+def replayed(folder: str, fault: str, in_backward: bool) -> tuple[str, list[str]]:
+    """The offline replay's verdict (``run_op_from_data --acc_check``) on every call captured under ``folder``, on sim
+    with ``fault`` in its kernels (``in_backward``: in the backward's alone, the forward right): ``found`` where an
+    entry is, ``unchecked`` where one could not be checked, else ``clean``; and the entries whose accuracy went
+    unchecked on purpose, and why (an op that draws random numbers, memory never written)."""
+    options = replay.ReplayOptions(acc_check=True)
+    results = []
+    backward = torch.autograd.backward
+
+    def faulted_backward(*args, **kwargs):
+        with ditorch.sim.faults(fault):
+            return backward(*args, **kwargs)
+
+    with contextlib.ExitStack() as stack:
+        if in_backward:
+            stack.enter_context(mock.patch.object(torch.autograd, "backward", faulted_backward))
+        else:
+            stack.enter_context(ditorch.sim.faults(fault))
+        for entry in replay.find_entries(folder):
+            results.append(replay.replay(entry, "sim", options))
+    verdicts = {r.verdict() for r in results}
+    skipped = [why for r in results for note in r.notes
+               for start, why in (("random draws", "random"), ("memory never written", "uninitialised"))
+               if note.startswith(start)]
+    return ("found" if "found" in verdicts else "unchecked" if "unchecked" in verdicts else "clean"), skipped
+
+
 def new_tool(args):
     """The tool under test, as a user starts it."""
     return op_tools.OpOverflowCheck() if args.tool == "overflow" else op_tools.OpAutoCompare(reference=args.reference)
@@ -311,7 +341,17 @@ def run_sample(opinfo, index: int, sample, args, phase: str,
             fault = only_kernels(kernels_of(opinfo, sample, index, phase, wants_grad), kind)
         if not fault:
             return None
-    if args.tool == "compare_runs":  # run A clean, run B faulted, both recorded; compare_runs' verdict
+    if args.tool == "replay":  # the sample captured clean, its calls replayed on sim with the fault
+        with tempfile.TemporaryDirectory() as folder:
+            with ditorch.sim.numerics(args.numerics), op_tools.OpCapture(results_dir=folder) as tool:
+                phase_run(opinfo, index, sample, args, phase, "", kind, tool, reference, wants_grad)
+            if args.kind == "scratch" and phase == "backward":  # as phase_run: the forward's kernels stay right
+                fault = fault_except(kernels_of(opinfo, sample, index, "forward", wants_grad), kind)
+            with ditorch.sim.numerics(args.numerics):
+                verdict, skips = replayed(folder, fault, phase == "backward")
+                result, upstream = phase_run(opinfo, index, sample, args, phase, fault, kind, None, reference,
+                                             wants_grad)  # the faulted results, to know how far off they are
+    elif args.tool == "compare_runs":  # run A clean, run B faulted, both recorded; compare_runs' verdict
         with tempfile.TemporaryDirectory() as folder:
             clean, faulted = os.path.join(folder, "a"), os.path.join(folder, "b")
             with ditorch.sim.numerics(args.numerics), recording(clean) as tool:
@@ -360,15 +400,17 @@ def main() -> int:
     parser.add_argument("--shard", default="", help="I/N: this process's share of the ops")
     parser.add_argument("--reference", choices=("cpu", "device"), default="cpu",
                         help="where the tool's float64 reference runs (OpAutoCompare's reference=)")
-    parser.add_argument("--tool", choices=("autocompare", "overflow", "compare_runs"), default="autocompare",
+    parser.add_argument("--tool", choices=("autocompare", "overflow", "compare_runs", "replay"),
+                        default="autocompare",
                         help="the tool whose verdict is swept: OpAutoCompare (default), OpOverflowCheck (with "
-                             "--kind nan or inf, the fault in the sample's own kernels alone), or compare_runs (a "
-                             "clean and a faulted run recorded, then compared)")
+                             "--kind nan or inf, the fault in the sample's own kernels alone), compare_runs (a "
+                             "clean and a faulted run recorded, then compared), or the offline replay (a clean run "
+                             "captured, its calls replayed with the fault: run_op_from_data --acc_check)")
     args = parser.parse_args()
     if args.tool == "overflow" and (args.kind not in ("nan", "inf") or args.reference != "cpu"):
         parser.error("--tool overflow sweeps --kind nan or inf, with no --reference")
-    if args.tool == "compare_runs" and args.reference != "cpu":
-        parser.error("--tool compare_runs takes no --reference")
+    if args.tool in ("compare_runs", "replay") and args.reference != "cpu":
+        parser.error(f"--tool {args.tool} takes no --reference")
     dtype = getattr(torch, args.dtype)
     narrow = dtype in (torch.float16, torch.bfloat16)
     tolerance = args.tolerance if args.tolerance is not None else 0.1 if narrow else 1e-3

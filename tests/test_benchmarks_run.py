@@ -133,6 +133,18 @@ def test_the_blind_spot_sweep_of_compare_runs_finds_every_kernel_that_writes_an_
         "the first linalg.matrix_power sample 1" in result.stdout, result.stdout[-2000:]
 
 
+def test_the_blind_spot_sweep_of_the_offline_replay_checks_every_call_it_captured(tmp_path):
+    # hardswish (which torch.overrides lists as ignored) and aten.slice.Tensor called directly were refused by the
+    # replay (not checked); ones_like(x, device=...)'s CPU reference ran on the device, faulted too (a silent pass).
+    # tanhshrink's gradient in pieces, which autograd sums unjudged by the tools that run with the program, is found
+    # there: the replay compares the gradient autograd gave.
+    result = _run("blind_spots.py", tmp_path, "--tool", "replay", "--phase", "all", "--dtype", "bfloat16",
+                  "--numerics", "gpu", "--ops", "nn.functional.hardswish,slice,ones_like,nn.functional.tanhshrink")
+    assert "samples with a fault: 11 in their forward, 8 in their backward" in result.stdout, result.stdout[-2000:]
+    assert "0 wrong results the tool said it had not checked" in result.stdout, result.stdout[-2000:]
+    assert "summary: blind_spots: 0 silent passes" in result.stdout
+
+
 def test_self_check_detection_runs_over_two_ranks_and_names_the_faulty_one(tmp_path):
     # its --ranks 2 mode: a worker per rank under torchrun, a fault on rank 1 alone
     result = _run("self_check_detection.py", tmp_path, "--ranks", "2", "--size", "tiny", "--steps", "1")

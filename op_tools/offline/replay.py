@@ -35,9 +35,10 @@ from ..numerics.comparison import ToleranceSpec, compare_outputs
 from ..numerics.device_math import DeviceMath, emulated
 from ..numerics.device_timing import device_synchronizer
 from ..numerics.error_statistics import DEVICE_STATISTICS_MIN
-from ..numerics.reference import DEFAULT_CAST, attempts_for
+from ..numerics.reference import DEFAULT_CAST, attempts_for, device_named, map_arguments
 from ..ops.arguments import iter_tensors, map_tensors
 from ..ops.naming import function_from_name
+from ..ops.op_facts import op_facts
 from ..ops.random_calls import random_reason
 from ..ops.writes import call_writes
 from ..output.capture_format import AUTOCAST_KEY, load_op_args
@@ -176,6 +177,21 @@ def _overridable_names() -> frozenset:
     return _overridable()[0]
 
 
+# Where torch's own functions that ``torch.overrides`` lists as ignored are operators a tool can meet and a replay may
+# run (``F.hardswish``, ``x.new_zeros``, ``x.unflatten``): these namespaces hold no function that reads a file or
+# runs code, as ``torch.load`` and ``torch.compile``, ignored too, do.
+_IGNORED_OPERATORS = ("torch.Tensor.", "torch.nn.functional.")
+
+
+@functools.cache
+def _ignored_operators() -> frozenset:
+    """The ids of the functions ``torch.overrides.get_ignored_functions`` lists in ``_IGNORED_OPERATORS``."""
+    from torch.overrides import get_ignored_functions, resolve_name
+
+    return frozenset(id(f) for f in get_ignored_functions()
+                     if (resolve_name(f) or "").startswith(_IGNORED_OPERATORS))
+
+
 _ATEN_NAMESPACES = {"torch": "_VariableFunctions", "torch._C._nn": "_nn", "torch._C._linalg": "_linalg",
                     "torch._C._special": "_special", "torch._C._fft": "_fft"}
 
@@ -192,7 +208,7 @@ def is_torch_operator(name: str) -> bool:
 
 def _known_function(func) -> bool:
     """Whether ``func`` is itself a function ``torch.overrides`` knows or an aten binding, whatever its name."""
-    if id(func) in _overridable()[1]:
+    if id(func) in _overridable()[1] or id(func) in _ignored_operators():
         return True
     short = getattr(func, "__name__", None)
     return isinstance(short, str) and any(getattr(getattr(torch._C, binding), short, None) is func
@@ -204,6 +220,8 @@ def resolve_op(name: str, allowed_modules: tuple[str, ...] = ()):
     if not isinstance(name, str) or not name:
         raise ReplayError(f"the capture names no op ({name!r})")
     top = name.split(".")[0]
+    if top == "aten":
+        return _aten_op(name)
     if top != "torch" and top not in allowed_modules:  # refused before importing anything it names
         raise ReplayError(f"refused op name {name!r}: not a torch op; to run a function of package {top!r}, "
                           f"allow it with --allow_module {top}")
@@ -215,6 +233,19 @@ def resolve_op(name: str, allowed_modules: tuple[str, ...] = ()):
     if top == "torch" and not is_torch_operator(name) and not _known_function(func):
         raise ReplayError(f"refused op name {name!r}: not a torch operator (a capture names operators only)")
     return func
+
+
+def _aten_op(name: str):
+    """An aten operator as the tools name one called directly (``torch.ops.aten.slice.Tensor`` is
+    ``aten.slice.Tensor``; a packet without its overload, ``aten.slice``): torch's own, from ``torch.ops.aten``."""
+    parts = name.split(".")
+    if len(parts) not in (2, 3):
+        raise ReplayError(f"unknown op {name!r}: an aten operator is named aten.<op>[.<overload>]")
+    try:
+        packet = getattr(torch.ops.aten, parts[1])
+        return getattr(packet, parts[2]) if len(parts) == 3 else packet
+    except (AttributeError, RuntimeError) as e:
+        raise ReplayError(f"unknown op {name!r}: {e}") from None
 
 
 # --- running ---
@@ -252,9 +283,8 @@ def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: 
     saved_grads = _load_optional(os.path.join(entry.directory, "grad_outputs.pth")) if options.backward else None
     upstream = tuple(saved_grads["args"]) if saved_grads else ()
 
-    on_device = functools.partial(map_tensors, fn=lambda t: t.to(device))
-    device_args, device_kwargs = on_device(args), on_device(kwargs)
-    device_upstream = on_device(upstream)
+    device_args, device_kwargs = _on_device(args, device), _on_device(kwargs, device)
+    device_upstream = _on_device(upstream, device)
     sync = _synchronizer(device)
     inplace = not call_writes(name).never  # every run writes copies of the captured values, never them
     autocast = _autocast(data.get(AUTOCAST_KEY), device, result)
@@ -311,11 +341,31 @@ def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: 
         if reason is not None:
             result.notes.append("random draws: accuracy not checked (a rerun draws other numbers)")
             return
+        if op_facts(name).uninitialised:  # what any run holds there is whatever the memory held
+            result.notes.append("memory never written (torch.empty's): accuracy not checked")
+            return
         with autocast():
             math = DeviceMath.of(device)  # the replay device's declared math, under the captured autocast
         _check(func, args, kwargs, upstream, inplace, first, saved_output, options, result, math)
         if result.status == "ok" and any(not c["ok"] for c in result.checks):
             result.status = "mismatch"
+
+
+def _on_device(obj, device: torch.device):
+    """The captured arguments for the run on ``device``: tensors moved there, and a device the call named other than
+    the CPU (``x.to("npu:0")``, ``ones_like(x, device=...)``) as ``device``: a capture made on another device, or
+    machine, runs where the replay runs."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, torch.device) or isinstance(obj, str) and device_named(obj) is not None:
+        named = obj if isinstance(obj, torch.device) else device_named(obj)
+        return obj if named is None or named.type == "cpu" else device if isinstance(obj, torch.device) else str(device)
+    if isinstance(obj, dict):
+        return {k: _on_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+        items = [_on_device(v, device) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    return obj
 
 
 def _captured_output(saved: tuple, actual: tuple) -> tuple:
@@ -457,11 +507,16 @@ def _compared(value):
 
 def _cpu_run(func, args, kwargs, upstream, inplace, with_grad, cast: dict):
     """The op on the CPU, its inputs' dtypes through ``cast``: (output, input grads)."""
-    convert = functools.partial(map_tensors, fn=lambda t: _to_cpu(t, cast))
+    # as OpAutoCompare's reference: the devices the call named moved to the CPU (``ones_like(x, device="npu")``'s
+    # reference ran on the device, faults and all) and its dtype arguments cast as its tensors are
+    convert = functools.partial(map_arguments, tensor_fn=lambda t: _to_cpu(t, cast), cast=cast)
     call_args, call_kwargs, leaves = _prepare(convert(args), convert(kwargs), with_grad, inplace)
     output = func(*call_args, **call_kwargs)
     if not with_grad:
         return output, None
+    # an input handed back (``x.to(torch.bfloat16)`` cast to ``x.to(torch.float64)`` of a float64 copy) takes the
+    # upstream gradient as it is, through a view
+    output = map_tensors(output, lambda t: t.view_as(t) if t.requires_grad and t.grad_fn is None else t)
     roots = [t for t in iter_tensors(output) if t.grad_fn is not None]
     if roots:
         torch.autograd.backward(roots, _upstream(roots, convert(tuple(upstream)), ReplayResult(Entry("", "", ""))))

@@ -260,9 +260,18 @@ def test_only_torch_operators_or_allowed_packages_resolve():
     assert resolve_op("torch._foreach_add_") is torch._foreach_add_
     # the name the tools give torch.relu_ (its alias in torch.nn.functional), which torch.overrides does not list
     assert resolve_op("torch.nn.functional.relu_") is torch.relu_
-    for name in ("torch.save", "torch.load", "torch.hub.load", "os.system", "builtins.eval"):
+    # torch's own operators torch.overrides lists as ignored, which the tools meet all the same (MobileNet's
+    # hardswish, transformers' new_zeros), and aten operators called directly, as the tools name them: refused before
+    assert resolve_op("torch.nn.functional.hardswish") is torch.nn.functional.hardswish
+    assert resolve_op("torch.Tensor.new_zeros") is torch.Tensor.new_zeros
+    assert resolve_op("aten.slice.Tensor") is torch.ops.aten.slice.Tensor
+    assert resolve_op("aten._softmax_backward_data") is torch.ops.aten._softmax_backward_data
+    for name in ("torch.save", "torch.load", "torch.hub.load", "torch.compile", "torch.export.load", "os.system",
+                 "builtins.eval"):
         with pytest.raises(ReplayError, match="refused"):
             resolve_op(name)
+    with pytest.raises(ReplayError, match="unknown op 'aten.no_such_op.default'"):
+        resolve_op("aten.no_such_op.default")
     import tiny_models
 
     assert resolve_op("tiny_models.mlp", allowed_modules=("tiny_models",)) is tiny_models.mlp
@@ -498,3 +507,41 @@ def test_a_device_this_torch_does_not_know_is_a_usage_error_that_says_how_to_imp
     assert main([str(captured_step), "--device", "npu:0"]) == 2
     error = capsys.readouterr().err
     assert error.startswith("run_op_from_data: --device npu:0: ") and "DITORCH_BACKEND=<its name>" in error
+
+
+def test_a_call_naming_its_device_is_referenced_on_the_cpu_and_replayed_on_the_replays_device(tmp_path, sim):
+    # ones_like(x, dtype=..., device=...) names its device. The CPU reference kept that device argument: it ran on the
+    # device, faults and all, and a wrong result passed. A capture made on another device (cuda:1) failed to run.
+    import ditorch.sim
+    from op_tools.offline.replay import ReplayOptions, replay
+
+    x = torch.zeros(8).to(sim)
+    with op_tools.OpCapture(results_dir=str(tmp_path / "here")):
+        torch.ones_like(x, dtype=torch.bfloat16, device=sim)
+    (entry,) = [e for e in find_entries(str(tmp_path / "here")) if "ones_like" in e.label]
+    with ditorch.sim.faults("ones_like:noise=0.3"):
+        faulty = replay(entry, sim, ReplayOptions(acc_check=True))
+    assert faulty.status == "mismatch" and faulty.checks[0]["check"] == "output vs cpu float64", faulty.checks
+    assert not faulty.checks[0]["ok"]
+    assert replay(entry, sim, ReplayOptions(acc_check=True)).status == "ok"
+
+    elsewhere = tmp_path / "elsewhere"
+    _original_capture(elsewhere, "torch.ones_like", (torch.zeros(8),), {"device": "cuda:1"}, torch.ones(8), 1)
+    (entry,) = find_entries(str(elsewhere))
+    moved = replay(entry, sim, ReplayOptions(acc_check=True))
+    assert moved.status == "ok" and all(c["ok"] for c in moved.checks), (moved.error, moved.checks)
+
+
+def test_memory_never_written_is_replayed_but_not_checked_and_says_so(tmp_path, sim):
+    # torch.empty_like's result (and x.new_empty's, replayed since torch.overrides' ignored functions resolve) is
+    # whatever the memory held: compared, it was a mismatch or a pass by chance
+    from op_tools.offline.replay import ReplayOptions, replay
+
+    x = torch.randn(64).to(sim)
+    with op_tools.OpCapture(results_dir=str(tmp_path)):
+        torch.empty_like(x)
+        x.new_empty((8, 8))
+    results = {r.name: r for r in (replay(e, sim, ReplayOptions(acc_check=True)) for e in find_entries(str(tmp_path)))}
+    for name in ("torch.empty_like", "torch.Tensor.new_empty"):
+        assert results[name].status == "ok" and results[name].checks == [], results[name]
+        assert "memory never written (torch.empty's): accuracy not checked" in results[name].notes, results[name]
