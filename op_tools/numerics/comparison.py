@@ -22,7 +22,8 @@ The verdict for a floating tensor, unless the user set a tolerance:
   correct (half an ulp) or faithful (one ulp) result never exceeds and an element off by 2 ulps always does, unless
   the same-dtype run's own error shows the op is less exact on the CPU too (``ROUNDED_RATIO`` times it);
 * when the reference is not wider than the device's dtype (a float64 device op, or an op the CPU
-  cannot run in float64), the bound is ``SAME_PRECISION_FLOOR_EPS`` epsilons;
+  cannot run in float64), the bound is ``SAME_PRECISION_FLOOR_EPS`` epsilons, at most
+  ``SAME_PRECISION_FLOOR_MAX`` (a narrow dtype's 256 eps would pass anything);
 * nan/inf must sit where the reference (or, for overflow, the same-dtype run) has them.
 
 With a ``ToleranceSpec`` from the user, ``allclose(device, reference, atol, rtol)`` decides.
@@ -50,6 +51,10 @@ from .rounding_bounds import NARROW as _NARROW
 RATIO = 4.0
 FLOOR_EPS = 4.0
 SAME_PRECISION_FLOOR_EPS = 256.0
+# ... and at most this normalised error: 256 eps of bfloat16 is 2.0 (of float16, 0.25), more than any result is off
+# by, so a bfloat16 result judged against a bfloat16 reference (the replay's captured output) passed anything. 1/16
+# is 8 ulps of bfloat16, far beyond what two correct runs' roundings part by, far below a fault worth the name.
+SAME_PRECISION_FLOOR_MAX = 1 / 16
 
 # An op rounded once into a narrow dtype (float32 math inside its kernels): a correct element is within 1/2 ulp;
 # 1 ulp is at most 1 eps relative, 2 ulps more. Elements below 2^-8 of the typical magnitude are measured against
@@ -690,10 +695,11 @@ def _default_verdict(result: Comparison, d, r, get_same, lazy, finite_d, finite_
     eps, ref_eps = _eps(d.dtype), _eps(r.dtype)
     if ref_eps >= eps:  # the reference is no more precise than the device: only a loose floor is meaningful
         limit = SAME_PRECISION_FLOOR_EPS * eps
-        if result.device_error > limit:
+        if result.device_error > min(limit, SAME_PRECISION_FLOOR_MAX):
             result.passed = False
-            infos.append(f"error {result.device_error:.3g} above {SAME_PRECISION_FLOOR_EPS:g} eps of {d.dtype} "
-                         f"(reference computed in {r.dtype})")
+            floor = f"{SAME_PRECISION_FLOOR_EPS:g} eps of {d.dtype}" if limit <= SAME_PRECISION_FLOOR_MAX else \
+                f"{SAME_PRECISION_FLOOR_MAX:g} (8 ulps of bfloat16; 256 eps of {d.dtype} would pass anything)"
+            infos.append(f"error {result.device_error:.3g} above {floor} (reference computed in {r.dtype})")
         return
     if rule.modelled and bound is not None and all_finite and _modelled_verdict(result, d, r, bound, infos):
         return

@@ -357,9 +357,11 @@ def _on_device(obj, device: torch.device):
     machine, runs where the replay runs."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
-    if isinstance(obj, torch.device) or isinstance(obj, str) and device_named(obj) is not None:
-        named = obj if isinstance(obj, torch.device) else device_named(obj)
-        return obj if named is None or named.type == "cpu" else device if isinstance(obj, torch.device) else str(device)
+    if isinstance(obj, torch.device):
+        return obj if obj.type == "cpu" else device
+    if isinstance(obj, str):  # "npu:0"; any other text ("mean") names no device
+        named = device_named(obj)
+        return str(device) if named is not None and named.type != "cpu" else obj
     if isinstance(obj, dict):
         return {k: _on_device(v, device) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):

@@ -253,6 +253,7 @@ class _Side:
 
 
 def _address(t: torch.Tensor) -> int | None:
+    """Where ``t``'s storage's memory starts (its views share it), or None for a tensor without one."""
     try:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError, TypeError):  # storage-less tensors

@@ -545,3 +545,20 @@ def test_memory_never_written_is_replayed_but_not_checked_and_says_so(tmp_path, 
     for name in ("torch.empty_like", "torch.Tensor.new_empty"):
         assert results[name].status == "ok" and results[name].checks == [], results[name]
         assert "memory never written (torch.empty's): accuracy not checked" in results[name].notes, results[name]
+
+
+def test_a_bfloat16_output_captured_wrong_is_not_reproduced_and_the_replay_says_so(tmp_path, sim):
+    # the captured output against the replay's: two bfloat16 results, judged by the floor for a reference no more
+    # precise than the result, 256 eps, which in bfloat16 is 2.0: a 30% fault at capture time passed as reproduced
+    import ditorch.sim
+    from op_tools.offline.replay import ReplayOptions, replay
+
+    x = torch.linspace(-2, 2, 256, dtype=torch.bfloat16).to(sim)
+    with ditorch.sim.faults("exp:noise=0.3"), op_tools.OpCapture(results_dir=str(tmp_path)):
+        torch.exp(x)
+    (entry,) = [e for e in find_entries(str(tmp_path)) if "exp" in e.label]
+    result = replay(entry, sim, ReplayOptions(acc_check=True))
+    checks = {c["check"]: c for c in result.checks}
+    assert checks["output vs cpu float64"]["ok"], checks  # the replay, unfaulted, computes right
+    assert not checks["output vs captured output"]["ok"] and result.status == "mismatch", checks
+    assert "above 0.0625 (8 ulps of bfloat16" in checks["output vs captured output"]["detail"], checks
