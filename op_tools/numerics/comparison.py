@@ -697,9 +697,9 @@ def _default_verdict(result: Comparison, d, r, get_same, lazy, finite_d, finite_
         limit = SAME_PRECISION_FLOOR_EPS * eps
         if result.device_error > min(limit, SAME_PRECISION_FLOOR_MAX):
             result.passed = False
-            floor = f"{SAME_PRECISION_FLOOR_EPS:g} eps of {d.dtype}" if limit <= SAME_PRECISION_FLOOR_MAX else \
+            above = f"{SAME_PRECISION_FLOOR_EPS:g} eps of {d.dtype}" if limit <= SAME_PRECISION_FLOOR_MAX else \
                 f"{SAME_PRECISION_FLOOR_MAX:g} (8 ulps of bfloat16; 256 eps of {d.dtype} would pass anything)"
-            infos.append(f"error {result.device_error:.3g} above {floor} (reference computed in {r.dtype})")
+            infos.append(f"error {result.device_error:.3g} above {above} (reference computed in {r.dtype})")
         return
     if rule.modelled and bound is not None and all_finite and _modelled_verdict(result, d, r, bound, infos):
         return

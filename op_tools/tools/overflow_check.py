@@ -707,10 +707,14 @@ class OpOverflowCheck(OpTool):
         seen = self.first_seen
         if seen is not None and self._first_seen is not None:  # the run held inf/nan that no call checked made
             what = "a nan" if self._first_seen[1] == NAN else "an inf"
+            # in a backward, the gradient it read may be autograd's sum of those the calls reading one tensor sent
+            # it (a float16 residual stream's): a sum no call makes, which overflows where each part is finite
+            summed = "autograd's sum of the gradients several calls sent one tensor, " if seen.phase == "backward" \
+                else ""
             found = (f"no call checked made inf/nan from finite inputs; {seen.name}"
                      f"{f' in {seen.module}' if seen.module else ''} ({seen.phase}) forward_id: {seen.forward_id} "
-                     f"read {what} first, from outside the calls checked (the program's data, a call not handled, or "
-                     "a write no call showed)")
+                     f"read {what} first, from outside the calls checked ({summed}the program's data, a call not "
+                     "handled, or a write no call showed)")
         elif not found:  # a clean verdict only when every handled call was checked
             found = "no inf/nan from finite inputs" if not self.not_checked() else \
                 "no inf/nan from finite inputs among the calls checked"

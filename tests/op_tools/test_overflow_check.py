@@ -913,3 +913,14 @@ def test_results_no_op_made_are_counted_skipped_with_why_as_autocompare_counts_t
         torch.tensor([1.0, float("inf")], device=sim)
     assert check.verdict() == "clean" and check.first_overflow is None
     assert check.skipped == {"uninitialised": 2, "the program's own data": 1}, check.skipped
+
+
+def test_a_gradient_sum_autograd_makes_overflowing_is_named_among_the_causes_of_an_inf_no_call_made(sim):
+    # y read by two calls: each sends it a finite float16 gradient, 40000, and autograd's sum of them, 80000, is
+    # inf. No call made it; the closing line named the program's data, a call not handled or a write as the causes
+    x = torch.full((8,), 1.0, dtype=torch.float16).to(sim).requires_grad_()
+    with op_tools.OpOverflowCheck() as check:
+        y = x * 2.0
+        (y * 1.0 + y * 1.0).backward(torch.full((8,), 40000.0, dtype=torch.float16).to(sim))
+    assert check.first_overflow is None and check.first_seen is not None and check.first_seen.phase == "backward"
+    assert "autograd's sum of the gradients several calls sent one tensor" in check.closing_line()
