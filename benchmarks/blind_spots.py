@@ -32,7 +32,8 @@ the device is cross-checked); the summary counts the samples judged there.
 
 The tools' own kernels run unfaulted (``ToolsOwnKernels``): a verdict a faulted statistic, flag or sum decided
 would not be the op's. A fault in a backward where the engine summed an input's gradient pieces (the input read twice
-within the call) is listed apart: autograd sums them too, with a kernel no tool judges (op_autocompare.md, Limits).
+within the call) is listed apart: autograd sums them too, with a kernel no tool judges (op_autocompare.md, Limits);
+so is one in a call OpAutoCompare's summary said passed only within a correct run's large error (``weak_passes``).
 
 Exit status 1 when a silent pass is found. Results of 2026-11-30 are in docs/tools/op_autocompare.md,
 op_overflow_check.md, compare_runs.md and run_op_from_data.md.
@@ -310,7 +311,7 @@ def phase_run(opinfo, index: int, sample, args, phase: str, fault: str, kind: st
 
 
 def run_sample(opinfo, index: int, sample, args, phase: str,
-               dtype: torch.dtype) -> tuple[float, float, str, bool] | str | None:
+               dtype: torch.dtype) -> tuple[float, float, str, bool, bool] | str | None:
     """One sample with the fault in ``phase``'s kernels: how far off the device's results of that phase were (its
     outputs, or the gradients), how far off a correct run in the dtype is (the CPU's), and the tool's verdict;
     "skipped" for a call the tool skips with its reason; None for a sample this sweep cannot judge (no CPU reference,
@@ -376,7 +377,7 @@ def run_sample(opinfo, index: int, sample, args, phase: str,
     same = runs.SameDtypeRun(opinfo, cpu, dtype, upstream if backward else None)
     correct = same.backward() if backward else same.forward()
     own = off_by(correct, reference_grads if backward else reference.output) if correct is not None else 0.0
-    return off, own, verdict, on_the_device(tool)
+    return off, own, verdict, on_the_device(tool), bool(getattr(tool, "weak_passes", None))
 
 
 def main() -> int:
@@ -421,7 +422,7 @@ def main() -> int:
 
     patterns = [p for p in args.ops.split(",") if p]
     shard, shards = map(int, args.shard.split("/")) if args.shard else (0, 1)
-    silent, within, pieces, skipped = [], [], [], set()
+    silent, within, pieces, said, skipped = [], [], [], [], set()
     checked, on_device = collections.Counter(), collections.Counter()
     unchecked: list[str] = []
     phases = {"both": ("forward", "backward"), "all": ("forward", "backward", "in-place")}.get(args.phase,
@@ -450,7 +451,7 @@ def main() -> int:
                     skipped.add(name)
                 elif result is not None:
                     checked[phase] += 1
-                    off, own, verdict, device = result
+                    off, own, verdict, device, weak = result
                     on_device[phase] += device
                     if off > tolerance and verdict == "clean":
                         what = f"{name} sample {index}, a fault in its {phase}: off by {off:.3g} (a correct " \
@@ -461,6 +462,9 @@ def main() -> int:
                         if hidden:
                             within.append(what)
                             print("WITHIN A CORRECT RUN'S ERROR:", what, flush=True)
+                        elif weak:  # the tool's summary said it passed calls within a correct run's large error
+                            said.append(what)
+                            print("PASSED WITHIN A CORRECT RUN'S LARGE ERROR, SAID SO:", what, flush=True)
                         elif own_kernels.pieces_summed and phase == "backward" and args.tool != "replay":
                             # autograd's own sum of the pieces may be the faulted kernel: the limit the docs describe
                             # (the replay compares the gradient autograd gave: no such limit)
@@ -484,6 +488,8 @@ def main() -> int:
           (f", the first {unchecked[0]}" if unchecked else ""))
     print(f"{len(within)} faults within 4x a correct {args.dtype} run's own error + 4 eps (the rule's margin: "
           "op_autocompare.md, Limits)")
+    print(f"{len(said)} faults in calls the tool said passed within a correct run's own error of 0.1 or more of "
+          "their scale (OpAutoCompare's weak_passes)" + (f", the first {said[0]}" if said else ""))
     print(f"{len(pieces)} faults in a backward whose input's gradient came in pieces, summed by autograd and, "
           "unfaulted, by the engine (autograd's sum is judged by no tool: op_autocompare.md, Limits)" +
           (f", the first {pieces[0]}" if pieces else ""))

@@ -135,6 +135,10 @@ CSV_COLUMNS = ("op", "forward_id", "phase", "module", *COLUMNS, "location", *res
 CONSOLE_COLUMNS = ("name", "allclose", "max_abs_diff", "max_relative_diff", "verdict", "error_info")
 FAILURES_SHOWN = 20  # rows of the failing-ops table on the console; the CSV holds them all
 VERSUS_EAGER_WORSE = 2.0  # a compiled graph erring more than this many times its eager run is counted as worse
+# A call passes by the rule within 4x the error a correct run in its dtype has. Where that run errs by this much of the
+# result's scale (an ill-conditioned call: the pseudo-inverse of a singular matrix, an eigenvector's free sign, a
+# gradient that is rounding noise), a fault as large passes too: the summary counts such passes apart.
+WEAK_PASS = 0.1
 _RERUN_DRAWS = "random (the CPU reference drew numbers)"
 # Input elements from which an op's first call learns its output dtypes on meta tensors rather than by a same-dtype
 # run (a meta run costs about a millisecond of Python whatever the size; a run on small tensors costs less).
@@ -286,6 +290,9 @@ class OpAutoCompare(OpTool):
         self.stale_copies = 0  # cached host copies found out of date when a failing call re-read them
         # failing calls that changed an input they do not declare written, by op (_wrote_its_inputs, device_rerun)
         self.inputs_written: collections.Counter[str] = collections.Counter()
+        # (op, phase, result) -> calls passed with that result within a correct run's own error of WEAK_PASS or more:
+        # a fault that size there passes
+        self.weak_passes: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self.failures: list[dict] = []
         self._failures_shown: set = set()  # (op, phase) whose first failing call's table was shown at WARNING
         self.rows: list[tuple] = []  # comparisons not yet in the CSV
@@ -675,6 +682,9 @@ class OpAutoCompare(OpTool):
         passed = all(c.passed for c in comparisons)
         self.counts["forward compared"] += 1
         self.counts["forward passed" if passed else "forward failed"] += 1
+        if passed:
+            for result in _weak(comparisons):
+                self.weak_passes[call.name, "forward", result] += 1
         if state.math_used:
             self.device_math[state.math_used.describe()] += 1
         wants_backward = state.wants_backward
@@ -1362,6 +1372,9 @@ class OpAutoCompare(OpTool):
         with self._lock:
             self.counts["backward compared"] += 1
             self.counts["backward passed" if passed else "backward failed"] += 1
+            if passed:
+                for result in _weak(comparisons):
+                    self.weak_passes[call.name, "backward", result] += 1
         location, module = call.location, call.module_path
         found = self._narrowed.get(call.name) if not passed and type(call.func) is RegionRun else None
         if found is None and not passed and type(call.func) is RegionRun:
@@ -1698,6 +1711,11 @@ class OpAutoCompare(OpTool):
             lines.append(fit(f"{sum(self.inputs_written.values())} failing calls changed an input they do not declare "
                              "written (" + ", ".join(f"{op}: {n}" for op, n in self.inputs_written.most_common())
                              + "): judged on the inputs they were given"))
+        if self.weak_passes:
+            lines.append(fit(f"{sum(self.weak_passes.values())} results passed within a correct run's own error of "
+                             f"{WEAK_PASS:g} or more of their scale, where a fault that size passes too: " + ", ".join(
+                                 f"{op} ({phase}) {result}: {n}"
+                                 for (op, phase, result), n in self.weak_passes.most_common(5))))
         if self.failures:
             lines.append("failing ops in execution order (the first is where to look):")
             shown = [{**f, "location": reporting.short_location(f["location"])} for f in self.failures[:FAILURES_SHOWN]]
@@ -1717,6 +1735,12 @@ class OpAutoCompare(OpTool):
             else:
                 lines.append("no op failed")
         return "\n".join(lines)
+
+
+def _weak(comparisons: list[Comparison]) -> list[str]:
+    """The results of a passing call that passed within a correct run's error of ``WEAK_PASS`` or more (nan: none
+    measured)."""
+    return [c.name for c in comparisons if c.cpu_error >= WEAK_PASS]
 
 
 def _device_reason(call: OpCall, state: CompareState, settings: AutoCompareConfig) -> str | None:
