@@ -55,6 +55,11 @@ SAME_PRECISION_FLOOR_EPS = 256.0
 # by, so a bfloat16 result judged against a bfloat16 reference (the replay's captured output) passed anything. 1/16
 # is 8 ulps of bfloat16, far beyond what two correct runs' roundings part by, far below a fault worth the name.
 SAME_PRECISION_FLOOR_MAX = 1 / 16
+# A result passes by the rule within 4x the error a correct run in its dtype has. Where that run errs by this much of
+# the result's scale (an ill-conditioned call: the pseudo-inverse of a singular matrix, an eigenvector's free sign, a
+# gradient that is rounding noise), a fault as large passes too: a weak pass (``Comparison.weak``), which OpAutoCompare
+# counts apart.
+WEAK_PASS = 0.1
 
 # An op rounded once into a narrow dtype (float32 math inside its kernels): a correct element is within 1/2 ulp;
 # 1 ulp is at most 1 eps relative, 2 ulps more. Elements below 2^-8 of the typical magnitude are measured against
@@ -275,6 +280,14 @@ class Comparison:
     device_error: float = float("nan")
     cpu_error: float = float("nan")
     error_info: str = ""
+    # the smallest error correct runs of the call's signature had, where the call passed on that precedent (no
+    # same-dtype run of its own)
+    precedent_error: float = float("nan")
+
+    @property
+    def weak(self) -> bool:
+        """Passed within a correct run's error of ``WEAK_PASS`` or more (its own, or its signature's precedent)."""
+        return self.passed and (self.cpu_error >= WEAK_PASS or self.precedent_error >= WEAK_PASS)
 
     @property
     def error_ratio(self) -> float:
@@ -710,6 +723,7 @@ def _default_verdict(result: Comparison, d, r, get_same, lazy, finite_d, finite_
     if lazy and precedent is not None and all_finite and not bulk:
         seen = precedent[0].bound(*precedent[1:])
         if seen is not None and result.device_error <= rule.bound(ratio, seen / 2, floor):
+            result.precedent_error = seen
             return  # well within what correct runs of this signature had: no same-dtype run could change this
     s = get_same()
     if _dtype_differs(d, s):

@@ -71,6 +71,7 @@ from ..numerics.attention import replayed_dropout_mask, with_dropout_mask
 from ..numerics.comparison import (
     COLUMNS,
     UNREAD,
+    WEAK_PASS,
     Comparison,
     PendingStats,
     SameDtypeHistory,
@@ -135,10 +136,6 @@ CSV_COLUMNS = ("op", "forward_id", "phase", "module", *COLUMNS, "location", *res
 CONSOLE_COLUMNS = ("name", "allclose", "max_abs_diff", "max_relative_diff", "verdict", "error_info")
 FAILURES_SHOWN = 20  # rows of the failing-ops table on the console; the CSV holds them all
 VERSUS_EAGER_WORSE = 2.0  # a compiled graph erring more than this many times its eager run is counted as worse
-# A call passes by the rule within 4x the error a correct run in its dtype has. Where that run errs by this much of the
-# result's scale (an ill-conditioned call: the pseudo-inverse of a singular matrix, an eigenvector's free sign, a
-# gradient that is rounding noise), a fault as large passes too: the summary counts such passes apart.
-WEAK_PASS = 0.1
 _RERUN_DRAWS = "random (the CPU reference drew numbers)"
 # Input elements from which an op's first call learns its output dtypes on meta tensors rather than by a same-dtype
 # run (a meta run costs about a millisecond of Python whatever the size; a run on small tensors costs less).
@@ -1738,9 +1735,8 @@ class OpAutoCompare(OpTool):
 
 
 def _weak(comparisons: list[Comparison]) -> list[str]:
-    """The results of a passing call that passed within a correct run's error of ``WEAK_PASS`` or more (nan: none
-    measured)."""
-    return [c.name for c in comparisons if c.cpu_error >= WEAK_PASS]
+    """The results of a passing call that passed within a correct run's error of ``WEAK_PASS`` or more."""
+    return [c.name for c in comparisons if c.weak]
 
 
 def _device_reason(call: OpCall, state: CompareState, settings: AutoCompareConfig) -> str | None:
