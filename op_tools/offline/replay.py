@@ -220,32 +220,17 @@ def resolve_op(name: str, allowed_modules: tuple[str, ...] = ()):
     if not isinstance(name, str) or not name:
         raise ReplayError(f"the capture names no op ({name!r})")
     top = name.split(".")[0]
-    if top == "aten":
-        return _aten_op(name)
-    if top != "torch" and top not in allowed_modules:  # refused before importing anything it names
+    if top not in ("torch", "aten") and top not in allowed_modules:  # refused before importing anything it names
         raise ReplayError(f"refused op name {name!r}: not a torch op; to run a function of package {top!r}, "
                           f"allow it with --allow_module {top}")
-    try:
-        func = function_from_name(name)[2]
+    try:  # an aten operator called directly is named as torch names it (aten.slice.Tensor): torch.ops.aten's
+        func = function_from_name(f"torch.ops.{name}" if top == "aten" else name)[2]
     except ValueError as e:
         raise ReplayError(f"unknown op {name!r}: {e}") from None
     # by its function too: the tools name torch.relu_ by its alias torch.nn.functional.relu_, an aten binding
     if top == "torch" and not is_torch_operator(name) and not _known_function(func):
         raise ReplayError(f"refused op name {name!r}: not a torch operator (a capture names operators only)")
     return func
-
-
-def _aten_op(name: str):
-    """An aten operator as the tools name one called directly (``torch.ops.aten.slice.Tensor`` is
-    ``aten.slice.Tensor``; a packet without its overload, ``aten.slice``): torch's own, from ``torch.ops.aten``."""
-    parts = name.split(".")
-    if len(parts) not in (2, 3):
-        raise ReplayError(f"unknown op {name!r}: an aten operator is named aten.<op>[.<overload>]")
-    try:
-        packet = getattr(torch.ops.aten, parts[1])
-        return getattr(packet, parts[2]) if len(parts) == 3 else packet
-    except (AttributeError, RuntimeError) as e:
-        raise ReplayError(f"unknown op {name!r}: {e}") from None
 
 
 # --- running ---

@@ -267,7 +267,7 @@ def _passed_on(upstream: Sequence[torch.Tensor], gradients: list[tuple[str, torc
     passed on, which would otherwise keep the statistics it had when it arrived, and the divergence show first at the
     next call reading it. A backward that computes nothing (``add``'s, a view's) passes its upstream gradient on as it
     came: nothing measured again."""
-    if not upstream:
+    if not upstream or len(gradients) < 2:  # one gradient: passed on or computed, not both
         return frozenset()
     arrived = {_address(u) for u in upstream}
     passed = frozenset(a for _, g in gradients if (a := _address(g)) in arrived and a is not None)
