@@ -39,6 +39,10 @@ class OpFacts:
     # into zeros (select, slice, diagonal), the pieces' gradients joined (split, unbind), the windows' added (unfold):
     # a device's kernel may get it wrong, so it is compared as any op's
     backward_kernel: bool = False
+    # A view that computes nothing either way: its outputs are its input's elements as they lie in memory, and its
+    # backward passes the upstream gradient on rearranged (a view, or a copy where it must be contiguous). No value
+    # is made in it, so no inf or nan is born there (``Tensor.view(dtype)`` reads the same bits as another dtype).
+    alias_only: bool = False
     conversion: bool = False  # moves data between devices or converts dtypes on purpose
     # Arguments it writes that its schema does not mark as written (BatchNorm's running statistics), and the flag
     # that makes them written (None: always). For an op outside ``torch.``, None means "may write anything".
@@ -255,6 +259,15 @@ for _name in ("as_strided", "diagonal", "narrow", "select", "unfold", "unbind", 
               "hsplit", "vsplit", "tensor_split", "chunk", "__getitem__"):
     register_op_facts(f"torch.Tensor.{_name}", backward_kernel=True)
     register_op_facts(f"torch.{_name}", backward_kernel=True)
+
+# Views that compute nothing forward or backward: not an expansion's (its gradient is a sum), not those above
+# (their backward writes zeros), not a reshape's or a flatten's (which copy what no view can give), not complex ones'
+# (their gradient is made complex) nor in-place ones (they change a tensor's layout).
+for _name in ("view", "view_as", "transpose", "permute", "unsqueeze", "squeeze", "t", "T.__get__", "mT.__get__",
+              "movedim", "moveaxis", "swapaxes", "swapdims", "unflatten", "detach"):
+    register_op_facts(f"torch.Tensor.{_name}", alias_only=True)
+for _name in ("transpose", "permute", "unsqueeze", "squeeze", "t", "movedim", "detach"):
+    register_op_facts(f"torch.{_name}", alias_only=True)
 
 # Kernels that write arguments their schema does not mark as written (PyTorch's batch norm writes its running
 # statistics in place), when their training flag says so.

@@ -195,11 +195,13 @@ def _min_max(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _witnesses(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
     """0-d tensors on the tensors' device, and how many of them belong to each tensor in turn, among which one is inf
     or nan exactly where the tensor holds one: its largest magnitude (one fused ``_foreach_norm`` for all on a
-    device), or, for a large tensor in host memory (the CPU's, sim's), its minimum and maximum (``aminmax``:
-    vectorised and threaded there, 13x faster than the ``vector_norm(inf)`` the CPU runs per tensor)."""
+    device), or, for a large tensor in host memory (sim's) and every tensor on the CPU, its minimum and maximum
+    (``aminmax``: vectorised and threaded there, 13x faster than the ``vector_norm(inf)`` the CPU runs per tensor
+    inside ``_foreach_norm``; on the CPU an op costs about a microsecond, where each of sim's costs tens)."""
     if not _in_host_memory(tensors[0]):  # a device's own memory: one fused reduction for all
         return _largest_magnitudes(tensors), [1] * len(tensors)
-    large = [t.numel() >= LARGE for t in tensors]
+    on_cpu = tensors[0].device.type == "cpu"
+    large = [on_cpu or t.numel() >= LARGE for t in tensors]
     small = [t for t, is_large in zip(tensors, large) if not is_large]
     norms = iter(_largest_magnitudes(small) if small else [])
     witnesses: list[torch.Tensor] = []
@@ -537,6 +539,15 @@ class OpOverflowCheck(OpTool):
             loss_scaling.unlisten(self)
         super().stop()
 
+    def accepts(self, name: str) -> bool:
+        # A view that computes nothing, forward or backward, makes no inf/nan (``op_facts``' ``alias_only``): not
+        # handled at all, as a metadata query is not, where it would cost the engine's and the check's host work for
+        # nothing (a fifth of a Llama's calls). An inf/nan it passes on is judged at the call that reads it; one that
+        # ``view(dtype)`` makes by reading other bits is said there as read first, made by no call checked. Handled
+        # where asked for by name (OP_OVERFLOW_CHECK_LIST) and where every call's table is printed.
+        return not op_facts(name).alias_only or self.filter.allow is not None or \
+            self._logger.isEnabledFor(logging.DEBUG)
+
     def ensure_configured(self) -> None:
         applied = self.common is None and not self._activations
         super().ensure_configured()
@@ -598,12 +609,14 @@ class OpOverflowCheck(OpTool):
                     by_device.setdefault(t.device, []).append(t)
             for device, tensors in by_device.items():
                 witnesses, counts = _witnesses(tensors)
+                if device.type == "cpu":  # host values: read now, all in one
+                    for t, kind in zip(tensors, _kinds_of(torch.stack(witnesses).tolist(), counts)):
+                        flags[id(t)] = ("kind", kind)
+                    continue
                 start = 0
                 for t, count in zip(tensors, counts):
-                    mine = witnesses[start:start + count]
+                    flags[id(t)] = ("witness", witnesses[start:start + count], count)
                     start += count
-                    flags[id(t)] = ("kind", _kinds_of(torch.stack(mine).tolist(), [count])[0]) \
-                        if device.type == "cpu" else ("witness", mine, count)
             return flags
 
     def after(self, call: OpCall) -> None:

@@ -23,7 +23,10 @@ def test_a_checked_call_holds_few_objects_the_garbage_collector_promotes(sim):
     # indices its read-back values go to in tuples (25.5 with them in lists). 20.0-20.2 a handled call, averaged over
     # the collector's phases (one phase gave 17-30: where the program's allocations fall moves it), in host memory as
     # in device memory (DITORCH_SIM_DEVICE_MEMORY, a GPU's path); 35.8 with closures and lists; the same steps
-    # without the tool promote none.
+    # without the tool promote none. Since views that compute nothing are not handled (op_facts' ``alias_only``, 15%
+    # of these calls), 27.4 a handled call: the same checks, each waiting longer for its batch of 64 (the views no
+    # longer count towards it), so more of them live through two young collections (10.8k -> 13.1k promoted over
+    # the three steps; 9.8k -> 9.6k a real-size step, stay_on_cost.py).
     from gc_promotions import promoted_on_average
 
     def checked_steps():
@@ -38,7 +41,7 @@ def test_a_checked_call_holds_few_objects_the_garbage_collector_promotes(sim):
         promoted, handled = promoted_on_average(checked_steps)
     finally:
         gc.unfreeze()
-    assert handled[0] > 400 and promoted / handled[0] <= 23, promoted / handled[0]
+    assert handled[0] > 400 and promoted / handled[0] <= 30, promoted / handled[0]
 
 
 def test_names_the_op_where_nan_appears_in_forward(sim):
@@ -115,7 +118,7 @@ def test_no_host_synchronisation_in_a_step_the_flags_read_in_batches(sim):
 
     counts = charged(checked)
     handled = sum(check.handled.values())
-    assert check.first_overflow is None and handled > 400
+    assert check.first_overflow is None and handled > 300
     # one synchronisation in all: the tool's stop waits for the last batch; none per call, none per step
     assert counts.synchronizations - plain.synchronizations == 1
     copies = counts.device_to_host_copies - plain.device_to_host_copies
@@ -924,3 +927,41 @@ def test_a_gradient_sum_autograd_makes_overflowing_is_named_among_the_causes_of_
         (y * 1.0 + y * 1.0).backward(torch.full((8,), 40000.0, dtype=torch.float16).to(sim))
     assert check.first_overflow is None and check.first_seen is not None and check.first_seen.phase == "backward"
     assert "autograd's sum of the gradients several calls sent one tensor" in check.closing_line()
+
+
+def test_views_that_compute_nothing_are_not_handled_and_what_they_pass_on_is_judged_where_it_is_read(sim):
+    # A transpose, a view, an unsqueeze make no value, forward or backward (op_facts' ``alias_only``): not handled, as
+    # a metadata query is not (a fifth of a Llama's calls). Reading bits as another dtype makes a nan no call made:
+    # the call reading it says so, and the verdict is not clean.
+    x = torch.randn(4, 8, device=sim, requires_grad=True)
+    bits = torch.full((4,), 0x7E00, dtype=torch.int16, device=sim)  # float16's nan, as int16
+    with op_tools.OpOverflowCheck() as check:
+        (x * 2).view(8, 4).transpose(0, 1).unsqueeze(0).sum().backward()
+        bits.view(torch.float16) + 1
+    assert not {"torch.Tensor.transpose", "torch.Tensor.unsqueeze", "torch.Tensor.view"} & set(check.handled)
+    assert check.handled["torch.Tensor.mul"] == 1 and check.first_overflow is None
+    assert check.first_seen is not None and check.first_seen.name == "torch.Tensor.add"
+    assert "read a nan first, from outside the calls checked" in check.closing_line()
+    with op_tools.OpOverflowCheck(ops="torch.Tensor.transpose") as listed:  # asked for by name: handled
+        x.transpose(0, 1)
+    assert listed.handled["torch.Tensor.transpose"] == 1
+
+
+def test_cpu_calls_are_flagged_by_each_tensors_minimum_and_maximum(monkeypatch):
+    # On the CPU an op costs about a microsecond, and vector_norm(inf), which _foreach_norm runs there per tensor,
+    # costs four aminmax: each tensor is flagged by its minimum and maximum (both propagate nan), the flags of what an
+    # in-place op writes read at once before it runs.
+    def refused(*args, **kwargs):
+        raise AssertionError("_foreach_norm on the CPU")
+
+    monkeypatch.setattr(torch, "_foreach_norm", refused)
+    check = op_tools.OpOverflowCheck()
+    check.handles_cpu_calls = True
+    x = torch.tensor([1e30, -2.0])
+    w = torch.tensor([1.0, float("nan")], dtype=torch.float16)
+    with check:
+        x.clone().mul_(2.0)
+        w.add_(1.0)  # a nan in, the same nan out: read first here, made by no call checked
+        x * x  # 1e60: an inf from finite inputs
+    assert check.first_overflow is not None and check.first_overflow.name == "torch.Tensor.mul"
+    assert not check.not_checked(), check.not_checked()

@@ -165,7 +165,8 @@ def test_op_autocompare_compares_a_dtensor_call_on_its_whole_tensor_and_finds_a_
 def test_op_overflow_check_checks_the_part_of_a_dtensor_this_rank_holds(tmp_path):
     output, status = _run_dtensor_script("overflow_check", tmp_path)
     assert status == 0, output[-3000:]
-    assert "calls of 6 ops handled; wrote no file; no inf/nan from finite inputs" in output
+    # DTensor.from_local's ``view_as`` is not handled: a view computes nothing (op_facts' ``alias_only``)
+    assert "calls of 5 ops handled; wrote no file; no inf/nan from finite inputs" in output
     assert "not checked" not in output
     output, status = _run_dtensor_script("overflow_check", tmp_path, faults="silu:nan")
     assert status == 3 and "first inf/nan from finite inputs: torch.nn.functional.silu" in output, output[-3000:]
