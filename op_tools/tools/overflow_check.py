@@ -544,8 +544,9 @@ class OpOverflowCheck(OpTool):
         # handled at all, as a metadata query is not, where it would cost the engine's and the check's host work for
         # nothing (a fifth of a Llama's calls). An inf/nan it passes on is judged at the call that reads it; one that
         # ``view(dtype)`` makes by reading other bits is said there as read first, made by no call checked. Handled
-        # where asked for by name (OP_OVERFLOW_CHECK_LIST) and where every call's table is printed.
-        return not op_facts(name).alias_only or self.filter.allow is not None or \
+        # where asked for by name (OP_OVERFLOW_CHECK_LIST, apply_feature's ops) and where every call's table is
+        # printed.
+        return not op_facts(name).alias_only or self.filter.allow is not None or self._applied_listener or \
             self._logger.isEnabledFor(logging.DEBUG)
 
     def ensure_configured(self) -> None:

@@ -945,6 +945,13 @@ def test_views_that_compute_nothing_are_not_handled_and_what_they_pass_on_is_jud
     with op_tools.OpOverflowCheck(ops="torch.Tensor.transpose") as listed:  # asked for by name: handled
         x.transpose(0, 1)
     assert listed.handled["torch.Tensor.transpose"] == 1
+    op_tools.apply_feature("torch.Tensor.transpose", "overflow_check")
+    try:
+        x.transpose(0, 1)
+        applied = op_tools.core.features._patched["torch.Tensor.transpose"][4]
+    finally:
+        op_tools.remove_feature("torch.Tensor.transpose")
+    assert applied.handled["torch.Tensor.transpose"] == 1
 
 
 def test_cpu_calls_are_flagged_by_each_tensors_minimum_and_maximum(monkeypatch):
