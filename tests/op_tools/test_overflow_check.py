@@ -931,7 +931,7 @@ def test_a_gradient_sum_autograd_makes_overflowing_is_named_among_the_causes_of_
 
 def test_views_that_compute_nothing_are_not_handled_and_what_they_pass_on_is_judged_where_it_is_read(sim):
     # A transpose, a view, an unsqueeze make no value, forward or backward (op_facts' ``alias_only``): not handled, as
-    # a metadata query is not (a fifth of a Llama's calls). Reading bits as another dtype makes a nan no call made:
+    # a metadata query is not (an eighth of a Llama's calls). Reading bits as another dtype makes a nan no call made:
     # the call reading it says so, and the verdict is not clean.
     x = torch.randn(4, 8, device=sim, requires_grad=True)
     bits = torch.full((4,), 0x7E00, dtype=torch.int16, device=sim)  # float16's nan, as int16
