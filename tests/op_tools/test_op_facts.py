@@ -146,3 +146,38 @@ def test_every_tensor_method_torch_tags_as_an_in_place_view_is_a_view():
     assert "unsqueeze_" in tagged and "resize_" in tagged
     assert [name for name in tagged if not op_facts(f"torch.Tensor.{name}").view] == []
     assert op_facts("torch.as_strided_").view and op_facts("torch.resize_as_").view
+
+
+# Each op said to compute nothing (``alias_only``), called as a program calls it
+ALIAS_ONLY_CALLS = {
+    "torch.Tensor.view": lambda x: x.view(4, 6), "torch.Tensor.view_as": lambda x: x.view_as(torch.empty(6, 4)),
+    "torch.Tensor.transpose": lambda x: x.transpose(0, 2), "torch.Tensor.permute": lambda x: x.permute(2, 0, 1),
+    "torch.Tensor.unsqueeze": lambda x: x.unsqueeze(1), "torch.Tensor.squeeze": lambda x: x[:1].squeeze(0),
+    "torch.Tensor.t": lambda x: x[0].t(), "torch.Tensor.T.__get__": lambda x: x[0].T,
+    "torch.Tensor.mT.__get__": lambda x: x.mT, "torch.Tensor.movedim": lambda x: x.movedim(0, 2),
+    "torch.Tensor.moveaxis": lambda x: x.moveaxis(0, 2), "torch.Tensor.swapaxes": lambda x: x.swapaxes(0, 1),
+    "torch.Tensor.swapdims": lambda x: x.swapdims(1, 2), "torch.Tensor.unflatten": lambda x: x.unflatten(2, (2, 2)),
+    "torch.Tensor.detach": lambda x: x.detach(), "torch.transpose": lambda x: torch.transpose(x, 1, 2),
+    "torch.permute": lambda x: torch.permute(x, (1, 2, 0)), "torch.unsqueeze": lambda x: torch.unsqueeze(x, 0),
+    "torch.squeeze": lambda x: torch.squeeze(x[:, :1], 1), "torch.t": lambda x: torch.t(x[1]),
+    "torch.movedim": lambda x: torch.movedim(x, 1, 0), "torch.detach": lambda x: torch.detach(x),
+}
+
+
+def test_an_op_said_to_compute_nothing_aliases_its_input_and_passes_its_gradient_on_rearranged():
+    # OpOverflowCheck does not handle them: an op named here by mistake (an expansion, whose gradient is a sum; a
+    # reshape, which may copy) would go unchecked. Each must return its input's memory, and its backward must give
+    # the upstream gradient's values back, rearranged, none summed nor made.
+    declared = {key for key, facts in op_tools.ops.op_facts._DECLARED.items() if facts.get("alias_only")}
+    assert declared == set(ALIAS_ONLY_CALLS)
+    for name, call in ALIAS_ONLY_CALLS.items():
+        x = torch.arange(24, dtype=torch.float64).reshape(2, 3, 4).requires_grad_()
+        out = call(x)
+        assert out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr(), name
+        if name.endswith("detach"):
+            continue
+        upstream = torch.randn(out.shape, dtype=torch.float64)
+        (grad,) = torch.autograd.grad(out, x, upstream)
+        assert sorted(grad[grad != 0].tolist()) == sorted(upstream.flatten().tolist()), name
+    for name in ("torch.Tensor.expand", "torch.Tensor.reshape", "torch.Tensor.select", "torch.Tensor.__getitem__"):
+        assert op_facts(name).view and not op_facts(name).alias_only, name
