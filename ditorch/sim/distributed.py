@@ -98,7 +98,12 @@ class SimProcessGroup(dist.ProcessGroup):
     def _work(self, work, result, finish=None, name: str = "") -> adapters.FinishingWork:
         faults = fault_injection.TABLE.for_collective(name) if fault_injection.TABLE.active else ()
         if faults:  # a faulty link or collective library: the result changed once the collective has finished
-            finish = _with_faults(finish, faults, result)
+            tensors = [t for part in result for t in (part if isinstance(part, (list, tuple)) else [part])]
+            dtypes = {t.dtype for t in tensors}
+            delay = sum(f.value for f in faults if f.kind == "slow" and f.applies(dtypes)) / 1000.0
+            if delay:  # a slow link: done that much later, whatever the call returned to its caller
+                work = _LateWork(work, delay)
+            finish = _with_faults(finish, faults, tensors, dtypes)
         finishing = adapters.FinishingWork(work, result, finish)
         with self._pending_lock:  # the unfinished ones only: a list as long as the collectives in flight
             self._pending = [w for w in self._pending if not w.is_completed()]
@@ -269,15 +274,47 @@ class SimProcessGroup(dist.ProcessGroup):
         raise _unsupported("_end_coalescing")
 
 
-def _with_faults(finish, faults, result):
-    tensors = [t for part in result for t in (part if isinstance(part, (list, tuple)) else [part])]
-
+def _with_faults(finish, faults, tensors: list, dtypes: set):
     def finished() -> None:
         if finish is not None:
             finish()
-        fault_injection.TABLE.after(faults, {t.dtype for t in tensors}, tensors)
+        fault_injection.TABLE.after(faults, dtypes, tensors)
 
     return finished
+
+
+class _LateWork:
+    """A collective's library work, done ``delay`` seconds after the library's own (sim's ``slow`` fault): its future
+    completes on a timer thread, never on the caller's (a future already done would run ``FinishingWork``'s callback
+    inline, in the call)."""
+
+    def __init__(self, work, delay: float) -> None:
+        self._work = work
+        self._done: torch.futures.Future = torch.futures.Future()
+        timer = threading.Timer(delay, self._release)
+        timer.daemon = True
+        timer.start()
+
+    def _release(self) -> None:
+        try:
+            self._work.wait()
+        except Exception as error:  # the library's error becomes the caller's at its wait
+            self._done.set_exception(error)
+        else:
+            self._done.set_result(None)
+
+    def get_future(self) -> torch.futures.Future:
+        return self._done
+
+    def wait(self, timeout=None) -> bool:
+        self._done.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.done()
+
+    def exception(self):
+        return self._work.exception()
 
 
 def _allreduce_options(op) -> dist.AllreduceOptions:

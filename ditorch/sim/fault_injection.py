@@ -50,7 +50,8 @@ FORM = ("'pattern[@dtype]:kind[,p=<fraction>][,rank=<r>]' joined by ';', kind on
         "'@dtype') keeps a fault to that module's forward")
 KINDS_WITH_VALUE = {"noise", "slow", "bitflip", "scratch"}
 KINDS = {"unsupported", "nan", "inf", "unversioned"} | KINDS_WITH_VALUE
-# sim's collectives (its process group's methods, distributed.py): an output fault on one changes what it received
+# sim's collectives (its process group's methods, distributed.py): an output fault on one changes what it received;
+# ``slow`` makes one complete that much later (async_op=True returns at once, its Work waits the while)
 COLLECTIVES = ("allreduce", "allreduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_single",
                "reduce_scatter_tensor_coalesced", "broadcast", "allgather", "all_gather_single",
                "allgather_into_tensor_coalesced", "gather", "scatter", "alltoall", "all_to_all_single", "send", "recv",
@@ -288,11 +289,11 @@ class FaultTable:
         return found
 
     def for_collective(self, name: str) -> tuple[Fault, ...]:
-        """The output faults of sim's collective ``name`` (``allreduce``, ``reduce_scatter_tensor``, ...: its
-        process group's method)."""
+        """The output and ``slow`` faults of sim's collective ``name`` (``allreduce``, ``reduce_scatter_tensor``,
+        ...: its process group's method)."""
         found = self._by_op.get(name)
         if found is None:
-            found = tuple(f for f in self._faults if f.kind in OUTPUT_KINDS and f.matches_name(name, name))
+            found = tuple(f for f in self._faults if f.kind in OUTPUT_KINDS | {"slow"} and f.matches_name(name, name))
             self._by_op[name] = found
         return found
 

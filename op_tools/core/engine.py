@@ -61,7 +61,7 @@ from ..ops.collectives import unseen_collectives
 from ..ops.naming import is_metadata_query, resolve_op_name
 from ..ops.writes import call_writes
 from ..output import reporting, result_files
-from . import compiled_regions, fast_paths, gradient_communication, module_path, one_hop, targeting
+from . import collective_waits, compiled_regions, fast_paths, gradient_communication, module_path, one_hop, targeting
 from .call_backward import CallBackward
 from .replicas import REPLICAS
 from .steps import STEPS
@@ -531,6 +531,7 @@ class OpTool:
             module_path.release()
         if not self._activations:
             _unfinished.pop(id(self), None)
+            self._waits.give_up_all(collective_waits.NOT_WAITED)  # a wait after the verdict: said not checked now
         try:
             with tool_work():  # what finish() computes (results still in flight) is no program call of a tool still on
                 self.finish()
@@ -589,6 +590,8 @@ class OpTool:
         # handled calls per op name still running when SIGTERM ended the process (``_note_calls_in_flight``)
         self.interrupted: collections.Counter = collections.Counter()
         self.finish_failure = ""  # finish() raised: what it had still to judge or write is lost
+        # asynchronous collectives whose check waits for the program's wait, and those given up (collective_waits.py)
+        self._waits: collective_waits.WaitedChecks = collective_waits.WaitedChecks(self._run_waited_check)
 
     def _log_closing(self) -> None:
         """Log the closing line fitted to the console (``reporting.fit_path``: its folder shortened from the start
@@ -650,6 +653,7 @@ class OpTool:
         if interrupted:
             parts.append(f"{interrupted} call{'s' if interrupted != 1 else ''} running when SIGTERM ended the run, "
                          f"with no verdict ({', '.join(self.interrupted)})")
+        parts.extend(self._waits.parts())
         if self.finish_failure:
             parts.append(f"finishing failed ({self.finish_failure}): what was still in flight was not judged")
         parts.extend(self.unchecked_parts())
@@ -780,6 +784,21 @@ class OpTool:
         finally:
             _thread.depth -= 1
         return result
+
+    def check_when_waited(self, call: OpCall, check: Callable[[OpCall], None]) -> None:
+        """From ``after()``: ``check(call)`` once the program waits for the asynchronous collective ``call`` (its
+        result, a ``Work``, is replaced by one that runs it: collective_waits.py). ``call`` keeps its state, not its
+        arguments or result; a collective whose check never runs is said not checked, with why."""
+        call.keep_location()  # while the user's frames are on the stack
+        call.result = self._waits.defer(call.without_values(), check, call.result)
+
+    def waits_not_checked(self) -> int:
+        """Asynchronous collectives handled whose check has not run: not waited for yet, or given up."""
+        return self._waits.not_checked()
+
+    def _run_waited_check(self, check: Callable[[OpCall], None], call: OpCall) -> None:
+        with tool_work():
+            self._guarded(check, call)
 
     def _explain_recomputation(self, error: RuntimeError) -> None:
         """Say why a non-reentrant checkpoint's recomputation differed, where this tool made its forward differ."""

@@ -38,8 +38,6 @@ _REDUCING = ("sum", "avg")
 
 def uncheckable(call: CollectiveCall) -> str | None:
     """Why this collective has no checksum here, or None."""
-    if call.asynchronous:
-        return "asynchronous collective"
     if call.kind not in KINDS:
         return f"collective {call.kind}"
     if call.reduce_op and call.reduce_op not in _REDUCING:

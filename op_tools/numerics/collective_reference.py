@@ -38,8 +38,6 @@ def unverifiable(call: CollectiveCall) -> str | None:
     """Why this collective's result cannot be checked here, or None."""
     if _stopped:
         return _stopped[0]
-    if call.asynchronous:
-        return "asynchronous collective (its result is ready only when waited for)"
     if call.kind not in _VERIFIED:
         return f"collective {call.kind} (no host reference for it)"
     if call.reduce_op and call.reduce_op not in _REDUCTIONS:

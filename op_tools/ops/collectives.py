@@ -2,7 +2,8 @@
 
 A collective writes its received tensor from C++ (or another stream), so a tool reads what was sent before the call
 (``sent``) and what arrived after it (``received``). An asynchronous call (``async_op=True``) has received nothing
-when it returns: its result is ready when its ``Work`` is waited for, beyond what a tool sees.
+when it returns: its result is ready when its ``Work`` is waited for, where the tools check it
+(``core/collective_waits.py``).
 
 >>> c = collective_call("torch.distributed.all_reduce", dist.all_reduce, (t,), {"op": dist.ReduceOp.AVG})
 >>> c.kind, c.sent, c.received, c.reduce_op

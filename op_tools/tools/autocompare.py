@@ -484,8 +484,17 @@ class OpAutoCompare(OpTool):
         state.collective = (bound, collective_reference.sent_copies(bound))
         return "collective"  # not compared as an op: after() checks it against the other ranks' inputs
 
-    def _after_collective(self, call: OpCall, state: CompareState) -> None:
+    def _after_waited_collective(self, call: OpCall) -> None:
+        try:
+            self._after_collective(call)
+        except Exception:
+            self.counts["forward not checked"] += 1  # as after() counts a check that failed
+            raise
+
+    def _after_collective(self, call: OpCall) -> None:
+        state: CompareState = call.state
         assert state.collective is not None
+        self._queue.flush()  # the calls before it are judged first
         bound, copies = state.collective
         state.collective = None
         comparisons = collective_reference.verify(bound, copies)  # an error: after() counts the call not checked
@@ -576,8 +585,10 @@ class OpAutoCompare(OpTool):
         reason = state.skip
         if state.collective is not None:
             self._copies.forget(written)
-            self._queue.flush()  # the calls before it are judged first
-            self._after_collective(call, state)
+            if state.collective[0].asynchronous:  # what it receives is there once the program waits for it
+                self.check_when_waited(call, self._after_waited_collective)
+            else:
+                self._after_collective(call)
             return
         if reason is not None:
             self.skipped[reason] += 1
@@ -1669,7 +1680,8 @@ class OpAutoCompare(OpTool):
         a path forgot one."""
         c = self.counts
         return max(0, sum(self.handled.values()) - c["forward compared"] - sum(self.skipped.values())
-                   - c["forward not checked"] - sum(self.raised.values()) - sum(self.interrupted.values()))
+                   - c["forward not checked"] - self.waits_not_checked() - sum(self.raised.values())
+                   - sum(self.interrupted.values()))
 
     def summary(self) -> str:
         """The end-of-run account: every handled call compared (passed or failed), skipped (why), not checked (the
@@ -1677,9 +1689,11 @@ class OpAutoCompare(OpTool):
         says "no op failed" only when every handled call was compared or skipped with a reason."""
         c = self.counts
         raised = sum(self.raised.values())
+        unwaited = self.waits_not_checked()  # asynchronous collectives whose wait never came: counted not checked
         fit = reporting.fit_line  # its lines wrapped at the console's width; the table fits it by itself
         lines = ["", fit(f"OpAutoCompare summary: forward {c['forward compared']} compared, {c['forward passed']} "
-                         f"passed, {c['forward failed']} failed, {c['forward not checked']} not checked; backward "
+                         f"passed, {c['forward failed']} failed, {c['forward not checked'] + unwaited} not checked; "
+                         "backward "
                          f"{c['backward compared']} compared, {c['backward passed']} passed, {c['backward failed']} "
                          f"failed, {c['backward not checked']} not checked; {sum(self.skipped.values())} skipped"
                          + (f"; {raised} raised by the op itself" if raised else ""))]

@@ -576,7 +576,7 @@ class OpOverflowCheck(OpTool):
         if signature_of(call.name) is not None:
             # A collective writes what it received over what it sent: what was sent is measured now (on the device).
             bound = collective_call(call.name, call.func, call.args, call.kwargs)
-            if bound is not None and not bound.asynchronous:
+            if bound is not None:
                 sent = [t for t in map(held, bound.sent) if _checked(t)]
                 call.state = {"collective": bound, "sent": _largest_magnitudes(sent) if sent else []}
             return
@@ -625,7 +625,10 @@ class OpOverflowCheck(OpTool):
         if self._first_overflow is not None and not verbose:  # nothing more to find or to print
             return
         if isinstance(call.state, dict) and "collective" in call.state:
-            self._check_collective(call, call.state["collective"], call.state["sent"])
+            if call.state["collective"].asynchronous:  # what it receives is there once the program waits for it
+                self.check_when_waited(call, self._check_collective)
+            else:
+                self._check_collective(call)
             return
         facts = op_facts(call.name)
         # Memory never written (an empty's), or the program's own data: whatever it holds, no op made it.
@@ -653,8 +656,9 @@ class OpOverflowCheck(OpTool):
         self._check(call, inputs, outputs, "forward", header, scalars=scalar_kind(call.args, call.kwargs, facts.order),
                     before=before)
 
-    def _check_collective(self, call: OpCall, bound, sent: list[torch.Tensor]) -> None:
+    def _check_collective(self, call: OpCall) -> None:
         """Born here when what arrived holds inf/nan and what this rank sent did not: received from another rank."""
+        bound, sent = call.state["collective"], call.state["sent"]
         received = [t for t in map(held, bound.received) if _checked(t)]
         if self._first_overflow is not None or not received:
             return

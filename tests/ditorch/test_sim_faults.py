@@ -449,3 +449,28 @@ def test_a_noise_fault_on_a_collective_makes_its_result_off_by_the_noise(sim):
         dist.destroy_process_group()
     off = (x.cpu() / 2 - 1).abs()
     assert torch.allclose(off, torch.full((64,), 1e-2))
+
+
+def test_a_slow_fault_on_a_collective_makes_it_complete_late_with_its_output_fault_applied_then(sim):
+    # a slow link: async_op=True returns at once, and what the caller reads before waiting is not what arrives
+    import time
+
+    import torch.distributed as dist
+
+    from ditorch.sim import distributed
+
+    distributed.register()
+    dist.init_process_group("simccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        x = torch.ones(64, device=sim)
+        with ditorch.sim.faults("allreduce:slow=300;allreduce:nan"):
+            begun = time.perf_counter()
+            work = dist.all_reduce(x, async_op=True)
+            returned = time.perf_counter() - begun
+            before = work.is_completed(), bool(x.isnan().any())
+            work.wait()
+            waited = time.perf_counter() - begun
+    finally:
+        dist.destroy_process_group()
+    assert returned < 0.2 and waited > 0.29 and before == (False, False)
+    assert work.is_completed() and bool(x.isnan().all())

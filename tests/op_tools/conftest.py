@@ -18,6 +18,20 @@ def _results_in_tmp(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def group(sim, tmp_path):
+    """The default process group: one rank on sim (simccl, as `import ditorch` with DITORCH_BACKEND=sim registers
+    it), destroyed after the test."""
+    import torch.distributed as dist
+
+    from ditorch.sim import distributed
+
+    distributed.register()
+    dist.init_process_group("simccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
 def run_script(tmp_path):
     """``run_script(code, env)``: run ``code`` in a fresh Python (sim registered, ``env`` added) in ``tmp_path``."""
     return lambda code, env: _run_script(code, env, tmp_path)

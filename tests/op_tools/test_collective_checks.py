@@ -1,7 +1,8 @@
-"""Collectives under the tools, 2 processes on sim: OpAutoCompare checks each synchronous collective against a
-reference computed on the host from every rank's inputs (sum, average, maximum, minimum, gathers, reduce-scatter,
-broadcast; float32, bfloat16, int32) and fails a result that differs from it; OP_AUTOCOMPARE_COLLECTIVES=0 counts
-them as skipped; OpOverflowCheck tells an inf received from another rank from one born here."""
+"""Collectives under the tools, 2 processes on sim: OpAutoCompare checks each collective against a reference
+computed on the host from every rank's inputs (sum, average, maximum, minimum, gathers, reduce-scatter, broadcast;
+float32, bfloat16, int32; an asynchronous one at its wait) and fails a result that differs from it;
+OP_AUTOCOMPARE_COLLECTIVES=0 counts them as skipped; OpOverflowCheck tells an inf received from another rank from one
+born here."""
 
 from __future__ import annotations
 
@@ -64,6 +65,25 @@ def test_an_inf_another_rank_sent_is_received_not_born_here(reports):
     assert reports[0]["overflow"].startswith("first inf/nan received from another rank (this rank sent finite "
                                              "values): torch.distributed.all_reduce (forward)")
     assert reports[1]["overflow"] == ""  # rank 1 sent it: made before the tool started, by no call it saw
+
+
+def test_asynchronous_collectives_are_checked_when_waited_for_and_a_late_fault_is_found_on_its_rank(reports):
+    # all_reduce, all_gather_into_tensor, reduce_scatter_tensor with async_op=True, waited for last first; then an
+    # all-reduce that completes late with a bit flipped on rank 1 (a check at the call would read it unflipped)
+    base = [torch.arange(12, dtype=torch.float32) * (rank + 1) / 7 for rank in (0, 1)]
+    for rank, report in enumerate(reports):
+        summed, gathered, scattered = report["async_received"]  # what the program got: the collectives' own
+        assert summed == (base[0] + base[1]).tolist() and gathered == torch.cat(base).tolist()
+        assert scattered == (base[0] + base[1])[rank * 6:(rank + 1) * 6].tolist()
+        assert report["async"]["not_checked"] == ""  # every one checked: none given up, none left open
+    assert reports[0]["async"]["verdict"] == "clean" and reports[0]["async"]["counts"].get("forward failed", 0) == 0
+    assert reports[1]["async"]["verdict"] == "found" and reports[1]["async"]["counts"]["forward failed"] == 1
+
+
+def test_an_inf_another_rank_sent_through_an_asynchronous_all_reduce_is_found_at_its_wait(reports):
+    assert reports[0]["async_overflow"].startswith("first inf/nan received from another rank (this rank sent finite "
+                                                   "values): torch.distributed.all_reduce (forward)")
+    assert reports[1]["async_overflow"] == ""
 
 
 def test_a_tool_on_one_rank_only_waits_for_the_others_no_longer_than_the_timeout_then_stops_checking(reports):

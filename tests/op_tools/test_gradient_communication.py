@@ -7,22 +7,11 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 import torch.distributed as dist
 
 import op_tools
 from op_tools.core import gradient_communication
-
-
-@pytest.fixture
-def group(sim, tmp_path):
-    from ditorch.sim import distributed
-
-    distributed.register()  # simccl, as `import ditorch` with DITORCH_BACKEND=sim registers it
-    dist.init_process_group("simccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _ddp(sim):

@@ -101,6 +101,14 @@ def test_self_check_checks_collectives_by_their_sums_across_ranks_and_names_a_fa
     assert faulty[1]["found"] == [["torch.distributed.all_reduce", 1]] and faulty[1]["findings"] == 4, faulty
 
 
+def test_self_check_checks_asynchronous_collectives_at_their_waits_and_names_a_link_that_flips_a_bit_late(reports):
+    # the same collectives with async_op=True, waited for last first; rank 1's all-reduces complete late (sim's slow
+    # link) with a bit flipped: a check at the call would read them unflipped
+    clean, faulty = (report["collectives"]["async, late"] for report in reports)
+    assert clean == {"verdict": "clean", "counts": {"checked": 10}, "found": [], "findings": 0}, clean
+    assert faulty["found"] == [["torch.distributed.all_reduce", 1]] and faulty["findings"] == 4, faulty
+
+
 def test_self_check_says_an_all_reduce_of_a_nan_a_rank_sent_was_not_checked_and_finds_nothing(reports):
     # rank 0 sent a nan: both ranks rightly received it, and the sums have no finite bound to judge them by
     for report in reports:

@@ -1,6 +1,7 @@
 """Run by tests/op_tools/test_collective_checks.py under torchrun (2 processes) on sim: each collective OpAutoCompare
 checks against every rank's inputs, in float32, bfloat16 and int32; a result tampered with on rank 1 after the
-collective ran; OpOverflowCheck on an all-reduce that receives rank 1's inf. Writes ``OUT/rank<N>.json``."""
+collective ran; asynchronous collectives, one completing late with a bit flipped on rank 1; OpOverflowCheck on an
+all-reduce (and an asynchronous one) that receives rank 1's inf. Writes ``OUT/rank<N>.json``."""
 
 import datetime
 import os
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import ditorch  # noqa: F401 - the device layer
+import ditorch.sim
 import op_tools
 from op_tools.numerics import collective_reference
 from op_tools.ops.collectives import collective_call
@@ -33,6 +35,21 @@ def collectives(rank: int, world: int, dtype: torch.dtype) -> None:
     dist.broadcast(root, src=1)
 
 
+def asynchronous(rank: int, world: int) -> list:
+    """The collectives with async_op=True, waited for last first (the first wait checks them all, in call order);
+    then an all-reduce that completes late with a bit flipped in what rank 1 received (sim's slow link)."""
+    base = (torch.arange(12, dtype=torch.float32) * (rank + 1) / 7).cuda()
+    summed, gathered, scattered = base.clone(), torch.empty(world * 12).cuda(), torch.empty(12 // world).cuda()
+    works = [dist.all_reduce(summed, async_op=True), dist.all_gather_into_tensor(gathered, base, async_op=True),
+             dist.reduce_scatter_tensor(scattered, base, async_op=True)]
+    for work in reversed(works):
+        work.wait()
+    with ditorch.sim.faults("allreduce:slow=200;allreduce:bitflip=1,rank=1"):
+        late = base.clone()
+        dist.all_reduce(late, async_op=True).wait()
+    return [summed.cpu().tolist(), gathered.cpu().tolist(), scattered.cpu().tolist()]
+
+
 def main() -> None:
     out = sys.argv[1]
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -49,6 +66,11 @@ def main() -> None:
     with op_tools.OpAutoCompare(results_dir=os.path.join(out, "off"), collectives=False) as off:
         collectives(rank, world, torch.float32)
     report["off"] = {"verdict": off.verdict(), "counts": dict(off.counts), "skipped": dict(off.skipped)}
+    with op_tools.OpAutoCompare(results_dir=os.path.join(out, "async")) as compare:
+        received = asynchronous(rank, world)
+    report["async"] = {"verdict": compare.verdict(), "counts": dict(compare.counts), "found": compare.found(),
+                       "not_checked": compare.not_checked()}
+    report["async_received"] = received
     # A wrong result: the all-reduce ran, then rank 1's copy is changed before the check reads it.
     t = torch.full((4,), float(rank + 1)).cuda()
     bound = collective_call("torch.distributed.all_reduce", dist.all_reduce, (t,), {})
@@ -62,6 +84,10 @@ def main() -> None:
     with op_tools.OpOverflowCheck(results_dir=os.path.join(out, "results")) as check:
         dist.all_reduce(sent)
     report["overflow"] = str(check.first_overflow).splitlines()[0] if check.first_overflow else ""
+    sent = torch.tensor([1.0, float("inf") if rank == 1 else 2.0]).cuda()
+    with op_tools.OpOverflowCheck(results_dir=os.path.join(out, "results")) as check:
+        dist.all_reduce(sent, async_op=True).wait()
+    report["async_overflow"] = str(check.first_overflow).splitlines()[0] if check.first_overflow else ""
     # The tool on rank 0 only: its check waits for rank 1 no longer than the timeout, then the checks stop.
     one_sided = torch.ones(4).cuda()
     if rank == 0:

@@ -57,19 +57,26 @@ def fsdp2_llama():
     return model
 
 
-def collectives_under_self_check(fault: str, rank: int) -> dict:
+def collectives_under_self_check(fault: str, rank: int, asynchronous: bool = False) -> dict:
     """The four collectives OpSelfCheck checks, in float32 and bfloat16, under sim's ``fault`` (a faulty link). Values
     of magnitude 1 to 2: a flipped top mantissa bit moves one by a quarter at least, above the rounding the checks
-    allow for 1024 of them (an element near 0 flipped moves the sums by less: no check sees that)."""
+    allow for 1024 of them (an element near 0 flipped moves the sums by less: no check sees that). ``asynchronous``:
+    each with async_op=True, waited for last first."""
     x = (torch.rand(1024, generator=torch.Generator().manual_seed(rank)) + 1).cuda()
     size = dist.get_world_size()
+    works = []
     with ditorch.sim.faults(fault), op_tools.OpSelfCheck(budget=1.0) as check:
         for tensor in (x, x.bfloat16()):
-            dist.all_reduce(tensor.clone())
-            dist.all_reduce(tensor.clone(), op=dist.ReduceOp.AVG)
-            dist.reduce_scatter_tensor(tensor.new_empty(tensor.numel() // size), tensor)
-            dist.all_gather_into_tensor(tensor.new_empty(tensor.numel() * size), tensor)
-            dist.broadcast(tensor.clone(), src=0)
+            works += [dist.all_reduce(tensor.clone(), async_op=asynchronous),
+                      dist.all_reduce(tensor.clone(), op=dist.ReduceOp.AVG, async_op=asynchronous),
+                      dist.reduce_scatter_tensor(tensor.new_empty(tensor.numel() // size), tensor,
+                                                 async_op=asynchronous),
+                      dist.all_gather_into_tensor(tensor.new_empty(tensor.numel() * size), tensor,
+                                                  async_op=asynchronous),
+                      dist.broadcast(tensor.clone(), src=0, async_op=asynchronous)]
+        for work in reversed(works):
+            if work is not None:
+                work.wait()
     return {"verdict": check.verdict(), "counts": dict(check.counts),
             "found": sorted({(f.op, f.rank) for f in check.findings}), "findings": len(check.findings)}
 
@@ -183,6 +190,8 @@ def main() -> None:
     report["collectives"] = {fault or "clean": collectives_under_self_check(fault, rank)
                              for fault in ("", "allreduce:bitflip=1,rank=1")}
     report["collectives"]["nan sent by rank 0"] = nan_sent_under_self_check(rank)
+    report["collectives"]["async, late"] = collectives_under_self_check("allreduce:slow=200;allreduce:bitflip=1,rank=1",
+                                                                      rank, asynchronous=True)
     rank_reports.finish(os.path.join(out, f"rank{rank}.json"), report)
 
 

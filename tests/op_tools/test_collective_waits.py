@@ -1,0 +1,76 @@
+"""Asynchronous collectives (``async_op=True``) under the tools, in one process (a group of one rank on sim): each is
+checked once the program waits for its Work, on what arrived, and one whose wait the tool cannot see is said not
+checked, with why. sim's ``slow`` fault makes the collective complete late, with its output fault applied then: a check
+made at the call would read what was there before (a silent pass). Two ranks: test_collective_checks.py and
+test_tools_across_ranks.py."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+import torch.distributed as dist
+
+import ditorch.sim
+import op_tools
+
+LATE_FLIP = "allreduce:slow=300;allreduce:bitflip=1"  # completes 0.3 s after the call, one bit flipped then
+
+
+def test_an_asynchronous_collective_is_checked_when_the_program_waits_and_on_what_arrived(sim, group, tmp_path):
+    t = torch.ones(4, device=sim)
+    with ditorch.sim.faults(LATE_FLIP), op_tools.OpAutoCompare(results_dir=str(tmp_path)) as compare:
+        work = dist.all_reduce(t, async_op=True)
+        assert isinstance(work, dist.Work)  # what the program gets is a Work still
+        assert compare.not_checked() == ("1 asynchronous collective not waited for yet (each checked when the "
+                                         "program waits for it)")
+        assert work.wait() is True
+    assert t.cpu().tolist() == [1.5, 1.0, 1.0, 1.0]  # the flipped bit arrived, and the program reads it
+    assert compare.verdict() == "found" and dict(compare.counts) == {"forward compared": 1, "forward failed": 1}
+    assert compare.not_checked() == ""
+
+
+def test_every_tool_checks_an_asynchronous_collective_at_its_wait(sim, group, tmp_path):
+    with ditorch.sim.faults(LATE_FLIP), op_tools.OpSelfCheck(budget=1.0, results_dir=str(tmp_path)) as check:
+        dist.all_reduce(torch.rand(1024, device=sim) + 1, async_op=True).wait()
+    assert check.verdict() == "found" and [f.op for f in check.findings] == ["torch.distributed.all_reduce"]
+    with ditorch.sim.faults("allreduce:slow=300;allreduce:nan"), \
+            op_tools.OpOverflowCheck(results_dir=str(tmp_path)) as overflow:
+        dist.all_reduce(torch.ones(4, device=sim), async_op=True).wait()
+    assert overflow.first_overflow is not None and overflow.first_overflow.name == "torch.distributed.all_reduce"
+    assert overflow.first_overflow.received  # this rank sent finite values
+
+
+def test_a_wait_checks_the_earlier_collectives_first_in_call_order(sim, group, tmp_path):
+    checked = []
+    x, y = torch.ones(4, device=sim), torch.ones(4, device=sim)
+    with op_tools.OpAutoCompare(results_dir=str(tmp_path)) as compare:
+        original = compare._after_collective
+        compare._after_collective = lambda call: (checked.append(call.forward_id), original(call))  # type: ignore
+        a = dist.all_reduce(x, async_op=True)
+        b = dist.all_reduce(y, async_op=True)
+        b.wait()  # a's check first: every rank checks in the order of the calls
+        assert len(checked) == 2 and checked == sorted(checked)
+        a.wait()  # its check ran already: not twice
+    assert compare.verdict() == "clean" and compare.counts["forward passed"] == 2 and len(checked) == 2
+
+
+def test_a_collective_whose_wait_the_tool_cannot_see_is_said_not_checked_with_why(sim, group, tmp_path):
+    t = torch.ones(4, device=sim)
+    with op_tools.OpAutoCompare(results_dir=str(tmp_path)) as compare:
+        dist.all_reduce(t, async_op=True).get_future().wait()
+        dist.all_reduce(t, async_op=True)  # the Work dropped unwaited
+        gc.collect()
+        polled = dist.all_reduce(t, async_op=True)
+        while not polled.is_completed():
+            pass
+        polled.wait()  # the program may have read it when it saw it complete
+        late = dist.all_reduce(t, async_op=True)
+    late.wait()  # after the verdict
+    assert compare.verdict() == "unchecked"
+    assert compare.not_checked() == "; ".join(
+        f"1 asynchronous collective not checked ({why}), the first torch.distributed.all_reduce" for why in (
+            "waited for through its future", "its Work dropped before it was waited for",
+            "seen complete through is_completed() instead of a wait", "not waited for while the tool ran"))
+    assert "forward 0 compared, 0 passed, 0 failed, 4 not checked" in compare.summary()
+    assert t.cpu().tolist() == [1.0] * 4  # one rank: every all-reduce left it as it was
