@@ -30,6 +30,7 @@ import weakref
 from typing import Any, Callable
 
 import torch
+import torch.distributed
 
 _keys = itertools.count()
 # Why a collective was given up, per way the program used its Work before waiting for it
@@ -38,6 +39,15 @@ GIVEN_UP = {"get_future": "waited for through its future", "get_future_result": 
             "is_completed": "seen complete through is_completed() instead of a wait"}
 NOT_WAITED = "not waited for while the tool ran"
 DROPPED = "its Work dropped before it was waited for"
+
+
+# What an asynchronous collective returns (none on a torch built without torch.distributed); torch imports the module
+_WORK_TYPES: tuple = (torch.distributed.Work,) if torch.distributed.is_available() else ()
+
+
+def is_work(value: Any) -> bool:
+    """Whether ``value`` is a collective's ``Work`` (what an asynchronous one returns): a check per call."""
+    return isinstance(value, _WORK_TYPES)
 
 
 class WaitedCheck:
@@ -72,9 +82,7 @@ class WaitedChecks:
         """What the program gets in place of ``work`` (the result of the collective ``call``): a Work whose first
         wait runs ``check(call)``; ``work`` itself, counted given up, when it is no Work."""
         waited = WaitedCheck(self, call, check, work)
-        from torch.distributed import Work  # imported by now: the program ran a collective
-
-        if not isinstance(work, Work):
+        if not is_work(work):
             self._count(call.name, f"it returned {type(work).__name__}, no Work to wait for")
             return work
         with self._lock:

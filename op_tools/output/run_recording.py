@@ -64,6 +64,7 @@ from ..numerics.tensor_stats import (
     split_stats,
 )
 from ..ops.arguments import local_part, real_device, strided, tensor_items
+from ..ops.collectives import collective_call, signature_of
 from ..ops.op_facts import op_facts
 from ..ops.torch_versions import autocast_dtype
 from ..ops.writes import call_writes, overwritten
@@ -388,6 +389,10 @@ class RunRecorder:
                 inputs.measure()
                 inputs.remember(known)
                 call.state["written"] = spec.written(call.args, call.kwargs)
+            if signature_of(call.name) is not None:  # what a collective receives is its result (it returns none)
+                bound = collective_call(call.name, call.func, call.args, call.kwargs)
+                if bound is not None:
+                    call.state["received"] = bound.received
             call.state["stats_inputs"] = inputs
         except Exception as e:
             call.state["unrecorded"] = _described(e)  # after() writes the call's record saying so
@@ -400,12 +405,15 @@ class RunRecorder:
         raised: Exception | None = None
         known = self._known if self._sees_every_call() else None
         written = call.state.pop("written", None)
+        received = call.state.pop("received", None)
         if written:  # what was measured of them before the op is out of date
             self._known.forget(written)
         try:
             # A functional collective's result is being written by its thread until waited for: not read here.
             if op_facts(call.name).async_result:
                 results: tuple = ()
+            elif received is not None and call.result is None:  # a collective (an asynchronous one at its wait)
+                results = tuple(received)
             elif call.result is None and written and not call_writes(call.name).unknown:
                 # a fused optimizer's step returns nothing: what its schema says it wrote is its result (else a fault
                 # in it showed first in the next op reading the parameters, said to come from outside the recording)

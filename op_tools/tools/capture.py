@@ -31,6 +31,7 @@ from ..config.variables import (
     CAPTURE_STEPS,
     Sources,
 )
+from ..core import collective_waits
 from ..core.engine import OpCall, OpTool, feature
 from ..core.steps import STEPS
 from ..ops.arguments import iter_items
@@ -248,6 +249,14 @@ class OpCapture(OpTool):
             call.grad_inputs = _inputs_requiring_grad(call.args, call.kwargs)
 
     def after(self, call: OpCall) -> None:
+        if collective_waits.is_work(call.result):  # an asynchronous collective: what it received is there at its wait
+            self.check_when_waited(call, self._after_received)
+            return
+        self._after_received(call)
+
+    def _after_received(self, call: OpCall) -> None:
+        if collective_waits.is_work(call.result):
+            call.result = None  # what it wrote is its result, as a synchronous collective's is
         if self.recorder is not None:
             self.recorder.after(call)
             return

@@ -74,3 +74,51 @@ def test_a_collective_whose_wait_the_tool_cannot_see_is_said_not_checked_with_wh
             "seen complete through is_completed() instead of a wait", "not waited for while the tool ran"))
     assert "forward 0 compared, 0 passed, 0 failed, 4 not checked" in compare.summary()
     assert t.cpu().tolist() == [1.0] * 4  # one rank: every all-reduce left it as it was
+
+
+def test_a_run_recording_records_what_a_collective_received_and_names_a_late_fault_in_it(sim, group, tmp_path):
+    # a collective's result is what it received: recorded after a synchronous one, at an asynchronous one's wait;
+    # compare_runs then names the collective, not the next op that reads what it received
+    import op_tools.offline.compare_runs
+    from op_tools.output.run_recording import read_recording
+
+    def record(faults: str, name: str) -> str:
+        t = torch.ones(4, device=sim)
+        with ditorch.sim.faults(faults), \
+                op_tools.OpCapture(mode="stats", results_dir=str(tmp_path / name)) as capture:
+            dist.all_reduce(t, async_op=True).wait()
+            t * 2
+        assert capture.verdict() == "clean"
+        return capture.recorder.file.path
+
+    faulty, clean = record(LATE_FLIP, "faulty"), record("", "clean")
+    _, (received, doubled) = read_recording(faulty)
+    assert received["op"] == "torch.distributed.all_reduce"
+    assert received["inputs"][0][3:5] == [1.0, 1.0] and received["outputs"][0][3:5] == [1.0, 1.5]  # min, max
+    first = op_tools.offline.compare_runs.compare(clean, faulty).first_divergence()
+    assert first is not None and first.op == "torch.distributed.all_reduce" and first.detail.startswith("outputs[0]")
+
+
+class _AllReducedGradient(torch.autograd.Function):
+    """The identity, whose backward all-reduces the gradient asynchronously and waits for it (a tensor-parallel
+    layer's input gradient, overlapped with the rest of its backward as Megatron's are)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        work = dist.all_reduce(grad, async_op=True)
+        work.wait()
+        return grad
+
+
+def test_an_asynchronous_all_reduce_in_a_backward_is_checked_at_its_wait(sim, group, tmp_path):
+    x = torch.ones(4, device=sim, requires_grad=True)
+    with ditorch.sim.faults(LATE_FLIP), op_tools.OpAutoCompare(results_dir=str(tmp_path)) as compare:
+        _AllReducedGradient.apply(x).sum().backward()
+    assert compare.handled["torch.distributed.all_reduce"] == 1
+    assert [f["op"] for f in compare.failures] == ["torch.distributed.all_reduce"]
+    assert x.grad.cpu().tolist() == [1.5, 1.0, 1.0, 1.0]  # the program's gradient: what arrived
