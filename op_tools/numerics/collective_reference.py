@@ -3,15 +3,17 @@
 Each rank copies what it sends to the host before the call; after it, the copies of every rank of the call's group
 are gathered (as bytes) through a gloo group of the same ranks (one per group, made on first use
 by its members), the reference is computed from them (the sum, average, maximum, ... of the ranks' inputs, their
-concatenation, the root's tensor) and compared with what this rank received.
+concatenation, the root's tensor, the rows each rank sends this one in an all-to-all) and compared with what this
+rank received.
 
 The tolerance is the dtype's reduction bound: a sum of ``n`` values rounded to a dtype of epsilon ``eps``, in any
 order, is within ``n * eps * sum|x_i|`` of the exact sum (an average within that over ``n``); copies (gather,
-broadcast) and maximum/minimum must be exact, as must integers.
+broadcast, all-to-all) and maximum/minimum must be exact, as must integers.
 
 Where the work runs: two host copies per call (the sent tensor before, the received one after), one gloo all-gather
-of the sent copies, and the reference in float64 on the host: a host synchronisation and ``world size`` times the
-sent bytes over gloo per collective. OP_AUTOCOMPARE_COLLECTIVES=0 switches it off.
+of the sent copies (an all-to-all's preceded by one of their lengths), and the reference in float64 on the host: a
+host synchronisation and ``world size`` times the sent bytes over gloo per collective. OP_AUTOCOMPARE_COLLECTIVES=0
+switches it off.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from ..ops.collectives import CollectiveCall
 from .comparison import Comparison
 
-_VERIFIED = {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
+_VERIFIED = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"}
 _REDUCTIONS = {"sum", "avg", "max", "min", "product"}
 _twins: dict[tuple[int, ...], object] = {}
 _twins_lock = threading.Lock()
@@ -54,8 +56,18 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
 
 
 def sent_copies(call: CollectiveCall) -> list[torch.Tensor]:
-    """Host copies of what this rank sends (in its own dtype: gathered as bytes), taken before the call writes them."""
-    return [t.detach().to("cpu", copy=True).contiguous() for t in call.sent]
+    """Host copies of what this rank sends (in its own dtype: gathered as bytes), taken before the call writes them;
+    an all-to-all's preceded by how many rows of it go to each rank (its ``input_split_sizes``, even when not given)."""
+    copies = [t.detach().to("cpu", copy=True).contiguous() for t in call.sent]
+    if call.kind == "all_to_all":
+        from torch.distributed import distributed_c10d
+
+        splits = call.arguments.get("input_split_sizes")
+        if not splits:
+            size = distributed_c10d.get_world_size(call.group)  # type: ignore[arg-type]  # a ProcessGroup or None
+            splits = [copies[0].shape[0] // size] * size
+        copies.insert(0, torch.tensor(list(splits), dtype=torch.int64))
+    return copies
 
 
 def _twin(group) -> tuple[object, list[int]]:
@@ -78,22 +90,30 @@ def _twin(group) -> tuple[object, list[int]]:
     return twin, ranks
 
 
-def _gathered(copies: list[torch.Tensor], twin, size: int) -> list[list[torch.Tensor]]:
+def _gathered(copies: list[torch.Tensor], twin, size: int, uneven: bool = False) -> list[list[torch.Tensor]]:
     """Every rank's copies, rank by rank, widened to float64 (int64) after the exchange. They travel as their bytes
     (as few as the dtype has, and any dtype gloo lacks): the ranks' sent tensors have the same shapes and dtypes in
-    these collectives."""
+    these collectives, or with ``uneven`` (an all-to-all's uneven splits) the same dtypes and sizes past the first
+    dimension, their lengths exchanged first."""
     import torch.distributed as dist
 
     flat = torch.cat([c.reshape(-1).view(torch.uint8) for c in copies]) if copies else \
         torch.zeros(0, dtype=torch.uint8)
+    lengths = [[c.numel() * c.element_size() for c in copies]] * size
+    if uneven:
+        mine = torch.tensor(lengths[0], dtype=torch.int64)
+        theirs = [torch.empty_like(mine) for _ in range(size)]
+        dist.all_gather(theirs, mine, group=twin)
+        lengths = [t.tolist() for t in theirs]
+        flat = torch.cat([flat, flat.new_zeros(max(map(sum, lengths)) - flat.numel())])
     out = [torch.empty_like(flat) for _ in range(size)]
     dist.all_gather(out, flat, group=twin)
     per_rank = []
-    for gathered in out:
+    for gathered, rank_lengths in zip(out, lengths):
         pieces, offset = [], 0
-        for c in copies:
-            size_bytes = c.numel() * c.element_size()
-            pieces.append(_wide(gathered[offset:offset + size_bytes].view(c.dtype).view(c.shape)))
+        for c, size_bytes in zip(copies, rank_lengths):
+            piece = gathered[offset:offset + size_bytes].view(c.dtype)
+            pieces.append(_wide(piece.view(-1, *c.shape[1:]) if uneven and c.dim() else piece.view(c.shape)))
             offset += size_bytes
         per_rank.append(pieces)
     return per_rank
@@ -129,6 +149,12 @@ def _expected(call: CollectiveCall, per_rank: list[list[torch.Tensor]], index: i
         group_src = call.arguments.get("group_src")
         root = group_src if group_src is not None else ranks.index(src if src is not None else 0)
         return [per_rank[root][0]], [None]
+    if kind == "all_to_all":  # from each rank in turn, the rows it sends this rank
+        chunks = []
+        for splits, sent in per_rank:
+            start = int(splits[:index].sum())
+            chunks.append(sent[start:start + int(splits[index])])
+        return [torch.cat(chunks)], [None]
     if kind == "all_gather":
         if len(call.received) == 1:  # into one tensor: the ranks' tensors one after the other
             return [torch.cat([f.reshape(-1) for f in first]).view(call.received[0].shape)], [None]
@@ -149,7 +175,7 @@ def verify(call: CollectiveCall, copies: list[torch.Tensor]) -> list[Comparison]
     try:
         twin, ranks = _twin(call.group)
         index = ranks.index(dist.get_rank())
-        per_rank = _gathered(copies, twin, len(ranks))
+        per_rank = _gathered(copies, twin, len(ranks), uneven=call.kind == "all_to_all")
     except Exception as error:
         # This call goes unchecked (raised: the tool counts it); the later ones are skipped with the reason, rather
         # than each waiting TIMEOUT for ranks that do not check.
