@@ -9,7 +9,10 @@ where they are added up in rank order. Then, per chunk:
 * ``all_reduce`` (sum, avg) and ``broadcast``: this rank's received chunk sums against the total (avg: divided by the
   group's size; broadcast: only the source rank's part is non-zero);
 * ``reduce_scatter_tensor``: this rank's received sums against the total's part for this rank;
-* ``all_gather_into_tensor``: every rank's part of the received tensor against that rank's sent sums.
+* ``all_gather_into_tensor``: every rank's part of the received tensor against that rank's sent sums;
+* ``all_to_all_single``: each rank sums its sent rows per destination (``input_split_sizes``, or equal parts), and
+  this rank's piece received from each rank (``output_split_sizes``) against that rank's sums of the piece it sent
+  here (not added up: gathered).
 
 The bound per chunk: both sides' float32 sums (``gamma_m``), the extra all-reduce's, and for a reduction the
 collective's own roundings in its dtype (one per rank on a ring). What it catches: a chunk lost, duplicated or taken
@@ -32,7 +35,7 @@ from ..ops.collectives import CollectiveCall
 from .rounding_bounds import gamma, worst_excess
 
 CHUNKS = 256  # checksums per rank's part of a collective: the extra all-gather carries 2 x CHUNKS x ranks numbers
-KINDS = ("all_reduce", "broadcast", "reduce_scatter", "all_gather")
+KINDS = ("all_reduce", "broadcast", "reduce_scatter", "all_gather", "all_to_all")
 _REDUCING = ("sum", "avg")
 
 
@@ -73,11 +76,34 @@ def _wide(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def _splits(t: torch.Tensor, given, size: int) -> list[int]:
+    """An all-to-all's rows of ``t`` per rank: ``given`` (its split sizes), or equal parts."""
+    return list(given) if given else [t.shape[0] // size] * size
+
+
+def _piece_sums(t: torch.Tensor, splits: list[int], wide: torch.dtype) -> torch.Tensor:
+    """``t``'s rows in pieces of ``splits`` rows, each summed in chunks as ``_chunk_sums`` sums a tensor, padded with
+    zeros to ``CHUNKS``: (pieces, CHUNKS, 2). The same piece gives the same chunks on the rank that sends it and on
+    the rank that receives it."""
+    out = torch.zeros(len(splits), CHUNKS, 2, dtype=wide, device=t.device)
+    rows = t.detach().reshape(t.shape[0], -1)
+    start = 0
+    for i, count in enumerate(splits):
+        if count:
+            sums = _chunk_sums(rows[start:start + count].reshape(-1), 1, wide)[0]
+            out[i, :sums.shape[0]] = sums
+        start += count
+    return out
+
+
 def sent_sums(call: CollectiveCall) -> torch.Tensor:
-    """This rank's contribution to the total, laid out as the received tensor's chunks: taken before the call."""
+    """This rank's contribution to the total, laid out as the received tensor's chunks (an all-to-all's: per
+    destination rank): taken before the call."""
     size, rank = _group_size_and_rank(call)
     sent, received = call.sent[0], call.received[0]
     wide = _wide(received)
+    if call.kind == "all_to_all":
+        return _piece_sums(sent, _splits(sent, call.arguments.get("input_split_sizes"), size), wide)
     if call.kind == "reduce_scatter":
         return _chunk_sums(sent, size, wide)  # a row per receiving rank
     if call.kind == "all_gather":
@@ -112,16 +138,22 @@ def excess(call: CollectiveCall, before: torch.Tensor) -> torch.Tensor:
     gather = getattr(distributed_c10d, "all_gather_single", None) or distributed_c10d.all_gather_into_tensor
     gather(gathered, before.reshape(-1), group=call.group)  # torch 2.13 names all_gather_into_tensor so
     total = gathered.view(size, *before.shape).sum(0)
-    if call.kind == "all_gather":
+    if call.kind == "all_to_all":  # each rank's piece for this one, against the piece received from it
+        splits = _splits(received, call.arguments.get("output_split_sizes"), size)
+        got, expected = _piece_sums(received, splits, wide), gathered.view(size, *before.shape)[:, rank]
+        row = received.numel() // max(1, received.shape[0])
+        length = max(1, *(math.ceil(count * row / CHUNKS) for count in splits))  # the longest piece's chunk
+    elif call.kind == "all_gather":
         got = _chunk_sums(received, size, wide)
         expected = total
     elif call.kind == "reduce_scatter":
         got, expected = _chunk_sums(received, 1, wide), total[rank:rank + 1]
     else:
         got, expected = _chunk_sums(received, 1, wide), total
+    if call.kind != "all_to_all":  # a chunk's length, as _chunk_sums made them
+        length = max(1, math.ceil(received.numel() / got.shape[0] / CHUNKS))
     share = 1 / size if call.reduce_op == "avg" else 1.0
     magnitude, target = expected[..., 1] * share, expected[..., 0] * share
-    length = max(1, math.ceil(received.numel() / got.shape[0] / CHUNKS))  # a chunk's: as _chunk_sums made them
     u_wide = torch.finfo(wide).eps / 2
     u_own = torch.finfo(received.dtype).eps / 2
     rounds = (size + 2) if call.reduce_op else 0  # a ring's one rounding per rank, the result's, an average's
