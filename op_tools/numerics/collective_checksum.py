@@ -6,8 +6,9 @@ input), and after the call joins those sums and their magnitudes (``sum |x|``) i
 ``all_gather_into_tensor`` (c10d's own, on the collective's group: the tools never see it) brings to every rank,
 where they are added up in rank order. Then, per chunk:
 
-* ``all_reduce`` (sum, avg) and ``broadcast``: this rank's received chunk sums against the total (avg: divided by the
-  group's size; broadcast: only the source rank's part is non-zero);
+* ``all_reduce`` (sum, avg), ``reduce`` and ``broadcast``: this rank's received chunk sums against the total (avg:
+  divided by the group's size; reduce: on its destination rank only; broadcast: only the source rank's part is
+  non-zero);
 * ``reduce_scatter_tensor``: this rank's received sums against the total's part for this rank;
 * ``all_gather_into_tensor``: every rank's part of the received tensor against that rank's sent sums;
 * ``all_to_all_single``: each rank sums its sent rows per destination (``input_split_sizes``, or equal parts), and
@@ -35,7 +36,7 @@ from ..ops.collectives import CollectiveCall
 from .rounding_bounds import gamma, worst_excess
 
 CHUNKS = 256  # checksums per rank's part of a collective: the extra all-gather carries 2 x CHUNKS x ranks numbers
-KINDS = ("all_reduce", "broadcast", "reduce_scatter", "all_gather", "all_to_all")
+KINDS = ("all_reduce", "reduce", "broadcast", "reduce_scatter", "all_gather", "all_to_all")
 _REDUCING = ("sum", "avg")
 
 
@@ -74,6 +75,17 @@ def _chunk_sums(t: torch.Tensor, rows: int, wide: torch.dtype) -> torch.Tensor:
 
 def _wide(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _destination(call: CollectiveCall) -> int:
+    """A reduce's destination, as a rank of its group."""
+    from torch.distributed import distributed_c10d
+
+    group: Any = call.group
+    if call.arguments.get("group_dst") is not None:
+        return call.arguments["group_dst"]
+    dst = call.arguments.get("dst") or 0
+    return dst if group is None else distributed_c10d.get_group_rank(group, dst)
 
 
 def _splits(t: torch.Tensor, given, size: int) -> list[int]:
@@ -138,6 +150,8 @@ def excess(call: CollectiveCall, before: torch.Tensor) -> torch.Tensor:
     gather = getattr(distributed_c10d, "all_gather_single", None) or distributed_c10d.all_gather_into_tensor
     gather(gathered, before.reshape(-1), group=call.group)  # torch 2.13 names all_gather_into_tensor so
     total = gathered.view(size, *before.shape).sum(0)
+    if call.kind == "reduce" and _destination(call) != rank:  # the reduction arrives elsewhere: nothing here
+        return total.new_zeros(())
     if call.kind == "all_to_all":  # each rank's piece for this one, against the piece received from it
         splits = _splits(received, call.arguments.get("output_split_sizes"), size)
         got, expected = _piece_sums(received, splits, wide), gathered.view(size, *before.shape)[:, rank]

@@ -26,7 +26,7 @@ import torch
 from ..ops.collectives import CollectiveCall
 from .comparison import Comparison
 
-_VERIFIED = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"}
+_VERIFIED = {"all_reduce", "reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"}
 _REDUCTIONS = {"sum", "avg", "max", "min", "product"}
 _twins: dict[tuple[int, ...], object] = {}
 _twins_lock = threading.Lock()
@@ -142,6 +142,13 @@ def _expected(call: CollectiveCall, per_rank: list[list[torch.Tensor]], index: i
     first = [rank_copies[0] for rank_copies in per_rank]
     kind = call.kind
     if kind == "all_reduce":
+        result, scale = _reduced(first, call.reduce_op)
+        return [result], [scale]
+    if kind == "reduce":  # the reduction arrives on the destination rank only: the others have nothing to check
+        dst = call.arguments.get("dst")
+        group_dst = call.arguments.get("group_dst")
+        if (group_dst if group_dst is not None else ranks.index(dst if dst is not None else 0)) != index:
+            return [], []
         result, scale = _reduced(first, call.reduce_op)
         return [result], [scale]
     if kind == "broadcast":

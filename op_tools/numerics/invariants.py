@@ -619,7 +619,7 @@ def _present(name: str) -> bool:
 
 # collectives checked by their checksums across ranks (collective_checksum.py)
 COLLECTIVES = frozenset(f"torch.distributed.{name}" for name in (
-    "all_reduce", "broadcast", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
+    "all_reduce", "reduce", "broadcast", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
     "all_gather_single", "all_to_all_single"))
 ELEMENTWISE = (_elementwise, _cancelling)  # the samplers of elementwise ops: valid on DTensors' local tensors alike
 # op name (as the tools name calls) -> check(args, kwargs, result, device math) -> excess or None

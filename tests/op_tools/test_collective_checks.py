@@ -25,9 +25,10 @@ _NEWER = hasattr(torch.distributed, "all_gather_single")
 COLLECTIVES = ("torch.distributed.all_reduce", "torch.distributed.all_gather",
                "torch.distributed.all_gather_single" if _NEWER else "torch.distributed.all_gather_into_tensor",
                "torch.distributed.reduce_scatter_single" if _NEWER else "torch.distributed.reduce_scatter_tensor",
-               "torch.distributed.broadcast", "torch.distributed.all_to_all_single")
+               "torch.distributed.broadcast", "torch.distributed.all_to_all_single", "torch.distributed.reduce")
 BROADCASTS = 0 if "torch.distributed.broadcast" in collective_tables.unseen_collectives() else 1  # per dtype
 ALL_TO_ALLS = 0 if "torch.distributed.all_to_all_single" in collective_tables.unseen_collectives() else 2
+REDUCES = 0 if "torch.distributed.reduce" in collective_tables.unseen_collectives() else 1
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +44,9 @@ def test_every_collective_is_checked_against_every_ranks_inputs_and_passes(repor
         checked = report["checked"]
         assert checked["verdict"] == "clean"
         collectives = sum(checked["handled"].get(name, 0) for name in COLLECTIVES)
-        # reductions (no average of int32); per dtype 2 gathers, a reduce-scatter, a broadcast, 2 all-to-alls (one
-        # with uneven splits)
-        assert collectives == 4 + 4 + 3 + 3 * (3 + BROADCASTS + ALL_TO_ALLS)
+        # reductions (no average of int32); per dtype 2 gathers, a reduce-scatter, a reduce, a broadcast, 2 all-to-alls
+        # (one with uneven splits)
+        assert collectives == 4 + 4 + 3 + 3 * (3 + REDUCES + BROADCASTS + ALL_TO_ALLS)
         assert "collective" not in " ".join(checked["skipped"])  # none skipped: all checked
         assert checked["counts"]["forward passed"] == checked["counts"]["forward compared"]
 
@@ -59,7 +60,8 @@ def test_a_result_that_differs_from_the_ranks_inputs_fails_on_the_rank_that_hold
 
 def test_the_check_can_be_switched_off_and_then_counts_the_collectives_skipped(reports):
     for report in reports:
-        assert report["off"]["skipped"]["collective (OP_AUTOCOMPARE_COLLECTIVES=0)"] == 7 + BROADCASTS + ALL_TO_ALLS
+        skipped = report["off"]["skipped"]["collective (OP_AUTOCOMPARE_COLLECTIVES=0)"]
+        assert skipped == 7 + REDUCES + BROADCASTS + ALL_TO_ALLS
         assert report["off"]["verdict"] == "clean"
 
 
@@ -82,11 +84,12 @@ def test_asynchronous_collectives_are_checked_when_waited_for_and_a_late_fault_i
     assert reports[1]["async"]["verdict"] == "found" and reports[1]["async"]["counts"]["forward failed"] == 1
 
 
-def test_an_all_to_all_is_checked_against_the_rows_each_rank_sent_and_a_faulty_one_fails_on_its_rank(reports):
-    if not ALL_TO_ALLS:
-        pytest.skip("this torch's all_to_all_single dispatches no __torch_function__: no tool sees it")
-    assert reports[0]["all_to_all_fault"] == {"verdict": "clean", "failed": []}
-    assert reports[1]["all_to_all_fault"] == {"verdict": "found", "failed": ["torch.distributed.all_to_all_single"]}
+def test_a_faulty_all_to_all_or_reduce_fails_on_the_rank_that_received_it(reports):
+    # the all-to-all against the rows each rank sent, the reduce on its destination rank
+    assert reports[0]["faulty"] == {"verdict": "clean", "failed": []}
+    assert reports[1]["faulty"]["verdict"] == "found"
+    assert reports[1]["faulty"]["failed"] == ["torch.distributed.all_to_all_single"] * bool(ALL_TO_ALLS) + \
+        ["torch.distributed.reduce"] * REDUCES
 
 
 def test_an_inf_another_rank_sent_through_an_asynchronous_all_reduce_is_found_at_its_wait(reports):

@@ -90,11 +90,11 @@ def test_self_check_is_quiet_under_fsdp2_and_names_noisy_products_on_the_faulty_
 
 
 def test_self_check_checks_collectives_by_their_sums_across_ranks_and_names_a_faulty_link(reports):
-    # all_reduce (sum, avg), reduce_scatter_tensor, all_gather_into_tensor, broadcast, all_to_all_single (even and
-    # uneven splits), in float32 and bfloat16
+    # all_reduce (sum, avg), reduce_scatter_tensor, all_gather_into_tensor, broadcast, reduce, all_to_all_single (even
+    # and uneven splits), in float32 and bfloat16
     for report in reports:
         clean = report["collectives"]["clean"]
-        assert clean == {"verdict": "clean", "counts": {"checked": 14}, "found": [], "findings": 0}, clean
+        assert clean == {"verdict": "clean", "counts": {"checked": 16}, "found": [], "findings": 0}, clean
     faulty = [report["collectives"]["allreduce:bitflip=1,rank=1"] for report in reports]
     assert faulty[0]["verdict"] == "clean" and faulty[0]["findings"] == 0, faulty
     # rank 1's all-reduces received a flipped bit (sim's faulty link), in both dtypes, sum and average; the check's
@@ -104,13 +104,17 @@ def test_self_check_checks_collectives_by_their_sums_across_ranks_and_names_a_fa
     faulty = [report["collectives"]["all_to_all_single:bitflip=1,rank=1"] for report in reports]
     assert faulty[0]["verdict"] == "clean" and faulty[0]["findings"] == 0, faulty
     assert faulty[1]["found"] == [["torch.distributed.all_to_all_single", 1]] and faulty[1]["findings"] == 4, faulty
+    # and through its reduces, of which it is the destination
+    faulty = [report["collectives"]["reduce:bitflip=1,rank=1"] for report in reports]
+    assert faulty[0]["verdict"] == "clean" and faulty[0]["findings"] == 0, faulty
+    assert faulty[1]["found"] == [["torch.distributed.reduce", 1]] and faulty[1]["findings"] == 2, faulty
 
 
 def test_self_check_checks_asynchronous_collectives_at_their_waits_and_names_a_link_that_flips_a_bit_late(reports):
     # the same collectives with async_op=True, waited for last first; rank 1's all-reduces complete late (sim's slow
     # link) with a bit flipped: a check at the call would read them unflipped
     clean, faulty = (report["collectives"]["async, late"] for report in reports)
-    assert clean == {"verdict": "clean", "counts": {"checked": 14}, "found": [], "findings": 0}, clean
+    assert clean == {"verdict": "clean", "counts": {"checked": 16}, "found": [], "findings": 0}, clean
     assert faulty["found"] == [["torch.distributed.all_reduce", 1]] and faulty["findings"] == 4, faulty
 
 

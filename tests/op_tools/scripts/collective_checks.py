@@ -33,6 +33,7 @@ def collectives(rank: int, world: int, dtype: torch.dtype) -> None:
     dist.reduce_scatter_tensor(scattered, base.reshape(-1)[: scattered.numel() * world])
     root = base.clone()
     dist.broadcast(root, src=1)
+    dist.reduce(base.clone(), dst=1)  # the sum arrives on rank 1: checked there
     # all-to-all: 6 of the 12 elements to each rank; then uneven (rank 0 sends 5 and 7, rank 1 sends 2 and 10)
     dist.all_to_all_single(torch.empty(12, dtype=dtype).cuda(), base.reshape(-1))
     sent = [[5, 7], [2, 10]]
@@ -77,12 +78,13 @@ def main() -> None:
     report["async"] = {"verdict": compare.verdict(), "counts": dict(compare.counts), "found": compare.found(),
                        "not_checked": compare.not_checked()}
     report["async_received"] = received
-    # A faulty all-to-all on rank 1 (a bit flipped in what it received)
+    # A faulty all-to-all and reduce on rank 1 (a bit flipped in what it received)
     scattered = (torch.arange(12, dtype=torch.float32) + 1 + 100 * rank).cuda()
-    with ditorch.sim.faults("all_to_all_single:bitflip=1,rank=1"), \
-            op_tools.OpAutoCompare(results_dir=os.path.join(out, "all_to_all")) as compare:
+    with ditorch.sim.faults("all_to_all_single:bitflip=1,rank=1;reduce:bitflip=1,rank=1"), \
+            op_tools.OpAutoCompare(results_dir=os.path.join(out, "faulty")) as compare:
         dist.all_to_all_single(torch.empty(12).cuda(), scattered)
-    report["all_to_all_fault"] = {"verdict": compare.verdict(), "failed": [f["op"] for f in compare.failures]}
+        dist.reduce(scattered, dst=1)
+    report["faulty"] = {"verdict": compare.verdict(), "failed": [f["op"] for f in compare.failures]}
     # A wrong result: the all-reduce ran, then rank 1's copy is changed before the check reads it.
     t = torch.full((4,), float(rank + 1)).cuda()
     bound = collective_call("torch.distributed.all_reduce", dist.all_reduce, (t,), {})

@@ -58,7 +58,7 @@ def fsdp2_llama():
 
 
 def collectives_under_self_check(fault: str, rank: int, asynchronous: bool = False) -> dict:
-    """The five collectives OpSelfCheck checks, in float32 and bfloat16, under sim's ``fault`` (a faulty link). Values
+    """The six collectives OpSelfCheck checks, in float32 and bfloat16, under sim's ``fault`` (a faulty link). Values
     of magnitude 1 to 2: a flipped top mantissa bit moves one by a quarter at least, above the rounding the checks
     allow for 1024 of them (an element near 0 flipped moves the sums by less: no check sees that). ``asynchronous``:
     each with async_op=True, waited for last first."""
@@ -74,6 +74,7 @@ def collectives_under_self_check(fault: str, rank: int, asynchronous: bool = Fal
                       dist.all_gather_into_tensor(tensor.new_empty(tensor.numel() * size), tensor,
                                                   async_op=asynchronous),
                       dist.broadcast(tensor.clone(), src=0, async_op=asynchronous),
+                      dist.reduce(tensor.clone(), dst=1, async_op=asynchronous),
                       dist.all_to_all_single(torch.empty_like(tensor), tensor, async_op=asynchronous)]
             sent = [[300, 724], [100, 924]]  # uneven: rank 0 sends 300 and 724 elements, rank 1 100 and 924
             received = [sent[source][rank] for source in range(size)]
@@ -193,7 +194,8 @@ def main() -> None:
                                             "found": sorted({(f.op, f.module, f.rank) for f in check.findings}),
                                             "first_step": None if first is None else first.step}
     report["collectives"] = {fault or "clean": collectives_under_self_check(fault, rank)
-                             for fault in ("", "allreduce:bitflip=1,rank=1", "all_to_all_single:bitflip=1,rank=1")}
+                             for fault in ("", "allreduce:bitflip=1,rank=1", "all_to_all_single:bitflip=1,rank=1",
+                                           "reduce:bitflip=1,rank=1")}
     report["collectives"]["nan sent by rank 0"] = nan_sent_under_self_check(rank)
     report["collectives"]["async, late"] = collectives_under_self_check("allreduce:slow=200;allreduce:bitflip=1,rank=1",
                                                                       rank, asynchronous=True)
