@@ -89,6 +89,15 @@ def test_self_check_is_quiet_under_fsdp2_and_names_noisy_products_on_the_faulty_
     assert noise[1]["first_step"] == 0, noise
 
 
+def test_fsdp2s_asynchronous_all_gathers_are_checked_at_fsdp2s_own_waits(reports):
+    # _set_unshard_async_op(True): each unshard's all-gather returns a Work that FSDP2 waits for before the layer runs
+    for report in reports:
+        compare = report["fsdp2"]["OpAutoCompare async unshard"]
+        assert compare["verdict"] == "clean" and compare["not_checked"] == "", compare
+        assert not [reason for reason in compare["skipped"] if "collective" in reason], compare  # none skipped
+        assert sum(n for name, n in compare["collectives"].items() if "all_gather" in name) >= 3, compare
+
+
 def test_self_check_checks_collectives_by_their_sums_across_ranks_and_names_a_faulty_link(reports):
     # all_reduce (sum, avg), reduce_scatter_tensor, all_gather_into_tensor, broadcast, reduce, all_to_all_single (even
     # and uneven splits), in float32 and bfloat16

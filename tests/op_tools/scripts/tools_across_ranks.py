@@ -193,6 +193,15 @@ def main() -> None:
     report["fsdp2"]["OpSelfCheck noise"] = {"verdict": check.verdict(),
                                             "found": sorted({(f.op, f.module, f.rank) for f in check.findings}),
                                             "first_step": None if first is None else first.step}
+    # FSDP2's all-gathers made asynchronous (each unshard waited for by FSDP2 before the layer runs): checked at
+    # those waits, against every rank's shard
+    for module in (*sharded.model.layers, sharded):
+        module._set_unshard_async_op(True)
+    with op_tools.OpAutoCompare(results_dir=os.path.join(out, "results_fsdp2_async")) as compare:
+        ddp_step(sharded, optimizer, generator)
+    report["fsdp2"]["OpAutoCompare async unshard"] = {
+        "verdict": compare.verdict(), "not_checked": compare.not_checked(), "skipped": dict(compare.skipped),
+        "collectives": {name: n for name, n in compare.handled.items() if name.startswith("torch.distributed.")}}
     report["collectives"] = {fault or "clean": collectives_under_self_check(fault, rank)
                              for fault in ("", "allreduce:bitflip=1,rank=1", "all_to_all_single:bitflip=1,rank=1",
                                            "reduce:bitflip=1,rank=1")}
