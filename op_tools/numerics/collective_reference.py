@@ -34,6 +34,7 @@ _twins_lock = threading.Lock()
 # that runs no check (a tool started on some ranks only) keeps it waiting; then the checks stop for the process.
 TIMEOUT = datetime.timedelta(seconds=120)
 _stopped: list[str] = []  # why the checks stopped, once one timed out or failed
+NO_TENSORS = "collective without tensors"  # nothing moved: nothing to check
 
 
 def unverifiable(call: CollectiveCall) -> str | None:
@@ -45,7 +46,7 @@ def unverifiable(call: CollectiveCall) -> str | None:
     if call.reduce_op and call.reduce_op not in _REDUCTIONS:
         return f"collective with ReduceOp {call.reduce_op} (no host reference for it)"
     if not call.sent or not call.received:
-        return "collective without tensors"
+        return NO_TENSORS
     return None
 
 

@@ -160,13 +160,16 @@ class _Learnt:
 LEARNT = _Learnt()
 
 
+_NO_CHECK = "collective (op_tools has no check for this one)"
+
+
 @cached_on_facts  # asked on every handled call, and a name's answer changes only with its declared facts
 def skip_reason(name: str) -> str | None:
     """Why ``name`` is never compared whatever its arguments: ``'uninitialised'``, ``'collective'`` or ``None``."""
     if op_facts(name).uninitialised:
         return "uninitialised"
     if op_facts(name).collective and signature_of(name) is None:
-        return "collective (op_tools has no check for this one)"  # its result is other ranks' data
+        return _NO_CHECK  # its result is other ranks' data
     return None
 
 
@@ -373,6 +376,9 @@ class OpAutoCompare(OpTool):
                 raise UnsupportedInputError(_HELD_WRITES)
         else:
             reason = skip_reason(call.name) or random_reason(call.name, call.args, call.kwargs)
+            if reason == _NO_CHECK and call.name.startswith("torch.distributed.") and self.settings.collectives:
+                # tensors moved between ranks (a gather, a send) and left unchecked: never a clean verdict
+                raise UnsupportedInputError("a torch.distributed collective op_tools has no check for")
         reason = reason or (_RERUN_DRAWS if call.name in LEARNT.drawing_reruns else None)
         facts = op_facts(call.name)
         if reason == "random" and facts.composite or reason is None and facts.compared_inside:
@@ -477,10 +483,12 @@ class OpAutoCompare(OpTool):
             return "collective (OP_AUTOCOMPARE_COLLECTIVES=0)"
         bound = collective_call(call.name, call.func, call.args, call.kwargs)
         if bound is None:
-            return "collective (its arguments did not bind)"
+            raise UnsupportedInputError("collective (its arguments did not bind)")
         reason = collective_reference.unverifiable(bound)
-        if reason is not None:
+        if reason == collective_reference.NO_TENSORS:
             return reason
+        if reason is not None:  # tensors moved between ranks, unchecked: never a clean verdict
+            raise UnsupportedInputError(reason)
         state.collective = (bound, collective_reference.sent_copies(bound))
         return "collective"  # not compared as an op: after() checks it against the other ranks' inputs
 

@@ -104,8 +104,10 @@ def test_a_tool_on_one_rank_only_waits_for_the_others_no_longer_than_the_timeout
     assert ("1 call not checked (the tool failed), the first torch.distributed.all_reduce: RuntimeError: gathering "
             "every rank's inputs failed or timed out after 10 s (is the tool running on every rank?)") \
         in alone["not_checked"]
-    assert list(alone["skipped"]) == ["collective (checks stopped: gathering the ranks' inputs failed or timed out, "
-                                      "is the tool running on every rank?)"]
+    # the second all-reduce is not checked either, with why (no wait for the ranks again)
+    assert ("1 call not checked (collective (checks stopped: gathering the ranks' inputs failed or timed out, is the "
+            "tool running on every rank?)), the first torch.distributed.all_reduce") in alone["not_checked"]
+    assert alone["skipped"] == {}
     assert reports[0]["one_sided_values"] == reports[1]["one_sided_values"] == [4.0] * 4  # the run went on
 
 
@@ -188,3 +190,20 @@ def test_where_no_collective_reaches_a_tool_the_unseen_ones_are_said_when_a_tool
         dist.destroy_process_group()
     said = [r.getMessage() for r in caplog.records if "no tool sees them" in r.getMessage()]
     assert len(said) == 1 and "torch.distributed.all_reduce dispatch no __torch_function__" in said[0], said
+
+
+def test_a_collective_that_moves_tensors_unchecked_leaves_the_verdict_unchecked_not_clean(sim, group, tmp_path):
+    import torch.distributed as dist
+
+    x, n = torch.ones(4, device=sim), torch.ones(4, dtype=torch.int32, device=sim)
+    with op_tools.OpAutoCompare(results_dir=str(tmp_path)) as compare:
+        dist.gather(x, [torch.empty(4, device=sim)], dst=0)  # no check for a gather
+        dist.all_reduce(n, op=dist.ReduceOp.BAND)  # no host reference for a bitwise reduction
+    assert compare.verdict() == "unchecked"
+    assert compare.not_checked() == (
+        "1 call not checked (a torch.distributed collective op_tools has no check for), the first "
+        "torch.distributed.gather; 1 call not checked (collective with ReduceOp band (no host reference for it)), "
+        "the first torch.distributed.all_reduce")
+    with op_tools.OpAutoCompare(results_dir=str(tmp_path), collectives=False) as off:  # asked for: skipped
+        dist.all_reduce(n, op=dist.ReduceOp.BAND)
+    assert off.verdict() == "clean" and dict(off.skipped) == {"collective (OP_AUTOCOMPARE_COLLECTIVES=0)": 1}
