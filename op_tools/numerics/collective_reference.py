@@ -45,7 +45,7 @@ def unverifiable(call: CollectiveCall) -> str | None:
         return f"collective {call.kind} (no host reference for it)"
     if call.reduce_op and call.reduce_op not in _REDUCTIONS:
         return f"collective with ReduceOp {call.reduce_op} (no host reference for it)"
-    if not call.sent or not call.received:
+    if not call.sent or not (call.received or call.functional):  # a functional one's: its result, after the call
         return NO_TENSORS
     return None
 

@@ -57,6 +57,7 @@ class CollectiveCall:
     group: object  # the ProcessGroup (None: the default group)
     asynchronous: bool
     arguments: dict
+    functional: bool = False  # a functional collective: what it receives is its result, known once it returns
 
 
 def signature_of(name: str) -> CollectiveSignature | None:
@@ -104,6 +105,50 @@ def collective_call(name: str, func, args: tuple, kwargs: dict) -> CollectiveCal
                           _tensors(arguments.get(signature.received)),
                           _op_name(arguments.get("op")) if signature.reduces else "", arguments.get("group"),
                           bool(arguments.get("async_op", False)), arguments)
+
+
+# The functional collectives (``torch.ops._c10d_functional``: DTensor's redistributions, FSDP2 compiled, the
+# autograd ones of expert parallelism) that move tensors: their kind and their parameters, in the schema's order. Each
+# returns what it received, filled when it is waited for (``wait_tensor``); a broadcast's source is a rank of the
+# group (``group_src``).
+_FUNCTIONAL: dict[str, tuple[str, tuple[str, ...]]] = {
+    "all_reduce": ("all_reduce", ("input", "reduce_op", "group_name")),
+    "all_reduce_": ("all_reduce", ("input", "reduce_op", "group_name")),
+    "all_gather_into_tensor": ("all_gather", ("input", "group_size", "group_name")),
+    "reduce_scatter_tensor": ("reduce_scatter", ("input", "reduce_op", "group_size", "group_name")),
+    "all_to_all_single": ("all_to_all", ("input", "output_split_sizes", "input_split_sizes", "group_name")),
+    "broadcast": ("broadcast", ("input", "group_src", "group_name")),
+    "broadcast_": ("broadcast", ("input", "group_src", "group_name")),
+}
+_FUNCTIONAL_NAMESPACES = ("_c10d_functional.", "_c10d_functional_autograd.", "c10d_functional.")
+
+
+def functional_kind(name: str) -> str | None:
+    """The kind of the functional collective ``name`` (as the tools name calls: ``_c10d_functional.all_reduce``, with or
+    without its overload), None for any other name."""
+    namespace, _, rest = name.partition(".")
+    if namespace + "." not in _FUNCTIONAL_NAMESPACES:
+        return None
+    entry = _FUNCTIONAL.get(rest.partition(".")[0])
+    return entry[0] if entry else None
+
+
+def functional_call(name: str, args: tuple, kwargs: dict) -> CollectiveCall | None:
+    """A functional collective's call bound to its parameters (``received`` empty: its result, once it returns), or
+    None for another function or arguments that do not bind."""
+    if functional_kind(name) is None:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    kind, parameters = _FUNCTIONAL[name.partition(".")[2].partition(".")[0]]
+    if len(args) > len(parameters) or set(kwargs) - set(parameters):
+        return None
+    arguments = {**dict(zip(parameters, args)), **kwargs}
+    if "input" not in arguments or "group_name" not in arguments:
+        return None
+    group = _resolve_process_group(arguments["group_name"])
+    return CollectiveCall(name, kind, _tensors(arguments["input"]), [], str(arguments.get("reduce_op", "")).lower(),
+                          group, False, arguments, functional=True)
 
 
 # The collectives that move tensors between ranks. A tool's mode sees one only where torch dispatches it to

@@ -111,7 +111,7 @@ from ..numerics.reference import (
 )
 from ..numerics.rounding_bounds import AnyOrderSum, attention_rounding, rounded_terms
 from ..ops.arguments import UnsupportedInputError, is_dtensor, iter_items, iter_tensors, map_tensors, strided
-from ..ops.collectives import collective_call, signature_of
+from ..ops.collectives import collective_call, functional_call, functional_kind, signature_of
 from ..ops.custom_functions import custom_node, unfollowed_function
 from ..ops.op_facts import cached_on_facts, op_facts
 from ..ops.random_calls import GeneratorProbe, cpu_generator_token, device_rng, random_reason, skip_text
@@ -168,7 +168,7 @@ def skip_reason(name: str) -> str | None:
     """Why ``name`` is never compared whatever its arguments: ``'uninitialised'``, ``'collective'`` or ``None``."""
     if op_facts(name).uninitialised:
         return "uninitialised"
-    if op_facts(name).collective and signature_of(name) is None:
+    if op_facts(name).collective and signature_of(name) is None and functional_kind(name) is None:
         return _NO_CHECK  # its result is other ranks' data
     return None
 
@@ -388,7 +388,7 @@ class OpAutoCompare(OpTool):
             state.replay, reason = (rng, rng[0]()), None  # after() replays its mask
         elif reason == "random":
             reason = skip_text(call.name)
-        if reason is None and signature_of(call.name) is not None:
+        if reason is None and (signature_of(call.name) is not None or functional_kind(call.name) is not None):
             reason = self._before_collective(call, state)
         if reason is not None:
             state.skip = reason
@@ -481,7 +481,8 @@ class OpAutoCompare(OpTool):
         """A collective to check against every rank's inputs (its sent tensors copied now); else why it is not."""
         if not self.settings.collectives:
             return "collective (OP_AUTOCOMPARE_COLLECTIVES=0)"
-        bound = collective_call(call.name, call.func, call.args, call.kwargs)
+        bound = collective_call(call.name, call.func, call.args, call.kwargs) or \
+            functional_call(call.name, call.args, call.kwargs)
         if bound is None:
             raise UnsupportedInputError("collective (its arguments did not bind)")
         reason = collective_reference.unverifiable(bound)
@@ -593,10 +594,17 @@ class OpAutoCompare(OpTool):
         reason = state.skip
         if state.collective is not None:
             self._copies.forget(written)
-            if state.collective[0].asynchronous:  # what it receives is there once the program waits for it
+            bound = state.collective[0]
+            if bound.asynchronous:  # what it receives is there once the program waits for it
                 self.check_when_waited(call, self._after_waited_collective)
-            else:
-                self._after_collective(call)
+                return
+            if bound.functional:  # its result, filled by the collective: waited for now (the program's wait is a no-op)
+                if not isinstance(call.result, torch.Tensor):
+                    raise UnsupportedInputError("a functional collective that returned no tensor")
+                bound.received.append(call.result)
+                with torch.no_grad():
+                    torch.ops._c10d_functional.wait_tensor(call.result)
+            self._after_collective(call)
             return
         if reason is not None:
             self.skipped[reason] += 1

@@ -92,6 +92,25 @@ def test_a_faulty_all_to_all_or_reduce_fails_on_the_rank_that_received_it(report
         ["torch.distributed.reduce"] * REDUCES
 
 
+def test_the_functional_collectives_dtensor_calls_are_checked_and_a_faulty_one_fails_on_its_rank(reports):
+    # torch.ops._c10d_functional's all_reduce, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single (they
+    # were skipped: a tensor-parallel layer's all-reduce went unchecked with a clean verdict)
+    base = [torch.arange(12, dtype=torch.float32) * (rank + 1) / 7 for rank in (0, 1)]
+    for rank, report in enumerate(reports):
+        functional = report["functional"]
+        assert functional["verdict"] == "clean" and functional["not_checked"] == "", functional
+        assert {name: n for name, n in functional["handled"].items() if "wrap" not in name and "wait" not in name} == {
+            f"_c10d_functional.{name}": 1 for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
+                                                       "all_to_all_single")}
+        assert list(functional["skipped"]) == ["collective (op_tools has no check for this one)"]  # waits, wrappers
+        summed, gathered, scattered, exchanged = functional["received"]  # what the program got: the collectives' own
+        assert summed == (base[0] + base[1]).tolist() and gathered == torch.cat(base).tolist()
+        assert scattered == (base[0] + base[1])[rank * 6:(rank + 1) * 6].tolist()
+        assert exchanged == torch.cat([b[rank * 6:(rank + 1) * 6] for b in base]).tolist()
+    assert reports[0]["functional_faulty"] == {"verdict": "clean", "failed": []}
+    assert reports[1]["functional_faulty"] == {"verdict": "found", "failed": ["_c10d_functional.all_reduce"]}
+
+
 def test_an_inf_another_rank_sent_through_an_asynchronous_all_reduce_is_found_at_its_wait(reports):
     assert reports[0]["async_overflow"].startswith("first inf/nan received from another rank (this rank sent finite "
                                                    "values): torch.distributed.all_reduce (forward)")
@@ -127,9 +146,10 @@ def test_a_collective_without_a_check_says_so_not_where_the_ranks_are():
     from op_tools.tools.autocompare import skip_reason
 
     # both ranks of a torchrun on one host were told "the other ranks' data is not on this host"
-    assert [skip_reason(name) for name in ("torch.distributed.barrier", "_c10d_functional.all_reduce")] == \
+    assert [skip_reason(name) for name in ("torch.distributed.barrier", "_c10d_functional.wait_tensor")] == \
         ["collective (op_tools has no check for this one)"] * 2
-    assert skip_reason("torch.distributed.all_reduce") is None  # checked against every rank's inputs
+    for name in ("torch.distributed.all_reduce", "_c10d_functional.all_reduce"):
+        assert skip_reason(name) is None  # checked against every rank's inputs
 
 
 def test_the_collectives_a_torch_does_not_dispatch_are_named_and_said_once(monkeypatch, tmp_path, caplog):

@@ -112,16 +112,18 @@ def test_the_registry_holds_what_op_tools_knows_of_torch_ops():
     assert op_facts("torch.Tensor.mul_").rounded_once and not op_facts("torch.mm").rounded_once
 
 
-def test_functional_collectives_are_collectives_and_never_compared():
+def test_functional_collectives_are_collectives_and_those_that_move_no_tensor_never_compared():
     from op_tools.tools.autocompare import skip_reason
 
-    for name in ("_c10d_functional.all_reduce.default", "_c10d_functional._wrap_tensor_autograd.default",
-                 "_c10d_functional.wait_tensor.default", "torch.distributed.barrier"):
+    for name in ("_c10d_functional._wrap_tensor_autograd.default", "_c10d_functional.wait_tensor.default",
+                 "torch.distributed.barrier"):
         assert op_facts(name).collective, name
         assert skip_reason(name).startswith("collective"), name
     assert not op_facts("torch.nn.functional.linear").collective
-    # torch.distributed's own collectives with a known signature are checked against every rank's inputs instead
-    assert op_facts("torch.distributed.all_reduce").collective and skip_reason("torch.distributed.all_reduce") is None
+    # the collectives with a known signature are checked against every rank's inputs instead
+    for name in ("torch.distributed.all_reduce", "_c10d_functional.all_reduce.default",
+                 "_c10d_functional_autograd.all_to_all_single"):
+        assert op_facts(name).collective and skip_reason(name) is None, name
 
 
 def test_a_functional_collectives_result_is_read_only_once_waited_for():

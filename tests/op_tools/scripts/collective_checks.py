@@ -57,6 +57,18 @@ def asynchronous(rank: int, world: int) -> list:
     return [summed.cpu().tolist(), gathered.cpu().tolist(), scattered.cpu().tolist()]
 
 
+def functional(rank: int, world: int) -> list:
+    """The functional collectives DTensor and FSDP2 call (``torch.ops._c10d_functional``), waited for as DTensor
+    does: what each received."""
+    import torch.distributed._functional_collectives as funcol
+
+    base = (torch.arange(12, dtype=torch.float32) * (rank + 1) / 7).cuda()
+    group = dist.group.WORLD
+    results = [funcol.all_reduce(base, "sum", group), funcol.all_gather_tensor(base, 0, group),
+               funcol.reduce_scatter_tensor(base, "sum", 0, group), funcol.all_to_all_single(base, None, None, group)]
+    return [funcol.wait_tensor(r).cpu().tolist() for r in results]
+
+
 def main() -> None:
     out = sys.argv[1]
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -78,6 +90,15 @@ def main() -> None:
     report["async"] = {"verdict": compare.verdict(), "counts": dict(compare.counts), "found": compare.found(),
                        "not_checked": compare.not_checked()}
     report["async_received"] = received
+    with op_tools.OpAutoCompare(results_dir=os.path.join(out, "functional")) as compare:
+        received = functional(rank, world)
+    report["functional"] = {"verdict": compare.verdict(), "not_checked": compare.not_checked(),
+                            "skipped": dict(compare.skipped), "received": received,
+                            "handled": {n: k for n, k in compare.handled.items() if "c10d" in n}}
+    with ditorch.sim.faults("allreduce:bitflip=1,rank=1"), \
+            op_tools.OpAutoCompare(results_dir=os.path.join(out, "functional_faulty")) as compare:
+        functional(rank, world)
+    report["functional_faulty"] = {"verdict": compare.verdict(), "failed": [f["op"] for f in compare.failures]}
     # A faulty all-to-all and reduce on rank 1 (a bit flipped in what it received)
     scattered = (torch.arange(12, dtype=torch.float32) + 1 + 100 * rank).cuda()
     with ditorch.sim.faults("all_to_all_single:bitflip=1,rank=1;reduce:bitflip=1,rank=1"), \
