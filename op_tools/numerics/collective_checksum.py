@@ -42,6 +42,8 @@ _REDUCING = ("sum", "avg")
 
 def uncheckable(call: CollectiveCall) -> str | None:
     """Why this collective has no checksum here, or None."""
+    if call.coalesced:
+        return "collective inside a _coalescing_manager"
     if call.kind not in KINDS:
         return f"collective {call.kind}"
     if call.reduce_op and call.reduce_op not in _REDUCING:

@@ -35,12 +35,15 @@ _twins_lock = threading.Lock()
 TIMEOUT = datetime.timedelta(seconds=120)
 _stopped: list[str] = []  # why the checks stopped, once one timed out or failed
 NO_TENSORS = "collective without tensors"  # nothing moved: nothing to check
+COALESCED = "collective inside a _coalescing_manager (run later, in one batch with the others)"
 
 
 def unverifiable(call: CollectiveCall) -> str | None:
     """Why this collective's result cannot be checked here, or None."""
     if _stopped:
         return _stopped[0]
+    if call.coalesced:
+        return COALESCED
     if call.kind not in _VERIFIED:
         return f"collective {call.kind} (no host reference for it)"
     if call.reduce_op and call.reduce_op not in _REDUCTIONS:

@@ -58,6 +58,7 @@ class CollectiveCall:
     asynchronous: bool
     arguments: dict
     functional: bool = False  # a functional collective: what it receives is its result, known once it returns
+    coalesced: bool = False  # called inside a ``_coalescing_manager``: issued later, with the others, at its exit
 
 
 def signature_of(name: str) -> CollectiveSignature | None:
@@ -104,7 +105,17 @@ def collective_call(name: str, func, args: tuple, kwargs: dict) -> CollectiveCal
     return CollectiveCall(name, signature.kind, _tensors(arguments.get(signature.sent)),
                           _tensors(arguments.get(signature.received)),
                           _op_name(arguments.get("op")) if signature.reduces else "", arguments.get("group"),
-                          bool(arguments.get("async_op", False)), arguments)
+                          bool(arguments.get("async_op", False)), arguments,
+                          coalesced=_coalescing(arguments.get("group")))
+
+
+def _coalescing(group) -> bool:
+    """Whether ``group`` (None: the default group) is inside a ``_coalescing_manager`` now: its collectives are queued,
+    not run, until the manager's exit runs them as one batch (what they receive is not there after the call)."""
+    from torch.distributed import distributed_c10d
+
+    state = distributed_c10d._world.pg_coalesce_state
+    return bool(state) and (group if group is not None else distributed_c10d._get_default_group()) in state
 
 
 # The functional collectives (``torch.ops._c10d_functional``: DTensor's redistributions, FSDP2 compiled, the

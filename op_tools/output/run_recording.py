@@ -391,7 +391,7 @@ class RunRecorder:
                 call.state["written"] = spec.written(call.args, call.kwargs)
             if signature_of(call.name) is not None:  # what a collective receives is its result (it returns none)
                 bound = collective_call(call.name, call.func, call.args, call.kwargs)
-                if bound is not None:
+                if bound is not None and not bound.coalesced:  # a coalesced one receives later, unseen
                     call.state["received"] = bound.received
             call.state["stats_inputs"] = inputs
         except Exception as e:

@@ -576,7 +576,7 @@ class OpOverflowCheck(OpTool):
         if signature_of(call.name) is not None:
             # A collective writes what it received over what it sent: what was sent is measured now (on the device).
             bound = collective_call(call.name, call.func, call.args, call.kwargs)
-            if bound is not None:
+            if bound is not None and not bound.coalesced:  # a coalesced one runs later: read by its readers
                 sent = [t for t in map(held, bound.sent) if _checked(t)]
                 call.state = {"collective": bound, "sent": _largest_magnitudes(sent) if sent else []}
             return

@@ -111,6 +111,16 @@ def test_the_functional_collectives_dtensor_calls_are_checked_and_a_faulty_one_f
     assert reports[1]["functional_faulty"] == {"verdict": "found", "failed": ["_c10d_functional.all_reduce"]}
 
 
+def test_collectives_inside_a_coalescing_manager_are_said_not_checked_not_failed_at_their_calls(reports):
+    # they run at the manager's exit, in one batch: at their calls nothing has arrived (a false failure before)
+    for report in reports:
+        coalesced = report["coalesced"]
+        assert coalesced["values"] == [[1.0, 3.0, 5.0, 7.0]] * 2  # the program's all-reduces, as without the tool
+        assert coalesced["verdict"] == "unchecked" and coalesced["failed"] == [], coalesced
+        assert "2 calls not checked (collective inside a _coalescing_manager (run later, in one batch with the " \
+               "others)), the first torch.distributed.all_reduce" in coalesced["not_checked"], coalesced
+
+
 def test_an_inf_another_rank_sent_through_an_asynchronous_all_reduce_is_found_at_its_wait(reports):
     assert reports[0]["async_overflow"].startswith("first inf/nan received from another rank (this rank sent finite "
                                                    "values): torch.distributed.all_reduce (forward)")

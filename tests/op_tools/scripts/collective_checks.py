@@ -99,6 +99,15 @@ def main() -> None:
             op_tools.OpAutoCompare(results_dir=os.path.join(out, "functional_faulty")) as compare:
         functional(rank, world)
     report["functional_faulty"] = {"verdict": compare.verdict(), "failed": [f["op"] for f in compare.failures]}
+    # All-reduces inside a _coalescing_manager: run at its exit, as one batch, not at their calls
+    coalesced = [(torch.arange(4, dtype=torch.float32) + rank).cuda() for _ in range(2)]
+    with op_tools.OpAutoCompare(results_dir=os.path.join(out, "coalesced")) as compare:
+        with dist._coalescing_manager():
+            for t in coalesced:
+                dist.all_reduce(t)
+    report["coalesced"] = {"verdict": compare.verdict(), "not_checked": compare.not_checked(),
+                           "failed": [f["op"] for f in compare.failures],
+                           "values": [t.cpu().tolist() for t in coalesced]}
     # A faulty all-to-all and reduce on rank 1 (a bit flipped in what it received)
     scattered = (torch.arange(12, dtype=torch.float32) + 1 + 100 * rank).cuda()
     with ditorch.sim.faults("all_to_all_single:bitflip=1,rank=1;reduce:bitflip=1,rank=1"), \
