@@ -4,8 +4,9 @@
 waits for it (``work.wait()``; on a GPU the program's stream then waits for the collective's). A check at the call
 would read what was there before it: a silent pass, or a false failure. So a tool hands the program a ``WaitedWork``
 in its place (``OpTool.check_when_waited``, ``WaitedChecks.defer``): a ``dist.Work`` that passes every method on to
-the collective's, and whose first ``wait()`` (or ``synchronize()``, ``block_current_stream()``) runs the tool's check
-once the real one has returned, on the program's thread, where the program would read the result next. The checks of
+the collective's, and whose first ``wait()`` (or ``synchronize()``, ``block_current_stream()``, after which the tool
+waits for the result too: they make a GPU stream wait, and return at once on gloo and sim) runs the tool's check once
+the real one has returned, on the program's thread, where the program would read the result next. The checks of
 a tool run in the order of their calls (a wait first runs those of earlier collectives still open, waiting for their
 Works too): the same order on every rank, for checks that exchange data among the ranks.
 
@@ -172,8 +173,15 @@ def _define_waited_work() -> type:
             except BaseException:  # the program's own error, unchanged: the result may never have arrived
                 self._check.give_up(f"its {method}() raised")
                 raise
-            if done is not False:  # a wait that timed out without raising: not there yet
-                self._check.run()
+            if done is False:  # a wait that timed out without raising: not there yet
+                return done
+            if method != "wait":  # a GPU stream made to wait at most: gloo's and sim's return before the result is
+                try:  # there, so the check waits for it as well
+                    self._work.wait()
+                except Exception as error:  # not the program's call: given up, never raised into the program
+                    self._check.give_up(f"its wait after {method}() raised {type(error).__name__}")
+                    return done
+            self._check.run()
             return done
 
         def wait(self, timeout=None):

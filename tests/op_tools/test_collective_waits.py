@@ -30,6 +30,14 @@ def test_an_asynchronous_collective_is_checked_when_the_program_waits_and_on_wha
     assert compare.not_checked() == ""
 
 
+def test_a_synchronize_that_returns_before_the_result_arrives_is_checked_once_it_has(sim, group, tmp_path):
+    # Work.synchronize() makes a GPU stream wait; sim's (as gloo's) returns at once: the check waits for the result
+    t = torch.ones(4, device=sim)
+    with ditorch.sim.faults(LATE_FLIP), op_tools.OpAutoCompare(results_dir=str(tmp_path)) as compare:
+        dist.all_reduce(t, async_op=True).synchronize()
+    assert compare.verdict() == "found" and dict(compare.counts) == {"forward compared": 1, "forward failed": 1}
+
+
 def test_every_tool_checks_an_asynchronous_collective_at_its_wait(sim, group, tmp_path):
     with ditorch.sim.faults(LATE_FLIP), op_tools.OpSelfCheck(budget=1.0, results_dir=str(tmp_path)) as check:
         dist.all_reduce(torch.rand(1024, device=sim) + 1, async_op=True).wait()
