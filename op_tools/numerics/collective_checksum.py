@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..ops.collectives import CollectiveCall
+from ..ops.collectives import CollectiveCall, root_rank, split_sizes
 from .rounding_bounds import gamma, worst_excess
 
 CHUNKS = 256  # checksums per rank's part of a collective: the extra all-gather carries 2 x CHUNKS x ranks numbers
@@ -79,22 +79,6 @@ def _wide(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _destination(call: CollectiveCall) -> int:
-    """A reduce's destination, as a rank of its group."""
-    from torch.distributed import distributed_c10d
-
-    group: Any = call.group
-    if call.arguments.get("group_dst") is not None:
-        return call.arguments["group_dst"]
-    dst = call.arguments.get("dst") or 0
-    return dst if group is None else distributed_c10d.get_group_rank(group, dst)
-
-
-def _splits(t: torch.Tensor, given, size: int) -> list[int]:
-    """An all-to-all's rows of ``t`` per rank: ``given`` (its split sizes), or equal parts."""
-    return list(given) if given else [t.shape[0] // size] * size
-
-
 def _piece_sums(t: torch.Tensor, splits: list[int], wide: torch.dtype) -> torch.Tensor:
     """``t``'s rows in pieces of ``splits`` rows, each summed in chunks as ``_chunk_sums`` sums a tensor, padded with
     zeros to ``CHUNKS``: (pieces, CHUNKS, 2). The same piece gives the same chunks on the rank that sends it and on
@@ -117,7 +101,7 @@ def sent_sums(call: CollectiveCall) -> torch.Tensor:
     sent, received = call.sent[0], call.received[0]
     wide = _wide(received)
     if call.kind == "all_to_all":
-        return _piece_sums(sent, _splits(sent, call.arguments.get("input_split_sizes"), size), wide)
+        return _piece_sums(sent, split_sizes(call, "input", size), wide)
     if call.kind == "reduce_scatter":
         return _chunk_sums(sent, size, wide)  # a row per receiving rank
     if call.kind == "all_gather":
@@ -126,15 +110,8 @@ def sent_sums(call: CollectiveCall) -> torch.Tensor:
         placed[rank] = mine[0]
         return placed
     sums = _chunk_sums(sent, 1, wide)
-    if call.kind == "broadcast":
-        from torch.distributed import distributed_c10d
-
-        source = call.arguments.get("src")
-        group: Any = call.group
-        if group is not None and call.arguments.get("group_src") is not None:
-            source = distributed_c10d.get_global_rank(group, call.arguments["group_src"])
-        if distributed_c10d.get_rank() != source:
-            sums = torch.zeros_like(sums)
+    if call.kind == "broadcast" and rank != root_rank(call):  # only the source's part is sent
+        sums = torch.zeros_like(sums)
     return sums
 
 
@@ -152,10 +129,10 @@ def excess(call: CollectiveCall, before: torch.Tensor) -> torch.Tensor:
     gather = getattr(distributed_c10d, "all_gather_single", None) or distributed_c10d.all_gather_into_tensor
     gather(gathered, before.reshape(-1), group=call.group)  # torch 2.13 names all_gather_into_tensor so
     total = gathered.view(size, *before.shape).sum(0)
-    if call.kind == "reduce" and _destination(call) != rank:  # the reduction arrives elsewhere: nothing here
+    if call.kind == "reduce" and root_rank(call) != rank:  # the reduction arrives elsewhere: nothing here
         return total.new_zeros(())
     if call.kind == "all_to_all":  # each rank's piece for this one, against the piece received from it
-        splits = _splits(received, call.arguments.get("output_split_sizes"), size)
+        splits = split_sizes(call, "output", size)
         got, expected = _piece_sums(received, splits, wide), gathered.view(size, *before.shape)[:, rank]
         row = received.numel() // max(1, received.shape[0])
         length = max(1, *(math.ceil(count * row / CHUNKS) for count in splits))  # the longest piece's chunk

@@ -23,7 +23,7 @@ import threading
 
 import torch
 
-from ..ops.collectives import CollectiveCall
+from ..ops.collectives import CollectiveCall, root_rank, split_sizes
 from .comparison import Comparison
 
 _VERIFIED = {"all_reduce", "reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"}
@@ -66,11 +66,8 @@ def sent_copies(call: CollectiveCall) -> list[torch.Tensor]:
     if call.kind == "all_to_all":
         from torch.distributed import distributed_c10d
 
-        splits = call.arguments.get("input_split_sizes")
-        if not splits:
-            size = distributed_c10d.get_world_size(call.group)  # type: ignore[arg-type]  # a ProcessGroup or None
-            splits = [copies[0].shape[0] // size] * size
-        copies.insert(0, torch.tensor(list(splits), dtype=torch.int64))
+        size = distributed_c10d.get_world_size(call.group)  # type: ignore[arg-type]  # a ProcessGroup or None
+        copies.insert(0, torch.tensor(split_sizes(call, "input", size), dtype=torch.int64))
     return copies
 
 
@@ -149,17 +146,12 @@ def _expected(call: CollectiveCall, per_rank: list[list[torch.Tensor]], index: i
         result, scale = _reduced(first, call.reduce_op)
         return [result], [scale]
     if kind == "reduce":  # the reduction arrives on the destination rank only: the others have nothing to check
-        dst = call.arguments.get("dst")
-        group_dst = call.arguments.get("group_dst")
-        if (group_dst if group_dst is not None else ranks.index(dst if dst is not None else 0)) != index:
+        if root_rank(call) != index:
             return [], []
         result, scale = _reduced(first, call.reduce_op)
         return [result], [scale]
     if kind == "broadcast":
-        src = call.arguments.get("src")
-        group_src = call.arguments.get("group_src")
-        root = group_src if group_src is not None else ranks.index(src if src is not None else 0)
-        return [per_rank[root][0]], [None]
+        return [per_rank[root_rank(call)][0]], [None]
     if kind == "all_to_all":  # from each rank in turn, the rows it sends this rank
         chunks = []
         for splits, sent in per_rank:

@@ -109,6 +109,29 @@ def collective_call(name: str, func, args: tuple, kwargs: dict) -> CollectiveCal
                           coalesced=_coalescing(arguments.get("group")))
 
 
+def root_rank(call: CollectiveCall) -> int:
+    """A broadcast's source or a reduce's destination, as a rank of the call's group: ``group_src``/``group_dst``, else
+    the global ``src``/``dst`` (0 when none is given) translated."""
+    side = "src" if call.kind == "broadcast" else "dst"
+    local = call.arguments.get(f"group_{side}")
+    if local is not None:
+        return local
+    global_rank = call.arguments.get(side) or 0
+    if call.group is None:
+        return global_rank
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d.get_group_rank(call.group, global_rank)  # type: ignore[arg-type]  # a ProcessGroup
+
+
+def split_sizes(call: CollectiveCall, side: str, size: int) -> list[int]:
+    """An all-to-all's rows per rank of its ``side`` ("input": what it sends, "output": what it receives): its split
+    sizes, or ``size`` equal parts."""
+    given = call.arguments.get(f"{side}_split_sizes")
+    tensor = call.sent[0] if side == "input" else call.received[0]
+    return list(given) if given else [tensor.shape[0] // size] * size
+
+
 def _coalescing(group) -> bool:
     """Whether ``group`` (None: the default group) is inside a ``_coalescing_manager`` now: its collectives are queued,
     not run, until the manager's exit runs them as one batch (what they receive is not there after the call)."""

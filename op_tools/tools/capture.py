@@ -250,13 +250,15 @@ class OpCapture(OpTool):
 
     def after(self, call: OpCall) -> None:
         if collective_waits.is_work(call.result):  # an asynchronous collective: what it received is there at its wait
-            self.check_when_waited(call, self._after_received)
+            self.check_when_waited(call, self._after_waited)
             return
         self._after_received(call)
 
+    def _after_waited(self, call: OpCall) -> None:
+        call.result = None  # what it wrote is its result, as a synchronous collective's is
+        self._after_received(call)
+
     def _after_received(self, call: OpCall) -> None:
-        if collective_waits.is_work(call.result):
-            call.result = None  # what it wrote is its result, as a synchronous collective's is
         if self.recorder is not None:
             self.recorder.after(call)
             return
