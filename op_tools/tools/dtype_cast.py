@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 
 import torch
 
 from ..config.variables import DTYPE_CAST_DICT, narrows
-from ..core.engine import OpCall, OpTool, feature, tool_work
+from ..core.engine import OpCall, OpTool, OpToolsAbortError, feature, tool_work
 from ..numerics.device_math import DeviceMath, emulated
 from ..ops.arguments import iter_items, iter_tensors, map_tensors, promoted_dtype
 from ..ops.op_facts import op_facts
@@ -24,8 +25,10 @@ class OpDtypeCast(OpTool):
     Under the user's autocast the widened op runs with autocast off (autocast would cast it back down). Where the
     table widens autocast's own dtype (``float16`` under ``torch.autocast(dtype=torch.float16)``), an op autocast
     would run in that dtype runs in the wider one instead, its outputs in the dtype its inputs give without
-    autocast; the log's ``autocast`` row names the dtype that ran. Every other output keeps the dtype the op
-    returns under that autocast (found by running the op on meta tensors with the device's policy, ``device_math``).
+    autocast; the log's ``autocast`` row names the dtype that ran. Where the table keeps autocast's dtype, those ops
+    are autocast's, run as without the tool. Every other output keeps the dtype the op returns under that autocast
+    (found by running the op on meta tensors with the device's policy, ``device_math``). A call whose widened run
+    fails (a device without float64) runs as written, counted as not checked.
 
     Keyword arguments (each overrides its variable): ``ops``, ``disable`` (``OP_DTYPE_CAST_LIST``/``_DISABLE_LIST``:
     lists of op names, patterns or functions), ``casts`` (``OP_DTYPE_CAST_DICT``: ``{torch.float16: torch.float32}``),
@@ -62,38 +65,64 @@ class OpDtypeCast(OpTool):
 
     def run(self, call: OpCall):
         math = DeviceMath.of(call.device).autocast_only()
-        lowered_to = math.autocast_dtype if math.autocast_dtype in self.cast else None
-        if lowered_to is not None and self.cast[lowered_to] == lowered_to:
-            lowered_to = None
+        under = math.autocast_dtype
+        lowered_to = under if under in self.cast and self.cast[under] != under else None
         casts_some = lowered_to is not None or any(self.cast.get(t.dtype, t.dtype) != t.dtype
                                                    for t in iter_tensors((call.args, call.kwargs)))
         # The dtypes the op returns without the tool, from a meta run: only for a call the tool changes.
         expected = self._expected_dtypes(call, math) if casts_some else None
+        autocast_dtype_out = under is not None and expected is not None and under in expected
+        if autocast_dtype_out and lowered_to is None:
+            # Autocast runs the op in its own dtype, which the table keeps: autocast would cast the widened inputs
+            # down again, or, with autocast off, a float16 input would meet a float64 one (addmm raised). The call
+            # is autocast's, as without the tool.
+            return call.func(*call.args, **call.kwargs)
         # The tool widens what autocast would lower: where autocast runs this op in a dtype the table widens, the
         # op runs in the wider dtype with autocast off (autocast's key would cast the widened inputs back down).
-        lowered = lowered_to is not None and expected is not None and lowered_to in expected
-        with tool_work():
-            pairs: list[tuple] = []  # (original, cast copy, *stand_in_made(cast copy))
-            made: dict[int, torch.Tensor] = {}  # a tensor passed twice (x.mul_(x), out=x) is one wide tensor too
+        lowered = lowered_to is not None and autocast_dtype_out
+        # With autocast off, the inputs autocast would have given one dtype get one: the widest the table widens the
+        # call's tensors to (a float16 input beside float64 ones raised). At an op autocast lowers, every input it
+        # lowers; at any other, those in autocast's dtype, which autocast casts up to the others' (softmax,
+        # layer_norm: float32) or type promotion does.
+        joined = None if under is None else _widest(self.cast, call, self.cast[lowered_to] if lowered else None)
+        sparse = _sparse_gradients(call)
+        failed: Exception | None = None
+        try:
+            with tool_work():
+                pairs: list[tuple] = []  # (original, cast copy, *stand_in_made(cast copy))
+                made: dict[int, torch.Tensor] = {}  # a tensor passed twice (x.mul_(x), out=x) is one wide tensor too
 
-            def widen(t: torch.Tensor) -> torch.Tensor:
-                wide = made.get(id(t))
-                if wide is not None:
+                def widen(t: torch.Tensor) -> torch.Tensor:
+                    wide = made.get(id(t))
+                    if wide is not None:
+                        return wide
+                    if joined is not None and (_lowered_by_autocast(t, call.device) if lowered else
+                                               t.dtype == under and t.device.type == call.device.type):
+                        target = joined
+                    else:
+                        target = self.cast.get(t.dtype)
+                    if target is None or target == t.dtype:
+                        return t
+                    # differentiable: gradients reach the original (in their own layout where they are sparse)
+                    wide = made[id(t)] = _Widened.apply(t, target) if sparse and t.requires_grad else t.to(target)
+                    pairs.append((t, wide, *stand_in_made(wide)))
                     return wide
-                target = self.cast.get(t.dtype)
-                if target is None and lowered and _lowered_by_autocast(t, call.device):
-                    target = self.cast[lowered_to]
-                if target is None or target == t.dtype:
-                    return t
-                wide = made[id(t)] = t.to(target)  # differentiable: gradients reach the original
-                pairs.append((t, wide, *stand_in_made(wide)))
-                return wide
 
-            args, kwargs = map_tensors(call.args, widen), map_tensors(call.kwargs, widen)
-        if not pairs and not lowered:
+                args, kwargs = map_tensors(call.args, widen), map_tensors(call.kwargs, widen)
+                as_written = not pairs and not lowered or _computes_narrower(call.name, expected, args, kwargs)
+            if not as_written:
+                with torch.autocast(call.device.type, enabled=False) if math else contextlib.nullcontext():
+                    result = call.func(*args, **kwargs)
+        except OpToolsAbortError:
+            raise
+        except (RuntimeError, NotImplementedError) as error:  # a kernel's (a device without the wider dtype's), or
+            # the user's: the call as written tells which, run outside this block (the user's error, if it raises,
+            # carries no trace of the tool's)
+            failed = error
+        if failed is not None:
+            return self._run_as_written(call, failed)
+        if as_written:  # outside the try: the user's error raised once
             return call.func(*call.args, **call.kwargs)
-        with torch.autocast(call.device.type, enabled=False) if math else contextlib.nullcontext():
-            result = call.func(*args, **kwargs)
         with tool_work():
             originals = {id(wide): original for original, wide, *_ in pairs}
             rows = [{"name": call.name, "target": f"input{path}", "action": f"{o.dtype} -> {w.dtype}",
@@ -124,6 +153,18 @@ class OpDtypeCast(OpTool):
             call.state["rows"] = rows
             return out
 
+    def _run_as_written(self, call: OpCall, error: Exception):
+        """The call run as without the tool, for ``error`` (its widened run failed: a device without float64
+        kernels): an exception raised here is the user's, and propagates; else the call is counted as not cast."""
+        result = call.func(*call.args, **call.kwargs)
+        if self.common.strict:
+            raise error
+        with tool_work():
+            failure = NotCastError(f"run as written, not cast ({type(error).__name__}: {error})")
+            failure.__cause__ = error
+            self.tool_failed(call, failure)
+        return result
+
     def _expected_dtypes(self, call: OpCall, math: DeviceMath) -> tuple | None:
         """The dtypes of the op's tensor outputs without the tool (under the user's autocast, if any), from a run on
         meta tensors of the caller's own dtypes; None when the op cannot run on meta. Remembered per ``_dtype_key``:
@@ -137,8 +178,12 @@ class OpDtypeCast(OpTool):
                 meta_args = map_tensors(call.args, lambda t: t.to("meta"))
                 meta_kwargs = map_tensors(call.kwargs, lambda t: t.to("meta"))
                 dtypes: tuple | None = tuple(t.dtype for t in iter_tensors(call.func(*meta_args, **meta_kwargs)))
-        except Exception:  # noqa: BLE001 - no meta kernel (data-dependent shapes, custom ops): _unknown_op_dtypes
-            dtypes = None
+        except Exception:  # noqa: BLE001 - no meta kernel (data-dependent shapes, custom ops): the op's rule, if
+            # any, else _unknown_op_dtypes
+            rule, dtypes = _RETURNED_WITHOUT_META.get(call.name), None
+            if rule is not None:
+                with contextlib.suppress(Exception):  # arguments the op refuses: its own error will say why
+                    dtypes = rule(*call.args, **call.kwargs)
         if len(self._expected) >= _REMEMBERED:
             self._expected.clear()
         self._expected[key] = dtypes
@@ -148,6 +193,94 @@ class OpDtypeCast(OpTool):
         rows = call.state.pop("rows", None)
         if rows and self._logger.isEnabledFor(logging.DEBUG):
             self._logger.debug(reporting.table_text(rows, ("name", "target", "action", "config")))
+
+
+class NotCastError(RuntimeError):
+    """A call the tool ran as written, its widened run having failed (the message says how)."""
+
+
+class _Widened(torch.autograd.Function):
+    """``t.to(dtype)``, whose backward hands the gradient back in ``t``'s dtype and in the gradient's own layout:
+    ``Tensor.to``'s backward converts it to ``t``'s layout as well, which PyTorch refuses for a sparse gradient (an
+    ``Embedding(sparse=True)``'s weight: the user's ``backward()`` raised). ``setup_context``, a generated vmap rule
+    and ``jvp``: calls inside ``torch.func`` transforms and under forward AD go through it as through ``Tensor.to``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return t.to(dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.dtypes = (inputs[0].dtype, inputs[1])  # (back, forward)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(ctx.dtypes[0]), None
+
+    @staticmethod
+    def jvp(ctx, tangent: torch.Tensor, _):
+        return tangent.to(ctx.dtypes[1])
+
+
+# The ops whose weight's gradient may be sparse: the position of their ``sparse`` argument (``nn.Embedding`` passes
+# it positionally). Only their tensors are widened through ``_Widened``, which costs 11-28 us a tensor against
+# ``Tensor.to``'s 5 us.
+_SPARSE_ARGUMENT = {"torch.nn.functional.embedding": 6, "torch.nn.functional.embedding_bag": 7}
+
+
+def _sparse_gradients(call: OpCall) -> bool:
+    """Whether ``call`` asks for sparse gradients (``sparse=True``)."""
+    position = _SPARSE_ARGUMENT.get(call.name)
+    if position is None:
+        return False
+    sparse = call.args[position] if len(call.args) > position else call.kwargs.get("sparse", False)
+    return sparse is True
+
+
+def _widest(cast: dict, call: OpCall, also: torch.dtype | None = None) -> torch.dtype | None:
+    """The widest floating dtype of ``also`` and those the table widens the call's tensors to; None for none."""
+    widest = also
+    for t in iter_tensors((call.args, call.kwargs)):
+        target = cast.get(t.dtype)
+        if target is not None and target != t.dtype and target.is_floating_point:
+            widest = target if widest is None else torch.promote_types(widest, target)
+    return widest
+
+
+# Ops with no meta kernel whose outputs' dtypes are no promotion of their inputs' (``_unknown_op_dtypes`` would
+# guess wrong): the dtypes they return for the call's arguments, by op name, as ATen's kernels decide them.
+_RETURNED_WITHOUT_META: dict[str, Callable[..., tuple]] = {}
+
+
+def _returns_without_meta(*names: str):
+    def register(rule: Callable[..., tuple]) -> Callable[..., tuple]:
+        for name in names:
+            _RETURNED_WITHOUT_META[name] = rule
+        return rule
+    return register
+
+
+@_returns_without_meta("torch.bincount", "torch.Tensor.bincount")
+def _bincount_dtypes(input: torch.Tensor, weights: torch.Tensor | None = None, minlength: int = 0) -> tuple:
+    # _bincount_cpu and _bincount_cuda count in int64, sum float32 weights in float32 and any other in float64
+    # (float16 weights return float64: promotion would say float16)
+    if weights is None:
+        return (torch.int64,)
+    return (torch.float32 if weights.dtype == torch.float32 else torch.float64,)
+
+
+def _computes_narrower(name: str, expected: tuple | None, args: tuple, kwargs: dict) -> bool:
+    """Whether the widened call of an op with a rule (``_RETURNED_WITHOUT_META``) returns an output narrower than the
+    op without the tool: its kernel computes the caller's dtype in a wider one already (bincount sums float16 weights
+    in float64), which widening to float32 would narrow."""
+    rule = _RETURNED_WITHOUT_META.get(name)
+    if rule is None or expected is None:
+        return False
+    widened = rule(*args, **kwargs)
+    return len(widened) != len(expected) or \
+        any(torch.promote_types(w, e) != w for w, e in zip(widened, expected))
 
 
 def _returned(originals: dict, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

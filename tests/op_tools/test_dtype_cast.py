@@ -172,3 +172,79 @@ def test_out_tensors_are_resized_as_without_the_tool(sim):
 
     assert outputs_resized(sim, torch.float16, op_tools.OpDtypeCast()) == \
         outputs_resized(sim, torch.float16, contextlib.nullcontext())
+
+
+def test_under_autocast_the_inputs_of_a_widened_call_agree_in_dtype(sim):
+    # The tool turned autocast off and widened the table's dtypes alone: a Linear of float32 tensors under float16
+    # autocast met float64 weights and float16 activations ("mat1 and mat2 must have the same dtype").
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to(sim)
+    x, s = torch.randn(2, 8, device=sim), torch.randn(4, 4, device=sim)
+    h = torch.randn(4, 4, device=sim, dtype=torch.float16)
+    weight, bias = torch.randn(4, device=sim), torch.randn(4, device=sim)
+    calls = {"model": lambda: model(x), "addmm": lambda: torch.addmm(h, s, s),
+             "layer_norm": lambda: torch.nn.functional.layer_norm(h, (4,), weight, bias), "add": lambda: h + s}
+    with torch.autocast(sim, dtype=torch.float16):
+        plain = {name: call() for name, call in calls.items()}
+    for casts in ({torch.float32: torch.float64}, {torch.float16: torch.float32, torch.float32: torch.float64}):
+        with torch.autocast(sim, dtype=torch.float16), op_tools.OpDtypeCast(casts=casts) as tool:
+            tooled = {name: call() for name, call in calls.items()}
+        assert tool.verdict() == "clean", tool.closing_line()
+        kept = {name: plain[name].dtype for name in ("layer_norm", "add")}  # float32 by autocast or promotion
+        assert {name: tooled[name].dtype for name in kept} == kept
+        assert torch.allclose(tooled["layer_norm"], plain["layer_norm"], atol=1e-3)
+        if torch.float16 not in casts:  # autocast's dtype kept: autocast's own numbers
+            assert torch.equal(tooled["model"], plain["model"]) and torch.equal(tooled["addmm"], plain["addmm"])
+        else:  # float16 widened: matmuls run wider, returned in the dtype their inputs give without autocast
+            assert tooled["addmm"].dtype == torch.float32
+
+
+def test_a_sparse_gradient_reaches_its_parameter_as_without_the_tool(sim):
+    # Tensor.to's backward converts the gradient to the parameter's layout: backward() raised "to(options) doesn't
+    # support converting to a different layout".
+    embedding = torch.nn.Embedding(10, 4, sparse=True).to(sim).half()
+    index = torch.tensor([1, 2, 1], device=sim)
+    embedding(index).float().sum().backward()
+    plain, embedding.weight.grad = embedding.weight.grad, None
+    with op_tools.OpDtypeCast():
+        embedding(index).float().sum().backward()
+    grad = embedding.weight.grad
+    assert grad.layout == plain.layout == torch.sparse_coo and grad.dtype == torch.float16
+    assert torch.equal(grad.to_dense(), plain.to_dense())
+
+
+def test_a_call_the_device_cannot_widen_runs_as_written_and_is_said_not_cast(sim):
+    import pytest
+
+    import ditorch.sim
+
+    ditorch.sim.inject_fault(".*", "unsupported", dtype=torch.float64)  # a device without float64 kernels
+    x = torch.randn(3, device=sim)
+    plain = torch.sin(x)
+    with op_tools.OpDtypeCast(casts={torch.float32: torch.float64}) as tool:
+        y = torch.sin(x)
+    assert torch.equal(y, plain)
+    assert tool.verdict() == "unchecked"
+    assert "1 call not checked" in tool.closing_line() and "not cast (SimUnsupportedError" in tool.closing_line()
+    with pytest.raises(ditorch.sim.SimUnsupportedError), op_tools.OpDtypeCast(casts={torch.float32: torch.float64},
+                                                                               strict=True):
+        torch.sin(x)
+    # the user's own error, raised by the call as written, propagates as it is, with no trace of the tool's
+    with pytest.raises(RuntimeError, match="must match the size") as raised, \
+            op_tools.OpDtypeCast(casts={torch.float32: torch.float64}):
+        torch.randn(2, device=sim) + x
+    assert raised.value.__context__ is None and raised.value.__cause__ is None
+
+
+def test_bincount_returns_the_dtype_it_returns_without_the_tool(sim):
+    # No meta kernel: promotion guessed float16 for float16 weights, which bincount sums in float64.
+    index = torch.tensor([0, 1, 1, 3], device=sim)
+    casts = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        weights = torch.rand(4, device=sim).to(dtype)
+        plain = torch.bincount(index, weights=weights)
+        with op_tools.OpDtypeCast(casts=casts):
+            tooled = torch.bincount(index, weights=weights)
+            method = index.bincount(weights)
+        assert tooled.dtype == method.dtype == plain.dtype
+        # float16's sums stay float64's (no float32 between); float32's are summed in float64
+        assert torch.equal(tooled, plain) if dtype != torch.float32 else torch.allclose(tooled, plain)
