@@ -746,3 +746,124 @@ def test_a_backward_writing_the_gradient_it_passes_on_diverges_there_not_at_the_
     first = result.first_divergence("backward")
     assert first is not None and result.verdict() == "found"
     assert (first.a or first.b)["op"] == "torch.remainder", [(r.a or r.b)["op"] for r in result.rows if r.diverged]
+
+
+# --- a gradient summed to about zero (a conv's bias before a BatchNorm) is rounding, measured against its terms
+
+def _record_conv_batch_norm(folder, device, monkeypatch, bias_offset=0.0):
+    """A conv with a bias, a BatchNorm, an LSTM and a linear head, one AdamW step, recorded on ``device``. BatchNorm
+    removes the mean over each channel, so the conv's bias gradient is exactly 0 in exact arithmetic: what the run
+    holds (about 1e-8) is rounding, which the CPU and sim's fused LSTM cells leave different. ``bias_offset``: on
+    sim, a convolution backward whose bias gradient is off by that much (sim's ``noise`` fault made an offset of
+    its 1-D output)."""
+    import ditorch.sim
+    from ditorch.sim import fault_injection
+
+    poison = fault_injection.FaultTable._poison
+
+    def offset_bias(table, fault, out):
+        if out.dim() == 1:
+            out.add_(fault.value)
+        else:
+            poison(table, fault, out)
+
+    monkeypatch.setattr(fault_injection.FaultTable, "_poison", offset_bias)
+    monkeypatch.setenv("OP_CAPTURE_MODE", "stats")
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(folder))
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"conv": torch.nn.Conv2d(3, 4, 3, padding=1), "bn": torch.nn.BatchNorm2d(4),
+                                 "lstm": torch.nn.LSTM(4, 4, batch_first=True), "head": torch.nn.Linear(64, 5)})
+    model.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    images, labels = torch.randn(2, 3, 4, 4).to(device), torch.tensor([1, 3]).to(device)
+    with op_tools.OpCapture() as capture:
+        features = torch.relu(model["bn"](model["conv"](images))).flatten(2).transpose(1, 2)
+        logits = model["head"](model["lstm"](features)[0].reshape(2, 64))
+        if bias_offset:
+            logits.register_hook(lambda _: ditorch.sim.set_faults(f"convolution_backward:noise={bias_offset}"))
+        torch.nn.functional.cross_entropy(logits, labels).backward()
+        ditorch.sim.clear_faults()
+        optimizer.step()
+    return capture.recorder.file.path
+
+
+def test_a_gradient_summed_to_rounding_noise_is_no_divergence_and_a_fault_above_its_rounding_still_is(
+        sim, tmp_path, monkeypatch):
+    cpu = _record_conv_batch_norm(tmp_path / "cpu", "cpu", monkeypatch)
+    result = compare(cpu, _record_conv_batch_norm(tmp_path / "sim", sim, monkeypatch))
+    conv = next(r for r in result.rows if r.phase == "backward" and r.op == "torch.nn.functional.conv2d")
+    bias_a, bias_b = (next(t for t in record["grad_inputs"] if t[2] == [4]) for record in (conv.a, conv.b))
+    # the premise: the bias gradient is rounding noise, and it differs between the runs by about its own size
+    assert bias_a[6] < 1e-7 and difference(bias_a, bias_b)[0] > 0.1
+    assert result.divergences == [] and result.verdict() == "clean"
+    # measured against its terms' size (the upstream gradient's norm / sqrt(4)), the difference is a rounding
+    assert conv.difference < conv.tolerance
+    # what AdamW reads from it differs as much: carried from the bias gradient, not from outside the recording
+    assert not any(r.inputs_differed_first for r in result.rows)
+    # a convolution backward whose bias gradient is off by 2e-5 (1e3 times its size, 6e-4 of its terms' size) on
+    # the same rounding: found there, in the bias gradient
+    faulty = compare(cpu, _record_conv_batch_norm(tmp_path / "fault", sim, monkeypatch, bias_offset=2e-5))
+    first = faulty.first_divergence()
+    assert (first.phase, first.op) == ("backward", "torch.nn.functional.conv2d") and first.outputs_unexplained
+    assert first.detail.startswith("grad_inputs[1]") and first.difference > 3 * first.tolerance
+
+
+# --- where the inputs of the first divergence changed: a call of one run only before it, named
+
+def _record_variant(folder, monkeypatch, activation):
+    """Two linear layers with ``activation`` between them, recorded on the CPU."""
+    monkeypatch.setenv("OP_CAPTURE_MODE", "stats")
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(folder))
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+    with op_tools.OpCapture() as capture:
+        second(activation(first(torch.randn(4, 8))))
+    return capture.recorder.file.path
+
+
+def test_inputs_changed_by_a_call_of_one_run_only_name_that_call_not_a_difference_from_outside(tmp_path, monkeypatch,
+                                                                                                capsys):
+    from op_tools.offline.compare_runs import main
+
+    relu = _record_variant(tmp_path / "relu", monkeypatch, torch.nn.functional.relu)
+    gelu = _record_variant(tmp_path / "gelu", monkeypatch, torch.nn.functional.gelu)
+    capsys.readouterr()
+    assert main([relu, gelu, "--csv", str(tmp_path / "c.csv")]) == 3
+    out = capsys.readouterr().out
+    assert "outside the recording" not in out
+    assert re.search(r"first divergence in forward: step 0 forward Linear #1 torch.nn.functional.linear: its inputs "
+                     rf"already differed by {NUMBER} \(inputs\[0\] \w+\), more than the tolerance {NUMBER}, and no "
+                     r"aligned call before it differed: the difference likely came from a call of one run only before "
+                     r"it, the nearest step 0 forward \(no module\) #1 torch.nn.functional.relu \(in A only\); ",
+                     out), out
+    first = compare(relu, gelu).first_divergence()
+    assert first.op == "torch.nn.functional.linear" and first.inputs_differed_first and not first.outputs_unexplained
+    assert (first.origin.match, first.origin.op) == ("only A", "torch.nn.functional.relu")  # the nearest before it
+    assert first.verdict_detail.endswith("(an input: the runs differed before this call, likely from "
+                                         "torch.nn.functional.relu in A only before it)")
+
+
+# --- calls past the other run's end are calls not compared, not structural differences
+
+def test_calls_past_the_other_runs_end_are_not_announced_as_a_structural_difference(tmp_path, monkeypatch):
+    monkeypatch.setenv("OP_CAPTURE_MODE", "stats")
+
+    def record(run, calls):
+        monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / run))
+        x = torch.linspace(-1, 1, 8)
+        with op_tools.OpCapture() as capture:
+            for _ in range(calls):
+                x = torch.sin(x)
+        return capture.recorder.file.path
+
+    a, b = record("a", 3), record("b", 2)
+    result = compare(a, b)
+    assert [r.op for r in result.past_other_run] == ["torch.sin"] and result.verdict() == "unchecked"
+    assert result.first_structural is None and result.structural == []
+    assert result.modules() == [{"module": "", "calls": 3, "max_output_diff": 0.0, "max_grad_diff": 0.0,
+                                 "diverged": 0, "structural": 0, "not_compared": 1}]
+    done = _cli(a, b, "--csv", str(tmp_path / "c.csv"))
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert "first structural difference: none\n" in done.stdout
+    assert "WARNING: 1 call of run A not compared: run B's recording ends before them, the first step 0 forward " \
+           "(no module) #2 torch.sin" in done.stdout

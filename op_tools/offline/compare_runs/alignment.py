@@ -44,7 +44,9 @@ class Row:
     carried_detail: str = ""  # which of what it read differs the most, and in which statistic
     tolerance: float = 0.0  # for its precision and depth; the verdict adds carried_growth * carried
     diverged: bool = False  # inputs_differed_first or outputs_unexplained
-    inputs_differed_first: bool = False  # what it read differed beyond the tolerance before any recorded call did
+    inputs_differed_first: bool = False  # what it read differed beyond the tolerance before any aligned call did
+    # with inputs_differed_first: the nearest call of one run only before it (the likely origin), None when none was
+    origin: Row | None = dataclasses.field(default=None, repr=False)
     outputs_unexplained: bool = False  # its outputs differ by more than tolerance + carried_growth * carried
     not_compared: str = ""  # why an aligned pair has no verdict (a call a run could not record); '' when judged
     skipped: str = ""  # why an aligned pair needs no verdict (its outputs are uninitialised memory); '' otherwise
@@ -61,7 +63,9 @@ class Row:
     def verdict_detail(self) -> str:
         """``detail``, or for a pair diverged only because what it read already differed, which input did."""
         if self.inputs_differed_first and not self.outputs_unexplained:
-            return f"{self.carried_detail} (an input: the runs differed before this call)"
+            after = "" if self.origin is None else (
+                f", likely from {self.origin.op} in {self.origin.match.removeprefix('only ')} only before it")
+            return f"{self.carried_detail} (an input: the runs differed before this call{after})"
         return self.detail
 
     @property

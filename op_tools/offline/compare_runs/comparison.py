@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 from ...config.variables import COMPARE_RUNS_CARRIED_GROWTH, COMPARE_RUNS_DEPTH_SCALE, COMPARE_RUNS_TOLERANCES
 from ...ops.op_facts import op_facts
 from ...ops.writes import call_writes
 from ...output.run_recording import read_recording
 from .alignment import PHASE_SIDES, Row, align, tensors
-from .verdict import DEFAULT_TOLERANCES, difference, nonfinite_in_both, precision_of, tolerance_key
+from .verdict import (
+    DEFAULT_TOLERANCES,
+    difference,
+    nonfinite_in_both,
+    precision_of,
+    summed_gradient_floor,
+    tolerance_key,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +104,8 @@ class Comparison:
 
     @property
     def structural(self) -> list[Row]:
-        return [r for r in self.rows if r.structural]
+        """Calls of one run only between aligned pairs (not those past the other run's end: ``past_other_run``)."""
+        return [r for r in self.rows if r.structural and not r.no_counterpart]
 
     def first_divergence(self, phase: str | None = None) -> Row | None:
         """The first aligned pair (in run A's order) that diverges, of ``phase`` if given."""
@@ -116,7 +125,9 @@ class Comparison:
 
     @property
     def first_structural(self) -> Row | None:
-        return next((r for r in self.rows if r.structural), None)
+        """The first call of one run only between aligned pairs; calls past the other run's end are no structural
+        difference but calls not compared (``past_other_run``)."""
+        return next((r for r in self.rows if r.structural and not r.no_counterpart), None)
 
     def modules(self) -> list[dict]:
         """Per module path, in order of first appearance: its calls, the largest relative difference of its
@@ -128,8 +139,8 @@ class Comparison:
                                                 "not_compared": 0})
             entry["calls"] += 1
             entry["diverged"] += row.diverged
-            entry["structural"] += row.structural
-            entry["not_compared"] += bool(row.not_compared)
+            entry["structural"] += row.structural and not row.no_counterpart
+            entry["not_compared"] += bool(row.not_compared or row.no_counterpart)
             if row.a is not None and row.b is not None and not row.not_compared:  # judged
                 side = PHASE_SIDES[row.phase][1]
                 worst = max((difference(x, y)[0] for x, y in _pairs(row.a.get(side, []), row.b.get(side, []))),
@@ -162,29 +173,46 @@ def _lowest_precision(row: Row) -> int | None:
     return min(ranks, default=None)
 
 
-def _largest(a: dict, b: dict, side: str) -> tuple[float, str]:
+def _no_floor(x: list, y: list) -> float:
+    return 0.0
+
+
+def _largest(a: dict, b: dict, side: str, floor: Callable[[list, list], float] = _no_floor) -> tuple[float, str]:
     worst, detail = 0.0, ""
     for x, y in _pairs(a.get(side, []), b.get(side, [])):
-        rel, stat = difference(x, y)
+        rel, stat = difference(x, y, floor(x, y))
         if rel > worst:
             worst, detail = rel, f"{side}{x[0]} {stat}"
     return worst, detail
+
+
+def _summed_gradient_floors(row: Row, forward: Row | None) -> Callable[[list, list], float]:
+    """Per pair of a backward's gradients, the RMS it is measured against at least (``summed_gradient_floor``): the
+    larger of the two runs', each from its own upstream gradients and forward call."""
+    if forward is None or forward.a is None or forward.b is None or row.a is None or row.b is None:
+        return _no_floor
+    sides = [(record.get("grad_outputs", []), fwd.get("inputs", []), fwd.get("outputs", []))
+             for record, fwd in ((row.a, forward.a), (row.b, forward.b))]
+    return lambda x, y: max(summed_gradient_floor(t, *side) for t, side in ((x, sides[0]), (y, sides[1])))
 
 
 def _judge(rows: list[Row], tolerances: Tolerances) -> None:
     """Each aligned pair's verdict (see verdict.py): its outputs' difference against the tolerance of the lowest
     precision used so far (either run, from the start) at its depth (calls before it in its step in run A), plus
     ``carried_growth`` times the difference its inputs carried in. A pair whose inputs differ beyond the tolerance
-    before any pair differed is a divergence too: what its inputs carry came from outside the recording."""
+    before any pair differed is a divergence too: what its inputs carry came from a call of one run only before it
+    (``Row.origin``, the nearest), else from outside the recording."""
     carried_precision: int | None = None
     step_start: dict[int, int] = {}
     forward_rows: dict[int, Row] = {}
     seen_difference = False
+    only_one_run: Row | None = None  # the latest call of one run only: it may change what the calls after it read
     for row in rows:
         precision = _lowest_precision(row)
         if precision is not None:
             carried_precision = precision if carried_precision is None else min(carried_precision, precision)
         if row.a is None or row.b is None:  # structural: nothing to compare
+            only_one_run = row
             continue
         if op_facts(row.a["op"]).uninitialised:  # what each run found in fresh memory: nothing to compare
             row.skipped = "uninitialised memory"
@@ -201,15 +229,18 @@ def _judge(rows: list[Row], tolerances: Tolerances) -> None:
                 read_a, read_b = ({**r, into: [e for i, e in enumerate(r.get(into, []))
                                                if not (first and i == 0) and e[0] not in unread]}
                                   for r in (row.a, row.b))
+        forward = forward_rows.get(row.a["forward_seq"]) if row.phase == "backward" else None
         try:
-            row.difference, row.detail = _largest(row.a, row.b, out_of)
+            # the verdict's difference measures a gradient summed to about zero against its terms' rounding; what
+            # differed (for the calls after it: what they read, and whether any call differed) is the plain one
+            row.difference, row.detail = _largest(row.a, row.b, out_of, _summed_gradient_floors(row, forward))
+            differed = _largest(row.a, row.b, out_of)[0] if forward is not None else row.difference
             carried, carried_detail = _largest(read_a, read_b, into)
         except Exception as e:  # noqa: BLE001 - a pair this comparison cannot judge: counted, named, not agreeing
             row.difference, row.detail = 0.0, ""
             row.not_compared = f"the comparison failed ({type(e).__name__}: {e})"
             continue
         if row.phase == "backward":  # a call's backward also reads its forward's inputs and outputs
-            forward = forward_rows.get(row.a["forward_seq"])
             if forward is not None:
                 for value, what in ((forward.carried, forward.carried_detail), (forward.difference, forward.detail)):
                     if value > carried:
@@ -221,8 +252,10 @@ def _judge(rows: list[Row], tolerances: Tolerances) -> None:
         row.tolerance = tolerances.at(carried_precision, depth)
         row.outputs_unexplained = row.difference > row.tolerance + tolerances.carried_growth * carried
         row.inputs_differed_first = carried > row.tolerance and not seen_difference
+        if row.inputs_differed_first:  # no aligned call differed: a call of one run only may have made it
+            row.origin = only_one_run
         row.diverged = row.outputs_unexplained or row.inputs_differed_first
-        seen_difference = seen_difference or max(row.difference, carried) > row.tolerance
+        seen_difference = seen_difference or max(differed, carried) > row.tolerance
         outputs_a, outputs_b = row.a.get(out_of, []), row.b.get(out_of, [])
         pairs = _pairs(outputs_a, outputs_b)
         masked = [f"{out_of}{x[0]} {why}" for x, y in pairs if (why := nonfinite_in_both(x, y))]

@@ -201,7 +201,7 @@ for (const row of data.rows) {
   const tr = document.createElement("tr");
   tr.className = "call";
   tr.id = "row-" + row.n;
-  const structural = !row.a || !row.b;
+  const structural = (!row.a || !row.b) && !row.unchecked;  // past the other run's end: not compared
   if (structural) tr.classList.add("structural");
   if (row.diverged) tr.classList.add("diverged");
   if (row.unchecked) tr.classList.add("unchecked");

@@ -81,9 +81,13 @@ def why_diverged(row: Row, growth: float) -> str:
     budget = f"tolerance {row.tolerance:.3g} + {growth:g} x its inputs' {row.carried:.3g}"
     parts = []
     if row.inputs_differed_first:
+        origin = row.origin
+        source = ("no recorded call before it differed: the difference came from outside the recording (data, "
+                  "weights, a call not recorded)" if origin is None else
+                  "no aligned call before it differed: the difference likely came from a call of one run only "
+                  f"before it, the nearest {where(origin)} (in {origin.match.removeprefix('only ')} only)")
         parts.append(f"its inputs already differed by {row.carried:.3g} ({row.carried_detail}), more than the "
-                     f"tolerance {row.tolerance:.3g}, and no recorded call before it differed: the difference came "
-                     "from outside the recording (data, weights, a call not recorded)")
+                     f"tolerance {row.tolerance:.3g}, and {source}")
     if row.outputs_unexplained:
         parts.append(f"{row.detail} differs by {row.difference:.3g}, more than the {allowed:.3g} its inputs explain "
                      f"({budget})")

@@ -6,7 +6,9 @@ change of the fingerprints relative to the RMS, an estimate of the elementwise d
 Elementwise noise of a relative size ``r`` moves the extremes and that estimate by about ``r``; a different count
 of nan or inf is an infinite difference. The same nan or inf in both, or nan or inf in both with one run's counts
 unknown (-1), leaves only the statistics that stay finite (``nonfinite_in_both`` says so): the pair's values were
-not compared, and the pair is not counted as agreeing.
+not compared, and the pair is not counted as agreeing. ``floor``: an RMS below which the tensor's size is no measure
+of its rounding (``summed_gradient_floor``: a gradient summed to about zero, a conv's bias before a BatchNorm); its
+differences are measured against at least that.
 
 The tolerance of a pair of calls (comparison.py applies it) is the base tolerance of the lowest floating precision
 involved, the pair's own dtypes or any used before it in either run (error carried from a bfloat16 matmul into
@@ -76,16 +78,62 @@ def nonfinite_in_both(a: list, b: list) -> str:
     return f"nan/inf {int(sa[_NAN])}/{int(sa[_INF])} in both runs: its other values not compared"
 
 
-def difference(a: list, b: list) -> tuple[float, str]:
-    """``(relative difference, which statistic)`` of two recorded tensors; ``(0, "")`` for equal ones."""
+def _rms(t: list) -> float:
+    return t[_STATS_AT + _NORM] / math.sqrt(max(math.prod(t[2]), 1))
+
+
+def _sums_over_dims_of(shape: list, summed: list) -> bool:
+    """Whether a tensor of ``shape`` can be ``summed`` (a tensor of more elements) summed over some of its dims,
+    kept or not: its dims other than 1 are, in order, some of ``summed``'s (a conv's bias [C] of [N, C, H, W])."""
+    dims = iter(summed)
+    return math.prod(shape) < math.prod(summed) and all(n in dims for n in shape if n != 1)
+
+
+def summed_gradient_floor(grad_input: list, grad_outputs: list, forward_inputs: list, forward_outputs: list) -> float:
+    """The RMS a backward's ``grad_input`` is measured against at least (``difference``'s ``floor``), 0 for none.
+
+    A gradient of a broadcast input (a bias, a norm's weight) is the upstream gradient ``g`` summed over the
+    broadcast dims: ``k`` terms of size ``|g| * |dy/dw|`` each, whose rounding is about ``sqrt(k) * eps`` times
+    that size however much the sum cancels (BatchNorm makes a conv's bias gradient exactly 0 in exact arithmetic:
+    what is recorded is rounding, and two devices' roundings differ by 100% of it). So its difference is measured
+    against the size the sum would have were the terms' signs independent, ``|g| * sqrt(k) * |dy/dw|`` =
+    ``norm(g) / sqrt(numel) * |dy/dw|``, with ``|dy/dw|`` at most 1 (1 for an added bias, ``|x|`` for a
+    multiplier ``x * w``, estimated as ``rms(y) / rms(w)``): never more than that sum's size without cancellation,
+    so a fault in it larger than its rounding still shows. Only where the forward's input ``w`` of its shape and
+    the forward's output ``y`` of ``g``'s are recorded."""
+    if precision_of(grad_input[1]) is None or len(grad_input) <= _STATS_AT:
+        return 0.0
+    shape = grad_input[2]
+    weights = [_rms(w) for w in forward_inputs if list(w[2]) == list(shape) and len(w) > _STATS_AT]
+    floor = 0.0
+    for g in grad_outputs:
+        if len(g) <= _STATS_AT or precision_of(g[1]) is None or not _sums_over_dims_of(shape, g[2]):
+            continue
+        outputs = [_rms(y) for y in forward_outputs if list(y[2]) == list(g[2]) and len(y) > _STATS_AT]
+        if not weights or not outputs:
+            continue
+        w, y = max(weights), min(outputs)  # the smaller |dy/dw| of the candidates: never a laxer floor
+        if not (math.isfinite(w) and math.isfinite(y)):  # nan or inf in the forward: no size to estimate it from
+            continue
+        # a w of zeros: an added bias (y is not 0) or a multiplier (y = x * 0 is)
+        derivative = min(1.0, y / w) if w > 0 else float(y > 0)
+        size = g[_STATS_AT + _NORM] / math.sqrt(max(math.prod(shape), 1)) * derivative
+        if math.isfinite(size):
+            floor = max(floor, size)
+    return floor
+
+
+def difference(a: list, b: list, floor: float = 0.0) -> tuple[float, str]:
+    """``(relative difference, which statistic)`` of two recorded tensors; ``(0, "")`` for equal ones. ``floor``:
+    an RMS the tensors' differences are measured against at least (``summed_gradient_floor``)."""
     sa, sb = a[_STATS_AT:], b[_STATS_AT:]
     if not sa or not sb:
         return (0.0, "") if not sa and not sb else (math.inf, "empty in one run")
     if (sa[_NAN] != sb[_NAN] or sa[_INF] != sb[_INF]) and not _counts_unknown(sa, sb):
         return math.inf, f"nan/inf {int(sa[_NAN])}/{int(sa[_INF])} vs {int(sb[_NAN])}/{int(sb[_INF])}"
-    numel_a, numel_b = math.prod(a[2]), math.prod(b[2])
-    rms = max(sa[_NORM] / math.sqrt(max(numel_a, 1)), sb[_NORM] / math.sqrt(max(numel_b, 1)))
-    floor = rms if math.isfinite(rms) else 0.0  # an inf in both: finite extremes are judged on their own size
+    numel = max(math.prod(a[2]), math.prod(b[2]), 1)
+    rms = max(_rms(a), _rms(b), floor)
+    size = rms if math.isfinite(rms) else 0.0  # an inf in both: finite extremes are judged on their own size
     worst, which = 0.0, ""
     for field, scale in ((_MIN, None), (_MAX, None), (_MEAN, rms), (_NORM, None)):
         x, y = sa[field], sb[field]
@@ -95,7 +143,9 @@ def difference(a: list, b: list) -> tuple[float, str]:
             if sa[_NAN] or sa[_INF]:  # the same nan/inf counts: this statistic is unknown (nonfinite_in_both)
                 continue
             return math.inf, STAT_FIELDS[field]
-        denominator = max(abs(x), abs(y), floor) if scale is None else scale
+        # a norm against the norm the floor stands for; an extreme against the tensors' RMS at least
+        at_least = floor * math.sqrt(numel) if field == _NORM else size
+        denominator = max(abs(x), abs(y), at_least) if scale is None else scale
         rel = abs(x - y) / denominator if denominator > 0 else math.inf
         if rel > worst:
             worst, which = rel, STAT_FIELDS[field]
