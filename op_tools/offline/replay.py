@@ -36,12 +36,12 @@ from ..numerics.device_math import DeviceMath, emulated
 from ..numerics.device_timing import device_synchronizer
 from ..numerics.error_statistics import DEVICE_STATISTICS_MIN
 from ..numerics.reference import DEFAULT_CAST, attempts_for, device_named, map_arguments
-from ..ops.arguments import iter_tensors, map_tensors
+from ..ops.arguments import iter_items, iter_tensors, map_tensors
 from ..ops.naming import function_from_name
 from ..ops.op_facts import op_facts
 from ..ops.random_calls import random_reason
 from ..ops.writes import call_writes
-from ..output.capture_format import AUTOCAST_KEY, load_op_args
+from ..output.capture_format import AUTOCAST_KEY, WRITTEN_KEY, KeptAsText, load_op_args, written_arguments
 
 ENTRY_FILES = ("input.pth", "output.pth", "grad_inputs.pth", "grad_outputs.pth")
 
@@ -136,20 +136,33 @@ def load_file(path: str) -> dict:
     except pickle.UnpicklingError as e:
         wanted = re.search(r"Unsupported (?:global|operand)[^\n]*", str(e))
         detail = f" ({wanted.group(0).strip()})" if wanted else ""
-        raise ReplayError(
-            f"refused {path}: not plain tensor data{detail}. torch.load(weights_only=True) rejected it, so "
-            "nothing in it ran; OpCapture never writes such a file: it was made or changed by something else"
-        ) from None
+        if wanted and re.search(r"GLOBAL numpy\.", wanted.group(0)):  # OpCapture's own, before it stored numbers
+            origin = ("a numpy value, which OpCapture saved as it was before it stored numpy's scalars as Python's "
+                      "numbers: capture the call again")
+        else:
+            origin = "OpCapture never writes such a file: it was made or changed by something else"
+        raise ReplayError(f"refused {path}: not plain tensor data{detail}. torch.load(weights_only=True) rejected "
+                          f"it, so nothing in it ran; {origin}") from None
     except FileNotFoundError as e:
         raise ReplayError(f"{path} refers to a tensor stored once in {e.filename}, which is missing (OpCapture "
                           "stores a tensor seen again by reference: move or copy the whole capture folder)") from None
     except (EOFError, zipfile.BadZipFile) as e:
         raise ReplayError(f"corrupt or truncated file {path} ({type(e).__name__}: {e or 'ends early'})") from None
     except RuntimeError as e:
+        unknown = _UNKNOWN_DEVICE_TYPE.search(str(e))
+        if unknown:  # a whole file, naming a device whose backend this process has not registered
+            raise ReplayError(
+                f"device type {unknown.group(1)!r}, unknown in this process, named in {path}: load it where that "
+                f"backend is registered{_HOW_TO_REGISTER.format(unknown.group(1))}") from None
         first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ReplayError(f"corrupt or truncated file {path} ({first_line})") from None
     except (OSError, KeyError, IndexError, TypeError, ValueError) as e:
         raise ReplayError(f"cannot read {path} ({type(e).__name__}: {e})") from None
+
+
+# torch's words for a device string whose type it does not know (``torch.device("sim:0")`` without its backend)
+_UNKNOWN_DEVICE_TYPE = re.compile(r"device type at start of device string: ([A-Za-z_][\w]*)")
+_HOW_TO_REGISTER = " (its package imported; with ditorch, DITORCH_BACKEND={})"
 
 
 def _load_optional(path: str) -> dict | None:
@@ -247,6 +260,12 @@ def replay(entry: Entry, device: str | torch.device, options: ReplayOptions) -> 
         result.status, result.error = "error", str(e)
     except Exception as e:  # the op itself raised: that is a finding, reported with the op's own words
         first_line = (str(e).strip().splitlines() or [""])[0]
+        unknown = _UNKNOWN_DEVICE_TYPE.search(first_line)
+        if unknown:  # a device the call names ("sim"), of a type this process lacks: no kernel ran to be at fault
+            result.status, result.error = "error", (
+                f"the call names device type {unknown.group(1)!r}, unknown in this process: replay it where that "
+                f"backend is registered{_HOW_TO_REGISTER.format(unknown.group(1))}")
+            return result
         result.status, result.error = "error", f"{result.name or 'op'} raised {type(e).__name__}: {first_line}"
         result.op_raised = True
     return result
@@ -264,6 +283,7 @@ def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: 
     result.dtypes = " ".join(str(t.dtype).removeprefix("torch.") for t in tensors)
     if name.endswith(("__getitem__", "__setitem__")) and len(args) > 1:
         args = (args[0], decode_index(args[1]), *args[2:])
+    _refuse_text_arguments(name, args, kwargs)
     saved_output = _load_optional(os.path.join(entry.directory, "output.pth"))
     saved_grads = _load_optional(os.path.join(entry.directory, "grad_outputs.pth")) if options.backward else None
     upstream = tuple(saved_grads["args"]) if saved_grads else ()
@@ -317,7 +337,7 @@ def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: 
                     result.backward_ms.append((time.perf_counter_ns() - start) / 1e6)
                 grads = [leaf.grad for leaf in leaves]
         if first is None:
-            first = (output, grads)
+            first = (output, grads, written_arguments(name, call_args, call_kwargs, output))
         run += 1
     if backward and not result.backward_ms:
         result.notes.append("no backward: no output depends on an input that required grad when captured")
@@ -388,6 +408,29 @@ def decode_index(index):
     return index
 
 
+# the repr of an object no call takes back (``<torch._C.Generator object at 0x7f...>``), as captures kept one as a
+# plain str before they marked it (KeptAsText)
+_OBJECT_TEXT = re.compile(r"<[\w.]+ object at 0x[0-9a-fA-F]+>")
+
+
+def _refuse_text_arguments(name: str, args: tuple, kwargs: dict) -> None:
+    """A ReplayError naming the first argument the capture could keep only as its text: the call cannot be made
+    again, which is the format's limit, not the device's (before, the text went to the op, and its TypeError read as
+    the device's)."""
+    indexing = name.endswith(("__getitem__", "__setitem__"))
+    for side, values in (("args", args), ("kwargs", kwargs)):
+        for where, value in iter_items(values):
+            if isinstance(value, KeptAsText):
+                kind = f" (a {value.type_name})" if value.type_name else ""
+                raise ReplayError(f"not replayable: argument {side}{where} of {name} was captured as its text only, "
+                                  f"{value.text!r}{kind}: the capture format keeps tensors and plain values")
+            # a str left in an index (old captures' ``slice(None, tensor(3), None)``) is text no index takes
+            if isinstance(value, str) and (_OBJECT_TEXT.fullmatch(value) or
+                                           (indexing and side == "args" and where.startswith("[1]"))):
+                raise ReplayError(f"not replayable: argument {side}{where} of {name} was captured as its text only, "
+                                  f"{value!r}, by an older version of OpCapture: capture the call again")
+
+
 def _synchronizer(device: torch.device):
     if device.type == "cpu":
         return lambda: None
@@ -439,18 +482,18 @@ def _autocast(state: dict | None, device: torch.device, result: ReplayResult):
 
 def _check(func, args, kwargs, upstream, inplace, first, saved_output, options, result,
            math: DeviceMath | None = None) -> None:
-    output, grads = first
+    output, grads, written = first
     with_grad = grads is not None
     tolerance = ToleranceSpec.from_env()  # the user's AUTOCOMPARE_ERROR_TOLERANCE* variables, as OpAutoCompare
 
     def same_dtype():  # the CPU in the device's dtypes, computing as the device declared (as OpAutoCompare)
         with emulated(math or DeviceMath()):
-            return _cpu_run(func, args, kwargs, upstream, inplace, with_grad, {})
+            return _cpu_run(func, result.name, args, kwargs, upstream, inplace, with_grad, {})
 
     reference, error = None, None
     for cast, note in attempts_for(DEFAULT_CAST):  # float64; float32 or the device's dtype where the CPU lacks it
         try:
-            reference = _cpu_run(func, args, kwargs, upstream, inplace, with_grad, cast)
+            reference = _cpu_run(func, result.name, args, kwargs, upstream, inplace, with_grad, cast)
         except Exception as e:  # noqa: BLE001 - the next cast, or the error reported below
             error = e
             continue
@@ -476,13 +519,45 @@ def _check(func, args, kwargs, upstream, inplace, first, saved_output, options, 
     if with_grad:
         result.checks.append(_verdict("grad vs cpu float64", compare_outputs(
             grads, reference[1], lambda: _compared(same()[1]), tolerance, op_name=result.name, prefix="grad")))
+    written, reference_written = _compared(written), _compared(reference[2])
+    if written or reference_written:  # what the op wrote beyond its result (x[0] = 5 returns None) is checked too
+        result.checks.append(_verdict("written vs cpu float64", _written_comparisons(
+            written, reference_written, lambda: _compared(same()[2]), tolerance, result.name)))
     if saved_output is not None:
         actual = tuple(output) if isinstance(output, (list, tuple)) else (output,)
         saved = _compared(_captured_output(tuple(saved_output.get("args", ())), actual))
         result.checks.append(_verdict("output vs captured output", compare_outputs(
             actual, saved, None, tolerance, op_name=result.name, prefix="output")))
+        if written:
+            _check_written_as_captured(written, saved_output.get(WRITTEN_KEY), tolerance, result)
     else:  # the capture never wrote it (the call raised where captured), or it was lost since
         result.notes.append("no output.pth: not compared with the captured output")
+
+
+def _check_written_as_captured(written: dict, saved, tolerance, result: ReplayResult) -> None:
+    """The check of what the replay wrote against what the capture saved the call wrote, or a note saying why none."""
+    if not isinstance(saved, dict):  # an output.pth of before the written arguments were saved: its result only
+        result.notes.append("written arguments not compared with the captured ones: captured by an older version")
+    elif set(saved) != set(written):
+        result.notes.append(f"written arguments not compared with the captured ones: the capture holds "
+                            f"{', '.join(saved) or 'none'}, the replay wrote {', '.join(written)}")
+    else:
+        result.checks.append(_verdict("written vs captured", _written_comparisons(
+            written, _compared(saved), None, tolerance, result.name)))
+
+
+def _written_comparisons(written: dict, reference: dict, same_dtype, tolerance, op_name: str) -> list:
+    """``compare_outputs`` of the tensors a call wrote (``{"args[0]": tensor}``, ``written_arguments``), in the
+    device run's order, each named ``written args[0]``."""
+    paths = list(written)
+    comparisons = compare_outputs(
+        tuple(written.values()), tuple(reference.get(p) for p in paths),
+        None if same_dtype is None else lambda: tuple(same_dtype().get(p) for p in paths),
+        tolerance, op_name=op_name, prefix="written")
+    if len(comparisons) == len(paths):  # else one failure saying the structures differ, named as it is
+        for comparison, path in zip(comparisons, paths):
+            comparison.name = f"written {path}"
+    return comparisons
 
 
 def _compared(value):
@@ -492,22 +567,24 @@ def _compared(value):
                        t.numel() < DEVICE_STATISTICS_MIN else t)
 
 
-def _cpu_run(func, args, kwargs, upstream, inplace, with_grad, cast: dict):
-    """The op on the CPU, its inputs' dtypes through ``cast``: (output, input grads)."""
+def _cpu_run(func, name: str, args, kwargs, upstream, inplace, with_grad, cast: dict):
+    """The op ``name`` on the CPU, its inputs' dtypes through ``cast``: (output, input grads, what it wrote beyond its
+    output, ``written_arguments``)."""
     # as OpAutoCompare's reference: the devices the call named moved to the CPU (``ones_like(x, device="npu")``'s
     # reference ran on the device, faults and all) and its dtype arguments cast as its tensors are
     convert = functools.partial(map_arguments, tensor_fn=lambda t: _to_cpu(t, cast), cast=cast)
     call_args, call_kwargs, leaves = _prepare(convert(args), convert(kwargs), with_grad, inplace)
     output = func(*call_args, **call_kwargs)
+    written = written_arguments(name, call_args, call_kwargs, output)
     if not with_grad:
-        return output, None
+        return output, None, written
     # an input handed back (``x.to(torch.bfloat16)`` cast to ``x.to(torch.float64)`` of a float64 copy) takes the
     # upstream gradient as it is, through a view
     output = map_tensors(output, lambda t: t.view_as(t) if t.requires_grad and t.grad_fn is None else t)
     roots = [t for t in iter_tensors(output) if t.grad_fn is not None]
     if roots:
         torch.autograd.backward(roots, _upstream(roots, convert(tuple(upstream)), ReplayResult(Entry("", "", ""))))
-    return output, [leaf.grad for leaf in leaves]
+    return output, [leaf.grad for leaf in leaves], written
 
 
 def _to_cpu(t: torch.Tensor, cast: dict) -> torch.Tensor:

@@ -19,22 +19,42 @@ still loads on its own.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import io
 import os
+import sys
 import threading
 from typing import Any
 
 import torch
 
+from ..ops.arguments import iter_items, iter_tensors
 from ..ops.torch_versions import autocast_dtype
+from ..ops.writes import call_writes
 from . import result_files
 
 REF_KEY = "op_tools_ref"
 MEMORY_FORMAT_KEY = "op_tools_memory_format"
 DEVICE_KEY = "op_tools_device"  # a torch.device, where this torch's weights_only loading refuses one (before 2.2)
+SLICE_KEY = "op_tools_slice"  # a slice, its bounds encoded as any argument (a 0-d tensor bound stays a tensor)
+ELLIPSIS_KEY = "op_tools_ellipsis"
+TEXT_KEY = "op_tools_text"  # an argument the format keeps only as its repr: loaded as a KeptAsText
 AUTOCAST_KEY = "autocast"
+WRITTEN_KEY = "written"  # in output.pth: the tensors the call wrote beyond what it returned, by argument path
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptAsText:
+    """An argument the capture format could keep only as its text (a ``torch.Generator``, a user's object): nothing
+    can call the op with it again, and the replay says so rather than pass its text to the op."""
+
+    text: str
+    type_name: str = ""
+
+    def __repr__(self) -> str:
+        return f"<{self.type_name or 'argument'} kept as text: {self.text}>"
 
 
 class TensorStore:
@@ -95,9 +115,56 @@ class TensorStore:
             return {DEVICE_KEY: str(obj)}
         if isinstance(obj, (torch.dtype, torch.device, torch.layout)):
             return obj
-        if obj is None or isinstance(obj, (bool, int, float, complex, str, torch.Size)):
+        if obj is None or type(obj) in _PLAIN or isinstance(obj, torch.Size):
             return obj
-        return repr(obj)  # anything else is kept as text so that weights_only loading works
+        if isinstance(obj, slice):  # x[:, :n] with n a 0-d tensor: its bounds kept as values, never as their text
+            bounds = (obj.start, obj.stop, obj.step)
+            return {SLICE_KEY: [self._encode(v, [*where, SLICE_KEY, i], path, fresh, copies)
+                                for i, v in enumerate(bounds)]}
+        if obj is Ellipsis:
+            return {ELLIPSIS_KEY: True}
+        plain = python_value(obj)
+        if plain is not None:
+            return plain
+        # anything else is kept as text so that weights_only loading works, marked so that no one takes it for a str
+        return {TEXT_KEY: repr(obj), "type": f"{type(obj).__module__}.{type(obj).__qualname__}"}
+
+
+_PLAIN: tuple[type, ...] = (bool, int, float, complex, str)
+
+
+def python_value(obj) -> bool | int | float | complex | str | None:
+    """The Python bool, int, float, complex or str that ``obj``, a value of another type, equals exactly (numpy's
+    ``float64(2)``, an ``IntEnum``), or None: pickled as it is, its class is a global that ``weights_only`` loading
+    refuses."""
+    for kind in _PLAIN:  # bool first: True is an int too
+        if isinstance(obj, kind):
+            return kind(obj)
+    numpy = sys.modules.get("numpy")  # no numpy loaded, no numpy value to meet
+    if numpy is not None and isinstance(obj, numpy.generic):
+        value = obj.item()  # numpy's exact Python equivalent; its own type where none exists (longdouble)
+        if type(value) in _PLAIN:
+            return value
+    return None
+
+
+def written_arguments(name: str, args, kwargs, result) -> dict[str, torch.Tensor]:
+    """The tensors a call of ``name`` wrote beyond those it returned, by their place in its arguments (``args[0]``,
+    ``args[1][3]``, ``kwargs[out]``): what its schema or ``op_facts`` say it writes (ops/writes.py), so that
+    ``x[0] = 5``, a fused optimizer's step or BatchNorm's running statistics have what they wrote as an output. A
+    function whose writes are unknown (a user's) gives none: every argument would be an output."""
+    spec = call_writes(name)
+    if spec.never or spec.unknown:
+        return {}
+    written = {id(t) for t in spec.written(tuple(args), kwargs)}
+    written.difference_update(id(t) for t in iter_tensors(result))  # add_'s self is its output already
+    found: dict[str, torch.Tensor] = {}
+    for side, values in (("args", tuple(args)), ("kwargs", kwargs)):
+        for where, value in iter_items(values):
+            if isinstance(value, torch.Tensor) and id(value) in written:
+                written.discard(id(value))  # a tensor passed twice is one output, at its first place
+                found[f"{side}{where}"] = value
+    return found
 
 
 
@@ -183,6 +250,12 @@ def load_op_args(path: str) -> dict:
                 return getattr(torch, obj[MEMORY_FORMAT_KEY])
             if DEVICE_KEY in obj:
                 return torch.device(obj[DEVICE_KEY])
+            if SLICE_KEY in obj:
+                return slice(*resolve(obj[SLICE_KEY], file))
+            if ELLIPSIS_KEY in obj:
+                return Ellipsis
+            if TEXT_KEY in obj:
+                return KeptAsText(obj[TEXT_KEY], obj.get("type", ""))
             return {k: resolve(v, file) for k, v in obj.items()}
         if isinstance(obj, list):
             return [resolve(v, file) for v in obj]

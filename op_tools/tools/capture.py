@@ -40,10 +40,12 @@ from ..output.capture_format import (  # noqa: F401 - re-exported: the format wa
     AUTOCAST_KEY,
     MEMORY_FORMAT_KEY,
     REF_KEY,
+    WRITTEN_KEY,
     TensorStore,
     autocast_state,
     content_key,
     load_op_args,
+    written_arguments,
 )
 from ..output.run_recording import RunRecorder
 
@@ -265,9 +267,12 @@ class OpCapture(OpTool):
         directory = call.state.get("dir")
         if directory is None:  # summary mode, or past max_bytes
             return
+        # What the call wrote beyond what it returned (x[0] = 5 returns None) is its output too: saved, it is
+        # compared at replay; the key is always there, so that its absence says "captured by an older version".
+        written = written_arguments(call.name, call.args, call.kwargs, call.result)
         self.store.save(os.path.join(directory, "output.pth"),
                         {"name": call.name, "args": reporting.as_tuple(call.result), "kwargs": {},
-                         "identifier": "output"})
+                         "identifier": "output", WRITTEN_KEY: written})
         if self._logger.isEnabledFor(logging.DEBUG):
             rows = reporting.call_rows(call.name, call.args, call.kwargs, call.result)
             self._logger.debug(reporting.header(call.name, call.forward_id, call.location) + "\n"

@@ -237,3 +237,23 @@ def test_an_index_that_cannot_be_written_leaves_the_verdict_unchecked(sim, tmp_p
     assert closing.levelname == "WARNING" and capture.verdict() == "unchecked"
     message = reporting.unwrapped(closing.getMessage())
     assert f"the index {folder}{os.sep}index_pid" in message and "not written" in message
+
+
+def test_numpy_scalars_are_saved_as_the_python_numbers_they_equal(sim, tmp_path):
+    # np.float64(2) and np.int64(3) were pickled with numpy's globals: weights_only loading refused the file
+    import numpy as np
+
+    x = torch.randn(4, 6, device=sim)
+    with op_tools.OpCapture():
+        x * np.float64(2.0)
+        torch.add(x, np.int64(3))
+        torch.sum(x, dim=np.int64(1))
+        x * np.float32(0.1)
+        x * np.bool_(True)
+    values = {}
+    for f in _files(str(tmp_path / "results"), "input.pth"):
+        data = torch.load(f, weights_only=True)  # no numpy global left to refuse
+        values.setdefault(data["name"], []).append(data["args"][1] if len(data["args"]) > 1 else data["kwargs"]["dim"])
+    assert sorted(values["torch.Tensor.mul"], key=str) == [0.10000000149011612, 2.0, True]  # float32's exact value
+    assert values["torch.add"] == [3] and values["torch.sum"] == [1]
+    assert all(type(v) in (bool, int, float) for vs in values.values() for v in vs)

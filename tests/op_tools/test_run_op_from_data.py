@@ -562,3 +562,92 @@ def test_a_bfloat16_output_captured_wrong_is_not_reproduced_and_the_replay_says_
     assert checks["output vs cpu float64"]["ok"], checks  # the replay, unfaulted, computes right
     assert not checks["output vs captured output"]["ok"] and result.status == "mismatch", checks
     assert "above 0.0625 (8 ulps of bfloat16" in checks["output vs captured output"]["detail"], checks
+
+
+def test_what_a_call_writes_into_its_arguments_is_saved_and_compared_so_a_faulty_setitem_is_found(tmp_path, sim):
+    # y[0] = 5 returns None: capture saved only that None and the replay compared only it, so a fault in the kernel
+    # writing the row (fill_, copy_) passed as "ok | all pass"
+    import ditorch.sim
+    from op_tools.offline.replay import ReplayOptions, replay
+    from op_tools.output.capture_format import WRITTEN_KEY
+
+    x = torch.zeros(3, 4).to(sim)
+    with op_tools.OpCapture(results_dir=str(tmp_path)):
+        y = x.clone()
+        y[0] = 5.0
+        z = x.clone()
+        z[1] = torch.ones(4).to(sim)
+    entries = [e for e in find_entries(str(tmp_path)) if "__setitem__" in e.label]
+    assert len(entries) == 2
+    for entry, fault in zip(entries, ("fill_:noise=1e-1", "copy_:noise=1e-1")):
+        with ditorch.sim.faults(fault):
+            faulty = replay(entry, sim, ReplayOptions(acc_check=True))
+        failed = {c["check"] for c in faulty.checks if not c["ok"]}
+        assert faulty.status == "mismatch" and "written vs cpu float64" in failed, (fault, faulty.checks)
+        assert "written args[0]" in next(c["detail"] for c in faulty.checks if not c["ok"])
+    clean = replay(entries[0], sim, ReplayOptions(acc_check=True))
+    checks = {c["check"]: c["ok"] for c in clean.checks}
+    assert clean.status == "ok" and checks["written vs cpu float64"] and checks["written vs captured"], clean.checks
+    saved = op_tools.load_op_args(os.path.join(entries[0].directory, "output.pth"))
+    assert saved["args"] == (None,) and torch.equal(saved[WRITTEN_KEY]["args[0]"], y.cpu())
+
+    # a capture of before: its output.pth holds the None only; the write is still checked against the CPU, and the
+    # replay says what it could not compare
+    older = os.path.join(entries[0].directory, "output.pth")
+    torch.save({"name": "torch.Tensor.__setitem__", "args": (None,), "kwargs": {}, "identifier": "output"}, older)
+    with ditorch.sim.faults("fill_:noise=1e-1"):
+        faulty = replay(entries[0], sim, ReplayOptions(acc_check=True))
+    assert faulty.status == "mismatch" and "written vs captured" not in {c["check"] for c in faulty.checks}
+    assert "written arguments not compared with the captured ones: captured by an older version" in faulty.notes
+
+
+def test_a_slice_with_a_tensor_bound_replays_and_an_argument_kept_as_text_is_not_replayable(tmp_path, sim, capsys):
+    # x[:, :n] with n a 0-d tensor was saved as the text "slice(None, tensor(3), None)", which the replay passed to
+    # the op: "__getitem__ raised TypeError", exit 3, a device finding for the capture format's limit
+    class Position:  # a user's index object: no plain value keeps it
+        def __index__(self):
+            return 2
+
+    x = torch.randn(4, 6).to(sim)
+    n = torch.tensor(3)
+    with op_tools.OpCapture(results_dir=str(tmp_path / "new")):
+        x[:, :n]
+        x[Position()]
+    entries = {e.label: e for e in find_entries(str(tmp_path / "new")) if "__getitem__" in e.label}
+    data = [op_tools.load_op_args(os.path.join(e.directory, "input.pth")) for e in entries.values()]
+    assert any(isinstance(d["args"][1], tuple) and d["args"][1][1] == slice(None, n, None) for d in data)
+    assert main([str(tmp_path / "new"), "--device", sim, "--acc_check"]) == 4
+    statuses = sorted(r["status"] for r in _summary(tmp_path) if r["name"] == "torch.Tensor.__getitem__")
+    assert statuses == ["error", "ok"], _summary(tmp_path)
+    (refused,) = [r for r in _summary(tmp_path) if r["status"] == "error"]
+    assert refused["detail"].startswith("not replayable: argument args[1] of torch.Tensor.__getitem__ was captured as "
+                                        "its text only") and "Position" in refused["detail"], refused
+
+    old = tmp_path / "old" / "op_capture_results"
+    index = (slice(None), "slice(None, tensor(3), None)")  # as OpCapture kept it
+    _original_capture(old, "torch.Tensor.__getitem__", (torch.randn(4, 6), index), {}, torch.randn(4, 3), 1)
+    capsys.readouterr()
+    assert main([str(old), "--device", sim, "--acc_check"]) == 4  # not replayable, not a finding
+    assert "not replayable: argument args[1][1] of torch.Tensor.__getitem__" in capsys.readouterr().err
+
+
+def test_a_file_naming_a_device_type_this_process_lacks_says_so_and_where_to_load_it(tmp_path, sim):
+    # a capture made on sim, replayed where sim is not registered: torch.load's "Expected one of cpu, cuda, ...
+    # device type at start of device string: sim" was reported as a corrupt or truncated file; the device named as
+    # text reached the op, whose error read as a device finding (exit 3)
+    x, y = torch.zeros(4).to(sim), torch.ones(2).to(sim)  # y: x's file, x stored once, names the device
+    with op_tools.OpCapture(results_dir=str(tmp_path / "captured")):
+        torch.ones_like(x, device=torch.device(sim))
+        torch.zeros_like(y, device=sim)
+    env = {k: v for k, v in child_env({"OP_TOOLS_RESULTS_DIR": str(tmp_path / "results")}).items()
+           if not k.startswith("DITORCH_BACKEND")}
+    done = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "captured"), "--device", "cpu"], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 4, done.stdout + done.stderr
+    rows = {r["name"] or "unread": r for r in _summary(tmp_path)}
+    assert rows.keys() == {"unread", "torch.zeros_like"}, rows  # the file naming torch.device("sim") is not read
+    assert rows["unread"]["status"] == "error" and "corrupt" not in rows["unread"]["detail"], rows
+    assert rows["unread"]["detail"].startswith("device type 'sim', unknown in this process, named in ") and \
+        "load it where that backend is registered" in rows["unread"]["detail"], rows
+    assert rows["torch.zeros_like"]["detail"].startswith("the call names device type 'sim', unknown in this process"), \
+        rows
