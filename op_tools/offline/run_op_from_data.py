@@ -259,7 +259,8 @@ def console_row(row: dict, options: ReplayOptions) -> dict:
 
 
 SHORT_CHECKS = {"output vs cpu float64": "output", "grad vs cpu float64": "grad",
-                "output vs captured output": "captured"}
+                "output vs captured output": "captured", "written vs cpu float64": "written",
+                "written vs captured": "written captured"}
 
 
 def markdown_report(summary: list[dict], options: ReplayOptions, env: dict, source: str) -> str:
