@@ -10,10 +10,22 @@ the real one has returned, on the program's thread, where the program would read
 a tool run in the order of their calls (a wait first runs those of earlier collectives still open, waiting for their
 Works too): the same order on every rank, for checks that exchange data among the ranks.
 
-A Work the program uses otherwise before waiting for it (its future, ``result()``, ``boxed()``, or
-``is_completed()`` answering True) lets the program read the result at a moment the tool never sees: that collective
-is given up, and said not checked with why; so is one still open when the tool stops, or whose Work was dropped
-before it was waited for.
+A Work whose future the program takes (``get_future()``: DDP's communication hooks, fp16 or PowerSGD compression, and
+any ``then()`` chain) is followed: the program gets a future chained after the collective's, whose first callback
+copies what arrived before any callback of the program's can change it (``fp16_compress_hook`` copies it out,
+PowerSGD orthogonalises it in place). The check runs on that copy before the next optimizer step begins (or at the
+tool's ``stop()``), on the program's thread: a moment the same on every rank, and one where no callback chain is still
+issuing collectives (DDP waits for its hooks' futures before backward returns; PowerSGD issues its second all-reduce
+from the first one's callback, on gloo's or NCCL's thread, where a check exchanging data among the ranks would
+interleave with it differently on each rank). A collective issued in a future's callback, or whose future is taken in
+one, is given up: a callback runs when the collective before it completes, on the collective's thread or at once on
+the program's, differently on each rank. While a tool is started, ``Future.then`` and ``add_done_callback`` mark the
+callbacks they run (``in_callback``) so that this is known at the call.
+
+A Work the program uses otherwise before waiting for it (``result()``, ``boxed()``, ``is_completed()`` answering
+True, or its future taken in a callback) lets the program read the result at a moment the tool never sees: that
+collective is given up, and said not checked with why; so is one still open when the tool stops, or whose Work was
+dropped before it was waited for (or followed).
 
 >>> work = dist.all_reduce(t, async_op=True)   # doctest: +SKIP
 >>> type(work).__name__, isinstance(work, dist.Work)
@@ -28,14 +40,18 @@ import collections
 import itertools
 import threading
 import weakref
+from contextlib import AbstractContextManager
 from typing import Any, Callable
 
 import torch
 import torch.distributed
 
+from .shared_install import SharedInstall
+
 _keys = itertools.count()
 # Why a collective was given up, per way the program used its Work before waiting for it
 GIVEN_UP = {"get_future": "waited for through its future", "get_future_result": "waited for through its future",
+            "in_callback": "issued, or its future taken, in a future's callback",
             "result": "its result read without a wait", "boxed": "its Work handed to C++ (boxed)",
             "is_completed": "seen complete through is_completed() instead of a wait"}
 NOT_WAITED = "not waited for while the tool ran"
@@ -54,12 +70,15 @@ def is_work(value: Any) -> bool:
 class WaitedCheck:
     """One collective's check, open until the program waits for its Work or its owner gives it up."""
 
-    __slots__ = ("key", "owner", "call", "check", "work", "__weakref__")
+    __slots__ = ("key", "owner", "call", "check", "work", "received", "future", "in_callback", "__weakref__")
 
-    def __init__(self, owner: WaitedChecks, call: Any, check: Callable, work: Any) -> None:
+    def __init__(self, owner: WaitedChecks, call: Any, check: Callable, work: Any, received: list | None) -> None:
         self.key = next(_keys)
         self.owner, self.call, self.work = owner, call, work
+        self.in_callback = in_callback()  # issued in a future's callback (``defer`` runs where the call was made)
         self.check: Callable | None = check  # None once run or given up: nothing held past it
+        self.received = received  # the tensors the check reads, the tool's own list: replaced by copies if followed
+        self.future: torch.futures.Future | None = None  # once followed: the program's future, after the copies
 
     def run(self) -> None:
         self.owner.run_up_to(self)
@@ -67,22 +86,46 @@ class WaitedCheck:
     def give_up(self, why: str) -> None:
         self.owner.give_up(self, why)
 
+    def follow(self, future: torch.futures.Future) -> torch.futures.Future | None:
+        """The future the program gets in place of ``future`` (its collective's): the same value, once what arrived
+        is copied for the check; None where the check cannot follow it (given up then)."""
+        if self.received is None or self.check is None:  # nothing to copy what arrived into; or checked already
+            return None
+        if self.in_callback or in_callback():
+            self.give_up(GIVEN_UP["in_callback"])
+            return None
+        received, quiet = self.received, self.owner.quiet
+
+        def arrived(done: torch.futures.Future):
+            value = done.value()  # the collective's error, if any, reaches the program's callbacks unchanged
+            with quiet(), torch.no_grad():  # no program call: inline on the program's thread if already complete
+                received[:] = [t.detach().clone() for t in received]
+            return value
+
+        self.future = future.then(arrived)
+        self.owner.followed = True
+        return self.future
+
 
 class WaitedChecks:
     """A tool's asynchronous collectives whose checks wait for the program's waits, in call order, and those given
     up, counted per why. ``run(check, call)`` runs a check as the tool's guarded work."""
 
-    def __init__(self, run: Callable[[Callable, Any], None]) -> None:
+    def __init__(self, run: Callable[[Callable, Any], None], quiet: Callable[[], AbstractContextManager]) -> None:
         self._run = run
+        self.quiet = quiet  # the tool's own work, no program call: a followed collective's copies
         self._open: dict[int, WaitedCheck] = {}
         self._lock = threading.Lock()
         self.given_up: collections.Counter = collections.Counter()
+        self.followed = False  # whether any open check is followed through its future (``run_followed`` has work)
         self._first: dict[str, str] = {}  # why -> the first op given up so
 
-    def defer(self, call: Any, check: Callable, work: Any) -> Any:
+    def defer(self, call: Any, check: Callable, work: Any, received: list | None = None) -> Any:
         """What the program gets in place of ``work`` (the result of the collective ``call``): a Work whose first
-        wait runs ``check(call)``; ``work`` itself, counted given up, when it is no Work."""
-        waited = WaitedCheck(self, call, check, work)
+        wait runs ``check(call)``; ``work`` itself, counted given up, when it is no Work. ``received``: the list of
+        tensors the check reads what arrived from, which a followed future's copies replace (without it, a future
+        taken is given up)."""
+        waited = WaitedCheck(self, call, check, work, received)
         if not is_work(work):
             self._count(call.name, f"it returned {type(work).__name__}, no Work to wait for")
             return work
@@ -94,27 +137,46 @@ class WaitedChecks:
 
     def run_up_to(self, waited: WaitedCheck) -> None:
         """After the program's wait for ``waited``'s collective: the checks still open up to it, in call order (the
-        same on every rank), the earlier ones' Works waited for first."""
+        same on every rank), the earlier ones' Works waited for first; those followed through their futures wait for
+        ``run_followed``."""
         with self._lock:
-            if waited.key not in self._open:  # run or given up already
+            if waited.key not in self._open or waited.future is not None:  # run or given up already; or followed
                 return
             due = []
             for key in list(self._open):
-                due.append(self._open.pop(key))
+                if self._open[key].future is None:
+                    due.append(self._open.pop(key))
                 if key == waited.key:
                     break
+        self._run_due(due, waited)
+
+    def run_followed(self) -> None:
+        """Before an optimizer step, and at the tool's stop: the checks followed through their futures, in call order,
+        each once its future is done (what arrived copied)."""
+        if not self.followed:
+            return
+        with self._lock:
+            due = [self._open.pop(key) for key in [key for key, check in self._open.items()
+                                                  if check.future is not None]]
+            self.followed = False
+        self._run_due(due, None)
+
+    def _run_due(self, due: list[WaitedCheck], waited: WaitedCheck | None) -> None:
         for check in due:
             if check is not waited:
-                try:
-                    check.work.wait()
+                try:  # a followed one's future: what arrived is copied once it is done
+                    check.work.wait() if check.future is None else check.future.wait()
                 except Exception as error:
-                    self._count(check.call.name, f"its wait raised {type(error).__name__}")
+                    self._count(check.call.name, f"its {'wait' if check.future is None else 'future'} raised "
+                                f"{type(error).__name__}")
                     continue
             run, check.work, check.check = check.check, None, None
             if run is not None:
                 self._run(run, check.call)
 
     def give_up(self, waited: WaitedCheck, why: str) -> None:
+        if why == DROPPED and waited.future is not None:  # followed: its future holds what the check needs
+            return
         with self._lock:
             if self._open.pop(waited.key, None) is None:
                 return
@@ -122,6 +184,9 @@ class WaitedChecks:
         self._count(waited.call.name, why)
 
     def give_up_all(self, why: str) -> None:
+        """At the tool's stop: the followed futures still open checked (the earlier collectives' first, as at a wait),
+        the rest given up."""
+        self.run_followed()
         with self._lock:
             still_open = list(self._open.values())
         for waited in still_open:
@@ -146,6 +211,44 @@ class WaitedChecks:
             self.given_up[why] += 1
             self._first.setdefault(why, name)
 
+
+_callbacks = threading.local()  # .depth: the future callbacks running on this thread
+
+
+def in_callback() -> bool:
+    """Whether this thread runs a future's callback (``then``, ``add_done_callback``) while a tool is started."""
+    return getattr(_callbacks, "depth", 0) > 0
+
+
+def _marked(callback: Callable) -> Callable:
+    def marked(future):
+        _callbacks.depth = getattr(_callbacks, "depth", 0) + 1
+        try:
+            return callback(future)
+        finally:
+            _callbacks.depth -= 1
+
+    return marked
+
+
+_future_methods: dict[str, Callable] = {}
+
+
+def _mark_callbacks() -> None:
+    for name in ("then", "add_done_callback"):
+        original = _future_methods[name] = getattr(torch._C.Future, name)
+        setattr(torch._C.Future, name, lambda future, callback, _original=original: _original(future,
+                                                                                           _marked(callback)))
+
+
+def _unmark_callbacks() -> None:
+    for name, original in _future_methods.items():
+        setattr(torch._C.Future, name, original)
+    _future_methods.clear()
+
+
+# While a tool is started: the callbacks futures run are known as such (``in_callback``)
+marking_callbacks = SharedInstall(_mark_callbacks, _unmark_callbacks)
 
 _wrapper_class: type | None = None
 
@@ -198,7 +301,11 @@ def _define_waited_work() -> type:
             return getattr(self._work, method)(*args)
 
         def get_future(self) -> torch.futures.Future:
-            return self._given_up("get_future")
+            future = self._work.get_future()
+            followed = self._check.follow(future)
+            if followed is None:
+                self._check.give_up(GIVEN_UP["get_future"])
+            return future if followed is None else followed
 
         def get_future_result(self):
             return self._given_up("get_future_result")

@@ -470,8 +470,11 @@ class OpTool:
         self._read_configuration()
         self._can_match = True
         self._step_base = STEPS.acquire()
+        if not self._activations:
+            STEPS.before_step.append(self._waits.run_followed)
         REPLICAS.acquire(self.common, self.stem)
         gradient_communication.acquire()
+        collective_waits.marking_callbacks.acquire()
         self._activations.append(self._activate())
         self._threads.append(threading.get_ident())
         compiled_regions.enter(type(self).__name__, self._logger, self.checks_regions)
@@ -527,10 +530,13 @@ class OpTool:
         STEPS.release()
         REPLICAS.release()
         gradient_communication.release()
+        collective_waits.marking_callbacks.release()
         if self._tracking.pop():
             module_path.release()
         if not self._activations:
             _unfinished.pop(id(self), None)
+            if self._waits.run_followed in STEPS.before_step:
+                STEPS.before_step.remove(self._waits.run_followed)
             self._waits.give_up_all(collective_waits.NOT_WAITED)  # a wait after the verdict: said not checked now
         try:
             with tool_work():  # what finish() computes (results still in flight) is no program call of a tool still on
@@ -591,7 +597,7 @@ class OpTool:
         self.interrupted: collections.Counter = collections.Counter()
         self.finish_failure = ""  # finish() raised: what it had still to judge or write is lost
         # asynchronous collectives whose check waits for the program's wait, and those given up (collective_waits.py)
-        self._waits: collective_waits.WaitedChecks = collective_waits.WaitedChecks(self._run_waited_check)
+        self._waits: collective_waits.WaitedChecks = collective_waits.WaitedChecks(self._run_waited_check, tool_work)
 
     def _log_closing(self) -> None:
         """Log the closing line fitted to the console (``reporting.fit_path``: its folder shortened from the start
@@ -684,6 +690,8 @@ class OpTool:
         if self.common is None:
             self._read_configuration()
             self._step_base = STEPS.acquire()  # never stopped: counts steps until the process ends
+            STEPS.before_step.append(self._waits.run_followed)
+            collective_waits.marking_callbacks.acquire()
             _track_unfinished(self)  # never stopped: what it aggregated is written at exit
 
     def _read_configuration(self) -> None:
@@ -785,12 +793,14 @@ class OpTool:
             _thread.depth -= 1
         return result
 
-    def check_when_waited(self, call: OpCall, check: Callable[[OpCall], None]) -> None:
+    def check_when_waited(self, call: OpCall, check: Callable[[OpCall], None], received: list | None) -> None:
         """From ``after()``: ``check(call)`` once the program waits for the asynchronous collective ``call`` (its
         result, a ``Work``, is replaced by one that runs it: collective_waits.py). ``call`` keeps its state, not its
-        arguments or result; a collective whose check never runs is said not checked, with why."""
+        arguments or result; a collective whose check never runs is said not checked, with why. ``received``: the
+        tool's list of the tensors its check reads what arrived from (``CollectiveCall.received``), which a future the
+        program takes replaces by copies made as the result arrives."""
         call.keep_location()  # while the user's frames are on the stack
-        call.result = self._waits.defer(call.without_values(), check, call.result)
+        call.result = self._waits.defer(call.without_values(), check, call.result, received)
 
     def waits_not_checked(self) -> int:
         """Asynchronous collectives handled whose check has not run: not waited for yet, or given up."""

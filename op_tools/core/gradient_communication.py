@@ -47,7 +47,7 @@ def modes_to_enter() -> list | None:
     from torch.overrides import _get_current_function_mode_stack
 
     modes = started_modes()
-    if not modes:  # tools started without a mode (targeted dispatch) see the calls through their wrappers
+    if not modes:  # tools started without a mode (targeted dispatch) see them through their wrappers, on any thread
         return [] if _wrapping.in_use() else None
     present = _get_current_function_mode_stack()
     return [mode for mode in modes if all(mode is not other for other in present)]
@@ -89,7 +89,8 @@ def _hook_ddp(module: torch.nn.Module) -> None:
         module.register_comm_hook(module.process_group, bucket_all_reduce)  # type: ignore[operator]
     except RuntimeError as error:  # "can only be called once": the user's own hook, or a builtin one
         _logger.warning("op_tools: a DistributedDataParallel model has a communication hook of its own (%s): its "
-                        "gradient buckets are seen only where that hook calls torch.distributed synchronously",
+                        "gradient buckets are seen where that hook calls torch.distributed (an asynchronous call "
+                        "checked at its wait, or before the optimizer's step where the hook takes its future)",
                         str(error).splitlines()[0])
     except Exception:  # noqa: BLE001 - a DDP that refuses the hook still trains; the tools just do not see its buckets
         _logger.exception("op_tools: a DistributedDataParallel model refused op_tools' communication hook: its "

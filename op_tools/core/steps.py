@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from typing import Callable
 
 import torch
 
@@ -29,6 +30,9 @@ class StepCounter:
     def __init__(self) -> None:
         self.count = 0
         self.in_optimizer = False
+        # run as an optimizer's step() begins, on the program's thread, backward's work done: the started tools'
+        # checks of collectives followed through their futures (collective_waits.py)
+        self.before_step: list[Callable[[], None]] = []
         self._users = 0
         self._hooks: tuple = ()
         self._lock = threading.Lock()
@@ -58,6 +62,8 @@ class StepCounter:
                 self.in_optimizer = False
 
     def _stepping(self, *_) -> None:
+        for listener in list(self.before_step):
+            listener()
         self.in_optimizer = True
 
     def _stepped(self, *_) -> None:

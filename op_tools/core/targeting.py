@@ -8,10 +8,13 @@ namespaces) and every other call runs untouched.
 
 What a mode would see is kept: only the thread that started the tool is handled; a torch call made inside a
 handled call (the body of a Python-implemented function, a tool's own work) is not; two tools on one function
-stack as their modes would, the later started seeing the call first. What a wrapper cannot see: a reference to the
-function taken before the tool started (``from torch.nn.functional import linear`` at import time) and calls PyTorch
-makes from its autograd threads. A LIST entry written as a regular expression (any character other than letters,
-digits, ``_`` and ``.``) selects the mode and sees those too.
+stack as their modes would, the later started seeing the call first. The ``torch.distributed`` collectives are seen on
+every thread, as the modes are entered for them on any thread (``gradient_communication.py``): a backward pass runs
+on autograd's threads, where DDP's gradient buckets, FSDP's reduce-scatters and a tensor-parallel layer's gradient
+all-reduces are made. What a wrapper cannot see: a reference to the function taken before the tool started
+(``from torch.nn.functional import linear`` at import time) and the other calls PyTorch makes from its autograd
+threads. A LIST entry written as a regular expression (any character other than letters, digits, ``_`` and ``.``)
+selects the mode and sees those too.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from ..ops.naming import OPERATOR_METHODS, alias_namespaces, function_from_name,
 
 _local = threading.local()  # .tools: {name: (tools of this thread, in start order)}, .busy: inside a handled call
 _NO_TOOLS: dict = {}
+_EVERY_THREAD = "torch.distributed."  # the names whose calls are handled on every thread: the collectives
+_every_thread: dict[str, tuple] = {}  # their tools, of every thread that started one, in start order
 _lock = threading.Lock()
 
 
@@ -59,7 +64,7 @@ _wrapped: dict[str, _Wrapped] = {}
 
 def _wrapper(name: str, original):
     def targeted(*args, **kwargs):
-        tools = getattr(_local, "tools", _NO_TOOLS).get(name)
+        tools = getattr(_local, "tools", _NO_TOOLS).get(name) or _every_thread.get(name)
         if not tools or getattr(_local, "busy", False):
             return original(*args, **kwargs)
         _local.busy = True  # what a mode does by stepping aside while it runs a call: nested calls are not seen
@@ -168,6 +173,9 @@ class Targeting:
             _local.tools = {}
         for name in self.targets:
             _local.tools[name] = (*_local.tools.get(name, ()), self.tool)
+            if name.startswith(_EVERY_THREAD):
+                with _lock:
+                    _every_thread[name] = (*_every_thread.get(name, ()), self.tool)
 
     def exit(self) -> None:
         if threading.get_ident() != self.thread:
@@ -179,6 +187,14 @@ class Targeting:
                 _local.tools[name] = tuple(tools)
             else:
                 del _local.tools[name]
+            if name.startswith(_EVERY_THREAD):
+                with _lock:
+                    others = list(_every_thread[name])
+                    others.remove(self.tool)
+                    if others:
+                        _every_thread[name] = tuple(others)
+                    else:
+                        del _every_thread[name]
         with _lock:
             _release(self.targets)
 

@@ -252,7 +252,7 @@ class OpCapture(OpTool):
 
     def after(self, call: OpCall) -> None:
         if collective_waits.is_work(call.result):  # an asynchronous collective: what it received is there at its wait
-            self.check_when_waited(call, self._after_waited)
+            self.check_when_waited(call, self._after_waited, call.state.get("received"))
             return
         self._after_received(call)
 

@@ -6,6 +6,7 @@ test_tools_across_ranks.py."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import torch
@@ -66,7 +67,10 @@ def test_a_wait_checks_the_earlier_collectives_first_in_call_order(sim, group, t
 def test_a_collective_whose_wait_the_tool_cannot_see_is_said_not_checked_with_why(sim, group, tmp_path):
     t = torch.ones(4, device=sim)
     with op_tools.OpAutoCompare(results_dir=str(tmp_path)) as compare:
-        dist.all_reduce(t, async_op=True).get_future().wait()
+        done = torch.futures.Future()
+        # issued in a callback, which runs when the collective before completes: a moment that differs between ranks
+        done.then(lambda _: dist.all_reduce(t, async_op=True).get_future().wait())
+        done.set_result(None)
         dist.all_reduce(t, async_op=True)  # the Work dropped unwaited
         gc.collect()
         polled = dist.all_reduce(t, async_op=True)
@@ -78,7 +82,7 @@ def test_a_collective_whose_wait_the_tool_cannot_see_is_said_not_checked_with_wh
     assert compare.verdict() == "unchecked"
     assert compare.not_checked() == "; ".join(
         f"1 asynchronous collective not checked ({why}), the first torch.distributed.all_reduce" for why in (
-            "waited for through its future", "its Work dropped before it was waited for",
+            "issued, or its future taken, in a future's callback", "its Work dropped before it was waited for",
             "seen complete through is_completed() instead of a wait", "not waited for while the tool ran"))
     assert "forward 0 compared, 0 passed, 0 failed, 4 not checked" in compare.summary()
     assert t.cpu().tolist() == [1.0] * 4  # one rank: every all-reduce left it as it was
@@ -130,3 +134,49 @@ def test_an_asynchronous_all_reduce_in_a_backward_is_checked_at_its_wait(sim, gr
     assert compare.handled["torch.distributed.all_reduce"] == 1
     assert [f["op"] for f in compare.failures] == ["torch.distributed.all_reduce"]
     assert x.grad.cpu().tolist() == [1.5, 1.0, 1.0, 1.0]  # the program's gradient: what arrived
+
+
+def _doubled_on_arrival(state, bucket):
+    """A DDP communication hook whose callback changes what arrived in place (PowerSGD's do): the tool checks what
+    arrived, not what the callback left."""
+    future = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return future.then(lambda done: done.value()[0].mul_(2))
+
+
+def test_a_collective_waited_for_through_its_future_is_checked_on_what_arrived(sim, group, tmp_path):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def gradients(hook, faults: str = "", tool=None):
+        torch.manual_seed(0)
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4).to(sim))
+        ddp.register_comm_hook(None, hook)
+        with ditorch.sim.faults(faults), tool or contextlib.nullcontext():
+            ddp(torch.ones(2, 4, device=sim)).sum().backward()
+        return [p.grad.cpu() for p in ddp.parameters()]
+
+    for hook in (default_hooks.fp16_compress_hook, _doubled_on_arrival):  # checked at the end of the backward pass
+        plain = gradients(hook)
+        compare = op_tools.OpAutoCompare(results_dir=str(tmp_path))
+        assert all(torch.equal(a, b) for a, b in zip(gradients(hook, tool=compare), plain))  # the run's numbers
+        assert compare.verdict() == "clean" and compare.not_checked() == ""
+        assert compare.handled["torch.distributed.all_reduce"] == 1 and compare.counts["forward compared"] == 4
+    compare = op_tools.OpAutoCompare(results_dir=str(tmp_path))
+    gradients(default_hooks.fp16_compress_hook, LATE_FLIP, compare)
+    assert [f["op"] for f in compare.failures] == ["torch.distributed.all_reduce"]
+    check = op_tools.OpSelfCheck(budget=1.0, results_dir=str(tmp_path))
+    gradients(_doubled_on_arrival, LATE_FLIP, check)
+    assert [f.op for f in check.findings] == ["torch.distributed.all_reduce"]
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4).to(sim))
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with ditorch.sim.faults(LATE_FLIP), op_tools.OpAutoCompare(results_dir=str(tmp_path)) as compare:
+        ddp(torch.ones(2, 4, device=sim)).sum().backward()
+        assert compare.waits_not_checked() == 1  # followed: checked once backward's work is done, before the step
+        optimizer.step()
+        assert compare.waits_not_checked() == 0 and compare.counts["forward failed"] == 1
+    t = torch.ones(4, device=sim)
+    with ditorch.sim.faults(LATE_FLIP), op_tools.OpAutoCompare(results_dir=str(tmp_path)) as compare:
+        assert dist.all_reduce(t, async_op=True).get_future().wait()[0] is t  # its value the collective's own
+        t.zero_()  # what the program does after: the check, at the tool's stop, reads what arrived
+    assert [f["op"] for f in compare.failures] == ["torch.distributed.all_reduce"]

@@ -57,3 +57,16 @@ def test_torch_distributed_collectives_are_wrapped_only_while_a_tool_runs(sim, t
             pass
         assert dist.all_reduce is not original  # the outer tool still runs
     assert dist.all_reduce is original and gradient_communication._originals == {}
+
+
+def test_a_tool_without_a_mode_sees_the_collectives_a_backward_pass_makes_on_autograds_thread(sim, group, tmp_path):
+    # OpSelfCheck wraps its functions (targeted dispatch) on the thread that started it; sim's backward, as a GPU's,
+    # runs on an autograd thread, where DDP's buckets are all-reduced: seen there too, and a faulty one found
+    import ditorch.sim
+
+    ddp = _ddp(sim)
+    with ditorch.sim.faults("allreduce:bitflip=1"), \
+            op_tools.OpSelfCheck(budget=1.0, results_dir=str(tmp_path)) as check:
+        ddp(torch.ones(2, 4, device=sim)).sum().backward()
+    assert check.handled["torch.distributed.all_reduce"] == 1
+    assert [f.op for f in check.findings] == ["torch.distributed.all_reduce"]
