@@ -124,7 +124,7 @@ class DeviceMath:
         (a recurrent op's products on CUDA follow cuDNN's switch, an embedding's gradient sums in float32)."""
         if device is None or device.type == "cpu":
             return _PLAIN
-        kind = device.type
+        kind = _math_kind(device.type)
         dtype = autocast_dtype(kind)
         facts = None if op is None else op_facts(op)
         reduced = _reduced_precision(kind, recurrent=facts is not None and facts.recurrent)
@@ -159,6 +159,19 @@ class DeviceMath:
 
 
 _PLAIN = DeviceMath()
+
+
+def _math_kind(kind: str) -> str:
+    """The device type whose math a call's device follows. A device layer may show a vendor's device as ``cuda``
+    (ditorch does by default, ``DITORCH_SHOW_DEVICE_AS_CUDA``): on a torch built without CUDA no tensor is CUDA's, and
+    a ``cuda`` one is the PrivateUse1 backend's, whose module declares its math (read as CUDA's, a sim or NPU
+    convolution was judged by cuDNN's TF32 switch, on by default: a fault of 1e-3 passed)."""
+    if kind == "cuda" and not torch.backends.cuda.is_built() and "device" in vars(torch.Tensor):  # Tensor.device
+        # replaced (the C getter is TensorBase's): a device layer shows a device as another
+        backend = torch._C._get_privateuse1_backend_name()
+        if backend != "privateuseone":
+            return backend
+    return kind
 
 
 def _reduced_precision(kind: str, recurrent: bool = False) -> tuple[tuple[str, str], ...]:

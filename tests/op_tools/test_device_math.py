@@ -140,3 +140,38 @@ def test_a_fused_attention_kernel_passes_forward_and_backward(sim):
             ditorch.sim.faults("_scaled_dot_product_fused_attention_overrideable:noise=1e-3"):
         zoo.llama_float32(sim)
     assert tool.failures[0]["op"] == "torch.nn.functional.scaled_dot_product_attention"
+
+
+SHOWN_AS_CUDA = """
+import torch, ditorch, ditorch.sim, op_tools
+import torch.nn.functional as F
+assert torch.ones(1, device="cuda").device.type == "cuda"  # DITORCH_SHOW_DEVICE_AS_CUDA's default: sim shows cuda
+torch.manual_seed(0)
+conv, x = torch.nn.Conv2d(16, 16, 3, padding=1).cuda(), torch.randn(2, 16, 8, 8, device="cuda")
+with ditorch.sim.faults("convolution:noise=1e-3"), op_tools.OpAutoCompare(backward=False) as compare:
+    conv(x)  # sim's convolutions are full float32 (torch.sim.conv.allow_tf32 off), whatever cuDNN's switch says
+print("RESULT conv", compare.verdict(), torch.backends.cudnn.allow_tf32)
+image = torch.randn(2, 3, 8, 8, device="cuda", dtype=torch.bfloat16)
+theta = torch.tensor([[[0.9, 0.1, 0.05], [-0.1, 0.8, 0.0]]], device="cuda", dtype=torch.bfloat16).repeat(2, 1, 1)
+grid = F.affine_grid(theta, (2, 3, 6, 6), align_corners=False)
+with op_tools.OpAutoCompare(backward=False) as compare:
+    F.grid_sample(image, grid, align_corners=False)  # sim's kernel, the CPU's: adds in bfloat16 (narrow_accumulation)
+print("RESULT grid_sample", compare.verdict())
+"""
+
+
+def test_a_device_shown_as_cuda_is_judged_by_its_own_declared_math_not_cudas(tmp_path):
+    # ditorch shows the vendor's device as cuda by default; on a torch without CUDA it is PrivateUse1's, whose module
+    # declares its math: read as CUDA's, a 1e-3 fault in a float32 convolution passed as TF32 rounding, and a
+    # bfloat16 grid_sample summing in bfloat16 (as sim declares) was failed
+    import subprocess
+    import sys
+
+    from subprocess_env import child_env
+
+    result = subprocess.run([sys.executable, "-c", SHOWN_AS_CUDA], capture_output=True, text=True, cwd=tmp_path,
+                            env=child_env({"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1"}, drop=("OP_",)),
+                            timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    results = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    assert results == ["RESULT conv found True", "RESULT grid_sample clean"], result.stdout[-2000:]
