@@ -333,6 +333,7 @@ class OpTool:
         self._activations: list = []  # per start(): its _ToolMode, or its Targeting (a LIST of plain names)
         self._threads: list[int] = []  # per start(): the thread it started on
         self._decisions: dict[str, bool] = {}
+        self._refused: set[str] = set()  # names the LIST selects that the tool does not handle (``accepts``)
         self._skipped: set = set()  # functions whose name this tool skips: the mode's fast path
         self._lock = threading.Lock()
         self._open_backwards: set = set()  # CallBackward trackers whose hooks started and did not finish
@@ -464,6 +465,7 @@ class OpTool:
             raise RuntimeError(f"{type(self).__name__} is already started on this thread: stop() it before starting "
                                "it again (one `with tool:` around the code, or tool.start() ... tool.stop())")
         self._decisions = {}
+        self._refused = set()
         self._skipped = set()
         self._paused_until, self.paused_calls = 0.0, 0
         self.settled, self.settled_skips = set(), 0
@@ -604,6 +606,10 @@ class OpTool:
         where the line is too long, its clauses wrapped where its verdict is) and, before it at INFO, the folder
         whole with the files a user opens (``Tally.listing``) where the tool named some or the closing line could
         not name the folder whole."""
+        if self.handled and self.filter is not None and self.filter.allow is not None and not self.default_list:
+            unmet = self._list_entries_unmet()  # said, not counted: the calls that ran were all handled
+            if unmet:
+                self._logger.warning(reporting.fit_line(f"{type(self).__name__}: {'; '.join(unmet)}"))
         line, folder = self.closing_line(), self.tally.folder()
         fitted = reporting.fit_path(line, folder)
         if self.tally.named or (folder and f" {folder}" not in reporting.unwrapped(fitted)):
@@ -625,13 +631,32 @@ class OpTool:
         """What the tool found wrong ('' for nothing, or for a tool that judges nothing): overridden."""
         return ""
 
+    def _list_entries_unmet(self) -> list[str]:
+        """The user's LIST entries that no handled call matched (a typo, an op that never ran, a name the tool does
+        not handle): what the user asked for that did not happen. With no call handled at all, the verdict's
+        ``not_checked``; else a warning at ``stop()`` (a list of many ops, some of which this run never makes, is no
+        unchecked call)."""
+        assert self.filter is not None and self.filter.allow is not None
+        met = (*self.handled, *self.compiled, *self.transformed)
+        entries = [p for p in dict.fromkeys(self.filter.allow)
+                   if not any(p.pattern == n or p.fullmatch(n) for n in met)]
+        if not entries:
+            return []
+        refused = sorted(self._refused)
+        unmet = [p.pattern for p in entries if not any(p.pattern == n or p.fullmatch(n) for n in refused)]
+        parts = [f"{self.env_prefix}_LIST matched no call: {', '.join(unmet)}"] if unmet else []
+        if refused:
+            parts.append(f"{self.env_prefix}_LIST named calls {type(self).__name__} does not handle: "
+                         f"{', '.join(refused)}")
+        return parts
+
     def not_checked(self) -> str:
-        """'' when every handled call was checked; else what was not: calls a step of the tool failed on, a LIST
-        that matched no call, anything else a tool adds (``unchecked_parts``)."""
+        """'' when every handled call was checked; else what was not: calls a step of the tool failed on, the LIST's
+        entries that matched no handled call, anything else a tool adds (``unchecked_parts``)."""
         parts = []
         if not (self.handled or self.compiled or self.transformed):  # no call met (those met unchecked: below)
             if self.filter is not None and self.filter.allow is not None and not self.default_list:
-                parts.append(f"{self.env_prefix}_LIST matched no call")
+                parts.extend(self._list_entries_unmet() or [f"{self.env_prefix}_LIST matched no call"])
             elif self.default_list:  # its own list: the device's calls, if any ran, were none of its ops
                 parts.append("no call of the ops it checks ran on a device")
             else:  # nothing checked is no clean verdict (a device package not imported: all on the CPU)
@@ -874,7 +899,10 @@ class OpTool:
     def _decide(self, name: str) -> bool:
         decision = self._decisions.get(name)
         if decision is None:
-            decision = self._decisions[name] = self.filter.allows(name) and self.accepts(name)
+            allowed = self.filter.allows(name)
+            decision = self._decisions[name] = allowed and self.accepts(name)
+            if allowed and not decision and self.filter.allow is not None:  # a LIST entry naming it: said at the end
+                self._refused.add(name)
             if decision and name.startswith("torch.distributed."):
                 _say_unseen_collectives(self._logger)
             if self._logger.isEnabledFor(logging.DEBUG):  # announced once per process where shown

@@ -48,6 +48,27 @@ def test_a_list_that_matches_no_call_is_not_a_clean_verdict(tool, sim, caplog):
     assert running.verdict() == "unchecked"
 
 
+@pytest.mark.parametrize("tool", [op_tools.OpFallback, op_tools.OpDtypeCast])
+def test_each_list_entry_that_matched_no_handled_call_is_named(tool, sim, caplog):
+    # silu ran and was handled; gelu never ran; view ran, but neither tool reroutes a view (its values are its
+    # input's): each said at stop. The calls that ran were handled: a warning, not an unchecked verdict (a list of
+    # many ops names some a run never makes); a list that matched nothing at all is one (above).
+    caplog.set_level(logging.INFO, logger="op_tools")
+    x = torch.randn(8, device=sim)
+    with tool(ops=["torch.nn.functional.silu", "torch.nn.functional.gelu", "torch.Tensor.view"]) as running:
+        torch.nn.functional.silu(x).view(2, 4)
+    assert running.handled == {"torch.nn.functional.silu": 1}
+    said = [reporting.unwrapped(r.getMessage()) for r in caplog.records if r.levelno == logging.WARNING]
+    assert said == [f"{tool.__name__}: {tool.env_prefix}_LIST matched no call: torch.nn.functional.gelu; "
+                    f"{tool.env_prefix}_LIST named calls {tool.__name__} does not handle: torch.Tensor.view"]
+    with tool(ops=["torch.nn.functional.gelu", "torch.Tensor.view"]) as running:
+        x.view(2, 4)
+    assert running.not_checked() == (f"{tool.env_prefix}_LIST matched no call: torch.nn.functional.gelu; "
+                                     f"{tool.env_prefix}_LIST named calls {tool.__name__} does not handle: "
+                                     "torch.Tensor.view")
+    assert running.verdict() == "unchecked"
+
+
 def test_every_handled_call_is_compared_skipped_not_checked_or_raised(sim, caplog):
     caplog.set_level(logging.INFO, logger="op_tools")
     torch.manual_seed(0)
