@@ -127,6 +127,10 @@ def _mixes_devices(obj) -> bool:
     return cpu and device is not None
 
 
+# What PyTorch says where the CPU has no kernel of an op for a dtype (``"addmm_impl_cpu_" not implemented for 'Half'``)
+_NO_KERNEL = "not implemented for"
+
+
 @feature("fallback")
 class OpFallback(OpTool):
     """Run every handled op on the CPU (the list variables narrow it down); results come back on the device.
@@ -185,7 +189,8 @@ class OpFallback(OpTool):
                 return copies, args, kwargs, call.func(*args, **kwargs), {}
             except (RuntimeError, NotImplementedError) as error:
                 low = _low_precision_dtypes(call.args, call.kwargs)
-                if not low:
+                if not low or _NO_KERNEL not in str(error):  # a dtype error of the call's own (linear of float32
+                    # by float16) stays the user's: in float32 the call would run where the device refuses it
                     raise
                 # The CPU has no kernel for this dtype: compute in float32, hand back the original dtype.
                 copies = CpuCopies({dtype: torch.float32 for dtype in low})

@@ -324,3 +324,15 @@ def test_out_tensors_are_resized_as_without_the_tool(sim):
 
     plain = outputs_resized(sim, torch.float32, contextlib.nullcontext())
     assert plain == outputs_resized(sim, torch.float32, op_tools.OpFallback())
+
+
+def test_a_call_the_device_refuses_for_its_dtypes_raises_the_same_error_under_the_tool(sim):
+    # linear of a float32 input by a float16 weight: the CPU refuses it as the device does; the float32 retry, meant
+    # for a CPU without a float16 kernel, ran it and handed back a result where the user's run raised
+    x, w = torch.randn(2, 3, device=sim), torch.randn(4, 3, device=sim, dtype=torch.float16)
+    with pytest.raises(RuntimeError) as plain:
+        torch.nn.functional.linear(x, w)
+    with op_tools.OpFallback() as fallback, pytest.raises(RuntimeError) as tooled:
+        torch.nn.functional.linear(x, w)
+    assert str(tooled.value) == str(plain.value)
+    assert fallback.raised == {"torch.nn.functional.linear": 1}
