@@ -63,9 +63,14 @@ _wrapped: dict[str, _Wrapped] = {}
 
 
 def _wrapper(name: str, original):
+    # A collective inside a handled call is handled too: the modes are entered for it there as well
+    # (gradient_communication.py), where ``backward()``, which a tool handles, all-reduces DDP's buckets
+    anywhere = name.startswith(_EVERY_THREAD)
+
     def targeted(*args, **kwargs):
         tools = getattr(_local, "tools", _NO_TOOLS).get(name) or _every_thread.get(name)
-        if not tools or getattr(_local, "busy", False):
+        busy = getattr(_local, "busy", False)
+        if not tools or busy and not anywhere:
             return original(*args, **kwargs)
         _local.busy = True  # what a mode does by stepping aside while it runs a call: nested calls are not seen
         try:
@@ -74,7 +79,7 @@ def _wrapper(name: str, original):
                 func = _through(tool, func, name)
             return tools[-1].handle(func, args, kwargs, name=name)
         finally:
-            _local.busy = False
+            _local.busy = busy
 
     functools.update_wrapper(targeted, original)
     name_as(targeted, name)  # a mode (another tool) seeing the wrapper names it as the function

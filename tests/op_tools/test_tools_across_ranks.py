@@ -59,6 +59,15 @@ def test_self_check_names_noisy_matmuls_on_the_one_faulty_rank_of_a_ddp_step(rep
     assert noise[1]["first"][0] == "torch.nn.functional.linear" and noise[1]["first"][2:] == [1, 0], noise
 
 
+@pytest.mark.parametrize("tool", ["OpAutoCompare", "OpSelfCheck"])
+def test_a_ddp_hooks_all_reduce_waited_for_through_its_future_is_checked_and_a_flip_found_on_its_rank(reports, tool):
+    # fp16_compress_hook takes each bucket's all-reduce's future: before, said not checked on both ranks (and
+    # OpSelfCheck never saw DDP's buckets, all-reduced on autograd's thread)
+    hooked = [report["ddp"][f"{tool} fp16 hook"] for report in reports]
+    assert [h["found"] for h in hooked] == [[], ["torch.distributed.all_reduce"]], hooked
+    assert all(h["not_checked"] == "" and h["all_reduces"] >= 1 for h in hooked), hooked
+
+
 def test_self_check_checks_a_tensor_parallel_mlps_products_on_each_ranks_local_part(reports):
     # the column-parallel up projection's local product is a product; the row-parallel down projection's local
     # result is a Partial sum holding half the replicated bias

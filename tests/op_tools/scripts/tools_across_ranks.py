@@ -121,6 +121,21 @@ def main() -> None:
     report["ddp"]["OpSelfCheck noise"] = {"verdict": check.verdict(), "findings": len(check.findings),
                                           "first": None if first is None else [first.op, first.module, first.rank,
                                                                                first.step]}
+    # DDP with a communication hook of its own (fp16 compression): each bucket's all-reduce is waited for through its
+    # future, followed, and checked on what arrived before the optimizer's step; noise on rank 1 found there
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    torch.manual_seed(0)
+    compressed = torch.nn.parallel.DistributedDataParallel(tiny_models.tiny_llama().cuda(), device_ids=[local_rank])
+    compressed.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    compressed_optimizer = torch.optim.SGD(compressed.parameters(), lr=0.1)
+    for name in ("OpAutoCompare", "OpSelfCheck"):
+        with ditorch.sim.faults("allreduce:noise=1e-1,rank=1"), \
+                getattr(op_tools, name)(results_dir=os.path.join(out, "results_fp16_hook")) as tool:
+            ddp_step(compressed, compressed_optimizer, generator)
+        found = [f["op"] for f in tool.failures] if name == "OpAutoCompare" else [f.op for f in tool.findings]
+        report["ddp"][f"{name} fp16 hook"] = {"not_checked": tool.not_checked(), "found": sorted(set(found)),
+                                              "all_reduces": tool.handled["torch.distributed.all_reduce"]}
     for run in ("a", "b"):  # two identical recordings, the model built (fresh memory, initialisers) inside them
         # every parameter of SGD's foreach step recorded: past 16 its outputs would be not compared (exit 4)
         with op_tools.OpCapture(results_dir=os.path.join(out, f"recording_{run}"), mode="stats", stats_max_tensors=64):
