@@ -116,6 +116,11 @@ class OpFacts:
     # The argument that is a norm's order (``norm``'s ``p``, ``vector_norm``'s ``ord``): a float there is no value the
     # op puts in its result, so its inf (the max norm) excuses no inf in it, as a fill value's would (OpOverflowCheck)
     order: Where | None = None
+    # Its result is one of several right answers, which a device's kernel may choose otherwise than the CPU's: tied
+    # elements' indices ("sort", "argsort", "topk", "index of value", "kth value"), vectors free up to a sign or a
+    # rotation ("eigenvectors", "singular vectors", "singular vectors (V)", "qr"). OpAutoCompare's reference takes
+    # the device's choice where it is valid (numerics/ambiguous_results.py).
+    ambiguous: str | None = None
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(OpFacts)}
@@ -233,7 +238,7 @@ def _checked(name: str, value: Any) -> Any:
             raise ValueError(f"register_op_facts(draws_when={value!r}): expected (probability, training) where each "
                              "is (position, keyword, default) and training may be None")
         return (_where(name, value[0], flag=True), None if value[1] is None else _where(name, value[1], flag=True))
-    if name in ("random_note", "lower_precision"):
+    if name in ("random_note", "lower_precision", "ambiguous"):
         if value is not None and not isinstance(value, str):
             raise ValueError(f"register_op_facts({name}={value!r}): expected a string or None")
         return value
@@ -424,3 +429,21 @@ for _name in (
       for side in ("", "r", "i")),
 ):
     register_op_facts(_name, rounded_once=True)
+
+# Results with more than one right answer (numerics/ambiguous_results.py): CUDA's sort and top-k order equal elements
+# otherwise than the CPU's, cuSOLVER's eigenvectors and singular vectors may have the other sign. A stable sort has one
+# answer (its ``stable`` flag says so); max, min, argmax and argmin promise the first of equal elements: exact.
+_AMBIGUOUS: dict[str, tuple[str, ...]] = {
+    "sort": ("sort",),
+    "argsort": ("argsort",),
+    "topk": ("topk",),
+    "index of value": ("mode", "median", "nanmedian"),
+    "kth value": ("kthvalue",),
+    "eigenvectors": ("eigh", "linalg_eigh", "_linalg_eigh"),
+    "singular vectors (V)": ("svd",),  # torch.svd: (U, S, V)
+    "singular vectors": ("torch.linalg.svd", "linalg_svd", "_linalg_svd"),  # (U, S, Vh)
+    "qr": ("qr", "linalg_qr"),
+}
+for _kind, _ambiguous_ops in _AMBIGUOUS.items():
+    for _name in _ambiguous_ops:
+        register_op_facts(_name, ambiguous=_kind)

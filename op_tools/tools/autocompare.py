@@ -67,6 +67,7 @@ from ..config.variables import (
 )
 from ..core.engine import OpCall, OpTool, RegionRun, feature, tool_work
 from ..numerics import collective_reference, device_rerun, fused_kernels, graph_reference
+from ..numerics.ambiguous_results import adopt_choices, adopted
 from ..numerics.attention import replayed_dropout_mask, with_dropout_mask
 from ..numerics.comparison import (
     COLUMNS,
@@ -882,6 +883,8 @@ class OpAutoCompare(OpTool):
         if isinstance(cpu_reference, Reference):
             if cpu_reference.note:  # the CPU ran it narrower than float64: nothing to hold the device's to
                 return
+            # another right answer (an eigenvector's other sign) is no disagreement: with the CPU's choices
+            device_values = adopted(call.name, cpu_reference, device_values)
             cpu_reference = cpu_reference.result
         tested = tested_dtype(state.signature[1]) if state.signature else None
         errors = [c.device_error for c in comparisons if math.isfinite(c.device_error)]
@@ -966,13 +969,17 @@ class OpAutoCompare(OpTool):
             raise RuntimeError(f"the CPU reference cannot run: {error}")
         if on_device:
             state.device_reference = reference  # a cross-check if the CPU judges the call
+        # a tie's index, an eigenvector's sign: the reference takes the device's choice where it is a right answer
+        choices = adopt_choices(call.name, device_cpu, reference)
         same_cache: list = []
 
         def same():
             if on_device:
                 raise NeedsHostError
             if not same_cache:
-                same_cache.append(run_same_dtype(func, state.cpu_args, state.cpu_kwargs, owned, math))
+                run = run_same_dtype(func, state.cpu_args, state.cpu_kwargs, owned, math)
+                adopt_choices(call.name, reference.result, run)
+                same_cache.append(run)
             return same_cache[0]
 
         def same_out():
@@ -1005,7 +1012,11 @@ class OpAutoCompare(OpTool):
                                       site=call.module_path,
                                       bounds=_forward_bounds(call.name, func, reference, device_args,
                                                              state.math is not None and state.math.float32_sums),
-                                      read={i: v for i, v in read.items() if i < outputs} if launched else None)
+                                      read={i: v for i, v in read.items() if i < outputs and i not in choices}
+                                      if launched else None)
+        for i, note in choices.items():
+            if i < len(comparisons):
+                comparisons[i].error_info = "; ".join(filter(None, (comparisons[i].error_info, note)))
         for k, (label, i, host) in enumerate(zip(state.extra_labels, state.extra, state.extra_cpu)):
             before_op = host_of[i]
             comparisons.append(compare_tensors(label, host, reference.mapped[id(before_op)],
@@ -1495,6 +1506,7 @@ class OpAutoCompare(OpTool):
                                          self._attempts_of(call.name), state.owned, state.grad_snaps)
         if reference is None:
             raise RuntimeError(f"the CPU reference cannot run: {error}")
+        adopt_choices(call.name, device_reference.result, reference)  # the choices the forward's reference took
         state.reference, state.device_reference = reference, device_reference
         with self._lock:
             self.reference_place["backward", reason] += 1
@@ -1534,6 +1546,8 @@ class OpAutoCompare(OpTool):
         run = run_same_dtype(state.func or call.func, state.cpu_args, state.cpu_kwargs, owned, math, state.grad_snaps)
         if run is None:
             return None
+        if state.reference is not None:  # the choices the reference took (a tie's index, an eigenvector's sign)
+            adopt_choices(call.name, state.reference.result, run)
         try:
             return reference_backward(_unique_tensors(run.result), run.leaves, upstream_cpu, math)
         except (RuntimeError, NotImplementedError, TypeError):
