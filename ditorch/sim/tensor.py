@@ -360,8 +360,8 @@ def _wrap_unstrided(data: torch.Tensor, index: int) -> SimTensor:
     if data.layout is not torch.sparse_coo:
         raise NotImplementedError(f"sim: tensors of layout {data.layout} are not supported on the sim device (the "
                                   "sparse COO layout is; convert with .to_sparse_coo())")
-    tensor = _make_wrapper_subclass(SimTensor, data.size(), dtype=data.dtype, device=_DEVICES[index],
-                                    layout=data.layout)
+    tensor = _make_wrapper_subclass(SimTensor, data.size(), strides=data.stride(), dtype=data.dtype,
+                                    device=_DEVICES[index], layout=data.layout)  # strides as the CPU's say: zeros
     tensor._data = data
     tensor._index = index
     tensor._storage_key = 0
@@ -371,6 +371,9 @@ def _wrap_unstrided(data: torch.Tensor, index: int) -> SimTensor:
 def _sync_metadata(tensor: SimTensor) -> None:
     """After an op changed a tensor's sizes in place (t_, resize_, out= resizing), mirror them."""
     data = tensor._data
+    if data.layout is not torch.strided:
+        _sync_unstrided(tensor, data)
+        return
     if (tensor.shape != data.shape or tensor.stride() != data.stride()
             or tensor.storage_offset() != data.storage_offset()):
         # The Meta kernel of set_ rewrites sizes/strides/offset of any TensorImpl, ours included.
@@ -378,6 +381,15 @@ def _sync_metadata(tensor: SimTensor) -> None:
         _set_metadata.redispatch(_META_KEYS, tensor, storage, data.storage_offset(), data.shape, data.stride())
         MEMORY.release(tensor.__dict__.get("_storage_key", 0))
         MEMORY.track(tensor, data, tensor._index)
+
+
+def _sync_unstrided(tensor: SimTensor, data: torch.Tensor) -> None:
+    """A sparse tensor written in place (a second backward's gradient accumulated into an ``Embedding(sparse=True)``'s,
+    ``sparse_resize_``): its values and indices are its CPU tensor's, changed with it; only its sizes are mirrored.
+    It has no strides nor storage of its own (``_wrap_unstrided``): none to compare, no memory to count again."""
+    if tensor.shape != data.shape or tensor.stride() != data.stride():
+        storage = torch.Tensor.untyped_storage(tensor)  # the wrapper's own, empty: the Meta kernel of set_ takes it
+        _set_metadata.redispatch(_META_KEYS, tensor, storage, 0, data.shape, data.stride())
 
 
 class _OpInfo:

@@ -319,6 +319,36 @@ def test_sparse_coo_tensors_compute_as_on_the_cpu(sim):
         dense.to(sim).to_sparse_csr()
 
 
+def _sparse_gradients_accumulated(device) -> tuple:
+    """Two backwards into an Embedding(sparse=True), SGD with momentum over three steps, then sparse tensors resized in
+    place: what each left, on the host."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4, sparse=True).to(device)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        for index in ([1, 2], [2, step]):  # the second backward adds its gradient to the first's, in place
+            emb(torch.tensor(index, device=device)).square().sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # a sparse gradient's zero_: no entries left
+    grad = emb.weight.grad
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0, 1, 1], [2, 0, 2]]), torch.tensor([3.0, 4.0, 5.0]), (2, 3))
+    resized = sparse.to(device).clone()  # on the CPU, to() hands back the tensor itself
+    resized.sparse_resize_((4, 5), 2, 0)
+    cleared = sparse.to(device).clone()
+    cleared.sparse_resize_and_clear_((3, 3), 2, 0)
+    return (emb.weight.detach().cpu(), grad.layout, grad._nnz(), tuple(resized.shape), resized.stride(),
+            resized.to_dense().cpu(), tuple(cleared.shape), cleared._nnz())
+
+
+def test_sparse_gradients_accumulate_and_sparse_tensors_resize_in_place_as_on_the_cpu(sim):
+    # A sparse tensor written in place (a second backward accumulating into an embedding's sparse gradient) had its
+    # metadata mirrored as a strided one's: its CPU tensor's storage read, which a sparse tensor has not (raised).
+    on_sim, on_cpu = _sparse_gradients_accumulated(sim), _sparse_gradients_accumulated("cpu")
+    assert torch.equal(on_sim[0], on_cpu[0])
+    assert on_sim[1:5] == on_cpu[1:5] and on_sim[1] == torch.sparse_coo
+    assert torch.equal(on_sim[5], on_cpu[5]) and on_sim[6:] == on_cpu[6:]
+
+
 def test_to_the_host_with_a_dtype_in_inference_mode_gives_a_host_tensor(sim):
     # Under inference mode Tensor.to reaches the device as itself (no autograd key decomposes it), its device given
     # positionally: sim wrapped the host result as a sim tensor, and .numpy() on it raised (OpAutoCompare's narrowing
