@@ -192,22 +192,27 @@ def _min_max(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t.amin(), t.amax()
 
 
-def _witnesses(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+def _witnesses(tensors: list[torch.Tensor], signed: list[bool] | None = None) -> tuple[list[torch.Tensor], list[int]]:
     """0-d tensors on the tensors' device, and how many of them belong to each tensor in turn, among which one is inf
     or nan exactly where the tensor holds one: its largest magnitude (one fused ``_foreach_norm`` for all on a
     device), or, for a large tensor in host memory (sim's) and every tensor on the CPU, its minimum and maximum
     (``aminmax``: vectorised and threaded there, 4x to 13x faster than the ``vector_norm(inf)`` the CPU runs per
-    tensor inside ``_foreach_norm``; on the CPU an op costs about a microsecond, where each of sim's costs tens)."""
+    tensor inside ``_foreach_norm``; on the CPU an op costs about a microsecond, where each of sim's costs tens).
+    ``signed``: for each tensor, whether its witnesses must tell its infs' signs (its minimum and maximum, then,
+    wherever it lies): the results of a call whose float argument is an inf of one sign (``PLACES_SCALARS``)."""
     if not _in_host_memory(tensors[0]):  # a device's own memory: one fused reduction for all
-        return _largest_magnitudes(tensors), [1] * len(tensors)
-    on_cpu = tensors[0].device.type == "cpu"
-    large = [on_cpu or t.numel() >= LARGE for t in tensors]
-    small = [t for t, is_large in zip(tensors, large) if not is_large]
+        if signed is None:
+            return _largest_magnitudes(tensors), [1] * len(tensors)
+        paired = list(signed)
+    else:
+        on_cpu = tensors[0].device.type == "cpu"
+        paired = [on_cpu or t.numel() >= LARGE or signed is not None and signed[k] for k, t in enumerate(tensors)]
+    small = [t for t, pair in zip(tensors, paired) if not pair]
     norms = iter(_largest_magnitudes(small) if small else [])
     witnesses: list[torch.Tensor] = []
     counts = []
-    for t, is_large in zip(tensors, large):
-        if is_large:
+    for t, pair in zip(tensors, paired):
+        if pair:
             witnesses.extend(_min_max(t))  # both propagate nan
             counts.append(2)
         else:
@@ -236,20 +241,44 @@ def _kinds_of(values: list[float], counts: list[int]) -> list[int]:
     return kinds
 
 
-def nonfinite_kinds(tensors: list[torch.Tensor]) -> list[int]:
-    """For each tensor, ``FINITE``, ``INF`` or ``NAN`` (it holds a nan), from its ``_witnesses``, computed on its
-    device and read back in one transfer per device (the host synchronisation)."""
-    kinds = [FINITE] * len(tensors)
+# The signs of the infs a tensor holds, as far as its witnesses tell (one largest magnitude tells no sign: both)
+POS_INF, NEG_INF = 1, 2
+BOTH_INF = POS_INF | NEG_INF
+
+
+def _signs_of(values: list[float], counts: list[int]) -> list[int]:
+    signs, start = [], 0
+    for count in counts:
+        if count == 2:  # minimum, maximum
+            signs.append((NEG_INF if values[start] == -_INF else 0) | (POS_INF if values[start + 1] == _INF else 0))
+        else:
+            signs.append(BOTH_INF if values[start] == _INF else 0)
+        start += count
+    return signs
+
+
+def nonfinite_values(tensors: list[torch.Tensor], signed: list[bool] | None = None) -> tuple[list[int], list[int]]:
+    """For each tensor, ``FINITE``, ``INF`` or ``NAN`` (it holds a nan), and the signs of its infs (``POS_INF``,
+    ``NEG_INF``; exact where ``signed`` asks, ``BOTH_INF`` for an inf of a sign not told), from its ``_witnesses``,
+    computed on its device and read back in one transfer per device (the host synchronisation)."""
+    kinds, signs = [FINITE] * len(tensors), [0] * len(tensors)
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         if _checked(t):
             by_device.setdefault(t.device, []).append(i)
     with torch.no_grad():  # no graph, hence no detach
         for indices in by_device.values():
-            witnesses, counts = _witnesses([tensors[i] for i in indices])
-            for i, kind in zip(indices, _kinds_of(torch.stack(witnesses).cpu().tolist(), counts)):
-                kinds[i] = kind
-    return kinds
+            witnesses, counts = _witnesses([tensors[i] for i in indices],
+                                           [signed[i] for i in indices] if signed is not None else None)
+            values = torch.stack(witnesses).cpu().tolist()
+            for i, kind, sign in zip(indices, _kinds_of(values, counts), _signs_of(values, counts)):
+                kinds[i], signs[i] = kind, sign
+    return kinds, signs
+
+
+def nonfinite_kinds(tensors: list[torch.Tensor]) -> list[int]:
+    """For each tensor, ``FINITE``, ``INF`` or ``NAN`` (``nonfinite_values``)."""
+    return nonfinite_values(tensors)[0]
 
 
 def nonfinite_flags(tensors: list[torch.Tensor]) -> list[bool]:
@@ -257,21 +286,52 @@ def nonfinite_flags(tensors: list[torch.Tensor]) -> list[bool]:
     return [kind != FINITE for kind in nonfinite_kinds(tensors)]
 
 
-def scalar_kind(args: tuple, kwargs: dict, order: tuple[int, str] | None = None) -> int:
-    """The worst of the Python float arguments (``masked_fill(mask, float("-inf"))``, ``clamp(min=-inf)``): an inf
-    such an argument puts in a result is not born there. Not a norm's ``order`` (``op_facts``' ``order``: position,
-    keyword), which puts no value in its result. Top-level arguments only: a per-call cost."""
-    kind = FINITE
+NAN_VALUE = 4  # beside POS_INF and NEG_INF: what a call's float arguments can put in its results
+
+
+def _scalar_bits(value: float) -> int:
+    return NAN_VALUE if value != value else POS_INF if value > 0 else NEG_INF
+
+
+# Ops whose float arguments land in their results as they are (a mask's fill value, a bound, a padding value): an
+# inf there explains infs of its own sign only, where an arithmetic op's (``x * -inf``, ``x - inf``) may come out as
+# either. Short names, in-place variants included.
+PLACES_SCALARS = frozenset({
+    "masked_fill", "index_fill", "fill", "full", "full_like", "new_full", "fill_diagonal", "where", "clamp", "clip",
+    "clamp_min", "clamp_max", "nan_to_num", "threshold", "hardtanh", "pad", "constant_pad_nd", "scatter",
+})
+
+
+def scalar_values(name: str, args: tuple, kwargs: dict, order: tuple[int, str] | None = None) -> int:
+    """What the call's Python float arguments can put in its results (``masked_fill(mask, float("-inf"))``,
+    ``clamp(min=-inf)``), as bits: ``NAN_VALUE`` for a nan, the inf's sign for an inf an op places as it is
+    (``PLACES_SCALARS``), both signs for one an arithmetic op combines; an inf/nan of those kinds is not born at the
+    call. Not a norm's ``order`` (``op_facts``' ``order``: position, keyword), which puts no value in its result.
+    Top-level arguments only: a per-call cost."""
+    bits = 0
     for value in args:
         if type(value) is float and not math.isfinite(value):
-            kind = max(kind, _kind(value))
+            bits |= _scalar_bits(value)
     for value in kwargs.values():
         if type(value) is float and not math.isfinite(value):
-            kind = max(kind, _kind(value))
-    if kind == FINITE or order is None:
-        return kind
-    return scalar_kind(tuple(v for i, v in enumerate(args) if i != order[0]),
-                       {k: v for k, v in kwargs.items() if k != order[1]})
+            bits |= _scalar_bits(value)
+    if not bits:
+        return bits
+    if order is not None:
+        return scalar_values(name, tuple(v for i, v in enumerate(args) if i != order[0]),
+                             {k: v for k, v in kwargs.items() if k != order[1]})
+    if bits & BOTH_INF and name.rpartition(".")[2].rstrip("_") not in PLACES_SCALARS:
+        bits |= BOTH_INF
+    return bits
+
+
+def _scalars_kind(bits: int) -> int:
+    return NAN if bits & NAN_VALUE else INF if bits else FINITE
+
+
+def _one_sign(bits: int) -> bool:
+    """Whether ``scalar_values`` bits explain infs of one sign only: the results' witnesses must then tell theirs."""
+    return bits & BOTH_INF in (POS_INF, NEG_INF)
 
 
 def born_here(source_kinds, result_kinds, scalars: int = FINITE) -> bool:
@@ -328,10 +388,10 @@ class _PendingCheck:
     """A call whose flags are on their way from the device: what judging it, and showing it, needs."""
 
     __slots__ = ("facts", "site", "names", "kept", "split", "results_first", "flags", "remaining", "table",
-                 "scalars", "taken")
+                 "scalars", "scalar_values", "signs", "taken")
 
     def __init__(self, call: OpCall, phase: str, named: list, split: int, results_first: bool,
-                 kept: KeptTensors | None = None, scalars: int = FINITE) -> None:
+                 kept: KeptTensors | None = None, scalars: int = 0) -> None:
         # What the report says of the call, taken now: its source line while its frames are on the stack (formatted
         # only for a call that overflows), name, id, module, step and time; not the call, whose arguments and result
         # would stay alive until the batch is read.
@@ -345,7 +405,11 @@ class _PendingCheck:
         self.names = tuple(name for name, _ in named)
         self.kept = kept  # the tensors, for the statistics of the call that overflows
         self.flags = bytearray(len(named))  # each tensor's kind (FINITE, INF, NAN)
-        self.scalars = scalars  # the worst of the call's float arguments
+        self.scalars = _scalars_kind(scalars)  # the worst of the call's float arguments
+        self.scalar_values = scalars  # what they can put in its results (``scalar_values``)
+        # the signs of the infs each tensor holds (POS_INF, NEG_INF), where a float argument's inf explains those of
+        # its own sign only (masked_fill(mask, -inf)): its results' witnesses then tell them; None elsewhere
+        self.signs = bytearray(len(named)) if _one_sign(scalars) else None
         self.remaining = 0  # device groups not yet read back
         self.table: list[dict] | None = None  # the statistics, where computed with the flags
         # (index, earlier check, its index, whether the tensor still holds what it held at the call): a tensor whose
@@ -367,6 +431,37 @@ class _PendingCheck:
 
     def source_indices(self) -> range:
         return range(self.split, len(self.names)) if self.results_first else range(self.split)
+
+    def signed(self, indices: list[int]) -> list[bool] | None:
+        """For each of ``indices``, whether its witnesses must tell its infs' signs (a result, where ``signs``)."""
+        if self.signs is None:
+            return None
+        sources = self.source_indices()
+        return [i not in sources for i in indices]
+
+    def arrived(self, indices, values: list[float], counts) -> None:
+        """The witnesses of tensors ``indices`` were read: their kinds, and their infs' signs where asked."""
+        for i, kind in zip(indices, _kinds_of(values, counts)):
+            self.flags[i] = kind
+        if self.signs is not None:
+            for i, sign in zip(indices, _signs_of(values, counts)):
+                self.signs[i] = sign
+
+    def explaining_scalars(self) -> int:
+        """``scalars`` where the call's float arguments can have made every inf/nan its results hold (a -inf fill
+        value the -inf of a masked_fill, not its +inf nor a nan), ``FINITE`` where they cannot: they explain nothing."""
+        if self.scalars == FINITE:
+            return FINITE
+        made, sources = 0, self.source_indices()
+        for i in range(len(self.names)):
+            if i in sources:
+                continue
+            kind = self.flags[i]
+            if kind == NAN:
+                made |= NAN_VALUE
+            elif kind == INF:  # a sign not told (a flag taken over): either
+                made |= (self.signs[i] or BOTH_INF) if self.signs is not None else BOTH_INF
+        return FINITE if made & ~self.scalar_values else self.scalars
 
     def take_over(self) -> None:
         for i, earlier, j, _ in self.taken:
@@ -653,8 +748,8 @@ class OpOverflowCheck(OpTool):
             rows = reporting.call_rows(call.name, call.args, call.kwargs, call.result)
             header = reporting.header(call.name, call.forward_id, call.location) + "\n" + \
                 reporting.call_table(call.name, rows)
-        self._check(call, inputs, outputs, "forward", header, scalars=scalar_kind(call.args, call.kwargs, facts.order),
-                    before=before)
+        self._check(call, inputs, outputs, "forward", header,
+                    scalars=scalar_values(call.name, call.args, call.kwargs, facts.order), before=before)
 
     def _check_collective(self, call: OpCall) -> None:
         """Born here when what arrived holds inf/nan and what this rank sent did not: received from another rank."""
@@ -765,18 +860,22 @@ class OpOverflowCheck(OpTool):
             raise OverflowDetectedError(str(pending))
 
     def _check(self, call: OpCall, sources: list, results: list, phase: str, table_header: str | None,
-               results_first: bool = False, scalars: int = FINITE, before: dict | None = None) -> None:
+               results_first: bool = False, scalars: int = 0, before: dict | None = None) -> None:
         """Flag ``sources`` and ``results`` (``(name, tensor)`` pairs): all statistics, read in one transfer, when
         ``table_header`` asks for the table; at once when an overflow must raise at its op; otherwise queued on
         the device and judged when its batch arrives (``_queue``). ``before``: the flags of the sources the op
-        wrote, taken before it ran (``_flags_before``)."""
+        wrote, taken before it ran (``_flags_before``); ``scalars``: what its float arguments can put in its results
+        (``scalar_values``)."""
         ordered = results + sources if results_first else sources + results
         split = len(results) if results_first else len(sources)
+        signs: list[int] = []
+        # an inf argument of one sign: the results' witnesses tell their infs' signs
+        signed = [(i < split) == results_first for i in range(len(ordered))] if _one_sign(scalars) else None
         if table_header is not None:
             rows = statistics_rows(ordered)
             self._logger.debug(table_header + "\n" + reporting.call_table(call.name, rows, STAT_COLUMNS))
-            flags = nonfinite_kinds([t for _, t in ordered]) if any(row["inf_or_nan"] for row in rows) else \
-                [FINITE] * len(rows)
+            flags, signs = nonfinite_values([t for _, t in ordered], signed) \
+                if any(row["inf_or_nan"] for row in rows) else ([FINITE] * len(rows), [])
         elif not any(_checked(t) for _, t in results):  # no floating result: nothing can overflow here
             return
         elif not self.raise_on_overflow:
@@ -785,7 +884,7 @@ class OpOverflowCheck(OpTool):
                         tensors, before)
             return
         else:
-            flags = nonfinite_kinds([t for _, t in ordered])
+            flags, signs = nonfinite_values([t for _, t in ordered], signed)
             rows = None
         if self._checks:  # judged in execution order: the calls in flight first
             self._judge(wait=True)
@@ -793,6 +892,8 @@ class OpOverflowCheck(OpTool):
             return
         check = _PendingCheck(call, phase, ordered, split, results_first, scalars=scalars)
         check.flags, check.table = bytearray(flags), rows
+        if check.signs is not None and signs:
+            check.signs[:] = bytes(signs)
         if before:
             for i in check.source_indices():
                 flag = before.get(id(ordered[i][1]))
@@ -834,14 +935,14 @@ class OpOverflowCheck(OpTool):
             with torch.no_grad():
                 for device in scanned.keys() | from_before.keys():
                     indices = scanned.get(device, [])
-                    witnesses, counts = _witnesses([tensors[i] for i in indices]) if indices else ([], [])
+                    witnesses, counts = _witnesses([tensors[i] for i in indices], check.signed(indices)) \
+                        if indices else ([], [])
                     for i, mine, count in from_before.get(device, ()):
                         indices.append(i)
                         witnesses.extend(mine)
                         counts.append(count)
                     if device.type == "cpu":  # host memory: nothing to wait for
-                        for i, kind in zip(indices, _kinds_of(torch.stack(witnesses).tolist(), counts)):
-                            check.flags[i] = kind
+                        check.arrived(indices, torch.stack(witnesses).tolist(), counts)
                     else:
                         check.remaining += 1
                         # tuples of numbers: the collector stops tracking them, where lists held until the batch is
@@ -860,8 +961,7 @@ class OpOverflowCheck(OpTool):
                 if indices is None:  # a GradScaler update's scales and found_inf flags (_ScalerEvent)
                     check.values = values
                 else:
-                    for i, kind in zip(indices, _kinds_of(values, counts)):
-                        check.flags[i] = kind
+                    check.arrived(indices, values, counts)
                 check.remaining -= 1
             complete = []
             while self._checks and self._checks[0].remaining == 0:
@@ -891,9 +991,10 @@ class OpOverflowCheck(OpTool):
                     del self._forward_kinds[next(iter(self._forward_kinds))]  # the oldest: its backward long done
                 self._forward_kinds[forward_id] = kind
         self._scalars_seen = max(self._scalars_seen, check.scalars)
-        if born_here([read], result_kinds, check.scalars) and not (check.taken and self._stale(check, saved)):
+        scalars = check.explaining_scalars()
+        if born_here([read], result_kinds, scalars) and not (check.taken and self._stale(check, saved)):
             if self._scaled or self._held is not None:  # GradScaler's iteration: its update() may acquit it
-                self._hold(check, phase, nan_from_finite=NAN in result_kinds and max(read, check.scalars) == FINITE)
+                self._hold(check, phase, nan_from_finite=NAN in result_kinds and max(read, scalars) == FINITE)
             else:
                 overflow = check.overflow
                 self._found(overflow, overflow.name, check.rows())
@@ -925,7 +1026,7 @@ class OpOverflowCheck(OpTool):
                 changed += 1
         self.stale_flags += changed
         sources, results = check.sources_and_results()
-        return changed > 0 and not born_here([saved, *sources], results, check.scalars)
+        return changed > 0 and not born_here([saved, *sources], results, check.explaining_scalars())
 
     # --- GradScaler's iterations: what their scaled gradients made waits for their update() ---
 

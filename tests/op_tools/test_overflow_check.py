@@ -303,6 +303,60 @@ def test_an_inf_a_scalar_argument_puts_there_is_not_born_there_and_the_nan_after
     assert (found.name, found.phase) == ("torch.nn.functional.gelu", "forward"), found
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("raise_on_overflow", ["0", "1"])
+@pytest.mark.parametrize("size,device_memory", [(8, False), (2**17, False), (8, True)])  # fused, aminmax, a GPU's
+def test_a_minus_inf_fill_value_explains_minus_inf_only_and_a_kernel_writing_plus_inf_is_named(
+        sim, monkeypatch, raise_on_overflow, size, device_memory, in_place):
+    # masked_fill(mask, -inf) that writes +inf (a faulty kernel) was excused by its -inf argument: the softmax after it
+    # was named. The results of a call whose float argument is an inf of one sign are read with their infs' signs.
+    import ditorch.sim
+    from op_tools.tools import overflow_check
+
+    monkeypatch.setenv("OP_OVERFLOW_CHECK_RAISE", raise_on_overflow)
+    overflow_check._host_memory.clear()
+    found = {}
+    with ditorch.sim.device_memory(device_memory):
+        for fault in ("", "masked_fill.*:inf"):
+            scores = torch.randn(size // 8 if size > 8 else 1, 8, 8).to(sim)
+            mask = torch.ones(8, 8, dtype=torch.bool).triu(1).to(sim)
+            with ditorch.sim.faults(fault), op_tools.OpOverflowCheck() as check:
+                try:
+                    # a causal mask: -inf above the diagonal
+                    masked = scores.masked_fill_(mask, float("-inf")) if in_place else \
+                        scores.masked_fill(mask, float("-inf"))
+                    torch.softmax(masked, dim=-1).sum()
+                except op_tools.OverflowDetectedError:
+                    assert check.raise_on_overflow
+            found[fault] = check.first_overflow
+    overflow_check._host_memory.clear()
+    assert found[""] is None, found[""]
+    assert found["masked_fill.*:inf"] is not None, found
+    name = "torch.Tensor.masked_fill_" if in_place else "torch.Tensor.masked_fill"
+    assert found["masked_fill.*:inf"].name == name, found["masked_fill.*:inf"]
+
+
+def test_an_inf_an_arithmetic_op_combines_may_come_out_of_either_sign(sim):
+    # x * -inf is +inf where x < 0, x - inf is -inf: put there by the argument, not born there; its sign proves nothing
+    x = torch.tensor([-1.0, 2.0]).to(sim)
+    with op_tools.OpOverflowCheck() as check:
+        assert bool((x * float("-inf")).isposinf().any()) and bool((x - float("inf")).isneginf().all())
+        torch.where(x > 0, x, float("inf"))
+    assert check.verdict() == "clean", check.found()
+
+
+def test_a_nan_argument_explains_a_nan_not_an_inf(sim):
+    import ditorch.sim
+
+    x = torch.randn(4).to(sim)
+    with op_tools.OpOverflowCheck() as check:
+        torch.full((4,), float("nan"), device=sim) + x
+    assert check.first_overflow is None
+    with ditorch.sim.faults("fill_:inf"), op_tools.OpOverflowCheck() as check:  # full fills
+        torch.full((4,), float("nan"), device=sim) + x
+    assert check.first_overflow is not None and check.first_overflow.name == "torch.full", check.found()
+
+
 def test_a_nan_born_from_infs_is_born_there(sim):
     x = torch.tensor([1.0, float("inf")]).to(sim)
     with op_tools.OpOverflowCheck() as check:
