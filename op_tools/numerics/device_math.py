@@ -361,6 +361,10 @@ def _kernel(op, key):
         if math.autocast_dtype is not None and not _state.inside_policy:
             table = _policy_table(math.policy)
             policy = table.get(qualified) or table.get(packet)
+            if policy is None and recurrent:  # a device's whole network is one autocast op (CUDA's _cudnn_rnn,
+                # sim's fused cells): its input, states and weights all in autocast's dtype, where the CPU's
+                # linears alone would leave the float32 states' sums in float32
+                policy = "lower_precision"
         used = getattr(_state, "used", None)
         if policy is not None:
             args, kwargs = _apply_policy(policy, math.autocast_dtype, op, args, kwargs)
@@ -371,7 +375,10 @@ def _kernel(op, key):
         products_rounded = bool(dict(math.reduced).get("matmul"))
         if unfused is not None and products_rounded:
             run = unfused
-        elif recurrent and products_rounded:
+        elif recurrent and (products_rounded or math.autocast_dtype is not None):
+            # the CPU's float32 network is oneDNN's, its products inside, where neither the rounding nor autocast
+            # reaches them: without it the CPU computes it on linears, which both reach (a clean bfloat16 LSTM's
+            # gradients were judged against float32 math, and failed)
             run = functools.partial(_without_onednn, op, keyset)
         else:
             run = functools.partial(op.redispatch, keyset)

@@ -175,3 +175,25 @@ def test_a_device_shown_as_cuda_is_judged_by_its_own_declared_math_not_cudas(tmp
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     results = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     assert results == ["RESULT conv found True", "RESULT grid_sample clean"], result.stdout[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_lstm_under_autocast_is_judged_as_the_devices_whole_network_in_autocasts_dtype(sim, dtype):
+    # the device runs the network as one autocast op (sim's fused cells, CUDA's _cudnn_rnn): its states too in
+    # autocast's dtype. The CPU's rerun ran its float32 oneDNN kernel, autocast reaching neither its products nor its
+    # states: a clean network failed forward (its dtype) and backward (float32 math)
+    import ditorch.sim
+
+    torch.manual_seed(0)
+    lstm, x = torch.nn.LSTM(16, 32, batch_first=True).to(sim), torch.randn(2, 5, 16, device=sim)
+
+    def compared(faults: str = ""):
+        with ditorch.sim.faults(faults), op_tools.OpAutoCompare() as compare, torch.autocast(sim, dtype=dtype):
+            out, _ = lstm(x)
+            out.float().square().mean().backward()
+        return compare
+
+    clean = compared()
+    assert clean.verdict() == "clean", clean.failures
+    faulty = compared("_thnn_fused_lstm_cell_backward_impl:noise=3e-2")
+    assert [(f["op"], f["phase"]) for f in faulty.failures] == [("torch.lstm", "backward")]
