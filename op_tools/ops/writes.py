@@ -36,6 +36,10 @@ class WriteSpec:
     hidden: tuple[tuple[int, str], ...] = ()  # (position, keyword) written when ``hidden_when`` holds
     hidden_when: tuple[int, str, bool] | None = None  # (position, keyword, default) of the flag enabling them
     unknown: bool = False                # not a torch operator: every tensor argument may be written
+    # Its device kernels write without moving version counters (no ADInplaceOrView kernel, not a composite: the
+    # foreach family, fused optimizers); what the CPU's own kernel moves (its slow path's per-tensor ``add_``) says
+    # nothing of the device's: ``version_moves``.
+    unversioned: bool = False
 
     @property
     def never(self) -> bool:
@@ -129,16 +133,43 @@ def call_writes(name: str) -> WriteSpec:
     if not positions and not lists and is_inplace_op(name) and short != "requires_grad_":
         positions = (0,)  # a torch function named as in-place with no aten schema of that name
     inplace = name.startswith(_FUNCTIONAL) and _takes_inplace(name)
-    return WriteSpec(positions, lists, keywords, inplace, **hidden_fields)
+    return WriteSpec(positions, lists, keywords, inplace, **hidden_fields, unversioned=_unversioned(short))
+
+
+def _aten_packet(short: str):
+    """``torch.ops.aten.<short>`` (as ``naming`` maps operators), or None where aten has no op of that name."""
+    try:
+        packet = getattr(torch.ops.aten, OPERATOR_ATEN_OPS.get(short, short))
+    except (AttributeError, RuntimeError):
+        return None
+    # not the namespace's own attributes (__repr__, __dir__)
+    return packet if isinstance(packet, torch._ops.OpOverloadPacket) else None
+
+
+def _unversioned(short: str) -> bool:
+    """Whether no overload of ``aten::<short>`` that the dispatcher knows has an ADInplaceOrView kernel (the one that
+    moves the version counters of what an op writes) or a CompositeImplicitAutograd one (a decomposition that runs the
+    same ops on every device): its device kernels' writes move no counter (CUDA's fused foreach kernels, sim's)."""
+    packet = _aten_packet(short)
+    if packet is None:
+        return False
+    known = False
+    for overload in packet.overloads():
+        qualified = packet._qualified_op_name + ("" if overload == "default" else f".{overload}")
+        try:
+            if any(torch._C._dispatch_has_kernel_for_dispatch_key(qualified, key)
+                   for key in ("ADInplaceOrView", "CompositeImplicitAutograd")):
+                return False
+        except RuntimeError:  # a TorchScript builtin (aten::add_.t on lists), not in the dispatcher
+            continue
+        known = True
+    return known
 
 
 def _schema_writes(short: str) -> tuple[tuple, tuple, tuple]:
     """Positions, list positions and keyword names that any overload of ``aten::<short>`` writes."""
-    try:
-        packet = getattr(torch.ops.aten, OPERATOR_ATEN_OPS.get(short, short))
-    except (AttributeError, RuntimeError):
-        return (), (), ()
-    if not isinstance(packet, torch._ops.OpOverloadPacket):  # the namespace's own attributes (__repr__, __dir__)
+    packet = _aten_packet(short)
+    if packet is None:
         return (), (), ()
     positions, lists, keywords = set(), set(), set()
     for overload in packet.overloads():
@@ -177,20 +208,34 @@ def carry_writes(pairs: list, writes: WriteSpec, args: tuple, kwargs: dict) -> N
     wider dtype): ``pairs`` of ``(original, stand-in, *stand_in_made(stand-in))``. Written: what ``writes`` declares
     for the call's original ``args``/``kwargs`` (in-place ops, ``out=``, BatchNorm's running statistics, which its
     kernel writes without moving the version counter), and any stand-in whose version counter moved; an inference
-    stand-in, with no counter, where declared, or wherever the call's writes are unknown."""
+    stand-in, with no counter, where declared, or wherever the call's writes are unknown. Each original's version
+    counter ends where the op itself leaves it (``version_moves``), not where the tool's ``copy_`` puts it."""
     declared = set() if writes.unknown else {id(t) for t in writes.written(args, kwargs)}
     for original, stand_in, version, made_by in pairs:
         moved = writes.unknown if version is None else stand_in._version != version
         if (moved or id(original) in declared) and original is not stand_in:
-            carry_write(original, stand_in, made_by)
+            carry_write(original, stand_in, made_by, version_moves(writes, stand_in, version))
 
 
-def carry_write(original: torch.Tensor, stand_in: torch.Tensor, made_by) -> None:
+def version_moves(writes: WriteSpec, stand_in: torch.Tensor, version: int | None) -> int | None:
+    """How far the call moves the version counter of the device tensor ``stand_in`` stood in for: as far as it moved
+    ``stand_in``'s (``version``: as made), since the CPU's dispatch moves it as the device's does (ADInplaceOrView,
+    or a composite's own in-place ops); 0 for an op whose device kernels write unversioned (``WriteSpec.unversioned``);
+    None where unknown (an inference stand-in keeps no counter)."""
+    if writes.unversioned:
+        return 0
+    return None if version is None else stand_in._version - version
+
+
+def carry_write(original: torch.Tensor, stand_in: torch.Tensor, made_by, moves: int | None = None) -> None:
     """Give ``original`` what a call wrote into ``stand_in``, made by autograd node ``made_by`` (``stand_in.grad_fn``
     then), and its shape where the call resized it (``out=``). Recorded by autograd only where the call's own write
     was (``stand_in``'s node moved on): written outside autograd (``torch.nn.init``'s functions, under ``no_grad``
     inside), a parameter takes the values as it would have on the device, where autograd refuses an in-place op on a
-    leaf that requires grad."""
+    leaf that requires grad. ``original``'s version counter then stands ``moves`` past where it was (the op's own
+    moves: ``copy_`` moved it once, BatchNorm's running statistics and ``_foreach_add_`` move it not at all), or
+    where ``copy_`` leaves it for None."""
+    after = None if moves is None or original.is_inference() else original._version + moves
     if original.shape != stand_in.shape:
         # an ``out=`` tensor the op resized: resized inside the op's kernel on the device, which moves its version
         # counter once, for the write (copy_ below); resize_ above ADInplaceOrView would move it again
@@ -198,3 +243,20 @@ def carry_write(original: torch.Tensor, stand_in: torch.Tensor, made_by) -> None
             original.resize_(stand_in.shape)
     with torch.set_grad_enabled(torch.is_grad_enabled() and stand_in.grad_fn is not made_by):
         original.copy_(stand_in)
+    if after is not None:
+        set_version(original, after)
+
+
+def carry_version(result: torch.Tensor, made_from: torch.Tensor, writes: WriteSpec) -> None:
+    """Give ``result``, the tool's copy of a call's output ``made_from`` (on the device, in the caller's dtype), the
+    version counter the op left on ``made_from`` (``stft``'s result: 2, from its own in-place steps): a fresh copy's
+    is 0. Not for an op whose device kernels write unversioned: the CPU's kernel is not theirs."""
+    if writes.unversioned or made_from.is_inference() or result.is_inference():
+        return
+    if made_from._version != result._version:
+        set_version(result, made_from._version)
+
+
+def set_version(t: torch.Tensor, version: int) -> None:
+    """Set ``t``'s version counter (shared with its views and base) to ``version``."""
+    torch._C._autograd._unsafe_set_version_counter((t,), (version,))

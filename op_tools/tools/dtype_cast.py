@@ -13,7 +13,7 @@ from ..core.engine import OpCall, OpTool, OpToolsAbortError, feature, tool_work
 from ..numerics.device_math import DeviceMath, emulated
 from ..ops.arguments import iter_items, iter_tensors, map_tensors, promoted_dtype
 from ..ops.op_facts import op_facts
-from ..ops.writes import call_writes, carry_writes, stand_in_made
+from ..ops.writes import call_writes, carry_version, carry_writes, stand_in_made
 from ..output import reporting
 
 
@@ -129,7 +129,8 @@ class OpDtypeCast(OpTool):
                      "config": self.config_text}
                     for (path, o), (_, w) in zip(_tensor_items(call.args, call.kwargs), _tensor_items(args, kwargs))
                     if o is not w]
-            carry_writes(pairs, call_writes(call.name), call.args, call.kwargs)  # the caller's tensors written
+            writes = call_writes(call.name)
+            carry_writes(pairs, writes, call.args, call.kwargs)  # the caller's tensors written
 
             raw_tensors = list(iter_tensors(result))
             wanted = expected if expected is not None and len(expected) == len(raw_tensors) else \
@@ -145,6 +146,9 @@ class OpDtypeCast(OpTool):
                                     "config": self.config_text})
             dtypes = iter(wanted)
             out = map_tensors(result, lambda t: _returned(originals, t, next(dtypes)))
+            for raw, final in zip(raw_tensors, iter_tensors(out)):
+                if final is not raw and id(raw) not in originals:
+                    carry_version(final, raw, writes)  # the version counter the op left on its result
             for (path, raw), (_, final) in zip(iter_items(reporting.as_tuple(result)),
                                                 iter_items(reporting.as_tuple(out))):
                 if isinstance(raw, torch.Tensor) and raw.dtype != final.dtype:

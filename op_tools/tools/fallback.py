@@ -11,7 +11,7 @@ from ..core.engine import OpCall, OpTool, feature, tool_work
 from ..numerics.device_math import DeviceMath, emulated
 from ..ops.arguments import UnsupportedInputError, iter_items, iter_tensors, map_tensors, promoted_dtype
 from ..ops.op_facts import op_facts
-from ..ops.writes import WriteSpec, call_writes, carry_writes, stand_in_made
+from ..ops.writes import WriteSpec, call_writes, carry_version, carry_writes, stand_in_made
 from ..output import reporting
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -20,10 +20,10 @@ _CPU = torch.device("cpu")
 
 class _Moved(torch.autograd.Function):
     """``t.to(device, dtype)``, whose backward hands the gradient back in ``t``'s device and dtype and in the
-    gradient's own layout. ``Tensor.to``'s backward converts it to ``t``'s layout as well, which PyTorch refuses for a
-    sparse gradient: an ``Embedding(sparse=True)`` run on the CPU failed the user's ``backward()``. Written with
-    ``setup_context`` and a generated vmap rule, so that calls inside ``torch.func`` transforms (``vmap``, ``grad``)
-    run through it as well."""
+    gradient's own layout and strides (``_keeping_strides``). ``Tensor.to``'s backward converts it to ``t``'s layout
+    as well, which PyTorch refuses for a sparse gradient: an ``Embedding(sparse=True)`` run on the CPU failed the
+    user's ``backward()``. Written with ``setup_context`` and a generated vmap rule, so that calls inside
+    ``torch.func`` transforms (``vmap``, ``grad``) run through it as well."""
 
     generate_vmap_rule = True
 
@@ -38,7 +38,19 @@ class _Moved(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         device, dtype = ctx.back
-        return grad.to(device=device, dtype=dtype), None, None
+        return _keeping_strides(grad, device, dtype), None, None
+
+
+def _keeping_strides(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(device, dtype)`` with ``t``'s strides, stride 0 included: ``Tensor.to`` keeps those of a dense tensor
+    but makes an expanded one (``sum()``'s gradient) contiguous, and a backward kernel given the contiguous gradient
+    rounds otherwise than the one the device's (or a CPU run's) backward is given. The expanded dims move as one
+    element each and are expanded again."""
+    if t.layout != torch.strided or 0 not in t.stride():
+        return t.to(device=device, dtype=dtype)
+    one_each = [1 if stride == 0 else size for size, stride in zip(t.shape, t.stride())]
+    moved = t.as_strided(one_each, t.stride(), t.storage_offset()).to(device=device, dtype=dtype)
+    return moved.expand(t.shape)
 
 
 def _moved(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -76,7 +88,7 @@ class CpuCopies:
         """Device tensors whose CPU copy the call wrote get the new values (``writes.carry_writes``)."""
         carry_writes(self.pairs, writes, args, kwargs)
 
-    def to_device(self, obj, device: torch.device, dtype_back: dict):
+    def to_device(self, obj, device: torch.device, dtype_back: dict, writes: WriteSpec):
         originals = {id(cpu): device_tensor for device_tensor, cpu, _, _ in self.pairs}
 
         def back(t: torch.Tensor) -> torch.Tensor:
@@ -84,8 +96,11 @@ class CpuCopies:
             if original is not None:  # the op returned an argument (in-place, out=): the caller's tensor
                 return original
             if t.is_leaf and t.requires_grad:  # made by the op (``torch.ones(..., requires_grad=True)``): a leaf
-                return t.detach().to(device=device, dtype=dtype_back.get(t.dtype, t.dtype)).requires_grad_()
-            return _moved(t, device, dtype_back.get(t.dtype, t.dtype))
+                moved = t.detach().to(device=device, dtype=dtype_back.get(t.dtype, t.dtype)).requires_grad_()
+            else:
+                moved = _moved(t, device, dtype_back.get(t.dtype, t.dtype))
+            carry_version(moved, t, writes)  # the version counter the op left on its result (stft's: 2)
+            return moved
 
         return map_tensors(obj, back)
 
@@ -175,8 +190,9 @@ class OpFallback(OpTool):
             # checkpoint's recomputation stops by raising): the device decides whether the error is the user's
             return self._run_on_device(call, error)
         with tool_work():
-            copies.write_back(call_writes(call.name), call.args, call.kwargs)
-            result = copies.to_device(cpu_result, call.device, dtype_back)
+            writes = call_writes(call.name)
+            copies.write_back(writes, call.args, call.kwargs)
+            result = copies.to_device(cpu_result, call.device, dtype_back, writes)
             call.state.update(cpu_args=args, cpu_kwargs=kwargs, cpu_result=cpu_result)
             return result
 

@@ -248,3 +248,28 @@ def test_bincount_returns_the_dtype_it_returns_without_the_tool(sim):
         assert tooled.dtype == method.dtype == plain.dtype
         # float16's sums stay float64's (no float32 between); float32's are summed in float64
         assert torch.equal(tooled, plain) if dtype != torch.float32 else torch.allclose(tooled, plain)
+
+
+def test_version_counters_end_as_the_op_leaves_them(sim):
+    # The cast copy's values go back with copy_, which moves the counter once: a foreach op, BatchNorm's running
+    # statistics and a foreach optimizer's step move it not at all on the device, stft's result twice.
+    import contextlib
+
+    def versions(tool):
+        torch.manual_seed(0)
+        linear, norm = torch.nn.Linear(3, 3).to(sim), torch.nn.BatchNorm1d(3).to(sim)
+        optimizer = torch.optim.SGD(linear.parameters(), lr=0.1, foreach=True)
+        ys, zs = [torch.randn(3, device=sim) for _ in range(2)], [torch.randn(3, device=sim) for _ in range(2)]
+        x = torch.randn(3, device=sim)
+        with tool:
+            torch._foreach_add_(ys, zs)
+            norm(linear(torch.randn(4, 3, device=sim))).sum().backward()
+            optimizer.step()
+            x.mul_(2)
+            spectrum = torch.stft(torch.randn(16, device=sim), 8, window=torch.hann_window(8, device=sim),
+                                  return_complex=True)
+        return [t._version for t in (ys[0], norm.running_mean, linear.weight, x, spectrum)]
+
+    plain = versions(contextlib.nullcontext())
+    assert plain == [0, 0, 0, 1, 2]
+    assert versions(op_tools.OpDtypeCast(casts={torch.float32: torch.float64})) == plain

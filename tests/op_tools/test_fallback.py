@@ -336,3 +336,57 @@ def test_a_call_the_device_refuses_for_its_dtypes_raises_the_same_error_under_th
         torch.nn.functional.linear(x, w)
     assert str(tooled.value) == str(plain.value)
     assert fallback.raised == {"torch.nn.functional.linear": 1}
+
+
+def versions_after_steps(device, tool):
+    """The version counters a short training step leaves: writes that move them (add_, out=, index_put_, stft's own
+    steps on its result) and writes that do not (foreach ops, BatchNorm's running statistics, foreach optimizers)."""
+    torch.manual_seed(0)
+    linear, norm = torch.nn.Linear(3, 3).to(device), torch.nn.BatchNorm1d(3).to(device)
+    sgd = torch.optim.SGD([linear.weight], lr=0.1, foreach=True)
+    adamw = torch.optim.AdamW([linear.bias], lr=0.1, foreach=True)
+    ys, zs = [torch.randn(3, device=device) for _ in range(2)], [torch.randn(3, device=device) for _ in range(2)]
+    x, out = torch.randn(3, device=device), torch.empty(0, device=device)
+    with tool:
+        torch._foreach_add_(ys, zs)
+        for _ in range(2):
+            norm(linear(torch.randn(4, 3, device=device))).sum().backward()
+            sgd.step()
+            adamw.step()
+        x.add_(1)
+        torch.mul(x, 2, out=out)
+        x.index_put_((torch.tensor([0, 2], device=device),), torch.zeros(2, device=device))
+        spectrum = torch.stft(torch.randn(16, device=device), 8, window=torch.hann_window(8, device=device),
+                              return_complex=True)
+    tensors = {"ys": ys[0], "running_mean": norm.running_mean, "weight": linear.weight, "bias": linear.bias,
+               "exp_avg": adamw.state[linear.bias]["exp_avg"], "x": x, "out": out, "stft": spectrum}
+    return {name: t._version for name, t in tensors.items()}
+
+
+def test_version_counters_end_as_the_op_leaves_them(sim):
+    # The tool writes a CPU result back with copy_, which moves the counter once: a foreach op, BatchNorm's running
+    # statistics and a foreach optimizer's step move it not at all on the device, stft's result twice.
+    import contextlib
+
+    plain = versions_after_steps(sim, contextlib.nullcontext())
+    assert plain["ys"] == plain["running_mean"] == plain["weight"] == 0 and plain["x"] == 2 and plain["stft"] == 2
+    assert versions_after_steps(sim, op_tools.OpFallback()) == plain
+
+
+def test_gradients_through_the_cpu_equal_a_cpu_runs_bit_for_bit(sim):
+    # sum()'s gradient is an expanded (stride-0) tensor: moved between devices as a contiguous one, the CPU's
+    # backward kernels (mm's, BatchNorm's) rounded otherwise than in a CPU run.
+    def gradients(device):
+        torch.manual_seed(0)
+        x = torch.randn(4, 6).to(device).requires_grad_()
+        (x.t() @ x).sum().backward()
+        norm = torch.nn.BatchNorm1d(4).to(device)
+        inputs = torch.randn(8, 4).to(device).requires_grad_()
+        norm(inputs).sum().backward()
+        return [t.cpu() for t in (x.grad, inputs.grad, norm.weight.grad, norm.bias.grad)]
+
+    cpu = gradients("cpu")
+    with op_tools.OpFallback():
+        tooled = gradients(sim)
+    for name, expected, got in zip(("x", "inputs", "weight", "bias"), cpu, tooled):
+        assert torch.equal(got, expected), name
