@@ -41,7 +41,17 @@ from ..ops.naming import function_from_name
 from ..ops.op_facts import op_facts
 from ..ops.random_calls import random_reason
 from ..ops.writes import call_writes
-from ..output.capture_format import AUTOCAST_KEY, WRITTEN_KEY, KeptAsText, load_op_args, written_arguments
+from ..output.capture_format import (
+    AUTOCAST_KEY,
+    LAYOUTS_KEY,
+    STORAGE_OFFSETS_KEY,
+    WRITTEN_KEY,
+    KeptAsText,
+    layout_lost,
+    load_op_args,
+    storage_extent,
+    written_arguments,
+)
 
 ENTRY_FILES = ("input.pth", "output.pth", "grad_inputs.pth", "grad_outputs.pth")
 
@@ -284,6 +294,7 @@ def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: 
     if name.endswith(("__getitem__", "__setitem__")) and len(args) > 1:
         args = (args[0], decode_index(args[1]), *args[2:])
     _refuse_text_arguments(name, args, kwargs)
+    args, kwargs = _layout_read(name, args, kwargs, data)
     saved_output = _load_optional(os.path.join(entry.directory, "output.pth"))
     saved_grads = _load_optional(os.path.join(entry.directory, "grad_outputs.pth")) if options.backward else None
     upstream = tuple(saved_grads["args"]) if saved_grads else ()
@@ -350,7 +361,7 @@ def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: 
             result.notes.append("memory never written (torch.empty's): accuracy not checked")
             return
         with autocast():
-            math = DeviceMath.of(device)  # the replay device's declared math, under the captured autocast
+            math = DeviceMath.of(device, name)  # the replay device's declared math for this op, under its autocast
         _check(func, args, kwargs, upstream, inplace, first, saved_output, options, result, math)
         if result.status == "ok" and any(not c["ok"] for c in result.checks):
             result.status = "mismatch"
@@ -361,7 +372,7 @@ def _on_device(obj, device: torch.device):
     the CPU (``x.to("npu:0")``, ``ones_like(x, device=...)``) as ``device``: a capture made on another device, or
     machine, runs where the replay runs."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+        return _moved(obj, device) if layout_lost(obj) else obj.to(device)
     if isinstance(obj, torch.device):
         return obj if obj.type == "cpu" else device
     if isinstance(obj, str):  # "npu:0"; any other text ("mean") names no device
@@ -445,14 +456,70 @@ def _prepare(args, kwargs, with_grad: bool, inplace: bool):
 
     def fresh(t: torch.Tensor) -> torch.Tensor:
         if with_grad and t.requires_grad and (t.is_floating_point() or t.is_complex()):
-            leaf = t.detach().clone().requires_grad_(True)
+            leaf = _copy(t.detach()).requires_grad_(True)
             leaves.append(leaf)
-            return leaf.clone() if inplace else leaf
+            return leaf.clone() if inplace else leaf  # a leaf written in place: its copy is dense (autograd's)
         if t.requires_grad:  # forward only: no graph (an op without a derivative formula would refuse to run)
             t = t.detach()
-        return t.clone() if inplace else t
+        return _copy(t) if inplace else t
 
     return map_tensors(args, fresh), map_tensors(kwargs, fresh), leaves
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` lying in its storage as ``t`` does (``clone`` makes ``x[:, ::2]`` or an expanded tensor
+    dense)."""
+    return _moved(t, t.device) if layout_lost(t) else t.clone()
+
+
+def _moved(t: torch.Tensor, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A copy of ``t`` on ``device`` in ``dtype``, its storage from its start to ``t``'s last element copied, and
+    ``t``'s sizes, strides and offset on it: an op reading its memory (``as_strided``) reads what it did at capture."""
+    base = t.detach().as_strided((t.storage_offset() + storage_extent(t),), (1,), 0)
+    moved = base.to(device=device, dtype=dtype or t.dtype, copy=True).as_strided(t.shape, t.stride(),
+                                                                                 t.storage_offset())
+    return moved.requires_grad_() if t.requires_grad else moved
+
+
+# The ops that read their input's memory as it lies in storage, by their short name: the place of their ``size``
+# argument (``stride`` and ``storage_offset`` follow it).
+_LAYOUT_READERS = {"as_strided": 1, "as_strided_": 1, "as_strided_copy": 1, "as_strided_scatter": 2}
+
+
+def _layout_read(name: str, args: tuple, kwargs: dict, data: dict) -> tuple[tuple, dict]:
+    """The arguments of a call of an op reading its input's storage (``as_strided``), its explicit storage offset
+    moved to where the capture saved that storage; a ReplayError where the call reads memory the capture did not save,
+    or a capture made before layouts were kept (its tensors dense copies): rerun there, it reads other memory, and its
+    difference would read as the device's."""
+    parts = name.split(".")
+    short = parts[-2] if parts[0] == "aten" and len(parts) > 2 else parts[-1]  # aten.as_strided.default
+    first = _LAYOUT_READERS.get(short)
+    source = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    if first is None or not isinstance(source, torch.Tensor):
+        return args, kwargs
+    if not data.get(LAYOUTS_KEY):
+        raise ReplayError(f"not replayable: the input's layout was not captured: {name} reads its input's storage, "
+                          "which captures made before OpCapture kept layouts saved as a dense copy (its strides and "
+                          "storage offset lost): capture the call again")
+    names = ("size", "stride", "storage_offset")
+    values = [args[first + i] if len(args) > first + i else kwargs.get(key) for i, key in enumerate(names)]
+    size, stride, offset = values
+    if size is None or stride is None:  # a call torch refuses as it is: the op says so
+        return args, kwargs
+    captured = data.get(STORAGE_OFFSETS_KEY, {}).get(("args", 0) if args else ("kwargs", "input"), 0)
+    available = source.untyped_storage().nbytes() // source.element_size() - source.storage_offset()
+    start = captured if offset is None else int(offset)
+    extent = 1 + sum((int(n) - 1) * int(s) for n, s in zip(size, stride)) if all(int(n) for n in size) else 0
+    if extent and (start < captured or start + extent > captured + available):
+        raise ReplayError(f"not replayable: the input's layout was not captured: {name} reads storage elements "
+                          f"{start} to {start + extent - 1}, the capture saved {captured} to {captured + available - 1}"
+                          " (the span its input covers)")
+    if offset is None or int(offset) == captured == source.storage_offset():
+        return args, kwargs
+    moved = int(offset) - captured + source.storage_offset()  # where that element lies in the storage loaded
+    if len(args) > first + 2:
+        return (*args[:first + 2], moved, *args[first + 3:]), kwargs
+    return args, {**kwargs, "storage_offset": moved}
 
 
 def _upstream(roots: list, captured: tuple, result: ReplayResult) -> list:
@@ -589,7 +656,8 @@ def _cpu_run(func, name: str, args, kwargs, upstream, inplace, with_grad, cast: 
 
 def _to_cpu(t: torch.Tensor, cast: dict) -> torch.Tensor:
     """``t`` on the CPU, its dtype through ``cast``, a new tensor requiring grad where ``t`` did."""
-    cpu = t.detach().to(device="cpu", dtype=cast.get(t.dtype, t.dtype))
+    dtype = cast.get(t.dtype, t.dtype)
+    cpu = _moved(t, "cpu", dtype).detach() if layout_lost(t) else t.detach().to(device="cpu", dtype=dtype)
     return cpu.requires_grad_() if t.requires_grad else cpu
 
 

@@ -14,6 +14,12 @@ digest of their bytes, read after the copy to the host), so a tensor changed by 
 without bumping the version counter included, is never taken for its old value. Later files hold a reference
 ``{"op_tools_ref": <file relative to this one>, "path": [...]}`` that ``load_op_args`` resolves, so every file
 still loads on its own.
+
+A tensor whose layout a dense copy loses (gaps, ``x[:, ::2]``; overlaps, an expanded input; a storage offset,
+``x[1:]``) is saved as the span of storage it covers with its sizes, strides and storage offset
+(``{"op_tools_strided": <span>, "size", "stride", "storage_offset", "requires_grad"}``) and rebuilt on that span by
+``load_op_args``: an op reading its memory (``as_strided``) reads it as the call did. Every file records that it
+keeps layouts (``"layouts": 1``); one without the key was written before, and its tensors are dense copies.
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ ELLIPSIS_KEY = "op_tools_ellipsis"
 TEXT_KEY = "op_tools_text"  # an argument the format keeps only as its repr: loaded as a KeptAsText
 AUTOCAST_KEY = "autocast"
 WRITTEN_KEY = "written"  # in output.pth: the tensors the call wrote beyond what it returned, by argument path
+STRIDED_KEY = "op_tools_strided"  # a tensor saved as the storage span it covers, rebuilt with its layout
+LAYOUTS_KEY = "layouts"  # in every file written since tensors keep their layout: 1
+STORAGE_OFFSETS_KEY = "op_tools_storage_offsets"  # in what load_op_args returns: {("args", 0): offset at capture}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +83,8 @@ class TensorStore:
         fresh: list[tuple[tuple, list]] = []
         with torch.no_grad():
             encoded = self._encode(payload, [], path, fresh, {})
+        if isinstance(encoded, dict):
+            encoded[LAYOUTS_KEY] = 1
         size = result_files.save_torch(path, encoded)
         if self.tally is not None:
             self.tally.add(path, size)
@@ -86,7 +97,13 @@ class TensorStore:
                 while len(self._seen) > self.MAX_ENTRIES:  # forget the oldest: they are only stored again
                     del self._seen[next(iter(self._seen))]
 
-    def _encode(self, obj, where: list, path: str, fresh: list, copies: dict):
+    def _encode(self, obj, where: list, path: str, fresh: list, copies: dict, span: bool = False):
+        if isinstance(obj, torch.Tensor) and not span and not obj.is_meta and layout_lost(obj):
+            spans = copies.setdefault("spans", {})  # kept alive: ``copies`` knows tensors by id
+            covered = spans.setdefault(id(obj), storage_span(obj))  # the memory it covers, gaps and all
+            return {STRIDED_KEY: self._encode(covered, [*where, STRIDED_KEY], path, fresh, copies, span=True),
+                    "size": list(obj.shape), "stride": list(obj.stride()),
+                    "storage_offset": obj.storage_offset(), "requires_grad": obj.requires_grad}
         if isinstance(obj, torch.Tensor):
             known = copies.get(id(obj))
             if known is None and obj.is_meta:  # no values: saved as it is, and loaded back on meta
@@ -131,6 +148,46 @@ class TensorStore:
 
 
 _PLAIN: tuple[type, ...] = (bool, int, float, complex, str)
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill a block of memory once each, whatever their order (a copy keeps its strides)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def layout_lost(t: torch.Tensor) -> bool:
+    """Whether a copy of ``t`` to another device loses how it lies in its storage: gaps (``x[:, ::2]``), overlaps
+    (an expanded tensor), or a storage offset (``x[1:]``), which ``as_strided`` reads from."""
+    return (t.layout == torch.strided and t.numel() > 0 and not t.is_quantized
+            and (t.storage_offset() != 0 or not dense(t)))
+
+
+def storage_extent(t: torch.Tensor) -> int:
+    """How many elements of storage ``t`` spans from its storage offset on (its strides are never negative)."""
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) if t.numel() else 0
+
+
+def saved_bytes(t: torch.Tensor) -> int:
+    """The bytes ``TensorStore`` writes for ``t``: the span of storage it covers where its layout would be lost (an
+    expanded tensor's fewer, a view with gaps' more), else its own."""
+    return storage_extent(t) * t.element_size() if layout_lost(t) else t.nbytes
+
+
+def storage_span(t: torch.Tensor) -> torch.Tensor:
+    """The storage ``t`` covers, from its first element to its last, as a 1-d view (no copy): for a dense tensor, its
+    own elements; for ``x[:, ::2]``, the gaps between too; for an expanded tensor, the elements once."""
+    return t.detach().as_strided((storage_extent(t),), (1,), t.storage_offset())
+
+
+def with_layout(span: torch.Tensor, size, stride, requires_grad: bool = False) -> torch.Tensor:
+    """``span`` (a 1-d tensor) viewed as the tensor it was saved for; a leaf requiring grad where that did."""
+    rebuilt = span.detach().as_strided(tuple(size), tuple(stride), span.storage_offset())
+    return rebuilt.requires_grad_() if requires_grad else rebuilt
 
 
 def python_value(obj) -> bool | int | float | complex | str | None:
@@ -230,6 +287,7 @@ def load_op_args(path: str) -> dict:
     >>> torch.add(*data["args"], **data["kwargs"])
     """
     cache: dict[str, dict] = {}
+    offsets: dict[tuple, int] = {}  # a rebuilt tensor's storage offset at capture, by its place
 
     def load(file: str) -> dict:
         file = os.path.normpath(file)
@@ -238,8 +296,12 @@ def load_op_args(path: str) -> dict:
                 cache[file] = torch.load(file, weights_only=True, map_location="cpu")
         return cache[file]
 
-    def resolve(obj, file: str):
+    def resolve(obj, file: str, where: tuple = ()):
         if isinstance(obj, dict):
+            if STRIDED_KEY in obj:
+                offsets[where] = int(obj.get("storage_offset", 0))
+                return with_layout(resolve(obj[STRIDED_KEY], file), obj["size"], obj["stride"],
+                                   bool(obj.get("requires_grad")))
             if REF_KEY in obj:
                 target = os.path.join(os.path.dirname(file), obj[REF_KEY])
                 value = load(target)
@@ -256,14 +318,17 @@ def load_op_args(path: str) -> dict:
                 return Ellipsis
             if TEXT_KEY in obj:
                 return KeptAsText(obj[TEXT_KEY], obj.get("type", ""))
-            return {k: resolve(v, file) for k, v in obj.items()}
+            return {k: resolve(v, file, (*where, k)) for k, v in obj.items()}
         if isinstance(obj, list):
-            return [resolve(v, file) for v in obj]
+            return [resolve(v, file, (*where, i)) for i, v in enumerate(obj)]
         if isinstance(obj, tuple):
-            return tuple(resolve(v, file) for v in obj)
+            return tuple(resolve(v, file, (*where, i)) for i, v in enumerate(obj))
         return obj
 
-    return resolve(load(path), path)
+    data = resolve(load(path), path)
+    if offsets and isinstance(data, dict):
+        data[STORAGE_OFFSETS_KEY] = offsets
+    return data
 
 
 def autocast_state(device: torch.device | None) -> dict | None:

@@ -45,6 +45,7 @@ from ..output.capture_format import (  # noqa: F401 - re-exported: the format wa
     autocast_state,
     content_key,
     load_op_args,
+    saved_bytes,
     written_arguments,
 )
 from ..output.run_recording import RunRecorder
@@ -189,7 +190,7 @@ class OpCapture(OpTool):
         if limit is None:
             return False
         if not self.calls_not_saved:
-            planned = sum(t.nbytes for t in _tensors_of(call.args, call.kwargs))
+            planned = sum(saved_bytes(t) for t in _tensors_of(call.args, call.kwargs))
             if self.store.bytes_written + planned <= limit:
                 return False
             reporting.logger.warning(

@@ -257,3 +257,25 @@ def test_numpy_scalars_are_saved_as_the_python_numbers_they_equal(sim, tmp_path)
     assert sorted(values["torch.Tensor.mul"], key=str) == [0.10000000149011612, 2.0, True]  # float32's exact value
     assert values["torch.add"] == [3] and values["torch.sum"] == [1]
     assert all(type(v) in (bool, int, float) for vs in values.values() for v in vs)
+
+
+def test_an_input_with_gaps_overlaps_or_an_offset_is_saved_as_its_storage_span_and_loads_with_its_layout(sim, tmp_path):
+    # a device tensor was copied to the host dense: x[:, ::2]'s strides and an expanded input's stride 0 were lost,
+    # and an op reading its storage (as_strided) read other memory when replayed
+    x = torch.arange(24.0).reshape(4, 6).to(sim)
+    gaps, expanded, offset = x[:, ::2], x[0].expand(4, 6), x[1:]
+    with op_tools.OpCapture(results_dir=str(tmp_path), ops=["torch.sin"]):
+        for t in (gaps, expanded, offset):
+            torch.sin(t)
+    files = sorted(glob.glob(os.path.join(str(tmp_path), "**", "input.pth"), recursive=True))
+    loaded = {tuple(d["args"][0].stride()): d for d in map(op_tools.load_op_args, files)}
+    for t in (gaps, expanded, offset):
+        data = loaded[t.stride()]
+        kept = data["args"][0]
+        assert torch.equal(kept, t.cpu()) and kept.stride() == t.stride(), (kept.stride(), t.stride())
+        assert kept.as_strided((3,), (1,)).tolist() == t.as_strided((3,), (1,)).tolist()  # the storage as it was
+        assert data["op_tools_storage_offsets"] == {("args", 0): t.storage_offset()}
+    # the span, not the dense copy: the expanded input's 6 elements once, x[:, ::2]'s 23 with the gaps
+    raw = [torch.load(f, weights_only=True) for f in files]  # plain data for any loader
+    assert sorted(r["args"][0]["op_tools_strided"].numel() for r in raw) == [6, 18, 23]
+    assert all(r["layouts"] == 1 for r in raw)

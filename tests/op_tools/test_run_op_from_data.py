@@ -651,3 +651,54 @@ def test_a_file_naming_a_device_type_this_process_lacks_says_so_and_where_to_loa
         "load it where that backend is registered" in rows["unread"]["detail"], rows
     assert rows["torch.zeros_like"]["detail"].startswith("the call names device type 'sim', unknown in this process"), \
         rows
+
+
+def test_a_clean_bfloat16_autocast_lstm_replays_ok_and_a_fault_in_its_backward_is_still_found(tmp_path, sim):
+    # the same-dtype CPU run of torch.lstm ran oneDNN's float32 kernel, which the emulated autocast cannot reach: its
+    # gradients had float32's error (3.7e-07) as the yardstick, and a clean bfloat16 LSTM's replayed as a mismatch
+    import ditorch.sim
+    from op_tools.offline.replay import ReplayOptions, replay
+
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(8, 8, batch_first=True).to(sim)
+    x = torch.randn(2, 5, 8).to(sim)
+    with op_tools.OpCapture(results_dir=str(tmp_path), ops=[r"torch\.lstm"]):
+        with torch.autocast(sim, dtype=torch.bfloat16):
+            h, _ = lstm(x)
+        h.float().sum().backward()
+    (entry,) = find_entries(str(tmp_path))
+    clean = replay(entry, sim, ReplayOptions(acc_check=True))
+    assert clean.status == "ok" and [c["check"] for c in clean.checks if c["ok"]] == [
+        "output vs cpu float64", "grad vs cpu float64", "output vs captured output"], (clean.checks, clean.notes)
+    with ditorch.sim.faults("_thnn_fused_lstm_cell_backward_impl:noise=3e-2"):
+        faulty = replay(entry, sim, ReplayOptions(acc_check=True))
+    assert faulty.status == "mismatch" and [c["check"] for c in faulty.checks if not c["ok"]] == \
+        ["grad vs cpu float64"], faulty.checks
+
+
+def test_as_strided_on_a_view_with_gaps_replays_its_storage_and_what_was_not_captured_is_not_replayable(tmp_path, sim):
+    # x[:, ::2] was saved dense: its as_strided read other elements when replayed, a mismatch with no fault (exit 3)
+    from op_tools.offline.replay import ReplayOptions, replay
+
+    x = torch.arange(24.0).reshape(4, 6).to(sim)
+    y, tail = x[:, ::2], x[1:, ::2]
+    with op_tools.OpCapture(results_dir=str(tmp_path), ops=["torch.Tensor.as_strided"]):
+        y.as_strided((3,), (1,))           # x[0, 0:3]: a gap element among them
+        tail.as_strided((3,), (1,), 7)     # an explicit storage offset, inside tail's span (6 to 22)
+        x[0].expand(4, 6).as_strided((6,), (1,))
+        y.as_strided((3,), (1,), 21)       # x's last elements: past y's span (0 to 22), never saved
+    results = [replay(e, sim, ReplayOptions(acc_check=True)) for e in find_entries(str(tmp_path))]
+    assert [r.status for r in results] == ["ok", "ok", "ok", "error"], [(r.status, r.checks, r.error) for r in results]
+    assert all(c["ok"] for r in results[:3] for c in r.checks) and not results[3].op_raised
+    assert results[3].error == ("not replayable: the input's layout was not captured: torch.Tensor.as_strided reads "
+                                "storage elements 21 to 23, the capture saved 0 to 22 (the span its input covers)")
+
+    # a capture of before: its input a dense copy, which as_strided reads otherwise: not replayable, not a finding
+    old = tmp_path / "old"
+    _original_capture(old, "torch.Tensor.as_strided", (x[:, ::2].cpu().contiguous(), (3,), (1,)), {},
+                      torch.tensor([0.0, 1.0, 2.0]), 1)
+    assert main([str(old), "--device", sim, "--acc_check"]) == 4
+    (row,) = _summary(tmp_path)
+    assert row["status"] == "error" and row["detail"].startswith(
+        "not replayable: the input's layout was not captured: torch.Tensor.as_strided "
+        "reads its input's storage, which captures made before"), row
