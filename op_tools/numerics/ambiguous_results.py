@@ -73,6 +73,14 @@ def adopted(op_name: str, chosen, values):
     return run.result
 
 
+def with_choices(op_name: str, chosen, args, kwargs, result):
+    """``result`` of the op run on ``args``/``kwargs`` (a CPU rerun), with ``chosen``'s choices (the device's result)
+    where they are valid: what the offline replay compares against."""
+    run = _Run(args, kwargs, result)
+    adopt_choices(op_name, chosen, run)
+    return run.result
+
+
 class _Run:
     """Arguments with another result: what an adopter reads and replaces."""
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..numerics.ambiguous_results import with_choices
 from ..numerics.comparison import ToleranceSpec, compare_outputs
 from ..numerics.device_math import DeviceMath, emulated
 from ..numerics.device_timing import device_synchronizer
@@ -555,12 +556,12 @@ def _check(func, args, kwargs, upstream, inplace, first, saved_output, options, 
 
     def same_dtype():  # the CPU in the device's dtypes, computing as the device declared (as OpAutoCompare)
         with emulated(math or DeviceMath()):
-            return _cpu_run(func, result.name, args, kwargs, upstream, inplace, with_grad, {})
+            return _cpu_run(func, result.name, args, kwargs, upstream, inplace, with_grad, {}, output)
 
     reference, error = None, None
     for cast, note in attempts_for(DEFAULT_CAST):  # float64; float32 or the device's dtype where the CPU lacks it
         try:
-            reference = _cpu_run(func, result.name, args, kwargs, upstream, inplace, with_grad, cast)
+            reference = _cpu_run(func, result.name, args, kwargs, upstream, inplace, with_grad, cast, output)
         except Exception as e:  # noqa: BLE001 - the next cast, or the error reported below
             error = e
             continue
@@ -634,14 +635,17 @@ def _compared(value):
                        t.numel() < DEVICE_STATISTICS_MIN else t)
 
 
-def _cpu_run(func, name: str, args, kwargs, upstream, inplace, with_grad, cast: dict):
+def _cpu_run(func, name: str, args, kwargs, upstream, inplace, with_grad, cast: dict, chosen=None):
     """The op ``name`` on the CPU, its inputs' dtypes through ``cast``: (output, input grads, what it wrote beyond its
-    output, ``written_arguments``)."""
+    output, ``written_arguments``). ``chosen``: the device's output, whose choices among several right answers (a
+    tie's index, an eigenvector's sign) the CPU's takes where they are valid, before its backward."""
     # as OpAutoCompare's reference: the devices the call named moved to the CPU (``ones_like(x, device="npu")``'s
     # reference ran on the device, faults and all) and its dtype arguments cast as its tensors are
     convert = functools.partial(map_arguments, tensor_fn=lambda t: _to_cpu(t, cast), cast=cast)
     call_args, call_kwargs, leaves = _prepare(convert(args), convert(kwargs), with_grad, inplace)
     output = func(*call_args, **call_kwargs)
+    if chosen is not None:
+        output = with_choices(name, chosen, call_args, call_kwargs, output)
     written = written_arguments(name, call_args, call_kwargs, output)
     if not with_grad:
         return output, None, written

@@ -86,6 +86,26 @@ def test_the_gradient_of_a_sort_with_ties_in_another_order_goes_where_the_device
     assert tool.counts["backward passed"] >= 1
 
 
+def test_a_captured_sort_with_ties_in_another_order_replays_ok_and_a_wrong_index_mismatches(sim, kernels,
+                                                                                          tmp_path):
+    # the offline replay's float64 reference takes the device's valid choice too, forward and backward
+    from op_tools.offline.replay import ReplayOptions, find_entries, replay
+
+    kernels(aten.sort.default, _ties_reversed_sort)
+    x = _ties(sim).requires_grad_()
+    weights = torch.arange(16.0).to(sim)
+    with op_tools.OpCapture(results_dir=str(tmp_path / "capture")):
+        values, _ = torch.sort(x, dim=1)
+        (values * weights).sum().backward()
+    (entry,) = [e for e in find_entries(str(tmp_path / "capture")) if "sort" in e.label]
+    replayed = replay(entry, sim, ReplayOptions(acc_check=True, backward=True))
+    assert replayed.status == "ok", replayed.checks
+    assert [c["check"] for c in replayed.checks][:2] == ["output vs cpu float64", "grad vs cpu float64"]
+    kernels(aten.sort.default, lambda x, dim=-1, descending=False: (
+        lambda values, indices: (values, _swapped_ends(indices)))(*_ties_reversed_sort(x, dim, descending)))
+    assert replay(entry, sim, ReplayOptions(acc_check=True, backward=True)).status == "mismatch"
+
+
 def test_a_stable_sort_must_still_keep_equal_elements_in_order(sim, kernels):
     kernels(aten.sort.stable, lambda x, *, stable=None, dim=-1, descending=False:
             _ties_reversed_sort(x, dim, descending))
