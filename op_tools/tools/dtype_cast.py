@@ -12,6 +12,7 @@ from ..config.variables import DTYPE_CAST_DICT, narrows
 from ..core.engine import OpCall, OpTool, OpToolsAbortError, feature, tool_work
 from ..numerics.device_math import DeviceMath, emulated
 from ..ops.arguments import iter_items, iter_tensors, map_tensors, promoted_dtype
+from ..ops.moves import moved
 from ..ops.op_facts import op_facts
 from ..ops.writes import call_writes, carry_version, carry_writes, stand_in_made
 from ..output import reporting
@@ -104,7 +105,7 @@ class OpDtypeCast(OpTool):
                     if target is None or target == t.dtype:
                         return t
                     # differentiable: gradients reach the original (in their own layout where they are sparse)
-                    wide = made[id(t)] = _Widened.apply(t, target) if sparse and t.requires_grad else t.to(target)
+                    wide = made[id(t)] = moved(t, t.device, target) if sparse else t.to(target)
                     pairs.append((t, wide, *stand_in_made(wide)))
                     return wide
 
@@ -203,33 +204,8 @@ class NotCastError(RuntimeError):
     """A call the tool ran as written, its widened run having failed (the message says how)."""
 
 
-class _Widened(torch.autograd.Function):
-    """``t.to(dtype)``, whose backward hands the gradient back in ``t``'s dtype and in the gradient's own layout:
-    ``Tensor.to``'s backward converts it to ``t``'s layout as well, which PyTorch refuses for a sparse gradient (an
-    ``Embedding(sparse=True)``'s weight: the user's ``backward()`` raised). ``setup_context``, a generated vmap rule
-    and ``jvp``: calls inside ``torch.func`` transforms and under forward AD go through it as through ``Tensor.to``."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return t.to(dtype)
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
-        ctx.dtypes = (inputs[0].dtype, inputs[1])  # (back, forward)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad.to(ctx.dtypes[0]), None
-
-    @staticmethod
-    def jvp(ctx, tangent: torch.Tensor, _):
-        return tangent.to(ctx.dtypes[1])
-
-
 # The ops whose weight's gradient may be sparse: the position of their ``sparse`` argument (``nn.Embedding`` passes
-# it positionally). Only their tensors are widened through ``_Widened``, which costs 11-28 us a tensor against
+# it positionally). Only their tensors are widened through ``moved``, which costs 11-28 us a tensor against
 # ``Tensor.to``'s 5 us.
 _SPARSE_ARGUMENT = {"torch.nn.functional.embedding": 6, "torch.nn.functional.embedding_bag": 7}
 

@@ -10,54 +10,13 @@ import torch
 from ..core.engine import OpCall, OpTool, feature, tool_work
 from ..numerics.device_math import DeviceMath, emulated
 from ..ops.arguments import UnsupportedInputError, iter_items, iter_tensors, map_tensors, promoted_dtype
+from ..ops.moves import moved
 from ..ops.op_facts import op_facts
 from ..ops.writes import WriteSpec, call_writes, carry_version, carry_writes, stand_in_made
 from ..output import reporting
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 _CPU = torch.device("cpu")
-
-
-class _Moved(torch.autograd.Function):
-    """``t.to(device, dtype)``, whose backward hands the gradient back in ``t``'s device and dtype and in the
-    gradient's own layout and strides (``_keeping_strides``). ``Tensor.to``'s backward converts it to ``t``'s layout
-    as well, which PyTorch refuses for a sparse gradient: an ``Embedding(sparse=True)`` run on the CPU failed the
-    user's ``backward()``. Written with ``setup_context`` and a generated vmap rule, so that calls inside
-    ``torch.func`` transforms (``vmap``, ``grad``) run through it as well."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        return t.to(device=device, dtype=dtype, copy=True)
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
-        ctx.back = (inputs[0].device, inputs[0].dtype)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        device, dtype = ctx.back
-        return _keeping_strides(grad, device, dtype), None, None
-
-
-def _keeping_strides(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``t.to(device, dtype)`` with ``t``'s strides, stride 0 included: ``Tensor.to`` keeps those of a dense tensor
-    but makes an expanded one (``sum()``'s gradient) contiguous, and a backward kernel given the contiguous gradient
-    rounds otherwise than the one the device's (or a CPU run's) backward is given. The expanded dims move as one
-    element each and are expanded again."""
-    if t.layout != torch.strided or 0 not in t.stride():
-        return t.to(device=device, dtype=dtype)
-    one_each = [1 if stride == 0 else size for size, stride in zip(t.shape, t.stride())]
-    moved = t.as_strided(one_each, t.stride(), t.storage_offset()).to(device=device, dtype=dtype)
-    return moved.expand(t.shape)
-
-
-def _moved(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` on ``device`` in ``dtype``, differentiable (``_Moved``) where a gradient will flow."""
-    if t.requires_grad and torch.is_grad_enabled():
-        return _Moved.apply(t, device, dtype)
-    return t.to(device=device, dtype=dtype)
 
 
 class CpuCopies:
@@ -80,7 +39,7 @@ class CpuCopies:
             return t
         cpu = self._made.get(id(t))
         if cpu is None:
-            cpu = self._made[id(t)] = _moved(t, _CPU, self.cast.get(t.dtype, t.dtype))  # gradients flow back
+            cpu = self._made[id(t)] = moved(t, _CPU, self.cast.get(t.dtype, t.dtype))  # gradients flow back
             self.pairs.append((t, cpu, *stand_in_made(cpu)))
         return cpu
 
@@ -96,11 +55,11 @@ class CpuCopies:
             if original is not None:  # the op returned an argument (in-place, out=): the caller's tensor
                 return original
             if t.is_leaf and t.requires_grad:  # made by the op (``torch.ones(..., requires_grad=True)``): a leaf
-                moved = t.detach().to(device=device, dtype=dtype_back.get(t.dtype, t.dtype)).requires_grad_()
+                back_on = t.detach().to(device=device, dtype=dtype_back.get(t.dtype, t.dtype)).requires_grad_()
             else:
-                moved = _moved(t, device, dtype_back.get(t.dtype, t.dtype))
-            carry_version(moved, t, writes)  # the version counter the op left on its result (stft's: 2)
-            return moved
+                back_on = moved(t, device, dtype_back.get(t.dtype, t.dtype))
+            carry_version(back_on, t, writes)  # the version counter the op left on its result (stft's: 2)
+            return back_on
 
         return map_tensors(obj, back)
 
@@ -169,7 +128,7 @@ class OpFallback(OpTool):
 
     hook_name = "OpFallbackHook"
     env_prefix = "OP_FALLBACK"
-    handles_transformed = True  # functorch's tensors move to the CPU and back as any (``_Moved``)
+    handles_transformed = True  # functorch's tensors move to the CPU and back as any (``moved``)
     changes_saved_tensors = True  # the CPU's tensors
 
     def accepts(self, name: str) -> bool:
