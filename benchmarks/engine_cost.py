@@ -9,6 +9,11 @@ round of ``--steps`` steps with the tool started before the round and stopped af
     (c) the engine, forward: a tool whose ``after`` returns at once (no backward hooks)
     (d) the engine, forward and backward: the same with an ``after_backward`` that returns at once (a backward
         hook on every output's autograd node, as OpAutoCompare, OpOverflowCheck and the recording have)
+    (e) the bare mode of (b) putting a no-op Python post-hook on every output's node: PyTorch's own price of the
+        hooks (d) registers and runs, the rest of (d) over (c) being op_tools' own
+
+``--autograd-threads off`` runs every round with ``torch.autograd.set_multithreading_enabled(False)``: backward on
+the calling thread, not on autograd's thread per device (on a GPU: whether handing the hooks to that thread costs).
 
 The step is ``stay_on_cost.py``'s (a transformers Llama, forward, backward, AdamW, ``loss.item()``). On the CPU the
 tool handles CPU calls too (the tools leave them alone by default): a tiny model's CPU kernels take microseconds, as a
@@ -17,6 +22,7 @@ per step and the microseconds per handled call of (b), (c) and (d): their time o
 per step (the others are metadata queries and calls it skips, part of its cost).
 
     python benchmarks/engine_cost.py [--device cpu|sim|cuda] [--size tiny|real] [--rounds 5] [--steps 5]
+        [--autograd-threads on|off]
 """
 
 from __future__ import annotations
@@ -69,16 +75,31 @@ class PassThrough(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _no_op_hook(*grads) -> None:
+    return None
+
+
+class NodeHooks(TorchFunctionMode):
+    """A bare mode that hooks each output's node with a Python function doing nothing."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.grad_fn is not None:
+            out.grad_fn.register_hook(_no_op_hook)
+        return out
+
+
 CONDITIONS = {"no tool": None, "bare TorchFunctionMode": PassThrough, "engine, forward": OpEngineForward,
-              "engine, forward+backward": OpEngineBackward}
+              "engine, forward+backward": OpEngineBackward, "bare mode + node hooks": NodeHooks}
+_MODES = (PassThrough, NodeHooks)
 
 
 def run_round(step, tool: type | None, steps: int, results: str) -> tuple[float, float]:
     """The median wall seconds per step over ``steps`` steps under ``tool``, and the calls it handled per step."""
     gc.collect()
     gc.freeze()  # the survivors (imports, the model) are never scanned again: a collection costs the round's garbage
-    if tool is PassThrough:
-        with PassThrough():
+    if tool in _MODES:
+        with tool():
             return run_round(step, None, steps, results)[0], 0.0
     started = tool(results_dir=results).start() if tool else None
     times = []
@@ -101,7 +122,11 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="training steps per round")
+    parser.add_argument("--autograd-threads", choices=("on", "off"), default="on",
+                        help="off: backward on the calling thread (torch.autograd.set_multithreading_enabled)")
     args = parser.parse_args()
+    threads = contextlib.nullcontext() if args.autograd_threads == "on" else \
+        torch.autograd.set_multithreading_enabled(False)
     sizes = prepare("engine_cost", args)
     if sizes is None:
         return
@@ -110,7 +135,7 @@ def main() -> None:
     handled: dict[str, float] = {}
     names = list(CONDITIONS)
     try:
-        with contextlib.redirect_stdout(sys.stderr):
+        with contextlib.redirect_stdout(sys.stderr), threads:
             _, step = build_step(args.device, *sizes)
             for name in names:  # warm-up: AdamW's state, the allocator, the first calls' decisions
                 run_round(step, CONDITIONS[name], 1, results)
@@ -126,9 +151,10 @@ def main() -> None:
     for name in names:
         ms = statistics.median(times[name])
         print(f"{name:<28}{ms * 1e3:>10.2f}{ms / plain:>8.2f}{(ms - plain) / calls * 1e6:>10.1f}")
+    threads_said = "" if args.autograd_threads == "on" else " (autograd threads off)"
     for name in names[1:]:
         ms = statistics.median(times[name])
-        print(f"summary: engine_cost: {args.device} {args.size}: {name} {ms / plain:.2f}x the step, "
+        print(f"summary: engine_cost: {args.device} {args.size}{threads_said}: {name} {ms / plain:.2f}x the step, "
               f"{(ms - plain) / calls * 1e6:.1f} µs per handled call ({calls:.0f} a step)")
 
 

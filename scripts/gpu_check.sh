@@ -19,7 +19,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export DITORCH_QUIET=1
 STEP_TIMEOUT=${GPU_CHECK_STEP_TIMEOUT:-1800}
 STEPS="tests profiler launch launch-bf16 autocompare autocompare-per-call autocompare-bf16 autocompare-autocast monitor \
-engine stay-on profile"
+engine reductions stay-on profile"
 SELECTED=${GPU_CHECK_STEPS:-}
 for step in ${SELECTED//,/ }; do  # a misspelt step is named before anything runs, with or without a GPU
   case " $STEPS " in
@@ -111,6 +111,7 @@ run_step autocompare-autocast "same, bf16 autocast" "$PYTHON" benchmarks/autocom
   --autocast bfloat16
 run_step monitor "TrainingMonitor cost (target <= 1.05x)" "$PYTHON" benchmarks/training_monitor_cost.py --devices cuda --rounds 3
 run_step engine "the engine alone, real size" "$PYTHON" benchmarks/engine_cost.py --device cuda --size real --rounds 3
+run_step reductions "a call's device-side reduction, host µs" "$PYTHON" benchmarks/reduction_cost.py --device cuda
 run_step stay-on "tools meant to stay on (<= 1.05x, 1.5x, 1.5x, 1.02x)" "$PYTHON" benchmarks/stay_on_cost.py --device cuda --rounds 3
 run_step profile "where the stay-on tools' host time goes (cProfile, every thread's CPU time)" "$PYTHON" \
   benchmarks/stay_on_cost.py --device cuda --rounds 1 --steps 5 --profile "${GPU_CHECK_PROFILE_DIR:-$logs/profiles}"

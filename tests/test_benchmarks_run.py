@@ -40,6 +40,7 @@ SMALLEST = {
     "stay_on_cost.py": (["--size", "tiny", "--rounds", "1", "--steps", "1", "--tools", "OpCapture,TrainingMonitor"],
                         "summary: stay_on_cost: sim: OpCapture"),
     "engine_cost.py": (["--rounds", "1", "--steps", "1"], "summary: engine_cost: cpu tiny: engine, forward+backward"),
+    "reduction_cost.py": (["--calls", "2", "--device", "sim"], "summary: reduction_cost: sim: three vector_norm"),
     # the clean run and the first fault's (each run is a training of its own)
     "self_check_detection.py": (["--size", "tiny", "--steps", "2", "--late-steps", "3", "--faults", "2"],
                                 "summary: self_check_detection: tiny (clean): clean"),

@@ -41,7 +41,7 @@ def test_the_steps_asked_for_alone_are_run_and_a_misspelt_one_is_named_before_an
              if line.startswith("gpu_check: would run")]
     assert would == ["autocompare", "stay-on"], done.stdout  # in the script's order
     everything = _run(tmp_path, GPU_CHECK_DRY_RUN="1")
-    assert everything.stdout.count("gpu_check: would run") == 12, everything.stdout
+    assert everything.stdout.count("gpu_check: would run") == 13, everything.stdout
     wrong = _run(tmp_path, GPU_CHECK_STEPS="stay-on,stay_on")
     assert wrong.returncode == 2 and "unknown step 'stay_on'" in wrong.stdout and "stay-on" in wrong.stdout, \
         wrong.stdout
