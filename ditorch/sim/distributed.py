@@ -104,7 +104,7 @@ class SimProcessGroup(dist.ProcessGroup):
             if delay:  # a slow link: done that much later, whatever the call returned to its caller
                 work = _LateWork(work, delay)
             finish = _with_faults(finish, faults, tensors, dtypes)
-        finishing = adapters.FinishingWork(work, result, finish)
+        finishing = _SimWork(work, result, finish)
         with self._pending_lock:  # the unfinished ones only: a list as long as the collectives in flight
             self._pending = [w for w in self._pending if not w.is_completed()]
             self._pending.append(finishing)
@@ -281,6 +281,25 @@ def _with_faults(finish, faults, tensors: list, dtypes: set):
         fault_injection.TABLE.after(faults, dtypes, tensors)
 
     return finished
+
+
+class _SimWork(adapters.FinishingWork):
+    """A collective on sim. Its future, once taken, is complete: waited for on the thread that takes it, as an NCCL
+    collective's future is complete to the host once the collective is queued on its stream. So the program's
+    callbacks run on the program's thread, in ``then()``, as on a GPU. Completed on gloo's threads, they ran there,
+    and callbacks that wait for a collective of their own (PowerSGD's hook does, for each bucket) could hold both of
+    gloo's threads while the collectives they wait for queued behind them: a deadlock no GPU has. Sim runs every
+    kernel before returning, so a device's overlap of the collective with the program's work is not lost here."""
+
+    def get_future(self) -> torch.futures.Future:
+        done: torch.futures.Future = torch.futures.Future()
+        try:
+            self.wait()
+        except Exception as error:  # the library's error, at the future's wait() as on a GPU
+            done.set_exception(error)
+        else:
+            done.set_result(self._result)
+        return done
 
 
 class _LateWork:

@@ -33,10 +33,15 @@ def worst_excess(difference: torch.Tensor, allowed: torch.Tensor) -> torch.Tenso
     """The largest ``|difference| / allowed`` of an on-device check (OpSelfCheck's), a 0-d tensor in the check's type:
     inf where the difference is nan (a nan made from finite operands is a violation); ``NONFINITE_BOUND`` where any
     bound is inf or nan: the operands hold inf or nan (a diverged run's weights, a rank that sent nan), so the result
-    may too, rightly, and nothing can be judged. Inf and nan are OpOverflowCheck's to find."""
+    may too, rightly, and nothing can be judged. Inf and nan are OpOverflowCheck's to find. 0 where there is nothing
+    to judge (a collective of no elements, which PowerSGD's hook makes when it compresses every gradient)."""
+    if difference.numel() == 0:
+        return difference.new_zeros(())
     ratio = difference.abs() / allowed
     excess = torch.where(torch.isnan(ratio), torch.full_like(ratio, math.inf), ratio).amax()
     return torch.where(torch.isfinite(allowed).all(), excess, torch.full_like(excess, NONFINITE_BOUND))
+
+
 NARROW = frozenset(t for t in (torch.float16, torch.bfloat16, getattr(torch, "float8_e4m3fn", None),
                                getattr(torch, "float8_e5m2", None)) if t is not None)
 

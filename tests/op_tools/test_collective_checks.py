@@ -237,3 +237,15 @@ def test_a_collective_that_moves_tensors_unchecked_leaves_the_verdict_unchecked_
     with op_tools.OpAutoCompare(results_dir=str(tmp_path), collectives=False) as off:  # asked for: skipped
         dist.all_reduce(n, op=dist.ReduceOp.BAND)
     assert off.verdict() == "clean" and dict(off.skipped) == {"collective (OP_AUTOCOMPARE_COLLECTIVES=0)": 1}
+
+
+def test_a_collective_of_no_elements_passes_opselfchecks_sums_instead_of_failing_the_tool(sim, group, tmp_path):
+    # PowerSGD's hook all-reduces its uncompressed gradients in one flat tensor, empty where it compressed every one:
+    # the sums' largest excess was taken over no chunks ("amax(): Expected reduction dim"), a tool failure per call
+    import torch.distributed as dist
+
+    with op_tools.OpSelfCheck(results_dir=str(tmp_path)) as check:
+        dist.all_reduce(torch.empty(0, device=sim))
+        dist.all_reduce(torch.ones(4, device=sim))
+    assert check.verdict() == "clean", check.not_checked()
+    assert check.handled["torch.distributed.all_reduce"] == 2

@@ -4,7 +4,8 @@ tensor parallel (`parallelize_module`, Colwise/Rowwise), FSDP2 on a model built 
 by DTensor random ops (PyTorch's FSDP2 example), written for
 CUDA and run under torchrun (2 processes) by tests/ditorch/test_parallel_training.py on sim and on the host.
 On sim also: attention on DTensors sharded over heads (fsdp_tp_example.py's plan), with sim's math and chunked
-algorithms; last, FSDP2's example checkpoint save followed at once by destroy_process_group.
+algorithms, and DDP with PowerSGD's communication hook over several buckets (its callbacks wait for collectives of
+their own); last, FSDP2's example checkpoint save followed at once by destroy_process_group.
 
 Each training mode writes, per rank, its losses and a checksum of the full parameters after training to
 ``OUT/<mode>.rank<N>.json``; the test compares them with a single-process run on the same global batch.
@@ -118,6 +119,21 @@ def fsdp1_current_device(rank, local_rank):
     return losses, full
 
 
+def ddp_powersgd(rank, local_rank):
+    """DDP with PowerSGD's hook, each parameter a bucket: its first two steps all-reduce plainly, the third compresses
+    (an all-reduce of the uncompressed tensors, then of P and of Q, each issued in the last one's callback, which
+    waits for it)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(tiny_llama().cuda(), device_ids=[local_rank], bucket_cap_mb=0.001)
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                        min_compression_rate=0.5)
+    model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    losses = train(model, model.parameters(), batches(rank), "cuda")
+    return losses, dict(model.module.named_parameters())
+
+
 class CausalAttentionLM(torch.nn.Module):
     """An embedding, one causal attention block written as PyTorch's llama2_model.py writes it (q, k and v viewed
     into heads, then ``scaled_dot_product_attention(..., is_causal=True)``), and a head."""
@@ -205,7 +221,8 @@ def tensor_parallel(rank, local_rank):
 MODES = {"fsdp2": fsdp2, "fsdp2_default_mesh": fsdp2_default_mesh, "fsdp1": fsdp1,
          "fsdp1_current_device": fsdp1_current_device, "tp": tensor_parallel,
          "tp_attention": tensor_parallel_attention,
-         "tp_attention_chunked": lambda rank, local_rank: tensor_parallel_attention(rank, local_rank, "chunked")}
+         "tp_attention_chunked": lambda rank, local_rank: tensor_parallel_attention(rank, local_rank, "chunked"),
+         "ddp_powersgd": ddp_powersgd}
 
 
 def run_mode(mode: str, rank: int, local_rank: int, out: str) -> dict:

@@ -136,6 +136,24 @@ def main() -> None:
         found = [f["op"] for f in tool.failures] if name == "OpAutoCompare" else [f.op for f in tool.findings]
         report["ddp"][f"{name} fp16 hook"] = {"not_checked": tool.not_checked(), "found": sorted(set(found)),
                                               "all_reduces": tool.handled["torch.distributed.all_reduce"]}
+    # DDP with PowerSGD, a bucket per parameter: its first two steps all-reduce plainly, the next ones compress, issuing
+    # the all-reduces of P and Q in callbacks that wait for them. On sim these deadlocked (gloo's threads ran the
+    # callbacks); OpSelfCheck failed on the empty all-reduce of the uncompressed gradients
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    torch.manual_seed(0)
+    powered = torch.nn.parallel.DistributedDataParallel(tiny_models.tiny_llama().cuda(), device_ids=[local_rank],
+                                                        bucket_cap_mb=0.001)
+    powered.register_comm_hook(powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                                           start_powerSGD_iter=2, min_compression_rate=0.5),
+                               powerSGD_hook.powerSGD_hook)
+    powered_optimizer = torch.optim.SGD(powered.parameters(), lr=0.1)
+    for name in ("OpAutoCompare", "OpSelfCheck"):
+        with getattr(op_tools, name)(results_dir=os.path.join(out, "results_powersgd")) as tool:
+            for _ in range(3):
+                ddp_step(powered, powered_optimizer, generator)
+        report["ddp"][f"{name} powerSGD"] = {"verdict": tool.verdict(), "not_checked": tool.not_checked(),
+                                             "all_reduces": tool.handled["torch.distributed.all_reduce"]}
     for run in ("a", "b"):  # two identical recordings, the model built (fresh memory, initialisers) inside them
         # every parameter of SGD's foreach step recorded: past 16 its outputs would be not compared (exit 4)
         with op_tools.OpCapture(results_dir=os.path.join(out, f"recording_{run}"), mode="stats", stats_max_tensors=64):
