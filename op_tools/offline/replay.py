@@ -482,11 +482,6 @@ def _moved(t: torch.Tensor, device, dtype: torch.dtype | None = None) -> torch.T
     return moved.requires_grad_() if t.requires_grad else moved
 
 
-# The ops that read their input's memory as it lies in storage, by their short name: the place of their ``size``
-# argument (``stride`` and ``storage_offset`` follow it).
-_LAYOUT_READERS = {"as_strided": 1, "as_strided_": 1, "as_strided_copy": 1, "as_strided_scatter": 2}
-
-
 def _layout_read(name: str, args: tuple, kwargs: dict, data: dict) -> tuple[tuple, dict]:
     """The arguments of a call of an op reading its input's storage (``as_strided``), its explicit storage offset
     moved to where the capture saved that storage; a ReplayError where the call reads memory the capture did not save,
@@ -494,7 +489,7 @@ def _layout_read(name: str, args: tuple, kwargs: dict, data: dict) -> tuple[tupl
     difference would read as the device's."""
     parts = name.split(".")
     short = parts[-2] if parts[0] == "aten" and len(parts) > 2 else parts[-1]  # aten.as_strided.default
-    first = _LAYOUT_READERS.get(short)
+    first = op_facts(short).layout_read
     source = args[0] if args else kwargs.get("input", kwargs.get("self"))
     if first is None or not isinstance(source, torch.Tensor):
         return args, kwargs

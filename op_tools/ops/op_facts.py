@@ -121,6 +121,13 @@ class OpFacts:
     # rotation ("eigenvectors", "singular vectors", "singular vectors (V)", "qr"). OpAutoCompare's reference takes
     # the device's choice where it is valid (numerics/ambiguous_results.py).
     ambiguous: str | None = None
+    # Its float arguments land in its results as they are (a mask's fill value, a bound, a padding value): an inf there
+    # explains infs of its own sign only, where an arithmetic op's (``x * -inf``, ``x - inf``) may come out as either
+    # (OpOverflowCheck's ``scalar_values``).
+    places_scalars: bool = False
+    # It reads its input's memory as it lies in storage (``as_strided``): the position of its ``size`` argument,
+    # ``stride`` and ``storage_offset`` after it (the offline replay rebuilds the storage the capture kept).
+    layout_read: int | None = None
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(OpFacts)}
@@ -241,6 +248,10 @@ def _checked(name: str, value: Any) -> Any:
     if name in ("random_note", "lower_precision", "ambiguous"):
         if value is not None and not isinstance(value, str):
             raise ValueError(f"register_op_facts({name}={value!r}): expected a string or None")
+        return value
+    if name == "layout_read":
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"register_op_facts(layout_read={value!r}): expected a position (an int >= 0) or None")
         return value
     if name == "algorithm_ratio":
         if value is not None and (not isinstance(value, numbers.Real) or isinstance(value, bool) or value < 1):
@@ -447,3 +458,12 @@ _AMBIGUOUS: dict[str, tuple[str, ...]] = {
 for _kind, _ambiguous_ops in _AMBIGUOUS.items():
     for _name in _ambiguous_ops:
         register_op_facts(_name, ambiguous=_kind)
+
+# Float arguments put in the result as they are (in-place variants go by their out-of-place name)
+for _name in ("masked_fill", "index_fill", "fill", "full", "full_like", "new_full", "fill_diagonal", "where", "clamp",
+              "clip", "clamp_min", "clamp_max", "nan_to_num", "threshold", "hardtanh", "pad", "constant_pad_nd",
+              "scatter"):
+    register_op_facts(_name, places_scalars=True)
+# Readers of their input's storage, by the place of their size argument
+for _name, _size_at in (("as_strided", 1), ("as_strided_copy", 1), ("as_strided_scatter", 2)):
+    register_op_facts(_name, layout_read=_size_at)

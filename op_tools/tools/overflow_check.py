@@ -199,7 +199,7 @@ def _witnesses(tensors: list[torch.Tensor], signed: list[bool] | None = None) ->
     (``aminmax``: vectorised and threaded there, 4x to 13x faster than the ``vector_norm(inf)`` the CPU runs per
     tensor inside ``_foreach_norm``; on the CPU an op costs about a microsecond, where each of sim's costs tens).
     ``signed``: for each tensor, whether its witnesses must tell its infs' signs (its minimum and maximum, then,
-    wherever it lies): the results of a call whose float argument is an inf of one sign (``PLACES_SCALARS``)."""
+    wherever it lies): the results of a call whose float argument is an inf of one sign (op fact ``places_scalars``)."""
     if not _in_host_memory(tensors[0]):  # a device's own memory: one fused reduction for all
         if signed is None:
             return _largest_magnitudes(tensors), [1] * len(tensors)
@@ -293,19 +293,10 @@ def _scalar_bits(value: float) -> int:
     return NAN_VALUE if value != value else POS_INF if value > 0 else NEG_INF
 
 
-# Ops whose float arguments land in their results as they are (a mask's fill value, a bound, a padding value): an
-# inf there explains infs of its own sign only, where an arithmetic op's (``x * -inf``, ``x - inf``) may come out as
-# either. Short names, in-place variants included.
-PLACES_SCALARS = frozenset({
-    "masked_fill", "index_fill", "fill", "full", "full_like", "new_full", "fill_diagonal", "where", "clamp", "clip",
-    "clamp_min", "clamp_max", "nan_to_num", "threshold", "hardtanh", "pad", "constant_pad_nd", "scatter",
-})
-
-
 def scalar_values(name: str, args: tuple, kwargs: dict, order: tuple[int, str] | None = None) -> int:
     """What the call's Python float arguments can put in its results (``masked_fill(mask, float("-inf"))``,
-    ``clamp(min=-inf)``), as bits: ``NAN_VALUE`` for a nan, the inf's sign for an inf an op places as it is
-    (``PLACES_SCALARS``), both signs for one an arithmetic op combines; an inf/nan of those kinds is not born at the
+    ``clamp(min=-inf)``), as bits: ``NAN_VALUE`` for a nan, the inf's sign for an inf an op places as it is (op fact
+    ``places_scalars``), both signs for one an arithmetic op combines; an inf/nan of those kinds is not born at the
     call. Not a norm's ``order`` (``op_facts``' ``order``: position, keyword), which puts no value in its result.
     Top-level arguments only: a per-call cost."""
     bits = 0
@@ -320,7 +311,7 @@ def scalar_values(name: str, args: tuple, kwargs: dict, order: tuple[int, str] |
     if order is not None:
         return scalar_values(name, tuple(v for i, v in enumerate(args) if i != order[0]),
                              {k: v for k, v in kwargs.items() if k != order[1]})
-    if bits & BOTH_INF and name.rpartition(".")[2].rstrip("_") not in PLACES_SCALARS:
+    if bits & BOTH_INF and not op_facts(name).places_scalars:
         bits |= BOTH_INF
     return bits
 
