@@ -35,6 +35,7 @@ from .runs import (
     SameDtypeRun,
     convert,
     copy_sample,
+    facts_name,
     gradients,
     is_random,
     make_samples,
@@ -162,9 +163,10 @@ def _run_sample(opinfo, sample, index: int, dtype, device, with_grad: bool, tole
             backward.raised_at(index, e)
         shown[index] = record
         return None
+    reference.take_choices(facts_name(opinfo), device_out)  # a tie's index, a vector's sign: the device's choice
     # upstream gradients in the device's output dtypes: every run gets the same (rounded) values
     upstream = record[2] = upstream_gradients(index, run.roots) if reference.roots else None
-    same = SameDtypeRun(opinfo, cpu, dtype, upstream)
+    same = SameDtypeRun(opinfo, cpu, dtype, upstream, chosen=device_out)
     comparisons = _compare(forward, device_out, on_cpu(reference.output), same.forward, tolerance, op_name, "output")
     if comparisons is not None and not forward.compared(index, comparisons, note, _has_elements(device_out)):
         shown[index] = record

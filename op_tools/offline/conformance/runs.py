@@ -14,7 +14,9 @@ from typing import Callable
 
 import torch
 
+from ...numerics.ambiguous_results import with_choices
 from ...ops.arguments import iter_tensors, map_tensors
+from ...ops.op_facts import op_facts
 from .tally import describe_error
 
 CPU = torch.device("cpu")
@@ -36,6 +38,20 @@ class Run:
     leaves: list = dataclasses.field(default_factory=list)
     labels: list = dataclasses.field(default_factory=list)
     roots: list = dataclasses.field(default_factory=list)
+    args: tuple = ()  # the op's arguments in this run (its first included), for taking another run's choices
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    process: Callable | None = None  # the sample's output_process_fn_grad: the roots from the output
+
+    def take_choices(self, op_name: str, chosen) -> None:
+        """Where the op's result is one of several right answers (op fact ``ambiguous``: ties' indices, vectors'
+        signs), take ``chosen``'s (the device's output) where they are valid for this run's input, as OpAutoCompare's
+        reference does (``numerics/ambiguous_results.py``); the roots follow, so that backward goes where the device
+        sent it."""
+        if not op_facts(op_name).ambiguous:
+            return
+        self.output = with_choices(op_name, chosen, self.args, self.kwargs, self.output)
+        if self.roots and self.process is not None:
+            self.roots = [t for t in iter_tensors(self.process(self.output)) if t.requires_grad]
 
 
 @dataclasses.dataclass
@@ -92,11 +108,24 @@ def run_op(opinfo, sample: SampleArgs, cast: dict, with_grad: bool) -> Run:
     first = convert(sample.input, "input", tensor_fn, None, cast)
     args = convert(sample.args, "args", tensor_fn, None, cast)
     kwargs = convert(sample.kwargs, "kwargs", tensor_fn, None, cast)
+    run.args, run.kwargs, run.process = (first, *args), kwargs, sample.output_process_fn_grad
     with torch.set_grad_enabled(with_grad):
         run.output = opinfo.op(first, *args, **kwargs)
         if with_grad and run.leaves:
             run.roots = [t for t in iter_tensors(sample.output_process_fn_grad(run.output)) if t.requires_grad]
     return run
+
+
+def facts_name(opinfo) -> str:
+    """The OpInfo's function as the tools name calls (``torch.linalg.svd``), for its op facts; ``torch.<name>`` for
+    a function of the OpInfo's own."""
+    from ...ops.naming import resolve_op_name
+
+    try:
+        name = resolve_op_name(opinfo.op)
+    except Exception:  # noqa: BLE001 - an object torch cannot name
+        name = ""
+    return name if name.startswith("torch.") else f"torch.{opinfo.name}"
 
 
 def reference_run(opinfo, sample: SampleArgs, with_grad: bool) -> tuple[Run, str]:
@@ -157,16 +186,17 @@ class SameDtypeRun:
     Where the CPU has no kernel in the dtype, float32 rounded to it is what a correct implementation gives.
     """
 
-    def __init__(self, opinfo, sample, dtype: torch.dtype, upstream: list | None) -> None:
-        self.args = (opinfo, sample, dtype, upstream)
+    def __init__(self, opinfo, sample, dtype: torch.dtype, upstream: list | None, chosen=None) -> None:
+        self.args = (opinfo, sample, dtype, upstream, chosen)  # chosen: the device's output, whose choices it takes
         self.result: tuple | None = None
 
     def _compute(self) -> tuple:
-        opinfo, sample, dtype, upstream = self.args
+        opinfo, sample, dtype, upstream, chosen = self.args
         with_grad = upstream is not None
         for cast in ({}, _FLOAT32):
             try:
                 run = run_op(opinfo, sample, cast, with_grad)
+                run.take_choices(facts_name(opinfo), chosen)
                 grads = gradients(run, upstream) if upstream is not None else None
             except Exception:  # noqa: BLE001 - the rounded float32 run, then no floor
                 continue

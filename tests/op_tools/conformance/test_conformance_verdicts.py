@@ -141,3 +141,39 @@ def test_a_row_whose_samples_all_gave_empty_results_is_unchecked_never_a_pass(si
     absolute = next(o for o in op_db if o.name == "abs")  # a sample with values passes as before
     assert [r.status for r in run_case(absolute, torch.float32, torch.device("sim"),
                                        CaseOptions(limit_samples=1)).rows] == ["pass", "pass"]
+
+
+def test_a_sort_that_orders_ties_otherwise_passes_and_one_with_a_wrong_index_is_a_mismatch(sim, monkeypatch):
+    # The sweep compared a sort's indices element by element: a device whose sort orders equal elements otherwise
+    # than the CPU's (CUDA's) was a mismatch, forward and backward. It now takes the device's valid choice, as
+    # OpAutoCompare and the replay do.
+    from torch.testing._internal.opinfo.core import OpInfo, SampleInput
+
+    import ditorch.sim.kernels as sim_kernels
+    from op_tools.offline.conformance.case import CaseOptions, run_case
+
+    aten = torch.ops.aten
+
+    def samples(op, device, dtype, requires_grad, **kwargs):
+        generator = torch.Generator().manual_seed(0)
+        ties = torch.randint(0, 4, (6, 16), generator=generator).to(device=device, dtype=dtype)
+        yield SampleInput(ties.requires_grad_(requires_grad), args=(-1,))
+
+    def reversed_ties(x, dim=-1, descending=False):
+        values, indices = aten.sort.default(x.flip(dim), dim, descending)
+        return values, x.shape[dim] - 1 - indices
+
+    def wrong_index(x, dim=-1, descending=False):
+        values, indices = reversed_ties(x, dim, descending)
+        wrong = indices.clone()
+        wrong[..., 0], wrong[..., -1] = indices[..., -1], indices[..., 0]
+        return values, wrong
+
+    opinfo = OpInfo("sort", op=torch.sort, dtypes=(torch.float32,), sample_inputs_func=samples,
+                    supports_autograd=True)
+    monkeypatch.setitem(sim_kernels.KERNELS, aten.sort.default, reversed_ties)
+    rows = run_case(opinfo, torch.float32, torch.device("sim"), CaseOptions()).rows
+    assert [(r.direction, r.status) for r in rows] == [("forward", "pass"), ("backward", "pass")], rows
+    monkeypatch.setitem(sim_kernels.KERNELS, aten.sort.default, wrong_index)
+    rows = run_case(opinfo, torch.float32, torch.device("sim"), CaseOptions()).rows
+    assert rows[0].status == "mismatch", rows
