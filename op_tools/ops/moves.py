@@ -15,6 +15,15 @@ class Moved(torch.autograd.Function):
 
     generate_vmap_rule = True
 
+    @classmethod
+    def apply(cls, *args, **kwargs):
+        # ``Function.apply`` binds the arguments to ``forward``'s signature (``inspect.signature``: tens of µs, twice
+        # for each call OpFallback runs) wherever ``setup_context`` is defined, to fill in defaults, which ``forward``
+        # has none of; outside functorch's transforms it then calls the C++ apply, as here.
+        if kwargs or torch._C._are_functorch_transforms_active():
+            return super().apply(*args, **kwargs)
+        return super(torch.autograd.Function, cls).apply(*args)
+
     @staticmethod
     def forward(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         return t.to(device=device, dtype=dtype, copy=True)

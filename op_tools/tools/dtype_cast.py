@@ -14,6 +14,7 @@ from ..numerics.device_math import DeviceMath, emulated
 from ..ops.arguments import iter_items, iter_tensors, map_tensors, promoted_dtype
 from ..ops.moves import moved
 from ..ops.op_facts import op_facts
+from ..ops.stand_in_saves import SavedStandIns, result_pairs
 from ..ops.writes import call_writes, carry_version, carry_writes, stand_in_made
 from ..output import reporting
 
@@ -111,8 +112,11 @@ class OpDtypeCast(OpTool):
 
                 args, kwargs = map_tensors(call.args, widen), map_tensors(call.kwargs, widen)
                 as_written = not pairs and not lowered or _computes_narrower(call.name, expected, args, kwargs)
+            saves = None
             if not as_written:
-                with torch.autocast(call.device.type, enabled=False) if math else contextlib.nullcontext():
+                saves = SavedStandIns.watching([wide for _, wide, *_ in pairs])
+                with torch.autocast(call.device.type, enabled=False) if math else contextlib.nullcontext(), \
+                        saves or contextlib.nullcontext():
                     result = call.func(*args, **kwargs)
         except OpToolsAbortError:
             raise
@@ -150,6 +154,9 @@ class OpDtypeCast(OpTool):
             for raw, final in zip(raw_tensors, iter_tensors(out)):
                 if final is not raw and id(raw) not in originals:
                     carry_version(final, raw, writes)  # the version counter the op left on its result
+            if saves is not None and saves.saved():  # the node's saved wide copies, tied to the caller's tensors
+                saves.tie([(wide, original, "an input") for original, wide, *_ in pairs]
+                          + result_pairs(result, out), call.name)
             for (path, raw), (_, final) in zip(iter_items(reporting.as_tuple(result)),
                                                 iter_items(reporting.as_tuple(out))):
                 if isinstance(raw, torch.Tensor) and raw.dtype != final.dtype:

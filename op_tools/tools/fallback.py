@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -12,6 +13,7 @@ from ..numerics.device_math import DeviceMath, emulated
 from ..ops.arguments import UnsupportedInputError, iter_items, iter_tensors, map_tensors, promoted_dtype
 from ..ops.moves import moved
 from ..ops.op_facts import op_facts
+from ..ops.stand_in_saves import SavedStandIns, result_pairs
 from ..ops.writes import WriteSpec, call_writes, carry_version, carry_writes, stand_in_made
 from ..output import reporting
 
@@ -144,7 +146,7 @@ class OpFallback(OpTool):
             # decides, as without the tool.
             return self._run_on_device(call, UnsupportedInputError("calls mixing devices run on the device"))
         try:
-            copies, args, kwargs, cpu_result, dtype_back = self._run_on_cpu(call)
+            copies, args, kwargs, cpu_result, dtype_back, saves = self._run_on_cpu(call)
         except (RuntimeError, NotImplementedError) as error:  # a kernel's failures; not a hook's control flow (a
             # checkpoint's recomputation stops by raising): the device decides whether the error is the user's
             return self._run_on_device(call, error)
@@ -152,16 +154,22 @@ class OpFallback(OpTool):
             writes = call_writes(call.name)
             copies.write_back(writes, call.args, call.kwargs)
             result = copies.to_device(cpu_result, call.device, dtype_back, writes)
+            if saves is not None and saves.saved():  # the node's saved copies, tied to the device's tensors now
+                saves.tie([(cpu, device, "an input") for device, cpu, _, _ in copies.pairs]
+                          + result_pairs(cpu_result, result), call.name)
             call.state.update(cpu_args=args, cpu_kwargs=kwargs, cpu_result=cpu_result)
             return result
 
     def _run_on_cpu(self, call: OpCall) -> tuple:
-        """The call run on CPU copies of its arguments: (copies, cpu args, cpu kwargs, cpu result, dtype_back)."""
+        """The call run on CPU copies of its arguments: (copies, cpu args, cpu kwargs, cpu result, dtype_back, the
+        watcher of what its node saves or None)."""
         with tool_work(), emulated(DeviceMath.of(call.device).autocast_only()):
             copies = CpuCopies()
             args, kwargs = copies.to_cpu(call.args), copies.to_cpu(call.kwargs)
+            saves = SavedStandIns.watching([cpu for _, cpu, _, _ in copies.pairs])
             try:
-                return copies, args, kwargs, call.func(*args, **kwargs), {}
+                with saves or contextlib.nullcontext():
+                    return copies, args, kwargs, call.func(*args, **kwargs), {}, saves
             except (RuntimeError, NotImplementedError) as error:
                 low = _low_precision_dtypes(call.args, call.kwargs)
                 if not low or _NO_KERNEL not in str(error):  # a dtype error of the call's own (linear of float32
@@ -170,8 +178,10 @@ class OpFallback(OpTool):
                 # The CPU has no kernel for this dtype: compute in float32, hand back the original dtype.
                 copies = CpuCopies({dtype: torch.float32 for dtype in low})
                 args, kwargs = copies.to_cpu(call.args), copies.to_cpu(call.kwargs)
+                saves = SavedStandIns.watching([cpu for _, cpu, _, _ in copies.pairs])
                 try:
-                    cpu_result = call.func(*args, **kwargs)
+                    with saves or contextlib.nullcontext():
+                        cpu_result = call.func(*args, **kwargs)
                 except (RuntimeError, NotImplementedError):
                     raise error from None
                 # Outputs in the dtype the float32 copies promote to get the one the caller's tensors promote to
@@ -179,7 +189,7 @@ class OpFallback(OpTool):
                 wide, plain = promoted_dtype(args, kwargs), promoted_dtype(call.args, call.kwargs)
                 named = any(isinstance(v, torch.dtype) for _, v in iter_items((call.args, call.kwargs)))
                 dtype_back = {} if named or wide is None or plain is None else {wide: plain}
-                return copies, args, kwargs, cpu_result, dtype_back
+                return copies, args, kwargs, cpu_result, dtype_back, saves
 
     def _run_on_device(self, call: OpCall, why: Exception):
         """The call run as without the tool, for ``why`` (the CPU's failure): an exception raised here is the one

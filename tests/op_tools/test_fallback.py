@@ -390,3 +390,85 @@ def test_gradients_through_the_cpu_equal_a_cpu_runs_bit_for_bit(sim):
         tooled = gradients(sim)
     for name, expected, got in zip(("x", "inputs", "weight", "bias"), cpu, tooled):
         assert torch.equal(got, expected), name
+
+
+def _exp_output_written(device, dtype):
+    x = torch.randn(4, device=device, dtype=dtype, requires_grad=True)
+    y = x.exp()  # saves its output
+    y.add_(1)
+    y.sum().backward()
+
+
+def _sin_input_written(device, dtype):
+    x = torch.randn(4, device=device, dtype=dtype, requires_grad=True)
+    z = x * 1
+    y = z.sin()  # saves its input
+    z.add_(1)
+    y.sum().backward()
+
+
+def _saved_and_written_apart(device, dtype):
+    x = torch.randn(4, device=device, dtype=dtype, requires_grad=True)
+    y = x.exp()
+    z = y + 1
+    z.add_(1)  # not a tensor any backward needs
+    torch.nn.functional.relu(z * 2, inplace=True).sum().backward()
+    return x.grad
+
+
+MODIFIED = "one of the variables needed for gradient computation has been modified by an inplace operation"
+
+
+@pytest.mark.parametrize("program", [_exp_output_written, _sin_input_written])
+@pytest.mark.parametrize("tool", ["OpFallback", "OpDtypeCast"])
+def test_a_write_into_a_tensor_the_backward_needs_raises_as_without_the_tool(sim, tool, program, monkeypatch):
+    # The op ran on stand-ins (CPU copies, float32 copies): its node saved those, which the program's write never
+    # reached, so backward ran on values the program had overwritten, and the user's mistake was hidden
+    monkeypatch.setenv("OP_DTYPE_CAST_DICT", "torch.float16->torch.float32")
+    with pytest.raises(RuntimeError, match=MODIFIED):
+        program(sim, torch.float16)
+    with getattr(op_tools, tool)() as running, pytest.raises(RuntimeError, match=MODIFIED) as raised:
+        program(sim, torch.float16)
+    assert "exp" in str(raised.value) or "sin" in str(raised.value)
+    assert running.handled  # the op ran through the tool
+
+
+@pytest.mark.parametrize("tool", ["OpFallback", "OpDtypeCast"])
+def test_saved_tensors_no_write_reached_leave_backward_alone_and_the_programs_own_hooks_run(sim, tool, monkeypatch):
+    monkeypatch.setenv("OP_DTYPE_CAST_DICT", "torch.float16->torch.float32")
+    torch.manual_seed(0)
+    plain = _saved_and_written_apart(sim, torch.float16)
+    packed = []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t
+
+    with getattr(op_tools, tool)():
+        torch.manual_seed(0)
+        tooled = _saved_and_written_apart(sim, torch.float16)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            x = torch.randn(4, device=sim, dtype=torch.float16, requires_grad=True)
+            x.exp().sum().backward()
+    torch.testing.assert_close(tooled.cpu(), plain.cpu())  # widened: within float16's rounding
+    assert packed, "the program's saved-tensor hooks were bypassed"
+
+
+def test_the_cpu_graph_of_a_call_whose_result_is_dropped_is_freed(sim):
+    # The saved-tensor hooks once held the output a node saves as itself: the node held it and it held the node, a
+    # cycle through C++ that the garbage collector cannot see, so every call's graph stayed alive (13 objects a step)
+    import gc
+
+    x = torch.randn(64, device=sim, requires_grad=True)
+    w = torch.randn(64, device=sim)
+    with op_tools.OpFallback():
+        for _ in range(20):
+            y = torch.exp(x) * w
+        gc.collect()
+        before = len(gc.get_objects())
+        for _ in range(200):
+            y = torch.exp(x) * w
+        gc.collect()
+        assert len(gc.get_objects()) - before < 100
+    y.sum().backward()
+    assert torch.equal(x.grad.cpu(), (torch.exp(x.detach()) * w).cpu())
