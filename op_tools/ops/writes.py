@@ -197,6 +197,43 @@ def _takes_inplace(name: str) -> bool:
         return False
 
 
+def _byte_range(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes of its storage ``t`` spans, [start, end); None for a tensor with no memory of its own to compare."""
+    if t.layout != torch.strided or t.is_meta or t.numel() == 0:
+        return None
+    start = int(t.storage_offset()) * t.element_size()
+    span = sum((int(n) - 1) * int(s) for n, s in zip(t.shape, t.stride())) + 1
+    return start, start + span * t.element_size()
+
+
+def writes_overlap(writes: WriteSpec, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> bool:
+    """Whether a tensor the call writes shares memory with another of its tensors (``tensors``) without being the
+    same view of it: ``x.add_(x[0])``, ``add(x[:-1], 1, out=x[1:])``, which a device refuses ("some elements of the
+    input tensor and the written-to tensor refer to a single memory location") and copies of each, sharing no memory,
+    would compute. Not for a function of unknown writes (every argument may be written)."""
+    if writes.unknown or writes.never:
+        return False
+    written = writes.written(args, kwargs)
+    if not written:
+        return False
+    by_storage: dict[tuple, list[tuple[torch.Tensor, tuple[int, int]]]] = {}  # (device, storage) -> its tensors
+    for t in tensors:
+        span = _byte_range(t)
+        if span is not None:
+            by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((t, span))
+    for w in written:
+        mine = _byte_range(w)
+        if mine is None:
+            continue
+        for other, theirs in by_storage.get((w.device, w.untyped_storage().data_ptr()), ()):
+            if other is w:
+                continue
+            same_view = theirs == mine and other.shape == w.shape and other.stride() == w.stride()
+            if not same_view and theirs[0] < mine[1] and mine[0] < theirs[1]:
+                return True
+    return False
+
+
 def stand_in_made(t: torch.Tensor) -> tuple[int | None, Any]:
     """What ``carry_writes`` compares a stand-in with, taken as it is made: its version counter (None for an inference
     tensor, which keeps none: reading it raises) and its autograd node."""

@@ -11,11 +11,11 @@ import torch
 from ..config.variables import DTYPE_CAST_DICT, narrows
 from ..core.engine import OpCall, OpTool, OpToolsAbortError, feature, tool_work
 from ..numerics.device_math import DeviceMath, emulated
-from ..ops.arguments import iter_items, iter_tensors, map_tensors, promoted_dtype
+from ..ops.arguments import UnsupportedInputError, iter_items, iter_tensors, map_tensors, promoted_dtype
 from ..ops.moves import moved
 from ..ops.op_facts import op_facts
 from ..ops.stand_in_saves import SavedStandIns, result_pairs
-from ..ops.writes import call_writes, carry_version, carry_writes, stand_in_made
+from ..ops.writes import call_writes, carry_version, carry_writes, stand_in_made, writes_overlap
 from ..output import reporting
 
 
@@ -71,6 +71,12 @@ class OpDtypeCast(OpTool):
         lowered_to = under if under in self.cast and self.cast[under] != under else None
         casts_some = lowered_to is not None or any(self.cast.get(t.dtype, t.dtype) != t.dtype
                                                    for t in iter_tensors((call.args, call.kwargs)))
+        if casts_some and writes_overlap(call_writes(call.name), list(iter_tensors((call.args, call.kwargs))),
+                                         call.args, call.kwargs):
+            # Its wide copies share no memory: the call would run on them, computing what the device refuses (or
+            # computes otherwise, reading what it wrote). It runs as written, as without the tool.
+            return self._run_as_written(call, UnsupportedInputError(
+                "a tensor the call writes shares memory with another of its tensors"))
         # The dtypes the op returns without the tool, from a meta run: only for a call the tool changes.
         expected = self._expected_dtypes(call, math) if casts_some else None
         autocast_dtype_out = under is not None and expected is not None and under in expected

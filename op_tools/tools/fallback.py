@@ -14,7 +14,7 @@ from ..ops.arguments import UnsupportedInputError, iter_items, iter_tensors, map
 from ..ops.moves import moved
 from ..ops.op_facts import op_facts
 from ..ops.stand_in_saves import SavedStandIns, result_pairs
-from ..ops.writes import WriteSpec, call_writes, carry_version, carry_writes, stand_in_made
+from ..ops.writes import WriteSpec, call_writes, carry_version, carry_writes, stand_in_made, writes_overlap
 from ..output import reporting
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -145,6 +145,12 @@ class OpFallback(OpTool):
             # On the CPU the call would run, hiding the user's mistake (most ops on a device refuse it): the device
             # decides, as without the tool.
             return self._run_on_device(call, UnsupportedInputError("calls mixing devices run on the device"))
+        if writes_overlap(call_writes(call.name), list(iter_tensors((call.args, call.kwargs))), call.args,
+                          call.kwargs):
+            # Its CPU copies share no memory: the call would run there, computing what the device refuses (or
+            # computes otherwise, reading what it wrote). The device decides, as without the tool.
+            return self._run_on_device(call, UnsupportedInputError(
+                "a tensor the call writes shares memory with another of its tensors"))
         try:
             copies, args, kwargs, cpu_result, dtype_back, saves = self._run_on_cpu(call)
         except (RuntimeError, NotImplementedError) as error:  # a kernel's failures; not a hook's control flow (a

@@ -472,3 +472,40 @@ def test_the_cpu_graph_of_a_call_whose_result_is_dropped_is_freed(sim):
         assert len(gc.get_objects()) - before < 100
     y.sum().backward()
     assert torch.equal(x.grad.cpu(), (torch.exp(x.detach()) * w).cpu())
+
+
+def _row_added_to_its_matrix(device, dtype):
+    x = torch.arange(6.0, device=device, dtype=dtype).reshape(2, 3)
+    x.add_(x[0])  # reads what it writes: refused
+    return x
+
+
+def _shifted_out(device, dtype):
+    x = torch.arange(6.0, device=device, dtype=dtype)
+    torch.add(x[:-1], 1, out=x[1:])
+    return x
+
+
+def _disjoint_rows(device, dtype):
+    x = torch.arange(6.0, device=device, dtype=dtype).reshape(2, 3)
+    x[0].add_(x[1])  # one storage, no element shared: runs
+    x.mul_(x)  # the same view: runs
+    return x
+
+
+OVERLAP = "some elements of the input tensor and the written-to tensor refer to a single memory location"
+
+
+@pytest.mark.parametrize("program", [_row_added_to_its_matrix, _shifted_out])
+@pytest.mark.parametrize("tool", ["OpFallback", "OpDtypeCast"])
+def test_a_call_writing_memory_another_argument_shares_raises_the_devices_error_under_the_tool(sim, tool, program,
+                                                                                              monkeypatch):
+    # Copies of each argument share no memory: the call ran on them and returned what the device refuses to compute
+    monkeypatch.setenv("OP_DTYPE_CAST_DICT", "torch.float16->torch.float32")
+    with pytest.raises(RuntimeError, match=OVERLAP):
+        program(sim, torch.float16)
+    with getattr(op_tools, tool)(), pytest.raises(RuntimeError, match=OVERLAP):
+        program(sim, torch.float16)
+    with getattr(op_tools, tool)() as running:  # one storage, no element shared: handled as before
+        assert torch.equal(_disjoint_rows(sim, torch.float16).cpu(), _disjoint_rows("cpu", torch.float16))
+    assert running.handled and running.not_checked() == "", running.not_checked()  # none run on the device instead
