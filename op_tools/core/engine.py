@@ -1085,42 +1085,65 @@ def register_backward_hooks(call: OpCall, tool: OpTool) -> None:
     node runs, ``tool.after_backward(call, grad_inputs, grad_outputs)`` after. Hooks never change gradients;
     they run in tool work, once per node, and only ``call.state``, name, id and location stay alive for them.
     """
-    nodes: list[torch.autograd.graph.Node] = []
-    for t in iter_tensors(call.result):
-        node = t.grad_fn
-        if node is not None and all(node is not n for n in nodes):
-            nodes.append(node)
-    if not nodes:
-        return
+    result = call.result
+    if isinstance(result, torch.Tensor):  # most calls: one tensor, one node
+        node = result.grad_fn
+        if node is None:
+            return
+        nodes = [node]
+    else:
+        nodes = []
+        for t in iter_tensors(result):
+            node = t.grad_fn
+            if node is not None and all(node is not n for n in nodes):
+                nodes.append(node)
+        if not nodes:
+            return
     call.keep_location()  # while the user's frames are on the stack
     call.release()
     if tool.inner_node_backward is not None and call.first_node >= 0:
         for node in _inner_nodes(nodes, call.first_node):
-            node.register_hook(_NodeHook(tool, "inner_node_backward", call))
+            node.register_hook(_NodeHook(tool, "inner_node_backward", call, False))
+    before, after = tool.before_backward is not None, tool.after_backward is not None
     for node in nodes:
-        handles: list = []
-        if tool.before_backward is not None:
-            handles.append(node.register_prehook(_NodeHook(tool, "before_backward", call)))
-        if tool.after_backward is not None:
-            handles.append(node.register_hook(_NodeHook(tool, "after_backward", call, handles)))
+        pre = None
+        if before:
+            pre = _NodeHook(tool, "before_backward", call, False)
+            node.register_prehook(pre)
+        if after:
+            post = _NodeHook(tool, "after_backward", call, True)
+            post.pre = pre
+            node.register_hook(post)
 
 
 class _NodeHook:
     """A hook on a call's node: the tool's method ``step`` (by name) on ``(call, *its gradients)``, in tool work,
-    guarded; then, with ``handles``, the node's hooks removed. One object, not a closure with its cells and a bound
-    method: it lives until the backward (see ``_CallBackwardDone``)."""
+    guarded. A node's post-hook (``last``) then ends the node's hooks: a retained graph's next backward runs them no
+    more, and the call is let go of (its handles are never removed: ``RemovableHandle.remove`` cost more than the
+    check). One object, not a closure with its cells and a bound method: it lives until the backward (see
+    ``_CallBackwardDone``)."""
 
-    __slots__ = ("tool", "step", "call", "handles")
+    __slots__ = ("tool", "step", "call", "last", "pre")
 
-    def __init__(self, tool: OpTool, step: str, call: OpCall, handles: list | None = None) -> None:
-        self.tool, self.step, self.call, self.handles = tool, step, call, handles
+    def __init__(self, tool: OpTool, step: str, call: OpCall, last: bool) -> None:
+        self.tool, self.step, self.last = tool, step, last
+        self.call: OpCall | None = call
+        self.pre: _NodeHook | None = None  # a post-hook's: the node's pre-hook, ended with it
 
     def __call__(self, *grads) -> None:  # a pre-hook's (grad_outputs), a post-hook's (grad_inputs, grad_outputs)
+        call = self.call
+        if call is None:  # ended by the node's post-hook: its node ran before, in an earlier backward
+            return
         tool = self.tool
-        with tool_work():
-            tool._guarded(getattr(tool, self.step), self.call, *(tuple(g) for g in grads))
-        for handle in self.handles or ():
-            handle.remove()
+        _thread.depth += 1  # tool_work() inlined
+        try:
+            tool._guarded(getattr(tool, self.step), call, *[g if type(g) is tuple else tuple(g) for g in grads])
+        finally:
+            _thread.depth -= 1
+        if self.last:
+            self.call = None
+            if self.pre is not None:
+                self.pre.call = None
 
 
 def _inner_nodes(outputs: list, first: int) -> list:
