@@ -5,6 +5,12 @@ from __future__ import annotations
 
 import torch
 
+try:  # what Function.apply does first outside functorch's transforms
+    from torch._functorch.utils import unwrap_dead_wrappers
+except ImportError:  # a torch without it has no dead wrappers to unwrap
+    def unwrap_dead_wrappers(args: tuple) -> tuple:
+        return args
+
 
 class Moved(torch.autograd.Function):
     """``t.to(device, dtype)``, whose backward hands the gradient back in ``t``'s device and dtype and in the
@@ -22,7 +28,7 @@ class Moved(torch.autograd.Function):
         # has none of; outside functorch's transforms it then calls the C++ apply, as here.
         if kwargs or torch._C._are_functorch_transforms_active():
             return super().apply(*args, **kwargs)
-        return super(torch.autograd.Function, cls).apply(*args)
+        return super(torch.autograd.Function, cls).apply(*unwrap_dead_wrappers(args))
 
     @staticmethod
     def forward(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
