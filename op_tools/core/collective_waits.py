@@ -16,11 +16,14 @@ copies what arrived before any callback of the program's can change it (``fp16_c
 PowerSGD orthogonalises it in place). The check runs on that copy before the next optimizer step begins (or at the
 tool's ``stop()``), on the program's thread: a moment the same on every rank, and one where no callback chain is still
 issuing collectives (DDP waits for its hooks' futures before backward returns; PowerSGD issues its second all-reduce
-from the first one's callback, on gloo's or NCCL's thread, where a check exchanging data among the ranks would
-interleave with it differently on each rank). A collective issued in a future's callback, or whose future is taken in
-one, is given up: a callback runs when the collective before it completes, on the collective's thread or at once on
-the program's, differently on each rank. While a tool is started, ``Future.then`` and ``add_done_callback`` mark the
-callbacks they run (``in_callback``) so that this is known at the call.
+from the first one's callback, on gloo's thread, where a check exchanging data among the ranks would interleave with
+it differently on each rank). A collective issued in a future's callback, or whose future is taken in
+one, is given up (``unordered_callback``): a callback runs when the collective before it completes, on the
+collective's thread or at once on the program's, differently on each rank. Not where the callback runs at once, inside
+the ``then()`` chaining it, on a library that completes every future when it queues the collective
+(``COMPLETE_WHEN_QUEUED``: NCCL, sim): there it runs at the same point of the program on every rank. While a tool is
+started, ``Future.then`` and ``add_done_callback`` mark the callbacks they run, and whether at once, so that this is
+known at the call.
 
 A Work the program uses otherwise before waiting for it (``result()``, ``boxed()``, ``is_completed()`` answering
 True, or its future taken in a callback) lets the program read the result at a moment the tool never sees: that
@@ -70,12 +73,16 @@ def is_work(value: Any) -> bool:
 class WaitedCheck:
     """One collective's check, open until the program waits for its Work or its owner gives it up."""
 
-    __slots__ = ("key", "owner", "call", "check", "work", "received", "future", "in_callback", "__weakref__")
+    __slots__ = ("key", "owner", "call", "check", "work", "received", "future", "in_callback", "ordered",
+                 "__weakref__")
 
-    def __init__(self, owner: WaitedChecks, call: Any, check: Callable, work: Any, received: list | None) -> None:
+    def __init__(self, owner: WaitedChecks, call: Any, check: Callable, work: Any, received: list | None,
+                 ordered: bool = False) -> None:
         self.key = next(_keys)
         self.owner, self.call, self.work = owner, call, work
-        self.in_callback = in_callback()  # issued in a future's callback (``defer`` runs where the call was made)
+        # ``ordered``: its library completes futures when it queues a collective (``completes_when_queued``)
+        self.ordered = ordered
+        self.in_callback = unordered_callback(ordered)  # issued in a future's callback (``defer`` runs at the call)
         self.check: Callable | None = check  # None once run or given up: nothing held past it
         self.received = received  # the tensors the check reads, the tool's own list: replaced by copies if followed
         self.future: torch.futures.Future | None = None  # once followed: the program's future, after the copies
@@ -91,7 +98,7 @@ class WaitedCheck:
         is copied for the check; None where the check cannot follow it (given up then)."""
         if self.received is None or self.check is None:  # nothing to copy what arrived into; or checked already
             return None
-        if self.in_callback or in_callback():
+        if self.in_callback or unordered_callback(self.ordered):
             self.give_up(GIVEN_UP["in_callback"])
             return None
         received, quiet = self.received, self.owner.quiet
@@ -120,12 +127,13 @@ class WaitedChecks:
         self.followed = False  # whether any open check is followed through its future (``run_followed`` has work)
         self._first: dict[str, str] = {}  # why -> the first op given up so
 
-    def defer(self, call: Any, check: Callable, work: Any, received: list | None = None) -> Any:
+    def defer(self, call: Any, check: Callable, work: Any, received: list | None = None, ordered: bool = False) -> Any:
         """What the program gets in place of ``work`` (the result of the collective ``call``): a Work whose first
         wait runs ``check(call)``; ``work`` itself, counted given up, when it is no Work. ``received``: the list of
         tensors the check reads what arrived from, which a followed future's copies replace (without it, a future
-        taken is given up)."""
-        waited = WaitedCheck(self, call, check, work, received)
+        taken is given up). ``ordered``: its library completes a collective's future when it queues it, so that a
+        callback chained on one runs at once, on the program's thread (``completes_when_queued``)."""
+        waited = WaitedCheck(self, call, check, work, received, ordered)
         if not is_work(work):
             self._count(call.name, f"it returned {type(work).__name__}, no Work to wait for")
             return work
@@ -212,21 +220,49 @@ class WaitedChecks:
             self._first.setdefault(why, name)
 
 
-_callbacks = threading.local()  # .depth: the future callbacks running on this thread
+# On this thread: .depth, the future callbacks running later than their chaining (on the collective's thread, or
+# when a future is completed); .inline, those running at once, inside the then() that chained them on a future already
+# complete; .chaining, the then() calls under way
+_callbacks = threading.local()
+
+# The collective libraries whose futures are complete once a collective is queued (NCCL's: the device's stream orders
+# the rest; sim's: waited for when taken). A callback chained on one runs at once, inside ``then()``, on the program's
+# thread: at the same point of the program on every rank, so the collectives it issues are in program order.
+COMPLETE_WHEN_QUEUED = ("nccl", "simccl")
+
+
+def completes_when_queued(group) -> bool:
+    """Whether the process group ``group`` (None: the default one) runs on a library of ``COMPLETE_WHEN_QUEUED``."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        process_group = group if group is not None else distributed_c10d._get_default_group()
+        return process_group._get_backend_name() in COMPLETE_WHEN_QUEUED
+    except Exception:  # noqa: BLE001 - no group, or one that names no library: not known to
+        return False
 
 
 def in_callback() -> bool:
-    """Whether this thread runs a future's callback (``then``, ``add_done_callback``) while a tool is started."""
+    """Whether this thread runs a future's callback (``then``, ``add_done_callback``) while a tool is started, other
+    than one run at once by the ``then()`` chaining it on a future already complete."""
     return getattr(_callbacks, "depth", 0) > 0
+
+
+def unordered_callback(ordered: bool) -> bool:
+    """Whether a collective issued now is issued in a callback whose moment may differ between ranks: any callback
+    run later than its chaining, and one run at once unless its library completes futures when it queues a collective
+    (``ordered``), on which a callback runs at once on every rank."""
+    return in_callback() or (not ordered and getattr(_callbacks, "inline", 0) > 0)
 
 
 def _marked(callback: Callable) -> Callable:
     def marked(future):
-        _callbacks.depth = getattr(_callbacks, "depth", 0) + 1
+        kind = "inline" if getattr(_callbacks, "chaining", 0) > 0 else "depth"  # run by then() itself: at once
+        setattr(_callbacks, kind, getattr(_callbacks, kind, 0) + 1)
         try:
             return callback(future)
         finally:
-            _callbacks.depth -= 1
+            setattr(_callbacks, kind, getattr(_callbacks, kind) - 1)
 
     return marked
 
@@ -234,11 +270,21 @@ def _marked(callback: Callable) -> Callable:
 _future_methods: dict[str, Callable] = {}
 
 
+def _chaining(original: Callable) -> Callable:
+    def chain(future, callback):
+        _callbacks.chaining = getattr(_callbacks, "chaining", 0) + 1
+        try:
+            return original(future, _marked(callback))
+        finally:
+            _callbacks.chaining -= 1
+
+    return chain
+
+
 def _mark_callbacks() -> None:
     for name in ("then", "add_done_callback"):
         original = _future_methods[name] = getattr(torch._C.Future, name)
-        setattr(torch._C.Future, name, lambda future, callback, _original=original: _original(future,
-                                                                                           _marked(callback)))
+        setattr(torch._C.Future, name, _chaining(original))
 
 
 def _unmark_callbacks() -> None:

@@ -57,7 +57,7 @@ from ..config.tool_registry import FEATURES, feature  # noqa: F401  # op_tools.c
 from ..config.variables import CommonConfig, OpFilter, Sources
 from ..ops import torch_versions
 from ..ops.arguments import UnsupportedInputError, call_device, in_transform, iter_tensors
-from ..ops.collectives import unseen_collectives
+from ..ops.collectives import collective_call, unseen_collectives
 from ..ops.naming import is_metadata_query, resolve_op_name
 from ..ops.writes import call_writes
 from ..output import reporting, result_files
@@ -825,7 +825,9 @@ class OpTool:
         tool's list of the tensors its check reads what arrived from (``CollectiveCall.received``), which a future the
         program takes replaces by copies made as the result arrives."""
         call.keep_location()  # while the user's frames are on the stack
-        call.result = self._waits.defer(call.without_values(), check, call.result, received)
+        bound = collective_call(call.name, call.func, call.args, call.kwargs)
+        ordered = bound is not None and collective_waits.completes_when_queued(bound.group)
+        call.result = self._waits.defer(call.without_values(), check, call.result, received, ordered)
 
     def waits_not_checked(self) -> int:
         """Asynchronous collectives handled whose check has not run: not waited for yet, or given up."""

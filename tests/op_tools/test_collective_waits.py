@@ -88,6 +88,28 @@ def test_a_collective_whose_wait_the_tool_cannot_see_is_said_not_checked_with_wh
     assert t.cpu().tolist() == [1.0] * 4  # one rank: every all-reduce left it as it was
 
 
+def test_a_collective_issued_in_a_callback_run_at_once_is_checked_where_its_library_completes_futures_when_queued(
+        sim, group, tmp_path, monkeypatch):
+    # A callback chained on a future already complete runs inside then(), on the program's thread: where the library
+    # completes every collective's future when it queues it (NCCL; sim), at the same point of the program on every
+    # rank, so what it issues is checked. On another library it may run there on one rank and on the library's
+    # thread on another: given up, as a callback run later is
+    from op_tools.core import collective_waits
+
+    t = torch.ones(4, device=sim)
+    done = torch.futures.Future()
+    done.set_result(None)
+    with op_tools.OpAutoCompare(results_dir=str(tmp_path)) as compare:
+        done.then(lambda _: dist.all_reduce(t, async_op=True).get_future().wait())
+    assert compare.verdict() == "clean" and compare.counts["forward passed"] == 1, compare.not_checked()
+    monkeypatch.setattr(collective_waits, "COMPLETE_WHEN_QUEUED", ())  # a library whose futures complete on its threads
+    with op_tools.OpAutoCompare(results_dir=str(tmp_path)) as unknown:
+        done.then(lambda _: dist.all_reduce(t, async_op=True).get_future().wait())
+    assert unknown.verdict() == "unchecked"
+    assert "1 asynchronous collective not checked (issued, or its future taken, in a future's callback)" in \
+        unknown.not_checked()
+
+
 def test_a_run_recording_records_what_a_collective_received_and_names_a_late_fault_in_it(sim, group, tmp_path):
     # a collective's result is what it received: recorded after a synchronous one, at an asynchronous one's wait;
     # compare_runs then names the collective, not the next op that reads what it received

@@ -137,8 +137,10 @@ def main() -> None:
         report["ddp"][f"{name} fp16 hook"] = {"not_checked": tool.not_checked(), "found": sorted(set(found)),
                                               "all_reduces": tool.handled["torch.distributed.all_reduce"]}
     # DDP with PowerSGD, a bucket per parameter: its first two steps all-reduce plainly, the next ones compress, issuing
-    # the all-reduces of P and Q in callbacks that wait for them. On sim these deadlocked (gloo's threads ran the
-    # callbacks); OpSelfCheck failed on the empty all-reduce of the uncompressed gradients
+    # the all-reduces of P and Q in callbacks, which wait for them. On sim these deadlocked (gloo's threads ran the
+    # callbacks); then the callbacks' collectives were said not checked. Sim's futures, like NCCL's, are complete
+    # when taken: the callbacks run at once, in program order, and their collectives are checked; noise on rank 1's
+    # all-reduces is found there
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
     torch.manual_seed(0)
@@ -148,12 +150,17 @@ def main() -> None:
                                                            start_powerSGD_iter=2, min_compression_rate=0.5),
                                powerSGD_hook.powerSGD_hook)
     powered_optimizer = torch.optim.SGD(powered.parameters(), lr=0.1)
+    for _ in range(2):  # past the plain steps: every step from here compresses
+        ddp_step(powered, powered_optimizer, generator)
     for name in ("OpAutoCompare", "OpSelfCheck"):
-        with getattr(op_tools, name)(results_dir=os.path.join(out, "results_powersgd")) as tool:
-            for _ in range(3):
+        for faults in ("", "allreduce:noise=1e-1,rank=1"):
+            with ditorch.sim.faults(faults), \
+                    getattr(op_tools, name)(results_dir=os.path.join(out, "results_powersgd")) as tool:
                 ddp_step(powered, powered_optimizer, generator)
-        report["ddp"][f"{name} powerSGD"] = {"verdict": tool.verdict(), "not_checked": tool.not_checked(),
-                                             "all_reduces": tool.handled["torch.distributed.all_reduce"]}
+            found = [f["op"] for f in tool.failures] if name == "OpAutoCompare" else [f.op for f in tool.findings]
+            report["ddp"][f"{name} powerSGD {'noise' if faults else 'clean'}"] = {
+                "verdict": tool.verdict(), "not_checked": tool.not_checked(), "found": sorted(set(found)),
+                "all_reduces": tool.handled["torch.distributed.all_reduce"]}
     for run in ("a", "b"):  # two identical recordings, the model built (fresh memory, initialisers) inside them
         # every parameter of SGD's foreach step recorded: past 16 its outputs would be not compared (exit 4)
         with op_tools.OpCapture(results_dir=os.path.join(out, f"recording_{run}"), mode="stats", stats_max_tensors=64):
