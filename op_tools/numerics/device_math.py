@@ -163,11 +163,12 @@ _PLAIN = DeviceMath()
 
 def _math_kind(kind: str) -> str:
     """The device type whose math a call's device follows. A device layer may show a vendor's device as ``cuda``
-    (ditorch does by default, ``DITORCH_SHOW_DEVICE_AS_CUDA``): on a torch built without CUDA no tensor is CUDA's, and
-    a ``cuda`` one is the PrivateUse1 backend's, whose module declares its math (read as CUDA's, a sim or NPU
-    convolution was judged by cuDNN's TF32 switch, on by default: a fault of 1e-3 passed)."""
-    if kind == "cuda" and not torch.backends.cuda.is_built() and "device" in vars(torch.Tensor):  # Tensor.device
-        # replaced (the C getter is TensorBase's): a device layer shows a device as another
+    (ditorch does by default, ``DITORCH_SHOW_DEVICE_AS_CUDA``): then a ``cuda`` tensor is the PrivateUse1 backend's,
+    whose module declares its math (read as CUDA's, a sim or NPU convolution was judged by cuDNN's TF32 switch, on by
+    default: a fault of 1e-3 passed). So on a torch built with CUDA too: ditorch shows a device as cuda only where
+    CUDA's own is not used (native CUDA patches nothing; sim refuses to register beside CUDA in use)."""
+    if kind == "cuda" and "device" in vars(torch.Tensor):  # Tensor.device replaced (the C getter is TensorBase's): a
+        # device layer shows a device as another
         backend = torch._C._get_privateuse1_backend_name()
         if backend != "privateuseone":
             return backend

@@ -160,16 +160,20 @@ print("RESULT grid_sample", compare.verdict())
 """
 
 
-def test_a_device_shown_as_cuda_is_judged_by_its_own_declared_math_not_cudas(tmp_path):
-    # ditorch shows the vendor's device as cuda by default; on a torch without CUDA it is PrivateUse1's, whose module
-    # declares its math: read as CUDA's, a 1e-3 fault in a float32 convolution passed as TF32 rounding, and a
-    # bfloat16 grid_sample summing in bfloat16 (as sim declares) was failed
+@pytest.mark.parametrize("build", ["cpu", "cuda"])
+def test_a_device_shown_as_cuda_is_judged_by_its_own_declared_math_not_cudas(tmp_path, build):
+    # ditorch shows the vendor's device as cuda by default; it is PrivateUse1's, whose module declares its math: read
+    # as CUDA's, a 1e-3 fault in a float32 convolution passed as TF32 rounding, and a bfloat16 grid_sample summing in
+    # bfloat16 (as sim declares) was failed. On a torch built with CUDA too (stood in for: the one fact read; the
+    # CUDA-built torch's check runs sim so), where only a torch without CUDA was taken so
     import subprocess
     import sys
 
     from subprocess_env import child_env
 
-    result = subprocess.run([sys.executable, "-c", SHOWN_AS_CUDA], capture_output=True, text=True, cwd=tmp_path,
+    code = SHOWN_AS_CUDA.replace("import torch.nn.functional as F\n", "import torch.nn.functional as F\n" + (
+        "torch.backends.cuda.is_built = lambda: True\n" if build == "cuda" else ""))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
                             env=child_env({"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1"}, drop=("OP_",)),
                             timeout=120)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
