@@ -32,12 +32,12 @@ from typing import Any
 
 import torch
 
-from ..ops.collectives import CollectiveCall, root_rank, split_sizes
+from ..ops.collectives import CollectiveCall, premul_factor, root_rank, split_sizes
 from .rounding_bounds import gamma, worst_excess
 
 CHUNKS = 256  # checksums per rank's part of a collective: the extra all-gather carries 2 x CHUNKS x ranks numbers
 KINDS = ("all_reduce", "reduce", "broadcast", "reduce_scatter", "all_gather", "all_to_all")
-_REDUCING = ("sum", "avg")
+_REDUCING = ("sum", "avg", "premul_sum")
 
 
 def uncheckable(call: CollectiveCall) -> str | None:
@@ -145,11 +145,14 @@ def excess(call: CollectiveCall, before: torch.Tensor) -> torch.Tensor:
         got, expected = _chunk_sums(received, 1, wide), total
     if call.kind != "all_to_all":  # a chunk's length, as _chunk_sums made them
         length = max(1, math.ceil(received.numel() / got.shape[0] / CHUNKS))
-    share = 1 / size if call.reduce_op == "avg" else 1.0
-    magnitude, target = expected[..., 1] * share, expected[..., 0] * share
+    # what each rank's sent part counts for in the result: 1 / size for an average, the factor for premul_sum (a
+    # number, or a 0-d tensor as the program gave it, on the device: no synchronisation)
+    share = 1 / size if call.reduce_op == "avg" else premul_factor(call) if call.reduce_op == "premul_sum" else 1.0
+    magnitude, target = expected[..., 1] * abs(share), expected[..., 0] * share
     u_wide = torch.finfo(wide).eps / 2
     u_own = torch.finfo(received.dtype).eps / 2
-    rounds = (size + 2) if call.reduce_op else 0  # a ring's one rounding per rank, the result's, an average's
+    # a ring's one rounding per rank, the result's, an average's; premul_sum's product on each rank
+    rounds = (size + 2 + (size if call.reduce_op == "premul_sum" else 0)) if call.reduce_op else 0
     allowed = (2 * gamma(length + 1, u_wide) + gamma(size + 1, u_wide) + rounds * u_own) * magnitude * 1.001 + \
         length * torch.finfo(received.dtype).tiny
     return worst_excess(got[..., 0] - target, allowed)  # a rank that sent inf or nan: not checked

@@ -23,11 +23,12 @@ import threading
 
 import torch
 
-from ..ops.collectives import CollectiveCall, root_rank, split_sizes
+from ..ops.collectives import CollectiveCall, premul_factor, root_rank, split_sizes
 from .comparison import Comparison
 
 _VERIFIED = {"all_reduce", "reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"}
-_REDUCTIONS = {"sum", "avg", "max", "min", "product"}
+_REDUCTIONS = {"sum", "avg", "max", "min", "product", "premul_sum"}
+_SUMS = ("sum", "avg", "premul_sum")  # reductions that add: bounded by their roundings
 _twins: dict[tuple[int, ...], object] = {}
 _twins_lock = threading.Lock()
 # How long a rank waits for the others at a check: they reach it right after the collective itself, so only a rank
@@ -120,10 +121,12 @@ def _gathered(copies: list[torch.Tensor], twin, size: int, uneven: bool = False)
     return per_rank
 
 
-def _reduce(stacked: torch.Tensor, op: str) -> torch.Tensor:
-    """The ranks' tensors (stacked on dim 0) reduced as ``op`` reduces them."""
+def _reduce(stacked: torch.Tensor, op: str, factor: float = 1.0) -> torch.Tensor:
+    """The ranks' tensors (stacked on dim 0) reduced as ``op`` reduces them (``premul_sum``: each times ``factor``)."""
     if op == "sum":
         return stacked.sum(0)
+    if op == "premul_sum":
+        return stacked.sum(0) * factor
     if op == "avg":
         return stacked.sum(0) / len(stacked) if stacked.is_floating_point() else stacked.sum(0) // len(stacked)
     if op == "product":
@@ -131,24 +134,27 @@ def _reduce(stacked: torch.Tensor, op: str) -> torch.Tensor:
     return stacked.amax(0) if op == "max" else stacked.amin(0)
 
 
-def _reduced(values: list[torch.Tensor], op: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reduction of ``values`` and the sum of their magnitudes (what its rounding scales with), from one stack."""
+def _reduced(values: list[torch.Tensor], op: str, factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reduction of ``values`` and the sum of the magnitudes it adds (what its rounding scales with), from one
+    stack."""
     stacked = torch.stack(values)
-    result = _reduce(stacked, op)
-    return result, stacked.abs_().sum(0)
+    result = _reduce(stacked, op, factor)
+    magnitudes = stacked.abs_().sum(0)
+    return result, magnitudes if factor == 1.0 else magnitudes.mul_(abs(factor))
 
 
 def _expected(call: CollectiveCall, per_rank: list[list[torch.Tensor]], index: int, ranks: list[int]):
     """The reference for each received tensor, and the magnitudes a reduction's rounding scales with (or None)."""
     first = [rank_copies[0] for rank_copies in per_rank]
     kind = call.kind
+    factor = float(premul_factor(call)) if call.reduce_op == "premul_sum" else 1.0  # read here, as every input is
     if kind == "all_reduce":
-        result, scale = _reduced(first, call.reduce_op)
+        result, scale = _reduced(first, call.reduce_op, factor)
         return [result], [scale]
     if kind == "reduce":  # the reduction arrives on the destination rank only: the others have nothing to check
         if root_rank(call) != index:
             return [], []
-        result, scale = _reduced(first, call.reduce_op)
+        result, scale = _reduced(first, call.reduce_op, factor)
         return [result], [scale]
     if kind == "broadcast":
         return [per_rank[root_rank(call)][0]], [None]
@@ -167,7 +173,7 @@ def _expected(call: CollectiveCall, per_rank: list[list[torch.Tensor]], index: i
         parts = [rank_copies[index] for rank_copies in per_rank]
     else:
         parts = [f.reshape(len(ranks), -1)[index].view(call.received[0].shape) for f in first]
-    result, scale = _reduced(parts, call.reduce_op)
+    result, scale = _reduced(parts, call.reduce_op, factor)
     return [result], [scale]
 
 
@@ -204,10 +210,12 @@ def _compare(name: str, got: torch.Tensor, reference: torch.Tensor, scale: torch
                                                          f"{tuple(reference.shape)}")
     diff = (got - reference).abs_()
     ref_abs = reference.abs()
-    if dtype.is_floating_point and scale is not None and call.reduce_op in ("sum", "avg"):
+    if dtype.is_floating_point and scale is not None and call.reduce_op in _SUMS:
         info = torch.finfo(dtype)
-        # rounding of n partial sums in the dtype, the division of an average, and the tiniest normal number
-        allowed = scale.mul_(n * info.eps / (n if call.reduce_op == "avg" else 1)).add_(ref_abs, alpha=info.eps)
+        # rounding of n partial sums in the dtype (and of each product, for premul_sum), the division of an average,
+        # and the tiniest normal number
+        terms = n + 1 if call.reduce_op == "premul_sum" else n
+        allowed = scale.mul_(terms * info.eps / (n if call.reduce_op == "avg" else 1)).add_(ref_abs, alpha=info.eps)
         allowed.add_(info.tiny)
         bound = f"{n} ranks × eps of {dtype} × the sum of |inputs|"
     else:

@@ -83,11 +83,24 @@ _REDUCE_OPS = frozenset({"sum", "avg", "max", "min", "product", "band", "bor", "
 
 
 def _op_name(op) -> str:
-    """``"sum"`` for ``ReduceOp.SUM`` (printed ``RedOpType.SUM``); ``"other"`` for an op built at run time."""
+    """``"sum"`` for ``ReduceOp.SUM`` (printed ``RedOpType.SUM``), ``"premul_sum"`` for the op
+    ``_make_nccl_premul_sum(factor)`` builds (a ``ReduceOp`` holding its ``RedOpType`` and factor); ``"other"`` for
+    any other op built at run time."""
     if op is None:
         return "sum"
-    text = str(op).rpartition(".")[2].lower()
+    text = str(getattr(op, "op", op)).rpartition(".")[2].lower()
     return text if text in _REDUCE_OPS else "other"
+
+
+def premul_factor(call: CollectiveCall):
+    """The factor a ``premul_sum`` collective multiplies each rank's tensor by before summing (a number, or a 0-d
+    tensor as given), from its ``ReduceOp``: its ``factor`` (torch 2.13), else its state's second item (2.11)."""
+    op = call.arguments.get("op")
+    factor = getattr(op, "factor", None)
+    if factor is None and op is not None and hasattr(op, "__getstate__"):
+        state = op.__getstate__()
+        factor = state[1] if isinstance(state, tuple) and len(state) > 1 else None
+    return factor
 
 
 def collective_call(name: str, func, args: tuple, kwargs: dict) -> CollectiveCall | None:

@@ -45,8 +45,8 @@ def test_every_collective_is_checked_against_every_ranks_inputs_and_passes(repor
         assert checked["verdict"] == "clean"
         collectives = sum(checked["handled"].get(name, 0) for name in COLLECTIVES)
         # reductions (no average of int32); per dtype 2 gathers, a reduce-scatter, a reduce, a broadcast, 2 all-to-alls
-        # (one with uneven splits)
-        assert collectives == 4 + 4 + 3 + 3 * (3 + REDUCES + BROADCASTS + ALL_TO_ALLS)
+        # (one with uneven splits); per floating dtype a premul_sum all-reduce and reduce-scatter
+        assert collectives == 4 + 4 + 3 + 3 * (3 + REDUCES + BROADCASTS + ALL_TO_ALLS) + 2 * 2
         assert "collective" not in " ".join(checked["skipped"])  # none skipped: all checked
         assert checked["counts"]["forward passed"] == checked["counts"]["forward compared"]
 
@@ -61,7 +61,7 @@ def test_a_result_that_differs_from_the_ranks_inputs_fails_on_the_rank_that_hold
 def test_the_check_can_be_switched_off_and_then_counts_the_collectives_skipped(reports):
     for report in reports:
         skipped = report["off"]["skipped"]["collective (OP_AUTOCOMPARE_COLLECTIVES=0)"]
-        assert skipped == 7 + REDUCES + BROADCASTS + ALL_TO_ALLS
+        assert skipped == 7 + REDUCES + BROADCASTS + ALL_TO_ALLS + 2  # float32: 2 premul_sum
         assert report["off"]["verdict"] == "clean"
 
 
@@ -249,3 +249,31 @@ def test_a_collective_of_no_elements_passes_opselfchecks_sums_instead_of_failing
         dist.all_reduce(torch.ones(4, device=sim))
     assert check.verdict() == "clean", check.not_checked()
     assert check.handled["torch.distributed.all_reduce"] == 2
+
+
+@pytest.mark.parametrize("factor", [0.5, -0.25, "tensor"])
+def test_a_premul_sum_collective_is_checked_and_a_fault_in_it_found(sim, group, tmp_path, factor):
+    # FSDP2 reduce-scatters with PREMUL_SUM on NCCL where its data-parallel size is not the group's (HSDP): each rank's
+    # tensor times a factor, then summed. Its op was named "other" and its collectives said not checked
+    import torch.distributed as dist
+
+    import ditorch.sim
+
+    scale = torch.tensor(0.75, device=sim) if factor == "tensor" else factor
+
+    def premul_all_reduce():
+        t = torch.linspace(-1, 1, 4096, device=sim)
+        dist.all_reduce(t, op=dist._make_nccl_premul_sum(scale))
+        return t
+
+    assert torch.allclose(premul_all_reduce().cpu(), torch.linspace(-1, 1, 4096) * float(scale))
+    for tool in ("OpAutoCompare", "OpSelfCheck"):
+        options = {"budget": 1.0} if tool == "OpSelfCheck" else {}
+        with getattr(op_tools, tool)(results_dir=str(tmp_path), **options) as clean:
+            premul_all_reduce()
+        assert clean.verdict() == "clean", (tool, clean.not_checked())
+        assert clean.handled["torch.distributed.all_reduce"] == 1
+        with ditorch.sim.faults("allreduce:noise=1e-2"), \
+                getattr(op_tools, tool)(results_dir=str(tmp_path), **options) as faulty:
+            premul_all_reduce()
+        assert faulty.verdict() == "found", (tool, faulty.not_checked())

@@ -31,6 +31,10 @@ def collectives(rank: int, world: int, dtype: torch.dtype) -> None:
     dist.all_gather(parts, base)
     scattered = torch.empty(3 * 4 // world * world // world, dtype=dtype).cuda()
     dist.reduce_scatter_tensor(scattered, base.reshape(-1)[: scattered.numel() * world])
+    if dtype.is_floating_point:  # each rank's tensor times a factor, then summed (FSDP2's HSDP reduce-scatter on NCCL)
+        dist.all_reduce(base.clone(), op=dist._make_nccl_premul_sum(0.5))
+        dist.reduce_scatter_tensor(scattered, base.reshape(-1)[: scattered.numel() * world],
+                                   op=dist._make_nccl_premul_sum(-0.25))
     root = base.clone()
     dist.broadcast(root, src=1)
     dist.reduce(base.clone(), dst=1)  # the sum arrives on rank 1: checked there
