@@ -818,14 +818,17 @@ class OpTool:
             _thread.depth -= 1
         return result
 
-    def check_when_waited(self, call: OpCall, check: Callable[[OpCall], None], received: list | None) -> None:
+    def check_when_waited(self, call: OpCall, check: Callable[[OpCall], None], received: list | None,
+                          bound: Any = None) -> None:
         """From ``after()``: ``check(call)`` once the program waits for the asynchronous collective ``call`` (its
         result, a ``Work``, is replaced by one that runs it: collective_waits.py). ``call`` keeps its state, not its
         arguments or result; a collective whose check never runs is said not checked, with why. ``received``: the
         tool's list of the tensors its check reads what arrived from (``CollectiveCall.received``), which a future the
-        program takes replaces by copies made as the result arrives."""
+        program takes replaces by copies made as the result arrives. ``bound``: the tool's ``CollectiveCall`` of it,
+        where it has one (bound here otherwise: its group tells its library)."""
         call.keep_location()  # while the user's frames are on the stack
-        bound = collective_call(call.name, call.func, call.args, call.kwargs)
+        if bound is None:
+            bound = collective_call(call.name, call.func, call.args, call.kwargs)
         ordered = bound is not None and collective_waits.completes_when_queued(bound.group)
         call.result = self._waits.defer(call.without_values(), check, call.result, received, ordered)
 

@@ -206,8 +206,8 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int] | None:
     return start, start + span * t.element_size()
 
 
-def writes_overlap(writes: WriteSpec, tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> bool:
-    """Whether a tensor the call writes shares memory with another of its tensors (``tensors``) without being the
+def writes_overlap(writes: WriteSpec, args: tuple, kwargs: dict) -> bool:
+    """Whether a tensor the call writes shares memory with another of its tensors without being the
     same view of it: ``x.add_(x[0])``, ``add(x[:-1], 1, out=x[1:])``, which a device refuses ("some elements of the
     input tensor and the written-to tensor refer to a single memory location") and copies of each, sharing no memory,
     would compute. Not for a function of unknown writes (every argument may be written)."""
@@ -217,7 +217,7 @@ def writes_overlap(writes: WriteSpec, tensors: list[torch.Tensor], args: tuple, 
     if not written:
         return False
     by_storage: dict[tuple, list[tuple[torch.Tensor, tuple[int, int]]]] = {}  # (device, storage) -> its tensors
-    for t in tensors:
+    for t in _all_tensors(args, kwargs):
         span = _byte_range(t)
         if span is not None:
             by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((t, span))

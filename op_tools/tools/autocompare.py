@@ -597,7 +597,7 @@ class OpAutoCompare(OpTool):
             self._copies.forget(written)
             bound = state.collective[0]
             if bound.asynchronous:  # what it receives is there once the program waits for it
-                self.check_when_waited(call, self._after_waited_collective, bound.received)
+                self.check_when_waited(call, self._after_waited_collective, bound.received, bound)
                 return
             if bound.functional:  # its result, filled by the collective: waited for now (the program's wait is a no-op)
                 if not isinstance(call.result, torch.Tensor):

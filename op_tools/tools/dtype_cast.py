@@ -71,8 +71,7 @@ class OpDtypeCast(OpTool):
         lowered_to = under if under in self.cast and self.cast[under] != under else None
         casts_some = lowered_to is not None or any(self.cast.get(t.dtype, t.dtype) != t.dtype
                                                    for t in iter_tensors((call.args, call.kwargs)))
-        if casts_some and writes_overlap(call_writes(call.name), list(iter_tensors((call.args, call.kwargs))),
-                                         call.args, call.kwargs):
+        if casts_some and writes_overlap(call_writes(call.name), call.args, call.kwargs):
             # Its wide copies share no memory: the call would run on them, computing what the device refuses (or
             # computes otherwise, reading what it wrote). It runs as written, as without the tool.
             return self._run_as_written(call, UnsupportedInputError(

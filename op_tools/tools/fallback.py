@@ -145,8 +145,8 @@ class OpFallback(OpTool):
             # On the CPU the call would run, hiding the user's mistake (most ops on a device refuse it): the device
             # decides, as without the tool.
             return self._run_on_device(call, UnsupportedInputError("calls mixing devices run on the device"))
-        if writes_overlap(call_writes(call.name), list(iter_tensors((call.args, call.kwargs))), call.args,
-                          call.kwargs):
+        writes = call_writes(call.name)
+        if writes_overlap(writes, call.args, call.kwargs):
             # Its CPU copies share no memory: the call would run there, computing what the device refuses (or
             # computes otherwise, reading what it wrote). The device decides, as without the tool.
             return self._run_on_device(call, UnsupportedInputError(
@@ -157,7 +157,6 @@ class OpFallback(OpTool):
             # checkpoint's recomputation stops by raising): the device decides whether the error is the user's
             return self._run_on_device(call, error)
         with tool_work():
-            writes = call_writes(call.name)
             copies.write_back(writes, call.args, call.kwargs)
             result = copies.to_device(cpu_result, call.device, dtype_back, writes)
             if saves is not None and saves.saved():  # the node's saved copies, tied to the device's tensors now

@@ -712,7 +712,8 @@ class OpOverflowCheck(OpTool):
             return
         if isinstance(call.state, dict) and "collective" in call.state:
             if call.state["collective"].asynchronous:  # what it receives is there once the program waits for it
-                self.check_when_waited(call, self._check_collective, call.state["collective"].received)
+                bound = call.state["collective"]
+                self.check_when_waited(call, self._check_collective, bound.received, bound)
             else:
                 self._check_collective(call)
             return

@@ -255,7 +255,7 @@ class OpSelfCheck(OpTool):
         begun = time.perf_counter()
         if call.name in invariants.COLLECTIVES:
             if isinstance(call.state, tuple) and call.state[0].asynchronous:  # received once the program waits
-                self.check_when_waited(call, self._after_collective, call.state[0].received)
+                self.check_when_waited(call, self._after_collective, call.state[0].received, call.state[0])
                 self._spent += time.perf_counter() - begun
             else:
                 self._after_collective(call)
