@@ -51,6 +51,9 @@ class FinishingWork(dist._Work):
         self._finish = finish
         self._lock = threading.Lock()
         self._waited = False  # gloo's reduce_scatter work never says is_completed(), even after wait()
+        # One wait on the library's work: gloo's point-to-point works wait for another transfer when waited again
+        # (a program's wait after its future's, then the group's shutdown), so a second waiter waits for the first.
+        self._waiting = threading.Lock()
         try:
             future = work.get_future()
         except RuntimeError:  # a work without a future (some point-to-point works): finished on wait()
@@ -70,15 +73,18 @@ class FinishingWork(dist._Work):
         return self._complete()
 
     def wait(self, timeout=None) -> bool:
-        if timeout is None:
-            self._work.wait()
-        else:
-            self._work.wait(timeout)
-        if self._future is not None:
-            self._future.wait()
-        else:
-            self._complete()
-        self._waited = True
+        with self._waiting:
+            if self._waited:
+                return True
+            if timeout is None:
+                self._work.wait()
+            else:
+                self._work.wait(timeout)
+            if self._future is not None:
+                self._future.wait()
+            else:
+                self._complete()
+            self._waited = True
         return True
 
     def is_completed(self) -> bool:

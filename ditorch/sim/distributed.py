@@ -104,7 +104,7 @@ class SimProcessGroup(dist.ProcessGroup):
             if delay:  # a slow link: done that much later, whatever the call returned to its caller
                 work = _LateWork(work, delay)
             finish = _with_faults(finish, faults, tensors, dtypes)
-        finishing = _SimWork(work, result, finish)
+        finishing = _SimWork(work, result, finish, waits_for_peer=name in _POINT_TO_POINT)
         with self._pending_lock:  # the unfinished ones only: a list as long as the collectives in flight
             self._pending = [w for w in self._pending if not w.is_completed()]
             self._pending.append(finishing)
@@ -283,23 +283,45 @@ def _with_faults(finish, faults, tensors: list, dtypes: set):
     return finished
 
 
+_POINT_TO_POINT = frozenset({"send", "recv", "recv_anysource"})
+
+
 class _SimWork(adapters.FinishingWork):
     """A collective on sim. Its future, once taken, is complete: waited for on the thread that takes it, as an NCCL
     collective's future is complete to the host once the collective is queued on its stream. So the program's
     callbacks run on the program's thread, in ``then()``, as on a GPU. Completed on gloo's threads, they ran there,
     and callbacks that wait for a collective of their own (PowerSGD's hook does, for each bucket) could hold both of
     gloo's threads while the collectives they wait for queued behind them: a deadlock no GPU has. Sim runs every
-    kernel before returning, so a device's overlap of the collective with the program's work is not lost here."""
+    kernel before returning, so a device's overlap of the collective with the program's work is not lost here.
+
+    A point-to-point work (``waits_for_peer``) is the exception: its transfer needs the peer's matching call, which
+    may come after this rank's ``get_future()`` (both ranks take their send's future before they receive); waited
+    for there it would deadlock, where NCCL returns at once. Its future completes on a thread of its own, when the
+    transfer has (a callback reading a received tensor then reads its values, which on a GPU the stream's order
+    gives); one thread a work, made only when its future is taken, which few programs do."""
+
+    def __init__(self, work, result: list, finish=None, *, waits_for_peer: bool = False) -> None:
+        super().__init__(work, result, finish)
+        self._waits_for_peer = waits_for_peer
+        self._taken: torch.futures.Future | None = None
 
     def get_future(self) -> torch.futures.Future:
-        done: torch.futures.Future = torch.futures.Future()
+        if self._taken is None:
+            self._taken = torch.futures.Future()
+            if self._waits_for_peer:
+                threading.Thread(target=self._settle, args=(self._taken,), name="simccl point-to-point",
+                                 daemon=True).start()
+            else:
+                self._settle(self._taken)
+        return self._taken
+
+    def _settle(self, done: torch.futures.Future) -> None:
         try:
             self.wait()
         except Exception as error:  # the library's error, at the future's wait() as on a GPU
             done.set_exception(error)
         else:
             done.set_result(self._result)
-        return done
 
 
 class _LateWork:

@@ -173,6 +173,21 @@ def collectives(rank, device, dtype_name) -> None:
             work.wait()
         return same(t, [x1, x0][rank])
 
+    def isend_irecv_futures():
+        # Both ranks take their send's future before they receive (NCCL's returns at once; sim's waited for the
+        # transfer, which needs the peer's receive: a deadlock), read the received tensor in a callback, then wait
+        # for the works too (gloo's send works, waited twice, waited for another transfer).
+        t = torch.zeros_like(x)
+        send = dist.isend(x, dst=1 - rank)
+        sent = send.get_future()
+        receive = dist.irecv(t, src=1 - rank)
+        doubled = receive.get_future().then(lambda future: future.value()[0] * 2)
+        sent.wait()
+        twice = doubled.wait()
+        send.wait()
+        receive.wait()
+        return first(same(t, [x1, x0][rank]), same(twice, [x1, x0][rank] * 2))
+
     def batch_isend_irecv():
         t = torch.zeros_like(x)
         ops = [dist.P2POp(dist.isend, x, 1 - rank), dist.P2POp(dist.irecv, t, 1 - rank)]
@@ -203,7 +218,9 @@ def collectives(rank, device, dtype_name) -> None:
             dist.all_gather_into_tensor(out, x)
         return first(same(a, [3, 8, 8]), same(b, [3, 8, 8]), same(out, torch.cat([x0, x1])))
 
-    for fn in (send_recv, isend_irecv, batch_isend_irecv, coalesced, coalescing_manager):
+    point_to_point = (send_recv, isend_irecv, isend_irecv_futures) if ditorch.backend.name != "cpu" else \
+        (send_recv, isend_irecv)  # gloo's send works have no future ("Work::getFuture not implemented")
+    for fn in (*point_to_point, batch_isend_irecv, coalesced, coalescing_manager):
         check(f"{fn.__name__}.{dtype_name}.{device}", fn)
 
 
