@@ -8,8 +8,9 @@ copy the node saved was never written, so backward ran on values the program had
 was hidden. ``SavedStandIns`` watches what the node saves while the call runs (autograd's saved-tensor hooks, chained
 to any the program pushed), and once the call's results are back, ties each saved stand-in to its original and the
 version the original holds then; at backward, a saved stand-in whose original's version has moved raises that
-error. A tensor the node derives and saves (a view of a stand-in, an intermediate) is not tied to anything: unchecked,
-as before.
+error. A tensor the node derives and saves sharing a stand-in's memory (a composite's view of it: ``linear`` saves its
+3-d input flattened) is tied to that stand-in's original, whose version counter a view shares on the device too; an
+intermediate of the node's own shares no original's memory, and no program can write it.
 
     saves = SavedStandIns.watching(stand_ins)  # None where nothing can be saved (no grad, a functorch transform)
     with saves or contextlib.nullcontext():
@@ -36,6 +37,9 @@ if _SUPPORTED:
     _top, _enabled = _autograd._top_saved_tensors_default_hooks, _autograd._saved_tensors_hooks_is_enabled
 
 
+_Tie = tuple[weakref.ref, int, str]  # a saved tensor's original, its version at the tie, and its role
+
+
 class SavedStandIns:
     """Saved-tensor hooks for one call run on stand-ins (see the module's doc)."""
 
@@ -43,9 +47,10 @@ class SavedStandIns:
 
     def __init__(self) -> None:
         self._outer = _top(True)  # the program's own hooks, chained
-        # id(saved tensor) -> a weak reference to it: the same tensor at the tie, not one made since
-        self._saved: dict[int, weakref.ref] = {}
-        self._tied: dict[int, tuple[weakref.ref, int, str]] = {}  # id(saved tensor) -> (original, version, role)
+        # per tensor saved, in order (its token): a weak reference to it, the same tensor at the tie as it is not
+        # one made since, and its memory's place, taken as it is saved (a view made inside the call is gone by then)
+        self._saved: list[tuple[weakref.ref, tuple | None]] = []
+        self._tied: dict[int, _Tie] = {}  # token -> (original, version, role)
         self._call = ""
 
     @classmethod
@@ -66,9 +71,8 @@ class SavedStandIns:
         _pop()
 
     def _pack(self, t: torch.Tensor):
-        key = id(t)
-        if key not in self._saved:
-            self._saved[key] = weakref.ref(t)
+        key = len(self._saved)
+        self._saved.append((weakref.ref(t), _memory(t)))
         outer = self._outer
         # an alias without the node: an output the node saves, held as itself, would hold the node that holds it, a
         # cycle through C++ that the garbage collector cannot see (the graph of every call kept alive)
@@ -87,18 +91,38 @@ class SavedStandIns:
         return bool(self._saved)
 
     def tie(self, pairs, call: str) -> None:
-        """Tie each saved stand-in of ``pairs`` (``(stand-in, original, role)``: role ``"an input"``, ``"output 0"``)
-        to its original at the version it holds now."""
-        saved = self._saved
+        """Tie each saved tensor that is a stand-in of ``pairs`` (``(stand-in, original, role)``: role ``"an
+        input"``, ``"output 0"``), or shares one's memory, to its original at the version it holds now."""
+        by_id: dict[int, tuple[torch.Tensor, _Tie]] = {}
+        by_memory: dict[tuple, _Tie] = {}
         for stand_in, original, role in pairs:
-            kept = saved.get(id(stand_in))
-            if kept is not None and kept() is stand_in and original is not stand_in and not original.is_inference():
-                self._tied[id(stand_in)] = (weakref.ref(original), original._version, role)
-        self._saved = {}
+            if original is not stand_in and not original.is_inference():
+                tie = (weakref.ref(original), original._version, role)
+                by_id.setdefault(id(stand_in), (stand_in, tie))
+                memory = _memory(stand_in)
+                if memory is not None:
+                    by_memory.setdefault(memory, tie)
+        for token, (kept, memory) in enumerate(self._saved):
+            t = kept()
+            mine = by_id.get(id(t)) if t is not None else None
+            found = mine[1] if mine is not None and mine[0] is t else by_memory.get(memory) if memory else None
+            if found is not None:
+                self._tied[token] = found
+        self._saved = []
         self._call = call
 
 
-def _check(tied: tuple[weakref.ref, int, str], call: str) -> None:
+def _memory(t: torch.Tensor) -> tuple | None:
+    """Where ``t``'s memory is (its device and storage: the same for its views), or None: none to share (empty,
+    storage-less)."""
+    try:
+        address = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested and other storage-less tensors
+        return None
+    return (t.device, address) if address else None
+
+
+def _check(tied: _Tie, call: str) -> None:
     """PyTorch's error where the original a saved stand-in stands for was written since the call."""
     original, version, role = tied[0](), tied[1], tied[2]
     if original is None or original._version == version:
