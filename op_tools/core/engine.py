@@ -344,6 +344,7 @@ class OpTool:
         # apply_feature, which see only the functions they wrap: writes elsewhere go unseen)
         self.sees_every_call = False
         self.stem = ""  # pid<pid>_<time>_<n>: this session's file names (result_files.session_stem)
+        self._running_markers: list[str] = []  # ``running_<stem>.json`` of each session not yet ended (write_unchecked)
         # Set by configure() to handle calls whose tensors are all on the CPU too (by default the CPU is the
         # reference and its calls run untouched); such calls get device cpu.
         self.handles_cpu_calls = False
@@ -554,10 +555,36 @@ class OpTool:
         self.tally.close()
         self._log_closing()
 
+    def _mark_running(self) -> None:
+        """For the run report: ``running_<session>.json`` in the tool's folder from its start until its verdict is
+        written (``write_unchecked``). A process killed meanwhile (SIGKILL, the OOM killer: no exit handler runs)
+        leaves it, and the report says the session was not judged to its end, where its folder alone (OpOverflowCheck
+        and OpSelfCheck write nothing when clean, OpAutoCompare's CSV comes at stop) said clean."""
+        if not (self.reports_unchecked and self.results_folder):
+            return
+        path = result_files.results_path(self.common, self.results_folder, f"running_{self.stem}.json")
+        record = {"format": "op_tools running", "version": 1, "tool": type(self).__name__, "rank": self.common.rank,
+                  "pid": os.getpid()}
+        try:
+            result_files.write_json(path, record)
+            self._running_markers.append(path)
+        except OSError as error:
+            self._logger.warning("%s: %s not written: %s", type(self).__name__, path, error)
+
     def write_unchecked(self) -> None:
         """For the run report (``python -m op_tools.report``), which reads what the tools wrote: a tool that judges
         calls and did not check every one says so in ``unchecked_<session>.json``, else the report would find no
-        anomaly in its files and call the run clean."""
+        anomaly in its files and call the run clean. Then the sessions' ``running_`` markers go: their verdicts are
+        written."""
+        try:
+            self._write_unchecked()
+        finally:
+            markers, self._running_markers = self._running_markers, []
+            for path in markers:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+
+    def _write_unchecked(self) -> None:
         if not (self.reports_unchecked and self.results_folder) or self.verdict() != "unchecked":
             return
         path = result_files.results_path(self.common, self.results_folder, f"unchecked_{self.stem}.json")
@@ -580,6 +607,7 @@ class OpTool:
         self._reset_account()
         if self.results_folder:
             result_files.prepare_results_folder(self.common, self.results_folder, type(self).__name__)
+            self._mark_running()
 
     def _reset_account(self) -> None:
         """Counts of one ``start()``…``stop()``: what its verdict accounts for."""

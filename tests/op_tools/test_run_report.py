@@ -189,6 +189,39 @@ def test_a_tool_that_did_not_check_every_call_earns_the_run_no_clean_verdict(sim
     assert "but 1 tool session did not check every call (above)" in done.stdout
 
 
+KILLED = """
+import os, signal, torch, ditorch, op_tools
+x = torch.linspace(-2, 2, 64, device="cuda")
+with op_tools.OpAutoCompare() as compare, op_tools.OpOverflowCheck() as overflow:
+    torch.nn.functional.gelu(x).sum()  # the fault: a failing call OpAutoCompare judges at its stop()
+    assert len(os.listdir(os.path.join(os.environ["OP_TOOLS_RESULTS_DIR"], "op_overflow_check_result"))) == 1
+    os.kill(os.getpid(), signal.SIGKILL)  # the OOM killer: no exit handler runs
+"""
+
+
+def test_a_session_killed_before_its_verdict_earns_the_run_no_clean_verdict(tmp_path, monkeypatch):
+    # OpAutoCompare's failing rows, judged at its stop, never written; OpOverflowCheck's folder alone said "ran and
+    # found nothing": the report said "no anomaly", exit 0
+    env = child_env({"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1", "OP_TOOLS_RESULTS_DIR": str(tmp_path),
+                     "DITORCH_SIM_FAULTS": "gelu:noise=1e-2"}, drop=("OP_", "DITORCH_"))
+    killed = subprocess.run([sys.executable, "-c", KILLED], env=env, capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path)
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    done = report(tmp_path)
+    assert done.returncode == 4, done.stdout + done.stderr
+    for tool in ("OpAutoCompare", "OpOverflowCheck"):
+        assert re.search(rf"NOT CHECKED: rank 0: {tool}: its session \(pid \d+\) never stopped: the process was "
+                         r"killed, or is still running \(running_pid\d+_[^)]*\.json\); its calls are not all judged\n",
+                         done.stdout), done.stdout
+    # a session that stopped leaves none
+    import op_tools
+
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / "stopped"))
+    with op_tools.OpOverflowCheck():
+        (marker,) = (tmp_path / "stopped").glob("*/running_*.json")
+    assert not marker.exists()
+
+
 def _event(rank, step, op, **fields):
     return Event(rank, step, float(step), op, "", "forward", "OpOverflowCheck", "inf/nan", **fields)
 

@@ -13,7 +13,9 @@ Read, per rank (the ``rank<N>`` subfolder of each tool's folder; a run without t
 - the replica fingerprints (``op_replica_fingerprints/fingerprints_*.jsonl``, ``.partial`` from a run that died);
 - TrainingMonitor's anomalies (``op_training_monitor/anomalies_*.jsonl``, ``.partial`` from a run that died): each
   an anomaly whose ``kind`` is the monitor's rule and whose ``op`` is empty (the monitor watches modules and
-  parameters, not calls).
+  parameters, not calls);
+- what OpOverflowCheck, OpSelfCheck and OpAutoCompare did not check (``unchecked_*.json``), and their sessions that
+  never stopped (``running_*.json``, left by a process killed before the tool wrote its verdict).
 
 A file that cannot be read is listed in ``Results.unreadable`` with why; a folder with nothing op_tools wrote is a
 ``ResultsError``.
@@ -154,9 +156,10 @@ def read_results(folder: str) -> Results:
                (TIME_FOLDER, TIME_MEASURE, "op_elasped_info_*.csv", _read_times),
                (FINGERPRINT_FOLDER, "fingerprints", "fingerprints_*.jsonl*", _read_fingerprints),
                (MONITOR_FOLDER, MONITOR, "anomalies_*.jsonl*", _read_monitor_anomalies),
-               *((folder, tool, "unchecked_*.json", _read_unchecked) for folder, tool in (
+               *((folder, tool, pattern, read) for folder, tool in (
                    (OVERFLOW_FOLDER, "OpOverflowCheck"), (SELF_CHECK_FOLDER, "OpSelfCheck"),
-                   (AUTOCOMPARE_FOLDER, "OpAutoCompare"))))
+                   (AUTOCOMPARE_FOLDER, "OpAutoCompare"))
+                 for pattern, read in (("unchecked_*.json", _read_unchecked), ("running_*.json", _read_running))))
     for subfolder, tool, pattern, read in readers:
         for rank, path in sorted(_rank_folders(folder, subfolder).items()):
             results.tools.setdefault(tool, set()).add(rank)
@@ -200,6 +203,16 @@ def _read_unchecked(results: Results, rank: int, path: str) -> None:
     record = _record(path, "op_tools unchecked", "an op_tools unchecked file")
     rank = record["rank"] if isinstance(record.get("rank"), int) else rank
     results.unchecked.append(f"rank {rank}: {record['tool']}: {record['not_checked']}")
+
+
+def _read_running(results: Results, rank: int, path: str) -> None:
+    """A tool session whose verdict was never written (``OpTool._mark_running``): its process is still running, or
+    was killed before the tool stopped. What it checked after its last file is unknown: no clean verdict over it."""
+    record = _record(path, "op_tools running", "an op_tools running marker")
+    rank = record["rank"] if isinstance(record.get("rank"), int) else rank
+    results.unchecked.append(f"rank {rank}: {record['tool']}: its session (pid {record.get('pid', '?')}) never "
+                             f"stopped: the process was killed, or is still running ({os.path.basename(path)}); its "
+                             "calls are not all judged")
 
 
 def _read_self_check(results: Results, rank: int, path: str) -> None:
