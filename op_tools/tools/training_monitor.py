@@ -321,6 +321,9 @@ class TrainingMonitor:
         self._unmeasured: collections.Counter[str] = collections.Counter()
         self._compiled: set[str] = set()  # selected modules met inside a torch.compile region
         self._failed = False
+        # per selection (parameters, activations): whether one was made (a step's parameters, a model attached)
+        # and whether it matched anything: a pattern that matches nothing (a typo) monitors nothing, said at stop
+        self._selections: dict[str, list[bool]] = {"parameters": [False, False], "activations": [False, False]}
         self._drops, self._last_scale = 0, None
         if self.scaler is not None:  # the baseline the first monitored step's scale is compared with: one sync, once
             self._last_scale = self.scaler.get_scale()
@@ -388,6 +391,7 @@ class TrainingMonitor:
             self._unmeasured[f"module outputs inside torch.compile regions ({', '.join(sorted(self._compiled))})"] = \
                 len(self._compiled)
         unmeasured = "".join(f"; not measured: {n} x {what}" for what, n in sorted(self._unmeasured.items()))
+        unmeasured += "".join(f"; {what}" for what in self._unmatched())
         if not self._monitored:
             unmeasured += ("; no step monitored" if self.step else
                            "; no step monitored (no optimizer step ran while it was on)")
@@ -410,7 +414,21 @@ class TrainingMonitor:
             return "found"
         if getattr(self, "_failed", False) or not getattr(self, "_monitored", 0):  # none before the first start()
             return "unchecked"  # a failure, or no step monitored at all: nothing judged is no clean verdict
-        return "clean"
+        return "unchecked" if self._unmatched() else "clean"  # asked to watch what it never found
+
+    def _unmatched(self) -> list[str]:
+        """What the closing line says of a selection that matched nothing it was applied to."""
+        found = []
+        selections = getattr(self, "_selections", {})
+        made, matched = selections.get("parameters", (False, False))
+        if self._parameter_patterns and made and not matched:  # [] (the variable empty) selects none on purpose
+            found.append("parameters matched no parameter the optimizer updates: "
+                         + ", ".join(p.pattern for p in self._parameter_patterns))
+        made, matched = selections.get("activations", (False, False))
+        if self._activation_patterns and made and not matched:  # not "blocks", the default: a model may have none
+            found.append("activations matched no module of the model: "
+                         + ", ".join(p.pattern for p in self._activation_patterns))
+        return found
 
     def __enter__(self) -> TrainingMonitor:
         return self.start()
@@ -472,7 +490,9 @@ class TrainingMonitor:
             self._names.setdefault(id(p), _unwrapped(name, root))
         self._order = {name: k for k, name in enumerate(self._names.values())}
         self._groups.update(shards.fsdp1_groups(root))
-        for name, module in self._activation_modules(root):
+        modules = self._activation_modules(root)
+        self._selections["activations"] = [True, self._selections["activations"][1] or bool(modules)]
+        for name, module in modules:
             self._hooks.append(module.register_forward_hook(functools.partial(self._after_forward, name)))
         from torch.nn.parallel import DistributedDataParallel
 
@@ -592,6 +612,7 @@ class TrainingMonitor:
                 name = self._names.get(id(p)) or f"param_groups[{g}][{i}]"
                 selected = self._parameter_patterns is None or any(r.match(name) for r in self._parameter_patterns)
                 found.append(_Param(name, p, selected, self._groups.get(id(p), ())))
+        self._selections["parameters"] = [True, self._selections["parameters"][1] or any(p.selected for p in found)]
         if self._order:  # model order: the order named_parameters() gives
             found.sort(key=lambda r: self._order.get(r.name, len(self._order)))
         return found
@@ -647,8 +668,8 @@ class TrainingMonitor:
                 figures.add(scale.detach(), [("step", "", "loss_scale")])
             if self.config.replicas and self._ddp_groups:
                 self._replica_flags(params, figures)
-            if self.config.update_ratio and self._state:
-                self._old = [shards.local_part(p.param).detach().clone() for p in params if p.selected]
+            if self.config.update_ratio and self._state:  # None where no parameter is selected: no update to take
+                self._old = [shards.local_part(p.param).detach().clone() for p in params if p.selected] or None
         self._lrs = {f"lr/param_groups[{g}]": float(group["lr"]) for g, group in enumerate(optimizer.param_groups)
                      if "lr" in group}
 

@@ -271,6 +271,24 @@ def test_every_parameters_and_activations_narrow_what_is_written(sim, tmp_path):
         pytest.approx(_figures(every_param)[0][("step", "", "global_grad_norm")], rel=1e-6)
 
 
+def test_no_parameter_selected_is_monitored_and_a_selection_matching_nothing_is_said(sim, tmp_path, caplog):
+    # parameters=[] ("empty: none") failed every step's recording (the update ratio's copy of no parameter), so the
+    # step's loss and global norm went unjudged; a pattern matching nothing (a typo) monitored nothing, said nowhere
+    _, none, _ = _train(sim, tmp_path / "none", steps=3, parameters=[], state_every=1)
+    assert none.verdict() == "clean" and none._monitored == 3
+    assert [(k, n) for k, n, _ in _figures(none)[0] if k == "parameter"] == []
+    assert ("step", "", "global_grad_norm") in _figures(none)[2]
+    with caplog.at_level(logging.INFO, logger="op_tools"):
+        _, typo, _ = _train(sim, tmp_path / "typo", steps=2, parameters=["model.layres"],
+                            activations=[r"model\.layres\.\d+"])
+    assert typo.verdict() == "unchecked" and typo._monitored == 2
+    closing = [" ".join(r.getMessage().split()) for r in caplog.records  # unwrapped: fit_path breaks long lines
+               if r.getMessage().startswith("TrainingMonitor: 2 steps")]
+    assert len(closing) == 1
+    assert "; parameters matched no parameter the optimizer updates: model.layres;" in closing[0]
+    assert r"; activations matched no module of the model: model\.layres\.\d+;" in closing[0]
+
+
 def test_tensorboard_event_files_read_back_as_written(sim, tmp_path, caplog):
     if importlib.util.find_spec("tensorboard") is None:
         with pytest.raises(ImportError, match="pip install tensorboard"):
