@@ -24,7 +24,8 @@ import argparse
 import os
 import runpy
 import sys
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any, NoReturn, cast
 
 from .config.settings import Family, keywords_of
 from .config.tool_registry import (  # filled by the tools: the package imported them first
@@ -122,10 +123,19 @@ def split_command(cls: type[ToolClass], argv: list[str]) -> tuple[list[str], str
     return argv, None, None, []
 
 
-def run_under(tool, script: str | None, argv: list[str], module: str | None = None) -> int | str | None:
+def run_under(tool, script: str | None, argv: list[str], module: str | None = None,
+              usage_error: Callable[[str], NoReturn] | None = None) -> int | str | None:
     """Run ``script`` (or ``module``) as ``__main__`` with ``sys.argv`` set, between ``tool.start()`` and
     ``tool.stop()``; its exit status (``SystemExit``'s code; 0 when it returns), or when that is 0 the tool's
-    verdict (``exit_status.status_of``), said in a line on each rank under torchrun. Its exceptions propagate."""
+    verdict (``exit_status.status_of``), said in a line on each rank under torchrun. Its exceptions propagate.
+    ``usage_error`` gets what ``start()`` refused (a malformed variable or config file, a results folder it cannot
+    write), before the script runs: a bad environment, not a crash."""
+    try:
+        tool.start()
+    except (ValueError, OSError) as error:
+        if usage_error is None:
+            raise
+        usage_error(str(error))
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     if module is None:
         assert script is not None  # main() gives a script or a module
@@ -134,7 +144,6 @@ def run_under(tool, script: str | None, argv: list[str], module: str | None = No
     else:
         sys.argv = [module, *argv]  # run_module replaces argv[0] with the module's file
         sys.path.insert(0, os.getcwd())  # as `python -m module` does
-    tool.start()
     status: int | str | None = 0
     try:
         if module is None:
@@ -171,13 +180,15 @@ def main(argv: list[str] | None = None) -> int | str | None:
     if script is not None and not os.path.isfile(script):
         sub.error(f"no such script: {script}")
     if options.config:
+        if not os.path.isfile(options.config):  # else named as the variable it is handed on in, which was not set
+            sub.error(f"--config {options.config}: no such file")
         os.environ[CONFIG_FILE.name] = options.config
     settings = {k: getattr(options, k) for k in keywords_of(cls) if getattr(options, k, None) is not None}
     try:
         tool = RUNS.get(cls, cls)(**settings)
     except (TypeError, ValueError) as e:
         sub.error(str(e))  # "OpCapture(mode='everything'): unknown choice ...; expected full or summary"
-    return run_under(tool, script, args, module)
+    return run_under(tool, script, args, module, sub.error)
 
 
 if __name__ == "__main__":

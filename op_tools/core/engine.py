@@ -52,7 +52,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
 
 from ..config import typo_check
-from ..config.settings import signature_of, sources_for, validate_arguments
+from ..config.settings import origin, signature_of, sources_for, validate_arguments
 from ..config.tool_registry import FEATURES, feature  # noqa: F401  # op_tools.core.engine.FEATURES / feature, as before
 from ..config.variables import CommonConfig, OpFilter, Sources
 from ..ops import torch_versions
@@ -672,11 +672,19 @@ class OpTool:
             return []
         refused = sorted(self._refused)
         unmet = [p.pattern for p in entries if not any(p.pattern == n or p.fullmatch(n) for n in refused)]
-        parts = [f"{self.env_prefix}_LIST matched no call: {', '.join(unmet)}"] if unmet else []
+        where = self._list_origin()
+        parts = [f"{where} matched no call: {', '.join(unmet)}"] if unmet else []
         if refused:
-            parts.append(f"{self.env_prefix}_LIST named calls {type(self).__name__} does not handle: "
-                         f"{', '.join(refused)}")
+            parts.append(f"{where} named calls {type(self).__name__} does not handle: {', '.join(refused)}")
         return parts
+
+    def _list_origin(self) -> str:
+        """Where the LIST came from, as the user gave it: ``OpFallback(ops=...)``, the variable, or the config file's
+        key (a tool of its own without the ``ops`` keyword: its variable)."""
+        try:
+            return origin(self, "ops")
+        except (KeyError, AttributeError):
+            return f"{self.env_prefix}_LIST"
 
     def not_checked(self) -> str:
         """'' when every handled call was checked; else what was not: calls a step of the tool failed on, the LIST's
@@ -684,7 +692,7 @@ class OpTool:
         parts = []
         if not (self.handled or self.compiled or self.transformed):  # no call met (those met unchecked: below)
             if self.filter is not None and self.filter.allow is not None and not self.default_list:
-                parts.extend(self._list_entries_unmet() or [f"{self.env_prefix}_LIST matched no call"])
+                parts.extend(self._list_entries_unmet() or [f"{self._list_origin()} matched no call"])
             elif self.default_list:  # its own list: the device's calls, if any ran, were none of its ops
                 parts.append("no call of the ops it checks ran on a device")
             else:  # nothing checked is no clean verdict (a device package not imported: all on the CPU)

@@ -91,6 +91,7 @@ def test_a_module_runs_as_python_m_runs_it(tmp_path):
     (["capture", "--mdoe", "summary", "train.py"], ["unrecognized arguments: --mdoe"]),
     (["capture", "missing.py"], ["no such script: missing.py"]),
     (["capture"], ["no script to run"]),
+    (["capture", "--config", "missing.toml", "train.py"], ["--config missing.toml: no such file"]),
 ])
 def test_a_bad_command_line_is_an_error_naming_what_is_wrong(args, words, tmp_path, monkeypatch, capsys):
     _script(tmp_path)
@@ -101,3 +102,27 @@ def test_a_bad_command_line_is_an_error_naming_what_is_wrong(args, words, tmp_pa
     err = capsys.readouterr().err
     for word in words:
         assert word in err
+
+
+@pytest.mark.parametrize(("variable", "value", "tool", "words"), [
+    ("OP_CAPTURE_MODE", "sumary", "capture", ["OP_CAPTURE_MODE='sumary'", "full, summary or stats"]),
+    ("OP_TOOLS_VERBOSE", "maybe", "overflow_check", ["OP_TOOLS_VERBOSE='maybe'", "expected 0 or 1"]),
+    ("OP_AUTOCOMPARE_BACKWARD", "2x", "autocompare", ["OP_AUTOCOMPARE_BACKWARD='2x'"]),
+    ("OP_TOOLS_RESULTS_DIR", "a_file", "overflow_check", ["OP_TOOLS_RESULTS_DIR=", "is not a directory"]),
+    ("OP_TOOLS_CONFIG", "missing.toml", "time_measure", ["OP_TOOLS_CONFIG='missing.toml'"]),
+])
+def test_a_malformed_variable_is_a_usage_error_naming_it_before_the_script_runs(variable, value, tool, words,
+                                                                                tmp_path, monkeypatch, capsys):
+    # The tool's start() read it, inside the run: a 28-line traceback and status 1, which a CI job cannot tell from
+    # a crash of the tool (2 is a bad command line or environment)
+    script = _script(tmp_path)
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit) as done:
+        main([tool, script])
+    assert done.value.code == 2
+    out, err = capsys.readouterr()
+    assert "argv" not in out  # the script never ran
+    for word in words:
+        assert word in err.splitlines()[-1], err

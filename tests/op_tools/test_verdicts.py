@@ -33,15 +33,20 @@ def _summary(caplog) -> str:
     return reporting.unwrapped(summary)
 
 
+@pytest.mark.parametrize("given", ["argument", "variable"])
 @pytest.mark.parametrize("tool", [op_tools.OpAutoCompare, op_tools.OpOverflowCheck, op_tools.OpObserve])
-def test_a_list_that_matches_no_call_is_not_a_clean_verdict(tool, sim, caplog):
+def test_a_list_that_matches_no_call_is_not_a_clean_verdict(tool, given, sim, caplog, monkeypatch):
     caplog.set_level(logging.INFO, logger="op_tools")
     x = torch.randn(8, device=sim)
-    with tool(ops="torch.nn.functional.sliu") as running:  # a typo: silu
+    if given == "variable":
+        monkeypatch.setenv(f"{tool.env_prefix}_LIST", "torch.nn.functional.sliu")
+    with tool(**({"ops": "torch.nn.functional.sliu"} if given == "argument" else {})) as running:  # a typo: silu
         torch.nn.functional.silu(x)
     closing = _closing(caplog, tool.__name__)
     assert closing.levelno == logging.WARNING
-    assert f"{tool.env_prefix}_LIST matched no call" in reporting.unwrapped(closing.getMessage())
+    # the list named as the user gave it (an argument was said to be the variable, which was not set)
+    where = f"{tool.__name__}(ops=...)" if given == "argument" else f"{tool.env_prefix}_LIST"
+    assert f"{where} matched no call" in reporting.unwrapped(closing.getMessage())
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "no op failed" not in text and "no inf/nan from finite inputs" not in text.replace(
         "no inf/nan from finite inputs among", "")
@@ -59,12 +64,12 @@ def test_each_list_entry_that_matched_no_handled_call_is_named(tool, sim, caplog
         torch.nn.functional.silu(x).view(2, 4)
     assert running.handled == {"torch.nn.functional.silu": 1}
     said = [reporting.unwrapped(r.getMessage()) for r in caplog.records if r.levelno == logging.WARNING]
-    assert said == [f"{tool.__name__}: {tool.env_prefix}_LIST matched no call: torch.nn.functional.gelu; "
-                    f"{tool.env_prefix}_LIST named calls {tool.__name__} does not handle: torch.Tensor.view"]
+    assert said == [f"{tool.__name__}: {tool.__name__}(ops=...) matched no call: torch.nn.functional.gelu; "
+                    f"{tool.__name__}(ops=...) named calls {tool.__name__} does not handle: torch.Tensor.view"]
     with tool(ops=["torch.nn.functional.gelu", "torch.Tensor.view"]) as running:
         x.view(2, 4)
-    assert running.not_checked() == (f"{tool.env_prefix}_LIST matched no call: torch.nn.functional.gelu; "
-                                     f"{tool.env_prefix}_LIST named calls {tool.__name__} does not handle: "
+    assert running.not_checked() == (f"{tool.__name__}(ops=...) matched no call: torch.nn.functional.gelu; "
+                                     f"{tool.__name__}(ops=...) named calls {tool.__name__} does not handle: "
                                      "torch.Tensor.view")
     assert running.verdict() == "unchecked"
 
