@@ -315,6 +315,9 @@ def test_what_a_call_writes_without_reading_it_is_no_input_that_differed(sim, tm
         paths.append(capture.recorder.file.path)
     result = compare(*paths)
     assert result.divergences == [] and len(result.compared) == 3 and len(result.skipped) == 2, result.divergences
+    # nor a module's largest difference (it was inf: run A's fresh memory held nan)
+    (module,) = result.modules()
+    assert module["max_output_diff"] == 0.0, module
 
 
 def test_a_call_whose_statistics_a_run_could_not_record_is_not_compared_but_named_and_exits_4(tmp_path, monkeypatch):
@@ -457,6 +460,13 @@ def test_an_output_folder_that_cannot_be_written_is_one_line_naming_it_and_exit_
         assert err == (f"compare_runs: cannot write {wanted}: NotADirectoryError: Not a directory (a file stands "
                        "where a folder should be); choose a folder this process can write\n")
         assert out == ""  # tried before comparing
+    # the variable naming a file itself: it failed to parse, a traceback and exit 1
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path / "a_file"))
+    assert main([a, a]) == 5
+    out, err = capsys.readouterr()
+    assert err == (f"compare_runs: cannot write the CSV: OP_TOOLS_RESULTS_DIR='{tmp_path / 'a_file'}': exists and is "
+                   "not a directory; expected a directory path\n")
+    assert out == ""
     assert "5 the CSV or the HTML view cannot be written" in " ".join(_parser().format_help().split())
 
 

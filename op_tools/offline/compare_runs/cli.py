@@ -58,7 +58,10 @@ def _results_folder() -> str:
 def _unwritable_output(args) -> str:
     """Why the CSV's or the HTML view's folder cannot be written, naming the path and what chose it ('' when both
     can): tried before comparing, which can take minutes, by creating the folder and a file in it."""
-    csv_folder = os.path.dirname(args.csv) if args.csv else _results_folder()
+    try:
+        csv_folder = os.path.dirname(args.csv) if args.csv else _results_folder()
+    except ValueError as e:  # OP_TOOLS_RESULTS_DIR names a file, or is malformed: the message names it
+        return f"cannot write the CSV: {e}"
     html_folder = os.path.dirname(args.html) if args.html else csv_folder
     for what, folder in (("the CSV", csv_folder), ("the HTML view", html_folder)):
         try:
@@ -97,9 +100,8 @@ def _compare_one(args, rank: int | None, rank_b: int | None, csv_path: str | Non
         print(f"compare_runs: {title}the comparison failed (a bug of compare_runs): nothing compared",
               file=sys.stderr)
         return ExitStatus.RAISED
-    stem = os.path.join(_results_folder(), f"compare_{result_files.session_stem()}")
     suffix = "" if rank is None else f"_rank{rank}" + ("" if rank_b is None else f"_rank{rank_b}")
-    csv_path = csv_path or stem + suffix + ".csv"
+    csv_path = csv_path or os.path.join(_results_folder(), f"compare_{result_files.session_stem()}{suffix}.csv")
     html_path = html_path or os.path.splitext(csv_path)[0] + ".html"
     saved: list[str] = []
     try:

@@ -141,7 +141,8 @@ class Comparison:
             entry["diverged"] += row.diverged
             entry["structural"] += row.structural and not row.no_counterpart
             entry["not_compared"] += bool(row.not_compared or row.no_counterpart)
-            if row.a is not None and row.b is not None and not row.not_compared:  # judged
+            if row.a is not None and row.b is not None and not row.not_compared and not row.skipped:  # judged (not
+                # fresh memory's values, which differ between any two runs)
                 side = PHASE_SIDES[row.phase][1]
                 worst = max((difference(x, y)[0] for x, y in _pairs(row.a.get(side, []), row.b.get(side, []))),
                             default=0.0)
