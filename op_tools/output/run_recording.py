@@ -582,8 +582,11 @@ def find_recording(path: str, rank: int | None = None) -> str:
     if len(found) != 1:
         listing = "".join(f"\n  {f}" for f in sorted(found)) or " none"
         which = "" if rank is None else f" for rank {rank}"
+        in_ranks = rank is None and any(part.startswith("rank") and part[4:].isdigit()
+                                        for f in found for part in os.path.relpath(f, path).split(os.sep)[:-1])
+        hint = "\n(choose a rank with --rank N, or name a file)" if in_ranks else "\n(name a file)"
         raise ValueError(f"{path}: expected one run recording (run_*.jsonl){which} under it, found{listing}"
-                         + ("\n(choose a rank with --rank N, or name a file)" if len(found) > 1 else ""))
+                         + (hint if len(found) > 1 else ""))
     return found[0]
 
 

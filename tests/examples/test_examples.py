@@ -117,6 +117,11 @@ def test_demo_tells_the_whole_story_on_sim(tmp_path):
         path = re.search(rf"^{re.escape(label)}.*:\n  (\S+)$", out, re.M).group(1)
         assert (tmp_path / path).is_file(), label
     assert re.search(r"^demo done in \d+ s", out, re.M)
+    # the counts the READMEs and the quickstart quote are the demo's (they had drifted: 294 and 61 quoted)
+    (counts,) = re.findall(r"^forward: \d+ calls compared, \d+ failed; backward: \d+ compared, \d+ failed$", out, re.M)
+    for doc in ("README.md", "README_zh.md", os.path.join("docs", "quickstart.md")):
+        with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
+            assert f"\n{counts}\n" in f.read(), doc
 
 
 @pytest.mark.slow

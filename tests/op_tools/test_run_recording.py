@@ -255,6 +255,16 @@ def test_under_torchrun_each_rank_writes_its_own_recording_and_compare_runs_pick
     assert result.divergences == [] and result.rows
 
 
+def test_a_folder_holding_two_recordings_of_no_rank_asks_for_a_file_not_a_rank(tmp_path):
+    from op_tools.output.run_recording import find_recording
+
+    for name in ("run_a.jsonl", "run_b.jsonl"):  # two sessions of one process, outside torchrun
+        (tmp_path / name).write_text("")
+    with pytest.raises(ValueError) as raised:
+        find_recording(str(tmp_path))
+    assert str(raised.value).endswith("run_b.jsonl\n(name a file)")  # --rank N would not tell them apart
+
+
 def _without_times(records):
     return [{k: v for k, v in r.items() if k != "time"} for r in records]
 
