@@ -38,7 +38,7 @@ from .config.tool_registry import (  # filled by the tools: the package imported
     tool_name,
 )
 from .config.training_monitor import TrainingMonitorConfig
-from .config.variables import CONFIG_FILE, parse_flag
+from .config.variables import CONFIG_FILE, EnvVar, parse_flag
 from .core.engine import OpTool
 from .output import exit_status
 from .tools.training_monitor import TrainingMonitor
@@ -184,6 +184,13 @@ def main(argv: list[str] | None = None) -> int | str | None:
             sub.error(f"--config {options.config}: no such file")
         os.environ[CONFIG_FILE.name] = options.config
     settings = {k: getattr(options, k) for k in keywords_of(cls) if getattr(options, k, None) is not None}
+    for keyword, text in settings.items():  # the options are the variables' text: said in their form, not Python's
+        setting = keywords_of(cls)[keyword]
+        if isinstance(text, str) and isinstance(setting, EnvVar):  # a Family checks its members itself
+            try:
+                setting.parse(text)
+            except ValueError as e:
+                sub.error(f"--{keyword.replace('_', '-')} {text!r}: {e}; expected {setting.form}")
     try:
         tool = RUNS.get(cls, cls)(**settings)
     except (TypeError, ValueError) as e:

@@ -85,8 +85,10 @@ def test_a_module_runs_as_python_m_runs_it(tmp_path):
 
 
 @pytest.mark.parametrize(("args", "words"), [
-    (["capture", "--mode", "everything", "train.py"], ["mode='everything'", "full"]),
-    (["capture", "--max-bytes", "lots", "train.py"], ["max_bytes='lots'"]),
+    (["capture", "--mode", "everything", "train.py"], ["--mode 'everything'", "full"]),
+    (["capture", "--max-bytes", "lots", "train.py"], ["--max-bytes 'lots'"]),
+    # in the variables' form the options take, not Python's ("expected True or False")
+    (["autocompare", "--verbose", "maybe", "train.py"], ["--verbose 'maybe': not a flag; expected 0 or 1"]),
     (["captur", "train.py"], ["invalid choice: 'captur'"]),
     (["capture", "--mdoe", "summary", "train.py"], ["unrecognized arguments: --mdoe"]),
     (["capture", "missing.py"], ["no such script: missing.py"]),
