@@ -218,7 +218,7 @@ def test_a_bad_option_is_an_error_naming_it_before_the_script_runs(tmp_path, mon
     with pytest.raises(SystemExit) as done:
         main(["TrainingMonitor", "--every", "0", SCRIPT, "1"])
     assert done.value.code == 2
-    assert "TrainingMonitor(every='0')" in capsys.readouterr().err
+    assert "--every '0': must be >= 1; expected an integer >= 1" in capsys.readouterr().err  # as the option reads
     assert not os.path.exists(tmp_path / "results" / "op_training_monitor")  # never started
 
 
