@@ -58,7 +58,7 @@ from ..config.variables import CommonConfig, OpFilter, Sources
 from ..ops import torch_versions
 from ..ops.arguments import UnsupportedInputError, call_device, in_transform, iter_tensors
 from ..ops.collectives import collective_call, unseen_collectives
-from ..ops.naming import is_metadata_query, resolve_op_name
+from ..ops.naming import has_twin, is_metadata_query, resolve_op_name
 from ..ops.writes import call_writes
 from ..output import reporting, result_files
 from . import collective_waits, compiled_regions, fast_paths, gradient_communication, module_path, one_hop, targeting
@@ -812,7 +812,8 @@ class OpTool:
                 return func(*args, **kwargs)
             device = _CPU
         if decision is None and not self._decide(name):
-            if not self.tracks_writes or call_writes(name).never:
+            if (not self.tracks_writes or call_writes(name).never) and not has_twin(func):  # a twin (torch.mm
+                # and torch.spmm, equal keys) skipped by function would skip the other, which a LIST may select
                 with contextlib.suppress(TypeError):  # unhashable callables keep taking this path
                     self._skipped.add(func)
             return self._run_unhandled(name, func, args, kwargs)

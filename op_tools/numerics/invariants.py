@@ -625,12 +625,12 @@ ELEMENTWISE = (_elementwise, _cancelling)  # the samplers of elementwise ops: va
 # op name (as the tools name calls) -> check(args, kwargs, result, device math) -> excess or None
 CHECKS: dict[str, Callable] = {**_PRODUCTS, **_CONVS, **_SOFTMAXES}
 # The functions a tool wraps by default (targeted dispatch, no mode seeing every call): those of CHECKS that can be
-# wrapped under their own name (torch.mm is torch.spmm's object, and @ reaches the tools as Tensor.matmul's call),
+# wrapped under their own name (@ reaches the tools as Tensor.matmul's call; torch.spmm, torch.mm's twin, is sparse's),
 # and the functional activations and norms. The arithmetic operators and unary functions are checked when a LIST
 # names them: every handled call costs the engine's dispatch (tens of µs), budget or not, and a step makes hundreds.
 # Only those this torch has: torch 2.11 has no all_gather_single nor reduce_scatter_single.
 WRAPPED = tuple(name for name in (
-    *(name for name in CHECKS if name not in ("torch.mm", "torch.spmm", "torch.Tensor.__matmul__")),
+    *(name for name in CHECKS if name not in ("torch.spmm", "torch.Tensor.__matmul__")),
     "torch.nn.functional.silu", "torch.nn.functional.gelu", "torch.nn.functional.layer_norm",
     "torch.nn.functional.rms_norm", *sorted(COLLECTIVES), *sorted(FOREACH), *sorted(FUSED_ADAM), FOREACH_NORM)
     if _present(name))

@@ -98,8 +98,45 @@ def resolve_op_name(func) -> str:
     except TypeError:  # unhashable callables are rare; name them each time
         return _name_of(func)
     if name is None:
-        name = _names[func] = _name_of(func)
+        name = _name_of(func)
+        if not has_twin(func):  # a twin's entry would name the other twin (they are equal keys)
+            _names[func] = name
     return name
+
+
+@functools.cache
+def _twins() -> frozenset:
+    """torch's builtins equal to another of a different name: one C function bound under several names
+    (``torch.mm == torch.spmm == torch.dsmm``, ``hsmm``/``hspmm``, ``saddmm``/``sspaddmm``). Equal, they hash alike:
+    torch's own name table (``resolve_name``) and any dict keyed by function take one for the other."""
+    seen: dict[Any, str] = {}
+    twins = []
+    for name in dir(_variable_functions()):
+        func = getattr(_variable_functions(), name, None)
+        if not callable(func) or name.startswith("__"):
+            continue
+        try:
+            other = seen.setdefault(func, name)
+        except TypeError:
+            continue
+        if other != name:
+            twins.append(func)
+    return frozenset(twins)
+
+
+def _variable_functions():
+    import torch
+
+    return torch._C._VariableFunctions
+
+
+def has_twin(func) -> bool:
+    """Whether ``func`` is one of torch's builtins bound under several names (``_twins``): named by its own
+    ``__name__``, never cached or skipped by function."""
+    try:
+        return func in _twins()
+    except TypeError:
+        return False
 
 
 _NAMESPACES = (("torch", "torch"), ("torch.Tensor", "torch.Tensor"), ("torch.nn.functional", "torch.nn.functional"),
@@ -108,10 +145,12 @@ _NAMESPACES = (("torch", "torch"), ("torch.Tensor", "torch.Tensor"), ("torch.nn.
 
 
 def _name_of(func) -> str:
+    short = getattr(func, "__name__", None)
+    if short and has_twin(func):  # torch's table names the twins alike (torch.mm as torch.spmm)
+        return f"torch.{short}"
     name = resolve_name(func)
     if name:
         return name
-    short = getattr(func, "__name__", None)
     if short:  # private functions resolve_name does not list (torch._foreach_add_, …), torch.distributed.*
         for prefix, path in _NAMESPACES:
             namespace = import_path(path)

@@ -15,9 +15,9 @@ from op_tools.numerics import invariants
 from op_tools.numerics.device_math import DeviceMath
 from op_tools.tools.self_check import READBACK_BATCH
 
-# every op with a check that can be named in a LIST (torch.mm is torch.spmm's object, @ is Tensor.matmul's call)
+# every op with a check that can be named in a LIST (torch.spmm reaches the tools as torch.mm, @ as Tensor.matmul)
 EVERY_OP = sorted(name for name in {*invariants.CHECKS, *invariants.SAMPLED}
-                  if name not in ("torch.mm", "torch.spmm", "torch.Tensor.__matmul__"))
+                  if name not in ("torch.spmm", "torch.Tensor.__matmul__"))
 
 
 @pytest.mark.parametrize("workload", zoo.ZOO + (zoo.Workload("llama_float32", zoo.llama_float32, ("", ""), None),),
@@ -414,6 +414,19 @@ def test_a_noisy_activation_is_named_by_default_and_arithmetic_when_listed(sim):
         zoo.llama_float32(sim)
     assert (check.findings[0].op, check.findings[0].module) == ("torch.rsqrt", "model.layers.0.input_layernorm")
     assert check.counts["not checked (integer result)"] > 0 and check.verdict() == "found", check.counts
+
+
+def test_a_noisy_torch_mm_is_named_by_default(sim):
+    # torch.mm was left out of the functions wrapped by default ("torch.spmm's object": they are only equal), so a
+    # wrong mm beside a checked softmax said "no checked call failed", and alone "no call of the ops it checks ran"
+    import ditorch.sim
+
+    a, b = torch.randn(32, 16, device=sim), torch.randn(16, 8, device=sim)
+    with ditorch.sim.faults("mm:noise=1e-1"), op_tools.OpSelfCheck() as check:
+        torch.softmax(a, 1)
+        torch.mm(a, b)
+    assert [(f.op, f.check) for f in check.findings] == [("torch.mm", "column checksum")]
+    assert check.verdict() == "found"
 
 
 LLAMA_NORM = "transformers.models.llama.modeling_llama.LlamaRMSNorm.forward"

@@ -169,6 +169,22 @@ def test_a_name_no_call_is_reported_under_is_reported_and_the_list_applies_throu
     assert f"OP_RECORD_LIST: {problem}" in caplog.text
 
 
+@pytest.mark.parametrize("dispatch", ["targeted", "mode"])
+def test_torch_mm_and_its_equal_twin_spmm_are_each_named_as_called_and_listed_apart(sim, monkeypatch, dispatch):
+    # torch.mm == torch.spmm (one C function under two names, equal and hashed alike): torch's name table and the
+    # tools' caches took one for the other, so every torch.mm was reported as torch.spmm and no LIST could name it
+    assert torch.mm == torch.spmm and resolve_op_name(torch.mm) == "torch.mm"
+    assert resolve_op_name(torch.spmm) == "torch.spmm" and resolve_op_name(torch.mm) == "torch.mm"
+    a = torch.randn(3, 3, device=sim)
+    monkeypatch.setenv("OP_RECORD_LIST", "torch.mm" if dispatch == "targeted" else "torch.mm,torch.nn.functional.*")
+    with Record() as tool:
+        assert dispatch_of(tool) == dispatch
+        torch.spmm(a, a)  # its binding hands a mode torch.mm's function (its own name): torch.mm's call there
+        torch.mm(a, a)
+        torch.mm(a, a)
+    assert tool.log == [("", "torch.mm")] * (2 if dispatch == "targeted" else 3)
+
+
 def test_every_tool_works_with_a_list_of_plain_names(sim, monkeypatch, tmp_path):
     monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(tmp_path))
     base = train_llama(sim, steps=1)
