@@ -1228,10 +1228,12 @@ class OpAutoCompare(OpTool):
         self._pending.pop(call.forward_id, None)
         if state.reference is None:
             return
-        if not complete:
-            self.backward_not_compared["the backward pass ran only part of the op's graph"] += 1
+        if not complete and all(g is None for g in input_grads):  # its nodes that ran gave no input a gradient
+            self.backward_not_compared["the backward pass ran only part of the op's graph, and no input's part"] += 1
             state.release()
             return
+        # Part of the graph (``autograd.grad(loss, [x])``, ``backward(inputs=[x])``: a gradient penalty's): the
+        # gradients it computed are compared; those it did not ask for are None, as a complete pass leaves them.
         kept = state.upstream_kept  # the device-reference calls' upstream gradients, as they arrived
         arrived = upstream if kept is None else tuple(kept.get(i, g) for i, g in enumerate(upstream))
         verdict, device_values = self._backward_on_device(call, state, arrived, input_grads) \

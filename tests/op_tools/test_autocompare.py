@@ -113,6 +113,31 @@ def test_a_backward_asking_for_some_gradients_is_compared_on_those(sim, ask):
     assert [(f["op"], f["phase"]) for f in faulty.failures] == [("torch.Tensor.matmul", "backward")]
 
 
+@pytest.mark.parametrize("ask", ["autograd.grad", "backward(inputs=)"])
+def test_a_backward_running_part_of_an_ops_graph_is_compared_on_what_it_computed(sim, ask):
+    # linear's graph is addmm's node and the weight's transpose: asking for the input's gradient runs the first
+    # only. Its gradient went uncompared ("ran only part of the op's graph") and the verdict said "no op failed"
+    import ditorch.sim
+
+    def run(fault: str):
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(4, 4).to(sim)
+        x = torch.randn(3, 4, device=sim, requires_grad=True)
+        with op_tools.OpAutoCompare() as tool:
+            loss = layer(x).sum()
+            with ditorch.sim.faults(fault):
+                torch.autograd.grad(loss, [x]) if ask == "autograd.grad" else loss.backward(inputs=[x])
+        return tool
+
+    clean = run("")
+    assert clean.failures == [] and clean.counts["backward compared"] == 2 and clean.verdict() == "clean"
+    assert not clean.backward_not_compared
+    faulty = run("mm:noise=1e-1")  # the input's gradient, upstream @ weight
+    assert [(f["op"], f["phase"], f["failing"]) for f in faulty.failures] == \
+        [("torch.nn.functional.linear", "backward", "input[0].grad")]
+    assert faulty.verdict() == "found"
+
+
 def test_a_fault_hidden_by_the_error_of_calls_that_cancelled_is_found_within_the_refresh(sim, monkeypatch):
     # Two sums that cancel in float32 (the CPU's error 0.5) made the precedent of their signature; calls passed on
     # it were never measured, so a 1% fault passed on every well-conditioned call after them, for good.
