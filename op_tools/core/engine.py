@@ -690,7 +690,8 @@ class OpTool:
         """'' when every handled call was checked; else what was not: calls a step of the tool failed on, the LIST's
         entries that matched no handled call, anything else a tool adds (``unchecked_parts``)."""
         parts = []
-        if not (self.handled or self.compiled or self.transformed):  # no call met (those met unchecked: below)
+        if not (self.handled or self.compiled or self.transformed or self.unchecked):  # no call met (those met
+            # unchecked: below)
             if self.filter is not None and self.filter.allow is not None and not self.default_list:
                 parts.extend(self._list_entries_unmet() or [f"{self._list_origin()} matched no call"])
             elif self.default_list:  # its own list: the device's calls, if any ran, were none of its ops
@@ -988,6 +989,14 @@ class OpTool:
                 if self.first_unchecked is None:
                     self.first_unchecked = (call.name, described if len(described) <= 200 else described[:197] + "...")
         self.report_failure(call.name, error)
+
+    def count_unchecked(self, name: str, why: str) -> None:
+        """A call the tool was meant to handle ran without it (``apply_feature``'s condition raised on it): counted
+        as a call the tool failed on, ``why`` the first's reason."""
+        with _announce_lock:
+            self.unchecked[name] += 1
+            if self.first_unchecked is None:
+                self.first_unchecked = (name, why if len(why) <= 200 else why[:197] + "...")
 
     def report_failure(self, name: str, error: Exception) -> None:
         key = (self.hook_name, name)

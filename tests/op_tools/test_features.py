@@ -99,3 +99,20 @@ def test_a_later_opposite_decision_on_an_op_is_announced_too(sim, logged, monkey
     out = logged()
     assert "skip OpObserveHook on torch.hypot" in out
     assert "apply OpObserveHook on torch.hypot" in out and out.count("torch.hypot    forward_id:") == 1
+
+
+def test_a_tool_with_a_list_of_its_own_handles_the_ops_it_is_applied_to(sim):
+    # OpSelfCheck's own list (the ops with an invariant, exp not among them) left torch.exp untouched, and its verdict
+    # said "no call of the ops it checks ran on a device"
+    import ditorch.sim
+    from op_tools.core import features
+
+    op_tools.apply_feature("torch.exp", "self_check")
+    try:
+        tool = features._patched["torch.exp"][4]
+        with ditorch.sim.faults("exp:noise=1e-1"):
+            torch.exp(torch.randn(32, 16, device=sim))
+    finally:
+        op_tools.remove_feature("torch.exp")
+    assert [(f.op, f.check) for f in tool.findings] == [("torch.exp", "float64 rerun of a sample")]
+    assert tool.verdict() == "found"

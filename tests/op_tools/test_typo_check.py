@@ -103,7 +103,7 @@ def test_a_condition_func_with_a_wrong_signature_is_reported_once_and_the_run_go
     finally:
         op_tools.remove_feature("torch.add")
     assert all(torch.equal(r.cpu(), torch.full((3,), 2.0)) for r in results)
-    reports = [r.getMessage() for r in caplog.records if "condition_func" in r.getMessage()]
+    reports = [r.getMessage() for r in caplog.records if r.getMessage().startswith("apply_feature(")]
     assert len(reports) == 1, reports
     assert "TypeError" in reports[0] and "torch.add(input, other" in reports[0]
     assert "condition_func(*args, **kwargs)" in reports[0] and "without the tool" in reports[0]
@@ -111,6 +111,26 @@ def test_a_condition_func_with_a_wrong_signature_is_reported_once_and_the_run_go
     folder = os.path.join(os.environ["OP_TOOLS_RESULTS_DIR"], "op_capture_results")  # made at start(), to probe it
     assert not [f for _, _, files in os.walk(folder) for f in files], "a call was captured"
 
+
+
+def test_the_calls_a_raising_condition_func_left_unchecked_are_in_the_verdict(sim):
+    # The call ran without the tool, on a wrong kernel here, and the verdict said "0 not checked ... no op failed"
+    import ditorch.sim
+    from op_tools.core import features
+
+    x = torch.randn(4, device=sim)
+    op_tools.apply_feature("torch.exp", "autocompare", condition_func=lambda t: True)  # no keyword `input`
+    try:
+        tool = features._patched["torch.exp"][4]
+        torch.exp(x)  # handled: passes
+        with ditorch.sim.faults("exp:noise=1e-1"):
+            torch.exp(input=x)
+    finally:
+        op_tools.remove_feature("torch.exp")  # its verdict written
+    assert tool.verdict() == "unchecked" and tool.failures == []
+    assert tool.not_checked().startswith("1 call not checked (the tool failed), the first torch.exp: condition_func "
+                                         "raised TypeError: "), tool.not_checked()
+    assert tool.not_checked().endswith("<lambda>() got an unexpected keyword argument 'input'")
 
 
 def test_a_condition_func_that_raises_propagates_in_strict_mode(sim, monkeypatch):
