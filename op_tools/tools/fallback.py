@@ -151,11 +151,14 @@ class OpFallback(OpTool):
             # computes otherwise, reading what it wrote). The device decides, as without the tool.
             return self._run_on_device(call, UnsupportedInputError(
                 "a tensor the call writes shares memory with another of its tensors"))
+        failed: Exception | None = None
         try:
             copies, args, kwargs, cpu_result, dtype_back, saves = self._run_on_cpu(call)
         except (RuntimeError, NotImplementedError) as error:  # a kernel's failures; not a hook's control flow (a
             # checkpoint's recomputation stops by raising): the device decides whether the error is the user's
-            return self._run_on_device(call, error)
+            failed = error
+        if failed is not None:  # outside the handler: the device's error, the user's, carries no trace of the CPU's
+            return self._run_on_device(call, failed)
         with tool_work():
             copies.write_back(writes, call.args, call.kwargs)
             result = copies.to_device(cpu_result, call.device, dtype_back, writes)

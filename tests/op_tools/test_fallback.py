@@ -336,6 +336,9 @@ def test_a_call_the_device_refuses_for_its_dtypes_raises_the_same_error_under_th
         torch.nn.functional.linear(x, w)
     assert str(tooled.value) == str(plain.value)
     assert fallback.raised == {"torch.nn.functional.linear": 1}
+    # unchanged: raised outside the tool's handler of the CPU's error, it carried that error as its context ("During
+    # handling of the above exception, another exception occurred")
+    assert tooled.value.__context__ is plain.value.__context__ is None
 
 
 def versions_after_steps(device, tool):
