@@ -36,6 +36,7 @@ import collections
 import contextlib
 import functools
 import itertools
+import json
 import logging
 import os
 import signal
@@ -555,21 +556,17 @@ class OpTool:
         self.tally.close()
         self._log_closing()
 
-    def _mark_running(self) -> None:
-        """For the run report: ``running_<session>.json`` in the tool's folder from its start until its verdict is
-        written (``write_unchecked``). A process killed meanwhile (SIGKILL, the OOM killer: no exit handler runs)
-        leaves it, and the report says the session was not judged to its end, where its folder alone (OpOverflowCheck
-        and OpSelfCheck write nothing when clean, OpAutoCompare's CSV comes at stop) said clean."""
-        if not (self.reports_unchecked and self.results_folder):
-            return
-        path = result_files.results_path(self.common, self.results_folder, f"running_{self.stem}.json")
+    def _running_marker(self) -> tuple[str, str] | None:
+        """For the run report: ``running_<session>.json``, written in the tool's folder at its start (as the probe of
+        the folder) and there until its verdict is written (``write_unchecked``). A process killed meanwhile
+        (SIGKILL, the OOM killer: no exit handler runs) leaves it, and the report says the session was not judged to
+        its end, where its folder alone (OpOverflowCheck and OpSelfCheck write nothing when clean, OpAutoCompare's
+        CSV comes at stop) said clean."""
+        if not self.reports_unchecked:
+            return None
         record = {"format": "op_tools running", "version": 1, "tool": type(self).__name__, "rank": self.common.rank,
                   "pid": os.getpid()}
-        try:
-            result_files.write_json(path, record)
-            self._running_markers.append(path)
-        except OSError as error:
-            self._logger.warning("%s: %s not written: %s", type(self).__name__, path, error)
+        return f"running_{self.stem}.json", json.dumps(record)
 
     def write_unchecked(self) -> None:
         """For the run report (``python -m op_tools.report``), which reads what the tools wrote: a tool that judges
@@ -606,8 +603,11 @@ class OpTool:
                                      if self.results_folder else None, f"{type(self).__name__} writing")
         self._reset_account()
         if self.results_folder:
-            result_files.prepare_results_folder(self.common, self.results_folder, type(self).__name__)
-            self._mark_running()
+            marker = self._running_marker()
+            folder = result_files.prepare_results_folder(self.common, self.results_folder, type(self).__name__,
+                                                         marker)
+            if marker is not None:
+                self._running_markers.append(os.path.join(folder, marker[0]))
 
     def _reset_account(self) -> None:
         """Counts of one ``start()``…``stop()``: what its verdict accounts for."""

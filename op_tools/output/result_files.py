@@ -45,16 +45,24 @@ def results_path(config: CommonConfig, folder: str, *parts: str) -> str:
     return os.path.join(config.results_dir, folder, *rank, *parts)
 
 
-def prepare_results_folder(config: CommonConfig, folder: str, tool: str) -> str:
+def prepare_results_folder(config: CommonConfig, folder: str, tool: str, marker: tuple[str, str] | None = None) -> str:
     """Create ``<OP_TOOLS_RESULTS_DIR>/<folder>[/rank<N>]`` and probe it for writing, at a tool's start: a folder that
     cannot be written is an ``OSError`` naming the variable and the path before any work, not lost results at the
-    end."""
+    end. ``marker``: ``(file name, text)`` written there as the probe, and kept (one small write, no temporary file:
+    a tool started per step pays one file's creation either way)."""
     path = results_path(config, folder)
     try:
         os.makedirs(path, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path, prefix=".probe-")
-        os.close(fd)
-        os.unlink(probe)
+        if marker is None:
+            fd, probe = tempfile.mkstemp(dir=path, prefix=".probe-")
+            os.close(fd)
+            os.unlink(probe)
+        else:
+            fd = os.open(os.path.join(path, marker[0]), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+            try:
+                os.write(fd, marker[1].encode())
+            finally:
+                os.close(fd)
     except OSError as e:
         raise OSError(f"{tool} cannot write its results in {path} (OP_TOOLS_RESULTS_DIR={config.results_dir!r}): "
                       f"{type(e).__name__}: {e.strerror or e}; set OP_TOOLS_RESULTS_DIR to a folder this process "
