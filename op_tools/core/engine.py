@@ -576,10 +576,13 @@ class OpTool:
         try:
             self._write_unchecked()
         finally:
-            markers, self._running_markers = self._running_markers, []
-            for path in markers:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+            self._end_running()
+
+    def _end_running(self) -> None:
+        markers, self._running_markers = self._running_markers, []
+        for path in markers:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     def _write_unchecked(self) -> None:
         if not (self.reports_unchecked and self.results_folder) or self.verdict() != "unchecked":
@@ -763,7 +766,11 @@ class OpTool:
         self.filter = OpFilter.from_env(self.env_prefix, self.sources) if self.env_prefix else OpFilter(None, None)
         self.stem = result_files.session_stem()
         self._prepare_output()
-        self.configure()
+        try:
+            self.configure()
+        except BaseException:  # a malformed variable of its own: the session never starts, so no marker says it ran
+            self._end_running()
+            raise
         self._hooks_backward = self.wants_backward()  # read per handled call: asked once, after configure()
         typo_check.check_environment()
         typo_check.check_op_lists(self)

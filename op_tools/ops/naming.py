@@ -111,8 +111,9 @@ def _twins() -> frozenset:
     torch's own name table (``resolve_name``) and any dict keyed by function take one for the other."""
     seen: dict[Any, str] = {}
     twins = []
-    for name in dir(_variable_functions()):
-        func = getattr(_variable_functions(), name, None)
+    functions = _variable_functions()
+    for name in dir(functions):
+        func = getattr(functions, name, None)
         if not callable(func) or name.startswith("__"):
             continue
         try:

@@ -128,3 +128,4 @@ def test_a_malformed_variable_is_a_usage_error_naming_it_before_the_script_runs(
     assert "argv" not in out  # the script never ran
     for word in words:
         assert word in err.splitlines()[-1], err
+    assert not list(tmp_path.rglob("running_*.json"))  # a session that never started left no marker saying it ran

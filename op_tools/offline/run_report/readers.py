@@ -206,7 +206,7 @@ def _read_unchecked(results: Results, rank: int, path: str) -> None:
 
 
 def _read_running(results: Results, rank: int, path: str) -> None:
-    """A tool session whose verdict was never written (``OpTool._mark_running``): its process is still running, or
+    """A tool session whose verdict was never written (``OpTool._running_marker``): its process is still running, or
     was killed before the tool stopped. What it checked after its last file is unknown: no clean verdict over it."""
     record = _record(path, "op_tools running", "an op_tools running marker")
     rank = record["rank"] if isinstance(record.get("rank"), int) else rank
