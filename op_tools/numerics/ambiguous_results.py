@@ -23,8 +23,15 @@ valid for the run's own input, so the comparison then judges what the op defines
   vectors are not unique. The rotation is a constant of the run's graph, so its backward is the backward of the
   device's choice. Noise in the device's vectors is not a rotation of them: it still fails.
 
+* eigenpairs of a general matrix (``linalg.eig``, ``linalg.eigvals``): the eigenvalues in any order, each vector up to
+  a phase (LAPACK makes each of unit norm with its largest component real; another solver orders and turns them as
+  it likes). The run's eigenvalues are put in the device's order where each device eigenvalue's nearest run
+  eigenvalue is a different one (a one-to-one match: not so for a repeated eigenvalue, compared as it is), and each
+  vector turned by the phase that brings it nearest the device's. The order and the phases are constants of the
+  run's graph. Noise in the device's values is no reordering of them: it still fails.
+
 Vectorised torch on whichever device the run is (no per-element Python); a device result is copied to the run's
-device once. Not here: ``linalg.eig`` (its eigenvalues' order is free as well).
+device once.
 """
 
 from __future__ import annotations
@@ -335,3 +342,35 @@ def _qr(chosen, run) -> dict[int, str]:
     turn = _block_polar(q.detach().mH @ their_q.detach().to(q.device, q.dtype), labels)
     run.result = _rebuilt(run.result, [q @ turn, turn.mH @ r])
     return {0: "Q's columns (R's rows) compared up to each one's sign"}
+
+
+# --- eigenpairs of a general matrix: free in order and in each vector's phase ---
+
+@adopts("eigenpairs")
+def _eigenpairs(chosen, run) -> dict[int, str]:
+    leaves, chosen_leaves = _leaves(run.result), _leaves(chosen)
+    if not 1 <= len(leaves) <= 2 or len(chosen_leaves) != len(leaves) or not all(
+            isinstance(t, torch.Tensor) for t in (*leaves, *chosen_leaves)):
+        return {}
+    w, their_w = leaves[0], chosen_leaves[0]
+    if w.numel() == 0 or their_w.shape != w.shape or not w.is_complex():
+        return {}
+    their_w = their_w.detach().to(w.device, w.dtype)
+    order = (their_w.unsqueeze(-1) - w.detach().unsqueeze(-2)).abs().argmin(-1)  # per device eigenvalue, the run's
+    if not bool((order.sort(-1).values == torch.arange(w.shape[-1], device=order.device)).all()):
+        return {0: "eigenvalues compared in the CPU's order: the device's are not matched one to one (a repeated "
+                   "eigenvalue)"}
+    new = [w.gather(-1, order)]
+    notes = {0: "eigenvalues compared in the device's order"}
+    if len(leaves) == 2:
+        v, their_v = leaves[1], chosen_leaves[1].detach().to(leaves[1].device, leaves[1].dtype)
+        if their_v.shape != v.shape or v.dim() < 2:
+            return {}
+        v = v.gather(-1, order.unsqueeze(-2).expand(v.shape))
+        inner = (v.detach().conj() * their_v).sum(-2)  # each vector against the device's
+        size = inner.abs()
+        phase = torch.where(size > 0, inner / size.clamp_min(torch.finfo(size.dtype).tiny), torch.ones_like(inner))
+        new.append(v * phase.unsqueeze(-2))
+        notes[1] = "eigenvectors compared in the device's order, up to each one's phase"
+    run.result = _rebuilt(run.result, new)
+    return notes

@@ -454,6 +454,7 @@ _AMBIGUOUS: dict[str, tuple[str, ...]] = {
     "singular vectors (V)": ("svd",),  # torch.svd: (U, S, V)
     "singular vectors": ("torch.linalg.svd", "linalg_svd", "_linalg_svd"),  # (U, S, Vh)
     "qr": ("qr", "linalg_qr"),
+    "eigenpairs": ("torch.linalg.eig", "linalg_eig", "torch.linalg.eigvals", "linalg_eigvals"),
 }
 for _kind, _ambiguous_ops in _AMBIGUOUS.items():
     for _name in _ambiguous_ops:

@@ -221,6 +221,48 @@ def test_noise_in_eigenvectors_is_found(sim, kernels):
     assert tool.failures[0]["failing"] == "output[1]"
 
 
+def _reordered_eig(turn_noise: bool = False):
+    """linalg.eig's kernel giving the eigenpairs in reverse order, each vector turned by a phase of its own (another
+    solver's valid choice); with ``turn_noise``, 1e-3 of noise in the vectors as well."""
+    def kernel(a):
+        w, v = aten.linalg_eig.default(a)
+        n = w.shape[-1]
+        phases = torch.polar(torch.ones(n, dtype=w.real.dtype), torch.linspace(0.3, 2.9, n, dtype=w.real.dtype))
+        v = v.flip(-1) * phases
+        return w.flip(-1), v + _noise(v.real).to(v.dtype) if turn_noise else v
+
+    return kernel
+
+
+def _eig_step(a: torch.Tensor):
+    def step():
+        w, v = torch.linalg.eig(a)
+        # order- and phase-invariant, and the backward sees the vectors
+        (w.abs().sum() + v.abs().pow(4).sum() + torch.linalg.eigvals(a).abs().sum()).backward()
+
+    return step
+
+
+def test_eigenpairs_in_another_order_and_phase_pass_forward_and_backward(sim, kernels):
+    # LAPACK orders a general matrix's eigenvalues and turns its vectors one way, another solver another: each was a
+    # failure, the eigenvalues "differing" by their whole spread
+    kernels(aten.linalg_eig.default, _reordered_eig())
+    torch.manual_seed(0)
+    a = torch.randn(6, 6).to(sim).requires_grad_()
+    tool = compared(_eig_step(a))
+    assert tool.failures == []
+    assert tool.counts["forward passed"] >= 2 and tool.counts["backward passed"] >= 2
+    assert not tool.weak_passes
+
+
+def test_noise_in_eigenpairs_in_another_order_is_found(sim, kernels):
+    kernels(aten.linalg_eig.default, _reordered_eig(turn_noise=True))
+    torch.manual_seed(0)
+    tool = compared(lambda: torch.linalg.eig(torch.randn(6, 6).to(sim)))
+    assert failing_ops(tool) == [("torch.linalg.eig", "forward")]
+    assert tool.failures[0]["failing"] == "output[1]"
+
+
 def test_singular_vectors_of_the_other_sign_pass_forward_and_backward(sim, kernels):
     kernels(aten._linalg_svd.default, lambda a, full_matrices=False, compute_uv=True, *, driver=None: (
         lambda u, s, vh: (_other_signs(u), s, _other_signs(vh.mT).mT))(
