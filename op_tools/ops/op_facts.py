@@ -365,7 +365,10 @@ for _name in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attenti
 
 # Ops whose results are memory never written.
 for _name in ("empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided", "resize_",
-              "resize_as_", "set_"):
+              "resize_as_", "set_",
+              # FSDP2's staging of an all-gather: its argument and result is the all-gather's buffer (an empty's), this
+              # rank's part copied in, the other ranks' memory never written until the all-gather fills it
+              "fsdp.all_gather_copy_in"):
     register_op_facts(_name, uninitialised=True)
 
 # Ops whose result is the program's own data (torch.tensor([1.0, float("-inf")])): an inf there was given, not made.

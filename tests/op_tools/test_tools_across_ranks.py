@@ -111,6 +111,13 @@ def test_self_check_is_quiet_under_fsdp2_and_names_noisy_products_on_the_faulty_
     assert noise[1]["first_step"] == 0, noise
 
 
+def test_overflow_check_reads_no_nan_in_the_memory_fsdp2_stages_its_all_gathers_in(reports):
+    # fsdp.all_gather_copy_in takes an empty buffer (a GPU's reused memory: nan here), copies this rank's part in and
+    # hands it to the all-gather: the nan of the other ranks' parts was "read first" by it, a clean run said "found"
+    for report in reports:
+        assert report["fsdp2"]["OpOverflowCheck, empties nan"] == {"verdict": "clean", "not_checked": ""}, report
+
+
 def test_fsdp2s_asynchronous_all_gathers_are_checked_at_fsdp2s_own_waits(reports):
     # _set_unshard_async_op(True): each unshard's all-gather returns a Work that FSDP2 waits for before the layer runs
     for report in reports:

@@ -233,6 +233,12 @@ def main() -> None:
     report["fsdp2"]["OpSelfCheck noise"] = {"verdict": check.verdict(),
                                             "found": sorted({(f.op, f.module, f.rank) for f in check.findings}),
                                             "first_step": None if first is None else first.step}
+    # OpOverflowCheck over an FSDP2 step with every empty tensor holding nan (a GPU's reused memory may): FSDP2 stages
+    # each all-gather in such a buffer, its own part copied in (fsdp.all_gather_copy_in), the rest filled unread
+    with ditorch.sim.faults("empty:nan;empty_like:nan"), op_tools.OpOverflowCheck() as overflow:
+        ddp_step(sharded, optimizer, generator)
+    report["fsdp2"]["OpOverflowCheck, empties nan"] = {"verdict": overflow.verdict(),
+                                                       "not_checked": overflow.not_checked()}
     # FSDP2's all-gathers made asynchronous (each unshard waited for by FSDP2 before the layer runs): checked at
     # those waits, against every rank's shard
     for module in (*sharded.model.layers, sharded):
