@@ -236,6 +236,19 @@ def test_a_collective_that_itself_computed_wrong_is_an_origin_not_a_receiver():
     assert first is not None and first.rank == 0 and accounts[1].from_ranks == (0,)
 
 
+def test_a_rank_that_read_another_ranks_fault_first_names_no_op_as_its_channel():
+    # Tensor parallelism: rank 0 read rank 1's nan first in mse_loss, after the row-parallel all-reduce no tool sees.
+    # The report said rank 0 "received it from rank 1 through torch.nn.functional.mse_loss"
+    results = Results("x", ranks={0, 1})
+    results.anomalies = [_event(1, 0, "torch.nn.functional.gelu"),
+                         _event(0, 0, "torch.nn.functional.mse_loss", came_in=True)]
+    accounts, first = account_ranks(results)
+    assert [a.status for a in accounts] == ["received", "origin"] and first is not None and first.rank == 1
+    assert accounts[0].text() == ("rank 0: received it from rank 1 through a collective no tool saw (a functional "
+                                  "collective, as DTensor's, runs below the tools); inf/nan read first by "
+                                  "torch.nn.functional.mse_loss (forward) at step 0")
+
+
 def test_a_rank_with_no_collective_after_the_fault_is_not_said_to_have_received_it():
     results = Results("x", ranks={0, 1})
     results.anomalies = [_event(1, 0, "torch.nn.functional.silu")]

@@ -63,6 +63,10 @@ class RankAccount:
                 return (f"rank {self.rank}: received it from rank {senders} at step {self.first.step}, in a later "
                         f"phase of the step (the monitor sees no collective); its first anomaly: {self.first.kind} "
                         f"in {self.first.where()}, found by {self.first.tool}" + _detail(self.first))
+            if self.through is None and self.first is not None and self.first.came_in:  # it names no collective
+                return (f"rank {self.rank}: received it from rank {senders} through a collective no tool saw (a "
+                        f"functional collective, as DTensor's, runs below the tools); {self.first.kind} read first by "
+                        f"{self.first.where()} at step {self.first.step}")
             through = self.through or self.first
             assert through is not None
             if self.first is None:
