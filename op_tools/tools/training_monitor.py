@@ -138,6 +138,7 @@ class _Sent:
     time: float  # time.time() at the step's end
     step_time: float
     lrs: dict[str, float]
+    skipped: bool = False  # an iteration GradScaler skipped: its forward figures only, judged, not written
 
 
 class _HostWriter:
@@ -574,11 +575,27 @@ class TrainingMonitor:
         def update(scaler, *args, **kwargs):
             if not self._stepped:  # GradScaler skipped this iteration's step (inf gradients): its figures are none
                 self.skipped_iterations += 1
+                if self._recording:  # but an inf/nan in its forward (unscaled) is no scaling's: judged still
+                    self._guarded("recording", self._send_skipped_forward)
                 self._figures, self._old, self._loss, self._roots = _StepFigures(), None, None, None
                 self._before_reduction = {}
             self._stepped = False
             return original(scaler, *args, **kwargs)
         return update
+
+    def _send_skipped_forward(self) -> None:
+        """The forward figures of an iteration GradScaler skipped (module outputs, the loss), sent to be judged by
+        the non-finite rule: its gradients are scaled, and may overflow by design, its forward is not."""
+        forward = _StepFigures()
+        forward.parts = [part for part in self._figures.parts if all(key[0] == "activation" for key in part[1])]
+        loss = self._loss if self._loss is not None else self._roots
+        if loss is not None:
+            with torch.no_grad(), torch._C.DisableTorchFunction():
+                forward.add(loss.float(), [("step", "", "loss")])
+        if forward.parts:
+            with torch.no_grad(), torch._C.DisableTorchFunction():
+                forward.send(self._readback)
+            self._sent.append(_Sent(forward, self.step, time.time(), 0.0, {}, skipped=True))
 
     # --- the optimizer's hooks ---
 
@@ -734,6 +751,9 @@ class TrainingMonitor:
     def _write(self, sent: _Sent) -> None:
         """On the writer thread: the step's figures combined, judged by the rules, written."""
         read, step, now, step_time = sent.figures.read(), sent.step, sent.time, sent.step_time
+        if sent.skipped:  # dropped, as the iteration's other figures, once judged
+            self._nonfinite(step, read, " (in an iteration GradScaler skipped)")
+            return
         values: dict[Key, list[float]] = {}
         for key, value in read:
             values.setdefault(key, []).append(value)
@@ -791,12 +811,16 @@ class TrainingMonitor:
                           f"data-parallel ranks (ranks {ranks} differ from the group's first; {len(differing)} "
                           f"parameters differ)")
 
-    def _nonfinite(self, step: int, read: list[tuple[Key, float]]) -> None:
+    def _nonfinite(self, step: int, read: list[tuple[Key, float]], where: str = "") -> None:
         """The first non-finite figure in the order it arose: forward outputs, the loss, output gradients in backward
-        order, gradients before and after the reduction."""
+        order, gradients before and after the reduction (the loss is added at the optimizer's step, after the
+        gradients: put back between the forward's and the backward's figures)."""
         if "nonfinite" in self._fired:
             return
-        for (kind, name, statistic), value in read:
+        ordered = [item for item in read if item[0][0] == "activation"] + \
+            [item for item in read if item[0][2] == "loss"] + \
+            [item for item in read if item[0][0] != "activation" and item[0][2] != "loss"]
+        for (kind, name, statistic), value in ordered:
             what = "loss" if statistic == "loss" else kind if kind in ("activation", "output_grad") else statistic
             if what in PHASES and not math.isfinite(value):
                 self._fired.add("nonfinite")
@@ -808,7 +832,7 @@ class TrainingMonitor:
                 self._anomaly({"rule": "nonfinite", "step": step, "module": name, "phase": PHASES[what],
                                "statistic": f"{kind}:{statistic}" if kind != "step" else statistic, "value": value,
                                "nonfinite_gradients": count},
-                              f"first non-finite value at step {step} in {PHASES[what]}: {label} "
+                              f"first non-finite value at step {step}{where} in {PHASES[what]}: {label} "
                               f"({statistic} = {value}); {count} parameter gradients non-finite")
                 return
 

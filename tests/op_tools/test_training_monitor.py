@@ -396,10 +396,12 @@ def test_gradient_accumulation_loss_is_the_sum_of_the_backward_roots(sim, tmp_pa
     assert ("parameter", "model.embed_tokens.weight", "exp_avg_norm") not in written  # SGD keeps no moments
 
 
-def _train_scaled(device, results_dir, init_scale, iterations, inf_at=(), pass_scaler=True, **monitor_args):
-    """Train a tiny Llama under float16 autocast and a GradScaler; the loss of the iterations in ``inf_at`` is made
-    inf. Returns the monitor, the scale read by hand at each optimizer step (GradScaler skips the steps whose
-    gradients are not finite: no optimizer hook sees them) and the unscaled losses of the steps taken."""
+def _train_scaled(device, results_dir, init_scale, iterations, overflow_at=(), pass_scaler=True, before=None,
+                  **monitor_args):
+    """Train a tiny Llama under float16 autocast and a GradScaler; the loss of the iterations in ``overflow_at`` is
+    made huge (finite: its float16 gradients overflow), ``before(iteration)`` runs before each forward. Returns the
+    monitor, the scale read by hand at each optimizer step (GradScaler skips the steps whose gradients are not finite:
+    no optimizer hook sees them) and the unscaled losses of the steps taken."""
     torch.manual_seed(0)
     model = tiny_llama().to(device)
     ids = torch.randint(0, 128, (2, 16)).to(device)
@@ -413,9 +415,11 @@ def _train_scaled(device, results_dir, init_scale, iterations, inf_at=(), pass_s
     try:
         with op_tools.TrainingMonitor(results_dir=str(results_dir), model=model, **monitor_args) as monitor:
             for iteration in range(iterations):
+                if before is not None:
+                    before(iteration)
                 with torch.autocast(device, dtype=torch.float16):
                     loss = model(input_ids=ids, labels=ids).loss
-                scaler.scale(loss * (float("inf") if iteration in inf_at else 1.0)).backward()
+                scaler.scale(loss * (1e30 if iteration in overflow_at else 1.0)).backward()
                 taken = len(by_hand)
                 scaler.step(optimizer)
                 if len(by_hand) > taken:
@@ -443,13 +447,50 @@ def test_a_huge_initial_scale_falling_before_the_first_step_fires_the_loss_scale
 
 
 def test_a_scale_falling_between_consecutive_steps_fires_once_at_the_third_fall(sim, tmp_path):
-    """An inf loss on every other iteration: each optimizer step sees half the scale of the one before. With
-    scale_drops=3 the rule fires at step 3 (three falls since step 0), and once only."""
-    monitor, by_hand, _ = _train_scaled(sim, tmp_path, init_scale=2.0**8, iterations=10, inf_at=(1, 3, 5, 7))
+    """Gradients overflowing on every other iteration: each optimizer step sees half the scale of the one before.
+    With scale_drops=3 the rule fires at step 3 (three falls since step 0), and once only."""
+    monitor, by_hand, _ = _train_scaled(sim, tmp_path, init_scale=2.0**8, iterations=10, overflow_at=(1, 3, 5, 7))
     assert by_hand == [2.0**8, 2.0**7, 2.0**6, 2.0**5, 2.0**4, 2.0**4]
     [anomaly] = _anomalies(monitor)
     assert anomaly["rule"] == "loss_scale_dropping" and anomaly["step"] == 3
     assert anomaly["value"] == 2.0**5 and anomaly["drops"] == 3
+
+
+def test_a_nan_in_the_forward_of_an_iteration_gradscaler_skipped_is_named(sim, tmp_path):
+    # Its figures were dropped whole ("its scaled gradients overflow by design"): a nan in a layer's output, no
+    # scaling's, left the verdict clean
+    import ditorch.sim
+
+    def fault(iteration):
+        ditorch.sim.set_faults("silu@model.layers.1:nan" if iteration == 3 else "")
+
+    try:
+        monitor, by_hand, _ = _train_scaled(sim, tmp_path, init_scale=2.0**8, iterations=5, before=fault)
+    finally:
+        ditorch.sim.set_faults("")
+    assert len(by_hand) == 4 and monitor.skipped_iterations == 1
+    [anomaly] = _anomalies(monitor)
+    assert (anomaly["rule"], anomaly["step"], anomaly["module"], anomaly["phase"]) == \
+        ("nonfinite", 3, "model.layers.1", "forward")
+    assert "(in an iteration GradScaler skipped)" in anomaly["message"]
+    assert monitor.verdict() == "found"
+
+
+def test_a_nan_made_by_the_loss_itself_is_named_as_the_loss_not_a_gradient(sim, tmp_path):
+    # The loss is added to the step's figures at the optimizer's step, after the backward's: the first non-finite
+    # figure was the last layer's output gradient, "in backward"
+    import ditorch.sim
+
+    def fault(step, model):
+        ditorch.sim.set_faults("nll_loss_forward:nan" if step == 2 else "")
+
+    try:
+        _, monitor, _ = _train(sim, tmp_path, steps=3, before_step=fault)
+    finally:
+        ditorch.sim.set_faults("")
+    [anomaly] = _anomalies(monitor)
+    assert (anomaly["rule"], anomaly["step"], anomaly["module"], anomaly["phase"], anomaly["statistic"]) == \
+        ("nonfinite", 2, "", "forward", "loss")
 
 
 def test_the_scaler_is_found_without_being_passed_and_the_loss_is_unscaled(sim, tmp_path):
