@@ -144,12 +144,15 @@ def parse_dtype_map(text: str | None, pair=None) -> dict[torch.dtype, torch.dtyp
     """``'torch.float16->torch.float32,...'`` -> ``{source: target}``, each pair checked by ``pair`` (by default
     ``widening``)."""
     check = pair or widening
-    mapping = {}
+    mapping: dict[torch.dtype, torch.dtype] = {}
     for entry in filter(None, (e.strip() for e in (text or "").split(","))):
         source, arrow, target = entry.partition("->")
         if not arrow:
             raise ValueError(f"entry {entry!r} has no '->'")
-        mapping[parse_dtype(source)] = check(parse_dtype(source), parse_dtype(target))
+        dtype, wanted = parse_dtype(source), check(parse_dtype(source), parse_dtype(target))
+        if mapping.get(dtype, wanted) != wanted:  # two entries for one dtype: the last one silently won
+            raise ValueError(f"{dtype} is mapped twice, to {mapping[dtype]} and to {wanted}")
+        mapping[dtype] = wanted
     return mapping
 
 
@@ -470,13 +473,13 @@ AUTOCOMPARE_COLLECTIVES = _flag(
 )
 
 
-def parse_count(text: str | None) -> int:
+def parse_count(text: str | None, least: int = 0) -> int:
     try:
         value = int((text or "").strip())
     except ValueError:
         raise ValueError("not an integer") from None
-    if value < 0:
-        raise ValueError("must be >= 0")
+    if value < least:
+        raise ValueError(f"must be >= {least}")
     return value
 
 
@@ -522,14 +525,13 @@ AUTOCOMPARE_CAST = declare(
 # --- run recordings (OP_CAPTURE_MODE=stats) and python -m op_tools.compare_runs ---
 
 def parse_positive_count(text: str | None) -> int:
-    value = parse_count(text)
-    if value < 1:
-        raise ValueError("must be >= 1")
-    return value
+    return parse_count(text, least=1)  # -1 is said to need >= 1, not >= 0
 
 
 def convert_positive_count(value: Any) -> int:
-    return parse_positive_count(str(convert_count(value)))
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError("not an integer")
+    return parse_positive_count(str(value))
 
 
 CAPTURE_STATS_MAX_TENSORS = declare(

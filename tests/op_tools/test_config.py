@@ -35,6 +35,8 @@ def test_lists_match_exact_names_and_whole_name_regexes(monkeypatch):
     ("OP_DTYPE_CAST_DICT", "torch.float16", op_tools.OpDtypeCast),
     ("OP_DTYPE_CAST_DICT", "torch.float16->torch.int8", op_tools.OpDtypeCast),  # would truncate the inputs
     ("OP_DTYPE_CAST_DICT", "torch.bfloat16->torch.float32,torch.float16->torch.bool", op_tools.OpDtypeCast),
+    # two targets for one dtype: the last one silently won
+    ("OP_DTYPE_CAST_DICT", "torch.float16->torch.float64,torch.half->torch.float32", op_tools.OpDtypeCast),
     ("LINEAR_OP_DTYPE_CAST_DICT", "torch.float32->torch.float16", op_tools.OpAutoCompare),
     ("OP_CAPTURE_MODE", "everything", op_tools.OpCapture),
     ("OP_OVERFLOW_CHECK_RAISE", "maybe", op_tools.OpOverflowCheck),

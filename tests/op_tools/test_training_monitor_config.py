@@ -103,6 +103,7 @@ def test_a_bad_variable_is_an_error_naming_it_its_value_and_the_expected_form(va
     ({"tensorboard": "sometimes"}, ValueError, ["TrainingMonitor(tensorboard='sometimes')", "not a flag"]),
     ({"moments": 2}, TypeError, ["TrainingMonitor(moments=2)", "True or False"]),
     ({"scale_drops": -1}, ValueError, ["TrainingMonitor(scale_drops=-1)"]),
+    ({"warmup": -1}, ValueError, ["TrainingMonitor(warmup=-1): must be >= 1;"]),  # it said ">= 0; expected ... >= 1"
     ({"evry": 2}, TypeError, ["unexpected keyword argument 'evry'", "did you mean every?"]),
 ])
 def test_a_bad_argument_is_an_error_naming_it_its_value_and_the_expected_form(arguments, error, words):
