@@ -298,6 +298,9 @@ def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: 
     args, kwargs = _layout_read(name, args, kwargs, data)
     saved_output = _load_optional(os.path.join(entry.directory, "output.pth"))
     saved_grads = _load_optional(os.path.join(entry.directory, "grad_outputs.pth")) if options.backward else None
+    # the gradients the capture's backward computed: read (a broken file is an error, as the others) and, with
+    # --acc_check, compared with the replay's
+    saved_grad_inputs = _load_optional(os.path.join(entry.directory, "grad_inputs.pth")) if options.backward else None
     upstream = tuple(saved_grads["args"]) if saved_grads else ()
 
     device_args, device_kwargs = _on_device(args, device), _on_device(kwargs, device)
@@ -357,13 +360,14 @@ def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: 
         reason = random_reason(name, args, kwargs)
         if reason is not None:
             result.notes.append("random draws: accuracy not checked (a rerun draws other numbers)")
+            _check_finite(args, kwargs, first[0], result)
             return
         if op_facts(name).uninitialised:  # what any run holds there is whatever the memory held
             result.notes.append("memory never written (torch.empty's): accuracy not checked")
             return
         with autocast():
             math = DeviceMath.of(device, name)  # the replay device's declared math for this op, under its autocast
-        _check(func, args, kwargs, upstream, inplace, first, saved_output, options, result, math)
+        _check(func, args, kwargs, upstream, inplace, first, saved_output, options, result, math, saved_grad_inputs)
         if result.status == "ok" and any(not c["ok"] for c in result.checks):
             result.status = "mismatch"
 
@@ -543,8 +547,23 @@ def _autocast(state: dict | None, device: torch.device, result: ReplayResult):
     return functools.partial(torch.autocast, device.type, dtype=dtype)
 
 
+def _check_finite(args, kwargs, output, result: ReplayResult) -> None:
+    """A random op's check: from finite floating inputs, finite floating outputs (its values, drawn again, are not
+    compared; a kernel writing nan or inf is found all the same)."""
+    inputs = [t for t in (*iter_tensors(args), *iter_tensors(kwargs)) if t.is_floating_point() or t.is_complex()]
+    outputs = [t for t in iter_tensors(output) if t.is_floating_point() or t.is_complex()]
+    if not outputs or not all(bool(torch.isfinite(t.detach().cpu()).all()) for t in inputs):
+        return
+    bad = [i for i, t in enumerate(outputs) if not bool(torch.isfinite(t.detach().cpu()).all())]
+    result.checks.append({"check": "output finite", "ok": not bad,
+                          "detail": f"output[{bad[0]}] holds nan or inf from finite inputs" if bad else
+                          "every output finite"})
+    if bad:
+        result.status = "mismatch"
+
+
 def _check(func, args, kwargs, upstream, inplace, first, saved_output, options, result,
-           math: DeviceMath | None = None) -> None:
+           math: DeviceMath | None = None, saved_grad_inputs: dict | None = None) -> None:
     output, grads, written = first
     with_grad = grads is not None
     tolerance = ToleranceSpec.from_env()  # the user's AUTOCOMPARE_ERROR_TOLERANCE* variables, as OpAutoCompare
@@ -595,6 +614,14 @@ def _check(func, args, kwargs, upstream, inplace, first, saved_output, options, 
             _check_written_as_captured(written, saved_output.get(WRITTEN_KEY), tolerance, result)
     else:  # the capture never wrote it (the call raised where captured), or it was lost since
         result.notes.append("no output.pth: not compared with the captured output")
+    if with_grad and saved_grad_inputs is not None:
+        captured = tuple(saved_grad_inputs.get("args", ()))
+        if len(captured) == len(grads):  # the inputs that required grad, in argument order, each once
+            result.checks.append(_verdict("grad vs captured grad", compare_outputs(
+                tuple(grads), _compared(captured), None, tolerance, op_name=result.name, prefix="grad")))
+        else:
+            result.notes.append(f"grad_inputs.pth not compared: it holds {len(captured)} gradients, the replay "
+                                f"computed {len(grads)} (an input passed twice)")
 
 
 def _check_written_as_captured(written: dict, saved, tolerance, result: ReplayResult) -> None:

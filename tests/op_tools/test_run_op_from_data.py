@@ -483,7 +483,7 @@ def test_failures_only_never_hides_an_error_or_a_call_not_checked_and_step_is_ap
     (error, not_checked) = _table_rows(out)
     assert error[0] == "torch.matmul" and error[2] == "error" and error[-1] == "1"
     # ok, but its accuracy was not checked (random draws): shown, and said so
-    assert not_checked[0] == "torch.nn.functional.dropout" and not_checked[2:4] == ["ok", "not checked"]
+    assert not_checked[0] == "torch.nn.functional.dropout" and not_checked[2:4] == ["ok", "finite only"]
     assert not_checked[-1] == "2"
     assert "--failures-only: 2 ok entries not shown (the summary CSV has all 4)" in out
     rows = _summary(tmp_path)
@@ -669,11 +669,49 @@ def test_a_clean_bfloat16_autocast_lstm_replays_ok_and_a_fault_in_its_backward_i
     (entry,) = find_entries(str(tmp_path))
     clean = replay(entry, sim, ReplayOptions(acc_check=True))
     assert clean.status == "ok" and [c["check"] for c in clean.checks if c["ok"]] == [
-        "output vs cpu float64", "grad vs cpu float64", "output vs captured output"], (clean.checks, clean.notes)
+        "output vs cpu float64", "grad vs cpu float64", "output vs captured output", "grad vs captured grad"], \
+        (clean.checks, clean.notes)
     with ditorch.sim.faults("_thnn_fused_lstm_cell_backward_impl:noise=3e-2"):
         faulty = replay(entry, sim, ReplayOptions(acc_check=True))
     assert faulty.status == "mismatch" and [c["check"] for c in faulty.checks if not c["ok"]] == \
-        ["grad vs cpu float64"], faulty.checks
+        ["grad vs cpu float64", "grad vs captured grad"], faulty.checks
+
+
+def test_a_gradient_captured_wrong_is_a_mismatch_and_a_broken_grad_inputs_file_an_error(tmp_path, sim):
+    # grad_inputs.pth was written and never read: a backward kernel wrong where the capture was taken replayed "all
+    # pass" on a correct device, and the file broken went unsaid
+    import ditorch.sim
+    from op_tools.offline.replay import ReplayOptions, replay
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 6).to(sim).requires_grad_()
+    with ditorch.sim.faults("gelu_backward:noise=1e-1"), \
+            op_tools.OpCapture(results_dir=str(tmp_path), ops=["torch.nn.functional.gelu"]):
+        torch.nn.functional.gelu(x).sum().backward()
+    (entry,) = find_entries(str(tmp_path))
+    replayed = replay(entry, sim, ReplayOptions(acc_check=True))
+    assert replayed.status == "mismatch" and [c["check"] for c in replayed.checks if not c["ok"]] == \
+        ["grad vs captured grad"], replayed.checks
+    with open(os.path.join(entry.directory, "grad_inputs.pth"), "w") as f:
+        f.write("garbage")
+    broken = replay(entry, sim, ReplayOptions(acc_check=True))
+    assert broken.status == "error" and "grad_inputs.pth" in broken.error, broken
+
+
+def test_a_random_op_is_checked_for_finite_outputs_from_finite_inputs(tmp_path, sim):
+    # Its values, drawn again, are not compared: an all-nan dropout replayed "ok", exit 0
+    import ditorch.sim
+    from op_tools.offline.replay import ReplayOptions, replay
+
+    x = torch.randn(3, 3).to(sim)
+    with op_tools.OpCapture(results_dir=str(tmp_path), ops=["torch.nn.functional.dropout"]):
+        torch.nn.functional.dropout(x, 0.5)
+    (entry,) = find_entries(str(tmp_path))
+    clean = replay(entry, sim, ReplayOptions(acc_check=True))
+    assert clean.status == "ok" and [(c["check"], c["ok"]) for c in clean.checks] == [("output finite", True)]
+    with ditorch.sim.faults("native_dropout:nan"):
+        faulty = replay(entry, sim, ReplayOptions(acc_check=True))
+    assert faulty.status == "mismatch" and faulty.checks[0]["detail"] == "output[0] holds nan or inf from finite inputs"
 
 
 def test_as_strided_on_a_view_with_gaps_replays_its_storage_and_what_was_not_captured_is_not_replayable(tmp_path, sim):
