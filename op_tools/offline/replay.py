@@ -360,7 +360,8 @@ def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: 
         reason = random_reason(name, args, kwargs)
         if reason is not None:
             result.notes.append("random draws: accuracy not checked (a rerun draws other numbers)")
-            _check_finite(args, kwargs, first[0], result)
+            if first is not None:  # every run makes it (runs >= 1)
+                _check_finite(args, kwargs, first[0], result)
             return
         if op_facts(name).uninitialised:  # what any run holds there is whatever the memory held
             result.notes.append("memory never written (torch.empty's): accuracy not checked")
