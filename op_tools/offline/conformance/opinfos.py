@@ -168,12 +168,16 @@ def replay_name(opinfo) -> str:
     ``torch.ops.aten._softmax_backward_data``), or "" when it calls a Python wrapper of its own."""
     from torch.overrides import resolve_name
 
+    from ...ops.naming import has_twin
+
     func = opinfo.op
     try:
         if isinstance(func, torch._ops.OpOverloadPacket):
             name = "torch.ops." + func._qualified_op_name.replace("::", ".")
         elif isinstance(func, torch._ops.OpOverload):
             name = f"torch.ops.{func._schema.name.replace('::', '.')}.{func._overloadname}"
+        elif has_twin(func):  # torch.mm == torch.spmm: torch's table names both torch.spmm
+            name = f"torch.{func.__name__}"
         else:
             name = resolve_name(func) or ""
     except Exception:  # noqa: BLE001 - an object torch cannot name: not replayable

@@ -279,3 +279,15 @@ def test_a_known_gap_is_marked_in_the_console_and_csv_and_still_fails(tmp_path):
         marked = {(r["op"], r["direction"]): r["known_gap"] for r in csv.DictReader(f)}
     assert marked[(GAP, "forward")].startswith("PyTorch accumulates") and marked[("atan2", "forward")] == ""
     assert [r.known_gap for r in read_csv(path)] == [r.known_gap for r in rows]
+
+
+def test_mm_is_written_under_its_own_name_not_its_twin_spmms():
+    # torch.mm == torch.spmm (one C function, two names): torch's name table gave the conformance CSV's torch_name and
+    # the captured call's name as torch.spmm
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    from op_tools.offline.conformance.opinfos import replay_name
+
+    by_name = {opinfo.name: opinfo for opinfo in op_db}
+    assert replay_name(by_name["mm"]) == "torch.mm"
+    assert replay_name(by_name["matmul"]) == "torch.matmul"
