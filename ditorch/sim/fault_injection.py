@@ -4,11 +4,10 @@ write without bumping version counters.
 A fault spec is ``pattern[@dtype]:kind`` with ``kind`` one of ``unsupported``, ``nan``, ``inf``,
 ``noise=<relative error>``, ``bitflip=<N>``, ``slow=<milliseconds>``, ``scratch=<relative change>`` or
 ``unversioned``; several specs are joined by ``;``. ``bitflip=<N>`` flips one bit of one element of the output in
-every N-th call of the matched ops of one kind, its dtypes and output shapes (the mantissa's top bit, an element
-drawn from the faults' private generator): a chip's silent corruption, now and then. After the kind,
-``,p=<fraction>`` makes a ``noise``, ``nan``, ``inf`` or ``bitflip`` fault intermittent (active in that fraction of
-the calls it matches, drawn from the private generator), and ``,rank=<r>`` keeps a fault to one rank of a
-distributed run (``torch.distributed``'s rank, else ``RANK``).
+every N-th call of the matched ops (the mantissa's top bit, an element drawn from the faults' private generator): a
+chip's silent corruption, now and then. After the kind, ``,p=<fraction>`` makes a ``noise``, ``nan``, ``inf`` or
+``bitflip`` fault intermittent (active in that fraction of the calls it matches, drawn from the private generator),
+and ``,rank=<r>`` keeps a fault to one rank of a distributed run (``torch.distributed``'s rank, else ``RANK``).
 ``pattern`` is a regular expression matched against the whole op name, with or without its overload (``mm``,
 ``add.Tensor``, ``aten::rsqrt``, ``.*``). ``unversioned`` makes matched in-place and ``out=`` ops leave the version
 counter of the sim tensors they write unchanged, as some kernels do on real hardware (see ``version_counter.py``).
@@ -259,13 +258,9 @@ class FaultTable:
         self._by_op: dict = {}
         self._lock = threading.Lock()
         self.active = False
-        # Private generators: injected noise must not consume the user's random stream. One per fault and kind of
-        # call (its dtypes and output shapes): a tool's own kernels under the fault (OpSelfCheck's checksums, a
-        # reference on the device) draw apart, so the program's calls are corrupted alike with the tool and without
-        # it, as a device's faulty kernel corrupts each call whatever else ran.
-        self._draws: dict[tuple, torch.Generator] = {}
-        # a bitflip fault and kind of call -> the calls it matched (it fires on every N-th)
-        self._calls: dict[tuple, int] = {}
+        # A private generator: injected noise must not consume the user's random stream.
+        self._noise_gen = torch.Generator().manual_seed(0)
+        self._calls: dict[Fault, int] = {}  # a bitflip fault -> the calls it matched (it fires on every N-th)
 
     def set(self, faults: list[Fault]) -> None:
         with self._lock:
@@ -275,7 +270,7 @@ class FaultTable:
             self._calls = {}  # a bitflip's every N-th call counts from when it was set
             # and its draws (noise signs, bitflip places, intermittent firing) start over: the same faults on the
             # same program corrupt the same elements, whatever ran before (a test's verdict, not its order's)
-            self._draws = {}
+            self._noise_gen.manual_seed(0)
             self.active = any(f.kind not in VERSION_KINDS for f in self._faults)
             module_scope.track(any(f.module is not None for f in self._faults))  # hooks only while they serve
             if touches_versions:
@@ -324,45 +319,34 @@ class FaultTable:
         # a sparse output is wrong in its values (its implicit zeros stay zeros)
         outputs = [o._values() if o.layout is torch.sparse_coo else o for o in outputs]
         for fault in faults:
-            if fault.kind not in OUTPUT_KINDS or not fault.applies(dtypes):
-                continue
-            key = (fault, tuple(sorted(map(str, dtypes))), tuple(tuple(o.shape) for o in outputs))
-            draws = self._draws_for(key)
-            if not self._fires(fault, key, draws):
+            if fault.kind not in OUTPUT_KINDS or not fault.applies(dtypes) or not self._fires(fault):
                 continue
             if fault.kind == "bitflip":
-                self._flip(next((o for o in outputs if o.dtype in TOP_MANTISSA_BIT and o.numel()), None), draws)
+                self._flip(next((o for o in outputs if o.dtype in TOP_MANTISSA_BIT and o.numel()), None))
                 continue
             for out in outputs:
                 if out.is_floating_point() or out.is_complex():
-                    self._poison(fault, out, draws)
+                    self._poison(fault, out)
 
-    def _draws_for(self, key: tuple) -> torch.Generator:
-        draws = self._draws.get(key)
-        if draws is None:
-            with self._lock:
-                draws = self._draws.setdefault(key, torch.Generator().manual_seed(0))
-        return draws
-
-    def _fires(self, fault: Fault, key: tuple, draws: torch.Generator) -> bool:
-        """Whether the fault is active in this call: every N-th call (of its kind) for a bitflip, a drawn fraction if
+    def _fires(self, fault: Fault) -> bool:
+        """Whether the fault is active in this call: every N-th call for a bitflip, a drawn fraction if
         intermittent."""
         if fault.kind == "bitflip":
             with self._lock:
-                count = self._calls[key] = self._calls.get(key, 0) + 1
+                count = self._calls[fault] = self._calls.get(fault, 0) + 1
             if count % int(fault.value):
                 return False
-        return fault.probability >= 1 or float(torch.rand((), generator=draws)) < fault.probability
+        return fault.probability >= 1 or float(torch.rand((), generator=self._noise_gen)) < fault.probability
 
-    def _flip(self, out: torch.Tensor | None, draws: torch.Generator) -> None:
+    def _flip(self, out: torch.Tensor | None) -> None:
         if out is None:
             return
         bit, as_int = TOP_MANTISSA_BIT[out.dtype]
-        where = tuple(int(torch.randint(0, size, (), generator=draws)) for size in out.shape)
+        where = tuple(int(torch.randint(0, size, (), generator=self._noise_gen)) for size in out.shape)
         bits = out.view(as_int)
         bits[where] ^= 1 << bit
 
-    def _poison(self, fault: Fault, out: torch.Tensor, draws: torch.Generator) -> None:
+    def _poison(self, fault: Fault, out: torch.Tensor) -> None:
         if fault.kind == "nan":
             out.fill_(float("nan"))
         elif fault.kind == "inf":
@@ -370,14 +354,14 @@ class FaultTable:
         elif out.numel():
             # Every element off by exactly the relative error, with a random sign. On ``out``'s device: a collective's
             # output is the sim tensor itself (an op's, the CPU tensor behind it).
-            out.mul_(self._signs(out, draws).to(out.device, out.dtype).mul_(fault.value).add_(1))
+            out.mul_(self._signs(out).to(out.device, out.dtype).mul_(fault.value).add_(1))
 
-    def _signs(self, out: torch.Tensor, draws: torch.Generator) -> torch.Tensor:
-        """+1 or -1 per element of ``out``: drawn from the fault's own generator; while torch.compile traces (the
+    def _signs(self, out: torch.Tensor) -> torch.Tensor:
+        """+1 or -1 per element of ``out``: drawn from the faults' own generator; while torch.compile traces (the
         fault is recorded into the graph it spoils), a fixed pseudo-random pattern computed in the graph, as torch
         2.11 cannot record a draw from a generator."""
         if not is_fake(out):
-            return torch.randint(0, 2, out.shape, generator=draws).mul_(2).sub_(1)
+            return torch.randint(0, 2, out.shape, generator=self._noise_gen).mul_(2).sub_(1)
         hashed = torch.arange(out.numel(), device=out.device).mul_(2654435761).remainder_(2**32)  # Knuth's hash
         return hashed.bitwise_right_shift_(16).bitwise_and_(1).mul_(2).sub_(1).reshape(out.shape)
 
