@@ -289,6 +289,26 @@ def test_no_parameter_selected_is_monitored_and_a_selection_matching_nothing_is_
     assert r"; activations matched no module of the model: model\.layres\.\d+;" in closing[0]
 
 
+def test_the_default_blocks_on_a_model_without_a_module_list_says_no_module_output_was_measured(sim, tmp_path,
+                                                                                                 caplog):
+    # A plain Sequential CNN: "blocks" (the items of every ModuleList) selects nothing, and nothing said so
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(4 * 6 * 6, 2)).to(sim)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.INFO, logger="op_tools"), \
+            op_tools.TrainingMonitor(results_dir=str(tmp_path), model=model) as monitor:
+        for _ in range(2):
+            model(torch.randn(2, 3, 8, 8, device=sim)).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    closing = [" ".join(r.getMessage().split()) for r in caplog.records
+               if r.getMessage().startswith("TrainingMonitor: 2 steps")]
+    assert "; no module output measured (activations='blocks': the model has no torch.nn.ModuleList; name modules " \
+           "with activations=[...])" in closing[0], closing
+    assert monitor.verdict() == "clean"  # the default's choice, not the user's: the parameters and loss were judged
+
+
 def test_tensorboard_event_files_read_back_as_written(sim, tmp_path, caplog):
     if importlib.util.find_spec("tensorboard") is None:
         with pytest.raises(ImportError, match="pip install tensorboard"):
