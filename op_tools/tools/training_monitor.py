@@ -395,8 +395,8 @@ class TrainingMonitor:
         unmeasured += "".join(f"; {what}" for what in self._unmatched())
         made, matched = self._selections["activations"]
         if self._activations_blocks and made and not matched:  # the default: said, the verdict left as it is
-            unmeasured += ("; no module output measured (activations='blocks': the model has no torch.nn.ModuleList; "
-                           "name modules with activations=[...])")
+            logger.info("TrainingMonitor: no module output measured (activations='blocks': the model has no "
+                        "torch.nn.ModuleList; name modules with activations=[...])")
         if not self._monitored:
             unmeasured += ("; no step monitored" if self.step else
                            "; no step monitored (no optimizer step ran while it was on)")
