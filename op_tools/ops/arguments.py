@@ -170,6 +170,15 @@ _device_getter = TensorBase.device.__get__
 _modes_on = torch._C._is_torch_function_mode_enabled
 
 
+def storage_address(t: torch.Tensor) -> int | None:
+    """Where ``t``'s storage's memory starts (its views share it), or None for a tensor without one (sparse,
+    nested)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):  # storage-less tensors
+        return None
+
+
 def real_device(tensor: torch.Tensor) -> torch.device:
     """The device ``tensor`` is on, whatever a device layer makes ``Tensor.device`` show (ditorch shows cuda)."""
     if _modes_on():  # the C getter would hand a mode the Tensor.device property, which may show another device

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .arguments import iter_tensors
+from .arguments import iter_tensors, storage_address
 
 _autograd: Any = torch._C._autograd
 _SUPPORTED = all(hasattr(_autograd, name) for name in (
@@ -115,10 +115,7 @@ class SavedStandIns:
 def _memory(t: torch.Tensor) -> tuple | None:
     """Where ``t``'s memory is (its device and storage: the same for its views), or None: none to share (empty,
     storage-less)."""
-    try:
-        address = t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested and other storage-less tensors
-        return None
+    address = storage_address(t)
     return (t.device, address) if address else None
 
 

@@ -63,7 +63,7 @@ from ..numerics.tensor_stats import (
     nonfinite_counts,
     split_stats,
 )
-from ..ops.arguments import local_part, real_device, strided, tensor_items
+from ..ops.arguments import local_part, real_device, storage_address, strided, tensor_items
 from ..ops.collectives import collective_call, signature_of
 from ..ops.op_facts import op_facts
 from ..ops.torch_versions import autocast_dtype
@@ -199,7 +199,7 @@ class _Side:
         for k, t in enumerate(kept):
             place = locate_values(t) if known is not None else None
             slot = known.find(place) if known is not None and place is not None and not (
-                measured_again and _address(t) in measured_again) else None
+                measured_again and storage_address(t) in measured_again) else None
             if slot is None:
                 slot = _Slot()
                 fresh.append(k)
@@ -253,14 +253,6 @@ class _Side:
         return None if _FALLBACK.search(text) else text
 
 
-def _address(t: torch.Tensor) -> int | None:
-    """Where ``t``'s storage's memory starts (its views share it), or None for a tensor without one."""
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError, TypeError):  # storage-less tensors
-        return None
-
-
 def _passed_on(upstream: Sequence[torch.Tensor], gradients: list[tuple[str, torch.Tensor]]) -> frozenset[int]:
     """The storages (addresses) of the upstream gradients that a backward passes on as gradients of its inputs
     (``index_add``'s to ``self``, ``addcdiv``'s to ``input``) where it also computed another gradient: its kernels
@@ -270,9 +262,9 @@ def _passed_on(upstream: Sequence[torch.Tensor], gradients: list[tuple[str, torc
     came: nothing measured again."""
     if not upstream or len(gradients) < 2:  # one gradient: passed on or computed, not both
         return frozenset()
-    arrived = {_address(u) for u in upstream}
-    passed = frozenset(a for _, g in gradients if (a := _address(g)) in arrived and a is not None)
-    return passed if passed and any(_address(g) not in passed for _, g in gradients) else frozenset()
+    arrived = {storage_address(u) for u in upstream}
+    passed = frozenset(a for _, g in gradients if (a := storage_address(g)) in arrived and a is not None)
+    return passed if passed and any(storage_address(g) not in passed for _, g in gradients) else frozenset()
 
 
 def _measured(sides: list[_Side]) -> list[tuple[list[int], list[torch.Tensor]]]:

@@ -821,9 +821,8 @@ class TrainingMonitor:
         gradients: put back between the forward's and the backward's figures)."""
         if "nonfinite" in self._fired:
             return
-        ordered = [item for item in read if item[0][0] == "activation"] + \
-            [item for item in read if item[0][2] == "loss"] + \
-            [item for item in read if item[0][0] != "activation" and item[0][2] != "loss"]
+        # stable: each part keeps the order its figures were added in
+        ordered = sorted(read, key=lambda item: 0 if item[0][0] == "activation" else 1 if item[0][2] == "loss" else 2)
         for (kind, name, statistic), value in ordered:
             what = "loss" if statistic == "loss" else kind if kind in ("activation", "output_grad") else statistic
             if what in PHASES and not math.isfinite(value):
