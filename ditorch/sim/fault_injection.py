@@ -211,25 +211,59 @@ def _options(texts: list[str], kind: str, entry: str, source: str, text: str) ->
 
 
 @functools.cache
-def aten_op_names() -> tuple[tuple[str, str], ...]:
-    """``(packet, packet.overload)`` of every registered op, as faults match them (``gelu``, ``gelu.default``)."""
+def aten_op_names() -> tuple[tuple[str, str, str], ...]:
+    """``(qualified, packet, packet.overload)`` of every registered op: its dispatcher name (``aten::gelu``) and the
+    two names faults match (``gelu``, ``gelu.default``)."""
     names = []
     for qualified in torch._C._dispatch_get_all_op_names():
         packet, _, overload = qualified.removeprefix("aten::").partition(".")
-        names.append((packet, f"{packet}.{overload or 'default'}"))
+        names.append((qualified, packet, f"{packet}.{overload or 'default'}"))
     return tuple(names)
 
 
 _checked_patterns: set = set()  # pattern texts already checked (a context manager in a loop checks once)
 
 
-def unmatched_pattern_warning(fault: Fault, source: str) -> str | None:
-    """Why ``fault`` can never apply (its pattern matches no aten op), with the aten name meant; else ``None``."""
-    if any(fault.matches_name(packet, full) for packet, full in aten_op_names()) or \
-            any(fault.matches_name(name, name) for name in COLLECTIVES):
+def _schema(qualified: str) -> torch._C.FunctionSchema | None:
+    """The schema of an overload a call can name (``aten::linear.out``); ``None`` for a name registered with no
+    schema, or with a vararg one (``aten::einsum.sublist``: the JIT's, which Python rewrites before it dispatches)."""
+    name, _, overload = qualified.partition(".")
+    try:
+        schema = torch._C._get_schema(name, overload)
+    except RuntimeError:
         return None
+    return None if "..." in str(schema) else schema
+
+
+def _composite_warning(fault: Fault, source: str, matched: list[str]) -> str | None:
+    """Why ``fault`` never fires on the calls meant: every overload it matches has a ``CompositeImplicitAutograd``
+    kernel, which PyTorch runs above any device's (``linear`` as ``addmm``, ``layer_norm``, ``softmax``), so sim sees
+    it only under ``torch.inference_mode()`` (no autograd key to run the composite), or reaches sim only in its
+    ``out=`` form; else ``None``."""
+    schemas = {name: schema for name in matched if (schema := _schema(name)) is not None}
+    reaching = []
+    for name, schema in schemas.items():
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd"):
+            if not any(argument.is_out for argument in schema.arguments):
+                return None  # a call without out= reaches sim: the fault can fire
+            reaching.append(name)
+    composite = ", ".join(name for name in schemas if name not in reaching)
+    out_only = f"; {', '.join(reaching)} only in calls with out=" if reaching else ""
+    return (f"{source}: {fault.pattern.pattern!r} matches only ops that PyTorch runs as other aten ops before a "
+            f"device sees them ({composite}){out_only}: the fault fires on them only under torch.inference_mode(); "
+            "name the ops they run as (torch.profiler lists the aten ops a line runs)")
+
+
+def unmatched_pattern_warning(fault: Fault, source: str) -> str | None:
+    """Why ``fault`` can never apply (its pattern matches no aten op, or only ops decomposed before a device runs
+    them), with the aten name meant; else ``None``."""
+    if any(fault.matches_name(name, name) for name in COLLECTIVES):
+        return None
+    matched = [qualified for qualified, packet, full in aten_op_names() if fault.matches_name(packet, full)]
+    if matched:
+        return _composite_warning(fault, source, matched)
     text = fault.pattern.pattern
-    packets = sorted({packet for packet, _ in aten_op_names()})
+    packets = sorted({packet for _, packet, _ in aten_op_names()})
     last = text.rpartition(".")[2]
     if "." in text and last in packets:  # a torch name (torch.nn.functional.gelu, torch.Tensor.add_)
         return (f"{source}: {text!r} matches no aten op: faults name aten ops, not torch functions; "

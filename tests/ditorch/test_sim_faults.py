@@ -179,12 +179,37 @@ def test_a_fault_pattern_matching_no_aten_op_is_warned_about_with_the_aten_name(
         assert word in message
 
 
+@pytest.mark.parametrize(("spec", "call", "words"), [
+    ("linear:nan", lambda x: torch.nn.functional.linear(x, x), ["(aten::linear); aten::linear.out only in calls"]),
+    ("softmax:nan", lambda x: x.softmax(-1), ["(aten::softmax.int); aten::softmax.int_out only"]),
+    ("layer_norm:inf", lambda x: torch.nn.functional.layer_norm(x, (4,)), ["(aten::layer_norm):"]),
+    ("einsum:nan", lambda x: torch.einsum("ij,jk->ik", x, x), ["(aten::einsum):"]),  # not its JIT-only sublist form
+])
+def test_a_fault_on_an_op_pytorch_decomposes_before_the_device_is_warned_about(spec, call, words, sim, caplog,
+                                                                              monkeypatch):
+    """A composite op (CompositeImplicitAutograd) runs as other aten ops before a device sees it: the fault would
+    silently never fire, and a tool's clean verdict would look like a miss."""
+    from ditorch.sim import fault_injection
+
+    monkeypatch.setattr(fault_injection, "_checked_patterns", set())
+    x = torch.randn(4, 4, device=sim)
+    with caplog.at_level("WARNING", logger="ditorch"), ditorch.sim.faults(spec):
+        assert torch.isfinite(call(x)).all().item()  # what the warning says: it did not fire
+        with torch.inference_mode():  # no autograd key to run the composite: the device gets the op whole
+            assert not torch.isfinite(call(x)).all().item()
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "ditorch"]
+    assert f"spec: {spec.partition(':')[0]!r} matches only ops that PyTorch runs as other aten ops" in message
+    assert "fires on them only under torch.inference_mode(); name the ops they run as (torch.profiler" in message
+    for word in words:
+        assert word in message
+
+
 def test_fault_patterns_that_match_ops_pass_without_a_word(sim, caplog, monkeypatch):
     from ditorch.sim import fault_injection
 
     monkeypatch.setattr(fault_injection, "_checked_patterns", set())
     with caplog.at_level("WARNING", logger="ditorch"), ditorch.sim.faults(
-            "gelu:nan;aten::mm:noise=1e-3;add.Tensor:inf;.*@float64:unsupported;(mul|div)_:unversioned;"
+            "gelu:nan;aten::mm:noise=1e-3;add.Tensor:inf;(soft|_soft)max:nan;.*@float64:unsupported;(mul|div)_:unversioned;"
             "allreduce:bitflip=1,rank=1"):  # the last: sim's collective (its process group's method)
         pass
     assert not [r for r in caplog.records if r.name == "ditorch"]
