@@ -650,11 +650,15 @@ class OpTool:
     def closing_line(self) -> str:
         """The line logged at ``stop()``: what the tool handled, what it wrote where, and what it could not check
         (then logged as a WARNING: see ``not_checked``)."""
-        ops = len(self.handled)
-        line = (f"{type(self).__name__}: {sum(self.handled.values())} calls of {ops} op{'s' if ops != 1 else ''} "
-                f"handled; {self.tally.describe()}")
+        ops, calls = len(self.handled), sum(self.handled.values())
+        line = (f"{type(self).__name__}: {calls} call{'s' if calls != 1 else ''} of {ops} op{'s' if ops != 1 else ''} "
+                f"handled{self.handled_note()}; {self.tally.describe()}")
         problem = self.not_checked()
         return f"{line}; {problem}" if problem else line
+
+    def handled_note(self) -> str:
+        """What the tool did to the calls it handled, after "handled" in the closing line (" (3 cast)"): overridden."""
+        return ""
 
     # --- the verdict: every handled call checked, or said not to be ---
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..config.settings import origin
 from ..config.variables import DTYPE_CAST_DICT, narrows
 from ..core.engine import OpCall, OpTool, OpToolsAbortError, feature, tool_work
 from ..numerics.device_math import DeviceMath, emulated
@@ -57,6 +58,7 @@ class OpDtypeCast(OpTool):
                                  "s" if len(narrowing) == 1 else "")
         self.config_text = ",".join(f"{a}->{b}" for a, b in self.cast.items())
         self._expected: dict[tuple, tuple | None] = {}  # _expected_dtypes's answers by _dtype_key
+        self.cast_calls = 0  # handled calls run in a dtype the table gave: what the closing line says beside handled
 
     def accepts(self, name: str) -> bool:
         # Views must alias their base; explicit conversions mean what they say; a collective's dtype is agreed with
@@ -168,7 +170,23 @@ class OpDtypeCast(OpTool):
                     rows.append({"name": call.name, "target": f"output{path}",
                                  "action": f"{raw.dtype} -> {final.dtype}", "config": self.config_text})
             call.state["rows"] = rows
+            self.cast_calls += 1
             return out
+
+    def handled_note(self) -> str:
+        return f" ({self.cast_calls} cast)"
+
+    def unchecked_parts(self) -> list[str]:
+        """Calls handled, none cast and none failed: the table named no dtype the run's calls had (a float32 model
+        under the default table, an empty one). Said, as the run's numbers are what they were without the tool: the user
+        asked for another dtype and got none."""
+        if self.cast_calls or not self.handled or self.unchecked:  # unchecked: calls whose widened run failed
+            return []
+        where = origin(self, "casts")
+        changed = sorted(str(dtype) for dtype, to in self.cast.items() if to != dtype)
+        if not changed:
+            return [f"{where} casts no dtype to another: no call was cast"]
+        return [f"no call was cast: none had an input in a dtype {where} casts ({', '.join(changed)})"]
 
     def _run_as_written(self, call: OpCall, error: Exception):
         """The call run as without the tool, for ``error`` (its widened run failed: a device without float64

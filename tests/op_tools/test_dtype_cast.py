@@ -273,3 +273,29 @@ def test_version_counters_end_as_the_op_leaves_them(sim):
     plain = versions(contextlib.nullcontext())
     assert plain == [0, 0, 0, 1, 2]
     assert versions(op_tools.OpDtypeCast(casts={torch.float32: torch.float64})) == plain
+
+
+def test_the_closing_line_counts_the_calls_cast_and_a_run_with_none_cast_is_not_clean(sim, monkeypatch):
+    """A float32 run under the default table (float16, bfloat16), or an empty table, casts nothing: the run's numbers
+    are its own, which the user asked to change, so the closing line says so and the verdict is not clean."""
+    x16, x32 = torch.ones(4, device=sim, dtype=torch.float16), torch.ones(4, device=sim)
+    with op_tools.OpDtypeCast() as tool:
+        x16.sin(), x32.cos()
+    assert tool.closing_line().startswith("OpDtypeCast: 2 calls of 2 ops handled (1 cast); wrote no file")
+    assert tool.verdict() == "clean"
+
+    with op_tools.OpDtypeCast() as tool:
+        x32.sin()
+    assert tool.closing_line() == ("OpDtypeCast: 1 call of 1 op handled (0 cast); wrote no file; no call was cast: "
+                                   "none had an input in a dtype OP_DTYPE_CAST_DICT casts (torch.bfloat16, "
+                                   "torch.float16)")
+    assert tool.verdict() == "unchecked"
+
+    with op_tools.OpDtypeCast(casts={torch.float32: torch.float32}) as tool:
+        x32.sin()
+    assert tool.not_checked() == "OpDtypeCast(casts=...) casts no dtype to another: no call was cast"
+
+    monkeypatch.setenv("OP_DTYPE_CAST_DICT", "")
+    with op_tools.OpDtypeCast() as tool:
+        x16.sin()
+    assert tool.not_checked() == "OP_DTYPE_CAST_DICT casts no dtype to another: no call was cast"

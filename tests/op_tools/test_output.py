@@ -40,7 +40,9 @@ for name in sys.argv[1:]:
 def _run_four_steps(tmp_path, env: dict, tools=TOOLS) -> dict[str, list[str]]:
     done = subprocess.run([sys.executable, "-c", FOUR_STEPS, *tools], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300, env=child_env({"DITORCH_BACKEND": "sim", "DITORCH_QUIET": "1",
-                                                      "OP_TOOLS_RESULTS_DIR": str(tmp_path / "results"), **env},
+                                                      "OP_TOOLS_RESULTS_DIR": str(tmp_path / "results"),
+                                                      # the layer is float32: a table that casts it
+                                                      "OP_DTYPE_CAST_DICT": "torch.float32->torch.float64", **env},
                                                      drop=("OP_",)))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr == "", done.stderr[-3000:]
@@ -125,10 +127,10 @@ with op_tools.OpObserve():
 
 
 @pytest.mark.parametrize("setup, stdout, stderr", [
-    ("", "OpObserve: 1 calls of 1 op handled; wrote no file\n", ""),
+    ("", "OpObserve: 1 call of 1 op handled; wrote no file\n", ""),
     ('logging.getLogger("op_tools").setLevel(logging.WARNING)', "", ""),
     ('logging.basicConfig(stream=sys.stderr, format="%(name)s %(levelname)s %(message)s", level=logging.INFO)', "",
-     "op_tools.observe INFO OpObserve: 1 calls of 1 op handled; wrote no file\n"),
+     "op_tools.observe INFO OpObserve: 1 call of 1 op handled; wrote no file\n"),
     ('logging.getLogger("op_tools").addHandler(logging.NullHandler())', "", ""),
 ], ids=["default", "level", "application-handler", "null-handler"])
 def test_an_application_silences_or_redirects_the_tools_with_standard_logging_calls(tmp_path, setup, stdout, stderr):
@@ -425,7 +427,7 @@ def test_closing_line_counts_the_files_and_bytes_written(sim, caplog):
     assert capture.tally.files == len(files) == 3 and capture.tally.bytes == size  # input, output, the index
     folder = os.path.join(os.environ["OP_TOOLS_RESULTS_DIR"], "op_capture_results")
     shown = reporting.shown_path(folder)
-    closing = f"OpCapture: 1 calls of 1 op handled; wrote 3 files ({result_files.human_size(size)}) in "
+    closing = f"OpCapture: 1 call of 1 op handled; wrote 3 files ({result_files.human_size(size)}) in "
     assert line == reporting.fit_path(closing + shown, shown) and line.startswith(closing)
     header = reporting.fit_line(f"OpCapture results in {shown}:")  # the folder on a line of its own where long
     assert caplog.records[-2].getMessage().startswith(f"{header}\n  index of the calls saved: ")

@@ -59,7 +59,7 @@ def test_each_list_entry_that_matched_no_handled_call_is_named(tool, sim, caplog
     # input's): each said at stop. The calls that ran were handled: a warning, not an unchecked verdict (a list of
     # many ops names some a run never makes); a list that matched nothing at all is one (above).
     caplog.set_level(logging.INFO, logger="op_tools")
-    x = torch.randn(8, device=sim)
+    x = torch.randn(8, device=sim, dtype=torch.float16)  # a dtype OpDtypeCast's default table casts
     with tool(ops=["torch.nn.functional.silu", "torch.nn.functional.gelu", "torch.Tensor.view"]) as running:
         torch.nn.functional.silu(x).view(2, 4)
     assert running.handled == {"torch.nn.functional.silu": 1}
