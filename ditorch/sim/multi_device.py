@@ -8,8 +8,10 @@ PyTorch asks a Python backend's device guard (``torch._C._acc.DeviceGuard``) two
   with autograd multithreading off: each node runs on the calling thread's CPU ready queue. Sim computes
   synchronously on the host, so no device thread is lost.
 - ``Tensor.to("sim")`` fills the missing index from ``getDevice()`` before any kernel runs, so it lands on ``sim:0``
-  whatever ``torch.sim.set_device`` chose. ``to`` gives a bare sim device the current index first, as
-  ``Tensor.to("cuda")`` does on CUDA (``Module.to`` goes through it).
+  whatever ``torch.sim.set_device`` chose; so do the functions that copy host data to the device in C++
+  (``torch.tensor``, ``as_tensor``, ``asarray``, ``Tensor.new_tensor``, the sparse constructors: ``_DATA_FACTORIES``).
+  Each gives a bare sim device the current index first, as ``Tensor.to("cuda")`` does on CUDA (``Module.to`` goes
+  through it).
 
 With one sim device, backward runs on the engine's device thread, as on hardware, and ``to`` is PyTorch's; unless the
 process ran a backward before sim was registered: the engine then has no queue for any sim device, and ``SimEngine``
@@ -20,6 +22,7 @@ to raise a user's hook's exception from backward (``device_guard``).
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 from torch.autograd.variable import Variable
@@ -73,6 +76,25 @@ def _to_current_device(to):
     return to_current
 
 
+# Functions that build a tensor from data on the host and copy it to the device in C++, which fills a bare device's
+# index from the guard's ``getDevice()`` (0) as ``Tensor.to`` does; each takes ``device`` by keyword only.
+_DATA_FACTORIES = ((torch, "tensor"), (torch, "as_tensor"), (torch, "asarray"), (torch.Tensor, "new_tensor"),
+                   (torch, "sparse_coo_tensor"), (torch, "sparse_compressed_tensor"), (torch, "sparse_csr_tensor"),
+                   (torch, "sparse_csc_tensor"), (torch, "sparse_bsr_tensor"), (torch, "sparse_bsc_tensor"))
+
+
+def _device_on_current(factory):
+    """``factory`` placing a bare sim device given as ``device=`` on the current one, as CUDA does."""
+    @functools.wraps(factory)
+    def on_current(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _indexed(kwargs["device"])
+        return factory(*args, **kwargs)
+
+    on_current._ditorch_sim_to = True  # installed once
+    return on_current
+
+
 def engine_has_a_queue_for_sim() -> bool:
     """Whether the autograd engine can run a node on ``sim:0``. It sizes its device queues once, at the first
     backward of the process: one that ran before sim was registered (a CPU reference run) left none for sim."""
@@ -112,6 +134,14 @@ def install() -> None:
     install_engine(on_calling_thread=True)
     if not getattr(torch.Tensor.to, "_ditorch_sim_to", False):
         torch.Tensor.to = _to_current_device(torch.Tensor.to)  # type: ignore[method-assign]  # sim's own placement
+    # `with torch.device(...)` recognises factories by identity in a cached set: fill it with the originals before
+    # they are wrapped (else a model built under `with torch.device("meta")` makes its torch.tensor buffers on the
+    # host, and FSDP2's meta-device init reads uninitialised memory)
+    importlib.import_module("torch.utils._device")._device_constructors()
+    for owner, name in _DATA_FACTORIES:
+        factory = getattr(owner, name, None)
+        if factory is not None and not getattr(factory, "_ditorch_sim_to", False):
+            setattr(owner, name, _device_on_current(factory))
 
 
 def refuse_data_parallel() -> None:

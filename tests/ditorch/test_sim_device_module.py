@@ -173,6 +173,36 @@ def test_one_device_per_local_rank_under_torchrun_unless_the_count_is_set():
     assert "LOCAL_WORLD_SIZE='x': expected a positive integer" in bad.stderr
 
 
+DATA_ON_THE_CURRENT_DEVICE = """
+import numpy as np, torch, ditorch
+from ditorch.show_as_cuda import real_device
+torch.cuda.set_device(1)
+made = {}
+for device in ("cuda", "sim"):  # the script's CUDA name, and sim's own
+    made.update({
+        f"tensor {device}": torch.tensor([1.0, 2.0], device=device),
+        f"as_tensor {device}": torch.as_tensor(np.ones(2), device=device),
+        f"asarray {device}": torch.asarray([1.0], device=device),
+        f"new_tensor {device}": torch.ones(1).new_tensor([1.0], device=device),
+        f"sparse_coo_tensor {device}": torch.sparse_coo_tensor([[0]], [1.0], (2,), device=device),
+    })
+compiled = torch.compile(lambda x: x + torch.tensor([1.0, 2.0], device="cuda"), backend="eager")
+made["compiled"] = compiled(torch.zeros(2, device="cuda"))
+made["sum"] = made["tensor cuda"] + torch.zeros(2, device="cuda")  # once: sim:0 and sim:1, refused
+with torch.device("meta"):  # the factories stay the ones `with torch.device` knows by identity
+    meta = torch.tensor([1.0]).device
+print(sorted({str(real_device(t)) for t in made.values()}), len(made), meta)
+"""
+
+
+def test_tensors_made_from_data_land_on_the_current_device():
+    # torch.tensor(data, device="cuda") copies its host tensor to the device in C++, which fills the index from a
+    # Python backend's guard (always 0): it landed on sim:0 after set_device(1), and mixing it with the program's
+    # other tensors raised; under torchrun, rank 1's metric went to the wrong device.
+    result = _run(DATA_ON_THE_CURRENT_DEVICE, DITORCH_BACKEND="sim", DITORCH_QUIET="1", DITORCH_SIM_DEVICE_COUNT="2")
+    assert result.stdout.split() == ["['sim:1']", "12", "meta"], result.stderr[-3000:]
+
+
 BACKWARD_ON_DEVICE_1 = """
 import threading, torch, ditorch.sim
 ditorch.sim.register()
