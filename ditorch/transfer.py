@@ -224,8 +224,9 @@ def _storage_cuda(fn, ctx):
 def _device_class(cls, ctx):
     """``torch.Stream`` or ``torch.Event`` taking a CUDA device (``device="cuda"``, a tensor's ``device`` shown as
     cuda) as the backend's. A subclass, not a forwarding class: torch subclasses them after import (dynamo's
-    ``CpuInterface.Event``), and C++ takes its instances as the class's own; ``isinstance`` still answers for
-    the streams and events C++ makes."""
+    ``CpuInterface.Event``); ``isinstance`` still answers for the streams and events C++ makes. Calling it makes an
+    instance of the class itself, not of the stand-in: C++ takes only that type's own instances as another argument
+    (``Event.elapsed_time(other)`` refused a stand-in's "expected other to be a torch.Event object")."""
     remap = ctx.remap
 
     class StandInMeta(type(cls)):
@@ -240,7 +241,7 @@ def _device_class(cls, ctx):
             args = (remap(args[0]), *args[1:])
         if "device" in kwargs:
             kwargs["device"] = remap(kwargs["device"])
-        return cls.__new__(klass, *args, **kwargs)
+        return cls(*args, **kwargs) if klass is stand_in else cls.__new__(klass, *args, **kwargs)
 
     stand_in = StandInMeta(cls.__name__, (cls,), {"__new__": __new__, "__doc__": cls.__doc__,
                                                   "__module__": cls.__module__, "__qualname__": cls.__qualname__})

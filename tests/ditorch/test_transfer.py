@@ -133,6 +133,21 @@ def test_device_generic_streams_and_events_take_a_cuda_device(shown_as_cuda):
             event.record()
         assert event.query()
     assert isinstance(torch.accelerator.current_stream(), torch.Stream)  # one C++ made, not the stand-in
+    # Instances of the class itself: C++ takes no other type as an argument. A stand-in's event given to
+    # elapsed_time was refused ("expected other to be a torch.Event object") on every backend, a vendor's whose
+    # guard times events included; here it reaches the device's own answer (a Python backend's guard cannot time).
+    original = torch.Event.__mro__[1]
+    first, second = torch.Event("cuda", enable_timing=True), torch.Event("cuda", enable_timing=True)
+    assert type(first) is original and type(torch.Stream("cuda")) is torch.Stream.__mro__[1]
+    first.record()
+    second.record()
+    with pytest.raises(RuntimeError, match="Backend doesn't support elapsedTime"):
+        first.elapsed_time(second)
+
+    class Timed(torch.Event):  # a subclass of the stand-in makes its own instances, as torch's own do
+        pass
+
+    assert type(Timed("cuda")) is Timed and Timed("cuda").device.type == "sim"
 
 
 def test_generator_on_cuda_draws_what_the_host_generator_draws(transfer):
