@@ -289,11 +289,19 @@ def _load(fn, ctx):
     # A checkpoint saved on CUDA names its storages "cuda:N": without a map_location they land here.
     default = {"cuda": remap.target, **{f"cuda:{i}": f"{remap.target}:{i}" for i in range(count)}}
 
+    def device_keys(location: dict) -> dict:
+        # The DDP tutorial's {"cuda:0": f"cuda:{rank}"}: storages saved from the device are tagged with its own name
+        # ("npu:0", "sim:0"), the device the script saw as cuda:0. The key as written still matches a CUDA checkpoint.
+        if remap.target == "cpu":  # every key would become "cpu"; the host saves as "cpu" whatever they say
+            return {}
+        return {remap(key): remap(value) for key, value in location.items()
+                if isinstance(key, str) and remap(key) != key}
+
     def remap_location(location):
         if location is None:
             return default
-        if isinstance(location, dict):
-            return {key: remap(value) for key, value in location.items()}
+        if isinstance(location, dict):  # locations it leaves out load where they were saved, as on CUDA
+            return {**default, **device_keys(location), **{key: remap(value) for key, value in location.items()}}
         return remap(location)
 
     @functools.wraps(fn)

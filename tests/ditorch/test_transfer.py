@@ -93,17 +93,45 @@ def test_torch_load_maps_cuda_locations(transfer, location):
     assert on_sim(loaded["w"]) and torch.equal(loaded["w"].cpu(), torch.arange(4.0))
 
 
-def test_checkpoint_saved_on_cuda_loads_on_the_device_without_map_location(transfer, tmp_path):
-    # Stand-in for a checkpoint from a CUDA machine: a save-time tagger that labels storages "cuda:0".
+def save_as_on_cuda(obj, path) -> None:
+    """Stand-in for a checkpoint from a CUDA machine: a save-time tagger that labels storages "cuda:0"."""
     registry = torch.serialization._package_registry
     entry = (0, lambda storage: "cuda:0", lambda storage, location: None)
     registry.insert(0, entry)
     try:
-        torch.save({"w": torch.arange(3.0)}, tmp_path / "cuda.pt")
+        torch.save(obj, path)
     finally:
         registry.remove(entry)
+
+
+def test_checkpoint_saved_on_cuda_loads_on_the_device_without_map_location(transfer, tmp_path):
+    save_as_on_cuda({"w": torch.arange(3.0)}, tmp_path / "cuda.pt")
     loaded = torch.load(tmp_path / "cuda.pt")
     assert on_sim(loaded["w"]) and torch.equal(loaded["w"].cpu(), torch.arange(3.0))
+
+
+@pytest.fixture
+def two_devices(sim):
+    from ditorch.sim.tensor import DeviceSelection, set_device_count
+
+    count = DeviceSelection.count
+    set_device_count(2)
+    yield
+    DeviceSelection.set_current(0)
+    set_device_count(count)
+
+
+@pytest.mark.parametrize("saved_on", ["the device", "a CUDA machine"])
+def test_torch_load_dict_map_location_moves_what_cuda_0_saved_to_cuda_1(two_devices, shown_as_cuda, saved_on,
+                                                                         tmp_path):
+    # The DDP tutorial's map_location={"cuda:0": f"cuda:{rank}"}. The device tags its storages "sim:0" (a vendor's
+    # "npu:0"), the device the saving script saw as cuda:0; a CUDA machine tags them "cuda:0".
+    if saved_on == "the device":
+        torch.save({"w": torch.arange(3.0, device="cuda:0")}, tmp_path / "rank0.pt")
+    else:
+        save_as_on_cuda({"w": torch.arange(3.0)}, tmp_path / "rank0.pt")
+    loaded = torch.load(tmp_path / "rank0.pt", map_location={"cuda:0": "cuda:1"}, weights_only=True)["w"]
+    assert REAL_DEVICE(loaded) == torch.device("sim", 1) and torch.equal(loaded.cpu(), torch.arange(3.0))
 
 
 @pytest.mark.parametrize("saved_on", ["cpu", "cuda"])
