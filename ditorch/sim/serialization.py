@@ -9,6 +9,9 @@ A callable ``map_location`` is called as PyTorch calls it for a CUDA checkpoint'
 in a host storage and the location they were saved from (``"sim:0"``). What it returns is where the tensor lands: a
 host storage (``lambda s, loc: s``) on the host, ``s.cuda()`` (a storage moved to sim, which within ``torch.load``
 is that host storage, recorded) on sim.
+
+Each host storage is copied to its sim device once per load, and every tensor built on it becomes a view of that copy
+with its own offset and strides: a view and its base, or tied weights, share one storage on sim as on CUDA.
 """
 
 from __future__ import annotations
@@ -23,6 +26,30 @@ _LOCATION = re.compile(r"sim(:\d+)?")
 _loading = threading.local()
 _HOST = torch.device("cpu")
 _installed = False
+
+
+def _device_location(location) -> torch.device | None:
+    """The sim device a restore location names (``"sim"`` is the current one), else None."""
+    if not _LOCATION.fullmatch(str(location)):
+        return None
+    device = torch.device(location)
+    return device if device.index is not None else torch.device("sim", torch.sim.current_device())
+
+
+def _on_device(data: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``data`` on ``device`` as a view of its whole storage, which is copied there once per load: tensors sharing a
+    storage in the file share one on the device, as a CUDA load restores one device storage per saved storage."""
+    copies = _loading.copies
+    storage = data.untyped_storage()
+    key = (storage.data_ptr(), device)
+    if key not in copies:  # the host storage is kept with its copy: its address stays unique while the load runs
+        host_bytes = torch.empty(0, dtype=torch.uint8).set_(storage)
+        copies[key] = (storage, host_bytes.to(device))
+    device_bytes = copies[key][1]
+    itemsize = data.element_size()
+    typed = device_bytes[:device_bytes.numel() // itemsize * itemsize].view(data.dtype)
+    # detached: a tensor of its own (not an autograd view of the bytes), as torch.load's set_ onto a storage makes
+    return typed.as_strided(data.size(), data.stride(), data.storage_offset()).detach()
 
 
 def _restore_on_host(storage, location: str):
@@ -57,16 +84,19 @@ def _storage_to(to):
 def _rebuild_with_callable(rebuild):
     """``torch._utils._rebuild_device_tensor_from_cpu_tensor`` (how a sim tensor is saved), calling a callable
     ``map_location`` with the saved values' host storage and their location, as ``torch.load`` calls it for a CUDA
-    tensor's storage; PyTorch's own refuses callables for storage-less devices."""
+    tensor's storage; PyTorch's own refuses callables for storage-less devices. Tensors it restores on sim share
+    storages as they did when saved (``_on_device``)."""
 
     @functools.wraps(rebuild)
     def rebuild_device_tensor(data, dtype, device, requires_grad):
         map_location = torch.serialization._serialization_tls.map_location
-        if not (callable(map_location) and _LOCATION.fullmatch(str(device))):
+        if not callable(map_location):
+            return _on(data, dtype, torch._utils._get_restore_location(device), requires_grad)
+        if not _LOCATION.fullmatch(str(device)):
             return rebuild(data, dtype, device, requires_grad)
         storage = map_location(data.untyped_storage(), str(device))
         if storage is None:  # where it was saved, as torch.load's default_restore_location
-            return _on(data, dtype, torch.device(device), requires_grad)
+            return _on(data, dtype, device, requires_grad)
         storage = getattr(storage, "_untyped_storage", storage)  # a TypedStorage's bytes
         tensor = torch.empty(0, dtype=data.dtype, device=storage.device)
         tensor.set_(storage, data.storage_offset(), data.size(), data.stride())
@@ -75,8 +105,13 @@ def _rebuild_with_callable(rebuild):
     return rebuild_device_tensor
 
 
-def _on(data, dtype, device, requires_grad):
-    tensor = data.to(dtype=dtype, device=device)
+def _on(data, dtype, location, requires_grad):
+    device = _device_location(location)
+    shareable = data.layout is torch.strided and data.dtype == dtype  # a sparse tensor's storages are its parts'
+    if device is not None and shareable and getattr(_loading, "copies", None) is not None:
+        tensor = _on_device(data, device)
+    else:  # elsewhere, or unpickled outside torch.load (multiprocessing)
+        tensor = data.to(dtype=dtype, device=location)
     tensor.requires_grad = requires_grad
     return tensor
 
@@ -88,7 +123,7 @@ def _move(obj, pending: dict, memo: dict):
     if isinstance(obj, torch.Tensor):
         device = pending.get(obj.untyped_storage().data_ptr()) if obj.device.type == "cpu" else None
         if device is not None:
-            result = obj.to(device)
+            result = _on_device(obj, device).requires_grad_(obj.requires_grad)
             if isinstance(obj, torch.nn.Parameter):
                 result = torch.nn.Parameter(result, requires_grad=obj.requires_grad)
     elif isinstance(obj, torch.nn.Module):
@@ -108,13 +143,14 @@ def _move(obj, pending: dict, memo: dict):
 def _load_with_sim(load):
     @functools.wraps(load)
     def sim_aware_load(*args, **kwargs):
-        outer = getattr(_loading, "pending", None)
-        _loading.pending = pending = {}
+        outer = getattr(_loading, "pending", None), getattr(_loading, "copies", None)
+        pending = _loading.pending = {}
+        _loading.copies = {}
         try:
             result = load(*args, **kwargs)
+            return _move(result, pending, {}) if pending else result
         finally:
-            _loading.pending = outer
-        return _move(result, pending, {}) if pending else result
+            _loading.pending, _loading.copies = outer
 
     sim_aware_load.__wrapped_by_ditorch_sim__ = load
     return sim_aware_load

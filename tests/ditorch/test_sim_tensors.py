@@ -209,6 +209,44 @@ def test_save_and_load_keep_values_and_devices():
         assert loaded["w"].cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+@pytest.mark.usefixtures("sim")
+@pytest.mark.parametrize("saved_on, map_location", [("sim", None), ("sim", "sim"), ("cpu", "sim")])
+def test_load_keeps_a_view_on_its_base_storage(saved_on, map_location):
+    # As torch.load on CUDA: one device storage per storage in the file (it held one, for the base and its view).
+    base = torch.arange(1000.0, device=saved_on)
+    buffer = io.BytesIO()
+    torch.save({"base": base, "view": base[2:8:2]}, buffer)
+    buffer.seek(0)
+    before = torch.sim.memory_allocated()
+    loaded = torch.load(buffer, weights_only=True, map_location=map_location)
+    assert torch.sim.memory_allocated() - before == 4000  # the storage once, not the base and the view apart
+    view = loaded["view"]
+    assert real_device(view).type == "sim" and _shares_storage(view, loaded["base"])
+    assert (view.storage_offset(), view.stride(), view.cpu().tolist()) == (2, (2,), [2.0, 4.0, 6.0])
+    loaded["base"][4] = -1.0
+    assert view.cpu().tolist() == [2.0, -1.0, 6.0]
+
+
+@pytest.mark.usefixtures("sim")
+@pytest.mark.parametrize("saved_on, map_location", [("sim", None), ("cpu", "sim")])
+def test_load_keeps_tied_weights_of_a_state_dict_in_one_storage(saved_on, map_location):
+    embedding, head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False)
+    head.weight = embedding.weight  # a language model's tied input and output embeddings
+    model = torch.nn.ModuleDict({"embedding": embedding, "head": head}).to(saved_on)
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    before = torch.sim.memory_allocated()
+    state = torch.load(buffer, weights_only=True, map_location=map_location)
+    assert torch.sim.memory_allocated() - before == 10 * 4 * 4
+    assert _shares_storage(state["embedding.weight"], state["head.weight"])
+    assert torch.equal(state["head.weight"].cpu(), embedding.weight.detach().cpu())
+
+
 def test_views_and_aliases_share_one_storage_as_on_a_device(sim):
     t = torch.randn(4, device=sim)
     assert t[1:].untyped_storage() is t.untyped_storage()

@@ -134,6 +134,22 @@ def test_torch_load_dict_map_location_moves_what_cuda_0_saved_to_cuda_1(two_devi
     assert REAL_DEVICE(loaded) == torch.device("sim", 1) and torch.equal(loaded.cpu(), torch.arange(3.0))
 
 
+@pytest.mark.parametrize("map_location", [None, "cuda", {"cuda:0": "cuda:0"}], ids=str)
+def test_checkpoint_saved_on_cuda_keeps_views_and_tied_weights_on_one_device_storage(transfer, map_location,
+                                                                                     tmp_path):
+    base = torch.arange(10.0)
+    embedding, head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False)
+    head.weight = embedding.weight
+    state = torch.nn.ModuleDict({"embedding": embedding, "head": head}).state_dict()
+    save_as_on_cuda({"base": base, "view": base[2:5], "model": state}, tmp_path / "cuda.pt")
+    loaded = torch.load(tmp_path / "cuda.pt", map_location=map_location, weights_only=True)
+    tied = loaded["model"]["embedding.weight"], loaded["model"]["head.weight"]
+    assert all(on_sim(t) for t in (loaded["base"], loaded["view"], *tied))
+    assert tied[0].untyped_storage().data_ptr() == tied[1].untyped_storage().data_ptr()
+    loaded["base"][3] = -1.0
+    assert loaded["view"].cpu().tolist() == [2.0, -1.0, 4.0]
+
+
 @pytest.mark.parametrize("saved_on", ["cpu", "cuda"])
 @pytest.mark.parametrize("weights_only", [True, False])
 def test_torch_load_calls_a_callable_map_location_as_cuda_does(shown_as_cuda, saved_on, weights_only):
