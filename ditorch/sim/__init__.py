@@ -68,6 +68,7 @@ def register() -> None:
             async_completion,
             attention,
             autocast,
+            batch_norm_kernels,  # noqa: F401 - registers SyncBatchNorm's statistics kernels
             composites,
             ddp,
             device_guard,

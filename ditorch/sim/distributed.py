@@ -201,7 +201,11 @@ class SimProcessGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):  # noqa: A002 - ProcessGroup's signature
         self._check("all_gather_single", [output, input])
-        work = self._c10d._allgather_base(output, input, opts or _c10d.AllgatherOptions())  # its name in every torch
+        # NCCL takes any contiguous output of world_size times the input's elements (SyncBatchNorm gathers into a
+        # (1, world * n) one), gloo only the inputs joined along dimension 0: gloo gathers into flat views
+        flat = output.is_contiguous() and output.numel() == self.size() * input.numel()
+        gathered, sent = (output.view(-1), input.reshape(-1)) if flat else (output, input)
+        work = self._c10d._allgather_base(gathered, sent, opts or _c10d.AllgatherOptions())  # its name in every torch
         return self._work(work, [output], name="all_gather_single")
 
     _allgather_base = all_gather_single

@@ -269,6 +269,19 @@ def async_truth(rank, device) -> None:
     check(f"async_is_completed.{device}", is_completed_tells_the_truth)
 
 
+def all_gather_into_one_row(rank) -> None:
+    """NCCL's all_gather_into_tensor takes any output of world_size times the input's elements: SyncBatchNorm gathers
+    each rank's ``(n,)`` statistics into a ``(1, world_size * n)`` tensor (gloo on the host refuses that shape)."""
+    x = own(rank, torch.float32, "cuda")
+
+    def into_one_row():
+        out = torch.empty(1, 6, device="cuda")
+        dist.all_gather_into_tensor(out, x)
+        return same(out, torch.cat([own(0, torch.float32, "cpu"), own(1, torch.float32, "cpu")]).reshape(1, 6))
+
+    check("all_gather_into_tensor.one_row.cuda", into_one_row)
+
+
 def unsupported(rank) -> None:
     def message(name, fn):
         try:
@@ -323,6 +336,7 @@ def main() -> None:
     unsupported_on_world = backend == "sim"
     if backend == "sim":
         device_mesh(rank, "sim")
+        all_gather_into_one_row(rank)
         unsupported(rank)
         # A group made while the variable is set carries its low-precision reductions in float32.
         os.environ[FP32_VARIABLE] = "1"

@@ -1,9 +1,12 @@
 """A CUDA-written DDP script as torchrun runs it on a node with one GPU per rank (set_device(local_rank), nccl with
 device_id, device_ids=[local_rank]), run by test_distributed under torchrun on sim and on the host; then the same
-model beside a layer it never uses, under DDP(find_unused_parameters=True); then the DDP module compiled."""
+model beside a layer it never uses, under DDP(find_unused_parameters=True); then the DDP module compiled. With the
+argument ``sync_batch_norm`` (sim only: the host has no kernels for SyncBatchNorm's statistics), a small CNN with
+SyncBatchNorm under DDP, each rank with its rows of one global batch."""
 
 import os
 import sys
+import traceback
 
 import rank_reports  # tests/, on the path torchrun's children get
 import torch
@@ -11,6 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 STEPS = 3
+SYNC_BN_ROWS = (3, 5)  # each rank's rows of SyncBatchNorm's global batch: unequal, so the counts weigh the ranks
 
 
 def model_and_batches(seed: int, data_seed: int):
@@ -61,6 +65,56 @@ def compiled_ddp(rank: int, local_rank: int) -> dict:
     return {"compiled_params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().tolist()}
 
 
+def sync_batch_norm_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    # no bias before a batch norm (it would take it away: its gradient is 0 but for rounding)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1, bias=False), torch.nn.BatchNorm2d(4),
+                               torch.nn.ReLU(), torch.nn.Conv2d(4, 2, 1, bias=False), torch.nn.BatchNorm2d(2))
+
+
+def sync_batch_norm_batch(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The global batch, on the CPU."""
+    torch.manual_seed(1)
+    return torch.randn(sum(SYNC_BN_ROWS), 3, 5, 5).to(dtype)
+
+
+def rows_of(x: torch.Tensor, rank: int, rows=SYNC_BN_ROWS) -> torch.Tensor:
+    start = sum(rows[:rank])
+    return x[start:start + rows[rank]]
+
+
+def _listed(t):
+    return None if t is None else t.detach().float().cpu().tolist()  # None: no gradient (an empty batch's)
+
+
+def sync_batch_norm_step(norm, x: torch.Tensor, module=None) -> dict:
+    """One forward and backward of ``module`` (``norm`` where None) on ``x`` with the loss ``sum(y**3)`` (``y**2``
+    would sum to a constant after a batch norm, its input gradients near 0): the output,
+    the input's gradient, ``norm``'s parameters' gradients and buffers after it."""
+    x = x.requires_grad_()
+    y = (module or norm)(x)
+    y.float().pow(3).sum().backward()
+    return {"output": _listed(y), "output_dtype": str(y.dtype), "input_grad": _listed(x.grad),
+            "channels_last": y.is_contiguous(memory_format=torch.channels_last),
+            "grads": {name: _listed(p.grad) for name, p in norm.named_parameters()},
+            "buffers": {name: _listed(b) for name, b in norm.named_buffers()}}
+
+
+def sync_batch_norm(rank: int, local_rank: int) -> dict:
+    """SyncBatchNorm (convert_sync_batchnorm) in a small CNN under DDP on channels-last inputs, each rank with its rows
+    of the global batch; a lone SyncBatchNorm on float16 and bfloat16 inputs with float32 parameters (autocast's
+    case), and one where rank 1's batch is empty."""
+    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(sync_batch_norm_model()).cuda()
+    x = rows_of(sync_batch_norm_batch(), rank).cuda().to(memory_format=torch.channels_last)
+    report = {"cnn": sync_batch_norm_step(model, x, DistributedDataParallel(model, device_ids=[local_rank]))}
+    for dtype in (torch.float16, torch.bfloat16):
+        x = rows_of(sync_batch_norm_batch(dtype), rank).cuda()
+        report[str(dtype)] = sync_batch_norm_step(torch.nn.SyncBatchNorm(3).cuda(), x)
+    x = rows_of(sync_batch_norm_batch(), rank, rows=(4, 0)).cuda()
+    report["empty_rank1"] = sync_batch_norm_step(torch.nn.SyncBatchNorm(3).cuda(), x)
+    return {"sync_batch_norm": report}
+
+
 def main() -> None:
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
@@ -74,6 +128,11 @@ def main() -> None:
               "device_count": torch.cuda.device_count(), "current_device": torch.cuda.current_device(),
               "as_device": str(torch.device("cuda", torch.cuda.current_device())), "losses": losses,
               "params": params, **with_unused_layer(rank, local_rank), **compiled_ddp(rank, local_rank)}
+    if "sync_batch_norm" in sys.argv[2:]:
+        try:  # its failure is its test's, not the DDP test's
+            report.update(sync_batch_norm(rank, local_rank))
+        except Exception:
+            report["sync_batch_norm"] = {"error": traceback.format_exc()}
     rank_reports.finish(os.path.join(sys.argv[1], f"rank{rank}.json"), report)
 
 
