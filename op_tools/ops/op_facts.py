@@ -293,6 +293,10 @@ for _name, _written, _when in (
     ("torch.native_batch_norm", ((3, "running_mean"), (4, "running_var")), (5, "training", False)),
     ("torch.nn.functional.instance_norm", ((1, "running_mean"), (2, "running_var")), (5, "use_input_stats", True)),
     ("torch.instance_norm", ((3, "running_mean"), (4, "running_var")), (5, "use_input_stats", True)),
+    # SyncBatchNorm's statistics kernels (CUDA's, a vendor's, sim's) update the running statistics
+    ("torch.batch_norm_gather_stats_with_counts", ((3, "running_mean"), (4, "running_var")), None),
+    ("torch.batch_norm_gather_stats", ((3, "running_mean"), (4, "running_var")), None),
+    ("torch.batch_norm_update_stats", ((1, "running_mean"), (2, "running_var")), None),
     # max_norm renormalises the embedding rows in place (a real in-place op inside: said here so it is compared)
     ("torch.nn.functional.embedding", ((1, "weight"),), (3, "max_norm", None)),
     # a Python function, so no aten schema shows that out= is written (spectral_norm's power iteration writes its

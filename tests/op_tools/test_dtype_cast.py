@@ -299,3 +299,26 @@ def test_the_closing_line_counts_the_calls_cast_and_a_run_with_none_cast_is_not_
     with op_tools.OpDtypeCast() as tool:
         x16.sin()
     assert tool.not_checked() == "OP_DTYPE_CAST_DICT casts no dtype to another: no call was cast"
+
+
+def test_sync_batch_norms_statistics_kernels_update_the_callers_running_statistics(sim):
+    # Their schemas do not say they write running_mean and running_var: the widened copies' statistics reached
+    # nothing, and SyncBatchNorm's running statistics stayed where they were.
+    x = torch.randn(6, 3, 4)
+
+    def run(tool):
+        import contextlib
+
+        running_mean, running_var = torch.zeros(3, device=sim), torch.ones(3, device=sim)
+        data = x.to(sim)
+        mean, invstd = torch.batch_norm_stats(data, 1e-5)
+        with tool or contextlib.nullcontext():
+            torch.batch_norm_gather_stats_with_counts(data, mean[None], invstd[None], running_mean, running_var, 0.1,
+                                                      1e-5, torch.tensor([18.0], device=sim))
+            torch.batch_norm_update_stats(data, running_mean, running_var, 0.1)
+        return running_mean.cpu(), running_var.cpu()
+
+    plain = run(None)
+    assert not torch.equal(plain[0], torch.zeros(3))
+    for cast, expected in zip(run(op_tools.OpDtypeCast(casts={torch.float32: torch.float64})), plain):
+        torch.testing.assert_close(cast, expected)
