@@ -613,6 +613,10 @@ class OpFilter:
             return None
         return tuple(dict.fromkeys(p.pattern for p in self.allow))
 
+    def denies(self, name: str) -> bool:
+        """Whether the DISABLE_LIST names ``name``."""
+        return _matches(self.deny, name)
+
     def allows(self, name: str) -> bool:
         decision = self._decisions.get(name)
         if decision is None:

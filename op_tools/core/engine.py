@@ -335,6 +335,7 @@ class OpTool:
         self._threads: list[int] = []  # per start(): the thread it started on
         self._decisions: dict[str, bool] = {}
         self._refused: set[str] = set()  # names the LIST selects that the tool does not handle (``accepts``)
+        self._disabled: set[str] = set()  # names of calls met that the DISABLE_LIST excluded
         self._skipped: set = set()  # functions whose name this tool skips: the mode's fast path
         self._lock = threading.Lock()
         self._open_backwards: set = set()  # CallBackward trackers whose hooks started and did not finish
@@ -468,6 +469,7 @@ class OpTool:
                                "it again (one `with tool:` around the code, or tool.start() ... tool.stop())")
         self._decisions = {}
         self._refused = set()
+        self._disabled = set()
         self._skipped = set()
         self._paused_until, self.paused_calls = 0.0, 0
         self.settled, self.settled_skips = set(), 0
@@ -622,6 +624,8 @@ class OpTool:
         self.unsupported: collections.Counter = collections.Counter()
         self.first_unsupported: dict[str, str] = {}
         self.raised: collections.Counter = collections.Counter()  # handled calls whose op raised, per op name
+        # calls per op name that apply_feature's condition_func declined (run without the tool, as asked)
+        self.declined: collections.Counter = collections.Counter()
         # calls per op name met while torch.compile traced (a region that could not be made eager): run, unchecked
         self.compiled: collections.Counter = collections.Counter()
         # calls per op name on torch.func transforms' tensors, by a tool that cannot read them: run, unchecked
@@ -677,21 +681,26 @@ class OpTool:
                    if not any(p.pattern == n or p.fullmatch(n) for n in met)]
         if not entries:
             return []
-        refused = sorted(self._refused)
-        unmet = [p.pattern for p in entries if not any(p.pattern == n or p.fullmatch(n) for n in refused)]
+        refused, disabled = sorted(self._refused), sorted(self._disabled)
+        excluded = [p.pattern for p in entries if any(p.pattern == n or p.fullmatch(n) for n in disabled)]
+        unmet = [p.pattern for p in entries if p.pattern not in excluded and
+                 not any(p.pattern == n or p.fullmatch(n) for n in refused)]
         where = self._list_origin()
         parts = [f"{where} matched no call: {', '.join(unmet)}"] if unmet else []
+        if excluded:
+            parts.append(f"{where} named calls {self._list_origin('disable')} excludes: {', '.join(excluded)}")
         if refused:
             parts.append(f"{where} named calls {type(self).__name__} does not handle: {', '.join(refused)}")
         return parts
 
-    def _list_origin(self) -> str:
-        """Where the LIST came from, as the user gave it: ``OpFallback(ops=...)``, the variable, or the config file's
-        key (a tool of its own without the ``ops`` keyword: its variable)."""
+    def _list_origin(self, keyword: str = "ops") -> str:
+        """Where the LIST (or with ``keyword="disable"``, the DISABLE_LIST) came from, as the user gave it:
+        ``OpFallback(ops=...)``, the variable, or the config file's key (a tool of its own without the keyword: its
+        variable)."""
         try:
-            return origin(self, "ops")
+            return origin(self, keyword)
         except (KeyError, AttributeError):
-            return f"{self.env_prefix}_LIST"
+            return f"{self.env_prefix}_{'DISABLE_LIST' if keyword == 'disable' else 'LIST'}"
 
     def not_checked(self) -> str:
         """'' when every handled call was checked; else what was not: calls a step of the tool failed on, the LIST's
@@ -699,8 +708,16 @@ class OpTool:
         parts = []
         if not (self.handled or self.compiled or self.transformed or self.unchecked):  # no call met (those met
             # unchecked: below)
-            if self.filter is not None and self.filter.allow is not None and not self.default_list:
+            if self.declined:  # apply_feature's condition said no to every call: that, not the list, is why
+                names = sorted(self.declined)
+                parts.append(f"condition_func declined every call ({sum(self.declined.values())} of "
+                             f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
+            elif self.filter is not None and self.filter.allow is not None and not self.default_list:
                 parts.extend(self._list_entries_unmet() or [f"{self._list_origin()} matched no call"])
+            elif self._disabled:  # calls ran on a device, and the DISABLE_LIST took every one
+                names = sorted(self._disabled)
+                parts.append(f"{self._list_origin('disable')} excluded every call that ran ({', '.join(names[:3])}"
+                             f"{', ...' if len(names) > 3 else ''})")
             elif self.default_list:  # its own list: the device's calls, if any ran, were none of its ops
                 parts.append("no call of the ops it checks ran on a device")
             else:  # nothing checked is no clean verdict (a device package not imported: all on the CPU)
@@ -955,6 +972,8 @@ class OpTool:
         if decision is None:
             allowed = self.filter.allows(name)
             decision = self._decisions[name] = allowed and self.accepts(name)
+            if not allowed and self.filter.denies(name):  # said where it leaves nothing handled
+                self._disabled.add(name)
             if allowed and not decision and self.filter.allow is not None:  # a LIST entry naming it: said at the end
                 self._refused.add(name)
             if decision and name.startswith("torch.distributed."):

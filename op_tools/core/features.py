@@ -144,6 +144,7 @@ def _wrap(tool, original, name: str, condition_func):
                     tool.count_unchecked(name, f"condition_func raised {type(error).__name__}: {error}")
                     return original(*args, **kwargs)
             if not wanted:
+                tool.declined[name] += 1
                 return original(*args, **kwargs)
         return tool.handle(original, args, kwargs, name=name)
 

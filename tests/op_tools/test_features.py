@@ -116,3 +116,19 @@ def test_a_tool_with_a_list_of_its_own_handles_the_ops_it_is_applied_to(sim):
         op_tools.remove_feature("torch.exp")
     assert [(f.op, f.check) for f in tool.findings] == [("torch.exp", "float64 rerun of a sample")]
     assert tool.verdict() == "found"
+
+
+def test_a_condition_that_declines_every_call_is_named_as_why_nothing_was_checked(sim):
+    # It said "OpOverflowCheck(ops=...) matched no call: torch.nn.functional.gelu": gelu ran twice, and the user
+    # never passed ops=; the condition declined both calls.
+    from op_tools.core import features
+
+    op_tools.apply_feature("torch.nn.functional.gelu", "overflow_check", condition_func=lambda *a, **k: False)
+    try:
+        tool = features._patched["torch.nn.functional.gelu"][4]
+        x = torch.randn(4, device=sim)
+        torch.nn.functional.gelu(x), torch.nn.functional.gelu(x)
+    finally:
+        op_tools.remove_feature("torch.nn.functional.gelu")
+    assert tool.not_checked() == "condition_func declined every call (2 of torch.nn.functional.gelu)"
+    assert tool.verdict() == "unchecked"

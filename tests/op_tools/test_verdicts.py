@@ -74,6 +74,22 @@ def test_each_list_entry_that_matched_no_handled_call_is_named(tool, sim, caplog
     assert running.verdict() == "unchecked"
 
 
+def test_a_disable_list_that_excluded_every_call_is_named_as_why_nothing_was_checked(sim, monkeypatch):
+    # It said "OP_OVERFLOW_CHECK_LIST matched no call: torch.nn.functional.gelu" though gelu ran, and with '.*',
+    # "no call was handled (the CPU's calls are the reference: none ran on a device)" though they ran on the device.
+    x = torch.randn(4, device=sim)
+    monkeypatch.setenv("OP_OVERFLOW_CHECK_DISABLE_LIST", "torch.nn.functional.gelu")
+    with op_tools.OpOverflowCheck(ops=["torch.nn.functional.gelu"]) as running:
+        torch.nn.functional.gelu(x)
+    assert running.not_checked() == ("OpOverflowCheck(ops=...) named calls OP_OVERFLOW_CHECK_DISABLE_LIST excludes: "
+                                     "torch.nn.functional.gelu")
+    with op_tools.OpOverflowCheck(disable=[".*"]) as running:
+        torch.nn.functional.gelu(x) + 1
+    assert running.not_checked() == ("OpOverflowCheck(disable=...) excluded every call that ran (torch.Tensor.add, "
+                                     "torch.nn.functional.gelu)")
+    assert running.verdict() == "unchecked"
+
+
 def test_every_handled_call_is_compared_skipped_not_checked_or_raised(sim, caplog):
     caplog.set_level(logging.INFO, logger="op_tools")
     torch.manual_seed(0)
