@@ -1083,13 +1083,18 @@ def finish_unstopped(tool: OpTool) -> None:
 
 
 def flush_unfinished() -> None:
-    """``finish()`` every tool started and not stopped, latest first: at exit, and on SIGTERM before dying."""
+    """``finish()`` every tool started and not stopped, latest first, then the replica fingerprints they wrote: at
+    exit, and on SIGTERM before dying."""
     while _unfinished:
         try:
             _, tool = _unfinished.popitem()
         except KeyError:  # emptied meanwhile by another thread
-            return
+            break
         _finish_reporting_failure(tool)
+    try:
+        REPLICAS.finish()
+    except Exception:
+        reporting.logger.exception("op_tools: finishing the replica fingerprints failed")
 
 
 def _finish_reporting_failure(tool: OpTool) -> None:

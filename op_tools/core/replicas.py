@@ -14,7 +14,10 @@ step); only a parameter whose sum is not finite is looked at again, to tell an o
 File: ``<results>/op_replica_fingerprints/rank<N>/fingerprints_<session>.jsonl``: a header line (format, rank,
 world size), then ``{"step", "time", "params": {name: checksum}, "grads": {name: checksum}}`` per step, ``step``
 counted as the tools count it (optimizer steps finished since the tool started), and ``"nonfinite"``: the
-parameters holding an inf or a NaN (replicas that agree bit for bit may all be NaN).
+parameters holding an inf or a NaN (replicas that agree bit for bit may all be NaN). Each step's line is flushed as it
+is written (a killed process keeps the steps before); the file is ``.partial`` until the last tool stops, or the
+process exits or is ended by SIGTERM with a tool still on (``finish``): a ``.partial`` file is a rank whose run ended
+early.
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ class ReplicaFingerprints:
         self._hook: Any = None  # the optimizer pre-step hook's handle while installed
         self._file: result_files.JsonLinesFile | None = None
         self._base = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: finish() runs in a SIGTERM handler, maybe inside acquire()
 
     def acquire(self, common: CommonConfig, stem: str) -> None:
         with self._lock:
@@ -96,16 +99,23 @@ class ReplicaFingerprints:
             path = result_files.results_path(common, FOLDER, f"fingerprints_{stem}.jsonl")
             self._file = result_files.JsonLinesFile(path)
             self._file.write({"format": FORMAT, "version": 1, "rank": common.rank, "world_size": _world_size()})
+            self._file.flush()  # once: a rank killed before its first step leaves a file that says whose it is
             self._base = STEPS.count
             self._hook = register_optimizer_step_pre_hook(self._before_step)
 
     def release(self) -> None:
         with self._lock:
             self._users = max(0, self._users - 1)
-            if self._users or self._hook is None:
-                return
-            self._hook.remove()
-            self._hook = None
+            if not self._users:
+                self.finish()
+
+    def finish(self) -> None:
+        """Remove the hook and close the file (``.partial`` no more), whoever still holds it: at the last
+        ``release``, and at exit or on SIGTERM with tools still on (``engine.flush_unfinished``), as their files."""
+        with self._lock:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
             if self._file is not None:
                 self._file.close()
                 self._file = None
@@ -162,6 +172,7 @@ class ReplicaFingerprints:
         file = self._file
         if file is not None:
             file.write(record)
+            file.flush()  # one line a step: on disk before the step runs, should the process be killed in it
 
 
 REPLICAS = ReplicaFingerprints()

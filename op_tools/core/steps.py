@@ -33,6 +33,8 @@ class StepCounter:
         # run as an optimizer's step() begins, on the program's thread, backward's work done: the started tools'
         # checks of collectives followed through their futures (collective_waits.py)
         self.before_step: list[Callable[[], None]] = []
+        # run as an optimizer's step() returns, the count moved on: a run recording's step to disk (OpCapture)
+        self.after_step: list[Callable[[], None]] = []
         self._users = 0
         self._hooks: tuple = ()
         self._lock = threading.Lock()
@@ -70,6 +72,8 @@ class StepCounter:
         with self._lock:
             self.in_optimizer = False
             self.count += 1
+        for listener in list(self.after_step):
+            listener()
 
 
 STEPS = StepCounter()

@@ -101,6 +101,12 @@ class DeviceReadback:
             if len(self._queued) >= self.batch:
                 self._send()
 
+    def send(self) -> None:
+        """Start the copy of what is queued now, a batch not yet full (a step's last calls); never waits."""
+        with self._lock:
+            if self._queued:
+                self._send()
+
     def ready(self) -> Iterator[tuple[Any, list[float]]]:
         """``(token, values)`` of every batch already on the host, in put order; never waits."""
         while True:

@@ -290,7 +290,8 @@ class JsonLinesFile:
     """A JSON-lines file written as a run goes, one object a line, safe across threads.
 
     It is ``<path>.partial`` until ``close()`` moves it to ``path``: a run that dies leaves a partial file whose
-    complete lines still read.
+    complete lines still read. Lines wait in the file's buffer until ``flush()``, which its writer calls once per
+    step (not per line): a process killed (SIGKILL, the OOM killer) loses the lines of its last step at most.
     """
 
     def __init__(self, path: str) -> None:
@@ -298,7 +299,7 @@ class JsonLinesFile:
         self.path = path
         self.partial = path + ".partial"
         self.bytes_written = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a SIGTERM flush may close it while the main thread writes
         self._file: TextIO | None = open(self.partial, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
 
     def write(self, obj) -> int:
@@ -315,6 +316,12 @@ class JsonLinesFile:
             self._file.write(line)
             self.bytes_written += size
         return size
+
+    def flush(self) -> None:
+        """Hand the lines written so far to the system (they outlive the process); nothing once closed."""
+        with self._lock:
+            if self._file is not None:
+                self._file.flush()
 
     def close(self) -> None:
         with self._lock:

@@ -358,6 +358,15 @@ class RunRecorder:
     def note_writes(self, tensors: list) -> None:
         self._known.forget(tensors)
 
+    def flush(self) -> None:
+        """Once per step, as an optimizer step returns (OpCapture), so that a killed run loses about one step: start
+        the copy of the statistics queued (the step's last calls, a batch not full), write the records whose
+        statistics arrived (none waited for: on a device, this step's arrive by the next) and hand the file's lines
+        to the system."""
+        self._readback.send()
+        self._write_arrived(wait=False)
+        self.file.flush()
+
     def before(self, call) -> None:
         """Queue the statistics of the inputs (before an in-place op changes them)."""
         call.state["recompute"] = torch._C._current_graph_task_id() != -1

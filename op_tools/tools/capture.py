@@ -32,7 +32,7 @@ from ..config.variables import (
     Sources,
 )
 from ..core import collective_waits
-from ..core.engine import OpCall, OpTool, feature
+from ..core.engine import OpCall, OpTool, feature, tool_work
 from ..core.steps import STEPS
 from ..ops.arguments import iter_items
 from ..output import reporting, result_files
@@ -183,6 +183,18 @@ class OpCapture(OpTool):
             path = result_files.results_path(self.common, self.results_folder, f"run_{self.stem}.jsonl")
             self.recorder = RunRecorder(path, self.settings.stats_max_tensors, self.common.rank, STEPS,
                                         lambda: self.sees_every_call)
+            STEPS.after_step.append(self._flush_recording)  # a killed run keeps its recording but for its last step
+
+    def _flush_recording(self) -> None:
+        """As an optimizer step returns: the recording so far to the system. A failure never stops the user's step
+        (the lines are written at stop() all the same); said at DEBUG."""
+        recorder = self.recorder
+        if recorder is not None:
+            try:
+                with tool_work():  # its batch's join is no call of the program's
+                    recorder.flush()
+            except Exception:  # noqa: BLE001 - written at stop(), or said lost then
+                reporting.logger.debug("OpCapture: flushing the run recording failed", exc_info=True)
 
     def _over_limit(self, call: OpCall) -> bool:
         """Whether saving ``call``'s inputs would pass ``max_bytes``; the first time, one warning saying so."""
@@ -333,6 +345,8 @@ class OpCapture(OpTool):
 
     def finish(self) -> None:
         if self.recorder is not None:
+            if self._flush_recording in STEPS.after_step:
+                STEPS.after_step.remove(self._flush_recording)
             self.recorder.close()
             self.tally.add(self.recorder.file.path, self.recorder.file.bytes_written,
                            f"run recording, {self.recorder.records} records, for op_tools.compare_runs")

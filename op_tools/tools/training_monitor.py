@@ -879,4 +879,5 @@ class TrainingMonitor:
         self.anomalies.append(record)
         if self._anomaly_file is not None:
             self._anomaly_file.write(record)
+            self._anomaly_file.flush()  # few a run (a rule once, a spike once a parameter): kept if the run dies
         logger.warning("TrainingMonitor: %s", message)

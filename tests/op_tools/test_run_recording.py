@@ -278,8 +278,9 @@ def test_a_recording_waits_for_the_device_once_and_reads_its_statistics_in_batch
     _record_llama_steps(sim, steps=1, record=False)
     plain = torch.sim.device_counts() - before
     assert header["complete"] and len(records) > 400
-    # the tool's one wait is its stop's: none per call, none per step
-    assert counts.synchronizations - plain.synchronizations == 1
+    # the tool's one wait is its stop's, none when the last batch (sent as the step returned) is in by then: none per
+    # call, none per step
+    assert counts.synchronizations - plain.synchronizations <= 1
     assert counts.device_to_host_copies <= len(records) // 64 + 3  # 64 calls a copy (a few CPU calls end a batch)
     # kernels: a call's tensors measured together, inputs with outputs unless the op writes them, a tensor unchanged
     # since an earlier record (or a reshaped view of it) not measured again, the fingerprints of a batch in one product

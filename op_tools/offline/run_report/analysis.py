@@ -163,12 +163,13 @@ class RunReport:
 
     def verdict(self) -> str:
         """``"found"`` (an anomaly, a replica desync, parameters holding inf/nan), ``"unread"`` (none in what was
-        read, but some file could not be read, or a tool did not check every call: a clean verdict is not earned)
-        or ``"clean"``."""
+        read, but some file could not be read, a tool did not check every call, or a rank's run ended early: a clean
+        verdict is not earned) or ``"clean"``."""
         if self.first is not None or self.desync is not None or self.nonfinite is not None or \
                 any(r.status != "clean" for r in self.ranks):
             return "found"
-        return "unread" if self.results.unreadable or self.results.unchecked else "clean"
+        results = self.results
+        return "unread" if results.unreadable or results.unchecked or results.ended_early else "clean"
 
 
 def _first_collective_after(collectives: list[Event], rank: int, after: Event) -> Event | None:
@@ -275,8 +276,11 @@ def replicas_not_compared(results: Results) -> str:
         return ("no rank wrote replica fingerprints: the op tools write them before each optimizer step they see, "
                 "unless OP_TOOLS_REPLICA_FINGERPRINTS=0; TrainingMonitor does not")
     if len(prints) == 1:
+        early = [rank for rank in others if rank in results.ended_early]
+        why = "" if not early else f": the run of rank{'s' if len(early) > 1 else ''} " \
+            f"{','.join(map(str, early))} ended early"
         return f"only rank {next(iter(prints))} wrote fingerprints, not rank{'s' if len(others) > 1 else ''} " \
-            f"{','.join(map(str, others))}"
+            f"{','.join(map(str, others))}{why}"
     if not any(prints.values()):
         return ("no optimizer step ran while an op tool was on (the fingerprints are written before each), or every "
                 "parameter is sharded (FSDP2's: no replica holds another's)")

@@ -10,7 +10,8 @@ Read, per rank (the ``rank<N>`` subfolder of each tool's folder; a run without t
   collectives it checked;
 - OpTimeMeasure's calls (``op_time_measure_result/op_elasped_info_*.csv``, the original's spelling): times per
   step, and the collectives it timed;
-- the replica fingerprints (``op_replica_fingerprints/fingerprints_*.jsonl``, ``.partial`` from a run that died);
+- the replica fingerprints (``op_replica_fingerprints/fingerprints_*.jsonl``); a ``.partial`` one (empty where the
+  process died before writing a line) is a rank whose run ended early, read as far as it goes;
 - TrainingMonitor's anomalies (``op_training_monitor/anomalies_*.jsonl``, ``.partial`` from a run that died): each
   an anomaly whose ``kind`` is the monitor's rule and whose ``op`` is empty (the monitor watches modules and
   parameters, not calls);
@@ -102,6 +103,8 @@ class Results:
     fingerprints: dict[int, dict[int, dict]] = dataclasses.field(default_factory=dict)
     unreadable: list[str] = dataclasses.field(default_factory=list)  # "path: why"
     unchecked: list[str] = dataclasses.field(default_factory=list)  # "rank N: Tool: what it did not check"
+    # rank -> how far its .partial fingerprints file goes: a run that ended early (killed, or still running)
+    ended_early: dict[int, str] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)  # what the reader should know of how tools judged
     files: int = 0
 
@@ -277,8 +280,19 @@ def _read_times(results: Results, rank: int, path: str) -> None:
 
 
 def _read_fingerprints(results: Results, rank: int, path: str) -> None:
+    """One rank's fingerprints. A ``.partial`` file was left by a process that never finished it (killed, or
+    running still: SIGTERM and exit finish it): its rank's run ended early, read to its last whole line."""
     with open(path, encoding="utf-8") as f:
-        lines = [json.loads(line) for line in f if line.strip()]
+        text = f.read()
+    partial = path.endswith(".partial")
+    texts = text.split("\n")
+    if partial and texts[-1]:
+        texts.pop()  # the process died while writing it
+    lines = [json.loads(line) for line in texts if line.strip()]
+    if partial and not lines:
+        results.ended_early[rank] = f"it wrote no replica fingerprint ({os.path.basename(path)} is empty: the " \
+            "process was killed before its first step's were written, or is still running)"
+        return
     if not lines or lines[0].get("format") != "op_tools fingerprints":
         raise ValueError("not a replica fingerprints file")
     rank = lines[0].get("rank", rank)
@@ -286,6 +300,10 @@ def _read_fingerprints(results: Results, rank: int, path: str) -> None:
     for record in lines[1:]:
         steps[int(record["step"])] = {"params": record.get("params", {}), "grads": record.get("grads", {}),
                                       "nonfinite": record.get("nonfinite", [])}
+    if partial:
+        written = f"its fingerprints go to step {max(steps)}" if steps else "it wrote no step's fingerprints"
+        results.ended_early[rank] = f"{written} ({os.path.basename(path)}: the process was killed before its " \
+            "tools stopped, or is still running)"
 
 
 def _read_monitor_anomalies(results: Results, rank: int, path: str) -> None:

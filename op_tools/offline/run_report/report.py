@@ -23,6 +23,7 @@ def read_lines(report: RunReport) -> list[str]:
              + "; ".join(f"{tool} (ranks {_ranks(ranks)})" for tool, ranks in sorted(results.tools.items()))]
     lines.extend(f"NOT READ: {problem}" for problem in results.unreadable)
     lines.extend(f"NOT CHECKED: {what}" for what in results.unchecked)
+    lines.extend(f"ENDED EARLY: rank {rank}: {what}" for rank, what in sorted(results.ended_early.items()))
     lines.extend(f"NOTE: {note}" for note in results.notes)
     return lines
 
@@ -64,9 +65,12 @@ def verdict_line(report: RunReport) -> str:
     ranks = len(report.results.ranks)
     if report.verdict() == "unread":
         unread, unchecked = len(report.results.unreadable), len(report.results.unchecked)
+        early = sorted(report.results.ended_early)
         why = [f"{unread} file{'s' if unread != 1 else ''} could not be read"] if unread else []
         if unchecked:
             why.append(f"{unchecked} tool session{'s' if unchecked != 1 else ''} did not check every call")
+        if early:
+            why.append(f"the run of rank{'s' if len(early) > 1 else ''} {_ranks(early)} ended early")
         return (f"nothing concluded: no anomaly in what the tools wrote on {ranks} rank{'s' if ranks != 1 else ''}, "
                 f"but {' and '.join(why)} (above)")
     return f"no anomaly in what the tools wrote on {ranks} rank{'s' if ranks != 1 else ''}"
