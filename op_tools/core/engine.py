@@ -705,6 +705,8 @@ class OpTool:
     def not_checked(self) -> str:
         """'' when every handled call was checked; else what was not: calls a step of the tool failed on, the LIST's
         entries that matched no handled call, anything else a tool adds (``unchecked_parts``)."""
+        if self.common is None:  # never started (nor applied): its tool state was never made
+            return "never started: no call was handled"
         parts = []
         if not (self.handled or self.compiled or self.transformed or self.unchecked):  # no call met (those met
             # unchecked: below)
@@ -758,6 +760,8 @@ class OpTool:
     def verdict(self) -> str:
         """``"found"`` (the tool found something wrong), ``"unchecked"`` (some calls went unchecked) or
         ``"clean"``: the exit status of ``python -m op_tools`` (``exit_status.status_of``: 3, 4 or 0)."""
+        if self.common is None:  # never started: nothing found, nothing checked
+            return "unchecked"
         if self.found():
             return "found"
         return "unchecked" if self.not_checked() else "clean"

@@ -238,3 +238,11 @@ def test_the_exit_status_is_the_verdict(tmp_path):
     assert status() == 0
     assert status(faults="sigmoid:noise=1e-1") == 3
     assert status("--ops", "torch.sigmoidd") == 4
+
+
+@pytest.mark.parametrize("tool", ["OpAutoCompare", "OpCapture", "OpObserve", "OpTimeMeasure", "OpOverflowCheck",
+                                  "OpFallback", "OpDtypeCast", "OpSelfCheck"])
+def test_a_tool_never_started_is_unchecked_without_raising(tool):
+    # OpOverflowCheck, OpAutoCompare, OpSelfCheck, ... raised AttributeError (state made at start)
+    never = getattr(op_tools, tool)()
+    assert (never.verdict(), never.not_checked()) == ("unchecked", "never started: no call was handled")
