@@ -125,7 +125,8 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("DITORCH_DISABLE_MOCK", "0 or 1", "0",
            "1 detects the backend but patches nothing (no CUDA-to-device transfer).", parse_flag),
     EnvVar("DITORCH_SHOW_DEVICE_AS_CUDA", "0 or 1", "1",
-           "1 makes `tensor.device` and `repr(tensor)` report the accelerator as `cuda`; 0 shows its own name "
+           "1 makes `tensor.device`, `repr(tensor)` and `tensor.type()` report the accelerator as `cuda`; 0 shows "
+           "its own name "
            "(`sim:0`, `npu:0`). `tensor.is_cuda` is true on the accelerator either way: CUDA-written code asks it.",
            parse_flag),
     EnvVar("DITORCH_SIM_DEVICE_COUNT", "a positive integer (the number of sim devices)", "",

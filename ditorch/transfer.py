@@ -211,6 +211,34 @@ def _tensor_cuda(fn, ctx):
     return cuda
 
 
+def _tensor_type(fn, ctx):
+    """``Tensor.type``: a CUDA legacy type (``"torch.cuda.HalfTensor"``, ``torch.cuda.HalfTensor``) converts to the
+    backend's (``torch.npu.HalfTensor``; the host's ``torch.HalfTensor``); where tensors show as cuda, a device
+    tensor's own type reads as CUDA's (``torch.cuda.FloatTensor``), as its ``device`` does: an apex-era script's
+    ``x.type() == "torch.cuda.HalfTensor"`` takes the branch it takes on CUDA."""
+    target = ctx.remap.target
+    prefix = "torch." if target == "cpu" else f"torch.{target}."
+    legacy = type(torch.FloatTensor)  # torch.tensortype: the legacy types' metaclass
+
+    def as_backend(dtype):
+        if isinstance(dtype, legacy):  # torch.cuda.HalfTensor, torch.cuda.sparse.FloatTensor: their names
+            dtype = f"{dtype.__module__}.{dtype.__name__}"
+        if isinstance(dtype, str) and dtype.startswith("torch.cuda."):
+            return prefix + dtype[len("torch.cuda."):]
+        return dtype
+
+    @functools.wraps(fn)
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is not None:
+            return fn(self, as_backend(dtype), non_blocking, **kwargs)
+        name = fn(self)
+        if ctx.shows_as_cuda and name.startswith(prefix) and real_device(self).type == target:
+            return "torch.cuda." + name[len(prefix):]
+        return name
+
+    return type_
+
+
 def _storage_cuda(fn, ctx):
     ordinal = ctx.remap.ordinal
 
@@ -565,6 +593,9 @@ ROWS: tuple[Row, ...] = (
     Row("torch.Tensor", ("to",), _anywhere, "Tensor.to(\"cuda\")"),
     Row("torch.Tensor", ("cuda",), _tensor_cuda, "Tensor.cuda(device=None)"),
     Row("torch.Tensor", ("is_cuda",), _is_cuda, "Tensor.is_cuda"),
+    Row("torch.Tensor", ("type",), _tensor_type,
+        "Tensor.type(\"torch.cuda.HalfTensor\"), Tensor.type(torch.cuda.HalfTensor); Tensor.type() reads "
+        "torch.cuda.FloatTensor where tensors show as cuda"),
     Row("torch._dynamo.variables.tensor.TensorVariable", ("method_attr_is_cuda",), _traced_is_cuda,
         "Tensor.is_cuda inside torch.compile'd code (dynamo answers it from the real device)", when_imported=True),
     Row("torch.Tensor", ("_make_wrapper_subclass",), _static_anywhere,

@@ -194,6 +194,26 @@ def test_device_generic_streams_and_events_take_a_cuda_device(shown_as_cuda):
     assert type(Timed("cuda")) is Timed and Timed("cuda").device.type == "sim"
 
 
+def test_legacy_tensor_types_read_and_convert_as_on_cuda(shown_as_cuda):
+    # x.device showed cuda:0 while x.type() said torch.sim.FloatTensor (an apex-era `x.type() ==
+    # "torch.cuda.HalfTensor"` took the other branch), and x.type(torch.cuda.HalfTensor) raised "Cannot initialize
+    # CUDA without ATen_cuda library".
+    x = torch.randn(3, device="cuda")
+    assert (x.type(), x.half().type(), torch.ones(1).type()) == ("torch.cuda.FloatTensor", "torch.cuda.HalfTensor",
+                                                                 "torch.FloatTensor")
+    for dtype in (torch.cuda.HalfTensor, "torch.cuda.HalfTensor", torch.float16):
+        half = x.type(dtype)
+        assert half.dtype == torch.float16 and half.device.type == "cuda" and torch.equal(half.cpu(), x.cpu().half())
+    assert x.type(torch.FloatTensor).device.type == "cpu"
+    linear = torch.nn.Linear(2, 2).cuda().type(torch.cuda.DoubleTensor)  # Module.type passes it to each tensor
+    assert linear.weight.dtype == torch.float64 and linear.weight.device.type == "cuda"
+
+
+def test_legacy_tensor_types_name_the_real_device_where_tensors_show_it(transfer):
+    x = torch.randn(3, device="cuda")
+    assert x.type() == "torch.sim.FloatTensor" and x.type(torch.cuda.HalfTensor).type() == "torch.sim.HalfTensor"
+
+
 def test_generator_on_cuda_draws_what_the_host_generator_draws(transfer):
     generator = torch.Generator(device="cuda")
     assert isinstance(generator, torch.Generator)
