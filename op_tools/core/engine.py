@@ -1170,25 +1170,27 @@ class _CallBackwardDone:
             tool._guarded(lambda c: upstream_arrived(c, index, gradient), self.call)
 
 
-def register_backward_hooks(call: OpCall, tool: OpTool) -> None:
+def register_backward_hooks(call: OpCall, tool: OpTool, nodes: list | None = None) -> None:
     """Hook the grad_fn nodes of ``call``'s outputs: ``tool.before_backward(call, grad_outputs)`` before each
     node runs, ``tool.after_backward(call, grad_inputs, grad_outputs)`` after. Hooks never change gradients;
     they run in tool work, once per node, and only ``call.state``, name, id and location stay alive for them.
+    ``nodes``: these nodes instead, as ``call``'s (a custom autograd.Function's node, whose backward no call shows).
     """
-    result = call.result
-    if isinstance(result, torch.Tensor):  # most calls: one tensor, one node
-        node = result.grad_fn
-        if node is None:
-            return
-        nodes = [node]
-    else:
-        nodes = []
-        for t in iter_tensors(result):
-            node = t.grad_fn
-            if node is not None and all(node is not n for n in nodes):
-                nodes.append(node)
-        if not nodes:
-            return
+    if nodes is None:
+        result = call.result
+        if isinstance(result, torch.Tensor):  # most calls: one tensor, one node
+            node = result.grad_fn
+            if node is None:
+                return
+            nodes = [node]
+        else:
+            nodes = []
+            for t in iter_tensors(result):
+                node = t.grad_fn
+                if node is not None and all(node is not n for n in nodes):
+                    nodes.append(node)
+            if not nodes:
+                return
     call.keep_location()  # while the user's frames are on the stack
     call.release()
     if tool.inner_node_backward is not None and call.first_node >= 0:

@@ -67,6 +67,16 @@ def parameter_names() -> dict[int, str]:
     return names
 
 
+def path_of(module: torch.nn.Module) -> str | None:
+    """The path of ``module`` under the outermost modules entered while tracking (a module run under one since it was
+    last named), None where it is under none."""
+    for root in list(_names.keys()):
+        path = _names[root].get(id(module))
+        if path is not None:
+            return path or type(module).__name__
+    return None
+
+
 def current() -> str:
     """The path of the innermost module running on this thread, ``""`` outside any (or when not tracking)."""
     stack = _local.stack

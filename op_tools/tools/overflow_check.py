@@ -32,17 +32,19 @@ import logging
 import math
 import threading
 import time
+import weakref
 
 import torch
 
 from ..config.variables import OVERFLOW_CHECK_RAISE
-from ..core import loss_scaling
-from ..core.engine import OpCall, OpTool, OpToolsAbortError, feature, tool_work
+from ..core import loss_scaling, module_path
+from ..core.engine import OpCall, OpTool, OpToolsAbortError, feature, register_backward_hooks, tool_work
 from ..numerics.current_values import CurrentValues, locate_values
 from ..numerics.device_readback import DeviceReadback, KeepBudget, KeptTensors
 from ..numerics.tensor_stats import foreach_norms
 from ..ops.arguments import local_part, sparse_values, tensor_items
 from ..ops.collectives import collective_call, signature_of
+from ..ops.custom_functions import checkpointed_module, custom_node, function_name
 from ..ops.op_facts import op_facts
 from ..ops.writes import call_writes, overwritten
 from ..output import reporting, result_files
@@ -582,6 +584,9 @@ class OpOverflowCheck(OpTool):
         self._checks_lock = threading.Lock()
         self._kept = KeepBudget(KEPT_BYTES)
         self._flagged = Flagged()
+        # the nodes of custom autograd.Functions seen (``_follow_functions``), and the Functions checked, by name
+        self._functions: weakref.WeakSet = weakref.WeakSet()
+        self.functions_checked: collections.Counter = collections.Counter()
         self.stale_flags = 0  # flags taken over, found out of date when the call they made look born was re-read
         # calls whose result no op made, by why (memory never written, the program's own data): nothing to check,
         # counted as OpAutoCompare's ``skipped`` are
@@ -740,8 +745,35 @@ class OpOverflowCheck(OpTool):
             rows = reporting.call_rows(call.name, call.args, call.kwargs, call.result)
             header = reporting.header(call.name, call.forward_id, call.location) + "\n" + \
                 reporting.call_table(call.name, rows)
+        self._follow_functions(call, inputs, outputs)
         self._check(call, inputs, outputs, "forward", header,
                     scalars=scalar_values(call.name, call.args, call.kwargs, facts.order), before=before)
+
+    def _follow_functions(self, call: OpCall, inputs: list, outputs: list) -> None:
+        """Check the backward of a custom ``torch.autograd.Function`` whose result ``call`` reads, as one call (its
+        node's upstream gradients against what its ``backward()`` returned): its ops run on autograd's thread, where
+        no tool sees them (a reentrant ``torch.utils.checkpoint``'s recomputation and backward, a user's Function).
+        Named ``autograd.Function <name>``, with the module a checkpoint ran, else ``call``'s, and ``call``'s
+        forward_id and line. A Function that made ``call``'s own result is followed as ``call``'s (a compiled
+        graph's run); one that hands gradients on unchanged (``custom_functions.PASS_THROUGH``) is not."""
+        functions = self._functions
+        for _, t in outputs:
+            if t.requires_grad and (node := custom_node(t)) is not None:
+                functions.add(node)
+        for _, t in inputs:
+            if not t.requires_grad or (node := custom_node(t)) is None or node in functions:
+                continue
+            functions.add(node)
+            name = function_name(node)
+            if name is None:
+                continue
+            self.functions_checked[name] += 1
+            call.keep_location()  # while the user's frames are on the stack
+            backward = call.without_values()
+            backward.name, backward.state, backward.first_node = f"autograd.Function {name}", {}, -1
+            module = checkpointed_module(node)
+            backward.module_path = (module_path.path_of(module) if module is not None else None) or call.module_path
+            register_backward_hooks(backward, self, [node])
 
     def _check_collective(self, call: OpCall) -> None:
         """Born here when what arrived holds inf/nan and what this rank sent did not: received from another rank."""
@@ -825,6 +857,10 @@ class OpOverflowCheck(OpTool):
                 "no inf/nan from finite inputs among the calls checked"
         if self.loss_scale_overflows:
             found += f"; {self._loss_scale_text()}"
+        if self.functions_checked:  # checked as units: what runs inside them no tool sees
+            count = sum(self.functions_checked.values())
+            found += (f"; the backward of {count} custom autograd.Function{'s' if count != 1 else ''} checked whole "
+                      f"({', '.join(self.functions_checked)}: the ops inside unseen)")
         if self.stale_flags:
             found += (f"; {self.stale_flags} flags taken over from an earlier call found out of date (a write no call "
                       "showed) and read again")

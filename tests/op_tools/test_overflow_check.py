@@ -1026,3 +1026,54 @@ def test_cpu_calls_are_flagged_by_each_tensors_minimum_and_maximum(monkeypatch):
         x * x  # 1e60: an inf from finite inputs
     assert check.first_overflow is not None and check.first_overflow.name == "torch.Tensor.mul"
     assert not check.not_checked(), check.not_checked()
+
+
+class _NanBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a):
+        return a * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("nan")  # a nan from finite gradients, where no tool sees it
+
+
+def test_a_nan_born_in_a_custom_functions_backward_is_named_at_the_function(sim, logged):
+    x = torch.randn(4, device=sim, requires_grad=True)
+    w = torch.randn(4, device=sim, requires_grad=True)
+    with op_tools.OpOverflowCheck() as check:
+        (_NanBackward.apply(w) * x).sum().backward()
+    assert w.grad.isnan().all()
+    found = check.first_overflow
+    assert found is not None and (found.name, found.phase) == ("autograd.Function _NanBackward", "backward")
+    assert "_NanBackward.apply(w) * x" in found.location  # the line of the call that read its result
+    assert check.verdict() == "found"
+
+
+def test_a_nan_born_in_a_reentrant_checkpoints_backward_is_named_at_the_checkpoint_and_its_module(sim):
+    # The recomputation and its backward run inside the checkpoint's node, on autograd's thread: no tool sees their
+    # calls (they said nothing: a clean verdict over nan gradients). Its node is checked as one call.
+    from torch.utils.checkpoint import checkpoint
+
+    import ditorch.sim
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()),
+                                torch.nn.Linear(8, 8)).to(sim)
+    x = torch.randn(4, 8, device=sim, requires_grad=True)
+
+    def forward():
+        return model[2](checkpoint(model[1], model[0](x), use_reentrant=True))
+
+    with ditorch.sim.faults("atan2:nan"), op_tools.OpOverflowCheck() as check:  # clean: said checked whole
+        model(x)  # names the modules
+        forward().pow(2).mean().backward()
+    assert check.first_overflow is None and check.verdict() == "clean"
+    assert "custom autograd.Function checked whole (CheckpointFunction" in check.closing_line()
+    with ditorch.sim.faults("gelu_backward:nan"), op_tools.OpOverflowCheck() as check:
+        model(x)
+        forward().pow(2).mean().backward()
+    assert x.grad.isnan().any()
+    found = check.first_overflow
+    assert found is not None and (found.name, found.phase, found.module) == (
+        "autograd.Function CheckpointFunction", "backward", "1")
