@@ -57,10 +57,13 @@ def function_name(node) -> str | None:
 
 def checkpointed_module(node) -> torch.nn.Module | None:
     """The module a reentrant ``torch.utils.checkpoint`` ran, where ``node`` is its ``CheckpointFunction``'s node and
-    what it ran is a module, its bound method (``decoder_layer.__call__``) or a ``functools.partial`` of one
-    (transformers' ``GradientCheckpointingLayer``); else None."""
+    what it ran is a module, its bound method (``decoder_layer.__call__``) or a ``functools.partial`` of one, or of a
+    function given the module first (transformers' ``GradientCheckpointingLayer``: ``partial(forward, self)``); else
+    None."""
     run = getattr(node, "run_function", None)
     while isinstance(run, functools.partial):
+        if run.args and isinstance(run.args[0], torch.nn.Module):
+            return run.args[0]
         run = run.func
     run = getattr(run, "__self__", run)
     return run if isinstance(run, torch.nn.Module) else None

@@ -1077,3 +1077,18 @@ def test_a_nan_born_in_a_reentrant_checkpoints_backward_is_named_at_the_checkpoi
     found = check.first_overflow
     assert found is not None and (found.name, found.phase, found.module) == (
         "autograd.Function CheckpointFunction", "backward", "1")
+
+
+def test_a_reentrant_checkpoint_of_a_function_given_its_module_first_names_that_module():
+    # transformers' GradientCheckpointingLayer checkpoints partial(forward, self, **kwargs)
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    from op_tools.ops.custom_functions import checkpointed_module
+
+    layer = torch.nn.Linear(2, 2)
+    for run in (layer, layer.__call__, functools.partial(torch.nn.Linear.forward, layer),
+                functools.partial(functools.partial(layer.__call__))):
+        y = checkpoint(run, torch.ones(1, 2, requires_grad=True), use_reentrant=True)
+        assert checkpointed_module(y.grad_fn) is layer, run
