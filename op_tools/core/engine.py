@@ -869,7 +869,7 @@ class OpTool:
                 tracker = self._guarded_value(CallBackward, call, call.grad_inputs)  # edges before an in-place op
         finally:
             _thread.depth -= 1
-        if self.inner_node_backward is not None:
+        if self._hooks_backward:  # the nodes the call creates are numbered from here: not its inputs' (hooks)
             call.first_node = _sequence_nr()
         try:
             call.result = self.run(call)
@@ -1175,19 +1175,21 @@ def register_backward_hooks(call: OpCall, tool: OpTool, nodes: list | None = Non
     node runs, ``tool.after_backward(call, grad_inputs, grad_outputs)`` after. Hooks never change gradients;
     they run in tool work, once per node, and only ``call.state``, name, id and location stay alive for them.
     ``nodes``: these nodes instead, as ``call``'s (a custom autograd.Function's node, whose backward no call shows).
+    An output's node made before the call (numbered below ``call.first_node``) is not the call's: an input handed
+    back as it is (``x.to(x.dtype)``, ``x.contiguous()``), whose backward is the call's that made it.
     """
     if nodes is None:
-        result = call.result
+        result, first = call.result, call.first_node
         if isinstance(result, torch.Tensor):  # most calls: one tensor, one node
             node = result.grad_fn
-            if node is None:
+            if node is None or node._sequence_nr() < first:
                 return
             nodes = [node]
         else:
             nodes = []
             for t in iter_tensors(result):
                 node = t.grad_fn
-                if node is not None and all(node is not n for n in nodes):
+                if node is not None and all(node is not n for n in nodes) and node._sequence_nr() >= first:
                     nodes.append(node)
             if not nodes:
                 return

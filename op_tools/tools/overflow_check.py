@@ -758,7 +758,8 @@ class OpOverflowCheck(OpTool):
         graph's run); one that hands gradients on unchanged (``custom_functions.PASS_THROUGH``) is not."""
         functions = self._functions
         for _, t in outputs:
-            if t.requires_grad and (node := custom_node(t)) is not None:
+            # made by the call (numbered from its first node on), not an input it hands back (x.to(x.dtype))
+            if t.requires_grad and (node := custom_node(t)) is not None and node._sequence_nr() >= call.first_node:
                 functions.add(node)
         for _, t in inputs:
             if not t.requires_grad or (node := custom_node(t)) is None or node in functions:

@@ -175,6 +175,19 @@ def test_backward_hooks_see_upstream_and_input_gradients(sim):
     assert w.grad.device.type == sim
 
 
+def test_a_call_handing_its_input_back_is_given_no_backward_of_the_call_that_made_it(sim):
+    # x.to(x.dtype) and x.contiguous() return x itself: its node is the linear's, whose backward it is not
+    w = torch.ones(3, 4, device=sim, requires_grad=True)
+    x = torch.ones(2, 4, device=sim)
+    with BackwardRecorder() as tool:
+        y = torch.nn.functional.linear(x, w)
+        assert y.to(torch.float32) is y and y.contiguous() is y
+        z = y.mul_(2)  # an in-place op hands its input back too, with a node of its own
+    z.sum().backward()
+    assert [name for when, name, _ in tool.backward if when == "after"] == ["torch.Tensor.mul_",
+                                                                           "torch.nn.functional.linear"]
+
+
 def test_apply_lines_are_logged_once_per_op_at_debug(sim, logged, caplog, monkeypatch):
     monkeypatch.setenv("OP_TOOLS_VERBOSE", "1")
     x = torch.ones(2, device=sim)

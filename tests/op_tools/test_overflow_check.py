@@ -1092,3 +1092,15 @@ def test_a_reentrant_checkpoint_of_a_function_given_its_module_first_names_that_
                 functools.partial(functools.partial(layer.__call__))):
         y = checkpoint(run, torch.ones(1, 2, requires_grad=True), use_reentrant=True)
         assert checkpointed_module(y.grad_fn) is layer, run
+
+
+@pytest.mark.parametrize("hand_back", ["to", "contiguous"])
+def test_a_call_handing_its_input_back_is_not_named_for_the_backward_before_it(sim, hand_back):
+    # x.to(x.dtype), x.contiguous(): x itself, computed nothing; it was named for the custom Function's nan
+    x = torch.randn(4, 8, device=sim, requires_grad=True)
+    with op_tools.OpOverflowCheck() as check:
+        h = _NanBackward.apply(x * 2)
+        y = h.to(torch.float32) if hand_back == "to" else h.contiguous()
+        assert y is h
+        (y * 3).sum().backward()
+    assert (check.first_overflow.name, check.first_overflow.phase) == ("autograd.Function _NanBackward", "backward")
