@@ -912,14 +912,15 @@ class OpOverflowCheck(OpTool):
             self._queue(_PendingCheck(call, phase, ordered, split, results_first, self._kept.keep(tensors), scalars),
                         tensors, before)
             return
-        else:
+        else:  # raised at the op: its tensors kept for the statistics of the one that overflows
             flags, signs = nonfinite_values([t for _, t in ordered], signed)
             rows = None
         if self._checks:  # judged in execution order: the calls in flight first
             self._judge(wait=True)
         if self._first_overflow is not None:
             return
-        check = _PendingCheck(call, phase, ordered, split, results_first, scalars=scalars)
+        check = _PendingCheck(call, phase, ordered, split, results_first,
+                              self._kept.keep([t for _, t in ordered]) if rows is None else None, scalars)
         check.flags, check.table = bytearray(flags), rows
         if check.signs is not None and signs:
             check.signs[:] = bytes(signs)
@@ -928,7 +929,11 @@ class OpOverflowCheck(OpTool):
                 flag = before.get(id(ordered[i][1]))
                 if flag is not None:
                     check.flags[i] = _read_flag(flag)
-        self._verdict(check)
+        try:
+            self._verdict(check)
+        finally:
+            if check.kept is not None:  # held for GradScaler's verdict, it is its own (check.kept None)
+                self._kept.release(check.kept)
 
     # --- checks in flight: flags computed on the device, judged in call order as their batch arrives ---
 
@@ -1217,9 +1222,12 @@ class OpOverflowCheck(OpTool):
             self._checks.clear()
         note = ""
         if any(row.get("min") == NOT_KEPT for row in rows):
+            # the settings that read each call as it runs, where none is in use
+            setting = "" if self.raise_on_overflow or self._logger.isEnabledFor(logging.DEBUG) else \
+                "; OP_OVERFLOW_CHECK_RAISE=1 or OP_TOOLS_VERBOSE=1 reads each call as it runs"
             note = "\n" + reporting.fit_line(
                 "(statistics not kept: tensors written in place, or let go of to bound memory, before this call's "
-                "check was read; OP_OVERFLOW_CHECK_RAISE=1 or OP_TOOLS_VERBOSE=1 reads each call as it runs)")
+                f"check was read{setting})")
         finding, location = str(overflow).split("\n", 1)  # the finding wraps at the width; the location is code
         self._logger.warning(f"\n{reporting.fit_line('OpOverflowCheck: ' + finding)}\n{location}\n"
                              + reporting.call_table(name, rows, STAT_COLUMNS) + note)

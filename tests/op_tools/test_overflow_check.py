@@ -1104,3 +1104,19 @@ def test_a_call_handing_its_input_back_is_not_named_for_the_backward_before_it(s
         assert y is h
         (y * 3).sum().backward()
     assert (check.first_overflow.name, check.first_overflow.phase) == ("autograd.Function _NanBackward", "backward")
+
+
+@pytest.mark.parametrize("fault", ["gelu:nan", "gelu_backward:nan"])
+def test_raise_mode_shows_the_statistics_of_the_call_it_raises_at(sim, monkeypatch, logged, fault):
+    # the table beside the raise: every cell was "not kept", under a note recommending the setting in use
+    import ditorch.sim
+
+    monkeypatch.setenv("OP_OVERFLOW_CHECK_RAISE", "1")
+    x = torch.full((4,), 0.5, device=sim, requires_grad=True)
+    with ditorch.sim.faults(fault), pytest.raises(op_tools.OverflowDetectedError):
+        with op_tools.OpOverflowCheck():
+            torch.nn.functional.gelu(x).sum().backward()
+    out = logged()
+    assert "not kept" not in out and "OP_OVERFLOW_CHECK_RAISE=1" not in out
+    assert "|  input[0] |   False    | 0.5 | 0.5 |" in out if fault == "gelu:nan" else \
+        "| grad_outputs[0] |   False    |  1  |  1  |" in out
