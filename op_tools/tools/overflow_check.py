@@ -57,6 +57,7 @@ READBACK_BATCH = 64  # calls whose flags travel to the host together: one copy, 
 # own tensors mostly, which are alive anyway; the bound holds for the temporaries a step would have freed.
 KEPT_BYTES = 256 * 2**20
 NOT_KEPT = "not kept"
+OVERWRITTEN = "overwritten"  # the statistics of an input the call wrote: its values are gone, its flag read before
 KNOWN_ENTRIES = 4096  # tensors whose flag a later call may take over instead of reducing them again
 FORWARDS_KEPT = 65536  # forward calls whose inputs or outputs held inf/nan, remembered for their backward
 
@@ -381,7 +382,7 @@ class _PendingCheck:
     """A call whose flags are on their way from the device: what judging it, and showing it, needs."""
 
     __slots__ = ("facts", "site", "names", "kept", "split", "results_first", "flags", "remaining", "table",
-                 "scalars", "scalar_values", "signs", "taken")
+                 "scalars", "scalar_values", "signs", "taken", "written")
 
     def __init__(self, call: OpCall, phase: str, named: list, split: int, results_first: bool,
                  kept: KeptTensors | None = None, scalars: int = 0) -> None:
@@ -409,6 +410,8 @@ class _PendingCheck:
         # flag is an earlier check's, of it unchanged since (``Flagged``); taken over once that check's flags have
         # arrived, which in call order they have
         self.taken: list[tuple[int, _PendingCheck, int, bool]] | tuple = ()
+        # the indices of the inputs the call wrote (an in-place op's): flagged before it, their values gone after it
+        self.written: list[int] | tuple = ()
 
     def take(self, index: int, earlier: _PendingCheck, its_index: int, unchanged: bool) -> None:
         """Tensor ``index``'s flag is ``earlier``'s flag of its tensor ``its_index`` (see ``taken``)."""
@@ -469,11 +472,13 @@ class _PendingCheck:
         place since the call shows its flag (read at the call) and no statistics."""
         if self.table is not None:
             return self.table
-        tensors = [self.kept.get(i) if self.kept is not None else None for i in range(len(self.names))]
+        tensors = [self.kept.get(i) if self.kept is not None and i not in self.written else None
+                   for i in range(len(self.names))]
         computed = iter(statistics_rows([(name, t) for name, t in zip(self.names, tensors) if t is not None]))
         return [next(computed) if t is not None else
-                {"name": name, "inf_or_nan": flag != FINITE, **{s: NOT_KEPT for s in _STATISTICS}}
-                for name, t, flag in zip(self.names, tensors, self.flags)]
+                {"name": name, "inf_or_nan": flag != FINITE,
+                 **dict.fromkeys(_STATISTICS, OVERWRITTEN if i in self.written else NOT_KEPT)}
+                for i, (name, t, flag) in enumerate(zip(self.names, tensors, self.flags))]
 
 
 class _Written:
@@ -902,6 +907,12 @@ class OpOverflowCheck(OpTool):
         signed = [(i < split) == results_first for i in range(len(ordered))] if _one_sign(scalars) else None
         if table_header is not None:
             rows = statistics_rows(ordered)
+            if before:  # an input the call wrote: its flag as it was before (read then), its values gone
+                for i in range(split):
+                    flag = before.get(id(ordered[i][1]))
+                    if flag is not None:
+                        rows[i] = {"name": rows[i]["name"], "inf_or_nan": _read_flag(flag) != FINITE,
+                                   **dict.fromkeys(_STATISTICS, OVERWRITTEN)}
             self._logger.debug(table_header + "\n" + reporting.call_table(call.name, rows, STAT_COLUMNS))
             flags, signs = nonfinite_values([t for _, t in ordered], signed) \
                 if any(row["inf_or_nan"] for row in rows) else ([FINITE] * len(rows), [])
@@ -929,6 +940,7 @@ class OpOverflowCheck(OpTool):
                 flag = before.get(id(ordered[i][1]))
                 if flag is not None:
                     check.flags[i] = _read_flag(flag)
+                    check.written = [*check.written, i]
         try:
             self._verdict(check)
         finally:
@@ -952,6 +964,7 @@ class OpOverflowCheck(OpTool):
                     continue
                 flag = before.get(id(t)) if before and i in sources else None
                 if flag is not None:
+                    check.written = [*check.written, i]
                     if flag[0] == "witness":
                         from_before.setdefault(t.device, []).append((i, flag[1], flag[2]))
                     elif flag[0] == "taken":  # of the tensor before the op wrote it
@@ -1228,6 +1241,10 @@ class OpOverflowCheck(OpTool):
             note = "\n" + reporting.fit_line(
                 "(statistics not kept: tensors written in place, or let go of to bound memory, before this call's "
                 f"check was read{setting})")
+        if any(row.get("min") == OVERWRITTEN for row in rows):
+            note += "\n" + reporting.fit_line(
+                "(overwritten: an input this call wrote in place; its inf_or_nan was read before the call, what it "
+                "wrote is its output)")
         finding, location = str(overflow).split("\n", 1)  # the finding wraps at the width; the location is code
         self._logger.warning(f"\n{reporting.fit_line('OpOverflowCheck: ' + finding)}\n{location}\n"
                              + reporting.call_table(name, rows, STAT_COLUMNS) + note)

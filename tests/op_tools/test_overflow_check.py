@@ -1120,3 +1120,26 @@ def test_raise_mode_shows_the_statistics_of_the_call_it_raises_at(sim, monkeypat
     assert "not kept" not in out and "OP_OVERFLOW_CHECK_RAISE=1" not in out
     assert "|  input[0] |   False    | 0.5 | 0.5 |" in out if fault == "gelu:nan" else \
         "| grad_outputs[0] |   False    |  1  |  1  |" in out
+
+
+@pytest.mark.parametrize("mode", ["batched", "raise", "tables"])
+def test_the_input_an_in_place_op_overwrote_shows_its_flag_from_before_the_call_not_what_it_wrote(
+        sim, monkeypatch, logged, mode):
+    # "from finite inputs" above a table whose input[0] read inf: its statistics were taken after the op wrote it
+    import ditorch.sim
+
+    if mode == "raise":
+        monkeypatch.setenv("OP_OVERFLOW_CHECK_RAISE", "1")
+    elif mode == "tables":
+        monkeypatch.setenv("OP_TOOLS_VERBOSE", "1")
+    y = torch.ones(16, device=sim)
+    with ditorch.sim.faults("mul_:inf"), op_tools.OpOverflowCheck() as check:
+        try:
+            y.mul_(2.0)
+        except op_tools.OverflowDetectedError:
+            assert mode == "raise"
+    assert check.first_overflow.name == "torch.Tensor.mul_"
+    found = logged().split("OpOverflowCheck: first inf/nan from finite inputs: torch.Tensor.mul_")[1]
+    assert "|  input[0] |   False    | overwritten |" in found and "| output[0] |    True    |" in found
+    assert "(overwritten: an input this call wrote in place; its inf_or_nan was read before the call" in found
+    assert "|    True    |   inf" not in found.split("output[0]")[0]  # the written input's values: not shown
