@@ -23,7 +23,8 @@ import threading
 logger = logging.getLogger("ditorch")
 
 _INDUCTOR = "inductor"
-_said = threading.Event()  # the fallback is said once per process
+_said: set[str] = set()  # the settings dropped, each said once per process ("" for none: the fallback itself)
+_said_lock = threading.Lock()
 
 
 def fallback_backend(adapter) -> str | None:
@@ -61,10 +62,13 @@ def with_fallback(compile_fn, device_name: str, fallback: str, prepare=None):
             if settings:
                 logger.info("ditorch: torch.compile on the %s device: %s", device_name, settings)
             return compile_fn(model, *args, backend=backend, mode=mode, options=options, **kwargs)
-        if not _said.is_set():
-            _said.set()
-            dropped = ", ".join(f"{name}={value!r}" for name, value in (("mode", mode), ("options", options))
-                                if value is not None)
+        dropped = ", ".join(f"{name}={value!r}" for name, value in (("mode", mode), ("options", options))
+                            if value is not None)
+        with _said_lock:  # the fallback once, and each other mode or options dropped once (a later
+            # torch.compile(mode="max-autotune") after a plain one went unsaid)
+            first = dropped not in _said and (bool(dropped) or not _said)
+            _said.add(dropped)
+        if first:
             logger.warning("ditorch: torch.compile: inductor cannot generate code for the %s device; "
                            "running backend %r instead (numbers as eager's)%s%s", device_name, fallback,
                            f"; ignoring {dropped}" if dropped else "", f"; {settings}" if settings else "")

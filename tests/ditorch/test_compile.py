@@ -232,3 +232,19 @@ def test_a_compiled_llama_with_its_kv_cache_runs_on_sim_as_eager(sim):
         assert compiled.past_key_values is not None
     finally:
         torch._dynamo.reset()
+
+
+def test_each_inductor_setting_the_fallback_drops_is_said_once(caplog, monkeypatch):
+    # mode= of a torch.compile after the first was dropped without a word
+    from ditorch import compile as compile_module
+
+    monkeypatch.setattr(compile_module, "_said", set())
+    calls = []
+    wrapped = compile_module.with_fallback(lambda model, **kwargs: calls.append(kwargs) or model, "sim", "aot_eager")
+    with caplog.at_level("WARNING", logger="ditorch"):
+        for mode in (None, "max-autotune", None, "max-autotune", "reduce-overhead"):
+            wrapped("m", mode=mode)
+    said = [r.getMessage() for r in caplog.records if r.name == "ditorch" and "torch.compile" in r.getMessage()]
+    assert len(said) == 3 and "ignoring" not in said[0], said
+    assert said[1].endswith("; ignoring mode='max-autotune'") and said[2].endswith("ignoring mode='reduce-overhead'")
+    assert calls == [{"backend": "aot_eager"}] * 5
