@@ -39,6 +39,11 @@ def _device_location(location) -> torch.device | None:
 def _on_device(data: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``data`` on ``device`` as a view of its whole storage, which is copied there once per load: tensors sharing a
     storage in the file share one on the device, as a CUDA load restores one device storage per saved storage."""
+    with torch._C.DisableTorchFunction():  # the device's own work, which no TorchFunctionMode (a tool) may see
+        return _device_view(data, device)
+
+
+def _device_view(data: torch.Tensor, device: torch.device) -> torch.Tensor:
     copies = _loading.copies
     storage = data.untyped_storage()
     key = (storage.data_ptr(), device)

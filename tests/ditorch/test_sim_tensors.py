@@ -214,6 +214,31 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.usefixtures("sim")
+@pytest.mark.parametrize("saved_on", ["sim", "cpu"])
+def test_load_onto_sim_shows_a_torch_function_mode_none_of_the_devices_own_work(saved_on):
+    # The device's copies and views of the loaded storages are its own work, as a CUDA load's are C++: a tool's
+    # mode saw them (OpAutoCompare compared the uint8 storage's views as dtype, and failed torch.Tensor.view).
+    from torch.overrides import TorchFunctionMode
+
+    class Seen(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set = set()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.add(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    weight = torch.randn(4, 4, device=saved_on)
+    buffer = io.BytesIO()
+    torch.save({"weight": weight, "row": weight[1]}, buffer)
+    buffer.seek(0)
+    with Seen() as seen:
+        torch.load(buffer, map_location="sim", weights_only=True)
+    assert not seen.names & {"to", "view", "as_strided", "detach", "__getitem__", "set_", "copy_"}, seen.names
+
+
+@pytest.mark.usefixtures("sim")
 @pytest.mark.parametrize("saved_on, map_location", [("sim", None), ("sim", "sim"), ("cpu", "sim")])
 def test_load_keeps_a_view_on_its_base_storage(saved_on, map_location):
     # As torch.load on CUDA: one device storage per storage in the file (it held one, for the base and its view).
