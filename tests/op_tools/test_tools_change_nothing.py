@@ -29,6 +29,13 @@ def _run_child(code: str, tmp_path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _nothing_cast(tool: str, warning: str) -> bool:
+    """OpDtypeCast's closing line over a float32 program, which its default table (float16, bfloat16) leaves as it
+    is: said, and the numbers are unchanged."""
+    return tool == "OpDtypeCast" and "(0 cast)" in warning and "no call was cast: none had an input in a dtype" in \
+        warning
+
+
 # Every tool started around reads of tensor properties: what each read gives inside the tool, and outside it.
 PROPERTIES = """
     import json, logging, sys
@@ -73,7 +80,7 @@ def properties(tmp_path_factory):
 def test_tensor_properties_read_the_same_inside_a_tool_as_outside(properties, tool):
     assert properties["outside"]["leaf"][:3] == [True, False, "cuda:0"]  # ditorch shows the sim device as cuda
     assert properties[tool] == properties["outside"]
-    assert properties[tool + " warnings"] == []
+    assert [w for w in properties[tool + " warnings"] if not _nothing_cast(tool, w)] == []
 
 
 @pytest.mark.usefixtures("sim")
@@ -188,7 +195,8 @@ def trainer_steps(tmp_path_factory):
 def test_a_transformers_trainer_step_under_a_tool_is_unchanged_and_clean(trainer_steps, tool):
     plain, under = trainer_steps["none"], trainer_steps[tool]
     assert plain["reads"][:2] == [True, "cuda:0"]  # the Trainer put the model on the (sim) cuda device
-    assert under["warnings"] == []  # no failure, no call the tool failed on, nothing unchecked
+    # no failure, no call the tool failed on, nothing unchecked (but OpDtypeCast's: its table met no dtype to cast)
+    assert [w for w in under["warnings"] if not _nothing_cast(tool, w)] == []
     assert under["loss"] == plain["loss"]
     assert under["reads"] == plain["reads"]
     if tool == "OpAutoCompare":

@@ -71,7 +71,10 @@ def test_each_tool_on_a_cpu_training_step_is_clean_and_changes_nothing(name):
     tool = getattr(op_tools, name)()
     tool.handles_cpu_calls = True  # the host taken as the device: no other device runs on every torch
     got = train(tool)
-    assert tool.verdict() == "clean", tool.closing_line()
+    # OpDtypeCast's default table casts float16 and bfloat16: over this float32 step it says it cast nothing
+    assert tool.verdict() == ("unchecked" if name == "OpDtypeCast" else "clean"), tool.closing_line()
+    if name == "OpDtypeCast":
+        assert "(0 cast)" in tool.closing_line() and "no call was cast" in tool.not_checked()
     # it saw the step, not a few stray calls (OpSelfCheck wraps the functions it checks, within its time budget)
     assert sum(tool.handled.values()) >= (3 if name == "OpSelfCheck" else 100), tool.closing_line()
     assert got[0] == expected[0]
