@@ -227,12 +227,22 @@ def _child(request: dict, base_path: list, fds: list | None = None, server_fd: i
         print(code, file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        sys.excepthook(*sys.exc_info())
+        _uncaught()
         return 130
     except BaseException:
-        sys.excepthook(*sys.exc_info())
+        _uncaught()
         return 1
     return 0
+
+
+def _uncaught() -> None:
+    """What an interpreter does with an exception no one caught: ``sys.last_*`` set (exit handlers read them),
+    then ``sys.excepthook``."""
+    kind, error, traceback = sys.exc_info()
+    sys.last_type, sys.last_value, sys.last_traceback = kind, error, traceback
+    if sys.version_info >= (3, 12):
+        sys.last_exc = error
+    sys.excepthook(kind, error, traceback)
 
 
 # ---- torchrun's workers, forked by its agent ----------------------------------------------------------------------

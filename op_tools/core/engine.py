@@ -467,6 +467,8 @@ class OpTool:
         if threading.get_ident() in self._threads:  # each call would be handled twice, counted and written twice
             raise RuntimeError(f"{type(self).__name__} is already started on this thread: stop() it before starting "
                                "it again (one `with tool:` around the code, or tool.start() ... tool.stop())")
+        if not self._activations:  # a run of the tool begins: it has not ended yet
+            self.ended_by = ""
         self._decisions = {}
         self._refused = set()
         self._disabled = set()
@@ -632,6 +634,9 @@ class OpTool:
         self.transformed: collections.Counter = collections.Counter()
         # handled calls per op name still running when SIGTERM ended the process (``_note_calls_in_flight``)
         self.interrupted: collections.Counter = collections.Counter()
+        # how the run ended where not normally (an exception out of the with-block, SIGTERM): '' until then; files
+        # that mark themselves complete (the run recording) say so, else a run cut short reads as one that ended
+        self.ended_by = ""
         self.finish_failure = ""  # finish() raised: what it had still to judge or write is lost
         # asynchronous collectives whose check waits for the program's wait, and those given up (collective_waits.py)
         self._waits: collective_waits.WaitedChecks = collective_waits.WaitedChecks(self._run_waited_check, tool_work)
@@ -772,7 +777,9 @@ class OpTool:
     def __enter__(self) -> OpTool:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if exc is not None and not ended_normally(exc):
+            self.ended_by = ended_by_exception(exc)
         self.stop()
 
     def ensure_configured(self) -> None:
@@ -1075,7 +1082,7 @@ def _track_unfinished(tool: OpTool) -> None:
     _unfinished[id(tool)] = tool
     if not _exit_hooks_installed:
         _exit_hooks_installed = True
-        atexit.register(flush_unfinished)
+        atexit.register(_flush_at_exit)
     if threading.current_thread() is threading.main_thread():
         _install_sigterm_handler()
 
@@ -1099,6 +1106,31 @@ def flush_unfinished() -> None:
         REPLICAS.finish()
     except Exception:
         reporting.logger.exception("op_tools: finishing the replica fingerprints failed")
+
+
+def ended_normally(error: BaseException) -> bool:
+    """Whether an exception ends a run as it meant to: ``sys.exit()``, ``sys.exit(0)``."""
+    return isinstance(error, SystemExit) and error.code in (None, 0)
+
+
+def ended_by_exception(error: BaseException) -> str:
+    """``an exception (RuntimeError: device lost)``: how a run ended, for ``OpTool.ended_by``; one line."""
+    text = f"{type(error).__name__}: {error}".splitlines()[0] if str(error) else type(error).__name__
+    return f"an exception ({text if len(text) <= 160 else text[:157] + '...'})"
+
+
+def _mark_unfinished(ended_by: str) -> None:
+    for tool in list(_unfinished.values()):
+        tool.ended_by = tool.ended_by or ended_by
+
+
+def _flush_at_exit() -> None:
+    """``flush_unfinished`` at the interpreter's exit; tools still running when an exception no one caught ended
+    the program (``sys.last_value``, set before exit handlers run) are marked ended by it."""
+    error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if isinstance(error, BaseException) and not ended_normally(error):
+        _mark_unfinished(ended_by_exception(error))
+    flush_unfinished()
 
 
 def _finish_reporting_failure(tool: OpTool) -> None:
@@ -1142,6 +1174,7 @@ def _note_calls_in_flight() -> None:
 
 def _on_sigterm(signum, frame) -> None:
     _note_calls_in_flight()
+    _mark_unfinished("SIGTERM")
     flush_unfinished()
     previous = _previous_sigterm
     if callable(previous):

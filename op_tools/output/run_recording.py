@@ -35,7 +35,9 @@ then one line per call, in the order the calls ended::
   the device lacks), the error instead of its tensors: compare_runs counts the call as not compared. OpCapture
   counts it as not checked.
 
-The last line ``{"end": {"records": n, "bytes": b}}`` marks a complete file.
+The last line ``{"end": {"records": n, "bytes": b}}`` marks a complete file; ``"ended_by": "SIGTERM"`` (or ``"an
+exception (RuntimeError: ...)"``) in it says that the run did not end normally: the file is whole, the run is not
+(compare_runs takes it for an incomplete recording). No ``ended_by`` (and every recording before it): ended normally.
 """
 
 from __future__ import annotations
@@ -552,12 +554,17 @@ class RunRecorder:
         with self._lock:
             self.records += 1
 
-    def close(self) -> None:
+    def close(self, ended_by: str = "") -> None:
+        """Write the records in flight and the end marker; ``ended_by``: how the run ended where not normally
+        (``OpTool.ended_by``: SIGTERM, an exception), said in the marker."""
         self._write_arrived(wait=True)  # the records still in flight
         self._known.clear()
         with self._lock:
             records = self.records
-        self.file.write({"end": {"records": records, "bytes": self.file.bytes_written}})
+        end: dict[str, Any] = {"records": records, "bytes": self.file.bytes_written}
+        if ended_by:
+            end["ended_by"] = ended_by
+        self.file.write({"end": end})
         self.file.close()
 
 
@@ -645,7 +652,8 @@ def read_recording(path: str, rank: int | None = None) -> tuple[dict, list[dict]
     run died, is not counted (``header["cut"]``). A record whose tensors are malformed is kept (it aligns) with
     ``unrecorded`` saying so, as the recorder marks a call whose statistics it could not compute. A complete file
     whose end marker counts more records than it has lines (lines lost after it was written: a copy cut short)
-    says how many in ``header["lost"]``.
+    says how many in ``header["lost"]``, and one whose run did not end normally how it ended in
+    ``header["ended_by"]`` ('' when it did, or the file says nothing: a recording older than the field).
     """
     path = find_recording(path, rank)
     with open(path, encoding="utf-8", errors="replace") as f:  # a damaged byte damages its line only
@@ -665,7 +673,7 @@ def read_recording(path: str, rank: int | None = None) -> tuple[dict, list[dict]
         if list(header.get("tensor_fields", ())) != list(TENSOR_FIELDS):
             raise RecordingFormatError(f"{path}: tensor fields {header.get('tensor_fields')} differ from "
                                        f"{list(TENSOR_FIELDS)} (format version {version})")
-        records, complete, cut, unreadable, first_unreadable, lost = [], False, False, 0, "", 0
+        records, complete, cut, unreadable, first_unreadable, lost, ended_by = [], False, False, 0, "", 0, ""
         for number, line in enumerate(f, 2):
             try:
                 record = json.loads(line)
@@ -684,6 +692,9 @@ def read_recording(path: str, rank: int | None = None) -> tuple[dict, list[dict]
                 declared = record["end"].get("records") if isinstance(record["end"], dict) else None
                 if isinstance(declared, int):
                     lost = max(0, declared - (number - 2))  # the lines between the header and this marker
+                how = record["end"].get("ended_by") if isinstance(record["end"], dict) else None
+                if how:
+                    ended_by = str(how)
                 break
             malformed = _tensor_damage(record)
             if malformed:
@@ -691,5 +702,5 @@ def read_recording(path: str, rank: int | None = None) -> tuple[dict, list[dict]
                 record["unrecorded"] = f"line {number}: {malformed}"
             records.append(record)
     header.update(path=path, complete=complete, cut=cut, unreadable=unreadable, first_unreadable=first_unreadable,
-                  lost=lost)
+                  lost=lost, ended_by=ended_by)
     return header, records

@@ -347,7 +347,7 @@ class OpCapture(OpTool):
         if self.recorder is not None:
             if self._flush_recording in STEPS.after_step:
                 STEPS.after_step.remove(self._flush_recording)
-            self.recorder.close()
+            self.recorder.close(self.ended_by)  # a run cut short says so: its file is whole, the run is not
             self.tally.add(self.recorder.file.path, self.recorder.file.bytes_written,
                            f"run recording, {self.recorder.records} records, for op_tools.compare_runs")
             return

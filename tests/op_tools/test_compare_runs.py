@@ -5,6 +5,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 from unittest import mock
@@ -565,6 +566,68 @@ def test_a_recording_cut_short_before_the_fault_is_not_clean_and_names_what_was_
     after = tmp_path / "run_after.jsonl.partial"
     after.write_text("".join(lines[:silu + 1]))
     assert compare(_cpu(runs), str(after)).verdict() == "found"
+
+
+def _record_steps(folder, monkeypatch, steps: int, raise_at: int | None = None) -> str:
+    """``steps`` steps of a few CPU calls recorded; ``raise_at``: the step at whose start an exception leaves the
+    tool's with-block (the run dies)."""
+    monkeypatch.setenv("OP_CAPTURE_MODE", "stats")
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(folder))
+    x = torch.linspace(-1, 1, 16).reshape(4, 4)
+    with op_tools.OpCapture() as capture:
+        for step in range(steps):
+            if step == raise_at:
+                raise RuntimeError("device lost")
+            torch.sin(x * (step + 1)).sum()
+    return capture.recorder.file.path
+
+
+DYING_SCRIPTS = {  # a step of a few calls, then the run dies: how it dies, the exit status
+    "sigterm": ("""
+import os, signal
+x = torch.linspace(-1, 1, 16).reshape(4, 4)
+with op_tools.OpCapture(mode="stats"):
+    torch.sin(x * 1).sum()
+    os.kill(os.getpid(), signal.SIGTERM)
+""", -signal.SIGTERM),
+    # a tool never stopped, at the exit of a program an exception ended: the exit handler marks it
+    "uncaught": ("""
+x = torch.linspace(-1, 1, 16).reshape(4, 4)
+op_tools.OpCapture(mode="stats").start()
+torch.sin(x * 1).sum()
+raise RuntimeError("device lost")
+""", 1),
+}
+
+
+def test_a_run_ended_by_an_exception_or_sigterm_is_an_incomplete_recording_never_agreeing(tmp_path, monkeypatch,
+                                                                                          run_script):
+    # Each run dies at the start of its second step; against a clean run of one step, what each recorded agrees,
+    # and its file is whole (its end marker written on the way out), but the run is not: never "the runs agree".
+    one = _record_steps(tmp_path / "one", monkeypatch, 1)
+    with pytest.raises(RuntimeError, match="device lost"):
+        _record_steps(tmp_path / "raised", monkeypatch, 2, raise_at=1)
+    deaths = {"raised": ("an exception (RuntimeError: device lost)", _recording_lines(tmp_path / "raised"))}
+    for name, (script, status) in DYING_SCRIPTS.items():
+        done = run_script(script, {"OP_TOOLS_RESULTS_DIR": str(tmp_path / name)})
+        assert done.returncode == status, done.stderr[-2000:]
+        deaths[name] = ("SIGTERM" if name == "sigterm" else "an exception (RuntimeError: device lost)",
+                        _recording_lines(tmp_path / name))
+    for name, (how, lines) in deaths.items():
+        assert json.loads(lines[-1])["end"].get("ended_by") == how, (name, lines[-1])
+        result = compare(one, str(tmp_path / name))
+        assert result.divergences == [] and len(result.compared) == 3 and result.verdict() == "unchecked", name
+        assert result.incomplete() == [("B", f"the run ended by {how}; the calls it did not reach are not in it")]
+        assert "The runs agree" not in render(result)
+    done = _cli(one, str(tmp_path / "sigterm"), "--csv", str(tmp_path / "c.csv"))
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert "(the run ended by SIGTERM)\n" in done.stdout
+    assert "first divergence in forward: none among the pairs compared (an incomplete recording)" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == (
+        "WARNING: run B's recording is incomplete (the run ended by SIGTERM; the calls it did not reach are not in it)")
+    # a run that ended normally says nothing of it, as every recording before the field did
+    assert "ended_by" not in _recording_lines(tmp_path / "one")[-1]
+    assert compare(one, one).verdict() == "clean"
 
 
 def test_the_same_nan_in_both_runs_leaves_a_pair_not_compared_and_finite_extremes_still_compare(sim, tmp_path,

@@ -24,9 +24,9 @@ def _parser() -> argparse.ArgumentParser:
                     "Exit status: 0 every aligned pair compared and none diverges, 3 a divergence, 2 an unreadable "
                     "recording or a usage error, 4 no divergence but some calls not compared (a call a run could "
                     "not record, damaged lines, a failure of this tool, calls past the other run's end, a recording "
-                    "cut short or partial, no pair at all), 5 the CSV or the HTML view cannot be written (--csv, "
-                    "--html or OP_TOOLS_RESULTS_DIR names a folder this process cannot write; checked before "
-                    "comparing), 1 compare_runs itself failed.")
+                    "cut short or partial or of a run ended by SIGTERM or an exception, no pair at all), 5 the CSV "
+                    "or the HTML view cannot be written (--csv, --html or OP_TOOLS_RESULTS_DIR names a folder this "
+                    "process cannot write; checked before comparing), 1 compare_runs itself failed.")
     parser.add_argument("run_a", help="recording of run A: a run_*.jsonl file, or a folder holding one")
     parser.add_argument("run_b", help="recording of run B, likewise")
     parser.add_argument("--rank", type=int, help="under torchrun: compare the recordings of this rank (rank<N>/); "

@@ -81,7 +81,8 @@ class Comparison:
 
     def incomplete(self) -> list[tuple[str, str]]:
         """``(run label, why)`` per recording that does not hold the whole run: partial (the run did not stop its
-        tool), or a complete file with fewer lines than its end marker counts."""
+        tool), a complete file with fewer lines than its end marker counts, or a file whose run did not end
+        normally (SIGTERM, an exception out of the tool's with-block: its end marker says so)."""
         out = []
         for label, h in (("A", self.header_a), ("B", self.header_b)):
             if not h["complete"]:
@@ -90,6 +91,8 @@ class Comparison:
             elif h.get("lost"):
                 out.append((label, f"its end marker counts {h['lost']} more record{'s' if h['lost'] != 1 else ''} "
                                    "than it holds: lines lost"))
+            elif h.get("ended_by"):
+                out.append((label, f"the run ended by {h['ended_by']}; the calls it did not reach are not in it"))
         return out
 
     def verdict(self) -> str:

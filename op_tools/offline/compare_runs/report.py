@@ -140,6 +140,8 @@ def console_report(result: Comparison, saved: list[str]) -> str:
     for label, header in (("A", result.header_a), ("B", result.header_b)):
         complete = "" if header["complete"] else " (partial: the run did not stop its tool" + (
             "; its last line was cut short)" if header.get("cut") else ")")
+        if header["complete"] and header.get("ended_by"):
+            complete = f" (the run ended by {header['ended_by']})"
         lines.append(f"run {label}: {header['path']}  torch {header['torch']}{complete}")
     compared, diverged = len(result.compared), len(result.divergences)
     lines.append("aligned: " + ", ".join(f"{counts.get(m, 0)} {m}" for m in ("exact", "name", "similar"))
