@@ -5,7 +5,7 @@ A recording is a JSON-lines file ``<OP_TOOLS_RESULTS_DIR>/op_capture_results[/ra
 (``.partial`` until the tool stops). Its first line is the header::
 
     {"format": "op_tools run recording", "version": 2, "tensor_fields": [...], "torch": "2.13.0", "rank": null,
-     "pid": 4242, "time": 1718000000.123456}
+     "pid": 4242, "time": 1718000000.123456, "ops": null, "disable": []}
 
 then one line per call, in the order the calls ended::
 
@@ -20,7 +20,9 @@ then one line per call, in the order the calls ended::
   Counted once for every tool (``core/steps.py``): the same number as the other tools' ``step`` columns.
 - ``time``: wall-clock seconds since the epoch (``time.time()``, to the microsecond) when the call started (a
   backward record: when its backward finished); the header's when the recording started. The rank is the header's
-  ``rank`` (torchrun's ``RANK``; ``null`` outside torchrun).
+  ``rank`` (torchrun's ``RANK``; ``null`` outside torchrun). The header's ``ops`` and ``disable``: the patterns of
+  ``OP_CAPTURE_LIST`` (``null``: every op) and ``OP_CAPTURE_DISABLE_LIST`` the recording used (absent in a
+  recording made before they were written: unknown).
 - ``module``/``index``: the module running the call (``module_path.py``) and the call's rank among the calls of
   that module path in this step, from 0. A backward record has its forward's.
 - ``phase``: ``forward``, ``backward`` (the gradients of the call's outputs and of its inputs that require grad,
@@ -338,11 +340,14 @@ class RunRecorder:
     the calls not seen would go unnoticed; ``note_writes`` is told of the writes of calls not recorded."""
 
     def __init__(self, path: str, max_tensors: int, rank: int | None, steps: Any = None,
-                 sees_every_call=lambda: False) -> None:
+                 sees_every_call=lambda: False, ops: Sequence[str] | None = None, disable: Sequence[str] = ()) -> None:
         self.max_tensors = max_tensors
         self.file = result_files.JsonLinesFile(path)
+        # which ops the tool recorded (its LIST, None: every op, and DISABLE_LIST): compare_runs says when two
+        # recordings of different selections are compared
         self.file.write({"format": FORMAT, "version": FORMAT_VERSION, "tensor_fields": list(TENSOR_FIELDS),
-                         "torch": torch.__version__, "rank": rank, "pid": os.getpid(), "time": _time(time.time())})
+                         "torch": torch.__version__, "rank": rank, "pid": os.getpid(), "time": _time(time.time()),
+                         "ops": None if ops is None else list(ops), "disable": list(disable)})
         self.records = 0
         self._steps = steps
         self._seq = itertools.count()

@@ -181,8 +181,11 @@ class OpCapture(OpTool):
         if self.settings.mode == "stats":
             self.handles_cpu_calls = True  # a CPU run is one side of a comparison
             path = result_files.results_path(self.common, self.results_folder, f"run_{self.stem}.jsonl")
+            allow = self.filter.allow
             self.recorder = RunRecorder(path, self.settings.stats_max_tensors, self.common.rank, STEPS,
-                                        lambda: self.sees_every_call)
+                                        lambda: self.sees_every_call,
+                                        ops=None if allow is None else [p.pattern for p in allow],
+                                        disable=[p.pattern for p in self.filter.deny])
             STEPS.after_step.append(self._flush_recording)  # a killed run keeps its recording but for its last step
 
     def _flush_recording(self) -> None:

@@ -630,6 +630,56 @@ def test_a_run_ended_by_an_exception_or_sigterm_is_an_incomplete_recording_never
     assert compare(one, one).verdict() == "clean"
 
 
+def _record_with_a_metric(folder, monkeypatch, ops: str | None = None, metric_scale: float = 2.0) -> str:
+    """A linear layer's loss and, beside it, a metric no recorded call reads (a softmax, scaled by ``metric_scale``:
+    a fault in it); ``ops``: OP_CAPTURE_LIST."""
+    monkeypatch.setenv("OP_CAPTURE_MODE", "stats")
+    monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(folder))
+    if ops:
+        monkeypatch.setenv("OP_CAPTURE_LIST", ops)
+    else:
+        monkeypatch.delenv("OP_CAPTURE_LIST", raising=False)
+    x, w = torch.linspace(-1, 1, 32).reshape(4, 8), torch.linspace(-0.5, 0.5, 24).reshape(3, 8).requires_grad_()
+    with op_tools.OpCapture() as capture:
+        y = torch.nn.functional.linear(x, w)
+        torch.softmax(y.detach() * metric_scale, -1).max()
+        y.sum().backward()
+    return capture.recorder.file.path
+
+
+def test_calls_of_one_run_only_whose_results_reach_no_aligned_call_are_not_compared_and_op_lists_are_named(
+        tmp_path, monkeypatch):
+    # Run B recorded only the loss's ops (OP_CAPTURE_LIST), and its metric is wrong: run A's metric calls, in A only,
+    # were compared with nothing. Never "the runs agree".
+    every = _record_with_a_metric(tmp_path / "a", monkeypatch)
+    listed = _record_with_a_metric(tmp_path / "b", monkeypatch, ops="torch.nn.functional.linear,torch.Tensor.sum",
+                                   metric_scale=2.2)
+    result = compare(every, listed)
+    assert result.divergences == [] and result.verdict() == "unchecked"
+    assert [r.op for r in result.unreached] == ["torch.Tensor.mul", "torch.softmax", "torch.Tensor.max"]
+    assert {r.match for r in result.unreached} == {"only A"}
+    assert result.recorded_ops() == "run A every op, run B OP_CAPTURE_LIST=torch.nn.functional.linear,torch.Tensor.sum"
+    assert "The runs agree" not in render(result)
+    done = _cli(every, listed, "--csv", str(tmp_path / "c.csv"))
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert "recorded ops differ: run A every op, run B OP_CAPTURE_LIST=torch.nn.functional.linear,torch.Tensor.sum" \
+        in done.stdout
+    assert "of one run only reaching no aligned call: 3 (not compared)" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == (
+        "WARNING: 3 calls of run A only not compared: what they computed reaches no call both runs recorded, the "
+        "first step 0 forward (no module) #2 torch.Tensor.mul")
+    # a call of one run only whose result an aligned call reads (detach, before the metric's mul) is compared
+    # through it; the same selection in both runs compares every call, and says nothing of selections
+    both = compare(listed, _record_with_a_metric(tmp_path / "c", monkeypatch,
+                                                 ops="torch.nn.functional.linear,torch.Tensor.sum"))
+    assert both.verdict() == "clean" and both.recorded_ops() == "" and both.rows and not both.structural
+    # a recording made before headers said their selection: unknown, said only against a selection
+    del result.header_a["ops"], result.header_a["disable"]
+    assert result.recorded_ops().startswith("run A unknown (its recording does not say), run B OP_CAPTURE_LIST=")
+    result.header_b.update(ops=None, disable=[])
+    assert result.recorded_ops() == ""
+
+
 def test_the_same_nan_in_both_runs_leaves_a_pair_not_compared_and_finite_extremes_still_compare(sim, tmp_path,
                                                                                                monkeypatch):
     import contextlib

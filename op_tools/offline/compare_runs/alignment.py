@@ -51,6 +51,9 @@ class Row:
     not_compared: str = ""  # why an aligned pair has no verdict (a call a run could not record); '' when judged
     skipped: str = ""  # why an aligned pair needs no verdict (its outputs are uninitialised memory); '' otherwise
     no_counterpart: str = ""  # why a call of one run only, past the other run's last aligned call, was not compared
+    # why a call of one run only between aligned pairs was not compared: what it computed reaches no aligned call
+    # (a metric one run recorded and the other did not), so nothing compared it; '' when it does, or not such a call
+    unreached: str = ""
 
     @property
     def record(self) -> dict:

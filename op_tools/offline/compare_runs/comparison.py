@@ -9,7 +9,7 @@ from typing import Callable
 from ...config.variables import COMPARE_RUNS_CARRIED_GROWTH, COMPARE_RUNS_DEPTH_SCALE, COMPARE_RUNS_TOLERANCES
 from ...ops.op_facts import op_facts
 from ...ops.writes import call_writes
-from ...output.run_recording import read_recording
+from ...output.run_recording import TENSOR_FIELDS, read_recording
 from .alignment import PHASE_SIDES, Row, align, tensors
 from .verdict import (
     DEFAULT_TOLERANCES,
@@ -74,10 +74,26 @@ class Comparison:
                 for label, h in (("A", self.header_a), ("B", self.header_b)) if h.get("unreadable")]
 
     @property
+    def unreached(self) -> list[Row]:
+        """Calls of one run only between aligned pairs whose results reach no aligned call (``Row.unreached``):
+        nothing compared what they computed."""
+        return [r for r in self.rows if r.unreached]
+
+    @property
     def past_other_run(self) -> list[Row]:
         """Calls of one run after the last aligned pair (``Row.no_counterpart``): the other run holds nothing to
         compare them with (it was cut short, ran fewer steps, or recorded no call)."""
         return [r for r in self.rows if r.no_counterpart]
+
+    def recorded_ops(self) -> str:
+        """What each run recorded where their op selections differ (``run A every op, run B OP_CAPTURE_LIST=...``),
+        '' where they are the same or a recording does not say (made before recordings said it) and the other
+        recorded every op."""
+        a, b = recorded_ops(self.header_a), recorded_ops(self.header_b)
+        if a == b or {a, b} == {None, EVERY_OP}:
+            return ""
+        return ", ".join(f"run {label} {what or 'unknown (its recording does not say)'}"
+                         for label, what in (("A", a), ("B", b)))
 
     def incomplete(self) -> list[tuple[str, str]]:
         """``(run label, why)`` per recording that does not hold the whole run: partial (the run did not stop its
@@ -97,11 +113,12 @@ class Comparison:
 
     def verdict(self) -> str:
         """``"found"`` (a pair diverges), ``"unchecked"`` (none does, but some calls were not compared: pairs
-        without statistics, damaged lines, calls past the other run's end, an incomplete recording, or no pair at
-        all) or ``"clean"``; the command's exit status (``exit_status.status_of``)."""
+        without statistics, damaged lines, calls past the other run's end, calls of one run only whose results
+        reach no aligned call, an incomplete recording, or no pair at all) or ``"clean"``; the command's exit status
+        (``exit_status.status_of``)."""
         if self.divergences:
             return "found"
-        gaps = (self.not_compared or self.unreadable() or self.past_other_run or self.incomplete()
+        gaps = (self.not_compared or self.unreadable() or self.past_other_run or self.unreached or self.incomplete()
                 or not self.compared)
         return "unchecked" if gaps else "clean"
 
@@ -143,7 +160,7 @@ class Comparison:
             entry["calls"] += 1
             entry["diverged"] += row.diverged
             entry["structural"] += row.structural and not row.no_counterpart
-            entry["not_compared"] += bool(row.not_compared or row.no_counterpart)
+            entry["not_compared"] += bool(row.not_compared or row.no_counterpart or row.unreached)
             if row.a is not None and row.b is not None and not row.not_compared and not row.skipped:  # judged (not
                 # fresh memory's values, which differ between any two runs)
                 side = PHASE_SIDES[row.phase][1]
@@ -152,6 +169,20 @@ class Comparison:
                 column = "max_grad_diff" if row.phase == "backward" else "max_output_diff"
                 entry[column] = max(entry[column], worst)
         return list(out.values())
+
+
+EVERY_OP = "every op"
+
+
+def recorded_ops(header: dict) -> str | None:
+    """The op selection a recording used, in words (``every op``, ``OP_CAPTURE_LIST=linear,softmax``); None when
+    its header does not say (a recording made before headers said it)."""
+    if "ops" not in header and "disable" not in header:
+        return None
+    ops, disable = header.get("ops"), header.get("disable") or []
+    parts = ([] if ops is None else [f"OP_CAPTURE_LIST={','.join(map(str, ops))}"]) + \
+        ([f"OP_CAPTURE_DISABLE_LIST={','.join(map(str, disable))}"] if disable else [])
+    return "; ".join(parts) or EVERY_OP
 
 
 def _pairs(xs: list[list], ys: list[list]) -> list[tuple[list, list]]:
@@ -290,6 +321,47 @@ def _mark_past_the_end(rows: list[Row]) -> None:
                               else f"run {other}'s recording ends before it: not compared")
 
 
+def _values(entry: list) -> tuple | None:
+    """What identifies a recorded tensor's values: its dtype and statistics but the nan and inf counts (unknown in
+    one record of a tensor, known in another) and the shape (a view of it reshaped); None for an empty tensor."""
+    if len(entry) != len(TENSOR_FIELDS):
+        return None
+    return (entry[1], *entry[3:7], *entry[9:])
+
+
+def _mark_unreached(rows: list[Row]) -> None:
+    """Mark the calls of one run only between aligned pairs whose results reach no aligned call of their run.
+
+    Such a call is compared through the aligned calls that read what it computed (a copy one backend makes, a
+    ``.float()`` one script adds): it needs no pair of its own. One whose results no aligned call reads (a metric
+    one run recorded and the other did not, under another OP_CAPTURE_LIST) was compared by nothing: not compared.
+    A result reaches an aligned call when one of that run's aligned records holds a tensor of the same values
+    (``_values``: 16 fingerprints and the extremes, mean and norm), directly or through calls of that run only
+    that do (walked from the end)."""
+    reached: dict[str, set] = {"A": set(), "B": set()}
+    for row in rows:
+        if row.a is not None and row.b is not None:
+            for label, record in (("A", row.a), ("B", row.b)):
+                reached[label].update(v for t in tensors(record) if (v := _values(t)) is not None)
+    for row in reversed(rows):
+        if not row.structural or row.no_counterpart:
+            continue
+        label = "A" if row.b is None else "B"
+        record = row.record
+        into, out_of = PHASE_SIDES[record["phase"]]
+        if "unrecorded" in record:
+            row.unreached = f"in run {label} only, without statistics ({record['unrecorded']}): not compared"
+            continue
+        if op_facts(record["op"]).uninitialised:  # fresh memory: nothing to compare
+            continue
+        results = [v for t in record.get(out_of, ()) if (v := _values(t)) is not None]
+        if all(v in reached[label] for v in results):
+            reached[label].update(v for t in record.get(into, ()) if (v := _values(t)) is not None)
+        else:
+            row.unreached = (f"in run {label} only, and what it computed reaches no call both runs recorded: "
+                             "not compared")
+
+
 def _unread_inputs(op: str) -> tuple[bool, frozenset[str]]:
     """Whether ``op`` overwrites its first argument (``op_facts``' ``overwrites``), and the ``where`` of the keyword
     arguments it writes (``[out]``): what the tensors held before the call is no input of it (an ``empty``'s memory,
@@ -317,4 +389,5 @@ def compare(run_a: str, run_b: str, tolerances: Tolerances | None = None, rank: 
     rows = align(records_a, records_b, close)
     _judge(rows, tolerances)
     _mark_past_the_end(rows)
+    _mark_unreached(rows)
     return Comparison(header_a, header_b, rows, tolerances)

@@ -40,8 +40,8 @@ def _row(row: Row, n: int) -> dict:
     return {"n": n, "step": row.step, "phase": row.phase, "module": row.module, "match": row.match,
             "a": _side(row.a), "b": _side(row.b), "difference": _number(row.difference),
             "tolerance": _number(row.tolerance), "carried": _number(row.carried), "diverged": row.diverged,
-            "detail": row.not_compared or row.no_counterpart or row.verdict_detail,
-            "unchecked": bool(row.not_compared or row.no_counterpart)}
+            "detail": row.not_compared or row.no_counterpart or row.unreached or row.verdict_detail,
+            "unchecked": bool(row.not_compared or row.no_counterpart or row.unreached)}
 
 
 def first_difference(result: Comparison) -> tuple[Row | None, str]:
@@ -51,6 +51,7 @@ def first_difference(result: Comparison) -> tuple[Row | None, str]:
     for row, what in ((result.first_divergence(), "first divergence"),
                       (next(iter(result.not_compared), None), "first pair not compared"),
                       (next(iter(result.past_other_run), None), "first call not compared"),
+                      (next(iter(result.unreached), None), "first call not compared"),
                       (result.first_structural, "first structural difference")):
         if row is not None:
             return row, what
@@ -76,7 +77,9 @@ def headline(result: Comparison) -> tuple[str, str]:
         missed = len(result.not_compared)
         damaged = sum(n for _, n, _ in result.unreadable())
         unpaired = len(result.past_other_run)
+        unreached = len(result.unreached)
         also = "".join(f", {n} {what}" for n, what in ((missed, "not compared"), (unpaired, "past the other run's end"),
+                                                       (unreached, "of one run only reaching no aligned call"),
                                                        (damaged, "damaged lines")) if n)
         also += "".join(f", run {label}'s recording incomplete" for label, _ in result.incomplete())
         return f"No divergence among the {pairs}, but not all were compared{also}", verdict
@@ -94,8 +97,8 @@ def _banner(result: Comparison, first: Row | None, what: str) -> str:
                  "module": first.module or "(no module)", "op": f"{record['op']} #{record['index']}"}
         if first.diverged:
             lines.append("why: " + why_diverged(first, result.tolerances.carried_growth))
-        elif first.not_compared or first.no_counterpart:
-            lines.append("why: " + (first.not_compared or first.no_counterpart))
+        elif first.not_compared or first.no_counterpart or first.unreached:
+            lines.append("why: " + (first.not_compared or first.no_counterpart or first.unreached))
         else:
             lines.append(f"runs in {first.match.removeprefix('only ')} only")
     return banner(title, text, tone, what, where, lines, button="show it")

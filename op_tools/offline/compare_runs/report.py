@@ -27,7 +27,7 @@ def csv_rows(result: Comparison) -> list[dict]:
             "index_a": a.get("index", ""), "op_a": a.get("op", ""), "index_b": b.get("index", ""),
             "op_b": b.get("op", ""), "difference": "" if not judged else f"{row.difference:.3g}",
             "tolerance": "" if not judged else f"{row.tolerance:.3g}",
-            "diverged": int(row.diverged), "not_compared": row.not_compared or row.no_counterpart,
+            "diverged": int(row.diverged), "not_compared": row.not_compared or row.no_counterpart or row.unreached,
             "detail": row.verdict_detail, "dtypes_a": _describe(row.a, 1), "dtypes_b": _describe(row.b, 1),
             "shapes_a": _describe(row.a, 2), "shapes_b": _describe(row.b, 2), "seq_a": a.get("seq", ""),
             "seq_b": b.get("seq", ""),
@@ -59,6 +59,12 @@ def unchecked_lines(result: Comparison) -> list[str]:
                      f"the first {first}")
     for label, why in result.incomplete():
         lines.append(f"WARNING: run {label}'s recording is incomplete ({why})")
+    for label in ("A", "B"):
+        rows = [r for r in result.unreached if r.match == f"only {label}"]
+        if rows:
+            lines.append(f"WARNING: {_calls(len(rows))} of run {label} only not compared: what "
+                         f"{'they' if len(rows) != 1 else 'it'} computed reaches no call both runs recorded, the "
+                         f"first {where(rows[0])}")
     both = {r.match for r in result.past_other_run} >= {"only A", "only B"}  # both go on: neither ended first
     for label, other in (("A", "B"), ("B", "A")):
         rows = [r for r in result.past_other_run if r.match == f"only {label}"]
@@ -102,6 +108,10 @@ def verdict_lines(result: Comparison) -> list[str]:
     every aligned pair was compared, no call lies past the other run's end and both recordings are whole
     (``unchecked_lines`` says what was not)."""
     lines = []
+    recorded = result.recorded_ops()
+    if recorded:  # a call one run did not record is compared only through the recorded calls that read it
+        lines.append(f"recorded ops differ: {recorded}: a call one run did not record is compared only through the "
+                     "calls both recorded that read what it computed")
     gaps = [what for what, present in (("damaged lines", result.unreadable()),  # calls of a phase no one knows
                                         ("an incomplete recording", result.incomplete())) if present]
     growth = result.tolerances.carried_growth
@@ -111,7 +121,9 @@ def verdict_lines(result: Comparison) -> list[str]:
             continue
         missed = sum(r.phase == phase for r in result.not_compared)
         unpaired = sum(r.phase == phase for r in result.past_other_run)
-        why = [f"{n} {what}" for n, what in ((missed, "not compared"), (unpaired, "past the other run's end")) if n]
+        unreached = sum(r.phase == phase for r in result.unreached)
+        why = [f"{n} {what}" for n, what in ((missed, "not compared"), (unpaired, "past the other run's end"),
+                                             (unreached, "of one run only reaching no aligned call")) if n]
         why += gaps
         listed = ", and ".join([", ".join(why[:-1]), why[-1]] if len(why) > 1 else why)
         none = f"none among the pairs compared ({listed})" if why else "none"
@@ -151,6 +163,8 @@ def console_report(result: Comparison, saved: list[str]) -> str:
                  + f"not compared: {len(result.not_compared)}"
                  + (f"; past the other run's end: {len(result.past_other_run)} (not compared)"
                     if result.past_other_run else "")
+                 + (f"; of one run only reaching no aligned call: {len(result.unreached)} (not compared)"
+                    if result.unreached else "")
                  + "".join(f"; damaged lines in {label}: {n}" for label, n, _ in result.unreadable()))
     lines += verdict_lines(result)
     modules = [m for m in result.modules() if m["diverged"] or m["structural"] or m["not_compared"]]
