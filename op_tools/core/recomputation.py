@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 
+from ..ops.checkpoint_recomputation import recomputing
 from . import gradient_communication
 
 
@@ -29,5 +30,5 @@ def checkpoint_context_fn() -> tuple:
 @contextlib.contextmanager
 def _under_started_tools():
     # The modes are looked up when the recomputation starts (on autograd's thread, with none on its stack).
-    with gradient_communication.entered(gradient_communication.modes_to_enter() or []):
+    with recomputing(), gradient_communication.entered(gradient_communication.modes_to_enter() or []):
         yield

@@ -26,9 +26,10 @@ then one line per call, in the order the calls ended::
 - ``module``/``index``: the module running the call (``module_path.py``) and the call's rank among the calls of
   that module path in this step, from 0. A backward record has its forward's.
 - ``phase``: ``forward``, ``backward`` (the gradients of the call's outputs and of its inputs that require grad,
-  once its whole backward ran), ``optimizer`` (a call inside ``optimizer.step()``), or ``recompute`` (a forward
-  call made while backward runs: a checkpoint's recomputation; kept apart so that it never counts as a second
-  forward).
+  once its whole backward ran; or, with ``"in_backward": true`` and no ``forward_seq``, a call that backward makes
+  of its own, its ``inputs`` and ``outputs``: DDP's gradient all-reduce, a hook's ops), ``optimizer`` (a call inside
+  ``optimizer.step()``), or ``recompute`` (a checkpoint's recomputation of a forward call in backward,
+  ``ops/checkpoint_recomputation.py``; kept apart so that it never counts as a second forward).
 - ``device``: the real device of the call's first tensor (``DITORCH_SHOW_DEVICE_AS_CUDA`` does not change it).
 - a tensor: ``[where, dtype, shape, *tensor_stats.STAT_FIELDS]``, ``where`` its place in the arguments
   (``[0]``, ``[weight]``); an empty tensor has no statistics. At most ``OP_CAPTURE_STATS_MAX_TENSORS`` per side;
@@ -68,6 +69,7 @@ from ..numerics.tensor_stats import (
     split_stats,
 )
 from ..ops.arguments import local_part, real_device, storage_address, strided, tensor_items
+from ..ops.checkpoint_recomputation import in_recomputation
 from ..ops.collectives import collective_call, signature_of
 from ..ops.op_facts import op_facts
 from ..ops.torch_versions import autocast_dtype
@@ -376,7 +378,11 @@ class RunRecorder:
 
     def before(self, call) -> None:
         """Queue the statistics of the inputs (before an in-place op changes them)."""
-        call.state["recompute"] = torch._C._current_graph_task_id() != -1
+        # a call made while backward runs: a checkpoint's recomputation of a forward call, or a call of its own (DDP's
+        # gradient all-reduce, a hook's), recorded in the backward phase
+        in_backward = torch._C._current_graph_task_id() != -1
+        call.state["recompute"] = in_backward and in_recomputation()
+        call.state["in_backward"] = in_backward and not call.state["recompute"]
         if torch.is_grad_enabled() and not call.state["recompute"]:
             grads: list[torch.Tensor] = []
             items = tensor_items(tuple(call.args)) + tensor_items(call.kwargs)
@@ -448,9 +454,13 @@ class RunRecorder:
         if call.device is not None and (dtype := autocast_dtype(call.device.type)) is not None:
             autocast = str(dtype).removeprefix("torch.")
         in_optimizer = self._steps is not None and self._steps.in_optimizer
-        phase = "recompute" if recompute else "optimizer" if in_optimizer else "forward"
+        in_backward = call.state["in_backward"]
+        phase = "recompute" if recompute else "backward" if in_backward else "optimizer" if in_optimizer else "forward"
         record = {"seq": seq, "phase": phase, "step": step, "time": _time(call.time),
                   "module": call.module_path, "index": index, "op": call.name, "device": device, "autocast": autocast}
+        if in_backward:  # its inputs and outputs, not a call's gradients: no forward_seq (a reader before it counts the
+            # record as damaged, never as agreeing)
+            record["in_backward"] = True
         self._write_or_mark(record, [inputs, outputs] if inputs and outputs else None, error, raised)
 
     def backward(self, call, grad_outputs: tuple, grad_inputs: tuple, complete: bool) -> None:
@@ -629,7 +639,7 @@ def _damage(record) -> str:
         return f"no {', '.join(missing)}"
     if record["phase"] not in PHASES:
         return f"unknown phase {record['phase']!r}"
-    if record["phase"] == "backward" and "forward_seq" not in record:
+    if record["phase"] == "backward" and "forward_seq" not in record and record.get("in_backward") is not True:
         return "a backward record without forward_seq"
     return ""
 

@@ -83,6 +83,40 @@ def test_checkpoint_recomputation_adds_no_forward_records_and_keeps_backward_rec
             assert backward_keys(checkpointed) == backward_keys(plain)
 
 
+def test_a_call_backward_makes_of_its_own_is_a_backward_call_compared_and_recomputations_are_counted(group,
+                                                                                                       tmp_path):
+    import torch.distributed as dist
+    from torch.utils.checkpoint import checkpoint
+
+    from op_tools.offline.compare_runs.report import console_report
+
+    torch.manual_seed(0)
+    layer, x = torch.nn.Linear(4, 4), torch.randn(2, 4, requires_grad=True)
+    with op_tools.OpCapture() as capture:
+        y = checkpoint(layer, x, use_reentrant=False, context_fn=op_tools.checkpoint_context_fn)
+        y.register_hook(lambda g: dist.all_reduce(g))  # a call of backward's own, as DDP's all-reduce from its hook
+        y.sum().backward()
+    _, records = read_recording(capture.recorder.file.path)
+    made = [(r["phase"], r["op"], r.get("in_backward", False)) for r in records if "forward_seq" not in r]
+    assert ("backward", "torch.distributed.all_reduce", True) in made and not any(
+        phase == "recompute" and op == "torch.distributed.all_reduce" for phase, op, _ in made), made
+    reduced = next(r for r in records if r["op"] == "torch.distributed.all_reduce")
+    assert [t[2] for t in reduced["inputs"]] == [[2, 4]] and [t[2] for t in reduced["outputs"]] == [[2, 4]]
+    # compared as a call: aligned, judged; a recomputation (here the forward linear's record, marked so) left out
+    # and counted
+    lines = open(capture.recorder.file.path).read().splitlines(keepends=True)
+    linear = next(json.loads(line) for line in lines if '"op":"torch.nn.functional.linear"' in line)
+    recomputed = tmp_path / "run_recomputed.jsonl"
+    recomputed.write_text("".join(lines[:-1]) + json.dumps({**linear, "phase": "recompute", "index": None,
+                                                           "seq": 99}) + "\n" + lines[-1].replace(
+        f'"records":{len(lines) - 2}', f'"records":{len(lines) - 1}'))
+    result = op_tools.offline.compare_runs.compare(str(recomputed), str(recomputed))
+    assert [r.op for r in result.compared].count("torch.distributed.all_reduce") == 1
+    assert result.verdict() == "clean"
+    assert "; left out: 1 recomputations in A, 1 in B (a checkpoint's reruns of forward calls, compared as their " \
+           "forward)" in console_report(result, [])
+
+
 def test_a_call_records_at_most_the_configured_number_of_tensors(monkeypatch):
     monkeypatch.setenv("OP_CAPTURE_STATS_MAX_TENSORS", "2")
     tensors = [torch.randn(3) for _ in range(5)]

@@ -205,6 +205,24 @@ def test_compare_runs_takes_whole_run_folders_rank_by_rank_and_one_rank_against_
     assert "torch.randint" in first
 
 
+def test_a_faulty_link_in_ddps_gradient_all_reduce_is_named_at_the_collective_in_backward(reports, out):
+    from op_tools.offline.compare_runs import compare
+    from op_tools.output.run_recording import read_recording
+
+    # DDP's all-reduce runs from its hook during backward: a call of backward's own, not a checkpoint's
+    # recomputation (it was recorded as one, left out of the comparison, and the link blamed on a later call)
+    _, records = read_recording(str(out / "recording_link"), rank=1)
+    all_reduces = [r for r in records if r["op"] == "torch.distributed.all_reduce"]
+    assert all_reduces and all(r["phase"] == "backward" and r["in_backward"] for r in all_reduces), all_reduces
+    assert not any(r["phase"] == "recompute" for r in records)
+    result = compare(str(out / "recording_a"), str(out / "recording_link"), rank=1)
+    first = result.first_divergence()
+    assert (first.phase, first.module, first.op) == (
+        "backward", "DistributedDataParallel (gradient bucket 0)", "torch.distributed.all_reduce"), first
+    assert first.outputs_unexplained and not first.inputs_differed_first and first.detail.startswith("outputs[0]")
+    assert compare(str(out / "recording_a"), str(out / "recording_link"), rank=0).verdict() == "clean"
+
+
 def test_a_recording_of_a_tensor_parallel_step_holds_each_ranks_part(reports, out):
     for rank, report in enumerate(reports):
         assert report["tp"]["OpCapture"] == {"verdict": "clean", "not_checked": ""}

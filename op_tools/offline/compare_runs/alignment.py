@@ -24,6 +24,14 @@ from typing import Callable
 
 PHASE_SIDES = {"forward": ("inputs", "outputs"), "backward": ("grad_outputs", "grad_inputs"),
                "optimizer": ("inputs", "outputs")}
+CALL_SIDES = ("inputs", "outputs")
+
+
+def sides(record: dict) -> tuple[str, str]:
+    """What a record's call read and what it computed: a call's backward, its upstream gradients and its inputs'
+    gradients; a call (in forward, in the optimizer, or one backward makes of its own, ``in_backward``: DDP's
+    gradient all-reduce, a hook's ops), its inputs and outputs."""
+    return CALL_SIDES if record.get("in_backward") else PHASE_SIDES[record["phase"]]
 
 
 @dataclasses.dataclass
@@ -81,8 +89,8 @@ class Row:
 
 
 def tensors(record: dict) -> list[list]:
-    sides = PHASE_SIDES[record["phase"]]
-    return [*record.get(sides[0], ()), *record.get(sides[1], ())]
+    into, out_of = sides(record)
+    return [*record.get(into, ()), *record.get(out_of, ())]
 
 
 def op_type(name: str) -> str:
@@ -100,7 +108,7 @@ def _name_key(record: dict):
 def _similar(a: dict, b: dict, close: Callable[[list, list], bool]) -> bool:
     if op_type(a["op"]) != op_type(b["op"]):
         return False
-    out_a, out_b = a.get(PHASE_SIDES[a["phase"]][1], []), b.get(PHASE_SIDES[b["phase"]][1], [])
+    out_a, out_b = a.get(sides(a)[1], []), b.get(sides(b)[1], [])
     if [t[2] for t in out_a] != [t[2] for t in out_b]:
         return False
     return all(close(x, y) for x, y in zip(out_a, out_b))
@@ -140,12 +148,18 @@ def _match_similar(la: list, lb: list, close, out: list) -> None:
 
 
 def group(records: list[dict]) -> dict[tuple, list[dict]]:
-    """Records by (step, phase, module), in order; recomputations left out."""
+    """Records by (step, phase, module, whether a call backward made of its own), in order; recomputations left out
+    (``recomputations`` counts them: the reruns of forward calls compared as their forward)."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         if r["phase"] in PHASE_SIDES:
-            groups.setdefault((r["step"], r["phase"], r["module"]), []).append(r)
+            groups.setdefault((r["step"], r["phase"], r["module"], bool(r.get("in_backward"))), []).append(r)
     return groups
+
+
+def recomputations(records: list[dict]) -> int:
+    """How many records are a checkpoint's recomputations, which the alignment leaves out."""
+    return sum(r["phase"] == "recompute" for r in records)
 
 
 def align(records_a: list[dict], records_b: list[dict], close: Callable[[list, list], bool]) -> list[Row]:
@@ -153,7 +167,7 @@ def align(records_a: list[dict], records_b: list[dict], close: Callable[[list, l
     groups_a, groups_b = group(records_a), group(records_b)
     rows: list[Row] = []
     for key in [*groups_a, *(k for k in groups_b if k not in groups_a)]:
-        step, phase, module = key
+        step, phase, module, _ = key
         if key not in groups_b:
             rows += [Row(step, phase, module, a, None, "only A") for a in groups_a[key]]
         elif key not in groups_a:

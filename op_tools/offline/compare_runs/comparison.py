@@ -10,7 +10,7 @@ from ...config.variables import COMPARE_RUNS_CARRIED_GROWTH, COMPARE_RUNS_DEPTH_
 from ...ops.op_facts import op_facts
 from ...ops.writes import call_writes
 from ...output.run_recording import TENSOR_FIELDS, read_recording
-from .alignment import PHASE_SIDES, Row, align, tensors
+from .alignment import Row, align, recomputations, sides, tensors
 from .verdict import (
     DEFAULT_TOLERANCES,
     difference,
@@ -163,7 +163,7 @@ class Comparison:
             entry["not_compared"] += bool(row.not_compared or row.no_counterpart or row.unreached)
             if row.a is not None and row.b is not None and not row.not_compared and not row.skipped:  # judged (not
                 # fresh memory's values, which differ between any two runs)
-                side = PHASE_SIDES[row.phase][1]
+                side = sides(row.a)[1]
                 worst = max((difference(x, y)[0] for x, y in _pairs(row.a.get(side, []), row.b.get(side, []))),
                             default=0.0)
                 column = "max_grad_diff" if row.phase == "backward" else "max_output_diff"
@@ -256,15 +256,16 @@ def _judge(rows: list[Row], tolerances: Tolerances) -> None:
         if unrecorded:
             row.not_compared = "; ".join(f"run {label} has no statistics ({why})" for label, why in unrecorded)
             continue
-        into, out_of = PHASE_SIDES[row.phase]
+        into, out_of = sides(row.a)
         read_a, read_b = row.a, row.b
-        if row.phase == "forward":  # what the call writes without reading (copy_'s target, out=) is no input of it
+        # what a call writes without reading (copy_'s target, out=) is no input of it
+        if row.phase == "forward" or row.a.get("in_backward"):
             first, unread = _unread_inputs(row.a["op"])
             if first or unread:
                 read_a, read_b = ({**r, into: [e for i, e in enumerate(r.get(into, []))
                                                if not (first and i == 0) and e[0] not in unread]}
                                   for r in (row.a, row.b))
-        forward = forward_rows.get(row.a["forward_seq"]) if row.phase == "backward" else None
+        forward = forward_rows.get(row.a["forward_seq"]) if into == "grad_outputs" else None
         try:
             # the verdict's difference measures a gradient summed to about zero against its terms' rounding; what
             # differed (for the calls after it: what they read, and whether any call differed) is the plain one
@@ -275,7 +276,7 @@ def _judge(rows: list[Row], tolerances: Tolerances) -> None:
             row.difference, row.detail = 0.0, ""
             row.not_compared = f"the comparison failed ({type(e).__name__}: {e})"
             continue
-        if row.phase == "backward":  # a call's backward also reads its forward's inputs and outputs
+        if into == "grad_outputs":  # a call's backward also reads its forward's inputs and outputs
             if forward is not None:
                 for value, what in ((forward.carried, forward.carried_detail), (forward.difference, forward.detail)):
                     if value > carried:
@@ -348,7 +349,7 @@ def _mark_unreached(rows: list[Row]) -> None:
             continue
         label = "A" if row.b is None else "B"
         record = row.record
-        into, out_of = PHASE_SIDES[record["phase"]]
+        into, out_of = sides(record)
         if "unrecorded" in record:
             row.unreached = f"in run {label} only, without statistics ({record['unrecorded']}): not compared"
             continue
@@ -386,6 +387,8 @@ def compare(run_a: str, run_b: str, tolerances: Tolerances | None = None, rank: 
         precision = min((p for p in (precision_of(x[1]), precision_of(y[1])) if p is not None), default=None)
         return difference(x, y)[0] <= tolerances.at(precision, 0)
 
+    # left out of the alignment, counted: a checkpoint's reruns of forward calls, compared as their forward
+    header_a["recomputations"], header_b["recomputations"] = recomputations(records_a), recomputations(records_b)
     rows = align(records_a, records_b, close)
     _judge(rows, tolerances)
     _mark_past_the_end(rows)

@@ -19,7 +19,7 @@ import math
 import re
 
 from ...output.html_banner import BANNER_CSS, BANNER_SCRIPT, banner
-from .alignment import PHASE_SIDES, Row
+from .alignment import Row, sides
 from .comparison import Comparison
 from .report import unchecked_lines, verdict_lines, why_diverged
 
@@ -27,7 +27,7 @@ from .report import unchecked_lines, verdict_lines, why_diverged
 def _side(record: dict | None) -> dict | None:
     if record is None:
         return None
-    into, out_of = PHASE_SIDES[record["phase"]]
+    into, out_of = sides(record)
     return {"op": record["op"], "index": record["index"], "seq": record["seq"], "device": record["device"],
             "in": [t[:3] for t in record.get(into, ())], "out": [t[:3] for t in record.get(out_of, ())]}
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...output import reporting
-from .alignment import PHASE_SIDES, Row, tensors
+from .alignment import Row, sides, tensors
 from .comparison import Comparison
 
 CSV_COLUMNS = ("row", "step", "phase", "module", "match", "index_a", "op_a", "index_b", "op_b", "difference",
@@ -98,7 +98,7 @@ def why_diverged(row: Row, growth: float) -> str:
         parts.append(f"{row.detail} differs by {row.difference:.3g}, more than the {allowed:.3g} its inputs explain "
                      f"({budget})")
     else:
-        parts.append(f"its {PHASE_SIDES[row.phase][1]} differ by {row.difference:.3g}, within the {allowed:.3g} "
+        parts.append(f"its {sides(row.record)[1]} differ by {row.difference:.3g}, within the {allowed:.3g} "
                      f"those inputs explain ({budget})")
     return "; ".join(parts)
 
@@ -144,6 +144,15 @@ def verdict_lines(result: Comparison) -> list[str]:
     return lines
 
 
+def _recomputations(result: Comparison) -> str:
+    """The records the alignment left out, counted: a checkpoint's reruns of forward calls in backward."""
+    counts = [result.header_a.get("recomputations", 0), result.header_b.get("recomputations", 0)]
+    if not any(counts):
+        return ""
+    return (f"; left out: {counts[0]} recomputations in A, {counts[1]} in B (a checkpoint's reruns of forward calls, "
+            "compared as their forward)")
+
+
 def console_report(result: Comparison, saved: list[str]) -> str:
     counts: dict[str, int] = {}
     for row in result.rows:
@@ -165,7 +174,8 @@ def console_report(result: Comparison, saved: list[str]) -> str:
                     if result.past_other_run else "")
                  + (f"; of one run only reaching no aligned call: {len(result.unreached)} (not compared)"
                     if result.unreached else "")
-                 + "".join(f"; damaged lines in {label}: {n}" for label, n, _ in result.unreadable()))
+                 + "".join(f"; damaged lines in {label}: {n}" for label, n, _ in result.unreadable())
+                 + _recomputations(result))
     lines += verdict_lines(result)
     modules = [m for m in result.modules() if m["diverged"] or m["structural"] or m["not_compared"]]
     if modules:

@@ -1,5 +1,6 @@
 """Run by tests/op_tools/test_tools_across_ranks.py under torchrun (2 processes) on sim: each op_tools tool over a
-step of a DDP tiny Llama, two identical recordings of a DDP step (``OUT/recording_a``, ``OUT/recording_b``), and
+step of a DDP tiny Llama, two identical recordings of a DDP step (``OUT/recording_a``, ``OUT/recording_b``) and one
+whose gradient all-reduce is noisy on rank 1 (``OUT/recording_link``), and
 OpOverflowCheck and OpAutoCompare over a tensor-parallel MLP (DTensor), and OpSelfCheck over FSDP2 steps of a tiny
 Llama (``fully_shard``). Writes each tool's verdict (and what it found) per rank to ``OUT/rank<N>.json``.
 """
@@ -163,9 +164,13 @@ def main() -> None:
             report["ddp"][f"{name} powerSGD {'noise' if faults else 'clean'}"] = {
                 "verdict": tool.verdict(), "not_checked": tool.not_checked(), "found": sorted(set(found)),
                 "all_reduces": tool.handled["torch.distributed.all_reduce"]}
-    for run in ("a", "b"):  # two identical recordings, the model built (fresh memory, initialisers) inside them
+    # two identical recordings, the model built (fresh memory, initialisers) inside them; and a third whose gradient
+    # all-reduce delivers noise on rank 1 (a faulty link)
+    for run, link in (("a", ""), ("b", ""), ("link", "allreduce:noise=1e-2,rank=1")):
         # every parameter of SGD's foreach step recorded: past 16 its outputs would be not compared (exit 4)
-        with op_tools.OpCapture(results_dir=os.path.join(out, f"recording_{run}"), mode="stats", stats_max_tensors=64):
+        recording = op_tools.OpCapture(results_dir=os.path.join(out, f"recording_{run}"), mode="stats",
+                                       stats_max_tensors=64)
+        with ditorch.sim.faults(link), recording:
             torch.manual_seed(0)
             replica = torch.nn.parallel.DistributedDataParallel(tiny_models.tiny_llama().cuda(),
                                                                 device_ids=[local_rank])
