@@ -140,6 +140,24 @@ def test_bf16_autocast_on_sim_against_fp32_on_cpu_diverges_only_with_a_fault(run
     assert [r for r in faulty.divergences if r.phase == "forward"] == [first]  # what follows carries it
 
 
+def test_runs_of_different_dtypes_say_so_in_the_closing_line_and_what_the_lower_precision_cannot_see(runs, tmp_path):
+    # float32 on the CPU against bf16 autocast on sim: every pair is judged at its lower precision's tolerance, so a
+    # 1e-3 fault in a bfloat16 op would be unseen; a clean verdict says so, never a plain "the runs agree"
+    run_a, run_b = _cpu(runs), runs("sim_bf16", "sim", autocast=torch.bfloat16)
+    result = compare(run_a, run_b)
+    changed, pairs, kinds = result.dtype_changes()
+    assert result.verdict() == "clean" and 0 < changed < pairs and ("float32", "bfloat16") in kinds
+    assert compare(run_a, runs("sim", "sim")).dtype_changes()[0] == 0
+    assert f"at the lower precision&#x27;s tolerance where the dtypes differ ({changed} pairs)" in render(result)
+    done = _cli(run_a, run_b, "--csv", str(tmp_path / "c.csv"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"WARNING: the runs' dtypes differ in {changed} of {pairs} aligned pairs (float32 in A "
+                           "against bfloat16 in B ("), last
+    assert last.endswith("each is judged at its lower precision's tolerance, so a difference below bfloat16's "
+                         "(0.005) cannot be seen"), last
+
+
 def test_tolerances_are_read_from_the_variables(runs, monkeypatch):
     faulty = runs("sim_fault", "sim", fault="silu:noise=1e-3")
     monkeypatch.setenv("OP_COMPARE_RUNS_TOLERANCES", "float32=0.1")

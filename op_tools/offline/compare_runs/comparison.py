@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Callable
@@ -94,6 +95,23 @@ class Comparison:
             return ""
         return ", ".join(f"run {label} {what or 'unknown (its recording does not say)'}"
                          for label, what in (("A", a), ("B", b)))
+
+    def dtype_changes(self) -> tuple[int, int, collections.Counter]:
+        """``(aligned pairs whose tensors' floating dtypes differ, aligned pairs, Counter of (dtype in A, dtype in
+        B))``: such a pair is judged at its lower precision's tolerance (a float32 run against a bfloat16-autocast
+        one), so a difference below that precision's rounding cannot be seen."""
+        changed, pairs = 0, 0
+        kinds: collections.Counter = collections.Counter()
+        for row in self.rows:
+            if row.a is None or row.b is None:
+                continue
+            pairs += 1
+            found = {(x[1], y[1]) for x, y in zip(tensors(row.a), tensors(row.b))
+                     if x[1] != y[1] and precision_of(x[1]) is not None and precision_of(y[1]) is not None}
+            if found:
+                changed += 1
+                kinds.update(found)
+        return changed, pairs, kinds
 
     def incomplete(self) -> list[tuple[str, str]]:
         """``(run label, why)`` per recording that does not hold the whole run: partial (the run did not stop its

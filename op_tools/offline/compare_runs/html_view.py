@@ -83,7 +83,9 @@ def headline(result: Comparison) -> tuple[str, str]:
                                                        (damaged, "damaged lines")) if n)
         also += "".join(f", run {label}'s recording incomplete" for label, _ in result.incomplete())
         return f"No divergence among the {pairs}, but not all were compared{also}", verdict
-    return f"The runs agree: none of the {pairs} diverges", verdict
+    changed = result.dtype_changes()[0]
+    dtypes = f", at the lower precision's tolerance where the dtypes differ ({changed} pairs)" if changed else ""
+    return f"The runs agree: none of the {pairs} diverges{dtypes}", verdict
 
 
 def _banner(result: Comparison, first: Row | None, what: str) -> str:

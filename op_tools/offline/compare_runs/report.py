@@ -5,6 +5,7 @@ from __future__ import annotations
 from ...output import reporting
 from .alignment import Row, sides, tensors
 from .comparison import Comparison
+from .verdict import precision_of, tolerance_key
 
 CSV_COLUMNS = ("row", "step", "phase", "module", "match", "index_a", "op_a", "index_b", "op_b", "difference",
                "tolerance", "diverged", "detail", "dtypes_a", "dtypes_b", "shapes_a", "shapes_b", "seq_a", "seq_b",
@@ -48,7 +49,8 @@ def _calls(n: int) -> str:
 def unchecked_lines(result: Comparison) -> list[str]:
     """What was not compared, as WARNING lines: pairs without a verdict (how many, the first, why), damaged lines
     of each run (calls lost), recordings that do not hold their whole run, calls past the other run's end, no pair
-    compared at all. Empty when the verdict covers both runs."""
+    compared at all; last, the runs' dtypes where they differ (what the pairs' tolerance cannot see). Empty when the
+    verdict covers both runs."""
     lines = []
     rows = result.not_compared
     if rows:
@@ -76,7 +78,22 @@ def unchecked_lines(result: Comparison) -> list[str]:
     if not result.compared and not result.divergences:
         held = [sum(getattr(r, side) is not None for r in result.rows) for side in ("a", "b")]
         lines.append(f"WARNING: no pair of calls compared (run A holds {_calls(held[0])}, run B {_calls(held[1])})")
-    return lines
+    dtypes = dtype_line(result)  # last: what the verdict could not see in the pairs it compared
+    return lines + ([dtypes] if dtypes else [])
+
+
+def dtype_line(result: Comparison) -> str:
+    """The runs' dtypes where they differ, as a WARNING: how many aligned pairs, which dtypes, and what a verdict at
+    the lower precision's tolerance cannot see; '' when the runs' dtypes are the same."""
+    changed, pairs, kinds = result.dtype_changes()
+    if not changed:
+        return ""
+    which = ", ".join(f"{a} in A against {b} in B ({n} pair{'s' if n != 1 else ''})"
+                      for (a, b), n in kinds.most_common(3)) + (", ..." if len(kinds) > 3 else "")
+    lowest = min((d for pair in kinds for d in pair), key=lambda d: precision_of(d) or 0)
+    tolerance = result.tolerances.by_dtype[tolerance_key(precision_of(lowest))]
+    return (f"WARNING: the runs' dtypes differ in {changed} of {pairs} aligned pairs ({which}): each is judged at "
+            f"its lower precision's tolerance, so a difference below {lowest}'s ({tolerance:g}) cannot be seen")
 
 
 def why_diverged(row: Row, growth: float) -> str:
