@@ -9,6 +9,7 @@ import collections
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -221,6 +222,36 @@ def test_a_faulty_link_in_ddps_gradient_all_reduce_is_named_at_the_collective_in
         "backward", "DistributedDataParallel (gradient bucket 0)", "torch.distributed.all_reduce"), first
     assert first.outputs_unexplained and not first.inputs_differed_first and first.detail.startswith("outputs[0]")
     assert compare(str(out / "recording_a"), str(out / "recording_link"), rank=0).verdict() == "clean"
+
+
+def test_rank_by_rank_comparison_names_the_rank_step_and_op_that_diverged_first(reports, out, tmp_path):
+    def compare_runs(*args):
+        return subprocess.run([sys.executable, "-m", "op_tools.compare_runs", *map(str, args)],
+                              env=child_env({"OP_TOOLS_RESULTS_DIR": str(tmp_path / "compared")}, drop=("OP_",)),
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+    link = compare_runs(out / "recording_a", out / "recording_link")
+    assert link.returncode == 3, link.stdout[-3000:] + link.stderr[-2000:]
+    assert link.stdout.rstrip().endswith(
+        "2 ranks compared rank by rank: rank 0 agree, rank 1 diverged; the first divergence: rank 1, step 0 backward "
+        "DistributedDataParallel (gradient bucket 0) #0 torch.distributed.all_reduce"), link.stdout[-2000:]
+    # both ranks diverge: rank 0's recording replaced by rank 1's (another batch, from its first call), rank 1's
+    # link noisy; the closing line names the earlier, rank 0's forward, not a list of ranks that diverged
+    import shutil
+
+    mixed = tmp_path / "mixed"
+    shutil.copytree(out / "recording_link", mixed)
+    for folder in (mixed / "op_capture_results" / "rank0",):
+        for name in os.listdir(folder):
+            os.remove(folder / name)
+        source = out / "recording_link" / "op_capture_results" / "rank1"
+        for name in os.listdir(source):
+            shutil.copy(source / name, folder / name)
+    both = compare_runs(out / "recording_a", mixed)
+    assert both.returncode == 3, both.stdout[-3000:] + both.stderr[-2000:]
+    assert re.search(r"rank 0 diverged, rank 1 diverged; the first divergence: rank 0, step 0 forward \(no module\) "
+                     r"#\d+ torch.randint \(the earliest of 2 ranks diverged, by run A's clock\)$",
+                     both.stdout.rstrip()), both.stdout[-2000:]
 
 
 def test_a_recording_of_a_tensor_parallel_step_holds_each_ranks_part(reports, out):

@@ -12,9 +12,9 @@ from ...config.variables import CommonConfig
 from ...output import reporting, result_files
 from ...output.exit_status import ExitStatus, status_of, worst
 from ...output.run_recording import RecordingFormatError, recording_ranks
-from .comparison import compare
+from .comparison import Comparison, compare
 from .html_view import render
-from .report import console_report, csv_rows
+from .report import console_report, csv_rows, where
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,9 +89,12 @@ def _cannot_write(what: str, path: str, args, error: OSError) -> str:
 
 
 def _compare_one(args, rank: int | None, rank_b: int | None, csv_path: str | None, html_path: str | None,
-                 title: str = "") -> ExitStatus:
+                 title: str = "", compared: list | None = None) -> ExitStatus:
+    """Compare, report and save one pair of recordings; ``compared``: where to append the ``Comparison``."""
     try:
         result = compare(args.run_a, args.run_b, rank=rank, rank_b=rank_b)
+        if compared is not None:
+            compared.append(result)
     except (RecordingFormatError, ValueError, OSError) as e:
         print(f"compare_runs: {title}{e}", file=sys.stderr)
         return ExitStatus.USAGE
@@ -123,6 +126,7 @@ def _rank_by_rank(args, ranks_a: list[int], ranks_b: list[int]) -> int:
     (``exit_status.worst``: a divergence, then a failure of compare_runs, an unreadable or missing rank, files not
     written, then calls not compared)."""
     statuses: dict[int, ExitStatus] = {}
+    results: dict[int, Comparison] = {}
     for rank in sorted(set(ranks_a) | set(ranks_b)):
         if rank not in ranks_a or rank not in ranks_b:
             missing = "A" if rank not in ranks_a else "B"
@@ -134,10 +138,26 @@ def _rank_by_rank(args, ranks_a: list[int], ranks_b: list[int]) -> int:
             csv_path = f"{os.path.splitext(args.csv)[0]}_rank{rank}.csv"
         if args.html:
             html_path = f"{os.path.splitext(args.html)[0]}_rank{rank}.html"
-        statuses[rank] = _compare_one(args, rank, None, csv_path, html_path, title=f"rank {rank}: ")
+        compared: list[Comparison] = []
+        statuses[rank] = _compare_one(args, rank, None, csv_path, html_path, title=f"rank {rank}: ",
+                                      compared=compared)
+        if compared:
+            results[rank] = compared[0]
     verdicts = ", ".join(f"rank {rank} {STATUS_WORDS[status]}" for rank, status in statuses.items())
-    reporting.console(f"compare_runs: {len(statuses)} ranks compared rank by rank: {verdicts}")
+    reporting.console(f"compare_runs: {len(statuses)} ranks compared rank by rank: {verdicts}{_first_rank(results)}")
     return worst(statuses.values())
+
+
+def _first_rank(results: dict[int, Comparison]) -> str:
+    """Where the runs part first over all ranks: the rank whose first divergence comes earliest (its step, then run
+    A's clock when the call started), with its step, phase, module and op; '' when no rank diverged."""
+    firsts = [(row.step, row.record.get("time", 0.0), rank, row) for rank, result in results.items()
+              if (row := result.first_divergence()) is not None]
+    if not firsts:
+        return ""
+    _, _, rank, row = min(firsts, key=lambda first: first[:3])
+    return f"; the first divergence: rank {rank}, {where(row)}" + (
+        f" (the earliest of {len(firsts)} ranks diverged, by run A's clock)" if len(firsts) > 1 else "")
 
 
 # A rank's status as the closing line says it.
