@@ -60,6 +60,19 @@ def _accumulation(dtype: torch.dtype, math_: DeviceMath, family: str = "matmul")
     return _u(dtype), rounded if dtype == torch.float32 else 0.0, check
 
 
+def _as_autocast_ran(math_: DeviceMath, first: torch.Tensor, second: torch.Tensor, addend: torch.Tensor | None):
+    """A product's operands (and addend) as the device multiplied them: under autocast each float32 one rounded to
+    its dtype (a bf16 activation times a float32 weight: the weight rounded too, which the bound took for exact, and
+    accused a right linear), with the math then plain; else as they are."""
+    narrow = math_.autocast_dtype
+    if narrow is None:
+        return first, second, addend, math_
+    first, second = (t.to(narrow) if t.dtype == torch.float32 else t for t in (first, second))
+    if addend is not None and addend.dtype == torch.float32:
+        addend = addend.to(narrow)
+    return first, second, addend, DeviceMath()  # its rounding now made by the check itself
+
+
 def _allowed(depth: int, tile: int, magnitude: torch.Tensor, out_l1: torch.Tensor | None, out_dtype: torch.dtype,
              rounding: tuple[float, float, float], wide: torch.dtype, extra: float = 0.0) -> torch.Tensor:
     """What rounding allows a tile's checksum of a product of reduction length ``depth`` whose per-element
@@ -106,6 +119,7 @@ def product_checksum(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, addend
     if b.size(-2) != depth or out.shape[-2:] != (rows, b.size(-1)):  # not this product (a DTensor's local tensors)
         return None
     tile = _tile_of(rows)
+    a, b, addend, math_ = _as_autocast_ran(math_, a, b, addend)
     rounding = _accumulation(a.dtype, math_)
     a, b, out = a.detach(), b.detach(), out.detach()
     wide = _F64 if b.dtype == _F64 else torch.float32  # the check's type
@@ -156,6 +170,7 @@ def conv_checksum(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     stride, padding, dilation, groups = settings
     channels = weight.size(0)
     tile = _tile_of(channels // groups)
+    x, weight, bias, math_ = _as_autocast_ran(math_, x, weight, bias)
     rounding = _accumulation(x.dtype, math_, "conv")
     x, weight, out = x.detach(), weight.detach(), out.detach()
     wide = _F64 if weight.dtype == _F64 else torch.float32

@@ -737,3 +737,32 @@ def test_a_run_with_none_of_its_ops_says_so_not_that_nothing_ran_on_the_device(s
         (torch.randn(8, device=sim).relu() * 2).sum()
     assert check.not_checked() == "no call of the ops it checks ran on a device"
     assert check.verdict() == "unchecked"
+
+
+def test_a_linear_of_a_narrow_activation_and_a_float32_weight_under_autocast_is_judged_as_the_device_ran_it(sim):
+    # Autocast rounds the float32 weight to bfloat16 beside a bfloat16 activation: the bound took the weight for
+    # exact and accused every right o_proj of a Llama under bf16 autocast. Judged on the rounded operands, the bound
+    # is the accumulation's alone: a 1e-2 fault in a float16 linear under autocast, missed before, is found.
+    from tiny_models import tiny_llama
+
+    import ditorch.sim
+
+    torch.manual_seed(0)
+    model = tiny_llama().to(sim)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0)).to(sim)
+    with op_tools.OpSelfCheck(budget=1.0) as check:
+        for _ in range(2):
+            with torch.autocast("sim", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert check.findings == [] and check.counts["checked"] > 10, (check.findings[:2], check.counts)
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).to(sim)
+    with ditorch.sim.faults("addmm@0:noise=1e-2"), op_tools.OpSelfCheck(budget=1.0) as check:
+        with torch.autocast("sim", dtype=torch.float16):
+            mlp(torch.randn(32, 64, device=sim))
+    assert [(f.op, f.phase, f.module) for f in check.findings] == [("torch.nn.functional.linear", "forward", "0")]
