@@ -46,6 +46,8 @@ def _on_device(data: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _device_view(data: torch.Tensor, device: torch.device) -> torch.Tensor:
     copies = _loading.copies
     storage = data.untyped_storage()
+    if not storage.nbytes():  # every empty storage's address is 0: each empty tensor gets one of its own, as on CUDA
+        return torch.empty_strided(data.size(), data.stride(), dtype=data.dtype, device=device)
     key = (storage.data_ptr(), device)
     if key not in copies:  # the host storage is kept with its copy: its address stays unique while the load runs
         host_bytes = torch.empty(0, dtype=torch.uint8).set_(storage)

@@ -467,8 +467,6 @@ class OpTool:
         if threading.get_ident() in self._threads:  # each call would be handled twice, counted and written twice
             raise RuntimeError(f"{type(self).__name__} is already started on this thread: stop() it before starting "
                                "it again (one `with tool:` around the code, or tool.start() ... tool.stop())")
-        if not self._activations:  # a run of the tool begins: it has not ended yet
-            self.ended_by = ""
         self._decisions = {}
         self._refused = set()
         self._disabled = set()
@@ -802,6 +800,7 @@ class OpTool:
             self.configure()
         except BaseException:  # a malformed variable of its own: the session never starts, so no marker says it ran
             self._end_running()
+            self.common = None  # type: ignore[assignment]  # nor did its state: its verdict is a never-started tool's
             raise
         self._hooks_backward = self.wants_backward()  # read per handled call: asked once, after configure()
         typo_check.check_environment()
@@ -1077,8 +1076,19 @@ gradient_communication.started_modes = started_modes
 fast_paths.TOOL_MODES = (_ToolMode,)
 
 
+# The uncaught error the interpreter held when a tool started (an earlier one: pytest's, an interactive session's):
+# not what ends this run.
+_stale_error: list = [None]
+
+
+def _uncaught_error() -> BaseException | None:
+    return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+
+
 def _track_unfinished(tool: OpTool) -> None:
     global _exit_hooks_installed
+    if not _unfinished:
+        _stale_error[0] = _uncaught_error()
     _unfinished[id(tool)] = tool
     if not _exit_hooks_installed:
         _exit_hooks_installed = True
@@ -1127,8 +1137,8 @@ def _mark_unfinished(ended_by: str) -> None:
 def _flush_at_exit() -> None:
     """``flush_unfinished`` at the interpreter's exit; tools still running when an exception no one caught ended
     the program (``sys.last_value``, set before exit handlers run) are marked ended by it."""
-    error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-    if isinstance(error, BaseException) and not ended_normally(error):
+    error = _uncaught_error()
+    if isinstance(error, BaseException) and error is not _stale_error[0] and not ended_normally(error):
         _mark_unfinished(ended_by_exception(error))
     flush_unfinished()
 

@@ -254,9 +254,8 @@ def backward_checksums(a: torch.Tensor, b: torch.Tensor, upstream: torch.Tensor,
     takes them so rounded (exactly what the device had)."""
     narrow = math_.autocast_dtype
     if narrow is not None:
-        a, b, upstream = (t.to(narrow) if t.dtype == torch.float32 else t for t in (a, b, upstream))
         grad_a, grad_b = (g.to(narrow) if g is not None and g.dtype == torch.float32 else g for g in (grad_a, grad_b))
-        math_ = DeviceMath()  # its rounding now made by the check itself
+        a, b, upstream, math_ = _as_autocast_ran(math_, a, b, upstream)
     a, b, upstream = a.detach(), b.detach(), upstream.detach()
     if b.dim() == 2:  # a linear's or a 2-D product's: every leading row one row
         a, upstream = a.reshape(-1, a.size(-1)), upstream.reshape(-1, upstream.size(-1))

@@ -290,8 +290,9 @@ class JsonLinesFile:
     """A JSON-lines file written as a run goes, one object a line, safe across threads.
 
     It is ``<path>.partial`` until ``close()`` moves it to ``path``: a run that dies leaves a partial file whose
-    complete lines still read. Lines wait in the file's buffer until ``flush()``, which its writer calls once per
-    step (not per line): a process killed (SIGKILL, the OOM killer) loses the lines of its last step at most.
+    complete lines still read. Lines wait in the file's buffer until ``flush()``, which its writer calls when the
+    lines it has matter to a reader after a kill (SIGKILL, the OOM killer): the run recording and the replica
+    fingerprints once a step, the monitor's anomalies each line.
     """
 
     def __init__(self, path: str) -> None:

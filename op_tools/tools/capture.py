@@ -186,7 +186,7 @@ class OpCapture(OpTool):
                                         lambda: self.sees_every_call,
                                         ops=None if allow is None else [p.pattern for p in allow],
                                         disable=[p.pattern for p in self.filter.deny])
-            STEPS.after_step.append(self._flush_recording)  # a killed run keeps its recording but for its last step
+            STEPS.after_step.append(self._flush_recording)  # a killed run keeps its records but the last step's or two
 
     def _flush_recording(self) -> None:
         """As an optimizer step returns: the recording so far to the system. A failure never stops the user's step

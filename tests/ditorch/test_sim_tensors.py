@@ -214,6 +214,18 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.usefixtures("sim")
+def test_load_gives_each_empty_tensor_a_storage_of_its_own():
+    # every empty storage's address is 0: the load's shared copies gave all of them the first one's
+    buffer = io.BytesIO()
+    torch.save({"a": torch.empty(0), "b": torch.empty(0)}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, map_location="sim", weights_only=True)
+    loaded["a"].resize_(3).fill_(1)
+    loaded["b"].resize_(3).fill_(2)
+    assert loaded["a"].cpu().tolist() == [1.0, 1.0, 1.0] and loaded["b"].cpu().tolist() == [2.0, 2.0, 2.0]
+
+
+@pytest.mark.usefixtures("sim")
 @pytest.mark.parametrize("saved_on", ["sim", "cpu"])
 def test_load_onto_sim_shows_a_torch_function_mode_none_of_the_devices_own_work(saved_on):
     # The device's copies and views of the loaded storages are its own work, as a CUDA load's are C++: a tool's

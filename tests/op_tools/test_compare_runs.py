@@ -618,6 +618,20 @@ raise RuntimeError("device lost")
 }
 
 
+def test_an_uncaught_error_held_before_the_tool_started_does_not_mark_a_normal_exit(tmp_path, run_script):
+    # sys.last_value outlives the error it holds (pytest sets it for each failed test, an interactive session keeps
+    # it): a tool never stopped marked a normal exit as ended by that old error
+    script = """
+import sys
+sys.last_value = sys.last_exc = RuntimeError("an earlier test's")
+op_tools.OpCapture(mode="stats").start()
+torch.sin(torch.ones(3)).sum()
+"""
+    done = run_script(script, {"OP_TOOLS_RESULTS_DIR": str(tmp_path / "run")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ended_by" not in _recording_lines(tmp_path / "run")[-1]
+
+
 def test_a_run_ended_by_an_exception_or_sigterm_is_an_incomplete_recording_never_agreeing(tmp_path, monkeypatch,
                                                                                           run_script):
     # Each run dies at the start of its second step; against a clean run of one step, what each recorded agrees,
@@ -648,9 +662,10 @@ def test_a_run_ended_by_an_exception_or_sigterm_is_an_incomplete_recording_never
     assert compare(one, one).verdict() == "clean"
 
 
-def _record_with_a_metric(folder, monkeypatch, ops: str | None = None, metric_scale: float = 2.0) -> str:
+def _record_with_a_metric(folder, monkeypatch, ops: str | None = None, metric_scale: float = 2.0,
+                          judged: bool = False) -> str:
     """A linear layer's loss and, beside it, a metric no recorded call reads (a softmax, scaled by ``metric_scale``:
-    a fault in it); ``ops``: OP_CAPTURE_LIST."""
+    a fault in it; ``judged``: ended in a ``torch.allclose``, which returns no tensor); ``ops``: OP_CAPTURE_LIST."""
     monkeypatch.setenv("OP_CAPTURE_MODE", "stats")
     monkeypatch.setenv("OP_TOOLS_RESULTS_DIR", str(folder))
     if ops:
@@ -660,7 +675,8 @@ def _record_with_a_metric(folder, monkeypatch, ops: str | None = None, metric_sc
     x, w = torch.linspace(-1, 1, 32).reshape(4, 8), torch.linspace(-0.5, 0.5, 24).reshape(3, 8).requires_grad_()
     with op_tools.OpCapture() as capture:
         y = torch.nn.functional.linear(x, w)
-        torch.softmax(y.detach() * metric_scale, -1).max()
+        metric = torch.softmax(y.detach() * metric_scale, -1)
+        torch.allclose(metric, metric * 2) if judged else metric.max()
         y.sum().backward()
     return capture.recorder.file.path
 
@@ -691,6 +707,10 @@ def test_calls_of_one_run_only_whose_results_reach_no_aligned_call_are_not_compa
     both = compare(listed, _record_with_a_metric(tmp_path / "c", monkeypatch,
                                                  ops="torch.nn.functional.linear,torch.Tensor.sum"))
     assert both.verdict() == "clean" and both.recorded_ops() == "" and both.rows and not both.structural
+    # a metric ending in a call that returns no tensor (torch.allclose's bool) reaches nothing either: all([]) took
+    # it, and the calls before it, for reached, and the runs agreed
+    judged = compare(_record_with_a_metric(tmp_path / "d", monkeypatch, judged=True), listed)
+    assert judged.verdict() == "unchecked" and [r.op for r in judged.unreached][-1] == "torch.allclose"
     # a recording made before headers said their selection: unknown, said only against a selection
     del result.header_a["ops"], result.header_a["disable"]
     assert result.recorded_ops().startswith("run A unknown (its recording does not say), run B OP_CAPTURE_LIST=")

@@ -246,3 +246,13 @@ def test_a_tool_never_started_is_unchecked_without_raising(tool):
     # OpOverflowCheck, OpAutoCompare, OpSelfCheck, ... raised AttributeError (state made at start)
     never = getattr(op_tools, tool)()
     assert (never.verdict(), never.not_checked()) == ("unchecked", "never started: no call was handled")
+
+
+def test_a_tool_whose_start_failed_on_a_setting_is_a_never_started_one(monkeypatch):
+    # configure() raised after the common settings were read: verdict() raised AttributeError, and not_checked()
+    # said no call ran on a device
+    monkeypatch.setenv("OP_OVERFLOW_CHECK_RAISE", "maybe")
+    tool = op_tools.OpOverflowCheck()
+    with pytest.raises(ValueError, match="OP_OVERFLOW_CHECK_RAISE"):
+        tool.start()
+    assert (tool.verdict(), tool.not_checked()) == ("unchecked", "never started: no call was handled")

@@ -374,7 +374,7 @@ def _mark_unreached(rows: list[Row]) -> None:
         if op_facts(record["op"]).uninitialised:  # fresh memory: nothing to compare
             continue
         results = [v for t in record.get(out_of, ()) if (v := _values(t)) is not None]
-        if all(v in reached[label] for v in results):
+        if results and all(v in reached[label] for v in results):  # none (torch.allclose's bool) reaches nothing
             reached[label].update(v for t in record.get(into, ()) if (v := _values(t)) is not None)
         else:
             row.unreached = (f"in run {label} only, and what it computed reaches no call both runs recorded: "
