@@ -357,6 +357,24 @@ def test_a_monitor_folder_with_an_empty_anomalies_file_is_clean(tmp_path):
     assert "\ntraining monitor: no anomaly (ranks 0)\nno anomaly in what the tools wrote on 1 rank\n" in done.stdout
 
 
+def test_run_recordings_in_the_folder_are_said_not_judged_here(tmp_path):
+    # a folder of recordings alone "held nothing op_tools wrote"; beside another tool's files, the report judged
+    # those and said nothing of the recordings it passed over
+    recordings = tmp_path / "op_capture_results"
+    for rank in (0, 1):
+        os.makedirs(recordings / f"rank{rank}")
+        (recordings / f"rank{rank}" / f"run_pid{rank}.jsonl").write_text("{}\n")
+    done = report(tmp_path)
+    assert done.returncode == 2 and done.stderr.strip() == (
+        f"op_tools.report: {tmp_path} holds only run recordings (2 in op_capture_results/), which hold no verdict of "
+        "their own: two runs' recordings are compared by python -m op_tools.compare_runs RUN_A RUN_B"), done.stderr
+    _write_anomalies(tmp_path, [])
+    done = report(tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert ("NOTE: 2 run recordings in op_capture_results/ not judged here: two runs' recordings are compared by "
+            "python -m op_tools.compare_runs RUN_A RUN_B\n") in done.stdout
+
+
 def test_a_malformed_monitor_line_is_named_with_its_file_and_nothing_is_concluded(tmp_path):
     path = _write_anomalies(tmp_path, [_anomaly(None, 0, 1.0, "grad_norm_spike", UP_PROJ, "optimizer", 9.0, "spike")])
     with path.open("a") as f:

@@ -39,6 +39,7 @@ SELF_CHECK_FOLDER = "op_self_check_result"
 AUTOCOMPARE_FOLDER = "op_autocompare_result"
 TIME_FOLDER = "op_time_measure_result"
 FINGERPRINT_FOLDER = "op_replica_fingerprints"
+CAPTURE_FOLDER = "op_capture_results"  # OpCapture's: its run recordings hold no verdict (compare_runs judges them)
 MONITOR_FOLDER = "op_training_monitor"  # op_tools/tools/training_monitor.py's FOLDER (offline never imports tools)
 MONITOR = "TrainingMonitor"
 TIME_MEASURE = "OpTimeMeasure"
@@ -173,6 +174,15 @@ def read_results(folder: str) -> Results:
                     results.files += 1
                 except (OSError, ValueError, KeyError, TypeError) as e:
                     results.unreadable.append(f"{file}: {type(e).__name__}: {e}")
+    recordings = [file for path in _rank_folders(folder, CAPTURE_FOLDER).values()
+                  for file in glob.glob(os.path.join(path, "run_*.jsonl*"))]
+    judged_by = "two runs' recordings are compared by python -m op_tools.compare_runs RUN_A RUN_B"
+    if recordings and not results.tools:
+        raise ResultsError(f"{folder} holds only run recordings ({len(recordings)} in {CAPTURE_FOLDER}/), which hold "
+                           f"no verdict of their own: {judged_by}")
+    if recordings:  # said, not judged: the verdict below is the other tools' alone
+        results.notes.append(f"{len(recordings)} run recording{'s' if len(recordings) != 1 else ''} in "
+                             f"{CAPTURE_FOLDER}/ not judged here: {judged_by}")
     if not results.tools:
         raise ResultsError(f"{folder} holds nothing op_tools wrote (none of {OVERFLOW_FOLDER}/, {AUTOCOMPARE_FOLDER}/, "
                            f"{TIME_FOLDER}/, {FINGERPRINT_FOLDER}/, {MONITOR_FOLDER}/, {SELF_CHECK_FOLDER}/)")
