@@ -681,7 +681,10 @@ def read_recording(path: str, rank: int | None = None) -> tuple[dict, list[dict]
             raise RecordingFormatError(f"{path}: not a run recording (OP_CAPTURE_MODE=stats writes them); "
                                        f"its first line is {first[:80]!r}")
         version = header.get("version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
+        if not isinstance(version, int):  # every op_tools wrote one: a header edited, or written by something else
+            raise RecordingFormatError(f"{path}: its header has no format version (\"version\": {version!r}); "
+                                       "op_tools writes one in every recording")
+        if version > FORMAT_VERSION:
             raise RecordingFormatError(
                 f"{path}: recording format version {version!r}, written by a newer op_tools; this op_tools reads "
                 f"version {FORMAT_VERSION} and older: compare with the op_tools that wrote it")

@@ -195,6 +195,11 @@ def test_a_recording_of_a_newer_format_version_is_refused_naming_both_versions(t
     newer.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
     with pytest.raises(RecordingFormatError, match=f"version {FORMAT_VERSION + 1}.*reads version {FORMAT_VERSION}"):
         read_recording(str(newer))
+    del header["version"]  # it said "format version None, written by a newer op_tools"
+    unversioned = tmp_path / "run_unversioned.jsonl"
+    unversioned.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    with pytest.raises(RecordingFormatError, match=r"its header has no format version \("):
+        read_recording(str(unversioned))
     other = tmp_path / "run_other.jsonl"
     other.write_text('{"name": "something else"}\n')
     with pytest.raises(RecordingFormatError, match="not a run recording"):

@@ -199,6 +199,16 @@ def test_compare_runs_takes_whole_run_folders_rank_by_rank_and_one_rank_against_
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-2000:]
     assert whole.stdout.rstrip().endswith("2 ranks compared rank by rank: rank 0 agree, rank 1 agree")
     assert whole.stdout.count("aligned: ") == 2
+    # a rank one run has no recording of is missing there, not "unreadable"
+    import shutil
+
+    partial = out / "recording_rank0_only"
+    if not partial.exists():
+        shutil.copytree(out / "recording_a", partial)
+        shutil.rmtree(partial / "op_capture_results" / "rank1")
+    one_short = compare_runs(out / "recording_a", partial)
+    assert one_short.returncode == 2, one_short.stdout[-3000:] + one_short.stderr[-2000:]
+    assert one_short.stdout.rstrip().endswith("2 ranks compared rank by rank: rank 0 agree, rank 1 missing in run B")
     # The two ranks of one run: each drew its own batch, so the replicas' computations differ from the data on.
     across = compare_runs(out / "recording_a", out / "recording_a", "--rank", 0, "--rank-b", 1)
     assert across.returncode == 3, across.stdout[-3000:] + across.stderr[-2000:]

@@ -127,10 +127,11 @@ def _rank_by_rank(args, ranks_a: list[int], ranks_b: list[int]) -> int:
     written, then calls not compared)."""
     statuses: dict[int, ExitStatus] = {}
     results: dict[int, Comparison] = {}
+    missing: dict[int, str] = {}  # rank -> the run without a recording of it
     for rank in sorted(set(ranks_a) | set(ranks_b)):
         if rank not in ranks_a or rank not in ranks_b:
-            missing = "A" if rank not in ranks_a else "B"
-            print(f"compare_runs: rank {rank}: run {missing} has no recording for it", file=sys.stderr)
+            missing[rank] = "A" if rank not in ranks_a else "B"
+            print(f"compare_runs: rank {rank}: run {missing[rank]} has no recording for it", file=sys.stderr)
             statuses[rank] = ExitStatus.USAGE
             continue
         csv_path = html_path = None
@@ -143,7 +144,8 @@ def _rank_by_rank(args, ranks_a: list[int], ranks_b: list[int]) -> int:
                                       compared=compared)
         if compared:
             results[rank] = compared[0]
-    verdicts = ", ".join(f"rank {rank} {STATUS_WORDS[status]}" for rank, status in statuses.items())
+    verdicts = ", ".join(f"rank {rank} " + (f"missing in run {missing[rank]}" if rank in missing else
+                                             STATUS_WORDS[status]) for rank, status in statuses.items())
     reporting.console(f"compare_runs: {len(statuses)} ranks compared rank by rank: {verdicts}{_first_rank(results)}")
     return worst(statuses.values())
 
