@@ -660,6 +660,9 @@ def test_a_run_ended_by_an_exception_or_sigterm_is_an_incomplete_recording_never
     # a run that ended normally says nothing of it, as every recording before the field did
     assert "ended_by" not in _recording_lines(tmp_path / "one")[-1]
     assert compare(one, one).verdict() == "clean"
+    from op_tools.offline.compare_runs.report import verdict_lines  # identical runs: no pair nearer than another
+
+    assert "closest to diverging: none: every pair compared is equal to the bit" in verdict_lines(compare(one, one))
 
 
 def _record_with_a_metric(folder, monkeypatch, ops: str | None = None, metric_scale: float = 2.0,

@@ -231,6 +231,9 @@ def test_a_faulty_link_in_ddps_gradient_all_reduce_is_named_at_the_collective_in
     assert (first.phase, first.module, first.op) == (
         "backward", "DistributedDataParallel (gradient bucket 0)", "torch.distributed.all_reduce"), first
     assert first.outputs_unexplained and not first.inputs_differed_first and first.detail.startswith("outputs[0]")
+    # what it received is an output, not a gradient, in the per-module table
+    (bucket,) = [m for m in result.modules() if m["module"] == "DistributedDataParallel (gradient bucket 0)"]
+    assert bucket["max_output_diff"] > 0 and bucket["max_grad_diff"] == 0, bucket
     assert compare(str(out / "recording_a"), str(out / "recording_link"), rank=0).verdict() == "clean"
 
 

@@ -184,7 +184,9 @@ class Comparison:
                 side = sides(row.a)[1]
                 worst = max((difference(x, y)[0] for x, y in _pairs(row.a.get(side, []), row.b.get(side, []))),
                             default=0.0)
-                column = "max_grad_diff" if row.phase == "backward" else "max_output_diff"
+                # a call backward makes of its own (DDP's all-reduce) has outputs, not gradients
+                column = "max_grad_diff" if row.phase == "backward" and not row.a.get("in_backward") else \
+                    "max_output_diff"
                 entry[column] = max(entry[column], worst)
         return list(out.values())
 

@@ -153,7 +153,8 @@ def verdict_lines(result: Comparison) -> list[str]:
     row = result.closest()
     if row is not None and not result.divergences:
         allowed = row.tolerance + result.tolerances.carried_growth * row.carried
-        lines.append(f"closest to diverging: {where(row)}: {row.detail} at {row.difference / allowed:.2f} of what "
+        lines.append("closest to diverging: none: every pair compared is equal to the bit" if not row.difference else
+                     f"closest to diverging: {where(row)}: {row.detail} at {row.difference / allowed:.2f} of what "
                      "it may differ by")
     row = result.first_structural
     lines.append("first structural difference: none" if row is None else
