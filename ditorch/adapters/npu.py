@@ -3,6 +3,12 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+import threading
+
+import torch
+
 from . import vendor
 
 PACKAGE = "torch_npu"
@@ -25,6 +31,34 @@ def activate(backend, config, patches, forced: bool) -> None:
     module = backend.device_module
     if not hasattr(module, "float32_reduced_precision"):
         patches.set(module, "float32_reduced_precision", float32_reduced_precision_of(module))
+    patches.set(torch.cuda, "get_device_capability", capability_or_ampere(torch.cuda.get_device_capability))
+
+
+# What the original ditorch answered for an NPU's capability (its torch_npu adapter's mock): a CUDA script gating
+# bf16 or fused attention on `get_device_capability()[0] >= 8` takes the path it takes on an A100.
+ASSUMED_CAPABILITY = (8, 0)
+
+
+def capability_or_ampere(get_device_capability):
+    """``torch.cuda.get_device_capability`` answering ``ASSUMED_CAPABILITY`` where torch_npu answers None (it does
+    unless ``TORCH_NPU_DEVICE_CAPABILITY`` is set: ``capability[0] >= 8`` raised TypeError), said once."""
+
+    @functools.wraps(get_device_capability)
+    def get_capability(device=None):
+        found = get_device_capability(device)
+        if found is not None:
+            return found
+        if not _said_capability.is_set():
+            _said_capability.set()
+            logging.getLogger("ditorch").info(
+                "ditorch: torch_npu gives no device capability (TORCH_NPU_DEVICE_CAPABILITY unset): "
+                "torch.cuda.get_device_capability() answers %s, as the original ditorch did", ASSUMED_CAPABILITY)
+        return ASSUMED_CAPABILITY
+
+    return get_capability
+
+
+_said_capability = threading.Event()
 
 
 def float32_reduced_precision_of(module):

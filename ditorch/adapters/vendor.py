@@ -21,6 +21,10 @@ GAPS = (
 )
 
 
+# The gap names the last vendor transfer mapped itself where ditorch would only refuse them: left the vendor's.
+VENDOR_KEPT: list[str] = []
+
+
 def gap_names() -> list[str]:
     """The torch.cuda names ditorch maps after a vendor's own transfer."""
     from ..cuda_fallbacks import FALLBACKS
@@ -39,12 +43,19 @@ def load(adapter: str, package: str, arch: str, ccl: str, device_type: str | Non
 
 
 def activate_with_vendor_transfer(transfer_module: str, backend, config, patches) -> None:
-    """Import the vendor's transfer (it patches on import, for good), then ours for the gaps."""
+    """Import the vendor's transfer (it patches on import, for good), then ours for the gaps. A name the vendor's
+    transfer mapped itself to something ditorch would only refuse stays the vendor's (``torch.cuda.CUDAGraph``,
+    which ``transfer_to_npu`` sets to ``torch.npu.NPUGraph``: ditorch's refusal replaced a working class)."""
     from .. import cuda_api, distributed_adapters, transfer
 
+    before = {name: getattr(torch.cuda, name, None) for name in gap_names()}
     importlib.import_module(transfer_module)
     remap = transfer.DeviceMap(backend.device_type, backend.device_module)
-    cuda_api.apply(backend, remap, patches, names=gap_names())
+    names = [name for name, original in before.items()
+             if getattr(torch.cuda, name, None) is original
+             or cuda_api.resolve(f"torch.cuda.{name}", backend)[0] != cuda_api.REFUSED]
+    VENDOR_KEPT[:] = [name for name in before if name not in names]
+    cuda_api.apply(backend, remap, patches, names=names)
     distributed_adapters.apply(backend, patches)  # AVG and float32 reductions where the library lacks them
     if config.show_device_as_cuda:
         from .. import show_as_cuda

@@ -42,6 +42,8 @@ report["module_names"] = sorted(vars(ditorch.backend.device_module))
 report["capturing"] = torch.cuda.is_current_stream_capturing()
 report["nvtx_depth"] = [torch.cuda.nvtx.range_push("step"), torch.cuda.nvtx.range_pop()]
 if ditorch.backend.name == "npu":
+    report["capability"] = torch.cuda.get_device_capability()
+    report["cuda_graph"] = torch.cuda.CUDAGraph.__name__
     npu = torch.npu
     precision = [npu.float32_reduced_precision()]
     npu.matmul.allow_hf32 = True
@@ -129,6 +131,14 @@ def test_each_torch_cuda_name_ditorch_maps_is_answered_by_the_device_module_else
     assert report["capturing"] is False and report["nvtx_depth"] == [0, 0]
 
 
+def test_npu_answers_the_original_ditorchs_capability_and_keeps_torch_npus_graph_class(reports):
+    # torch_npu answers None unless TORCH_NPU_DEVICE_CAPABILITY is set (`capability[0] >= 8` raised TypeError); its
+    # transfer puts NPUGraph in torch.cuda.CUDAGraph, which ditorch replaced with a refusal
+    report, stderr = reports["detected"]
+    assert report["capability"] == [8, 0] and report["cuda_graph"] == "NPUGraph", report
+    assert "torch.cuda.get_device_capability() answers (8, 0), as the original ditorch did" in stderr
+
+
 def test_npu_reports_the_float32_op_families_its_hf32_switches_put_in_reduced_precision(reports):
     report, _ = reports["detected"]
     assert report["name"] == "npu"
@@ -148,7 +158,9 @@ def test_npu_keeps_its_own_float32_reduced_precision_when_torch_npu_has_one(monk
     monkeypatch.setattr(vendor, "activate_with_vendor_transfer", lambda *args: None)
     patches = Patches()
     npu.activate(types.SimpleNamespace(device_module=own), None, patches, forced=False)
-    assert len(patches) == 0 and own.float32_reduced_precision() == {"matmul": "hf32"}
+    assert len(patches) == 1  # torch.cuda.get_device_capability's answer where torch_npu gives None; no other
+    assert own.float32_reduced_precision() == {"matmul": "hf32"}
+    patches.undo()
 
 
 def test_nccl_is_rewritten_to_the_backend_collective_library():

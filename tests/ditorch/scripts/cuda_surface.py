@@ -136,7 +136,8 @@ def coverage_report() -> dict:
     """``{api: [how ditorch classifies it, what the patched torch.cuda attribute does]}`` for this backend."""
     backend = ditorch.backend
     # After a vendor's own transfer, ditorch maps only the gaps; the rest is the vendor's.
-    own = vendor.gap_names() if backend.name in ("npu", "mlu") else None
+    # (less the names its transfer mapped itself where ditorch would refuse them: vendor.VENDOR_KEPT)
+    own = [n for n in vendor.gap_names() if n not in vendor.VENDOR_KEPT] if backend.name in ("npu", "mlu") else None
     apis = [api for api in cuda_api.surface() if own is None or api.split(".")[2] in own]
     return {api: [cuda_api.resolve(api, backend)[0], behaviour(api)] for api in apis}
 
