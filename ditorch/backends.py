@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import logging
 import types
 from typing import Callable
 
@@ -81,5 +82,17 @@ def detect(forced: str | None = None) -> Backend:
         return adapter_module(row.name).load()
     for row in BACKENDS:
         if row.detected and row.probe():
-            return adapter_module(row.name).load()
+            try:
+                return adapter_module(row.name).load()
+            except (ImportError, RuntimeError) as error:
+                # A vendor package installed beside a CUDA build of torch with a GPU refuses to import (torch_npu
+                # >= 2.5: "Two accelerators cannot be used at the same time"): the GPU is the accelerator, said.
+                # Elsewhere the vendor's error stands: falling back to the host would run on the wrong device.
+                if row.name == "cuda" or not _cuda_available():
+                    raise
+                logging.getLogger("ditorch").warning(
+                    "ditorch: %s is installed but failed to import (%s: %s); using the CUDA GPU instead "
+                    "(DITORCH_BACKEND=%s makes this an error)", row.needs.removeprefix("the package "),
+                    type(error).__name__, error, row.name)
+                return adapter_module("cuda").load()
     raise AssertionError("unreachable: the cpu row always matches")

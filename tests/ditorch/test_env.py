@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import types
+
 import pytest
 
 from ditorch.env import VARIABLES, DeviceLayerConfig, read
@@ -45,6 +48,32 @@ def test_forcing_an_uninstalled_vendor_backend_names_what_is_missing():
 
     with pytest.raises(RuntimeError, match=r"DITORCH_BACKEND='npu': that backend needs the package torch_npu"):
         detect("npu")
+
+
+def test_a_detected_vendor_that_refuses_to_import_beside_a_gpu_leaves_the_gpu_and_says_so(monkeypatch, caplog):
+    # torch_npu >= 2.5 refuses to import under a CUDA build ("Two accelerators cannot be used at the same time"):
+    # a GPU machine that merely had it installed failed `import ditorch`. MOCKED: no torch_npu, no GPU here.
+    from ditorch import backends
+
+    def refusing():
+        raise RuntimeError("Two accelerators cannot be used at the same time")
+
+    cuda = object()
+    rows = tuple(dataclasses.replace(row, probe=(lambda: True) if row.name in ("npu", "cuda") else row.probe)
+                 for row in backends.BACKENDS)
+    monkeypatch.setattr(backends, "BACKENDS", rows)
+    monkeypatch.setattr(backends, "adapter_module", lambda name: types.SimpleNamespace(
+        load=refusing if name == "npu" else lambda: cuda))
+    monkeypatch.setattr(backends, "_cuda_available", lambda: True)
+    with caplog.at_level("WARNING", logger="ditorch"):
+        assert backends.detect() is cuda
+    assert "torch_npu is installed but failed to import (RuntimeError: Two accelerators" in caplog.text
+    assert "DITORCH_BACKEND=npu makes this an error" in caplog.text
+    with pytest.raises(RuntimeError, match="Two accelerators"):  # forced, it is the user's to see
+        backends.detect("npu")
+    monkeypatch.setattr(backends, "_cuda_available", lambda: False)  # no GPU: never the host in its place
+    with pytest.raises(RuntimeError, match="Two accelerators"):
+        backends.detect()
 
 
 def test_sim_fault_specs_are_validated_with_the_variable_named():
