@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 
 import torch
@@ -23,7 +24,19 @@ HF32_SWITCHES = (("matmul", "matmul", False), ("conv", "conv", True))
 
 
 def load():
+    _visible_devices_from_cuda()
     return vendor.load(__name__, PACKAGE, arch="ascend", ccl="hccl", device_type="npu")
+
+
+def _visible_devices_from_cuda() -> None:
+    """A launcher's ``CUDA_VISIBLE_DEVICES`` as ``ASCEND_RT_VISIBLE_DEVICES`` where that is unset: torch_npu reads only
+    its own (``torch_npu/npu/__init__.py``), so the CUDA mask was ignored and every rank saw every card. Set before
+    torch_npu is imported (the runtime reads it when the device starts), said once."""
+    mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if mask is None or "ASCEND_RT_VISIBLE_DEVICES" in os.environ:
+        return
+    os.environ["ASCEND_RT_VISIBLE_DEVICES"] = mask
+    logging.getLogger("ditorch").info("ditorch: ASCEND_RT_VISIBLE_DEVICES=%s, from CUDA_VISIBLE_DEVICES", mask)
 
 
 def activate(backend, config, patches, forced: bool) -> None:

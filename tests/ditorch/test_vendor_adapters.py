@@ -139,6 +139,18 @@ def test_npu_answers_the_original_ditorchs_capability_and_keeps_torch_npus_graph
     assert "torch.cuda.get_device_capability() answers (8, 0), as the original ditorch did" in stderr
 
 
+def test_npu_takes_a_launchers_cuda_visible_devices_as_its_own_where_unset():
+    # torch_npu reads ASCEND_RT_VISIBLE_DEVICES only: a CUDA launcher's mask was ignored (every rank saw every card)
+    code = "import os, torch, ditorch; print(os.environ.get('ASCEND_RT_VISIBLE_DEVICES'))"
+    for given, expected in (({"CUDA_VISIBLE_DEVICES": "2,3"}, "2,3"),
+                            ({"CUDA_VISIBLE_DEVICES": "2,3", "ASCEND_RT_VISIBLE_DEVICES": "0"}, "0"), ({}, "None")):
+        env = child_env(given, drop=("DITORCH_", "CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES"),
+                        path=(STANDINS, SCRIPTS))
+        done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, text=True, capture_output=True,
+                              timeout=120)
+        assert done.returncode == 0 and done.stdout.split() == [expected], (given, done.stderr[-2000:])
+
+
 def test_npu_reports_the_float32_op_families_its_hf32_switches_put_in_reduced_precision(reports):
     report, _ = reports["detected"]
     assert report["name"] == "npu"
