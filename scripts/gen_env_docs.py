@@ -26,6 +26,9 @@ LAUNCHER_VARIABLES = {
     "WORLD_SIZE": "set by torchrun: see RANK",
     "LOCAL_WORLD_SIZE": "set by torchrun: the ranks on this node; sim and the host offer one device per local rank "
                         "unless `DITORCH_SIM_DEVICE_COUNT` says otherwise",
+    "CUDA_VISIBLE_DEVICES": "set by a launcher: on npu, copied to `ASCEND_RT_VISIBLE_DEVICES` where that is unset, "
+                            "before torch_npu is imported (torch_npu reads only its own)",
+    "ASCEND_RT_VISIBLE_DEVICES": "torch_npu's device mask: kept where set; else set from `CUDA_VISIBLE_DEVICES`",
 }
 
 HEADER = """\
