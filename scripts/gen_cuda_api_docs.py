@@ -68,7 +68,7 @@ def render_table() -> str:
         rows.append(f"| `{api[len('torch.cuda.'):]}` | {sim} | {host} | {cell(generic, vendor=True)} | "
                     f"{own_transfer} | {fallback} |")
     lines = [BEGIN, "", VERSION_LINE.format(version=torch.__version__.split("+")[0]), "",
-             "| `torch.cuda.` | sim | host (`cpu`) | dipu, musa | npu, mlu | ditorch's fallback (*mapped*) |",
+             "| `torch.cuda.` | sim | host (`cpu`) | musa | npu, mlu | ditorch's fallback (*mapped*) |",
              "|---|---|---|---|---|---|", *rows, "",
              "Refused on sim and on the host, and answered on a vendor backend only where its module has the "
              "name: " + ", ".join(f"`{api}`" for api in refused_everywhere) + ".", "", END]

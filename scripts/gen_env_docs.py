@@ -29,6 +29,8 @@ LAUNCHER_VARIABLES = {
     "CUDA_VISIBLE_DEVICES": "set by a launcher: on npu, copied to `ASCEND_RT_VISIBLE_DEVICES` where that is unset, "
                             "before torch_npu is imported (torch_npu reads only its own)",
     "ASCEND_RT_VISIBLE_DEVICES": "torch_npu's device mask: kept where set; else set from `CUDA_VISIBLE_DEVICES`",
+    "DIPU_MOCK_CUDA": "torch_dipu's: on (its default), DIPU maps CUDA idioms to its device itself and ditorch leaves "
+                      "them to it; off, ditorch says at import that CUDA idioms reach no DIPU device",
 }
 
 HEADER = """\

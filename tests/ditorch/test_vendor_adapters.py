@@ -27,6 +27,13 @@ import cuda_surface  # tests/ditorch/scripts
 report = {"name": ditorch.backend.name, "device_type": ditorch.backend.device_type, "arch": ditorch.arch,
           "framework": ditorch.framework.__name__, "ccl": ditorch.backend.ccl,
           "cuda_available": torch.cuda.is_available(), "device_count": torch.cuda.device_count()}
+if ditorch.backend.name == "dipu":  # DIPU maps CUDA itself (the stand-in's few answers), ditorch nothing
+    torch.cuda.set_device("cuda:1")
+    patched = sorted(n for n, v in vars(torch.cuda).items() if "ditorch" in str(getattr(v, "__module__", "")))
+    report.update(current=torch.cuda.current_device(), module_is_cuda=ditorch.backend.device_module is torch.cuda,
+                  cuda_patched=patched)
+    print(json.dumps(report))
+    sys.exit(0)
 torch.cuda.set_stream("stream-1")
 report["stream"] = getattr(torch, ditorch.backend.device_type).state["stream"]
 torch.cuda.set_device("cuda:1")
@@ -84,12 +91,12 @@ def reports() -> dict:
 
 @pytest.mark.parametrize("scenario, name, arch, framework, ccl", [
     ("detected", "npu", "ascend", "torch_npu", "hccl"), ("mlu", "mlu", "camb", "torch_mlu", "cncl"),
-    ("musa", "musa", "musa", "torch_musa", "mccl"), ("dipu", "dipu", "dipu", "torch_dipu", "dicl"),
+    ("musa", "musa", "musa", "torch_musa", "mccl"), ("dipu", "cuda", "MLU", "torch_dipu", "dicl"),
 ])
 def test_vendor_backend_is_reported_with_its_arch_framework_and_ccl(reports, scenario, name, arch, framework, ccl):
     report, stderr = reports[scenario]
     assert (report["name"], report["device_type"], report["arch"], report["framework"], report["ccl"]) == (
-        name, name, arch, framework, ccl)
+        scenario if scenario != "detected" else "npu", name, arch, framework, ccl)
     assert f"ditorch: {arch} {framework}:0.0-standin pid: " in stderr
 
 
@@ -102,7 +109,15 @@ def test_vendor_with_a_transfer_utility_gets_it_and_then_the_gap_patches(reports
     assert report["restored"]
 
 
-@pytest.mark.parametrize("scenario", ["musa", "dipu"])
+def test_dipu_is_left_to_its_own_cuda_mapping_as_the_original_ditorch_left_it(reports):
+    # DIPU runs on the XPU key and maps torch.cuda itself: ditorch assumed a PrivateUse1 name and failed at import
+    # for every DIPU user ("torch_dipu is installed but torch.privateuseone does not exist")
+    report, _ = reports["dipu"]
+    assert report["cuda_available"] and report["device_count"] == 2 and report["current"] == 1
+    assert report["module_is_cuda"] and report["cuda_patched"] == []
+
+
+@pytest.mark.parametrize("scenario", ["musa"])
 def test_privateuse1_vendor_without_a_transfer_gets_the_generic_transfer(reports, scenario):
     report, _ = reports[scenario]
     assert report["cuda_available"] and report["device_count"] == 2
@@ -111,7 +126,7 @@ def test_privateuse1_vendor_without_a_transfer_gets_the_generic_transfer(reports
     assert report["restored"]
 
 
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("scenario", [name for name in SCENARIOS if name != "dipu"])  # dipu: ditorch maps nothing
 def test_each_torch_cuda_name_ditorch_maps_is_answered_by_the_device_module_else_its_fallback_else_refused(
         reports, scenario):
     from ditorch import cuda_api
