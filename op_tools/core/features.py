@@ -53,7 +53,7 @@ def _resolve(op) -> tuple[str, Any, str, Any]:
     if name in _patched:
         owner, attr, original, _, _ = _patched[name]
         return name, owner, attr, original
-    owner, attr, func = function_from_name(name)
+    owner, attr, func = function_from_name(name, suggest=True)
     if not callable(func):
         raise ValueError(f"{name!r} is not a function")
     return name, owner, attr, func

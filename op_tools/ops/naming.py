@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 from typing import Any
@@ -210,22 +211,33 @@ def is_inplace_op(name: str) -> bool:
     return short.endswith("_")
 
 
-def function_from_name(name: str):
+def function_from_name(name: str, suggest: bool = False):
     """``(owner, attribute, function)`` for a dotted name such as ``torch.Tensor.sort`` or ``package.module.func``.
 
-    Raises ValueError when the name does not resolve.
+    Raises ValueError when the name does not resolve; with ``suggest``, naming the closest names the owner has (a
+    search: for a name the user gave once, as ``apply_feature``'s, not for a LIST read at each start).
     """
     parts = name.split(".")
+    hint = ""
     for split in range(len(parts) - 1, 0, -1):
         try:
             owner = importlib.import_module(".".join(parts[:split]))
         except ImportError:
             continue
+        at = split
         try:
-            for attr in parts[split:-1]:
-                owner = getattr(owner, attr)
+            for at in range(split, len(parts) - 1):
+                owner = getattr(owner, parts[at])
+            at = len(parts) - 1
             return owner, parts[-1], getattr(owner, parts[-1])
-        except AttributeError:
+        except AttributeError:  # parts[at] is what owner lacks (a typo: torch.nn.functional.gleu): the closest names
+            if not suggest:
+                break
+            close = difflib.get_close_matches(parts[at], [a for a in dir(owner) if not a.startswith("__")], n=2,
+                                              cutoff=0.7)
+            if close:
+                meant = (".".join([*parts[:at], c, *parts[at + 1:]]) for c in close)
+                hint = f"; did you mean {' or '.join(map(repr, meant))}?"
             break
     raise ValueError(f"cannot resolve {name!r} to a function: expected a dotted name such as 'torch.add', "
-                     "'torch.Tensor.sort', 'torch.nn.functional.linear' or 'package.module.func'")
+                     f"'torch.Tensor.sort', 'torch.nn.functional.linear' or 'package.module.func'{hint}")

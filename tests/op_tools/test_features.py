@@ -75,6 +75,11 @@ def test_unknown_feature_or_name_is_a_value_error_listing_valid_ones():
         assert name in str(info.value)
     with pytest.raises(ValueError, match="cannot resolve 'torch.no_such_function'"):
         op_tools.apply_feature("torch.no_such_function", "fallback")
+    # a misspelt op is named with the closest names its owner has (it gave the expected form only)
+    with pytest.raises(ValueError, match=r"did you mean 'torch.nn.functional.glu' or 'torch.nn.functional.gelu'\?$"):
+        op_tools.apply_feature("torch.nn.functional.gleu", "fallback")
+    with pytest.raises(ValueError, match=r"did you mean 'torch.nn.functional.gelu'\?$"):  # a module misspelt
+        op_tools.apply_feature("torch.nn.fucntional.gelu", "fallback")
 
 
 def test_a_misspelt_feature_is_an_assertion_error_as_in_the_original():
