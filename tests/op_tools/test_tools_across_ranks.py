@@ -189,11 +189,16 @@ def test_two_identical_ddp_recordings_compare_equal_on_every_rank(reports, out, 
     assert "(uninitialised memory)" in summary  # the parameters' fresh memory, before their initialisers
 
 
+def _compare_runs_command(results: str, *args) -> subprocess.CompletedProcess:
+    """``python -m op_tools.compare_runs`` on ``args``, writing its files under ``results``."""
+    return subprocess.run([sys.executable, "-m", "op_tools.compare_runs", *map(str, args)],
+                          env=child_env({"OP_TOOLS_RESULTS_DIR": str(results)}, drop=("OP_",)),
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
 def test_compare_runs_takes_whole_run_folders_rank_by_rank_and_one_rank_against_another(reports, out):
     def compare_runs(*args):
-        return subprocess.run([sys.executable, "-m", "op_tools.compare_runs", *map(str, args)],
-                              env=child_env({"OP_TOOLS_RESULTS_DIR": str(out / "compared")}, drop=("OP_",)),
-                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+        return _compare_runs_command(out / "compared", *args)
 
     whole = compare_runs(out / "recording_a", out / "recording_b")
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-2000:]
@@ -239,9 +244,7 @@ def test_a_faulty_link_in_ddps_gradient_all_reduce_is_named_at_the_collective_in
 
 def test_rank_by_rank_comparison_names_the_rank_step_and_op_that_diverged_first(reports, out, tmp_path):
     def compare_runs(*args):
-        return subprocess.run([sys.executable, "-m", "op_tools.compare_runs", *map(str, args)],
-                              env=child_env({"OP_TOOLS_RESULTS_DIR": str(tmp_path / "compared")}, drop=("OP_",)),
-                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+        return _compare_runs_command(tmp_path / "compared", *args)
 
     link = compare_runs(out / "recording_a", out / "recording_link")
     assert link.returncode == 3, link.stdout[-3000:] + link.stderr[-2000:]
