@@ -70,6 +70,32 @@ from .steps import STEPS
 
 class _ThreadState(threading.local):
     depth = 0  # > 0 while this thread does a tool's own work; a class default, read per call without a miss
+    hidden: list | None = None  # the torch-function switches that tool work turned off (_hide), innermost last
+
+
+# Torch-function modes under the tools' own (a user's, pushed before a tool started): a tool's own torch calls would
+# reach them, and a mode that logs, counts or changes calls would see thousands a step that the program never made.
+# Inside a mode's __torch_function__ the stack holds the modes under it only; the common case has none.
+_modes_below = torch._C._len_torch_function_stack
+
+
+def _hide() -> Any:
+    """Torch-function handling off until ``_unhide``: tool work where ``_modes_below()``."""
+    switch = torch._C.DisableTorchFunction()
+    switch.__enter__()
+    return switch
+
+
+def _unhide(switch: Any) -> None:
+    if switch is not None:
+        switch.__exit__(None, None, None)
+
+
+def _hidden(work, *args):
+    """``work(*args)`` with torch-function handling off: its reads of tensors' devices are the engine's, no
+    program's."""
+    with torch._C.DisableTorchFunction():
+        return work(*args)
 
 
 _thread = _ThreadState()
@@ -134,13 +160,21 @@ compiled_regions.in_tool_work = in_tool_work
 
 class _ToolWork(contextlib.ContextDecorator):
     """What ``tool_work()`` returns: a class rather than a generator, as it is entered several times per handled
-    call (a generator-based context manager costs a few µs each time). Reentrant: it holds no state of its own."""
+    call (a generator-based context manager costs a few µs each time). Reentrant: what it turned off is kept per
+    thread (the modes under it are the same at its exit as at its entry: what a block pushes, it pops)."""
 
     def __enter__(self) -> None:
         _thread.depth += 1
+        if _modes_below():
+            hidden = _thread.hidden
+            if hidden is None:
+                hidden = _thread.hidden = []
+            hidden.append(_hide())
 
     def __exit__(self, *exc) -> None:
         _thread.depth -= 1
+        if _modes_below():
+            _unhide(_thread.hidden.pop())  # type: ignore[union-attr]  # appended at the entry
 
 
 _TOOL_WORK = _ToolWork()
@@ -443,7 +477,6 @@ class OpTool:
     # Whether the tool changes what a call saves for backward (OpFallback: the CPU's tensors): a non-reentrant
     # checkpoint's recomputation, which runs without the tool unless asked (recomputation.py), then fails its check.
     changes_saved_tensors: ClassVar[bool] = False
-
     def note_writes(self, tensors: list) -> None:
         """A call this tool does not handle is about to write ``tensors`` (only for tools with ``tracks_writes``)."""
 
@@ -845,7 +878,7 @@ class OpTool:
                 return _run_query(func, args, kwargs)
         elif not decision:  # decided (and announced) at an earlier call on a device
             return self._run_unhandled(name, func, args, kwargs)
-        device = call_device(args, kwargs, name)
+        device = call_device(args, kwargs, name) if not _modes_below() else _hidden(call_device, args, kwargs, name)
         if device is None:  # the CPU is taken as correct
             if not self.handles_cpu_calls:
                 return func(*args, **kwargs)
@@ -868,6 +901,7 @@ class OpTool:
         self.handled[name] += 1
         tracker = None
         _thread.depth += 1  # tool_work() inlined here and below: ~1 µs a call less
+        switch = _hide() if _modes_below() else None
         try:
             if not self._guarded(self.before, call):
                 call.args, call.kwargs = args, kwargs
@@ -875,6 +909,7 @@ class OpTool:
                 tracker = self._guarded_value(CallBackward, call, call.grad_inputs)  # edges before an in-place op
         finally:
             _thread.depth -= 1
+            _unhide(switch)
         if self._hooks_backward:  # the nodes the call creates are numbered from here: not its inputs' (hooks)
             call.first_node = _sequence_nr()
         try:
@@ -883,6 +918,7 @@ class OpTool:
             self.raised[name] += 1  # the op's own error: propagates unchanged, the call has nothing to check
             raise
         _thread.depth += 1
+        switch = _hide() if _modes_below() else None
         try:
             self._guarded(self.after, call)
             result = call.result
@@ -892,6 +928,7 @@ class OpTool:
                 self._guarded(register_backward_hooks, call, self)
         finally:
             _thread.depth -= 1
+            _unhide(switch)
         return result
 
     def check_when_waited(self, call: OpCall, check: Callable[[OpCall], None], received: list | None,
@@ -1273,10 +1310,12 @@ class _NodeHook:
             return
         tool = self.tool
         _thread.depth += 1  # tool_work() inlined
+        switch = _hide() if _modes_below() else None
         try:
             tool._guarded(getattr(tool, self.step), call, *[g if type(g) is tuple else tuple(g) for g in grads])
         finally:
             _thread.depth -= 1
+            _unhide(switch)
         if self.last:
             self.call = None
             if self.pre is not None:

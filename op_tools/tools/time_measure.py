@@ -30,6 +30,7 @@ import threading
 import time
 
 import torch
+from torch._C import _len_torch_function_stack as _modes_below
 from torch.autograd.profiler import record_function
 
 from ..config.variables import MAX_CACHE_SIZE, TIME_MEASURE_SYNC
@@ -373,7 +374,8 @@ class OpTimeMeasure(OpTool):
         """``step(*args)``; where it fails, ``None`` (reported once per op; raised under OP_TOOLS_STRICT=1). In tool
         work if it ``calls_torch`` (a backend's synchronize may: those calls are never user ops)."""
         try:
-            if not calls_torch:
+            if not calls_torch and not _modes_below():  # under a program's torch-function mode, an event's own torch
+                # calls (torch.device) are hidden from it as tool work
                 return step(*args)
             with tool_work():
                 return step(*args)

@@ -38,7 +38,7 @@ def _nothing_cast(tool: str, warning: str) -> bool:
 
 # Every tool started around reads of tensor properties: what each read gives inside the tool, and outside it.
 PROPERTIES = """
-    import json, logging, sys
+    import contextlib, json, logging, sys
     import torch, ditorch, op_tools
 
     warnings = []
@@ -67,6 +67,29 @@ PROPERTIES = """
         with getattr(op_tools, name)():
             report[name] = everything()
         report[name + " warnings"] = list(warnings)
+
+    # The program's own torch-function mode, entered before a tool starts: the calls it sees of a training step.
+    class Seen(torch.overrides.TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            getter = getattr(func, "__qualname__", "").endswith("__get__")
+            self.calls.append("a property read" if getter else getattr(func, "__name__", repr(func)))
+            return func(*args, **(kwargs or {}))
+
+    linear = torch.nn.Linear(3, 3, device="cuda")
+
+    def a_step(tool):
+        with Seen() as seen:
+            with tool or contextlib.nullcontext():
+                torch.nn.functional.gelu(linear(x)).sum().backward()
+        return seen.calls
+
+    report["seen by the program's mode"] = {"none": a_step(None)}
+    for name in sys.argv[1:]:
+        report["seen by the program's mode"][name] = a_step(getattr(op_tools, name)())
     print(json.dumps(report))
 """
 
@@ -81,6 +104,17 @@ def test_tensor_properties_read_the_same_inside_a_tool_as_outside(properties, to
     assert properties["outside"]["leaf"][:3] == [True, False, "cuda:0"]  # ditorch shows the sim device as cuda
     assert properties[tool] == properties["outside"]
     assert [w for w in properties[tool + " warnings"] if not _nothing_cast(tool, w)] == []
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_a_programs_own_torch_function_mode_sees_its_calls_not_the_tools(properties, tool):
+    seen = properties["seen by the program's mode"]
+    assert {"linear", "gelu", "sum", "backward"} <= set(seen["none"])
+    if tool in ("OpFallback", "OpDtypeCast"):  # asked to run calls otherwise: the runs in the device's place are
+        # theirs, and their checks of a call's tensors read its metadata first
+        assert set(seen[tool]) <= {*seen["none"], "a property read"}
+    else:  # not the thousands of torch calls a tool's own work makes (statistics, references, events)
+        assert seen[tool] == seen["none"]
 
 
 @pytest.mark.usefixtures("sim")
