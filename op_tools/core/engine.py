@@ -477,6 +477,11 @@ class OpTool:
     # Whether the tool changes what a call saves for backward (OpFallback: the CPU's tensors): a non-reentrant
     # checkpoint's recomputation, which runs without the tool unless asked (recomputation.py), then fails its check.
     changes_saved_tensors: ClassVar[bool] = False
+    # Whether the tool's run() runs a call in the device's place, as its own work (OpFallback on the CPU, OpDtypeCast
+    # in a wider dtype): the other tools see the call, with its own arguments, as the one that run answers
+    # (``_run_beneath``), never the run's inner calls.
+    replaces_runs: ClassVar[bool] = False
+
     def note_writes(self, tensors: list) -> None:
         """A call this tool does not handle is about to write ``tensors`` (only for tools with ``tracks_writes``)."""
 
@@ -913,7 +918,7 @@ class OpTool:
         if self._hooks_backward:  # the nodes the call creates are numbered from here: not its inputs' (hooks)
             call.first_node = _sequence_nr()
         try:
-            call.result = self.run(call)
+            call.result = self.run(call) if not self.replaces_runs else self._run_beneath(call)
         except BaseException:
             self.raised[name] += 1  # the op's own error: propagates unchanged, the call has nothing to check
             raise
@@ -930,6 +935,31 @@ class OpTool:
             _thread.depth -= 1
             _unhide(switch)
         return result
+
+    def _run_beneath(self, call: OpCall):
+        """``run(call)`` as the call that the other tools' modes under this one's handle, each once, the topmost
+        first: their modes would otherwise meet the run's own calls only, in tool work (not handled), and the call
+        would be missing from their summaries (a timing, a recording) while their verdicts stayed clean. A program's
+        own mode among them sees no such call, as it sees no tool work."""
+        stack = _get_current_function_mode_stack()
+        # under this tool's own mode where it is on the stack (handed a call by another such tool, not by its mode)
+        mine = next((i for i, m in enumerate(stack) if isinstance(m, _ToolMode) and m.tool is self), len(stack))
+        below = [m.tool for m in stack[:mine] if isinstance(m, _ToolMode)]
+        if not below:
+            return self.run(call)
+
+        def replaced(*args, **kwargs):  # what a tool below hands on: its arguments (another tool's) are the call's
+            call.args, call.kwargs = args, kwargs
+            _thread.depth += 1  # handled once: where run() runs the call as written, no tool handles it again
+            try:
+                return self.run(call)
+            finally:
+                _thread.depth -= 1
+
+        run: Callable = replaced
+        for tool in below:  # the bottom one first: the topmost one's handle is outermost
+            run = functools.partial(_handled_by, tool, run, call.name)
+        return run(*call.args, **call.kwargs)
 
     def check_when_waited(self, call: OpCall, check: Callable[[OpCall], None], received: list | None,
                           bound: Any = None) -> None:
@@ -1335,6 +1365,12 @@ def _inner_nodes(outputs: list, first: int) -> list:
                 inner.append(next_node)
                 stack.append(next_node)
     return inner
+
+
+def _handled_by(tool: OpTool, func, name: str, *args, **kwargs):
+    """``func`` (a call another tool runs in the device's place) handled by ``tool`` as the call ``name``; dynamo's
+    frame hook off, as in the tool's mode."""
+    return _outside_dynamo(tool.handle, func, args, kwargs, name)
 
 
 def _remove_mode(mode: TorchFunctionMode) -> None:

@@ -177,7 +177,11 @@ class Targeting:
         if not hasattr(_local, "tools"):
             _local.tools = {}
         for name in self.targets:
-            _local.tools[name] = (*_local.tools.get(name, ()), self.tool)
+            # A tool that runs calls in the device's place (OpFallback) hands the others its call
+            # (``OpTool._run_beneath``) from the innermost place: started after them, it would run first and they
+            # would meet only its run's inner calls, as tool work.
+            tools = (*_local.tools.get(name, ()), self.tool)
+            _local.tools[name] = (*[t for t in tools if t.replaces_runs], *[t for t in tools if not t.replaces_runs])
             if name.startswith(_EVERY_THREAD):
                 with _lock:
                     _every_thread[name] = (*_every_thread.get(name, ()), self.tool)

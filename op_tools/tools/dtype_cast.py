@@ -47,6 +47,7 @@ class OpDtypeCast(OpTool):
     env_prefix = "OP_DTYPE_CAST"
     handles_transformed = True  # casts are ops on functorch's tensors as on any
     changes_saved_tensors = True  # the widened tensors: a checkpoint recomputing without the tool saves others
+    replaces_runs = True
     keywords = {"casts": DTYPE_CAST_DICT}
 
     def configure(self) -> None:

@@ -132,6 +132,7 @@ class OpFallback(OpTool):
     env_prefix = "OP_FALLBACK"
     handles_transformed = True  # functorch's tensors move to the CPU and back as any (``moved``)
     changes_saved_tensors = True  # the CPU's tensors
+    replaces_runs = True
 
     def accepts(self, name: str) -> bool:
         # Device moves must stay device moves, views must keep aliasing their base, and a collective runs with every

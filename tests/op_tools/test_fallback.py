@@ -521,3 +521,29 @@ def test_a_call_writing_memory_another_argument_shares_raises_the_devices_error_
     with getattr(op_tools, tool)() as running:  # one storage, no element shared: handled as before
         assert torch.equal(_disjoint_rows(sim, torch.float16).cpu(), _disjoint_rows("cpu", torch.float16))
     assert running.handled and running.not_checked() == "", running.not_checked()  # none run on the device instead
+
+
+# A tool runs the calls OpFallback or OpDtypeCast runs in the device's place, whatever the order the tools started in
+# and however each dispatches (a mode; wrappers of the functions a LIST names): it met only their inner calls, as tool
+# work, when started first, and its summary left them out with a clean verdict.
+@pytest.mark.parametrize("changer", ["OpFallback", "OpDtypeCast"])
+@pytest.mark.parametrize("order", ["started first", "started last"])
+@pytest.mark.parametrize("listed", [False, True], ids=["every op", "a LIST of names"])
+def test_another_tool_sees_each_call_run_in_the_devices_place_once(sim, tmp_path, changer, order, listed):
+    x = torch.randn(4, 4, device=sim, dtype=torch.float16)
+    ops = ["torch.nn.functional.gelu", "torch.Tensor.matmul"] if listed else None
+    changing = getattr(op_tools, changer)(ops=ops, results_dir=str(tmp_path))
+    timing = op_tools.OpTimeMeasure(ops=ops, results_dir=str(tmp_path))
+    tools = [timing, changing] if order == "started first" else [changing, timing]
+    for tool in tools:
+        tool.start()
+    try:
+        y = torch.nn.functional.gelu(x)
+        z = y.matmul(y)
+    finally:
+        for tool in reversed(tools):
+            tool.stop()
+    assert z.dtype == torch.float16 and z.device.type == sim
+    assert timing.handled["torch.nn.functional.gelu"] == timing.handled["torch.Tensor.matmul"] == 1
+    assert changing.handled["torch.nn.functional.gelu"] == changing.handled["torch.Tensor.matmul"] == 1
+    assert {"torch.nn.functional.gelu", "torch.Tensor.matmul"} <= set(timing.measurements.totals)
