@@ -26,6 +26,11 @@ LAUNCHER_VARIABLES = {
     "WORLD_SIZE": "set by torchrun: see RANK",
     "LOCAL_WORLD_SIZE": "set by torchrun: the ranks on this node; sim and the host offer one device per local rank "
                         "unless `DITORCH_SIM_DEVICE_COUNT` says otherwise",
+    "TORCHELASTIC_RUN_ID": "set by torchrun: its rendezvous id (a new one per `--standalone` launch), written in "
+                           "each replica fingerprints file's header: the run report matches the files of one run by "
+                           "it",
+    "TORCHELASTIC_RESTART_COUNT": "set by torchrun: how many times it restarted the workers; with "
+                                  "TORCHELASTIC_RUN_ID",
     "CUDA_VISIBLE_DEVICES": "set by a launcher: on npu, copied to `ASCEND_RT_VISIBLE_DEVICES` where that is unset, "
                             "before torch_npu is imported (torch_npu reads only its own)",
     "ASCEND_RT_VISIBLE_DEVICES": "torch_npu's device mask: kept where set; else set from `CUDA_VISIBLE_DEVICES`",

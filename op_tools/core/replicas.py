@@ -12,12 +12,13 @@ step); only a parameter whose sum is not finite is looked at again, to tell an o
 ``OP_TOOLS_REPLICA_FINGERPRINTS=0`` switches it off.
 
 File: ``<results>/op_replica_fingerprints/rank<N>/fingerprints_<session>.jsonl``: a header line (format, rank,
-world size), then ``{"step", "time", "params": {name: checksum}, "grads": {name: checksum}}`` per step, ``step``
-counted as the tools count it (optimizer steps finished since the tool started), and ``"nonfinite"``: the
-parameters holding an inf or a NaN (replicas that agree bit for bit may all be NaN). Each step's line is flushed as it
-is written (a killed process keeps the steps before); the file is ``.partial`` until the last tool stops, or the
-process exits or is ended by SIGTERM with a tool still on (``finish``): a ``.partial`` file is a rank whose run ended
-early.
+world size, and ``launch``, which every rank of one torchrun launch shares: the report matches by it the files of
+one run where several wrote into one folder), then ``{"step", "time", "params": {name: checksum}, "grads": {name:
+checksum}}`` per step, ``step`` counted as the tools count it (optimizer steps finished since the tool started), and
+``"nonfinite"``: the parameters holding an inf or a NaN (replicas that agree bit for bit may all be NaN). Each step's
+line is flushed as it is written (a killed process keeps the steps before); the file is ``.partial`` until the last
+tool stops, or the process exits or is ended by SIGTERM with a tool still on (``finish``): a ``.partial`` file is a
+rank whose run ended early.
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ def _world_size() -> int:
         return int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
         return 1
+
+
+def _launch() -> str | None:
+    """torchrun's rendezvous id (a new one per ``--standalone`` launch) and restart count; None outside torchrun."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    return None if run is None else f"{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def _replicated(p: torch.Tensor) -> torch.Tensor | None:
@@ -98,7 +105,8 @@ class ReplicaFingerprints:
 
             path = result_files.results_path(common, FOLDER, f"fingerprints_{stem}.jsonl")
             self._file = result_files.JsonLinesFile(path)
-            self._file.write({"format": FORMAT, "version": 1, "rank": common.rank, "world_size": _world_size()})
+            self._file.write({"format": FORMAT, "version": 1, "rank": common.rank, "world_size": _world_size(),
+                              "launch": _launch()})
             self._file.flush()  # once: a rank killed before its first step leaves a file that says whose it is
             self._base = STEPS.count
             self._hook = register_optimizer_step_pre_hook(self._before_step)

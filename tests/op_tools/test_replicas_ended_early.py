@@ -120,7 +120,8 @@ def test_a_partial_fingerprints_file_cut_inside_a_line_is_read_to_its_last_whole
     results = read_results(str(tmp_path))
     assert results.unreadable == []
     assert sorted(results.ended_early) == [0, 1]
-    assert {rank: sorted(steps) for rank, steps in results.fingerprints.items()} == {0: [0], 1: [0]}
+    (session,) = results.fingerprints
+    assert {rank: sorted(steps) for rank, steps in session.ranks.items()} == {0: [0], 1: [0]}
     assert console_report(analyse(results)).splitlines()[-1] == "nothing concluded: no anomaly in what the tools " \
         "wrote on 2 ranks, but the run of ranks 0,1 ended early (above)"
 

@@ -31,7 +31,7 @@ BUCKET = "torch.distributed.all_reduce in DistributedDataParallel (gradient buck
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
     out = tmp_path_factory.mktemp("run_report")
-    result = torchrun_on_sim(SCRIPT, out, "clean", "nan", "noise", "desync", timeout=400)
+    result = torchrun_on_sim(SCRIPT, out, "clean", "nan", "noise", "desync", "rerun", timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
 
@@ -94,6 +94,20 @@ def test_a_parameter_nudged_on_one_rank_is_named_with_the_step_the_replicas_stop
     assert done.returncode == 3, done.stdout + done.stderr
     assert ("replicas: disagree from step 1 (before its optimizer update): parameter "
             "model.layers.0.mlp.up_proj.weight differs, rank 0 vs rank 1\n") in done.stdout
+
+
+def test_a_later_run_into_the_same_folder_does_not_hide_an_earlier_runs_desync(out, tmp_path):
+    # each rank's two fingerprints files were read as one, step by step: the clean rerun's steps replaced the
+    # desynced run's, and the report said "agree at each of the 3 steps compared", no anomaly, exit 0
+    import shutil
+
+    for scenario in ("desync", "rerun"):
+        shutil.copytree(out / scenario, tmp_path / "both", dirs_exist_ok=True)
+    done = report(tmp_path / "both")
+    assert done.returncode == 3, done.stdout + done.stderr
+    (first,) = (out / "desync" / "op_replica_fingerprints" / "rank0").iterdir()  # the earlier session's
+    assert (f"replicas: disagree from step 1 (before its optimizer update) in session 1 of 2 (rank 0's {first.name}): "
+            "parameter model.layers.0.mlp.up_proj.weight differs, rank 0 vs rank 1\n") in done.stdout
 
 
 def test_the_slowest_rank_and_where_its_time_goes_per_step(out):

@@ -21,7 +21,8 @@ seen on those ranks rather than guess which sent it.
 
 Replicas. Before each optimizer step each rank wrote a checksum of every replicated parameter and gradient
 (op_tools/core/replicas.py): the first step, and the first parameter in the optimizer's order, where two ranks'
-checksums differ is where the replicas stopped agreeing.
+checksums differ is where the replicas stopped agreeing. Each tool session (each run, where several wrote into one
+folder) is compared alone, in the order they started; where there are several, the one that disagreed is named.
 
 Skew. Per step, each rank's time in the calls OpTimeMeasure timed, collectives left out (their time includes the
 wait for the slowest rank): the slowest rank, how much slower than the fastest, and its costliest ops there.
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .readers import MONITOR, MONITOR_PHASES, Event, Results
+from .readers import MONITOR, MONITOR_PHASES, Event, FingerprintSession, Results
 
 TOP_OPS = 3
 
@@ -93,6 +94,7 @@ class Desync:
     name: str
     checksums: dict[int, int]  # rank -> checksum
     differing: int  # how many parameters (of this kind) differ at this step
+    session: str = ""  # which session, where the folder holds several ("" for one)
 
     def text(self) -> str:
         groups: dict[int, list[int]] = {}
@@ -101,8 +103,12 @@ class Desync:
         sides = " vs ".join(("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
                             for ranks in groups.values())
         more = f"; {self.differing} {self.what}s differ" if self.differing > 1 else ""
-        return (f"disagree from step {self.step} (before its optimizer update): {self.what} {self.name} differs, "
-                f"{sides}{more}")
+        return (f"disagree from step {self.step} (before its optimizer update){_in(self.session)}: {self.what} "
+                f"{self.name} differs, {sides}{more}")
+
+
+def _in(session: str) -> str:
+    return f" in {session}" if session else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,11 +118,12 @@ class NonFiniteParameters:
     step: int
     names: tuple[str, ...]  # the first such rank's, in the optimizer's order
     ranks: tuple[int, ...]  # the ranks whose parameters held one at that step
+    session: str = ""  # which session, where the folder holds several ("" for one)
 
     def text(self) -> str:
         more = f" and {len(self.names) - 1} more" if len(self.names) > 1 else ""
         ranks = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"ranks {','.join(map(str, self.ranks))}"
-        return f"from step {self.step}, parameter {self.names[0]}{more} hold inf/nan on {ranks}"
+        return f"from step {self.step}{_in(self.session)}, parameter {self.names[0]}{more} hold inf/nan on {ranks}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +152,7 @@ class RunReport:
     replicas_compared: int  # steps whose fingerprints were compared across at least two ranks
     skew: list[StepSkew]
     nonfinite: NonFiniteParameters | None = None  # parameters holding inf/nan, from the fingerprints
+    sessions_compared: int = 1  # tool sessions (runs, where several wrote into the folder) whose replicas were compared
 
     def replicas_text(self) -> str:
         """What the replica fingerprints say, true to what was read: a desync, agreement (with the parameters'
@@ -153,7 +161,8 @@ class RunReport:
             return self.desync.text()
         if self.replicas_compared:
             shared = f", but {self.nonfinite.text()}" if self.nonfinite is not None else ""
-            return f"agree at each of the {self.replicas_compared} steps compared{shared}"
+            sessions = f" in {self.sessions_compared} sessions" if self.sessions_compared > 1 else ""
+            return f"agree at each of the {self.replicas_compared} steps compared{sessions}{shared}"
         return f"not compared ({replicas_not_compared(self.results)})"
 
     @property
@@ -244,9 +253,19 @@ def account_ranks(results: Results) -> tuple[list[RankAccount], RankAccount | No
     return ordered, (accounts[first_origin.rank] if first_origin is not None else None)
 
 
-def compare_replicas(results: Results) -> tuple[Desync | None, int]:
-    """The first step and parameter where two ranks' checksums differ, and how many steps were compared."""
-    prints = results.fingerprints
+def compare_replicas(results: Results) -> tuple[Desync | None, int, int]:
+    """The first step and parameter where two ranks' checksums differ, in the first session where they do; how many
+    steps, and sessions, were compared."""
+    steps = sessions = 0
+    for session in results.fingerprints:
+        desync, compared = _compare_session(session.ranks)
+        steps, sessions = steps + compared, sessions + bool(compared)
+        if desync is not None:
+            return dataclasses.replace(desync, session=_session_name(results, session)), steps, sessions
+    return None, steps, sessions
+
+
+def _compare_session(prints: dict[int, dict[int, dict]]) -> tuple[Desync | None, int]:
     if len(prints) < 2:
         return None, 0
     compared = 0
@@ -266,39 +285,54 @@ def compare_replicas(results: Results) -> tuple[Desync | None, int]:
     return None, compared
 
 
+def _session_name(results: Results, session: FingerprintSession) -> str:
+    """``session 2 of 3 (rank 0's fingerprints_<stem>.jsonl)`` where the folder holds several; "" for one."""
+    sessions = results.fingerprints
+    if len(sessions) < 2:
+        return ""
+    return f"session {sessions.index(session) + 1} of {len(sessions)} ({session.name()})"
+
+
 def replicas_not_compared(results: Results) -> str:
     """Why no step's fingerprints were compared across two ranks, from what the folder holds."""
-    prints = results.fingerprints
-    others = sorted(results.ranks - set(prints))
+    wrote: dict[int, bool] = {}  # rank -> whether a file of its holds a step
+    for session in results.fingerprints:
+        for rank, steps in session.ranks.items():
+            wrote[rank] = wrote.get(rank, False) or bool(steps)
+    others = sorted(results.ranks - set(wrote))
     if len(results.ranks) < 2:
         return "the results hold one rank"
-    if not prints:
+    if not wrote:
         return ("no rank wrote replica fingerprints: the op tools write them before each optimizer step they see, "
                 "unless OP_TOOLS_REPLICA_FINGERPRINTS=0; TrainingMonitor does not")
-    if len(prints) == 1:
+    if len(wrote) == 1:
         early = [rank for rank in others if rank in results.ended_early]
         why = "" if not early else f": the run of rank{'s' if len(early) > 1 else ''} " \
             f"{','.join(map(str, early))} ended early"
-        return f"only rank {next(iter(prints))} wrote fingerprints, not rank{'s' if len(others) > 1 else ''} " \
+        return f"only rank {next(iter(wrote))} wrote fingerprints, not rank{'s' if len(others) > 1 else ''} " \
             f"{','.join(map(str, others))}{why}"
-    if not any(prints.values()):
+    if not any(wrote.values()):
         return ("no optimizer step ran while an op tool was on (the fingerprints are written before each), or every "
                 "parameter is sharded (FSDP2's: no replica holds another's)")
+    if all(len(session.ranks) < 2 for session in results.fingerprints):
+        return "no two ranks' fingerprints are of one session: the files of different runs, or not matched (above)"
     return "the ranks' fingerprints share no step"
 
 
 def nonfinite_parameters(results: Results) -> NonFiniteParameters | None:
-    """The first step at which a rank's fingerprints name a parameter holding inf/nan."""
-    at: dict[int, dict[int, list[str]]] = {}
-    for rank, steps in results.fingerprints.items():
-        for step, record in steps.items():
-            if record.get("nonfinite"):
-                at.setdefault(step, {})[rank] = list(record["nonfinite"])
-    if not at:
-        return None
-    step = min(at)
-    ranks = tuple(sorted(at[step]))
-    return NonFiniteParameters(step, tuple(at[step][ranks[0]]), ranks)
+    """The first step at which a rank's fingerprints name a parameter holding inf/nan, in the first session where
+    one does."""
+    for session in results.fingerprints:
+        at: dict[int, dict[int, list[str]]] = {}
+        for rank, steps in session.ranks.items():
+            for step, record in steps.items():
+                if record.get("nonfinite"):
+                    at.setdefault(step, {})[rank] = list(record["nonfinite"])
+        if at:
+            step = min(at)
+            ranks = tuple(sorted(at[step]))
+            return NonFiniteParameters(step, tuple(at[step][ranks[0]]), ranks, _session_name(results, session))
+    return None
 
 
 def time_skew(results: Results) -> list[StepSkew]:
@@ -320,5 +354,6 @@ def time_skew(results: Results) -> list[StepSkew]:
 
 def analyse(results: Results) -> RunReport:
     ranks, first = account_ranks(results)
-    desync, compared = compare_replicas(results)
-    return RunReport(results, ranks, first, desync, compared, time_skew(results), nonfinite_parameters(results))
+    desync, compared, sessions = compare_replicas(results)
+    return RunReport(results, ranks, first, desync, compared, time_skew(results), nonfinite_parameters(results),
+                     sessions)

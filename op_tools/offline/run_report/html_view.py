@@ -32,7 +32,8 @@ def first_facts(report: RunReport) -> list[tuple[str, str]]:
         return _event_facts(report.first.first)
     if report.desync is not None:
         d = report.desync
-        return [("ranks", ", ".join(map(str, sorted(d.checksums)))), ("step", str(d.step)), (d.what, d.name)]
+        facts = [("ranks", ", ".join(map(str, sorted(d.checksums)))), ("step", str(d.step)), (d.what, d.name)]
+        return facts + ([("session", d.session)] if d.session else [])
     received = next((r for r in report.ranks if r.status == "received"), None)
     if received is not None:
         event = received.first or received.through

@@ -10,8 +10,10 @@ Read, per rank (the ``rank<N>`` subfolder of each tool's folder; a run without t
   collectives it checked;
 - OpTimeMeasure's calls (``op_time_measure_result/op_elasped_info_*.csv``, the original's spelling): times per
   step, and the collectives it timed;
-- the replica fingerprints (``op_replica_fingerprints/fingerprints_*.jsonl``); a ``.partial`` one (empty where the
-  process died before writing a line) is a rank whose run ended early, read as far as it goes;
+- the replica fingerprints (``op_replica_fingerprints/fingerprints_*.jsonl``), one file per rank and tool session,
+  matched into the sessions of each run (``_match_sessions``: runs written into one folder are compared one by one);
+  a ``.partial`` one (empty where the process died before writing a line) is a rank whose run ended early, read as
+  far as it goes;
 - TrainingMonitor's anomalies (``op_training_monitor/anomalies_*.jsonl``, ``.partial`` from a run that died): each
   an anomaly whose ``kind`` is the monitor's rule and whose ``op`` is empty (the monitor watches modules and
   parameters, not calls);
@@ -45,6 +47,7 @@ MONITOR = "TrainingMonitor"
 TIME_MEASURE = "OpTimeMeasure"
 MONITOR_PHASES = ("forward", "backward", "optimizer")  # a step's phases, in the order every rank runs them
 _RANK_FOLDER = re.compile(r"rank(\d+)$")
+_SESSION_STEM = re.compile(r"_pid\d+_(\d{4}(?:-\d\d){5})_(\d+)\.")  # result_files.session_stem's
 
 
 class ResultsError(ValueError):
@@ -91,6 +94,19 @@ class Event:
 
 
 @dataclasses.dataclass
+class FingerprintSession:
+    """The replica fingerprints of one tool session of a run, on each rank that wrote them."""
+
+    ranks: dict[int, dict[int, dict]]  # rank -> step -> {"params": {name: checksum}, "grads": {...}, "nonfinite"}
+    files: dict[int, str]  # rank -> its file's name
+    launch: tuple = ()  # (torchrun's launch, world size), from the files' headers: the files of one run share it
+
+    def name(self) -> str:
+        rank = min(self.files)
+        return f"rank {rank}'s {self.files[rank]}"
+
+
+@dataclasses.dataclass
 class Results:
     folder: str
     ranks: set[int] = dataclasses.field(default_factory=set)
@@ -99,9 +115,8 @@ class Results:
     collectives: list[Event] = dataclasses.field(default_factory=list)
     # rank -> step -> op -> milliseconds (forward + backward), from OpTimeMeasure
     times: dict[int, dict[int, dict[str, float]]] = dataclasses.field(default_factory=dict)
-    # rank -> step -> {"params": {name: checksum}, "grads": {...}, "nonfinite": [parameter holding inf/nan]};
-    # a rank whose file has no step yet maps to {}
-    fingerprints: dict[int, dict[int, dict]] = dataclasses.field(default_factory=dict)
+    # one per tool session, in the order they started; a rank whose file has no step yet maps to {}
+    fingerprints: list[FingerprintSession] = dataclasses.field(default_factory=list)
     unreadable: list[str] = dataclasses.field(default_factory=list)  # "path: why"
     unchecked: list[str] = dataclasses.field(default_factory=list)  # "rank N: Tool: what it did not check"
     # rank -> how far its .partial fingerprints file goes: a run that ended early (killed, or still running)
@@ -174,6 +189,7 @@ def read_results(folder: str) -> Results:
                     results.files += 1
                 except (OSError, ValueError, KeyError, TypeError) as e:
                     results.unreadable.append(f"{file}: {type(e).__name__}: {e}")
+    _match_sessions(results)
     recordings = [file for path in _rank_folders(folder, CAPTURE_FOLDER).values()
                   for file in glob.glob(os.path.join(path, "run_*.jsonl*"))]
     judged_by = "two runs' recordings are compared by python -m op_tools.compare_runs RUN_A RUN_B"
@@ -305,15 +321,55 @@ def _read_fingerprints(results: Results, rank: int, path: str) -> None:
         return
     if not lines or lines[0].get("format") != "op_tools fingerprints":
         raise ValueError("not a replica fingerprints file")
-    rank = lines[0].get("rank", rank)
-    steps = results.fingerprints.setdefault(rank, {})
-    for record in lines[1:]:
-        steps[int(record["step"])] = {"params": record.get("params", {}), "grads": record.get("grads", {}),
-                                      "nonfinite": record.get("nonfinite", [])}
+    header = lines[0]
+    rank = header.get("rank", rank)
+    steps = {int(record["step"]): {"params": record.get("params", {}), "grads": record.get("grads", {}),
+                                   "nonfinite": record.get("nonfinite", [])} for record in lines[1:]}
+    # a session of its own until _match_sessions finds the other ranks' files of its run
+    results.fingerprints.append(FingerprintSession({rank: steps}, {rank: os.path.basename(path)},
+                                                   tuple(header.get(key) if isinstance(header.get(key), (str, int))
+                                                         else None for key in ("launch", "world_size"))))
     if partial:
         written = f"its fingerprints go to step {max(steps)}" if steps else "it wrote no step's fingerprints"
         results.ended_early[rank] = f"{written} ({os.path.basename(path)}: the process was killed before its " \
             "tools stopped, or is still running)"
+
+
+def _started(name: str) -> tuple:
+    """A fingerprints file's place among its rank's: its session's start (the stem's local time, then the process's
+    session count); a name of another form after those, by name."""
+    match = _SESSION_STEM.search(name)
+    return (0, match.group(1), int(match.group(2)), name) if match else (1, "", 0, name)
+
+
+def _match_sessions(results: Results) -> None:
+    """Match each rank's fingerprints files (one per tool session, read each as a session of its own) into the
+    sessions of the runs that wrote them: a folder several runs wrote into holds several, each counting its steps
+    from 0, and one compared with another would hide a desync or make one up. The files of one run share their
+    header's launch (torchrun's rendezvous id and restart count) and world size; within that, a rank's k-th file by
+    start goes with every other rank's k-th. Files without a launch (written before it was, or outside torchrun),
+    or of launches given one ``--rdzv-id``, share one, and are matched by order only where every rank wrote as many:
+    else which go together cannot be told, and none is compared (not read: no clean verdict over them)."""
+    runs: dict[tuple, dict[int, list[FingerprintSession]]] = {}
+    for file in results.fingerprints:
+        for rank in file.ranks:
+            runs.setdefault(file.launch, {}).setdefault(rank, []).append(file)
+    sessions: list[FingerprintSession] = []
+    for launch, by_rank in runs.items():
+        counts = {rank: len(files) for rank, files in sorted(by_rank.items())}
+        if len(set(counts.values())) > 1:
+            wrote = ", ".join(f"rank {rank}: {count}" for rank, count in counts.items())
+            named = f"of launch {launch[0]}" if launch[0] else "naming no launch"
+            results.unreadable.append(f"{os.path.join(results.folder, FINGERPRINT_FOLDER)}: the ranks wrote different "
+                                      f"numbers of fingerprints files {named} ({wrote}): which go together cannot be "
+                                      "told, and none of them is compared")
+            sessions.extend(file for files in by_rank.values() for file in files)
+            continue
+        ordered = [sorted(files, key=lambda f: _started(next(iter(f.files.values())))) for files in by_rank.values()]
+        for matched in zip(*ordered):
+            sessions.append(FingerprintSession({r: s for f in matched for r, s in f.ranks.items()},
+                                               {r: n for f in matched for r, n in f.files.items()}, launch))
+    results.fingerprints = sorted(sessions, key=lambda s: min(map(_started, s.files.values())))
 
 
 def _read_monitor_anomalies(results: Results, rank: int, path: str) -> None:

@@ -4,7 +4,8 @@ Llama under one tool per scenario named on the command line, with what the scena
 
 Scenarios: ``clean`` (OpOverflowCheck and OpAutoCompare together), ``nan`` (OpOverflowCheck, silu gives NaN on
 rank 1 in step 1), ``noise`` (OpAutoCompare, silu off by 1e-2 on rank 1 in step 1), ``desync`` (OpTimeMeasure over
-three steps, rank 1 nudges one weight after step 0 and runs its matmuls 8 ms slower).
+three steps, rank 1 nudges one weight after step 0 and runs its matmuls 8 ms slower), ``rerun`` (desync's again,
+nothing injected: a later run that a test writes into desync's folder).
 """
 
 import contextlib
@@ -40,9 +41,9 @@ def run(out: str, scenario: str, local_rank: int) -> dict:
     generator = torch.Generator().manual_seed(100 + rank)
     results = os.path.join(out, scenario)
     tools = {"clean": ("OpOverflowCheck", "OpAutoCompare"), "nan": ("OpOverflowCheck",),
-             "noise": ("OpAutoCompare",), "desync": ("OpTimeMeasure",)}[scenario]
+             "noise": ("OpAutoCompare",), "desync": ("OpTimeMeasure",), "rerun": ("OpTimeMeasure",)}[scenario]
     fault = {"nan": "silu:nan", "noise": "silu:noise=1e-2"}.get(scenario, "")
-    steps = 3 if scenario == "desync" else 2
+    steps = 3 if scenario in ("desync", "rerun") else 2
     report: dict = {}
     with contextlib.ExitStack() as stack:
         started = [stack.enter_context(getattr(op_tools, name)(results_dir=results)) for name in tools]
