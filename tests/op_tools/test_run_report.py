@@ -141,6 +141,36 @@ def test_a_folder_with_nothing_op_tools_wrote_or_none_at_all_exits_2(tmp_path):
         assert done.stderr.startswith("op_tools.report: "), done.stderr
 
 
+def test_the_parent_of_the_results_folder_and_a_folder_of_saved_calls_say_what_they_hold(sim, tmp_path):
+    # both said "holds nothing op_tools wrote (none of ...)": the calls OpCapture saved and the replay's summary
+    # (a mismatch among them, maybe) unsaid, and the results folder below unnamed
+    import torch
+
+    import op_tools
+    from op_tools.offline.run_op_from_data import main as replay
+
+    results = tmp_path / "results"  # the OP_TOOLS_RESULTS_DIR tests/op_tools/conftest.py sets
+    x = torch.randn(4, device=sim)
+    with op_tools.OpCapture():
+        torch.nn.functional.silu(x)
+    assert replay([str(results / "op_capture_results")]) == 0
+    held = (f"holds only what this report does not judge: 1 call OpCapture saved in op_capture_results/ (python -m "
+            f"op_tools.run_op_from_data {results / 'op_capture_results'} reruns and judges them); 1 replay summary "
+            "in op_replay_result/ (each holds its replay's verdicts, in its status column)\n")
+    done = report(results)
+    assert done.returncode == 2 and done.stderr == f"op_tools.report: {results} {held}", done.stderr
+    done = report(tmp_path)
+    assert done.returncode == 2 and done.stderr == \
+        f"op_tools.report: {tmp_path} holds nothing op_tools wrote, but {results} {held}", done.stderr
+    _write_anomalies(results, [])  # beside a tool the report judges: said on a NOTE line, and the verdict its own
+    done = report(tmp_path)
+    assert done.returncode == 2 and done.stderr == f"op_tools.report: {tmp_path} holds nothing op_tools wrote, " \
+        f"but {results} holds op_training_monitor/, op_capture_results/, op_replay_result/: give that folder (the " \
+        "run's OP_TOOLS_RESULTS_DIR)\n", done.stderr
+    assert "\nNOTE: 1 replay summary in op_replay_result/ not judged here: each holds its replay's verdicts, in its " \
+        "status column\n" in report(results).stdout
+
+
 def test_a_damaged_file_is_named_and_the_rest_still_read(out, tmp_path):
     import shutil
 
@@ -380,8 +410,9 @@ def test_run_recordings_in_the_folder_are_said_not_judged_here(tmp_path):
         (recordings / f"rank{rank}" / f"run_pid{rank}.jsonl").write_text("{}\n")
     done = report(tmp_path)
     assert done.returncode == 2 and done.stderr.strip() == (
-        f"op_tools.report: {tmp_path} holds only run recordings (2 in op_capture_results/), which hold no verdict of "
-        "their own: two runs' recordings are compared by python -m op_tools.compare_runs RUN_A RUN_B"), done.stderr
+        f"op_tools.report: {tmp_path} holds only what this report does not judge: 2 run recordings in "
+        "op_capture_results/ (two runs' recordings are compared by python -m op_tools.compare_runs RUN_A RUN_B)"), \
+        done.stderr
     _write_anomalies(tmp_path, [])
     done = report(tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -20,8 +20,10 @@ Read, per rank (the ``rank<N>`` subfolder of each tool's folder; a run without t
 - what OpOverflowCheck, OpSelfCheck and OpAutoCompare did not check (``unchecked_*.json``), and their sessions that
   never stopped (``running_*.json``, left by a process killed before the tool wrote its verdict).
 
-A file that cannot be read is listed in ``Results.unreadable`` with why; a folder with nothing op_tools wrote is a
-``ResultsError``.
+A file that cannot be read is listed in ``Results.unreadable`` with why. What op_tools wrote that holds no verdict
+read here (run recordings, the calls OpCapture saved, replay summaries, conformance sweeps) is a note naming what
+judges it; a folder with nothing else, or with nothing op_tools wrote, is a ``ResultsError`` saying what it holds
+(and, given the parent of the results folder, what its subfolders hold).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ TIME_FOLDER = "op_time_measure_result"
 FINGERPRINT_FOLDER = "op_replica_fingerprints"
 CAPTURE_FOLDER = "op_capture_results"  # OpCapture's: its run recordings hold no verdict (compare_runs judges them)
 MONITOR_FOLDER = "op_training_monitor"  # op_tools/tools/training_monitor.py's FOLDER (offline never imports tools)
+REPLAY_FOLDER = "op_replay_result"  # offline/run_op_from_data.py's: each summary holds its replay's verdicts
+CONFORMANCE_FOLDER = "op_conformance_result"  # offline/conformance/cli.py's: each sweep's folder holds its verdicts
 MONITOR = "TrainingMonitor"
 TIME_MEASURE = "OpTimeMeasure"
 MONITOR_PHASES = ("forward", "backward", "optimizer")  # a step's phases, in the order every rank runs them
@@ -190,19 +194,76 @@ def read_results(folder: str) -> Results:
                 except (OSError, ValueError, KeyError, TypeError) as e:
                     results.unreadable.append(f"{file}: {type(e).__name__}: {e}")
     _match_sessions(results)
-    recordings = [file for path in _rank_folders(folder, CAPTURE_FOLDER).values()
-                  for file in glob.glob(os.path.join(path, "run_*.jsonl*"))]
-    judged_by = "two runs' recordings are compared by python -m op_tools.compare_runs RUN_A RUN_B"
-    if recordings and not results.tools:
-        raise ResultsError(f"{folder} holds only run recordings ({len(recordings)} in {CAPTURE_FOLDER}/), which hold "
-                           f"no verdict of their own: {judged_by}")
-    if recordings:  # said, not judged: the verdict below is the other tools' alone
-        results.notes.append(f"{len(recordings)} run recording{'s' if len(recordings) != 1 else ''} in "
-                             f"{CAPTURE_FOLDER}/ not judged here: {judged_by}")
+    not_judged = _not_judged(folder)
+    if not_judged and not results.tools:
+        raise ResultsError(f"{folder} holds only what this report does not judge: {_listed(not_judged)}")
+    # said, not judged: the verdict is the other tools' alone
+    results.notes.extend(f"{what} not judged here: {judged_by}" for what, judged_by in not_judged)
     if not results.tools:
-        raise ResultsError(f"{folder} holds nothing op_tools wrote (none of {OVERFLOW_FOLDER}/, {AUTOCOMPARE_FOLDER}/, "
-                           f"{TIME_FOLDER}/, {FINGERPRINT_FOLDER}/, {MONITOR_FOLDER}/, {SELF_CHECK_FOLDER}/)")
+        below = _results_below(folder)
+        if below:  # the parent of the run's OP_TOOLS_RESULTS_DIR (op_tools_results where unset) given for it
+            raise ResultsError(f"{folder} holds nothing op_tools wrote, but " + "; ".join(below))
+        raise ResultsError(f"{folder} holds nothing op_tools wrote (none of {', '.join(f + '/' for f in _WRITTEN)})")
     return results
+
+
+def _not_judged(folder: str) -> list[tuple[str, str]]:
+    """What op_tools wrote in ``folder`` that holds no verdict this report reads, and what judges it: said, so that
+    the report's verdict is never taken for one over them."""
+    said = []
+    captures = _rank_folders(folder, CAPTURE_FOLDER).values()
+    recordings = [file for path in captures for file in glob.glob(os.path.join(path, "run_*.jsonl*"))]
+    if recordings:
+        said.append((f"{_count(len(recordings), 'run recording')} in {CAPTURE_FOLDER}/",
+                     "two runs' recordings are compared by python -m op_tools.compare_runs RUN_A RUN_B"))
+    saved = 0
+    for index in (file for path in captures for file in glob.glob(os.path.join(path, "index_*.csv"))):
+        with open(index, newline="", encoding="utf-8", errors="replace") as f:
+            saved += max(0, sum(1 for _ in csv.reader(f)) - 1)  # a row per call saved, after the header
+    if saved:
+        said.append((f"{_count(saved, 'call')} OpCapture saved in {CAPTURE_FOLDER}/",
+                     f"python -m op_tools.run_op_from_data {os.path.join(folder, CAPTURE_FOLDER)} reruns and judges "
+                     "them"))
+    summaries = glob.glob(os.path.join(folder, REPLAY_FOLDER, "replay_summary_*.csv"))
+    if summaries:
+        said.append((f"{_count(len(summaries), 'replay summary', 'replay summaries')} in {REPLAY_FOLDER}/",
+                     "each holds its replay's verdicts, in its status column"))
+    sweeps = glob.glob(os.path.join(folder, CONFORMANCE_FOLDER, "*", "conformance.csv"))
+    if sweeps:
+        said.append((f"{_count(len(sweeps), 'conformance sweep')} in {CONFORMANCE_FOLDER}/",
+                     "each holds its verdicts, in its conformance.csv and conformance.html"))
+    return said
+
+
+def _listed(not_judged: list[tuple[str, str]]) -> str:
+    return "; ".join(f"{what} ({judged_by})" for what, judged_by in not_judged)
+
+
+def _count(n: int, one: str, many: str = "") -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
+# The folders of OP_TOOLS_RESULTS_DIR whose files this report judges, and the others op_tools writes there.
+_JUDGED = (OVERFLOW_FOLDER, AUTOCOMPARE_FOLDER, TIME_FOLDER, FINGERPRINT_FOLDER, MONITOR_FOLDER, SELF_CHECK_FOLDER)
+_WRITTEN = (*_JUDGED, CAPTURE_FOLDER, REPLAY_FOLDER, CONFORMANCE_FOLDER)
+
+
+def _results_below(folder: str) -> list[str]:
+    """What each subfolder of ``folder`` that holds folders op_tools writes holds: ``folder`` is then the parent of
+    the run's OP_TOOLS_RESULTS_DIR (``op_tools_results`` where unset), given for it."""
+    below = []
+    for entry in sorted(os.listdir(folder)):
+        path = os.path.join(folder, entry)
+        held = [name for name in _WRITTEN if os.path.isdir(os.path.join(path, name))]
+        if not held:
+            continue
+        not_judged = [] if set(held) & set(_JUDGED) else _not_judged(path)
+        if not_judged:
+            below.append(f"{path} holds only what this report does not judge: {_listed(not_judged)}")
+        else:
+            below.append(f"{path} holds {', '.join(name + '/' for name in held)}: give that folder (the run's "
+                         "OP_TOOLS_RESULTS_DIR)")
+    return below
 
 
 def _record(path: str, form: str, what: str) -> dict:
