@@ -8,7 +8,9 @@ names come from the module it wraps, and ``torch.compile``'s ``_orig_mod`` is le
 without them name their layers alike. The root itself is
 named by its class (``LlamaForCausalLM``); a module run inside another without being registered in it (a module
 kept in a plain list, a function's local module) is ``<parent path>.<ClassName>``; outside any module the path is
-``""``.
+``""``. A path names its parents (``model.layers.3`` holds ``model.layers.3.mlp``) except where it has no dot: the
+root's children (``model``, ``lm_head``) and a DDP root's model; for those the module each last ran inside is kept,
+and ``enclosing()`` gives a path's parents to the reports that add submodules' time up.
 
 Backward calls are attributed through the forward call that created their autograd nodes (the engine keeps the
 path on the ``OpCall``), so they need no backward hooks. Under ``torch.utils.checkpoint`` the recomputation runs
@@ -50,6 +52,9 @@ _handles: list = []
 _WRAPPERS = frozenset({"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel"})
 # root module -> {id(module): path} for the modules registered under it
 _names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# path -> the path of the module it last ran inside, for the paths with no dot other than roots ("model" ->
+# "LlamaForCausalLM"): the parent their name does not show. Kept past release(): tools read it at stop().
+_parents: dict[str, str] = {}
 
 
 # Called with each outermost module entered while tracking (gradient_communication.py hooks DDP models there).
@@ -75,6 +80,22 @@ def path_of(module: torch.nn.Module) -> str | None:
         if path is not None:
             return path or type(module).__name__
     return None
+
+
+def enclosing(path: str) -> list[str]:
+    """The paths of the modules ``path`` is inside, innermost first: ``model.layers.3.mlp`` is inside
+    ``model.layers.3``, ``model.layers``, ``model`` and the root ``LlamaForCausalLM``; ``[]`` for a root or ``""``.
+
+    >>> enclosing("model.layers.3.mlp")  # once a LlamaForCausalLM ran while tracking
+    ['model.layers.3', 'model.layers', 'model', 'LlamaForCausalLM']
+    """
+    found: list[str] = []
+    while True:
+        head, dot, _ = path.rpartition(".")
+        path = head if dot else _parents.get(path, "")
+        if not path or path in found:  # a root; or a module that ran inside its own child (a recursive model)
+            return found
+        found.append(path)
 
 
 def current() -> str:
@@ -137,7 +158,9 @@ def _enter(module: torch.nn.Module, _args) -> None:
         stack = _local.stack = []
         _local.generation = _generation
     if not stack:  # the root, by its class (a torch.compile'd model's: the model's, as when not compiled)
-        stack.append((module, type(getattr(module, "_orig_mod", module)).__name__))
+        root_path = type(getattr(module, "_orig_mod", module)).__name__
+        _parents.pop(root_path, None)  # a root has none, whatever ran under that name before
+        stack.append((module, root_path))
         for listener in root_listeners:
             listener(module)
         return
@@ -146,7 +169,9 @@ def _enter(module: torch.nn.Module, _args) -> None:
     if path is None:
         path = f"{parent_path}.{type(module).__name__}"
     elif path == "":
-        path = type(module).__name__  # the root entered again (a recursive call)
+        path = type(module).__name__  # the root entered again (a recursive call), or the model a DDP root wraps
+    if "." not in path and path not in (stack[0][1], parent_path):  # its name does not say which module it is in
+        _parents[path] = parent_path
     stack.append((module, path))
 
 

@@ -34,6 +34,7 @@ from torch._C import _len_torch_function_stack as _modes_below
 from torch.autograd.profiler import record_function
 
 from ..config.variables import MAX_CACHE_SIZE, TIME_MEASURE_SYNC
+from ..core import module_path
 from ..core.engine import OpCall, OpTool, feature, tool_work
 from ..numerics.device_timing import EventClock, HostClock, clock_for, timing_methods
 from ..output import reporting, result_files
@@ -253,22 +254,24 @@ class Measurements:
         return rows
 
     def module_rows(self) -> list[dict]:
-        """One row per module path that ran handled calls: ``total_ms`` with its submodules (``model.layers.3``
-        holds ``model.layers.3.mlp``), ``self_ms`` its own calls only; largest total first. Calls outside any
-        module are the row ``(no module)``."""
+        """One row per module path that ran handled calls or holds one that did: ``total_ms`` with its submodules
+        (``model.layers.3`` holds ``model.layers.3.mlp``; the root ``LlamaForCausalLM`` holds ``model`` and
+        ``lm_head``, see ``module_path.enclosing``), ``self_ms`` its own calls only (0 for a container such as
+        ``model.layers``); largest total first. Calls outside any module are the row ``(no module)``."""
         grand = sum(t.forward_ns + t.backward_ns for t in self.module_totals.values()) or 1
-        inclusive = {path: [0, 0, 0] for path in self.module_totals}  # calls, forward ns, backward ns
+        inclusive: dict[str, list[int]] = {}  # calls, forward ns, backward ns
         for path, t in self.module_totals.items():
-            for owner in inclusive:
-                if owner == path or (owner and path.startswith(owner + ".")):
-                    sums = inclusive[owner]
-                    sums[0] += t.calls
-                    sums[1] += t.forward_ns
-                    sums[2] += t.backward_ns
+            for owner in (path, *module_path.enclosing(path)):
+                sums = inclusive.setdefault(owner, [0, 0, 0])
+                sums[0] += t.calls
+                sums[1] += t.forward_ns
+                sums[2] += t.backward_ns
+        no_calls = _OpTotals()
         rows: list[dict]
         rows = [{"module": path or "(no module)", "calls": calls, "total_ms": _ms(forward + backward),
                  "share": f"{100.0 * (forward + backward) / grand:.1f}%",
-                 "self_ms": _ms(self.module_totals[path].forward_ns + self.module_totals[path].backward_ns),
+                 "self_ms": _ms(self.module_totals.get(path, no_calls).forward_ns
+                                + self.module_totals.get(path, no_calls).backward_ns),
                  "forward_ms": _ms(forward), "backward_ms": _ms(backward)}
                 for path, (calls, forward, backward) in inclusive.items()]
         rows.sort(key=lambda r: -r["total_ms"])

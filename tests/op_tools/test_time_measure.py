@@ -115,15 +115,47 @@ def test_the_module_made_slow_tops_the_time_per_module(sim, tmp_path, logged):
     with op_tools.OpTimeMeasure() as timer:
         model(input_ids=ids, labels=ids).loss.backward()
     rows = timer.measurements.module_rows()
-    assert [r["module"] for r in rows[:4]] == ["model", "model.layers.1", "model.layers.1.mlp",
-                                              "model.layers.1.mlp.act_fn"]  # with their submodules' time
-    act_fn = rows[3]
+    by_path = {r["module"]: r for r in rows}
+    # with their submodules' time: the root (named by its class), its child "model", the container of the layers
+    chain = ["LlamaForCausalLM", "model", "model.layers", "model.layers.1", "model.layers.1.mlp",
+             "model.layers.1.mlp.act_fn"]
+    assert [r["module"] for r in rows if r["module"] in chain] == chain and rows[0]["module"] == chain[0]
+    assert by_path["model.layers.1"]["total_ms"] > by_path["model.layers.0"]["total_ms"]
+    act_fn = by_path["model.layers.1.mlp.act_fn"]
     assert act_fn["self_ms"] == act_fn["total_ms"] >= 100 and act_fn["calls"] == 1
-    assert rows[1]["self_ms"] < rows[1]["total_ms"]  # layer 1's own adds, plus its attention, norms and MLP
+    layer = by_path["model.layers.1"]
+    assert layer["self_ms"] < layer["total_ms"]  # layer 1's own adds, plus its attention, norms and MLP
+    assert by_path["model.layers"]["self_ms"] == 0  # a ModuleList runs nothing itself
     (modules_file,) = _result_files(tmp_path, "modules")
     with open(modules_file, newline="") as f:
-        assert [r["module"] for r in csv.DictReader(f)][:2] == ["model", "model.layers.1"]
+        assert [r["module"] for r in csv.DictReader(f)][:2] == ["LlamaForCausalLM", "model"]
     assert "time per module" in logged()
+
+
+class _TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.l2(torch.nn.functional.gelu(self.l1(x)))  # gelu: the root's own call
+
+
+def test_a_root_module_holds_its_children_time(sim):
+    model = _TwoLayers().to(sim)
+    head = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()).to(sim)  # a root that runs nothing itself
+    with op_tools.OpTimeMeasure() as timer:
+        head(model(torch.randn(8, 16, device=sim))).sum().backward()
+    rows = {r["module"]: r for r in timer.measurements.module_rows()}
+    assert set(rows) == {"_TwoLayers", "l1", "l2", "Sequential", "0", "1", "(no module)"}
+    root = rows["_TwoLayers"]
+    assert root["calls"] == 3 and root["self_ms"] < root["total_ms"]
+    assert root["total_ms"] == pytest.approx(root["self_ms"] + rows["l1"]["total_ms"] + rows["l2"]["total_ms"])
+    assert rows["Sequential"]["calls"] == 2 and rows["Sequential"]["self_ms"] == 0
+    assert rows["Sequential"]["total_ms"] == pytest.approx(rows["0"]["total_ms"] + rows["1"]["total_ms"])
+    # the roots and the calls outside any module (sum) are the whole run
+    whole = sum(t.forward_ns + t.backward_ns for t in timer.measurements.totals.values()) / 1e6
+    assert root["total_ms"] + rows["Sequential"]["total_ms"] + rows["(no module)"]["total_ms"] == pytest.approx(whole)
 
 
 def test_lists_choose_the_ops_timed(sim, monkeypatch):
