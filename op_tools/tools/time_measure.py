@@ -339,6 +339,12 @@ def describe(obj) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def _named_counts(counts: collections.Counter, shown: int = 3) -> str:
+    """``torch.matmul: 3, torch.cat: 1``: the most frequent first, ``shown`` of them, then how many more."""
+    named = ", ".join(f"{name}: {n}" for name, n in counts.most_common(shown))
+    return named + (f", {len(counts) - shown} more ops" if len(counts) > shown else "")
+
+
 def _ms(ns: float) -> float:
     return round(ns / 1e6, 6)
 
@@ -504,6 +510,14 @@ class OpTimeMeasure(OpTool):
             self._logger.warning("OpTimeMeasure: could not append to %s (%s: %s); its rows are written at stop()",
                                  self._calls_path(), type(error).__name__, error)
 
+    def handled_note(self) -> str:
+        """The calls whose op raised (the user's error, propagated): handled, never timed, so in no file."""
+        return f" ({self._raised_clause()})" if self.raised else ""
+
+    def _raised_clause(self) -> str:
+        """'3 raised by the op itself, not timed', the wording of OpAutoCompare's summary, for both our lines."""
+        return f"{sum(self.raised.values())} raised by the op itself, not timed"
+
     def unchecked_parts(self) -> list[str]:
         unread = self.measurements.unread
         if not unread:
@@ -557,7 +571,9 @@ class OpTimeMeasure(OpTool):
         fit = reporting.fit_line  # its lines wrapped at the console's width; the tables fit it by themselves
         lines = [fit(f"OpTimeMeasure: {sum(t.calls for t in measurements.totals.values())} calls of "
                      f"{len(measurements.totals)} ops, measured {_ms(forward + backward):.3f} ms "
-                     f"(forward {_ms(forward):.3f} ms, backward {_ms(backward):.3f} ms)"),
+                     f"(forward {_ms(forward):.3f} ms, backward {_ms(backward):.3f} ms)"
+                     # the closing line's calls handled are these and those raised: said, so both add up
+                     + (f"; {self._raised_clause()} ({_named_counts(self.raised)})" if self.raised else "")),
                  reporting.table_text(summary[:SUMMARY_SHOWN], CONSOLE_SUMMARY_COLUMNS)]
         if len(summary) > SUMMARY_SHOWN:
             lines.append(f"{len(summary) - SUMMARY_SHOWN} more ops in the summary file")

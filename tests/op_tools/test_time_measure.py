@@ -158,6 +158,23 @@ def test_a_root_module_holds_its_children_time(sim):
     assert root["total_ms"] + rows["Sequential"]["total_ms"] + rows["(no module)"]["total_ms"] == pytest.approx(whole)
 
 
+def test_calls_whose_op_raised_are_counted_by_the_summary_and_the_closing_line(sim, logged):
+    from op_tools.output import reporting
+
+    a, b = torch.randn(3, 4, device=sim), torch.randn(5, 6, device=sim)
+    with op_tools.OpTimeMeasure() as timer:
+        for _ in range(3):
+            with pytest.raises(RuntimeError):
+                a @ b  # the user's shape error: propagated, never timed
+        a.sin()
+    assert re.search(r"OpTimeMeasure: 1 calls of 1 ops, measured [^\n]*\); 3 raised by the op itself, not timed "
+                     r"\(torch\.Tensor\.matmul: 3\)\n", reporting.unwrapped(logged()))
+    # 1 timed and 3 raised: the 4 calls handled
+    assert reporting.unwrapped(timer.closing_line()).startswith(
+        "OpTimeMeasure: 4 calls of 2 ops handled (3 raised by the op itself, not timed); wrote 4 files")
+    assert timer.verdict() == "clean"  # the op's own error is the user's, no call the tool failed to time
+
+
 def test_lists_choose_the_ops_timed(sim, monkeypatch):
     monkeypatch.setenv("OP_TIME_MEASURE_LIST", r"torch\.nn\.functional\..*")
     monkeypatch.setenv("OP_TIME_MEASURE_DISABLE_LIST", "torch.nn.functional.silu")
