@@ -39,6 +39,9 @@ _active: list = []  # (name, logger, checks regions) of the started tools, one p
 _stance = None  # the set_stance object that forced eager (its __exit__ restores the stance before), or None
 _watch = None  # our wrapper of torch.compile while installed, or None
 _callbacks = None  # dynamo's _callback_from_stance while ours replaces it, or None
+# Activations started where dynamo was loaded and had compiled nothing (a model compiled before the tool, first run
+# inside it): each says its line at the first compiled function that runs while it is active.
+_pending: list = []
 
 LINE = ("%s: torch.compile'd code runs eagerly while the tool is active, so that it sees every op "
         "(torch.compiler.set_stance(\"force_eager\"); compiled graphs are kept for after)")
@@ -52,9 +55,12 @@ def enter(name: str, logger: logging.Logger, checks_regions: bool = False) -> No
     """A tool named ``name`` starts: where dynamo is loaded, force eager (or, for a tool that ``checks_regions``
     alone, wrap the backends); else watch ``torch.compile``."""
     with _lock:
-        _active.append((name, logger, checks_regions))
+        entry = (name, logger, checks_regions)
+        _active.append(entry)
         if "torch._dynamo" in sys.modules:
-            _apply(announce=[(name, logger, checks_regions)] if _compiled_anything() else [])
+            if not _compiled_anything():
+                _pending.append(entry)
+            _apply(announce=[] if _pending and _pending[-1] is entry else [entry])
         elif len(_active) == 1:
             _watch_compile()
 
@@ -63,7 +69,9 @@ def exit() -> None:  # noqa: A001 - the pair of enter()
     """The latest activation stops: the stance, dynamo's callback and ``torch.compile`` are put back after the
     last one that needed them."""
     with _lock:
-        _active.pop()
+        entry = _active.pop()
+        if any(p is entry for p in _pending):
+            _pending.remove(entry)
         if "torch._dynamo" in sys.modules:
             _apply(announce=[])
         if not _active:
@@ -81,13 +89,22 @@ def _apply(announce: list) -> None:
                 logger.info(LINE if not checks else LINE_CHECK_OVERRIDDEN, name)
     else:
         _restore_stance()
-    if any(checks for _, _, checks in _active):
+    checking = any(checks for _, _, checks in _active)
+    if checking or _pending:
         _wrap_backends()
-        if not eager:
+        if checking and not eager:
             for name, logger, _ in announce:
                 logger.info(LINE_CHECK, name)
     else:
         _unwrap_backends()
+
+
+def _announce_pending() -> None:
+    """A compiled function runs while activations that found nothing compiled are active: each says its line."""
+    with _lock:
+        pending = list(_pending)
+        _pending.clear()
+        _apply(announce=pending)
 
 
 def _restore_stance() -> None:
@@ -182,8 +199,11 @@ def _wrap_backends() -> None:
     original = eval_frame._callback_from_stance
 
     def callback_from_stance(callback):
+        if _pending and callback is not None and callback is not False and not in_tool_work():
+            _announce_pending()  # a compiled function runs: compiled before the tool, first run inside it
         callback = original(callback)
-        if callback is None or callback is False or in_tool_work():
+        if callback is None or callback is False or in_tool_work() or \
+                not any(checks for _, _, checks in _active):
             return callback
         return _wrapped_callback(callback)
 

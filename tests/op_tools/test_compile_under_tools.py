@@ -117,6 +117,35 @@ def test_a_model_compiled_with_fullgraph_is_said_to_run_eagerly_under_a_tool(run
     assert handled == 2 and said == 1, done.stdout  # linear and relu seen, and said once
 
 
+COMPILED_BEFORE_RUN_INSIDE = """
+import logging
+import torch._dynamo  # loaded, nothing compiled yet: torch.compile is not watched
+lines = []
+handler = type("H", (logging.Handler,), {"emit": lambda s, r: lines.append(r.getMessage())})()
+logging.getLogger("op_tools").addHandler(handler)
+logging.getLogger("op_tools").setLevel(logging.INFO)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).to("sim")
+x = torch.randn(4, 8, device="sim")
+compiled = torch.compile(model, backend="aot_eager")  # made before the tool, first run inside it
+with op_tools.OpObserve():
+    model(x)  # no compiled code runs: nothing to say
+said_before = sum("runs eagerly while the tool is active" in line for line in lines)
+with op_tools.OpObserve() as tool:
+    compiled(x)
+    compiled(x)
+print(sum(tool.handled.values()), said_before, sum("runs eagerly while the tool is active" in line for line in lines))
+"""
+
+
+def test_a_model_compiled_before_the_tool_and_first_run_inside_it_is_said_to_run_eagerly(run_script):
+    # it said nothing: dynamo was loaded and had compiled nothing when the tool started, so torch.compile was not
+    # watched, and the compiled model ran eagerly without its line
+    done = run_script(COMPILED_BEFORE_RUN_INSIDE, {})
+    assert done.returncode == 0, done.stderr[-4000:]
+    handled, said_before, said = map(int, done.stdout.split()[-3:])
+    assert (handled, said_before, said) == (4, 0, 1), done.stdout  # two calls of linear and relu; said once
+
+
 STARTED_INSIDE = """
 import json
 results = {}
