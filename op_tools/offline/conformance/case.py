@@ -222,9 +222,13 @@ def _save_inputs(base: str, row: Row, device: torch.device, sample, device_out, 
     if os.path.exists(os.path.join(folder, "input.pth")):
         return folder  # the other direction saved the same sample
     store = TensorStore(dedup=False)
-    # the CPU copies, with the device named where a factory takes one (as a user's call on the device would)
-    args = convert((sample.input, *sample.args), "", lambda t, _: t.detach(), device, {})
-    kwargs = convert(sample.kwargs, "", lambda t, _: t.detach(), device, {})
+    # the CPU copies, with the device named where a factory takes one (as a user's call on the device would); each
+    # keeps its requires_grad, which tells the replay the inputs to take gradients of (else it checks no backward)
+    def kept(t: torch.Tensor, _) -> torch.Tensor:
+        return t.detach().requires_grad_(t.requires_grad)
+
+    args = convert((sample.input, *sample.args), "", kept, device, {})
+    kwargs = convert(sample.kwargs, "", kept, device, {})
     store.save(os.path.join(folder, "input.pth"),
                {"name": row.torch_name, "args": tuple(args), "kwargs": kwargs, "identifier": "input"})
     if device_out is not None:

@@ -177,3 +177,22 @@ def test_a_sort_that_orders_ties_otherwise_passes_and_one_with_a_wrong_index_is_
     monkeypatch.setitem(sim_kernels.KERNELS, aten.sort.default, wrong_index)
     rows = run_case(opinfo, torch.float32, torch.device("sim"), CaseOptions()).rows
     assert rows[0].status == "mismatch", rows
+
+
+def test_the_saved_inputs_of_a_backward_mismatch_replay_its_backward_and_find_it(sim, tmp_path):
+    # The inputs were saved detached: the replay took no gradient, checked the forward only and said "ok | all pass"
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    import ditorch.sim
+    from op_tools.offline.conformance.case import CaseOptions, run_case
+    from op_tools.offline.replay import ReplayOptions, find_entries, replay
+
+    sin = next(o for o in op_db if o.name == "sin")
+    with ditorch.sim.faults("cos:noise=1e-2"):  # sin's gradient only
+        forward, backward = run_case(sin, torch.float32, torch.device("sim"),
+                                     CaseOptions(sample=0, save_dir=str(tmp_path))).rows
+        assert (forward.status, backward.status) == ("pass", "mismatch"), (forward, backward)
+        (entry,) = find_entries(backward.inputs)
+        result = replay(entry, "sim", ReplayOptions(acc_check=True))
+    assert result.status == "mismatch" and result.backward_ms, result
+    assert [c["check"] for c in result.checks if not c["ok"]] == ["grad vs cpu float64"], result.checks
