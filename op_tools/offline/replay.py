@@ -361,7 +361,7 @@ def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: 
         if reason is not None:
             result.notes.append("random draws: accuracy not checked (a rerun draws other numbers)")
             if first is not None:  # every run makes it (runs >= 1)
-                _check_finite(args, kwargs, first[0], result)
+                _check_finite(args, kwargs, upstream, first, result)
             return
         if op_facts(name).uninitialised:  # what any run holds there is whatever the memory held
             result.notes.append("memory never written (torch.empty's): accuracy not checked")
@@ -548,17 +548,37 @@ def _autocast(state: dict | None, device: torch.device, result: ReplayResult):
     return functools.partial(torch.autocast, device.type, dtype=dtype)
 
 
-def _check_finite(args, kwargs, output, result: ReplayResult) -> None:
-    """A random op's check: from finite floating inputs, finite floating outputs (its values, drawn again, are not
-    compared; a kernel writing nan or inf is found all the same)."""
-    inputs = [t for t in (*iter_tensors(args), *iter_tensors(kwargs)) if t.is_floating_point() or t.is_complex()]
-    outputs = [t for t in iter_tensors(output) if t.is_floating_point() or t.is_complex()]
-    if not outputs or not all(bool(torch.isfinite(t.detach().cpu()).all()) for t in inputs):
+def _check_finite(args, kwargs, upstream, first, result: ReplayResult) -> None:
+    """A random op's checks: from finite floating inputs, finite floating outputs, and from finite upstream gradients
+    too, finite input gradients (its values, drawn again, are not compared; a kernel writing nan or inf is found all
+    the same, forward or backward)."""
+    output, grads, _ = first
+    if not _all_finite([*iter_tensors(args), *iter_tensors(kwargs)]):  # nan in, nan out: no kernel's nan told apart
+        result.notes.append("finiteness not checked: the captured inputs hold nan or inf")
         return
-    bad = [i for i, t in enumerate(outputs) if not bool(torch.isfinite(t.detach().cpu()).all())]
-    result.checks.append({"check": "output finite", "ok": not bad,
-                          "detail": f"output[{bad[0]}] holds nan or inf from finite inputs" if bad else
-                          "every output finite"})
+    _finite_check("output", list(iter_tensors(output)), "finite inputs", result)
+    if grads is None:
+        return  # no backward ran (forward only, or no output depends on an input that required grad)
+    if not _all_finite(list(iter_tensors(upstream))):
+        result.notes.append("grad not checked: the captured upstream gradients hold nan or inf")
+        return
+    _finite_check("grad", [g for g in grads if g is not None], "finite inputs and upstream gradients", result)
+
+
+def _all_finite(tensors: list) -> bool:
+    return all(bool(torch.isfinite(t.detach().cpu()).all()) for t in tensors if t.is_floating_point() or t.is_complex())
+
+
+def _finite_check(what: str, tensors: list, source: str, result: ReplayResult) -> None:
+    """The check ``"<what> finite"`` of the floating ``tensors`` (none: no check), a mismatch where one holds nan or
+    inf."""
+    floating = [t for t in tensors if t.is_floating_point() or t.is_complex()]
+    if not floating:
+        return
+    bad = [i for i, t in enumerate(floating) if not bool(torch.isfinite(t.detach().cpu()).all())]
+    result.checks.append({"check": f"{what} finite", "ok": not bad,
+                          "detail": f"{what}[{bad[0]}] holds nan or inf from {source}" if bad else
+                          f"every {what} finite"})
     if bad:
         result.status = "mismatch"
 

@@ -236,12 +236,18 @@ def _finish(results, time_rows, options: ReplayOptions, env: dict, args, common:
 STATUSES = ("ok", "mismatch", "reference error", "error")
 
 
-FINITE_ONLY = "output finite: pass"  # a random op's values are drawn again, not compared: only their finiteness
+# a random op's values are drawn again, not compared: only their finiteness, forward and backward
+FINITE_CHECKS = ("output finite: pass", "grad finite: pass")
+
+
+def finite_only(checks: str) -> bool:
+    """Whether a summary row's checks are a random op's finiteness checks only, all passed."""
+    return bool(checks) and all(check in FINITE_CHECKS for check in checks.split("; "))
 
 
 def needs_attention(row: dict, options: ReplayOptions) -> bool:
     """A summary row ``--failures-only`` keeps: not ok, or ok without the accuracy check asked for (random draws)."""
-    return row["status"] != "ok" or (options.acc_check and row["checks"] in ("", FINITE_ONLY))
+    return row["status"] != "ok" or (options.acc_check and (row["checks"] == "" or finite_only(row["checks"])))
 
 
 def console_row(row: dict, options: ReplayOptions) -> dict:
@@ -255,7 +261,7 @@ def console_row(row: dict, options: ReplayOptions) -> dict:
         failed = [SHORT_CHECKS.get(name, name) for name, _, verdict in
                   (c.rpartition(": ") for c in row["checks"].split("; ") if c) if verdict != "pass"]
         shown["checks"] = ("FAIL: " + ", ".join(failed)) if failed else \
-            "finite only" if row["checks"] == FINITE_ONLY else "all pass" if row["checks"] else \
+            "finite only" if finite_only(row["checks"]) else "all pass" if row["checks"] else \
             "not checked" if row["status"] == "ok" else ""
     shown["detail"] = row["detail"]
     shown["step"] = row["step"]
@@ -265,7 +271,7 @@ def console_row(row: dict, options: ReplayOptions) -> dict:
 SHORT_CHECKS = {"output vs cpu float64": "output", "grad vs cpu float64": "grad",
                 "output vs captured output": "captured", "written vs cpu float64": "written",
                 "written vs captured": "written captured", "grad vs captured grad": "captured grad",
-                "output finite": "finite"}
+                "output finite": "finite", "grad finite": "grad finite"}
 
 
 def markdown_report(summary: list[dict], options: ReplayOptions, env: dict, source: str) -> str:

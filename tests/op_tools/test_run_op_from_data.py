@@ -714,6 +714,26 @@ def test_a_random_op_is_checked_for_finite_outputs_from_finite_inputs(tmp_path, 
     assert faulty.status == "mismatch" and faulty.checks[0]["detail"] == "output[0] holds nan or inf from finite inputs"
 
 
+def test_a_random_op_whose_backward_writes_nan_is_a_mismatch(tmp_path, sim):
+    # Only its outputs were checked: nan gradients from dropout's backward replayed "ok | finite only", exit 0
+    import ditorch.sim
+    from op_tools.offline.replay import ReplayOptions, replay
+
+    x = torch.randn(3, 3).to(sim).requires_grad_()
+    with op_tools.OpCapture(results_dir=str(tmp_path), ops=["torch.nn.functional.dropout"]):
+        torch.nn.functional.dropout(x, 0.5).sum().backward()
+    (entry,) = find_entries(str(tmp_path))
+    clean = replay(entry, sim, ReplayOptions(acc_check=True))
+    assert clean.status == "ok" and [(c["check"], c["ok"]) for c in clean.checks] == [
+        ("output finite", True), ("grad finite", True)], clean
+    with ditorch.sim.faults("native_dropout_backward:nan"):
+        faulty = replay(entry, sim, ReplayOptions(acc_check=True))
+    assert faulty.status == "mismatch", faulty
+    assert [(c["check"], c["ok"], c["detail"]) for c in faulty.checks] == [
+        ("output finite", True, "every output finite"),
+        ("grad finite", False, "grad[0] holds nan or inf from finite inputs and upstream gradients")]
+
+
 def test_as_strided_on_a_view_with_gaps_replays_its_storage_and_what_was_not_captured_is_not_replayable(tmp_path, sim):
     # x[:, ::2] was saved dense: its as_strided read other elements when replayed, a mismatch with no fault (exit 3)
     from op_tools.offline.replay import ReplayOptions, replay
