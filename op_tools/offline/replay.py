@@ -82,7 +82,9 @@ class ReplayOptions:
 class ReplayResult:
     entry: Entry
     name: str = ""
-    status: str = "ok"          # ok, mismatch (acc_check failed), reference error (the CPU reference raised), error
+    # ok, mismatch (acc_check failed), reference error (the CPU reference raised), error, not checked (acc_check
+    # asked, and the call ran, but nothing of it could be checked: memory never written, random draws from nan)
+    status: str = "ok"
     error: str = ""
     device: str = ""
     shapes: str = ""            # the tensor inputs' shapes and dtypes, in argument order
@@ -96,14 +98,17 @@ class ReplayResult:
 
     @property
     def failed(self) -> bool:
-        return self.status != "ok"
+        """Whether the replay found something or could not do its part (a call that ran, nothing of it checkable,
+        has not failed: its verdict says it was not checked)."""
+        return self.status not in ("ok", "not checked")
 
     def verdict(self) -> str:
         """``"found"`` (a mismatch, or the op raised on the device), ``"unchecked"`` (not replayed: a refused or
-        broken capture; or the CPU reference raised, so nothing to check against) or ``"clean"``."""
+        broken capture; the CPU reference raised, so nothing to check against; or nothing of the call could be
+        checked) or ``"clean"``."""
         if self.status == "mismatch" or self.op_raised:
             return "found"
-        return "unchecked" if self.failed else "clean"
+        return "unchecked" if self.status != "ok" else "clean"
 
 
 # --- finding entries ---
@@ -267,6 +272,8 @@ def replay(entry: Entry, device: str | torch.device, options: ReplayOptions) -> 
     result = ReplayResult(entry, device=str(device))
     try:
         _replay(entry, torch.device(device), options, result)
+        if options.acc_check and result.status == "ok" and not result.checks:  # asked for, and none made
+            result.status = "not checked"
     except ReplayError as e:
         result.status, result.error = "error", str(e)
     except Exception as e:  # the op itself raised: that is a finding, reported with the op's own words
@@ -359,12 +366,13 @@ def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: 
     if options.acc_check:
         reason = random_reason(name, args, kwargs)
         if reason is not None:
-            result.notes.append("random draws: accuracy not checked (a rerun draws other numbers)")
+            # first: the detail column shows the notes in order, and this one says what the checks are worth
+            result.notes.insert(0, "random draws: accuracy not checked (a rerun draws other numbers)")
             if first is not None:  # every run makes it (runs >= 1)
                 _check_finite(args, kwargs, upstream, first, result)
             return
         if op_facts(name).uninitialised:  # what any run holds there is whatever the memory held
-            result.notes.append("memory never written (torch.empty's): accuracy not checked")
+            result.notes.insert(0, "memory never written (torch.empty's): accuracy not checked")
             return
         with autocast():
             math = DeviceMath.of(device, name)  # the replay device's declared math for this op, under its autocast

@@ -8,8 +8,9 @@ have no gradient), then summarised: op, input shapes and dtypes, device, verdict
 step the call was captured in, with the torch and ditorch versions and the device's name (``--report md`` writes
 it as Markdown; ``--failures-only`` shows on the console only the entries not ok or not checked). Exit status
 (``op_tools.output.exit_status``): 0 every entry ok, 3 an entry failed ``--acc_check`` (mismatch) or its op raised on
-the device, 4 none did but some entry was not replayed (a refused or broken capture) or its CPU reference raised, 2
-bad usage or no captured call under DIR, 5 the summary could not be written.
+the device, 4 none did but some entry was not replayed (a refused or broken capture), its CPU reference raised, or,
+with ``--acc_check``, nothing of it could be checked (``not checked``), 2 bad usage or no captured call under DIR, 5
+the summary could not be written.
 
     python op_tools/run_op_from_data.py op_tools_results/op_capture_results --sync_time_measure --run_times 20
     python op_tools/run_op_from_data.py op_tools_results/op_capture_results/torch.matmul --acc_check
@@ -48,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "this machine's device, and summarise each one: op, input shapes and dtypes, device, verdict, "
                     "times.",
         epilog="Exit status: 0 every entry ok, 3 a mismatch or an op that raised on the device, 4 none, but an "
-               "entry not replayed or its CPU reference raised, 2 bad usage or no captured call, 5 the summary "
-               "could not be written.")
+               "entry not replayed, its CPU reference raised or nothing of it could be checked, 2 bad usage or no "
+               "captured call, 5 the summary could not be written.")
     parser.add_argument("dir", help="What to replay: a folder of captures (e.g. op_tools_results/op_capture_results), "
                                     "one op's or one call's folder, or one call's input.pth file. Every folder below "
                                     "it that holds an input.pth is one entry.")
@@ -75,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "repeatable.")
     parser.add_argument("--failures-only", "--failures_only", dest="failures_only", **flag,
                         help="On the console, show only the entries that are not ok (mismatch, reference error, "
-                             "error) or, with --acc_check, were not checked (random draws), and count the ok ones "
+                             "error, not checked) or, with --acc_check, whose values were not compared (random draws: "
+                             "their finiteness only), and count the ok ones "
                              "left out; the summary CSV and the Markdown report keep every entry.")
     parser.add_argument("--report", metavar="md|PATH.md", default=None,
                         help="Also write the summary as a Markdown report, with the torch and ditorch versions and "
@@ -222,8 +224,9 @@ def _finish(results, time_rows, options: ReplayOptions, env: dict, args, common:
     except OSError as e:  # the verdict is still printed below; the status says the files are missing
         not_written = f"cannot write {e.filename or 'the summary'}: {type(e).__name__}: {e.strerror or e}"
     counts = collections.Counter(r.status for r in results)
+    always = ("ok", "mismatch", "error", "not checked") if options.acc_check else ("ok", "mismatch", "error")
     lines.append(f"{len(results)} entries: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s] or s in
-                                                          ("ok", "mismatch", "error")))
+                                                          always))
     table = lines[:1] if shown else []  # fits the width by itself; the lines below wrap at it
     reporting.console("\n".join(table + [reporting.fit_line(line) for line in lines[len(table):]]))
     if not_written:
@@ -233,7 +236,7 @@ def _finish(results, time_rows, options: ReplayOptions, env: dict, args, common:
     return status_of(next((v for v in ("found", "unchecked") if v in verdicts), "clean"))
 
 
-STATUSES = ("ok", "mismatch", "reference error", "error")
+STATUSES = ("ok", "mismatch", "reference error", "error", "not checked")
 
 
 # a random op's values are drawn again, not compared: only their finiteness, forward and backward
@@ -247,7 +250,7 @@ def finite_only(checks: str) -> bool:
 
 def needs_attention(row: dict, options: ReplayOptions) -> bool:
     """A summary row ``--failures-only`` keeps: not ok, or ok without the accuracy check asked for (random draws)."""
-    return row["status"] != "ok" or (options.acc_check and (row["checks"] == "" or finite_only(row["checks"])))
+    return row["status"] != "ok" or (options.acc_check and finite_only(row["checks"]))
 
 
 def console_row(row: dict, options: ReplayOptions) -> dict:
@@ -261,8 +264,7 @@ def console_row(row: dict, options: ReplayOptions) -> dict:
         failed = [SHORT_CHECKS.get(name, name) for name, _, verdict in
                   (c.rpartition(": ") for c in row["checks"].split("; ") if c) if verdict != "pass"]
         shown["checks"] = ("FAIL: " + ", ".join(failed)) if failed else \
-            "finite only" if finite_only(row["checks"]) else "all pass" if row["checks"] else \
-            "not checked" if row["status"] == "ok" else ""
+            "finite only" if finite_only(row["checks"]) else "all pass" if row["checks"] else ""
     shown["detail"] = row["detail"]
     shown["step"] = row["step"]
     return shown

@@ -236,6 +236,24 @@ def test_a_capture_not_replayed_exits_4_no_capture_2_and_a_summary_not_written_5
     assert "1 entries: 0 ok, 0 mismatch, 1 error" in out and "run_op_from_data: cannot write " in err
 
 
+def test_an_entry_with_nothing_checked_is_counted_not_checked_and_exits_4(tmp_path, capsys):
+    # torch.empty's memory is never written, so nothing of it is compared: it replayed "1 entries: 1 ok", exit 0
+    root = str(tmp_path / "captures")
+    empty = f"{_entry(root, 'torch.empty', '1', 't')}/input.pth"
+    torch.save({"name": "torch.empty", "args": (5, 5), "kwargs": {}}, empty)
+    assert main([root, "--device", "cpu", "--acc_check"]) == 4
+    out = capsys.readouterr().out
+    assert "1 entries: 0 ok, 0 mismatch, 0 error, 1 not checked" in out
+    (row,) = _summary(tmp_path)
+    assert (row["status"], row["checks"]) == ("not checked", "")
+    assert row["detail"].startswith("memory never written (torch.empty's): accuracy not checked")
+    add = f"{_entry(root, 'torch.add', '2', 't')}/input.pth"
+    torch.save({"name": "torch.add", "args": (torch.ones(3), torch.ones(3)), "kwargs": {}}, add)
+    assert main([add, "--device", "cpu", "--acc_check"]) == 0  # every entry checked: clean
+    assert main([root, "--device", "cpu"]) == 0  # no check asked for: replayed is all it says
+    assert "2 entries: 2 ok, 0 mismatch, 0 error" in capsys.readouterr().out.splitlines()[-1]
+
+
 def test_an_autocompare_failure_folder_is_replayed_from_its_device_side(captured_step, tmp_path, sim):
     """OpAutoCompare's layout <op>/<pid>/autocompare/<forward_id>/<time>/{device,cpu}/: the device side replays."""
     source = find_entries(os.path.join(captured_step, "torch.nn.functional.linear"))[0].directory
@@ -543,7 +561,8 @@ def test_memory_never_written_is_replayed_but_not_checked_and_says_so(tmp_path, 
         x.new_empty((8, 8))
     results = {r.name: r for r in (replay(e, sim, ReplayOptions(acc_check=True)) for e in find_entries(str(tmp_path)))}
     for name in ("torch.empty_like", "torch.Tensor.new_empty"):
-        assert results[name].status == "ok" and results[name].checks == [], results[name]
+        assert results[name].status == "not checked" and results[name].checks == [], results[name]
+        assert results[name].verdict() == "unchecked" and not results[name].failed
         assert "memory never written (torch.empty's): accuracy not checked" in results[name].notes, results[name]
 
 
