@@ -367,13 +367,22 @@ def _print_sample(rows: list[Row], details: list[dict], device: str) -> None:
         reporting.console(f"inputs {saved}")
 
 
+def _rows_of(option: str, path: str) -> list[Row]:
+    """The rows of the run ``option`` names (its CSV, its results file or its folder); a UsageError naming ``option``
+    for one that cannot be read (before, a missing one was a FileNotFoundError's traceback under --report)."""
+    try:
+        return read_rows(path)
+    except FileNotFoundError:
+        where = f"no {RESULTS_FILE} there" if os.path.isdir(path) else "no such file or folder"
+        raise UsageError(f"{option} {path!r}: {where}") from None
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{option} {path!r}: {e}") from None
+
+
 def _other(path: str | None) -> tuple[list[Row] | None, str]:
     if not path:
         return None, ""
-    try:
-        rows = read_rows(path)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"--compare {path!r}: {e}") from None
+    rows = _rows_of("--compare", path)
     label = rows[0].device if rows and rows[0].device else "other"
     return rows, f"{label} ({os.path.basename(os.path.normpath(path))})"
 
@@ -405,7 +414,7 @@ def _main(args) -> int:
     ToleranceSpec.from_env()  # a malformed tolerance variable is an error now, not in every worker
     other, other_label = _other(args.compare)
     if args.report:
-        rows = read_rows(args.report)
+        rows = _rows_of("--report", args.report)
         folder = args.output or os.path.dirname(find_results_file(args.report)) or "."
         write_reports(rows, folder, _title(rows[0].device if rows else "?"), other, other_label)
         return status_of(report.verdict(rows))

@@ -201,6 +201,16 @@ def test_the_report_of_a_results_file_needs_no_worker(tmp_path, capsys):
     assert [r.op for r in read_csv(str(folder / "conformance.csv"))] == ["add", "mul"]
 
 
+def test_a_report_or_compare_of_a_run_not_there_is_a_usage_error_naming_it(tmp_path, capsys):
+    # --report of a missing path or an empty folder ended in a FileNotFoundError's traceback, exit 1
+    (tmp_path / "empty").mkdir()
+    missing = ((tmp_path / "gone", "no such file or folder"), (tmp_path / "empty", "no results.jsonl there"))
+    for option in ("--report", "--compare"):
+        for path, why in missing:
+            assert cli.main([option, str(path)]) == 2
+            assert capsys.readouterr().err == f"conformance: {option} {str(path)!r}: {why}\n"
+
+
 def settings_of(*argv: str) -> cli.Settings:
     return cli.settings_from(cli.build_parser().parse_args(list(argv)), None)
 
