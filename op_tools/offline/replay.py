@@ -181,6 +181,22 @@ _UNKNOWN_DEVICE_TYPE = re.compile(r"device type at start of device string: ([A-Z
 _HOW_TO_REGISTER = " (its package imported; with ditorch, DITORCH_BACKEND={})"
 
 
+def _recorded_name(entry: Entry) -> str:
+    """The op an entry whose files do not load is of: the name its ``input.pth`` records (read alone, without the
+    files it refers to), else the op folder of the capture layout (``<op>/<pid>/<forward_id>/<time>/``); "" where
+    neither names one."""
+    try:
+        name = torch.load(os.path.join(entry.directory, "input.pth"), weights_only=True, map_location="cpu")["name"]
+    except Exception:  # noqa: BLE001 - missing, truncated, refused or not a dict: the folder may still say
+        name = None
+    if isinstance(name, str) and name:
+        return name
+    parts = os.path.normpath(os.path.abspath(entry.directory)).split(os.sep)
+    depth = 6 if entry.kind == "autocompare" else 4  # <op>/<pid>/autocompare/<forward_id>/<time>/device/
+    folder = parts[-depth] if len(parts) > depth else ""
+    return folder if "." in folder else ""  # an op's name (torch.matmul), not a folder of other things
+
+
 def _load_optional(path: str) -> dict | None:
     return load_file(path) if os.path.exists(path) else None
 
@@ -276,6 +292,7 @@ def replay(entry: Entry, device: str | torch.device, options: ReplayOptions) -> 
             result.status = "not checked"
     except ReplayError as e:
         result.status, result.error = "error", str(e)
+        result.name = result.name or _recorded_name(entry)  # a file that would not load: the op named all the same
     except Exception as e:  # the op itself raised: that is a finding, reported with the op's own words
         first_line = (str(e).strip().splitlines() or [""])[0]
         unknown = _UNKNOWN_DEVICE_TYPE.search(first_line)

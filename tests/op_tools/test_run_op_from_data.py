@@ -254,6 +254,23 @@ def test_an_entry_with_nothing_checked_is_counted_not_checked_and_exits_4(tmp_pa
     assert "2 entries: 2 ok, 0 mismatch, 0 error" in capsys.readouterr().out.splitlines()[-1]
 
 
+def test_an_entry_that_does_not_load_still_names_its_op(tmp_path, sim):
+    # Its op column was empty where its input.pth refers to a tensor in a file not copied along
+    from op_tools.offline.replay import ReplayOptions, replay
+
+    x, w = torch.randn(4, 8).to(sim), torch.randn(6, 8).to(sim)
+    with op_tools.OpCapture(results_dir=str(tmp_path / "capture")):
+        torch.nn.functional.gelu(torch.nn.functional.linear(x, w))  # gelu's input: linear's output, stored there
+    (gelu,) = (tmp_path / "capture").rglob("torch.nn.functional.gelu")
+    shutil.copytree(gelu, tmp_path / "alone" / gelu.name)
+    (entry,) = find_entries(str(tmp_path / "alone"))
+    result = replay(entry, sim, ReplayOptions())
+    assert (result.status, result.name) == ("error", "torch.nn.functional.gelu"), result
+    assert "refers to a tensor stored once in" in result.error
+    open(os.path.join(entry.directory, "input.pth"), "wb").write(b"not a capture")  # nothing to read: its folder
+    assert replay(entry, sim, ReplayOptions()).name == "torch.nn.functional.gelu"
+
+
 def test_an_autocompare_failure_folder_is_replayed_from_its_device_side(captured_step, tmp_path, sim):
     """OpAutoCompare's layout <op>/<pid>/autocompare/<forward_id>/<time>/{device,cpu}/: the device side replays."""
     source = find_entries(os.path.join(captured_step, "torch.nn.functional.linear"))[0].directory
@@ -663,11 +680,12 @@ def test_a_file_naming_a_device_type_this_process_lacks_says_so_and_where_to_loa
     done = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "captured"), "--device", "cpu"], env=env,
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 4, done.stdout + done.stderr
-    rows = {r["name"] or "unread": r for r in _summary(tmp_path)}
-    assert rows.keys() == {"unread", "torch.zeros_like"}, rows  # the file naming torch.device("sim") is not read
-    assert rows["unread"]["status"] == "error" and "corrupt" not in rows["unread"]["detail"], rows
-    assert rows["unread"]["detail"].startswith("device type 'sim', unknown in this process, named in ") and \
-        "load it where that backend is registered" in rows["unread"]["detail"], rows
+    rows = {r["name"]: r for r in _summary(tmp_path)}
+    assert rows.keys() == {"torch.ones_like", "torch.zeros_like"}, rows  # the unread file's op: named by its folder
+    unread = rows["torch.ones_like"]  # its file, naming torch.device("sim"), is not read
+    assert unread["status"] == "error" and "corrupt" not in unread["detail"], rows
+    assert unread["detail"].startswith("device type 'sim', unknown in this process, named in ") and \
+        "load it where that backend is registered" in unread["detail"], rows
     assert rows["torch.zeros_like"]["detail"].startswith("the call names device type 'sim', unknown in this process"), \
         rows
 
