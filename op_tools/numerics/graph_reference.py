@@ -357,11 +357,14 @@ _KEY = re.compile(r"\['([^']*)'\]")
 
 
 def _module_of(n: torch.fx.Node) -> str:
-    """The module path of the module a node ran in (``model.layers.0.mlp.act_fn``), from dynamo's record of it."""
+    """The module path of the module a node ran in (``model.layers.0.mlp.act_fn``), from dynamo's record of it; one
+    inside the compiled frame's own module (``L['self']``) starts with ``self`` (``self.mlp.act_fn``): one graph runs
+    for each of a model's alike layers, and the tool puts it under the module running the call."""
     stack = n.meta.get("nn_module_stack") or {}
     if not stack:
         return ""
     path = list(stack.values())[-1][0]  # L['self'].model.layers[0].mlp.act_fn, L['args'][0].model.layers[0]…
+    path = re.sub(r"^L\['self'\]", "self", path)
     path = re.sub(r"^L\['[^']*'\](\[\d+\])*\.?", "", path)
     path = _KEY.sub(lambda m: "." + m.group(1), _INDEX.sub(lambda m: "." + m.group(1), path))
     return path.replace("._modules.", ".").replace("_orig_mod.", "").strip(".")

@@ -65,6 +65,7 @@ from ..config.variables import (
     convert_dtype_map,
     parse_dtype_map,
 )
+from ..core import module_path
 from ..core.engine import OpCall, OpTool, RegionRun, feature, tool_work
 from ..numerics import collective_reference, device_rerun, fused_kernels, graph_reference
 from ..numerics.ambiguous_results import adopt_choices, adopted
@@ -226,6 +227,18 @@ TOLERANCE = Family(AUTOCOMPARE_TOLERANCES[2].name, ToleranceSpec.from_value,
 REFERENCE_CASTS = Family(AUTOCOMPARE_CAST.name, _reference_casts,
                          "a dict {op name or function: {torch.float16: torch.float32}}")
 
+
+
+def _in_frame_of(found, call_module: str):
+    """``found`` (a ``DivergingNode`` or ``fused_kernels.DivergingKernel``) with its module path under
+    ``call_module``, the module running the compiled graph's call, where it is the frame's own module's (``self``);
+    a root module's children are named without it, as the engine names them (``model.layers.0``)."""
+    path = found.module
+    if path != "self" and not path.startswith("self."):
+        return found
+    inner = path[len("self."):] if path != "self" else ""
+    outer = call_module if module_path.enclosing(call_module) else ""  # a root's path is its class: left out
+    return dataclasses.replace(found, module=".".join(filter(None, (outer, inner))) or call_module)
 
 @feature("autocompare")
 class OpAutoCompare(OpTool):
@@ -1052,12 +1065,14 @@ class OpAutoCompare(OpTool):
                 found = self._narrowing(fused_kernels.first_diverging_kernel, region.backend, region.gm, call.args,
                                         self._tolerance)
             self._narrowed[region.name] = found
-            self._logger.warning("OpAutoCompare: %s failed; %s", region.name, found.describe() if found else
+            self._logger.warning("OpAutoCompare: %s failed; %s", region.name,
+                                 _in_frame_of(found, call.module_path).describe() if found else
                                  "no node's output diverges when its nodes run one by one on the device: the "
                                  "fault is in how the graph was compiled (a fused kernel), not in one op")
         found = self._narrowed[region.name]
         if found is None:
             return module, location
+        found = _in_frame_of(found, call.module_path)
         for c in comparisons:
             c.error_info = "; ".join(filter(None, (found.describe(), c.error_info)))
         return found.module or module, found.location or location
@@ -1417,6 +1432,7 @@ class OpAutoCompare(OpTool):
         if found is None and not passed and type(call.func) is RegionRun:
             found = self._narrow_backward(call, upstream)
         if found is not None:  # the graph's forward was narrowed to a node: the likeliest origin of its gradients'
+            found = _in_frame_of(found, module)
             for c in comparisons:
                 c.error_info = "; ".join(filter(None, (found.describe(), c.error_info)))
             module, location = found.module or module, found.location or location

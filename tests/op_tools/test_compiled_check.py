@@ -443,3 +443,42 @@ def test_calls_in_code_dynamo_gave_up_on_are_checked_with_their_module(sim):
         torch.compile(model, backend="aot_eager")(x).sum()
     assert [(f["op"], f["module"]) for f in tool.failures] == [("torch.Tensor.mul", "blocks.0"),
                                                                  ("torch.Tensor.mul", "blocks.1")], tool.failures
+
+
+def test_a_graph_run_for_each_of_two_alike_layers_names_each_layers_module(sim):
+    """Dynamo records a node's module from the compiled frame's own module (``L['self']``): a frame resumed inside a
+    layer after a graph break is one graph, run for every layer, and its diverging node was named ``act`` for both
+    (the layer's path was left out: layers 0 and 1 read alike). It is named under the layer running the call."""
+    import torch
+    from torch import nn
+
+    import ditorch.sim
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.act = nn.Linear(8, 8), nn.SiLU()
+
+        def forward(self, x):
+            h = self.lin(x)
+            torch._dynamo.graph_break()  # what follows is a frame of its own, resumed in the block
+            return self.act(h) * 2
+
+    class Blocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = Blocks().to(sim), torch.randn(4, 8).to(sim)
+    with ditorch.sim.faults("silu:noise=1e-1"), op_tools.OpAutoCompare(compiled="check") as tool:
+        torch.compile(model, backend="aot_eager")(x).sum()
+    found = [(f["module"], f["error_info"].split(";")[0]) for f in tool.failures]
+    assert [module for module, _ in found] == ["blocks.0.act", "blocks.1.act"], tool.failures
+    assert all(f"torch.nn.functional.silu, {module} in " in said for module, said in found), found
