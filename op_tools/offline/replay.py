@@ -329,6 +329,9 @@ def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: 
 
     device_args, device_kwargs = _on_device(args, device), _on_device(kwargs, device)
     device_upstream = _on_device(upstream, device)
+    if options.acc_check and not _arrived((args, kwargs, upstream), (device_args, device_kwargs, device_upstream),
+                                          result):
+        return  # every check would blame the op for what the copy did
     sync = _synchronizer(device)
     inplace = not call_writes(name).never  # every run writes copies of the captured values, never them
     autocast = _autocast(data.get(AUTOCAST_KEY), device, result)
@@ -571,6 +574,33 @@ def _autocast(state: dict | None, device: torch.device, result: ReplayResult):
         return contextlib.nullcontext
     result.notes.append(f"replayed under autocast {state['dtype']}")
     return functools.partial(torch.autocast, device.type, dtype=dtype)
+
+
+def _arrived(captured, moved, result: ReplayResult) -> bool:
+    """Whether the captured tensors reached the device as they were (read back, bit for bit, nan where nan); else
+    the check ``"inputs on the device"`` fails, naming the first that changed: a faulty copy to the device would
+    make every op it feeds (a view's, a sort's) look wrong."""
+    pairs = list(zip(iter_tensors(captured), iter_tensors(moved)))
+    for index, (before, after) in enumerate(pairs):
+        back = after.detach().to("cpu")
+        if back.shape != before.shape or back.dtype != before.dtype or not _same_values(before.detach(), back):
+            result.checks.append({"check": "inputs on the device", "ok": False,
+                                  "detail": f"tensor {index} of the call's inputs reads back changed from the device: "
+                                            "the copy to the device is at fault, not the op (the op is not run)"})
+            result.status = "mismatch"
+            return False
+    return True
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.layout != torch.strided:  # sparse: compared through their dense values
+        a, b = a.to_dense(), b.to_dense()
+    if a.is_quantized:
+        a, b = a.dequantize(), b.dequantize()
+    if a.is_floating_point() or a.is_complex():
+        nan = torch.isnan(a)
+        return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan], b[~nan])
+    return torch.equal(a, b)
 
 
 def _check_finite(args, kwargs, upstream, first, result: ReplayResult) -> None:

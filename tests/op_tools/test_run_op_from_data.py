@@ -615,12 +615,16 @@ def test_what_a_call_writes_into_its_arguments_is_saved_and_compared_so_a_faulty
         z[1] = torch.ones(4).to(sim)
     entries = [e for e in find_entries(str(tmp_path)) if "__setitem__" in e.label]
     assert len(entries) == 2
-    for entry, fault in zip(entries, ("fill_:noise=1e-1", "copy_:noise=1e-1")):
-        with ditorch.sim.faults(fault):
-            faulty = replay(entry, sim, ReplayOptions(acc_check=True))
-        failed = {c["check"] for c in faulty.checks if not c["ok"]}
-        assert faulty.status == "mismatch" and "written vs cpu float64" in failed, (fault, faulty.checks)
-        assert "written args[0]" in next(c["detail"] for c in faulty.checks if not c["ok"])
+    with ditorch.sim.faults("fill_:noise=1e-1"):
+        faulty = replay(entries[0], sim, ReplayOptions(acc_check=True))
+    failed = {c["check"] for c in faulty.checks if not c["ok"]}
+    assert faulty.status == "mismatch" and "written vs cpu float64" in failed, faulty.checks
+    assert "written args[0]" in next(c["detail"] for c in faulty.checks if not c["ok"])
+    # sim's copy_ is also the copy to the device: the inputs arrive changed, and that copy is named, not the op
+    with ditorch.sim.faults("copy_:noise=1e-1"):
+        faulty = replay(entries[1], sim, ReplayOptions(acc_check=True))
+    assert faulty.status == "mismatch" and [c["check"] for c in faulty.checks] == ["inputs on the device"], \
+        faulty.checks
     clean = replay(entries[0], sim, ReplayOptions(acc_check=True))
     checks = {c["check"]: c["ok"] for c in clean.checks}
     assert clean.status == "ok" and checks["written vs cpu float64"] and checks["written vs captured"], clean.checks
@@ -797,3 +801,24 @@ def test_as_strided_on_a_view_with_gaps_replays_its_storage_and_what_was_not_cap
     assert row["status"] == "error" and row["detail"].startswith(
         "not replayable: the input's layout was not captured: torch.Tensor.as_strided "
         "reads its input's storage, which captures made before"), row
+
+
+def test_inputs_changed_by_the_copy_to_the_device_are_named_not_the_ops_they_feed(tmp_path, sim):
+    # a faulty copy to the device made every replayed op look wrong (a view, a sort's indices, unique's shape), and
+    # nothing named the copy
+    import ditorch.sim
+    from op_tools.offline.replay import ReplayOptions, replay
+
+    x = torch.randn(6, 4).to(sim)
+    with op_tools.OpCapture(results_dir=str(tmp_path)):
+        x.view(24)
+        torch.sort(x[0])
+    entries = find_entries(str(tmp_path))
+    assert {e.label.split(os.sep)[1] for e in entries} >= {"torch.Tensor.view", "torch.sort"}, entries
+    with ditorch.sim.faults("_to_copy:noise=1e-2;copy_:noise=1e-2"):
+        results = [replay(entry, sim, ReplayOptions(acc_check=True)) for entry in entries]
+    for result in results:
+        assert result.status == "mismatch", (result.name, result.checks)
+        assert [c["check"] for c in result.checks] == ["inputs on the device"], (result.name, result.checks)
+        assert "the copy to the device is at fault, not the op" in result.checks[0]["detail"]
+    assert all(replay(entry, sim, ReplayOptions(acc_check=True)).status == "ok" for entry in entries)
