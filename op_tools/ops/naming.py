@@ -53,6 +53,11 @@ VIEW_OPS = frozenset(
     )
 )
 
+# Composite ops whose results are views of their input though their schemas promise no alias (aten's ``schema_view``
+# cannot tell): they return what view ops made (unsafe_split: split's pieces, autograd told nothing).
+UNANNOTATED_VIEWS = ("atleast_1d", "atleast_2d", "atleast_3d", "broadcast_tensors", "meshgrid", "unsafe_split",
+                     "unsafe_split_with_sizes", "unsafe_chunk")
+
 # Ops that move data between devices or convert dtypes on purpose.
 CONVERSIONS = frozenset(
     "torch.Tensor." + n for n in (
@@ -86,6 +91,59 @@ WRITING_OPERATORS = frozenset({"__setitem__"}) | frozenset(
     f"__i{op}__" for op in ("add", "sub", "mul", "div", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or",
                             "xor", "lshift", "rshift")
 )
+
+
+# Where torch's functions are aten ops, and the prefix aten's name has there (``torch.linalg.diagonal`` is
+# ``aten::linalg_diagonal``, ``torch.functional.split`` is ``aten::split``). Not torch.nn.functional: its Python
+# functions share names with aten ops they are not (``F.unfold`` is im2col, ``aten::unfold`` a view).
+_ATEN_PREFIXES = {"torch": "", "torch.Tensor": "", "torch.functional": "", "torch._C._nn": "",
+                  "torch.linalg": "linalg_", "torch.special": "special_", "torch.fft": "fft_"}
+TENSOR_TYPES = ("Tensor", "Optional[Tensor]", "List[Tensor]", "List[Optional[Tensor]]")
+
+
+def aten_packet(short: str):
+    """``torch.ops.aten.<short>`` (as ``OPERATOR_ATEN_OPS`` maps operators), or None where aten has no op of that
+    name."""
+    import torch
+
+    try:
+        packet = getattr(torch.ops.aten, OPERATOR_ATEN_OPS.get(short, short))
+    except (AttributeError, RuntimeError):
+        return None
+    # not the namespace's own attributes (__repr__, __dir__)
+    return packet if isinstance(packet, torch._ops.OpOverloadPacket) else None
+
+
+@functools.cache
+def schema_view(name: str) -> bool:
+    """Whether the aten op behind the function named ``name`` returns a view of its input, as its schema says: an
+    overload whose result aliases a tensor argument it does not write (``split.Tensor(Tensor(a -> *) self, ...) ->
+    Tensor(a)[]``), or one aten tags an in-place view (``unsqueeze_``). PyTorch's own account, so a view op a later
+    torch adds is known without a list to keep.
+
+    >>> schema_view("torch.functional.split"), schema_view("aten.alias.default"), schema_view("torch.add")
+    (True, True, False)
+    """
+    import torch
+
+    parts = name.split(".")
+    if parts[0] == "aten" and len(parts) in (2, 3):
+        packet, overloads = aten_packet(parts[1]), parts[2:]
+    else:
+        prefix = _ATEN_PREFIXES.get(".".join(parts[:-1]))
+        packet = None if prefix is None else aten_packet(prefix + parts[-1] if prefix else parts[-1])
+        overloads = []
+    if packet is None:
+        return False
+    for overload in overloads or packet.overloads():
+        op = getattr(packet, overload, None)
+        if not isinstance(op, torch._ops.OpOverload):
+            continue
+        if torch.Tag.inplace_view in op.tags or any(
+                a.alias_info is not None and not a.alias_info.is_write and str(a.type) in TENSOR_TYPES
+                for a in op._schema.arguments):  # not TorchScript's list builtins (aten::__getitem__.t on t[])
+            return True
+    return False
 
 
 def resolve_op_name(func) -> str:

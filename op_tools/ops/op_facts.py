@@ -24,7 +24,7 @@ import numbers
 from collections.abc import Iterator
 from typing import Any, Callable
 
-from .naming import CONVERSIONS, VIEW_OPS, resolve_op_name
+from .naming import CONVERSIONS, UNANNOTATED_VIEWS, VIEW_OPS, resolve_op_name, schema_view
 
 Where = tuple[int, str]  # (position, keyword) of an argument
 Flag = tuple[int, str, Any]  # (position, keyword, default when absent) of an argument
@@ -165,6 +165,8 @@ def op_facts(name: str) -> OpFacts:
     merged: dict[str, Any] = {}
     for key in keys:
         merged.update(_DECLARED.get(key, ()))
+    if "view" not in merged and not merged.get("conversion") and schema_view(name):
+        merged["view"] = True  # torch's view ops as their schemas say (a conversion's alias is itself, unchanged)
     return OpFacts(**merged) if merged else _DEFAULT
 
 
@@ -264,17 +266,19 @@ def _checked(name: str, value: Any) -> Any:
 
 # --- what op_tools knows of torch's ops ---
 
-for _name in VIEW_OPS:
+for _name in (*VIEW_OPS, *UNANNOTATED_VIEWS):  # besides those aten's schemas say (schema_view)
     register_op_facts(_name, view=True)
 for _name in CONVERSIONS:
     register_op_facts(_name, conversion=True)
 # Views that keep only some elements, or repeat some, or are pieces of their input: their backward writes a new
 # tensor. Counted as "gradient passed through", a 10% fault in slice_backward, select_backward, diagonal_backward,
-# unbind's or split's left the verdict clean. A reshape, a permutation or a squeeze keeps a view's gradient.
+# unbind's or split's left the verdict clean. A reshape, a permutation or a squeeze keeps a view's gradient. By short
+# name: torch.split is torch.functional.split, torch.linalg.diagonal is a diagonal. An expansion of several inputs
+# (meshgrid, broadcast_tensors) sums its gradient: a kernel too.
 for _name in ("as_strided", "diagonal", "narrow", "select", "unfold", "unbind", "split", "split_with_sizes",
-              "hsplit", "vsplit", "tensor_split", "chunk", "__getitem__"):
-    register_op_facts(f"torch.Tensor.{_name}", backward_kernel=True)
-    register_op_facts(f"torch.{_name}", backward_kernel=True)
+              "hsplit", "vsplit", "dsplit", "tensor_split", "chunk", "unsafe_split", "unsafe_split_with_sizes",
+              "unsafe_chunk", "meshgrid", "broadcast_tensors", "__getitem__"):
+    register_op_facts(_name, backward_kernel=True)
 
 # Views that compute nothing forward or backward: not an expansion's (its gradient is a sum), not those above
 # (their backward writes zeros), not a reshape's or a flatten's (which copy what no view can give), not complex ones'

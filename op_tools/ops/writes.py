@@ -19,10 +19,8 @@ from typing import Any
 
 import torch
 
-from .naming import OPERATOR_ATEN_OPS, WRITING_OPERATORS, is_inplace_op
+from .naming import TENSOR_TYPES, WRITING_OPERATORS, aten_packet, is_inplace_op
 from .op_facts import cached_on_facts, op_facts
-
-_TENSOR_TYPES = ("Tensor", "Optional[Tensor]", "List[Tensor]", "List[Optional[Tensor]]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,21 +134,11 @@ def call_writes(name: str) -> WriteSpec:
     return WriteSpec(positions, lists, keywords, inplace, **hidden_fields, unversioned=_unversioned(short))
 
 
-def _aten_packet(short: str):
-    """``torch.ops.aten.<short>`` (as ``naming`` maps operators), or None where aten has no op of that name."""
-    try:
-        packet = getattr(torch.ops.aten, OPERATOR_ATEN_OPS.get(short, short))
-    except (AttributeError, RuntimeError):
-        return None
-    # not the namespace's own attributes (__repr__, __dir__)
-    return packet if isinstance(packet, torch._ops.OpOverloadPacket) else None
-
-
 def _unversioned(short: str) -> bool:
     """Whether no overload of ``aten::<short>`` that the dispatcher knows has an ADInplaceOrView kernel (the one that
     moves the version counters of what an op writes) or a CompositeImplicitAutograd one (a decomposition that runs the
     same ops on every device): its device kernels' writes move no counter (CUDA's fused foreach kernels, sim's)."""
-    packet = _aten_packet(short)
+    packet = aten_packet(short)
     if packet is None:
         return False
     known = False
@@ -168,7 +156,7 @@ def _unversioned(short: str) -> bool:
 
 def _schema_writes(short: str) -> tuple[tuple, tuple, tuple]:
     """Positions, list positions and keyword names that any overload of ``aten::<short>`` writes."""
-    packet = _aten_packet(short)
+    packet = aten_packet(short)
     if packet is None:
         return (), (), ()
     positions, lists, keywords = set(), set(), set()
@@ -176,7 +164,7 @@ def _schema_writes(short: str) -> tuple[tuple, tuple, tuple]:
         for position, argument in enumerate(getattr(packet, overload)._schema.arguments):
             info = argument.alias_info
             kind = str(argument.type)
-            if info is None or not info.is_write or kind not in _TENSOR_TYPES:
+            if info is None or not info.is_write or kind not in TENSOR_TYPES:
                 continue  # TorchScript's list builtins (aten::sort.int on int[]) write lists, not tensors
             if argument.kwarg_only:
                 keywords.add(argument.name)

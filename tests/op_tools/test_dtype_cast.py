@@ -1,4 +1,5 @@
 import torch
+from test_fallback import writes_through_views
 from tiny_models import train_llama
 
 import op_tools
@@ -132,6 +133,15 @@ def test_what_a_widened_call_writes_reaches_the_callers_tensors_as_without_the_t
         y = torch.nn.functional.relu(x * 2)
         y.add_(1)
     assert y.dtype == torch.float16 and torch.equal(y.cpu(), (torch.relu(x.cpu() * 2) + 1))
+
+
+def test_writes_through_views_reach_the_original_tensor_as_without_the_tool(sim):
+    # torch.split, swapaxes, broadcast_to & co ran on float32 copies: a write through their pieces was lost
+    import contextlib
+
+    plain = writes_through_views(sim, torch.float16, contextlib.nullcontext())
+    assert "more than one element of the written-to tensor" in plain["meshgrid"]
+    assert writes_through_views(sim, torch.float16, op_tools.OpDtypeCast()) == plain
 
 
 def test_in_place_view_ops_change_the_original_tensor_as_without_the_tool(sim):
