@@ -178,16 +178,22 @@ class OpDtypeCast(OpTool):
         return f" ({self.cast_calls} cast)"
 
     def unchecked_parts(self) -> list[str]:
-        """Calls handled, none cast and none failed: the table named no dtype the run's calls had (a float32 model
-        under the default table, an empty one). Said, as the run's numbers are what they were without the tool: the user
-        asked for another dtype and got none."""
+        """Calls handled, none cast and none failed: each raised the user's own error, or had no dtype the table names
+        (a float32 model under the default table, an empty one). Said, as the run's numbers are what they were
+        without the tool: the user asked for another dtype and got none."""
         if self.cast_calls or not self.handled or self.unchecked:  # unchecked: calls whose widened run failed
             return []
         where = origin(self, "casts")
         changed = sorted(str(dtype) for dtype, to in self.cast.items() if to != dtype)
         if not changed:
             return [f"{where} casts no dtype to another: no call was cast"]
-        return [f"no call was cast: none had an input in a dtype {where} casts ({', '.join(changed)})"]
+        raised = sum(self.raised.values())
+        rest = sum(self.handled.values()) - raised
+        why = [f"{_calls(raised)} raised {'its' if raised == 1 else 'their'} own error"] if raised else []
+        if rest:
+            had = "none had an" if rest == sum(self.handled.values()) else f"{_calls(rest, 'other ')} had no"
+            why.append(f"{had} input in a dtype {where} casts ({', '.join(changed)})")
+        return [f"no call was cast: {'; '.join(why)}"]
 
     def _run_as_written(self, call: OpCall, error: Exception):
         """The call run as without the tool, for ``error`` (its widened run failed: a device without float64
@@ -233,6 +239,10 @@ class OpDtypeCast(OpTool):
 
 class NotCastError(RuntimeError):
     """A call the tool ran as written, its widened run having failed (the message says how)."""
+
+
+def _calls(n: int, kind: str = "") -> str:
+    return f"{n} {kind}call{'s' if n != 1 else ''}"
 
 
 # The ops whose weight's gradient may be sparse: the position of their ``sparse`` argument (``nn.Embedding`` passes

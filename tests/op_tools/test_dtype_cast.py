@@ -1,3 +1,4 @@
+import pytest
 import torch
 from test_fallback import writes_through_views
 from tiny_models import train_llama
@@ -309,6 +310,24 @@ def test_the_closing_line_counts_the_calls_cast_and_a_run_with_none_cast_is_not_
     with op_tools.OpDtypeCast() as tool:
         x16.sin()
     assert tool.not_checked() == "OP_DTYPE_CAST_DICT casts no dtype to another: no call was cast"
+
+
+def test_a_run_whose_calls_raised_their_own_errors_says_so(sim):
+    # The user's error propagated, and the closing line said no input was in a dtype the table casts: the input was
+    # float16
+    x16, w16 = torch.randn(3, 4, device=sim).half(), torch.randn(5, 6, device=sim).half()
+    x32 = torch.ones(2, device=sim)
+    with op_tools.OpDtypeCast() as tool:
+        with pytest.raises(RuntimeError, match="cannot be multiplied"):
+            torch.nn.functional.linear(x16, w16)
+        x32.sin()
+    assert tool.not_checked() == ("no call was cast: 1 call raised its own error; 1 other call had no input in a "
+                                  "dtype OP_DTYPE_CAST_DICT casts (torch.bfloat16, torch.float16)")
+    assert tool.verdict() == "unchecked"
+    with op_tools.OpDtypeCast() as tool:
+        with pytest.raises(RuntimeError, match="cannot be multiplied"):
+            torch.nn.functional.linear(x16, w16)
+    assert tool.not_checked() == "no call was cast: 1 call raised its own error"
 
 
 def test_sync_batch_norms_statistics_kernels_update_the_callers_running_statistics(sim):
