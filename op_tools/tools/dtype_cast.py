@@ -31,7 +31,9 @@ class OpDtypeCast(OpTool):
     autocast; the log's ``autocast`` row names the dtype that ran. Where the table keeps autocast's dtype, those ops
     are autocast's, run as without the tool. Every other output keeps the dtype the op returns under that autocast
     (found by running the op on meta tensors with the device's policy, ``device_math``). A call whose widened run
-    fails (a device without float64) runs as written, counted as not checked.
+    fails (a device without float64) runs as written, counted as not checked. Without autocast, a call whose tensors
+    are in dtypes the table makes one (linear of float16 by float32) runs as written too: PyTorch computes it in the
+    wider dtype itself or refuses it, the user's error, which widening would turn into a result.
 
     Keyword arguments (each overrides its variable): ``ops``, ``disable`` (``OP_DTYPE_CAST_LIST``/``_DISABLE_LIST``:
     lists of op names, patterns or functions), ``casts`` (``OP_DTYPE_CAST_DICT``: ``{torch.float16: torch.float32}``),
@@ -60,6 +62,7 @@ class OpDtypeCast(OpTool):
         self.config_text = ",".join(f"{a}->{b}" for a, b in self.cast.items())
         self._expected: dict[tuple, tuple | None] = {}  # _expected_dtypes's answers by _dtype_key
         self.cast_calls = 0  # handled calls run in a dtype the table gave: what the closing line says beside handled
+        self.mixed_calls = 0  # handled calls run as written, their dtypes being ones the table makes one (_joins)
 
     def accepts(self, name: str) -> bool:
         # Views must alias their base; explicit conversions mean what they say; a collective's dtype is agreed with
@@ -79,6 +82,13 @@ class OpDtypeCast(OpTool):
             # computes otherwise, reading what it wrote). It runs as written, as without the tool.
             return self._run_as_written(call, UnsupportedInputError(
                 "a tensor the call writes shares memory with another of its tensors"))
+        if under is None and _joins(self.cast, call):
+            # Its tensors differ in dtype where widened they would not: PyTorch's kernel computes such a call in the
+            # wider dtype itself (x16 + x32), or refuses it (linear of float16 by float32, which meta kernels let
+            # through), an error widening would turn into a result. It runs as written, as without the tool.
+            result = call.func(*call.args, **call.kwargs)
+            self.mixed_calls += 1
+            return result
         # The dtypes the op returns without the tool, from a meta run: only for a call the tool changes.
         expected = self._expected_dtypes(call, math) if casts_some else None
         autocast_dtype_out = under is not None and expected is not None and under in expected
@@ -175,21 +185,25 @@ class OpDtypeCast(OpTool):
             return out
 
     def handled_note(self) -> str:
-        return f" ({self.cast_calls} cast)"
+        mixed = f", {self.mixed_calls} mixing dtypes run as written" if self.mixed_calls else ""
+        return f" ({self.cast_calls} cast{mixed})"
 
     def unchecked_parts(self) -> list[str]:
-        """Calls handled, none cast and none failed: each raised the user's own error, or had no dtype the table names
-        (a float32 model under the default table, an empty one). Said, as the run's numbers are what they were
-        without the tool: the user asked for another dtype and got none."""
+        """Calls handled, none cast and none failed: each raised the user's own error, mixed dtypes the table makes
+        one (run as written), or had no dtype the table names (a float32 model under the default table, an empty
+        one). Said, as the run's numbers are what they were without the tool: the user asked for another dtype and
+        got none."""
         if self.cast_calls or not self.handled or self.unchecked:  # unchecked: calls whose widened run failed
             return []
         where = origin(self, "casts")
         changed = sorted(str(dtype) for dtype, to in self.cast.items() if to != dtype)
         if not changed:
             return [f"{where} casts no dtype to another: no call was cast"]
-        raised = sum(self.raised.values())
-        rest = sum(self.handled.values()) - raised
+        raised, mixed = sum(self.raised.values()), self.mixed_calls
+        rest = sum(self.handled.values()) - raised - mixed
         why = [f"{_calls(raised)} raised {'its' if raised == 1 else 'their'} own error"] if raised else []
+        if mixed:
+            why.append(f"{_calls(mixed)} mixing dtypes {where} makes one ran as written")
         if rest:
             had = "none had an" if rest == sum(self.handled.values()) else f"{_calls(rest, 'other ')} had no"
             why.append(f"{had} input in a dtype {where} casts ({', '.join(changed)})")
@@ -243,6 +257,13 @@ class NotCastError(RuntimeError):
 
 def _calls(n: int, kind: str = "") -> str:
     return f"{n} {kind}call{'s' if n != 1 else ''}"
+
+
+def _joins(cast: dict, call: OpCall) -> bool:
+    """Whether the table's widening gives two of the call's tensors (of dim > 0: a 0-dim one takes part in type
+    promotion only as a number would) one dtype where they had two: float16 and float32 under float16->float32."""
+    given = {t.dtype for t in iter_tensors((call.args, call.kwargs)) if t.dim()}
+    return len({cast.get(dtype, dtype) for dtype in given}) < len(given)
 
 
 # The ops whose weight's gradient may be sparse: the position of their ``sparse`` argument (``nn.Embedding`` passes

@@ -330,6 +330,37 @@ def test_a_run_whose_calls_raised_their_own_errors_says_so(sim):
     assert tool.not_checked() == "no call was cast: 1 call raised its own error"
 
 
+def _outcome(call):
+    try:
+        result = call()
+    except RuntimeError as error:
+        return str(error)
+    return result.dtype, result.cpu().tolist()
+
+
+def test_a_call_mixing_dtypes_the_table_makes_one_runs_as_written(sim):
+    # Widened to float32, linear of float16 by float32 ran where the device refuses it: the user's dtype error became
+    # a float16 result, "1 cast", verdict clean (meta kernels let the mismatch through).
+    x16, w32 = torch.randn(3, 4, device=sim).half(), torch.randn(2, 4, device=sim)
+    refused = {"linear": lambda: torch.nn.functional.linear(x16, w32), "mm": lambda: torch.mm(x16, w32.t()),
+               "matmul": lambda: x16 @ w32.t()}
+    for name, call in refused.items():
+        plain = _outcome(call)
+        assert "expected m1 and m2 to have the same dtype" in plain, name
+        with op_tools.OpDtypeCast() as tool:
+            assert _outcome(call) == plain, name
+        assert sum(tool.raised.values()) == 1 and tool.cast_calls == 0, name
+    # one PyTorch computes in the wider dtype itself: as without the tool, said beside the calls cast
+    promoted = lambda: x16.t() + w32.t()[:, :1]  # noqa: E731
+    plain = _outcome(promoted)
+    with op_tools.OpDtypeCast() as tool:
+        assert _outcome(promoted) == plain and plain[0] == torch.float32
+        x16.sin()
+    assert tool.closing_line().startswith("OpDtypeCast: 2 calls of 2 ops handled (1 cast, 1 mixing dtypes run as "
+                                          "written); wrote no file"), tool.closing_line()
+    assert tool.verdict() == "clean"
+
+
 def test_sync_batch_norms_statistics_kernels_update_the_callers_running_statistics(sim):
     # Their schemas do not say they write running_mean and running_var: the widened copies' statistics reached
     # nothing, and SyncBatchNorm's running statistics stayed where they were.
