@@ -577,29 +577,34 @@ class TrainingMonitor:
 
     def _update_wrapper(self, original: Callable) -> Callable:
         def update(scaler, *args, **kwargs):
-            if not self._stepped:  # GradScaler skipped this iteration's step (inf gradients): its figures are none
+            skipped, self._stepped = not self._stepped, False
+            updated = original(scaler, *args, **kwargs)
+            if skipped:  # GradScaler skipped this iteration's step (inf gradients): its figures are none
                 self.skipped_iterations += 1
-                if self._recording:  # but an inf/nan in its forward (unscaled) is no scaling's: judged still
-                    self._guarded("recording", self._send_skipped_forward)
+                self._guarded("recording", lambda: self._send_skipped(scaler))
                 self._figures, self._old, self._loss, self._roots = _StepFigures(), None, None, None
                 self._before_reduction = {}
-            self._stepped = False
-            return original(scaler, *args, **kwargs)
+            return updated
         return update
 
-    def _send_skipped_forward(self) -> None:
-        """The forward figures of an iteration GradScaler skipped (module outputs, the loss), sent to be judged by
-        the non-finite rule: its gradients are scaled, and may overflow by design, its forward is not."""
+    def _send_skipped(self, scaler: GradScaler) -> None:
+        """What is judged of an iteration GradScaler skipped: its forward figures (module outputs, the loss), by the
+        non-finite rule (its gradients are scaled, and may overflow by design, its forward is not), and the scale
+        its update() lowered, by the loss-scale rule (a run may end on skipped iterations: no step would see it)."""
         forward = _StepFigures()
-        forward.parts = [part for part in self._figures.parts if all(key[0] == "activation" for key in part[1])]
-        loss = self._loss if self._loss is not None else self._roots
-        if loss is not None:
-            with torch.no_grad(), torch._C.DisableTorchFunction():
-                forward.add(loss.float(), [("step", "", "loss")])
-        if forward.parts:
-            with torch.no_grad(), torch._C.DisableTorchFunction():
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            if self._recording:
+                forward.parts = [part for part in self._figures.parts
+                                 if all(key[0] == "activation" for key in part[1])]
+                loss = self._loss if self._loss is not None else self._roots
+                if loss is not None:
+                    forward.add(loss.float(), [("step", "", "loss")])
+            scale = getattr(scaler, "_scale", None) if scaler is self.scaler and scaler.is_enabled() else None
+            if scale is not None:
+                forward.add(scale.detach(), [("step", "", "loss_scale")])  # copied by send(), below
+            if forward.parts:
                 forward.send(self._readback)
-            self._sent.append(_Sent(forward, self.step, time.time(), 0.0, {}, skipped=True))
+                self._sent.append(_Sent(forward, self.step, time.time(), 0.0, {}, skipped=True))
 
     # --- the optimizer's hooks ---
 
@@ -757,6 +762,9 @@ class TrainingMonitor:
         read, step, now, step_time = sent.figures.read(), sent.step, sent.time, sent.step_time
         if sent.skipped:  # dropped, as the iteration's other figures, once judged
             self._nonfinite(step, read, " (in an iteration GradScaler skipped)")
+            scale = next((value for key, value in read if key == ("step", "", "loss_scale")), None)
+            if scale is not None:
+                self._check_scale(step, scale, skipped=True)
             return
         values: dict[Key, list[float]] = {}
         for key, value in read:
@@ -858,20 +866,23 @@ class TrainingMonitor:
                           f"gradient norm spike at step {step}: {name} = {g:.6g} > {factor:g} x its moving "
                           f"average {average:.6g} ({len(spikes)} parameters spiked)")
 
-    def _check_scale(self, step: int, scale: float) -> None:
+    def _check_scale(self, step: int, scale: float, skipped: bool = False) -> None:
         """Count the scale's falls in a row, in backoff factors: a fall between two monitored steps spans the
-        iterations GradScaler skipped (it skips optimizer.step() on inf gradients, so no hook sees them)."""
-        last, self._last_scale = self._last_scale, scale
-        if last is None or scale >= last or scale <= 0:
-            self._drops = 0
-            return
-        backoff = getattr(self.scaler, "_backoff_factor", 0.5)
-        self._drops += max(1, round(math.log(scale / last) / math.log(backoff))) if 0 < backoff < 1 else 1
-        if self._drops >= self.config.scale_drops and "loss_scale_dropping" not in self._fired:
+        iterations GradScaler skipped (it skips optimizer.step() on inf gradients, so no hook sees them). A skipped
+        iteration's scale (``skipped``, after its update()) is judged as the next monitored step would judge it,
+        and left for that step to count: the rule fires where the falls arose, even if no step follows."""
+        last, backoff, falls = self._last_scale, getattr(self.scaler, "_backoff_factor", 0.5), 0
+        if last is not None and 0 < scale < last:
+            falls = max(1, round(math.log(scale / last) / math.log(backoff))) if 0 < backoff < 1 else 1
+        drops = self._drops + falls
+        if not skipped:
+            self._last_scale, self._drops = scale, drops if falls else 0
+        if falls and drops >= self.config.scale_drops and "loss_scale_dropping" not in self._fired:
             self._fired.add("loss_scale_dropping")
+            where = " (in an iteration GradScaler skipped)" if skipped else ""
             self._anomaly({"rule": "loss_scale_dropping", "step": step, "module": "", "phase": "optimizer",
-                           "value": scale, "drops": self._drops},
-                          f"loss scale dropping at step {step}: {scale:g} after {self._drops} drops in a row "
+                           "value": scale, "drops": drops},
+                          f"loss scale dropping at step {step}{where}: {scale:g} after {drops} drops in a row "
                           f"(scale_drops={self.config.scale_drops})")
 
     def _anomaly(self, record: dict, message: str) -> None:

@@ -452,17 +452,33 @@ def _train_scaled(device, results_dir, init_scale, iterations, overflow_at=(), p
 
 def test_a_huge_initial_scale_falling_before_the_first_step_fires_the_loss_scale_rule(sim, tmp_path, caplog):
     """float16 gradients overflow at 2**24: GradScaler skips those iterations and halves the scale until they fit. The
-    first optimizer step sees the scale after all those halvings: the rule fires there, counting them."""
+    rule fires at the third halving, in the iteration that made it, before the first optimizer step."""
     monitor, by_hand, _ = _train_scaled(sim, tmp_path, init_scale=2.0**24, iterations=12)
     drops = round(math.log2(2.0**24 / by_hand[0]))
     assert drops >= 3 and len(by_hand) == 12 - drops  # the skipped iterations are no steps
     [anomaly] = _anomalies(monitor)
     assert anomaly["rule"] == "loss_scale_dropping" and anomaly["step"] == 0
-    assert anomaly["value"] == by_hand[0] and anomaly["drops"] == drops
+    assert anomaly["value"] == 2.0**21 and anomaly["drops"] == 3
     written = {step: f[("step", "", "loss_scale")] for step, f in _figures(monitor).items()}
     assert written == dict(enumerate(by_hand))
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name == "op_tools"]
-    assert len(warnings) == 1 and f"loss scale dropping at step 0: {by_hand[0]:g} after {drops} drops" in warnings[0]
+    assert len(warnings) == 1
+    assert "loss scale dropping at step 0 (in an iteration GradScaler skipped): 2.09715e+06 after 3 drops" \
+        in warnings[0]
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_scale_collapsing_in_the_last_iterations_fires_though_no_step_follows(sim, tmp_path, every):
+    # The scale was judged at the optimizer's steps only: a run ending on iterations GradScaler skipped (the scale
+    # halved five times) closed with a clean verdict. Step 3 is not monitored with every=2: its scale is judged still
+    monitor, by_hand, _ = _train_scaled(sim, tmp_path, init_scale=2.0**8, iterations=8, overflow_at=(3, 4, 5, 6, 7),
+                                        every=every)
+    assert by_hand == [2.0**8] * 3 and monitor.skipped_iterations == 5
+    [anomaly] = _anomalies(monitor)
+    assert (anomaly["rule"], anomaly["step"], anomaly["value"], anomaly["drops"]) == \
+        ("loss_scale_dropping", 3, 2.0**5, 3)
+    assert "(in an iteration GradScaler skipped)" in anomaly["message"]
+    assert monitor.verdict() == "found"
 
 
 def test_a_scale_falling_between_consecutive_steps_fires_once_at_the_third_fall(sim, tmp_path):
