@@ -6,8 +6,9 @@ It is not an ``OpTool``: it intercepts no op. What it hooks, while started:
 - the model (``model=``, or the outermost modules called once started): forward hooks on the selected modules
   record their output's statistics, and a hook on that output its gradient's, in backward; under DDP, a hook on each
   parameter's accumulated gradient reads it before the data-parallel reduction;
-- ``torch.autograd.backward`` (the loss is the root of the backward, unscaled when GradScaler scaled it) and
-  ``GradScaler.scale`` (the scale is found without ``scaler=``).
+- ``torch.autograd.backward`` (the loss is the root of the backward, unscaled when GradScaler scaled it),
+  ``GradScaler.scale`` (the scale is found without ``scaler=``) and ``torch.nn.utils``' gradient clipping (the
+  gradients' norms are taken before their first clipping in the step).
 
 Where the work runs: every figure is computed on the device, without a host synchronisation (``_StepFigures``):
 norms fused by ``torch._foreach_norm`` per device and dtype, a sharded tensor's squares summed across its shards
@@ -63,6 +64,8 @@ FOLDER = "op_training_monitor"
 CSV_COLUMNS = ("rank", "step", "time", "kind", "name", "statistic", "value")
 EMA_DECAY = 0.9  # the moving average a spike is measured against: new = 0.9 * old + 0.1 * value
 MOMENTS = {"exp_avg": "exp_avg_norm", "exp_avg_sq": "exp_avg_sq_norm"}  # Adam's state -> its statistic
+# the gradient clipping functions of torch.nn.utils: the gradients' norms are read before their first call in a step
+CLIPPING = ("clip_grad_norm_", "clip_grad_norm", "clip_grad_value_", "clip_grads_with_norm_")
 # figures every data-parallel rank holds alike: written by rank 0 only
 GLOBAL_STATISTICS = {"grad_norm", "weight_norm", "update_ratio", *MOMENTS.values(), "global_grad_norm", "loss_scale"}
 PHASES = {"activation": "forward", "loss": "forward", "output_grad": "backward", "grad_norm_before_reduction":
@@ -318,6 +321,7 @@ class TrainingMonitor:
         self._roots: torch.Tensor | None = None  # the sum of the backward roots since the last step
         self._scaled: tuple[weakref.ref, GradScaler] | None = None  # GradScaler.scale's last output
         self._before_reduction: dict[str, torch.Tensor] = {}
+        self._unclipped: dict[int, torch.Tensor] = {}  # id(parameter) -> its gradient's norm before clipping
         self._old: list[torch.Tensor] | None = None
         self._unmeasured: collections.Counter[str] = collections.Counter()
         self._compiled: set[str] = set()  # selected modules met inside a torch.compile region
@@ -353,6 +357,12 @@ class TrainingMonitor:
         self._patch(torch.autograd, "backward", self._backward_wrapper)
         self._patch(GradScaler, "scale", self._scale_wrapper)
         self._patch(GradScaler, "update", self._update_wrapper)
+        from torch.nn.utils import clip_grad
+
+        for owner in (torch.nn.utils, clip_grad):  # the module's own name too: clip_grad_norm calls it there
+            for name in CLIPPING:
+                if hasattr(owner, name):  # clip_grads_with_norm_ since torch 2.6
+                    self._patch(owner, name, self._clip_wrapper)
         self._stepped = False  # an optimizer step since GradScaler's last update()
         self.skipped_iterations = 0
         return self
@@ -583,9 +593,32 @@ class TrainingMonitor:
                 self.skipped_iterations += 1
                 self._guarded("recording", lambda: self._send_skipped(scaler))
                 self._figures, self._old, self._loss, self._roots = _StepFigures(), None, None, None
-                self._before_reduction = {}
+                self._before_reduction, self._unclipped = {}, {}
             return updated
         return update
+
+    def _clip_wrapper(self, original: Callable) -> Callable:
+        def clip(parameters, *args, **kwargs):
+            if self._recording:
+                params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+                if not isinstance(parameters, (torch.Tensor, list, tuple)):  # an iterator, read here: given anew
+                    parameters = (p for p in params)
+                self._guarded("reading the gradients before clipping", lambda: self._read_unclipped(params))
+            return original(parameters, *args, **kwargs)
+        return clip
+
+    def _read_unclipped(self, params: list[torch.Tensor]) -> None:
+        """Each gradient's norm before the step's first clipping, kept on the device for ``_record_before``:
+        measured after clipping, every norm is at most max_norm and a spike is never seen (Trainer clips at 1)."""
+        by_kind: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for p in params:
+            if p.grad is not None and id(p) not in self._unclipped:
+                by_kind.setdefault((p.grad.device, p.grad.dtype), []).append((p, p.grad))
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            for pairs in by_kind.values():
+                norms = torch._foreach_norm([_dense_values(shards.local_part(grad)) for _, grad in pairs])
+                for (p, _), norm in zip(pairs, norms):  # a shard's: squares summed across shards as the gradient's
+                    self._unclipped[id(p)] = norm.float().reshape(1)
 
     def _send_skipped(self, scaler: GradScaler) -> None:
         """What is judged of an iteration GradScaler skipped: its forward figures (module outputs, the loss), by the
@@ -626,7 +659,7 @@ class TrainingMonitor:
                 self._guarded("reading", lambda: self._take_in(wait=False))
         finally:
             self._figures, self._old, self._loss, self._roots = _StepFigures(), None, None, None
-            self._before_reduction, self._step_params = {}, []
+            self._before_reduction, self._unclipped, self._step_params = {}, {}, []
             self._stepped = True
             self.step += 1
             self._recording = self.step % self.every == 0
@@ -678,7 +711,10 @@ class TrainingMonitor:
                     if groups is None:
                         self._unmeasured["gradients holding partial sums"] += 1
                     else:
-                        items.append((("parameter", p.name, "grad_norm"), shards.local_part(grad), groups))
+                        # the norm of a one-element tensor holding a norm is that norm
+                        measured = self._unclipped.get(id(p.param))
+                        items.append((("parameter", p.name, "grad_norm"),
+                                      shards.local_part(grad) if measured is None else measured, groups))
                 elif p.groups:
                     items.append((("parameter", p.name, "grad_norm"), p.param.new_zeros(0), p.groups))
                 if p.selected and self._state:

@@ -256,6 +256,33 @@ def test_a_loss_spike_fires_the_spike_rule_once(sim, tmp_path, caplog):
     assert len(warnings) == 1 and "spike at step 4: model.embed_tokens.weight" in warnings[0]
 
 
+def test_gradient_norms_are_read_before_clipping_and_a_spike_under_clipping_fires(sim, tmp_path):
+    # Read at the optimizer's step, after clip_grad_norm_: every norm was at most max_norm (Trainer clips at 1.0),
+    # and a loss 1000 times larger at step 4 left the verdict clean
+    torch.manual_seed(0)
+    model = tiny_llama().to(sim)
+    ids = torch.randint(0, 128, (2, 16)).to(sim)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    by_hand, clipped, synchronizations = [], [], 0
+    with op_tools.TrainingMonitor(results_dir=str(tmp_path), model=model) as monitor:
+        for step in range(6):
+            (model(input_ids=ids, labels=ids).loss * (1000.0 if step == 4 else 1.0)).backward()
+            by_hand.append({n: p.grad.cpu().double().norm().item() for n, p in model.named_parameters()})
+            before = torch.sim.device_counts()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # a generator: still clipped
+            synchronizations += (torch.sim.device_counts() - before).synchronizations
+            clipped.append(math.sqrt(sum(p.grad.cpu().double().norm().item() ** 2 for p in model.parameters())))
+            optimizer.step()
+            optimizer.zero_grad()
+    assert clipped == pytest.approx([1.0] * 6, rel=1e-5) and synchronizations == 0
+    figures = _figures(monitor)
+    for step in range(6):
+        for name, norm in by_hand[step].items():
+            assert figures[step][("parameter", name, "grad_norm")] == pytest.approx(norm, rel=1e-5)
+    [anomaly] = _anomalies(monitor)
+    assert (anomaly["rule"], anomaly["step"], anomaly["module"]) == ("grad_norm_spike", 4, "model.embed_tokens.weight")
+
+
 def test_every_parameters_and_activations_narrow_what_is_written(sim, tmp_path):
     _, monitor, _ = _train(sim, tmp_path, steps=4, every=2, parameters=[r"model\.layers\.1\."],
                            activations=[r"model\.layers\.\d+\.mlp"])
