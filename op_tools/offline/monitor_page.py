@@ -216,7 +216,8 @@ def _read_anomalies(path: str) -> list[MonitorAnomaly]:
         value = record["value"]
         anomalies.append(MonitorAnomaly(record["rank"], float(record["time"]), str(record["rule"]),
                                         int(record["step"]), str(record["module"]), str(record["phase"]),
-                                        None if value is None else float(value), str(record["message"]), extra))
+                                        None if value is None else result_files.json_float(value),
+                                        str(record["message"]), extra))
     return anomalies
 
 
@@ -253,11 +254,7 @@ def layer_grad_norms(run: MonitorRun) -> tuple[list[str], list[int], dict[tuple[
 
 def _number(value: float, digits: int | None = None):
     """A JSON number; NaN and infinities as the strings JavaScript's Number() reads."""
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "Infinity" if value > 0 else "-Infinity"
-    return float(f"{value:.{digits}g}") if digits else value
+    return result_files.json_number(float(f"{value:.{digits}g}") if digits and math.isfinite(value) else value)
 
 
 def _thin(points: list[tuple[int, float]]) -> list[tuple[int, float]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import math
 import os
 import queue
 import tempfile
@@ -278,12 +279,45 @@ def write_text(path: str, text: str) -> int:
 
 
 # One encoder for every line, without the check for an object inside itself: a run recording writes a line per call.
-_LINE = json.JSONEncoder(separators=(",", ":"), default=str, check_circular=False)
+# Standard JSON, which has no number for NaN nor the infinities: a line holding one is made again (json_line).
+_LINE = json.JSONEncoder(separators=(",", ":"), default=str, check_circular=False, allow_nan=False)
+
+
+def json_number(value: float) -> float | str:
+    """``value`` as standard JSON holds it: NaN and the infinities as the strings JavaScript's ``Number()`` and
+    Python's ``float()`` read (``"NaN"``, ``"Infinity"``, ``"-Infinity"``); the readers of our files take them back."""
+    if math.isfinite(value):
+        return value
+    return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+
+
+def json_float(value) -> float:
+    """A number as ``json_number`` wrote it (or a bare NaN, as files written before did), as a float; a
+    ``ValueError`` for anything else."""
+    if isinstance(value, str) and value in ("NaN", "Infinity", "-Infinity"):
+        return float(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise ValueError(f"{value!r} is not a number")
+
+
+def _json_numbers(obj):
+    if isinstance(obj, float):
+        return json_number(obj)
+    if isinstance(obj, dict):
+        return {k: _json_numbers(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_numbers(v) for v in obj]
+    return obj
 
 
 def json_line(obj) -> str:
-    """``obj`` (a tree: no object inside itself) as the text of one JSON line, ASCII, without its newline."""
-    return _LINE.encode(obj)
+    """``obj`` (a tree: no object inside itself) as the text of one standard JSON line, ASCII, without its newline:
+    a NaN or an infinity in it as ``json_number`` writes it."""
+    try:
+        return _LINE.encode(obj)
+    except ValueError:  # a non-finite float (rare): walked only then, so that a line per call costs no more
+        return _LINE.encode(_json_numbers(obj))
 
 
 class JsonLinesFile:
@@ -305,7 +339,7 @@ class JsonLinesFile:
 
     def write(self, obj) -> int:
         """Append ``obj`` (a tree: no object inside itself) as one line; return its size in bytes."""
-        return self.write_line(_LINE.encode(obj))
+        return self.write_line(json_line(obj))
 
     def write_line(self, text: str) -> int:
         """Append ``text``, one JSON value's ASCII text (``json_line``'s), as one line; return its size in bytes."""

@@ -644,6 +644,19 @@ def _damage(record) -> str:
     return ""
 
 
+def _read_numbers(record: dict) -> None:
+    """The statistics written as strings (NaN and the infinities, which JSON has no number for:
+    ``result_files.json_number``) as floats again, in place; anything else left for ``_tensor_damage`` to name."""
+    for side in _SIDES:
+        entries = record.get(side)
+        for entry in entries if isinstance(entries, list) else ():
+            if isinstance(entry, list) and any(isinstance(v, str) for v in entry[3:]):
+                try:
+                    entry[3:] = [result_files.json_float(v) for v in entry[3:]]
+                except ValueError:
+                    pass
+
+
 def _tensor_damage(record: dict) -> str:
     """Why a record's tensors cannot be compared ('' when they can): each ``[where, dtype, shape]`` and either no
     statistics (an empty tensor) or all of them, numbers."""
@@ -714,6 +727,7 @@ def read_recording(path: str, rank: int | None = None) -> tuple[dict, list[dict]
                 if how:
                     ended_by = str(how)
                 break
+            _read_numbers(record)
             malformed = _tensor_damage(record)
             if malformed:
                 record = {k: v for k, v in record.items() if k not in _SIDES}

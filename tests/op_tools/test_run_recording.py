@@ -1,6 +1,7 @@
 import contextlib
 import gc
 import json
+import math
 import os
 import sys
 
@@ -498,6 +499,19 @@ def test_a_recordings_lines_are_the_ones_json_wrote(sim, monkeypatch, tmp_path):
 
     assert compared(direct) == compared(through_json)
     assert all(result_files.json_line(json.loads(line)) == line for line in direct)
+    # standard JSON: NaN and the infinities, which it has no number for, as strings (they were bare NaN, Infinity)
     statistics = [v for line in direct[1:-1] for side in ("inputs", "outputs", "grad_outputs", "grad_inputs")
-                  for entry in json.loads(line).get(side, ()) for v in entry[3:]]
-    assert len(statistics) > 10000 and all(type(v) is float for v in statistics)
+                  for entry in _standard_json(line).get(side, ()) for v in entry[3:]]
+    assert len(statistics) > 10000 and {"NaN", "Infinity"} <= set(statistics)
+    assert all(type(v) is float or v in ("NaN", "Infinity", "-Infinity") for v in statistics)
+    _, records = run_recording.read_recording(str(tmp_path / "direct"))  # read back as floats
+    read = [v for record in records for side in ("inputs", "outputs") for entry in record.get(side, ())
+            for v in entry[3:]]
+    assert all(type(v) is float for v in read) and any(math.isnan(v) for v in read) and math.inf in read
+
+
+def _standard_json(line: str):
+    def refused(constant):
+        raise ValueError(f"{constant} is not standard JSON")
+
+    return json.loads(line, parse_constant=refused)

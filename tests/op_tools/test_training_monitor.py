@@ -72,8 +72,12 @@ def _figures(monitor) -> dict[int, dict[tuple[str, str, str], float]]:
 
 
 def _anomalies(monitor):
+    """The anomalies file's records, read as standard JSON (no bare NaN nor Infinity)."""
+    def refused(constant):
+        raise ValueError(f"{constant} is not standard JSON")
+
     with open(monitor.anomalies_path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
+        return [json.loads(line, parse_constant=refused) for line in f]
 
 
 def test_gradient_norms_and_loss_written_equal_a_hand_computation_at_each_step(sim, tmp_path):
@@ -190,7 +194,14 @@ def test_a_nan_in_layer_1_forward_from_step_6_is_named_first_at_its_layer_and_st
     [anomaly] = _anomalies(monitor)
     assert anomaly["rule"] == "nonfinite" and anomaly["step"] == 6
     assert anomaly["module"] == "model.layers.1" and anomaly["phase"] == "forward"
-    assert anomaly["statistic"] == "activation:norm" and math.isnan(anomaly["value"])
+    assert anomaly["statistic"] == "activation:norm" and anomaly["value"] == "NaN"  # JSON has no NaN
+    assert math.isnan(monitor.anomalies[0]["value"])
+    from op_tools.offline.monitor_page import read_monitor
+    from op_tools.offline.run_report.readers import read_results
+
+    [read] = read_monitor(str(tmp_path)).anomalies  # the page and the run report read it as a float
+    [event] = read_results(str(tmp_path)).anomalies
+    assert math.isnan(read.value) and math.isnan(event.value)
     written = _figures(monitor)
     assert math.isfinite(written[6][("activation", "model.layers.0", "norm")])
     assert all(math.isfinite(v) for step in range(6) for v in written[step].values())

@@ -37,6 +37,7 @@ import os
 import re
 
 from ...ops.op_facts import op_facts
+from ...output import result_files
 
 OVERFLOW_FOLDER = "op_overflow_check_result"
 SELF_CHECK_FOLDER = "op_self_check_result"
@@ -468,4 +469,4 @@ def _monitor_event(record: dict, rank: int) -> Event:
     return Event(record["rank"] if isinstance(record.get("rank"), int) else rank, typed("step", int),
                  float(typed("time", int, float)), "", typed("module", str), record["phase"], MONITOR,
                  typed("rule", str), typed("message", str), value=None if value is None else
-                 float(typed("value", int, float)))
+                 result_files.json_float(value))
