@@ -49,6 +49,7 @@ from typing import Any, TextIO
 
 import torch
 
+from ..config import typo_check
 from ..config.training_monitor import TrainingMonitorConfig
 from ..config.variables import BLOCKS
 from ..core import shards
@@ -296,6 +297,7 @@ class TrainingMonitor:
         common = self._common = self.config.common
         reporting.configure_logging(common.verbose, common.rank, common.print_ranks)  # as every tool: rank labels
         reporting.configure_tables(common.table_width, common.rank)  # and the console's width
+        typo_check.check_environment()  # as every tool: OP_TRAINING_MONITR_EVERY would be ignored in silence
         self._writes_global = common.rank in (None, 0)
         folder = result_files.prepare_results_folder(common, FOLDER, "TrainingMonitor")
         stem = result_files.session_stem()

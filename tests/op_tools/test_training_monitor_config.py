@@ -234,3 +234,14 @@ def test_a_module_given_first_is_the_model(tmp_path, monkeypatch):
     assert monitor.model is model and monitor.config.common.results_dir == str(tmp_path)
     with pytest.raises(TypeError, match=r"a module \(Linear\) given first and model= too"):
         op_tools.TrainingMonitor(model, model=model)
+
+
+def test_a_misspelt_variable_is_warned_about_at_start(monkeypatch, tmp_path, caplog):
+    # the op tools check the environment at each start; the monitor did not: its misspelt variable went unsaid
+    import op_tools
+
+    monkeypatch.setenv("OP_TRAINING_MONITR_EVERY", "2")
+    with caplog.at_level("WARNING", logger="op_tools"), op_tools.TrainingMonitor(results_dir=str(tmp_path)):
+        pass
+    assert "OP_TRAINING_MONITR_EVERY is not a variable op_tools reads; did you mean OP_TRAINING_MONITOR_EVERY?" \
+        in caplog.text
