@@ -864,9 +864,14 @@ class TrainingMonitor:
     def _nonfinite(self, step: int, read: list[tuple[Key, float]], where: str = "") -> None:
         """The first non-finite figure in the order it arose: forward outputs, the loss, output gradients in backward
         order, gradients before and after the reduction (the loss is added at the optimizer's step, after the
-        gradients: put back between the forward's and the backward's figures)."""
+        gradients: put back between the forward's and the backward's figures). A module's norm, mean or std may
+        overflow float32 while its values, their min and max, are all finite: said so, not called a non-finite value."""
         if "nonfinite" in self._fired:
             return
+        extremes: dict[tuple[str, str], list[float]] = {}  # (kind, module) -> the min and max of its tensors
+        for (kind, name, statistic), value in read:
+            if statistic in ("min", "max"):
+                extremes.setdefault((kind, name), []).append(value)
         # stable: each part keeps the order its figures were added in
         ordered = sorted(read, key=lambda item: 0 if item[0][0] == "activation" else 1 if item[0][2] == "loss" else 2)
         for (kind, name, statistic), value in ordered:
@@ -878,11 +883,17 @@ class TrainingMonitor:
                 label = {"activation": f"the output of {name}", "output_grad": f"the gradient of {name}'s output",
                          "loss": "the loss"}.get(what, f"the gradient of {name}" +
                                                  (" before the reduction" if what != "grad_norm" else ""))
+                bounds = extremes.get((kind, name), [])
+                overflow = bool(bounds) and all(math.isfinite(v) for v in bounds)
+                said = (f"first non-finite figure at step {step}{where} in {PHASES[what]}: the {statistic} of {label} "
+                        f"overflows float32 ({statistic} = {value}; its values are finite, from {min(bounds):g} to "
+                        f"{max(bounds):g})" if overflow else
+                        f"first non-finite value at step {step}{where} in {PHASES[what]}: {label} "
+                        f"({statistic} = {value})")
                 self._anomaly({"rule": "nonfinite", "step": step, "module": name, "phase": PHASES[what],
                                "statistic": f"{kind}:{statistic}" if kind != "step" else statistic, "value": value,
-                               "nonfinite_gradients": count},
-                              f"first non-finite value at step {step}{where} in {PHASES[what]}: {label} "
-                              f"({statistic} = {value}); {count} parameter gradients non-finite")
+                               "overflow": overflow, "nonfinite_gradients": count},
+                              f"{said}; {count} parameter gradients non-finite")
                 return
 
     def _spikes(self, step: int, grads: list[tuple[str, float]]) -> None:

@@ -209,6 +209,26 @@ def test_a_nan_in_layer_1_forward_from_step_6_is_named_first_at_its_layer_and_st
     assert len(warnings) == 1 and "at step 6 in forward: the output of model.layers.1" in warnings[0]
 
 
+def test_a_norm_overflowing_float32_over_finite_values_is_said_so_not_called_a_non_finite_value(sim, tmp_path):
+    # A weight times 1e30: layer 1's outputs reach 1e28, finite, but their float32 norm is inf; the message said
+    # "first non-finite value ... the output of model.layers.1 (norm = inf)", which no value was
+    def huge(step, model):
+        if step == 3:
+            with torch.no_grad():
+                model.model.layers[1].mlp.down_proj.weight.mul_(1e30)
+
+    _, monitor, _ = _train(sim, tmp_path, steps=4, before_step=huge)
+    [anomaly] = _anomalies(monitor)
+    assert (anomaly["rule"], anomaly["step"], anomaly["module"], anomaly["statistic"], anomaly["value"]) == \
+        ("nonfinite", 3, "model.layers.1", "activation:norm", "Infinity")
+    written = _figures(monitor)[3]
+    low, high = written[("activation", "model.layers.1", "min")], written[("activation", "model.layers.1", "max")]
+    assert math.isfinite(low) and math.isfinite(high) and anomaly["overflow"] is True
+    assert anomaly["message"].startswith("first non-finite figure at step 3 in forward: the norm of the output of "
+                                         f"model.layers.1 overflows float32 (norm = inf; its values are finite, "
+                                         f"from {low:g} to {high:g})")
+
+
 @needs_browser
 def test_the_page_written_at_stop_shows_the_nan_step_and_its_anomaly_in_a_browser(sim, tmp_path):
     import ditorch.sim
