@@ -262,7 +262,8 @@ def _calls(n: int, kind: str = "") -> str:
 def _joins(cast: dict, call: OpCall) -> bool:
     """Whether the table's widening gives two of the call's tensors (of dim > 0: a 0-dim one takes part in type
     promotion only as a number would) one dtype where they had two: float16 and float32 under float16->float32."""
-    given = {t.dtype for t in iter_tensors((call.args, call.kwargs)) if t.dim()}
+    # ndim, a property, not dim(): a program's own torch-function mode sees a metadata read, not a call
+    given = {t.dtype for t in iter_tensors((call.args, call.kwargs)) if t.ndim}
     return len({cast.get(dtype, dtype) for dtype in given}) < len(given)
 
 

@@ -93,7 +93,8 @@ def test_tools_see_the_calls_of_a_compiled_model_as_of_the_eager_one(run_script)
     assert traced["verdict"] == "unchecked", traced
 
 
-FULLGRAPH = """
+# What the two scripts below start with: the tools' lines kept, a small model on sim.
+LINES_AND_MODEL = """
 import logging
 lines = []
 handler = type("H", (logging.Handler,), {"emit": lambda s, r: lines.append(r.getMessage())})()
@@ -101,6 +102,9 @@ logging.getLogger("op_tools").addHandler(handler)
 logging.getLogger("op_tools").setLevel(logging.INFO)
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).to("sim")
 x = torch.randn(4, 8, device="sim")
+"""
+
+FULLGRAPH = LINES_AND_MODEL + """
 compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
 compiled(x)  # compiled before the tool starts, through dynamo's fullgraph path
 with op_tools.OpObserve() as tool:
@@ -117,15 +121,8 @@ def test_a_model_compiled_with_fullgraph_is_said_to_run_eagerly_under_a_tool(run
     assert handled == 2 and said == 1, done.stdout  # linear and relu seen, and said once
 
 
-COMPILED_BEFORE_RUN_INSIDE = """
-import logging
+COMPILED_BEFORE_RUN_INSIDE = LINES_AND_MODEL + """
 import torch._dynamo  # loaded, nothing compiled yet: torch.compile is not watched
-lines = []
-handler = type("H", (logging.Handler,), {"emit": lambda s, r: lines.append(r.getMessage())})()
-logging.getLogger("op_tools").addHandler(handler)
-logging.getLogger("op_tools").setLevel(logging.INFO)
-model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).to("sim")
-x = torch.randn(4, 8, device="sim")
 compiled = torch.compile(model, backend="aot_eager")  # made before the tool, first run inside it
 with op_tools.OpObserve():
     model(x)  # no compiled code runs: nothing to say

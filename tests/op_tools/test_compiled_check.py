@@ -404,6 +404,23 @@ def test_the_tools_own_functions_are_never_compiled_as_the_programs(tmp_path):
     assert report["regions"], report
 
 
+def _two(block: type):
+    """A model of two ``block``s, run one after the other (``blocks.0``, ``blocks.1``)."""
+    from torch import nn
+
+    class Blocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([block(), block()])
+
+        def forward(self, x):
+            for each in self.blocks:
+                x = each(x)
+            return x
+
+    return Blocks()
+
+
 def test_calls_in_code_dynamo_gave_up_on_are_checked_with_their_module(sim):
     """A frame with a graph break in a loop is run eagerly by dynamo, under its frame hook: the mode's
     __torch_function__ and the module-path hooks called from there were compiled as frames of their own, traced down
@@ -426,19 +443,9 @@ def test_calls_in_code_dynamo_gave_up_on_are_checked_with_their_module(sim):
                 torch._dynamo.graph_break()
             return h
 
-    class Blocks(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList([Block(), Block()])
-
-        def forward(self, x):
-            for block in self.blocks:
-                x = block(x)
-            return x
-
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model, x = Blocks().to(sim), torch.randn(4, 8).to(sim)
+    model, x = _two(Block).to(sim), torch.randn(4, 8).to(sim)
     with ditorch.sim.faults("mul.Tensor:noise=1e-1"), op_tools.OpAutoCompare(compiled="check") as tool:
         torch.compile(model, backend="aot_eager")(x).sum()
     assert [(f["op"], f["module"]) for f in tool.failures] == [("torch.Tensor.mul", "blocks.0"),
@@ -464,19 +471,9 @@ def test_a_graph_run_for_each_of_two_alike_layers_names_each_layers_module(sim):
             torch._dynamo.graph_break()  # what follows is a frame of its own, resumed in the block
             return self.act(h) * 2
 
-    class Blocks(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleList([Block(), Block()])
-
-        def forward(self, x):
-            for block in self.blocks:
-                x = block(x)
-            return x
-
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model, x = Blocks().to(sim), torch.randn(4, 8).to(sim)
+    model, x = _two(Block).to(sim), torch.randn(4, 8).to(sim)
     with ditorch.sim.faults("silu:noise=1e-1"), op_tools.OpAutoCompare(compiled="check") as tool:
         torch.compile(model, backend="aot_eager")(x).sum()
     found = [(f["module"], f["error_info"].split(";")[0]) for f in tool.failures]
