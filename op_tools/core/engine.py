@@ -87,8 +87,7 @@ def _hide() -> Any:
 
 
 def _unhide(switch: Any) -> None:
-    if switch is not None:
-        switch.__exit__(None, None, None)
+    switch.__exit__(None, None, None)
 
 
 def _hidden(work, *args):
@@ -914,7 +913,8 @@ class OpTool:
                 tracker = self._guarded_value(CallBackward, call, call.grad_inputs)  # edges before an in-place op
         finally:
             _thread.depth -= 1
-            _unhide(switch)
+            if switch is not None:
+                _unhide(switch)
         if self._hooks_backward:  # the nodes the call creates are numbered from here: not its inputs' (hooks)
             call.first_node = _sequence_nr()
         try:
@@ -933,7 +933,8 @@ class OpTool:
                 self._guarded(register_backward_hooks, call, self)
         finally:
             _thread.depth -= 1
-            _unhide(switch)
+            if switch is not None:
+                _unhide(switch)
         return result
 
     def _run_beneath(self, call: OpCall):
@@ -1345,7 +1346,8 @@ class _NodeHook:
             tool._guarded(getattr(tool, self.step), call, *[g if type(g) is tuple else tuple(g) for g in grads])
         finally:
             _thread.depth -= 1
-            _unhide(switch)
+            if switch is not None:
+                _unhide(switch)
         if self.last:
             self.call = None
             if self.pre is not None:
