@@ -882,7 +882,8 @@ class OpTool:
                 return _run_query(func, args, kwargs)
         elif not decision:  # decided (and announced) at an earlier call on a device
             return self._run_unhandled(name, func, args, kwargs)
-        device = call_device(args, kwargs, name) if not _modes_below() else _hidden(call_device, args, kwargs, name)
+        below = _modes_below()  # asked once a call: a program's mode under the tools' is there for its whole run
+        device = call_device(args, kwargs, name) if not below else _hidden(call_device, args, kwargs, name)
         if device is None:  # the CPU is taken as correct
             if not self.handles_cpu_calls:
                 return func(*args, **kwargs)
@@ -905,7 +906,7 @@ class OpTool:
         self.handled[name] += 1
         tracker = None
         _thread.depth += 1  # tool_work() inlined here and below: ~1 µs a call less
-        switch = _hide() if _modes_below() else None
+        switch = _hide() if below else None
         try:
             if not self._guarded(self.before, call):
                 call.args, call.kwargs = args, kwargs
@@ -923,7 +924,7 @@ class OpTool:
             self.raised[name] += 1  # the op's own error: propagates unchanged, the call has nothing to check
             raise
         _thread.depth += 1
-        switch = _hide() if _modes_below() else None
+        switch = _hide() if below else None
         try:
             self._guarded(self.after, call)
             result = call.result
