@@ -159,21 +159,21 @@ compiled_regions.in_tool_work = in_tool_work
 
 class _ToolWork(contextlib.ContextDecorator):
     """What ``tool_work()`` returns: a class rather than a generator, as it is entered several times per handled
-    call (a generator-based context manager costs a few µs each time). Reentrant: what it turned off is kept per
-    thread (the modes under it are the same at its exit as at its entry: what a block pushes, it pops)."""
+    call (a generator-based context manager costs a few µs each time). Reentrant: what each entry turned off is kept
+    per thread, and turned back on by its exit."""
 
     def __enter__(self) -> None:
         _thread.depth += 1
-        if _modes_below():
-            hidden = _thread.hidden
-            if hidden is None:
-                hidden = _thread.hidden = []
-            hidden.append(_hide())
+        hidden = _thread.hidden
+        if hidden is None:
+            hidden = _thread.hidden = []
+        hidden.append(_hide() if _modes_below() else None)
 
     def __exit__(self, *exc) -> None:
         _thread.depth -= 1
-        if _modes_below():
-            _unhide(_thread.hidden.pop())  # type: ignore[union-attr]  # appended at the entry
+        switch = _thread.hidden.pop()  # type: ignore[union-attr]  # what its entry turned off: a block that started
+        if switch is not None:  # or stopped a tool changed the modes under it since
+            _unhide(switch)
 
 
 _TOOL_WORK = _ToolWork()
@@ -889,8 +889,10 @@ class OpTool:
                 return func(*args, **kwargs)
             device = _CPU
         if decision is None and not self._decide(name):
-            if (not self.tracks_writes or call_writes(name).never) and not has_twin(func):  # a twin (torch.mm
-                # and torch.spmm, equal keys) skipped by function would skip the other, which a LIST may select
+            if (not self.tracks_writes or call_writes(name).never) and not has_twin(func) and \
+                    type(func) is not functools.partial:  # a twin (torch.mm and torch.spmm, equal keys) skipped by
+                # function would skip the other, which a LIST may select; a partial is another tool's run handed on
+                # (_run_beneath), holding its call's tensors
                 with contextlib.suppress(TypeError):  # unhashable callables keep taking this path
                     self._skipped.add(func)
             return self._run_unhandled(name, func, args, kwargs)
@@ -950,15 +952,7 @@ class OpTool:
         if not below:
             return self.run(call)
 
-        def replaced(*args, **kwargs):  # what a tool below hands on: its arguments (another tool's) are the call's
-            call.args, call.kwargs = args, kwargs
-            _thread.depth += 1  # handled once: where run() runs the call as written, no tool handles it again
-            try:
-                return self.run(call)
-            finally:
-                _thread.depth -= 1
-
-        run: Callable = replaced
+        run: Callable = functools.partial(_replaced_run, self, call)
         for tool in below:  # the bottom one first: the topmost one's handle is outermost
             run = functools.partial(_handled_by, tool, run, call.name)
         return run(*call.args, **call.kwargs)
@@ -1368,6 +1362,16 @@ def _inner_nodes(outputs: list, first: int) -> list:
                 inner.append(next_node)
                 stack.append(next_node)
     return inner
+
+
+def _replaced_run(tool: OpTool, call: OpCall, *args, **kwargs):
+    """``tool.run(call)`` handed on by the tools under it: their arguments (another tool's) are the call's."""
+    call.args, call.kwargs = args, kwargs
+    _thread.depth += 1  # handled once: where run() runs the call as written, no tool handles it again
+    try:
+        return tool.run(call)
+    finally:
+        _thread.depth -= 1
 
 
 def _handled_by(tool: OpTool, func, name: str, *args, **kwargs):

@@ -262,3 +262,31 @@ def test_a_tool_started_again_on_its_thread_is_refused_and_counts_each_call_once
     with tool:  # stopped, it starts again
         torch.ones(2, device=sim) * 2
     assert tool.handled["torch.Tensor.mul"] == 1 and tool.verdict() == "clean"
+
+
+def test_tool_work_around_a_tools_start_or_stop_leaves_torch_function_handling_as_it_was():
+    # tool_work() asked at its exit whether a mode sat under the tools' again: a stop inside the block left
+    # torch-function handling off on the thread for good (a program's mode saw no call after it), and a start
+    # inside it raised AttributeError
+    from torch.overrides import TorchFunctionMode
+
+    class Seen(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.append(getattr(func, "__name__", ""))
+            return func(*args, **(kwargs or {}))
+
+    tool = op_tools.OpObserve().start()
+    with op_tools.tool_work():  # the tool's own mode was under the block's start, none is at its end
+        tool.stop()
+    assert torch._C._is_torch_function_enabled()
+    with Seen() as seen:
+        torch.ones(2).add(1)
+    assert "add" in seen.names
+    with op_tools.tool_work():  # no mode at the block's start, the tool's at its end
+        tool = op_tools.OpObserve().start()
+    tool.stop()
+    assert torch._C._is_torch_function_enabled()

@@ -587,3 +587,20 @@ def test_another_tool_sees_each_call_run_in_the_devices_place_once(sim, tmp_path
     assert timing.handled["torch.nn.functional.gelu"] == timing.handled["torch.Tensor.matmul"] == 1
     assert changing.handled["torch.nn.functional.gelu"] == changing.handled["torch.Tensor.matmul"] == 1
     assert {"torch.nn.functional.gelu", "torch.Tensor.matmul"} <= set(timing.measurements.totals)
+
+
+def test_a_tool_declining_a_call_handed_on_does_not_keep_its_tensors(sim, tmp_path):
+    # the tool under OpFallback remembered the handed-on run as a function to skip, and with it the call's tensors
+    import gc
+    import weakref
+
+    timing = op_tools.OpTimeMeasure(disable=["torch.nn.functional.gelu"], results_dir=str(tmp_path)).start()
+    falling = op_tools.OpFallback(results_dir=str(tmp_path)).start()
+    x = torch.randn(4, device=sim)
+    torch.nn.functional.gelu(x)
+    falling.stop()
+    timing.stop()
+    alive = weakref.ref(x)
+    del x
+    gc.collect()
+    assert alive() is None
