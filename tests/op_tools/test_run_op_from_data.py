@@ -822,3 +822,13 @@ def test_inputs_changed_by_the_copy_to_the_device_are_named_not_the_ops_they_fee
         assert [c["check"] for c in result.checks] == ["inputs on the device"], (result.name, result.checks)
         assert "the copy to the device is at fault, not the op" in result.checks[0]["detail"]
     assert all(replay(entry, sim, ReplayOptions(acc_check=True)).status == "ok" for entry in entries)
+
+
+def test_an_input_that_cannot_be_read_back_or_compared_is_said_so_not_taken_for_the_ops_failure(sim):
+    # torch.equal has no complex32 kernel: the read-back check raised, and the replay reported the op as raising
+    from op_tools.offline.replay import Entry, ReplayResult, _arrived
+
+    x = torch.ones(3, dtype=torch.complex32)
+    result = ReplayResult(Entry("", "", "capture"))
+    assert _arrived(((x,), {}, ()), ((x.to(sim),), {}, ()), result)
+    assert result.checks == [] and "tensor 0 of the inputs not read back from the device" in result.notes[0]
