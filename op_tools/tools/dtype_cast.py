@@ -82,10 +82,11 @@ class OpDtypeCast(OpTool):
             # computes otherwise, reading what it wrote). It runs as written, as without the tool.
             return self._run_as_written(call, UnsupportedInputError(
                 "a tensor the call writes shares memory with another of its tensors"))
-        if under is None and _joins(self.cast, call):
-            # Its tensors differ in dtype where widened they would not: PyTorch's kernel computes such a call in the
-            # wider dtype itself (x16 + x32), or refuses it (linear of float16 by float32, which meta kernels let
-            # through), an error widening would turn into a result. It runs as written, as without the tool.
+        if under is None and call.name.rpartition(".")[2] in _ONE_DTYPE and _joins(self.cast, call):
+            # A product or convolution whose tensors differ in dtype where widened they would not: PyTorch's kernels
+            # refuse it (linear of float16 by float32, which meta kernels let through), an error widening would turn
+            # into a result. It runs as written, as without the tool. Other ops take mixed dtypes (layer_norm of a
+            # float16 input by float32 weights, x16 + x32): widened, as any call.
             result = call.func(*call.args, **call.kwargs)
             self.mixed_calls += 1
             return result
@@ -257,6 +258,13 @@ class NotCastError(RuntimeError):
 
 def _calls(n: int, kind: str = "") -> str:
     return f"{n} {kind}call{'s' if n != 1 else ''}"
+
+
+# The ops whose kernels refuse tensors of two floating dtypes ("expected m1 and m2 to have the same dtype"), by their
+# names' last part (torch.nn.functional.linear, torch.Tensor.matmul, torch.mm, ...).
+_ONE_DTYPE = frozenset({"linear", "bilinear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "mv", "dot", "inner",
+                        "addmm", "addbmm", "baddbmm", "addmv", "einsum", "conv1d", "conv2d", "conv3d",
+                        "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
 
 
 def _joins(cast: dict, call: OpCall) -> bool:
