@@ -562,6 +562,9 @@ class TrainingMonitor:
 
     def _backward_wrapper(self, original: Callable) -> Callable:
         def backward(tensors, *args, **kwargs):
+            # gradients before clipping are those of the clip after the last backward: a clip whose step the program
+            # then skipped (its own check of the norm) would leave its norms to the next step's
+            self._unclipped = {}
             if self._recording:
                 self._guarded("reading the loss", lambda: self._root(tensors))
             return original(tensors, *args, **kwargs)

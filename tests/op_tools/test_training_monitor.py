@@ -314,6 +314,27 @@ def test_gradient_norms_are_read_before_clipping_and_a_spike_under_clipping_fire
     assert (anomaly["rule"], anomaly["step"], anomaly["module"]) == ("grad_norm_spike", 4, "model.embed_tokens.weight")
 
 
+def test_gradient_norms_before_clipping_are_those_of_the_step_taken_not_of_an_iteration_skipped(sim, tmp_path):
+    # The norms read at a clip were kept until the optimizer's step: a program skipping its step after clipping
+    # (its own check of the norm) had the skipped iteration's norms written for the next step's
+    torch.manual_seed(0)
+    model = tiny_llama().to(sim)
+    ids = torch.randint(0, 128, (2, 16)).to(sim)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with op_tools.TrainingMonitor(results_dir=str(tmp_path), model=model) as monitor:
+        (model(input_ids=ids, labels=ids).loss * 1000.0).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.zero_grad()  # skipped by the program: no step
+        model(input_ids=ids, labels=ids).loss.backward()
+        taken = {n: p.grad.cpu().double().norm().item() for n, p in model.named_parameters()}
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    figures = _figures(monitor)
+    for name, norm in taken.items():
+        assert figures[0][("parameter", name, "grad_norm")] == pytest.approx(norm, rel=1e-5), name
+
+
 def test_every_parameters_and_activations_narrow_what_is_written(sim, tmp_path):
     _, monitor, _ = _train(sim, tmp_path, steps=4, every=2, parameters=[r"model\.layers\.1\."],
                            activations=[r"model\.layers\.\d+\.mlp"])
