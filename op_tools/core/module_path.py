@@ -98,6 +98,11 @@ def enclosing(path: str) -> list[str]:
         found.append(path)
 
 
+def is_known(path: str) -> bool:
+    """Whether a module of a root run while tracking is named ``path``."""
+    return any(path in names.values() for names in list(_names.values()))
+
+
 def current() -> str:
     """The path of the innermost module running on this thread, ``""`` outside any (or when not tracking)."""
     stack = _local.stack

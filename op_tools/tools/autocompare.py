@@ -238,7 +238,11 @@ def _in_frame_of(found, call_module: str):
         return found
     inner = path[len("self."):] if path != "self" else ""
     outer = call_module if module_path.enclosing(call_module) else ""  # a root's path is its class: left out
-    return dataclasses.replace(found, module=".".join(filter(None, (outer, inner))) or call_module)
+    joined = ".".join(filter(None, (outer, inner))) or call_module
+    if outer and not module_path.is_known(joined):  # the frame's module is not the one running the call (a layer
+        # compiled in place, layer.compile(), runs no module hooks): the path inside it alone
+        joined = inner or call_module
+    return dataclasses.replace(found, module=joined)
 
 @feature("autocompare")
 class OpAutoCompare(OpTool):

@@ -479,3 +479,38 @@ def test_a_graph_run_for_each_of_two_alike_layers_names_each_layers_module(sim):
     found = [(f["module"], f["error_info"].split(";")[0]) for f in tool.failures]
     assert [module for module, _ in found] == ["blocks.0.act", "blocks.1.act"], tool.failures
     assert all(f"torch.nn.functional.silu, {module} in " in said for module, said in found), found
+
+
+def test_a_layer_compiled_in_place_never_names_a_module_the_model_does_not_have(sim):
+    """``layer.compile()`` (regional compilation): each layer's graph is named under that layer. Where the module
+    running the graph's call is not the frame's own (no module hooks ran for it), the path inside the frame is named
+    alone, never a module no model holds (``model.act``)."""
+    import torch
+    from torch import nn
+
+    import ditorch.sim
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.act = nn.Linear(8, 8), nn.SiLU()
+
+        def forward(self, x):
+            return self.act(self.lin(x))
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = _two(Block)
+
+        def forward(self, x):
+            return self.model(x)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    root, x = Root().to(sim), torch.randn(4, 8).to(sim)
+    for block in root.model.blocks:
+        block.compile(backend="aot_eager")
+    with ditorch.sim.faults("silu:noise=1e-1"), op_tools.OpAutoCompare(compiled="check") as tool:
+        root(x).sum()
+    assert [f["module"] for f in tool.failures] == ["model.blocks.0.act", "model.blocks.1.act"], tool.failures
