@@ -199,8 +199,11 @@ def _wrap_backends() -> None:
     original = eval_frame._callback_from_stance
 
     def callback_from_stance(callback):
-        if _pending and callback is not None and callback is not False and not in_tool_work():
-            _announce_pending()  # a compiled function runs: compiled before the tool, first run inside it
+        if _pending and callback is not None and callback is not False and not in_tool_work() and \
+                getattr(getattr(eval_frame, "_stance", None), "stance", None) == "force_eager":
+            # a compiled function runs eagerly: compiled before the tool, first run inside it (not the tools' own
+            # compiled statistics, which run under the default stance)
+            _announce_pending()
         callback = original(callback)
         if callback is None or callback is False or in_tool_work() or \
                 not any(checks for _, _, checks in _active):
