@@ -12,10 +12,12 @@ environment variables > config file > default.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable
 
 import torch
@@ -50,6 +52,8 @@ class EnvVar:
         if sources is not None and self.name in sources.arguments:
             return sources.arguments[self.name]
         text = os.environ.get(self.name)
+        if getattr(_recording, "reads", None) is not None:
+            _recording.reads[self.name] = text
         if text is None and sources is not None and self.name in sources.file:
             return sources.file[self.name]
         text = self.default if text is None else text
@@ -70,6 +74,25 @@ class EnvVar:
     @property
     def argument_form(self) -> str:
         return self.value_form or self.form
+
+
+_recording = threading.local()  # .reads: {name: text or None} of the variables read, while recorded_reads() runs
+
+
+@contextlib.contextmanager
+def recorded_reads() -> Iterator[dict[str, str | None]]:
+    """The variables ``EnvVar.read`` takes from the environment on this thread meanwhile, with their texts (None:
+    unset): what a tool's configuration was read from, to tell whether one changed while it ran."""
+    outer, _recording.reads = getattr(_recording, "reads", None), {}
+    try:
+        yield _recording.reads
+    finally:
+        _recording.reads = outer
+
+
+def changed_since(reads: Mapping[str, str | None]) -> list[str]:
+    """The variables of ``reads`` whose text in the environment is not the one read."""
+    return [name for name, text in reads.items() if os.environ.get(name) != text]
 
 
 VARIABLES: dict[str, EnvVar] = {}
@@ -694,13 +717,14 @@ AUTOCOMPARE_VERDICT_BATCH = declare(
     parse_positive_count, convert_positive_count, "an int >= 1",
 )
 MAX_CACHE_SIZE = declare(
-    "OP_TOOLS_MAX_CACHE_SIZE", "an integer >= 1", None,
+    "OP_TOOLS_MAX_CACHE_SIZE", "an integer >= 0", None,
     "The original's: OpAutoCompare appends its comparisons to its CSV, and OpTimeMeasure its calls' times to "
     "op_elasped_info_*.csv, whenever more than this many rows are held, so that a run that dies (a kernel's crash, "
     "a kill) leaves the rows of the calls checked or timed so far. A call's time waits for its backward, or for a "
-    "later step. Unset: each CSV is written once, at stop() (or at exit). The other tools write their files at "
-    "stop().",
-    _optional_positive_count, _convert_optional_positive_count, "an int >= 1",
+    "later step; 0, as in the original: each row as it comes. Unset: each CSV is written once, at stop() (or at "
+    "exit). The other tools write their files at stop().",
+    lambda text: None if not (text or "").strip() else max(parse_count(text), 1),
+    lambda value: None if value is None else max(convert_count(value), 1), "an int >= 0",
 )
 AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES = declare(
     "OP_AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES", "a size in bytes, e.g. 8G, 512M (powers of 1024)", "8G",

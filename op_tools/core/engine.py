@@ -55,7 +55,7 @@ from torch.utils._device import DeviceContext
 from ..config import typo_check
 from ..config.settings import origin, signature_of, sources_for, validate_arguments
 from ..config.tool_registry import FEATURES, feature  # noqa: F401  # op_tools.core.engine.FEATURES / feature, as before
-from ..config.variables import CommonConfig, OpFilter, Sources
+from ..config.variables import CommonConfig, OpFilter, Sources, changed_since, recorded_reads
 from ..ops import torch_versions
 from ..ops.arguments import UnsupportedInputError, call_device, in_transform, iter_tensors
 from ..ops.collectives import collective_call, unseen_collectives
@@ -203,14 +203,20 @@ def _run_query(func, args: tuple, kwargs: dict):
 class OpCall:
     """One handled call: what the tool sees. ``state`` is the tool's scratch space, kept for backward."""
 
-    __slots__ = ("name", "func", "args", "kwargs", "result", "forward_id", "device", "state", "_site",
+    __slots__ = ("name", "func", "runs", "args", "kwargs", "result", "forward_id", "device", "state", "_site",
                  "_full_stack", "first_node", "grad_inputs", "module_path", "unchecked", "step", "time",
                  "__weakref__")
 
     def __init__(self, name: str, func, args: tuple, kwargs: dict, device: torch.device | None,
                  full_stack: bool = False) -> None:
         self.name = name
-        self.func = func
+        # ``func``: the torch function, which a tool reruns (a reference, a meta run) and names; ``runs``: what runs
+        # the call itself (``OpTool.run``), another tool's run of it where that tool runs it in the device's place
+        # (``_Beneath``), which must not take the tools' own reruns for the call's
+        if type(func) is _Beneath:
+            self.func, self.runs = func.op, func
+        else:
+            self.func = self.runs = func
         self.args = args
         self.kwargs = kwargs
         self.result: Any = None
@@ -243,8 +249,9 @@ class OpCall:
         return self._site
 
     def release(self) -> None:
-        """Drop the arguments and results so that a pending backward hook does not keep them alive."""
-        self.args, self.kwargs, self.result = (), {}, None
+        """Drop the arguments and results so that a pending backward hook does not keep them alive (another tool's run
+        of the call holds that tool's call, with its own)."""
+        self.args, self.kwargs, self.result, self.runs = (), {}, None, self.func
 
     def without_values(self) -> OpCall:
         """A copy without the arguments and results (the same state), for a tool that keeps the call past its return:
@@ -253,7 +260,7 @@ class OpCall:
         copy = OpCall.__new__(OpCall)
         for name in _CALL_FIELDS:
             setattr(copy, name, getattr(self, name))
-        copy.args, copy.kwargs, copy.result = (), {}, None
+        copy.args, copy.kwargs, copy.result, copy.runs = (), {}, None, self.func  # another tool's run holds its call
         return copy
 
 
@@ -423,14 +430,16 @@ class OpTool:
 
     def run(self, call: OpCall):
         """Run the op; tools that run it elsewhere (fallback, dtype cast) override this."""
-        return call.func(*call.args, **call.kwargs)
+        return call.runs(*call.args, **call.kwargs)
 
     def run_inside(self, call: OpCall):
         """Run the op with the torch calls it makes handled too (a Python function of torch calls, such as
         ``multi_head_attention_forward``; a C++ op has none to show). Only under this tool's mode, which torch
         takes off its stack while the mode handles a call: pushed back for the calls inside, one hop of dispatch
         skipped so the op itself is not handled twice. Under targeted wrappers, the wrapped calls inside are handled.
-        Otherwise the op runs as it is."""
+        Otherwise the op runs as it is, as does another tool's run of it (``_Beneath``)."""
+        if call.runs is not call.func:
+            return call.runs(*call.args, **call.kwargs)
         mode = self._activations[-1] if self._activations else None
         if isinstance(mode, targeting.Targeting):
             with targeting.calls_inside_handled():
@@ -672,6 +681,7 @@ class OpTool:
         # how the run ended where not normally (an exception out of the with-block, SIGTERM): '' until then; files
         # that mark themselves complete (the run recording) say so, else a run cut short reads as one that ended
         self.ended_by = ""
+        self._variables_read: dict[str, str | None] = {}  # what its configuration was read from, and their texts
         self.finish_failure = ""  # finish() raised: what it had still to judge or write is lost
         # asynchronous collectives whose check waits for the program's wait, and those given up (collective_waits.py)
         self._waits: collective_waits.WaitedChecks = collective_waits.WaitedChecks(self._run_waited_check, tool_work)
@@ -685,6 +695,12 @@ class OpTool:
             unmet = self._list_entries_unmet()  # said, not counted: the calls that ran were all handled
             if unmet:
                 self._logger.warning(reporting.fit_line(f"{type(self).__name__}: {'; '.join(unmet)}"))
+        for name in changed_since(self._variables_read):  # the original ditorch read them at each call
+            was, now = (repr(text) if text is not None else "unset"
+                        for text in (self._variables_read[name], os.environ.get(name)))
+            self._logger.warning(reporting.fit_line(
+                f"{type(self).__name__}: {name} changed while the tool ran ({was} when it started, {now} now): "
+                f"it read it once, at start() or apply_feature(); set it before"))
         line, folder = self.closing_line(), self.tally.folder()
         fitted = reporting.fit_path(line, folder)
         if self.tally.named or (folder and f" {folder}" not in reporting.unwrapped(fitted)):
@@ -829,12 +845,16 @@ class OpTool:
     def _read_configuration(self) -> None:
         """Arguments > variables > config file > defaults, parsed once; then the typo checks (typo_check.py)."""
         self.sources = sources_for(self)
-        self.common = CommonConfig.from_env(self.sources)
-        self.filter = OpFilter.from_env(self.env_prefix, self.sources) if self.env_prefix else OpFilter(None, None)
+        with recorded_reads() as read:
+            self.common = CommonConfig.from_env(self.sources)
+            self.filter = OpFilter.from_env(self.env_prefix, self.sources) if self.env_prefix else \
+                OpFilter(None, None)
         self.stem = result_files.session_stem()
         self._prepare_output()
         try:
-            self.configure()
+            with recorded_reads() as reads:
+                self.configure()
+            self._variables_read = {**read, **reads}
         except BaseException:  # a malformed variable of its own: the session never starts, so no marker says it ran
             self._end_running()
             self.common = None  # type: ignore[assignment]  # nor did its state: its verdict is a never-started tool's
@@ -889,10 +909,9 @@ class OpTool:
                 return func(*args, **kwargs)
             device = _CPU
         if decision is None and not self._decide(name):
-            if (not self.tracks_writes or call_writes(name).never) and not has_twin(func) and \
-                    type(func) is not functools.partial:  # a twin (torch.mm and torch.spmm, equal keys) skipped by
-                # function would skip the other, which a LIST may select; a partial is another tool's run handed on
-                # (_run_beneath), holding its call's tensors
+            if type(func) is not _Beneath and (not self.tracks_writes or call_writes(name).never) and \
+                    not has_twin(func):  # a twin (torch.mm and torch.spmm, equal keys) skipped by function would
+                # skip the other, which a LIST may select; another tool's run handed on holds its call's tensors
                 with contextlib.suppress(TypeError):  # unhashable callables keep taking this path
                     self._skipped.add(func)
             return self._run_unhandled(name, func, args, kwargs)
@@ -921,7 +940,7 @@ class OpTool:
         if self._hooks_backward:  # the nodes the call creates are numbered from here: not its inputs' (hooks)
             call.first_node = _sequence_nr()
         try:
-            call.result = self.run(call) if not self.replaces_runs else self._run_beneath(call)
+            call.result = self.run(call) if not self.replaces_runs else self._run_beneath(call, below)
         except BaseException:
             self.raised[name] += 1  # the op's own error: propagates unchanged, the call has nothing to check
             raise
@@ -940,21 +959,23 @@ class OpTool:
                 _unhide(switch)
         return result
 
-    def _run_beneath(self, call: OpCall):
+    def _run_beneath(self, call: OpCall, below: int):
         """``run(call)`` as the call that the other tools' modes under this one's handle, each once, the topmost
         first: their modes would otherwise meet the run's own calls only, in tool work (not handled), and the call
         would be missing from their summaries (a timing, a recording) while their verdicts stayed clean. A program's
-        own mode among them sees no such call, as it sees no tool work."""
+        own mode among them sees no such call, as it sees no tool work. ``below``: the modes under the tools'."""
+        if not below:
+            return self.run(call)
         stack = _get_current_function_mode_stack()
         # under this tool's own mode where it is on the stack (handed a call by another such tool, not by its mode)
         mine = next((i for i, m in enumerate(stack) if isinstance(m, _ToolMode) and m.tool is self), len(stack))
-        below = [m.tool for m in stack[:mine] if isinstance(m, _ToolMode)]
-        if not below:
+        tools = [m.tool for m in stack[:mine] if isinstance(m, _ToolMode)]
+        if not tools:
             return self.run(call)
 
-        run: Callable = functools.partial(_replaced_run, self, call)
-        for tool in below:  # the bottom one first: the topmost one's handle is outermost
-            run = functools.partial(_handled_by, tool, run, call.name)
+        run = _Beneath(call.func, functools.partial(_replaced_run, self, call))
+        for tool in tools:  # the bottom one first: the topmost one's handle is outermost
+            run = _Beneath(call.func, functools.partial(_handled_by, tool, run, call.name))
         return run(*call.args, **call.kwargs)
 
     def check_when_waited(self, call: OpCall, check: Callable[[OpCall], None], received: list | None,
@@ -1362,6 +1383,20 @@ def _inner_nodes(outputs: list, first: int) -> list:
                 inner.append(next_node)
                 stack.append(next_node)
     return inner
+
+
+class _Beneath:
+    """A call that a tool runs in the device's place (``OpTool._run_beneath``), as handed to the tools under it:
+    calling it runs that tool's run; ``op``, the torch function, is what those tools see as the call's ``func`` and
+    rerun (OpAutoCompare's reference, OpDtypeCast's meta run), never the other tool's run."""
+
+    __slots__ = ("op", "_run")
+
+    def __init__(self, op, run: Callable) -> None:
+        self.op, self._run = op, run
+
+    def __call__(self, *args, **kwargs):
+        return self._run(*args, **kwargs)
 
 
 def _replaced_run(tool: OpTool, call: OpCall, *args, **kwargs):

@@ -361,7 +361,7 @@ def _replay(entry: Entry, device: torch.device, options: ReplayOptions, result: 
         if backward:
             roots = [t for t in iter_tensors(output) if t.grad_fn is not None]
             if roots:
-                upstream_grads = _upstream(roots, device_upstream, result)
+                upstream_grads = _upstream(output, roots, device_upstream, result)
                 sync()
                 start = time.perf_counter_ns()
                 try:
@@ -551,9 +551,13 @@ def _layout_read(name: str, args: tuple, kwargs: dict, data: dict) -> tuple[tupl
     return args, {**kwargs, "storage_offset": moved}
 
 
-def _upstream(roots: list, captured: tuple, result: ReplayResult) -> list:
+def _upstream(output, roots: list, captured: tuple, result: ReplayResult) -> list:
     """The captured upstream gradients where they fit the outputs; ones otherwise (noted)."""
     grads = [g for g in captured if g is None or isinstance(g, torch.Tensor)]
+    outputs = list(iter_tensors(output))
+    if len(grads) == len(outputs) != len(roots):  # one per output, None for those without a gradient (sort's indices)
+        at = {id(t): g for t, g in zip(outputs, grads)}
+        grads = [at.get(id(r)) for r in roots]
     if len(grads) == len(roots) and all(g is None or g.shape == r.shape for g, r in zip(grads, roots)):
         return [torch.zeros_like(r) if g is None else g.to(r.dtype) for g, r in zip(grads, roots)]
     if not result.notes or "ones" not in result.notes[-1]:
@@ -762,7 +766,8 @@ def _cpu_run(func, name: str, args, kwargs, upstream, inplace, with_grad, cast: 
     output = map_tensors(output, lambda t: t.view_as(t) if t.requires_grad and t.grad_fn is None else t)
     roots = [t for t in iter_tensors(output) if t.grad_fn is not None]
     if roots:
-        torch.autograd.backward(roots, _upstream(roots, convert(tuple(upstream)), ReplayResult(Entry("", "", ""))))
+        torch.autograd.backward(roots, _upstream(output, roots, convert(tuple(upstream)),
+                                                 ReplayResult(Entry("", "", ""))))
     return output, [leaf.grad for leaf in leaves], written
 
 

@@ -23,6 +23,7 @@ PASS_THROUGH = frozenset({
     "torch.distributed.fsdp._fully_shard._fsdp_param_group.RegisterPostBackwardFunction",
     "torch.distributed.tensor._api._ToTorchTensor",  # DTensor.to_local()
     "torch.distributed.tensor._api._FromTorchTensor",  # DTensor.from_local()
+    "op_tools.ops.moves.Moved",  # OpFallback's and OpDtypeCast's copies: the call's own node, its backward a move
 })
 
 _names: dict[type, str | None] = {}  # node class -> its Function's name, None for a pass-through one

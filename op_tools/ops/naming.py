@@ -255,9 +255,13 @@ def import_path(path: str):
 
 @functools.cache
 def is_metadata_query(name: str) -> bool:
-    """Attribute getters/setters and pure metadata queries: tools never handle them."""
+    """Attribute getters/setters and pure metadata queries: tools never handle them. A complex tensor's parts are
+    ops: their backward is a kernel (the upstream written into a complex zero), compared as torch.real's."""
     return name in METADATA_QUERIES or name.endswith(("__get__", "__set__", "__delete__", ".__repr__", ".__format__",
-                                                      ".__str__"))
+                                                      ".__str__")) and name not in _COMPUTING_GETTERS
+
+
+_COMPUTING_GETTERS = frozenset({"torch.Tensor.real.__get__", "torch.Tensor.imag.__get__"})
 
 
 @functools.cache

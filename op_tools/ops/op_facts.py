@@ -166,7 +166,10 @@ def op_facts(name: str) -> OpFacts:
     for key in keys:
         merged.update(_DECLARED.get(key, ()))
     if "view" not in merged and not merged.get("conversion") and schema_view(name):
-        merged["view"] = True  # torch's view ops as their schemas say (a conversion's alias is itself, unchanged)
+        # torch's view ops as their schemas say (a conversion's alias is itself, unchanged); a backward nobody said
+        # passes the gradient through is compared as any op's (resolve_conj's materialises, real's is a kernel)
+        merged["view"] = True
+        merged.setdefault("backward_kernel", True)
     return OpFacts(**merged) if merged else _DEFAULT
 
 
@@ -277,7 +280,9 @@ for _name in CONVERSIONS:
 # (meshgrid, broadcast_tensors) sums its gradient: a kernel too.
 for _name in ("as_strided", "diagonal", "narrow", "select", "unfold", "unbind", "split", "split_with_sizes",
               "hsplit", "vsplit", "dsplit", "tensor_split", "chunk", "unsafe_split", "unsafe_split_with_sizes",
-              "unsafe_chunk", "meshgrid", "broadcast_tensors", "__getitem__"):
+              "unsafe_chunk", "meshgrid", "broadcast_tensors", "__getitem__",
+              # a complex tensor's parts: written into a complex zero
+              "real", "imag", "torch.Tensor.real.__get__", "torch.Tensor.imag.__get__"):
     register_op_facts(_name, backward_kernel=True)
 
 # Views that compute nothing forward or backward: not an expansion's (its gradient is a sum), not those above

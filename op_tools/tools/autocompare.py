@@ -541,7 +541,7 @@ class OpAutoCompare(OpTool):
 
     def run(self, call: OpCall):
         if not call.state.inside:
-            return call.func(*call.args, **call.kwargs)
+            return call.runs(*call.args, **call.kwargs)
         # Its calls are handled one by one. A random composite is skipped, and after() counts it with how many of
         # them were compared; one that draws nothing is compared whole too (``compared_inside``: under a list naming
         # it alone, or another mode on the stack, the calls inside are not handled, and the whole is what is judged).

@@ -87,7 +87,7 @@ class OpDtypeCast(OpTool):
             # refuse it (linear of float16 by float32, which meta kernels let through), an error widening would turn
             # into a result. It runs as written, as without the tool. Other ops take mixed dtypes (layer_norm of a
             # float16 input by float32 weights, x16 + x32): widened, as any call.
-            result = call.func(*call.args, **call.kwargs)
+            result = call.runs(*call.args, **call.kwargs)
             self.mixed_calls += 1
             return result
         # The dtypes the op returns without the tool, from a meta run: only for a call the tool changes.
@@ -97,7 +97,7 @@ class OpDtypeCast(OpTool):
             # Autocast runs the op in its own dtype, which the table keeps: autocast would cast the widened inputs
             # down again, or, with autocast off, a float16 input would meet a float64 one (addmm raised). The call
             # is autocast's, as without the tool.
-            return call.func(*call.args, **call.kwargs)
+            return call.runs(*call.args, **call.kwargs)
         # The tool widens what autocast would lower: where autocast runs this op in a dtype the table widens, the
         # op runs in the wider dtype with autocast off (autocast's key would cast the widened inputs back down).
         lowered = lowered_to is not None and autocast_dtype_out
@@ -136,7 +136,7 @@ class OpDtypeCast(OpTool):
                 saves = SavedStandIns.watching([wide for _, wide, *_ in pairs])
                 with torch.autocast(call.device.type, enabled=False) if math else contextlib.nullcontext(), \
                         saves or contextlib.nullcontext():
-                    result = call.func(*args, **kwargs)
+                    result = call.runs(*args, **kwargs)
         except OpToolsAbortError:
             raise
         except (RuntimeError, NotImplementedError) as error:  # a kernel's (a device without the wider dtype's), or
@@ -146,7 +146,7 @@ class OpDtypeCast(OpTool):
         if failed is not None:
             return self._run_as_written(call, failed)
         if as_written:  # outside the try: the user's error raised once
-            return call.func(*call.args, **call.kwargs)
+            return call.runs(*call.args, **call.kwargs)
         with tool_work():
             originals = {id(wide): original for original, wide, *_ in pairs}
             rows = [{"name": call.name, "target": f"input{path}", "action": f"{o.dtype} -> {w.dtype}",
@@ -213,7 +213,7 @@ class OpDtypeCast(OpTool):
     def _run_as_written(self, call: OpCall, error: Exception):
         """The call run as without the tool, for ``error`` (its widened run failed: a device without float64
         kernels): an exception raised here is the user's, and propagates; else the call is counted as not cast."""
-        result = call.func(*call.args, **call.kwargs)
+        result = call.runs(*call.args, **call.kwargs)
         if self.common.strict:
             raise error
         with tool_work():

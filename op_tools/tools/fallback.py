@@ -178,7 +178,7 @@ class OpFallback(OpTool):
             saves = SavedStandIns.watching([cpu for _, cpu, _, _ in copies.pairs])
             try:
                 with saves or contextlib.nullcontext():
-                    return copies, args, kwargs, call.func(*args, **kwargs), {}, saves
+                    return copies, args, kwargs, call.runs(*args, **kwargs), {}, saves
             except (RuntimeError, NotImplementedError) as error:
                 low = _low_precision_dtypes(call.args, call.kwargs)
                 if not low or _NO_KERNEL not in str(error):  # a dtype error of the call's own (linear of float32
@@ -190,7 +190,7 @@ class OpFallback(OpTool):
                 saves = SavedStandIns.watching([cpu for _, cpu, _, _ in copies.pairs])
                 try:
                     with saves or contextlib.nullcontext():
-                        cpu_result = call.func(*args, **kwargs)
+                        cpu_result = call.runs(*args, **kwargs)
                 except (RuntimeError, NotImplementedError):
                     raise error from None
                 # Outputs in the dtype the float32 copies promote to get the one the caller's tensors promote to
@@ -203,7 +203,7 @@ class OpFallback(OpTool):
     def _run_on_device(self, call: OpCall, why: Exception):
         """The call run as without the tool, for ``why`` (the CPU's failure): an exception raised here is the one
         the user gets without the tool, and propagates; else the call is counted as not fallen back."""
-        result = call.func(*call.args, **call.kwargs)
+        result = call.runs(*call.args, **call.kwargs)
         if self.common.strict:
             raise why
         with tool_work():

@@ -717,6 +717,9 @@ class OpOverflowCheck(OpTool):
             return flags
 
     def after(self, call: OpCall) -> None:
+        written = call.state if type(call.state) is _Written else None
+        if written is not None:  # the call, kept by its backward hooks, must not keep what it wrote alive (a cycle
+            call.state = {}  # through another tool's autograd.Function node, which no collection breaks)
         verbose = self._logger.isEnabledFor(logging.DEBUG)
         if self._first_overflow is not None and not verbose:  # nothing more to find or to print
             return
@@ -731,14 +734,14 @@ class OpOverflowCheck(OpTool):
         # Memory never written (an empty's), or the program's own data: whatever it holds, no op made it.
         if facts.uninitialised or facts.from_data:
             self.skipped["uninitialised" if facts.uninitialised else "the program's own data"] += 1
-            if isinstance(call.state, _Written):  # resize_, set_
-                self._flagged.forget(call.state.tensors)
+            if written is not None:  # resize_, set_
+                self._flagged.forget(written.tensors)
             return
         before = None
         views = None
-        if isinstance(call.state, _Written):
-            before, views = call.state.flags, call.state.views
-            self._flagged.forget(call.state.tensors)  # flags taken over from them are out of date now
+        if written is not None:
+            before, views = written.flags, written.views
+            self._flagged.forget(written.tensors)  # flags taken over from them are out of date now
         # A functional collective's result is written by the collective's thread until wait_tensor: it is checked
         # there, where an inf/nan another rank sent shows as born (what was waited for is no input).
         inputs = [] if facts.completes else named_tensors(f"{call.name} input",

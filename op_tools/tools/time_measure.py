@@ -425,7 +425,7 @@ class OpTimeMeasure(OpTool):
                 span_range.__enter__()
         try:
             clock, stream, start = self._start(self._clock(call), call)
-            result = call.func(*call.args, **call.kwargs)
+            result = call.runs(*call.args, **call.kwargs)
             end = self._end(clock, call, stream)
         finally:
             if span_range is not None:

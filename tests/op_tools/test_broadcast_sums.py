@@ -441,6 +441,26 @@ def test_a_views_gradient_made_by_a_kernel_is_compared_and_a_fault_in_it_found(s
             ([("backward", "input[0].grad")] if fault else []), (fault, tool.failures)
 
 
+# A complex tensor's real or imaginary part: a view whose backward writes the upstream into a complex zero. Once torch's
+# schemas made torch.real a view, its backward was counted "gradient passed through" and a 10% fault left it clean.
+@pytest.mark.parametrize("part", ["torch.real", "torch.imag", "Tensor.real", "Tensor.imag"])
+def test_a_complex_parts_gradient_is_compared_and_a_fault_in_it_found(sim, part):
+    import ditorch.sim
+
+    generator = torch.Generator().manual_seed(0)
+    z = torch.randn(64, dtype=torch.complex64, generator=generator).to(sim).requires_grad_()
+    upstream = torch.randn(64, generator=generator).to(sim)
+    take = {"torch.real": torch.real, "torch.imag": torch.imag, "Tensor.real": lambda t: t.real,
+            "Tensor.imag": lambda t: t.imag}[part]
+    for fault in ("", "select_backward:noise=1e-1"):
+        with op_tools.OpAutoCompare() as tool:
+            piece = take(z)
+            with ditorch.sim.faults(fault):
+                piece.backward(upstream)
+        assert tool.counts["backward compared"] == 1 and not tool.backward_not_compared, tool.counts
+        assert [f["phase"] for f in tool.failures] == (["backward"] if fault else []), (fault, tool.failures)
+
+
 def test_a_reshaped_or_permuted_views_gradient_is_passed_through(sim):
     # a view that keeps every element once: its gradient is the upstream's, viewed back, with no kernel of its own
     x = torch.randn(8, 64).to(sim).requires_grad_()

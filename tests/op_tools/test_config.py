@@ -102,3 +102,35 @@ def test_a_flag_given_as_a_number_is_on_when_positive_as_the_original_read_it(mo
     with op_tools.OpObserve() as tool:
         pass
     assert tool.common.print_stack is on
+
+
+def test_a_variable_changed_after_the_tool_read_it_is_said_at_its_end(sim, monkeypatch, caplog, tmp_path):
+    # The original ditorch read its variables at each call (its README sets OP_DTYPE_CAST_DICT after apply_feature);
+    # ours reads them once: a change while the tool ran was silently not taken
+    monkeypatch.delenv("OP_DTYPE_CAST_DICT", raising=False)
+    monkeypatch.setenv("OP_CAPTURE_DISABLE_LIST", "torch.Tensor.add")
+    x = torch.randn(4, device=sim)
+    with caplog.at_level("WARNING", logger="op_tools"):
+        with op_tools.OpCapture(results_dir=str(tmp_path)) as capture:
+            monkeypatch.setenv("OP_CAPTURE_DISABLE_LIST", "torch.Tensor.mul")
+            monkeypatch.setenv("OP_DTYPE_CAST_DICT", "torch.float32->torch.float16")  # not OpCapture's
+            x * 2
+        assert capture.handled["torch.Tensor.mul"] == 1  # as read at start()
+        assert "OpCapture: OP_CAPTURE_DISABLE_LIST changed while the tool ran ('torch.Tensor.add' when it started, " \
+               "'torch.Tensor.mul' now)" in caplog.text.replace("\n  ", " ")
+        assert "OP_DTYPE_CAST_DICT" not in caplog.text
+        caplog.clear()
+        with op_tools.OpCapture(results_dir=str(tmp_path)):
+            x * 2
+        assert "changed while the tool ran" not in caplog.text
+
+
+def test_max_cache_size_0_appends_each_row_as_the_original_did(monkeypatch):
+    # the original's OP_TOOLS_MAX_CACHE_SIZE=0 wrote each row as it came; 0 was refused as malformed
+    from op_tools.config.variables import MAX_CACHE_SIZE
+
+    monkeypatch.setenv("OP_TOOLS_MAX_CACHE_SIZE", "0")
+    assert MAX_CACHE_SIZE.read() == 1
+    monkeypatch.setenv("OP_TOOLS_MAX_CACHE_SIZE", "-1")
+    with pytest.raises(ValueError, match="OP_TOOLS_MAX_CACHE_SIZE='-1'"):
+        MAX_CACHE_SIZE.read()

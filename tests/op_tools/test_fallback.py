@@ -1,3 +1,6 @@
+import gc
+import weakref
+
 import pytest
 import torch
 from tiny_models import train_llama
@@ -604,3 +607,64 @@ def test_a_tool_declining_a_call_handed_on_does_not_keep_its_tensors(sim, tmp_pa
     del x
     gc.collect()
     assert alive() is None
+
+
+# A tool under OpFallback or OpDtypeCast reruns the call it is handed (OpAutoCompare's float64 reference, OpDtypeCast's
+# meta run) as the torch function, never as the other tool's run of it: OpAutoCompare's reference came back on the
+# device through OpFallback (every call "not checked"), OpDtypeCast's meta run went to OpFallback, OpAutoCompare's
+# reference under OpDtypeCast was widened and counted as a cast, and OpDtypeCast's table of meta runs, keyed on each
+# call's own run, missed every time and kept the calls' tensors alive past stop().
+@pytest.mark.parametrize("lower, upper", [("OpAutoCompare", "OpFallback"), ("OpAutoCompare", "OpDtypeCast"),
+                                          ("OpDtypeCast", "OpFallback")])
+def test_a_tool_under_another_that_runs_calls_reruns_the_torch_function(sim, tmp_path, lower, upper):
+    below = getattr(op_tools, lower)(results_dir=str(tmp_path))
+    above = getattr(op_tools, upper)(results_dir=str(tmp_path))
+    w = torch.randn(8, 8, device=sim, dtype=torch.float16, requires_grad=True)
+    kept = []
+    below.start()
+    above.start()  # its mode on top: it hands its runs to the one below
+    try:
+        for _ in range(3):
+            x = torch.randn(8, 8, device=sim, dtype=torch.float16)
+            torch.matmul(x, w).float().sum().backward()
+            kept.append(weakref.ref(x))
+            del x
+    finally:
+        above.stop()
+        below.stop()
+    gc.collect()
+    assert below.not_checked() == "" and above.not_checked() == "", (below.not_checked(), above.not_checked())
+    assert below.handled["torch.matmul"] == above.handled["torch.matmul"] == 3
+    if lower == "OpAutoCompare":
+        assert below.verdict() == "clean" and below.counts["backward compared"] >= 3, below.counts
+    else:
+        assert len(below._expected) == 1, list(below._expected)  # one meta run for the three calls
+        assert not any(ref() is not None for ref in kept)
+    if upper == "OpDtypeCast":
+        assert above.cast_calls == 3  # the program's calls, not the reference's reruns
+
+
+# A tool whose backward hooks keep its calls kept, through them, what OpFallback's or OpDtypeCast's run of the call
+# held (the other tool's call, its arguments and result) and what OpOverflowCheck's in-place calls wrote: a cycle
+# through the run's autograd.Function node, which no collection breaks; the step's tensors outlived stop().
+@pytest.mark.parametrize("order", ["OpOverflowCheck,OpFallback", "OpFallback,OpOverflowCheck",
+                                   "OpOverflowCheck,OpDtypeCast", "OpDtypeCast,OpOverflowCheck"])
+def test_a_step_under_a_tool_and_one_that_runs_calls_leaves_nothing_alive(sim, tmp_path, order):
+    def step():
+        tools = [getattr(op_tools, name)(results_dir=str(tmp_path)) for name in order.split(",")]
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16)).to(sim).half()
+        x = torch.randn(4, 8, device=sim, dtype=torch.float16, requires_grad=True)
+        for tool in tools:
+            tool.start()
+        try:
+            y = model(x).clone()
+            y.add_(1.0)
+            y.float().sum().backward()
+        finally:
+            for tool in reversed(tools):
+                tool.stop()
+        return [weakref.ref(y), weakref.ref(x), weakref.ref(model[0].weight)]
+
+    kept = step()
+    gc.collect()
+    assert [ref() is not None for ref in kept] == [False, False, False]

@@ -832,3 +832,20 @@ def test_an_input_that_cannot_be_read_back_or_compared_is_said_so_not_taken_for_
     result = ReplayResult(Entry("", "", "capture"))
     assert _arrived(((x,), {}, ()), ((x.to(sim),), {}, ()), result)
     assert result.checks == [] and "tensor 0 of the inputs not read back from the device" in result.notes[0]
+
+
+def test_an_ops_captured_upstream_gradient_is_used_beside_an_output_without_one(tmp_path, sim):
+    # frexp's upstream gradients are captured as (the mantissa's, None for the integer exponent): two for its one
+    # differentiable output, so the replay took ones instead, and its gradients never matched the captured ones
+    from op_tools.offline.replay import ReplayOptions, replay
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 6).to(sim).requires_grad_()
+    upstream = torch.randn(4, 6).to(sim)
+    with op_tools.OpCapture(results_dir=str(tmp_path), ops=["torch.frexp"]):
+        torch.frexp(x).mantissa.backward(upstream)
+    (entry,) = find_entries(str(tmp_path))
+    replayed = replay(entry, sim, ReplayOptions(acc_check=True))
+    assert not any("ones" in note for note in replayed.notes), replayed.notes
+    assert replayed.status == "ok" and ("grad vs captured grad", True) in \
+        [(c["check"], c["ok"]) for c in replayed.checks], replayed.checks
