@@ -11,10 +11,12 @@ handled call (the body of a Python-implemented function, a tool's own work) is n
 stack as their modes would, the later started seeing the call first. The ``torch.distributed`` collectives are seen on
 every thread, as the modes are entered for them on any thread (``gradient_communication.py``): a backward pass runs
 on autograd's threads, where DDP's gradient buckets, FSDP's reduce-scatters and a tensor-parallel layer's gradient
-all-reduces are made. What a wrapper cannot see: a reference to the function taken before the tool started
-(``from torch.nn.functional import linear`` at import time) and the other calls PyTorch makes from its autograd
-threads. A LIST entry written as a regular expression (any character other than letters, digits, ``_`` and ``.``)
-selects the mode and sees those too.
+all-reduces are made. A name imported before the tool started (``from torch.nn.functional import linear`` in
+the program's modules, or in a library's outside torch) is a module global holding the function: it is wrapped too, as
+the original ditorch's modes saw such calls. What a wrapper cannot see: a reference kept elsewhere (a bound method
+``add = x.add``, a function in a dict or a class), the calls torch's own modules make through their own names, and
+the other calls PyTorch makes from its autograd threads. A LIST entry written as a regular expression (any character
+other than letters, digits, ``_`` and ``.``) selects the mode and sees those too.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import sys
 import threading
 from typing import Any
 
@@ -120,7 +123,41 @@ def plan(names: tuple[str, ...]) -> tuple[dict[str, list], list[str]]:
         if known is None or known[0] is not func:
             known = _places_of[name] = (func, _places(owner, attr, func))
         targets[name] = known[1]
+    if targets:
+        imported = _imported_names([_places_of[name][0] for name, places in targets.items() if places])
+        for name, places in targets.items():
+            if places:
+                targets[name] = [*places, *imported[id(_places_of[name][0])]]
     return targets, problems
+
+
+def _imported_names(funcs: list) -> dict[int, list[tuple[Any, str]]]:
+    """For each of ``funcs``, by id: the globals of modules outside torch (and op_tools, ditorch) that hold it, names
+    imported before the tool started. One search of every module for them all (tens of milliseconds), made again
+    only when modules were imported since: a tool started per step pays a length check. A global rebound since the
+    search is left out."""
+    global _searched
+    if _searched[0] != len(sys.modules):
+        _searched = (len(sys.modules), {})
+    known = _searched[1]
+    wanted = {id(f): f for f in funcs if id(f) not in known or known[id(f)][0] is not f}
+    if wanted:
+        found: dict[int, list] = {key: [] for key in wanted}
+        for module in {id(m): m for m in list(sys.modules.values())}.values():  # a module under two names once
+            name, namespace = getattr(module, "__name__", None), getattr(module, "__dict__", None)
+            if type(name) is not str or type(namespace) is not dict or name.partition(".")[0] in _OWN_PACKAGES:
+                continue
+            if wanted.keys().isdisjoint(map(id, list(namespace.values()))):  # most modules: one pass in C
+                continue
+            for attr, value in list(namespace.items()):
+                if id(value) in wanted and value is wanted[id(value)]:
+                    found[id(value)].append((module, attr))
+        known.update({key: (wanted[key], places) for key, places in found.items()})
+    return {id(f): [(module, attr) for module, attr in known[id(f)][1] if vars(module).get(attr) is f] for f in funcs}
+
+
+_OWN_PACKAGES = frozenset({"torch", "op_tools", "ditorch"})  # torch's own names are _places'
+_searched: tuple[int, dict[int, tuple[Any, list]]] = (0, {})  # (modules searched, {id(func): (func, its places)})
 
 
 # A name in torch's namespaces, or a short one: op_tools reports every call it sees under where its function lives,

@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 from tiny_models import tiny_gpt2, tiny_llama, train_llama
+from torch import matmul as imported_matmul  # bound before any tool starts, as a program's imports are
 from torch.nn import functional
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
@@ -78,6 +79,19 @@ def test_wrappers_exist_only_while_the_tool_runs_and_operators_are_seen_by_metho
                                                "torch.Tensor.mul_"]
     assert functional.silu is silu and torch.Tensor.__add__ is add and torch.Tensor.__imul__ is iadd
     assert torch.equal(x.cpu(), torch.full((3,), 2.0))
+
+
+def test_a_name_imported_before_the_tool_started_is_handled_as_through_a_mode(sim, monkeypatch):
+    # ``from torch import matmul`` at import time: the module's global was not wrapped, and its calls went unseen
+    # (the original ditorch's modes saw them); a bound method stays out of reach, as documented
+    monkeypatch.setenv("OP_RECORD_LIST", "torch.matmul")
+    x = torch.ones(2, 2, device=sim)
+    with Record() as tool:
+        assert not _get_current_function_mode_stack()
+        imported_matmul(x, x)
+        torch.matmul(x, x)
+    assert [name for _, name in tool.log] == ["torch.matmul", "torch.matmul"]
+    assert imported_matmul is torch.matmul  # restored at stop()
 
 
 def test_operator_methods_are_what_a_mode_sees():
