@@ -26,6 +26,7 @@ import functools
 import re
 import sys
 import threading
+from types import ModuleType
 from typing import Any
 
 from torch import Tensor
@@ -134,26 +135,41 @@ def plan(names: tuple[str, ...]) -> tuple[dict[str, list], list[str]]:
 def _imported_names(funcs: list) -> dict[int, list[tuple[Any, str]]]:
     """For each of ``funcs``, by id: the globals of modules outside torch (and op_tools, ditorch) that hold it, names
     imported before the tool started. One search of every module for them all (tens of milliseconds), made again
-    only when modules were imported since: a tool started per step pays a length check. A global rebound since the
-    search is left out."""
+    only when modules were imported since: a tool started per step pays a length check. ``__main__`` is searched at
+    each start (a notebook's cells bind names in it). A global rebound since the search is left out. Plain modules
+    only: an object in ``sys.modules`` with its own attribute rules (a lazy module) is no place to wrap."""
     global _searched
     if _searched[0] != len(sys.modules):
         _searched = (len(sys.modules), {})
     known = _searched[1]
     wanted = {id(f): f for f in funcs if id(f) not in known or known[id(f)][0] is not f}
+    main = sys.modules.get("__main__")
     if wanted:
         found: dict[int, list] = {key: [] for key in wanted}
         for module in {id(m): m for m in list(sys.modules.values())}.values():  # a module under two names once
-            name, namespace = getattr(module, "__name__", None), getattr(module, "__dict__", None)
-            if type(name) is not str or type(namespace) is not dict or name.partition(".")[0] in _OWN_PACKAGES:
-                continue
-            if wanted.keys().isdisjoint(map(id, list(namespace.values()))):  # most modules: one pass in C
-                continue
-            for attr, value in list(namespace.items()):
-                if id(value) in wanted and value is wanted[id(value)]:
-                    found[id(value)].append((module, attr))
+            if module is not main:
+                for key, place in _held_in(module, wanted):
+                    found[key].append(place)
         known.update({key: (wanted[key], places) for key, places in found.items()})
-    return {id(f): [(module, attr) for module, attr in known[id(f)][1] if vars(module).get(attr) is f] for f in funcs}
+    in_main: dict[int, list] = {}
+    for key, place in _held_in(main, {id(f): f for f in funcs}):
+        in_main.setdefault(key, []).append(place)
+    return {id(f): [(module, attr) for module, attr in [*known[id(f)][1], *in_main.get(id(f), ())]
+                    if vars(module).get(attr) is f] for f in funcs}
+
+
+def _held_in(module, wanted: dict[int, Any]) -> list[tuple[int, tuple[Any, str]]]:
+    """``(id(func), (module, attr))`` for each global of the plain module ``module`` outside torch holding one of
+    ``wanted``."""
+    if type(module) is not ModuleType:
+        return []
+    namespace = module.__dict__
+    name = namespace.get("__name__")
+    if type(name) is not str or name.partition(".")[0] in _OWN_PACKAGES or \
+            wanted.keys().isdisjoint(map(id, list(namespace.values()))):  # most modules: one pass in C
+        return []
+    return [(id(value), (module, attr)) for attr, value in list(namespace.items())
+            if id(value) in wanted and value is wanted[id(value)]]
 
 
 _OWN_PACKAGES = frozenset({"torch", "op_tools", "ditorch"})  # torch's own names are _places'

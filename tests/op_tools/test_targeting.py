@@ -3,6 +3,7 @@ handles exactly the calls it would have handled through a mode."""
 
 import logging
 import re
+import sys
 import threading
 
 import pytest
@@ -92,6 +93,22 @@ def test_a_name_imported_before_the_tool_started_is_handled_as_through_a_mode(si
         torch.matmul(x, x)
     assert [name for _, name in tool.log] == ["torch.matmul", "torch.matmul"]
     assert imported_matmul is torch.matmul  # restored at stop()
+
+
+def test_a_name_a_notebook_binds_between_two_starts_is_handled(sim, monkeypatch):
+    # the modules are searched again only after new imports; a notebook's cell binds names in __main__ with none
+    import types
+
+    monkeypatch.setenv("OP_RECORD_LIST", "torch.matmul")
+    main = types.ModuleType("__main__")
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    x = torch.ones(2, 2, device=sim)
+    with Record():
+        pass
+    main.mm = torch.matmul  # the next cell: from torch import matmul as mm
+    with Record() as tool:
+        main.mm(x, x)
+    assert [name for _, name in tool.log] == ["torch.matmul"] and main.mm is torch.matmul
 
 
 def test_operator_methods_are_what_a_mode_sees():
