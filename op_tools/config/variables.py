@@ -723,8 +723,8 @@ MAX_CACHE_SIZE = declare(
     "a kill) leaves the rows of the calls checked or timed so far. A call's time waits for its backward, or for a "
     "later step; 0, as in the original: each row as it comes. Unset: each CSV is written once, at stop() (or at "
     "exit). The other tools write their files at stop().",
-    lambda text: None if not (text or "").strip() else max(parse_count(text), 1),
-    lambda value: None if value is None else max(convert_count(value), 1), "an int >= 0",
+    lambda text: None if not (text or "").strip() else parse_count(text),
+    lambda value: None if value is None else convert_count(value), "an int >= 0",
 )
 AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES = declare(
     "OP_AUTOCOMPARE_DEVICE_REFERENCE_MAX_BYTES", "a size in bytes, e.g. 8G, 512M (powers of 1024)", "8G",

@@ -845,8 +845,8 @@ class OpTool:
     def _read_configuration(self) -> None:
         """Arguments > variables > config file > defaults, parsed once; then the typo checks (typo_check.py)."""
         self.sources = sources_for(self)
-        with recorded_reads() as read:
-            self.common = CommonConfig.from_env(self.sources)
+        self.common = CommonConfig.from_env(self.sources)  # the output's settings apply process-wide at each start
+        with recorded_reads() as read:  # the tool's own: a change while it runs is said at its end
             self.filter = OpFilter.from_env(self.env_prefix, self.sources) if self.env_prefix else \
                 OpFilter(None, None)
         self.stem = result_files.session_stem()

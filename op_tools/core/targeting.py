@@ -135,7 +135,8 @@ def plan(names: tuple[str, ...]) -> tuple[dict[str, list], list[str]]:
 def _imported_names(funcs: list) -> dict[int, list[tuple[Any, str]]]:
     """For each of ``funcs``, by id: the globals of modules outside torch (and op_tools, ditorch) that hold it, names
     imported before the tool started. One search of every module for them all (tens of milliseconds), made again
-    only when modules were imported since: a tool started per step pays a length check. ``__main__`` is searched at
+    only when modules were imported since: a tool started per step pays a length check, and a name a module binds
+    later with no import (``global mm; mm = torch.matmul`` in a function) is not seen. ``__main__`` is searched at
     each start (a notebook's cells bind names in it). A global rebound since the search is left out. Plain modules
     only: an object in ``sys.modules`` with its own attribute rules (a lazy module) is no place to wrap."""
     global _searched
