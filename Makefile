@@ -18,7 +18,7 @@ lint:
 	$(PYTHON) -m mypy
 	$(PYTHON) scripts/check_imports.py
 
-# Two worker processes, a test file each at a time (module fixtures start once): about 6 minutes on 2 cores.
+# Two worker processes, a test file each at a time (module fixtures start once): 6 to 16 minutes on 2 cores, by the machine.
 TEST_WORKERS ?= 2
 test: install-test lint
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
