@@ -124,12 +124,23 @@ def plan(names: tuple[str, ...]) -> tuple[dict[str, list], list[str]]:
         if known is None or known[0] is not func:
             known = _places_of[name] = (func, _places(owner, attr, func))
         targets[name] = known[1]
-    if targets:
-        imported = _imported_names([_places_of[name][0] for name, places in targets.items() if places])
-        for name, places in targets.items():
-            if places:
-                targets[name] = [*places, *imported[id(_places_of[name][0])]]
+    # the imported names of what a mode sees: not those of a Python function of torch calls that a mode never sees
+    # (torch.utils.checkpoint.checkpoint: transformers' own name for it, wrapped, would hide its layers' calls)
+    seen = [name for name, places in targets.items() if places and
+            (name.startswith(_EVERY_THREAD) or id(_places_of[name][0]) in _overridable())]
+    if seen:
+        imported = _imported_names([_places_of[name][0] for name in seen])
+        for name in seen:
+            targets[name] = [*targets[name], *imported[id(_places_of[name][0])]]
     return targets, problems
+
+
+@functools.cache
+def _overridable() -> frozenset[int]:
+    """The ids of the functions that hand their calls to a torch-function mode (tens of milliseconds, once)."""
+    import torch.overrides
+
+    return frozenset(id(f) for functions in torch.overrides.get_overridable_functions().values() for f in functions)
 
 
 def _imported_names(funcs: list) -> dict[int, list[tuple[Any, str]]]:

@@ -95,6 +95,24 @@ def test_a_name_imported_before_the_tool_started_is_handled_as_through_a_mode(si
     assert imported_matmul is torch.matmul  # restored at stop()
 
 
+def test_a_listed_function_no_mode_sees_keeps_its_imported_names(sim, monkeypatch):
+    # torch.utils.checkpoint.checkpoint is a Python function of torch calls: a mode never sees it. Wrapped under
+    # transformers' own name for it, the calls inside every checkpointed layer went unhandled
+    import types
+
+    import torch.utils.checkpoint
+
+    holder = types.ModuleType("holder")
+    holder.checkpoint = torch.utils.checkpoint.checkpoint
+    monkeypatch.setitem(sys.modules, "holder", holder)
+    monkeypatch.setenv("OP_RECORD_LIST", "torch.utils.checkpoint.checkpoint,torch.nn.functional.silu")
+    x = torch.ones(2, 2, device=sim, requires_grad=True)
+    with Record() as tool:
+        assert holder.checkpoint is not torch.utils.checkpoint.checkpoint  # the torch name is wrapped, as listed
+        holder.checkpoint(functional.silu, x, use_reentrant=False)
+    assert [name for _, name in tool.log] == ["torch.nn.functional.silu"]
+
+
 def test_a_name_a_notebook_binds_between_two_starts_is_handled(sim, monkeypatch):
     # the modules are searched again only after new imports; a notebook's cell binds names in __main__ with none
     import types
