@@ -11,6 +11,7 @@ import torch
 from ..config.settings import origin
 from ..config.variables import DTYPE_CAST_DICT, narrows
 from ..core.engine import OpCall, OpTool, OpToolsAbortError, feature, tool_work
+from ..numerics import comparison
 from ..numerics.device_math import DeviceMath, emulated
 from ..ops.arguments import UnsupportedInputError, iter_items, iter_tensors, map_tensors, promoted_dtype
 from ..ops.moves import moved
@@ -63,6 +64,7 @@ class OpDtypeCast(OpTool):
         self._expected: dict[tuple, tuple | None] = {}  # _expected_dtypes's answers by _dtype_key
         self.cast_calls = 0  # handled calls run in a dtype the table gave: what the closing line says beside handled
         self.mixed_calls = 0  # handled calls run as written, their dtypes being ones the table makes one (_joins)
+        comparison.WIDENED[0] = True  # OpAutoCompare takes a result wider than autocast's for the user's choice
 
     def accepts(self, name: str) -> bool:
         # Views must alias their base; explicit conversions mean what they say; a collective's dtype is agreed with

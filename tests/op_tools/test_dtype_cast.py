@@ -388,3 +388,32 @@ def test_sync_batch_norms_statistics_kernels_update_the_callers_running_statisti
     assert not torch.equal(plain[0], torch.zeros(3))
     for cast, expected in zip(run(op_tools.OpDtypeCast(casts={torch.float32: torch.float64})), plain):
         torch.testing.assert_close(cast, expected)
+
+
+# OpAutoCompare beside OpDtypeCast under autocast: the op run widened where autocast lowers it returns float32, on
+# purpose; each such call was a failure, "dtype differs", blaming the op. Its values are still judged: a faulty kernel
+# is found.
+@pytest.mark.parametrize("order", ["OpAutoCompare first", "OpDtypeCast first"])
+def test_opautocompare_beside_opdtypecast_under_autocast_judges_values_not_the_widened_dtype(sim, tmp_path, order):
+    import ditorch.sim
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 16).to(sim)
+    x = torch.randn(4, 16, device=sim)
+    verdicts = []
+    for fault in ("", "addmm:noise=1e-1"):
+        compare = op_tools.OpAutoCompare(results_dir=str(tmp_path), backward=False)
+        cast = op_tools.OpDtypeCast(results_dir=str(tmp_path))
+        tools = [compare, cast] if order == "OpAutoCompare first" else [cast, compare]
+        for tool in tools:
+            tool.start()
+        try:
+            with torch.autocast(sim, dtype=torch.float16), ditorch.sim.faults(fault):
+                y = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        finally:
+            for tool in reversed(tools):
+                tool.stop()
+        assert y.dtype == torch.float32 and cast.cast_calls == 1
+        verdicts.append((compare.verdict(), [f["error_info"][:13] for f in compare.failures]))
+    assert verdicts[0] == ("clean", []), verdicts
+    assert verdicts[1][0] == "found" and "dtype differs" not in str(verdicts[1][1]), verdicts
