@@ -52,7 +52,13 @@ class Row:
         return self.op, self.dtype, self.direction
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The row as strict JSON takes it: a nan or an inf as text (``"nan"``, ``"inf"``), which ``from_dict``
+        reads back as the float (JSON has neither; a bare ``NaN`` breaks every reader but Python's)."""
+        data = dataclasses.asdict(self)
+        for name, value in data.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                data[name] = str(value)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> Row:
@@ -92,7 +98,7 @@ class ResultsFile:
 
     def append(self, rows: Iterable[Row]) -> None:
         """Add one op x dtype's rows; on disk before this returns, so a killed sweep keeps them."""
-        line = json.dumps({"kind": "rows", "rows": [r.to_dict() for r in rows]}, allow_nan=True)
+        line = json.dumps({"kind": "rows", "rows": [r.to_dict() for r in rows]}, allow_nan=False)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
             f.flush()

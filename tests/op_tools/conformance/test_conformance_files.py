@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import csv
+import json
 import math
 import os
 import re
@@ -66,6 +67,22 @@ def test_the_results_file_keeps_finished_ops_across_a_kill_mid_line(tmp_path):
     results.repair()
     results.append([row("sub")])
     assert [r.op for r in results.read()[1]] == ["add", "add", "mul", "sub"]
+
+
+def test_the_results_file_is_strict_json_with_nan_and_inf_as_text_read_back_as_floats(tmp_path):
+    results = ResultsFile(str(tmp_path / "results.jsonl"))
+    results.start({"device": "sim"})
+    results.append([row("exp", status="mismatch", device_error=math.inf, cpu_error=-math.inf, max_abs_diff=math.nan)])
+
+    def refuse(constant):  # what a strict reader (jq, a browser's JSON.parse) does with a bare NaN or Infinity
+        raise ValueError(f"not JSON: {constant}")
+
+    with open(results.path, encoding="utf-8") as f:
+        lines = [json.loads(line, parse_constant=refuse) for line in f]
+    assert lines[1]["rows"][0]["device_error"] == "inf" and lines[1]["rows"][0]["max_abs_diff"] == "nan"
+    back = results.read()[1][0]
+    assert back.device_error == math.inf and back.cpu_error == -math.inf and math.isnan(back.max_abs_diff)
+    assert math.isnan(back.error_ratio)  # never measured: still nan, as written
 
 
 def test_a_damaged_line_inside_the_results_file_is_an_error_naming_it(tmp_path):
