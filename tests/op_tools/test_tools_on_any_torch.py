@@ -102,7 +102,7 @@ def test_a_capture_of_the_step_replays_ok_for_every_entry(tmp_path):
     entries = find_entries(str(tmp_path / "op_capture_results"))
     assert len(entries) > 50
     results = [replay(entry, "cpu", ReplayOptions(acc_check=True)) for entry in entries]
-    assert [(r.entry.label, r.status, r.error) for r in results if r.failed] == []
+    assert [(r.entry.label, r.status, r.error) for r in results if r.status != "ok"] == []  # not checked: no pass
 
 
 def test_two_recordings_of_the_step_compare_equal_and_a_fault_in_the_convolution_is_the_first_divergence(tmp_path,
