@@ -118,6 +118,31 @@ def test_the_slowest_rank_and_where_its_time_goes_per_step(out):
         assert "slowest rank 1" in line and "its time goes to torch.nn.functional.linear" in line, line
 
 
+def test_two_runs_timed_into_one_folder_are_compared_session_by_session_not_added_up_per_step(out, tmp_path):
+    # each rank's times of both runs' tool sessions were added together per step: the rerun's steps 0-2 fell on the
+    # first run's
+    import shutil
+
+    alone = report(out / "desync").stdout
+    for scenario in ("desync", "rerun"):
+        shutil.copytree(out / scenario, tmp_path / "both", dirs_exist_ok=True)
+    done = report(tmp_path / "both")
+    lines = [line.strip() for line in done.stdout.splitlines()
+             if re.match(r"  session \d of 2, step \d+: slowest", line)]
+    assert [line.split(":")[0] for line in lines] == [f"session {k} of 2, step {step}" for k in (1, 2)
+                                                      for step in range(3)], done.stdout
+    for line in lines[:3]:  # the first run's, exactly as a report of its folder alone gives them
+        assert f"  {line.removeprefix('session 1 of 2, ')}\n" in alone, (line, alone)
+    # a rank whose later run left no times: which times go together cannot be told, and none is compared
+    for path in (tmp_path / "both" / "op_time_measure_result" / "rank1").iterdir():
+        if path.name not in {p.name for p in (out / "desync" / "op_time_measure_result" / "rank1").iterdir()}:
+            path.unlink()
+    done = report(tmp_path / "both")
+    assert "slowest rank" not in done.stdout, done.stdout
+    assert ("the ranks wrote different numbers of time files (rank 0: 2, rank 1: 1): which go together cannot be "
+            "told, and no step is compared") in done.stdout, done.stdout
+
+
 @needs_browser
 def test_the_html_view_shows_each_rank_the_replicas_and_the_skew(out, tmp_path):
     for scenario in ("nan", "desync"):
@@ -490,7 +515,7 @@ def test_the_first_anomalys_source_line_is_read_from_the_overflow_record_and_the
 
 def test_a_report_without_the_skew_says_why_in_one_line():
     def why(times, tools=("OpTimeMeasure",)):
-        results = Results("x", ranks={0, 1}, tools={tool: {0, 1} for tool in tools}, times=times)
+        results = Results("x", ranks={0, 1}, tools={tool: {0, 1} for tool in tools}, times=[times] if times else [])
         return skew_absent(RunReport(results, [], None, None, 0, []))
 
     assert why({}, tools=()) == "not measured: OpTimeMeasure did not run (op_time_measure_result/ is not in the folder)"

@@ -132,6 +132,11 @@ class StepSkew:
     ms: dict[int, float]  # rank -> milliseconds in the timed calls (collectives left out)
     slowest: int
     top_ops: tuple[tuple[str, float], ...]  # the slowest rank's costliest ops in the step
+    session: str = ""  # "session 2 of 3" where the tool was started several times, or several runs wrote there
+
+    @property
+    def label(self) -> str:
+        return f"{self.session}, step {self.step}" if self.session else f"step {self.step}"
 
     @property
     def skew_ms(self) -> float:
@@ -139,7 +144,7 @@ class StepSkew:
 
     def text(self) -> str:
         ops = ", ".join(f"{op} {ms:.2f} ms" for op, ms in self.top_ops)
-        return (f"step {self.step}: slowest rank {self.slowest}, {self.ms[self.slowest]:.2f} ms, {self.skew_ms:.2f} ms "
+        return (f"{self.label}: slowest rank {self.slowest}, {self.ms[self.slowest]:.2f} ms, {self.skew_ms:.2f} ms "
                 f"more than the fastest; its time goes to {ops}")
 
 
@@ -338,17 +343,18 @@ def nonfinite_parameters(results: Results) -> NonFiniteParameters | None:
 def time_skew(results: Results) -> list[StepSkew]:
     from ...ops.op_facts import op_facts
 
-    steps = sorted(set().union(*(per_step.keys() for per_step in results.times.values()))) if results.times else []
     skews = []
-    for step in steps:
-        per_rank = {rank: {op: ms for op, ms in per_step[step].items() if not op_facts(op).collective}
-                    for rank, per_step in results.times.items() if step in per_step}
-        if len(per_rank) < 2:
-            continue
-        totals = {rank: sum(ops.values()) for rank, ops in per_rank.items()}
-        slowest = max(totals, key=lambda rank: totals[rank])
-        top = sorted(per_rank[slowest].items(), key=lambda item: -item[1])[:TOP_OPS]
-        skews.append(StepSkew(step, totals, slowest, tuple(top)))
+    for k, times in enumerate(results.times):
+        session = f"session {k + 1} of {len(results.times)}" if len(results.times) > 1 else ""
+        for step in sorted(set().union(*(per_step.keys() for per_step in times.values()))):
+            per_rank = {rank: {op: ms for op, ms in per_step[step].items() if not op_facts(op).collective}
+                        for rank, per_step in times.items() if step in per_step}
+            if len(per_rank) < 2:
+                continue
+            totals = {rank: sum(ops.values()) for rank, ops in per_rank.items()}
+            slowest = max(totals, key=lambda rank: totals[rank])
+            top = sorted(per_rank[slowest].items(), key=lambda item: -item[1])[:TOP_OPS]
+            skews.append(StepSkew(step, totals, slowest, tuple(top), session))
     return skews
 
 

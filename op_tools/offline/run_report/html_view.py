@@ -54,7 +54,9 @@ def skew_absent(report: RunReport) -> str:
     results = report.results
     if TIME_MEASURE not in results.tools:
         return f"not measured: OpTimeMeasure did not run ({TIME_FOLDER}/ is not in the folder)"
-    timed = sorted(results.times)
+    if results.times_unmatched:
+        return f"nothing to compare: {results.times_unmatched}"
+    timed = sorted({rank for times in results.times for rank in times})
     if len(timed) < 2:
         ranks = f"only rank {timed[0]}'s calls were" if timed else "no rank's calls were"
         return f"nothing to compare: {ranks} timed, and the skew compares ranks"
@@ -77,7 +79,8 @@ def render(report: RunReport, monitor_page: str | None = None) -> str:
     ranks = [{"rank": a.rank, "status": a.status, "text": a.text(),
               "step": a.first.step if a.first else (a.through.step if a.through else None),
               "source": a.first.location if a.first else ""} for a in report.ranks]
-    skew = [{"step": s.step, "slowest": s.slowest, "ms": {str(r): round(ms, 3) for r, ms in sorted(s.ms.items())},
+    skew = [{"step": s.label if s.session else s.step, "slowest": s.slowest,
+             "ms": {str(r): round(ms, 3) for r, ms in sorted(s.ms.items())},
              "top": [[op, round(ms, 3)] for op, ms in s.top_ops]} for s in report.skew]
     replicas = report.replicas_text()
     monitor = ("no anomaly" if MONITOR in report.results.tools else "not run (no op_training_monitor/)")

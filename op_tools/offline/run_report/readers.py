@@ -118,8 +118,14 @@ class Results:
     tools: dict[str, set[int]] = dataclasses.field(default_factory=dict)  # tool -> ranks whose folder exists
     anomalies: list[Event] = dataclasses.field(default_factory=list)
     collectives: list[Event] = dataclasses.field(default_factory=list)
-    # rank -> step -> op -> milliseconds (forward + backward), from OpTimeMeasure
-    times: dict[int, dict[int, dict[str, float]]] = dataclasses.field(default_factory=dict)
+    # OpTimeMeasure's times, one tool session after another in the order they started (each counts its steps from
+    # 0): rank -> step -> op -> milliseconds (forward + backward). Several where the tool was started several times,
+    # or several runs wrote into the folder; none where the ranks' files cannot be matched (``times_unmatched``)
+    times: list[dict[int, dict[int, dict[str, float]]]] = dataclasses.field(default_factory=list)
+    times_unmatched: str = ""
+    # rank -> its file (one per tool session) -> step -> op -> milliseconds, as read: _match_time_sessions matches
+    # them into ``times``
+    time_files: dict[int, dict[str, dict[int, dict[str, float]]]] = dataclasses.field(default_factory=dict)
     # one per tool session, in the order they started; a rank whose file has no step yet maps to {}
     fingerprints: list[FingerprintSession] = dataclasses.field(default_factory=list)
     unreadable: list[str] = dataclasses.field(default_factory=list)  # "path: why"
@@ -195,6 +201,7 @@ def read_results(folder: str) -> Results:
                 except (OSError, ValueError, KeyError, TypeError) as e:
                     results.unreadable.append(f"{file}: {type(e).__name__}: {e}")
     _match_sessions(results)
+    _match_time_sessions(results)
     not_judged = _not_judged(folder)
     if not_judged and not results.tools:
         raise ResultsError(f"{folder} holds only what this report does not judge: {_listed(not_judged)}")
@@ -357,14 +364,34 @@ def _read_reference_trust(results: Results, rank: int, path: str) -> None:
 
 
 def _read_times(results: Results, rank: int, path: str) -> None:
+    name = os.path.basename(path)
     for row in _csv_rows(path):
         event = _row_event(row, rank, TIME_MEASURE, "name")
         scale = 1e-3 if row.get("unit") == "us" else 1.0  # milliseconds
         spent = (_number(row.get("forward_elasped")) + _number(row.get("backward_elasped"))) * scale
-        per_op = results.times.setdefault(event.rank, {}).setdefault(event.step, {})
+        per_op = results.time_files.setdefault(event.rank, {}).setdefault(name, {}).setdefault(event.step, {})
         per_op[event.op] = per_op.get(event.op, 0.0) + spent
         if event.collective:
             results.collectives.append(event)
+
+
+def _match_time_sessions(results: Results) -> None:
+    """Match the ranks' timing files (one per tool session) into sessions across ranks (``Results.times``), as
+    ``_match_sessions`` does the fingerprints: each session counts its steps from 0, so a tool started twice, or a
+    folder two runs wrote into, added up per step would compare one rank's two sessions with another's one. The k-th
+    file to start on a rank goes with every other rank's k-th; where the ranks wrote different numbers of them, which
+    go together cannot be told, and none is compared (said)."""
+    ordered = {rank: sorted(files, key=_started) for rank, files in sorted(results.time_files.items())}
+    counts = {rank: len(files) for rank, files in ordered.items()}
+    if len(set(counts.values())) > 1:
+        wrote = ", ".join(f"rank {rank}: {count}" for rank, count in counts.items())
+        results.times_unmatched = (f"the ranks wrote different numbers of time files ({wrote}): which go together "
+                                   "cannot be told, and no step is compared")
+        results.notes.append(f"{os.path.join(results.folder, TIME_FOLDER)}: {results.times_unmatched}")
+        return
+    sessions = max(counts.values(), default=0)
+    results.times = [{rank: results.time_files[rank][files[k]] for rank, files in ordered.items()}
+                     for k in range(sessions)]
 
 
 def _read_fingerprints(results: Results, rank: int, path: str) -> None:

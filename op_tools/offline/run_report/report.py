@@ -114,10 +114,10 @@ def csv_rows(report: RunReport) -> list[dict]:
                     for rank in n.ranks)
     for skew in report.skew:
         for rank, ms in sorted(skew.ms.items()):
+            detail = "; ".join(f"{op} {t:.3f} ms" for op, t in skew.top_ops) if rank == skew.slowest else ""
             rows.append({"section": "skew", "rank": rank, "step": skew.step,
                          "status": "slowest" if rank == skew.slowest else "", "ms": f"{ms:.3f}",
-                         "detail": "; ".join(f"{op} {t:.3f} ms" for op, t in skew.top_ops) if rank == skew.slowest
-                         else ""})
+                         "detail": "; ".join(part for part in (skew.session, detail) if part)})
     rows.extend({"section": "training monitor", "rank": e.rank, "step": e.step, "kind": e.kind, "module": e.module,
                  "phase": e.phase, "tool": e.tool, "detail": e.detail, "value": _csv_value(e)}
                 for e in report.monitor_anomalies)
