@@ -489,6 +489,9 @@ class OpTool:
     # in a wider dtype): the other tools see the call, with its own arguments, as the one that run answers
     # (``_run_beneath``), never the run's inner calls.
     replaces_runs: ClassVar[bool] = False
+    # Whether that run hands the call on with another device's tensors (OpFallback: the CPU's): among the wrappers of
+    # one name it is innermost, so that another such tool (OpDtypeCast) meets the call on its device, not the CPU's.
+    runs_off_device: ClassVar[bool] = False
 
     def note_writes(self, tensors: list) -> None:
         """A call this tool does not handle is about to write ``tensors`` (only for tools with ``tracks_writes``)."""

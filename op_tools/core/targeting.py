@@ -244,9 +244,10 @@ class Targeting:
         for name in self.targets:
             # A tool that runs calls in the device's place (OpFallback) hands the others its call
             # (``OpTool._run_beneath``) from the innermost place: started after them, it would run first and they
-            # would meet only its run's inner calls, as tool work.
+            # would meet only its run's inner calls, as tool work. One that moves the call off its device is
+            # innermost of all: outside it, OpDtypeCast would meet the CPU's call, none of its.
             tools = (*_local.tools.get(name, ()), self.tool)
-            _local.tools[name] = (*[t for t in tools if t.replaces_runs], *[t for t in tools if not t.replaces_runs])
+            _local.tools[name] = tuple(sorted(tools, key=lambda t: (not t.runs_off_device, not t.replaces_runs)))
             if name.startswith(_EVERY_THREAD):
                 with _lock:
                     _every_thread[name] = (*_every_thread.get(name, ()), self.tool)

@@ -12,7 +12,7 @@ from ..config.settings import origin
 from ..config.variables import DTYPE_CAST_DICT, narrows
 from ..core.engine import OpCall, OpTool, OpToolsAbortError, feature, tool_work
 from ..numerics import comparison
-from ..numerics.device_math import DeviceMath, emulated
+from ..numerics.device_math import DeviceMath, autocast_off, emulated
 from ..ops.arguments import UnsupportedInputError, iter_items, iter_tensors, map_tensors, promoted_dtype
 from ..ops.moves import moved
 from ..ops.op_facts import op_facts
@@ -136,7 +136,7 @@ class OpDtypeCast(OpTool):
             saves = None
             if not as_written:
                 saves = SavedStandIns.watching([wide for _, wide, *_ in pairs])
-                with torch.autocast(call.device.type, enabled=False) if math else contextlib.nullcontext(), \
+                with autocast_off(call.device.type) if math else contextlib.nullcontext(), \
                         saves or contextlib.nullcontext():
                     result = call.runs(*args, **kwargs)
         except OpToolsAbortError:

@@ -133,6 +133,7 @@ class OpFallback(OpTool):
     handles_transformed = True  # functorch's tensors move to the CPU and back as any (``moved``)
     changes_saved_tensors = True  # the CPU's tensors
     replaces_runs = True
+    runs_off_device = True
 
     def accepts(self, name: str) -> bool:
         # Device moves must stay device moves, views must keep aliasing their base, and a collective runs with every

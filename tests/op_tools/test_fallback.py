@@ -592,6 +592,33 @@ def test_another_tool_sees_each_call_run_in_the_devices_place_once(sim, tmp_path
     assert {"torch.nn.functional.gelu", "torch.Tensor.matmul"} <= set(timing.measurements.totals)
 
 
+# OpFallback and OpDtypeCast on one op under autocast: the call is widened and run on the CPU, whichever started first
+# and however they dispatch. Under a mode, OpFallback's CPU run replayed the device's autocast inside OpDtypeCast's
+# autocast-off block: a float32 result holding float16 values, silently. As wrappers of a LIST, OpFallback started last
+# handed OpDtypeCast the CPU's call, none of its: the cast was lost ("matched no call").
+@pytest.mark.parametrize("order", ["OpFallback,OpDtypeCast", "OpDtypeCast,OpFallback"])
+@pytest.mark.parametrize("listed", [False, True], ids=["every op", "a LIST of names"])
+def test_fallback_and_dtype_cast_on_one_op_under_autocast_widen_it(sim, tmp_path, order, listed):
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 64, device=sim), torch.randn(16, 64, device=sim)
+    exact = x.cpu().double() @ w.cpu().double().t()
+    ops = ["torch.nn.functional.linear"] if listed else None
+    tools = [getattr(op_tools, name)(ops=ops, results_dir=str(tmp_path)) for name in order.split(",")]
+    with torch.autocast(sim, dtype=torch.float16):
+        plain = torch.nn.functional.linear(x, w)
+        for tool in tools:
+            tool.start()
+        try:
+            y = torch.nn.functional.linear(x, w)
+        finally:
+            for tool in reversed(tools):
+                tool.stop()
+    assert plain.dtype == torch.float16 and y.dtype == torch.float32 and y.device.type == sim
+    assert (plain.cpu().double() - exact).abs().max() > 1e-3  # float16's rounding, which the widened call has not
+    assert (y.cpu().double() - exact).abs().max() < 1e-4, (y.cpu().double() - exact).abs().max()
+    assert [tool.handled["torch.nn.functional.linear"] for tool in tools] == [1, 1]
+
+
 def test_a_tool_declining_a_call_handed_on_does_not_keep_its_tensors(sim, tmp_path):
     # the tool under OpFallback remembered the handed-on run as a function to skip, and with it the call's tensors
     import gc
