@@ -261,21 +261,25 @@ def emulated(math: DeviceMath, used: set | None = None):
     return _NOTHING if key is None else _emulating(math, key, used)
 
 
-@contextlib.contextmanager
 def autocast_off(device_type: str):
     """Autocast off for ``device_type``: for the device's own calls, and for their emulation on the CPU where a block
     of ``emulated`` encloses this one (OpFallback runs a call on the CPU as the device's autocast would; an
     OpDtypeCast under it widens the call with autocast off, which the emulation, left on, lowered again: a float32
     result holding float16 values)."""
     math = getattr(_state, "math", None)
-    if math is not None and math.autocast_dtype is not None:
-        _state.math = dataclasses.replace(math, autocast_dtype=None)
+    if math is None or math.autocast_dtype is None:  # the common case: no generator-based context per call
+        return torch.autocast(device_type, enabled=False)
+    return _autocast_off_emulated(device_type, math)
+
+
+@contextlib.contextmanager
+def _autocast_off_emulated(device_type: str, math: DeviceMath):
+    _state.math = dataclasses.replace(math, autocast_dtype=None)
     try:
         with torch.autocast(device_type, enabled=False):
             yield
     finally:
-        if math is not None:
-            _state.math = math
+        _state.math = math
 
 
 @contextlib.contextmanager
