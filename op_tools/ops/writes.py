@@ -204,12 +204,16 @@ def writes_overlap(writes: WriteSpec, args: tuple, kwargs: dict) -> bool:
     written = writes.written(args, kwargs)
     if not written:
         return False
+    from .arguments import local_part  # a DTensor's memory is its local tensor's (its own storage has none)
+
     by_storage: dict[tuple, list[tuple[torch.Tensor, tuple[int, int]]]] = {}  # (device, storage) -> its tensors
     for t in _all_tensors(args, kwargs):
+        t = local_part(t)
         span = _byte_range(t)
         if span is not None:
             by_storage.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((t, span))
     for w in written:
+        w = local_part(w)
         mine = _byte_range(w)
         if mine is None:
             continue

@@ -10,7 +10,7 @@ import torch
 
 from ..core.engine import OpCall, OpTool, feature, tool_work
 from ..numerics.device_math import DeviceMath, emulated
-from ..ops.arguments import UnsupportedInputError, iter_items, iter_tensors, map_tensors, promoted_dtype
+from ..ops.arguments import UnsupportedInputError, dtensor_class, iter_items, iter_tensors, map_tensors, promoted_dtype
 from ..ops.moves import moved
 from ..ops.op_facts import op_facts
 from ..ops.stand_in_saves import SavedStandIns, result_pairs
@@ -89,6 +89,11 @@ def _low_precision_dtypes(*objs) -> list[torch.dtype]:
     return found
 
 
+def _holds_dtensor(obj) -> bool:
+    dtensor = dtensor_class()  # None until torch.distributed.tensor is imported: no DTensor exists
+    return dtensor is not None and any(isinstance(t, dtensor) for t in iter_tensors(obj))
+
+
 def _mixes_devices(obj) -> bool:
     """Whether the tensors in ``obj`` are on two devices other than the CPU, or on one beside a CPU tensor of
     dim > 0 (a CPU scalar goes with any device): what a device refuses, unless the op takes indices."""
@@ -143,6 +148,10 @@ class OpFallback(OpTool):
             not name.startswith("torch.Tensor.__get")
 
     def run(self, call: OpCall):
+        if _holds_dtensor((call.args, call.kwargs)):
+            # Its local tensors' ops run under DTensor's dispatch, below any mode, and a sharded tensor cannot move
+            # to the CPU as one: it runs on the device, counted as not fallen back.
+            return self._run_on_device(call, UnsupportedInputError("a DTensor's call runs on the device"))
         if not op_facts(call.name).mixes_devices and _mixes_devices((call.args, call.kwargs)):
             # On the CPU the call would run, hiding the user's mistake (most ops on a device refuse it): the device
             # decides, as without the tool.

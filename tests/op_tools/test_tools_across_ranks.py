@@ -176,6 +176,17 @@ def test_a_fault_in_a_tensor_parallel_mlp_is_found_where_it_is_born(reports):
     assert seen.startswith("first inf/nan read, made by no call checked: ") and "silu" not in seen, on_rank0
 
 
+def test_fallback_and_dtype_cast_run_a_tensor_parallel_step_and_dtensor_writes_without_crashing_it(reports):
+    for report in reports:
+        fallback, cast = report["tp"]["OpFallback"], report["tp"]["OpDtypeCast"]
+        # a DTensor's call runs on the device, said not fallen back; the plain tensors' calls fall back
+        assert fallback["verdict"] == "unchecked", fallback
+        assert "a DTensor's call runs on the device" in fallback["not_checked"], fallback
+        assert cast["verdict"] == "clean" and cast["not_checked"] == "", cast
+        for changed in (fallback, cast):
+            assert changed["loss"] and changed["filled"] == 16.0 and changed["grads"], changed
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_two_identical_ddp_recordings_compare_equal_on_every_rank(reports, out, rank):
     command = [sys.executable, "-m", "op_tools.compare_runs", str(out / "recording_a"), str(out / "recording_b"),

@@ -224,6 +224,23 @@ def main() -> None:
         with op_tools.OpAutoCompare(results_dir=os.path.join(out, "results_tp_noise")) as compare:
             mlp(x).square().mean().backward()
     report["tp"]["OpAutoCompare noise"] = {"verdict": compare.verdict(), "failures": compare.failures}
+    # OpFallback and OpDtypeCast over the tensor-parallel step and an in-place write of a sharded DTensor (FSDP2's
+    # initialisers): OpFallback crashed the run there (its overlap check read a DTensor's storage, its backward made
+    # strided views of DTensor gradients); now a DTensor's call runs on the device, said not fallen back
+    mlp.zero_grad()
+    plain = mlp(x).square().mean()
+    for name in ("OpFallback", "OpDtypeCast"):
+        mlp.zero_grad()
+        casts = {"casts": {torch.float32: torch.float64}} if name == "OpDtypeCast" else {}
+        with getattr(op_tools, name)(results_dir=os.path.join(out, "results_tp_changers"), **casts) as tool:
+            loss = mlp(x).square().mean()
+            loss.backward()
+            filled = distribute_tensor(torch.zeros(4, 4).cuda(), mesh, [Shard(0)]).fill_(1.0)
+        report["tp"][name] = {"verdict": tool.verdict(), "not_checked": tool.not_checked(),
+                              "loss": abs(loss.item() - plain.item()) <= 1e-6 * abs(plain.item()),
+                              "filled": filled.full_tensor().sum().item(),
+                              "grads": all(p.grad is not None and bool(p.grad.full_tensor().isfinite().all())
+                                           for p in mlp.parameters())}
     # OpSelfCheck over two FSDP2 steps: the forward's parameters are unsharded plain tensors
     sharded = fsdp2_llama()
     optimizer = torch.optim.SGD(sharded.parameters(), lr=0.1)
