@@ -49,7 +49,7 @@ def wide(t: torch.Tensor) -> torch.Tensor:
 def error_stats(d: torch.Tensor, r: torch.Tensor, atol: float, rtol: float, relative: tuple | None = None):
     """``(max_abs, max_rel, error, cosine, allclose)`` of ``d`` against ``r``, or None if a value is not finite."""
     if d.is_cpu and d.numel() < TORCH_MIN and not d.is_complex():
-        return _numpy_stats(_numpy(d), _numpy(r), atol, rtol, relative)
+        return _numpy_stats(d, r, atol, rtol, relative)
     return _torch_stats(d, r, atol, rtol, relative)
 
 
@@ -62,8 +62,8 @@ def normalised_error(s: torch.Tensor, r: torch.Tensor, keep: torch.Tensor | None
     if s.numel() == 0:
         return 0.0
     if s.is_cpu and s.numel() < TORCH_MIN and not s.is_complex():
-        sn, rn = _numpy(s), _numpy(r)
-        with np.errstate(all="ignore"):
+        with np.errstate(all="ignore"):  # the widening too: a signalling nan (uninitialised memory) warns there
+            sn, rn = _numpy(s), _numpy(r)
             diff = np.abs(sn - rn)
             magnitude = np.abs(rn)
             scale = _scale(float(magnitude.mean()), relative)
@@ -101,8 +101,11 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 
 
 @np.errstate(all="ignore")  # as a decorator: no errstate object built on each of the ~430 calls per step
-def _numpy_stats(dn: np.ndarray, rn: np.ndarray, atol: float, rtol: float, relative: tuple | None = None):
-    dn, rn = dn.ravel(), rn.ravel()
+def _numpy_stats(d: torch.Tensor | np.ndarray, r: torch.Tensor | np.ndarray, atol: float, rtol: float,
+                 relative: tuple | None = None):
+    # tensors widened here, under the errstate: a signalling nan (uninitialised memory) warned in the cast to float64
+    dn = (_numpy(d) if isinstance(d, torch.Tensor) else d).ravel()
+    rn = (_numpy(r) if isinstance(r, torch.Tensor) else r).ravel()
     diff = _subtract(dn, rn)
     _absolute(diff, out=diff)
     max_abs = float(_max(diff))

@@ -101,6 +101,24 @@ def test_relative_error_is_the_same_on_the_chunked_torch_path_as_with_numpy(monk
     assert error_statistics.normalised_error(device, exact, relative=relative) == pytest.approx(chunked[2], rel=1e-12)
 
 
+def test_a_signalling_nan_is_compared_without_numpy_warning_the_user(sim):
+    # numpy's cast of a float32 signalling nan (uninitialised memory: FSDP2's buffers) to float64 warned "invalid
+    # value encountered in cast", six RuntimeWarnings per rank on the user's console
+    import warnings
+
+    from op_tools.numerics import error_statistics
+
+    raw = torch.tensor([0x7F800001, 0x3F800000, 0x40000000], dtype=torch.int32)
+    signalling, exact = raw.view(torch.float32), torch.tensor([float("nan"), 1.0, 2.0], dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert error_statistics.error_stats(signalling, exact, 1e-3, 1e-3) is None  # not finite: judged elsewhere
+        error_statistics.normalised_error(signalling, exact)
+        with op_tools.OpAutoCompare() as tool:
+            torch.nn.functional.relu(signalling.to(sim))
+    assert tool.verdict() == "clean", tool.closing_line()
+
+
 @pytest.mark.parametrize("op, kernel", [("tanh", "tanh_backward"), ("sigmoid", "sigmoid_backward")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_saturating_gradients_fault_is_found_beside_the_cancellation_a_correct_run_has(sim, op, kernel, dtype):
