@@ -70,7 +70,8 @@ def with_fallback(compile_fn, device_name: str, fallback: str, prepare=None):
             _said.add(dropped)
         if first:
             logger.warning("ditorch: torch.compile: inductor cannot generate code for the %s device; "
-                           "running backend %r instead (numbers as eager's)%s%s", device_name, fallback,
+                           "running backend %r instead (eager's kernels, traced: under autocast the backward keeps the "
+                           "forward's autocast, as compiled code on CUDA does)%s%s", device_name, fallback,
                            f"; ignoring {dropped}" if dropped else "", f"; {settings}" if settings else "")
         elif settings:
             logger.info("ditorch: torch.compile on the %s device: %s", device_name, settings)
