@@ -147,15 +147,15 @@ class DeviceMath:
                           tuple(r for r in self.reduced if r[0] in used), self.policy)
 
     def describe(self) -> str:
-        """``'autocast float16; TF32 for matmul, conv'`` for reports."""
+        """``'autocast float16 and TF32 for matmul/conv'`` for reports (within a list of several, one item)."""
         parts = []
         if self.autocast_dtype is not None:
             parts.append(f"autocast {str(self.autocast_dtype).removeprefix('torch.')}")
         formats: dict[str, list[str]] = {}
         for family, form in self.reduced:
             formats.setdefault(form, []).append(family)
-        parts += [f"{form.upper()} for {', '.join(families)}" for form, families in formats.items()]
-        return "; ".join(parts)
+        parts += [f"{form.upper()} for {'/'.join(families)}" for form, families in formats.items()]
+        return " and ".join(parts)
 
 
 _PLAIN = DeviceMath()

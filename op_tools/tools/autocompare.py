@@ -1756,7 +1756,7 @@ class OpAutoCompare(OpTool):
                 f"{reason}: {n}" for reason, n in self.backward_not_compared.most_common())))
         if self.device_math:
             lines.append(fit("device math replayed by the same-dtype reference where the op used it: " + ", ".join(
-                f"{described} ({n} calls)" for described, n in self.device_math.most_common())))
+                f"{described} ({n} call{'s' if n != 1 else ''})" for described, n in self.device_math.most_common())))
         if self._device_reference:
             lines.extend(fit(line) for line in self._reference_lines())
         if self.versus_eager:

@@ -201,3 +201,13 @@ def test_an_lstm_under_autocast_is_judged_as_the_devices_whole_network_in_autoca
     assert clean.verdict() == "clean", clean.failures
     faulty = compared("_thnn_fused_lstm_cell_backward_impl:noise=3e-2")
     assert [(f["op"], f["phase"]) for f in faulty.failures] == [("torch.lstm", "backward")]
+
+
+def test_a_device_math_reads_as_one_item_of_the_summarys_list():
+    # "autocast bfloat16 (6 calls), autocast bfloat16; TF32 for matmul, conv (1 calls)" read as three items, wrapped
+    # at the "; " as two lines
+    from op_tools.numerics.device_math import DeviceMath
+
+    both = DeviceMath(torch.bfloat16, (("matmul", "tf32"), ("conv", "tf32")))
+    assert both.describe() == "autocast bfloat16 and TF32 for matmul/conv"
+    assert ", " not in both.describe() and "; " not in both.describe()
