@@ -297,10 +297,15 @@ class SimTensor(torch.Tensor):
                 SimTensor.__repr__, (self,), self, tensor_contents=tensor_contents)  # type: ignore[arg-type]  # nor this signature
         if _traced(self._data):  # no values to print (torch.compile's logs and errors print these)
             return f"tensor(..., device='{real_device(self)}', size={tuple(self.shape)}, dtype={self.dtype})"
-        # PyTorch prefixes subclasses with their class name; a device tensor prints as tensor(...).
+        # PyTorch prefixes subclasses with their class name, and a parameter of one with "Parameter(": a device
+        # tensor prints as tensor(...), a parameter as "Parameter containing:" and its tensor(...).
         text = torch._tensor_str._str(self, tensor_contents=tensor_contents)
         name = type(self).__name__
-        return "tensor(" + text[len(name) + 1:].replace("\n" + " " * (len(name) + 1), "\n" + " " * 7)
+        parameter = text.startswith(f"Parameter({name}(")
+        if parameter:
+            text = text[len("Parameter("):-1]
+        shown = "tensor(" + text[len(name) + 1:].replace("\n" + " " * (len(name) + 1), "\n" + " " * 7)
+        return "Parameter containing:\n" + shown if parameter else shown
 
     def __reduce_ex__(self, proto):
         # Saved as PyTorch saves any storage-less PrivateUse1 tensor (a CPU copy and the device),

@@ -41,6 +41,10 @@ def test_repr_names_the_device_as_a_device_tensor():
     assert text.endswith("device='sim:0')")
     assert "grad_fn=<MulBackward0>" in repr(torch.ones(2, device="sim", requires_grad=True) * 2)
     assert f"{torch.tensor(1.25, device='sim'):.1f}" == "1.2"
+    # a parameter as a CPU's or CUDA's prints (it printed as tensor(SimTensor(...)))
+    on_host = torch.nn.Parameter(torch.tensor([[1.5, 2.0], [3.0, 4.0]]))
+    on_sim = torch.nn.Parameter(on_host.detach().to("sim"))
+    assert repr(on_sim) == repr(on_host).replace("requires_grad", "device='sim:0', requires_grad")
 
 
 @pytest.mark.usefixtures("sim")
