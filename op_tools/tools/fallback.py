@@ -21,6 +21,10 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 _CPU = torch.device("cpu")
 
 
+class _StaysOnDeviceError(RuntimeError):
+    """A tensor no CPU copy stands in for (a DTensor): the call runs on the device, said not fallen back."""
+
+
 class CpuCopies:
     """The CPU stand-ins of a call's device tensors, and how to hand results back to the device."""
 
@@ -30,11 +34,16 @@ class CpuCopies:
         self.cast = cast or {}  # dtype -> wider dtype used on the CPU
         # id(device tensor) -> its CPU copy: a tensor passed twice (x.mul_(x), out=x) is one tensor on the CPU too
         self._made: dict[int, torch.Tensor] = {}
+        self._dtensor = dtensor_class()  # None until torch.distributed.tensor is imported: no DTensor exists
 
     def to_cpu(self, obj):
         return _map_values(obj, self._tensor_to_cpu, _device_to_cpu)
 
     def _tensor_to_cpu(self, t: torch.Tensor) -> torch.Tensor:
+        if self._dtensor is not None and isinstance(t, self._dtensor):
+            # Its local tensors' ops run under DTensor's dispatch, below any mode, and a sharded tensor cannot move
+            # to the CPU as one: the call runs on the device, counted as not fallen back.
+            raise _StaysOnDeviceError("a DTensor's call runs on the device")
         if t.is_meta:  # no values to move: the op makes its meta results on the CPU as on the device
             return t.to(self.cast.get(t.dtype, t.dtype))
         if t.device.type == "cpu" and t.dtype not in self.cast:
@@ -87,11 +96,6 @@ def _low_precision_dtypes(*objs) -> list[torch.dtype]:
             if t.dtype in LOW_PRECISION and t.dtype not in found:
                 found.append(t.dtype)
     return found
-
-
-def _holds_dtensor(obj) -> bool:
-    dtensor = dtensor_class()  # None until torch.distributed.tensor is imported: no DTensor exists
-    return dtensor is not None and any(isinstance(t, dtensor) for t in iter_tensors(obj))
 
 
 def _mixes_devices(obj) -> bool:
@@ -148,10 +152,6 @@ class OpFallback(OpTool):
             not name.startswith("torch.Tensor.__get")
 
     def run(self, call: OpCall):
-        if _holds_dtensor((call.args, call.kwargs)):
-            # Its local tensors' ops run under DTensor's dispatch, below any mode, and a sharded tensor cannot move
-            # to the CPU as one: it runs on the device, counted as not fallen back.
-            return self._run_on_device(call, UnsupportedInputError("a DTensor's call runs on the device"))
         if not op_facts(call.name).mixes_devices and _mixes_devices((call.args, call.kwargs)):
             # On the CPU the call would run, hiding the user's mistake (most ops on a device refuse it): the device
             # decides, as without the tool.
@@ -165,6 +165,8 @@ class OpFallback(OpTool):
         failed: Exception | None = None
         try:
             copies, args, kwargs, cpu_result, dtype_back, saves = self._run_on_cpu(call)
+        except _StaysOnDeviceError as error:
+            failed = UnsupportedInputError(str(error))
         except (RuntimeError, NotImplementedError) as error:  # a kernel's failures; not a hook's control flow (a
             # checkpoint's recomputation stops by raising): the device decides whether the error is the user's
             failed = error
